@@ -1,0 +1,111 @@
+"""Wire types of the collector's HTTP API, shared with the trainer service.
+
+The trainer imports `Batch`, `Group`, `Trajectory` and `Sequence` from here; the collector
+produces them. Every list that runs along a sequence (`token_ids`, `logprobs`,
+`assistant_mask`) has the same length.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+import math
+
+
+class ErrorResponse(BaseModel):
+    """The one error envelope every endpoint answers with on failure."""
+
+    error: str = Field(description="Machine-readable error code, e.g. `not_found`.")
+    message: str = Field(description="What went wrong and how to fix it.")
+
+
+class Sequence(BaseModel):
+    """One token sequence of a trajectory: consecutive turns that extend each other."""
+
+    token_ids: list[int] = Field(description="Prompt and completion tokens, in order.")
+    logprobs: list[float | None] = Field(
+        description="Sampled log-probability for assistant tokens; None for prompt tokens."
+    )
+    assistant_mask: list[int] = Field(description="1 for tokens the model sampled, else 0.")
+    policy_step: int | None = Field(default=None, description="Checkpoint step that sampled the last turn.")
+
+
+class Trajectory(BaseModel):
+    """One attempt at a task: the messages, the exact token sequences and the rewards."""
+
+    id: str = Field(description="Rollout id.")
+    trace_id: str = Field(description="OpenTelemetry trace id (32 hex digits).")
+    group_id: str = Field(description="GRPO group the trajectory belongs to.")
+    task: str | None = None
+    split: str = "train"
+    model: str | None = Field(default=None, description="Response model of the last LLM call.")
+    messages: list[dict[str, Any]] = Field(
+        default_factory=list, description="Final conversation: last prompt plus its reply (OpenAI format)."
+    )
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    sequences: list[Sequence] = Field(default_factory=list)
+    rewards: dict[str, float] = Field(default_factory=dict, description="Every named reward.")
+    reward: float | None = Field(default=None, description="The training reward (configured name).")
+    token_exact: bool = Field(default=True, description="False when any turn lacks engine token ids.")
+    complete: bool = Field(default=False, description="The rollout span has ended.")
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Group(BaseModel):
+    """Trajectories of the same group, compared with each other by GRPO."""
+
+    id: str
+    task: str | None = None
+    trajectories: list[Trajectory]
+
+
+class BatchRequest(BaseModel):
+    """Body of `POST /v1/batches`."""
+
+    max_groups: int = Field(default=8, ge=1, le=1024, description="Most groups to lease.")
+    min_groups: int = Field(default=1, ge=1, description="Lease nothing unless this many are ready.")
+    lease_seconds: float = Field(default=900.0, gt=0, description="Lease length; expired leases return groups to the pool.")
+    trainer: str | None = Field(default=None, description="Name of the trainer taking the lease (shown in the UI).")
+
+
+class Batch(BaseModel):
+    """A lease of ready groups to one trainer. Ack it when trained."""
+
+    id: str
+    groups: list[Group]
+    lease_expires_at: float = Field(description="Unix time when the lease runs out.")
+
+
+class AckRequest(BaseModel):
+    """Body of `POST /v1/batches/{id}/ack`."""
+
+    policy_step: int | None = Field(default=None, description="Checkpoint step trained from this batch.")
+
+
+class RewardIn(BaseModel):
+    """Body of `POST /v1/rewards`: one named reward for one trajectory."""
+
+    rollout_id: str | None = Field(default=None, description="Trajectory id; or give trace_id.")
+    trace_id: str | None = Field(default=None, description="Trace id (32 hex digits), when the rollout id is unknown.")
+    name: str = "reward"
+    value: float
+
+    @field_validator("value")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("reward value must be a finite number (got NaN or infinity)")
+        return value
+
+
+class GroupStatus(BaseModel):
+    """A group as shown by the read API."""
+
+    id: str
+    task: str | None
+    size: int
+    complete: int
+    rewarded: int
+    state: Literal["open", "ready", "leased", "trained", "skipped"]
+    reason: str | None = None

