@@ -109,3 +109,21 @@ class GroupStatus(BaseModel):
     rewarded: int
     state: Literal["open", "ready", "leased", "trained", "skipped"]
     reason: str | None = None
+
+
+class RewardAccepted(BaseModel):
+    """Answer of `POST /v1/rewards`: the stored reward, and whether its trajectory is known yet."""
+
+    rollout_id: str | None
+    trace_id: str | None
+    name: str
+    value: float
+    trajectory_known: bool = Field(description="False: stored, and applied when the trajectory's spans arrive.")
+
+
+class AckResponse(BaseModel):
+    """Answer of `POST /v1/batches/{id}/ack`."""
+
+    batch_id: str
+    groups: list[str] = Field(description="Ids of the groups now marked trained.")
+    policy_step: int | None = None

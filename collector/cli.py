@@ -1,0 +1,60 @@
+"""`art-collector`: command line of the collector service."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+_EPILOG = """\
+environment (flags override):
+  ART_COLLECTOR_HOST, ART_COLLECTOR_PORT, ART_COLLECTOR_DB, ART_COLLECTOR_MIN_GROUP_SIZE,
+  ART_COLLECTOR_REWARD_NAME, ART_COLLECTOR_KEEP_ZERO_SPREAD, ART_COLLECTOR_IDLE_SECONDS,
+  ART_COLLECTOR_MAX_BODY_BYTES, ART_API_KEY (write endpoints then need a Bearer token),
+  ART_HOME (folder of the default SQLite file, default ~/.cache/art-langgraph)
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `art-collector`."""
+    parser = argparse.ArgumentParser(
+        prog="art-collector",
+        description="Collect OpenTelemetry traces of agent runs into scored trajectories and lease them to a trainer.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="run the collector's HTTP API (OTLP/HTTP on /v1/traces)",
+        description="Run the collector: OTLP/HTTP receiver, reward API, batch leases, read API.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--host", help="interface to listen on (default 127.0.0.1; env ART_COLLECTOR_HOST)")
+    serve.add_argument("--port", type=int, help="port to listen on (default 4318; env ART_COLLECTOR_PORT)")
+    serve.add_argument(
+        "--db",
+        help="SQLAlchemy database URL (default sqlite:///$ART_HOME/collector.db; env ART_COLLECTOR_DB)",
+    )
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the `art-collector` console script."""
+    args = build_parser().parse_args(argv)
+    import uvicorn
+
+    from collector.config import CollectorSettings
+    from collector.server import create_app
+
+    overrides = {name: getattr(args, name) for name in ("host", "port", "db") if getattr(args, name) is not None}
+    settings = CollectorSettings(**overrides)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Settings of the collector service (`CollectorSettings`).
+
+Every field is read from the environment variable `ART_COLLECTOR_<FIELD>` (for example
+`ART_COLLECTOR_PORT`), except `api_key`, which is the shared `ART_API_KEY`. The flags of
+`art-collector serve` override the environment. No field is named `url`: `ART_COLLECTOR_URL`
+belongs to the plugin (the collector's address as seen by the agent).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["CollectorSettings", "art_home", "default_db_url"]
+
+
+def art_home() -> Path:
+    """The data folder: `$ART_HOME`, or `~/.cache/art-langgraph` when unset."""
+    value = os.environ.get("ART_HOME")
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "art-langgraph"
+
+
+def default_db_url() -> str:
+    """SQLite file `collector.db` in the data folder (see `art_home`)."""
+    return f"sqlite:///{art_home() / 'collector.db'}"
+
+
+class CollectorSettings(BaseSettings):
+    """Where the collector listens, where it stores, and how it forms training groups."""
+
+    model_config = SettingsConfigDict(env_prefix="ART_COLLECTOR_", extra="forbid", populate_by_name=True)
+
+    host: str = Field(default="127.0.0.1", description="Interface the HTTP API listens on.")
+    port: int = Field(
+        default=4318, ge=1, le=65535, description="Port of the HTTP API (4318 is the standard OTLP/HTTP port)."
+    )
+    db: str = Field(
+        default_factory=default_db_url,
+        description=(
+            "SQLAlchemy database URL. Default: `sqlite:///$ART_HOME/collector.db` "
+            "(ART_HOME defaults to ~/.cache/art-langgraph)."
+        ),
+    )
+    min_group_size: int = Field(
+        default=2,
+        ge=1,
+        description="Trajectories a group needs before it trains, when its spans carry no `art.group.size`.",
+    )
+    reward_name: str = Field(default="reward", min_length=1, description="Which named reward trains.")
+    keep_zero_spread: bool = Field(
+        default=False,
+        description="Lease groups whose rewards are all equal (they carry no GRPO signal; skipped by default).",
+    )
+    idle_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="A trajectory without a rollout span counts as complete after this many seconds without new spans.",
+    )
+    max_body_bytes: int = Field(
+        default=20 * 1024 * 1024, ge=1024, description="Largest request body accepted (after gunzip); larger → 413."
+    )
+    api_key: SecretStr | None = Field(
+        default=None,
+        validation_alias="ART_API_KEY",
+        description="When set, write endpoints need `Authorization: Bearer <key>` (env `ART_API_KEY`).",
+    )

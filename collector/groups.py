@@ -1,0 +1,70 @@
+"""Group policy: how many trajectories a group takes, and when it is ready to train.
+
+Pure functions; the store feeds them rows and acts on the answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Decision", "Member", "capacity", "decide", "merge_rewards"]
+
+
+@dataclass(frozen=True)
+class Member:
+    """One trajectory of a group, as readiness sees it."""
+
+    complete: bool
+    split: str
+    reward: float | None
+    """The training reward (configured name), or None when not given yet."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether an open group can be leased now."""
+
+    state: Literal["open", "ready", "skipped"]
+    reason: str | None = None
+
+
+def capacity(explicit: bool, size_hint: int | None, min_group_size: int) -> int | None:
+    """Most trajectories one group instance takes before a new instance opens.
+
+    A known size (`art.group.size`) caps the group; an implicit group (by task or trace) is
+    cut at `min_group_size`, so steady production traffic forms a stream of small groups; an
+    explicit group without a size takes every trajectory that names it (None: no cap).
+    """
+    if size_hint is not None:
+        return size_hint
+    return None if explicit else min_group_size
+
+
+def decide(members: list[Member], expected: int, *, reward_name: str, keep_zero_spread: bool) -> Decision:
+    """Readiness of an open group.
+
+    Ready when every member is in the train split, complete and rewarded, there are at least
+    `expected` members, and the rewards are not all equal (unless `keep_zero_spread`).
+    """
+    not_train = sorted({m.split for m in members if m.split != "train"})
+    if not_train:
+        return Decision("open", f"split {', '.join(not_train)}: only train groups are leased")
+    if len(members) < expected:
+        return Decision("open", f"waiting for {expected - len(members)} more of {expected} trajectories")
+    incomplete = sum(not m.complete for m in members)
+    if incomplete:
+        return Decision("open", f"{incomplete} trajectories not complete")
+    unrewarded = sum(m.reward is None for m in members)
+    if unrewarded:
+        return Decision("open", f"{unrewarded} trajectories without reward {reward_name!r}")
+    if not keep_zero_spread and len({m.reward for m in members}) < 2:
+        return Decision("skipped", "no reward spread")
+    return Decision("ready")
+
+
+def merge_rewards(rows: Iterable[tuple[int, str, str, float]]) -> dict[str, float]:
+    """Named rewards from (row id, source, name, value): API over span, later over earlier."""
+    ordered = sorted(rows, key=lambda row: (row[1] == "api", row[0]))
+    return {name: value for _, _, name, value in ordered}

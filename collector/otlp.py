@@ -1,0 +1,243 @@
+"""Decode OTLP/HTTP trace exports (`POST /v1/traces`) into plain span records.
+
+Both OTLP encodings are accepted: binary protobuf (`application/x-protobuf`) and OTLP/JSON
+(`application/json`), optionally gzip-compressed. OTLP/JSON differs from protobuf's canonical
+JSON mapping in one way that matters here: trace and span ids are hex strings, not base64.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+__all__ = [
+    "CONTENT_TYPE_JSON",
+    "CONTENT_TYPE_PROTOBUF",
+    "OtlpError",
+    "SpanEvent",
+    "SpanRecord",
+    "decode_request",
+    "encode_response",
+    "gunzip",
+]
+
+CONTENT_TYPE_PROTOBUF = "application/x-protobuf"
+CONTENT_TYPE_JSON = "application/json"
+
+
+class OtlpError(ValueError):
+    """An export body that cannot be decoded. `code` is the HTTP error code to answer with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class SpanEvent:
+    """One span event: a name, a time and attributes."""
+
+    name: str
+    time_ns: int
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SpanRecord:
+    """One span, decoded: ids as lowercase hex, attribute arrays as lists."""
+
+    trace_id: str
+    span_id: str
+    parent_span_id: str | None
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any] = field(default_factory=dict)
+    events: list[SpanEvent] = field(default_factory=list)
+    resource: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (the inverse of `from_dict`)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpanRecord:
+        """Rebuild a record from `to_dict` output."""
+        events = [SpanEvent(**event) for event in data.get("events", [])]
+        return cls(**{**data, "events": events})
+
+
+def gunzip(body: bytes, max_bytes: int) -> bytes:
+    """Decompress a gzip body, refusing output larger than `max_bytes`.
+
+    Raises:
+        OtlpError: `malformed_body` when the body is not gzip, `body_too_large` past the limit.
+    """
+    decompressor = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        data = decompressor.decompress(body, max_bytes + 1)
+    except zlib.error as exc:
+        raise OtlpError("malformed_body", f"Content-Encoding is gzip but the body is not valid gzip: {exc}") from exc
+    if len(data) > max_bytes:
+        raise OtlpError("body_too_large", f"decompressed body exceeds {max_bytes} bytes")
+    if not decompressor.eof:
+        raise OtlpError("malformed_body", "Content-Encoding is gzip but the gzip stream is truncated")
+    return data
+
+
+def media_type(content_type: str | None) -> str:
+    """The media type of a Content-Type header, lowercased, without parameters."""
+    return (content_type or "").split(";", 1)[0].strip().lower()
+
+
+def decode_request(body: bytes, content_type: str | None) -> list[SpanRecord]:
+    """Decode an (already decompressed) export body into span records.
+
+    Raises:
+        OtlpError: `unsupported_media_type` for a content type other than protobuf or JSON,
+            `malformed_body` naming what is malformed otherwise.
+    """
+    kind = media_type(content_type)
+    if kind == CONTENT_TYPE_PROTOBUF:
+        request = ExportTraceServiceRequest()
+        try:
+            request.ParseFromString(body)
+        except DecodeError as exc:
+            raise OtlpError(
+                "malformed_body", f"body is not a valid protobuf ExportTraceServiceRequest: {exc}"
+            ) from exc
+    elif kind == CONTENT_TYPE_JSON:
+        request = _parse_json(body)
+    else:
+        raise OtlpError(
+            "unsupported_media_type",
+            f"Content-Type {content_type!r} is not supported; send {CONTENT_TYPE_PROTOBUF} or {CONTENT_TYPE_JSON}",
+        )
+    return _records(request)
+
+
+def encode_response(content_type: str | None) -> tuple[bytes, str]:
+    """An empty (fully successful) ExportTraceServiceResponse in the request's encoding."""
+    response = ExportTraceServiceResponse()
+    if media_type(content_type) == CONTENT_TYPE_JSON:
+        return json_format.MessageToJson(response).encode(), CONTENT_TYPE_JSON
+    return response.SerializeToString(), CONTENT_TYPE_PROTOBUF
+
+
+def _parse_json(body: bytes) -> ExportTraceServiceRequest:
+    """Parse OTLP/JSON, converting its hex ids to the base64 that `json_format` expects."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise OtlpError("malformed_body", f"body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise OtlpError("malformed_body", "OTLP/JSON body must be an object with `resourceSpans`")
+    for r, resource_spans in enumerate(_list(data, "resourceSpans", "")):
+        for s, scope_spans in enumerate(_list(resource_spans, "scopeSpans", f"resourceSpans[{r}]")):
+            for i, span in enumerate(_list(scope_spans, "spans", f"resourceSpans[{r}].scopeSpans[{s}]")):
+                path = f"resourceSpans[{r}].scopeSpans[{s}].spans[{i}]"
+                _hex_ids_to_base64(span, path, ("traceId", "spanId", "parentSpanId"))
+                for k, link in enumerate(_list(span, "links", path)):
+                    _hex_ids_to_base64(link, f"{path}.links[{k}]", ("traceId", "spanId"))
+    request = ExportTraceServiceRequest()
+    try:
+        json_format.ParseDict(data, request, ignore_unknown_fields=True)
+    except json_format.ParseError as exc:
+        raise OtlpError("malformed_body", f"body is not a valid OTLP/JSON ExportTraceServiceRequest: {exc}") from exc
+    return request
+
+
+def _list(parent: Any, key: str, path: str) -> list[Any]:
+    """`parent[key]` as a list (missing → empty); anything else is malformed."""
+    if not isinstance(parent, dict):
+        raise OtlpError("malformed_body", f"{path or 'body'} must be an object")
+    value = parent.get(key, [])
+    if not isinstance(value, list):
+        raise OtlpError("malformed_body", f"{(path + '.') if path else ''}{key} must be an array")
+    return value
+
+
+def _hex_ids_to_base64(obj: dict[str, Any], path: str, keys: tuple[str, ...]) -> None:
+    """Replace hex id strings in `obj` by base64, in place."""
+    for key in keys:
+        value = obj.get(key)
+        if value is None or value == "":
+            continue
+        if not isinstance(value, str):
+            raise OtlpError("malformed_body", f"{path}.{key} must be a hex string")
+        try:
+            raw = bytes.fromhex(value)
+        except ValueError as exc:
+            raise OtlpError("malformed_body", f"{path}.{key} is not a hex string: {value!r}") from exc
+        obj[key] = base64.b64encode(raw).decode()
+
+
+def _records(request: ExportTraceServiceRequest) -> list[SpanRecord]:
+    """Flatten a decoded request into span records, checking id lengths."""
+    records: list[SpanRecord] = []
+    for resource_spans in request.resource_spans:
+        resource = _attributes(resource_spans.resource.attributes)
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                _check_id(span.trace_id, 16, "trace_id", span.name)
+                _check_id(span.span_id, 8, "span_id", span.name)
+                if span.parent_span_id:
+                    _check_id(span.parent_span_id, 8, "parent_span_id", span.name)
+                records.append(
+                    SpanRecord(
+                        trace_id=span.trace_id.hex(),
+                        span_id=span.span_id.hex(),
+                        parent_span_id=span.parent_span_id.hex() or None,
+                        name=span.name,
+                        start_ns=span.start_time_unix_nano,
+                        end_ns=span.end_time_unix_nano,
+                        attributes=_attributes(span.attributes),
+                        events=[
+                            SpanEvent(event.name, event.time_unix_nano, _attributes(event.attributes))
+                            for event in span.events
+                        ],
+                        resource=resource,
+                    )
+                )
+    return records
+
+
+def _check_id(raw: bytes, size: int, what: str, span_name: str) -> None:
+    """Reject ids of the wrong length or all zeros."""
+    if len(raw) != size or not any(raw):
+        raise OtlpError(
+            "malformed_body",
+            f"span {span_name!r} has an invalid {what} ({len(raw)} bytes, {binascii.hexlify(raw).decode()!r}); "
+            f"expected {size} bytes, not all zero",
+        )
+
+
+def _attributes(pairs: Any) -> dict[str, Any]:
+    """OTLP KeyValue list → plain dict."""
+    return {pair.key: _value(pair.value) for pair in pairs if isinstance(pair, KeyValue)}
+
+
+def _value(value: AnyValue) -> Any:
+    """OTLP AnyValue → plain Python (arrays → lists, kvlists → dicts, bytes → hex)."""
+    kind = value.WhichOneof("value")
+    if kind is None:
+        return None
+    if kind == "array_value":
+        return [_value(item) for item in value.array_value.values]
+    if kind == "kvlist_value":
+        return _attributes(value.kvlist_value.values)
+    if kind == "bytes_value":
+        return value.bytes_value.hex()
+    return getattr(value, kind)

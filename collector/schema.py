@@ -1,0 +1,138 @@
+"""Database schema of the collector (SQLAlchemy Core) and its versioned migrations.
+
+The SQL is portable (SQLite and PostgreSQL). `MIGRATIONS[i]` moves the schema from version `i`
+to `i + 1`; `migrate` applies the ones a database has not seen yet, each in its own
+transaction, and records the version reached in `schema_version`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Connection,
+    Engine,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    func,
+    select,
+)
+
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "batch_groups", "batches", "groups", "migrate", "rewards", "spans", "trajectories"]
+
+metadata = MetaData()
+
+schema_version = Table(
+    "schema_version",
+    metadata,
+    Column("version", Integer, primary_key=True),
+    Column("applied_at", Float, nullable=False),
+)
+
+spans = Table(
+    "spans",
+    metadata,
+    Column("span_id", String(16), primary_key=True),  # idempotent on exporter retries
+    Column("trace_id", String(32), nullable=False, index=True),
+    Column("trajectory_id", String(256), nullable=False, index=True),  # rollout id, else trace id
+    Column("name", Text, nullable=False),
+    Column("start_ns", BigInteger, nullable=False),
+    Column("end_ns", BigInteger, nullable=False),
+    Column("record", Text, nullable=False),  # JSON of otlp.SpanRecord
+    Column("received_at", Float, nullable=False),
+)
+
+trajectories = Table(
+    "trajectories",
+    metadata,
+    Column("id", String(256), primary_key=True),
+    Column("trace_id", String(32), nullable=False, index=True),
+    Column("by_rollout", Boolean, nullable=False),  # keyed by art.rollout.id (else by trace id)
+    Column("group_key", String(256)),  # art.group, else task, else id; None until known
+    Column("group_id", String(300), index=True),  # the group instance it was placed in
+    Column("task", String(256), index=True),
+    Column("split", String(64), nullable=False),
+    Column("complete", Boolean, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+
+rewards = Table(
+    "rewards",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("rollout_id", String(256), index=True),
+    Column("trace_id", String(32), index=True),
+    Column("name", String(256), nullable=False),
+    Column("value", Float, nullable=False),
+    Column("source", String(32), nullable=False),  # "span" or "api"; api overrides span
+    Column("created_at", Float, nullable=False),
+)
+
+groups = Table(
+    "groups",
+    metadata,
+    Column("id", String(300), primary_key=True),  # key, then key#2, key#3 ... for later instances
+    Column("key", String(256), nullable=False, index=True),
+    Column("task", String(256)),
+    Column("explicit", Boolean, nullable=False),  # the key came from art.group
+    Column("size_hint", Integer),  # art.group.size, when known
+    Column("state", String(16), nullable=False, index=True),  # open / leased / trained / skipped
+    Column("reason", Text),
+    Column("batch_id", String(64)),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+
+batches = Table(
+    "batches",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("trainer", String(256)),
+    Column("state", String(16), nullable=False, index=True),  # leased / acked / expired
+    Column("created_at", Float, nullable=False),
+    Column("lease_expires_at", Float, nullable=False),
+    Column("acked_at", Float),
+    Column("policy_step", Integer),
+)
+
+batch_groups = Table(
+    "batch_groups",
+    metadata,
+    Column("batch_id", String(64), ForeignKey("batches.id"), primary_key=True),
+    Column("group_id", String(300), ForeignKey("groups.id"), primary_key=True),
+)
+
+
+def _v1(conn: Connection) -> None:
+    """Version 1: spans, trajectories, rewards, groups, batches, batch membership."""
+    metadata.create_all(conn, tables=[spans, trajectories, rewards, groups, batches, batch_groups])
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def migrate(engine: Engine) -> int:
+    """Bring the database to `SCHEMA_VERSION`; returns the version it was at before."""
+    with engine.begin() as conn:
+        metadata.create_all(conn, tables=[schema_version])
+        current = conn.execute(select(func.max(schema_version.c.version))).scalar() or 0
+    if current > SCHEMA_VERSION:
+        raise RuntimeError(
+            f"database schema is version {current}, newer than this collector ({SCHEMA_VERSION}); upgrade art-langgraph"
+        )
+    for version in range(current, SCHEMA_VERSION):
+        with engine.begin() as conn:
+            MIGRATIONS[version](conn)
+            conn.execute(schema_version.insert().values(version=version + 1, applied_at=time.time()))
+    return current

@@ -1,0 +1,170 @@
+"""HTTP layer of the collector: thin FastAPI handlers over a `Store`.
+
+Every failure answers the `ErrorResponse` envelope. With an API key configured, write
+endpoints (`POST`) need `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from collector import otlp
+from collector.config import CollectorSettings
+from collector.errors import CollectorError, NotFound
+from collector.protocol import (
+    AckRequest,
+    AckResponse,
+    Batch,
+    BatchRequest,
+    ErrorResponse,
+    GroupStatus,
+    RewardAccepted,
+    RewardIn,
+    Trajectory,
+)
+from collector.store import SqlStore, Store
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+_ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 409: {"model": ErrorResponse}}
+
+
+def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(ErrorResponse(error=code, message=message).model_dump(), status_code=status, headers=headers)
+
+
+class _Rejected(CollectorError):
+    """A request refused before it reaches the store (auth, size, encoding)."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message, code=code)
+        self.status = status
+
+
+_OTLP_STATUS = {"malformed_body": 400, "body_too_large": 413, "unsupported_media_type": 415}
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past `limit` bytes (before and after gunzip)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _Rejected(413, "body_too_large", f"body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _Rejected(413, "body_too_large", f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding == "gzip":
+        return otlp.gunzip(body, limit)
+    if encoding not in ("", "identity"):
+        raise _Rejected(415, "unsupported_encoding", f"Content-Encoding {encoding!r} is not supported; use gzip or none")
+    return body
+
+
+def _authorize(request: Request) -> None:
+    """Require `Authorization: Bearer <api_key>` when the app has an API key."""
+    secret = request.app.state.settings.api_key
+    if secret is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), secret.get_secret_value().encode()):
+        raise _Rejected(401, "unauthorized", "send `Authorization: Bearer <ART_API_KEY>`")
+
+
+Auth = Annotated[None, Depends(_authorize)]
+
+
+def create_app(settings: CollectorSettings | None = None, store: Store | None = None) -> FastAPI:
+    """Build the collector's app; creates (and migrates) the store unless one is given."""
+    settings = settings or CollectorSettings()
+    if store is None:
+        store = SqlStore(settings)
+    store.setup()
+    app = FastAPI(title="art-langgraph collector", version="0.1.0", responses=_ERRORS)
+    app.state.settings, app.state.store = settings, store
+    @app.exception_handler(CollectorError)
+    async def _collector_error(_: Request, exc: CollectorError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return _error(exc.status, exc.code, exc.message, headers)
+
+    @app.exception_handler(otlp.OtlpError)
+    async def _otlp_error(_: Request, exc: otlp.OtlpError) -> JSONResponse:
+        return _error(_OTLP_STATUS.get(exc.code, 400), exc.code, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        details = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        return _error(400, "invalid_request", details or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return _error(exc.status_code, code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        """Liveness: answers 200 while the service runs."""
+        return {"status": "ok"}
+
+    @app.post("/v1/traces", response_class=Response)
+    async def export_traces(request: Request, _: Auth) -> Response:
+        """OTLP/HTTP trace export (protobuf or JSON, optionally gzip). 200 only after commit."""
+        body = await _read_body(request, settings.max_body_bytes)
+        content_type = request.headers.get("content-type")
+        records = otlp.decode_request(body, content_type)
+        await run_in_threadpool(store.add_spans, records)
+        payload, media_type = otlp.encode_response(content_type)
+        return Response(payload, media_type=media_type)
+
+    @app.post("/v1/rewards")
+    def post_reward(reward: RewardIn, _: Auth) -> RewardAccepted:
+        """Attach a named reward to a trajectory (by rollout id or trace id)."""
+        return store.add_reward(reward)
+
+    @app.post("/v1/batches")
+    def lease_batch(_: Auth, request: BatchRequest | None = None) -> Batch:
+        """Lease up to `max_groups` ready groups; `groups` is empty when none are ready."""
+        return store.lease(request or BatchRequest())
+
+    @app.post("/v1/batches/{batch_id}/ack")
+    def ack_batch(batch_id: str, _: Auth, body: AckRequest | None = None) -> AckResponse:
+        """Mark the batch's groups trained (404 unknown batch; 409 when its groups were re-leased)."""
+        return store.ack(batch_id, body.policy_step if body else None)
+
+    @app.get("/v1/trajectories")
+    def list_trajectories(group: str | None = None, task: str | None = None, split: str | None = None) -> list[Trajectory]:
+        """Trajectories, filtered by group (id or key), task and split."""
+        return store.trajectories(group=group, task=task, split=split)
+
+    @app.get("/v1/trajectories/{trajectory_id}")
+    def get_trajectory(trajectory_id: str) -> Trajectory:
+        """One trajectory by id (rollout id, or trace id for calls outside a rollout)."""
+        found = store.trajectory(trajectory_id)
+        if found is None:
+            raise NotFound(f"no trajectory {trajectory_id!r}")
+        return found
+
+    @app.get("/v1/groups")
+    def list_groups() -> list[GroupStatus]:
+        """Every group with its size, completeness, rewards and state."""
+        return store.groups()
+
+    return app

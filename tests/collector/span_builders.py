@@ -1,0 +1,142 @@
+"""Builders of span records and OTLP requests for the collector tests."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from google.protobuf import json_format
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+from art_langgraph import semconv as sc
+from collector.otlp import SpanEvent, SpanRecord
+
+TRACE = "0af7651916cd43dd8448eb211c80319c"
+
+
+def sid(n: int) -> str:
+    """A span id (16 hex digits) from a small number."""
+    return f"{n:016x}"
+
+
+def llm(
+    n: int,
+    *,
+    rollout: str | None = "r1",
+    trace: str = TRACE,
+    start: int,
+    prompt: list[int] | None,
+    completion: list[int] | None,
+    logprobs: list[float] | None = None,
+    step: int | None = 0,
+    task: str | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    output: list[dict[str, Any]] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    model: str | None = None,
+) -> SpanRecord:
+    """An `llm` span; token attributes are left out when given as None."""
+    attrs: dict[str, Any] = {sc.SPAN_KIND: sc.SPAN_KIND_LLM, sc.GEN_AI_OPERATION_NAME: "chat"}
+    if rollout is not None:
+        attrs[sc.ROLLOUT_ID] = rollout
+    if prompt is not None:
+        attrs[sc.PROMPT_TOKEN_IDS] = prompt
+    if completion is not None:
+        attrs[sc.COMPLETION_TOKEN_IDS] = completion
+        attrs[sc.COMPLETION_LOGPROBS] = logprobs if logprobs is not None else [-0.5] * len(completion)
+    if step is not None:
+        attrs[sc.POLICY_STEP] = step
+    if task is not None:
+        attrs[sc.TASK] = task
+    if messages is not None:
+        attrs[sc.GEN_AI_INPUT_MESSAGES] = json.dumps(messages)
+    if output is not None:
+        attrs[sc.GEN_AI_OUTPUT_MESSAGES] = json.dumps(output)
+    if tools is not None:
+        attrs[sc.GEN_AI_TOOL_DEFINITIONS] = json.dumps(tools)
+    if model is not None:
+        attrs[sc.GEN_AI_RESPONSE_MODEL] = model
+    return SpanRecord(trace, sid(n), sid(1000), "chat", start, start + 10, attrs)
+
+
+def rollout(
+    n: int,
+    rollout_id: str = "r1",
+    *,
+    trace: str = TRACE,
+    group: str | None = None,
+    task: str | None = None,
+    split: str = "train",
+    size: int | None = None,
+    rewards: dict[str, float] | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> SpanRecord:
+    """A `rollout` span with its reward events."""
+    attrs: dict[str, Any] = {sc.SPAN_KIND: sc.SPAN_KIND_ROLLOUT, sc.ROLLOUT_ID: rollout_id, sc.SPLIT: split}
+    for key, value in ((sc.GROUP, group), (sc.TASK, task), (sc.GROUP_SIZE, size)):
+        if value is not None:
+            attrs[key] = value
+    if metadata is not None:
+        attrs[sc.METADATA] = json.dumps(metadata)
+    events = [
+        SpanEvent(sc.REWARD_EVENT, 50, {sc.REWARD_NAME: name, sc.REWARD_VALUE: value})
+        for name, value in (rewards or {}).items()
+    ]
+    return SpanRecord(trace, sid(n), None, "rollout", 0, 100, attrs, events)
+
+
+def _any(value: Any) -> AnyValue:
+    if isinstance(value, bool):
+        return AnyValue(bool_value=value)
+    if isinstance(value, int):
+        return AnyValue(int_value=value)
+    if isinstance(value, float):
+        return AnyValue(double_value=value)
+    if isinstance(value, str):
+        return AnyValue(string_value=value)
+    if isinstance(value, bytes):
+        return AnyValue(bytes_value=value)
+    if isinstance(value, list):
+        return AnyValue(array_value=ArrayValue(values=[_any(v) for v in value]))
+    raise TypeError(value)
+
+
+def _kv(attrs: dict[str, Any]) -> list[KeyValue]:
+    return [KeyValue(key=k, value=_any(v)) for k, v in attrs.items()]
+
+
+def to_request(records: list[SpanRecord], resource: dict[str, Any] | None = None) -> ExportTraceServiceRequest:
+    """An OTLP export request holding `records`."""
+    pb_spans = [
+        Span(
+            trace_id=bytes.fromhex(r.trace_id),
+            span_id=bytes.fromhex(r.span_id),
+            parent_span_id=bytes.fromhex(r.parent_span_id) if r.parent_span_id else b"",
+            name=r.name,
+            start_time_unix_nano=r.start_ns,
+            end_time_unix_nano=r.end_ns,
+            attributes=_kv(r.attributes),
+            events=[Span.Event(name=e.name, time_unix_nano=e.time_ns, attributes=_kv(e.attributes)) for e in r.events],
+        )
+        for r in records
+    ]
+    request = ExportTraceServiceRequest()
+    resource_spans = ResourceSpans(scope_spans=[ScopeSpans(spans=pb_spans)])
+    resource_spans.resource.attributes.extend(_kv(resource or {}))
+    request.resource_spans.append(resource_spans)
+    return request
+
+
+def to_otlp_json(records: list[SpanRecord], resource: dict[str, Any] | None = None) -> bytes:
+    """OTLP/JSON of `records`: camelCase keys and hex ids, as the OTLP spec writes them."""
+    data = json_format.MessageToDict(to_request(records, resource))
+    for resource_spans in data["resourceSpans"]:
+        for scope_spans in resource_spans["scopeSpans"]:
+            for span in scope_spans["spans"]:
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    if key in span:
+                        span[key] = base64.b64decode(span[key]).hex()
+    return json.dumps(data).encode()

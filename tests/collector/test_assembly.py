@@ -1,0 +1,130 @@
+"""Spans → trajectory: merging turns, masks, logprob alignment, order and duplicates."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from span_builders import TRACE, llm, rollout
+
+from collector.assembly import InvalidReward, assemble, build_sequences, facts, span_rewards, trajectory_key
+
+
+def _assemble(spans, **kwargs):
+    options = {"group_id": "g", "complete": True, "reward_name": "reward"} | kwargs
+    return assemble("r1", spans, **options)
+
+
+TURN1 = dict(start=10, prompt=[1, 2, 3], completion=[4, 5], logprobs=[-0.1, -0.2], step=3)
+TURN2 = dict(start=20, prompt=[1, 2, 3, 4, 5, 6, 7], completion=[8], logprobs=[-0.3], step=4)
+
+
+def test_extending_turn_merges_into_one_sequence() -> None:
+    (seq,), exact = build_sequences([llm(1, **TURN1), llm(2, **TURN2)])
+    assert exact
+    assert seq.token_ids == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert seq.assistant_mask == [0, 0, 0, 1, 1, 0, 0, 1]
+    assert seq.logprobs == [None, None, None, -0.1, -0.2, None, None, -0.3]
+    assert seq.policy_step == 4
+
+
+def test_non_extending_turn_starts_a_new_sequence() -> None:
+    # The prompt repeats the first prompt but not the first completion: not an extension.
+    other = dict(start=20, prompt=[1, 2, 3, 9], completion=[6, 7], logprobs=[-1.0, -2.0], step=4)
+    (first, second), exact = build_sequences([llm(1, **TURN1), llm(2, **other)])
+    assert exact
+    assert (first.token_ids, first.assistant_mask, first.policy_step) == ([1, 2, 3, 4, 5], [0, 0, 0, 1, 1], 3)
+    assert second.token_ids == [1, 2, 3, 9, 6, 7]
+    assert second.assistant_mask == [0, 0, 0, 0, 1, 1]
+    assert second.logprobs == [None, None, None, None, -1.0, -2.0]
+
+
+def test_third_turn_compares_with_the_latest_sequence() -> None:
+    other = dict(start=20, prompt=[9], completion=[10], logprobs=[-1.0])
+    third = dict(start=30, prompt=[9, 10, 11], completion=[12], logprobs=[-2.0])
+    sequences, _ = build_sequences([llm(1, **TURN1), llm(2, **other), llm(3, **third)])
+    assert [s.token_ids for s in sequences] == [[1, 2, 3, 4, 5], [9, 10, 11, 12]]
+    assert sequences[1].assistant_mask == [0, 1, 0, 1]
+
+
+def test_order_of_arrival_and_duplicates_do_not_matter() -> None:
+    spans = [rollout(9, rewards={"reward": 1.0}), llm(1, **TURN1), llm(2, **TURN2)]
+    expected = _assemble(spans)
+    shuffled = _assemble([spans[2], spans[0], spans[1], spans[2], spans[1]])
+    assert shuffled == expected
+    assert len(expected.sequences) == 1
+
+
+def test_lengths_align_along_every_sequence() -> None:
+    traj = _assemble([llm(1, **TURN1), llm(2, **TURN2), llm(3, start=30, prompt=[5], completion=[1, 2, 3])])
+    for seq in traj.sequences:
+        assert len(seq.token_ids) == len(seq.logprobs) == len(seq.assistant_mask)
+        assert all((lp is None) == (m == 0) for lp, m in zip(seq.logprobs, seq.assistant_mask, strict=True))
+
+
+def test_span_without_token_ids_is_not_token_exact() -> None:
+    traj = _assemble([llm(1, **TURN1), llm(2, start=20, prompt=None, completion=None)])
+    assert not traj.token_exact
+    assert [s.token_ids for s in traj.sequences] == [[1, 2, 3, 4, 5]]
+
+
+def test_logprob_count_mismatch_drops_the_turn() -> None:
+    traj = _assemble([llm(1, start=1, prompt=[1], completion=[2, 3], logprobs=[-0.1])])
+    assert not traj.token_exact and traj.sequences == []
+
+
+def test_messages_tools_model_metadata_and_rewards() -> None:
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    first = llm(1, **TURN1, messages=[{"role": "user", "content": "old"}], output=[{"role": "assistant", "content": "a"}])
+    last = llm(
+        2, **TURN2, model="agent@4", tools=tools,
+        messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}],
+        output=[{"role": "assistant", "content": "b"}],
+    )
+    root = rollout(9, group="g1", task="add", split="val", rewards={"reward": 0.5, "len": 2.0}, metadata={"k": 1})
+    traj = _assemble([last, root, first], api_rewards={"reward": 0.9, "judge": 0.1}, group_id="g1")
+    assert traj.messages == [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "more"}, {"role": "assistant", "content": "b"},
+    ]
+    assert traj.tools == tools and traj.model == "agent@4"
+    assert (traj.id, traj.trace_id, traj.group_id, traj.task, traj.split) == ("r1", TRACE, "g1", "add", "val")
+    assert traj.metadata == {"k": 1}
+    assert traj.rewards == {"reward": 0.9, "len": 2.0, "judge": 0.1}
+    assert traj.reward == 0.9
+    assert _assemble([root], reward_name="len").reward == 2.0
+    assert _assemble([root], reward_name="missing").reward is None
+
+
+def test_invalid_json_attribute_is_ignored() -> None:
+    span = llm(1, **TURN1)
+    span.attributes["gen_ai.input.messages"] = "{not json"
+    assert _assemble([span]).messages == []
+
+
+def test_facts_group_key_falls_back_to_task_then_id() -> None:
+    assert facts("r1", [rollout(1, group="g", task="t", size=4)]).group_key == "g"
+    with_task = facts("r1", [rollout(1, task="t")])
+    assert (with_task.group_key, with_task.explicit_group, with_task.group_size) == ("t", False, None)
+    bare = facts("r1", [llm(2, start=1, prompt=[1], completion=[2])])
+    assert (bare.group_key, bare.has_rollout_span, bare.has_llm, bare.split) == ("r1", False, True, "train")
+
+
+def test_trajectory_key() -> None:
+    assert trajectory_key(llm(1, start=1, prompt=[1], completion=[2])) == ("r1", True)
+    assert trajectory_key(llm(1, rollout=None, start=1, prompt=[1], completion=[2])) == (TRACE, False)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, "1.0", None])
+def test_non_finite_reward_event_is_rejected(value: object) -> None:
+    span = rollout(1, rewards={"reward": 0.0})
+    span.events[0].attributes["art.reward.value"] = value
+    with pytest.raises(InvalidReward, match="finite number"):
+        span_rewards(span)
+
+
+def test_reward_events_only_count_on_rollout_spans() -> None:
+    span = llm(1, **TURN1)
+    span.events.append(rollout(2, rewards={"reward": 1.0}).events[0])
+    assert span_rewards(span) == []
+    assert span_rewards(rollout(2, rewards={"reward": 1, "x": -2.5})) == [("reward", 1.0), ("x", -2.5)]

@@ -1,0 +1,42 @@
+"""`art-collector serve`: flags override environment settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from collector import cli
+
+
+def test_serve_flags_override_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    calls: dict[str, Any] = {}
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: calls.update(app=app, **kw))
+    monkeypatch.setenv("ART_COLLECTOR_PORT", "5000")
+    monkeypatch.setenv("ART_COLLECTOR_HOST", "0.0.0.0")
+    monkeypatch.setenv("ART_COLLECTOR_MIN_GROUP_SIZE", "4")
+    cli.main(["serve", "--port", "5001", "--db", f"sqlite:///{tmp_path / 'x.db'}"])
+    assert (calls["host"], calls["port"]) == ("0.0.0.0", 5001)
+    settings = calls["app"].state.settings
+    assert settings.min_group_size == 4 and settings.db.endswith("x.db")
+    assert (tmp_path / "x.db").exists()
+
+
+def test_default_db_lives_in_art_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from collector.config import CollectorSettings
+
+    monkeypatch.setenv("ART_HOME", str(tmp_path))
+    monkeypatch.setenv("API_KEY", "not-ours")
+    settings = CollectorSettings()
+    assert settings.db == f"sqlite:///{tmp_path / 'collector.db'}"
+    assert settings.api_key is None
+    monkeypatch.setenv("ART_API_KEY", "k")
+    assert CollectorSettings().api_key.get_secret_value() == "k"
+
+
+def test_serve_needs_a_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main([])
+    assert info.value.code == 2
+    assert "COMMAND" in capsys.readouterr().err

@@ -1,0 +1,116 @@
+"""OTLP decoding: protobuf and JSON give the same records; malformed input names the fault."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+from span_builders import TRACE, llm, rollout, sid, to_otlp_json, to_request
+
+from collector.otlp import OtlpError, SpanEvent, SpanRecord, decode_request, encode_response, gunzip
+
+PB = "application/x-protobuf"
+JSON = "application/json"
+
+
+def _records() -> list[SpanRecord]:
+    return [
+        llm(1, start=5, prompt=[1, 2, 3], completion=[4, 5], logprobs=[-0.25, -1.5], messages=[{"role": "user", "content": "hi"}]),
+        rollout(2, group="g", size=4, rewards={"reward": 0.75, "len": 3.0}),
+    ]
+
+
+def test_protobuf_decodes_every_field() -> None:
+    body = to_request(_records(), resource={"service.name": "agent"}).SerializeToString()
+    first, second = decode_request(body, PB)
+    assert first.trace_id == TRACE and first.span_id == sid(1) and first.parent_span_id == sid(1000)
+    assert (first.start_ns, first.end_ns, first.name) == (5, 15, "chat")
+    assert first.attributes["art.prompt_token_ids"] == [1, 2, 3]
+    assert first.attributes["art.completion_logprobs"] == [-0.25, -1.5]
+    assert first.resource == {"service.name": "agent"}
+    assert second.parent_span_id is None
+    assert second.events == [
+        SpanEvent("art.reward", 50, {"art.reward.name": "reward", "art.reward.value": 0.75}),
+        SpanEvent("art.reward", 50, {"art.reward.name": "len", "art.reward.value": 3.0}),
+    ]
+
+
+def test_json_with_hex_ids_equals_protobuf() -> None:
+    records = _records()
+    from_json = decode_request(to_otlp_json(records), "application/json; charset=utf-8")
+    from_pb = decode_request(to_request(records).SerializeToString(), PB)
+    assert from_json == from_pb
+    assert [(r.trace_id, r.span_id) for r in from_json] == [(TRACE, sid(1)), (TRACE, sid(2))]
+
+
+def test_json_accepts_int_values_as_numbers_and_unknown_fields() -> None:
+    body = {
+        "resourceSpans": [{"scopeSpans": [{"spans": [{
+            "traceId": TRACE, "spanId": sid(7), "name": "x", "startTimeUnixNano": 1, "endTimeUnixNano": "2",
+            "kind": 1, "futureField": True,
+            "attributes": [{"key": "n", "value": {"intValue": 3}}, {"key": "b", "value": {"bytesValue": "AAE="}}],
+        }]}]}]
+    }
+    (span,) = decode_request(json.dumps(body).encode(), JSON)
+    assert span.attributes == {"n": 3, "b": "0001"}
+    assert (span.start_ns, span.end_ns) == (1, 2)
+
+
+def test_records_round_trip_through_dict() -> None:
+    for record in _records():
+        assert SpanRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "fragment"),
+    [
+        (b"\xff\xff\xff", PB, "not a valid protobuf ExportTraceServiceRequest"),
+        (b"{not json", JSON, "not valid JSON"),
+        (b"[1, 2]", JSON, "must be an object"),
+        (b'{"resourceSpans": {}}', JSON, "resourceSpans must be an array"),
+        (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz", "spanId": sid(1)}]}]}]}).encode(), JSON,
+         "resourceSpans[0].scopeSpans[0].spans[0].traceId is not a hex string"),
+        (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": TRACE, "spanId": "abcd", "name": "s"}]}]}]}).encode(),
+         JSON, "span 's' has an invalid span_id (2 bytes"),
+        (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "00" * 16, "spanId": sid(1), "name": "s"}]}]}]}).encode(),
+         JSON, "invalid trace_id"),
+        (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": TRACE, "spanId": sid(1), "startTimeUnixNano": "x"}]}]}]}).encode(),
+         JSON, "not a valid OTLP/JSON"),
+    ],
+)
+def test_malformed_bodies_name_the_fault(body: bytes, content_type: str, fragment: str) -> None:
+    with pytest.raises(OtlpError) as info:
+        decode_request(body, content_type)
+    assert info.value.code == "malformed_body"
+    assert fragment in str(info.value)
+
+
+def test_unsupported_content_type() -> None:
+    with pytest.raises(OtlpError) as info:
+        decode_request(b"", "text/plain")
+    assert info.value.code == "unsupported_media_type"
+
+
+def test_empty_protobuf_body_is_an_empty_export() -> None:
+    assert decode_request(b"", PB) == []
+
+
+def test_gunzip_limits_and_errors() -> None:
+    payload = b"x" * 5000
+    assert gunzip(gzip.compress(payload), 5000) == payload
+    with pytest.raises(OtlpError) as too_big:
+        gunzip(gzip.compress(payload), 4999)
+    assert too_big.value.code == "body_too_large"
+    with pytest.raises(OtlpError, match="not valid gzip"):
+        gunzip(b"plain", 100)
+    with pytest.raises(OtlpError, match="truncated"):
+        gunzip(gzip.compress(payload)[:20], 10_000)
+
+
+def test_response_follows_request_encoding() -> None:
+    body, media = encode_response(PB)
+    assert media == PB and ExportTraceServiceResponse.FromString(body) == ExportTraceServiceResponse()
+    body, media = encode_response("application/json")
+    assert media == JSON and json.loads(body) == {}

@@ -1,0 +1,229 @@
+"""HTTP API: OTLP ingest in every encoding, errors in one envelope, auth, leases end to end."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from opentelemetry.exporter.otlp.proto.http import Compression
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from span_builders import TRACE, llm, rollout, to_otlp_json, to_request
+
+from art_langgraph import semconv as sc
+from collector.config import CollectorSettings
+from collector.server import create_app
+
+PB = {"content-type": "application/x-protobuf"}
+JSON = {"content-type": "application/json"}
+
+
+def _app(tmp_path: Path, **fields: Any) -> FastAPI:
+    return create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}", **fields))
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> TestClient:
+    return TestClient(_app(tmp_path))
+
+
+def _group(rollouts: dict[str, float], group: str = "g") -> list:
+    """Spans of one group: per rollout id, a rollout span with its reward and one LLM turn."""
+    spans = []
+    for i, (rollout_id, reward) in enumerate(rollouts.items()):
+        trace = f"{i + 1:032x}"
+        spans.append(llm(10 * i + 1, rollout=rollout_id, trace=trace, start=5, prompt=[1], completion=[i + 2]))
+        spans.append(rollout(10 * i + 2, rollout_id, trace=trace, group=group, size=len(rollouts), rewards={"reward": reward}))
+    return spans
+
+
+def _assert_error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error", "message"} and body["error"] == code and body["message"]
+    return body
+
+
+def test_protobuf_export_answers_protobuf(client: TestClient) -> None:
+    body = to_request(_group({"a": 1.0, "b": 0.0})).SerializeToString()
+    response = client.post("/v1/traces", content=body, headers=PB)
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/x-protobuf"
+    assert ExportTraceServiceResponse.FromString(response.content) == ExportTraceServiceResponse()
+    rows = client.get("/v1/trajectories", params={"group": "g"}).json()
+    assert sorted((t["id"], t["reward"], t["complete"]) for t in rows) == [("a", 1.0, True), ("b", 0.0, True)]
+
+
+def test_gzip_json_export_answers_json(client: TestClient) -> None:
+    body = gzip.compress(to_otlp_json(_group({"a": 1.0})))
+    response = client.post("/v1/traces", content=body, headers={**JSON, "content-encoding": "gzip"})
+    assert response.status_code == 200 and response.json() == {}
+    assert response.headers["content-type"] == "application/json"
+    traj = client.get("/v1/trajectories/a").json()
+    assert traj["sequences"] == [{"token_ids": [1, 2], "logprobs": [None, -0.5], "assistant_mask": [0, 1], "policy_step": 0}]
+
+
+def test_export_errors(tmp_path: Path) -> None:
+    client = TestClient(_app(tmp_path, max_body_bytes=2048))
+    _assert_error(client.post("/v1/traces", content=b"\xff\xff", headers=PB), 400, "malformed_body")
+    _assert_error(client.post("/v1/traces", content=b"{", headers=JSON), 400, "malformed_body")
+    _assert_error(client.post("/v1/traces", content=b"x" * 4096, headers=PB), 413, "body_too_large")
+    bomb = gzip.compress(b"\0" * 100_000)
+    _assert_error(client.post("/v1/traces", content=bomb, headers={**PB, "content-encoding": "gzip"}), 413, "body_too_large")
+    _assert_error(client.post("/v1/traces", content=b"", headers={"content-type": "text/plain"}), 415, "unsupported_media_type")
+    _assert_error(client.post("/v1/traces", content=b"", headers={**PB, "content-encoding": "br"}), 415, "unsupported_encoding")
+    nan = _group({"a": 1.0})
+    nan[1].events[0].attributes[sc.REWARD_VALUE] = float("nan")
+    _assert_error(client.post("/v1/traces", content=to_request(nan).SerializeToString(), headers=PB), 400, "invalid_reward")
+
+
+def test_rewards_endpoint(client: TestClient) -> None:
+    answer = client.post("/v1/rewards", json={"rollout_id": "a", "name": "judge", "value": 0.5})
+    assert answer.status_code == 200 and answer.json()["trajectory_known"] is False
+    client.post("/v1/traces", content=to_request(_group({"a": 1.0})).SerializeToString(), headers=PB)
+    assert client.get("/v1/trajectories/a").json()["rewards"] == {"reward": 1.0, "judge": 0.5}
+    nan = client.post("/v1/rewards", content=b'{"rollout_id": "a", "value": NaN}', headers=JSON)
+    assert "finite" in _assert_error(nan, 400, "invalid_request")["message"]
+    _assert_error(client.post("/v1/rewards", content=b'{"rollout_id": "a", "value": Infinity}', headers=JSON), 400, "invalid_request")
+    _assert_error(client.post("/v1/rewards", json={"value": 1.0}), 400, "invalid_request")
+    _assert_error(client.post("/v1/rewards", json={"rollout_id": "a"}), 400, "invalid_request")
+
+
+def test_batches_groups_and_acks(client: TestClient) -> None:
+    client.post("/v1/traces", content=to_request(_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
+    assert [(g["id"], g["state"], g["size"]) for g in client.get("/v1/groups").json()] == [("g", "ready", 2)]
+    batch = client.post("/v1/batches", json={"max_groups": 4, "trainer": "t"}).json()
+    assert [g["id"] for g in batch["groups"]] == ["g"]
+    assert {t["id"] for t in batch["groups"][0]["trajectories"]} == {"a", "b"}
+    assert client.post("/v1/batches", json={}).json()["groups"] == []
+    ack = client.post(f"/v1/batches/{batch['id']}/ack", json={"policy_step": 3})
+    assert ack.status_code == 200 and ack.json() == {"batch_id": batch["id"], "groups": ["g"], "policy_step": 3}
+    assert client.get("/v1/groups").json()[0]["state"] == "trained"
+    _assert_error(client.post("/v1/batches/unknown/ack", json={}), 404, "not_found")
+    _assert_error(client.get("/v1/trajectories/unknown"), 404, "not_found")
+    _assert_error(client.post("/v1/batches", json={"max_groups": 0}), 400, "invalid_request")
+    assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_api_key_guards_writes_only(tmp_path: Path) -> None:
+    client = TestClient(_app(tmp_path, api_key="sekret"))
+    body = to_request(_group({"a": 1.0})).SerializeToString()
+    for path, kwargs in [
+        ("/v1/traces", {"content": body, "headers": PB}),
+        ("/v1/rewards", {"json": {"rollout_id": "a", "value": 1.0}}),
+        ("/v1/batches", {"json": {}}),
+        ("/v1/batches/x/ack", {"json": {}}),
+    ]:
+        _assert_error(client.post(path, **kwargs), 401, "unauthorized")
+        wrong = {**kwargs.get("headers", {}), "authorization": "Bearer nope"}
+        _assert_error(client.post(path, **{**kwargs, "headers": wrong}), 401, "unauthorized")
+    good = {**PB, "authorization": "Bearer sekret"}
+    assert client.post("/v1/traces", content=body, headers=good).status_code == 200
+    assert client.get("/v1/trajectories").status_code == 200
+    assert client.get("/v1/groups").status_code == 200
+
+
+# --- the real OpenTelemetry SDK against the app served by uvicorn ---------------------------
+
+
+class _RecordEncodings:
+    """ASGI middleware that records the Content-Encoding of every request."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app, self.seen = app, []
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        if scope["type"] == "http":
+            self.seen.append(dict(scope["headers"]).get(b"content-encoding", b"").decode())
+        await self.app(scope, receive, send)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[str, _RecordEncodings]]:
+    """The collector app on a free localhost port, in a background thread."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    app = _RecordEncodings(_app(tmp_path, api_key="k"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", app
+    server.should_exit = True
+    thread.join(10)
+
+
+def _run_rollout(tracer, rollout_id: str, group: str, reward: float, completion: list[int]) -> None:
+    attrs = {sc.SPAN_KIND: sc.SPAN_KIND_ROLLOUT, sc.ROLLOUT_ID: rollout_id, sc.GROUP: group, sc.GROUP_SIZE: 2, sc.TASK: "sum"}
+    with tracer.start_as_current_span("rollout", attributes=attrs) as root:
+        for turn, prompt in enumerate(([5, 6], [5, 6, *completion, 7])):
+            llm_attrs = {
+                sc.SPAN_KIND: sc.SPAN_KIND_LLM, sc.ROLLOUT_ID: rollout_id, sc.POLICY_STEP: 0,
+                sc.PROMPT_TOKEN_IDS: prompt, sc.COMPLETION_TOKEN_IDS: completion if turn == 0 else [9],
+                sc.COMPLETION_LOGPROBS: [-0.5] * len(completion) if turn == 0 else [-0.25],
+            }
+            with tracer.start_as_current_span("chat", attributes=llm_attrs):
+                pass
+        root.add_event(sc.REWARD_EVENT, {sc.REWARD_NAME: "reward", sc.REWARD_VALUE: reward})
+
+
+def test_real_sdk_export_lease_ack_and_expiry(served: tuple[str, _RecordEncodings]) -> None:
+    base, recorder = served
+    exporter = OTLPSpanExporter(
+        endpoint=f"{base}/v1/traces", compression=Compression.Gzip, headers={"authorization": "Bearer k"}, timeout=10
+    )
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    _run_rollout(tracer, "a", "g1", 1.0, [3])
+    _run_rollout(tracer, "b", "g1", 0.0, [4])
+    _run_rollout(tracer, "c", "g2", 0.5, [3])
+    _run_rollout(tracer, "d", "g2", 0.25, [4])
+    provider.shutdown()
+    assert recorder.seen and set(recorder.seen) == {"gzip"}
+
+    http = httpx.Client(base_url=base, headers={"authorization": "Bearer k"}, timeout=10)
+    a = http.get("/v1/trajectories/a").json()
+    assert a["complete"] and a["reward"] == 1.0 and a["group_id"] == "g1" and a["token_exact"]
+    assert a["sequences"][0]["token_ids"] == [5, 6, 3, 7, 9]
+    assert a["sequences"][0]["assistant_mask"] == [0, 0, 1, 0, 1]
+    assert a["sequences"][0]["logprobs"] == [None, None, -0.5, None, -0.25]
+
+    first = http.post("/v1/batches", json={"max_groups": 1, "lease_seconds": 60}).json()
+    assert [g["id"] for g in first["groups"]] == ["g1"]
+    assert http.post(f"/v1/batches/{first['id']}/ack", json={"policy_step": 1}).status_code == 200
+
+    short = http.post("/v1/batches", json={"max_groups": 8, "lease_seconds": 0.3}).json()
+    assert [g["id"] for g in short["groups"]] == ["g2"]  # g1 was acked: never again
+    time.sleep(0.5)
+    again = http.post("/v1/batches", json={"max_groups": 8}).json()
+    assert [g["id"] for g in again["groups"]] == ["g2"]  # the expired lease came back
+    assert http.post(f"/v1/batches/{short['id']}/ack", json={}).status_code == 409
+    assert http.post(f"/v1/batches/{again['id']}/ack", json={}).status_code == 200
+    assert http.post("/v1/batches", json={"max_groups": 8}).json()["groups"] == []
+    states = {g["id"]: g["state"] for g in http.get("/v1/groups").json()}
+    assert states == {"g1": "trained", "g2": "trained"}
+
+
+def test_batch_and_ack_without_body(client: TestClient) -> None:
+    batch = client.post("/v1/batches")
+    assert batch.status_code == 200 and batch.json()["groups"] == []
+    ack = client.post(f"/v1/batches/{batch.json()['id']}/ack")
+    assert ack.status_code == 200 and ack.json()["groups"] == []

@@ -1,0 +1,226 @@
+"""The store contract: idempotent ingest, trajectory identity, group readiness, leases, acks."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import text
+from span_builders import TRACE, llm, rollout
+
+from collector.errors import Conflict, InvalidRequest, NotFound
+from collector.protocol import BatchRequest, RewardIn
+from collector.schema import SCHEMA_VERSION
+
+OTHER_TRACE = "1" * 32
+
+
+def _trajectory(n: int, rollout_id: str, *, reward: float | None, group: str = "g", size: int | None = 2, **kw):
+    """A rollout span (ids n) and one LLM turn (ids n + 1) in a trace of its own."""
+    trace = f"{n:032x}"
+    rewards = {"reward": reward} if reward is not None else {}
+    return [
+        llm(n + 1, rollout=rollout_id, trace=trace, start=10, prompt=[1, 2], completion=[n], logprobs=[-1.0]),
+        rollout(n, rollout_id, trace=trace, group=group, size=size, rewards=rewards, **kw),
+    ]
+
+
+def test_setup_is_idempotent_and_versioned(make_store) -> None:
+    store = make_store()
+    store.setup()
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT max(version) FROM schema_version")).scalar() == SCHEMA_VERSION
+        if store.engine.url.database:  # file-backed SQLite
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
+
+
+def test_duplicate_spans_are_ignored(make_store) -> None:
+    store = make_store()
+    spans = _trajectory(10, "r1", reward=1.0)
+    assert store.add_spans(spans) == 2
+    assert store.add_spans(spans + spans) == 0
+    traj = store.trajectory("r1")
+    assert traj is not None and traj.rewards == {"reward": 1.0}
+    assert [s.token_ids for s in traj.sequences] == [[1, 2, 10]]
+
+
+def test_children_before_rollout_span(make_store) -> None:
+    store = make_store()
+    child, root = _trajectory(10, "r1", reward=0.5)
+    store.add_spans([child])
+    early = store.trajectory("r1")
+    assert early is not None and not early.complete and early.group_id == ""
+    assert store.groups() == []
+    store.add_spans([root])
+    late = store.trajectory("r1")
+    assert late is not None and late.complete and late.group_id == "g" and late.reward == 0.5
+
+
+def test_reward_before_spans_applies_when_they_arrive(make_store) -> None:
+    store = make_store()
+    accepted = store.add_reward(RewardIn(rollout_id="r1", name="judge", value=0.25))
+    assert not accepted.trajectory_known
+    store.add_spans(_trajectory(10, "r1", reward=1.0))
+    assert store.trajectory("r1").rewards == {"reward": 1.0, "judge": 0.25}
+    assert store.add_reward(RewardIn(rollout_id="r1", value=0.0)).trajectory_known
+    assert store.trajectory("r1").reward == 0.0  # API overrides the span event
+
+
+def test_reward_needs_an_id(make_store) -> None:
+    with pytest.raises(InvalidRequest):
+        make_store().add_reward(RewardIn(value=1.0))
+
+
+def test_lease_ack_and_never_again(make_store) -> None:
+    store = make_store()
+    store.add_spans(_trajectory(10, "a", reward=1.0) + _trajectory(20, "b", reward=0.0))
+    assert [(g.id, g.state, g.size, g.complete, g.rewarded) for g in store.groups()] == [("g", "ready", 2, 2, 2)]
+    batch = store.lease(BatchRequest(trainer="t1", lease_seconds=60))
+    assert [g.id for g in batch.groups] == ["g"]
+    assert sorted(t.id for t in batch.groups[0].trajectories) == ["a", "b"]
+    assert batch.lease_expires_at == pytest.approx(1_000_060.0)
+    assert store.lease(BatchRequest()).groups == []
+    assert store.groups()[0].state == "leased"
+    ack = store.ack(batch.id, policy_step=1)
+    assert (ack.groups, ack.policy_step) == (["g"], 1)
+    assert store.ack(batch.id, policy_step=1).groups == ["g"]  # idempotent
+    assert store.groups()[0].state == "trained"
+    assert store.lease(BatchRequest()).groups == []
+
+
+def test_expired_lease_is_leased_again_and_old_ack_conflicts(make_store, clock) -> None:
+    store = make_store()
+    store.add_spans(_trajectory(10, "a", reward=1.0) + _trajectory(20, "b", reward=0.0))
+    first = store.lease(BatchRequest(lease_seconds=10))
+    clock.now += 11
+    assert store.groups()[0].state == "ready"
+    second = store.lease(BatchRequest(lease_seconds=10))
+    assert [g.id for g in second.groups] == ["g"]
+    with pytest.raises(Conflict, match="leased again"):
+        store.ack(first.id, policy_step=1)
+    assert store.ack(second.id, policy_step=1).groups == ["g"]
+    with pytest.raises(NotFound):
+        store.ack("nope", policy_step=None)
+
+
+def test_late_ack_is_accepted_when_not_leased_again(make_store, clock) -> None:
+    store = make_store()
+    store.add_spans(_trajectory(10, "a", reward=1.0) + _trajectory(20, "b", reward=0.0))
+    batch = store.lease(BatchRequest(lease_seconds=10))
+    clock.now += 100
+    assert store.ack(batch.id, policy_step=2).groups == ["g"]
+    assert store.groups()[0].state == "trained"
+    assert store.lease(BatchRequest()).groups == []
+
+
+def test_zero_spread_is_skipped_unless_kept(make_store) -> None:
+    store = make_store()
+    store.add_spans(_trajectory(10, "a", reward=1.0) + _trajectory(20, "b", reward=1.0))
+    assert store.lease(BatchRequest()).groups == []
+    (group,) = store.groups()
+    assert (group.state, group.reason) == ("skipped", "no reward spread")
+    store.add_reward(RewardIn(rollout_id="b", value=0.5))  # a new reward reopens the group
+    assert [g.id for g in store.lease(BatchRequest()).groups] == ["g"]
+
+    keep = make_store(keep_zero_spread=True)
+    keep.add_spans(_trajectory(10, "a", reward=1.0) + _trajectory(20, "b", reward=1.0))
+    assert [g.id for g in keep.lease(BatchRequest()).groups] == ["g"]
+
+
+def test_group_waits_for_size_rewards_and_train_split(make_store) -> None:
+    store = make_store()
+    store.add_spans(_trajectory(10, "a", reward=1.0, size=3) + _trajectory(20, "b", reward=0.0, size=3))
+    assert store.groups()[0].reason == "waiting for 1 more of 3 trajectories"
+    store.add_spans(_trajectory(30, "c", reward=None, size=3))
+    assert store.groups()[0].reason == "1 trajectories without reward 'reward'"
+    assert store.lease(BatchRequest()).groups == []
+    store.add_reward(RewardIn(rollout_id="c", value=0.5))
+    assert [len(g.trajectories) for g in store.lease(BatchRequest()).groups] == [3]
+
+    val = make_store()
+    val.add_spans(_trajectory(10, "a", reward=1.0, split="val") + _trajectory(20, "b", reward=0.0, split="val"))
+    assert val.lease(BatchRequest()).groups == []
+    assert val.groups()[0].state == "open"
+
+
+def test_min_and_max_groups(make_store) -> None:
+    store = make_store()
+    for i, group in enumerate(["g1", "g2", "g3"]):
+        n = 100 * (i + 1)
+        store.add_spans(_trajectory(n, f"{group}a", reward=1.0, group=group) + _trajectory(n + 50, f"{group}b", reward=0.0, group=group))
+    assert store.lease(BatchRequest(min_groups=4)).groups == []
+    assert [g.id for g in store.lease(BatchRequest(max_groups=2)).groups] == ["g1", "g2"]
+    assert [g.id for g in store.lease(BatchRequest(max_groups=2)).groups] == ["g3"]
+
+
+def test_full_group_key_opens_a_new_instance(make_store) -> None:
+    store = make_store()
+    store.add_spans(_trajectory(10, "a", reward=1.0) + _trajectory(20, "b", reward=0.0) + _trajectory(30, "c", reward=0.5))
+    assert [(g.id, g.size) for g in store.groups()] == [("g", 2), ("g#2", 1)]
+    assert store.trajectory("c").group_id == "g#2"
+    assert [t.id for t in store.trajectories(group="g")] == ["a", "b", "c"]  # by key
+    assert [t.id for t in store.trajectories(group="g#2")] == ["c"]  # by instance
+
+
+def test_calls_outside_rollouts_group_by_task_and_complete_when_idle(make_store, clock) -> None:
+    store = make_store(idle_seconds=60)
+    store.add_spans([llm(1, rollout=None, trace=TRACE, task="t", start=1, prompt=[1], completion=[2])])
+    store.add_spans([llm(2, rollout=None, trace=OTHER_TRACE, task="t", start=1, prompt=[1], completion=[3])])
+    first = store.trajectory(TRACE)
+    assert first is not None and (first.group_id, first.complete) == ("t", False)
+    store.add_reward(RewardIn(trace_id=TRACE, value=1.0))
+    store.add_reward(RewardIn(trace_id=OTHER_TRACE, value=0.0))
+    assert store.lease(BatchRequest()).groups == []
+    clock.now += 61
+    assert all(t.complete for t in store.trajectories(task="t"))
+    batch = store.lease(BatchRequest())
+    assert [(g.id, sorted(t.reward for t in g.trajectories)) for g in batch.groups] == [("t", [0.0, 1.0])]
+
+
+def test_spans_without_model_call_outside_rollouts_make_no_trajectory(make_store) -> None:
+    store = make_store()
+    span = llm(1, rollout=None, start=1, prompt=[1], completion=[2])
+    span.attributes["art.span.kind"] = "node"
+    store.add_spans([span])
+    assert store.trajectories() == []
+
+
+def test_filters(make_store) -> None:
+    store = make_store()
+    store.add_spans(_trajectory(10, "a", reward=1.0, task="x") + _trajectory(20, "b", reward=1.0, group="h", split="val"))
+    assert [t.id for t in store.trajectories(task="x")] == ["a"]
+    assert [t.id for t in store.trajectories(split="val")] == ["b"]
+    assert [t.id for t in store.trajectories(group="h", split="train")] == []
+    assert store.trajectory("missing") is None
+
+
+def test_invalid_reward_event_rejects_the_export(make_store) -> None:
+    store = make_store()
+    spans = _trajectory(10, "a", reward=1.0)
+    spans[1].events[0].attributes["art.reward.value"] = float("nan")
+    with pytest.raises(InvalidRequest, match="finite"):
+        store.add_spans(spans)
+    assert store.trajectories() == []
+
+
+def test_concurrent_leases_from_two_stores_never_share_a_group(tmp_path, clock) -> None:
+    """Two stores on one SQLite file (as two collector processes would be) lease disjoint groups."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from collector.config import CollectorSettings
+    from collector.store import SqlStore
+
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    stores = [SqlStore(CollectorSettings(db=url), clock=clock) for _ in range(2)]
+    for store in stores:
+        store.setup()
+    for i in range(12):
+        n = 100 * (i + 1)
+        stores[0].add_spans(
+            _trajectory(n, f"{i}a", reward=1.0, group=f"g{i}") + _trajectory(n + 50, f"{i}b", reward=0.0, group=f"g{i}")
+        )
+    with ThreadPoolExecutor(8) as pool:
+        batches = list(pool.map(lambda k: stores[k % 2].lease(BatchRequest(max_groups=2)), range(8)))
+    leased = [g.id for batch in batches for g in batch.groups]
+    assert sorted(leased) == sorted(f"g{i}" for i in range(12))
+    for store in stores:
+        store.close()
