@@ -1,0 +1,39 @@
+"""Small HTTP client for the collector's non-OTLP endpoints (rewards given after the fact)."""
+
+from __future__ import annotations
+
+import httpx
+
+from art_langgraph._settings import get_settings
+
+__all__ = ["apost_reward", "post_reward"]
+
+_TIMEOUT = httpx.Timeout(10.0)
+
+
+def _request(rollout_id: str, name: str, value: float) -> tuple[str, dict[str, str], dict[str, object]]:
+    settings = get_settings()
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    body: dict[str, object] = {"rollout_id": rollout_id, "name": name, "value": value}
+    return f"{settings.collector_base_url}/v1/rewards", headers, body
+
+
+def post_reward(rollout_id: str, name: str, value: float) -> None:
+    """Send one reward for a finished rollout to `POST {collector}/v1/rewards`.
+
+    Raises:
+        httpx.HTTPError: The collector is unreachable or answered with an error status.
+    """
+    url, headers, body = _request(rollout_id, name, value)
+    httpx.post(url, json=body, headers=headers, timeout=_TIMEOUT).raise_for_status()
+
+
+async def apost_reward(rollout_id: str, name: str, value: float) -> None:
+    """Async `post_reward`: send one reward for a finished rollout to the collector.
+
+    Raises:
+        httpx.HTTPError: The collector is unreachable or answered with an error status.
+    """
+    url, headers, body = _request(rollout_id, name, value)
+    async with httpx.AsyncClient(timeout=_TIMEOUT) as client:
+        (await client.post(url, json=body, headers=headers)).raise_for_status()

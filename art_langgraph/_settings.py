@@ -1,0 +1,87 @@
+"""Plugin settings, read from the environment (prefix `ART_`) and overridable by `configure`.
+
+The standard `OTEL_EXPORTER_OTLP_*` variables are read by the OTLP exporter itself; this module
+only uses `OTEL_EXPORTER_OTLP_ENDPOINT` as a fallback for the collector's base URL.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings", "get_settings", "update_settings"]
+
+DEFAULT_COLLECTOR_URL = "http://localhost:4318"
+DEFAULT_TRAINER_URL = "http://localhost:8000/v1"
+DEFAULT_MODEL = "agent@latest"
+
+
+class Settings(BaseSettings):
+    """Where the plugin sends traces and model calls.
+
+    Each field is read from the environment variable `ART_<FIELD>` (e.g. `ART_COLLECTOR_URL`).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="ART_", extra="ignore")
+
+    collector_url: str | None = Field(
+        default=None,
+        description=(
+            "Base URL of the collector; spans go to `{collector_url}/v1/traces`, rewards to "
+            "`{collector_url}/v1/rewards`. When unset, the OTLP exporter's own variables "
+            f"(`OTEL_EXPORTER_OTLP_*`) decide, and {DEFAULT_COLLECTOR_URL} otherwise."
+        ),
+    )
+    trainer_url: str = Field(
+        default=DEFAULT_TRAINER_URL,
+        description="OpenAI-compatible base URL of the trainer service (ends in `/v1`).",
+    )
+    model: str = Field(
+        default=DEFAULT_MODEL,
+        description="Model name sent to the trainer (`name@latest`, `name@step` or the base name).",
+    )
+    api_key: str | None = Field(
+        default=None,
+        description="Bearer token for the trainer (as the OpenAI api key) and the collector.",
+    )
+
+    @property
+    def collector_base_url(self) -> str:
+        """The collector's base URL, without a trailing slash and without `/v1/traces`."""
+        url = self.collector_url or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or (
+            DEFAULT_COLLECTOR_URL
+        )
+        return url.rstrip("/")
+
+
+_lock = threading.Lock()
+_settings: Settings | None = None
+
+
+def get_settings() -> Settings:
+    """Return the current settings, reading the environment on first use."""
+    global _settings
+    with _lock:
+        if _settings is None:
+            _settings = Settings()
+        return _settings
+
+
+def update_settings(**overrides: str | None) -> Settings:
+    """Re-read the environment, apply the non-`None` overrides and make the result current.
+
+    Args:
+        **overrides: Field values (`collector_url`, `trainer_url`, `model`, `api_key`).
+
+    Returns:
+        The new current settings.
+    """
+    global _settings
+    values = {k: v for k, v in overrides.items() if v is not None}
+    new = Settings(**values)  # type: ignore[arg-type]
+    with _lock:
+        _settings = new
+    return new

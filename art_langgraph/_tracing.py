@@ -1,0 +1,233 @@
+"""The plugin's own OpenTelemetry pipeline: a private tracer provider exporting OTLP/HTTP.
+
+The provider is private so that an application's global tracer provider is never replaced.
+Exports run in a background thread (`BatchSpanProcessor`); a collector that is down costs
+log lines and counted drops, never an exception in the agent.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import threading
+from collections.abc import Sequence
+
+from opentelemetry.exporter.otlp.proto.http import Compression
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace import Tracer
+
+from art_langgraph._settings import Settings, get_settings, update_settings
+
+__all__ = [
+    "configure",
+    "dropped_spans",
+    "flush",
+    "get_tracer",
+    "get_tracer_provider",
+    "shutdown",
+]
+
+_logger = logging.getLogger(__name__)
+
+_INSTRUMENTATION_NAME = "art_langgraph"
+_COMPRESSION_ENV = ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "OTEL_EXPORTER_OTLP_COMPRESSION")
+
+
+class _CountingExporter(SpanExporter):
+    """Delegates to an exporter, never raises, and counts the spans it failed to deliver."""
+
+    def __init__(self, inner: SpanExporter, name: str) -> None:
+        self._inner = inner
+        self._name = name
+        self._lock = threading.Lock()
+        self.dropped = 0
+
+    def _drop(self, n: int) -> None:
+        with self._lock:
+            self.dropped += n
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            result = self._inner.export(spans)
+        except Exception:  # an exporter must not raise; log with traceback and count
+            _logger.exception("art_langgraph: %s exporter raised; dropped %d spans", self._name, len(spans))
+            self._drop(len(spans))
+            return SpanExportResult.FAILURE
+        if result is not SpanExportResult.SUCCESS:
+            self._drop(len(spans))
+            _logger.warning(
+                "art_langgraph: could not export %d spans to %s (%d dropped so far)",
+                len(spans),
+                self._name,
+                self.dropped,
+            )
+        return result
+
+    def shutdown(self) -> None:
+        try:
+            self._inner.shutdown()
+        except Exception:
+            _logger.exception("art_langgraph: %s exporter failed to shut down", self._name)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._inner.force_flush(timeout_millis)
+
+
+class _State:
+    """The configured pipeline: provider plus the exporters to count drops on."""
+
+    def __init__(self, provider: TracerProvider, exporters: list[_CountingExporter]) -> None:
+        self.provider = provider
+        self.exporters = exporters
+        self.tracer = provider.get_tracer(_INSTRUMENTATION_NAME)
+
+
+_lock = threading.RLock()
+_state: _State | None = None
+
+
+def _otlp_exporter(settings: Settings) -> OTLPSpanExporter:
+    endpoint = f"{settings.collector_url.rstrip('/')}/v1/traces" if settings.collector_url else None
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else None
+    compression = None if any(os.environ.get(v) for v in _COMPRESSION_ENV) else Compression.Gzip
+    # endpoint=None lets OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT decide (default localhost:4318).
+    return OTLPSpanExporter(endpoint=endpoint, headers=headers, compression=compression)
+
+
+def _langfuse_exporter() -> OTLPSpanExporter:
+    public, secret = os.environ.get("LANGFUSE_PUBLIC_KEY"), os.environ.get("LANGFUSE_SECRET_KEY")
+    if not public or not secret:
+        raise ValueError(
+            "configure(langfuse=True) needs LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY in the "
+            "environment (and LANGFUSE_HOST unless it is https://cloud.langfuse.com)."
+        )
+    host = os.environ.get("LANGFUSE_HOST", "https://cloud.langfuse.com").rstrip("/")
+    token = base64.b64encode(f"{public}:{secret}".encode()).decode()
+    return OTLPSpanExporter(
+        endpoint=f"{host}/api/public/otel/v1/traces",
+        headers={"Authorization": f"Basic {token}"},
+        compression=Compression.Gzip,
+    )
+
+
+def configure(
+    collector_url: str | None = None,
+    trainer_url: str | None = None,
+    model: str | None = None,
+    api_key: str | None = None,
+    langfuse: bool = False,
+) -> None:
+    """Set up tracing and the default trainer endpoint; arguments override `ART_*` variables.
+
+    Calling it again replaces the previous pipeline (which is flushed, bounded, and shut down).
+    Without a call, the first span configures everything from the environment.
+
+    Args:
+        collector_url: Collector base URL; spans go to `{collector_url}/v1/traces`.
+        trainer_url: OpenAI-compatible base URL of the trainer, used by new `ARTChatModel`s.
+        model: Default model name for new `ARTChatModel`s.
+        api_key: Bearer token for the trainer and the collector.
+        langfuse: Also send every span to Langfuse's OTLP endpoint (reads
+            `LANGFUSE_PUBLIC_KEY`, `LANGFUSE_SECRET_KEY`, `LANGFUSE_HOST`).
+
+    Raises:
+        ValueError: `langfuse=True` without Langfuse keys in the environment.
+    """
+    global _state
+    settings = update_settings(
+        collector_url=collector_url, trainer_url=trainer_url, model=model, api_key=api_key
+    )
+    exporters = [_CountingExporter(_otlp_exporter(settings), "collector")]
+    if langfuse:
+        exporters.append(_CountingExporter(_langfuse_exporter(), "langfuse"))
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "art-langgraph")}),
+        shutdown_on_exit=True,
+    )
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    with _lock:
+        old, _state = _state, _State(provider, exporters)
+    if old is not None:
+        _bounded(old.provider.shutdown, timeout=5.0)
+
+
+def _current() -> _State:
+    with _lock:
+        if _state is None:
+            settings = get_settings()
+            configure(
+                collector_url=settings.collector_url,
+                trainer_url=settings.trainer_url,
+                model=settings.model,
+                api_key=settings.api_key,
+            )
+        assert _state is not None
+        return _state
+
+
+def get_tracer_provider() -> TracerProvider:
+    """Return the plugin's private tracer provider (configuring from env on first use).
+
+    Tests add processors to it, e.g. a `SimpleSpanProcessor(InMemorySpanExporter())`.
+    """
+    return _current().provider
+
+
+def get_tracer() -> Tracer:
+    """Return the tracer all plugin spans are created with."""
+    return _current().tracer
+
+
+def dropped_spans() -> int:
+    """Number of spans the current pipeline's exporters failed to deliver."""
+    with _lock:
+        return sum(e.dropped for e in _state.exporters) if _state else 0
+
+
+def _bounded(fn: object, timeout: float) -> bool:
+    """Run `fn()` in a daemon thread and wait at most `timeout` seconds; True if it finished."""
+    done = threading.Event()
+    ok: list[bool] = []
+
+    def run() -> None:
+        try:
+            result = fn()  # type: ignore[operator]
+            ok.append(result is not False)
+        except Exception:
+            _logger.exception("art_langgraph: tracing flush/shutdown failed")
+            ok.append(False)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="art-langgraph-flush", daemon=True).start()
+    return done.wait(timeout) and all(ok)
+
+
+def flush(timeout: float = 5.0) -> bool:
+    """Export every finished span now, waiting at most `timeout` seconds.
+
+    Args:
+        timeout: Upper bound on the wait, in seconds.
+
+    Returns:
+        True if everything was handed to the exporters in time, False otherwise. Never raises.
+    """
+    with _lock:
+        state = _state
+    if state is None:
+        return True
+    return _bounded(lambda: state.provider.force_flush(int(timeout * 1000)), timeout)
+
+
+def shutdown(timeout: float = 5.0) -> None:
+    """Flush and stop the pipeline (bounded); the next span configures a new one from env."""
+    global _state
+    with _lock:
+        state, _state = _state, None
+    if state is not None:
+        _bounded(state.provider.shutdown, timeout)

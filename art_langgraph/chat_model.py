@@ -1,0 +1,199 @@
+"""`ARTChatModel`: LangChain's `ChatOpenAI`, pointed at the trainer, recording exact tokens.
+
+Every call asks the engine for logprobs and token ids, keeps them on the returned message as
+`response_metadata["art"]` (see `ArtTokenData`) and records one `llm` span.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import LanguageModelInput
+from langchain_core.messages import BaseMessage
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from langchain_openai import ChatOpenAI
+from pydantic import model_validator
+
+from art_langgraph._llm_span import llm_span
+from art_langgraph._settings import get_settings
+from art_langgraph._token_data import ART_METADATA_KEY, chunk_token_data, choice_token_data, policy_step
+
+__all__ = ["ARTChatModel", "init_chat_model"]
+
+_ALIASES = {
+    "model": ("model", "model_name"),
+    "base_url": ("base_url", "openai_api_base"),
+    "api_key": ("api_key", "openai_api_key"),
+}
+
+
+class _StreamTokens:
+    """Gathers token data across stream chunks; puts `policy_step` on the first chunk only."""
+
+    def __init__(self) -> None:
+        self.aggregate: ChatGenerationChunk | None = None
+        self._step_given = False
+
+    def add(self, chunk: ChatGenerationChunk) -> ChatGenerationChunk:
+        art = chunk.message.response_metadata.get(ART_METADATA_KEY)
+        model = chunk.message.response_metadata.pop("_art_model", None)
+        if art is not None:
+            if model is not None and not self._step_given:
+                art["policy_step"] = policy_step(model)
+                self._step_given = True
+        self.aggregate = chunk if self.aggregate is None else self.aggregate + chunk
+        return chunk
+
+
+class ARTChatModel(ChatOpenAI):
+    """A `ChatOpenAI` for the ART trainer service that records exact tokens and traces calls.
+
+    Defaults come from `configure(...)` / `ART_TRAINER_URL`, `ART_MODEL`, `ART_API_KEY`
+    (api key `"EMPTY"` when none). The returned `AIMessage.response_metadata["art"]` holds
+    `prompt_token_ids`, `completion_token_ids`, `logprobs` and `policy_step`.
+    """
+
+    logprobs: bool | None = True
+    stream_usage: bool | None = True
+    use_responses_api: bool | None = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trainer_defaults(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        settings = get_settings()
+        defaults = {
+            "model": settings.model,
+            "base_url": settings.trainer_url,
+            "api_key": settings.api_key or "EMPTY",
+        }
+        values = dict(values)
+        for key, names in _ALIASES.items():
+            if not any(values.get(n) is not None for n in names):
+                values[key] = defaults[key]
+        return values
+
+    @property
+    def _llm_type(self) -> str:
+        return "art-chat"
+
+    def _get_request_payload(
+        self,
+        input_: LanguageModelInput,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> dict:
+        payload = super()._get_request_payload(input_, stop=stop, **kwargs)
+        payload["logprobs"] = True
+        payload["extra_body"] = {**(payload.get("extra_body") or {}), "return_token_ids": True}
+        return payload
+
+    def _create_chat_result(self, response: Any, generation_info: dict | None = None) -> ChatResult:
+        result = super()._create_chat_result(response, generation_info)
+        response_dict = response if isinstance(response, dict) else response.model_dump(warnings=False)
+        for generation, choice in zip(result.generations, response_dict.get("choices") or [], strict=False):
+            # ChatOpenAI shares one generation_info dict across choices; give each its own.
+            generation.generation_info = dict(generation.generation_info or {})
+            generation.message.response_metadata[ART_METADATA_KEY] = choice_token_data(response_dict, choice)
+        return result
+
+    def _convert_chunk_to_generation_chunk(
+        self,
+        chunk: dict,
+        default_chunk_class: type,
+        base_generation_info: dict | None,
+    ) -> ChatGenerationChunk | None:
+        generation_chunk = super()._convert_chunk_to_generation_chunk(chunk, default_chunk_class, base_generation_info)
+        data = chunk_token_data(chunk)
+        if generation_chunk is None:
+            if not any(data.values()):
+                return None
+            generation_chunk = ChatGenerationChunk(message=default_chunk_class(content=""))
+        generation_chunk.message.response_metadata[ART_METADATA_KEY] = data
+        if model := chunk.get("model"):
+            generation_chunk.message.response_metadata["_art_model"] = model
+        return generation_chunk
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        with llm_span(self._get_request_payload(messages, stop=stop, **kwargs)) as span:
+            result = super()._generate(messages, stop=stop, run_manager=run_manager, **kwargs)
+            span.record_result(result)
+            return result
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        with llm_span(self._get_request_payload(messages, stop=stop, **kwargs)) as span:
+            result = await super()._agenerate(messages, stop=stop, run_manager=run_manager, **kwargs)
+            span.record_result(result)
+            return result
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        tokens = _StreamTokens()
+        with llm_span(self._get_request_payload(messages, stop=stop, **kwargs)) as span:
+            try:
+                for chunk in super()._stream(messages, stop=stop, run_manager=run_manager, **kwargs):
+                    yield tokens.add(chunk)
+            finally:
+                if tokens.aggregate is not None:
+                    span.record_generation(tokens.aggregate)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        tokens = _StreamTokens()
+        with llm_span(self._get_request_payload(messages, stop=stop, **kwargs)) as span:
+            try:
+                async for chunk in super()._astream(messages, stop=stop, run_manager=run_manager, **kwargs):
+                    yield tokens.add(chunk)
+            finally:
+                if tokens.aggregate is not None:
+                    span.record_generation(tokens.aggregate)
+
+
+def init_chat_model(model: str | None = None, **kwargs: Any) -> ARTChatModel:
+    """Drop-in for LangChain's `init_chat_model`, returning an `ARTChatModel`.
+
+    Args:
+        model: Served model name (`name@latest`, `name@step`); default from settings.
+            An `openai:` or `art:` prefix is accepted and stripped.
+        **kwargs: Passed to `ARTChatModel` (e.g. `temperature`, `max_tokens`, `base_url`).
+
+    Raises:
+        ValueError: `model_provider` names a provider other than `openai` or `art`.
+    """
+    provider = kwargs.pop("model_provider", None)
+    if model and ":" in model and model.split(":", 1)[0] in ("openai", "art"):
+        provider, model = model.split(":", 1)
+    if provider not in (None, "openai", "art"):
+        raise ValueError(
+            f"init_chat_model: model_provider={provider!r} is not supported; ARTChatModel talks "
+            "to the ART trainer's OpenAI API. Drop model_provider or use 'openai'."
+        )
+    if model is not None:
+        kwargs["model"] = model
+    return ARTChatModel(**kwargs)

@@ -1,0 +1,89 @@
+"""Fixtures for the plugin tests: the OpenAI-compatible server, and spans kept in memory.
+
+`openai_url` / `served_model` read `ART_TEST_OPENAI_URL` / `ART_TEST_MODEL` (defaults: the
+session's vLLM server with the bundled SmolLM2, served as `smol`). Tests that need the server
+skip with a reason when it is unreachable.
+
+Async tests here are marked `asyncio(loop_scope="session")`: LangChain's OpenAI client caches
+its async HTTP client, which a fresh loop per test would find bound to a closed loop.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+
+# Keep exports to the (deliberately closed) collector short; set before the exporter exists.
+os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from art_langgraph import ARTChatModel, _tracing
+
+
+def closed_port() -> int:
+    """A local TCP port nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MemoryTracing:
+    """The plugin's pipeline pointed at a closed collector port, plus an in-memory exporter."""
+
+    def __init__(self) -> None:
+        self.exporter = InMemorySpanExporter()
+        self.collector_url = f"http://127.0.0.1:{closed_port()}"
+
+    def install(self) -> None:
+        """(Re)configure the plugin and attach the in-memory exporter to its provider."""
+        _tracing.configure(collector_url=self.collector_url)
+        _tracing.get_tracer_provider().add_span_processor(SimpleSpanProcessor(self.exporter))
+
+
+@pytest.fixture(scope="session")
+def openai_url() -> str:
+    """Base URL (`.../v1`) of an OpenAI-compatible server returning token ids; skip if down."""
+    url = os.environ.get("ART_TEST_OPENAI_URL", "http://127.0.0.1:8011/v1").rstrip("/")
+    try:
+        httpx.get(f"{url}/models", timeout=5.0).raise_for_status()
+    except httpx.HTTPError as exc:
+        pytest.skip(f"OpenAI-compatible server at {url} unreachable ({exc}); set ART_TEST_OPENAI_URL")
+    return url
+
+
+@pytest.fixture(scope="session")
+def served_model() -> str:
+    """Model name the server answers to."""
+    return os.environ.get("ART_TEST_MODEL", "smol")
+
+
+@pytest.fixture(scope="session")
+def memory_tracing() -> MemoryTracing:
+    """Session-wide tracing setup; tests that reconfigure call `.install()` afterwards."""
+    tracing = MemoryTracing()
+    tracing.install()
+    return tracing
+
+
+@pytest.fixture
+def spans(memory_tracing: MemoryTracing) -> Iterator[InMemorySpanExporter]:
+    """The in-memory exporter, emptied before the test."""
+    memory_tracing.exporter.clear()
+    yield memory_tracing.exporter
+
+
+@pytest.fixture
+def chat_model(openai_url: str, served_model: str) -> ARTChatModel:
+    """An `ARTChatModel` on the test server, short completions."""
+    return ARTChatModel(model=served_model, base_url=openai_url, max_tokens=16, temperature=1.0, max_retries=0)
+
+
+@pytest.fixture
+def dead_url() -> str:
+    """`http://127.0.0.1:<port>` with nothing listening on the port."""
+    return f"http://127.0.0.1:{closed_port()}"

@@ -1,0 +1,82 @@
+"""`gather`: n rollouts per input, one group per input, rewards from the callable."""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+import pytest
+from langgraph.graph import END, START, StateGraph
+
+from art_langgraph import ARTChatModel, gather, gather_sync, semconv
+
+
+class QA(TypedDict, total=False):
+    question: str
+    answer: str
+
+
+def qa_graph(model: ARTChatModel):
+    async def answer(state: QA) -> QA:
+        return {"answer": (await model.ainvoke(state["question"])).content}
+
+    g = StateGraph(QA)
+    g.add_node("answer", answer)
+    g.add_edge(START, "answer")
+    g.add_edge("answer", END)
+    return g.compile(name="qa")
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_gather_groups_n_rollouts_per_input(chat_model: ARTChatModel, spans) -> None:
+    inputs = [{"question": "What is 1+1?"}, {"question": "What is 2+2?"}]
+
+    async def score(inp: QA, out: QA) -> float:
+        return float(len(out["answer"]) % 3)
+
+    outputs = await gather(qa_graph(chat_model.bind(max_tokens=8)), inputs, n=3, reward=score, concurrency=4)
+    assert [len(o) for o in outputs] == [3, 3]
+    assert all(o["question"] == inp["question"] for inp, outs in zip(inputs, outputs) for o in outs)
+
+    finished = spans.get_finished_spans()
+    roots = [s for s in finished if s.attributes[semconv.SPAN_KIND] == semconv.SPAN_KIND_ROLLOUT]
+    assert len(roots) == 6
+    groups: dict[str, list] = {}
+    for s in roots:
+        groups.setdefault(s.attributes[semconv.GROUP], []).append(s)
+        assert s.attributes[semconv.GROUP_SIZE] == 3
+        assert s.attributes[semconv.TASK] == "qa"
+        (event,) = s.events
+        assert event.name == semconv.REWARD_EVENT and event.attributes[semconv.REWARD_VALUE] in (0.0, 1.0, 2.0)
+    assert sorted(len(v) for v in groups.values()) == [3, 3]
+    for members in groups.values():  # one input per group
+        assert len({s.attributes[semconv.METADATA] for s in members}) == 1
+    llm = [s for s in finished if s.attributes[semconv.SPAN_KIND] == semconv.SPAN_KIND_LLM]
+    assert sorted(s.attributes[semconv.ROLLOUT_ID] for s in llm) == sorted(
+        s.attributes[semconv.ROLLOUT_ID] for s in roots
+    )
+
+
+def test_gather_sync_with_sync_reward_and_split(spans) -> None:
+    class Echo:
+        name = "echo"
+
+        async def ainvoke(self, inp: int) -> int:
+            return inp * 2
+
+    out = gather_sync(Echo(), [1, 2], n=2, reward=lambda i, o: o - i, split="val", progress=False)
+    assert out == [[2, 2], [4, 4]]
+    roots = spans.get_finished_spans()
+    assert {s.attributes[semconv.SPLIT] for s in roots} == {"val"}
+    assert sorted(s.events[0].attributes[semconv.REWARD_VALUE] for s in roots) == [1.0, 1.0, 2.0, 2.0]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_gather_propagates_errors_and_validates(spans) -> None:
+    class Boom:
+        async def ainvoke(self, inp: int) -> int:
+            raise RuntimeError("graph failed")
+
+    with pytest.raises(RuntimeError, match="graph failed"):
+        await gather(Boom(), [1], n=2, progress=False)
+    with pytest.raises(ValueError, match="n >= 1"):
+        await gather(Boom(), [1], n=0)

@@ -1,0 +1,232 @@
+"""Rollouts: ids on every span inside (graphs, threads, concurrent tasks), rewards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import TypedDict
+
+import pytest
+from langgraph.graph import END, START, StateGraph
+
+import art_langgraph
+from art_langgraph import ARTChatModel, reward, rollout, semconv
+
+
+class State(TypedDict, total=False):
+    question: str
+    first: str
+    second: str
+
+
+def two_step_graph(
+    model: ARTChatModel, *, parallel: bool = False, sync: bool = False, threads: set[int] | None = None
+):
+    """A real StateGraph with two LLM-calling nodes (sequential, or fanned out in parallel).
+
+    Sync nodes add their thread's id to `threads` when given.
+    """
+    seen = threads if threads is not None else set()
+
+    if sync:
+        def first(state: State) -> State:
+            seen.add(threading.get_ident())
+            return {"first": model.invoke(state["question"]).content}
+
+        def second(state: State) -> State:
+            seen.add(threading.get_ident())
+            return {"second": model.invoke(f"Rephrase: {state['question']}").content}
+    else:
+        async def first(state: State) -> State:  # type: ignore[misc]
+            return {"first": (await model.ainvoke(state["question"])).content}
+
+        async def second(state: State) -> State:  # type: ignore[misc]
+            return {"second": (await model.ainvoke(f"Rephrase: {state['question']}")).content}
+
+    g = StateGraph(State)
+    g.add_node("first", first)
+    g.add_node("second", second)
+    if parallel:
+        g.add_edge(START, "first")
+        g.add_edge(START, "second")
+        g.add_edge("first", END)
+        g.add_edge("second", END)
+    else:
+        g.add_edge(START, "first")
+        g.add_edge("first", "second")
+        g.add_edge("second", END)
+    return g.compile()
+
+
+def spans_of(spans, kind: str) -> list:
+    return [s for s in spans.get_finished_spans() if s.attributes[semconv.SPAN_KIND] == kind]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_graph_in_rollout_tags_every_llm_span(chat_model: ARTChatModel, spans) -> None:
+    graph = two_step_graph(chat_model)
+    async with rollout("qa", group="g1", metadata={"k": 1}) as r:
+        await graph.ainvoke({"question": "What is 2+2?"})
+        r.reward(0.5)
+        r.reward(1, name="format")
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    llm = spans_of(spans, semconv.SPAN_KIND_LLM)
+    assert len(llm) == 2
+    assert len(r.id) == 32 and len(r.trace_id) == 32
+    assert root.attributes[semconv.ROLLOUT_ID] == r.id
+    assert root.attributes[semconv.GROUP] == "g1"
+    assert root.attributes[semconv.TASK] == "qa"
+    assert root.attributes[semconv.SPLIT] == "train"
+    assert json.loads(root.attributes[semconv.METADATA]) == {"k": 1}
+    assert root.parent is None and format(root.context.trace_id, "032x") == r.trace_id
+    for s in llm:
+        assert s.attributes[semconv.ROLLOUT_ID] == r.id
+        assert s.attributes[semconv.GROUP] == "g1"
+        assert s.attributes[semconv.TASK] == "qa"
+        assert s.context.trace_id == root.context.trace_id
+        assert s.parent.span_id == root.context.span_id
+    rewards = [(e.attributes[semconv.REWARD_NAME], e.attributes[semconv.REWARD_VALUE]) for e in root.events]
+    assert rewards == [("reward", 0.5), ("format", 1.0)]
+
+
+def test_sync_graph_in_thread_pool_keeps_rollout_id(chat_model: ARTChatModel, spans) -> None:
+    threads: set[int] = set()
+    graph = two_step_graph(chat_model, parallel=True, sync=True, threads=threads)
+    with rollout("qa-sync") as r:
+        assert art_langgraph.current_rollout() is r
+        graph.invoke({"question": "Name a fruit."})
+    assert art_langgraph.current_rollout() is None
+    llm = spans_of(spans, semconv.SPAN_KIND_LLM)
+    assert len(llm) == 2
+    assert {s.attributes[semconv.ROLLOUT_ID] for s in llm} == {r.id}
+    assert threads - {threading.get_ident()}, "LangGraph ran no node in its thread pool"
+
+
+def test_contextvar_follows_langchain_thread_pool(chat_model: ARTChatModel, spans) -> None:
+    """`batch` runs each input in LangChain's context-copying thread pool."""
+    main = threading.get_ident()
+    with rollout("batch") as r:
+        chat_model.batch(["A.", "B.", "C."], config={"max_concurrency": 3})
+    llm = spans_of(spans, semconv.SPAN_KIND_LLM)
+    assert len(llm) == 3 and {s.attributes[semconv.ROLLOUT_ID] for s in llm} == {r.id}
+    assert threading.get_ident() == main
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_concurrent_rollouts_never_mix_ids(chat_model: ARTChatModel, spans) -> None:
+    graph = two_step_graph(chat_model.bind(max_tokens=8))  # type: ignore[arg-type]
+
+    async def one(i: int) -> tuple[str, str]:
+        async with rollout("mix", group=f"g{i % 2}") as r:
+            await graph.ainvoke({"question": f"Say the number {i}."})
+            return r.id, r.trace_id
+
+    ids = await asyncio.gather(*(one(i) for i in range(8)))
+    assert len({rid for rid, _ in ids}) == 8
+    trace_of = dict(ids)
+    llm = spans_of(spans, semconv.SPAN_KIND_LLM)
+    assert len(llm) == 16
+    per_rollout: dict[str, int] = {}
+    for s in llm:
+        rid = s.attributes[semconv.ROLLOUT_ID]
+        assert format(s.context.trace_id, "032x") == trace_of[rid]
+        per_rollout[rid] = per_rollout.get(rid, 0) + 1
+    assert per_rollout == {rid: 2 for rid, _ in ids}
+
+
+def test_rollout_error_marks_span_and_propagates(spans) -> None:
+    with pytest.raises(KeyError):
+        with rollout("boom"):
+            raise KeyError("x")
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert root.status.status_code.name == "ERROR"
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_reward_rejects_non_finite(bad: float, spans) -> None:
+    with rollout("r") as r:
+        with pytest.raises(ValueError, match="finite"):
+            r.reward(bad)
+        with pytest.raises(ValueError, match="finite"):
+            reward(bad)
+    with pytest.raises(ValueError, match="finite"):
+        reward(bad, rollout_id="abc")
+
+
+def test_reward_validation_misc(spans) -> None:
+    with pytest.raises(RuntimeError, match="rollout_id"):
+        reward(1.0)
+    with rollout("r"):
+        with pytest.raises(TypeError):
+            reward("1")  # type: ignore[arg-type]
+        with pytest.raises(ValueError):
+            reward(1.0, name="")
+    with pytest.raises(RuntimeError, match="entered only once"):
+        r = rollout("twice")
+        with r:
+            with r:
+                pass
+
+
+def test_module_reward_inside_rollout_is_an_event(spans) -> None:
+    with rollout("r") as r:
+        reward(0.25, name="judge")
+        reward(2, rollout_id=r.id)
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert [(e.name, e.attributes[semconv.REWARD_VALUE]) for e in root.events] == [
+        (semconv.REWARD_EVENT, 0.25),
+        (semconv.REWARD_EVENT, 2.0),
+    ]
+
+
+class _Rewards(BaseHTTPRequestHandler):
+    received: list[tuple[str, dict, str | None]] = []
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.received.append((self.path, body, self.headers.get("Authorization")))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def reward_server(memory_tracing) -> Iterator[list]:
+    """A stand-in collector that records `POST /v1/rewards`; tracing is restored after."""
+    server = HTTPServer(("127.0.0.1", 0), _Rewards)
+    _Rewards.received = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    art_langgraph.configure(collector_url=f"http://127.0.0.1:{server.server_port}", api_key="sekret")
+    try:
+        yield _Rewards.received
+    finally:
+        server.shutdown()
+        memory_tracing.install()
+
+
+def test_reward_after_the_fact_posts_to_collector(reward_server: list) -> None:
+    with rollout("late") as r:
+        pass
+    reward(0.75, rollout_id=r.id, name="judge")
+    r.reward(1.0)  # the handle after exit also goes through the API
+    assert reward_server == [
+        ("/v1/rewards", {"rollout_id": r.id, "name": "judge", "value": 0.75}, "Bearer sekret"),
+        ("/v1/rewards", {"rollout_id": r.id, "name": "reward", "value": 1.0}, "Bearer sekret"),
+    ]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_areward_after_the_fact(reward_server: list) -> None:
+    async with rollout("late") as r:
+        pass
+    await art_langgraph.areward(0.5, rollout_id=r.id)
+    assert reward_server == [("/v1/rewards", {"rollout_id": r.id, "name": "reward", "value": 0.5}, "Bearer sekret")]

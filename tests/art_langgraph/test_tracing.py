@@ -1,0 +1,111 @@
+"""Tracing pipeline: private provider, OTLP/HTTP protobuf+gzip to the collector, never raises."""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+import art_langgraph
+from art_langgraph import ARTChatModel, _tracing, rollout, semconv
+
+
+class _OTLP(BaseHTTPRequestHandler):
+    received: list[tuple[str, dict[str, str], bytes]] = []
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.received.append((self.path, dict(self.headers), body))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+        self.wfile.write(b"")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def otlp_server(memory_tracing) -> Iterator[tuple[str, list]]:
+    server = HTTPServer(("127.0.0.1", 0), _OTLP)
+    _OTLP.received = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", _OTLP.received
+    finally:
+        server.shutdown()
+        memory_tracing.install()
+
+
+def test_spans_reach_collector_as_gzip_protobuf(otlp_server) -> None:
+    url, received = otlp_server
+    art_langgraph.configure(collector_url=url, api_key="k1")
+    with rollout("export") as r:
+        r.reward(1.0)
+    assert art_langgraph.flush(timeout=10)
+    path, headers, body = received[-1]
+    headers = {k.lower(): v for k, v in headers.items()}
+    assert path == "/v1/traces"
+    assert headers["content-type"] == "application/x-protobuf"
+    assert headers["content-encoding"] == "gzip"
+    assert headers["authorization"] == "Bearer k1"
+    request = ExportTraceServiceRequest.FromString(gzip.decompress(body))
+    (span,) = [s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    attrs = {a.key: a.value for a in span.attributes}
+    assert attrs[semconv.ROLLOUT_ID].string_value == r.id
+    assert span.trace_id.hex() == r.trace_id
+    assert span.events[0].name == semconv.REWARD_EVENT
+
+
+def test_global_tracer_provider_is_not_replaced(memory_tracing) -> None:
+    before = trace.get_tracer_provider()
+    memory_tracing.install()
+    assert trace.get_tracer_provider() is before
+    assert _tracing.get_tracer_provider() is not before
+
+
+def test_down_collector_never_raises(memory_tracing, dead_url, chat_model: ARTChatModel) -> None:
+    art_langgraph.configure(collector_url=dead_url)
+    try:
+        dropped = _tracing.dropped_spans()
+        with rollout("offline") as r:
+            chat_model.invoke("Hello?")
+            r.reward(1.0)
+        start = time.monotonic()
+        art_langgraph.flush(timeout=3)  # bounded even though every export fails
+        assert time.monotonic() - start < 4
+        deadline = time.monotonic() + 10
+        while _tracing.dropped_spans() == dropped and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _tracing.dropped_spans() >= dropped + 2
+    finally:
+        memory_tracing.install()
+
+
+def test_flush_is_bounded_and_exporter_errors_are_counted(memory_tracing) -> None:
+    class Hanging(SpanExporter):
+        def export(self, spans):  # type: ignore[no-untyped-def]
+            time.sleep(2)
+            raise RuntimeError("exporter bug")
+
+    counting = _tracing._CountingExporter(Hanging(), "hanging")
+    _tracing.get_tracer_provider().add_span_processor(BatchSpanProcessor(counting))
+    try:
+        with rollout("slow"):
+            pass
+        start = time.monotonic()
+        assert art_langgraph.flush(timeout=0.5) is False
+        assert time.monotonic() - start < 1.5
+        deadline = time.monotonic() + 15
+        while counting.dropped == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert counting.dropped == 1  # the exporter's exception was caught and counted
+    finally:
+        memory_tracing.install()  # replaces the provider that holds the hanging exporter
