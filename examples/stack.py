@@ -1,0 +1,140 @@
+"""Start the collector and the trainer service as child processes, for demos and tests.
+
+This is what a user does in two terminals (`art-collector serve`, `art-trainer serve`),
+wrapped so a script can bring both up, wait until they answer, and stop them at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    """Return a TCP port on localhost that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Service:
+    """A running child service and where it logs."""
+
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        """Return the last lines of the service's log."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the service (SIGTERM, then SIGKILL) and its children."""
+        if self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def _console_script(name: str) -> str:
+    """Find a console script next to this interpreter, else on PATH."""
+    candidate = Path(sys.executable).with_name(name)
+    found = str(candidate) if candidate.exists() else shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} is not installed: run `pip install -e .` (or `make setup`).")
+    return found
+
+
+def start_service(
+    name: str, args: Sequence[str], health_url: str, url: str, log: Path, timeout: float, env: dict[str, str] | None = None
+) -> Service:
+    """Start `name serve ARGS` and wait until `health_url` answers 200."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [_console_script(name), "serve", *args],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+    service = Service(name, url, process, log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode} while starting:\n{service.log_tail()}")
+        try:
+            if httpx.get(health_url, timeout=2.0).status_code == 200:
+                return service
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    service.stop()
+    raise TimeoutError(f"{name} did not answer {health_url} within {timeout:.0f} s:\n{service.log_tail()}")
+
+
+@contextmanager
+def running_stack(
+    workdir: Path,
+    *,
+    name: str = "agent",
+    base_model: str = "SmolLM2-135M-Instruct",
+    trainer_args: Sequence[str] = (),
+    collector_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> Iterator[tuple[Service, Service]]:
+    """Run a collector (SQLite in `workdir`) and a trainer (vLLM + LoRA GRPO) until exit."""
+    collector_port, trainer_port, vllm_port = free_port(), free_port(), free_port()
+    collector_url = f"http://127.0.0.1:{collector_port}"
+    collector = start_service(
+        "art-collector",
+        ["--port", str(collector_port), "--db", f"sqlite:///{workdir / 'collector.db'}", *collector_args],
+        f"{collector_url}/health",
+        collector_url,
+        workdir / "collector.log",
+        timeout=60,
+        env=env,
+    )
+    try:
+        trainer_url = f"http://127.0.0.1:{trainer_port}"
+        trainer = start_service(
+            "art-trainer",
+            [
+                "--port", str(trainer_port),
+                "--vllm-port", str(vllm_port),
+                "--collector", collector_url,
+                "--base-model", base_model,
+                "--name", name,
+                "--output-dir", str(workdir / "trainer"),
+                *trainer_args,
+            ],
+            f"{trainer_url}/v1/status",
+            trainer_url,
+            workdir / "trainer.log",
+            timeout=600,
+            env=env,
+        )
+        try:
+            yield collector, trainer
+        finally:
+            trainer.stop()
+    finally:
+        collector.stop()

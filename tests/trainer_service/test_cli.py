@@ -1,0 +1,48 @@
+"""`art-trainer` flags, environment variables and settings validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainer_service.cli import build_parser, main, settings_from_args
+from trainer_service.config import TrainerSettings
+
+
+def parse(*argv: str) -> tuple[TrainerSettings, object]:
+    return settings_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ART_TRAINER_PORT", "9100")
+    monkeypatch.setenv("ART_TRAINER_NAME", "envname")
+    monkeypatch.setenv("ART_API_KEY", "k")
+    settings, grpo = parse("--name", "cli", "--learning-rate", "2e-4", "--loss", "cispo", "--vllm-arg=--enforce-eager")
+    assert settings.port == 9100 and settings.name == "cli" and settings.api_key == "k"
+    assert settings.run_dir == Path("runs/cli") and settings.vllm_args == ["--enforce-eager"]
+    assert grpo.learning_rate == 2e-4 and grpo.loss == "cispo"  # type: ignore[attr-defined]
+    settings, _ = parse("--port", "7", "--output-dir", "/tmp/x")
+    assert settings.port == 7 and settings.run_dir == Path("/tmp/x")
+
+
+def test_trainer_url_variable_is_not_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ART_TRAINER_URL", "http://elsewhere")  # the plugin's variable
+    assert TrainerSettings().collector == "http://localhost:4318"
+
+
+def test_bad_values_exit_with_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--lora-r", "16"])
+    assert "Raise --max-lora-rank to 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--learning-rate", "-1"])
+    assert "learning_rate=-1.0 must be positive" in capsys.readouterr().err
+
+
+def test_help_lists_env_and_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--base-model", "--collector", "--vllm-port", "--learning-rate", "ART_TRAINER_VLLM_PORT"):
+        assert flag in text

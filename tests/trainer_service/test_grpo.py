@@ -1,0 +1,114 @@
+"""GRPO maths against hand-computed values on small tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer_service.config import GRPOConfig
+from trainer_service.grpo import (
+    POLICY_LOSSES,
+    cispo_loss,
+    group_advantages,
+    policy_loss,
+    ppo_loss,
+    token_logprobs,
+    trajectory_token_weights,
+)
+
+
+def test_group_advantages_scaled_and_unscaled() -> None:
+    rewards = torch.tensor([0.0, 1.0])
+    # mean 0.5, population std 0.5 → ±1 (minus the eps effect)
+    assert torch.allclose(group_advantages(rewards, eps=0.0), torch.tensor([-1.0, 1.0]))
+    assert torch.allclose(group_advantages(rewards, scale=False), torch.tensor([-0.5, 0.5]))
+    r = torch.tensor([1.0, 2.0, 3.0, 6.0])  # mean 3, std sqrt((4+1+0+9)/4)=sqrt(3.5)
+    expected = (r - 3.0) / (math.sqrt(3.5) + 1e-6)
+    assert torch.allclose(group_advantages(r), expected)
+
+
+def test_group_advantages_zero_spread_is_zero() -> None:
+    assert torch.equal(group_advantages(torch.tensor([0.7, 0.7, 0.7])), torch.zeros(3))
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        group_advantages(torch.tensor([]))
+
+
+def test_token_logprobs_matches_log_softmax() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(5, 7)
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    got = token_logprobs(logits, ids)
+    expected = torch.stack([torch.log_softmax(logits[t], -1)[ids[t + 1]] for t in range(4)])
+    assert got.shape == (4,)
+    assert torch.allclose(got, expected, atol=1e-6)
+    # Uniform logits: every token has log(1/7).
+    assert torch.allclose(token_logprobs(torch.zeros(3, 7), torch.tensor([0, 1, 2])), torch.full((2,), -math.log(7)))
+
+
+def test_ppo_ratio_is_exactly_one_on_policy() -> None:
+    new = torch.tensor([-0.3, -1.2, -2.0], requires_grad=True)
+    out = ppo_loss(new, new.detach().clone(), torch.tensor(1.5), 0.2, 0.2)
+    assert torch.equal(out.ratio, torch.ones(3))
+    assert not out.clipped.any()
+    assert torch.allclose(out.loss, torch.full((3,), -1.5))
+    out.loss.sum().backward()
+    # d/dnew of -ratio*A at ratio 1 = -A
+    assert torch.allclose(new.grad, torch.full((3,), -1.5))
+
+
+def test_ppo_clipping_engages() -> None:
+    old = torch.zeros(4)
+    new = torch.log(torch.tensor([1.5, 0.5, 1.5, 0.5])).requires_grad_()
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    out = ppo_loss(new, old, adv, 0.2, 0.2)
+    # ratio 1.5, A>0 → clipped at 1.2; ratio 0.5, A>0 → unclipped 0.5 (min picks it);
+    # ratio 1.5, A<0 → unclipped -1.5; ratio 0.5, A<0 → clipped at 0.8 → -0.8.
+    assert torch.allclose(out.loss, torch.tensor([-1.2, -0.5, 1.5, 0.8]), atol=1e-6)
+    assert out.clipped.tolist() == [True, False, False, True]
+    out.loss.sum().backward()
+    assert new.grad[0] == 0 and new.grad[3] == 0  # clipped tokens carry no gradient
+    assert new.grad[1] != 0 and new.grad[2] != 0
+
+
+def test_cispo_keeps_gradient_of_clipped_tokens() -> None:
+    old = torch.zeros(2)
+    new = torch.log(torch.tensor([2.0, 0.5])).requires_grad_()
+    out = cispo_loss(new, old, torch.tensor(1.0), 0.2, 0.3)
+    # weight = min(ratio, 1.3), detached: [1.3, 0.5]; loss = -w * A * logp
+    assert torch.allclose(out.loss, torch.tensor([-1.3 * math.log(2.0), -0.5 * math.log(0.5)]), atol=1e-6)
+    assert out.clipped.tolist() == [True, False]
+    out.loss.sum().backward()
+    assert torch.allclose(new.grad, torch.tensor([-1.3, -0.5]))
+
+
+def test_policy_loss_masks_weights_and_metrics() -> None:
+    new = torch.tensor([-1.0, -2.0, -3.0, -4.0], requires_grad=True)
+    old = torch.tensor([999.0, -2.0, -3.0, float("nan")])  # prompt placeholder and a missing logprob
+    mask = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    out = policy_loss("ppo", new, old, 2.0, mask, 0.25)
+    # on-policy everywhere that counts: loss per token = -2, 3 tokens, weight 0.25
+    assert math.isclose(float(out.loss.detach()), -1.5, rel_tol=1e-6)
+    assert out.tokens == 3 and out.clipped_tokens == 0 and out.ratio_sum == 3
+    with pytest.raises(ValueError, match="unknown policy loss"):
+        policy_loss("nope", new, old, 1.0, mask, 1.0)
+
+
+def test_trajectories_weigh_equally() -> None:
+    # 2 tokens and 4 tokens: each trajectory's tokens sum to 1/2.
+    assert trajectory_token_weights([2, 4]) == [0.25, 0.125]
+    assert trajectory_token_weights([0, 5]) == [0.0, 0.2]
+    with pytest.raises(ValueError):
+        trajectory_token_weights([0])
+
+
+def test_registry_and_config_validation() -> None:
+    assert set(POLICY_LOSSES) == {"ppo", "cispo"}
+    assert GRPOConfig(loss="cispo", epsilon_high=0.28).upper_epsilon == 0.28
+    with pytest.raises(ValueError, match=r"loss='dpo'.*\['cispo', 'ppo'\]"):
+        GRPOConfig(loss="dpo")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="learning_rate=0"):
+        GRPOConfig(learning_rate=0)
+    with pytest.raises(ValueError, match="epsilon=1.5"):
+        GRPOConfig(epsilon=1.5)

@@ -1,0 +1,168 @@
+"""TrainerService without vLLM: a fake engine, the tiny Llama trainer and a mock collector."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from collector.protocol import Batch
+
+from tests.trainer_service.test_training import group, make_trainer
+
+from trainer_service.config import GRPOConfig, TrainerSettings
+from trainer_service.engine import EngineError, VLLMEngine
+from trainer_service.protocol import ServiceError
+from trainer_service.service import TrainerService
+
+
+class FakeEngine:
+    """Stands in for VLLMEngine: records loaded adapters."""
+
+    served_name = "base-model"
+    base_url = "http://fake"
+    pid = None
+    restarts = 0
+
+    def __init__(self) -> None:
+        self.adapters: dict[str, str] = {}
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def healthy(self) -> bool:
+        return True
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        self.adapters[name] = str(path)
+
+
+def make_service(tmp_path: Path, batches: list[Batch], acks: list[tuple[str, dict]]) -> TrainerService:
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/batches":
+            batch = batches.pop(0) if batches else Batch(id="none", groups=[], lease_expires_at=0)
+            return httpx.Response(200, json=batch.model_dump())
+        acks.append((request.url.path.split("/")[3], json.loads(request.content)))
+        return httpx.Response(200, json={})
+
+    settings = TrainerSettings(output_dir=tmp_path, name="agent")
+    service = TrainerService(settings, GRPOConfig(), FakeEngine(), make_trainer,  # type: ignore[arg-type]
+                             collector_transport=httpx.MockTransport(handle))
+    service.start()
+    return service
+
+
+async def test_train_once_publishes_and_names_models(tmp_path: Path) -> None:
+    acks: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, acks)
+    assert service.resolve("agent@latest") == "base-model" and service.resolve("agent") == "base-model"
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    assert info.value.status == 409 and info.value.body.error.code == "no_batch_ready"
+
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    result = await service.train_once()
+    assert result.model == "agent@1" and acks == [("b1", {"policy_step": 1})]
+    assert service.resolve("agent@latest") == "agent@1"
+    assert service.served_models() == ["base-model", "agent@1", "agent@latest"]
+    with pytest.raises(ServiceError) as info:
+        service.resolve("other")
+    assert info.value.status == 404 and info.value.body.error.param == "model"
+    line = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert line["step"] == 1 and line["batch_id"] == "b1" and "loss/policy" in line
+    status = await service.status()
+    assert status.step == 1 and status.latest_model == "agent@1" and status.last_metrics["step"] == 1
+    await service.aclose()
+
+    # A restarted service resumes: checkpoints are re-served and the step count continues.
+    restarted = make_service(tmp_path, [], [])
+    assert restarted.served_models() == ["base-model", "agent@1", "agent@latest"]
+    assert restarted.trainer is not None and restarted.trainer.step_count == 1
+    await restarted.aclose()
+
+
+async def test_nothing_trainable_is_422_and_acked(tmp_path: Path) -> None:
+    acks: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, acks)
+    assert service.trainer is not None
+    batches.append(Batch(id="flat", groups=[group(service.trainer, (0.5, 0.5))], lease_expires_at=0))
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    assert info.value.status == 422 and "no_reward_spread=1" in info.value.body.error.message
+    assert acks == [("flat", {"policy_step": None})]
+    assert service.steps == [] and service.last_error is not None
+    await service.aclose()
+
+
+async def test_one_step_at_a_time(tmp_path: Path) -> None:
+    service = make_service(tmp_path, [], [])
+    async with service._lock:
+        with pytest.raises(ServiceError) as info:
+            await service.train_once()
+    assert info.value.status == 409 and info.value.body.error.code == "training_in_progress"
+    await service.aclose()
+
+
+async def test_collector_down_is_502(tmp_path: Path) -> None:
+    settings = TrainerSettings(output_dir=tmp_path, collector="http://127.0.0.1:9")
+    service = TrainerService(settings, GRPOConfig(), FakeEngine(), make_trainer)  # type: ignore[arg-type]
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    assert info.value.status == 502 and "art-collector serve" in info.value.body.error.message
+    await service.aclose()
+
+
+def test_engine_death_reports_log_tail(tmp_path: Path) -> None:
+    class Dying(VLLMEngine):
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", "print('CUDA out of cheese'); raise SystemExit(3)"]
+
+    engine = Dying("model", "base", 18999, log_path=tmp_path / "vllm.log")
+    with pytest.raises(EngineError, match=r"(?s)exited with code 3.*out of cheese"):
+        engine.start()
+    engine.stop()  # idempotent
+
+
+_FAKE_VLLM = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def _ok(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+    def do_GET(self): self._ok()
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        print("POST", self.path, body.decode(), flush=True); self._ok()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_engine_restarts_and_reloads_adapters(tmp_path: Path) -> None:
+    class Fake(VLLMEngine):
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", _FAKE_VLLM, str(self.port)]
+
+    engine = Fake("model", "base", 18997, log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.start()
+    try:
+        engine.load_adapter("agent@1", tmp_path)
+        assert engine.ensure_running() is False
+        old_pid = engine.pid
+        assert old_pid is not None
+        os.kill(old_pid, signal.SIGKILL)
+        engine._proc.wait()  # type: ignore[union-attr]
+        assert engine.ensure_running() is True
+        assert engine.restarts == 1 and engine.pid != old_pid and engine.healthy()
+        assert engine.log_tail(200).count('"lora_name":"agent@1"') == 2  # loaded, then re-loaded
+    finally:
+        engine.stop()
+    assert not engine.is_alive()

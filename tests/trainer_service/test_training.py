@@ -1,0 +1,167 @@
+"""LoRATrainer on a tiny random Llama (vocab shared with the bundled tokenizer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from collector.protocol import Group, Sequence, Trajectory
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainer_service.config import GRPOConfig
+from trainer_service.grpo import token_logprobs
+from trainer_service.training import LoRATrainer, NothingTrainableError
+
+PROMPT = [1, 104, 2003, 42, 7, 311]
+GOOD = [900, 901, 902, 2]
+BAD = [1500, 1501, 2]
+
+
+def tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+def make_trainer(**overrides: object) -> LoRATrainer:
+    config = GRPOConfig(**{"learning_rate": 5e-3, **overrides})  # type: ignore[arg-type]
+    return LoRATrainer(tiny_model(), config, base_model="tiny-llama")
+
+
+def seq_logprobs(trainer: LoRATrainer, ids: list[int]) -> list[float]:
+    """Current policy log-probs of `ids` (what an engine sampling this policy reports)."""
+    trainer.model.eval()
+    with torch.no_grad():
+        logits = trainer.model(input_ids=torch.tensor([ids])).logits[0]
+    return token_logprobs(logits, torch.tensor(ids)).tolist()
+
+
+def trajectory(trainer: LoRATrainer, completion: list[int], reward: float | None, tid: str) -> Trajectory:
+    ids = PROMPT + completion
+    lps = seq_logprobs(trainer, ids)
+    logprobs: list[float | None] = [None] * len(PROMPT) + lps[len(PROMPT) - 1 :]
+    mask = [0] * len(PROMPT) + [1] * len(completion)
+    return Trajectory(
+        id=tid,
+        trace_id="0" * 32,
+        group_id="g",
+        sequences=[Sequence(token_ids=ids, logprobs=logprobs, assistant_mask=mask)],
+        reward=reward,
+    )
+
+
+def group(trainer: LoRATrainer, rewards: tuple[float | None, float | None], gid: str = "g") -> Group:
+    return Group(
+        id=gid,
+        trajectories=[trajectory(trainer, GOOD, rewards[0], f"{gid}-a"), trajectory(trainer, BAD, rewards[1], f"{gid}-b")],
+    )
+
+
+def lora_params(trainer: LoRATrainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+
+
+def test_step_changes_only_the_adapter() -> None:
+    trainer = make_trainer()
+    before = lora_params(trainer)
+    base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    metrics = trainer.step([group(trainer, (1.0, 0.0))])
+    after = lora_params(trainer)
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+    assert all(torch.equal(p, base_before[n]) for n, p in trainer.model.named_parameters() if "lora_" not in n)
+    assert metrics["step"] == 1 and trainer.step_count == 1
+    assert metrics["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy data
+    assert metrics["loss/clip_fraction"] == 0.0
+    assert metrics["reward/mean"] == 0.5
+    assert metrics["grad/norm"] > 0
+
+
+def test_only_assistant_tokens_count() -> None:
+    trainer = make_trainer()
+    g = group(trainer, (1.0, 0.0))
+    # Garbage engine logprobs on prompt positions must not matter.
+    g_noisy = g.model_copy(deep=True)
+    for t in g_noisy.trajectories:
+        seq = t.sequences[0]
+        seq.logprobs = [-50.0 if m == 0 else lp for lp, m in zip(seq.logprobs, seq.assistant_mask, strict=True)]
+    items_clean, _ = trainer._prepare([g])
+    items_noisy, _ = trainer._prepare([g_noisy])
+    metrics = trainer.step([g_noisy])
+    assert metrics["data/assistant_tokens"] == len(GOOD) + len(BAD)
+    assert metrics["data/tokens"] == 2 * len(PROMPT) + len(GOOD) + len(BAD)
+    for clean, noisy in zip(items_clean, items_noisy, strict=True):
+        assert torch.equal(clean.mask, noisy.mask)
+        assert clean.mask.tolist() == [0.0] * (len(PROMPT) - 1) + [1.0] * (len(clean.token_ids) - len(PROMPT))
+    assert metrics["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_zero_spread_groups_are_skipped() -> None:
+    trainer = make_trainer()
+    metrics = trainer.step([group(trainer, (1.0, 0.0), "a"), group(trainer, (0.5, 0.5), "b")])
+    assert metrics["data/groups"] == 2
+    assert metrics["data/groups_trained"] == 1
+    assert metrics["data/skipped/no_reward_spread"] == 1
+    assert metrics["data/trajectories"] == 2
+
+
+def test_nothing_trainable_raises_readably() -> None:
+    trainer = make_trainer()
+    with pytest.raises(NothingTrainableError, match="no_reward_spread=1.*too_few_trajectories=1"):
+        trainer.step([group(trainer, (0.5, 0.5), "a"), group(trainer, (1.0, None), "b")])
+    with pytest.raises(NothingTrainableError, match="no groups given"):
+        trainer.step([])
+    assert trainer.step_count == 0
+
+
+def test_rewarded_completion_gains_probability() -> None:
+    trainer = make_trainer(learning_rate=2e-3)
+
+    def total(ids: list[int]) -> float:
+        return sum(seq_logprobs(trainer, PROMPT + ids)[len(PROMPT) - 1 :])
+
+    good0, bad0 = total(GOOD), total(BAD)
+    for _ in range(4):
+        trainer.step([group(trainer, (1.0, 0.0))])  # fresh on-policy logprobs each step
+    good1, bad1 = total(GOOD), total(BAD)
+    assert good1 > good0 + 0.5, (good0, good1)
+    assert bad1 < bad0 - 0.5, (bad0, bad1)
+
+
+def test_cispo_learns_too() -> None:
+    trainer = make_trainer(loss="cispo", learning_rate=2e-3)
+    before = sum(seq_logprobs(trainer, PROMPT + GOOD)[len(PROMPT) - 1 :])
+    for _ in range(3):
+        trainer.step([group(trainer, (1.0, 0.0))])
+    assert sum(seq_logprobs(trainer, PROMPT + GOOD)[len(PROMPT) - 1 :]) > before
+
+
+def test_save_is_atomic_and_resumable(tmp_path: Path) -> None:
+    trainer = make_trainer()
+    metrics = trainer.step([group(trainer, (1.0, 0.0))])
+    path = trainer.save(tmp_path / "checkpoints" / "step-1", batch_id="batch-7")
+    names = {p.name for p in path.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "manifest.json"} <= names
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["step"] == 1 and manifest["batch_id"] == "batch-7"
+    assert manifest["base_model"] == "tiny-llama" and manifest["config"]["lora_r"] == 8
+    assert manifest["metrics"]["loss/policy"] == metrics["loss/policy"]
+    assert [p.name for p in path.parent.iterdir()] == ["step-1"]  # no temp folder left
+    with pytest.raises(FileExistsError):
+        trainer.save(path)
+
+    fresh = make_trainer()
+    fresh.resume(path)
+    assert fresh.step_count == 1
+    saved, restored = lora_params(trainer), lora_params(fresh)
+    assert all(torch.equal(saved[n], restored[n]) for n in saved)

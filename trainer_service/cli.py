@@ -1,0 +1,122 @@
+"""`art-trainer`: command line of the trainer service.
+
+`art-trainer serve` starts vLLM with the base model, the LoRA trainer and the OpenAI-compatible
+API. Flags override `ART_TRAINER_*` environment variables, which override the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from trainer_service.config import GRPOConfig, TrainerSettings
+
+__all__ = ["build_parser", "main", "settings_from_args"]
+
+# flag → TrainerSettings field (help text comes from the field's description)
+_SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
+    "--host": ("host", str),
+    "--port": ("port", int),
+    "--base-model": ("base_model", str),
+    "--name": ("name", str),
+    "--collector": ("collector", str),
+    "--output-dir": ("output_dir", str),
+    "--vllm-port": ("vllm_port", int),
+    "--vllm-dtype": ("vllm_dtype", str),
+    "--kv-cache-gib": ("kv_cache_gib", float),
+    "--max-model-len": ("max_model_len", int),
+    "--max-lora-rank": ("max_lora_rank", int),
+    "--max-loras": ("max_loras", int),
+    "--vllm-startup-timeout": ("vllm_startup_timeout", float),
+    "--batch-groups": ("batch_groups", int),
+}
+
+# flag → GRPOConfig field (help text comes from the field's metadata)
+_GRPO_FLAGS: dict[str, tuple[str, type]] = {
+    "--learning-rate": ("learning_rate", float),
+    "--loss": ("loss", str),
+    "--epsilon": ("epsilon", float),
+    "--epsilon-high": ("epsilon_high", float),
+    "--max-grad-norm": ("max_grad_norm", float),
+    "--weight-decay": ("weight_decay", float),
+    "--lora-r": ("lora_r", int),
+    "--lora-alpha": ("lora_alpha", int),
+    "--lora-dropout": ("lora_dropout", float),
+    "--micro-batch-size": ("micro_batch_size", int),
+    "--max-seq-len": ("max_seq_len", int),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the `art-trainer` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="art-trainer",
+        description="Serve a model with vLLM and train LoRA checkpoints on it with GRPO.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="Start vLLM, the trainer and the OpenAI-compatible API.",
+        description="Serve the base model and its checkpoints (`NAME@N`, `NAME@latest`) through an "
+        "OpenAI-compatible API, and train on batches from the collector on `POST /v1/train`. Every flag "
+        "overrides its ART_TRAINER_* environment variable; ART_API_KEY sets the API key.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    service = serve.add_argument_group("service (env ART_TRAINER_<FIELD>)")
+    for flag, (name, kind) in _SETTINGS_FLAGS.items():
+        info = TrainerSettings.model_fields[name]
+        default = "runs/<name>" if name == "output_dir" else info.default
+        env = f"ART_TRAINER_{name.upper()}"
+        # SUPPRESS: an absent flag leaves the attribute unset, so the environment decides.
+        service.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS,
+                             help=f"{info.description} [env {env}, default: {default}]")
+    service.add_argument(
+        "--vllm-arg", dest="vllm_args", action="append", default=argparse.SUPPRESS, metavar="ARG",
+        help="Extra argument passed to vLLM as is; repeat for several (e.g. --vllm-arg=--enforce-eager).",
+    )
+    grpo = serve.add_argument_group("GRPO")
+    defaults = {f.name: f.default for f in fields(GRPOConfig)}
+    for flag, (name, kind) in _GRPO_FLAGS.items():
+        extra: dict[str, Any] = {"choices": ["ppo", "cispo"]} if name == "loss" else {}
+        grpo.add_argument(flag, dest=name, type=kind, default=defaults[name], help=GRPOConfig.help(name), **extra)
+    grpo.add_argument("--no-scale-rewards", dest="scale_rewards", action="store_false",
+                      help="Do not divide advantages by the group's reward standard deviation.")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> tuple[TrainerSettings, GRPOConfig]:
+    """Build the settings (flags over environment) and the GRPO config from parsed flags."""
+    overrides = {name: getattr(args, name) for name, _ in _SETTINGS_FLAGS.values() if hasattr(args, name)}
+    if hasattr(args, "vllm_args"):
+        overrides["vllm_args"] = args.vllm_args
+    settings = TrainerSettings(**overrides)
+    grpo_values = {name: getattr(args, name) for name, _ in _GRPO_FLAGS.values()}
+    grpo = GRPOConfig(scale_rewards=args.scale_rewards, **grpo_values)
+    grpo.check_against(settings)
+    return settings, grpo
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the `art-trainer` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings, grpo = settings_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from trainer_service.server import create_app
+
+    app = create_app(settings, grpo)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""GRPO maths as pure tensor functions: advantages, token log-probs and the policy losses.
+
+Nothing here knows about models, batches or HTTP; the trainer orchestrates. Conventions:
+
+* Per-token tensors are 1-D and aligned: entry `t` is about token `t + 1` of a sequence
+  (the first token has no prediction).
+* `mask` is 1.0 on assistant (sampled) tokens and 0.0 elsewhere.
+* `weight` is each token's share of the step's loss. `trajectory_token_weights` gives every
+  trajectory the same total weight, split evenly over its assistant tokens, so the step's loss
+  is the mean over trajectories of each trajectory's mean token loss.
+
+Policy losses live in the `POLICY_LOSSES` registry (name → function); add a variant by
+registering a function with the `PolicyLossFn` signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "POLICY_LOSSES",
+    "PolicyLossFn",
+    "PolicyLossOutput",
+    "TokenLosses",
+    "cispo_loss",
+    "group_advantages",
+    "policy_loss",
+    "ppo_loss",
+    "token_logprobs",
+    "trajectory_token_weights",
+]
+
+
+def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Return GRPO advantages of one group: `(r - mean(r)) / (std(r) + eps)`.
+
+    Args:
+        rewards: 1-D tensor, one reward per trajectory of the group.
+        scale: divide by the standard deviation (population, not sample); False keeps `r - mean(r)`.
+        eps: added to the standard deviation so a near-constant group does not explode.
+
+    Returns:
+        A float tensor shaped like `rewards`; all zeros when the rewards have no spread.
+    """
+    rewards = rewards.to(torch.float32)
+    if rewards.ndim != 1 or rewards.numel() == 0:
+        raise ValueError(f"rewards must be a non-empty 1-D tensor, got shape {tuple(rewards.shape)}")
+    centred = rewards - rewards.mean()
+    if not scale:
+        return centred
+    return centred / (rewards.std(correction=0) + eps)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Return the log-probability of each token under the logits of the position before it.
+
+    Args:
+        logits: `[seq, vocab]` (or `[batch, seq, vocab]`) logits of a causal LM.
+        token_ids: `[seq]` (or `[batch, seq]`) token ids that produced the logits.
+
+    Returns:
+        `[seq - 1]` (or `[batch, seq - 1]`) float32 log-probs of tokens `1..seq-1`.
+    """
+    if logits.shape[:-1] != token_ids.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match token_ids {tuple(token_ids.shape)}")
+    shifted = logits[..., :-1, :].float()
+    targets = token_ids[..., 1:].unsqueeze(-1)
+    picked = shifted.gather(-1, targets).squeeze(-1)
+    return picked - torch.logsumexp(shifted, dim=-1)
+
+
+def trajectory_token_weights(assistant_tokens: Sequence[int]) -> list[float]:
+    """Return each trajectory's per-token weight so that every trajectory counts equally.
+
+    Args:
+        assistant_tokens: number of assistant tokens of each trajectory in the step.
+
+    Returns:
+        `1 / (tokens_i * n)` per trajectory; a trajectory without tokens gets 0.
+    """
+    counted = [n for n in assistant_tokens if n > 0]
+    if not counted:
+        raise ValueError("no trajectory has an assistant token: nothing to weight")
+    return [1.0 / (n * len(counted)) if n > 0 else 0.0 for n in assistant_tokens]
+
+
+@dataclass(frozen=True)
+class TokenLosses:
+    """What a policy loss computes for each token."""
+
+    loss: torch.Tensor
+    """Per-token loss (differentiable through the new log-probs)."""
+    ratio: torch.Tensor
+    """Importance ratio `exp(new - old)` per token (detached)."""
+    clipped: torch.Tensor
+    """True where the clip bound was active for the token."""
+
+
+PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float], TokenLosses]
+"""`(new_logprobs, old_logprobs, advantages, epsilon, epsilon_high) -> TokenLosses`."""
+
+
+def ppo_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon: float,
+    epsilon_high: float,
+) -> TokenLosses:
+    """PPO's clipped surrogate: `-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)`.
+
+    The ratio is taken against the engine's sampled log-probs, so the first step on fresh data
+    has ratio 1 and the clip only engages as the policy drifts inside a step (or when the engine
+    and the trainer disagree).
+    """
+    ratio = torch.exp(new_logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped_ratio = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
+    clipped = clipped_ratio * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    active = (clipped < unclipped).detach()
+    return TokenLosses(loss=loss, ratio=ratio.detach(), clipped=active)
+
+
+def cispo_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon: float,
+    epsilon_high: float,
+) -> TokenLosses:
+    """CISPO (MiniMax-M1): `-sg(min(ratio, 1 + eps_high)) * A * log pi`.
+
+    The importance weight is clipped and detached, so every token keeps a gradient (PPO drops
+    the gradient of clipped tokens). Only the upper bound is applied, as in the paper; `epsilon`
+    is accepted for a uniform signature and unused by design.
+    """
+    del epsilon  # CISPO bounds the weight from above only.
+    ratio = torch.exp(new_logprobs - old_logprobs).detach()
+    weight = torch.clamp(ratio, max=1.0 + epsilon_high)
+    loss = -weight * advantages * new_logprobs
+    return TokenLosses(loss=loss, ratio=ratio, clipped=ratio > 1.0 + epsilon_high)
+
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo": ppo_loss, "cispo": cispo_loss}
+"""Registry of policy losses by name (`GRPOConfig.loss`)."""
+
+
+@dataclass(frozen=True)
+class PolicyLossOutput:
+    """A weighted loss over some tokens plus the sums its metrics are made of."""
+
+    loss: torch.Tensor
+    """Scalar: sum over tokens of `weight * mask * token loss` (call backward on it)."""
+    tokens: float
+    """Number of assistant tokens counted."""
+    clipped_tokens: float
+    """Assistant tokens where the clip was active."""
+    ratio_sum: float
+    """Sum of the importance ratio over assistant tokens."""
+
+
+def policy_loss(
+    name: str,
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weight: torch.Tensor | float,
+    *,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+) -> PolicyLossOutput:
+    """Apply the registered loss `name` and reduce it to one weighted scalar.
+
+    Args:
+        name: key of `POLICY_LOSSES`.
+        new_logprobs: per-token log-probs under the policy being trained (with gradient).
+        old_logprobs: per-token log-probs the engine sampled with (any value where `mask` is 0;
+            NaN where unknown, which trains that token on-policy).
+        advantages: per-token (or scalar) advantage.
+        mask: 1.0 on assistant tokens, 0.0 elsewhere.
+        weight: per-token (or scalar) weight, see `trajectory_token_weights`.
+        epsilon: lower clip range.
+        epsilon_high: upper clip range; None means `epsilon`.
+
+    Returns:
+        The weighted loss and metric sums.
+    """
+    try:
+        fn = POLICY_LOSSES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy loss {name!r}; choose one of {sorted(POLICY_LOSSES)}") from None
+    mask = mask.to(new_logprobs.dtype)
+    # Prompt positions may carry placeholders and a missing engine logprob is NaN: both are
+    # replaced by the current log-prob (ratio 1), so they can neither overflow nor poison the sum.
+    old_logprobs = old_logprobs.to(new_logprobs.dtype)
+    known = (mask > 0) & ~torch.isnan(old_logprobs)
+    old = torch.where(known, old_logprobs, new_logprobs.detach())
+    terms = fn(new_logprobs, old, torch.as_tensor(advantages, dtype=new_logprobs.dtype), epsilon,
+               epsilon if epsilon_high is None else epsilon_high)
+    loss = (terms.loss * mask * weight).sum()
+    return PolicyLossOutput(
+        loss=loss,
+        tokens=float(mask.sum()),
+        clipped_tokens=float((terms.clipped.to(mask.dtype) * mask).sum()),
+        ratio_sum=float((terms.ratio * mask).sum()),
+    )

@@ -1,0 +1,170 @@
+"""HTTP layer of the trainer service: thin FastAPI handlers over `TrainerService`.
+
+* `POST /v1/chat/completions`, `POST /v1/completions`: proxied to vLLM (streaming passthrough),
+  with `name@latest` / `name` rewritten to the newest checkpoint.
+* `GET /v1/models`: the base model, every `name@N` and `name@latest`.
+* `POST /v1/train`: one GRPO step now. `GET /v1/status`: step, metrics, engine health.
+
+With an API key set, every route needs `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from trainer_service.base_model import resolve_base_model
+from trainer_service.config import GRPOConfig, TrainerSettings
+from trainer_service.engine import VLLMEngine
+from trainer_service.protocol import ServiceError, StatusResponse, TrainResponse
+from trainer_service.service import TrainerService, served_base_name
+from trainer_service.training import LoRATrainer
+
+__all__ = ["build_service", "create_app"]
+
+logger = logging.getLogger(__name__)
+
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
+
+
+def build_service(settings: TrainerSettings, grpo: GRPOConfig,
+                  collector_transport: httpx.AsyncBaseTransport | None = None) -> TrainerService:
+    """Wire a `TrainerService` from settings: the base model, the vLLM engine and the trainer."""
+    model_path = resolve_base_model(settings.base_model)
+    engine = VLLMEngine(
+        model_path,
+        served_base_name(settings.base_model),
+        settings.vllm_port,
+        dtype=settings.vllm_dtype,
+        kv_cache_gib=settings.kv_cache_gib,
+        max_model_len=settings.max_model_len,
+        max_lora_rank=settings.max_lora_rank,
+        max_loras=settings.max_loras,
+        extra_args=settings.vllm_args,
+        log_path=settings.run_dir / "vllm.log",
+        startup_timeout=settings.vllm_startup_timeout,
+    )
+    return TrainerService(
+        settings, grpo, engine, lambda: LoRATrainer.load(model_path, grpo, base_model=settings.base_model),
+        collector_transport=collector_transport,
+    )
+
+
+def _error(exc: ServiceError) -> JSONResponse:
+    return JSONResponse(exc.body.model_dump(), status_code=exc.status)
+
+
+def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None = None, *,
+               service: TrainerService | None = None) -> FastAPI:
+    """Build the FastAPI app. The lifespan starts vLLM and the trainer, and stops them.
+
+    Args:
+        settings: service settings (default: from the environment).
+        grpo: GRPO hyper-parameters (default: `GRPOConfig()`).
+        service: a prepared service (tests); built from `settings` and `grpo` when None.
+    """
+    settings = settings or (service.settings if service else TrainerSettings())
+    svc = service or build_service(settings, grpo or GRPOConfig())
+    engine_client: httpx.AsyncClient | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal engine_client
+        await asyncio.to_thread(svc.start)
+        engine_client = httpx.AsyncClient(base_url=svc.engine.base_url, timeout=httpx.Timeout(600.0, connect=10.0))
+        watchdog = asyncio.create_task(svc.watch_engine())
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+            await engine_client.aclose()
+            await svc.aclose()
+
+    app = FastAPI(title="art-langgraph trainer service", lifespan=lifespan)
+    app.state.service = svc
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if settings.api_key and request.headers.get("authorization") != f"Bearer {settings.api_key}":
+            return _error(ServiceError(401, "invalid_api_key", "Missing or wrong API key: send "
+                                       "`Authorization: Bearer <ART_API_KEY>`."))
+        return await call_next(request)
+
+    @app.exception_handler(ServiceError)
+    async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        return _error(exc)
+
+    async def proxy(request: Request, route: str) -> Response:
+        assert engine_client is not None
+        try:
+            body: dict[str, Any] = await request.json()
+        except ValueError as exc:
+            raise ServiceError(400, "invalid_json", f"The request body is not JSON: {exc}") from exc
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            raise ServiceError(400, "missing_model", "The request needs a `model` string.", param="model")
+        body["model"] = svc.resolve(body["model"])
+        upstream = engine_client.build_request("POST", route, json=body)
+        try:
+            response = await engine_client.send(upstream, stream=bool(body.get("stream")))
+        except httpx.HTTPError as exc:
+            raise ServiceError(503, "engine_unavailable", f"The vLLM engine did not answer: {exc}. "
+                               "See GET /v1/status and the vLLM log.", type="server_error") from exc
+        headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
+        if body.get("stream"):
+            return StreamingResponse(response.aiter_raw(), status_code=response.status_code, headers=headers,
+                                     background=BackgroundTask(response.aclose))
+        return Response(response.content, status_code=response.status_code, headers=headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        """OpenAI chat completions, answered by vLLM."""
+        return await proxy(request, "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        """OpenAI text completions, answered by vLLM."""
+        return await proxy(request, "/v1/completions")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        """The base model, every checkpoint `name@N`, and `name@latest`."""
+        created = int(time.time())
+        data = []
+        for model_id in svc.served_models():
+            target = svc.resolve(model_id)
+            data.append({
+                "id": model_id,
+                "object": "model",
+                "created": created,
+                "owned_by": "art",
+                "root": target,
+                "parent": None if target == svc.base_name else svc.base_name,
+                "max_model_len": settings.max_model_len,
+            })
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/train")
+    async def train() -> TrainResponse:
+        """Run one GRPO step now on a batch from the collector."""
+        return await svc.train_once()
+
+    @app.get("/v1/status")
+    async def status() -> StatusResponse:
+        """Step, last metrics, served models and engine health."""
+        return await svc.status()
+
+    @app.get("/health")
+    async def health() -> dict[str, bool]:
+        """200 while the service runs; `engine` tells whether vLLM answers."""
+        return {"ok": True, "engine": await asyncio.to_thread(svc.engine.healthy)}
+
+    return app
