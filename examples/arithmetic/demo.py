@@ -61,7 +61,7 @@ def plot(curve: list[float], before: float, after: float, path: Path) -> None:
     ax.scatter([0, len(curve)], [before, after], color="tab:red", zorder=3, label="held-out (mean reward)")
     ax.set_xlabel("policy step")
     ax.set_ylabel("reward")
-    ax.set_title("art-langgraph demo: arithmetic agent, SmolLM2-135M + LoRA GRPO")
+    ax.set_title("arithmetic agent: SmolLM2-135M, LoRA GRPO")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -91,7 +91,7 @@ async def train(args: argparse.Namespace, trainer_url: str) -> list[float]:
             result = response.json()
             metrics = result["metrics"]
             print(
-                f"step {result['step']}/{args.steps}: reward {curve[-1]:.3f} | loss {metrics['loss/policy']:+.4f}"
+                f"step {result['step']}/{args.steps}: reward {curve[-1]:.3f} | grad norm {metrics['grad/norm']:.3f}"
                 f" | groups trained {metrics['data/groups_trained']:.0f}/{metrics['data/groups']:.0f}"
                 f" | {time.monotonic() - started:.0f} s -> serving {result['model']}",
                 flush=True,

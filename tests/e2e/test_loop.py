@@ -95,8 +95,11 @@ def test_two_groups_of_four_train_and_serve(collector_service: Service, trainer_
     trainer = httpx.Client(base_url=trainer_service.url, timeout=900)
     response = trainer.post("/v1/train")
     assert response.status_code == 200, response.text
-    metrics = response.json()
-    assert metrics["step"] == 1
+    result = response.json()
+    assert result["step"] == 1 and result["model"] == "agent@1"
+    assert result["metrics"]["data/groups_trained"] >= 2
+    # vLLM (fp32) sampled the batch and the trainer agrees: the first update is on-policy.
+    assert result["metrics"]["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-3)
 
     models = {m["id"] for m in trainer.get("/v1/models").raise_for_status().json()["data"]}
     assert {"agent@1", "agent@latest"} <= models
@@ -106,6 +109,9 @@ def test_two_groups_of_four_train_and_serve(collector_service: Service, trainer_
     )
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["message"]["content"]
+
+    status = trainer.get("/v1/status").raise_for_status().json()
+    assert status["step"] == 1 and status["latest_model"] == "agent@1"
 
     groups = {g["id"]: g for g in collector.get("/v1/groups").raise_for_status().json()}
     assert all(groups[g]["state"] == "trained" for g in questions)

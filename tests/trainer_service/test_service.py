@@ -166,3 +166,21 @@ def test_engine_restarts_and_reloads_adapters(tmp_path: Path) -> None:
     finally:
         engine.stop()
     assert not engine.is_alive()
+
+
+def test_api_key_guards_every_endpoint(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from trainer_service.server import create_app
+
+    service = make_service(tmp_path, [], [])
+    service.settings.api_key = "sekret"
+    with TestClient(create_app(service=service)) as client:
+        for method, path in [("GET", "/v1/models"), ("GET", "/v1/status"), ("POST", "/v1/train"),
+                             ("POST", "/v1/chat/completions")]:
+            response = client.request(method, path)
+            assert response.status_code == 401, path
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        authorized = client.get("/v1/models", headers={"Authorization": "Bearer sekret"})
+        assert authorized.status_code == 200
+        assert [m["id"] for m in authorized.json()["data"]] == ["base-model", "agent@latest"]
