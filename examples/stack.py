@@ -30,11 +30,11 @@ def free_port() -> int:
 
 @dataclass
 class Service:
-    """A running child service and where it logs."""
+    """A running service and where it logs; `process` is None for one started elsewhere."""
 
     name: str
     url: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | None
     log: Path
 
     def log_tail(self, lines: int = 40) -> str:
@@ -43,8 +43,8 @@ class Service:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the service (SIGTERM, then SIGKILL) and its children."""
-        if self.process.poll() is not None:
+        """Stop the service (SIGTERM, then SIGKILL) and its children, if we started it."""
+        if self.process is None or self.process.poll() is not None:
             return
         os.killpg(self.process.pid, signal.SIGTERM)
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from span_builders import TRACE, llm, rollout
+from tests.collector.span_builders import TRACE, llm, rollout
 
 from collector.assembly import InvalidReward, assemble, build_sequences, facts, span_rewards, trajectory_key
 

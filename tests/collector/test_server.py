@@ -21,7 +21,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from span_builders import TRACE, llm, rollout, to_otlp_json, to_request
+from tests.collector.span_builders import TRACE, llm, rollout, to_otlp_json, to_request
 
 from art_langgraph import semconv as sc
 from collector.config import CollectorSettings

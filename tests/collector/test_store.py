@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from sqlalchemy import text
-from span_builders import TRACE, llm, rollout
+from tests.collector.span_builders import TRACE, llm, rollout
 
 from collector.errors import Conflict, InvalidRequest, NotFound
 from collector.protocol import BatchRequest, RewardIn

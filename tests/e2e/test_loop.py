@@ -93,25 +93,26 @@ def test_two_groups_of_four_train_and_serve(collector_service: Service, trainer_
         assert first[: len(art[0]["prompt_token_ids"])] == art[0]["prompt_token_ids"]
 
     trainer = httpx.Client(base_url=trainer_service.url, timeout=900)
+    step = trainer.get("/v1/status").raise_for_status().json()["step"] + 1
     response = trainer.post("/v1/train")
     assert response.status_code == 200, response.text
     result = response.json()
-    assert result["step"] == 1 and result["model"] == "agent@1"
+    assert result["step"] == step and result["model"] == f"agent@{step}"
     assert result["metrics"]["data/groups_trained"] >= 2
     # vLLM (fp32) sampled the batch and the trainer agrees: the first update is on-policy.
     assert result["metrics"]["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-3)
 
     models = {m["id"] for m in trainer.get("/v1/models").raise_for_status().json()["data"]}
-    assert {"agent@1", "agent@latest"} <= models
+    assert {f"agent@{step}", "agent@latest"} <= models
     answer = trainer.post(
         "/v1/chat/completions",
-        json={"model": "agent@1", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        json={"model": f"agent@{step}", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
     )
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["message"]["content"]
 
     status = trainer.get("/v1/status").raise_for_status().json()
-    assert status["step"] == 1 and status["latest_model"] == "agent@1"
+    assert status["step"] == step and status["latest_model"] == f"agent@{step}"
 
     groups = {g["id"]: g for g in collector.get("/v1/groups").raise_for_status().json()}
     assert all(groups[g]["state"] == "trained" for g in questions)
