@@ -5,6 +5,12 @@ for model calls outside any rollout, by its trace id. Its LLM spans, in start-ti
 become token sequences: a turn whose prompt starts with everything the previous sequence
 holds (prompt and completion, token for token) extends that sequence; any other turn starts a
 new one. Prompt tokens get mask 0 and no logprob, sampled tokens mask 1 and their logprob.
+A turn that starts a new sequence although its messages extend the previous turn's messages
+is recorded as retokenization drift. Model calls of other instrumentations (see
+`collector.foreign`) carry no token ids: their trajectories are not token-exact.
+
+Rewards come from `art.reward` events on the rollout span and from reward spans
+(`art.span.kind = reward`, with `art.reward.name` / `art.reward.value` attributes, and events).
 """
 
 from __future__ import annotations
@@ -13,28 +19,40 @@ import json
 import logging
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from art_langgraph import semconv as sc
+from collector import foreign
+from collector.groups import TrainingReward
 from collector.otlp import SpanRecord
-from collector.protocol import Sequence, Trajectory
+from collector.protocol import Drift, Sequence, Trajectory
 
 __all__ = [
+    "SPAN_KIND_REWARD",
     "InvalidReward",
+    "Sequences",
+    "SpanReward",
     "TrajectoryFacts",
     "assemble",
     "build_sequences",
     "facts",
     "is_llm",
+    "span_problem",
     "span_rewards",
     "trajectory_key",
 ]
 
 log = logging.getLogger(__name__)
 
-_LLM_OPERATIONS = frozenset({"chat", "text_completion", "generate_content"})
+SPAN_KIND_REWARD = "reward"
+"""`art.span.kind` of a reward span (a reward given apart from the rollout span).
+TODO(plugin): declare in `art_langgraph.semconv` next to the other span kinds."""
 
+MAX_ID_LENGTH = 256
+"""Longest rollout id, group, task, reward name (the store's column width)."""
+_MAX_SPLIT_LENGTH = 64
+_MAX_NS = 2**63 - 1
 
 class InvalidReward(ValueError):
     """A reward event whose value is missing, not a number, or not finite."""
@@ -63,33 +81,68 @@ def trajectory_key(span: SpanRecord) -> tuple[str, bool]:
 
 
 def is_llm(span: SpanRecord) -> bool:
-    """True for a model call: `art.span.kind == "llm"` or a GenAI chat/completion span."""
+    """True for a model call: `art.span.kind == "llm"`, or a model call of another instrumentation."""
     kind = span.attributes.get(sc.SPAN_KIND)
     if kind is not None:
         return kind == sc.SPAN_KIND_LLM
-    return span.attributes.get(sc.GEN_AI_OPERATION_NAME) in _LLM_OPERATIONS
+    return foreign.is_generation(span.attributes)
 
 
-def span_rewards(span: SpanRecord) -> list[tuple[str, float]]:
-    """The `art.reward` events of a rollout span as (name, value), in event order.
+@dataclass(frozen=True)
+class SpanReward:
+    """A reward a span carries; `time_ns` orders rewards of the same name (later wins)."""
+
+    name: str
+    value: float
+    time_ns: int
+
+
+def _reward(span: SpanRecord, name: Any, value: Any, time_ns: int) -> SpanReward:
+    name = str(name) if name else "reward"
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidReward(f"reward {name!r} on span {span.span_id} has value {value!r}; it must be a finite number")
+    return SpanReward(name, float(value), time_ns)
+
+
+def span_rewards(span: SpanRecord) -> list[SpanReward]:
+    """Rewards of a rollout span (its `art.reward` events) or of a reward span (attributes and events).
 
     Raises:
-        InvalidReward: an event's value is missing, not a number, NaN or infinite.
+        InvalidReward: a value is missing, not a number, NaN or infinite.
     """
-    if span.attributes.get(sc.SPAN_KIND) != sc.SPAN_KIND_ROLLOUT:
+    kind = span.attributes.get(sc.SPAN_KIND)
+    if kind not in (sc.SPAN_KIND_ROLLOUT, SPAN_KIND_REWARD):
         return []
     rewards = []
+    if kind == SPAN_KIND_REWARD and (sc.REWARD_VALUE in span.attributes or sc.REWARD_NAME in span.attributes):
+        rewards.append(_reward(span, span.attributes.get(sc.REWARD_NAME), span.attributes.get(sc.REWARD_VALUE), span.end_ns))
     for event in span.events:
-        if event.name != sc.REWARD_EVENT:
-            continue
-        name = event.attributes.get(sc.REWARD_NAME) or "reward"
-        value = event.attributes.get(sc.REWARD_VALUE)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise InvalidReward(
-                f"reward event {name!r} on span {span.span_id} has value {value!r}; it must be a finite number"
-            )
-        rewards.append((str(name), float(value)))
+        if event.name == sc.REWARD_EVENT:
+            rewards.append(_reward(span, event.attributes.get(sc.REWARD_NAME), event.attributes.get(sc.REWARD_VALUE), event.time_ns))
     return rewards
+
+
+def span_problem(span: SpanRecord) -> str | None:
+    """Why the store must reject a span (an OTLP partial success), or None when it is fine."""
+    if not (0 <= span.start_ns <= _MAX_NS and 0 <= span.end_ns <= _MAX_NS):
+        return "timestamps beyond year 2262"
+    limits = {sc.ROLLOUT_ID: MAX_ID_LENGTH, sc.GROUP: MAX_ID_LENGTH, sc.TASK: MAX_ID_LENGTH, sc.SPLIT: _MAX_SPLIT_LENGTH}
+    for key, limit in limits.items():
+        value = span.attributes.get(key)
+        if value is not None and len(str(value)) > limit:
+            return f"attribute {key} is longer than {limit} characters"
+        if value is not None and "\x00" in str(value):
+            return f"attribute {key} contains a NUL character"
+    if "\x00" in span.name:
+        return "the span name contains a NUL character"
+    try:
+        rewards = span_rewards(span)
+    except InvalidReward as exc:
+        return str(exc)
+    for reward in rewards:
+        if len(reward.name) > MAX_ID_LENGTH or "\x00" in reward.name:
+            return f"reward name {reward.name[:40]!r}... is longer than {MAX_ID_LENGTH} characters or holds a NUL"
+    return None
 
 
 def _unique_sorted(spans: Iterable[SpanRecord]) -> list[SpanRecord]:
@@ -169,19 +222,38 @@ def _turn(span: SpanRecord) -> tuple[list[int], list[int], list[float | None]] |
     return prompt, completion, logprobs
 
 
-def build_sequences(llm_spans: Iterable[SpanRecord]) -> tuple[list[Sequence], bool]:
-    """Turn LLM spans into token sequences; returns (sequences, token_exact)."""
-    sequences: list[Sequence] = []
-    exact = True
-    for span in _unique_sorted(llm_spans):
+@dataclass
+class Sequences:
+    """What `build_sequences` makes of a trajectory's LLM spans."""
+
+    sequences: list[Sequence] = field(default_factory=list)
+    token_exact: bool = True
+    drift: list[Drift] = field(default_factory=list)
+
+
+def _extends(messages: list[dict[str, Any]], previous: list[dict[str, Any]]) -> bool:
+    return bool(previous) and len(messages) > len(previous) and foreign.same_messages(messages[: len(previous)], previous)
+
+
+def _drift(span: SpanRecord, turn: int, prompt: list[int], previous: list[int]) -> Drift:
+    position = next((i for i, (a, b) in enumerate(zip(prompt, previous)) if a != b), min(len(prompt), len(previous)))
+    return Drift(span_id=span.span_id, turn=turn, position=position, expected=previous[position : position + 8], got=prompt[position : position + 8])
+
+
+def build_sequences(llm_spans: Iterable[SpanRecord]) -> Sequences:
+    """Turn LLM spans into token sequences, noting turns without token ids and drifting turns."""
+    out = Sequences()
+    previous_messages: list[dict[str, Any]] = []
+    for turn_index, span in enumerate(_unique_sorted(llm_spans)):
         turn = _turn(span)
         if turn is None:
-            exact = False
+            out.token_exact = False
             continue
         prompt, completion, logprobs = turn
         step = span.attributes.get(sc.POLICY_STEP)
         step = int(step) if isinstance(step, int | float) and not isinstance(step, bool) else None
-        last = sequences[-1] if sequences else None
+        talk = foreign.conversation(span.attributes, span_id=span.span_id)
+        last = out.sequences[-1] if out.sequences else None
         if last is not None and last.token_ids and prompt[: len(last.token_ids)] == last.token_ids:
             tail = prompt[len(last.token_ids) :]
             last.token_ids += tail + completion
@@ -189,7 +261,9 @@ def build_sequences(llm_spans: Iterable[SpanRecord]) -> tuple[list[Sequence], bo
             last.assistant_mask += [0] * len(tail) + [1] * len(completion)
             last.policy_step = step
         else:
-            sequences.append(
+            if last is not None and _extends(talk.input, previous_messages):
+                out.drift.append(_drift(span, turn_index, prompt, last.token_ids))
+            out.sequences.append(
                 Sequence(
                     token_ids=prompt + completion,
                     logprobs=[None] * len(prompt) + logprobs,
@@ -197,7 +271,10 @@ def build_sequences(llm_spans: Iterable[SpanRecord]) -> tuple[list[Sequence], bo
                     policy_step=step,
                 )
             )
-    return sequences, exact
+        previous_messages = talk.input + talk.output
+    if out.drift:
+        log.info("retokenization drift in %d turns (first at span %s)", len(out.drift), out.drift[0].span_id)
+    return out
 
 
 def _json_attr(span: SpanRecord, key: str, want: type) -> Any:
@@ -222,8 +299,8 @@ def assemble(
     *,
     group_id: str,
     complete: bool,
-    reward_name: str,
-    api_rewards: Mapping[str, float] | None = None,
+    rewards: Mapping[str, float],
+    training: TrainingReward,
 ) -> Trajectory:
     """Build a `Trajectory` from its spans, in any order, duplicates allowed.
 
@@ -232,44 +309,31 @@ def assemble(
         spans: Every span stored for the trajectory.
         group_id: The group the store placed the trajectory in.
         complete: Whether the trajectory is complete (decided by the store).
-        reward_name: Which named reward becomes `Trajectory.reward`.
-        api_rewards: Rewards posted by API; they override span events of the same name.
+        rewards: Its named rewards, from every source (see `groups.merge_rewards`).
+        training: Which reward trains; becomes `Trajectory.reward`.
     """
     ordered = _unique_sorted(spans)
     summary = facts(trajectory_id, ordered)
     rollout = _rollout_span(ordered)
     llm = [span for span in ordered if is_llm(span)]
-    sequences, exact = build_sequences(llm)
+    built = build_sequences(llm)
 
-    rewards: dict[str, float] = {}
-    if rollout is not None:
-        rewards.update(span_rewards(rollout))
-    rewards.update(api_rewards or {})
-
-    messages: list[dict[str, Any]] = []
-    tools: list[dict[str, Any]] = []
-    model = None
-    if llm:
-        last = llm[-1]
-        messages = list(_json_attr(last, sc.GEN_AI_INPUT_MESSAGES, list) or [])
-        messages += _json_attr(last, sc.GEN_AI_OUTPUT_MESSAGES, list) or []
-        tools = _json_attr(last, sc.GEN_AI_TOOL_DEFINITIONS, list) or []
-        model = last.attributes.get(sc.GEN_AI_RESPONSE_MODEL) or last.attributes.get(sc.GEN_AI_REQUEST_MODEL)
+    talk = foreign.conversation(llm[-1].attributes, span_id=llm[-1].span_id) if llm else foreign.Conversation()
     metadata = (_json_attr(rollout, sc.METADATA, dict) if rollout is not None else None) or {}
-
     return Trajectory(
         id=trajectory_id,
         trace_id=summary.trace_id,
         group_id=group_id,
         task=summary.task,
         split=summary.split,
-        model=str(model) if model is not None else None,
-        messages=messages,
-        tools=tools,
-        sequences=sequences,
-        rewards=rewards,
-        reward=rewards.get(reward_name),
-        token_exact=exact,
+        model=talk.model,
+        messages=talk.input + talk.output,
+        tools=talk.tools,
+        sequences=built.sequences,
+        rewards=dict(rewards),
+        reward=training.of(rewards),
+        token_exact=built.token_exact,
+        drift=built.drift,
         complete=complete,
         metadata=metadata,
     )

@@ -11,7 +11,8 @@ __all__ = ["main"]
 _EPILOG = """\
 environment (flags override):
   ART_COLLECTOR_HOST, ART_COLLECTOR_PORT, ART_COLLECTOR_DB, ART_COLLECTOR_MIN_GROUP_SIZE,
-  ART_COLLECTOR_REWARD_NAME, ART_COLLECTOR_KEEP_ZERO_SPREAD, ART_COLLECTOR_IDLE_SECONDS,
+  ART_COLLECTOR_REWARD_NAME, ART_COLLECTOR_REWARD_WEIGHTS (JSON, e.g. '{"correct":1,"short":0.5}'),
+  ART_COLLECTOR_GROUP_TIMEOUT_SECONDS, ART_COLLECTOR_KEEP_ZERO_SPREAD, ART_COLLECTOR_IDLE_SECONDS,
   ART_COLLECTOR_MAX_BODY_BYTES, ART_API_KEY (write endpoints then need a Bearer token),
   ART_HOME (folder of the default SQLite file, default ~/.cache/art-langgraph)
 """
@@ -35,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port to listen on (default 4318; env ART_COLLECTOR_PORT)")
     serve.add_argument(
         "--db",
-        help="SQLAlchemy database URL (default sqlite:///$ART_HOME/collector.db; env ART_COLLECTOR_DB)",
+        help=(
+            "SQLAlchemy database URL: sqlite:///FILE or postgresql+psycopg://USER:PASS@HOST:PORT/DB "
+            "(default sqlite:///$ART_HOME/collector.db; env ART_COLLECTOR_DB)"
+        ),
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     return parser

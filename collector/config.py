@@ -8,11 +8,14 @@ belongs to the plugin (the collector's address as seen by the agent).
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from collector.groups import TrainingReward
 
 __all__ = ["CollectorSettings", "art_home", "default_db_url"]
 
@@ -50,6 +53,21 @@ class CollectorSettings(BaseSettings):
         description="Trajectories a group needs before it trains, when its spans carry no `art.group.size`.",
     )
     reward_name: str = Field(default="reward", min_length=1, description="Which named reward trains.")
+    reward_weights: dict[str, float] | None = Field(
+        default=None,
+        description=(
+            "Train on a weighted sum of named rewards instead of `reward_name`, e.g. "
+            "`{\"correct\": 1, \"short\": 0.5}` (env: JSON). A trajectory is rewarded once it has every name."
+        ),
+    )
+    group_timeout_seconds: float = Field(
+        default=86400.0,
+        ge=0,
+        description=(
+            "An open group that is not ready and sees no new span or reward for this long expires, "
+            "with the reason it was waiting for (0: never)."
+        ),
+    )
     keep_zero_spread: bool = Field(
         default=False,
         description="Lease groups whose rewards are all equal (they carry no GRPO signal; skipped by default).",
@@ -67,3 +85,24 @@ class CollectorSettings(BaseSettings):
         validation_alias="ART_API_KEY",
         description="When set, write endpoints need `Authorization: Bearer <key>` (env `ART_API_KEY`).",
     )
+
+    @model_validator(mode="after")
+    def _check_reward(self) -> CollectorSettings:
+        if self.reward_weights is None:
+            return self
+        if not self.reward_weights:
+            raise ValueError("reward_weights is empty; give at least one name, or unset it to train on reward_name")
+        bad = {name: w for name, w in self.reward_weights.items() if not name or not math.isfinite(w)}
+        if bad:
+            raise ValueError(f"reward_weights {bad} need non-empty names and finite weights")
+        if self.reward_name != "reward":
+            raise ValueError(
+                f"reward_name={self.reward_name!r} and reward_weights are both set; set one "
+                "(ART_COLLECTOR_REWARD_NAME or ART_COLLECTOR_REWARD_WEIGHTS)"
+            )
+        return self
+
+    @property
+    def training_reward(self) -> TrainingReward:
+        """The reward that trains: `reward_weights` when set, else `reward_name`."""
+        return TrainingReward(self.reward_name, self.reward_weights)

@@ -5,11 +5,34 @@ Pure functions; the store feeds them rows and acts on the answers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Decision", "Member", "capacity", "decide", "merge_rewards"]
+__all__ = ["Decision", "Member", "TrainingReward", "capacity", "decide", "merge_rewards"]
+
+
+@dataclass(frozen=True)
+class TrainingReward:
+    """The reward GRPO trains on: one named reward, or a weighted sum of named rewards."""
+
+    name: str = "reward"
+    weights: Mapping[str, float] | None = None
+
+    @property
+    def label(self) -> str:
+        """How the reward reads in messages: `'reward'` or `1*'correct' + 0.5*'short'`."""
+        if not self.weights:
+            return repr(self.name)
+        return " + ".join(f"{weight:g}*{name!r}" for name, weight in sorted(self.weights.items()))
+
+    def of(self, rewards: Mapping[str, float]) -> float | None:
+        """The training reward from named rewards; None while any reward it needs is missing."""
+        if not self.weights:
+            return rewards.get(self.name)
+        if any(name not in rewards for name in self.weights):
+            return None
+        return sum(weight * rewards[name] for name, weight in sorted(self.weights.items()))
 
 
 @dataclass(frozen=True)
@@ -42,7 +65,7 @@ def capacity(explicit: bool, size_hint: int | None, min_group_size: int) -> int 
     return None if explicit else min_group_size
 
 
-def decide(members: list[Member], expected: int, *, reward_name: str, keep_zero_spread: bool) -> Decision:
+def decide(members: list[Member], expected: int, *, reward_label: str, keep_zero_spread: bool) -> Decision:
     """Readiness of an open group.
 
     Ready when every member is in the train split, complete and rewarded, there are at least
@@ -58,13 +81,17 @@ def decide(members: list[Member], expected: int, *, reward_name: str, keep_zero_
         return Decision("open", f"{incomplete} trajectories not complete")
     unrewarded = sum(m.reward is None for m in members)
     if unrewarded:
-        return Decision("open", f"{unrewarded} trajectories without reward {reward_name!r}")
+        return Decision("open", f"{unrewarded} trajectories without reward {reward_label}")
     if not keep_zero_spread and len({m.reward for m in members}) < 2:
         return Decision("skipped", "no reward spread")
     return Decision("ready")
 
 
-def merge_rewards(rows: Iterable[tuple[int, str, str, float]]) -> dict[str, float]:
-    """Named rewards from (row id, source, name, value): API over span, later over earlier."""
+def merge_rewards(rows: Iterable[tuple[tuple[int | str, ...], str, str, float]]) -> dict[str, float]:
+    """Named rewards from (order key, source, name, value): API over span, later over earlier.
+
+    The order key of a span reward is its time in the trace (so the result does not depend on
+    arrival order); of an API reward, its arrival.
+    """
     ordered = sorted(rows, key=lambda row: (row[1] == "api", row[0]))
     return {name: value for _, _, name, value in ordered}

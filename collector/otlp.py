@@ -25,6 +25,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 __all__ = [
     "CONTENT_TYPE_JSON",
     "CONTENT_TYPE_PROTOBUF",
+    "Decoded",
     "OtlpError",
     "SpanEvent",
     "SpanRecord",
@@ -79,6 +80,14 @@ class SpanRecord:
         return cls(**{**data, "events": events})
 
 
+@dataclass(frozen=True)
+class Decoded:
+    """A decoded export: the spans to store and, per rejected span, why it was rejected."""
+
+    spans: list[SpanRecord]
+    rejected: list[str] = field(default_factory=list)
+
+
 def gunzip(body: bytes, max_bytes: int) -> bytes:
     """Decompress a gzip body, refusing output larger than `max_bytes`.
 
@@ -102,8 +111,11 @@ def media_type(content_type: str | None) -> str:
     return (content_type or "").split(";", 1)[0].strip().lower()
 
 
-def decode_request(body: bytes, content_type: str | None) -> list[SpanRecord]:
+def decode_request(body: bytes, content_type: str | None) -> Decoded:
     """Decode an (already decompressed) export body into span records.
+
+    A span with an invalid trace or span id is rejected alone (an OTLP partial success), not
+    the whole export.
 
     Raises:
         OtlpError: `unsupported_media_type` for a content type other than protobuf or JSON,
@@ -128,9 +140,14 @@ def decode_request(body: bytes, content_type: str | None) -> list[SpanRecord]:
     return _records(request)
 
 
-def encode_response(content_type: str | None) -> tuple[bytes, str]:
-    """An empty (fully successful) ExportTraceServiceResponse in the request's encoding."""
+def encode_response(content_type: str | None, rejected: list[str] | None = None) -> tuple[bytes, str]:
+    """An ExportTraceServiceResponse in the request's encoding: empty on full success, else a
+    `partial_success` with the number of rejected spans and the first reasons."""
     response = ExportTraceServiceResponse()
+    if rejected:
+        shown = "; ".join(rejected[:5]) + (f"; and {len(rejected) - 5} more" if len(rejected) > 5 else "")
+        response.partial_success.rejected_spans = len(rejected)
+        response.partial_success.error_message = f"{len(rejected)} spans rejected: {shown}"
     if media_type(content_type) == CONTENT_TYPE_JSON:
         return json_format.MessageToJson(response).encode(), CONTENT_TYPE_JSON
     return response.SerializeToString(), CONTENT_TYPE_PROTOBUF
@@ -184,17 +201,22 @@ def _hex_ids_to_base64(obj: dict[str, Any], path: str, keys: tuple[str, ...]) ->
         obj[key] = base64.b64encode(raw).decode()
 
 
-def _records(request: ExportTraceServiceRequest) -> list[SpanRecord]:
-    """Flatten a decoded request into span records, checking id lengths."""
+def _records(request: ExportTraceServiceRequest) -> Decoded:
+    """Flatten a decoded request into span records, rejecting spans with invalid ids."""
     records: list[SpanRecord] = []
+    rejected: list[str] = []
     for resource_spans in request.resource_spans:
         resource = _attributes(resource_spans.resource.attributes)
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
-                _check_id(span.trace_id, 16, "trace_id", span.name)
-                _check_id(span.span_id, 8, "span_id", span.name)
-                if span.parent_span_id:
-                    _check_id(span.parent_span_id, 8, "parent_span_id", span.name)
+                problem = (
+                    _id_problem(span.trace_id, 16, "trace_id", span.name)
+                    or _id_problem(span.span_id, 8, "span_id", span.name)
+                    or (_id_problem(span.parent_span_id, 8, "parent_span_id", span.name) if span.parent_span_id else None)
+                )
+                if problem:
+                    rejected.append(problem)
+                    continue
                 records.append(
                     SpanRecord(
                         trace_id=span.trace_id.hex(),
@@ -211,17 +233,17 @@ def _records(request: ExportTraceServiceRequest) -> list[SpanRecord]:
                         resource=resource,
                     )
                 )
-    return records
+    return Decoded(records, rejected)
 
 
-def _check_id(raw: bytes, size: int, what: str, span_name: str) -> None:
-    """Reject ids of the wrong length or all zeros."""
+def _id_problem(raw: bytes, size: int, what: str, span_name: str) -> str | None:
+    """Why an id is invalid (wrong length or all zeros), or None."""
     if len(raw) != size or not any(raw):
-        raise OtlpError(
-            "malformed_body",
+        return (
             f"span {span_name!r} has an invalid {what} ({len(raw)} bytes, {binascii.hexlify(raw).decode()!r}); "
-            f"expected {size} bytes, not all zero",
+            f"expected {size} bytes, not all zero"
         )
+    return None
 
 
 def _attributes(pairs: Any) -> dict[str, Any]:

@@ -31,6 +31,20 @@ class Sequence(BaseModel):
     policy_step: int | None = Field(default=None, description="Checkpoint step that sampled the last turn.")
 
 
+class Drift(BaseModel):
+    """A turn whose messages extend the previous turn's but whose prompt tokens do not.
+
+    The chat template re-rendered earlier text differently from what the engine sampled
+    (retokenization drift): the turn starts a new sequence instead of extending the last one.
+    """
+
+    span_id: str = Field(description="The LLM span of the drifting turn.")
+    turn: int = Field(description="Index of the turn among the trajectory's LLM calls (0-based).")
+    position: int = Field(description="First token index where the prompt leaves the previous sequence.")
+    expected: list[int] = Field(description="The previous sequence's tokens from `position` on (at most 8).")
+    got: list[int] = Field(description="The prompt's tokens from `position` on (at most 8).")
+
+
 class Trajectory(BaseModel):
     """One attempt at a task: the messages, the exact token sequences and the rewards."""
 
@@ -47,7 +61,11 @@ class Trajectory(BaseModel):
     sequences: list[Sequence] = Field(default_factory=list)
     rewards: dict[str, float] = Field(default_factory=dict, description="Every named reward.")
     reward: float | None = Field(default=None, description="The training reward (configured name).")
-    token_exact: bool = Field(default=True, description="False when any turn lacks engine token ids.")
+    token_exact: bool = Field(
+        default=True,
+        description="False when any turn lacks engine token ids (foreign GenAI spans): the trainer re-tokenizes `messages`.",
+    )
+    drift: list[Drift] = Field(default_factory=list, description="Turns with retokenization drift (see `Drift`).")
     complete: bool = Field(default=False, description="The rollout span has ended.")
     metadata: dict[str, Any] = Field(default_factory=dict)
 
@@ -107,7 +125,7 @@ class GroupStatus(BaseModel):
     size: int
     complete: int
     rewarded: int
-    state: Literal["open", "ready", "leased", "trained", "skipped"]
+    state: Literal["open", "ready", "leased", "trained", "skipped", "expired"]
     reason: str | None = None
 
 

@@ -25,6 +25,7 @@ from sqlalchemy import (
     Text,
     func,
     select,
+    text,
 )
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "batch_groups", "batches", "groups", "migrate", "rewards", "spans", "trajectories"]
@@ -76,6 +77,10 @@ rewards = Table(
     Column("value", Float, nullable=False),
     Column("source", String(32), nullable=False),  # "span" or "api"; api overrides span
     Column("created_at", Float, nullable=False),
+    # version 2: the span a reward came from and its time there (orders span rewards by trace
+    # time, not by arrival, so assembly does not depend on the order spans arrive in)
+    Column("span_id", String(16)),
+    Column("time_ns", BigInteger),
 )
 
 groups = Table(
@@ -86,7 +91,7 @@ groups = Table(
     Column("task", String(256)),
     Column("explicit", Boolean, nullable=False),  # the key came from art.group
     Column("size_hint", Integer),  # art.group.size, when known
-    Column("state", String(16), nullable=False, index=True),  # open / leased / trained / skipped
+    Column("state", String(16), nullable=False, index=True),  # open / leased / trained / skipped / expired
     Column("reason", Text),
     Column("batch_id", String(64)),
     Column("created_at", Float, nullable=False),
@@ -115,10 +120,32 @@ batch_groups = Table(
 
 def _v1(conn: Connection) -> None:
     """Version 1: spans, trajectories, rewards, groups, batches, batch membership."""
-    metadata.create_all(conn, tables=[spans, trajectories, rewards, groups, batches, batch_groups])
+    rewards_v1 = Table(  # as version 1 defined it; version 2 adds columns
+        "rewards",
+        MetaData(),
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("rollout_id", String(256), index=True),
+        Column("trace_id", String(32), index=True),
+        Column("name", String(256), nullable=False),
+        Column("value", Float, nullable=False),
+        Column("source", String(32), nullable=False),
+        Column("created_at", Float, nullable=False),
+    )
+    metadata.create_all(conn, tables=[spans, trajectories, groups, batches, batch_groups])
+    rewards_v1.create(conn)
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1]
+_REWARDS_V2 = ("span_id", "time_ns")
+
+
+def _v2(conn: Connection) -> None:
+    """Version 2: `rewards.span_id` and `rewards.time_ns`."""
+    for name in _REWARDS_V2:
+        column_type = rewards.c[name].type.compile(dialect=conn.dialect)
+        conn.execute(text(f"ALTER TABLE rewards ADD COLUMN {name} {column_type}"))
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from collector import otlp
+from collector import assembly, otlp
 from collector.config import CollectorSettings
 from collector.errors import CollectorError, NotFound
 from collector.protocol import (
@@ -30,6 +30,7 @@ from collector.protocol import (
     RewardIn,
     Trajectory,
 )
+from collector.scoring_api import install as install_scoring
 from collector.store import SqlStore, Store
 
 __all__ = ["create_app"]
@@ -126,12 +127,24 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
 
     @app.post("/v1/traces", response_class=Response)
     async def export_traces(request: Request, _: Auth) -> Response:
-        """OTLP/HTTP trace export (protobuf or JSON, optionally gzip). 200 only after commit."""
+        """OTLP/HTTP trace export (protobuf or JSON, optionally gzip). 200 only after commit.
+
+        Spans that cannot be stored (invalid ids, non-finite rewards, over-long ids) are
+        rejected one by one: the answer is then a `partial_success` that counts and explains them.
+        """
         body = await _read_body(request, settings.max_body_bytes)
         content_type = request.headers.get("content-type")
-        records = otlp.decode_request(body, content_type)
-        await run_in_threadpool(store.add_spans, records)
-        payload, media_type = otlp.encode_response(content_type)
+        decoded = otlp.decode_request(body, content_type)
+        accepted, rejected = [], list(decoded.rejected)
+        for record in decoded.spans:
+            if problem := assembly.span_problem(record):
+                rejected.append(f"span {record.name!r} ({record.span_id}): {problem}")
+            else:
+                accepted.append(record)
+        await run_in_threadpool(store.add_spans, accepted)
+        if rejected:
+            log.warning("export: %d spans stored or known, %d rejected (%s)", len(accepted), len(rejected), rejected[0])
+        payload, media_type = otlp.encode_response(content_type, rejected)
         return Response(payload, media_type=media_type)
 
     @app.post("/v1/rewards")
@@ -167,4 +180,5 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
         """Every group with its size, completeness, rewards and state."""
         return store.groups()
 
+    install_scoring(app, store, _authorize)  # RULER, Langfuse, read API, web page (collector/scoring_api.py)
     return app

@@ -1,4 +1,8 @@
-"""Fixtures of the collector tests: a store on each backend, with a clock the test moves."""
+"""Fixtures of the collector tests: a store on each backend, with a clock the test moves.
+
+The PostgreSQL backend is a real server that this session starts from Debian's package
+(see `services.PostgresServer`); every store gets a database of its own.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from tests.collector.services import PostgresServer
 
 from collector.config import CollectorSettings
 from collector.store import SqlStore
@@ -26,20 +31,40 @@ def clock() -> Clock:
     return Clock()
 
 
-_BACKENDS = ["sqlite-file", "sqlite-memory"]  # a PostgreSQL store joins this list when it exists
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """A PostgreSQL server for the whole session, on a free port in 24400-24499."""
+    server = PostgresServer().start()
+    yield server
+    server.stop()
 
 
-@pytest.fixture(params=_BACKENDS)
-def make_store(request: pytest.FixtureRequest, tmp_path: Path, clock: Clock) -> Iterator[Callable[..., SqlStore]]:
+BACKENDS = ["sqlite-file", "sqlite-memory", "postgresql"]
+
+
+@pytest.fixture(params=BACKENDS)
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], str]:
+    """Factory of fresh, empty databases on the parametrised backend."""
+    made = [0]
+
+    def make() -> str:
+        made[0] += 1
+        if request.param == "postgresql":
+            return request.getfixturevalue("postgres").create_database()
+        if request.param == "sqlite-memory":
+            return "sqlite://"
+        return f"sqlite:///{tmp_path / f'sub{made[0]}' / 'collector.db'}"
+
+    return make
+
+
+@pytest.fixture
+def make_store(db_url: Callable[[], str], clock: Clock) -> Iterator[Callable[..., SqlStore]]:
     """Factory of set-up stores on the parametrised backend; settings fields as keyword arguments."""
     made: list[SqlStore] = []
 
     def make(**fields: object) -> SqlStore:
-        urls = {
-            "sqlite-file": f"sqlite:///{tmp_path / f'sub{len(made)}' / 'collector.db'}",
-            "sqlite-memory": "sqlite://",
-        }
-        store = SqlStore(CollectorSettings(db=urls[request.param], **fields), clock=clock)
+        store = SqlStore(CollectorSettings(db=db_url(), **fields), clock=clock)
         store.setup()
         made.append(store)
         return store

@@ -7,12 +7,18 @@ import math
 import pytest
 from tests.collector.span_builders import TRACE, llm, rollout
 
-from collector.assembly import InvalidReward, assemble, build_sequences, facts, span_rewards, trajectory_key
+from collector.assembly import InvalidReward, SpanReward, assemble, build_sequences, facts, span_rewards, trajectory_key
+from collector.groups import TrainingReward
 
 
 def _assemble(spans, **kwargs):
-    options = {"group_id": "g", "complete": True, "reward_name": "reward"} | kwargs
+    options = {"group_id": "g", "complete": True, "rewards": {}, "training": TrainingReward()} | kwargs
     return assemble("r1", spans, **options)
+
+
+def _sequences(spans):
+    built = build_sequences(spans)
+    return built.sequences, built.token_exact
 
 
 TURN1 = dict(start=10, prompt=[1, 2, 3], completion=[4, 5], logprobs=[-0.1, -0.2], step=3)
@@ -20,7 +26,7 @@ TURN2 = dict(start=20, prompt=[1, 2, 3, 4, 5, 6, 7], completion=[8], logprobs=[-
 
 
 def test_extending_turn_merges_into_one_sequence() -> None:
-    (seq,), exact = build_sequences([llm(1, **TURN1), llm(2, **TURN2)])
+    (seq,), exact = _sequences([llm(1, **TURN1), llm(2, **TURN2)])
     assert exact
     assert seq.token_ids == [1, 2, 3, 4, 5, 6, 7, 8]
     assert seq.assistant_mask == [0, 0, 0, 1, 1, 0, 0, 1]
@@ -31,7 +37,7 @@ def test_extending_turn_merges_into_one_sequence() -> None:
 def test_non_extending_turn_starts_a_new_sequence() -> None:
     # The prompt repeats the first prompt but not the first completion: not an extension.
     other = dict(start=20, prompt=[1, 2, 3, 9], completion=[6, 7], logprobs=[-1.0, -2.0], step=4)
-    (first, second), exact = build_sequences([llm(1, **TURN1), llm(2, **other)])
+    (first, second), exact = _sequences([llm(1, **TURN1), llm(2, **other)])
     assert exact
     assert (first.token_ids, first.assistant_mask, first.policy_step) == ([1, 2, 3, 4, 5], [0, 0, 0, 1, 1], 3)
     assert second.token_ids == [1, 2, 3, 9, 6, 7]
@@ -42,7 +48,7 @@ def test_non_extending_turn_starts_a_new_sequence() -> None:
 def test_third_turn_compares_with_the_latest_sequence() -> None:
     other = dict(start=20, prompt=[9], completion=[10], logprobs=[-1.0])
     third = dict(start=30, prompt=[9, 10, 11], completion=[12], logprobs=[-2.0])
-    sequences, _ = build_sequences([llm(1, **TURN1), llm(2, **other), llm(3, **third)])
+    sequences, _ = _sequences([llm(1, **TURN1), llm(2, **other), llm(3, **third)])
     assert [s.token_ids for s in sequences] == [[1, 2, 3, 4, 5], [9, 10, 11, 12]]
     assert sequences[1].assistant_mask == [0, 1, 0, 1]
 
@@ -82,7 +88,7 @@ def test_messages_tools_model_metadata_and_rewards() -> None:
         output=[{"role": "assistant", "content": "b"}],
     )
     root = rollout(9, group="g1", task="add", split="val", rewards={"reward": 0.5, "len": 2.0}, metadata={"k": 1})
-    traj = _assemble([last, root, first], api_rewards={"reward": 0.9, "judge": 0.1}, group_id="g1")
+    traj = _assemble([last, root, first], rewards={"reward": 0.9, "len": 2.0, "judge": 0.1}, group_id="g1")
     assert traj.messages == [
         {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
         {"role": "user", "content": "more"}, {"role": "assistant", "content": "b"},
@@ -92,8 +98,11 @@ def test_messages_tools_model_metadata_and_rewards() -> None:
     assert traj.metadata == {"k": 1}
     assert traj.rewards == {"reward": 0.9, "len": 2.0, "judge": 0.1}
     assert traj.reward == 0.9
-    assert _assemble([root], reward_name="len").reward == 2.0
-    assert _assemble([root], reward_name="missing").reward is None
+    assert _assemble([root], rewards=traj.rewards, training=TrainingReward("len")).reward == 2.0
+    assert _assemble([root], rewards=traj.rewards, training=TrainingReward("missing")).reward is None
+    weighted = TrainingReward(weights={"reward": 1.0, "len": 0.5})
+    assert _assemble([root], rewards=traj.rewards, training=weighted).reward == pytest.approx(1.9)
+    assert _assemble([root], rewards={"reward": 1.0}, training=weighted).reward is None
 
 
 def test_invalid_json_attribute_is_ignored() -> None:
@@ -127,4 +136,4 @@ def test_reward_events_only_count_on_rollout_spans() -> None:
     span = llm(1, **TURN1)
     span.events.append(rollout(2, rewards={"reward": 1.0}).events[0])
     assert span_rewards(span) == []
-    assert span_rewards(rollout(2, rewards={"reward": 1, "x": -2.5})) == [("reward", 1.0), ("x", -2.5)]
+    assert span_rewards(rollout(2, rewards={"reward": 1, "x": -2.5})) == [SpanReward("reward", 1.0, 50), SpanReward("x", -2.5, 50)]

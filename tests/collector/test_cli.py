@@ -40,3 +40,20 @@ def test_serve_needs_a_command(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main([])
     assert info.value.code == 2
     assert "COMMAND" in capsys.readouterr().err
+
+
+def test_reward_weights_from_env_and_conflicts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic import ValidationError
+
+    from collector.config import CollectorSettings
+
+    monkeypatch.setenv("ART_COLLECTOR_REWARD_WEIGHTS", '{"correct":1,"short":0.5}')
+    settings = CollectorSettings()
+    assert settings.training_reward.of({"correct": 1.0, "short": 0.5}) == 1.25
+    monkeypatch.setenv("ART_COLLECTOR_REWARD_NAME", "correct")
+    with pytest.raises(ValidationError, match="set one"):
+        CollectorSettings()
+    monkeypatch.delenv("ART_COLLECTOR_REWARD_NAME")
+    monkeypatch.setenv("ART_COLLECTOR_REWARD_WEIGHTS", '{"correct": NaN}')
+    with pytest.raises(ValidationError):
+        CollectorSettings()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collector.groups import Member, capacity, decide, merge_rewards
+from collector.groups import Member, TrainingReward, capacity, decide, merge_rewards
 
 
 def _m(reward: float | None, complete: bool = True, split: str = "train") -> Member:
@@ -16,16 +16,25 @@ def test_capacity() -> None:
 
 
 def test_decide() -> None:
-    kw = {"reward_name": "reward", "keep_zero_spread": False}
+    kw = {"reward_label": "'reward'", "keep_zero_spread": False}
     assert decide([_m(1.0), _m(0.0)], 2, **kw).state == "ready"
     assert decide([_m(1.0)], 2, **kw).reason == "waiting for 1 more of 2 trajectories"
     assert decide([_m(1.0), _m(0.0, complete=False)], 2, **kw).reason == "1 trajectories not complete"
     assert decide([_m(1.0), _m(None)], 2, **kw).reason == "1 trajectories without reward 'reward'"
     assert decide([_m(1.0), _m(0.0, split="val")], 2, **kw).state == "open"
     assert decide([_m(0.5), _m(0.5)], 2, **kw).state == "skipped"
-    assert decide([_m(0.5), _m(0.5)], 2, reward_name="reward", keep_zero_spread=True).state == "ready"
+    assert decide([_m(0.5), _m(0.5)], 2, reward_label="'reward'", keep_zero_spread=True).state == "ready"
 
 
 def test_merge_rewards_api_over_span_later_over_earlier() -> None:
-    rows = [(3, "api", "r", 0.3), (1, "span", "r", 0.1), (5, "span", "r", 0.5), (2, "api", "x", 2.0), (4, "api", "x", 4.0)]
+    rows = [((3,), "api", "r", 0.3), ((1,), "span", "r", 0.1), ((5,), "span", "r", 0.5), ((2,), "api", "x", 2.0), ((4,), "api", "x", 4.0)]
     assert merge_rewards(rows) == {"r": 0.3, "x": 4.0}
+
+
+def test_training_reward_one_name_or_weighted_sum() -> None:
+    one = TrainingReward("correct")
+    assert (one.of({"correct": 0.5}), one.of({}), one.label) == (0.5, None, "'correct'")
+    mix = TrainingReward(weights={"correct": 1.0, "short": 0.5})
+    assert mix.of({"correct": 1.0, "short": 0.4, "other": 9.0}) == 1.2
+    assert mix.of({"correct": 1.0}) is None  # waits for every name
+    assert mix.label == "1*'correct' + 0.5*'short'"

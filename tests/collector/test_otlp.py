@@ -24,7 +24,7 @@ def _records() -> list[SpanRecord]:
 
 def test_protobuf_decodes_every_field() -> None:
     body = to_request(_records(), resource={"service.name": "agent"}).SerializeToString()
-    first, second = decode_request(body, PB)
+    first, second = decode_request(body, PB).spans
     assert first.trace_id == TRACE and first.span_id == sid(1) and first.parent_span_id == sid(1000)
     assert (first.start_ns, first.end_ns, first.name) == (5, 15, "chat")
     assert first.attributes["art.prompt_token_ids"] == [1, 2, 3]
@@ -39,8 +39,8 @@ def test_protobuf_decodes_every_field() -> None:
 
 def test_json_with_hex_ids_equals_protobuf() -> None:
     records = _records()
-    from_json = decode_request(to_otlp_json(records), "application/json; charset=utf-8")
-    from_pb = decode_request(to_request(records).SerializeToString(), PB)
+    from_json = decode_request(to_otlp_json(records), "application/json; charset=utf-8").spans
+    from_pb = decode_request(to_request(records).SerializeToString(), PB).spans
     assert from_json == from_pb
     assert [(r.trace_id, r.span_id) for r in from_json] == [(TRACE, sid(1)), (TRACE, sid(2))]
 
@@ -53,7 +53,7 @@ def test_json_accepts_int_values_as_numbers_and_unknown_fields() -> None:
             "attributes": [{"key": "n", "value": {"intValue": 3}}, {"key": "b", "value": {"bytesValue": "AAE="}}],
         }]}]}]
     }
-    (span,) = decode_request(json.dumps(body).encode(), JSON)
+    (span,) = decode_request(json.dumps(body).encode(), JSON).spans
     assert span.attributes == {"n": 3, "b": "0001"}
     assert (span.start_ns, span.end_ns) == (1, 2)
 
@@ -72,10 +72,6 @@ def test_records_round_trip_through_dict() -> None:
         (b'{"resourceSpans": {}}', JSON, "resourceSpans must be an array"),
         (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz", "spanId": sid(1)}]}]}]}).encode(), JSON,
          "resourceSpans[0].scopeSpans[0].spans[0].traceId is not a hex string"),
-        (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": TRACE, "spanId": "abcd", "name": "s"}]}]}]}).encode(),
-         JSON, "span 's' has an invalid span_id (2 bytes"),
-        (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "00" * 16, "spanId": sid(1), "name": "s"}]}]}]}).encode(),
-         JSON, "invalid trace_id"),
         (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": TRACE, "spanId": sid(1), "startTimeUnixNano": "x"}]}]}]}).encode(),
          JSON, "not a valid OTLP/JSON"),
     ],
@@ -87,6 +83,16 @@ def test_malformed_bodies_name_the_fault(body: bytes, content_type: str, fragmen
     assert fragment in str(info.value)
 
 
+def test_spans_with_invalid_ids_are_rejected_alone() -> None:
+    good = {"traceId": TRACE, "spanId": sid(1), "name": "ok"}
+    spans = [good, {"traceId": TRACE, "spanId": "abcd", "name": "s"}, {"traceId": "00" * 16, "spanId": sid(2), "name": "z"}]
+    decoded = decode_request(json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": spans}]}]}).encode(), JSON)
+    assert [s.name for s in decoded.spans] == ["ok"]
+    assert len(decoded.rejected) == 2
+    assert "span 's' has an invalid span_id (2 bytes" in decoded.rejected[0]
+    assert "span 'z' has an invalid trace_id" in decoded.rejected[1]
+
+
 def test_unsupported_content_type() -> None:
     with pytest.raises(OtlpError) as info:
         decode_request(b"", "text/plain")
@@ -94,7 +100,7 @@ def test_unsupported_content_type() -> None:
 
 
 def test_empty_protobuf_body_is_an_empty_export() -> None:
-    assert decode_request(b"", PB) == []
+    assert decode_request(b"", PB).spans == []
 
 
 def test_gunzip_limits_and_errors() -> None:
@@ -114,3 +120,13 @@ def test_response_follows_request_encoding() -> None:
     assert media == PB and ExportTraceServiceResponse.FromString(body) == ExportTraceServiceResponse()
     body, media = encode_response("application/json")
     assert media == JSON and json.loads(body) == {}
+
+
+def test_partial_success_counts_and_explains() -> None:
+    reasons = [f"reason {i}" for i in range(7)]
+    body, _ = encode_response(PB, reasons)
+    partial = ExportTraceServiceResponse.FromString(body).partial_success
+    assert partial.rejected_spans == 7
+    assert partial.error_message == "7 spans rejected: reason 0; reason 1; reason 2; reason 3; reason 4; and 2 more"
+    body, _ = encode_response(JSON, reasons[:1])
+    assert json.loads(body) == {"partialSuccess": {"rejectedSpans": "1", "errorMessage": "1 spans rejected: reason 0"}}

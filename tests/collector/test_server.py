@@ -85,9 +85,26 @@ def test_export_errors(tmp_path: Path) -> None:
     _assert_error(client.post("/v1/traces", content=bomb, headers={**PB, "content-encoding": "gzip"}), 413, "body_too_large")
     _assert_error(client.post("/v1/traces", content=b"", headers={"content-type": "text/plain"}), 415, "unsupported_media_type")
     _assert_error(client.post("/v1/traces", content=b"", headers={**PB, "content-encoding": "br"}), 415, "unsupported_encoding")
-    nan = _group({"a": 1.0})
-    nan[1].events[0].attributes[sc.REWARD_VALUE] = float("nan")
-    _assert_error(client.post("/v1/traces", content=to_request(nan).SerializeToString(), headers=PB), 400, "invalid_reward")
+
+
+def test_partial_success_rejects_bad_spans_and_stores_the_rest(client: TestClient) -> None:
+    spans = _group({"a": 1.0, "b": 0.0})
+    spans[3].events[0].attributes[sc.REWARD_VALUE] = float("nan")  # rollout span of b
+    spans.append(llm(99, rollout="x" * 300, start=1, prompt=[1], completion=[2]))
+    response = client.post("/v1/traces", content=to_request(spans).SerializeToString(), headers=PB)
+    assert response.status_code == 200
+    partial = ExportTraceServiceResponse.FromString(response.content).partial_success
+    assert partial.rejected_spans == 2
+    assert "reward 'reward' on span" in partial.error_message and "must be a finite number" in partial.error_message
+    assert "art.rollout.id is longer than 256 characters" in partial.error_message
+    assert client.get("/v1/trajectories/a").json()["reward"] == 1.0
+    b = client.get("/v1/trajectories/b").json()
+    assert (b["complete"], b["reward"]) == (False, None)  # its rollout span was rejected, its LLM span kept
+    body = json.loads(to_otlp_json(spans[3:4]))
+    answer = client.post("/v1/traces", json=body)
+    assert answer.status_code == 200 and answer.json()["partialSuccess"]["rejectedSpans"] == "1"
+    clean = client.post("/v1/traces", content=to_otlp_json(spans[:2]), headers=JSON)  # a retry: duplicates are fine
+    assert clean.status_code == 200 and clean.json() == {}
 
 
 def test_rewards_endpoint(client: TestClient) -> None:

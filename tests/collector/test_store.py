@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from sqlalchemy import text
-from tests.collector.span_builders import TRACE, llm, rollout
+from tests.collector.span_builders import TRACE, llm, rollout, sid
 
 from collector.errors import Conflict, InvalidRequest, NotFound
 from collector.protocol import BatchRequest, RewardIn
@@ -28,7 +28,7 @@ def test_setup_is_idempotent_and_versioned(make_store) -> None:
     store.setup()
     with store.engine.connect() as conn:
         assert conn.execute(text("SELECT max(version) FROM schema_version")).scalar() == SCHEMA_VERSION
-        if store.engine.url.database:  # file-backed SQLite
+        if store.engine.dialect.name == "sqlite" and store.engine.url.database:  # file-backed SQLite
             assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
             assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
 
@@ -202,20 +202,22 @@ def test_invalid_reward_event_rejects_the_export(make_store) -> None:
     assert store.trajectories() == []
 
 
-def test_concurrent_leases_from_two_stores_never_share_a_group(tmp_path, clock) -> None:
-    """Two stores on one SQLite file (as two collector processes would be) lease disjoint groups."""
+def test_concurrent_leases_from_two_stores_never_share_a_group(db_url, clock) -> None:
+    """Two stores on one database (as two collector processes would be) lease disjoint groups."""
     from concurrent.futures import ThreadPoolExecutor
 
     from collector.config import CollectorSettings
     from collector.store import SqlStore
 
-    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database cannot be shared by two stores")
     stores = [SqlStore(CollectorSettings(db=url), clock=clock) for _ in range(2)]
     for store in stores:
         store.setup()
     for i in range(12):
         n = 100 * (i + 1)
-        stores[0].add_spans(
+        stores[i % 2].add_spans(
             _trajectory(n, f"{i}a", reward=1.0, group=f"g{i}") + _trajectory(n + 50, f"{i}b", reward=0.0, group=f"g{i}")
         )
     with ThreadPoolExecutor(8) as pool:
@@ -224,3 +226,136 @@ def test_concurrent_leases_from_two_stores_never_share_a_group(tmp_path, clock) 
     assert sorted(leased) == sorted(f"g{i}" for i in range(12))
     for store in stores:
         store.close()
+
+
+def test_migration_from_version_1_keeps_rewards(db_url, clock) -> None:
+    from sqlalchemy import inspect
+
+    from collector.config import CollectorSettings
+    from collector.engine import make_engine
+    from collector.schema import MIGRATIONS, schema_version
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database does not outlive its engine")
+    old = make_engine(url)
+    with old.begin() as conn:  # a database as version 1 left it, with a reward waiting for its spans
+        schema_version.create(conn)
+        MIGRATIONS[0](conn)
+        conn.execute(schema_version.insert().values(version=1, applied_at=0.0))
+        conn.execute(text("INSERT INTO rewards (rollout_id, name, value, source, created_at) VALUES ('a', 'judge', 0.5, 'api', 1.0)"))
+    assert "time_ns" not in {c["name"] for c in inspect(old).get_columns("rewards")}
+    old.dispose()
+    store = SqlStore(CollectorSettings(db=url), clock=clock)
+    store.setup()
+    with store.engine.connect() as conn:
+        assert [r[0] for r in conn.execute(text("SELECT version FROM schema_version ORDER BY version"))] == list(range(1, SCHEMA_VERSION + 1))
+    store.add_spans(_trajectory(10, "a", reward=1.0))
+    assert store.trajectory("a").rewards == {"reward": 1.0, "judge": 0.5}
+    store.close()
+
+
+def test_weighted_training_reward(make_store) -> None:
+    store = make_store(reward_weights={"correct": 1.0, "short": 0.5})
+    store.add_spans(_trajectory(10, "a", reward=None) + _trajectory(20, "b", reward=None))
+    for rollout_id, correct in (("a", 1.0), ("b", 0.0)):
+        store.add_reward(RewardIn(rollout_id=rollout_id, name="correct", value=correct))
+    (group,) = store.groups()
+    assert (group.state, group.rewarded, group.reason) == ("open", 0, "2 trajectories without reward 1*'correct' + 0.5*'short'")
+    store.add_reward(RewardIn(rollout_id="a", name="short", value=0.2))
+    store.add_reward(RewardIn(rollout_id="b", name="short", value=1.0))
+    (batch_group,) = store.lease(BatchRequest()).groups
+    assert sorted((t.id, t.reward, t.rewards["short"]) for t in batch_group.trajectories) == [("a", 1.1, 0.2), ("b", 0.5, 1.0)]
+
+
+def test_reward_spans_attach_by_rollout_or_trace(make_store) -> None:
+    from collector.otlp import SpanEvent, SpanRecord
+
+    store = make_store()
+    store.add_spans(_trajectory(10, "a", reward=None) + _trajectory(20, "b", reward=None))
+    late = SpanRecord("f" * 32, sid(900), None, "score", 500, 600, {"art.span.kind": "reward", "art.rollout.id": "a", "art.reward.value": 0.25})
+    same_trace = SpanRecord(
+        f"{20:032x}", sid(901), sid(20), "judge", 500, 600, {"art.span.kind": "reward"},
+        [SpanEvent("art.reward", 550, {"art.reward.name": "reward", "art.reward.value": 0.75})],
+    )
+    store.add_spans([late, same_trace])
+    assert (store.trajectory("a").reward, store.trajectory("b").reward) == (0.25, 0.75)
+    assert [t.id for t in store.trajectories()] == ["a", "b"]  # reward spans make no trajectory of their own
+    bad = SpanRecord("f" * 32, sid(902), None, "score", 1, 2, {"art.span.kind": "reward", "art.rollout.id": "a", "art.reward.value": "high"})
+    with pytest.raises(InvalidRequest, match="finite number"):
+        store.add_spans([bad])
+
+
+def test_stale_group_expires_with_its_reason(make_store, clock) -> None:
+    store = make_store(group_timeout_seconds=100)
+    store.add_spans(_trajectory(10, "a", reward=1.0, size=3) + _trajectory(20, "b", reward=0.0, size=3))
+    store.add_spans(_trajectory(40, "x", reward=1.0, group="h") + _trajectory(50, "y", reward=0.0, group="h"))  # ready
+    clock.now += 60
+    store.add_spans([llm(12, rollout="a", trace=f"{10:032x}", start=20, prompt=[9], completion=[8])])  # activity
+    clock.now += 60
+    assert {g.id: g.state for g in store.groups()} == {"g": "open", "h": "ready"}
+    clock.now += 41
+    states = {g.id: (g.state, g.reason) for g in store.groups()}
+    assert states["h"] == ("ready", None)  # a ready group waits for a trainer, it does not go stale
+    assert states["g"] == ("expired", "expired: no new span or reward for 100 s while waiting for 1 more of 3 trajectories")
+    store.add_spans(_trajectory(30, "c", reward=0.5, size=3))
+    assert store.trajectory("c").group_id == "g#2"  # the expired instance takes no one
+    assert [g.id for g in store.lease(BatchRequest()).groups] == ["h"]
+
+
+def test_drift_is_reported_in_the_read_api(make_store) -> None:
+    store = make_store()
+    first = llm(11, start=10, prompt=[1, 2], completion=[3, 4], messages=[{"role": "user", "content": "q"}], output=[{"role": "assistant", "content": "a"}])
+    drifted = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]
+    second = llm(12, start=20, prompt=[1, 2, 3, 7, 5], completion=[6], messages=drifted, output=[{"role": "assistant", "content": "b"}])
+    store.add_spans([first, second, rollout(10, "r1", group="g")])
+    traj = store.trajectory("r1")
+    assert [s.token_ids for s in traj.sequences] == [[1, 2, 3, 4], [1, 2, 3, 7, 5, 6]]
+    assert [(d.span_id, d.turn, d.position, d.expected, d.got) for d in traj.drift] == [(sid(12), 1, 3, [4], [7, 5])]
+
+
+def _rich_spans() -> list:
+    """Two rollouts of one group: merged and drifting turns, tools, reward events, a reward span."""
+    from collector.otlp import SpanEvent, SpanRecord
+
+    spans = []
+    for k, rollout_id in enumerate(("a", "b")):
+        trace, n = f"{k + 7:032x}", 100 * (k + 1)
+        q = [{"role": "user", "content": f"q{k}"}]
+        a = [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}]
+        t = [{"role": "tool", "tool_call_id": "c", "content": "5"}]
+        spans += [
+            llm(n + 1, rollout=rollout_id, trace=trace, start=10, prompt=[1, 2], completion=[3, k], messages=q, output=a),
+            llm(n + 2, rollout=rollout_id, trace=trace, start=20, prompt=[1, 2, 3, k, 9], completion=[4], messages=q + a + t,
+                output=[{"role": "assistant", "content": "5"}], tools=[{"type": "function", "function": {"name": "add"}}], model="agent@1"),
+            llm(n + 3, rollout=rollout_id, trace=trace, start=30, prompt=[1, 2, 8], completion=[5], messages=q + a + t + [{"role": "assistant", "content": "5"}, {"role": "user", "content": "again"}]),
+            rollout(n, rollout_id, trace=trace, group="g", size=2, task="sum", rewards={"reward": float(k), "len": 1.0 + k}),
+            SpanRecord(trace, sid(n + 4), sid(n), "score", 40, 90, {"art.span.kind": "reward", "art.rollout.id": rollout_id},
+                       [SpanEvent("art.reward", 60, {"art.reward.name": "len", "art.reward.value": 0.5 + k}),
+                        SpanEvent("art.reward", 70, {"art.reward.name": "judge", "art.reward.value": 0.1})]),
+        ]
+    return spans
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_shuffled_and_duplicated_delivery_gives_the_same_trajectories(make_store, seed) -> None:
+    import random
+
+    spans = _rich_spans()
+    reference = make_store()
+    reference.add_spans(spans)
+    expected = reference.trajectories()
+    assert [(len(t.sequences), len(t.drift)) for t in expected] == [(2, 1), (2, 1)]
+    assert expected[0].rewards == {"reward": 0.0, "len": 0.5, "judge": 0.1}  # the reward span is later than the event
+
+    rng = random.Random(seed)
+    delivery = spans * 3
+    rng.shuffle(delivery)
+    store = make_store()
+    while delivery:
+        cut = rng.randint(1, 4)
+        store.add_spans(delivery[:cut])
+        delivery = delivery[cut:]
+    assert store.trajectories() == expected
+    assert [(g.id, g.state, g.size) for g in store.groups()] == [("g", "ready", 2)]

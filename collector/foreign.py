@@ -1,0 +1,305 @@
+"""Messages of a model-call span, whatever instrumentation wrote it.
+
+`art_langgraph` writes OpenAI-format JSON in `gen_ai.input.messages` / `gen_ai.output.messages`.
+Other GenAI instrumentations are read too, so their traces become (not token-exact)
+trajectories that the trainer re-tokenizes:
+
+* OpenTelemetry GenAI semantic conventions: `gen_ai.input.messages` / `gen_ai.output.messages`
+  in the structured form (`{"role", "parts": [{"type": "text", "content"}, ...]}`) with
+  `gen_ai.system_instructions`, and the older flattened form `gen_ai.prompt.N.role` /
+  `gen_ai.prompt.N.content` / `gen_ai.completion.N.*` (as OpenLLMetry writes it).
+* OpenInference: `openinference.span.kind = LLM`, `llm.input_messages.N.message.role` /
+  `.content` / `.contents.M.message_content.text` / `.tool_calls.M.tool_call.function.*`,
+  `llm.output_messages...`, `llm.model_name`, `llm.tools.N.tool.json_schema`.
+* Langfuse SDK (OpenTelemetry based): `langfuse.observation.type = generation`, with
+  `langfuse.observation.input` / `.output` (JSON, or plain text) and
+  `langfuse.observation.model.name`.
+
+Every result is in OpenAI chat format (`role`, `content`, `tool_calls`, `tool_call_id`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from art_langgraph import semconv as sc
+
+__all__ = ["Conversation", "conversation", "is_generation", "same_messages"]
+
+log = logging.getLogger(__name__)
+
+GEN_AI_SYSTEM_INSTRUCTIONS = "gen_ai.system_instructions"
+GEN_AI_PROMPT = "gen_ai.prompt."
+GEN_AI_COMPLETION = "gen_ai.completion."
+OPENLLMETRY_REQUEST_TYPE = "llm.request.type"
+OPENLLMETRY_FUNCTIONS = "llm.request.functions."
+OPENINFERENCE_SPAN_KIND = "openinference.span.kind"
+OPENINFERENCE_INPUT = "llm.input_messages."
+OPENINFERENCE_OUTPUT = "llm.output_messages."
+OPENINFERENCE_MODEL = "llm.model_name"
+OPENINFERENCE_TOOLS = "llm.tools."
+LANGFUSE_TYPE = "langfuse.observation.type"
+LANGFUSE_INPUT = "langfuse.observation.input"
+LANGFUSE_OUTPUT = "langfuse.observation.output"
+LANGFUSE_MODEL = "langfuse.observation.model.name"
+
+_GEN_AI_OPERATIONS = frozenset({"chat", "text_completion", "generate_content"})
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One model call: the messages sent, the messages returned, the tools offered, the model."""
+
+    input: list[dict[str, Any]] = field(default_factory=list)
+    output: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    model: str | None = None
+
+
+def is_generation(attributes: Mapping[str, Any]) -> bool:
+    """True for a model call in any supported convention (without `art.span.kind`)."""
+    return (
+        attributes.get(sc.GEN_AI_OPERATION_NAME) in _GEN_AI_OPERATIONS
+        or attributes.get(OPENINFERENCE_SPAN_KIND) == "LLM"
+        or attributes.get(LANGFUSE_TYPE) == "generation"
+        or attributes.get(OPENLLMETRY_REQUEST_TYPE) in ("chat", "completion")
+        or f"{GEN_AI_PROMPT}0.role" in attributes
+    )
+
+
+def conversation(attributes: Mapping[str, Any], *, span_id: str = "?") -> Conversation:
+    """The conversation a model-call span carries; empty lists where it carries none."""
+    model = next(
+        (
+            str(attributes[key])
+            for key in (sc.GEN_AI_RESPONSE_MODEL, sc.GEN_AI_REQUEST_MODEL, OPENINFERENCE_MODEL, LANGFUSE_MODEL)
+            if attributes.get(key)
+        ),
+        None,
+    )
+    tools = _gen_ai_tools(attributes, span_id) or _openinference_tools(attributes, span_id)
+    if sc.GEN_AI_INPUT_MESSAGES in attributes or sc.GEN_AI_OUTPUT_MESSAGES in attributes:
+        system = _json(attributes, GEN_AI_SYSTEM_INSTRUCTIONS, span_id)
+        sent = _semconv_messages(_json(attributes, sc.GEN_AI_INPUT_MESSAGES, span_id))
+        if isinstance(system, list) and not any(m.get("role") == "system" for m in sent):
+            sent = [{"role": "system", "content": _parts_text(system)}, *sent]
+        returned = _semconv_messages(_json(attributes, sc.GEN_AI_OUTPUT_MESSAGES, span_id))
+        return Conversation(sent, returned, tools, model)
+    if f"{GEN_AI_PROMPT}0.role" in attributes or f"{GEN_AI_COMPLETION}0.role" in attributes:
+        sent = [_flat_message(node) for node in _unflatten(attributes, GEN_AI_PROMPT)]
+        returned = [_flat_message(node, "assistant") for node in _unflatten(attributes, GEN_AI_COMPLETION)]
+        return Conversation(sent, returned, tools, model)
+    if any(key.startswith((OPENINFERENCE_INPUT, OPENINFERENCE_OUTPUT)) for key in attributes):
+        sent = [_openinference_message(node) for node in _unflatten(attributes, OPENINFERENCE_INPUT)]
+        returned = [_openinference_message(node, "assistant") for node in _unflatten(attributes, OPENINFERENCE_OUTPUT)]
+        return Conversation(sent, returned, tools, model)
+    if LANGFUSE_INPUT in attributes or LANGFUSE_OUTPUT in attributes:
+        sent, offered = _langfuse_messages(attributes.get(LANGFUSE_INPUT), "user")
+        returned, _ = _langfuse_messages(attributes.get(LANGFUSE_OUTPUT), "assistant")
+        return Conversation(sent, returned, tools or offered, model)
+    return Conversation(tools=tools, model=model)
+
+
+def same_messages(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """Whether two message lists say the same (role, text, tool calls, tool call id), ignoring extras."""
+    return len(a) == len(b) and all(_essence(x) == _essence(y) for x, y in zip(a, b, strict=True))
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _essence(message: Mapping[str, Any]) -> tuple[Any, ...]:
+    content = message.get("content")
+    text = _parts_text(content) if isinstance(content, list) else (content or "")
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call) if isinstance(call, Mapping) else {}
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        calls.append((function.get("name"), json.dumps(arguments, sort_keys=True)))
+    return message.get("role"), str(text).strip(), tuple(calls), message.get("tool_call_id")
+
+
+def _json(attributes: Mapping[str, Any], key: str, span_id: str) -> Any:
+    raw = attributes.get(key)
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        log.warning("span %s: attribute %s is not valid JSON (%s); ignored", span_id, key, exc)
+        return None
+
+
+def _parts_text(parts: list[Any]) -> str:
+    """Text of a list of content parts (`{"type": "text", "content"|"text": ...}` or plain strings)."""
+    texts = []
+    for part in parts:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, Mapping) and part.get("type", "text") == "text":
+            texts.append(str(part.get("content", part.get("text", ""))))
+    return "".join(texts)
+
+
+def _arguments(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _semconv_messages(value: Any) -> list[dict[str, Any]]:
+    """`gen_ai.*.messages`: OpenAI-format messages pass through; `parts` messages are converted."""
+    if not isinstance(value, list):
+        return []
+    out: list[dict[str, Any]] = []
+    for message in value:
+        if not isinstance(message, Mapping):
+            continue
+        if "parts" not in message:
+            out.append(dict(message))
+            continue
+        role = message.get("role", "user")
+        parts = message["parts"] if isinstance(message["parts"], list) else []
+        calls = [p for p in parts if isinstance(p, Mapping) and p.get("type") == "tool_call"]
+        responses = [p for p in parts if isinstance(p, Mapping) and p.get("type") == "tool_call_response"]
+        for response in responses:
+            result = response.get("response", response.get("result"))
+            content = result if isinstance(result, str) else json.dumps(result)
+            out.append({"role": "tool", "tool_call_id": response.get("id"), "content": content})
+        text = _parts_text(parts)
+        if text or calls or not responses:
+            converted: dict[str, Any] = {"role": role, "content": text}
+            if calls:
+                converted["tool_calls"] = [
+                    {"id": c.get("id"), "type": "function", "function": {"name": c.get("name"), "arguments": _arguments(c.get("arguments", {}))}}
+                    for c in calls
+                ]
+            out.append(converted)
+    return out
+
+
+def _unflatten(attributes: Mapping[str, Any], prefix: str) -> list[Any]:
+    """`prefix.0.a.b = x` style attributes as a nested structure; numbered levels become lists."""
+    tree: dict[str, Any] = {}
+    for key, value in attributes.items():
+        if not key.startswith(prefix):
+            continue
+        node = tree
+        *path, leaf = key[len(prefix) :].split(".")
+        for segment in path:
+            child = node.setdefault(segment, {})
+            if not isinstance(child, dict):
+                break
+            node = child
+        else:
+            node[leaf] = value
+    listed = _lists(tree)
+    return listed if isinstance(listed, list) else []
+
+
+def _lists(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    if node and all(key.isdigit() for key in node):
+        return [_lists(node[key]) for key in sorted(node, key=int)]
+    return {key: _lists(value) for key, value in node.items()}
+
+
+def _flat_message(node: Any, default_role: str = "user") -> dict[str, Any]:
+    """One `gen_ai.prompt.N` / `gen_ai.completion.N` message (OpenLLMetry's flattened form)."""
+    node = node if isinstance(node, dict) else {}
+    message: dict[str, Any] = {"role": node.get("role", default_role), "content": node.get("content") or ""}
+    calls = node.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        message["tool_calls"] = [
+            {"id": c.get("id"), "type": "function", "function": {"name": c.get("name"), "arguments": _arguments(c.get("arguments", "{}"))}}
+            for c in calls
+            if isinstance(c, dict)
+        ]
+    if node.get("tool_call_id"):
+        message["tool_call_id"] = node["tool_call_id"]
+    return message
+
+
+def _openinference_message(node: Any, default_role: str = "user") -> dict[str, Any]:
+    """One `llm.*_messages.N.message` (OpenInference)."""
+    body = node.get("message", {}) if isinstance(node, dict) else {}
+    content = body.get("content")
+    if content is None and isinstance(body.get("contents"), list):
+        content = _parts_text([c.get("message_content", {}) for c in body["contents"] if isinstance(c, dict)])
+    message: dict[str, Any] = {"role": body.get("role", default_role), "content": content or ""}
+    calls = body.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        message["tool_calls"] = []
+        for call in calls:
+            inner = call.get("tool_call", {}) if isinstance(call, dict) else {}
+            function = inner.get("function", {}) if isinstance(inner.get("function"), dict) else {}
+            message["tool_calls"].append(
+                {"id": inner.get("id"), "type": "function", "function": {"name": function.get("name"), "arguments": _arguments(function.get("arguments", "{}"))}}
+            )
+    if body.get("tool_call_id"):
+        message["tool_call_id"] = body["tool_call_id"]
+    return message
+
+
+def _langfuse_messages(raw: Any, role: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Langfuse input/output → (messages, tools). JSON lists of messages, `{"messages": ...}`, or text."""
+    if raw is None:
+        return [], []
+    value = raw
+    if isinstance(raw, str):
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            return [{"role": role, "content": raw}], []
+    tools: list[dict[str, Any]] = []
+    if isinstance(value, Mapping) and isinstance(value.get("messages"), list):
+        tools = [t for t in value.get("tools") or [] if isinstance(t, dict)]
+        value = value["messages"]
+    if isinstance(value, Mapping) and "role" in value:
+        value = [value]
+    if isinstance(value, list) and all(isinstance(m, Mapping) and "role" in m for m in value):
+        return _semconv_messages(value), tools
+    content = value if isinstance(value, str) else json.dumps(value)
+    return [{"role": role, "content": content}], tools
+
+
+def _gen_ai_tools(attributes: Mapping[str, Any], span_id: str) -> list[dict[str, Any]]:
+    value = _json(attributes, sc.GEN_AI_TOOL_DEFINITIONS, span_id)
+    if isinstance(value, list):
+        return [tool for tool in value if isinstance(tool, dict)]
+    functions = _unflatten(attributes, OPENLLMETRY_FUNCTIONS)
+    tools = []
+    for function in functions:
+        if isinstance(function, dict) and function.get("name"):
+            parameters = function.get("parameters")
+            if isinstance(parameters, str):
+                try:
+                    parameters = json.loads(parameters)
+                except json.JSONDecodeError:
+                    parameters = {}
+            spec = {"name": function["name"], "description": function.get("description", ""), "parameters": parameters or {}}
+            tools.append({"type": "function", "function": spec})
+    return tools
+
+
+def _openinference_tools(attributes: Mapping[str, Any], span_id: str) -> list[dict[str, Any]]:
+    tools = []
+    for node in _unflatten(attributes, OPENINFERENCE_TOOLS):
+        schema = node.get("tool", {}).get("json_schema") if isinstance(node, dict) else None
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                log.warning("span %s: OpenInference tool schema is not JSON (%s); ignored", span_id, exc)
+                continue
+        if isinstance(schema, dict):
+            tools.append(schema)
+    return tools

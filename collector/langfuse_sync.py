@@ -1,0 +1,190 @@
+"""Langfuse sync: human scores in as rewards, computed rewards out as scores.
+
+Uses the `langfuse` SDK's REST client (`LangfuseAPI`): scores are read with
+`GET /api/public/v3/scores` (cursor paging, filtered by source and name, with the `subject`
+field group that carries the trace id) and written with `POST /api/public/scores` (a list).
+A score becomes a reward of the same name on the trajectory of its trace (Langfuse's trace id
+is the OpenTelemetry trace id when the agent's spans fan out to Langfuse). Only numeric and
+boolean scores can be rewards; scores already pulled at the same `updatedAt` are not applied
+again. Pushed scores get a stable id per (trajectory, reward name), so a changed reward
+updates the same score in Langfuse.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import httpx
+from langfuse.api import CreateScoreBatchResults, CreateScoreRequest, CreateScoreSource, LangfuseAPI, ScoreDataType
+from langfuse.api.core.api_error import ApiError
+
+from collector.errors import CollectorError
+from collector.protocol import RewardIn
+from collector.read_protocol import LangfuseSyncResult
+from collector.scoring_config import LangfuseSettings
+from collector.scoring_store import ScoringStore
+from collector.store import Store
+
+__all__ = ["LangfuseSync", "LangfuseSyncError", "make_client"]
+
+log = logging.getLogger(__name__)
+
+PAGE = 100
+"""Scores per page (Langfuse's maximum)."""
+
+
+class LangfuseSyncError(CollectorError):
+    """Langfuse could not be reached or refused a request (502)."""
+
+    status = 502
+    code = "langfuse_error"
+
+
+def make_client(settings: LangfuseSettings) -> LangfuseAPI:
+    """The SDK's REST client for the configured project (Basic auth with the key pair)."""
+    if not settings.enabled:
+        raise LangfuseSyncError("Langfuse is not configured: set ART_COLLECTOR_LANGFUSE_HOST and its keys", code="langfuse_not_configured")
+    from langfuse import __version__
+
+    return LangfuseAPI(
+        base_url=str(settings.host).rstrip("/"),
+        username=settings.public_key,
+        password=settings.secret_key.get_secret_value() if settings.secret_key else None,
+        x_langfuse_sdk_name="python",
+        x_langfuse_sdk_version=__version__,
+        x_langfuse_public_key=settings.public_key,
+        timeout=settings.timeout_seconds,
+    )
+
+
+def _trace_of(score: object) -> str | None:
+    """Trace id of a trace- or observation-level score; None for session and experiment scores."""
+    subject = getattr(score, "subject", None)
+    kind = getattr(subject, "kind", None)
+    if kind == "trace":
+        return str(subject.id).replace("-", "").lower()
+    if kind == "observation" and getattr(subject, "trace_id", None):
+        return str(subject.trace_id).replace("-", "").lower()
+    return None
+
+
+def _numeric(score: object) -> float | None:
+    """A reward value from a numeric or boolean score; None for text, categorical and correction scores."""
+    kind, value = getattr(score, "data_type", None), getattr(score, "value", None)
+    if kind == "BOOLEAN":
+        return 1.0 if value else 0.0
+    if kind == "NUMERIC" and isinstance(value, int | float):
+        return float(value)
+    return None
+
+
+class LangfuseSync:
+    """Pulls scores into the store and pushes rewards to Langfuse; `sync()` does both."""
+
+    def __init__(
+        self,
+        store: Store,
+        scoring: ScoringStore,
+        settings: LangfuseSettings,
+        *,
+        client: LangfuseAPI | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store, self.scoring, self.settings = store, scoring, settings
+        self.client = client or make_client(settings)
+        self.clock = clock
+        self._lock = threading.Lock()
+
+    def _call(self, what: str, fn: Callable[[], object]) -> object:
+        try:
+            return fn()
+        except ApiError as exc:
+            raise LangfuseSyncError(f"Langfuse {what} answered {exc.status_code}: {exc.body!r}") from exc
+        except httpx.HTTPError as exc:
+            raise LangfuseSyncError(f"Langfuse {what} unreachable at {self.settings.host}: {exc}", code="langfuse_unreachable") from exc
+
+    def pull(self) -> LangfuseSyncResult:
+        """Read scores (configured sources and names, within the lookback) and store new or changed ones as rewards."""
+        s = self.settings
+        since = dt.datetime.fromtimestamp(self.clock() - s.lookback_hours * 3600, tz=dt.UTC)
+        found, cursor = [], None
+        while True:
+            page = self._call(
+                "GET /api/public/v3/scores",
+                lambda: self.client.scores.get_many(
+                    limit=PAGE, cursor=cursor, fields="subject", source=",".join(s.sources) or None,
+                    name=",".join(s.score_names) or None, from_timestamp=since,
+                ),
+            )
+            found += page.data
+            cursor = page.meta.cursor
+            if not cursor:
+                break
+        found.sort(key=lambda score: (score.timestamp, score.updated_at))  # the latest score of a name wins
+        seen = self.scoring.pulled_versions([score.id for score in found])
+        applied = unmatched = ignored = 0
+        for score in found:
+            trace_id, value = _trace_of(score), _numeric(score)
+            if trace_id is None or value is None:
+                ignored += 1
+                continue
+            version = score.updated_at.isoformat()
+            if seen.get(score.id) == version:
+                continue
+            accepted = self.store.add_reward(RewardIn(trace_id=trace_id, name=score.name, value=value))
+            self.scoring.mark_pulled(
+                {"score_id": score.id, "updated_at": version, "trace_id": trace_id, "name": score.name, "value": value, "pulled_at": self.clock()}
+            )
+            applied += 1
+            unmatched += not accepted.trajectory_known
+        return LangfuseSyncResult(pulled=len(found), applied=applied, unmatched=unmatched, ignored=ignored, pushed=0)
+
+    def push(self) -> tuple[int, int]:
+        """Send the configured rewards whose value changed since the last push; returns (sent, rejected)."""
+        names = self.settings.push_names
+        if not names:
+            return 0, 0
+        before = self.scoring.pushed()
+        trajectories = self.store.trajectories()
+        explanations = self.scoring.judgements([t.id for t in trajectories])
+        now = self.clock()
+        requests, marks = [], []
+        for t in trajectories:
+            notes = {row["name"]: row["explanation"] for row in explanations[t.id]}
+            for name in names:
+                value = t.rewards.get(name)
+                if value is None or (t.id, name) in before and before[(t.id, name)][0] == value:
+                    continue
+                first = before[(t.id, name)][1] if (t.id, name) in before else now
+                score_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"art-langgraph:{t.id}:{name}"))
+                requests.append(
+                    CreateScoreRequest(
+                        id=score_id, trace_id=t.trace_id, name=name, value=value, data_type=ScoreDataType.NUMERIC,
+                        source=CreateScoreSource.API, comment=notes.get(name),
+                        metadata={"art.rollout.id": t.id, "art.group": t.group_id},
+                        timestamp=dt.datetime.fromtimestamp(first, tz=dt.UTC),
+                    )
+                )
+                marks.append({"trajectory_id": t.id, "name": name, "value": value, "score_id": score_id, "pushed_at": first})
+        rejected = 0
+        for start in range(0, len(requests), PAGE):
+            chunk = requests[start : start + PAGE]
+            answer = self._call("POST /api/public/scores", lambda chunk=chunk: self.client.scores.create(request=chunk))
+            if isinstance(answer, CreateScoreBatchResults) and answer.rejected:
+                rejected += answer.rejected
+                log.warning("Langfuse rejected %d of %d scores: %s", answer.rejected, len(chunk), [e.message for e in answer.errors])
+            self.scoring.mark_pushed(marks[start : start + PAGE])
+        return len(requests), rejected
+
+    def sync(self) -> LangfuseSyncResult:
+        """Pull, then push; one sync at a time (the schedule and `POST /v1/langfuse/sync` may overlap)."""
+        with self._lock:
+            result = self.pull()
+            result.pushed, result.push_rejected = self.push()
+        log.info("Langfuse sync: %s", result.model_dump())
+        return result

@@ -1,0 +1,106 @@
+"""The pool of groups: members, named rewards, readiness, and upkeep (lease expiry, idle
+trajectories, stale groups). Functions over an open transaction; `SqlStore` calls them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sqlalchemy import Connection, and_, or_, select
+
+from collector.config import CollectorSettings
+from collector.engine import chunks
+from collector.groups import Decision, Member, decide, merge_rewards
+from collector.schema import batches, groups, rewards, trajectories
+
+__all__ = ["decisions", "group_members", "maintain", "rewards_of"]
+
+log = logging.getLogger(__name__)
+
+
+def rewards_of(conn: Connection, rows: list[Any]) -> dict[str, dict[str, float]]:
+    """Named rewards per trajectory row (by rollout id, or by trace id when none was given)."""
+    by_id: dict[str, list[tuple[tuple[Any, ...], str, str, float]]] = {row["id"]: [] for row in rows}
+    by_trace: dict[str, list[str]] = {}
+    for row in rows:
+        by_trace.setdefault(row["trace_id"], []).append(row["id"])
+    for chunk in chunks(rows):
+        ids, traces = [r["id"] for r in chunk], [r["trace_id"] for r in chunk]
+        query = select(rewards).where(
+            or_(rewards.c.rollout_id.in_(ids), and_(rewards.c.rollout_id.is_(None), rewards.c.trace_id.in_(traces)))
+        )
+        for r in conn.execute(query).mappings():
+            if r["source"] == "span":  # by time in the trace, so arrival order does not matter
+                order: tuple[Any, ...] = (r["time_ns"] or 0, r["span_id"] or "", r["name"], r["id"])
+            else:
+                order = (r["id"],)
+            owners = [r["rollout_id"]] if r["rollout_id"] else by_trace.get(r["trace_id"], [])
+            for owner in owners:
+                if owner in by_id:
+                    by_id[owner].append((order, r["source"], r["name"], r["value"]))
+    return {tid: merge_rewards(found) for tid, found in by_id.items()}
+
+
+def group_members(conn: Connection, group_ids: list[str]) -> dict[str, list[Any]]:
+    """Trajectory rows of each group, oldest first."""
+    members: dict[str, list[Any]] = {gid: [] for gid in group_ids}
+    for chunk in chunks(group_ids):
+        query = select(trajectories).where(trajectories.c.group_id.in_(chunk)).order_by(trajectories.c.created_at, trajectories.c.id)
+        for row in conn.execute(query).mappings():
+            members[row["group_id"]].append(row)
+    return members
+
+def decisions(conn: Connection, settings: CollectorSettings, open_groups: list[Any]) -> dict[str, Decision]:
+    """Readiness of each open group."""
+    members = group_members(conn, [g["id"] for g in open_groups])
+    named = rewards_of(conn, [row for rows in members.values() for row in rows])
+    out = {}
+    for group in open_groups:
+        rows = members[group["id"]]
+        ms = [Member(bool(r["complete"]), r["split"], settings.training_reward.of(named[r["id"]])) for r in rows]
+        expected = group["size_hint"] or settings.min_group_size
+        out[group["id"]] = decide(
+            ms, expected, reward_label=settings.training_reward.label, keep_zero_spread=settings.keep_zero_spread
+        )
+    return out
+
+
+def maintain(conn: Connection, settings: CollectorSettings, now: float) -> None:
+    """Return expired leases; complete idle trajectories without rollout span; expire stale groups."""
+    expired = list(
+        conn.execute(select(batches.c.id).where(batches.c.state == "leased", batches.c.lease_expires_at <= now)).scalars()
+    )
+    for chunk in chunks(expired):
+        conn.execute(batches.update().where(batches.c.id.in_(chunk)).values(state="expired"))
+        conn.execute(
+            groups.update()
+            .where(groups.c.state == "leased", groups.c.batch_id.in_(chunk))
+            .values(state="open", batch_id=None, updated_at=now)
+        )
+        log.warning("leases expired, groups back in the pool: batches %s", ", ".join(chunk))
+    conn.execute(
+        trajectories.update()
+        .where(
+            trajectories.c.by_rollout.is_(False),
+            trajectories.c.complete.is_(False),
+            trajectories.c.updated_at <= now - settings.idle_seconds,
+        )
+        .values(complete=True)
+    )
+    timeout = settings.group_timeout_seconds
+    if timeout > 0:
+        stale = list(
+            conn.execute(
+                select(groups).where(groups.c.state == "open", groups.c.updated_at <= now - timeout).order_by(groups.c.id)
+            ).mappings()
+        )
+        for group_id, decision in decisions(conn, settings, stale).items():
+            if decision.state == "open":
+                reason = f"expired: no new span or reward for {timeout:g} s while {decision.reason}"
+                conn.execute(
+                    groups.update()
+                    .where(groups.c.id == group_id, groups.c.state == "open")
+                    .values(state="expired", reason=reason, updated_at=now)
+                )
+                log.info("group %s %s", group_id, reason)

@@ -1,0 +1,144 @@
+"""Wire types of the judges (RULER, Langfuse) and of the read API behind the web page."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from collector.protocol import GroupStatus
+
+__all__ = [
+    "BatchView",
+    "CurvePoint",
+    "JudgeRequest",
+    "JudgeRun",
+    "Judgement",
+    "LangfuseSyncResult",
+    "SequenceView",
+    "TrajectoryDetail",
+    "TrajectoryPage",
+    "TrajectorySummary",
+    "GroupView",
+]
+
+
+class Judgement(BaseModel):
+    """The judge's score and explanation for one trajectory."""
+
+    trajectory_id: str
+    name: str = Field(description="Reward name the judge wrote (default `ruler`).")
+    score: float = Field(ge=0, le=1)
+    explanation: str
+    block: int | None = Field(default=None, description="Number of the trajectory's block in the judge prompt; None when zeroed.")
+    duplicate_of: str | None = Field(default=None, description="Identical to this trajectory, which was judged in its place.")
+
+
+class JudgeRequest(BaseModel):
+    """Body of `POST /v1/groups/{id}/judge` (optional)."""
+
+    rubric: str | None = Field(default=None, min_length=1, description="Rubric for this run (default: the configured one).")
+
+
+class JudgeRun(BaseModel):
+    """Outcome of the last judge run of a group."""
+
+    group_id: str
+    state: Literal["running", "ok", "failed", "skipped", "zeroed"] = Field(
+        description="`ok`: scores stored; `failed`: retried later (retry policy); `skipped`: left unjudged; `zeroed`: all 0."
+    )
+    attempts: int
+    error: str | None = None
+    model: str
+    trajectories: int
+    distinct: int = Field(description="Distinct trajectories sent to the judge (identical ones are judged once).")
+    started_at: float
+    finished_at: float | None = None
+    next_try_at: float | None = None
+    judgements: list[Judgement] = Field(default_factory=list)
+
+
+class LangfuseSyncResult(BaseModel):
+    """What one Langfuse sync did."""
+
+    pulled: int = Field(description="Scores read from Langfuse.")
+    applied: int = Field(description="New or changed scores stored as rewards.")
+    unmatched: int = Field(description="Applied scores whose trace has no trajectory yet (they apply when it arrives).")
+    ignored: int = Field(description="Scores that cannot be rewards (text/categorical, session or experiment scores).")
+    pushed: int = Field(description="Rewards sent to Langfuse as scores.")
+    push_rejected: int = Field(default=0, description="Scores Langfuse rejected (HTTP 207).")
+
+
+class TrajectorySummary(BaseModel):
+    """One row of the trajectory list."""
+
+    id: str
+    trace_id: str
+    group_id: str
+    task: str | None
+    split: str
+    model: str | None
+    policy_step: int | None = Field(description="Highest checkpoint step that sampled a turn (0: base model).")
+    reward: float | None
+    rewards: dict[str, float]
+    messages: int
+    tokens: int
+    complete: bool
+    token_exact: bool
+    last_message: str = Field(description="Start of the last message, for the list view.")
+
+
+class TrajectoryPage(BaseModel):
+    """A page of the trajectory list."""
+
+    total: int
+    items: list[TrajectorySummary]
+
+
+class SequenceView(BaseModel):
+    """Token counts of one sequence."""
+
+    tokens: int
+    prompt_tokens: int
+    completion_tokens: int
+    policy_step: int | None
+
+
+class TrajectoryDetail(TrajectorySummary):
+    """One trajectory as the web page shows it."""
+
+    conversation: list[dict[str, Any]] = Field(description="Messages in OpenAI format, tool calls included.")
+    tools: list[dict[str, Any]]
+    tool_calls: int
+    sequences: list[SequenceView]
+    metadata: dict[str, Any]
+    judgements: list[Judgement]
+
+
+class GroupView(GroupStatus):
+    """A group with its judge run."""
+
+    judge: JudgeRun | None = None
+
+
+class BatchView(BaseModel):
+    """A lease of groups to a trainer."""
+
+    id: str
+    trainer: str | None
+    state: str = Field(description="`leased`, `acked` or `expired`.")
+    created_at: float
+    lease_expires_at: float
+    acked_at: float | None
+    policy_step: int | None
+    groups: list[str]
+
+
+class CurvePoint(BaseModel):
+    """Mean reward of the trajectories one checkpoint sampled."""
+
+    policy_step: int
+    mean: float
+    count: int
+    min: float
+    max: float

@@ -1,0 +1,241 @@
+"""RULER: a group-relative LLM judge, as pure functions plus one HTTP call.
+
+The judge sees a group's trajectories side by side. Messages every trajectory starts with
+(the shared prefix: system prompt, task) are sent once as context; each trajectory's own
+messages follow as a numbered block. Identical trajectories are shown once and share the
+score. The answer is constrained by a JSON schema (`response_format={"type": "json_schema"}`,
+which vLLM enforces with guided decoding) and checked again here: one score in [0, 1] with an
+explanation for every block, nothing else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+__all__ = [
+    "JudgeClient",
+    "JudgeError",
+    "Score",
+    "build_messages",
+    "dedupe",
+    "parse_scores",
+    "render_message",
+    "response_format",
+    "shared_prefix",
+]
+
+Messages = list[dict[str, Any]]
+
+_SYSTEM = """\
+You are a careful judge. You see several attempts (trajectories) at the same task by an AI agent.
+Score each trajectory from 0 to 1 against the rubric, relative to the others: the best one should
+score near the top of the range and the worst near the bottom, unless they are truly equal.
+
+Rubric:
+{rubric}
+
+Answer with JSON only: {{"scores": [{{"trajectory_id": <number of the block>, "explanation": "<one or two sentences>", "score": <0..1>}}, ...]}}
+with exactly one entry per trajectory, in the order given."""
+
+
+class JudgeError(Exception):
+    """A judge call that failed or answered something unusable; `code` says which."""
+
+    def __init__(self, message: str, *, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Score:
+    """The judge's verdict on one numbered trajectory block."""
+
+    block: int
+    """1-based number of the block in the prompt."""
+    score: float
+    explanation: str
+
+
+def fingerprint(messages: Messages) -> str:
+    """A stable hash of a message list (canonical JSON), used to spot identical trajectories."""
+    return hashlib.sha256(json.dumps(messages, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def dedupe(conversations: Sequence[Messages]) -> tuple[list[Messages], list[int]]:
+    """Distinct conversations in first-seen order, and for each input the index of its distinct copy."""
+    distinct: list[Messages] = []
+    index: dict[str, int] = {}
+    owner: list[int] = []
+    for messages in conversations:
+        key = fingerprint(messages)
+        if key not in index:
+            index[key] = len(distinct)
+            distinct.append(messages)
+        owner.append(index[key])
+    return distinct, owner
+
+
+def shared_prefix(conversations: Sequence[Messages]) -> int:
+    """How many leading messages every conversation has in common (0 for fewer than two)."""
+    if len(conversations) < 2:
+        return 0
+    shortest = min(len(messages) for messages in conversations)
+    for n in range(shortest):
+        first = conversations[0][n]
+        if any(messages[n] != first for messages in conversations[1:]):
+            return n
+    return shortest
+
+
+def _text(content: Any) -> str:
+    """Message content as text: strings as they are, OpenAI content parts joined, anything else as JSON."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [part.get("text", "") if isinstance(part, dict) else str(part) for part in content]
+        return "\n".join(part for part in parts if part)
+    return json.dumps(content, ensure_ascii=False)
+
+
+def render_message(message: dict[str, Any]) -> str:
+    """One message as judge-readable text: `[role] content`, tool calls and results spelled out."""
+    role = str(message.get("role", "?"))
+    lines = []
+    text = _text(message.get("content"))
+    if role == "tool":
+        lines.append(f"[tool result{' ' + str(message['tool_call_id']) if message.get('tool_call_id') else ''}] {text}")
+    elif text:
+        lines.append(f"[{role}] {text}")
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call) if isinstance(call, dict) else {}
+        lines.append(f"[{role} calls tool] {function.get('name', '?')}({_text(function.get('arguments'))})")
+    return "\n".join(lines) or f"[{role}]"
+
+
+def build_messages(rubric: str, conversations: Sequence[Messages]) -> Messages:
+    """The judge's chat: rubric as system prompt; shared context once, then one numbered block each.
+
+    Args:
+        rubric: What makes a trajectory good.
+        conversations: Distinct trajectories (see `dedupe`), each a list of OpenAI messages.
+    """
+    if not conversations:
+        raise ValueError("nothing to judge: the group has no trajectories")
+    n = shared_prefix(conversations)
+    parts = []
+    if n:
+        context = "\n".join(render_message(m) for m in conversations[0][:n])
+        parts.append(f"Every trajectory starts with this context:\n<context>\n{context}\n</context>")
+    parts.append(f"There are {len(conversations)} trajectories:")
+    for number, messages in enumerate(conversations, start=1):
+        body = "\n".join(render_message(m) for m in messages[n:]) or "(nothing beyond the context)"
+        parts.append(f'<trajectory id="{number}">\n{body}\n</trajectory>')
+    return [
+        {"role": "system", "content": _SYSTEM.format(rubric=rubric.strip())},
+        {"role": "user", "content": "\n\n".join(parts)},
+    ]
+
+
+def response_format(count: int, explanation_max_chars: int = 0) -> dict[str, Any]:
+    """OpenAI `response_format` with a JSON schema for exactly `count` scores in [0, 1]."""
+    explanation: dict[str, Any] = {"type": "string"}
+    if explanation_max_chars:
+        explanation["maxLength"] = explanation_max_chars
+    item = {
+        "type": "object",
+        "properties": {
+            "trajectory_id": {"type": "integer", "minimum": 1, "maximum": count},
+            "explanation": explanation,
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["trajectory_id", "explanation", "score"],
+        "additionalProperties": False,
+    }
+    schema = {
+        "type": "object",
+        "properties": {"scores": {"type": "array", "items": item, "minItems": count, "maxItems": count}},
+        "required": ["scores"],
+        "additionalProperties": False,
+    }
+    return {"type": "json_schema", "json_schema": {"name": "ruler_scores", "schema": schema, "strict": True}}
+
+
+def parse_scores(text: str, count: int) -> list[Score]:
+    """Check the judge's answer: JSON with one finite score in [0, 1] per block 1..count, in block order.
+
+    Raises:
+        JudgeError: `judge_bad_json` or `judge_bad_scores`, naming what is wrong.
+    """
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise JudgeError(f"judge answer is not JSON ({exc}): {text[:200]!r}", code="judge_bad_json") from exc
+    entries = data.get("scores") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise JudgeError(f"judge answer has no `scores` list: {text[:200]!r}", code="judge_bad_scores")
+    found: dict[int, Score] = {}
+    for entry in entries:
+        if not isinstance(entry, dict):
+            raise JudgeError(f"score entry is not an object: {entry!r}", code="judge_bad_scores")
+        block, value = entry.get("trajectory_id"), entry.get("score")
+        if isinstance(block, str) and block.strip().isdigit():
+            block = int(block)
+        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= count:
+            raise JudgeError(f"trajectory_id {block!r} is not one of 1..{count}", code="judge_bad_scores")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not 0 <= value <= 1:
+            raise JudgeError(f"score {value!r} of trajectory {block} is not a number in [0, 1]", code="judge_bad_scores")
+        if block in found:
+            raise JudgeError(f"trajectory {block} was scored twice", code="judge_bad_scores")
+        found[block] = Score(block, float(value), str(entry.get("explanation") or "").strip())
+    missing = [b for b in range(1, count + 1) if b not in found]
+    if missing:
+        raise JudgeError(f"no score for trajectories {missing}", code="judge_bad_scores")
+    return [found[b] for b in range(1, count + 1)]
+
+
+class JudgeClient:
+    """Calls one OpenAI-compatible chat endpoint (`{base_url}/chat/completions`)."""
+
+    def __init__(self, base_url: str, model: str, *, api_key: str | None = None, timeout: float = 300.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(headers=headers, timeout=timeout)
+
+    def complete(self, messages: Messages, fmt: dict[str, Any], *, temperature: float, max_tokens: int) -> str:
+        """The judge's answer text.
+
+        Raises:
+            JudgeError: `judge_unreachable`, `judge_http_error`, or `judge_truncated` (hit max_tokens).
+        """
+        body = {"model": self.model, "messages": messages, "response_format": fmt, "temperature": temperature, "max_tokens": max_tokens}
+        url = f"{self.base_url}/chat/completions"
+        try:
+            response = self._http.post(url, json=body)
+        except httpx.HTTPError as exc:
+            raise JudgeError(f"judge {url} unreachable: {type(exc).__name__}: {exc}", code="judge_unreachable") from exc
+        if response.status_code != 200:
+            raise JudgeError(f"judge {url} answered {response.status_code}: {response.text[:300]}", code="judge_http_error")
+        try:
+            choice = response.json()["choices"][0]
+            text = choice["message"]["content"] or ""
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise JudgeError(f"judge {url} sent no chat completion: {response.text[:300]}", code="judge_http_error") from exc
+        if choice.get("finish_reason") == "length":
+            raise JudgeError(
+                f"judge answer was cut at max_tokens={max_tokens}; raise ART_COLLECTOR_JUDGE_MAX_TOKENS", code="judge_truncated"
+            )
+        return text
+
+    def close(self) -> None:
+        """Release the HTTP connection pool."""
+        self._http.close()

@@ -1,0 +1,196 @@
+"""HTTP layer of the judges and the web page: an `APIRouter`, the static page, background jobs.
+
+`install(app, store, auth)` is called by `create_app`. It adds the RULER routes
+(`POST/GET /v1/groups/{id}/judge`), the Langfuse sync route, the read API under `/v1/view/`,
+the web page under `/ui/`, and — in the app's lifespan — the automatic judge
+(`ART_COLLECTOR_JUDGE_AUTO`) and the scheduled Langfuse sync (`ART_COLLECTOR_LANGFUSE_HOST`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Query
+from fastapi.responses import RedirectResponse
+from fastapi.staticfiles import StaticFiles
+
+from collector.errors import NotFound
+from collector.judging import GroupJudge, run_view
+from collector.langfuse_sync import LangfuseSync
+from collector import views
+from collector.read_protocol import (
+    BatchView,
+    CurvePoint,
+    GroupView,
+    JudgeRequest,
+    JudgeRun,
+    Judgement,
+    LangfuseSyncResult,
+    TrajectoryDetail,
+    TrajectoryPage,
+)
+from collector.scoring_config import JudgeSettings, LangfuseSettings
+from collector.scoring_store import ScoringStore
+from collector.store import SqlStore
+
+__all__ = ["Scoring", "install"]
+
+log = logging.getLogger(__name__)
+
+STATIC = Path(__file__).with_name("static")
+
+
+@dataclass
+class Scoring:
+    """The judges of one app (kept on `app.state.scoring`)."""
+
+    judge: GroupJudge
+    langfuse: LangfuseSync | None
+    scoring: ScoringStore
+    last_sync: LangfuseSyncResult | None = None
+    last_sync_error: str | None = None
+    job_errors: dict[str, int] = field(default_factory=dict)
+
+
+async def _every(seconds: float, name: str, job: Callable[[], Any], scoring: Scoring) -> None:
+    """Run blocking `job` in a thread every `seconds` (first after one interval); a failure is logged
+    with its traceback and counted."""
+    while True:
+        await asyncio.sleep(seconds)
+        try:
+            await asyncio.to_thread(job)
+        except Exception:  # a background job must survive one bad round; counted and logged
+            scoring.job_errors[name] = scoring.job_errors.get(name, 0) + 1
+            log.exception("background job %s failed (%d failures so far)", name, scoring.job_errors[name])
+
+
+def install(
+    app: FastAPI,
+    store: SqlStore,
+    auth: Callable[..., None],
+    *,
+    judge_settings: JudgeSettings | None = None,
+    langfuse_settings: LangfuseSettings | None = None,
+) -> Scoring:
+    """Add the judges, the read API and the web page to the collector's app.
+
+    Args:
+        app: The app built by `create_app` (its `state.settings` holds the collector settings).
+        store: The app's store; the judges' tables go in the same database.
+        auth: The dependency that guards write endpoints.
+        judge_settings: RULER settings (default: from `ART_COLLECTOR_JUDGE_*`).
+        langfuse_settings: Langfuse settings (default: from `ART_COLLECTOR_LANGFUSE_*` / `LANGFUSE_*`).
+    """
+    judge_settings = judge_settings or JudgeSettings()
+    langfuse_settings = langfuse_settings or LangfuseSettings()
+    scoring_store = ScoringStore(store.engine)
+    scoring_store.setup()
+    judge = GroupJudge(store, store.engine, scoring_store, judge_settings, app.state.settings)
+    sync = LangfuseSync(store, scoring_store, langfuse_settings) if langfuse_settings.enabled else None
+    state = Scoring(judge=judge, langfuse=sync, scoring=scoring_store)
+    app.state.scoring = state
+
+    def run_sync() -> LangfuseSyncResult:
+        if sync is None:
+            raise NotFound("Langfuse is not configured: set ART_COLLECTOR_LANGFUSE_HOST and its keys", code="langfuse_not_configured")
+        try:
+            state.last_sync = sync.sync()
+            state.last_sync_error = None
+        except Exception as exc:
+            state.last_sync_error = f"{type(exc).__name__}: {exc}"
+            raise
+        return state.last_sync
+
+    router = APIRouter()
+    writes = [Depends(auth)]
+
+    @router.post("/v1/groups/{group_id:path}/judge", dependencies=writes)
+    def judge_group(group_id: str, body: JudgeRequest | None = None) -> JudgeRun:
+        """Run the RULER judge on one group now (any state); scores become rewards named `ruler`."""
+        return judge.judge(group_id, rubric=body.rubric if body else None)
+
+    @router.get("/v1/groups/{group_id:path}/judge")
+    def judge_status(group_id: str) -> JudgeRun:
+        """The last judge run of a group, with its judgements."""
+        row = scoring_store.run(group_id)
+        if row is None:
+            raise NotFound(f"group {group_id!r} has not been judged; POST /v1/groups/{{id}}/judge")
+        members = [t.id for t in store.trajectories(group=group_id) if t.group_id == group_id]
+        found = scoring_store.judgements(members)
+        return run_view(row, [Judgement(**{k: r[k] for k in Judgement.model_fields}) for tid in members for r in found[tid]])
+
+    @router.post("/v1/langfuse/sync", dependencies=writes)
+    def langfuse_sync() -> LangfuseSyncResult:
+        """Pull Langfuse scores and push rewards now (502 when Langfuse fails, 404 when not configured)."""
+        return run_sync()
+
+    @router.get("/v1/view/trajectories")
+    def view_trajectories(
+        task: str | None = None,
+        group: str | None = None,
+        split: str | None = None,
+        policy_step: int | None = None,
+        reward_min: float | None = None,
+        reward_max: float | None = None,
+        limit: int = Query(default=100, ge=1, le=1000),
+        offset: int = Query(default=0, ge=0),
+    ) -> TrajectoryPage:
+        """Trajectory summaries, newest first, filtered by task, group, split, policy step and training reward."""
+        return views.trajectory_page(
+            store, task=task, group=group, split=split, policy_step_eq=policy_step,
+            reward_min=reward_min, reward_max=reward_max, limit=limit, offset=offset,
+        )
+
+    @router.get("/v1/view/trajectories/{trajectory_id:path}")
+    def view_trajectory(trajectory_id: str) -> TrajectoryDetail:
+        """One trajectory: messages, tool calls, token counts, rewards, judge explanations."""
+        return views.trajectory_detail(store, scoring_store, trajectory_id)
+
+    @router.get("/v1/view/groups")
+    def view_groups() -> list[GroupView]:
+        """Groups with state, reason and last judge run."""
+        return views.group_list(store, scoring_store)
+
+    @router.get("/v1/view/batches")
+    def view_batches(limit: int = Query(default=100, ge=1, le=1000)) -> list[BatchView]:
+        """The latest batch leases, newest first."""
+        return views.batch_list(store.engine, limit=limit)
+
+    @router.get("/v1/view/reward-curve")
+    def view_reward_curve(name: str | None = None, split: str | None = None) -> list[CurvePoint]:
+        """Mean reward per policy step (the training reward, or reward `name`)."""
+        return views.reward_curve(store, name=name, split=split)
+
+    @router.get("/", include_in_schema=False)
+    def home() -> RedirectResponse:
+        return RedirectResponse("/ui/")
+
+    app.include_router(router)
+    app.mount("/ui", StaticFiles(directory=STATIC, html=True), name="ui")
+
+    previous = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(application: FastAPI) -> AsyncIterator[Any]:
+        async with previous(application) as inner:
+            tasks = []
+            if judge_settings.auto:
+                tasks.append(asyncio.create_task(_every(judge_settings.poll_seconds, "judge", judge.run_due, state)))
+            if sync is not None:
+                tasks.append(asyncio.create_task(_every(langfuse_settings.sync_seconds, "langfuse", run_sync, state)))
+            try:
+                yield inner
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                judge.close()
+
+    app.router.lifespan_context = lifespan
+    return state

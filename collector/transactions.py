@@ -1,0 +1,75 @@
+"""Transactions of the store: one writer at a time on SQLite, retries and advisory locks on PostgreSQL.
+
+On SQLite every transaction starts with `BEGIN IMMEDIATE` (see `engine.make_engine`) and is
+also serialised in-process. On PostgreSQL transactions run concurrently (several collector
+replicas on one database); a transaction that PostgreSQL aborts as a deadlock victim or a
+serialization failure is retried, and `lock` takes transaction-scoped advisory locks so that
+two replicas never assemble the same trajectory or open the same group at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from typing import TypeVar
+
+from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy.exc import DBAPIError
+
+__all__ = ["GROUP_LOCKS", "TRAJECTORY_LOCKS", "Transactions"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+TRAJECTORY_LOCKS = 1
+"""Advisory-lock namespace of trajectory ids. Namespaces are taken in ascending order."""
+GROUP_LOCKS = 2
+"""Advisory-lock namespace of group keys."""
+
+_RETRIED = {"40001": "serialization failure", "40P01": "deadlock"}
+_ATTEMPTS = 8
+
+
+def _key32(name: str) -> int:
+    """A stable signed 32-bit number for a name (PostgreSQL's two-int advisory lock key)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "big", signed=True)
+
+
+class Transactions:
+    """Runs functions in transactions on one engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.postgres = engine.dialect.name == "postgresql"
+        # SQLite has one writer anyway; serialising in-process avoids busy waits.
+        self._lock = None if self.postgres else threading.RLock()
+
+    def run(self, work: Callable[[Connection], T]) -> T:
+        """`work(conn)` in one transaction, committed before this returns; retried on PostgreSQL deadlocks."""
+        for attempt in range(1, _ATTEMPTS + 1):
+            try:
+                with self._lock or nullcontext(), self.engine.begin() as conn:
+                    return work(conn)
+            except DBAPIError as exc:
+                state = getattr(exc.orig, "sqlstate", None)
+                if state not in _RETRIED or attempt == _ATTEMPTS:
+                    raise
+                log.warning("transaction aborted (%s), retry %d of %d", _RETRIED[state], attempt, _ATTEMPTS - 1)
+                time.sleep(0.005 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def lock(self, conn: Connection, namespace: int, names: Iterable[str]) -> None:
+        """Hold advisory locks on `names` until the transaction ends (PostgreSQL; SQLite needs none).
+
+        Locks are taken in ascending key order, and callers take namespaces in ascending order,
+        so two transactions never wait on each other in a cycle.
+        """
+        if not self.postgres:
+            return
+        for key in sorted({_key32(name) for name in names}):
+            conn.execute(select(func.pg_advisory_xact_lock(namespace, key)))

@@ -1,0 +1,144 @@
+"""The read API behind the web page: trajectory list and detail, groups, batches, reward curve.
+
+Built on `Store.trajectories` / `Store.groups` (assembled data) plus read-only queries of the
+batch tables and the judges' tables.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from sqlalchemy import Engine, select
+
+from collector.errors import NotFound
+from collector.judging import run_view
+from collector.protocol import Trajectory
+from collector.read_protocol import (
+    BatchView,
+    CurvePoint,
+    GroupView,
+    Judgement,
+    SequenceView,
+    TrajectoryDetail,
+    TrajectoryPage,
+    TrajectorySummary,
+)
+from collector.ruler import render_message
+from collector.schema import batch_groups, batches
+from collector.scoring_store import ScoringStore
+from collector.store import Store
+
+__all__ = ["batch_list", "group_list", "policy_step", "reward_curve", "trajectory_detail", "trajectory_page"]
+
+
+def policy_step(trajectory: Trajectory) -> int | None:
+    """The highest checkpoint step that sampled any of the trajectory's turns (None: unknown)."""
+    steps = [s.policy_step for s in trajectory.sequences if s.policy_step is not None]
+    return max(steps) if steps else None
+
+
+def _summary(t: Trajectory) -> dict[str, Any]:
+    last = render_message(t.messages[-1]) if t.messages else ""
+    return {
+        "id": t.id, "trace_id": t.trace_id, "group_id": t.group_id, "task": t.task, "split": t.split, "model": t.model,
+        "policy_step": policy_step(t), "reward": t.reward, "rewards": t.rewards, "messages": len(t.messages),
+        "tokens": sum(len(s.token_ids) for s in t.sequences), "complete": t.complete, "token_exact": t.token_exact,
+        "last_message": last[:200],
+    }
+
+
+def trajectory_page(
+    store: Store,
+    *,
+    task: str | None = None,
+    group: str | None = None,
+    split: str | None = None,
+    policy_step_eq: int | None = None,
+    reward_min: float | None = None,
+    reward_max: float | None = None,
+    limit: int = 100,
+    offset: int = 0,
+) -> TrajectoryPage:
+    """Trajectories matching every filter (reward filters apply to the training reward), newest first."""
+    found = store.trajectories(group=group, task=task, split=split)
+    if policy_step_eq is not None:
+        found = [t for t in found if policy_step(t) == policy_step_eq]
+    if reward_min is not None:
+        found = [t for t in found if t.reward is not None and t.reward >= reward_min]
+    if reward_max is not None:
+        found = [t for t in found if t.reward is not None and t.reward <= reward_max]
+    found.reverse()
+    return TrajectoryPage(total=len(found), items=[TrajectorySummary(**_summary(t)) for t in found[offset : offset + limit]])
+
+
+def _judgements(scoring: ScoringStore, trajectory_id: str) -> list[Judgement]:
+    rows = scoring.judgements([trajectory_id])[trajectory_id]
+    return [Judgement(**{k: row[k] for k in Judgement.model_fields}) for row in rows]
+
+
+def trajectory_detail(store: Store, scoring: ScoringStore, trajectory_id: str) -> TrajectoryDetail:
+    """One trajectory with messages, tool calls, token counts, rewards and judge explanations.
+
+    Raises:
+        NotFound: no such trajectory.
+    """
+    t = store.trajectory(trajectory_id)
+    if t is None:
+        raise NotFound(f"no trajectory {trajectory_id!r}; list them with GET /v1/view/trajectories")
+    sequences = [
+        SequenceView(
+            tokens=len(s.token_ids), completion_tokens=sum(s.assistant_mask),
+            prompt_tokens=len(s.token_ids) - sum(s.assistant_mask), policy_step=s.policy_step,
+        )
+        for s in t.sequences
+    ]
+    tool_calls = sum(len(m.get("tool_calls") or []) for m in t.messages)
+    return TrajectoryDetail(
+        **_summary(t), conversation=t.messages, tools=t.tools, tool_calls=tool_calls, sequences=sequences,
+        metadata=t.metadata, judgements=_judgements(scoring, t.id),
+    )
+
+
+def group_list(store: Store, scoring: ScoringStore) -> list[GroupView]:
+    """Every group with its state and its last judge run."""
+    statuses = store.groups()
+    runs = scoring.runs([g.id for g in statuses])
+    return [
+        GroupView(**g.model_dump(), judge=run_view(runs[g.id]) if g.id in runs else None) for g in statuses
+    ]
+
+
+def batch_list(engine: Engine, *, limit: int = 100) -> list[BatchView]:
+    """The latest batches (leases), newest first, with their group ids."""
+    with engine.connect() as conn:
+        rows = list(conn.execute(select(batches).order_by(batches.c.created_at.desc()).limit(limit)).mappings())
+        members: dict[str, list[str]] = defaultdict(list)
+        ids = [r["id"] for r in rows]
+        if ids:
+            for batch_id, group_id in conn.execute(
+                select(batch_groups.c.batch_id, batch_groups.c.group_id).where(batch_groups.c.batch_id.in_(ids))
+            ):
+                members[batch_id].append(group_id)
+    return [
+        BatchView(
+            id=r["id"], trainer=r["trainer"], state=r["state"], created_at=r["created_at"], lease_expires_at=r["lease_expires_at"],
+            acked_at=r["acked_at"], policy_step=r["policy_step"], groups=sorted(members[r["id"]]),
+        )
+        for r in rows
+    ]
+
+
+def reward_curve(store: Store, *, name: str | None = None, split: str | None = None) -> list[CurvePoint]:
+    """Mean reward (the training reward, or reward `name`) of the trajectories each policy step sampled."""
+    by_step: dict[int, list[float]] = defaultdict(list)
+    for t in store.trajectories(split=split):
+        value = t.reward if name is None else t.rewards.get(name)
+        step = policy_step(t)
+        if value is not None and step is not None:
+            by_step[step].append(value)
+    return [
+        CurvePoint(policy_step=step, mean=sum(v) / len(v), count=len(v), min=min(v), max=max(v))
+        for step, v in sorted(by_step.items())
+    ]
+

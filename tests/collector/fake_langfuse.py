@@ -1,0 +1,184 @@
+"""A local HTTP server for exactly the two Langfuse endpoints the collector uses.
+
+A real Langfuse server needs ClickHouse, PostgreSQL and Redis, which this machine does not run,
+so the Langfuse tests talk to this server instead. It follows Langfuse's published public API
+(the Fern definition the `langfuse` SDK is generated from, as shipped in `langfuse/api/scores`):
+
+* `GET /api/public/v3/scores`: Basic auth; `limit` (default 50, above 100 → 400), opaque
+  base64url `cursor`, comma-separated `name` / `source` (case-insensitive) / `traceId`
+  filters, `fields` (`details`, `subject`, `annotation`; anything else → 400),
+  `fromTimestamp` (inclusive) and `toTimestamp` (exclusive). Answers
+  `{"data": [...], "meta": {"limit": n, "cursor": "..."}}`, the cursor left out on the last page.
+* `POST /api/public/scores`: Basic auth; a JSON list of scores; 202 `{"message": "Accepted"}`
+  when all are valid, else 207 `{"accepted", "rejected", "errors": [{"message"}]}`. A score sent
+  again with the same id replaces the stored one.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+PUBLIC, SECRET = "pk-lf-test", "sk-lf-test"
+_FIELD_GROUPS = {"details": ("comment", "configId", "metadata"), "subject": ("subject",), "annotation": ("authorUserId", "queueId")}
+
+
+def _iso(value: dt.datetime) -> str:
+    return value.astimezone(dt.UTC).isoformat().replace("+00:00", "Z")
+
+
+def _parse_time(value: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+class FakeLangfuse:
+    """The server's state: stored scores (as Langfuse returns them) and every request seen."""
+
+    def __init__(self) -> None:
+        self.scores: dict[str, dict[str, Any]] = {}
+        self.requests: list[tuple[str, str]] = []
+        self.created: list[dict[str, Any]] = []
+
+    def add_score(
+        self, score_id: str, name: str, value: Any, *, trace_id: str | None = None, observation_id: str | None = None,
+        session_id: str | None = None, source: str = "ANNOTATION", data_type: str = "NUMERIC",
+        timestamp: dt.datetime | None = None, comment: str | None = None,
+    ) -> None:
+        """Store a score as if a person had made it in the Langfuse UI."""
+        now = timestamp or dt.datetime.now(dt.UTC)
+        if observation_id:
+            subject = {"kind": "observation", "id": observation_id, "traceId": trace_id}
+        elif session_id:
+            subject = {"kind": "session", "id": session_id}
+        else:
+            subject = {"kind": "trace", "id": trace_id}
+        self.scores[score_id] = {
+            "id": score_id, "projectId": "project-1", "name": name, "value": value, "dataType": data_type,
+            "source": source, "timestamp": _iso(now), "environment": "default", "createdAt": _iso(now),
+            "updatedAt": _iso(now), "comment": comment, "configId": None, "metadata": {}, "subject": subject,
+            "authorUserId": "user-1" if source == "ANNOTATION" else None, "queueId": None,
+        }
+
+    def touch(self, score_id: str, value: Any) -> None:
+        """Change a score's value (a person edits it): `updatedAt` moves on."""
+        score = self.scores[score_id]
+        score["value"] = value
+        score["updatedAt"] = _iso(_parse_time(score["updatedAt"]) + dt.timedelta(seconds=1))
+
+    # --- endpoints ----------------------------------------------------------------------
+    def list_scores(self, query: dict[str, list[str]]) -> tuple[int, Any]:
+        one = {key: values[-1] for key, values in query.items()}
+        limit = int(one.get("limit", 50))
+        if not 1 <= limit <= 100:
+            return 400, {"message": "limit must be between 1 and 100"}
+        groups = [g for g in one.get("fields", "").split(",") if g]
+        unknown = [g for g in groups if g not in _FIELD_GROUPS]
+        if unknown:
+            return 400, {"message": f"unknown field groups: {unknown}"}
+        rows = sorted(self.scores.values(), key=lambda s: (s["timestamp"], s["id"]), reverse=True)
+        for key, field, fold in (("name", "name", False), ("source", "source", True), ("traceId", None, False)):
+            if key in one:
+                wanted = {v.upper() if fold else v for v in one[key].split(",")}
+                if field is None:
+                    rows = [s for s in rows if (s["subject"].get("traceId") or s["subject"]["id"]) in wanted]
+                else:
+                    rows = [s for s in rows if (s[field].upper() if fold else s[field]) in wanted]
+        if "fromTimestamp" in one:
+            rows = [s for s in rows if _parse_time(s["timestamp"]) >= _parse_time(one["fromTimestamp"])]
+        if "toTimestamp" in one:
+            rows = [s for s in rows if _parse_time(s["timestamp"]) < _parse_time(one["toTimestamp"])]
+        start = json.loads(base64.urlsafe_b64decode(one["cursor"]))["offset"] if "cursor" in one else 0
+        page = rows[start : start + limit]
+        hidden = {f for group, fields in _FIELD_GROUPS.items() if group not in groups for f in fields}
+        data = [{k: v for k, v in s.items() if k not in hidden} for s in page]
+        meta: dict[str, Any] = {"limit": limit}
+        if start + limit < len(rows):
+            meta["cursor"] = base64.urlsafe_b64encode(json.dumps({"offset": start + limit}).encode()).decode()
+        return 200, {"data": data, "meta": meta}
+
+    def create_scores(self, body: Any) -> tuple[int, Any]:
+        if not isinstance(body, list):
+            return 400, {"message": "body must be a list of scores"}
+        errors = []
+        for score in body:
+            problem = None
+            if not isinstance(score, dict) or not score.get("name") or "value" not in score:
+                problem = "a score needs name and value"
+            elif score.get("source") == "EVAL":
+                problem = "source EVAL is not accepted on this endpoint"
+            elif score.get("source") == "ANNOTATION" and not score.get("configId") and score.get("dataType") != "CORRECTION":
+                problem = "ANNOTATION scores need a configId"
+            elif sum(bool(score.get(k)) for k in ("traceId", "sessionId", "datasetRunId")) != 1:
+                problem = "exactly one of traceId, sessionId, datasetRunId is required"
+            if problem:
+                errors.append({"message": problem})
+            else:
+                self.created.append(score)
+        if errors:
+            return 207, {"accepted": len(body) - len(errors), "rejected": len(errors), "errors": errors}
+        return 202, {"message": "Accepted"}
+
+
+def _handler(state: FakeLangfuse) -> type[BaseHTTPRequestHandler]:
+    expected = "Basic " + base64.b64encode(f"{PUBLIC}:{SECRET}".encode()).decode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, status: int, body: Any) -> None:
+            payload = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def _authorized(self) -> bool:
+            if self.headers.get("Authorization") != expected:
+                self._answer(401, {"message": "Invalid credentials"})
+                return False
+            return True
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            url = urlparse(self.path)
+            state.requests.append(("GET", self.path))
+            if not self._authorized():
+                return
+            if url.path != "/api/public/v3/scores":
+                self._answer(404, {"message": "not found"})
+                return
+            self._answer(*state.list_scores(parse_qs(url.query)))
+
+        def do_POST(self) -> None:  # noqa: N802
+            state.requests.append(("POST", self.path))
+            if not self._authorized():
+                return
+            if urlparse(self.path).path != "/api/public/scores":
+                self._answer(404, {"message": "not found"})
+                return
+            length = int(self.headers.get("Content-Length", 0))
+            self._answer(*state.create_scores(json.loads(self.rfile.read(length) or b"null")))
+
+        def log_message(self, *args: Any) -> None:
+            return  # keep test output clean; requests are recorded in state.requests
+
+    return Handler
+
+
+@contextmanager
+def running(port: int) -> Iterator[tuple[str, FakeLangfuse]]:
+    """Serve a fresh `FakeLangfuse` on 127.0.0.1:`port`; yields (base URL, state)."""
+    state = FakeLangfuse()
+    server = ThreadingHTTPServer(("127.0.0.1", port), _handler(state))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}", state
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,122 @@
+"""Langfuse sync through the real `langfuse` SDK against a local server.
+
+No Langfuse server runs on this machine (it needs ClickHouse), so `fake_langfuse` serves
+exactly the two endpoints the sync uses — `GET /api/public/v3/scores` with cursor paging and
+`POST /api/public/scores` — following Langfuse's published API (the definition the SDK's
+client is generated from). Everything on the collector's side is real: the SDK's HTTP client,
+the store, the sync's paging, mapping and bookkeeping.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from tests.collector import fake_langfuse
+from tests.collector.seeding import free_port, group_spans, make_app, trace_id
+
+
+@pytest.fixture
+def langfuse() -> Iterator[tuple[str, fake_langfuse.FakeLangfuse]]:
+    with fake_langfuse.running(free_port()) as served:
+        yield served
+
+
+def app_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str, **env: str) -> FastAPI:
+    settings = {
+        "ART_COLLECTOR_LANGFUSE_HOST": url,
+        "LANGFUSE_PUBLIC_KEY": fake_langfuse.PUBLIC,
+        "LANGFUSE_SECRET_KEY": fake_langfuse.SECRET,
+        "ART_COLLECTOR_LANGFUSE_SYNC_SECONDS": "3600",  # the test triggers syncs itself
+        **env,
+    }
+    return make_app(tmp_path, monkeypatch, env=settings, reward_name="human")
+
+
+def test_pull_maps_annotation_scores_to_trajectories_by_trace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    url, server = langfuse
+    app = app_for(tmp_path, monkeypatch, url, ART_COLLECTOR_LANGFUSE_SCORE_NAMES="human")
+    app.state.store.add_spans(group_spans("g", [str(n) for n in range(130)]))
+    for n in range(130):  # more than one page of 100
+        server.add_score(f"s{n}", "human", n / 200, trace_id=trace_id("g", n))
+    server.add_score("obs", "human", True, trace_id=trace_id("g", 0), observation_id="o1", data_type="BOOLEAN")
+    server.add_score("api", "human", 0.3, trace_id=trace_id("g", 1), source="API")  # not a human score
+    server.add_score("other", "helpfulness", 0.3, trace_id=trace_id("g", 1))  # not a chosen name
+    server.add_score("text", "human", "great", trace_id=trace_id("g", 2), data_type="TEXT")
+    server.add_score("session", "human", 0.9, session_id="sess-1")
+    server.add_score("old", "human", 0.9, trace_id=trace_id("g", 3), timestamp=dt.datetime.now(dt.UTC) - dt.timedelta(days=30))
+    server.add_score("late", "human", 0.25, trace_id="f" * 32)  # its trace has not arrived yet
+    with TestClient(app) as client:
+        result = client.post("/v1/langfuse/sync").json()
+        assert result == {"pulled": 134, "applied": 132, "unmatched": 1, "ignored": 2, "pushed": 0, "push_rejected": 0}
+        gets = [path for method, path in server.requests if method == "GET"]
+        assert len(gets) == 2 and "cursor=" in gets[1] and "source=ANNOTATION" in gets[0] and "fields=subject" in gets[0]
+        rewards = {t["id"]: t["rewards"] for t in client.get("/v1/trajectories", params={"group": "g"}).json()}
+        assert rewards["g-0"]["human"] == 1.0  # the later observation-level boolean score
+        assert rewards["g-1"] == {"human": 1 / 200}
+        assert rewards["g-129"]["human"] == 129 / 200
+        assert "helpfulness" not in rewards["g-1"]
+
+        again = client.post("/v1/langfuse/sync").json()
+        assert (again["pulled"], again["applied"]) == (134, 0)  # nothing new: nothing applied twice
+        server.touch("s5", 0.99)  # a person corrects a score
+        assert client.post("/v1/langfuse/sync").json()["applied"] == 1
+        assert client.get("/v1/trajectories/g-5").json()["rewards"]["human"] == 0.99
+
+
+def test_push_sends_rewards_once_and_updates_changed_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    url, server = langfuse
+    app = app_for(tmp_path, monkeypatch, url, ART_COLLECTOR_LANGFUSE_PUSH_NAMES="reward")
+    app.state.store.add_spans(group_spans("g", ["7", "8"], rewards=[1.0, 0.0]))
+    with TestClient(app) as client:
+        assert client.post("/v1/langfuse/sync").json()["pushed"] == 2
+        sent = {s["traceId"]: s for s in server.created}
+        assert {trace_id("g", 0), trace_id("g", 1)} == set(sent)
+        first = sent[trace_id("g", 0)]
+        assert (first["name"], first["value"], first["dataType"], first["source"]) == ("reward", 1.0, "NUMERIC", "API")
+        assert first["metadata"] == {"art.rollout.id": "g-0", "art.group": "g"}
+        assert client.post("/v1/langfuse/sync").json()["pushed"] == 0
+        client.post("/v1/rewards", json={"rollout_id": "g-0", "name": "reward", "value": 0.5})
+        assert client.post("/v1/langfuse/sync").json()["pushed"] == 1
+        update = server.created[-1]
+        assert (update["id"], update["timestamp"], update["value"]) == (first["id"], first["timestamp"], 0.5)
+
+
+def test_scheduled_sync_runs_in_the_background(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    url, server = langfuse
+    app = app_for(tmp_path, monkeypatch, url, ART_COLLECTOR_LANGFUSE_SYNC_SECONDS="0.2")
+    server.add_score("s", "human", 0.5, trace_id=trace_id("g", 0))
+    with TestClient(app):  # the lifespan starts the schedule
+        deadline = dt.datetime.now() + dt.timedelta(seconds=10)
+        while app.state.scoring.last_sync is None and dt.datetime.now() < deadline:
+            time.sleep(0.05)
+        assert app.state.scoring.last_sync is not None and app.state.scoring.last_sync.applied == 1
+
+
+def test_wrong_keys_answer_502_naming_langfuse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    url, _ = langfuse
+    app = app_for(tmp_path, monkeypatch, url, LANGFUSE_SECRET_KEY="wrong")
+    with TestClient(app) as client:
+        answer = client.post("/v1/langfuse/sync")
+        assert answer.status_code == 502
+        assert answer.json()["error"] == "langfuse_error" and "401" in answer.json()["message"]
+
+
+def test_sync_without_langfuse_configured_is_404(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with TestClient(make_app(tmp_path, monkeypatch)) as client:
+        answer = client.post("/v1/langfuse/sync")
+        assert answer.status_code == 404 and answer.json()["error"] == "langfuse_not_configured"

@@ -1,0 +1,118 @@
+"""Pure tests of the RULER prompt, deduplication and answer parsing (`collector/ruler.py`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from collector.ruler import JudgeError, build_messages, dedupe, parse_scores, render_message, response_format, shared_prefix
+
+SYSTEM = {"role": "system", "content": "You add numbers."}
+USER = {"role": "user", "content": "What is 3 + 4?"}
+
+
+def convo(answer: str) -> list[dict]:
+    return [SYSTEM, USER, {"role": "assistant", "content": answer}]
+
+
+def test_dedupe_keeps_first_seen_order_and_maps_copies() -> None:
+    a, b = convo("7"), convo("8")
+    distinct, owner = dedupe([a, b, convo("7"), b])
+    assert distinct == [a, b]
+    assert owner == [0, 1, 0, 1]
+
+
+def test_dedupe_ignores_key_order_but_not_content() -> None:
+    one = [{"role": "user", "content": "x"}]
+    same = [{"content": "x", "role": "user"}]
+    other = [{"role": "user", "content": "x "}]
+    assert dedupe([one, same, other])[1] == [0, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("conversations", "expected"),
+    [
+        ([convo("7"), convo("8")], 2),
+        ([convo("7")], 0),
+        ([[SYSTEM, USER], convo("8")], 2),
+        ([[SYSTEM, {"role": "user", "content": "other"}], convo("8")], 1),
+        ([[USER], [SYSTEM]], 0),
+    ],
+)
+def test_shared_prefix(conversations: list[list[dict]], expected: int) -> None:
+    assert shared_prefix(conversations) == expected
+
+
+def test_prompt_sends_shared_prefix_once_and_numbers_each_trajectory() -> None:
+    messages = build_messages("Right sums win.", [convo("7"), convo("8"), convo("seven")])
+    system, user = messages[0]["content"], messages[1]["content"]
+    assert "Right sums win." in system
+    assert user.count("What is 3 + 4?") == 1
+    assert user.index("<context>") < user.index('<trajectory id="1">')
+    for n, answer in ((1, "7"), (2, "8"), (3, "seven")):
+        block = user.split(f'<trajectory id="{n}">\n', 1)[1].split("</trajectory>", 1)[0]
+        assert block.strip() == f"[assistant] {answer}"
+    assert '<trajectory id="4">' not in user
+
+
+def test_prompt_without_shared_prefix_has_no_context() -> None:
+    user = build_messages("r", [[USER], [SYSTEM]])[1]["content"]
+    assert "<context>" not in user
+    assert "[user] What is 3 + 4?" in user and "[system] You add numbers." in user
+
+
+def test_prompt_needs_trajectories() -> None:
+    with pytest.raises(ValueError, match="nothing to judge"):
+        build_messages("r", [])
+
+
+def test_render_message_spells_out_tool_calls_and_results() -> None:
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 3}'}}]}
+    assert render_message(call) == '[assistant calls tool] add({"a": 3})'
+    assert render_message({"role": "tool", "tool_call_id": "c1", "content": "7"}) == "[tool result c1] 7"
+    assert render_message({"role": "user", "content": [{"type": "text", "text": "hi"}]}) == "[user] hi"
+
+
+def test_response_format_pins_count_and_range() -> None:
+    fmt = response_format(3, 120)
+    schema = fmt["json_schema"]["schema"]
+    scores = schema["properties"]["scores"]
+    assert fmt["type"] == "json_schema"
+    assert (scores["minItems"], scores["maxItems"]) == (3, 3)
+    item = scores["items"]["properties"]
+    assert (item["score"]["minimum"], item["score"]["maximum"]) == (0, 1)
+    assert item["trajectory_id"]["maximum"] == 3
+    assert item["explanation"]["maxLength"] == 120
+    assert "maxLength" not in response_format(2)["json_schema"]["schema"]["properties"]["scores"]["items"]["properties"]["explanation"]
+
+
+def answer(*entries: tuple) -> str:
+    return json.dumps({"scores": [{"trajectory_id": i, "explanation": e, "score": s} for i, e, s in entries]})
+
+
+def test_parse_scores_in_block_order() -> None:
+    scores = parse_scores(answer((2, "wrong", 0.1), (1, "right", 0.9)), 2)
+    assert [(s.block, s.score, s.explanation) for s in scores] == [(1, 0.9, "right"), (2, 0.1, "wrong")]
+
+
+def test_parse_scores_accepts_numeric_string_ids() -> None:
+    assert parse_scores(answer(("1", "ok", 1)), 1)[0].score == 1.0
+
+
+@pytest.mark.parametrize(
+    ("text", "code", "match"),
+    [
+        ("not json", "judge_bad_json", "not JSON"),
+        ('{"verdict": 1}', "judge_bad_scores", "no `scores` list"),
+        (answer((1, "x", 1.5), (2, "y", 0.0)), "judge_bad_scores", r"not a number in \[0, 1\]"),
+        (answer((1, "x", True), (2, "y", 0.0)), "judge_bad_scores", "not a number"),
+        (answer((1, "x", 0.5)), "judge_bad_scores", r"no score for trajectories \[2\]"),
+        (answer((1, "x", 0.5), (1, "y", 0.2)), "judge_bad_scores", "scored twice"),
+        (answer((1, "x", 0.5), (3, "y", 0.2)), "judge_bad_scores", "not one of 1..2"),
+    ],
+)
+def test_parse_scores_rejects_bad_answers(text: str, code: str, match: str) -> None:
+    with pytest.raises(JudgeError, match=match) as caught:
+        parse_scores(text, 2)
+    assert caught.value.code == code

@@ -1,0 +1,69 @@
+"""The read API behind the web page (`collector/views.py`, routes under `/v1/view/`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.collector.seeding import group_spans, make_app
+
+
+@pytest.fixture
+def client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> TestClient:
+    app = make_app(tmp_path, monkeypatch)
+    store = app.state.store
+    store.add_spans(group_spans("a", ["7", "8"], rewards=[1.0, 0.0], steps=[0, 0]))
+    store.add_spans(group_spans("b", ["7", "7"], rewards=[1.0, 0.5], steps=[1, 1], first_span=100))
+    store.add_spans(group_spans("c", ["x", "y"], rewards=[0.2, 0.4], steps=[2, 2], task="tools", tool_call=True, first_span=200))
+    with TestClient(app) as client:
+        yield client
+
+
+def ids(client: TestClient, **params: object) -> list[str]:
+    return sorted(t["id"] for t in client.get("/v1/view/trajectories", params=params).json()["items"])
+
+
+def test_filters(client: TestClient) -> None:
+    assert len(ids(client)) == 6
+    assert ids(client, task="tools") == ["c-0", "c-1"]
+    assert ids(client, group="a") == ["a-0", "a-1"]
+    assert ids(client, policy_step=1) == ["b-0", "b-1"]
+    assert ids(client, reward_min=0.5) == ["a-0", "b-0", "b-1"]
+    assert ids(client, reward_min=0.1, reward_max=0.45) == ["c-0", "c-1"]
+    page = client.get("/v1/view/trajectories", params={"limit": 2, "offset": 1}).json()
+    assert page["total"] == 6 and len(page["items"]) == 2
+
+
+def test_summary_and_detail(client: TestClient) -> None:
+    row = next(t for t in client.get("/v1/view/trajectories").json()["items"] if t["id"] == "a-1")
+    assert (row["reward"], row["policy_step"], row["messages"], row["tokens"], row["last_message"]) == (0.0, 0, 3, 7, "[assistant] 8")
+    detail = client.get("/v1/view/trajectories/c-0").json()
+    assert detail["tool_calls"] == 1
+    assert detail["conversation"][-1]["tool_calls"][0]["function"]["name"] == "add"
+    assert detail["sequences"] == [{"tokens": 7, "prompt_tokens": 4, "completion_tokens": 3, "policy_step": 2}]
+    assert detail["judgements"] == []
+    missing = client.get("/v1/view/trajectories/nope")
+    assert missing.status_code == 404 and missing.json()["error"] == "not_found"
+
+
+def test_groups_batches_and_reward_curve(client: TestClient) -> None:
+    groups = {g["id"]: g for g in client.get("/v1/view/groups").json()}
+    assert set(groups) == {"a", "b", "c"} and groups["a"]["state"] == "ready" and groups["a"]["judge"] is None
+    batch = client.post("/v1/batches", json={"max_groups": 2, "trainer": "t1"}).json()
+    client.post(f"/v1/batches/{batch['id']}/ack", json={"policy_step": 3})
+    [shown] = client.get("/v1/view/batches").json()
+    assert (shown["id"], shown["trainer"], shown["state"], shown["policy_step"]) == (batch["id"], "t1", "acked", 3)
+    assert shown["groups"] == sorted(g["id"] for g in batch["groups"])
+    curve = client.get("/v1/view/reward-curve").json()
+    assert [(p["policy_step"], p["mean"], p["count"]) for p in curve] == [(0, 0.5, 2), (1, 0.75, 2), (2, pytest.approx(0.3), 2)]
+    assert client.get("/v1/view/reward-curve", params={"name": "nothing"}).json() == []
+
+
+def test_home_redirects_to_the_page(client: TestClient) -> None:
+    answer = client.get("/", follow_redirects=False)
+    assert answer.status_code == 307 and answer.headers["location"] == "/ui/"
+    page = client.get("/ui/")
+    assert page.status_code == 200 and '<script src="app.js">' in page.text
+    assert client.get("/ui/app.js").status_code == 200
