@@ -40,7 +40,7 @@ demo: setup
 # script in bench/, each printing its ratios against an alternative measured in the same run.
 bench: setup
 	$(PY) -m pytest -m slow -q -rs; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
-	for script in bench/*.py; do [ -e "$$script" ] || continue; $(PY) "$$script" || exit 1; done
+	for script in bench/*.py; do [ -e "$$script" ] || continue; PYTHONPATH=. $(PY) "$$script" || exit 1; done
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

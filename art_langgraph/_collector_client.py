@@ -11,29 +11,35 @@ __all__ = ["apost_reward", "post_reward"]
 _TIMEOUT = httpx.Timeout(10.0)
 
 
-def _request(rollout_id: str, name: str, value: float) -> tuple[str, dict[str, str], dict[str, object]]:
+def _request(
+    rollout_id: str | None, name: str, value: float, trace_id: str | None
+) -> tuple[str, dict[str, str], dict[str, object]]:
     settings = get_settings()
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-    body: dict[str, object] = {"rollout_id": rollout_id, "name": name, "value": value}
+    body: dict[str, object] = {"name": name, "value": value}
+    if rollout_id is not None:
+        body["rollout_id"] = rollout_id
+    if trace_id is not None:
+        body["trace_id"] = trace_id
     return f"{settings.collector_base_url}/v1/rewards", headers, body
 
 
-def post_reward(rollout_id: str, name: str, value: float) -> None:
-    """Send one reward for a finished rollout to `POST {collector}/v1/rewards`.
+def post_reward(rollout_id: str | None, name: str, value: float, trace_id: str | None = None) -> None:
+    """Send one reward for a finished rollout (by rollout id or trace id) to `POST {collector}/v1/rewards`.
 
     Raises:
         httpx.HTTPError: The collector is unreachable or answered with an error status.
     """
-    url, headers, body = _request(rollout_id, name, value)
+    url, headers, body = _request(rollout_id, name, value, trace_id)
     httpx.post(url, json=body, headers=headers, timeout=_TIMEOUT).raise_for_status()
 
 
-async def apost_reward(rollout_id: str, name: str, value: float) -> None:
+async def apost_reward(rollout_id: str | None, name: str, value: float, trace_id: str | None = None) -> None:
     """Async `post_reward`: send one reward for a finished rollout to the collector.
 
     Raises:
         httpx.HTTPError: The collector is unreachable or answered with an error status.
     """
-    url, headers, body = _request(rollout_id, name, value)
+    url, headers, body = _request(rollout_id, name, value, trace_id)
     async with httpx.AsyncClient(timeout=_TIMEOUT) as client:
         (await client.post(url, json=body, headers=headers)).raise_for_status()

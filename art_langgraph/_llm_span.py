@@ -6,13 +6,16 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from uuid import UUID
 
 from langchain_core.messages import AIMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_openai.chat_models.base import _convert_message_to_dict
+from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from art_langgraph import semconv
+from art_langgraph._graph_tracing import placement_of
 from art_langgraph._rollout import current_rollout
 from art_langgraph._token_data import ART_METADATA_KEY
 from art_langgraph._tracing import get_tracer
@@ -73,11 +76,16 @@ class LLMSpan:
 
 
 @contextmanager
-def llm_span(payload: dict[str, Any]) -> Iterator[LLMSpan]:
+def llm_span(payload: dict[str, Any], parent_run_id: UUID | None = None) -> Iterator[LLMSpan]:
     """Open the `llm` span for a request payload; an exception marks it ERROR and propagates.
+
+    The span hangs under the run that called the model (its node span, or the rollout span)
+    when the graph tracer knows that run; otherwise under the current OpenTelemetry context,
+    with the rollout of the current `rollout(...)`, if any.
 
     Args:
         payload: The OpenAI request payload the chat model is about to send.
+        parent_run_id: LangChain run id of the caller (`run_manager.parent_run_id`).
     """
     model = payload.get("model") or ""
     attrs: dict[str, Any] = {
@@ -89,9 +97,13 @@ def llm_span(payload: dict[str, Any]) -> Iterator[LLMSpan]:
     }
     if tools := payload.get("tools"):
         attrs[semconv.GEN_AI_TOOL_DEFINITIONS] = _json(tools)
-    if (current := current_rollout()) is not None:
+    context = None
+    if (placement := placement_of(parent_run_id)) is not None:
+        attrs.update(placement.rollout.span_attributes())
+        context = trace.set_span_in_context(placement.parent)
+    elif (current := current_rollout()) is not None:
         attrs.update(current.span_attributes())
-    span = get_tracer().start_span(f"chat {model}", attributes=attrs)
+    span = get_tracer().start_span(f"chat {model}", context=context, attributes=attrs)
     try:
         yield LLMSpan(span, attrs)
     except GeneratorExit:  # a consumer stopped reading a stream: not an error

@@ -58,12 +58,15 @@ class Rollout:
         split: str = "train",
         metadata: dict[str, Any] | None = None,
         group_size: int | None = None,
+        _id: str | None = None,
+        _source: str = "rollout",
     ) -> None:
         if not task:
             raise ValueError("rollout(task) needs a non-empty task name")
         if group_size is not None and group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
-        self.id = uuid.uuid4().hex
+        self.id = _id or uuid.uuid4().hex
+        self._source = _source
         self.task = task
         self.group = group
         self.split = split
@@ -115,18 +118,34 @@ class Rollout:
         else:
             await apost_reward(self.id, name, value)
 
-    def __enter__(self) -> Rollout:
+    def _begin(self) -> Span:
+        """Start the rollout span as a fresh root, without touching any context variable."""
         if self._span is not None:
             raise RuntimeError("a rollout can be entered only once; create a new one")
-        attrs = {semconv.SPAN_KIND: semconv.SPAN_KIND_ROLLOUT, **self.span_attributes()}
+        attrs = {
+            semconv.SPAN_KIND: semconv.SPAN_KIND_ROLLOUT,
+            semconv.ROLLOUT_SOURCE: self._source,
+            **self.span_attributes(),
+        }
         if self.metadata:
             attrs[semconv.METADATA] = json.dumps(self.metadata, default=str)
         # A fresh root: each rollout is its own trace, whatever span the app has open.
-        self._span = get_tracer().start_span(
-            f"rollout {self.task}", context=otel_context.Context(), attributes=attrs
-        )
+        self._span = get_tracer().start_span(f"rollout {self.task}", context=otel_context.Context(), attributes=attrs)
+        return self._span
+
+    def _finish(self, exc: BaseException | None) -> None:
+        """End the rollout span; an exception marks it ERROR."""
+        assert self._span is not None
+        if exc is not None:
+            self._span.record_exception(exc)
+            self._span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        self._ended = True
+        self._span.end()
+
+    def __enter__(self) -> Rollout:
+        span = self._begin()
         token = _current.set(self)
-        otel_token = otel_context.attach(trace.set_span_in_context(self._span))
+        otel_token = otel_context.attach(trace.set_span_in_context(span))
         self._tokens = (token, otel_token)
         return self
 
@@ -136,15 +155,11 @@ class Rollout:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        assert self._span is not None and self._tokens is not None
+        assert self._tokens is not None
         token, otel_token = self._tokens
         otel_context.detach(otel_token)  # type: ignore[arg-type]
         _current.reset(token)
-        if exc is not None:
-            self._span.record_exception(exc)
-            self._span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-        self._ended = True
-        self._span.end()
+        self._finish(exc)
 
     async def __aenter__(self) -> Rollout:
         return self.__enter__()
@@ -186,43 +201,72 @@ def current_rollout() -> Rollout | None:
     return _current.get()
 
 
-def _target(rollout_id: str | None) -> Rollout | None:
+def _rollout_key(rollout_id: str | uuid.UUID | None) -> str | None:
+    """Rollout ids are hex strings; a `uuid.UUID` (a LangChain `run_id`) becomes its hex."""
+    return rollout_id.hex if isinstance(rollout_id, uuid.UUID) else rollout_id
+
+
+def _target(rollout_id: str | None, trace_id: str | None) -> Rollout | None:
     current = _current.get()
-    if rollout_id is None:
+    if rollout_id is None and trace_id is None:
         if current is None:
-            raise RuntimeError("reward() outside a rollout needs rollout_id=")
+            raise RuntimeError(
+                "reward() outside a rollout needs rollout_id= or trace_id= (a graph run's rollout id is "
+                "its LangChain run id: pass config={'run_id': uuid} and reward(..., rollout_id=uuid))"
+            )
         return current
-    return current if current is not None and current.id == rollout_id else None
+    if current is None or current._span is None:
+        return None
+    if rollout_id is not None:
+        return current if current.id == rollout_id else None
+    return current if current.trace_id == trace_id else None
 
 
-def reward(value: float, *, name: str = "reward", rollout_id: str | None = None) -> None:
-    """Attach a reward to the current rollout, or to `rollout_id` after the fact.
+def reward(
+    value: float,
+    *,
+    name: str = "reward",
+    rollout_id: str | uuid.UUID | None = None,
+    trace_id: str | None = None,
+) -> None:
+    """Attach a reward to the current rollout, or to a finished one by rollout id or trace id.
+
+    A reward may arrive hours after the run (a user's click): it is POSTed to the collector,
+    which keeps it even when the spans come later.
 
     Args:
         value: A finite number.
         name: Reward name.
-        rollout_id: Id of a finished rollout; the reward is POSTed to the collector.
+        rollout_id: Id of a finished rollout (`Rollout.id`, or the `run_id` UUID of a top-level
+            graph run outside `rollout()`); the reward is POSTed to the collector.
+        trace_id: Trace id (32 hex digits) of a finished rollout, when its id is unknown.
 
     Raises:
         ValueError: `value` is NaN or infinite.
-        RuntimeError: No `rollout_id` and no current rollout.
+        RuntimeError: No `rollout_id`/`trace_id` and no current rollout.
         httpx.HTTPError: The collector could not take the reward.
     """
     value = _check_reward(value, name)
-    target = _target(rollout_id)
+    key = _rollout_key(rollout_id)
+    target = _target(key, trace_id)
     if target is not None:
         target.reward(value, name)
     else:
-        assert rollout_id is not None
-        post_reward(rollout_id, name, value)
+        post_reward(key, name, value, trace_id)
 
 
-async def areward(value: float, *, name: str = "reward", rollout_id: str | None = None) -> None:
-    """Async `reward`: attach a reward to the current rollout or to `rollout_id`."""
+async def areward(
+    value: float,
+    *,
+    name: str = "reward",
+    rollout_id: str | uuid.UUID | None = None,
+    trace_id: str | None = None,
+) -> None:
+    """Async `reward`: attach a reward to the current rollout, or to a finished one by id."""
     value = _check_reward(value, name)
-    target = _target(rollout_id)
+    key = _rollout_key(rollout_id)
+    target = _target(key, trace_id)
     if target is not None:
         await target.areward(value, name)
     else:
-        assert rollout_id is not None
-        await apost_reward(rollout_id, name, value)
+        await apost_reward(key, name, value, trace_id)

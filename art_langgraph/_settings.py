@@ -47,6 +47,27 @@ class Settings(BaseSettings):
         default=None,
         description="Bearer token for the trainer (as the OpenAI api key) and the collector.",
     )
+    langfuse: bool = Field(
+        default=False,
+        description="Also export every span to Langfuse's OTLP endpoint (see `configure(langfuse=True)`).",
+    )
+    max_queue_size: int = Field(
+        default=2048,
+        ge=1,
+        description="Spans held per destination while waiting for export; past it, new spans are dropped and counted.",
+    )
+    exit_flush_timeout: float = Field(
+        default=5.0,
+        ge=0,
+        description="Seconds the exit hook waits to export the spans still queued when the program ends.",
+    )
+    trace_graphs: bool = Field(
+        default=True,
+        description=(
+            "Record graph node and tool spans, and make each top-level graph run outside "
+            "`rollout(...)` one trajectory (`ART_TRACE_GRAPHS=false` turns this off)."
+        ),
+    )
 
     @property
     def collector_base_url(self) -> str:
@@ -70,11 +91,11 @@ def get_settings() -> Settings:
         return _settings
 
 
-def update_settings(**overrides: str | None) -> Settings:
+def update_settings(**overrides: str | bool | int | None) -> Settings:
     """Re-read the environment, apply the non-`None` overrides and make the result current.
 
     Args:
-        **overrides: Field values (`collector_url`, `trainer_url`, `model`, `api_key`).
+        **overrides: Field values (`collector_url`, `trainer_url`, `model`, `api_key`, ...).
 
     Returns:
         The new current settings.

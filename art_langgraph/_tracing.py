@@ -7,6 +7,7 @@ log lines and counted drops, never an exception in the agent.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import logging
 import os
@@ -45,12 +46,31 @@ class _CountingExporter(SpanExporter):
         self._name = name
         self._lock = threading.Lock()
         self.dropped = 0
+        self.pending = 0
+        """Spans queued for this exporter and not yet handed to it (kept by `_BoundedProcessor`)."""
 
     def _drop(self, n: int) -> None:
         with self._lock:
             self.dropped += n
 
+    def enqueue(self) -> None:
+        """Count one span queued for export."""
+        with self._lock:
+            self.pending += 1
+
+    def refuse(self) -> None:
+        """Count one span dropped because the queue is full; log the first and every 1000th."""
+        with self._lock:
+            self.dropped += 1
+            dropped = self.dropped
+        if dropped == 1 or dropped % 1000 == 0:
+            _logger.warning(
+                "art_langgraph: %s export queue full; dropping spans (%d dropped so far)", self._name, dropped
+            )
+
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        with self._lock:
+            self.pending = max(0, self.pending - len(spans))
         try:
             result = self._inner.export(spans)
         except Exception:  # an exporter must not raise; log with traceback and count
@@ -98,20 +118,45 @@ def _otlp_exporter(settings: Settings) -> OTLPSpanExporter:
     return OTLPSpanExporter(endpoint=endpoint, headers=headers, compression=compression)
 
 
+LANGFUSE_DEFAULT_URL = "https://cloud.langfuse.com"
+LANGFUSE_OTLP_PATH = "/api/public/otel/v1/traces"
+"""Langfuse's OTLP/HTTP traces endpoint under its base URL."""
+
+
 def _langfuse_exporter() -> OTLPSpanExporter:
     public, secret = os.environ.get("LANGFUSE_PUBLIC_KEY"), os.environ.get("LANGFUSE_SECRET_KEY")
     if not public or not secret:
         raise ValueError(
-            "configure(langfuse=True) needs LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY in the "
-            "environment (and LANGFUSE_HOST unless it is https://cloud.langfuse.com)."
+            "configure(langfuse=True) needs LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY in the environment "
+            f"(and LANGFUSE_BASE_URL or LANGFUSE_HOST unless it is {LANGFUSE_DEFAULT_URL})."
         )
-    host = os.environ.get("LANGFUSE_HOST", "https://cloud.langfuse.com").rstrip("/")
+    base = os.environ.get("LANGFUSE_BASE_URL") or os.environ.get("LANGFUSE_HOST") or LANGFUSE_DEFAULT_URL
     token = base64.b64encode(f"{public}:{secret}".encode()).decode()
     return OTLPSpanExporter(
-        endpoint=f"{host}/api/public/otel/v1/traces",
+        endpoint=f"{base.rstrip('/')}{LANGFUSE_OTLP_PATH}",
         headers={"Authorization": f"Basic {token}"},
         compression=Compression.Gzip,
     )
+
+
+class _BoundedProcessor(BatchSpanProcessor):
+    """`BatchSpanProcessor` that refuses spans past `max_queue_size` and counts them as dropped.
+
+    The SDK's processor would also drop them, with one warning per span; here the drop is
+    counted on the exporter (so `dropped_spans()` sees it) and logged once per 1000.
+    """
+
+    def __init__(self, exporter: _CountingExporter, max_queue_size: int) -> None:
+        super().__init__(exporter, max_queue_size=max_queue_size, max_export_batch_size=min(512, max_queue_size))
+        self._counting = exporter
+        self._max = max_queue_size
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self._counting.pending >= self._max:
+            self._counting.refuse()
+            return
+        self._counting.enqueue()
+        super().on_end(span)
 
 
 def configure(
@@ -120,6 +165,7 @@ def configure(
     model: str | None = None,
     api_key: str | None = None,
     langfuse: bool = False,
+    max_queue_size: int | None = None,
 ) -> None:
     """Set up tracing and the default trainer endpoint; arguments override `ART_*` variables.
 
@@ -131,25 +177,34 @@ def configure(
         trainer_url: OpenAI-compatible base URL of the trainer, used by new `ARTChatModel`s.
         model: Default model name for new `ARTChatModel`s.
         api_key: Bearer token for the trainer and the collector.
-        langfuse: Also send every span to Langfuse's OTLP endpoint (reads
-            `LANGFUSE_PUBLIC_KEY`, `LANGFUSE_SECRET_KEY`, `LANGFUSE_HOST`).
+        langfuse: Also send every span, with the same trace id, to Langfuse's OTLP endpoint
+            `{LANGFUSE_BASE_URL}/api/public/otel/v1/traces` (Basic auth from
+            `LANGFUSE_PUBLIC_KEY` / `LANGFUSE_SECRET_KEY`; `LANGFUSE_HOST` is read too).
+            `ART_LANGFUSE=true` does the same without code.
+        max_queue_size: Spans held per destination while waiting for export (default
+            `ART_MAX_QUEUE_SIZE`, 2048); past it, spans are dropped, counted and logged.
 
     Raises:
         ValueError: `langfuse=True` without Langfuse keys in the environment.
     """
     global _state
     settings = update_settings(
-        collector_url=collector_url, trainer_url=trainer_url, model=model, api_key=api_key
+        collector_url=collector_url,
+        trainer_url=trainer_url,
+        model=model,
+        api_key=api_key,
+        langfuse=langfuse or None,
+        max_queue_size=max_queue_size,
     )
     exporters = [_CountingExporter(_otlp_exporter(settings), "collector")]
-    if langfuse:
+    if settings.langfuse:
         exporters.append(_CountingExporter(_langfuse_exporter(), "langfuse"))
     provider = TracerProvider(
         resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "art-langgraph")}),
-        shutdown_on_exit=True,
+        shutdown_on_exit=False,  # our own atexit hook below flushes with a bound
     )
     for exporter in exporters:
-        provider.add_span_processor(BatchSpanProcessor(exporter))
+        provider.add_span_processor(_BoundedProcessor(exporter, settings.max_queue_size))
     with _lock:
         old, _state = _state, _State(provider, exporters)
     if old is not None:
@@ -165,6 +220,8 @@ def _current() -> _State:
                 trainer_url=settings.trainer_url,
                 model=settings.model,
                 api_key=settings.api_key,
+                langfuse=settings.langfuse,
+                max_queue_size=settings.max_queue_size,
             )
         assert _state is not None
         return _state
@@ -231,3 +288,11 @@ def shutdown(timeout: float = 5.0) -> None:
         state, _state = _state, None
     if state is not None:
         _bounded(state.provider.shutdown, timeout)
+
+
+def _flush_at_exit() -> None:
+    """Export what is left when the interpreter exits, waiting at most `ART_EXIT_FLUSH_TIMEOUT` s."""
+    shutdown(timeout=get_settings().exit_flush_timeout)
+
+
+atexit.register(_flush_at_exit)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
+from uuid import UUID
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
@@ -17,16 +18,37 @@ from langchain_openai import ChatOpenAI
 from pydantic import model_validator
 
 from art_langgraph._llm_span import llm_span
+from art_langgraph.errors import UnsupportedOption
 from art_langgraph._settings import get_settings
 from art_langgraph._token_data import ART_METADATA_KEY, chunk_token_data, choice_token_data, policy_step
 
-__all__ = ["ARTChatModel", "init_chat_model"]
+__all__ = ["ARTChatModel", "check_options"]
 
 _ALIASES = {
     "model": ("model", "model_name"),
     "base_url": ("base_url", "openai_api_base"),
     "api_key": ("api_key", "openai_api_key"),
 }
+
+
+def check_options(values: dict[str, Any]) -> None:
+    """Refuse `ChatOpenAI` arguments this model cannot honour.
+
+    Raises:
+        UnsupportedOption: `use_responses_api=True` or `logprobs=False`.
+    """
+    if values.get("use_responses_api"):
+        raise UnsupportedOption(
+            "use_responses_api=True",
+            "ARTChatModel needs the Chat Completions API, where vLLM returns exact token ids; drop use_responses_api",
+        )
+    if values.get("logprobs") is False:
+        raise UnsupportedOption("logprobs=False", "training needs the sampled logprobs of every call; drop it")
+
+
+def _parent(run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None) -> UUID | None:
+    """The LangChain run that called the model (where its span hangs), if known."""
+    return run_manager.parent_run_id if run_manager is not None else None
 
 
 class _StreamTokens:
@@ -71,6 +93,7 @@ class ARTChatModel(ChatOpenAI):
             "api_key": settings.api_key or "EMPTY",
         }
         values = dict(values)
+        check_options(values)
         for key, names in _ALIASES.items():
             if not any(values.get(n) is not None for n in names):
                 values[key] = defaults[key]
@@ -125,7 +148,7 @@ class ARTChatModel(ChatOpenAI):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        with llm_span(self._get_request_payload(messages, stop=stop, **kwargs)) as span:
+        with llm_span(self._get_request_payload(messages, stop=stop, **kwargs), _parent(run_manager)) as span:
             result = super()._generate(messages, stop=stop, run_manager=run_manager, **kwargs)
             span.record_result(result)
             return result
@@ -137,7 +160,7 @@ class ARTChatModel(ChatOpenAI):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        with llm_span(self._get_request_payload(messages, stop=stop, **kwargs)) as span:
+        with llm_span(self._get_request_payload(messages, stop=stop, **kwargs), _parent(run_manager)) as span:
             result = await super()._agenerate(messages, stop=stop, run_manager=run_manager, **kwargs)
             span.record_result(result)
             return result
@@ -150,7 +173,7 @@ class ARTChatModel(ChatOpenAI):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         tokens = _StreamTokens()
-        with llm_span(self._get_request_payload(messages, stop=stop, **kwargs)) as span:
+        with llm_span(self._get_request_payload(messages, stop=stop, **kwargs), _parent(run_manager)) as span:
             try:
                 for chunk in super()._stream(messages, stop=stop, run_manager=run_manager, **kwargs):
                     yield tokens.add(chunk)
@@ -166,34 +189,10 @@ class ARTChatModel(ChatOpenAI):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         tokens = _StreamTokens()
-        with llm_span(self._get_request_payload(messages, stop=stop, **kwargs)) as span:
+        with llm_span(self._get_request_payload(messages, stop=stop, **kwargs), _parent(run_manager)) as span:
             try:
                 async for chunk in super()._astream(messages, stop=stop, run_manager=run_manager, **kwargs):
                     yield tokens.add(chunk)
             finally:
                 if tokens.aggregate is not None:
                     span.record_generation(tokens.aggregate)
-
-
-def init_chat_model(model: str | None = None, **kwargs: Any) -> ARTChatModel:
-    """Drop-in for LangChain's `init_chat_model`, returning an `ARTChatModel`.
-
-    Args:
-        model: Served model name (`name@latest`, `name@step`); default from settings.
-            An `openai:` or `art:` prefix is accepted and stripped.
-        **kwargs: Passed to `ARTChatModel` (e.g. `temperature`, `max_tokens`, `base_url`).
-
-    Raises:
-        ValueError: `model_provider` names a provider other than `openai` or `art`.
-    """
-    provider = kwargs.pop("model_provider", None)
-    if model and ":" in model and model.split(":", 1)[0] in ("openai", "art"):
-        provider, model = model.split(":", 1)
-    if provider not in (None, "openai", "art"):
-        raise ValueError(
-            f"init_chat_model: model_provider={provider!r} is not supported; ARTChatModel talks "
-            "to the ART trainer's OpenAI API. Drop model_provider or use 'openai'."
-        )
-    if model is not None:
-        kwargs["model"] = model
-    return ARTChatModel(**kwargs)

@@ -12,6 +12,20 @@ Span kinds emitted by this package (attribute `art.span.kind`):
   messages, tool definitions, usage, and the exact `art.prompt_token_ids`,
   `art.completion_token_ids` and `art.completion_logprobs` that the engine returned.
 
+* `node` — one run of a LangGraph node (`art.node.name`, `art.node.step`), child of the
+  rollout span or of the node that contains it (a subgraph's nodes nest under the node that
+  runs the subgraph). Model calls and tool calls made by the node are its children.
+* `tool` — one tool execution (`gen_ai.operation.name = "execute_tool"`, `gen_ai.tool.name`,
+  `gen_ai.tool.call.id`, arguments and result), child of the node that ran it.
+
+Consumers must ignore kinds they do not know; only `llm` spans feed the token sequences, and
+only the `rollout` span marks a trajectory complete and carries its rewards.
+
+A top-level graph run outside any `rollout(...)` gets a `rollout` span of its own
+(`art.rollout.source = "graph"`, id = the run's LangChain run id in hex). The app sets its task,
+group, group size and split with the keys `art.task`, `art.group`, `art.group.size`,
+`art.split` in the run's `config["metadata"]` (the same names as the attributes below).
+
 Every span inside a rollout carries `art.rollout.id`, so the collector can place a span even
 when it arrives before its parent or without it.
 """
@@ -37,12 +51,34 @@ GEN_AI_OUTPUT_MESSAGES: Final = "gen_ai.output.messages"
 """JSON list with the assistant message the model returned (OpenAI format)."""
 GEN_AI_TOOL_DEFINITIONS: Final = "gen_ai.tool.definitions"
 """JSON list of OpenAI-format tool definitions bound to the call."""
+GEN_AI_TOOL_NAME: Final = "gen_ai.tool.name"
+"""Name of the tool a `tool` span executed."""
+GEN_AI_TOOL_CALL_ID: Final = "gen_ai.tool.call.id"
+"""Id of the model's tool call the `tool` span answers (when the tool was called by id)."""
+GEN_AI_TOOL_CALL_ARGUMENTS: Final = "gen_ai.tool.call.arguments"
+"""JSON (or plain text) arguments the tool was called with."""
+GEN_AI_TOOL_CALL_RESULT: Final = "gen_ai.tool.call.result"
+"""The tool's result as text (a `ToolMessage`'s content, or the returned value as JSON)."""
 
 # --- art.* -------------------------------------------------------------------------------
 SPAN_KIND: Final = "art.span.kind"
-"""`rollout` or `llm` (see module docstring)."""
+"""`rollout`, `llm`, `node` or `tool` (see module docstring); consumers ignore other values."""
 SPAN_KIND_ROLLOUT: Final = "rollout"
 SPAN_KIND_LLM: Final = "llm"
+SPAN_KIND_NODE: Final = "node"
+SPAN_KIND_TOOL: Final = "tool"
+SPAN_KIND_REWARD: Final = "reward"
+"""A reward given apart from the rollout span: `art.reward.name` / `art.reward.value` attributes and `art.reward` events."""
+
+NODE_NAME: Final = "art.node.name"
+"""Name of the LangGraph node a `node` span ran (`langgraph_node`)."""
+NODE_STEP: Final = "art.node.step"
+"""LangGraph superstep the node ran in (`langgraph_step`, int)."""
+INTERRUPT_EVENT: Final = "art.interrupt"
+"""Span event on a `node` span whose node paused the graph (`interrupt()`); not an error."""
+ROLLOUT_SOURCE: Final = "art.rollout.source"
+"""On the rollout span: `rollout` (opened by `rollout(...)`) or `graph` (a top-level graph run
+outside any rollout; its id is the run's LangChain run id in hex)."""
 
 ROLLOUT_ID: Final = "art.rollout.id"
 """Trajectory id; on the rollout span and on every span inside it."""

@@ -29,7 +29,7 @@ from collector.otlp import SpanRecord
 from collector.protocol import Drift, Sequence, Trajectory
 
 __all__ = [
-    "SPAN_KIND_REWARD",
+    "FactsDigest",
     "InvalidReward",
     "Sequences",
     "SpanReward",
@@ -44,10 +44,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-SPAN_KIND_REWARD = "reward"
-"""`art.span.kind` of a reward span (a reward given apart from the rollout span).
-TODO(plugin): declare in `art_langgraph.semconv` next to the other span kinds."""
 
 MAX_ID_LENGTH = 256
 """Longest rollout id, group, task, reward name (the store's column width)."""
@@ -111,10 +107,10 @@ def span_rewards(span: SpanRecord) -> list[SpanReward]:
         InvalidReward: a value is missing, not a number, NaN or infinite.
     """
     kind = span.attributes.get(sc.SPAN_KIND)
-    if kind not in (sc.SPAN_KIND_ROLLOUT, SPAN_KIND_REWARD):
+    if kind not in (sc.SPAN_KIND_ROLLOUT, sc.SPAN_KIND_REWARD):
         return []
     rewards = []
-    if kind == SPAN_KIND_REWARD and (sc.REWARD_VALUE in span.attributes or sc.REWARD_NAME in span.attributes):
+    if kind == sc.SPAN_KIND_REWARD and (sc.REWARD_VALUE in span.attributes or sc.REWARD_NAME in span.attributes):
         rewards.append(_reward(span, span.attributes.get(sc.REWARD_NAME), span.attributes.get(sc.REWARD_VALUE), span.end_ns))
     for event in span.events:
         if event.name == sc.REWARD_EVENT:
@@ -160,37 +156,94 @@ def _rollout_span(spans: list[SpanRecord]) -> SpanRecord | None:
     return None
 
 
-def _first_attr(primary: SpanRecord | None, spans: list[SpanRecord], key: str) -> Any:
-    """An attribute from the rollout span, else from the first span that has it."""
-    if primary is not None and primary.attributes.get(key) is not None:
-        return primary.attributes[key]
-    for span in spans:
-        if span.attributes.get(key) is not None:
-            return span.attributes[key]
-    return None
+_FACT_KEYS = (sc.GROUP, sc.TASK, sc.GROUP_SIZE, sc.SPLIT)
+"""Attributes that place a trajectory in a group, read from the rollout span or the first span with them."""
+
+
+def _order(span: SpanRecord) -> list[Any]:
+    """A span's place in a trajectory: start, end, id (the order of `_unique_sorted`)."""
+    return [span.start_ns, span.end_ns, span.span_id]
+
+
+@dataclass
+class FactsDigest:
+    """What `TrajectoryFacts` need from a trajectory's spans, kept up to date span by span.
+
+    Each part is a minimum by span order (start, end, id) or an "any", so adding spans in any
+    order, or the same span twice, gives the same digest; the store keeps it on the trajectory
+    row, so an export costs work for its own spans only, not for every span stored before.
+    """
+
+    rollout: list[Any] | None = None
+    """The first rollout span: its order, trace id, and its non-None grouping attributes."""
+    first: list[Any] | None = None
+    """The first span: its order and trace id."""
+    attrs: dict[str, list[Any]] = field(default_factory=dict)
+    """Per grouping attribute, the first span that has it (not None): its order and the value."""
+    llm: bool = False
+    """Some span is a model call."""
+
+    @classmethod
+    def of(cls, spans: Iterable[SpanRecord]) -> FactsDigest:
+        """The digest of `spans`."""
+        digest = cls()
+        digest.add(spans)
+        return digest
+
+    def add(self, spans: Iterable[SpanRecord]) -> None:
+        """Take `spans` into account."""
+        for span in spans:
+            order = _order(span)
+            if self.first is None or order < self.first[:3]:
+                self.first = [*order, span.trace_id]
+            if span.attributes.get(sc.SPAN_KIND) == sc.SPAN_KIND_ROLLOUT and (self.rollout is None or order < self.rollout[:3]):
+                kept = {key: span.attributes[key] for key in _FACT_KEYS if span.attributes.get(key) is not None}
+                self.rollout = [*order, span.trace_id, kept]
+            for key in _FACT_KEYS:
+                if span.attributes.get(key) is not None and (key not in self.attrs or order < self.attrs[key][:3]):
+                    self.attrs[key] = [*order, span.attributes[key]]
+            self.llm = self.llm or is_llm(span)
+
+    def to_json(self) -> str:
+        """The digest as JSON (the store's `trajectories.digest` column)."""
+        return json.dumps({"rollout": self.rollout, "first": self.first, "attrs": self.attrs, "llm": self.llm})
+
+    @classmethod
+    def from_json(cls, text: str) -> FactsDigest:
+        """The inverse of `to_json`."""
+        data = json.loads(text)
+        return cls(rollout=data["rollout"], first=data["first"], attrs=data["attrs"], llm=data["llm"])
+
+    def _value(self, key: str) -> Any:
+        """An attribute from the rollout span, else from the first span that has it."""
+        if self.rollout is not None and key in self.rollout[4]:
+            return self.rollout[4][key]
+        return self.attrs[key][3] if key in self.attrs else None
+
+    def facts(self, trajectory_id: str) -> TrajectoryFacts:
+        """The facts of the trajectory whose spans this digest saw.
+
+        Raises:
+            ValueError: the digest saw no span.
+        """
+        if self.first is None:
+            raise ValueError(f"trajectory {trajectory_id!r} has no spans")
+        group, task, size, split = (self._value(key) for key in _FACT_KEYS)
+        return TrajectoryFacts(
+            trace_id=(self.rollout or self.first)[3],
+            has_rollout_span=self.rollout is not None,
+            has_llm=self.llm,
+            group_key=str(group) if group else (str(task) if task else trajectory_id),
+            explicit_group=bool(group),
+            group_size=int(size) if isinstance(size, int | float) and not isinstance(size, bool) and size > 0 else None,
+            task=str(task) if task else None,
+            split=str(split) if split else "train",
+        )
 
 
 def facts(trajectory_id: str, spans: Iterable[SpanRecord]) -> TrajectoryFacts:
     """Summarise a trajectory's spans: identity, grouping key, task, split."""
-    ordered = _unique_sorted(spans)
-    if not ordered:
-        raise ValueError(f"trajectory {trajectory_id!r} has no spans")
-    rollout = _rollout_span(ordered)
-    group = _first_attr(rollout, ordered, sc.GROUP)
-    task = _first_attr(rollout, ordered, sc.TASK)
-    size = _first_attr(rollout, ordered, sc.GROUP_SIZE)
-    split = _first_attr(rollout, ordered, sc.SPLIT)
-    group_key = str(group) if group else (str(task) if task else trajectory_id)
-    return TrajectoryFacts(
-        trace_id=(rollout or ordered[0]).trace_id,
-        has_rollout_span=rollout is not None,
-        has_llm=any(is_llm(span) for span in ordered),
-        group_key=group_key,
-        explicit_group=bool(group),
-        group_size=int(size) if isinstance(size, int | float) and not isinstance(size, bool) and size > 0 else None,
-        task=str(task) if task else None,
-        split=str(split) if split else "train",
-    )
+    return FactsDigest.of(spans).facts(trajectory_id)
 
 
 def _int_list(value: Any) -> list[int] | None:

@@ -13,14 +13,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from sqlalchemy import Engine, case, func, select
-
-from collector.config import CollectorSettings
 from collector.errors import NotFound
 from collector.protocol import RewardIn, Trajectory
 from collector.read_protocol import JudgeRun, Judgement
 from collector.ruler import JudgeClient, JudgeError, Score, build_messages, dedupe, parse_scores, response_format
-from collector.schema import groups, trajectories
 from collector.scoring_config import JudgeSettings
 from collector.scoring_store import ScoringStore
 from collector.store import Store
@@ -28,6 +24,9 @@ from collector.store import Store
 __all__ = ["GroupJudge", "run_view"]
 
 log = logging.getLogger(__name__)
+
+_IN_POOL = frozenset({"open", "ready", "skipped"})
+"""Group states a new reward can still matter in (a skipped group reopens on one)."""
 
 
 def run_view(row: dict, judgements: list[Judgement] | None = None) -> JudgeRun:
@@ -45,16 +44,13 @@ class GroupJudge:
     def __init__(
         self,
         store: Store,
-        engine: Engine,
         scoring: ScoringStore,
         settings: JudgeSettings,
-        collector_settings: CollectorSettings,
         *,
         client: JudgeClient | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.store, self.engine, self.scoring = store, engine, scoring
-        self.settings, self.collector_settings = settings, collector_settings
+        self.store, self.scoring, self.settings = store, scoring, settings
         key = settings.api_key.get_secret_value() if settings.api_key else None
         self.client = client or JudgeClient(settings.url, settings.model, api_key=key, timeout=settings.timeout_seconds)
         self.clock = clock
@@ -147,26 +143,12 @@ class GroupJudge:
 
     # --- automatic runs -----------------------------------------------------------------
     def due_groups(self) -> list[str]:
-        """Open groups whose trajectories are all complete and that reached their size, not judged yet
-        (or `failed` and due for another try)."""
-        with self.engine.connect() as conn:
-            counts = (
-                select(
-                    trajectories.c.group_id,
-                    func.count().label("n"),
-                    func.sum(case((trajectories.c.complete, 1), else_=0)).label("done"),
-                )
-                .where(trajectories.c.group_id.is_not(None))
-                .group_by(trajectories.c.group_id)
-                .subquery()
-            )
-            rows = conn.execute(
-                select(groups.c.id, groups.c.size_hint, counts.c.n, counts.c.done)
-                .join(counts, counts.c.group_id == groups.c.id)
-                .where(groups.c.state == "open")
-                .order_by(groups.c.created_at)
-            ).all()
-        complete = [gid for gid, hint, n, done in rows if n == done and n >= (hint or self.collector_settings.min_group_size)]
+        """Groups in the pool (open, ready or skipped) whose trajectories are all complete and that
+        reached their expected size, not judged yet (or `failed` and due for another try)."""
+        complete = [
+            g.id for g in self.store.groups()
+            if g.state in _IN_POOL and g.size == g.complete and g.size >= g.expected
+        ]
         runs = self.scoring.runs(complete)
         now = self.clock()
         return [

@@ -14,7 +14,7 @@ from collector.engine import chunks
 from collector.groups import Decision, Member, decide, merge_rewards
 from collector.schema import batches, groups, rewards, trajectories
 
-__all__ = ["decisions", "group_members", "maintain", "rewards_of"]
+__all__ = ["decisions", "expected_size", "group_members", "maintain", "rewards_of"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,12 @@ def group_members(conn: Connection, group_ids: list[str]) -> dict[str, list[Any]
             members[row["group_id"]].append(row)
     return members
 
+
+def expected_size(group: Any, settings: CollectorSettings) -> int:
+    """Trajectories a group row waits for: its announced size, else the minimum group size."""
+    return group["size_hint"] or settings.min_group_size
+
+
 def decisions(conn: Connection, settings: CollectorSettings, open_groups: list[Any]) -> dict[str, Decision]:
     """Readiness of each open group."""
     members = group_members(conn, [g["id"] for g in open_groups])
@@ -59,9 +65,8 @@ def decisions(conn: Connection, settings: CollectorSettings, open_groups: list[A
     for group in open_groups:
         rows = members[group["id"]]
         ms = [Member(bool(r["complete"]), r["split"], settings.training_reward.of(named[r["id"]])) for r in rows]
-        expected = group["size_hint"] or settings.min_group_size
         out[group["id"]] = decide(
-            ms, expected, reward_label=settings.training_reward.label, keep_zero_spread=settings.keep_zero_spread
+            ms, expected_size(group, settings), reward_label=settings.training_reward.label, keep_zero_spread=settings.keep_zero_spread
         )
     return out
 

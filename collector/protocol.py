@@ -123,10 +123,26 @@ class GroupStatus(BaseModel):
     id: str
     task: str | None
     size: int
+    expected: int = Field(
+        description="Trajectories the group waits for: its announced size (`art.group.size`), else the minimum group size."
+    )
     complete: int
     rewarded: int
     state: Literal["open", "ready", "leased", "trained", "skipped", "expired"]
     reason: str | None = None
+
+
+class BatchStatus(BaseModel):
+    """A batch (a lease of groups to a trainer) as shown by the read API."""
+
+    id: str
+    trainer: str | None
+    state: Literal["leased", "acked", "expired"]
+    created_at: float
+    lease_expires_at: float
+    acked_at: float | None
+    policy_step: int | None
+    groups: list[str] = Field(description="Ids of the leased groups, sorted.")
 
 
 class RewardAccepted(BaseModel):

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from collector.protocol import GroupStatus
+from collector.protocol import BatchStatus, GroupStatus
 
 __all__ = [
     "BatchView",
@@ -121,17 +121,8 @@ class GroupView(GroupStatus):
     judge: JudgeRun | None = None
 
 
-class BatchView(BaseModel):
-    """A lease of groups to a trainer."""
-
-    id: str
-    trainer: str | None
-    state: str = Field(description="`leased`, `acked` or `expired`.")
-    created_at: float
-    lease_expires_at: float
-    acked_at: float | None
-    policy_step: int | None
-    groups: list[str]
+class BatchView(BatchStatus):
+    """A lease of groups to a trainer (`Store.batches`)."""
 
 
 class CurvePoint(BaseModel):

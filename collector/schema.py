@@ -7,6 +7,7 @@ transaction, and records the version reached in `schema_version`.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
@@ -23,12 +24,31 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    bindparam,
     func,
     select,
     text,
 )
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "batch_groups", "batches", "groups", "migrate", "rewards", "spans", "trajectories"]
+from collector.assembly import FactsDigest
+from collector.engine import chunks
+from collector.otlp import SpanRecord
+
+__all__ = [
+    "MIGRATIONS",
+    "SCHEMA_VERSION",
+    "batch_groups",
+    "batches",
+    "groups",
+    "judge_runs",
+    "judgements",
+    "langfuse_pulled",
+    "langfuse_pushed",
+    "migrate",
+    "rewards",
+    "spans",
+    "trajectories",
+]
 
 metadata = MetaData()
 
@@ -65,6 +85,9 @@ trajectories = Table(
     Column("complete", Boolean, nullable=False),
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
+    # version 4: JSON of `assembly.FactsDigest` of the spans stored so far, so that an export
+    # updates the trajectory from its own spans without reading back the earlier ones
+    Column("digest", Text),
 )
 
 rewards = Table(
@@ -117,12 +140,63 @@ batch_groups = Table(
     Column("group_id", String(300), ForeignKey("groups.id"), primary_key=True),
 )
 
+# --- the judges' tables (version 3; read and written by `collector.scoring_store`) ---------
+judge_runs = Table(
+    "judge_runs",
+    metadata,
+    Column("group_id", String(300), primary_key=True),
+    Column("state", String(16), nullable=False),  # running / ok / failed / skipped / zeroed
+    Column("attempts", Integer, nullable=False),
+    Column("error", Text),
+    Column("model", String(256), nullable=False),
+    Column("trajectories", Integer, nullable=False),
+    Column("distinct_count", Integer, nullable=False),
+    Column("started_at", Float, nullable=False),
+    Column("finished_at", Float),
+    Column("next_try_at", Float),  # `failed` under the retry policy: when to try again
+)
+
+judgements = Table(
+    "judgements",
+    metadata,
+    Column("trajectory_id", String(256), primary_key=True),
+    Column("name", String(256), primary_key=True),  # the reward name the judge wrote
+    Column("group_id", String(300), nullable=False, index=True),
+    Column("score", Float, nullable=False),
+    Column("explanation", Text, nullable=False),
+    Column("block", Integer),  # number of the trajectory block in the prompt; None when zeroed
+    Column("duplicate_of", String(256)),  # judged once as this identical trajectory
+    Column("created_at", Float, nullable=False),
+)
+
+langfuse_pulled = Table(
+    "langfuse_pulled",
+    metadata,
+    Column("score_id", String(256), primary_key=True),
+    Column("updated_at", String(64), nullable=False),
+    Column("trace_id", String(64), nullable=False),
+    Column("name", String(256), nullable=False),
+    Column("value", Float, nullable=False),
+    Column("pulled_at", Float, nullable=False),
+)
+
+langfuse_pushed = Table(
+    "langfuse_pushed",
+    metadata,
+    Column("trajectory_id", String(256), primary_key=True),
+    Column("name", String(256), primary_key=True),
+    Column("value", Float, nullable=False),
+    Column("score_id", String(64), nullable=False),
+    Column("pushed_at", Float, nullable=False),
+)
+
 
 def _v1(conn: Connection) -> None:
     """Version 1: spans, trajectories, rewards, groups, batches, batch membership."""
-    rewards_v1 = Table(  # as version 1 defined it; version 2 adds columns
+    old = MetaData()  # rewards and trajectories as version 1 defined them; later versions add columns
+    rewards_v1 = Table(
         "rewards",
-        MetaData(),
+        old,
         Column("id", Integer, primary_key=True, autoincrement=True),
         Column("rollout_id", String(256), index=True),
         Column("trace_id", String(32), index=True),
@@ -131,8 +205,22 @@ def _v1(conn: Connection) -> None:
         Column("source", String(32), nullable=False),
         Column("created_at", Float, nullable=False),
     )
-    metadata.create_all(conn, tables=[spans, trajectories, groups, batches, batch_groups])
-    rewards_v1.create(conn)
+    trajectories_v1 = Table(
+        "trajectories",
+        old,
+        Column("id", String(256), primary_key=True),
+        Column("trace_id", String(32), nullable=False, index=True),
+        Column("by_rollout", Boolean, nullable=False),
+        Column("group_key", String(256)),
+        Column("group_id", String(300), index=True),
+        Column("task", String(256), index=True),
+        Column("split", String(64), nullable=False),
+        Column("complete", Boolean, nullable=False),
+        Column("created_at", Float, nullable=False),
+        Column("updated_at", Float, nullable=False),
+    )
+    metadata.create_all(conn, tables=[spans, groups, batches, batch_groups])
+    old.create_all(conn, tables=[rewards_v1, trajectories_v1])
 
 
 _REWARDS_V2 = ("span_id", "time_ns")
@@ -145,7 +233,27 @@ def _v2(conn: Connection) -> None:
         conn.execute(text(f"ALTER TABLE rewards ADD COLUMN {name} {column_type}"))
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2]
+def _v3(conn: Connection) -> None:
+    """Version 3: the judges' tables (collectors before it created them on start, when missing)."""
+    metadata.create_all(conn, tables=[judge_runs, judgements, langfuse_pulled, langfuse_pushed], checkfirst=True)
+
+
+def _v4(conn: Connection) -> None:
+    """Version 4: `trajectories.digest`, filled in from the spans already stored."""
+    column_type = trajectories.c.digest.type.compile(dialect=conn.dialect)
+    conn.execute(text(f"ALTER TABLE trajectories ADD COLUMN digest {column_type}"))
+    for chunk in chunks(list(conn.execute(select(trajectories.c.id)).scalars())):
+        digests = {trajectory_id: FactsDigest() for trajectory_id in chunk}
+        rows = conn.execute(select(spans.c.trajectory_id, spans.c.record).where(spans.c.trajectory_id.in_(list(digests))))
+        for trajectory_id, record in rows:
+            digests[trajectory_id].add([SpanRecord.from_dict(json.loads(record))])
+        conn.execute(
+            trajectories.update().where(trajectories.c.id == bindparam("trajectory")).values(digest=bindparam("digest")),
+            [{"trajectory": trajectory_id, "digest": digest.to_json()} for trajectory_id, digest in digests.items()],
+        )
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -89,9 +89,8 @@ def install(
     """
     judge_settings = judge_settings or JudgeSettings()
     langfuse_settings = langfuse_settings or LangfuseSettings()
-    scoring_store = ScoringStore(store.engine)
-    scoring_store.setup()
-    judge = GroupJudge(store, store.engine, scoring_store, judge_settings, app.state.settings)
+    scoring_store = ScoringStore(store.engine)  # its tables come with the store's schema (`collector.schema`)
+    judge = GroupJudge(store, scoring_store, judge_settings)
     sync = LangfuseSync(store, scoring_store, langfuse_settings) if langfuse_settings.enabled else None
     state = Scoring(judge=judge, langfuse=sync, scoring=scoring_store)
     app.state.scoring = state
@@ -160,7 +159,7 @@ def install(
     @router.get("/v1/view/batches")
     def view_batches(limit: int = Query(default=100, ge=1, le=1000)) -> list[BatchView]:
         """The latest batch leases, newest first."""
-        return views.batch_list(store.engine, limit=limit)
+        return views.batch_list(store, limit=limit)
 
     @router.get("/v1/view/reward-curve")
     def view_reward_curve(name: str | None = None, split: str | None = None) -> list[CurvePoint]:

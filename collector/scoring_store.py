@@ -1,9 +1,9 @@
 """Tables of the judges, next to the store's: judge runs, judge explanations, Langfuse sync state.
 
-They live in the store's database (same engine) but in their own `MetaData`, created by
-`ScoringStore.setup()` (idempotent). The rewards themselves go through `Store.add_reward`;
-these tables keep what a reward row cannot: the explanation, the judge run's outcome, and which
-Langfuse scores were already pulled or pushed.
+They live in the store's database (same engine); `collector.schema` defines them, and the
+store's versioned migrations create them (version 3). The rewards themselves go through
+`Store.add_reward`; these tables keep what a reward row cannot: the explanation, the judge
+run's outcome, and which Langfuse scores were already pulled or pushed.
 """
 
 from __future__ import annotations
@@ -11,62 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Column, Engine, Float, Integer, MetaData, String, Table, Text, delete, select
+from sqlalchemy import Engine, delete, select
 
 from collector.engine import chunks
+from collector.schema import judge_runs, judgements, langfuse_pulled, langfuse_pushed
 
 __all__ = ["ScoringStore"]
-
-metadata = MetaData()
-
-judge_runs = Table(
-    "judge_runs",
-    metadata,
-    Column("group_id", String(300), primary_key=True),
-    Column("state", String(16), nullable=False),  # running / ok / failed / skipped / zeroed
-    Column("attempts", Integer, nullable=False),
-    Column("error", Text),
-    Column("model", String(256), nullable=False),
-    Column("trajectories", Integer, nullable=False),
-    Column("distinct_count", Integer, nullable=False),
-    Column("started_at", Float, nullable=False),
-    Column("finished_at", Float),
-    Column("next_try_at", Float),  # `failed` under the retry policy: when to try again
-)
-
-judgements = Table(
-    "judgements",
-    metadata,
-    Column("trajectory_id", String(256), primary_key=True),
-    Column("name", String(256), primary_key=True),  # the reward name the judge wrote
-    Column("group_id", String(300), nullable=False, index=True),
-    Column("score", Float, nullable=False),
-    Column("explanation", Text, nullable=False),
-    Column("block", Integer),  # number of the trajectory block in the prompt; None when zeroed
-    Column("duplicate_of", String(256)),  # judged once as this identical trajectory
-    Column("created_at", Float, nullable=False),
-)
-
-langfuse_pulled = Table(
-    "langfuse_pulled",
-    metadata,
-    Column("score_id", String(256), primary_key=True),
-    Column("updated_at", String(64), nullable=False),
-    Column("trace_id", String(64), nullable=False),
-    Column("name", String(256), nullable=False),
-    Column("value", Float, nullable=False),
-    Column("pulled_at", Float, nullable=False),
-)
-
-langfuse_pushed = Table(
-    "langfuse_pushed",
-    metadata,
-    Column("trajectory_id", String(256), primary_key=True),
-    Column("name", String(256), primary_key=True),
-    Column("value", Float, nullable=False),
-    Column("score_id", String(64), nullable=False),
-    Column("pushed_at", Float, nullable=False),
-)
 
 
 class ScoringStore:
@@ -74,10 +24,6 @@ class ScoringStore:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-
-    def setup(self) -> None:
-        """Create the tables that do not exist yet."""
-        metadata.create_all(self.engine)
 
     # --- judge runs ---------------------------------------------------------------------
     def run(self, group_id: str) -> dict[str, Any] | None:

@@ -6,6 +6,11 @@ one writer at a time; on PostgreSQL concurrent transactions, advisory locks per 
 and group key, and leases that take group rows with `FOR UPDATE SKIP LOCKED`, so several
 collector replicas on one database never lease a group twice. Every write method returns
 only after its transaction committed.
+
+Ingest costs work for the export's own spans, not for what is stored: the spans go in one
+multi-row insert, each trajectory's grouping facts are updated from its digest
+(`assembly.FactsDigest`, kept on its row) and the new spans, and `collector.placement` writes
+the rows and places them in groups for the whole export; sequences are assembled on reading.
 """
 
 from __future__ import annotations
@@ -21,13 +26,23 @@ from typing import Any
 from sqlalchemy import Connection, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from collector import assembly, pool
+from collector import assembly, placement, pool
 from collector.config import CollectorSettings
 from collector.engine import chunks, make_engine
 from collector.errors import Conflict, InvalidRequest, NotFound
-from collector.groups import Decision, capacity
+from collector.groups import Decision
 from collector.otlp import SpanRecord
-from collector.protocol import AckResponse, Batch, BatchRequest, Group, GroupStatus, RewardAccepted, RewardIn, Trajectory
+from collector.protocol import (
+    AckResponse,
+    Batch,
+    BatchRequest,
+    BatchStatus,
+    Group,
+    GroupStatus,
+    RewardAccepted,
+    RewardIn,
+    Trajectory,
+)
 from collector.schema import batch_groups, batches, groups, migrate, rewards, spans, trajectories
 from collector.transactions import GROUP_LOCKS, TRAJECTORY_LOCKS, Transactions
 
@@ -72,6 +87,10 @@ class Store(ABC):
         """Every non-empty group with its readiness."""
 
     @abstractmethod
+    def batches(self, *, limit: int = 100) -> list[BatchStatus]:
+        """The latest `limit` batches (leases), newest first, with their group ids."""
+
+    @abstractmethod
     def close(self) -> None:
         """Release connections."""
 
@@ -113,18 +132,19 @@ class SqlStore(Store):
         return self._tx.run(lambda conn: self._add_spans(conn, unique)) if unique else 0
 
     def _add_spans(self, conn: Connection, unique: list[SpanRecord]) -> int:
+        """Insert the spans in one statement, then update each touched trajectory from its new spans only."""
         now = self.clock()
-        keys = sorted({assembly.trajectory_key(r) for r in unique})
-        self._tx.lock(conn, TRAJECTORY_LOCKS, [key for key, _ in keys])
+        keys = {r.span_id: assembly.trajectory_key(r) for r in unique}
+        self._tx.lock(conn, TRAJECTORY_LOCKS, [key for key, _ in keys.values()])
         rows = [
             {
                 "span_id": r.span_id,
                 "trace_id": r.trace_id,
-                "trajectory_id": assembly.trajectory_key(r)[0],
+                "trajectory_id": keys[r.span_id][0],
                 "name": r.name,
                 "start_ns": r.start_ns,
                 "end_ns": r.end_ns,
-                "record": json.dumps(r.to_dict()),
+                "record": json.dumps(r.to_dict(), separators=(",", ":")),
                 "received_at": now,
             }
             for r in unique
@@ -141,80 +161,43 @@ class SqlStore(Store):
                 "time_ns": reward.time_ns,
             }
             for record in new
-            for key, by_rollout in [assembly.trajectory_key(record)]
+            for key, by_rollout in [keys[record.span_id]]
             for reward in assembly.span_rewards(record)
         ]
         if reward_rows:
             conn.execute(rewards.insert(), reward_rows)
-        changed = sorted({assembly.trajectory_key(r) for r in new})
-        found = {key: assembly.facts(key, self._spans_of(conn, key)) for key, _ in changed}
+        added: dict[tuple[str, bool], list[SpanRecord]] = {}
+        for record in new:
+            added.setdefault(keys[record.span_id], []).append(record)
+        existing = self._trajectory_rows(conn, [key for key, _ in added])
+        digests = {}
+        for (key, by_rollout), records in sorted(added.items()):
+            row = existing.get(key)
+            if row is not None:
+                digest = assembly.FactsDigest.from_json(row["digest"])
+                digest.add(records)
+            elif by_rollout:  # a rollout's row is made with its first spans: there are no earlier ones
+                digest = assembly.FactsDigest.of(records)
+            elif any(assembly.is_llm(r) for r in records):  # the trace's earlier spans held no model call
+                digest = assembly.FactsDigest.of(self._spans_of(conn, key))
+            else:
+                continue  # spans outside any rollout become a trajectory only with a model call
+            digests[key, by_rollout] = digest
+        found = {trajectory: digest.facts(trajectory[0]) for trajectory, digest in digests.items()}
         self._tx.lock(conn, GROUP_LOCKS, [f.group_key for f in found.values()])
-        for key, by_rollout in changed:
-            self._refresh_trajectory(conn, key, by_rollout, found[key], now)
+        placement.write_trajectories(conn, found, digests, existing, min_group_size=self.settings.min_group_size, now=now)
         return len(new)
+
+    def _trajectory_rows(self, conn: Connection, ids: list[str]) -> dict[str, Any]:
+        """Trajectory rows by id, of those of `ids` that exist."""
+        found = {}
+        for chunk in chunks(sorted(ids)):
+            found.update({row["id"]: row for row in conn.execute(select(trajectories).where(trajectories.c.id.in_(chunk))).mappings()})
+        return found
 
     def _spans_of(self, conn: Connection, trajectory_id: str) -> list[SpanRecord]:
         rows = conn.execute(select(spans.c.record).where(spans.c.trajectory_id == trajectory_id)).scalars()
         return [SpanRecord.from_dict(json.loads(row)) for row in rows]
-
-    def _refresh_trajectory(
-        self, conn: Connection, key: str, by_rollout: bool, facts: assembly.TrajectoryFacts, now: float
-    ) -> None:
-        """Update a trajectory row from its spans' facts; place it in a group once its key is known."""
-        row = conn.execute(select(trajectories).where(trajectories.c.id == key)).mappings().first()
-        if row is None and not by_rollout and not facts.has_llm:
-            return  # spans outside any rollout become a trajectory only with a model call
-        group_id = row["group_id"] if row else None
-        key_known = facts.has_rollout_span or not by_rollout
-        if key_known and (group_id is None or row["group_key"] != facts.group_key):
-            current = conn.execute(select(groups.c.state).where(groups.c.id == group_id)).scalar() if group_id else None
-            if current in (None, "open"):
-                group_id = self._assign_group(conn, key, facts, now)
-        values = {
-            "trace_id": facts.trace_id,
-            "group_key": facts.group_key if key_known else None,
-            "group_id": group_id,
-            "task": facts.task,
-            "split": facts.split,
-            "complete": facts.has_rollout_span if by_rollout else bool(row and row["complete"]),
-            "updated_at": now,
-        }
-        if row is None:
-            conn.execute(trajectories.insert().values(id=key, by_rollout=by_rollout, created_at=now, **values))
-        else:
-            conn.execute(trajectories.update().where(trajectories.c.id == key).values(**values))
-        if group_id is not None:  # activity keeps an open group from expiring
-            conn.execute(groups.update().where(groups.c.id == group_id, groups.c.state == "open").values(updated_at=now))
-
-    def _assign_group(self, conn: Connection, trajectory_id: str, facts: assembly.TrajectoryFacts, now: float) -> str:
-        """The open instance of the trajectory's group key with room left, else a new instance."""
-        candidates = conn.execute(  # FOR UPDATE: wait for a lease of the group to commit, then re-check
-            select(groups)
-            .where(groups.c.key == facts.group_key, groups.c.state == "open")
-            .order_by(groups.c.created_at, groups.c.id)
-            .with_for_update()
-        ).mappings().all()
-        for group in candidates:
-            hint = group["size_hint"] or facts.group_size
-            cap = capacity(group["explicit"], hint, self.settings.min_group_size)
-            members = conn.execute(
-                select(func.count()).where(trajectories.c.group_id == group["id"], trajectories.c.id != trajectory_id)
-            ).scalar_one()
-            if cap is None or members < cap:
-                if group["size_hint"] is None and facts.group_size is not None:
-                    conn.execute(groups.update().where(groups.c.id == group["id"]).values(size_hint=facts.group_size))
-                return str(group["id"])
-        taken = conn.execute(select(func.count()).where(groups.c.key == facts.group_key)).scalar_one()
-        group_id, n = facts.group_key, taken + 1
-        while conn.execute(select(groups.c.id).where(groups.c.id == group_id)).first() is not None:
-            group_id, n = f"{facts.group_key}#{n}", n + 1
-        conn.execute(
-            groups.insert().values(
-                id=group_id, key=facts.group_key, task=facts.task, explicit=facts.explicit_group,
-                size_hint=facts.group_size, state="open", created_at=now, updated_at=now,
-            )
-        )
-        return group_id
 
     def add_reward(self, reward: RewardIn) -> RewardAccepted:
         """Store a reward posted by API; it applies now or when the trajectory's spans arrive."""
@@ -299,11 +282,33 @@ class SqlStore(Store):
                 state, reason = decisions[group["id"]].state, decisions[group["id"]].reason
             out.append(
                 GroupStatus(
-                    id=group["id"], task=group["task"], size=len(rows), complete=sum(bool(r["complete"]) for r in rows),
+                    id=group["id"], task=group["task"], size=len(rows), expected=pool.expected_size(group, self.settings),
+                    complete=sum(bool(r["complete"]) for r in rows),
                     rewarded=sum(self.training.of(named[r["id"]]) is not None for r in rows), state=state, reason=reason,
                 )
             )
         return out
+
+    def batches(self, *, limit: int = 100) -> list[BatchStatus]:
+        """The latest `limit` batches (leases), newest first, with their group ids."""
+
+        def work(conn: Connection) -> list[BatchStatus]:
+            rows = list(conn.execute(select(batches).order_by(batches.c.created_at.desc(), batches.c.id).limit(limit)).mappings())
+            members: dict[str, list[str]] = {row["id"]: [] for row in rows}
+            for chunk in chunks(list(members)):
+                query = select(batch_groups.c.batch_id, batch_groups.c.group_id).where(batch_groups.c.batch_id.in_(chunk))
+                for batch_id, group_id in conn.execute(query):
+                    members[batch_id].append(group_id)
+            return [
+                BatchStatus(
+                    id=row["id"], trainer=row["trainer"], state=row["state"], created_at=row["created_at"],
+                    lease_expires_at=row["lease_expires_at"], acked_at=row["acked_at"], policy_step=row["policy_step"],
+                    groups=sorted(members[row["id"]]),
+                )
+                for row in rows
+            ]
+
+        return self._read(work)
 
     # --- leases -------------------------------------------------------------------------
     def lease(self, request: BatchRequest) -> Batch:

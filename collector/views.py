@@ -1,15 +1,13 @@
 """The read API behind the web page: trajectory list and detail, groups, batches, reward curve.
 
-Built on `Store.trajectories` / `Store.groups` (assembled data) plus read-only queries of the
-batch tables and the judges' tables.
+Built on `Store.trajectories` / `Store.groups` / `Store.batches` plus the judges' tables
+(`ScoringStore`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from typing import Any
-
-from sqlalchemy import Engine, select
 
 from collector.errors import NotFound
 from collector.judging import run_view
@@ -25,7 +23,6 @@ from collector.read_protocol import (
     TrajectorySummary,
 )
 from collector.ruler import render_message
-from collector.schema import batch_groups, batches
 from collector.scoring_store import ScoringStore
 from collector.store import Store
 
@@ -109,24 +106,9 @@ def group_list(store: Store, scoring: ScoringStore) -> list[GroupView]:
     ]
 
 
-def batch_list(engine: Engine, *, limit: int = 100) -> list[BatchView]:
+def batch_list(store: Store, *, limit: int = 100) -> list[BatchView]:
     """The latest batches (leases), newest first, with their group ids."""
-    with engine.connect() as conn:
-        rows = list(conn.execute(select(batches).order_by(batches.c.created_at.desc()).limit(limit)).mappings())
-        members: dict[str, list[str]] = defaultdict(list)
-        ids = [r["id"] for r in rows]
-        if ids:
-            for batch_id, group_id in conn.execute(
-                select(batch_groups.c.batch_id, batch_groups.c.group_id).where(batch_groups.c.batch_id.in_(ids))
-            ):
-                members[batch_id].append(group_id)
-    return [
-        BatchView(
-            id=r["id"], trainer=r["trainer"], state=r["state"], created_at=r["created_at"], lease_expires_at=r["lease_expires_at"],
-            acked_at=r["acked_at"], policy_step=r["policy_step"], groups=sorted(members[r["id"]]),
-        )
-        for r in rows
-    ]
+    return [BatchView(**b.model_dump()) for b in store.batches(limit=limit)]
 
 
 def reward_curve(store: Store, *, name: str | None = None, split: str | None = None) -> list[CurvePoint]:

@@ -7,9 +7,11 @@ for one GRPO step, which hot-loads `agent@N` for the next round.
 
 from __future__ import annotations
 
+import asyncio
 import statistics
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import httpx
 
 import art_langgraph
+from examples.stack import running_stack
 
 
 @dataclass
@@ -92,3 +95,16 @@ def plot_curve(curve: list[float], before: float, after: float, path: Path, titl
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def run_with_services(
+    workdir: Path, learning_rate: float, job: Callable[[str], Coroutine[Any, Any, None]]
+) -> None:
+    """Start a collector and a trainer under `workdir`, point the plugin at them, run `job(trainer_url)`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    state = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
+    print(f"starting collector and trainer (logs in {state}); vLLM takes about a minute to start...", flush=True)
+    with running_stack(state, trainer_args=["--learning-rate", str(learning_rate)]) as (collector, trainer):
+        art_langgraph.configure(collector_url=collector.url, trainer_url=f"{trainer.url}/v1", model="agent@latest")
+        asyncio.run(job(trainer.url))
+        art_langgraph.flush()

@@ -70,8 +70,11 @@ def resolve_base_model(name: str) -> str:
     """Return a path (or hub name) for `name`.
 
     `SmolLM2-135M-Instruct` (any case) is the bundled model, prepared in the cache on first
-    use. An existing local folder is returned as is. Anything else is passed through as a
-    Hugging Face hub name, which only works on a machine with network access.
+    use. An existing local folder is returned as is. Anything else is a Hugging Face hub name,
+    accepted when it is in the local cache or the hub knows it.
+
+    Raises:
+        BaseModelError: the model cannot be found; the message says what to do.
     """
     if name.lower() == BUNDLED_MODEL.lower():
         target = art_home() / "models" / BUNDLED_MODEL
@@ -86,4 +89,33 @@ def resolve_base_model(name: str) -> str:
         return str(path.resolve())
     if name.startswith((".", "/", "~")):
         raise BaseModelError(f"Base model folder {name} does not exist.")
+    _check_hub_name(name)
     return name
+
+
+def _check_hub_name(name: str, timeout: float = 5.0) -> None:
+    """Accept a hub name that is in the local Hugging Face cache or that the hub knows.
+
+    Raises:
+        BaseModelError: not cached, and the hub is offline, unreachable or does not know it.
+    """
+    import os
+
+    import httpx
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    hint = (f"Use the bundled {BUNDLED_MODEL}, a local model folder, or download {name!r} first "
+            f"(`huggingface-cli download {name}`) on a machine with network access.")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        raise BaseModelError(f"Base model {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set. {hint}")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    try:
+        response = httpx.get(f"{endpoint}/api/models/{name}", timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise BaseModelError(f"Base model {name!r} is not a local folder, not in the Hugging Face cache, and the "
+                             f"hub at {endpoint} is unreachable ({exc}). {hint}") from exc
+    if response.status_code != 200:
+        raise BaseModelError(f"Base model {name!r} is not a local folder and the hub at {endpoint} does not serve it "
+                             f"(HTTP {response.status_code}). Check the name. {hint}")

@@ -10,7 +10,6 @@ import argparse
 import logging
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import Any
 
 from trainer_service.config import GRPOConfig, TrainerSettings
 
@@ -31,7 +30,34 @@ _SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
     "--max-lora-rank": ("max_lora_rank", int),
     "--max-loras": ("max_loras", int),
     "--vllm-startup-timeout": ("vllm_startup_timeout", float),
+    "--chat-template": ("chat_template", str),
+    "--tool-call-parser": ("tool_call_parser", str),
     "--batch-groups": ("batch_groups", int),
+    "--train-threads": ("train_threads", int),
+    "--min-groups": ("min_groups", int),
+    "--every": ("every", str),
+    "--cron": ("cron", str),
+    "--poll-seconds": ("poll_seconds", float),
+    "--keep-last": ("keep_last", int),
+    "--keep-best-metric": ("keep_best_metric", str),
+    "--keep-best-mode": ("keep_best_mode", str),
+    "--eval-file": ("eval_file", str),
+    "--eval-split": ("eval_split", str),
+    "--eval-reward": ("eval_reward", str),
+    "--eval-samples": ("eval_samples", int),
+    "--eval-max-prompts": ("eval_max_prompts", int),
+    "--eval-max-tokens": ("eval_max_tokens", int),
+    "--eval-temperature": ("eval_temperature", float),
+    "--promotion-margin": ("promotion_margin", float),
+    "--wandb": ("wandb", str),
+    "--wandb-project": ("wandb_project", str),
+}
+_CHOICES: dict[str, list[str]] = {
+    "keep_best_mode": ["max", "min"],
+    "wandb": ["auto", "off"],
+    "loss": ["ppo", "cispo"],
+    "importance_sampling": ["token", "sequence"],
+    "max_seq_len_policy": ["truncate", "skip"],
 }
 
 # flag → GRPOConfig field (help text comes from the field's metadata)
@@ -47,6 +73,9 @@ _GRPO_FLAGS: dict[str, tuple[str, type]] = {
     "--lora-dropout": ("lora_dropout", float),
     "--micro-batch-size": ("micro_batch_size", int),
     "--max-seq-len": ("max_seq_len", int),
+    "--max-seq-len-policy": ("max_seq_len_policy", str),
+    "--importance-sampling": ("importance_sampling", str),
+    "--kl-coef": ("kl_coef", float),
 }
 
 
@@ -71,19 +100,24 @@ def build_parser() -> argparse.ArgumentParser:
         default = "runs/<name>" if name == "output_dir" else info.default
         env = f"ART_TRAINER_{name.upper()}"
         # SUPPRESS: an absent flag leaves the attribute unset, so the environment decides.
-        service.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS,
+        service.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS, choices=_CHOICES.get(name),
                              help=f"{info.description} [env {env}, default: {default}]")
     service.add_argument(
         "--vllm-arg", dest="vllm_args", action="append", default=argparse.SUPPRESS, metavar="ARG",
         help="Extra argument passed to vLLM as is; repeat for several (e.g. --vllm-arg=--enforce-eager).",
     )
-    grpo = serve.add_argument_group("GRPO")
+    grpo = serve.add_argument_group("GRPO (env ART_TRAINER_<FIELD>)")
     defaults = {f.name: f.default for f in fields(GRPOConfig)}
     for flag, (name, kind) in _GRPO_FLAGS.items():
-        extra: dict[str, Any] = {"choices": ["ppo", "cispo"]} if name == "loss" else {}
-        grpo.add_argument(flag, dest=name, type=kind, default=defaults[name], help=GRPOConfig.help(name), **extra)
-    grpo.add_argument("--no-scale-rewards", dest="scale_rewards", action="store_false",
-                      help="Do not divide advantages by the group's reward standard deviation.")
+        env = f"ART_TRAINER_{name.upper()}"
+        grpo.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS, choices=_CHOICES.get(name),
+                          help=f"{GRPOConfig.help(name)} [env {env}, default: {defaults[name]}]")
+    grpo.add_argument("--target-modules", dest="target_modules", type=lambda text: [m for m in text.split(",") if m],
+                      default=argparse.SUPPRESS, help=f"{GRPOConfig.help('target_modules')} Comma-separated. "
+                      "[env ART_TRAINER_TARGET_MODULES]")
+    grpo.add_argument("--no-scale-rewards", dest="scale_rewards", action="store_false", default=argparse.SUPPRESS,
+                      help="Do not divide advantages by the group's reward standard deviation. "
+                      "[env ART_TRAINER_SCALE_REWARDS=false]")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -94,8 +128,8 @@ def settings_from_args(args: argparse.Namespace) -> tuple[TrainerSettings, GRPOC
     if hasattr(args, "vllm_args"):
         overrides["vllm_args"] = args.vllm_args
     settings = TrainerSettings(**overrides)
-    grpo_values = {name: getattr(args, name) for name, _ in _GRPO_FLAGS.values()}
-    grpo = GRPOConfig(scale_rewards=args.scale_rewards, **grpo_values)
+    grpo_names = [name for name, _ in _GRPO_FLAGS.values()] + ["target_modules", "scale_rewards"]
+    grpo = GRPOConfig.from_env(**{name: getattr(args, name) for name in grpo_names if hasattr(args, name)})
     grpo.check_against(settings)
     return settings, grpo
 
@@ -114,7 +148,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from trainer_service.server import create_app
 
-    app = create_app(settings, grpo)
+    from trainer_service.base_model import BaseModelError
+    from trainer_service.evaluation import EvalError
+
+    try:
+        app = create_app(settings, grpo)
+    except (BaseModelError, EvalError) as exc:
+        parser.exit(2, f"art-trainer: error: {exc}\n")
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
 
 

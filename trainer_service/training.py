@@ -1,31 +1,33 @@
 """`LoRATrainer`: one GRPO step at a time on a PEFT LoRA adapter over a causal LM.
 
-The pipeline of `step` follows the algorithm: select groups with a reward spread → advantages
-→ per-token log-probs (one forward per sequence, no padding) → policy loss → clip → AdamW.
-The maths live in `trainer_service.grpo`; this module only orchestrates and keeps state.
+The pipeline of `step` follows the algorithm: select groups with a reward spread and
+advantages (`batching`) → per-token log-probs (one forward per sequence, no padding) → policy
+loss (+ KL to the adapter-free base) → clip → AdamW. `sft_step` runs the same loop with a
+negative log-likelihood loss on the best trajectory of each group. The maths live in
+`trainer_service.grpo`; this module only orchestrates and keeps state.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import shutil
 import time
 import uuid
-from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from collector.protocol import Group
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from trainer_service.batching import NothingTrainableError, PreparedBatch, TrainItem, prepare_grpo, prepare_sft
 from trainer_service.config import GRPOConfig
-from trainer_service.grpo import group_advantages, policy_loss, token_logprobs, trajectory_token_weights
+from trainer_service.grpo import PolicyLossOutput, policy_loss, token_logprobs
 
 __all__ = ["MANIFEST", "NothingTrainableError", "LoRATrainer"]
 
@@ -36,21 +38,6 @@ MANIFEST = "manifest.json"
 _OPTIMIZER = "optimizer.pt"
 
 
-class NothingTrainableError(ValueError):
-    """No group of the batch carries a training signal."""
-
-
-@dataclass
-class _Item:
-    """One sequence ready for the loss."""
-
-    token_ids: torch.Tensor
-    old_logprobs: torch.Tensor
-    mask: torch.Tensor
-    advantage: float
-    weight: float
-
-
 class LoRATrainer:
     """Trains a LoRA adapter with GRPO, one `step(groups)` at a time.
 
@@ -58,10 +45,14 @@ class LoRATrainer:
         model: the base causal LM (loaded; LoRA is added here).
         config: GRPO hyper-parameters.
         base_model: name recorded in checkpoint manifests.
+        tokenizer: the model's tokenizer, used to re-tokenize trajectories that are not
+            token-exact (None: such trajectories are skipped and counted).
     """
 
-    def __init__(self, model: PreTrainedModel, config: GRPOConfig, base_model: str = "") -> None:
+    def __init__(self, model: PreTrainedModel, config: GRPOConfig, base_model: str = "",
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         self.config = config
+        self.tokenizer = tokenizer
         self.base_model = base_model or str(getattr(model.config, "name_or_path", ""))
         self.device = next(model.parameters()).device
         checkpointing = config.gradient_checkpointing
@@ -85,17 +76,25 @@ class LoRATrainer:
         self.last_metrics: dict[str, float] = {}
 
     @classmethod
-    def load(cls, path: str, config: GRPOConfig, base_model: str = "") -> LoRATrainer:
-        """Load the base model from `path` and wrap it.
+    def load(cls, path: str, config: GRPOConfig, base_model: str = "", chat_template: str | None = None,
+             cpu_threads: int | None = None) -> LoRATrainer:
+        """Load the base model and tokenizer from `path` and wrap them.
 
         fp32 on a CPU (the engine serves fp32 too, so logprobs agree); bf16 with gradient
-        checkpointing when CUDA is present.
+        checkpointing when CUDA is present. `chat_template` (a Jinja file) replaces the
+        tokenizer's template, so re-tokenized trajectories match what vLLM rendered.
+        `cpu_threads` sets torch's intra-op threads on a CPU (keep them off vLLM's cores).
         """
         if torch.cuda.is_available():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
         else:
+            if cpu_threads is not None:
+                torch.set_num_threads(cpu_threads)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        return cls(model, config, base_model=base_model or path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if chat_template is not None:
+            tokenizer.chat_template = Path(chat_template).read_text()
+        return cls(model, config, base_model=base_model or path, tokenizer=tokenizer)
 
     # --- step ---------------------------------------------------------------------------
 
@@ -103,138 +102,114 @@ class LoRATrainer:
         """Run one GRPO step on `groups` and return its metrics (slash keys).
 
         Raises:
-            NothingTrainableError: no group has two rewarded trajectories with different rewards
+            NothingTrainableError: no group has two trajectories with finite, different rewards
                 and assistant tokens; the message counts why each group was skipped.
         """
         started = time.perf_counter()
-        items, stats = self._prepare(list(groups))
-        cfg = self.config
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = tokens = clipped = ratio_sum = 0.0
-        pending: list[torch.Tensor] = []
-        for index, item in enumerate(items):
-            logits = self.model(input_ids=item.token_ids.unsqueeze(0)).logits[0]
-            new = token_logprobs(logits, item.token_ids)
-            out = policy_loss(
-                cfg.loss,
-                new,
-                item.old_logprobs,
-                item.advantage,
-                item.mask,
-                item.weight,
-                epsilon=cfg.epsilon,
-                epsilon_high=cfg.upper_epsilon,
-            )
-            pending.append(out.loss)
-            loss_sum += float(out.loss.detach())
-            tokens += out.tokens
-            clipped += out.clipped_tokens
-            ratio_sum += out.ratio_sum
-            if len(pending) == cfg.micro_batch_size or index == len(items) - 1:
-                torch.stack(pending).sum().backward()
-                pending = []
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step_count += 1
-        elapsed = time.perf_counter() - started
-        all_tokens = sum(int(item.token_ids.numel()) for item in items)
-        metrics = {
-            "step": float(self.step_count),
-            "loss/policy": loss_sum,
-            "loss/clip_fraction": clipped / tokens,
-            "loss/ratio_mean": ratio_sum / tokens,
-            "grad/norm": grad_norm,
-            "optim/lr": float(self.optimizer.param_groups[0]["lr"]),
-            "data/sequences": float(len(items)),
-            "data/tokens": float(all_tokens),
-            "data/assistant_tokens": tokens,
-            "time/step_s": elapsed,
-            "time/tokens_per_s": all_tokens / elapsed if elapsed > 0 else 0.0,
-            **stats,
-        }
+        batch = prepare_grpo(list(groups), self.config, self.device, self.tokenizer)
+        sums = self._accumulate(batch.items, self._grpo_loss)
+        metrics = self._finish(started, batch, sums)
+        tokens = sums["tokens"]
+        metrics.update({
+            "loss/policy": sums["loss"],
+            "loss/clip_fraction": sums["clipped"] / tokens,
+            "loss/ratio_mean": sums["ratio"] / tokens,
+        })
+        if self.config.kl_coef > 0:
+            metrics["loss/kl"] = sums["kl"] / tokens
         self.last_metrics = metrics
         return metrics
 
-    def _prepare(self, groups: list[Group]) -> tuple[list[_Item], dict[str, float]]:
-        """Select trainable groups and turn their sequences into tensors with advantages."""
+    def sft_step(self, groups: Iterable[Group]) -> dict[str, float]:
+        """Run one supervised step on the best trajectory of each group (SFT warm start).
+
+        The loss is the mean over trajectories of the mean negative log-likelihood of their
+        assistant tokens; the optimizer, checkpoints and step counter are the GRPO ones.
+
+        Raises:
+            NothingTrainableError: no group has a rewarded trajectory with assistant tokens.
+        """
+        started = time.perf_counter()
+        batch = prepare_sft(list(groups), self.config, self.device, self.tokenizer)
+        sums = self._accumulate(batch.items, self._sft_loss)
+        metrics = self._finish(started, batch, sums)
+        metrics["loss/sft"] = sums["loss"]
+        metrics["kind/sft"] = 1.0
+        self.last_metrics = metrics
+        return metrics
+
+    def _grpo_loss(self, item: TrainItem, new: torch.Tensor) -> PolicyLossOutput:
         cfg = self.config
-        skipped: Counter[str] = Counter()
-        rewards_seen: list[float] = []
-        per_traj: list[tuple[float, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = []
-        truncated = missing_logprobs = trained_groups = 0
-        for group in groups:
-            rewarded = [t for t in group.trajectories if t.reward is not None]
-            if len(rewarded) < len(group.trajectories):
-                skipped["unrewarded_trajectories"] += len(group.trajectories) - len(rewarded)
-            if len(rewarded) < 2:
-                skipped["too_few_trajectories"] += 1
-                continue
-            rewards = torch.tensor([float(t.reward) for t in rewarded])  # type: ignore[arg-type]
-            if float(rewards.max() - rewards.min()) == 0.0:
-                skipped["no_reward_spread"] += 1
-                continue
-            advantages = group_advantages(rewards, scale=cfg.scale_rewards)
-            group_items: list[tuple[float, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = []
-            for trajectory, advantage in zip(rewarded, advantages.tolist(), strict=True):
-                seqs = []
-                for seq in trajectory.sequences:
-                    n = len(seq.token_ids)
-                    if not (len(seq.logprobs) == len(seq.assistant_mask) == n):
-                        raise ValueError(
-                            f"trajectory {trajectory.id}: token_ids ({n}), logprobs ({len(seq.logprobs)}) and "
-                            f"assistant_mask ({len(seq.assistant_mask)}) must have the same length"
-                        )
-                    if n > cfg.max_seq_len:
-                        truncated += 1
-                        n = cfg.max_seq_len
-                    ids = torch.tensor(seq.token_ids[:n], dtype=torch.long)
-                    mask = torch.tensor(seq.assistant_mask[1:n], dtype=torch.float32)
-                    old_values = seq.logprobs[1:n]
-                    missing = [m > 0 and lp is None for lp, m in zip(old_values, mask.tolist(), strict=True)]
-                    if any(missing):
-                        # Without the engine's logprob the ratio is unknown; train those tokens on-policy.
-                        missing_logprobs += sum(missing)
-                    old = torch.tensor([float("nan") if lp is None else lp for lp in old_values])
-                    if int(mask.sum()) > 0:
-                        seqs.append((ids, old, mask))
-                if seqs:
-                    group_items.append((advantage, seqs))
-                else:
-                    skipped["no_assistant_tokens"] += 1
-            if len(group_items) < 2:
-                skipped["too_few_trajectories"] += 1
-                continue
-            rewards_seen.extend(rewards.tolist())
-            per_traj.extend(group_items)
-            trained_groups += 1
-        if not per_traj:
-            reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) or "no groups given"
-            raise NothingTrainableError(
-                f"nothing to train in {len(groups)} group(s): {reasons}. A group needs at least two rewarded "
-                "trajectories with different rewards and assistant tokens."
-            )
-        counts = [sum(int(m.sum()) for _, _, m in seqs) for _, seqs in per_traj]
-        weights = trajectory_token_weights(counts)
-        items = []
-        for (advantage, seqs), weight in zip(per_traj, weights, strict=True):
-            for ids, old, mask in seqs:
-                items.append(_Item(ids.to(self.device), old.to(self.device), mask.to(self.device), advantage, weight))
-        rewards_t = torch.tensor(rewards_seen)
-        stats = {
-            "data/groups": float(len(groups)),
-            "data/groups_trained": float(trained_groups),
-            "data/trajectories": float(len(per_traj)),
-            "data/truncated_sequences": float(truncated),
-            "data/missing_logprobs": float(missing_logprobs),
-            "reward/mean": float(rewards_t.mean()),
-            "reward/std": float(rewards_t.std(correction=0)),
-            **{f"data/skipped/{k}": float(v) for k, v in sorted(skipped.items())},
+        ref = None
+        if cfg.kl_coef > 0:
+            with torch.no_grad(), self.model.disable_adapter():
+                ref = token_logprobs(self.model(input_ids=item.token_ids.unsqueeze(0)).logits[0], item.token_ids)
+        return policy_loss(cfg.loss, new, item.old_logprobs, item.advantage, item.mask, item.weight,
+                           epsilon=cfg.epsilon, epsilon_high=cfg.upper_epsilon, level=cfg.importance_sampling,
+                           ref_logprobs=ref, kl_coef=cfg.kl_coef)
+
+    @staticmethod
+    def _sft_loss(item: TrainItem, new: torch.Tensor) -> PolicyLossOutput:
+        loss = -(new * item.mask * item.weight).sum()
+        return PolicyLossOutput(loss=loss, tokens=float(item.mask.sum()), clipped_tokens=0.0, ratio_sum=0.0)
+
+    def _accumulate(self, items: list[TrainItem],
+                    loss_fn: Callable[[TrainItem, torch.Tensor], PolicyLossOutput]) -> dict[str, float]:
+        """Forward each item (no padding), backward every `micro_batch_size` items, clip, step."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = dict.fromkeys(("loss", "tokens", "clipped", "ratio", "kl"), 0.0)
+        pending: list[torch.Tensor] = []
+        for index, item in enumerate(items):
+            logits = self.model(input_ids=item.token_ids.unsqueeze(0)).logits[0]
+            out = loss_fn(item, token_logprobs(logits, item.token_ids))
+            pending.append(out.loss)
+            sums["loss"] += float(out.loss.detach())
+            sums["tokens"] += out.tokens
+            sums["clipped"] += out.clipped_tokens
+            sums["ratio"] += out.ratio_sum
+            sums["kl"] += out.kl_sum
+            if len(pending) == self.config.micro_batch_size or index == len(items) - 1:
+                torch.stack(pending).sum().backward()
+                pending = []
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else float("inf")
+        sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return sums
+
+    def _finish(self, started: float, batch: PreparedBatch, sums: dict[str, float]) -> dict[str, float]:
+        elapsed = time.perf_counter() - started
+        all_tokens = sum(int(item.token_ids.numel()) for item in batch.items)
+        return {
+            "step": float(self.step_count),
+            "grad/norm": sums["grad_norm"],
+            "optim/lr": float(self.optimizer.param_groups[0]["lr"]),
+            "data/sequences": float(len(batch.items)),
+            "data/tokens": float(all_tokens),
+            "data/assistant_tokens": sums["tokens"],
+            "time/step_s": elapsed,
+            "time/tokens_per_s": all_tokens / elapsed if elapsed > 0 else 0.0,
+            **batch.stats,
         }
-        return items, stats
+
+    def snapshot(self) -> dict[str, Any]:
+        """Copy the adapter weights, optimizer state and step counter (LoRA-sized, cheap)."""
+        return {
+            "adapter": {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "step": self.step_count,
+            "metrics": dict(self.last_metrics),
+        }
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Return to a `snapshot()`: used when a step's checkpoint could not be written."""
+        set_peft_model_state_dict(self.model, snapshot["adapter"])
+        self.optimizer.load_state_dict(snapshot["optimizer"])
+        self.step_count = int(snapshot["step"])
+        self.last_metrics = dict(snapshot["metrics"])
 
     # --- checkpoints --------------------------------------------------------------------
 

@@ -10,15 +10,11 @@ a reward-curve PNG.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
-import tempfile
 from pathlib import Path
 
-import art_langgraph
 from examples.arithmetic.agent import Problem, build_agent, is_correct, problems, score
-from examples.stack import running_stack
-from examples.training_loop import plot_curve, score_attempts, train_steps
+from examples.training_loop import plot_curve, run_with_services, score_attempts, train_steps
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,13 +66,7 @@ async def run(args: argparse.Namespace, trainer_url: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `make demo`."""
     args = parse_args(argv)
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    state = Path(tempfile.mkdtemp(prefix="run-", dir=args.workdir))
-    print(f"starting collector and trainer (logs in {state}); vLLM takes about a minute to start...", flush=True)
-    with running_stack(state, trainer_args=["--learning-rate", str(args.learning_rate)]) as (collector, trainer):
-        art_langgraph.configure(collector_url=collector.url, trainer_url=f"{trainer.url}/v1", model="agent@latest")
-        asyncio.run(run(args, trainer.url))
-        art_langgraph.flush()
+    run_with_services(args.workdir, args.learning_rate, lambda trainer_url: run(args, trainer_url))
 
 
 if __name__ == "__main__":

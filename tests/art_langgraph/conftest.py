@@ -38,8 +38,12 @@ class MemoryTracing:
         self.collector_url = f"http://127.0.0.1:{closed_port()}"
 
     def install(self) -> None:
-        """(Re)configure the plugin and attach the in-memory exporter to its provider."""
+        """(Re)configure the plugin and attach a fresh in-memory exporter to its provider.
+
+        Fresh, because reconfiguring shuts the previous provider down, exporters included.
+        """
         _tracing.configure(collector_url=self.collector_url)
+        self.exporter = InMemorySpanExporter()
         _tracing.get_tracer_provider().add_span_processor(SimpleSpanProcessor(self.exporter))
 
 
@@ -87,3 +91,16 @@ def chat_model(openai_url: str, served_model: str) -> ARTChatModel:
 def dead_url() -> str:
     """`http://127.0.0.1:<port>` with nothing listening on the port."""
     return f"http://127.0.0.1:{closed_port()}"
+
+
+@pytest.fixture
+def add_tool():
+    """The `add(a, b)` LangChain tool the agent tests call."""
+    from langchain_core.tools import tool
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    return add

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from langchain_core.messages import AIMessageChunk
+from langchain_core.messages import AIMessageChunk, HumanMessage
 from langchain_core.tools import tool
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 from pydantic import BaseModel
 
-from art_langgraph import ARTChatModel, init_chat_model, semconv
+from art_langgraph import ARTChatModel, semconv
 from art_langgraph._token_data import policy_step
 
 
@@ -33,13 +33,14 @@ def test_invoke_records_token_ids_on_message_and_span(chat_model: ARTChatModel, 
     assert art["prompt_token_ids"] and art["completion_token_ids"]
     assert len(art["logprobs"]) == len(art["completion_token_ids"])
     assert all(lp <= 0.0 for lp in art["logprobs"])
-    assert art["policy_step"] == 0
     (span,) = llm_spans(spans)
     assert_matches(span, art)
     attrs = span.attributes
     assert attrs[semconv.GEN_AI_OPERATION_NAME] == "chat"
     assert attrs[semconv.GEN_AI_REQUEST_MODEL] == served_model
-    assert attrs[semconv.GEN_AI_RESPONSE_MODEL] == served_model
+    # The trainer answers with the model that served the call (a checkpoint or the base).
+    assert attrs[semconv.GEN_AI_RESPONSE_MODEL] == msg.response_metadata["model_name"]
+    assert art["policy_step"] == policy_step(msg.response_metadata["model_name"])
     assert attrs[semconv.GEN_AI_USAGE_INPUT_TOKENS] == len(art["prompt_token_ids"])
     assert attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] == len(art["completion_token_ids"])
     assert json.loads(attrs[semconv.GEN_AI_INPUT_MESSAGES]) == [{"role": "user", "content": "Say hi."}]
@@ -68,7 +69,7 @@ def test_stream_gathers_token_ids_across_chunks(chat_model: ARTChatModel, spans)
     art = total.response_metadata["art"]
     assert len(art["completion_token_ids"]) == len(art["logprobs"]) == total.usage_metadata["output_tokens"]
     assert len(art["prompt_token_ids"]) == total.usage_metadata["input_tokens"]
-    assert art["policy_step"] == 0
+    assert art["policy_step"] == policy_step(total.response_metadata["model_name"])
     (span,) = llm_spans(spans)
     assert_matches(span, art)
     assert json.loads(span.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])[0]["content"] == total.content
@@ -91,22 +92,62 @@ def test_bind_tools_records_tool_definitions(chat_model: ARTChatModel, spans) ->
         """Add two integers."""
         return a + b
 
-    # The test server has no tool parser, so "auto" is refused; "none" still sends the tools.
     msg = chat_model.bind_tools([add], tool_choice="none").invoke("What is 2+3?")
     assert msg.response_metadata["art"]["completion_token_ids"]
+    assert msg.tool_calls == []
     (span,) = llm_spans(spans)
     (tool_def,) = json.loads(span.attributes[semconv.GEN_AI_TOOL_DEFINITIONS])
     assert tool_def["function"]["name"] == "add"
 
 
-def test_with_structured_output_keeps_working(chat_model: ARTChatModel, spans) -> None:
+def test_with_structured_output_uses_guided_decoding(chat_model: ARTChatModel, spans) -> None:
+    """The default method (`json_schema`) becomes vLLM guided decoding: the reply always parses."""
+
     class Answer(BaseModel):
         answer: int
 
-    out = chat_model.with_structured_output(Answer, include_raw=True).invoke("What is 2+3? Reply in JSON.")
+    structured = chat_model.model_copy(update={"max_tokens": 24}).with_structured_output(Answer, include_raw=True)
+    out = structured.invoke("What is 2+3?")
+    assert out["parsing_error"] is None, out["raw"]
     assert isinstance(out["parsed"], Answer)
     (span,) = llm_spans(spans)
     assert_matches(span, out["raw"].response_metadata["art"])
+
+
+def test_n_greater_than_one_gives_one_span_per_choice(chat_model: ARTChatModel, spans) -> None:
+    result = chat_model.model_copy(update={"n": 3, "max_tokens": 4}).generate([[HumanMessage("Say a word.")]])
+    generations = result.generations[0]
+    assert len(generations) == 3
+    got = llm_spans(spans)
+    assert len(got) == 3
+    by_ids = {tuple(s.attributes[semconv.COMPLETION_TOKEN_IDS]): s for s in got}
+    prompts = {tuple(s.attributes[semconv.PROMPT_TOKEN_IDS]) for s in got}
+    assert len(prompts) == 1  # the same prompt, three samples
+    for g in generations:
+        assert_matches(by_ids[tuple(g.message.response_metadata["art"]["completion_token_ids"])], g.message.response_metadata["art"])
+
+
+def test_timeout_marks_span_and_raises(openai_url: str, served_model: str, spans) -> None:
+    import openai
+
+    slow = ARTChatModel(model=served_model, base_url=openai_url, timeout=0.001, max_retries=0, max_tokens=200)
+    with pytest.raises(openai.APITimeoutError):
+        slow.invoke("Write a long story.")
+    (span,) = llm_spans(spans)
+    assert span.status.status_code is StatusCode.ERROR
+    assert "Timeout" in span.status.description
+
+
+def test_with_retry_records_every_attempt(spans, served_model, dead_url) -> None:
+    import openai
+
+    model = ARTChatModel(model=served_model, base_url=f"{dead_url}/v1", max_retries=1, timeout=2)
+    retrying = model.with_retry(stop_after_attempt=3, wait_exponential_jitter=False)
+    with pytest.raises(openai.APIConnectionError):
+        retrying.invoke("hi")
+    got = llm_spans(spans)
+    assert len(got) == 3  # the client's own retry (max_retries=1) stays inside one span
+    assert all(s.status.status_code is StatusCode.ERROR for s in got)
 
 
 def test_error_marks_span_and_reraises(spans, served_model, dead_url) -> None:
@@ -116,23 +157,6 @@ def test_error_marks_span_and_reraises(spans, served_model, dead_url) -> None:
     (span,) = llm_spans(spans)
     assert span.status.status_code is StatusCode.ERROR
     assert semconv.COMPLETION_TOKEN_IDS not in span.attributes
-
-
-def test_defaults_come_from_settings(monkeypatch) -> None:
-    monkeypatch.setenv("ART_TRAINER_URL", "http://trainer.example:9000/v1")
-    monkeypatch.setenv("ART_MODEL", "agent@7")
-    monkeypatch.delenv("ART_API_KEY", raising=False)
-    from art_langgraph import _settings
-
-    monkeypatch.setattr(_settings, "_settings", None)
-    model = init_chat_model()
-    assert isinstance(model, ARTChatModel)
-    assert model.model_name == "agent@7"
-    assert model.openai_api_base == "http://trainer.example:9000/v1"
-    assert model.openai_api_key.get_secret_value() == "EMPTY"
-    assert init_chat_model("openai:other", api_key="k").model_name == "other"
-    with pytest.raises(ValueError, match="model_provider"):
-        init_chat_model("x", model_provider="anthropic")
 
 
 @pytest.mark.parametrize(

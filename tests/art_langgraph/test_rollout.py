@@ -75,6 +75,7 @@ async def test_graph_in_rollout_tags_every_llm_span(chat_model: ARTChatModel, sp
         r.reward(1, name="format")
     (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
     llm = spans_of(spans, semconv.SPAN_KIND_LLM)
+    by_id = {s.context.span_id: s for s in spans.get_finished_spans()}
     assert len(llm) == 2
     assert len(r.id) == 32 and len(r.trace_id) == 32
     assert root.attributes[semconv.ROLLOUT_ID] == r.id
@@ -88,7 +89,9 @@ async def test_graph_in_rollout_tags_every_llm_span(chat_model: ARTChatModel, sp
         assert s.attributes[semconv.GROUP] == "g1"
         assert s.attributes[semconv.TASK] == "qa"
         assert s.context.trace_id == root.context.trace_id
-        assert s.parent.span_id == root.context.span_id
+        node = by_id[s.parent.span_id]  # model call -> its graph node -> the rollout
+        assert node.attributes[semconv.SPAN_KIND] == semconv.SPAN_KIND_NODE
+        assert node.parent.span_id == root.context.span_id
     rewards = [(e.attributes[semconv.REWARD_NAME], e.attributes[semconv.REWARD_VALUE]) for e in root.events]
     assert rewards == [("reward", 0.5), ("format", 1.0)]
 

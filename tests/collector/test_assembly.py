@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 from tests.collector.span_builders import TRACE, llm, rollout
 
-from collector.assembly import InvalidReward, SpanReward, assemble, build_sequences, facts, span_rewards, trajectory_key
+from collector.assembly import (
+    FactsDigest,
+    InvalidReward,
+    SpanReward,
+    assemble,
+    build_sequences,
+    facts,
+    span_rewards,
+    trajectory_key,
+)
 from collector.groups import TrainingReward
 
 
@@ -117,6 +127,27 @@ def test_facts_group_key_falls_back_to_task_then_id() -> None:
     assert (with_task.group_key, with_task.explicit_group, with_task.group_size) == ("t", False, None)
     bare = facts("r1", [llm(2, start=1, prompt=[1], completion=[2])])
     assert (bare.group_key, bare.has_rollout_span, bare.has_llm, bare.split) == ("r1", False, True, "train")
+
+
+def test_facts_digest_in_any_order_and_pieces_equals_facts_of_all() -> None:
+    child = llm(4, start=0, prompt=[1], completion=[2])
+    child.attributes["art.group"] = "child"  # before the rollout span, which still wins
+    spans = [
+        llm(2, start=5, task="late", prompt=[1], completion=[2]),
+        llm(3, start=1, task="early", prompt=[1], completion=[2]),
+        child,
+        rollout(1, group="g", size=3, split="val"),
+    ]
+    expected = facts("r1", spans)
+    assert (expected.group_key, expected.task, expected.group_size, expected.split) == ("g", "early", 3, "val")
+    for order in itertools.permutations(spans):
+        for cut in range(len(order) + 1):
+            digest = FactsDigest.of(order[:cut])
+            digest = FactsDigest.from_json(digest.to_json())  # as the store keeps it between exports
+            digest.add(order[cut:] + order[:1])  # a duplicate changes nothing
+            assert digest.facts("r1") == expected
+    with pytest.raises(ValueError, match="no spans"):
+        FactsDigest().facts("r1")
 
 
 def test_trajectory_key() -> None:

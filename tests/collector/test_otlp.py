@@ -58,6 +58,18 @@ def test_json_accepts_int_values_as_numbers_and_unknown_fields() -> None:
     assert (span.start_ns, span.end_ns) == (1, 2)
 
 
+@pytest.mark.parametrize(
+    "value",
+    [[3, 0, 7], [0.5, 0.0, -1.25, -0.0], [1, "a", 2.5, True, 0], [0, 0], [2.5, 1, 0], ["x", 1], [True, 0], [], [1.5, 2.0]],
+)
+def test_arrays_decode_exactly(value: list[object]) -> None:
+    """Long int/double arrays take a fast path; mixed arrays and zeros must still decode exactly."""
+    record = SpanRecord(TRACE, sid(1), None, "x", 1, 2, {"a": value})
+    (span,) = decode_request(to_request([record]).SerializeToString(), PB).spans
+    got = span.attributes["a"]
+    assert got == value and [type(v) for v in got] == [type(v) for v in value]
+
+
 def test_records_round_trip_through_dict() -> None:
     for record in _records():
         assert SpanRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record

@@ -112,6 +112,28 @@ def test_late_ack_is_accepted_when_not_leased_again(make_store, clock) -> None:
     assert store.lease(BatchRequest()).groups == []
 
 
+def test_batches_list_leases_newest_first(make_store, clock) -> None:
+    store = make_store()
+    store.add_spans(_trajectory(10, "a", reward=1.0, group="g1") + _trajectory(20, "b", reward=0.0, group="g1"))
+    store.add_spans(_trajectory(30, "c", reward=1.0, group="g2") + _trajectory(40, "d", reward=0.0, group="g2"))
+    assert store.batches() == []
+    first = store.lease(BatchRequest(max_groups=1, trainer="t1", lease_seconds=10))
+    store.ack(first.id, policy_step=3)
+    clock.now += 1
+    second = store.lease(BatchRequest(lease_seconds=10))
+    clock.now += 20
+    listed = store.batches()
+    assert [(b.id, b.state, b.groups) for b in listed] == [(second.id, "expired", ["g2"]), (first.id, "acked", ["g1"])]
+    assert (listed[1].trainer, listed[1].policy_step, listed[1].acked_at) == ("t1", 3, 1_000_000.0)
+    assert [b.id for b in store.batches(limit=1)] == [second.id]
+
+
+def test_groups_show_the_size_they_wait_for(make_store) -> None:
+    store = make_store(min_group_size=3)
+    store.add_spans(_trajectory(10, "a", reward=1.0, group="sized", size=4) + _trajectory(20, "b", reward=1.0, group="bare", size=None))
+    assert sorted((g.id, g.size, g.expected) for g in store.groups()) == [("bare", 1, 3), ("sized", 1, 4)]
+
+
 def test_zero_spread_is_skipped_unless_kept(make_store) -> None:
     store = make_store()
     store.add_spans(_trajectory(10, "a", reward=1.0) + _trajectory(20, "b", reward=1.0))
@@ -159,6 +181,15 @@ def test_full_group_key_opens_a_new_instance(make_store) -> None:
     assert store.trajectory("c").group_id == "g#2"
     assert [t.id for t in store.trajectories(group="g")] == ["a", "b", "c"]  # by key
     assert [t.id for t in store.trajectories(group="g#2")] == ["c"]  # by instance
+
+
+def test_one_export_fills_instances_in_order(make_store) -> None:
+    store = make_store()
+    store.add_spans([span for n in range(5) for span in _trajectory(10 * (n + 1), f"t{n}", reward=float(n))])
+    assert [(g.id, g.size) for g in store.groups()] == [("g", 2), ("g#2", 2), ("g#3", 1)]
+    store.add_spans(_trajectory(60, "t5", reward=5.0))
+    assert [(g.id, g.size) for g in store.groups()] == [("g", 2), ("g#2", 2), ("g#3", 2)]
+    assert [t.id for t in store.trajectories(group="g#3")] == ["t4", "t5"]
 
 
 def test_calls_outside_rollouts_group_by_task_and_complete_when_idle(make_store, clock) -> None:
@@ -253,6 +284,48 @@ def test_migration_from_version_1_keeps_rewards(db_url, clock) -> None:
         assert [r[0] for r in conn.execute(text("SELECT version FROM schema_version ORDER BY version"))] == list(range(1, SCHEMA_VERSION + 1))
     store.add_spans(_trajectory(10, "a", reward=1.0))
     assert store.trajectory("a").rewards == {"reward": 1.0, "judge": 0.5}
+    store.close()
+
+
+def test_migration_from_version_2_digests_stored_trajectories(db_url, clock) -> None:
+    """Version 4 keeps a digest of each trajectory's spans; a late span of an older trajectory must find it."""
+    import json
+
+    from sqlalchemy import inspect
+
+    from collector.config import CollectorSettings
+    from collector.engine import make_engine
+    from collector.schema import MIGRATIONS, groups, judge_runs, schema_version, spans, trajectories
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database does not outlive its engine")
+    child, root = _trajectory(10, "a", reward=None)
+    old = make_engine(url)
+    with old.begin() as conn:  # a database as version 2 left it: rollout "a" in group "g", its LLM span still to come
+        schema_version.create(conn)
+        for version in (0, 1):
+            MIGRATIONS[version](conn)
+            conn.execute(schema_version.insert().values(version=version + 1, applied_at=0.0))
+        judge_runs.create(conn)  # collectors before version 3 made the judges' tables on start
+        conn.execute(spans.insert().values(
+            span_id=root.span_id, trace_id=root.trace_id, trajectory_id="a", name=root.name, start_ns=root.start_ns,
+            end_ns=root.end_ns, record=json.dumps(root.to_dict()), received_at=0.0,
+        ))
+        conn.execute(trajectories.insert().values(
+            id="a", trace_id=root.trace_id, by_rollout=True, group_key="g", group_id="g", task=None, split="train",
+            complete=True, created_at=0.0, updated_at=0.0,
+        ))
+        conn.execute(groups.insert().values(id="g", key="g", explicit=True, size_hint=2, state="open", created_at=0.0, updated_at=0.0))
+    old.dispose()
+    store = SqlStore(CollectorSettings(db=url), clock=clock)
+    store.setup()
+    assert {"judge_runs", "judgements", "langfuse_pulled", "langfuse_pushed"} <= set(inspect(store.engine).get_table_names())
+    assert store.add_spans([child]) == 1
+    migrated = store.trajectory("a")
+    assert (migrated.group_id, migrated.complete, [s.token_ids for s in migrated.sequences]) == ("g", True, [[1, 2, 10]])
+    assert [(g.id, g.size, g.expected) for g in store.groups()] == [("g", 1, 2)]
     store.close()
 
 

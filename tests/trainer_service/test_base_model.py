@@ -34,4 +34,23 @@ def test_local_folder_and_hub_names(tmp_path: Path) -> None:
     assert resolve_base_model(str(tmp_path)) == str(tmp_path.resolve())
     with pytest.raises(BaseModelError, match="does not exist"):
         resolve_base_model(str(tmp_path / "missing"))
-    assert resolve_base_model("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_unknown_hub_name_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: the hub is unreachable
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(BaseModelError, match=r"(?s)not in the Hugging Face cache.*unreachable.*huggingface-cli download"):
+        resolve_base_model("no-such-org/no-such-model")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(BaseModelError, match="HF_HUB_OFFLINE is set"):
+        resolve_base_model("no-such-org/no-such-model")
+    # A model in the local cache is accepted without the network.
+    snapshot = tmp_path / "hub" / "models--some-org--cached" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--some-org--cached" / "refs").mkdir()
+    (tmp_path / "hub" / "models--some-org--cached" / "refs" / "main").write_text("abc")
+    assert resolve_base_model("some-org/cached") == "some-org/cached"

@@ -46,3 +46,32 @@ def test_help_lists_env_and_defaults(capsys: pytest.CaptureFixture[str]) -> None
     text = capsys.readouterr().out
     for flag in ("--base-model", "--collector", "--vllm-port", "--learning-rate", "ART_TRAINER_VLLM_PORT"):
         assert flag in text
+
+
+def test_grpo_fields_come_from_env_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ART_TRAINER_LEARNING_RATE", "3e-4")
+    monkeypatch.setenv("ART_TRAINER_KL_COEF", "0.05")
+    monkeypatch.setenv("ART_TRAINER_SCALE_REWARDS", "false")
+    monkeypatch.setenv("ART_TRAINER_TARGET_MODULES", "q_proj,v_proj")
+    monkeypatch.setenv("ART_TRAINER_MIN_GROUPS", "4")
+    settings, grpo = parse("--importance-sampling", "sequence", "--kl-coef", "0.1", "--max-seq-len-policy", "skip",
+                           "--every", "10m", "--keep-last", "3", "--keep-best-metric", "eval/reward")
+    assert grpo.learning_rate == 3e-4 and grpo.kl_coef == 0.1 and grpo.scale_rewards is False  # type: ignore[attr-defined]
+    assert grpo.target_modules == ["q_proj", "v_proj"] and grpo.importance_sampling == "sequence"  # type: ignore[attr-defined]
+    assert grpo.max_seq_len_policy == "skip"  # type: ignore[attr-defined]
+    assert settings.min_groups == 4 and settings.every == "10m" and settings.keep_last == 3
+    monkeypatch.setenv("ART_TRAINER_KL_COEF", "lots")
+    with pytest.raises(ValueError, match="ART_TRAINER_KL_COEF='lots' does not parse"):
+        parse()
+
+
+def test_bad_schedule_and_eval_settings_exit_with_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--every", "soon"])
+    assert "write a positive number and a unit" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--eval-file", "eval.jsonl"])
+    assert "needs both eval prompts" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--base-model", "/no/such/folder"])
+    assert "does not exist" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from trainer_service.grpo import (
     POLICY_LOSSES,
     cispo_loss,
     group_advantages,
+    kl_k3,
     policy_loss,
     ppo_loss,
     token_logprobs,
@@ -112,3 +113,43 @@ def test_registry_and_config_validation() -> None:
         GRPOConfig(learning_rate=0)
     with pytest.raises(ValueError, match="epsilon=1.5"):
         GRPOConfig(epsilon=1.5)
+
+
+def test_sequence_level_ratio_is_shared_and_hand_computed() -> None:
+    new = torch.tensor([-1.0, -2.0, -0.5, -3.0], requires_grad=True)
+    old = torch.tensor([-1.2, -1.8, 9.0, -3.3])
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0])  # position 2 is a prompt token with a junk logprob
+    out = policy_loss("ppo", new, old, 1.0, mask, 1.0, epsilon=0.2, level="sequence")
+    mean_log_ratio = (0.2 - 0.2 + 0.3) / 3  # masked mean of new - old
+    ratio = math.exp(mean_log_ratio)
+    assert out.ratio_sum == pytest.approx(3 * ratio, rel=1e-6)  # every assistant token has the same ratio
+    assert out.loss.item() == pytest.approx(-3 * ratio, rel=1e-6)
+    out.loss.backward()
+    # d/dnew_t of -3 * exp(mean) = -3 * ratio / 3 on each assistant token, 0 on the prompt token
+    assert new.grad is not None
+    assert torch.allclose(new.grad, torch.tensor([-ratio, -ratio, 0.0, -ratio]), atol=1e-6)
+    token = policy_loss("ppo", new.detach(), old, 1.0, mask, 1.0, epsilon=0.2, level="token")
+    assert token.ratio_sum != pytest.approx(out.ratio_sum)
+    with pytest.raises(ValueError, match="importance sampling level"):
+        policy_loss("ppo", new, old, 1.0, mask, 1.0, level="word")
+
+
+def test_sequence_level_clips_the_whole_sequence() -> None:
+    new = torch.tensor([0.0, 0.0])
+    old = torch.tensor([-0.5, -0.5])  # ratio e^0.5 = 1.65 > 1.2 on both
+    out = policy_loss("ppo", new, old, 1.0, torch.ones(2), 1.0, epsilon=0.2, level="sequence")
+    assert out.clipped_tokens == 2.0
+
+
+def test_kl_k3_values_and_penalty() -> None:
+    new = torch.tensor([-1.0, -2.0], requires_grad=True)
+    ref = torch.tensor([-1.0, -1.0])
+    kl = kl_k3(new, ref)
+    # delta = ref - new = [0, 1]: k3 = e^delta - delta - 1 = [0, e - 2]
+    assert torch.allclose(kl.detach(), torch.tensor([0.0, math.e - 2.0]))
+    mask = torch.ones(2)
+    plain = policy_loss("ppo", new, new.detach(), 0.0, mask, 0.5)  # advantage 0: only the KL remains
+    with_kl = policy_loss("ppo", new, new.detach(), 0.0, mask, 0.5, ref_logprobs=ref, kl_coef=0.1)
+    assert plain.loss.item() == 0.0
+    assert with_kl.loss.item() == pytest.approx(0.1 * 0.5 * (math.e - 2.0), rel=1e-6)
+    assert with_kl.kl_sum == pytest.approx(math.e - 2.0, rel=1e-6)

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ from tests.trainer_service.test_training import group, make_trainer
 
 from trainer_service.config import GRPOConfig, TrainerSettings
 from trainer_service.engine import EngineError, VLLMEngine
+from trainer_service.evaluation import Evaluator
 from trainer_service.protocol import ServiceError
 from trainer_service.service import TrainerService
 
@@ -43,18 +45,28 @@ class FakeEngine:
     def load_adapter(self, name: str, path: str | Path) -> None:
         self.adapters[name] = str(path)
 
+    def unload_adapter(self, name: str) -> None:
+        self.adapters.pop(name)
 
-def make_service(tmp_path: Path, batches: list[Batch], acks: list[tuple[str, dict]]) -> TrainerService:
+
+def make_service(tmp_path: Path, batches: list[Batch], acks: list[tuple[str, dict]], *,
+                 evaluator: Evaluator | None = None, **settings_overrides: Any) -> TrainerService:
+    """A service on the tiny Llama with a scripted collector (its published HTTP API, in process)."""
+
     def handle(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/batches":
             batch = batches.pop(0) if batches else Batch(id="none", groups=[], lease_expires_at=0)
             return httpx.Response(200, json=batch.model_dump())
+        if request.url.path == "/v1/groups":
+            ready = [{"id": g.id, "task": None, "size": 2, "complete": 2, "rewarded": 2, "state": "ready"}
+                     for b in batches for g in b.groups]
+            return httpx.Response(200, json=ready)
         acks.append((request.url.path.split("/")[3], json.loads(request.content)))
         return httpx.Response(200, json={})
 
-    settings = TrainerSettings(output_dir=tmp_path, name="agent")
+    settings = TrainerSettings(**{"output_dir": tmp_path, "name": "agent", "wandb": "off", **settings_overrides})
     service = TrainerService(settings, GRPOConfig(), FakeEngine(), make_trainer,  # type: ignore[arg-type]
-                             collector_transport=httpx.MockTransport(handle))
+                             collector_transport=httpx.MockTransport(handle), evaluator=evaluator)
     service.start()
     return service
 
@@ -114,11 +126,17 @@ async def test_one_step_at_a_time(tmp_path: Path) -> None:
 
 
 async def test_collector_down_is_502(tmp_path: Path) -> None:
-    settings = TrainerSettings(output_dir=tmp_path, collector="http://127.0.0.1:9")
+    settings = TrainerSettings(output_dir=tmp_path, collector="http://127.0.0.1:9", wandb="off")
     service = TrainerService(settings, GRPOConfig(), FakeEngine(), make_trainer)  # type: ignore[arg-type]
     with pytest.raises(ServiceError) as info:
         await service.train_once()
+    assert info.value.status == 503 and info.value.body.error.code == "not_ready"  # nothing leased before start
+    service.start()
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
     assert info.value.status == 502 and "art-collector serve" in info.value.body.error.message
+    status = await service.status()  # status still answers, and says why the queue is unknown
+    assert status.queue_depth is None and status.queue_error and "did not answer" in status.queue_error
     await service.aclose()
 
 
@@ -184,3 +202,29 @@ def test_api_key_guards_every_endpoint(tmp_path: Path) -> None:
         authorized = client.get("/v1/models", headers={"Authorization": "Bearer sekret"})
         assert authorized.status_code == 200
         assert [m["id"] for m in authorized.json()["data"]] == ["base-model", "agent@latest"]
+
+
+def test_pause_resume_and_sft_endpoints(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from trainer_service.server import create_app
+
+    acks: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, acks)
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    with TestClient(create_app(service=service)) as client:
+        assert client.post("/v1/pause").json() == {"paused": True}
+        paused = client.post("/v1/train")
+        assert paused.status_code == 409 and paused.json()["error"]["code"] == "paused"
+        status = client.get("/v1/status").json()
+        assert status["schedule"]["paused"] is True and status["queue_depth"] == 1
+        assert client.post("/v1/resume").json() == {"paused": False}
+        sft = client.post("/v1/sft")
+        assert sft.status_code == 200, sft.text
+        body = sft.json()
+        assert body["kind"] == "sft" and body["model"] == "agent@1" and body["latest_model"] == "agent@1"
+        assert "loss/sft" in body["metrics"] and acks == [("b1", {"policy_step": 1})]
+        status = client.get("/v1/status").json()
+        assert status["step"] == 1 and status["queue_depth"] == 0 and status["checkpoints"] == [1]

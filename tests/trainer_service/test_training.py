@@ -10,6 +10,7 @@ import torch
 from collector.protocol import Group, Sequence, Trajectory
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from trainer_service.batching import prepare_grpo
 from trainer_service.config import GRPOConfig
 from trainer_service.grpo import token_logprobs
 from trainer_service.training import LoRATrainer, NothingTrainableError
@@ -95,8 +96,8 @@ def test_only_assistant_tokens_count() -> None:
     for t in g_noisy.trajectories:
         seq = t.sequences[0]
         seq.logprobs = [-50.0 if m == 0 else lp for lp, m in zip(seq.logprobs, seq.assistant_mask, strict=True)]
-    items_clean, _ = trainer._prepare([g])
-    items_noisy, _ = trainer._prepare([g_noisy])
+    items_clean = prepare_grpo([g], trainer.config, trainer.device).items
+    items_noisy = prepare_grpo([g_noisy], trainer.config, trainer.device).items
     metrics = trainer.step([g_noisy])
     assert metrics["data/assistant_tokens"] == len(GOOD) + len(BAD)
     assert metrics["data/tokens"] == 2 * len(PROMPT) + len(GOOD) + len(BAD)
@@ -165,3 +166,42 @@ def test_save_is_atomic_and_resumable(tmp_path: Path) -> None:
     assert fresh.step_count == 1
     saved, restored = lora_params(trainer), lora_params(fresh)
     assert all(torch.equal(saved[n], restored[n]) for n in saved)
+
+
+def test_kl_to_the_base_is_zero_before_training_and_grows_after() -> None:
+    trainer = make_trainer(kl_coef=0.5)
+    first = trainer.step([group(trainer, (1.0, 0.0))])
+    assert first["loss/kl"] == pytest.approx(0.0, abs=1e-7)  # LoRA B starts at 0: policy == base
+    for _ in range(2):
+        metrics = trainer.step([group(trainer, (1.0, 0.0))])
+    assert metrics["loss/kl"] > 1e-6
+
+
+def test_sequence_level_importance_sampling_learns() -> None:
+    trainer = make_trainer(importance_sampling="sequence", learning_rate=2e-3)
+    before = sum(seq_logprobs(trainer, PROMPT + GOOD)[len(PROMPT) - 1 :])
+    for _ in range(3):
+        metrics = trainer.step([group(trainer, (1.0, 0.0))])
+    assert metrics["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert sum(seq_logprobs(trainer, PROMPT + GOOD)[len(PROMPT) - 1 :]) > before
+
+
+def test_sft_step_raises_the_best_completion() -> None:
+    trainer = make_trainer(learning_rate=2e-3)
+    before = sum(seq_logprobs(trainer, PROMPT + GOOD)[len(PROMPT) - 1 :])
+    metrics = trainer.sft_step([group(trainer, (1.0, 0.0))])
+    # mean NLL of GOOD's tokens under the policy before the update
+    assert metrics["loss/sft"] == pytest.approx(-before / len(GOOD), rel=1e-4)
+    assert metrics["kind/sft"] == 1.0 and trainer.step_count == 1
+    assert sum(seq_logprobs(trainer, PROMPT + GOOD)[len(PROMPT) - 1 :]) > before
+
+
+def test_snapshot_and_restore_undo_a_step() -> None:
+    trainer = make_trainer()
+    snap = trainer.snapshot()
+    before = lora_params(trainer)
+    trainer.step([group(trainer, (1.0, 0.0))])
+    trainer.restore(snap)
+    assert trainer.step_count == 0
+    assert all(torch.equal(before[n], p) for n, p in lora_params(trainer).items())
+    assert trainer.optimizer.state_dict()["state"] == {}

@@ -1,0 +1,70 @@
+"""`chat_node`: a ready-made model-call node for `StateGraph(MessagesState)` graphs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AnyMessage, BaseMessage, SystemMessage
+from langchain_core.runnables import Runnable, RunnableBinding, RunnableConfig, RunnableLambda
+
+from art_langgraph._init_chat_model import init_chat_model
+
+__all__ = ["chat_node"]
+
+
+def _messages(state: Any) -> list[AnyMessage]:
+    messages = state.get("messages") if isinstance(state, dict) else getattr(state, "messages", None)
+    if messages is None:
+        raise KeyError("chat_node reads state['messages'] (a MessagesState graph); the state has no 'messages'")
+    return list(messages)
+
+
+def _bind_tools(llm: Runnable[Any, BaseMessage], tools: list[Any]) -> Runnable[Any, BaseMessage]:
+    """`bind_tools` that keeps arguments bound before (LangChain's drops them on a binding)."""
+    if isinstance(llm, RunnableBinding) and hasattr(llm.bound, "bind_tools"):
+        return llm.bound.bind_tools(tools).bind(**llm.kwargs).with_config(llm.config)  # type: ignore[no-any-return]
+    return llm.bind_tools(tools)  # type: ignore[attr-defined,no-any-return]
+
+
+def chat_node(
+    model: BaseChatModel | Runnable[Any, BaseMessage] | str | None = None,
+    *,
+    tools: Sequence[Any] | None = None,
+    system: str | SystemMessage | None = None,
+) -> RunnableLambda[Any, dict[str, list[BaseMessage]]]:
+    """A graph node that calls the model on `state["messages"]` and returns its reply.
+
+    `graph.add_node("agent", chat_node(tools=[search]))` gives a `StateGraph(MessagesState)`
+    its model call; pair it with LangGraph's `ToolNode` to run the tool calls.
+
+    Args:
+        model: A chat model, a served model name, or None for `init_chat_model()` (the
+            `ARTChatModel` from `ART_MODEL` / `configure`).
+        tools: Tools to bind (`bind_tools`): LangChain tools, functions, or OpenAI tool dicts.
+            Arguments already bound to `model` (`model.bind(max_tokens=...)`) are kept.
+        system: System prompt put first when the messages do not start with one.
+
+    Returns:
+        A runnable node (sync and async) returning `{"messages": [reply]}`.
+    """
+    llm: Runnable[Any, BaseMessage]
+    llm = init_chat_model(model) if model is None or isinstance(model, str) else model  # type: ignore[assignment]
+    if tools:
+        llm = _bind_tools(llm, list(tools))
+    system_message = SystemMessage(system) if isinstance(system, str) else system
+
+    def prompt(state: Any) -> list[AnyMessage]:
+        messages = _messages(state)
+        if system_message is not None and not (messages and isinstance(messages[0], SystemMessage)):
+            messages = [system_message, *messages]
+        return messages
+
+    def call(state: Any, config: RunnableConfig) -> dict[str, list[BaseMessage]]:
+        return {"messages": [llm.invoke(prompt(state), config)]}
+
+    async def acall(state: Any, config: RunnableConfig) -> dict[str, list[BaseMessage]]:
+        return {"messages": [await llm.ainvoke(prompt(state), config)]}
+
+    return RunnableLambda(call, afunc=acall, name="chat_node")

@@ -1,0 +1,232 @@
+"""Graph node and tool spans, and one trajectory per top-level graph run, from LangChain callbacks.
+
+A `GraphTracer` is added to every LangChain callback manager in the process (a configure hook,
+like LangSmith's tracer), so no app code changes. It keeps a small table `run_id -> placement`
+that says, for every running LangChain run, which span its children hang under and which
+rollout they belong to. The table follows LangChain's own run tree (`parent_run_id`), not
+context variables, so placement stays right across asyncio tasks, LangGraph's thread pool for
+sync nodes, `Send` fan-out and subgraphs.
+
+* A top-level run (no parent) inside `rollout(...)` hangs under that rollout's span.
+* A top-level run outside any rollout opens an implicit rollout: a `rollout` span whose id is
+  the run's `run_id` in hex, task/group/split from `config["metadata"]` (`art.task`, ...) or
+  the run's name. It ends when the run ends.
+* A LangGraph node run (`name == metadata["langgraph_node"]`, tagged `graph:step:N`, not
+  LangGraph's internal `__start__`) gets a `node` span; a tool run gets a `tool` span. Other runs (sequences, lambdas, channel writes)
+  get no span; their children hang under their nearest spanned ancestor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import ToolMessage
+from langchain_core.tracers.context import register_configure_hook
+from langgraph.errors import GraphBubbleUp
+from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode
+
+from art_langgraph import semconv
+from art_langgraph._rollout import Rollout, current_rollout
+from art_langgraph._settings import get_settings
+from art_langgraph._tracing import get_tracer
+
+__all__ = ["GraphTracer", "Placement", "placement_of"]
+
+_logger = logging.getLogger(__name__)
+
+_STEP_TAG = "graph:step:"
+_MAX_RUNS = 100_000
+"""Most runs tracked at once; beyond, new top-level runs are not traced (logged), memory stays bounded."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a run's children go: the span they hang under and the rollout they belong to."""
+
+    parent: Span
+    rollout: Rollout
+    own_span: Span | None = None
+    """The run's own span (node, tool, or implicit rollout), ended with the run."""
+    implicit: bool = False
+    """The run opened the rollout (a top-level run outside `rollout(...)`)."""
+
+
+_runs: dict[UUID, Placement] = {}
+
+
+def placement_of(run_id: UUID | None) -> Placement | None:
+    """The placement of a running LangChain run, or None when it is not tracked."""
+    return _runs.get(run_id) if run_id is not None else None
+
+
+def _json(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, default=str, ensure_ascii=False)
+
+
+def _implicit_rollout(run_id: UUID, name: str | None, metadata: dict[str, Any]) -> Rollout:
+    size = metadata.get(semconv.GROUP_SIZE)
+    return Rollout(
+        str(metadata.get(semconv.TASK) or name or "graph"),
+        group=str(metadata[semconv.GROUP]) if metadata.get(semconv.GROUP) else None,
+        split=str(metadata.get(semconv.SPLIT) or "train"),
+        group_size=int(size) if size else None,
+        _id=run_id.hex,
+        _source="graph",
+    )
+
+
+def _is_node(name: str | None, node: Any, tags: list[str] | None) -> bool:
+    """A LangGraph node's own run; LangGraph's internal nodes (`__start__`) are left out."""
+    return (
+        isinstance(node, str)
+        and name == node
+        and not node.startswith("__")
+        and any(t.startswith(_STEP_TAG) for t in tags or ())
+    )
+
+
+class GraphTracer(BaseCallbackHandler):
+    """LangChain callback handler that records node and tool spans and places every run.
+
+    It never raises into the app: LangChain logs handler errors (`raise_error = False`).
+    `run_inline` keeps it on the caller's thread, so the table is updated before children start.
+    """
+
+    run_inline = True
+    raise_error = False
+
+    # --- chains: top-level runs and graph nodes -------------------------------------------
+
+    def on_chain_start(
+        self,
+        serialized: dict[str, Any] | None,
+        inputs: Any,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        tags: list[str] | None = None,
+        metadata: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Place the run; open an implicit rollout (top level) or a node span (graph node)."""
+        metadata = metadata or {}
+        name = kwargs.get("name")
+        if parent_run_id is None:
+            self._start_top_level(run_id, name, metadata)
+            return
+        parent = _runs.get(parent_run_id)
+        if parent is None:
+            return
+        node = metadata.get("langgraph_node")
+        if _is_node(name, node, tags):
+            attrs = {
+                semconv.SPAN_KIND: semconv.SPAN_KIND_NODE,
+                semconv.NODE_NAME: str(node),
+                **parent.rollout.span_attributes(),
+            }
+            if (step := metadata.get("langgraph_step")) is not None:
+                attrs[semconv.NODE_STEP] = int(step)
+            span = get_tracer().start_span(
+                f"node {node}", context=trace.set_span_in_context(parent.parent), attributes=attrs
+            )
+            _runs[run_id] = Placement(span, parent.rollout, own_span=span)
+        else:
+            _runs[run_id] = Placement(parent.parent, parent.rollout)
+
+    def _start_top_level(self, run_id: UUID, name: str | None, metadata: dict[str, Any]) -> None:
+        if not get_settings().trace_graphs:
+            return
+        if len(_runs) >= _MAX_RUNS:
+            _logger.warning("art_langgraph: %d runs in flight; run %s is not traced", len(_runs), run_id)
+            return
+        explicit = current_rollout()
+        if explicit is not None and explicit._span is not None and not explicit._ended:
+            _runs[run_id] = Placement(explicit._span, explicit)
+            return
+        rollout = _implicit_rollout(run_id, name, metadata)
+        span = rollout._begin()
+        _runs[run_id] = Placement(span, rollout, own_span=span, implicit=True)
+
+    def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        """End the run's span (node or implicit rollout) and forget it."""
+        self._end(run_id, None)
+
+    def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        """End the run's span with ERROR status (an interrupt is an event, not an error)."""
+        self._end(run_id, error)
+
+    # --- tools ------------------------------------------------------------------------------
+
+    def on_tool_start(
+        self,
+        serialized: dict[str, Any] | None,
+        input_str: str,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        inputs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Open a `tool` span under the run that called the tool."""
+        parent = _runs.get(parent_run_id) if parent_run_id is not None else None
+        if parent is None:
+            return
+        name = kwargs.get("name") or (serialized or {}).get("name") or "tool"
+        attrs: dict[str, Any] = {
+            semconv.SPAN_KIND: semconv.SPAN_KIND_TOOL,
+            semconv.GEN_AI_OPERATION_NAME: "execute_tool",
+            semconv.GEN_AI_TOOL_NAME: str(name),
+            semconv.GEN_AI_TOOL_CALL_ARGUMENTS: _json(inputs if inputs is not None else input_str),
+            **parent.rollout.span_attributes(),
+        }
+        if call_id := kwargs.get("tool_call_id"):
+            attrs[semconv.GEN_AI_TOOL_CALL_ID] = str(call_id)
+        span = get_tracer().start_span(
+            f"execute_tool {name}", context=trace.set_span_in_context(parent.parent), attributes=attrs
+        )
+        _runs[run_id] = Placement(span, parent.rollout, own_span=span)
+
+    def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        """Record the tool's result and end its span."""
+        placement = _runs.get(run_id)
+        if placement is not None and placement.own_span is not None:
+            result = output.content if isinstance(output, ToolMessage) else output
+            placement.own_span.set_attribute(semconv.GEN_AI_TOOL_CALL_RESULT, _json(result))
+        self._end(run_id, None)
+
+    def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        """End the tool span with ERROR status."""
+        self._end(run_id, error)
+
+    # --- shared -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _end(run_id: UUID, error: BaseException | None) -> None:
+        placement = _runs.pop(run_id, None)
+        if placement is None or placement.own_span is None:
+            return
+        if placement.implicit:
+            placement.rollout._finish(None if isinstance(error, GraphBubbleUp) else error)
+            return
+        span = placement.own_span
+        if isinstance(error, GraphBubbleUp):
+            span.add_event(semconv.INTERRUPT_EVENT, {"exception.type": type(error).__name__})
+        elif error is not None:
+            span.record_exception(error)
+            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        span.end()
+
+
+_TRACER = GraphTracer()
+_hook: ContextVar[GraphTracer | None] = ContextVar("art_langgraph_graph_tracer", default=_TRACER)
+# The default value makes the hook active in every context and thread of the process.
+register_configure_hook(_hook, inheritable=True)

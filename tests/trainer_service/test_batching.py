@@ -1,0 +1,125 @@
+"""Batch preparation: skipped inputs are counted, lengths follow the policy, masks are exact."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from collector.protocol import Group, Sequence, Trajectory
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tests.trainer_service.test_training import BAD, GOOD, PROMPT, group, make_trainer
+from trainer_service.base_model import resolve_base_model
+from trainer_service.batching import NothingTrainableError, prepare_grpo, prepare_sft
+from trainer_service.config import BUNDLED_TOOL_TEMPLATE, GRPOConfig
+from trainer_service.retokenize import RetokenizeError, render_with_assistant_mask
+
+CPU = torch.device("cpu")
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers",
+                                           "parameters": {"type": "object", "properties": {"a": {"type": "number"},
+                                                                                          "b": {"type": "number"}}}}}]
+CONVERSATION = [
+    {"role": "system", "content": "You add numbers."},
+    {"role": "user", "content": "What is 2+3?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "5"},
+    {"role": "assistant", "content": "The sum is 5."},
+    {"role": "user", "content": "And 1+1?"},
+    {"role": "assistant", "content": "2"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    tok = AutoTokenizer.from_pretrained(resolve_base_model("SmolLM2-135M-Instruct"))
+    tok.chat_template = BUNDLED_TOOL_TEMPLATE.read_text()  # the template vLLM serves the bundled model with
+    return tok
+
+
+def test_nonfinite_rewards_are_skipped_and_counted() -> None:
+    trainer = make_trainer()
+    g = group(trainer, (1.0, 0.0))
+    poisoned = g.model_copy(deep=True)
+    extra = poisoned.trajectories[0].model_copy(update={"id": "nan", "reward": math.nan})
+    inf = poisoned.trajectories[1].model_copy(update={"id": "inf", "reward": math.inf})
+    poisoned.trajectories += [extra, inf]
+    batch = prepare_grpo([poisoned], trainer.config, CPU)
+    assert batch.stats["data/skipped/nonfinite_rewards"] == 2
+    assert batch.stats["data/trajectories"] == 2 and batch.stats["reward/mean"] == 0.5
+    only_nan = g.model_copy(deep=True)
+    only_nan.trajectories[1].reward = math.nan
+    with pytest.raises(NothingTrainableError, match="nonfinite_rewards=1"):
+        prepare_grpo([only_nan], trainer.config, CPU)
+
+
+def test_long_sequences_truncate_or_skip() -> None:
+    trainer = make_trainer()
+    g = group(trainer, (1.0, 0.0))
+    limit = len(PROMPT) + len(BAD)  # the GOOD trajectory is one token longer
+    cut = prepare_grpo([g], GRPOConfig(max_seq_len=limit), CPU)
+    assert cut.stats["data/truncated_sequences"] == 1
+    assert sorted(int(i.token_ids.numel()) for i in cut.items) == [limit, limit]
+    with pytest.raises(NothingTrainableError, match="too_long_sequences=1"):
+        prepare_grpo([g], GRPOConfig(max_seq_len=limit, max_seq_len_policy="skip"), CPU)
+
+
+def test_advantage_stats_are_reported() -> None:
+    trainer = make_trainer()
+    stats = prepare_grpo([group(trainer, (1.0, 0.0))], trainer.config, CPU).stats
+    assert stats["advantage/max"] == pytest.approx(1.0, abs=1e-5) and stats["advantage/min"] == pytest.approx(-1.0, abs=1e-5)
+    assert stats["advantage/mean"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_sft_takes_the_best_of_each_group() -> None:
+    trainer = make_trainer()
+    batch = prepare_sft([group(trainer, (0.2, 0.9), "a"), group(trainer, (0.5, 0.5), "b")], trainer.config, CPU)
+    # group a: BAD (0.9) wins; group b: a tie keeps the first (GOOD)
+    assert [i.token_ids.tolist()[len(PROMPT):] for i in batch.items] == [BAD, GOOD]
+    assert batch.stats["reward/mean"] == pytest.approx(0.7)
+
+
+def test_retokenized_mask_covers_exactly_the_assistant_turns(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids, mask = render_with_assistant_mask(tokenizer, CONVERSATION, TOOLS)
+    assert len(ids) == len(mask)
+    # the masked tokens, run by run, are exactly the three assistant turns as the template renders them
+    runs, current = [], []
+    for token, m in zip(ids, mask, strict=True):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    if current:
+        runs.append(tokenizer.decode(current))
+    assert runs == [
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>',
+        "The sum is 5.<|im_end|>",
+        "2<|im_end|>",
+    ]
+    unmasked = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+    for text in ("You add numbers.", "What is 2+3?", "<tool_response>\n5\n</tool_response>", "And 1+1?", '"name": "add"'):
+        assert text in unmasked  # prompts, tool definitions and tool results carry no loss
+
+
+def test_foreign_trajectories_are_retokenized_and_counted(tokenizer: PreTrainedTokenizerBase) -> None:
+    def foreign(tid: str, answer: str, reward: float) -> Trajectory:
+        return Trajectory(id=tid, trace_id="1" * 32, group_id="f", token_exact=False, tools=TOOLS, reward=reward,
+                          messages=[*CONVERSATION[:-1], {"role": "assistant", "content": answer}],
+                          sequences=[Sequence(token_ids=[1, 2], logprobs=[None, None], assistant_mask=[0, 0])])
+
+    group_ = Group(id="f", trajectories=[foreign("x", "2", 1.0), foreign("y", "3", 0.0)])
+    batch = prepare_grpo([group_], GRPOConfig(), CPU, tokenizer)
+    assert batch.stats["data/retokenized_trajectories"] == 2
+    assert all(bool(torch.isnan(item.old_logprobs).all()) for item in batch.items)  # trained on-policy
+    expected_ids, expected_mask = render_with_assistant_mask(tokenizer, group_.trajectories[0].messages, TOOLS)
+    assert batch.items[0].token_ids.tolist() == expected_ids and batch.items[0].mask.tolist() == expected_mask[1:]
+    with pytest.raises(NothingTrainableError, match="not_token_exact_without_tokenizer=2"):
+        prepare_grpo([group_], GRPOConfig(), CPU, None)
+
+
+def test_retokenize_refuses_what_it_cannot_mask(tokenizer: PreTrainedTokenizerBase) -> None:
+    with pytest.raises(RetokenizeError, match="no assistant message"):
+        render_with_assistant_mask(tokenizer, CONVERSATION[:2])

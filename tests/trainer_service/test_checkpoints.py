@@ -1,0 +1,119 @@
+"""Checkpoint retention, resume after restart, and a full disk: nothing half-written is served."""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from collector.protocol import Batch
+
+from tests.trainer_service.test_service import make_service
+from tests.trainer_service.test_training import group, lora_params
+from trainer_service.checkpoints import CheckpointStore, select_kept
+from trainer_service.protocol import ServiceError
+
+
+def test_select_kept_last_best_and_protected() -> None:
+    steps = [1, 2, 3, 4, 5]
+    values = {1: 0.5, 2: 1.5, 3: 0.1, 4: float("nan"), 5: 0.3}
+    assert select_kept(steps, values, keep_last=None) == set(steps)
+    assert select_kept(steps, values, keep_last=2) == {2, 4, 5}
+    assert select_kept(steps, values, keep_last=2, best_mode="min") == {3, 4, 5}
+    assert select_kept(steps, values, keep_last=1, protect={1}) == {1, 2, 5}
+    assert select_kept(steps, {}, keep_last=1) == {5}
+
+
+async def test_retention_deletes_unloads_and_restart_restores(tmp_path: Path) -> None:
+    acks: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, acks, keep_last=2, keep_best_metric="reward/mean")
+    assert service.trainer is not None
+    # reward/mean per step: 0.5, 1.5 (the best), 0.1, 0.2, 0.3
+    for index, top in enumerate((1.0, 3.0, 0.2, 0.4, 0.6), 1):
+        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (top, 0.0))], lease_expires_at=0))
+        await service.train_once()
+    assert service.steps == [2, 4, 5]
+    assert sorted(service.engine.adapters) == ["agent@2", "agent@4", "agent@5"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()) == ["step-2", "step-4", "step-5"]
+    assert service.served_models() == ["base-model", "agent@2", "agent@4", "agent@5", "agent@latest"]
+    status = await service.status()
+    assert status.checkpoints == [2, 4, 5] and status.counters["checkpoints_deleted"] == 2
+    saved = lora_params(service.trainer)
+    optimizer_state = service.trainer.optimizer.state_dict()["state"]
+    await service.aclose()
+
+    restarted = make_service(tmp_path, [], [], keep_last=2, keep_best_metric="reward/mean")
+    assert restarted.trainer is not None and restarted.trainer.step_count == 5
+    assert sorted(restarted.engine.adapters) == ["agent@2", "agent@4", "agent@5"]
+    assert restarted.resolve("agent@latest") == "agent@5"
+    assert all(torch.equal(saved[n], p) for n, p in lora_params(restarted.trainer).items())
+    restored = restarted.trainer.optimizer.state_dict()["state"]
+    assert all(torch.equal(optimizer_state[k]["exp_avg"], restored[k]["exp_avg"]) for k in optimizer_state)
+    await restarted.aclose()
+
+
+async def test_full_disk_serves_nothing_and_rolls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    acks: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, acks)
+    trainer = service.trainer
+    assert trainer is not None
+    before = lora_params(trainer)
+    real_save = trainer.model.save_pretrained
+
+    def disk_full(path: str | Path, **kwargs: object) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "adapter_model.safetensors").write_bytes(b"half")  # a partial write, then ENOSPC
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer.model, "save_pretrained", disk_full)
+    batches.append(Batch(id="b1", groups=[group(trainer, (1.0, 0.0))], lease_expires_at=0))
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    assert info.value.status == 507 and info.value.body.error.code == "checkpoint_write_failed"
+    assert "No space left on device" in info.value.body.error.message
+    assert acks == [] and service.engine.adapters == {} and service.steps == []
+    assert list((tmp_path / "checkpoints").iterdir()) == []  # no half-written folder left behind
+    assert trainer.step_count == 0 and all(torch.equal(before[n], p) for n, p in lora_params(trainer).items())
+    assert (await service.status()).last_error is not None
+
+    monkeypatch.setattr(trainer.model, "save_pretrained", real_save)  # space freed: the next step is step 1
+    batches.append(Batch(id="b2", groups=[group(trainer, (1.0, 0.0))], lease_expires_at=0))
+    result = await service.train_once()
+    assert result.step == 1 and acks == [("b2", {"policy_step": 1})]
+    await service.aclose()
+
+
+def test_partial_folders_are_removed_at_start(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    (tmp_path / ".step-3.tmp-abcd").mkdir(parents=True)
+    (tmp_path / "step-2").mkdir()  # no manifest: never a checkpoint
+    (tmp_path / "step-1").mkdir()
+    (tmp_path / "step-1" / "manifest.json").write_text(json.dumps({"step": 1}))
+    assert sorted(store.remove_partial()) == [".step-3.tmp-abcd", "step-2"]
+    assert [step for step, _ in store.existing()] == [1]
+
+
+async def test_adapter_vllm_refuses_is_rolled_back_and_removed(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer_service.engine import EngineError
+
+    acks: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, acks)
+    assert service.trainer is not None
+
+    def refuse(name: str, path: str | Path) -> None:
+        raise EngineError("vLLM refused /v1/load_lora_adapter: HTTP 400: LoRA rank 16 is greater than max_lora_rank 8")
+
+    monkeypatch.setattr(service.engine, "load_adapter", refuse)
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    assert info.value.status == 500 and "max_lora_rank" in info.value.body.error.message
+    assert acks == [] and service.steps == [] and service.trainer.step_count == 0
+    assert not (tmp_path / "checkpoints" / "step-1").exists()  # never left on disk to be served at restart
+    await service.aclose()

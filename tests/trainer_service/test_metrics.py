@@ -1,0 +1,55 @@
+"""Metrics go from one function to JSONL, status, a PNG plot and Weights & Biases (offline)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from collector.protocol import Batch
+
+from tests.trainer_service.test_service import make_service
+from tests.trainer_service.test_training import group
+from trainer_service.metrics import PLOT_FILE, MetricsSink
+
+
+def test_sink_writes_jsonl_plot_and_wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sink = MetricsSink(tmp_path, wandb="auto", run_name="agent", config={"lr": 1e-4})
+    assert sink.wandb_enabled
+    for step, (reward, loss) in enumerate([(0.2, 0.5), (0.4, 0.3)], 1):
+        sink.emit(step, {"reward/mean": reward, "loss/policy": loss}, batch_id=f"b{step}")
+    sink.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["reward/mean"], line["batch_id"]) for line in lines] == [(1, 0.2, "b1"), (2, 0.4, "b2")]
+    assert (tmp_path / PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert sink.last["reward/mean"] == 0.4 and sink.sink_errors == 0
+    assert MetricsSink(tmp_path, wandb="off").last["loss/policy"] == 0.3  # history survives a restart
+
+
+def test_a_failing_secondary_sink_is_counted_not_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sink = MetricsSink(tmp_path, wandb="off")
+
+    def broken(step: int, metrics: dict[str, float]) -> None:
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(sink, "_plot", broken)
+    sink.emit(1, {"reward/mean": 1.0})
+    assert sink.sink_errors == 1 and (tmp_path / "metrics.jsonl").is_file()
+
+
+async def test_step_metrics_reach_status_and_plot(tmp_path: Path) -> None:
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    result = await service.train_once()
+    status = await service.status()
+    for key in ("loss/policy", "reward/mean", "reward/std", "advantage/mean", "advantage/std", "grad/norm",
+                "loss/clip_fraction", "time/tokens_per_s", "time/step_s", "time/publish_s", "promotion/promoted"):
+        assert key in result.metrics and status.last_metrics[key] == pytest.approx(result.metrics[key]), key
+    assert (tmp_path / PLOT_FILE).is_file()
+    await service.aclose()

@@ -1,0 +1,89 @@
+"""The promotion gate on the tiny Llama trainer.
+
+The engine here answers vLLM's `/v1/chat/completions` in process (httpx MockTransport, the
+published response shape: `choices[].message.content`), saying which model answered, so the
+test controls each checkpoint's eval reward through the reward function.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from collector.protocol import Batch
+
+from tests.trainer_service.test_service import make_service
+from tests.trainer_service.test_training import group
+from trainer_service.evaluation import EvalError, Evaluator, load_eval_file, load_reward_fn
+
+SCORES: dict[str, float] = {}
+"""Eval reward per answering model, set by the test."""
+
+
+def reward(row: dict[str, Any], completion: str) -> float:
+    """The eval reward function under test (`tests.trainer_service.test_promotion:reward`)."""
+    assert row["messages"][0]["role"] == "user"
+    return SCORES[completion.removeprefix("answer from ")]
+
+
+def engine(request: httpx.Request) -> httpx.Response:
+    body = json.loads(request.content)
+    choices = [{"index": i, "message": {"role": "assistant", "content": f"answer from {body['model']}"},
+                "finish_reason": "stop"} for i in range(body["n"])]
+    return httpx.Response(200, json={"id": "x", "object": "chat.completion", "model": body["model"], "choices": choices})
+
+
+async def test_gate_promotes_within_margin_and_says_why_not(tmp_path: Path) -> None:
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"{a}+1?"}]}) for a in range(3)))
+    rows = load_eval_file(eval_file)
+
+    async def source() -> list[dict[str, Any]]:
+        return rows
+
+    def evaluator() -> Evaluator:
+        return Evaluator(source, load_reward_fn("tests.trainer_service.test_promotion:reward"), "http://engine",
+                         samples=2, transport=httpx.MockTransport(engine))
+
+    SCORES.clear()
+    SCORES.update({"base-model": 0.5, "agent@1": 0.6, "agent@2": 0.3, "agent@3": 0.55})
+    batches: list[Batch] = []
+    service = make_service(tmp_path / "run", batches, [], evaluator=evaluator(), promotion_margin=0.1)
+    assert service.trainer is not None
+    results = []
+    for index in range(3):
+        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+        results.append(await service.train_once())
+    first, second, third = results
+    assert first.promotion.promoted and first.latest_model == "agent@1"
+    assert first.promotion.baseline_reward == 0.5 and first.metrics["eval/reward"] == 0.6
+    assert not second.promotion.promoted and second.latest_model == "agent@1"
+    assert "below agent@1's 0.6000 by more than the margin 0.1" in second.promotion.reason
+    assert service.resolve("agent@2") == "agent@2"  # kept and served by name, just not as latest
+    status = await service.status()
+    assert status.promotion is not None and status.promotion.step == 3
+    assert third.promotion.promoted and third.latest_model == "agent@3"  # 0.55 >= 0.6 - 0.1
+    assert status.eval_rewards == pytest.approx({0: 0.5, 1: 0.6, 2: 0.3, 3: 0.55})
+    await service.aclose()
+
+    SCORES["agent@4"] = math.nan  # a broken reward: the step is kept, not promoted
+    restarted = make_service(tmp_path / "run", batches, [], evaluator=evaluator(), promotion_margin=0.1)
+    assert restarted.trainer is not None and restarted.resolve("agent@latest") == "agent@3"
+    batches.append(Batch(id="b4", groups=[group(restarted.trainer, (1.0, 0.0))], lease_expires_at=0))
+    fourth = await restarted.train_once()
+    assert not fourth.promotion.promoted and fourth.latest_model == "agent@3"
+    assert "eval failed" in fourth.promotion.reason and "finite" in fourth.promotion.reason
+    await restarted.aclose()
+
+
+def test_eval_file_errors_name_the_line(tmp_path: Path) -> None:
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"prompt": "no messages"}\n')
+    with pytest.raises(EvalError, match=r"eval.jsonl:2 needs a non-empty `messages`"):
+        load_eval_file(bad)
+    with pytest.raises(EvalError, match="cannot be imported"):
+        load_reward_fn("tests.trainer_service.test_promotion:missing")

@@ -1,0 +1,88 @@
+"""Automatic training: `min_groups`, `every`, `cron`, pause and resume, one step at a time."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from collector.protocol import Batch
+
+from tests.trainer_service.test_service import make_service
+from tests.trainer_service.test_training import group
+from trainer_service.config import TrainerSettings, parse_duration
+from trainer_service.schedule import TrainingSchedule
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_min_groups_trains_when_enough_are_ready_and_pause_holds(tmp_path: Path) -> None:
+    acks: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, acks, min_groups=2, poll_seconds=0.1)
+    assert service.trainer is not None
+    service.schedule.start()
+    try:
+        batches.append(Batch(id="one", groups=[group(service.trainer, (1.0, 0.0), "a")], lease_expires_at=0))
+        await wait_for(lambda: service.schedule.counts["below_min_groups"] >= 2)
+        assert acks == []  # one ready group is below min_groups=2
+        batches[0].groups.append(group(service.trainer, (0.0, 1.0), "b"))
+        await wait_for(lambda: service.schedule.counts["trained"] == 1)
+        assert acks == [("one", {"policy_step": 1})]
+        status = await service.status()
+        assert status.schedule.triggers == ["min_groups=2 (poll 0.1s)"] and status.schedule.next_run is not None
+        assert status.queue_depth == 0 and status.step == 1
+
+        service.pause()
+        batches.append(Batch(id="two", groups=[group(service.trainer, (1.0, 0.0), "c"),
+                                               group(service.trainer, (0.0, 1.0), "d")], lease_expires_at=0))
+        await wait_for(lambda: service.schedule.counts["paused"] >= 2)
+        assert len(acks) == 1 and (await service.status()).schedule.paused
+        assert (await service.status()).queue_depth == 2
+        service.resume()
+        await wait_for(lambda: service.schedule.counts["trained"] == 2)
+        assert acks[1] == ("two", {"policy_step": 2})
+    finally:
+        await service.aclose()
+
+
+async def test_every_skips_when_busy_and_counts_empty_queues(tmp_path: Path) -> None:
+    acks: list[tuple[str, dict]] = []
+    service = make_service(tmp_path, [], acks, every="0.1s")
+    service.schedule.start()
+    try:
+        await wait_for(lambda: service.schedule.counts["no_batch_ready"] >= 1)
+        async with service._lock:  # a step is running: the job is skipped, not queued
+            await wait_for(lambda: service.schedule.counts["busy"] >= 1)
+        assert acks == []
+    finally:
+        await service.aclose()
+
+
+async def test_cron_reports_its_next_run(tmp_path: Path) -> None:
+    service = make_service(tmp_path, [], [], cron="*/15 * * * *")
+    service.schedule.start()
+    try:
+        next_run = service.schedule.next_run()
+        assert next_run is not None and next_run.minute % 15 == 0
+        assert (await service.status()).schedule.next_run == next_run.isoformat()
+    finally:
+        await service.aclose()
+
+
+def test_bad_schedules_are_rejected_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="write a positive number and a unit"):
+        TrainerSettings(every="10 minutes")
+    assert parse_duration("10m") == 600 and parse_duration("1.5h") == 5400
+
+    async def never(*_: object) -> int:
+        raise AssertionError
+
+    with pytest.raises(ValueError, match=r"write five fields, e\.g\."):
+        TrainingSchedule(TrainerSettings(cron="every day"), never, never)

@@ -1,0 +1,233 @@
+"""Turn a leased batch of groups into training items: select, score, tokenize, weigh.
+
+`prepare_grpo` keeps groups with a GRPO signal (two or more trajectories with finite,
+different rewards and assistant tokens), computes their advantages, applies the sequence
+length policy, re-tokenizes trajectories that are not token-exact, and gives every
+trajectory the same weight. Everything it leaves out is counted under `data/skipped/<reason>`.
+`prepare_sft` does the same for supervised warm-start steps on the best trajectory of each group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from collector.protocol import Group, Trajectory
+from transformers import PreTrainedTokenizerBase
+
+from trainer_service.config import GRPOConfig
+from trainer_service.grpo import group_advantages, trajectory_token_weights
+from trainer_service.retokenize import RetokenizeError, render_with_assistant_mask
+
+__all__ = ["NothingTrainableError", "PreparedBatch", "TrainItem", "prepare_grpo", "prepare_sft"]
+
+
+class NothingTrainableError(ValueError):
+    """No group of the batch carries a training signal."""
+
+
+@dataclass
+class TrainItem:
+    """One sequence ready for the loss."""
+
+    token_ids: torch.Tensor
+    """`[seq]` token ids."""
+    old_logprobs: torch.Tensor
+    """`[seq - 1]` engine log-probs of tokens 1.. (NaN where unknown: trained on-policy)."""
+    mask: torch.Tensor
+    """`[seq - 1]` 1.0 on assistant tokens 1.., else 0.0."""
+    advantage: float
+    weight: float
+
+
+@dataclass
+class PreparedBatch:
+    """Items of one step and the counters describing how they were chosen."""
+
+    items: list[TrainItem]
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+_Seq = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.skipped: Counter[str] = Counter()
+        self.truncated = 0
+        self.missing_logprobs = 0
+        self.retokenized = 0
+
+
+def _sequences(trajectory: Trajectory, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase | None,
+               counters: _Counters) -> list[_Seq]:
+    """Tensors `(ids, old_logprobs, mask)` of each trainable sequence of `trajectory`."""
+    raw: list[tuple[list[int], list[float | None], list[int]]] = []
+    if trajectory.token_exact:
+        for seq in trajectory.sequences:
+            n = len(seq.token_ids)
+            if not (len(seq.logprobs) == len(seq.assistant_mask) == n):
+                raise ValueError(
+                    f"trajectory {trajectory.id}: token_ids ({n}), logprobs ({len(seq.logprobs)}) and "
+                    f"assistant_mask ({len(seq.assistant_mask)}) must have the same length"
+                )
+            raw.append((seq.token_ids, seq.logprobs, seq.assistant_mask))
+    else:
+        if tokenizer is None:
+            counters.skipped["not_token_exact_without_tokenizer"] += 1
+            return []
+        try:
+            ids, mask = render_with_assistant_mask(tokenizer, trajectory.messages, trajectory.tools)
+        except RetokenizeError:
+            counters.skipped["retokenize_failed"] += 1
+            return []
+        counters.retokenized += 1
+        raw.append((ids, [None] * len(ids), mask))
+    out: list[_Seq] = []
+    for token_ids, logprobs, assistant_mask in raw:
+        n = len(token_ids)
+        if n > config.max_seq_len:
+            if config.max_seq_len_policy == "skip":
+                counters.skipped["too_long_sequences"] += 1
+                continue
+            counters.truncated += 1
+            n = config.max_seq_len
+        mask = torch.tensor(assistant_mask[1:n], dtype=torch.float32)
+        old_values = logprobs[1:n]
+        missing = [m > 0 and lp is None for lp, m in zip(old_values, mask.tolist(), strict=True)]
+        # Without the engine's logprob the ratio is unknown; those tokens train on-policy.
+        counters.missing_logprobs += sum(missing)
+        old = torch.tensor([float("nan") if lp is None else lp for lp in old_values], dtype=torch.float32)
+        if int(mask.sum()) > 0:
+            out.append((torch.tensor(token_ids[:n], dtype=torch.long), old, mask))
+    return out
+
+
+def _finite_rewarded(group: Group, counters: _Counters) -> list[Trajectory]:
+    kept = []
+    for t in group.trajectories:
+        if t.reward is None:
+            counters.skipped["unrewarded_trajectories"] += 1
+        elif not math.isfinite(t.reward):
+            counters.skipped["nonfinite_rewards"] += 1
+        else:
+            kept.append(t)
+    return kept
+
+
+def _items(per_traj: list[tuple[float, list[_Seq]]], device: torch.device) -> list[TrainItem]:
+    counts = [sum(int(m.sum()) for _, _, m in seqs) for _, seqs in per_traj]
+    weights = trajectory_token_weights(counts)
+    return [
+        TrainItem(ids.to(device), old.to(device), mask.to(device), advantage, weight)
+        for (advantage, seqs), weight in zip(per_traj, weights, strict=True)
+        for ids, old, mask in seqs
+    ]
+
+
+def _nothing(groups: list[Group], counters: _Counters, need: str) -> NothingTrainableError:
+    reasons = ", ".join(f"{k}={v}" for k, v in sorted(counters.skipped.items())) or "no groups given"
+    return NothingTrainableError(f"nothing to train in {len(groups)} group(s): {reasons}. {need}")
+
+
+def _common_stats(groups: list[Group], counters: _Counters, trained_groups: int, n_traj: int) -> dict[str, float]:
+    return {
+        "data/groups": float(len(groups)),
+        "data/groups_trained": float(trained_groups),
+        "data/trajectories": float(n_traj),
+        "data/truncated_sequences": float(counters.truncated),
+        "data/missing_logprobs": float(counters.missing_logprobs),
+        "data/retokenized_trajectories": float(counters.retokenized),
+        **{f"data/skipped/{k}": float(v) for k, v in sorted(counters.skipped.items())},
+    }
+
+
+def prepare_grpo(groups: list[Group], config: GRPOConfig, device: torch.device,
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> PreparedBatch:
+    """Select trainable groups and turn their sequences into items with advantages and weights.
+
+    Raises:
+        NothingTrainableError: no group has two trajectories with finite, different rewards and
+            assistant tokens; the message counts why each was left out.
+    """
+    counters = _Counters()
+    rewards_seen: list[float] = []
+    advantages_seen: list[float] = []
+    per_traj: list[tuple[float, list[_Seq]]] = []
+    trained_groups = 0
+    for group in groups:
+        rewarded = _finite_rewarded(group, counters)
+        if len(rewarded) < 2:
+            counters.skipped["too_few_trajectories"] += 1
+            continue
+        rewards = torch.tensor([float(t.reward) for t in rewarded])  # type: ignore[arg-type]
+        if float(rewards.max() - rewards.min()) == 0.0:
+            counters.skipped["no_reward_spread"] += 1
+            continue
+        advantages = group_advantages(rewards, scale=config.scale_rewards)
+        group_items: list[tuple[float, list[_Seq]]] = []
+        for trajectory, advantage in zip(rewarded, advantages.tolist(), strict=True):
+            seqs = _sequences(trajectory, config, tokenizer, counters)
+            if seqs:
+                group_items.append((advantage, seqs))
+            else:
+                counters.skipped["no_assistant_tokens"] += 1
+        if len(group_items) < 2:
+            counters.skipped["too_few_trajectories"] += 1
+            continue
+        rewards_seen.extend(rewards.tolist())
+        advantages_seen.extend(a for a, _ in group_items)
+        per_traj.extend(group_items)
+        trained_groups += 1
+    if not per_traj:
+        raise _nothing(groups, counters, "A group needs at least two trajectories with finite, different rewards "
+                       "and assistant tokens.")
+    rewards_t, adv_t = torch.tensor(rewards_seen), torch.tensor(advantages_seen)
+    stats = {
+        **_common_stats(groups, counters, trained_groups, len(per_traj)),
+        "reward/mean": float(rewards_t.mean()),
+        "reward/std": float(rewards_t.std(correction=0)),
+        "advantage/mean": float(adv_t.mean()),
+        "advantage/std": float(adv_t.std(correction=0)),
+        "advantage/min": float(adv_t.min()),
+        "advantage/max": float(adv_t.max()),
+    }
+    return PreparedBatch(_items(per_traj, device), stats)
+
+
+def prepare_sft(groups: list[Group], config: GRPOConfig, device: torch.device,
+                tokenizer: PreTrainedTokenizerBase | None = None) -> PreparedBatch:
+    """Pick the best-rewarded trajectory of each group (ties: the first) as supervised targets.
+
+    Items carry advantage 1.0 and equal per-trajectory weights, so the SFT loss is the mean over
+    trajectories of each one's mean assistant-token negative log-likelihood.
+
+    Raises:
+        NothingTrainableError: no group has a rewarded trajectory with assistant tokens.
+    """
+    counters = _Counters()
+    per_traj: list[tuple[float, list[_Seq]]] = []
+    rewards_seen: list[float] = []
+    for group in groups:
+        rewarded = _finite_rewarded(group, counters)
+        if not rewarded:
+            counters.skipped["no_rewarded_trajectory"] += 1
+            continue
+        best = max(rewarded, key=lambda t: float(t.reward))  # type: ignore[arg-type]
+        seqs = _sequences(best, config, tokenizer, counters)
+        if not seqs:
+            counters.skipped["no_assistant_tokens"] += 1
+            continue
+        per_traj.append((1.0, seqs))
+        rewards_seen.append(float(best.reward))  # type: ignore[arg-type]
+    if not per_traj:
+        raise _nothing(groups, counters, "SFT needs a rewarded trajectory with assistant tokens in some group.")
+    rewards_t = torch.tensor(rewards_seen)
+    stats = {
+        **_common_stats(groups, counters, len(per_traj), len(per_traj)),
+        "reward/mean": float(rewards_t.mean()),
+        "reward/std": float(rewards_t.std(correction=0)),
+    }
+    return PreparedBatch(_items(per_traj, device), stats)

@@ -1,0 +1,187 @@
+"""The promotion gate's evaluation: sample answers to eval prompts from a served model and score them.
+
+Eval prompts come from a JSONL file (`{"messages": [...], ...}` a line; the other keys reach
+the reward function) or from the collector's trajectories of one split (their conversation up
+to the last assistant message). The reward is a user function `module:function(row,
+completion) -> float`. Answers are sampled from vLLM with a fixed seed per prompt, so two
+checkpoints are compared on the same prompts with the same sampling noise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import math
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from collector.protocol import Trajectory
+
+from trainer_service.config import TrainerSettings
+
+__all__ = ["EvalError", "Evaluator", "RewardFn", "build_evaluator", "load_eval_file", "load_reward_fn", "prompts_from_trajectories"]
+
+RewardFn = Callable[[dict[str, Any], str], float]
+"""`(row, completion_text) -> reward`: `row` is the eval line (with `messages`)."""
+
+
+class EvalError(RuntimeError):
+    """The eval set, the reward function or the sampling failed."""
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Import `module:function`.
+
+    Raises:
+        EvalError: the module or attribute does not exist, or is not callable.
+    """
+    module_name, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise EvalError(f"eval reward {spec!r} cannot be imported: {exc}. Give `module:function` on the "
+                        "Python path of the trainer.") from exc
+    if not callable(fn):
+        raise EvalError(f"eval reward {spec!r} is not callable")
+    return fn  # type: ignore[no-any-return]
+
+
+def load_eval_file(path: Path) -> list[dict[str, Any]]:
+    """Read a JSONL eval set; every line needs a non-empty `messages` list.
+
+    Raises:
+        EvalError: the file is missing, a line is not JSON, or lacks `messages`.
+    """
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise EvalError(f"eval file {path} cannot be read: {exc}") from exc
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EvalError(f"{path}:{number} is not JSON: {exc}") from exc
+        if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
+            raise EvalError(f"{path}:{number} needs a non-empty `messages` list of chat messages")
+        rows.append(row)
+    if not rows:
+        raise EvalError(f"eval file {path} has no prompts")
+    return rows
+
+
+def prompts_from_trajectories(trajectories: list[Trajectory]) -> list[dict[str, Any]]:
+    """Eval rows from trajectories: each conversation up to (not including) its last assistant message."""
+    rows = []
+    for t in trajectories:
+        messages = list(t.messages)
+        while messages and messages[-1].get("role") == "assistant":
+            messages.pop()
+        if messages:
+            rows.append({"messages": messages, "tools": t.tools, "task": t.task, "metadata": t.metadata,
+                         "trajectory_id": t.id})
+    return rows
+
+
+class Evaluator:
+    """Mean reward of a served model on the eval prompts.
+
+    Args:
+        rows: async callable returning the eval rows (read each evaluation, so a split grows).
+        reward_fn: scores one answer.
+        engine_url: base address of the vLLM engine.
+        samples: answers per prompt.
+        max_prompts: most prompts used.
+        max_tokens: max_tokens per answer.
+        temperature: sampling temperature.
+        transport: httpx transport (tests).
+    """
+
+    def __init__(self, rows: Callable[[], Awaitable[list[dict[str, Any]]]], reward_fn: RewardFn, engine_url: str, *,
+                 samples: int = 4, max_prompts: int = 32, max_tokens: int = 64, temperature: float = 1.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self._rows = rows
+        self.reward_fn = reward_fn
+        self.samples = samples
+        self.max_prompts = max_prompts
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self._client = httpx.AsyncClient(base_url=engine_url, timeout=600.0, transport=transport)
+
+    async def evaluate(self, model: str) -> float:
+        """Sample `samples` answers per prompt from `model` and return the mean reward.
+
+        Raises:
+            EvalError: no prompts, the engine failed, or the reward function raised or returned
+                a non-finite value.
+        """
+        rows = (await self._rows())[: self.max_prompts]
+        if not rows:
+            raise EvalError("the eval set has no prompts yet (for a collector split: record rollouts with that split)")
+        rewards = await asyncio.gather(*(self._score(model, index, row) for index, row in enumerate(rows)))
+        flat = [r for per_row in rewards for r in per_row]
+        return sum(flat) / len(flat)
+
+    async def _score(self, model: str, index: int, row: dict[str, Any]) -> list[float]:
+        body: dict[str, Any] = {"model": model, "messages": row["messages"], "n": self.samples,
+                                "max_tokens": self.max_tokens, "temperature": self.temperature, "seed": index}
+        if row.get("tools"):
+            body["tools"] = row["tools"]
+        try:
+            response = await self._client.post("/v1/chat/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise EvalError(f"the engine did not answer an eval prompt for {model}: {exc}") from exc
+        if response.status_code != 200:
+            raise EvalError(f"the engine refused an eval prompt for {model}: HTTP {response.status_code}: "
+                            f"{response.text[:300]}")
+        scores = []
+        for choice in response.json()["choices"]:
+            text = choice["message"].get("content") or ""
+            try:
+                value = float(self.reward_fn(row, text))
+            except Exception as exc:  # a user function: any failure is reported with its type
+                raise EvalError(f"the eval reward function raised {type(exc).__name__}: {exc}") from exc
+            if not math.isfinite(value):
+                raise EvalError(f"the eval reward function returned {value} for prompt {index}; rewards must be finite")
+            scores.append(value)
+        return scores
+
+    async def aclose(self) -> None:
+        """Close the engine client."""
+        await self._client.aclose()
+
+
+def build_evaluator(settings: TrainerSettings, collector: httpx.AsyncClient, engine_url: str) -> Evaluator | None:
+    """The promotion gate's evaluator from the settings; None when no eval set is configured.
+
+    Raises:
+        EvalError: the eval file or the reward function cannot be loaded.
+    """
+    if settings.eval_reward is None:
+        return None
+    reward_fn = load_reward_fn(settings.eval_reward)
+    if settings.eval_file is not None:
+        rows = load_eval_file(settings.eval_file)
+
+        async def source() -> list[dict[str, Any]]:
+            return rows
+    else:
+        split = settings.eval_split
+
+        async def source() -> list[dict[str, Any]]:
+            try:
+                response = await collector.get("/v1/trajectories", params={"split": split})
+            except httpx.HTTPError as exc:
+                raise EvalError(f"the collector did not answer for the eval split {split!r}: {exc}") from exc
+            if response.status_code != 200:
+                raise EvalError(f"the collector refused the eval split {split!r}: HTTP {response.status_code}: "
+                                f"{response.text[:300]}")
+            return prompts_from_trajectories([Trajectory.model_validate(t) for t in response.json()])
+    return Evaluator(source, reward_fn, engine_url, samples=settings.eval_samples,
+                     max_prompts=settings.eval_max_prompts, max_tokens=settings.eval_max_tokens,
+                     temperature=settings.eval_temperature)

@@ -1,0 +1,134 @@
+"""One place every step's metrics go: `metrics.jsonl`, the status endpoint, a PNG plot and W&B.
+
+`MetricsSink.emit` is the only writer. The JSONL line is written first (it is the record);
+the plot and Weights & Biases follow, and a failure there is logged with its traceback and
+counted (`sink_errors`), never raised into the training step. W&B is used when the `wandb`
+package is installed and not turned off; it runs offline unless `WANDB_MODE` says otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsSink", "PLOT_FILE"]
+
+logger = logging.getLogger(__name__)
+
+PLOT_FILE = "metrics.png"
+"""Name of the reward/loss plot in the run folder."""
+_PLOTTED = (("reward/mean", "reward (mean)"), ("loss/policy", "policy loss"), ("eval/reward", "eval reward"))
+
+
+class MetricsSink:
+    """Writes step metrics to every sink.
+
+    Args:
+        run_dir: the run folder (`metrics.jsonl`, `metrics.png`, `wandb/`).
+        wandb: `auto` (use it when installed) or `off`.
+        project: W&B project.
+        run_name: W&B run name (the model name).
+        config: recorded as the W&B run config.
+    """
+
+    def __init__(self, run_dir: Path, *, wandb: str = "auto", project: str = "art-langgraph", run_name: str = "agent",
+                 config: dict[str, Any] | None = None) -> None:
+        self.run_dir = run_dir
+        self.history: list[dict[str, Any]] = self._read_history()
+        self.sink_errors = 0
+        self._wandb_wanted = wandb == "auto" and importlib.util.find_spec("wandb") is not None
+        self._wandb_run: Any = None
+        self._project = project
+        self._run_name = run_name
+        self._config = config or {}
+
+    @property
+    def jsonl_path(self) -> Path:
+        """`run_dir/metrics.jsonl`."""
+        return self.run_dir / "metrics.jsonl"
+
+    @property
+    def wandb_enabled(self) -> bool:
+        """True when metrics also go to Weights & Biases."""
+        return self._wandb_wanted
+
+    @property
+    def last(self) -> dict[str, float]:
+        """Numeric metrics of the latest emitted step (empty before the first)."""
+        if not self.history:
+            return {}
+        return {k: float(v) for k, v in self.history[-1].items() if isinstance(v, int | float) and k != "time"}
+
+    def _read_history(self) -> list[dict[str, Any]]:
+        if not self.jsonl_path.is_file():
+            return []
+        return [json.loads(line) for line in self.jsonl_path.read_text().splitlines() if line.strip()]
+
+    def emit(self, step: int, metrics: dict[str, float], **extra: Any) -> None:
+        """Record one step: JSONL line, status history, plot, W&B.
+
+        Args:
+            step: policy step.
+            metrics: slash-keyed numbers.
+            extra: non-numeric fields for the JSONL line (batch id, model name, kind).
+
+        Raises:
+            OSError: the JSONL line could not be written (the disk is full or read-only).
+        """
+        line = {"step": step, "time": time.time(), **extra, **metrics}
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with self.jsonl_path.open("a") as handle:
+            handle.write(json.dumps(line) + "\n")
+        self.history.append(line)
+        for sink in (self._plot, self._wandb):
+            try:
+                sink(step, metrics)
+            except Exception:  # a secondary sink never fails the step; logged and counted
+                self.sink_errors += 1
+                logger.exception("metrics sink %s failed at step %s", sink.__name__, step)
+
+    def _plot(self, step: int, metrics: dict[str, float]) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
+
+        series = [(key, label) for key, label in _PLOTTED if any(key in h for h in self.history)]
+        if not series:
+            return
+        figure, axes = plt.subplots(len(series), 1, figsize=(6, 2.2 * len(series)), sharex=True, squeeze=False)
+        for axis, (key, label) in zip(axes[:, 0], series, strict=True):
+            points = [(h["step"], h[key]) for h in self.history if key in h]
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3)
+            axis.set_ylabel(label)
+            axis.grid(alpha=0.3)
+        axes[-1, 0].set_xlabel("step")
+        figure.suptitle(f"{self._run_name}: step {step}")
+        figure.tight_layout()
+        tmp = self.run_dir / f".{PLOT_FILE}.tmp.png"
+        figure.savefig(tmp, dpi=80)
+        plt.close(figure)
+        os.replace(tmp, self.run_dir / PLOT_FILE)
+
+    def _wandb(self, step: int, metrics: dict[str, float]) -> None:
+        if not self._wandb_wanted:
+            return
+        import wandb
+
+        if self._wandb_run is None:
+            self._wandb_run = wandb.init(
+                project=self._project, name=self._run_name, dir=str(self.run_dir), config=self._config,
+                mode=os.environ.get("WANDB_MODE", "offline"), reinit="create_new",
+            )
+        self._wandb_run.log(metrics, step=step)
+
+    def close(self) -> None:
+        """Finish the W&B run, if one was started. Idempotent."""
+        run, self._wandb_run = self._wandb_run, None
+        if run is not None:
+            run.finish()

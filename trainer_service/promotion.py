@@ -1,0 +1,101 @@
+"""The promotion gate: `name@latest` moves to a new checkpoint only if its eval reward holds up.
+
+Without an eval set every new checkpoint is promoted. With one, the new checkpoint's mean eval
+reward is compared with the promoted checkpoint's (the base model's, key 0, before any
+promotion; measured once and cached): promoted when `new >= current - margin`, else kept and
+served as `name@N` but not as `name@latest`, with the reason recorded. A failed evaluation
+promotes nothing. The state survives restarts in `checkpoints/promotion.json`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from trainer_service.checkpoints import CheckpointStore
+from trainer_service.config import TrainerSettings
+from trainer_service.evaluation import EvalError, Evaluator
+from trainer_service.protocol import PromotionDecision
+
+__all__ = ["PromotionGate"]
+
+logger = logging.getLogger(__name__)
+
+
+class PromotionGate:
+    """Decides which checkpoint `name@latest` serves.
+
+    Args:
+        settings: `promotion_margin`.
+        store: where the promotion state is saved.
+        evaluator: scores a served model; None promotes every step.
+        model_name: step → `name@step`.
+        base_name: returns the base model's served name (eval of step 0).
+    """
+
+    def __init__(self, settings: TrainerSettings, store: CheckpointStore, evaluator: Evaluator | None,
+                 model_name: Callable[[int], str], base_name: Callable[[], str]) -> None:
+        self.margin = settings.promotion_margin
+        self.store = store
+        self.evaluator = evaluator
+        self._model_name = model_name
+        self._base_name = base_name
+        self.latest: int | None = None
+        """Promoted step (None: the base model)."""
+        self.evals: dict[int, float] = {}
+        """Mean eval reward per step; 0 is the base model."""
+        self.decision: PromotionDecision | None = None
+
+    def restore(self, steps: list[int]) -> None:
+        """Reload the saved state for the kept `steps` (after a restart)."""
+        saved = self.store.read_promotion() if (self.store.root / "promotion.json").is_file() else None
+        if saved is None:
+            self.latest = steps[-1] if steps else None
+            return
+        self.evals = {s: r for s, r in saved["evals"].items() if s == 0 or s in steps}
+        self.latest = saved["latest"] if saved["latest"] in steps else (steps[-1] if steps and self.evaluator is None
+                                                                        else None)
+        if saved.get("decision"):
+            self.decision = PromotionDecision.model_validate(saved["decision"])
+
+    def _name(self, step: int) -> str:
+        return self._base_name() if step == 0 else self._model_name(step)
+
+    async def judge(self, step: int, steps: list[int]) -> PromotionDecision:
+        """Evaluate the new checkpoint `step` (served already) and promote it or keep the current one."""
+        if self.evaluator is None:
+            decision = PromotionDecision(step=step, promoted=True, reason="no eval set configured: every step is promoted")
+        else:
+            decision = await self._gate(step, self.evaluator)
+        if decision.promoted:
+            self.latest = step
+        self.decision = decision
+        self.evals = {s: r for s, r in self.evals.items() if s == 0 or s in steps}
+        self.store.write_promotion({"latest": self.latest, "evals": self.evals, "decision": decision.model_dump()})
+        return decision
+
+    async def _gate(self, step: int, evaluator: Evaluator) -> PromotionDecision:
+        current = self.latest or 0
+        try:
+            new = await evaluator.evaluate(self._model_name(step))
+            self.evals[step] = new
+            if current not in self.evals:
+                self.evals[current] = await evaluator.evaluate(self._name(current))
+        except EvalError as exc:
+            logger.warning("eval of step %s failed; not promoted: %s", step, exc)
+            return PromotionDecision(step=step, promoted=False, reason=f"eval failed, not promoted: {exc}",
+                                     eval_reward=self.evals.get(step))
+        baseline = self.evals[current]
+        label = self._name(current)
+        if new >= baseline - self.margin:
+            reason = f"eval reward {new:.4f} vs {label}'s {baseline:.4f} (margin {self.margin:g}): promoted"
+            return PromotionDecision(step=step, promoted=True, reason=reason, eval_reward=new, baseline_reward=baseline)
+        reason = (f"eval reward {new:.4f} is below {label}'s {baseline:.4f} by more than the margin {self.margin:g}: "
+                  f"kept as {self._model_name(step)}, not promoted")
+        logger.warning("step %s not promoted: %s", step, reason)
+        return PromotionDecision(step=step, promoted=False, reason=reason, eval_reward=new, baseline_reward=baseline)
+
+    async def aclose(self) -> None:
+        """Close the evaluator's client."""
+        if self.evaluator is not None:
+            await self.evaluator.aclose()

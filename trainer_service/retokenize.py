@@ -1,0 +1,84 @@
+"""Re-tokenize a conversation with the model's chat template, marking the assistant tokens.
+
+Trajectories whose spans came without engine token ids (`token_exact=False`: another
+instrumentation, a foreign span) still carry their messages. They are rendered with the chat
+template; a token is an assistant token when the text it comes from was added by an assistant
+message. The spans are found by rendering growing prefixes of the conversation, so any
+template that renders a conversation as the concatenation of its turns works, tool calls
+included. Trailing template text after the end-of-turn token (a newline) is not sampled by the
+model and is left out of the mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+__all__ = ["RetokenizeError", "render_with_assistant_mask"]
+
+
+class RetokenizeError(ValueError):
+    """The chat template cannot render this conversation as a growing sequence of turns."""
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+            generation_prompt: bool) -> str:
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+    )
+    if not isinstance(text, str):
+        raise RetokenizeError(f"the chat template returned {type(text).__name__}, not text")
+    return text
+
+
+def render_with_assistant_mask(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[list[int], list[int]]:
+    """Return the token ids of `messages` rendered by the chat template and the assistant mask.
+
+    Args:
+        tokenizer: a fast tokenizer with a chat template.
+        messages: OpenAI-format messages (assistant messages may carry `tool_calls`).
+        tools: OpenAI tool definitions passed to the template.
+
+    Returns:
+        `(token_ids, mask)`: mask is 1 on tokens rendered from assistant messages (up to and
+        including the end-of-turn token), 0 elsewhere.
+
+    Raises:
+        RetokenizeError: no assistant message, no chat template, or a template whose rendering of
+            a longer conversation does not extend the rendering of a shorter one.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise RetokenizeError("the tokenizer has no chat template; set one (or serve a model that ships one)")
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise RetokenizeError("the conversation has no assistant message: nothing to train on")
+    full = _render(tokenizer, messages, tools, generation_prompt=False)
+    spans: list[tuple[int, int]] = []
+    for index, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before = _render(tokenizer, messages[:index], tools, generation_prompt=True) if index else ""
+        upto = _render(tokenizer, messages[: index + 1], tools, generation_prompt=False)
+        if not (upto.startswith(before) and full.startswith(upto)):
+            raise RetokenizeError(
+                f"the chat template does not render message {index} as an extension of the ones before it; "
+                "such trajectories cannot be re-tokenized (record them with engine token ids instead)"
+            )
+        spans.append((len(before), len(upto)))
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids: list[int] = list(encoded["input_ids"])
+    offsets: list[tuple[int, int]] = [tuple(o) for o in encoded["offset_mapping"]]
+    mask = [0] * len(ids)
+    for start, end in spans:
+        inside = [i for i, (s, e) in enumerate(offsets) if s >= start and e <= end and e > s]
+        eos = tokenizer.eos_token_id
+        ends = [i for i in inside if ids[i] == eos]
+        if ends:
+            inside = [i for i in inside if i <= ends[-1]]
+        for i in inside:
+            mask[i] = 1
+    return ids, mask

@@ -1,0 +1,142 @@
+"""When the trainer trains by itself: when N groups are ready, on an interval, or on a cron schedule.
+
+APScheduler's `AsyncIOScheduler` fires the jobs; each job calls `TrainerService.train_once`,
+which runs one step at a time: a job starts the step in its own task and returns, and a job that
+finds a step running is skipped and counted (`busy`), never queued behind it. Pausing stops every automatic and manual step until resumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.interval import IntervalTrigger
+
+from trainer_service.config import TrainerSettings, parse_duration
+from trainer_service.protocol import ServiceError
+
+__all__ = ["TrainingSchedule", "describe"]
+
+logger = logging.getLogger(__name__)
+
+TrainFn = Callable[[str, int], Awaitable[object]]
+"""`(source, min_groups) -> result`: runs one step (raises `ServiceError` when it cannot)."""
+QueueFn = Callable[[], Awaitable[int]]
+"""Returns the number of groups ready at the collector."""
+
+
+def describe(settings: TrainerSettings) -> list[str]:
+    """Readable list of the configured triggers, e.g. `["min_groups=4 (poll 15s)", "every 10m"]`."""
+    triggers = []
+    if settings.min_groups is not None:
+        triggers.append(f"min_groups={settings.min_groups} (poll {settings.poll_seconds:g}s)")
+    if settings.every is not None:
+        triggers.append(f"every {settings.every}")
+    if settings.cron is not None:
+        triggers.append(f"cron {settings.cron}")
+    return triggers
+
+
+class TrainingSchedule:
+    """The automatic triggers of one trainer service.
+
+    Args:
+        settings: `min_groups`, `every`, `cron`, `poll_seconds`.
+        train: runs one step.
+        queue_depth: counts ready groups at the collector.
+    """
+
+    def __init__(self, settings: TrainerSettings, train: TrainFn, queue_depth: QueueFn) -> None:
+        self.settings = settings
+        self._train = train
+        self._queue_depth = queue_depth
+        self.counts: Counter[str] = Counter()
+        """Outcome of each fired job: `trained`, `no_batch_ready`, `busy`, `paused`, `below_min_groups`, `failed`."""
+        self.last_outcome: str | None = None
+        self._scheduler: AsyncIOScheduler | None = None
+        self._running: asyncio.Task[None] | None = None
+        if settings.cron is not None:
+            try:
+                CronTrigger.from_crontab(settings.cron)
+            except ValueError as exc:
+                raise ValueError(f"cron={settings.cron!r} is not a cron expression ({exc}); write five fields, "
+                                 "e.g. `*/15 * * * *`.") from exc
+
+    @property
+    def active(self) -> bool:
+        """True when some trigger is configured."""
+        return bool(describe(self.settings))
+
+    def start(self) -> None:
+        """Add the configured jobs and start the scheduler (call inside the running event loop)."""
+        if not self.active:
+            return
+        scheduler = AsyncIOScheduler()
+        s = self.settings
+        if s.min_groups is not None:
+            scheduler.add_job(self._poll, IntervalTrigger(seconds=s.poll_seconds), id="min_groups",
+                              max_instances=1, coalesce=True, next_run_time=datetime.now(scheduler.timezone))
+        if s.every is not None:
+            scheduler.add_job(self._fire, IntervalTrigger(seconds=parse_duration(s.every)), args=["every"],
+                              id="every", max_instances=1, coalesce=True)
+        if s.cron is not None:
+            scheduler.add_job(self._fire, CronTrigger.from_crontab(s.cron), args=["cron"], id="cron",
+                              max_instances=1, coalesce=True)
+        scheduler.start()
+        self._scheduler = scheduler
+
+    def shutdown(self) -> None:
+        """Stop the scheduler. Idempotent."""
+        scheduler, self._scheduler = self._scheduler, None
+        if scheduler is not None:
+            scheduler.shutdown(wait=False)
+        if self._running is not None:
+            self._running.cancel()  # the step's worker thread finishes; its result is not awaited
+
+    def next_run(self) -> datetime | None:
+        """When the next job fires (None without triggers)."""
+        if self._scheduler is None:
+            return None
+        times = [job.next_run_time for job in self._scheduler.get_jobs() if job.next_run_time is not None]
+        return min(times) if times else None
+
+    async def _poll(self) -> None:
+        """The `min_groups` job: train when the collector has enough ready groups."""
+        wanted = self.settings.min_groups or 1
+        try:
+            ready = await self._queue_depth()
+        except ServiceError as exc:
+            self._note("collector_unavailable", exc.body.error.message)
+            return
+        if ready < wanted:
+            self._note("below_min_groups", f"{ready} of {wanted} groups ready")
+            return
+        await self._fire("min_groups")
+
+    async def _fire(self, source: str) -> None:
+        """Start a step in its own task, so the job returns at once and the next one can report `busy`."""
+        if self._running is not None and not self._running.done():
+            self._note("busy", f"{source}: a scheduled step is still running")
+            return
+        self._running = asyncio.create_task(self._step(source))
+
+    async def _step(self, source: str) -> None:
+        try:
+            await self._train(source, self.settings.min_groups or 1)
+        except ServiceError as exc:
+            code = exc.body.error.code or "failed"
+            outcome = {"training_in_progress": "busy"}.get(code, code)
+            self._note(outcome, exc.body.error.message)
+            return
+        self._note("trained", source)
+
+    def _note(self, outcome: str, detail: str) -> None:
+        self.counts[outcome] += 1
+        self.last_outcome = f"{outcome}: {detail}"
+        level = logging.INFO if outcome in ("trained", "below_min_groups", "no_batch_ready", "paused") else logging.WARNING
+        logger.log(level, "scheduled training: %s (%s)", outcome, detail)
