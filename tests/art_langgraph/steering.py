@@ -22,3 +22,8 @@ def steer(regex: str) -> dict:
 def has_tool_result(messages: list) -> bool:
     """True once a tool message is in the conversation (the agent's second model turn)."""
     return any(getattr(m, "type", None) == "tool" for m in messages)
+
+
+STEERED_MAX_TOKENS = 96
+"""Room for a steered answer: guided decoding may spell the tool call in many small tokens
+(`<`, `tool`, `_`, ...), and a call cut short is not parsed as one."""

@@ -14,7 +14,7 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode
 
 from art_langgraph import ARTChatModel, chat_node, semconv
-from tests.art_langgraph.steering import ADD_CALL, FINAL_ANSWER, has_tool_result, steer
+from tests.art_langgraph.steering import ADD_CALL, FINAL_ANSWER, STEERED_MAX_TOKENS, has_tool_result, steer
 
 
 def by_kind(spans, kind: str) -> list:
@@ -29,7 +29,7 @@ def assert_exact(message: AIMessage) -> None:
 
 
 def test_bind_tools_auto_is_parsed_by_vllm(chat_model: ARTChatModel, add_tool, spans) -> None:
-    msg = chat_model.bind_tools([add_tool], max_tokens=40, **steer(ADD_CALL)).invoke("What is 3+4? Use add.")
+    msg = chat_model.bind_tools([add_tool], max_tokens=STEERED_MAX_TOKENS, **steer(ADD_CALL)).invoke("What is 3+4? Use add.")
     assert msg.tool_calls == [{"name": "add", "args": {"a": 3, "b": 4}, "id": msg.tool_calls[0]["id"], "type": "tool_call"}]
     assert msg.response_metadata["finish_reason"] == "tool_calls"
     assert_exact(msg)
@@ -46,7 +46,7 @@ def test_template_renders_tool_turns_as_the_model_wrote_them(chat_model: ARTChat
     from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_base_model(BUNDLED_MODEL))
-    llm = chat_model.bind_tools([add_tool], max_tokens=40)
+    llm = chat_model.bind_tools([add_tool], max_tokens=STEERED_MAX_TOKENS)
     question = HumanMessage("What is 3+4? Use add.")
     first = llm.bind(**steer(ADD_CALL)).invoke([question])
     result = ToolMessage("7", tool_call_id=first.tool_calls[0]["id"])
@@ -69,7 +69,7 @@ def test_create_react_agent(chat_model: ARTChatModel, add_tool, spans) -> None:
 
     def model(state, runtime):  # type: ignore[no-untyped-def]
         regex = FINAL_ANSWER if has_tool_result(state["messages"]) else ADD_CALL
-        return chat_model.bind_tools([add_tool], max_tokens=40, **steer(regex))
+        return chat_model.bind_tools([add_tool], max_tokens=STEERED_MAX_TOKENS, **steer(regex))
 
     agent = create_react_agent(model, [add_tool])
     out = agent.invoke({"messages": [("user", "What is 3+4?")]})
@@ -95,7 +95,7 @@ async def test_langchain_create_agent(chat_model: ARTChatModel, add_tool, spans)
     @wrap_model_call
     async def steering(request, handler):  # type: ignore[no-untyped-def]
         regex = FINAL_ANSWER if has_tool_result(request.messages) else ADD_CALL
-        settings = {**request.model_settings, "max_tokens": 40, **steer(regex)}
+        settings = {**request.model_settings, "max_tokens": STEERED_MAX_TOKENS, **steer(regex)}
         return await handler(request.override(model_settings=settings))
 
     agent = create_agent(chat_model, [add_tool], middleware=[steering])
@@ -109,7 +109,7 @@ async def test_langchain_create_agent(chat_model: ARTChatModel, add_tool, spans)
 @pytest.mark.asyncio(loop_scope="session")
 async def test_chat_node_with_tool_node(chat_model: ARTChatModel, add_tool, spans) -> None:
     builder = StateGraph(MessagesState)
-    steered = chat_model.bind(max_tokens=40, **steer(ADD_CALL))
+    steered = chat_model.bind(max_tokens=STEERED_MAX_TOKENS, **steer(ADD_CALL))
     builder.add_node("agent", chat_node(steered, tools=[add_tool], system="You add numbers."))
     builder.add_node("tools", ToolNode([add_tool]))
     builder.add_edge(START, "agent")
