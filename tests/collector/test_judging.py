@@ -72,7 +72,11 @@ def test_automatic_judge_runs_once_a_group_is_complete(tmp_path: Path, monkeypat
         assert client.get("/v1/view/groups").json()[0]["judge"] is None
         store.add_spans(spans[3:])  # member 1's rollout span ends it
         deadline = time.monotonic() + 10
-        while (judge := client.get("/v1/view/groups").json()[0]["judge"]) is None and time.monotonic() < deadline:
+        # The run shows as `running` first; wait for it to settle.
+        while time.monotonic() < deadline:
+            judge = client.get("/v1/view/groups").json()[0]["judge"]
+            if judge is not None and judge["state"] != "running":
+                break
             time.sleep(0.1)
         assert judge is not None and judge["state"] == "skipped"
 
