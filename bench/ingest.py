@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from art_langgraph import semconv as sc  # noqa: E402  (after the path set-up)
+from examples.stack import free_port  # noqa: E402
 
 PHOENIX_VENV = ROOT / "bench" / ".phoenix-venv"
 SPANS_PER_TRACE = 7
@@ -127,19 +128,6 @@ def make_exports(traces: int, per_export: int, seed: int = 0) -> list[bytes]:
         bodies.append(request.SerializeToString())
     return bodies
 
-
-def free_port() -> int:
-    """A free port in 24500-24599."""
-    import socket
-
-    for port in range(24500, 24600):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 24500-24599")
 
 
 def wait_http(url: str, process: subprocess.Popen[bytes], timeout: float, log: Path) -> None:

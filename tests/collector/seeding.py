@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ import pytest
 from fastapi import FastAPI
 
 from collector.otlp import SpanRecord
+from examples.stack import free_port
 from tests.collector import span_builders as sb
 
 QUESTION = [
@@ -18,17 +18,6 @@ QUESTION = [
     {"role": "user", "content": "What is 3 + 4?"},
 ]
 
-
-def free_port() -> int:
-    """A free TCP port in 24500-24599 (the range this project's tests start servers on)."""
-    for port in range(24500, 24600):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 24500-24599")
 
 
 def trace_id(group: str, n: int) -> str:

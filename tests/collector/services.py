@@ -10,7 +10,6 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,19 +18,8 @@ from pathlib import Path
 
 import httpx
 
-PORTS = range(24400, 24500)
+from examples.stack import free_port
 
-
-def free_port() -> int:
-    """A port in 24400-24499 that nothing listens on now."""
-    for port in PORTS:
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 24400-24499; stop what holds them")
 
 
 class PostgresServer:
