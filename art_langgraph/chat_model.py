@@ -7,16 +7,19 @@ Every call asks the engine for logprobs and token ids, keeps them on the returne
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Literal
 from uuid import UUID
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
+from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import BaseMessage
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
 from langchain_openai import ChatOpenAI
 from pydantic import model_validator
 
+from art_langgraph import semconv
 from art_langgraph._llm_span import llm_span
 from art_langgraph.errors import UnsupportedOption
 from art_langgraph._settings import get_settings
@@ -102,6 +105,34 @@ class ARTChatModel(ChatOpenAI):
     @property
     def _llm_type(self) -> str:
         return "art-chat"
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        """LangChain's run metadata for this call, marked `art.traced` (see `semconv.TRACED_RUN`)."""
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params[semconv.TRACED_RUN] = True  # type: ignore[literal-required]
+        return params
+
+    def with_structured_output(
+        self,
+        schema: Any = None,
+        *,
+        method: Literal["function_calling", "json_mode", "json_schema"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        tools: list | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, Any]:
+        """`ChatOpenAI.with_structured_output`; `function_calling` sends `strict: true` unless told otherwise.
+
+        vLLM (0.32) constrains a forced tool call's arguments to the tool's schema only when the
+        tool is `strict`; without it, only the call's envelope is guided and a small model writes
+        arguments that do not parse. `strict=False` keeps the unconstrained behaviour.
+        """
+        if method == "function_calling" and strict is None:
+            strict = True
+        return super().with_structured_output(
+            schema, method=method, include_raw=include_raw, strict=strict, tools=tools, **kwargs
+        )
 
     def _get_request_payload(
         self,

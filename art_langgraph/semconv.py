@@ -28,6 +28,21 @@ group, group size and split with the keys `art.task`, `art.group`, `art.group.si
 
 Every span inside a rollout carries `art.rollout.id`, so the collector can place a span even
 when it arrives before its parent or without it.
+
+Other instrumentations of the same app (OpenInference, Langfuse's LangChain `CallbackHandler`,
+OpenTelemetry GenAI instrumentations) may send their own spans of the same model calls to
+the collector. So that no call counts twice, a model call is a turn of a trajectory only
+through the record this package makes of it:
+
+* `ARTChatModel` puts `art.traced = true` (`TRACED_RUN`) in the LangChain metadata of its
+  runs. Instrumentations that copy run metadata onto their spans carry it (OpenInference in
+  its `metadata` JSON, Langfuse as `langfuse.observation.metadata.art.traced`); a foreign
+  model-call span with it is not a model call for the collector, whatever trace it is in.
+* In a trajectory that holds an `llm` span, foreign model-call spans are never turns (an
+  instrumentation of the OpenAI client under a call outside any rollout, say).
+
+Foreign model-call spans without either mark (an app that does not use `ARTChatModel`) become
+trajectories of their own trace, not token-exact.
 """
 
 from __future__ import annotations
@@ -92,6 +107,10 @@ SPLIT: Final = "art.split"
 """`train` or `val` (any string; only `train` is leased for training)."""
 METADATA: Final = "art.metadata"
 """JSON object of free-form metadata given to `rollout(...)`."""
+TRACED_RUN: Final = "art.traced"
+"""Key `ARTChatModel` sets to `true` in the LangChain metadata of each of its runs (not a span
+attribute): other instrumentations that record run metadata mark their span of the call with
+it, and the collector leaves such spans out of trajectories (the `llm` span records the call)."""
 POLICY_STEP: Final = "art.policy.step"
 """Training step of the checkpoint that answered (`name@step`); 0 for the base model."""
 

@@ -9,6 +9,10 @@ A turn that starts a new sequence although its messages extend the previous turn
 is recorded as retokenization drift. Model calls of other instrumentations (see
 `collector.foreign`) carry no token ids: their trajectories are not token-exact.
 
+No model call counts twice when the app also sends another instrumentation's spans: a foreign
+span of an `ARTChatModel` call (`foreign.describes_art_call`) is no model call at all, and a
+trajectory that holds an `llm` span takes its turns from `llm` spans only (`model_calls`).
+
 Rewards come from `art.reward` events on the rollout span and from reward spans
 (`art.span.kind = reward`, with `art.reward.name` / `art.reward.value` attributes, and events).
 """
@@ -38,6 +42,7 @@ __all__ = [
     "build_sequences",
     "facts",
     "is_llm",
+    "model_calls",
     "span_problem",
     "span_rewards",
     "trajectory_key",
@@ -77,11 +82,18 @@ def trajectory_key(span: SpanRecord) -> tuple[str, bool]:
 
 
 def is_llm(span: SpanRecord) -> bool:
-    """True for a model call: `art.span.kind == "llm"`, or a model call of another instrumentation."""
+    """True for a model call: an `llm` span, or a foreign model call not of an `ARTChatModel` call."""
     kind = span.attributes.get(sc.SPAN_KIND)
     if kind is not None:
         return kind == sc.SPAN_KIND_LLM
-    return foreign.is_generation(span.attributes)
+    return foreign.is_generation(span.attributes) and not foreign.describes_art_call(span.attributes)
+
+
+def model_calls(spans: Iterable[SpanRecord]) -> list[SpanRecord]:
+    """The spans that are a trajectory's turns: its `llm` spans, or, when it has none, its foreign model calls."""
+    calls = [span for span in spans if is_llm(span)]
+    ours = [span for span in calls if span.attributes.get(sc.SPAN_KIND) == sc.SPAN_KIND_LLM]
+    return ours or calls
 
 
 @dataclass(frozen=True)
@@ -368,7 +380,7 @@ def assemble(
     ordered = _unique_sorted(spans)
     summary = facts(trajectory_id, ordered)
     rollout = _rollout_span(ordered)
-    llm = [span for span in ordered if is_llm(span)]
+    llm = model_calls(ordered)
     built = build_sequences(llm)
 
     talk = foreign.conversation(llm[-1].attributes, span_id=llm[-1].span_id) if llm else foreign.Conversation()

@@ -16,6 +16,10 @@ trajectories that the trainer re-tokenizes:
   `langfuse.observation.model.name`.
 
 Every result is in OpenAI chat format (`role`, `content`, `tool_calls`, `tool_call_id`).
+
+`describes_art_call` recognises a foreign span of a call that `art_langgraph.ARTChatModel`
+made (and so recorded exactly in its own `llm` span): the LangChain run metadata these
+instrumentations copy onto their spans holds `art.traced = true` (`semconv.TRACED_RUN`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 from art_langgraph import semconv as sc
 
-__all__ = ["Conversation", "conversation", "is_generation", "same_messages"]
+__all__ = ["Conversation", "conversation", "describes_art_call", "is_generation", "same_messages"]
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +46,14 @@ OPENINFERENCE_INPUT = "llm.input_messages."
 OPENINFERENCE_OUTPUT = "llm.output_messages."
 OPENINFERENCE_MODEL = "llm.model_name"
 OPENINFERENCE_TOOLS = "llm.tools."
+OPENINFERENCE_METADATA = "metadata"
+"""OpenInference: JSON object of the LangChain run's metadata."""
 LANGFUSE_TYPE = "langfuse.observation.type"
 LANGFUSE_INPUT = "langfuse.observation.input"
 LANGFUSE_OUTPUT = "langfuse.observation.output"
 LANGFUSE_MODEL = "langfuse.observation.model.name"
+LANGFUSE_METADATA = "langfuse.observation.metadata."
+"""Langfuse: one attribute per metadata key, its value JSON-encoded."""
 
 _GEN_AI_OPERATIONS = frozenset({"chat", "text_completion", "generate_content"})
 
@@ -69,6 +77,15 @@ def is_generation(attributes: Mapping[str, Any]) -> bool:
         or attributes.get(OPENLLMETRY_REQUEST_TYPE) in ("chat", "completion")
         or f"{GEN_AI_PROMPT}0.role" in attributes
     )
+
+
+def describes_art_call(attributes: Mapping[str, Any]) -> bool:
+    """True for another instrumentation's span of an `ARTChatModel` call (run metadata `art.traced = true`)."""
+    marked = _decoded(attributes.get(f"{LANGFUSE_METADATA}{sc.TRACED_RUN}"))
+    if marked is True:
+        return True
+    metadata = _decoded(attributes.get(OPENINFERENCE_METADATA))
+    return isinstance(metadata, Mapping) and metadata.get(sc.TRACED_RUN) is True
 
 
 def conversation(attributes: Mapping[str, Any], *, span_id: str = "?") -> Conversation:
@@ -126,6 +143,16 @@ def _essence(message: Mapping[str, Any]) -> tuple[Any, ...]:
                 pass
         calls.append((function.get("name"), json.dumps(arguments, sort_keys=True)))
     return message.get("role"), str(text).strip(), tuple(calls), message.get("tool_call_id")
+
+
+def _decoded(value: Any) -> Any:
+    """A JSON-encoded attribute value decoded; anything else (or text that is not JSON) as it is."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
 
 
 def _json(attributes: Mapping[str, Any], key: str, span_id: str) -> Any:

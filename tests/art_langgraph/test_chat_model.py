@@ -114,6 +114,40 @@ def test_with_structured_output_uses_guided_decoding(chat_model: ARTChatModel, s
     assert_matches(span, out["raw"].response_metadata["art"])
 
 
+def test_with_structured_output_function_calling_is_a_strict_guided_tool_call(chat_model: ARTChatModel, spans) -> None:
+    """`function_calling` forces a tool call; `strict` (the default here) makes vLLM guide its arguments.
+
+    vLLM 0.32 constrains only the call's envelope of a non-strict tool: the model then writes
+    arguments that do not parse (a JSON-schema-like blob, cut at `max_tokens`).
+    """
+
+    class Answer(BaseModel):
+        answer: int
+
+    structured = chat_model.model_copy(update={"max_tokens": 64, "temperature": 0.0}).with_structured_output(
+        Answer, method="function_calling", include_raw=True
+    )
+    out = structured.invoke("What is 2+3?")
+    assert out["parsing_error"] is None, out["raw"]
+    assert isinstance(out["parsed"], Answer)
+    (call,) = out["raw"].tool_calls
+    assert call["name"] == "Answer" and call["args"] == out["parsed"].model_dump()
+    (span,) = llm_spans(spans)
+    (tool_def,) = json.loads(span.attributes[semconv.GEN_AI_TOOL_DEFINITIONS])
+    assert tool_def["function"]["strict"] is True
+    assert_matches(span, out["raw"].response_metadata["art"])
+
+
+def test_with_structured_output_keeps_an_explicit_strict(chat_model: ARTChatModel) -> None:
+    class Answer(BaseModel):
+        answer: int
+
+    for strict in (False, True):
+        bound = chat_model.with_structured_output(Answer, method="function_calling", strict=strict).first
+        (tool_def,) = bound.kwargs["tools"]
+        assert tool_def["function"].get("strict", False) is strict
+
+
 def test_n_greater_than_one_gives_one_span_per_choice(chat_model: ARTChatModel, spans) -> None:
     result = chat_model.model_copy(update={"n": 3, "max_tokens": 4}).generate([[HumanMessage("Say a word.")]])
     generations = result.generations[0]

@@ -1,4 +1,5 @@
-"""Model-call spans of other instrumentations become (not token-exact) trajectories.
+"""Model-call spans of other instrumentations become (not token-exact) trajectories, unless
+they describe calls the plugin recorded itself.
 
 The spans are made by the real OpenTelemetry SDK with the attribute names each convention
 publishes (OpenTelemetry GenAI, OpenLLMetry's flattened `gen_ai.prompt.N.*`, OpenInference,
@@ -9,7 +10,9 @@ the collector's `/v1/traces`.
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +23,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from art_langgraph import semconv as sc
 from collector.config import CollectorSettings
-from collector.foreign import conversation, same_messages
+from collector.foreign import conversation, describes_art_call, same_messages
+from collector.otlp import SpanRecord
 from collector.server import create_app
+from tests.collector.span_builders import llm, rollout, sid, to_request
 
+TRACE_A, TRACE_B, TRACE_C, TRACE_D, TRACE_E = (f"{k:032x}" for k in range(0xA1, 0xA6))
 TOOL = {"type": "function", "function": {"name": "add", "description": "", "parameters": {"type": "object"}}}
 EXPECTED = [
     {"role": "system", "content": "Be brief."},
@@ -173,3 +180,127 @@ def test_conversation_ignores_malformed_values() -> None:
     assert (broken.input, broken.output, broken.tools) == ([], [], [])
     clash = conversation({"gen_ai.prompt.0.role": "user", "gen_ai.prompt.0.content": "hi", "gen_ai.prompt.0.content.x": "y"})
     assert clash.input == [{"role": "user", "content": "hi"}]
+
+
+# --- the app sends another instrumentation's spans of the same calls too -------------------------
+#
+# Attribute sets as the real instrumentations write them for an `ARTChatModel` call (recorded
+# from `openinference-instrumentation-langchain` 0.1.80 and `langfuse` 5.0.4's CallbackHandler;
+# tests/art_langgraph/test_coexistence.py runs both for real): the LangChain run metadata they
+# copy carries `art.traced = true`.
+
+QUESTION = [{"role": "user", "content": "hi"}]
+REPLY = [{"role": "assistant", "content": "hey there!"}]
+
+
+def _openinference_llm(trace: str, n: int, parent: str | None, *, marked: bool) -> SpanRecord:
+    metadata = {"ls_provider": "openai", "ls_model_name": "agent@latest", "ls_model_type": "chat",
+                "ls_integration": "langchain_chat_model", "langgraph_step": 1, "langgraph_node": "agent"}
+    if marked:
+        metadata[sc.TRACED_RUN] = True
+    return SpanRecord(trace, sid(n), parent, "ARTChatModel" if marked else "ChatOpenAI", 12, 40, {
+        "openinference.span.kind": "LLM",
+        "input.value": json.dumps({"messages": [[{"lc": 1, "type": "constructor", "kwargs": {"content": "hi", "type": "human"}}]]}),
+        "input.mime_type": "application/json",
+        "llm.input_messages.0.message.role": "user",
+        "llm.input_messages.0.message.content": "hi",
+        "llm.output_messages.0.message.role": "assistant",
+        "llm.output_messages.0.message.content": "hey there!",
+        "llm.invocation_parameters": json.dumps({"model": "agent@latest", "logprobs": True, "_type": "art-chat" if marked else "openai-chat"}),
+        "llm.provider": "openai",
+        "llm.system": "openai",
+        "llm.model_name": "agent@8",
+        "llm.token_count.prompt": 31,
+        "llm.token_count.completion": 3,
+        "metadata": json.dumps(metadata),
+    })
+
+
+def _openinference_chain(trace: str, n: int, parent: str | None, name: str) -> SpanRecord:
+    return SpanRecord(trace, sid(n), parent, name, 5, 50, {"openinference.span.kind": "CHAIN", "input.value": "{}", "output.value": "{}"})
+
+
+def _langfuse_generation(trace: str, n: int, parent: str | None) -> SpanRecord:
+    return SpanRecord(trace, sid(n), parent, "ARTChatModel", 12, 40, {
+        "langfuse.observation.type": "generation",
+        "langfuse.observation.input": json.dumps(QUESTION),
+        "langfuse.observation.output": json.dumps(REPLY[0]),
+        "langfuse.observation.model.name": "agent@latest",
+        "langfuse.observation.metadata.ls_provider": json.dumps("openai"),
+        f"langfuse.observation.metadata.{sc.TRACED_RUN}": json.dumps(True),
+    })
+
+
+def _ours(rollout_id: str, trace: str, n: int) -> list[SpanRecord]:
+    """One graph run as the plugin records it: rollout → node → llm."""
+    node = SpanRecord(trace, sid(n + 1), sid(n), "node agent", 8, 45,
+                      {sc.SPAN_KIND: sc.SPAN_KIND_NODE, sc.ROLLOUT_ID: rollout_id, sc.NODE_NAME: "agent"})
+    call = llm(n + 2, rollout=rollout_id, trace=trace, start=11, prompt=[1, 2, 3], completion=[7, n, 9], messages=QUESTION, output=REPLY)
+    call = replace(call, parent_span_id=node.span_id)
+    return [rollout(n, rollout_id, trace=trace, task="chat", rewards={"reward": 1.0}), node, call]
+
+
+def _deliver(client: TestClient, spans: list[SpanRecord], seed: int) -> None:
+    """Post the spans, each twice, in a shuffled order and in exports of 1-4 spans."""
+    rng = random.Random(seed)
+    delivery = spans * 2
+    rng.shuffle(delivery)
+    while delivery:
+        cut = rng.randint(1, 4)
+        body = to_request(delivery[:cut]).SerializeToString()
+        assert client.post("/v1/traces", content=body, headers={"content-type": "application/x-protobuf"}).status_code == 200
+        delivery = delivery[cut:]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_foreign_spans_of_art_calls_make_no_trajectory_nor_turn(tmp_path: Path, seed: int) -> None:
+    # `with rollout(...)`: OpenInference's spans are children of the rollout span (same trace).
+    inside = _ours("r-inside", TRACE_A, 100)
+    inside += [_openinference_chain(TRACE_A, 110, sid(100), "app"), _openinference_llm(TRACE_A, 111, sid(110), marked=True)]
+    # A graph run outside `rollout()`: the foreign spans are a trace of their own.
+    outside = _ours("r-graph", TRACE_B, 200)
+    foreign_only = [_openinference_chain(TRACE_C, 300, None, "app"), _openinference_llm(TRACE_C, 301, sid(300), marked=True),
+                    _langfuse_generation(TRACE_D, 400, None)]
+    # Control: an app that does not use `ARTChatModel` still makes a (not token-exact) trajectory.
+    plain = [_openinference_chain(TRACE_E, 500, None, "app"), _openinference_llm(TRACE_E, 501, sid(500), marked=False)]
+    client = TestClient(create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}")))
+    _deliver(client, inside + outside + foreign_only + plain, seed)
+
+    found = {t["id"]: t for t in client.get("/v1/trajectories").json()}
+    assert sorted(found) == sorted(["r-inside", "r-graph", TRACE_E])
+    for rollout_id, n in (("r-inside", 100), ("r-graph", 200)):
+        trajectory = found[rollout_id]
+        assert trajectory["token_exact"] is True
+        assert [s["token_ids"] for s in trajectory["sequences"]] == [[1, 2, 3, 7, n, 9]]
+        assert trajectory["messages"] == QUESTION + REPLY
+        assert trajectory["complete"] is True and trajectory["rewards"] == {"reward": 1.0}
+    assert found[TRACE_E]["token_exact"] is False and found[TRACE_E]["messages"] == QUESTION + REPLY
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_trace_with_an_llm_span_takes_no_foreign_turns(tmp_path: Path, seed: int) -> None:
+    """A call outside any rollout, also traced by an OpenAI-client instrumentation (no run metadata)."""
+    ours = llm(1, rollout=None, trace=TRACE_A, start=10, prompt=[1, 2], completion=[3], messages=QUESTION, output=REPLY)
+    client_span = SpanRecord(TRACE_A, sid(2), ours.span_id, "chat agent@latest", 11, 19, {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "openai",
+        "gen_ai.request.model": "agent@latest",
+        "gen_ai.input.messages": json.dumps([{"role": "user", "parts": [{"type": "text", "content": "hi"}]}]),
+        "gen_ai.output.messages": json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": "hey there!"}]}]),
+    })
+    client = TestClient(create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}")))
+    _deliver(client, [ours, client_span], seed)
+
+    (trajectory,) = client.get("/v1/trajectories").json()
+    assert trajectory["id"] == TRACE_A
+    assert trajectory["token_exact"] is True
+    assert [s["token_ids"] for s in trajectory["sequences"]] == [[1, 2, 3]]
+    assert trajectory["messages"] == QUESTION + REPLY
+
+
+def test_describes_art_call_reads_each_convention() -> None:
+    assert describes_art_call(_openinference_llm(TRACE_A, 1, None, marked=True).attributes)
+    assert not describes_art_call(_openinference_llm(TRACE_A, 1, None, marked=False).attributes)
+    assert describes_art_call(_langfuse_generation(TRACE_A, 1, None).attributes)
+    assert not describes_art_call({"metadata": "not json", f"langfuse.observation.metadata.{sc.TRACED_RUN}": "false"})
+    assert not describes_art_call({"metadata": json.dumps({sc.TRACED_RUN: "yes"})})
