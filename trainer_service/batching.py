@@ -5,6 +5,7 @@ different rewards and assistant tokens), computes their advantages, applies the 
 length policy, re-tokenizes trajectories that are not token-exact, and gives every
 trajectory the same weight. Everything it leaves out is counted under `data/skipped/<reason>`.
 `prepare_sft` does the same for supervised warm-start steps on the best trajectory of each group.
+`shard_items` splits the items between data-parallel ranks, whole trajectories at a time.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from trainer_service.config import GRPOConfig
 from trainer_service.grpo import group_advantages, trajectory_token_weights
 from trainer_service.retokenize import RetokenizeError, render_with_assistant_mask
 
-__all__ = ["NothingTrainableError", "PreparedBatch", "TrainItem", "prepare_grpo", "prepare_sft"]
+__all__ = ["NothingTrainableError", "PreparedBatch", "TrainItem", "prepare_grpo", "prepare_sft", "shard_items"]
 
 
 class NothingTrainableError(ValueError):
@@ -40,6 +41,8 @@ class TrainItem:
     """`[seq - 1]` 1.0 on assistant tokens 1.., else 0.0."""
     advantage: float
     weight: float
+    trajectory: int = 0
+    """Index of the item's trajectory in the batch (the sequences of one trajectory share it)."""
 
 
 @dataclass
@@ -121,8 +124,8 @@ def _items(per_traj: list[tuple[float, list[_Seq]]], device: torch.device) -> li
     counts = [sum(int(m.sum()) for _, _, m in seqs) for _, seqs in per_traj]
     weights = trajectory_token_weights(counts)
     return [
-        TrainItem(ids.to(device), old.to(device), mask.to(device), advantage, weight)
-        for (advantage, seqs), weight in zip(per_traj, weights, strict=True)
+        TrainItem(ids.to(device), old.to(device), mask.to(device), advantage, weight, index)
+        for index, ((advantage, seqs), weight) in enumerate(zip(per_traj, weights, strict=True))
         for ids, old, mask in seqs
     ]
 
@@ -231,3 +234,33 @@ def prepare_sft(groups: list[Group], config: GRPOConfig, device: torch.device,
         "reward/std": float(rewards_t.std(correction=0)),
     }
     return PreparedBatch(_items(per_traj, device), stats)
+
+
+def shard_items(items: list[TrainItem], rank: int, world_size: int) -> list[TrainItem]:
+    """Return rank `rank`'s share of `items`: whole trajectories, balanced by token count.
+
+    Trajectories go, longest first, to the rank with the fewest tokens so far (ties: the lower
+    rank), so every rank computes the same split. Items keep their weights, which were set over
+    the whole batch: the ranks' summed gradients equal the one-process gradient.
+
+    Args:
+        items: the step's items (`prepare_grpo` / `prepare_sft`), in batch order.
+        rank: this process's rank, `0 <= rank < world_size`.
+        world_size: number of ranks.
+
+    Returns:
+        The items of `rank`'s trajectories, in batch order (empty when there are fewer
+        trajectories than ranks).
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
+    tokens: Counter[int] = Counter()
+    for item in items:
+        tokens[item.trajectory] += int(item.token_ids.numel())
+    load = [0] * world_size
+    owner: dict[int, int] = {}
+    for trajectory in sorted(tokens, key=lambda t: (-tokens[t], t)):
+        target = min(range(world_size), key=lambda r: (load[r], r))
+        owner[trajectory] = target
+        load[target] += tokens[trajectory]
+    return [item for item in items if owner[item.trajectory] == rank]

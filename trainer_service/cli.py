@@ -34,6 +34,7 @@ _SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
     "--tool-call-parser": ("tool_call_parser", str),
     "--batch-groups": ("batch_groups", int),
     "--train-threads": ("train_threads", int),
+    "--train-processes": ("train_processes", int),
     "--min-groups": ("min_groups", int),
     "--every": ("every", str),
     "--cron": ("cron", str),

@@ -100,6 +100,13 @@ class TrainerSettings(BaseSettings):
         "(`VLLM_CPU_NUM_OF_RESERVED_CPU`, vLLM's default 1): sharing vLLM's bound cores made a step 2.5-8x slower here.",
     )
 
+    train_processes: int = Field(
+        default=1, ge=1,
+        description="Data-parallel training processes per step. 1 trains in the service process; N > 1 runs each "
+        "step in N `torchrun` workers (one GPU each with CUDA, nccl; gloo on a CPU, `train_threads` / N threads each, "
+        "at least 1), whose summed gradients give the one-process step.",
+    )
+
     def training_threads(self) -> int:
         """Threads for the training step on a CPU: `train_threads`, else the cores vLLM-cpu reserves."""
         if self.train_threads is not None:

@@ -26,6 +26,7 @@ from starlette.background import BackgroundTask
 
 from trainer_service.base_model import resolve_base_model
 from trainer_service.config import GRPOConfig, TrainerSettings
+from trainer_service.distributed import TrainLauncher
 from trainer_service.engine import VLLMEngine
 from trainer_service.protocol import ServiceError, StatusResponse, TrainResponse
 from trainer_service.service import TrainerService, served_base_name
@@ -57,11 +58,18 @@ def build_service(settings: TrainerSettings, grpo: GRPOConfig,
         log_path=settings.run_dir / "vllm.log",
         startup_timeout=settings.vllm_startup_timeout,
     )
+    launcher = None
+    if settings.train_processes > 1:
+        # The workers share the training threads; the service's own copy only holds the state.
+        launcher = TrainLauncher(settings.train_processes, model_path, settings.run_dir / "train_workers.log",
+                                 chat_template=settings.served_chat_template(),
+                                 cpu_threads=max(1, settings.training_threads() // settings.train_processes))
     return TrainerService(
         settings, grpo, engine, lambda: LoRATrainer.load(model_path, grpo, base_model=settings.base_model,
                                                        chat_template=settings.served_chat_template(),
-                                                       cpu_threads=settings.training_threads()),
-        collector_transport=collector_transport,
+                                                       cpu_threads=settings.training_threads(),
+                                                       device="cpu" if launcher else None),
+        collector_transport=collector_transport, launcher=launcher,
     )
 
 

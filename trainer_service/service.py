@@ -2,9 +2,10 @@
 
 It owns the vLLM engine, the LoRA trainer, the checkpoint folder and the collector client; it
 names models (`base`, `name@N`, `name@latest`) and runs one step at a time:
-lease a batch → train (GRPO or SFT) → save `checkpoints/step-N` → hot-load `name@N` → ack →
-promotion gate (eval) → retention → metrics. A step whose checkpoint cannot be written or
-loaded is rolled back in memory and never served.
+lease a batch → train (GRPO or SFT; in `torchrun` workers with a `TrainLauncher`) → save
+`checkpoints/step-N` → hot-load `name@N` → ack → promotion gate (eval) → retention → metrics.
+A step that fails, or whose checkpoint cannot be written or loaded, is rolled back in memory
+and never served.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collector.protocol import AckRequest, Batch, BatchRequest
 
 from trainer_service.checkpoints import CheckpointStore, select_kept
 from trainer_service.config import GRPOConfig, TrainerSettings
+from trainer_service.distributed import TrainLauncher
 from trainer_service.engine import EngineError, VLLMEngine
 from trainer_service.evaluation import Evaluator, build_evaluator
 from trainer_service.metrics import MetricsSink
@@ -58,6 +60,7 @@ class TrainerService:
         collector_transport: httpx transport for the collector (tests inject a mock).
         evaluator: the promotion gate's evaluator; built from the settings when None and an
             eval set is configured.
+        launcher: runs each step in data-parallel worker processes; None trains in this process.
     """
 
     def __init__(
@@ -68,12 +71,14 @@ class TrainerService:
         trainer_factory: Callable[[], LoRATrainer],
         collector_transport: httpx.AsyncBaseTransport | None = None,
         evaluator: Evaluator | None = None,
+        launcher: TrainLauncher | None = None,
     ) -> None:
         grpo.check_against(settings)
         self.settings = settings
         self.grpo = grpo
         self.engine = engine
         self._trainer_factory = trainer_factory
+        self.launcher = launcher
         self.trainer: LoRATrainer | None = None
         self.base_name = engine.served_name
         self.store = CheckpointStore(settings.run_dir / "checkpoints")
@@ -261,13 +266,18 @@ class TrainerService:
 
     def _train_and_publish(self, trainer: LoRATrainer, batch: Batch, step: int,
                            kind: str) -> tuple[dict[str, float], Path]:
-        """Worker-thread part of a step: train, save, hot-load; roll back if save or load fails."""
+        """Worker-thread part of a step: train, save, hot-load; roll back if any of them fails."""
         snapshot = trainer.snapshot()
-        metrics = trainer.sft_step(batch.groups) if kind == "sft" else trainer.step(batch.groups)
-        started = time.perf_counter()
+        path = self.store.path(step)
         try:
-            path = trainer.save(self.store.path(step), batch_id=batch.id, metrics=metrics)
-        except OSError:
+            if self.launcher is not None:
+                metrics = self.launcher.step(trainer, batch, kind, path)  # rank 0 saved the checkpoint
+                started = time.perf_counter()
+            else:
+                metrics = trainer.train(batch.groups, kind)
+                started = time.perf_counter()
+                trainer.save(path, batch_id=batch.id, metrics=metrics)
+        except Exception:
             trainer.restore(snapshot)
             raise
         try:

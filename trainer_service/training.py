@@ -5,6 +5,10 @@ advantages (`batching`) → per-token log-probs (one forward per sequence, no pa
 loss (+ KL to the adapter-free base) → clip → AdamW. `sft_step` runs the same loop with a
 negative log-likelihood loss on the best trajectory of each group. The maths live in
 `trainer_service.grpo`; this module only orchestrates and keeps state.
+
+Run under `torch.distributed` (see `trainer_service.distributed`), each rank trains its share of
+the step's trajectories and the gradients are summed over the ranks before clipping, so every
+rank takes the step a single process would take on the whole batch.
 """
 
 from __future__ import annotations
@@ -21,11 +25,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from collector.protocol import Group
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from trainer_service.batching import NothingTrainableError, PreparedBatch, TrainItem, prepare_grpo, prepare_sft
+from trainer_service.batching import (
+    NothingTrainableError,
+    PreparedBatch,
+    TrainItem,
+    prepare_grpo,
+    prepare_sft,
+    shard_items,
+)
 from trainer_service.config import GRPOConfig
 from trainer_service.grpo import PolicyLossOutput, policy_loss, token_logprobs
 
@@ -36,6 +48,7 @@ logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 """Name of the checkpoint manifest written next to the adapter."""
 _OPTIMIZER = "optimizer.pt"
+_PREPARE = {"grpo": prepare_grpo, "sft": prepare_sft}
 
 
 class LoRATrainer:
@@ -77,26 +90,47 @@ class LoRATrainer:
 
     @classmethod
     def load(cls, path: str, config: GRPOConfig, base_model: str = "", chat_template: str | None = None,
-             cpu_threads: int | None = None) -> LoRATrainer:
+             cpu_threads: int | None = None, device: str | None = None) -> LoRATrainer:
         """Load the base model and tokenizer from `path` and wrap them.
 
         fp32 on a CPU (the engine serves fp32 too, so logprobs agree); bf16 with gradient
         checkpointing when CUDA is present. `chat_template` (a Jinja file) replaces the
         tokenizer's template, so re-tokenized trajectories match what vLLM rendered.
         `cpu_threads` sets torch's intra-op threads on a CPU (keep them off vLLM's cores).
+        `device` places the model (default `cuda` when present, else the CPU); the dtype follows
+        the machine, so a CPU copy on a CUDA machine (the service's copy when the steps run in
+        worker processes) stays bf16.
         """
-        if torch.cuda.is_available():
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
-        else:
-            if cpu_threads is not None:
-                torch.set_num_threads(cpu_threads)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        cuda = torch.cuda.is_available()
+        device = device or ("cuda" if cuda else "cpu")
+        if cpu_threads is not None and not device.startswith("cuda"):
+            torch.set_num_threads(cpu_threads)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if cuda else torch.float32).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path)
         if chat_template is not None:
             tokenizer.chat_template = Path(chat_template).read_text()
         return cls(model, config, base_model=base_model or path, tokenizer=tokenizer)
 
     # --- step ---------------------------------------------------------------------------
+
+    def prepare(self, groups: Iterable[Group], kind: str = "grpo") -> PreparedBatch:
+        """Select, score, tokenize and weigh the items of a `kind` step (`grpo` or `sft`).
+
+        Raises:
+            NothingTrainableError: nothing in `groups` can train (see `step` and `sft_step`).
+        """
+        try:
+            prepare = _PREPARE[kind]
+        except KeyError:
+            raise ValueError(f"unknown step kind {kind!r}; choose one of {sorted(_PREPARE)}") from None
+        return prepare(list(groups), self.config, self.device, self.tokenizer)
+
+    def train(self, groups: Iterable[Group], kind: str = "grpo") -> dict[str, float]:
+        """Run one step of `kind`: `grpo` (`step`) or `sft` (`sft_step`); return its metrics."""
+        run = {"grpo": self.step, "sft": self.sft_step}.get(kind)
+        if run is None:
+            raise ValueError(f"unknown step kind {kind!r}; choose `grpo` or `sft`")
+        return run(groups)
 
     def step(self, groups: Iterable[Group]) -> dict[str, float]:
         """Run one GRPO step on `groups` and return its metrics (slash keys).
@@ -106,7 +140,7 @@ class LoRATrainer:
                 and assistant tokens; the message counts why each group was skipped.
         """
         started = time.perf_counter()
-        batch = prepare_grpo(list(groups), self.config, self.device, self.tokenizer)
+        batch = self.prepare(groups, "grpo")
         sums = self._accumulate(batch.items, self._grpo_loss)
         metrics = self._finish(started, batch, sums)
         tokens = sums["tokens"]
@@ -130,7 +164,7 @@ class LoRATrainer:
             NothingTrainableError: no group has a rewarded trajectory with assistant tokens.
         """
         started = time.perf_counter()
-        batch = prepare_sft(list(groups), self.config, self.device, self.tokenizer)
+        batch = self.prepare(groups, "sft")
         sums = self._accumulate(batch.items, self._sft_loss)
         metrics = self._finish(started, batch, sums)
         metrics["loss/sft"] = sums["loss"]
@@ -155,7 +189,14 @@ class LoRATrainer:
 
     def _accumulate(self, items: list[TrainItem],
                     loss_fn: Callable[[TrainItem, torch.Tensor], PolicyLossOutput]) -> dict[str, float]:
-        """Forward each item (no padding), backward every `micro_batch_size` items, clip, step."""
+        """Forward each item (no padding), backward every `micro_batch_size` items, clip, step.
+
+        Under `torch.distributed` this rank trains its `shard_items` share, then `_sum_over_ranks`
+        adds up the gradients and the metric sums, so clipping and AdamW see the whole batch.
+        """
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed:
+            items = shard_items(items, dist.get_rank(), dist.get_world_size())
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(("loss", "tokens", "clipped", "ratio", "kl"), 0.0)
@@ -173,12 +214,32 @@ class LoRATrainer:
                 torch.stack(pending).sum().backward()
                 pending = []
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if distributed:
+            self._sum_over_ranks(params, sums)
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else float("inf")
         sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
         return sums
+
+    def _sum_over_ranks(self, params: list[torch.nn.Parameter], sums: dict[str, float]) -> None:
+        """All-reduce (sum) the gradients, as one flat buffer, and the metric sums over the ranks.
+
+        An explicit all-reduce rather than DDP: a rank runs one forward and backward per
+        sequence (no padding), several per step; one reduction after the last backward is all
+        the step needs. Item weights were set over the whole batch, so the sum is the gradient a
+        single process computes (up to the order of float additions).
+        """
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        for param, grad in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            param.grad = grad.view_as(param)
+        keys = list(sums)
+        totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=flat.device)
+        dist.all_reduce(totals)
+        sums.update(zip(keys, totals.tolist(), strict=True))
 
     def _finish(self, started: float, batch: PreparedBatch, sums: dict[str, float]) -> dict[str, float]:
         elapsed = time.perf_counter() - started

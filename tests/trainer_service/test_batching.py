@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tests.trainer_service.test_training import BAD, GOOD, PROMPT, group, make_trainer
 from trainer_service.base_model import resolve_base_model
-from trainer_service.batching import NothingTrainableError, prepare_grpo, prepare_sft
+from trainer_service.batching import NothingTrainableError, TrainItem, prepare_grpo, prepare_sft, shard_items
 from trainer_service.config import BUNDLED_TOOL_TEMPLATE, GRPOConfig
 from trainer_service.retokenize import RetokenizeError, render_with_assistant_mask
 
@@ -123,3 +123,25 @@ def test_foreign_trajectories_are_retokenized_and_counted(tokenizer: PreTrainedT
 def test_retokenize_refuses_what_it_cannot_mask(tokenizer: PreTrainedTokenizerBase) -> None:
     with pytest.raises(RetokenizeError, match="no assistant message"):
         render_with_assistant_mask(tokenizer, CONVERSATION[:2])
+
+
+def test_shard_items_keeps_trajectories_whole_and_balances_tokens() -> None:
+    def item(trajectory: int, tokens: int) -> TrainItem:
+        return TrainItem(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens - 1), torch.ones(tokens - 1),
+                         advantage=0.0, weight=0.1, trajectory=trajectory)
+
+    # trajectory 1 has two sequences (10 + 10 tokens); longest first to the lighter rank:
+    # 50 -> r0, 30 -> r1, 25 -> r1 (55), 20 -> r0 (70), 5 -> r1 (60)
+    items = [item(0, 50), item(1, 10), item(2, 30), item(1, 10), item(3, 25), item(4, 5)]
+    rank0, rank1 = shard_items(items, 0, 2), shard_items(items, 1, 2)
+    assert [i.trajectory for i in rank0] == [0, 1, 1] and [i.trajectory for i in rank1] == [2, 3, 4]
+    assert shard_items(items, 0, 1) == items
+    assert shard_items(items[:1], 1, 2) == []  # fewer trajectories than ranks: an empty share
+    with pytest.raises(ValueError, match="rank=2"):
+        shard_items(items, 2, 2)
+
+
+def test_items_carry_their_trajectory_index() -> None:
+    trainer = make_trainer()
+    items = prepare_grpo([group(trainer, (1.0, 0.0), "a"), group(trainer, (0.0, 1.0), "b")], trainer.config, CPU).items
+    assert [i.trajectory for i in items] == [0, 1, 2, 3]

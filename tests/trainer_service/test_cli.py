@@ -75,3 +75,12 @@ def test_bad_schedule_and_eval_settings_exit_with_the_fix(capsys: pytest.Capture
     with pytest.raises(SystemExit):
         main(["serve", "--base-model", "/no/such/folder"])
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_train_processes_from_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse()[0].train_processes == 1
+    monkeypatch.setenv("ART_TRAINER_TRAIN_PROCESSES", "4")
+    assert parse()[0].train_processes == 4
+    assert parse("--train-processes", "2")[0].train_processes == 2
+    with pytest.raises(ValueError, match="train_processes"):
+        parse("--train-processes", "0")

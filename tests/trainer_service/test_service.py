@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,12 @@ from collector.protocol import Batch
 from tests.trainer_service.test_training import group, make_trainer
 
 from trainer_service.config import GRPOConfig, TrainerSettings
+from trainer_service.distributed import TrainLauncher
 from trainer_service.engine import EngineError, VLLMEngine
 from trainer_service.evaluation import Evaluator
 from trainer_service.protocol import ServiceError
 from trainer_service.service import TrainerService
+from trainer_service.training import LoRATrainer
 
 
 class FakeEngine:
@@ -50,7 +53,9 @@ class FakeEngine:
 
 
 def make_service(tmp_path: Path, batches: list[Batch], acks: list[tuple[str, dict]], *,
-                 evaluator: Evaluator | None = None, **settings_overrides: Any) -> TrainerService:
+                 evaluator: Evaluator | None = None, launcher: TrainLauncher | None = None,
+                 trainer_factory: Callable[[], LoRATrainer] = make_trainer,
+                 **settings_overrides: Any) -> TrainerService:
     """A service on the tiny Llama with a scripted collector (its published HTTP API, in process)."""
 
     def handle(request: httpx.Request) -> httpx.Response:
@@ -65,8 +70,8 @@ def make_service(tmp_path: Path, batches: list[Batch], acks: list[tuple[str, dic
         return httpx.Response(200, json={})
 
     settings = TrainerSettings(**{"output_dir": tmp_path, "name": "agent", "wandb": "off", **settings_overrides})
-    service = TrainerService(settings, GRPOConfig(), FakeEngine(), make_trainer,  # type: ignore[arg-type]
-                             collector_transport=httpx.MockTransport(handle), evaluator=evaluator)
+    service = TrainerService(settings, GRPOConfig(), FakeEngine(), trainer_factory,  # type: ignore[arg-type]
+                             collector_transport=httpx.MockTransport(handle), evaluator=evaluator, launcher=launcher)
     service.start()
     return service
 

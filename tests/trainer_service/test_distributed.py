@@ -1,0 +1,128 @@
+"""Data-parallel steps in 2 `torchrun` workers (gloo on this CPU) against the in-process step.
+
+The service trains through a real `TrainLauncher` (real processes, real all-reduce) on the tiny
+random Llama, saved to a folder the workers load; the fake engine and mock collector are the
+ones of `test_service`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from collector.protocol import Batch, Group
+from peft import get_peft_model_state_dict
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast
+
+from tests.trainer_service.test_service import make_service
+from tests.trainer_service.test_training import group, make_trainer, tiny_model
+from trainer_service.config import GRPOConfig, TrainerSettings
+from trainer_service.distributed import TrainLauncher
+from trainer_service.protocol import ServiceError
+from trainer_service.server import build_service
+from trainer_service.training import LoRATrainer
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_model()` (the weights `make_trainer` builds in memory) as a folder with a tokenizer."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model().save_pretrained(path)
+    word_level = Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>").save_pretrained(path)
+    return path
+
+
+def batch_groups(trainer: LoRATrainer) -> list[Group]:
+    """Three groups, six trajectories of two lengths: each rank gets three whole trajectories."""
+    return [group(trainer, (1.0, 0.0), "g1"), group(trainer, (0.2, 0.9), "g2"), group(trainer, (0.0, 0.5), "g3")]
+
+
+def adapter(trainer: LoRATrainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(trainer.model).items()}
+
+
+@pytest.mark.parametrize(("kind", "overrides"), [("grpo", {"kl_coef": 0.05, "micro_batch_size": 2}), ("sft", {})])
+async def test_two_processes_take_the_one_process_step(tmp_path: Path, base_dir: Path, kind: str,
+                                                       overrides: dict[str, object]) -> None:
+    acks: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    launcher = TrainLauncher(2, str(base_dir), tmp_path / "train_workers.log", cpu_threads=1)
+    service = make_service(tmp_path, batches, acks, launcher=launcher,
+                           trainer_factory=lambda: make_trainer(**overrides))
+    trainer = service.trainer
+    assert trainer is not None
+    groups = batch_groups(trainer)
+    trainer.step(groups)  # in process first: the workers must start from a trained adapter and AdamW state
+    before = adapter(trainer)
+    reference = make_trainer(**overrides)
+    reference.restore(trainer.snapshot())
+    expected = reference.train(groups, kind)
+
+    batches.append(Batch(id="b2", groups=groups, lease_expires_at=0))
+    result = await service.train_once(kind=kind)
+
+    assert result.step == 2 and result.model == "agent@2" and acks == [("b2", {"policy_step": 2})]
+    assert service.engine.adapters["agent@2"] == str(tmp_path / "checkpoints" / "step-2")  # hot-loaded as in-process
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["promotion.json", "step-2"]
+    manifest = json.loads((tmp_path / "checkpoints" / "step-2" / "manifest.json").read_text())
+    assert manifest["step"] == 2 and manifest["batch_id"] == "b2"
+    got, want = adapter(trainer), adapter(reference)
+    assert got.keys() == want.keys()
+    moved = max(float((want[n] - before[n]).abs().max()) for n in want)
+    off = max(float((got[n] - want[n]).abs().max()) for n in want)
+    # Equal up to the order of float additions (measured: off ~1e-6 of weights ~0.1 at a step of ~5e-3).
+    assert moved > 1e-3 and off < 1e-3 * moved, (off, moved)
+    for key, value in expected.items():
+        if not key.startswith("time/"):
+            assert result.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    assert trainer.step_count == 2 and result.metrics["time/workers_s"] > 0
+    await service.aclose()
+
+
+async def test_a_failing_worker_is_a_readable_500_and_nothing_is_served(tmp_path: Path, base_dir: Path) -> None:
+    broken = tmp_path / "broken-model"
+    shutil.copytree(base_dir, broken)
+    (broken / "model.safetensors").unlink()
+    acks: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    launcher = TrainLauncher(2, str(broken), tmp_path / "train_workers.log", cpu_threads=1)
+    service = make_service(tmp_path, batches, acks, launcher=launcher)
+    assert service.trainer is not None
+    before = adapter(service.trainer)
+    batches.append(Batch(id="b1", groups=batch_groups(service.trainer), lease_expires_at=0))
+
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+
+    error = info.value.body.error
+    assert info.value.status == 500 and error.code == "training_failed"
+    assert "training worker rank" in error.message and "of 2 failed: OSError" in error.message, error.message
+    assert "model.safetensors" in error.message and "train_workers.log" in error.message, error.message
+    assert "Traceback" in (tmp_path / "train_workers.log").read_text()
+    assert not (tmp_path / "checkpoints").exists() or list((tmp_path / "checkpoints").iterdir()) == []
+    assert service.engine.adapters == {} and acks == [] and service.steps == []
+    assert service.trainer.step_count == 0
+    assert all(torch.equal(v, before[k]) for k, v in adapter(service.trainer).items())
+    await service.aclose()
+
+
+def test_launcher_checks_its_process_count(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="train_processes=1"):
+        TrainLauncher(1, "model", tmp_path / "log")
+
+
+async def test_build_service_wires_the_launcher(tmp_path: Path, base_dir: Path) -> None:
+    settings = TrainerSettings(base_model=str(base_dir), output_dir=tmp_path, train_processes=2, train_threads=4,
+                               wandb="off")
+    service = build_service(settings, GRPOConfig())
+    assert service.launcher == TrainLauncher(2, str(base_dir), tmp_path / "train_workers.log", cpu_threads=2)
+    single = build_service(settings.model_copy(update={"train_processes": 1}), GRPOConfig())
+    assert single.launcher is None
+    await service.aclose()
+    await single.aclose()

@@ -1,0 +1,172 @@
+"""Data-parallel training steps in worker processes started by `torchrun`.
+
+With `train_processes = N > 1` the service runs each step (GRPO or SFT) in N workers started as
+`python -m torch.distributed.run --standalone --nproc-per-node N -m trainer_service.distributed JOB`.
+torchrun rather than `accelerate launch`: it ships with torch (no other launcher, no config
+file), sets `RANK` / `LOCAL_RANK` / `WORLD_SIZE`, picks a free rendezvous port itself
+(`--standalone`, so several services on one machine do not collide) and stops every worker
+as soon as one fails; `accelerate launch` runs the same launcher underneath for multi-GPU jobs.
+
+One step (`TrainLauncher.step`):
+
+1. The service's trainer checks the batch (a batch with nothing trainable fails before any
+   process starts) and saves its state (adapter, optimizer, step) into a job folder next to the
+   checkpoints, with the batch and the job description.
+2. Each rank loads the base model (one GPU per rank with nccl; gloo on a CPU), resumes that
+   state and runs `LoRATrainer.train`: it trains its share of the trajectories and the
+   gradients are summed over the ranks (see `LoRATrainer._sum_over_ranks`), so every rank takes
+   the step one process would take on the whole batch.
+3. Rank 0 writes the checkpoint with `LoRATrainer.save`.
+4. The service's trainer resumes from it and the folder is renamed to `checkpoints/step-N`;
+   the service then hot-loads it as after an in-process step.
+
+A failing worker leaves no checkpoint: `DistributedStepError` names its rank and error, and the
+job folder (named `.step-N.dist-*`, so a crash's leftover is removed at start) is deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from collector.protocol import Batch
+
+from trainer_service.config import GRPOConfig
+from trainer_service.training import LoRATrainer
+
+__all__ = ["DistributedStepError", "TrainLauncher"]
+
+_JOB = "job.json"
+_BATCH = "batch.json"
+_STATE = "state"
+_OUTPUT = "checkpoint"
+_ERROR = "error-rank{rank}.json"
+
+
+class DistributedStepError(RuntimeError):
+    """A training worker failed; no checkpoint of the step was written."""
+
+
+@dataclass(frozen=True)
+class TrainLauncher:
+    """Runs training steps in `processes` torchrun workers.
+
+    Args:
+        processes: number of workers (ranks); one GPU each when CUDA is present.
+        model_path: local folder of the base model (what `LoRATrainer.load` reads).
+        log_path: file the workers' output is appended to.
+        chat_template: chat template file for re-tokenization (see `LoRATrainer.load`).
+        cpu_threads: torch threads of each worker on a CPU.
+    """
+
+    processes: int
+    model_path: str
+    log_path: Path
+    chat_template: str | None = None
+    cpu_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        """Check the number of workers against the visible GPUs."""
+        if self.processes < 2:
+            raise ValueError(f"train_processes={self.processes}: worker processes are for 2 or more; "
+                             "1 trains in the service process.")
+        if torch.cuda.is_available() and self.processes > torch.cuda.device_count():
+            raise ValueError(f"train_processes={self.processes} but {torch.cuda.device_count()} CUDA device(s) are "
+                             "visible: lower --train-processes or widen CUDA_VISIBLE_DEVICES.")
+
+    def step(self, trainer: LoRATrainer, batch: Batch, kind: str, dest: Path) -> dict[str, float]:
+        """Train one `kind` step (`grpo` or `sft`) on `batch` in the workers; write it to `dest`.
+
+        On return `dest` is the checkpoint rank 0 wrote and `trainer` has resumed from it (same
+        adapter, optimizer state and step counter as the workers).
+
+        Returns:
+            The step's metrics, plus `time/workers_s` (the workers' whole run: start, load, step, save).
+
+        Raises:
+            NothingTrainableError: nothing in the batch can train (no process is started).
+            DistributedStepError: a worker failed; `dest` is not written and `trainer` is unchanged.
+            OSError: the job folder or the checkpoint could not be written.
+        """
+        trainer.prepare(batch.groups, kind)
+        if dest.exists():
+            raise FileExistsError(f"checkpoint {dest} exists already; remove it or choose another step folder")
+        job = dest.with_name(f".{dest.name}.dist-{uuid.uuid4().hex[:8]}")
+        job.mkdir(parents=True)
+        try:
+            trainer.save(job / _STATE)
+            (job / _BATCH).write_text(batch.model_dump_json())
+            (job / _JOB).write_text(json.dumps({
+                "model_path": self.model_path, "base_model": trainer.base_model, "chat_template": self.chat_template,
+                "cpu_threads": self.cpu_threads, "config": trainer.config.to_dict(), "kind": kind,
+                "batch_id": batch.id,
+            }))
+            started = time.perf_counter()
+            self._launch(job)
+            elapsed = time.perf_counter() - started
+            manifest = trainer.resume(job / _OUTPUT)
+            os.rename(job / _OUTPUT, dest)
+        finally:
+            shutil.rmtree(job, ignore_errors=True)
+        metrics = {**manifest["metrics"], "time/workers_s": elapsed}
+        trainer.last_metrics = metrics
+        return metrics
+
+    def _launch(self, job: Path) -> None:
+        """Run the workers on `job`; raise `DistributedStepError` with the first worker error."""
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={self.processes}", "--module", __name__, str(job)]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("a") as log:
+            log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
+            log.flush()
+            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        if code == 0 and (job / _OUTPUT).is_dir():
+            return
+        reports = [json.loads(path.read_text()) for path in job.glob(_ERROR.format(rank="*"))]
+        if not reports:
+            raise DistributedStepError(f"torchrun exited with status {code} and no worker reported an error; "
+                                       f"see {self.log_path}.")
+        first = min(reports, key=lambda r: r["time"])
+        raise DistributedStepError(f"training worker rank {first['rank']} of {self.processes} failed: "
+                                   f"{first['error']} (traceback in {self.log_path})")
+
+
+def _run_worker(job: Path) -> None:
+    """One rank of a step: load, resume, train its share, all-reduce; rank 0 saves the checkpoint."""
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    try:
+        spec = json.loads((job / _JOB).read_text())
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if cuda else "gloo")
+        try:
+            trainer = LoRATrainer.load(spec["model_path"], GRPOConfig(**spec["config"]), base_model=spec["base_model"],
+                                       chat_template=spec["chat_template"], cpu_threads=spec["cpu_threads"],
+                                       device=f"cuda:{local_rank}" if cuda else "cpu")
+            trainer.resume(job / _STATE)
+            metrics = trainer.train(Batch.model_validate_json((job / _BATCH).read_text()).groups, spec["kind"])
+            if rank == 0:
+                trainer.save(job / _OUTPUT, batch_id=spec["batch_id"], metrics=metrics)
+        finally:
+            dist.destroy_process_group()
+    except Exception as exc:
+        report = {"rank": rank, "time": time.time(), "error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()}
+        (job / _ERROR.format(rank=rank)).write_text(json.dumps(report))
+        raise
+
+
+if __name__ == "__main__":
+    _run_worker(Path(sys.argv[1]))
