@@ -31,16 +31,15 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: setup system-deps
-	$(PY) -m pytest -m "not slow and not gpu" -q -rs
+	$(PY) -m pytest -m "not gpu" -q -rs
 
 demo: setup
 	$(PY) -m examples.arithmetic.demo
 
-# The long learning runs (pytest marker `slow`; exit 5 = none selected yet), then every
-# script in bench/, each printing its ratios against an alternative measured in the same run.
+# Every script in bench/ (each prints its ratios against an alternative measured in the same
+# run) and every example's full learning run over three seeds, written to bench/RESULTS.md.
 bench: setup
-	$(PY) -m pytest -m slow -q -rs; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
-	for script in bench/*.py; do [ -e "$$script" ] || continue; PYTHONPATH=. $(PY) "$$script" || exit 1; done
+	PYTHONPATH=. $(PY) bench/run_all.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

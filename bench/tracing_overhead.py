@@ -13,15 +13,18 @@ It prints median wall time per call, client CPU per call (this process, all thre
 span export thread counts), and the ratios. Aim (issue 4): under 2 ms per call and under 5% of
 an agent step.
 
-    .venv/bin/python bench/tracing_overhead.py --trainer http://127.0.0.1:8000 --collector http://127.0.0.1:4318
+    PYTHONPATH=. .venv/bin/python bench/tracing_overhead.py                  # starts its own collector + trainer
+    PYTHONPATH=. .venv/bin/python bench/tracing_overhead.py --trainer http://127.0.0.1:8000 --collector http://127.0.0.1:4318
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from langchain_core.messages import HumanMessage
@@ -30,6 +33,7 @@ from langgraph.graph import START, MessagesState, StateGraph
 
 import art_langgraph
 from art_langgraph import ARTChatModel, chat_node
+from examples.stack import running_stack
 
 PROMPTS = [f"Reply with one word about the number {i}." for i in range(16)]
 
@@ -82,13 +86,24 @@ def report(title: str, samples: dict[str, tuple[list[float], list[float]]], base
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trainer", default="http://127.0.0.1:8000", help="trainer service base URL")
-    parser.add_argument("--collector", default="http://127.0.0.1:4318", help="collector base URL (spans go here)")
+    parser.add_argument("--trainer", help="trainer service base URL (default: start a collector and a trainer)")
+    parser.add_argument("--collector", help="collector base URL, where spans go (with --trainer)")
     parser.add_argument("--model", default="agent@latest")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--max-tokens", type=int, default=8)
     args = parser.parse_args()
+    if (args.trainer is None) != (args.collector is None):
+        parser.error("give both --trainer and --collector, or neither (then both are started here)")
+    if args.trainer is not None:
+        measure(args)
+        return
+    with tempfile.TemporaryDirectory(prefix="tracing-bench-") as tmp, running_stack(Path(tmp)) as (collector, trainer):
+        args.trainer, args.collector = trainer.url, collector.url
+        measure(args)
 
+
+def measure(args: argparse.Namespace) -> None:
+    """Time the three clients on single calls, then the two on agent steps."""
     art_langgraph.configure(collector_url=args.collector, trainer_url=f"{args.trainer}/v1", model=args.model)
     common: dict[str, Any] = {
         "model": args.model,

@@ -181,6 +181,8 @@ def main() -> None:
         print(f"TRL GRPOTrainer: sampling {trl['sampling_s']:.1f} s | training {trl['training_s']:.1f} s "
               f"({tokens / trl['training_s']:.0f} tok/s) | whole step {trl['whole_s']:.1f} s "
               f"({tokens / trl['whole_s']:.0f} tok/s)")
+        print(f"ratio sampling (vLLM / transformers generate, same {PROMPTS * SAMPLES} completions): "
+              f"{trl['sampling_s'] / ours['sampling_s']:.2f}x")
         print(f"ratio (art / TRL tokens/s): training part {trl['training_s'] / ours['training_s']:.2f}x "
               f"(aim 1.5x) | whole step {trl['whole_s'] / ours['whole_s']:.2f}x (aim 2.5x)")
 

@@ -1,17 +1,16 @@
 """The collect → score → train loop every example runs, written once.
 
 Each step runs groups of attempts through the agent (traced by `art_langgraph`, scored in
-code by `reward(input, output)`), flushes the spans to the collector and asks the trainer
-for one GRPO step, which hot-loads `agent@N` for the next round.
+code by `score(input, output)` or by the collector's RULER judge), flushes the spans to the
+collector and asks the trainer for one GRPO step, which hot-loads `agent@N` for the next round.
 """
 
 from __future__ import annotations
 
 import asyncio
 import statistics
-import tempfile
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,6 @@ from typing import Any
 import httpx
 
 import art_langgraph
-from examples.stack import running_stack
 
 
 @dataclass
@@ -33,33 +31,68 @@ class StepReport:
 
 
 async def score_attempts(
-    graph: Any, inputs: Sequence[Any], reward: Callable[[Any, Any], float], *, n: int, task: str, split: str
+    graph: Any,
+    inputs: Sequence[Any],
+    score: Callable[[Any, Any], float],
+    *,
+    n: int,
+    task: str,
+    split: str,
+    report: bool = True,
 ) -> tuple[list[list[Any]], list[float]]:
-    """Run `n` attempts per input as rollouts; return the outputs and every attempt's reward."""
-    outputs = await art_langgraph.gather(graph, inputs, n=n, reward=reward, task=task, split=split)
-    rewards = [reward(item, output) for item, attempts in zip(inputs, outputs) for output in attempts]
-    return outputs, rewards
+    """Run `n` attempts per input as rollouts; return the outputs and every attempt's score.
+
+    With `report` the score is also each rollout's reward; without, the collector scores the
+    groups itself (RULER) and the score only measures.
+    """
+    outputs = await art_langgraph.gather(graph, inputs, n=n, reward=score if report else None, task=task, split=split)
+    scores = [score(item, output) for item, attempts in zip(inputs, outputs) for output in attempts]
+    return outputs, scores
+
+
+async def wait_until_scored(collector_url: str, task: str, timeout: float = 900.0) -> None:
+    """Wait until no complete group of `task` still waits for rewards (the collector's judge ran)."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(base_url=collector_url, timeout=30) as client:
+        while True:
+            groups = (await client.get("/v1/groups")).raise_for_status().json()
+            waiting = [g for g in groups if g["task"] == task and g["state"] == "open" and g["complete"] >= g["expected"]]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(waiting)} groups of {task!r} still unscored after {timeout:.0f} s")
+            await asyncio.sleep(2.0)
 
 
 async def train_steps(
     graph: Any,
     make_inputs: Callable[[int], Sequence[Any]],
-    reward: Callable[[Any, Any], float],
+    score: Callable[[Any, Any], float],
     *,
     steps: int,
     n: int,
     task: str,
     trainer_url: str,
+    collector_url: str | None = None,
 ) -> list[StepReport]:
-    """Run `steps` GRPO steps on fresh inputs (`make_inputs(step)`); report each step."""
+    """Run `steps` GRPO steps on fresh inputs (`make_inputs(step)`); report each step.
+
+    `score(input, output)` is the reward, reported with each rollout. With `collector_url`
+    the collector scores the groups instead (RULER): the loop waits for its judge before
+    asking for a step, and `score` only draws the curve.
+    """
     reports: list[StepReport] = []
     async with httpx.AsyncClient(base_url=trainer_url, timeout=900) as client:
         for step in range(steps):
             started = time.monotonic()
-            _, rewards = await score_attempts(graph, make_inputs(step), reward, n=n, task=task, split="train")
-            report = StepReport(reward=statistics.fmean(rewards))
+            _, scores = await score_attempts(
+                graph, make_inputs(step), score, n=n, task=task, split="train", report=collector_url is None
+            )
+            report = StepReport(reward=statistics.fmean(scores))
             reports.append(report)
             art_langgraph.flush()
+            if collector_url is not None:
+                await wait_until_scored(collector_url, task)
             response = await client.post("/v1/train")
             if response.status_code in (409, 422):  # nothing ready / no group with reward spread
                 print(f"step skipped: {response.json()['error']['message']}", flush=True)
@@ -69,7 +102,7 @@ async def train_steps(
             report.model, report.metrics = result["model"], result["metrics"]
             metrics = result["metrics"]
             print(
-                f"step {step + 1}/{steps}: reward {report.reward:.3f} | grad norm {metrics['grad/norm']:.3f}"
+                f"step {step + 1}/{steps}: score {report.reward:.3f} | grad norm {metrics['grad/norm']:.3f}"
                 f" | groups trained {metrics['data/groups_trained']:.0f}/{metrics['data/groups']:.0f}"
                 f" | {time.monotonic() - started:.0f} s -> serving {result['model']}",
                 flush=True,
@@ -95,16 +128,3 @@ def plot_curve(curve: list[float], before: float, after: float, path: Path, titl
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def run_with_services(
-    workdir: Path, learning_rate: float, job: Callable[[str], Coroutine[Any, Any, None]]
-) -> None:
-    """Start a collector and a trainer under `workdir`, point the plugin at them, run `job(trainer_url)`."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    state = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
-    print(f"starting collector and trainer (logs in {state}); vLLM takes about a minute to start...", flush=True)
-    with running_stack(state, trainer_args=["--learning-rate", str(learning_rate)]) as (collector, trainer):
-        art_langgraph.configure(collector_url=collector.url, trainer_url=f"{trainer.url}/v1", model="agent@latest")
-        asyncio.run(job(trainer.url))
-        art_langgraph.flush()

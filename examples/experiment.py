@@ -1,0 +1,235 @@
+"""Measure an example: held-out score before and after training, over several seeds.
+
+Every example declares an `Example` (its agent, inputs, reward and score) and calls
+`main(EXAMPLE)`. For each seed this starts a fresh collector and trainer (so each seed trains
+its own adapter from the base model), scores the agent on held-out inputs, optionally warms
+it up (e.g. one SFT step), runs the GRPO steps, scores it again, and writes under
+`--workdir`: `seed-K/reward_curve.png`, `results.json` (every figure, per seed and summed
+up) and `reward_curves.png` (all seeds in one plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import art_langgraph
+from examples.stack import running_stack
+from examples.training_loop import plot_curve, score_attempts, train_steps
+
+EVAL_ATTEMPTS = 4
+"""Attempts per held-out input; the held-out score is their mean."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """What an example trains and how it is measured."""
+
+    name: str
+    """Task name of its rollouts and the default run folder `runs/<name>`."""
+    title: str
+    """Title of its plots."""
+    build_agent: Callable[[], Any]
+    """Compile the LangGraph app (it calls `agent@latest`)."""
+    inputs: Callable[[int, int], Sequence[Any]]
+    """`inputs(count, seed)`: `count` inputs drawn reproducibly from `seed`.
+
+    Step k of seed s trains on `inputs(groups, 1000 * s + k + 1)`, one group each; the
+    held-out inputs are `inputs(eval_size, 10_000 + s)`, never trained on."""
+    score: Callable[[Any, Any], float]
+    """`score(input, output)` in [0, 1]: the training reward, the curve and the held-out measure."""
+    judged_by_collector: bool = False
+    """True: the collector's judge (RULER) rewards the training groups; `score` only measures."""
+    describe: Callable[[Any, Any], str] = repr
+    """One line showing an input and the agent's output, for before/after samples."""
+    warm_start: Callable[[str, int], Awaitable[None]] | None = None
+    """`warm_start(trainer_url, seed)`, awaited before GRPO (e.g. an SFT step)."""
+    steps: int = 8
+    groups: int = 8
+    n: int = 4
+    eval_size: int = 24
+    learning_rate: float = 2e-4
+    trainer_args: Sequence[str] = ()
+    collector_args: Sequence[str] = ()
+
+
+@dataclass
+class SeedResult:
+    """One seed's figures."""
+
+    seed: int
+    before: float
+    after: float
+    curve: list[float]
+    train_seconds: float
+    """Warm start + GRPO steps, without service start-up and held-out scoring."""
+    wall_seconds: float
+    """Everything: start the services, score, train, score again."""
+    steps_trained: int
+    samples: list[tuple[str, str]] = field(default_factory=list)
+
+
+async def held_out_score(example: Example, inputs: Sequence[Any]) -> tuple[float, list[str]]:
+    """Mean score of `agent@latest` on held-out inputs (split `val`), and one sample per input."""
+    outputs, _ = await score_attempts(
+        example.build_agent(), inputs, example.score, n=EVAL_ATTEMPTS, task=example.name, split="val"
+    )
+    scores = [example.score(item, out) for item, attempts in zip(inputs, outputs) for out in attempts]
+    return statistics.fmean(scores), [example.describe(item, attempts[0]) for item, attempts in zip(inputs, outputs)]
+
+
+async def train_seed(example: Example, seed: int, trainer_url: str, collector_url: str) -> SeedResult:
+    """Score, warm up, train and score again against running services."""
+    started = time.monotonic()
+    held_out = example.inputs(example.eval_size, 10_000 + seed)
+    before, before_samples = await held_out_score(example, held_out)
+    print(f"[{example.name} seed {seed}] held-out before training: {before:.3f}", flush=True)
+    train_started = time.monotonic()
+    if example.warm_start is not None:
+        await example.warm_start(trainer_url, seed)
+    reports = await train_steps(
+        example.build_agent(),
+        lambda step: example.inputs(example.groups, 1000 * seed + step + 1),
+        example.score,
+        steps=example.steps,
+        n=example.n,
+        task=example.name,
+        trainer_url=trainer_url,
+        collector_url=collector_url if example.judged_by_collector else None,
+    )
+    train_seconds = time.monotonic() - train_started
+    after, after_samples = await held_out_score(example, held_out)
+    print(f"[{example.name} seed {seed}] held-out after training: {after:.3f}", flush=True)
+    return SeedResult(
+        seed=seed,
+        before=before,
+        after=after,
+        curve=[r.reward for r in reports],
+        train_seconds=train_seconds,
+        wall_seconds=time.monotonic() - started,
+        steps_trained=sum(r.model is not None for r in reports),
+        samples=list(zip(before_samples, after_samples))[:5],
+    )
+
+
+def run_seed(example: Example, seed: int, workdir: Path) -> SeedResult:
+    """Start a fresh collector and trainer under `workdir`, train one seed, stop them."""
+    started = time.monotonic()
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"[{example.name} seed {seed}] starting collector and trainer (logs in {workdir}); vLLM takes about a minute...", flush=True)
+    trainer_args = ["--learning-rate", str(example.learning_rate), *example.trainer_args]
+    with running_stack(workdir, trainer_args=trainer_args, collector_args=example.collector_args) as (collector, trainer):
+        art_langgraph.configure(collector_url=collector.url, trainer_url=f"{trainer.url}/v1", model="agent@latest")
+        result = asyncio.run(train_seed(example, seed, trainer.url, collector.url))
+        art_langgraph.flush()
+    result.wall_seconds = time.monotonic() - started
+    plot_curve(result.curve, result.before, result.after, workdir / "reward_curve.png", f"{example.title} (seed {seed})")
+    return result
+
+
+def summarize(results: Sequence[SeedResult]) -> dict[str, float]:
+    """Mean and spread (sample standard deviation; 0 for one seed) of before, after and the gain."""
+
+    def spread(values: list[float]) -> float:
+        return statistics.stdev(values) if len(values) > 1 else 0.0
+
+    before, after = [r.before for r in results], [r.after for r in results]
+    gain = [a - b for a, b in zip(after, before)]
+    return {
+        "before_mean": statistics.fmean(before),
+        "before_std": spread(before),
+        "after_mean": statistics.fmean(after),
+        "after_std": spread(after),
+        "gain_mean": statistics.fmean(gain),
+        "gain_std": spread(gain),
+        "train_minutes_mean": statistics.fmean(r.train_seconds for r in results) / 60,
+        "wall_minutes_mean": statistics.fmean(r.wall_seconds for r in results) / 60,
+    }
+
+
+def plot_seeds(results: Sequence[SeedResult], path: Path, title: str) -> None:
+    """All seeds' training curves and held-out before/after in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        (line,) = ax.plot(range(len(r.curve)), r.curve, marker=".", alpha=0.7, label=f"seed {r.seed}: training")
+        ax.plot([0, len(r.curve)], [r.before, r.after], linestyle="--", marker="s", color=line.get_color(), label=f"seed {r.seed}: held-out")
+    ax.set_xlabel("policy step")
+    ax.set_ylabel("score (mean over attempts)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def measure(example: Example, seeds: Sequence[int], workdir: Path) -> dict[str, Any]:
+    """Train every seed from the base model; write results.json and reward_curves.png; return the results."""
+    results = [run_seed(example, seed, workdir / f"seed-{seed}") for seed in seeds]
+    summary = {
+        "example": example.name,
+        "steps": example.steps,
+        "groups": example.groups,
+        "n": example.n,
+        "eval_size": example.eval_size,
+        "learning_rate": example.learning_rate,
+        "seeds": [asdict(r) for r in results],
+        **summarize(results),
+    }
+    (workdir / "results.json").write_text(json.dumps(summary, indent=2))
+    plot_seeds(results, workdir / "reward_curves.png", example.title)
+    return summary
+
+
+def report(summary: dict[str, Any]) -> str:
+    """The before/after table a person reads at the end of a run."""
+    lines = [f"=== {summary['example']}: held-out score ({EVAL_ATTEMPTS} attempts per input) ==="]
+    for r in summary["seeds"]:
+        lines.append(
+            f"seed {r['seed']}: {r['before']:.3f} -> {r['after']:.3f}  ({r['steps_trained']} steps trained,"
+            f" {r['train_seconds'] / 60:.1f} min training, {r['wall_seconds'] / 60:.1f} min in all)"
+        )
+        lines += [f"    before {old}\n    after  {new}" for old, new in r["samples"][:3]]
+    lines.append(
+        f"mean ± sd over {len(summary['seeds'])} seeds: before {summary['before_mean']:.3f} ± {summary['before_std']:.3f},"
+        f" after {summary['after_mean']:.3f} ± {summary['after_std']:.3f}, gain {summary['gain_mean']:+.3f} ± {summary['gain_std']:.3f}"
+    )
+    return "\n".join(lines)
+
+
+def parse_args(example: Example, argv: Sequence[str] | None, doc: str | None) -> argparse.Namespace:
+    """Command-line options shared by every example."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=example.steps, help=f"GRPO steps per seed (default: {example.steps})")
+    parser.add_argument("--groups", type=int, default=example.groups, help=f"inputs per step, one group each (default: {example.groups})")
+    parser.add_argument("--n", type=int, default=example.n, help=f"attempts per input, the group size (default: {example.n})")
+    parser.add_argument("--eval-size", type=int, default=example.eval_size, help=f"held-out inputs, {EVAL_ATTEMPTS} attempts each (default: {example.eval_size})")
+    parser.add_argument("--learning-rate", type=float, default=example.learning_rate, help=f"LoRA learning rate (default: {example.learning_rate})")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds to train, each from the base model with its own services (default: 0)")
+    parser.add_argument("--workdir", type=Path, default=Path("runs") / example.name, help=f"logs, checkpoints, results.json and PNGs (default: runs/{example.name})")
+    return parser.parse_args(argv)
+
+
+def main(example: Example, argv: Sequence[str] | None = None, doc: str | None = None) -> dict[str, Any]:
+    """Parse the shared options, measure every seed, print the table; return the results."""
+    args = parse_args(example, argv, doc)
+    configured = dataclasses.replace(
+        example, steps=args.steps, groups=args.groups, n=args.n, eval_size=args.eval_size, learning_rate=args.learning_rate
+    )
+    summary = measure(configured, args.seeds, args.workdir)
+    print(report(summary))
+    print(f"results: {args.workdir / 'results.json'}; curves: {args.workdir / 'reward_curves.png'}")
+    return summary
