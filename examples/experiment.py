@@ -3,7 +3,8 @@
 Every example declares an `Example` (its agent, inputs, reward and score) and calls
 `main(EXAMPLE)`. For each seed this starts a fresh collector and trainer (so each seed trains
 its own adapter from the base model), scores the agent on held-out inputs, optionally warms
-it up (e.g. one SFT step), runs the GRPO steps, scores it again, and writes under
+it up with supervised steps on the best attempt of each group (`POST /v1/sft`, as in ART's
+SFT-then-RL recipe), runs the GRPO steps, scores it again, and writes under
 `--workdir`: `seed-K/reward_curve.png`, `results.json` (every figure, per seed and summed
 up) and `reward_curves.png` (all seeds in one plot).
 """
@@ -16,7 +17,7 @@ import asyncio
 import json
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,11 +48,15 @@ class Example:
     score: Callable[[Any, Any], float]
     """`score(input, output)` in [0, 1]: the training reward, the curve and the held-out measure."""
     judged_by_collector: bool = False
-    """True: the collector's judge (RULER) rewards the training groups; `score` only measures."""
+    """True: the collector's RULER judge rewards the training groups; `score` only measures."""
+    rubric: str | None = None
+    """The judge's rubric for this task (with `judged_by_collector`)."""
     describe: Callable[[Any, Any], str] = repr
     """One line showing an input and the agent's output, for before/after samples."""
-    warm_start: Callable[[str, int], Awaitable[None]] | None = None
-    """`warm_start(trainer_url, seed)`, awaited before GRPO (e.g. an SFT step)."""
+    sft_steps: int = 0
+    """Supervised warm-start steps before GRPO: step k samples `groups` inputs
+    (`inputs(groups, 100_000 + 1000 * seed + k)`), scores them, and `POST /v1/sft` trains
+    on the best attempt of each group."""
     steps: int = 8
     groups: int = 8
     n: int = 4
@@ -59,6 +64,8 @@ class Example:
     learning_rate: float = 2e-4
     trainer_args: Sequence[str] = ()
     collector_args: Sequence[str] = ()
+    collector_env: dict[str, str] = field(default_factory=dict)
+    """Environment of the collector `run_seed` starts (e.g. `ART_COLLECTOR_REWARD_NAME=ruler`)."""
 
 
 @dataclass
@@ -68,9 +75,15 @@ class SeedResult:
     seed: int
     before: float
     after: float
+    judge_runs: list[dict[str, Any]]
+    """The collector's judge runs of the training groups (RULER examples)."""
     curve: list[float]
+    """Mean training score of each GRPO step, sampled before the step trained."""
+    sft_curve: list[float]
+    """Mean score of each SFT step's samples (its targets are their best)."""
+    sft_steps_trained: int
     train_seconds: float
-    """Warm start + GRPO steps, without service start-up and held-out scoring."""
+    """SFT + GRPO steps, without service start-up and held-out scoring."""
     wall_seconds: float
     """Everything: start the services, score, train, score again."""
     steps_trained: int
@@ -93,8 +106,16 @@ async def train_seed(example: Example, seed: int, trainer_url: str, collector_ur
     before, before_samples = await held_out_score(example, held_out)
     print(f"[{example.name} seed {seed}] held-out before training: {before:.3f}", flush=True)
     train_started = time.monotonic()
-    if example.warm_start is not None:
-        await example.warm_start(trainer_url, seed)
+    sft = await train_steps(
+        example.build_agent(),
+        lambda step: example.inputs(example.groups, 100_000 + 1000 * seed + step),
+        example.score,
+        steps=example.sft_steps,
+        n=example.n,
+        task=example.name,
+        trainer_url=trainer_url,
+        endpoint="/v1/sft",
+    )
     reports = await train_steps(
         example.build_agent(),
         lambda step: example.inputs(example.groups, 1000 * seed + step + 1),
@@ -104,6 +125,7 @@ async def train_seed(example: Example, seed: int, trainer_url: str, collector_ur
         task=example.name,
         trainer_url=trainer_url,
         collector_url=collector_url if example.judged_by_collector else None,
+        rubric=example.rubric,
     )
     train_seconds = time.monotonic() - train_started
     after, after_samples = await held_out_score(example, held_out)
@@ -112,7 +134,10 @@ async def train_seed(example: Example, seed: int, trainer_url: str, collector_ur
         seed=seed,
         before=before,
         after=after,
+        judge_runs=[run for r in reports for run in r.judge_runs],
         curve=[r.reward for r in reports],
+        sft_curve=[r.reward for r in sft],
+        sft_steps_trained=sum(r.model is not None for r in sft),
         train_seconds=train_seconds,
         wall_seconds=time.monotonic() - started,
         steps_trained=sum(r.model is not None for r in reports),
@@ -126,7 +151,9 @@ def run_seed(example: Example, seed: int, workdir: Path) -> SeedResult:
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"[{example.name} seed {seed}] starting collector and trainer (logs in {workdir}); vLLM takes about a minute...", flush=True)
     trainer_args = ["--learning-rate", str(example.learning_rate), *example.trainer_args]
-    with running_stack(workdir, trainer_args=trainer_args, collector_args=example.collector_args) as (collector, trainer):
+    with running_stack(
+        workdir, trainer_args=trainer_args, collector_args=example.collector_args, env=example.collector_env
+    ) as (collector, trainer):
         art_langgraph.configure(collector_url=collector.url, trainer_url=f"{trainer.url}/v1", model="agent@latest")
         result = asyncio.run(train_seed(example, seed, trainer.url, collector.url))
         art_langgraph.flush()
@@ -184,6 +211,7 @@ def measure(example: Example, seeds: Sequence[int], workdir: Path) -> dict[str, 
         "steps": example.steps,
         "groups": example.groups,
         "n": example.n,
+        "sft_steps": example.sft_steps,
         "eval_size": example.eval_size,
         "learning_rate": example.learning_rate,
         "seeds": [asdict(r) for r in results],
@@ -199,8 +227,8 @@ def report(summary: dict[str, Any]) -> str:
     lines = [f"=== {summary['example']}: held-out score ({EVAL_ATTEMPTS} attempts per input) ==="]
     for r in summary["seeds"]:
         lines.append(
-            f"seed {r['seed']}: {r['before']:.3f} -> {r['after']:.3f}  ({r['steps_trained']} steps trained,"
-            f" {r['train_seconds'] / 60:.1f} min training, {r['wall_seconds'] / 60:.1f} min in all)"
+            f"seed {r['seed']}: {r['before']:.3f} -> {r['after']:.3f}  ({r['sft_steps_trained']} SFT + {r['steps_trained']} GRPO"
+            f" steps trained, {r['train_seconds'] / 60:.1f} min training, {r['wall_seconds'] / 60:.1f} min in all)"
         )
         lines += [f"    before {old}\n    after  {new}" for old, new in r["samples"][:3]]
     lines.append(
@@ -215,6 +243,7 @@ def parse_args(example: Example, argv: Sequence[str] | None, doc: str | None) ->
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=example.steps, help=f"GRPO steps per seed (default: {example.steps})")
     parser.add_argument("--groups", type=int, default=example.groups, help=f"inputs per step, one group each (default: {example.groups})")
+    parser.add_argument("--sft-steps", type=int, default=example.sft_steps, help=f"supervised warm-start steps before GRPO (default: {example.sft_steps})")
     parser.add_argument("--n", type=int, default=example.n, help=f"attempts per input, the group size (default: {example.n})")
     parser.add_argument("--eval-size", type=int, default=example.eval_size, help=f"held-out inputs, {EVAL_ATTEMPTS} attempts each (default: {example.eval_size})")
     parser.add_argument("--learning-rate", type=float, default=example.learning_rate, help=f"LoRA learning rate (default: {example.learning_rate})")
@@ -227,7 +256,7 @@ def main(example: Example, argv: Sequence[str] | None = None, doc: str | None = 
     """Parse the shared options, measure every seed, print the table; return the results."""
     args = parse_args(example, argv, doc)
     configured = dataclasses.replace(
-        example, steps=args.steps, groups=args.groups, n=args.n, eval_size=args.eval_size, learning_rate=args.learning_rate
+        example, steps=args.steps, sft_steps=args.sft_steps, groups=args.groups, n=args.n, eval_size=args.eval_size, learning_rate=args.learning_rate
     )
     summary = measure(configured, args.seeds, args.workdir)
     print(report(summary))

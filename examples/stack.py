@@ -101,9 +101,14 @@ def running_stack(
     collector_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
 ) -> Iterator[tuple[Service, Service]]:
-    """Run a collector (SQLite in `workdir`) and a trainer (vLLM + LoRA GRPO) until exit."""
+    """Run a collector (SQLite in `workdir`) and a trainer (vLLM + LoRA GRPO) until exit.
+
+    The collector gets `ART_TRAINER_URL` = this trainer's `/v1`, so its RULER judge (when
+    `ART_COLLECTOR_JUDGE_AUTO` is on and no `ART_COLLECTOR_JUDGE_URL` is set) asks this trainer.
+    """
     collector_port, trainer_port, vllm_port = free_port(), free_port(), free_port()
     collector_url = f"http://127.0.0.1:{collector_port}"
+    trainer_url = f"http://127.0.0.1:{trainer_port}"
     collector = start_service(
         "art-collector",
         ["--port", str(collector_port), "--db", f"sqlite:///{workdir / 'collector.db'}", *collector_args],
@@ -111,10 +116,9 @@ def running_stack(
         collector_url,
         workdir / "collector.log",
         timeout=60,
-        env=env,
+        env={"ART_TRAINER_URL": f"{trainer_url}/v1", **(env or {})},
     )
     try:
-        trainer_url = f"http://127.0.0.1:{trainer_port}"
         trainer = start_service(
             "art-trainer",
             [

@@ -28,6 +28,8 @@ class StepReport:
     model: str | None = None
     """The checkpoint the step published (`agent@N`); None when the step was skipped."""
     metrics: dict[str, float] = field(default_factory=dict)
+    judge_runs: list[dict[str, Any]] = field(default_factory=list)
+    """The collector's judge runs of the step's groups (RULER examples only)."""
 
 
 async def score_attempts(
@@ -50,18 +52,21 @@ async def score_attempts(
     return outputs, scores
 
 
-async def wait_until_scored(collector_url: str, task: str, timeout: float = 900.0) -> None:
-    """Wait until no complete group of `task` still waits for rewards (the collector's judge ran)."""
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(base_url=collector_url, timeout=30) as client:
-        while True:
-            groups = (await client.get("/v1/groups")).raise_for_status().json()
-            waiting = [g for g in groups if g["task"] == task and g["state"] == "open" and g["complete"] >= g["expected"]]
-            if not waiting:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(waiting)} groups of {task!r} still unscored after {timeout:.0f} s")
-            await asyncio.sleep(2.0)
+async def judge_groups(collector_url: str, task: str, judged: set[str], rubric: str | None = None) -> list[dict[str, Any]]:
+    """Ask the collector's RULER judge to score every train group of `task` not in `judged`.
+
+    Each `POST /v1/groups/{id}/judge` returns once the group is judged; its scores become
+    the group's `ruler` rewards. Returns the judge runs, and adds their groups to `judged`.
+    """
+    runs: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(base_url=collector_url, timeout=1800) as client:
+        params = {"task": task, "split": "train"}
+        trajectories = (await client.get("/v1/trajectories", params=params)).raise_for_status().json()
+        for group in sorted({t["group_id"] for t in trajectories} - judged):
+            body = {"rubric": rubric} if rubric else None
+            runs.append((await client.post(f"/v1/groups/{group}/judge", json=body)).raise_for_status().json())
+            judged.add(group)
+    return runs
 
 
 async def train_steps(
@@ -74,14 +79,20 @@ async def train_steps(
     task: str,
     trainer_url: str,
     collector_url: str | None = None,
+    rubric: str | None = None,
+    endpoint: str = "/v1/train",
 ) -> list[StepReport]:
-    """Run `steps` GRPO steps on fresh inputs (`make_inputs(step)`); report each step.
+    """Run `steps` training steps on fresh inputs (`make_inputs(step)`); report each step.
 
     `score(input, output)` is the reward, reported with each rollout. With `collector_url`
-    the collector scores the groups instead (RULER): the loop waits for its judge before
-    asking for a step, and `score` only draws the curve.
+    the collector's RULER judge scores the groups instead (with `rubric`, else its own): the
+    loop has it judge each new group before asking for a step, and `score` only draws the
+    curve. `endpoint` is `/v1/train` (GRPO) or
+    `/v1/sft` (a supervised step on the best attempt of each group).
     """
+    kind = "SFT" if endpoint == "/v1/sft" else "GRPO"
     reports: list[StepReport] = []
+    judged: set[str] = set()
     async with httpx.AsyncClient(base_url=trainer_url, timeout=900) as client:
         for step in range(steps):
             started = time.monotonic()
@@ -92,18 +103,19 @@ async def train_steps(
             reports.append(report)
             art_langgraph.flush()
             if collector_url is not None:
-                await wait_until_scored(collector_url, task)
-            response = await client.post("/v1/train")
-            if response.status_code in (409, 422):  # nothing ready / no group with reward spread
-                print(f"step skipped: {response.json()['error']['message']}", flush=True)
+                report.judge_runs = await judge_groups(collector_url, task, judged, rubric)
+            response = await client.post(endpoint)
+            if response.status_code in (409, 422):  # nothing ready / no group to learn from
+                print(f"{kind} step skipped: {response.json()['error']['message']}", flush=True)
                 continue
             response.raise_for_status()
             result = response.json()
             report.model, report.metrics = result["model"], result["metrics"]
             metrics = result["metrics"]
+            loss = metrics.get("loss/sft", metrics.get("loss/policy", float("nan")))
             print(
-                f"step {step + 1}/{steps}: score {report.reward:.3f} | grad norm {metrics['grad/norm']:.3f}"
-                f" | groups trained {metrics['data/groups_trained']:.0f}/{metrics['data/groups']:.0f}"
+                f"{kind} step {step + 1}/{steps}: score {report.reward:.3f} | loss {loss:.3f}"
+                f" | grad norm {metrics['grad/norm']:.3f} | groups trained {metrics['data/groups_trained']:.0f}/{metrics['data/groups']:.0f}"
                 f" | {time.monotonic() - started:.0f} s -> serving {result['model']}",
                 flush=True,
             )
