@@ -130,9 +130,10 @@ def learning_body(name: str) -> str:
 
 def render(section: Section, output: str, status: int, seconds: float) -> str:
     """A section of RESULTS.md, fenced by markers so `--only` can replace it."""
-    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    started = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=seconds)
+    when = started.strftime("%Y-%m-%d %H:%M UTC")
     command = " ".join(["PYTHONPATH=.", ".venv/bin/python", *section.argv[1:]]).replace(str(RUNS), "runs/bench")
-    head = f"## {section.title}\n\n`{command}` — {when}, commit {commit()}, {seconds / 60:.1f} min, exit {status}\n\n"
+    head = f"## {section.title}\n\n`{command}` — started {when}, commit {commit()}, {seconds / 60:.1f} min, exit {status}\n\n"
     if section.example is not None and status == 0:
         body = learning_body(section.example)
     else:

@@ -112,9 +112,9 @@ async def train_steps(
             result = response.json()
             report.model, report.metrics = result["model"], result["metrics"]
             metrics = result["metrics"]
-            loss = metrics.get("loss/sft", metrics.get("loss/policy", float("nan")))
+            sft_loss = f" | loss {metrics['loss/sft']:.3f}" if "loss/sft" in metrics else ""  # GRPO's is ~0 on-policy
             print(
-                f"{kind} step {step + 1}/{steps}: score {report.reward:.3f} | loss {loss:.3f}"
+                f"{kind} step {step + 1}/{steps}: score {report.reward:.3f}{sft_loss}"
                 f" | grad norm {metrics['grad/norm']:.3f} | groups trained {metrics['data/groups_trained']:.0f}/{metrics['data/groups']:.0f}"
                 f" | {time.monotonic() - started:.0f} s -> serving {result['model']}",
                 flush=True,

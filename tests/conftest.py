@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import art_langgraph
 from examples.stack import Service, running_stack
 
 
@@ -28,6 +29,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, S
         return
     with running_stack(workdir, trainer_args=["--learning-rate", "1e-4"]) as services:
         yield services
+        art_langgraph.flush()  # spans still queued go out before the collector stops
 
 
 @pytest.fixture(scope="session")
