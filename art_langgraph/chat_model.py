@@ -6,6 +6,7 @@ Every call asks the engine for logprobs and token ids, keeps them on the returne
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 from uuid import UUID
@@ -13,7 +14,8 @@ from uuid import UUID
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.base import LangSmithParams
-from langchain_core.messages import BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.messages.tool import InvalidToolCall, invalid_tool_call
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_openai import ChatOpenAI
@@ -147,12 +149,15 @@ class ARTChatModel(ChatOpenAI):
         return payload
 
     def _create_chat_result(self, response: Any, generation_info: dict | None = None) -> ChatResult:
-        result = super()._create_chat_result(response, generation_info)
         response_dict = response if isinstance(response, dict) else response.model_dump(warnings=False)
-        for generation, choice in zip(result.generations, response_dict.get("choices") or [], strict=False):
+        response_dict, not_objects = _set_aside_non_object_arguments(response_dict)
+        result = super()._create_chat_result(response_dict, generation_info)
+        for index, (generation, choice) in enumerate(zip(result.generations, response_dict.get("choices") or [], strict=False)):
             # ChatOpenAI shares one generation_info dict across choices; give each its own.
             generation.generation_info = dict(generation.generation_info or {})
             generation.message.response_metadata[ART_METADATA_KEY] = choice_token_data(response_dict, choice)
+            if isinstance(generation.message, AIMessage):
+                generation.message.invalid_tool_calls.extend(not_objects.get(index, []))
         return result
 
     def _convert_chunk_to_generation_chunk(
@@ -227,3 +232,36 @@ class ARTChatModel(ChatOpenAI):
             finally:
                 if tokens.aggregate is not None:
                     span.record_generation(tokens.aggregate)
+
+
+def _set_aside_non_object_arguments(response: dict[str, Any]) -> tuple[dict[str, Any], dict[int, list[InvalidToolCall]]]:
+    """Take out the tool calls whose arguments are JSON but not an object (a sampled `[253]`).
+
+    LangChain turns arguments that do not parse into `invalid_tool_calls`, but valid JSON that is
+    not an object makes `AIMessage` itself fail to build, which would end the whole graph run on
+    one bad sample. Such calls become invalid tool calls of their choice's message instead (the
+    token data, and so the trajectory, keep exactly what was sampled). Returns the response
+    without them and, per choice index, the invalid calls.
+    """
+    set_aside: dict[int, list[InvalidToolCall]] = {}
+    choices = []
+    for index, choice in enumerate(response.get("choices") or []):
+        message = choice.get("message") or {}
+        kept = []
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") or {}
+            try:
+                arguments = json.loads(function.get("arguments") or "{}", strict=False)
+            except json.JSONDecodeError:
+                arguments = {}  # LangChain reports unparsable arguments itself
+            if isinstance(arguments, dict):
+                kept.append(call)
+                continue
+            error = f"arguments of {function.get('name')!r} are JSON but not an object: {function.get('arguments')}"
+            set_aside.setdefault(index, []).append(
+                invalid_tool_call(name=function.get("name"), args=function.get("arguments"), id=call.get("id"), error=error)
+            )
+        if index in set_aside:
+            choice = {**choice, "message": {**message, "tool_calls": kept or None}}
+        choices.append(choice)
+    return ({**response, "choices": choices} if set_aside else response), set_aside

@@ -198,3 +198,32 @@ def test_error_marks_span_and_reraises(spans, served_model, dead_url) -> None:
 )
 def test_policy_step(name: str | None, step: int) -> None:
     assert policy_step(name) == step
+
+
+def test_tool_call_arguments_that_are_not_an_object_become_invalid_tool_calls() -> None:
+    """A sampled `{"name": "calculator", "arguments": [253]}` must not end the graph run."""
+    model = ARTChatModel(model="agent@latest", base_url="http://127.0.0.1:9/v1", api_key="EMPTY")
+    good = {"id": "call-1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2*3"}'}}
+    bad = {"id": "call-2", "type": "function", "function": {"name": "calculator", "arguments": "[253]"}}
+    response = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "agent@3",
+        "prompt_token_ids": [1, 2],
+        "choices": [
+            {"index": 0, "finish_reason": "tool_calls", "token_ids": [5, 6],
+             "message": {"role": "assistant", "content": None, "tool_calls": [good, bad]}},
+        ],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4},
+    }
+
+    (generation,) = model._create_chat_result(response).generations
+    message = generation.message
+
+    assert [call["args"] for call in message.tool_calls] == [{"expression": "2*3"}]
+    (invalid,) = message.invalid_tool_calls
+    assert (invalid["name"], invalid["args"], invalid["id"]) == ("calculator", "[253]", "call-2")
+    assert "not an object" in invalid["error"]
+    art = message.response_metadata["art"]
+    assert art["completion_token_ids"] == [5, 6] and art["prompt_token_ids"] == [1, 2]
