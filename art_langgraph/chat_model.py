@@ -150,8 +150,9 @@ class ARTChatModel(ChatOpenAI):
 
     def _create_chat_result(self, response: Any, generation_info: dict | None = None) -> ChatResult:
         response_dict = response if isinstance(response, dict) else response.model_dump(warnings=False)
-        response_dict, not_objects = _set_aside_non_object_arguments(response_dict)
-        result = super()._create_chat_result(response_dict, generation_info)
+        cleaned, not_objects = _set_aside_non_object_arguments(response_dict)
+        # The original object when nothing was set aside: structured output reads its `parsed`.
+        result = super()._create_chat_result(cleaned if not_objects else response, generation_info)
         for index, (generation, choice) in enumerate(zip(result.generations, response_dict.get("choices") or [], strict=False)):
             # ChatOpenAI shares one generation_info dict across choices; give each its own.
             generation.generation_info = dict(generation.generation_info or {})
