@@ -7,7 +7,6 @@ collector and asks the trainer for one GRPO step, which hot-loads `agent@N` for 
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 import time
 from collections.abc import Callable, Sequence
