@@ -2,7 +2,8 @@
 
 The engine serves the base model under its name and every LoRA checkpoint hot-loaded with
 `load_adapter`. When the child dies, `ensure_running` starts it again and re-loads the
-adapters, in the order they were first loaded.
+adapters, in the order they were first loaded. vLLM runs in its own process group (stopped as
+a whole) and gets SIGTERM if the service dies, even by SIGKILL (`parent_death`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections import deque
 from pathlib import Path
 
 import httpx
+
+from trainer_service.parent_death import launch_command
 
 __all__ = ["EngineError", "VLLMEngine"]
 
@@ -148,7 +151,8 @@ class VLLMEngine:
             logger.info("starting vLLM: %s (log: %s)", " ".join(self.command()), self.log_path)
             try:
                 self._proc = subprocess.Popen(
-                    self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(), start_new_session=True
+                    launch_command(self.command()),
+                    stdout=log, stderr=subprocess.STDOUT, env=self.environment(), start_new_session=True,
                 )
             finally:
                 log.close()

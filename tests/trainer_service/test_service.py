@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
+import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -189,6 +192,57 @@ def test_engine_restarts_and_reloads_adapters(tmp_path: Path) -> None:
     finally:
         engine.stop()
     assert not engine.is_alive()
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_engine_stops_when_the_service_is_killed(tmp_path: Path) -> None:
+    # A service process starts the (fake) engine, then is killed with SIGKILL: no stop() runs,
+    # and the engine, in its own session, must still go away instead of holding its port.
+    service = textwrap.dedent(f"""
+        import sys, time
+        from trainer_service.engine import VLLMEngine
+        class Fake(VLLMEngine):
+            def command(self):
+                return [sys.executable, "-c", {_FAKE_VLLM!r}, str(self.port)]
+        engine = Fake("model", "base", 18995, log_path={str(tmp_path / "vllm.log")!r}, startup_timeout=30)
+        engine.start()
+        print(engine.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", service], stdout=subprocess.PIPE, text=True)
+    engine_pid = 0
+    try:
+        assert parent.stdout is not None
+        engine_pid = int(parent.stdout.readline())
+        assert _running(engine_pid)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while _running(engine_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(engine_pid), "the engine outlived the service that started it"
+    finally:
+        parent.kill()
+        if engine_pid and _running(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)
+
+
+def test_parent_death_launcher_refuses_bad_arguments() -> None:
+    # In child processes: arming the signal in the test process would tie pytest to its parent.
+    launcher = [sys.executable, "-m", "trainer_service.parent_death"]
+    usage = subprocess.run([*launcher, "not-a-pid", "true"], capture_output=True, text=True)
+    assert usage.returncode != 0 and "usage" in usage.stderr
+    if sys.platform.startswith("linux"):  # a parent that is already gone: the command must not run
+        gone = subprocess.run([*launcher, "999999999", "echo", "ran"], capture_output=True, text=True)
+        assert gone.returncode != 0 and "ended before" in gone.stderr and "ran" not in gone.stdout
 
 
 def test_api_key_guards_every_endpoint(tmp_path: Path) -> None:
