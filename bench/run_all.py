@@ -159,12 +159,13 @@ def main() -> None:
     unknown = set(args.only or []) - set(names)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; known: {' '.join(names)}")
-    kept = kept_sections(RESULTS.read_text()) if RESULTS.exists() else {}
     failed = []
     for section in chosen:
         if args.only and section.name not in args.only:
             continue
         output, status, seconds = run(section)
+        # Read again after each section: another `--only` run may have written its own meanwhile.
+        kept = kept_sections(RESULTS.read_text()) if RESULTS.exists() else {}
         kept[section.name] = render(section, output, status, seconds)
         if status != 0:
             failed.append(section.name)
