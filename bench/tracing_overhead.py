@@ -38,7 +38,7 @@ from examples.stack import running_stack
 PROMPTS = [f"Reply with one word about the number {i}." for i in range(16)]
 
 
-def measure(call: Callable[[str], Any], prompt: str) -> tuple[float, float]:
+def time_call(call: Callable[[str], Any], prompt: str) -> tuple[float, float]:
     """(wall seconds, process CPU seconds) of one call."""
     wall, cpu = time.perf_counter(), time.process_time()
     call(prompt)
@@ -63,7 +63,7 @@ def run(clients: dict[str, Callable[[str], Any]], rounds: int) -> dict[str, tupl
         if i % 2:
             order.reverse()
         for name, call in order:
-            wall, cpu = measure(call, prompt)
+            wall, cpu = time_call(call, prompt)
             samples[name][0].append(wall)
             samples[name][1].append(cpu)
     return samples
