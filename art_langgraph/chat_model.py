@@ -241,8 +241,8 @@ def _set_aside_non_object_arguments(response: dict[str, Any]) -> tuple[dict[str,
     LangChain turns arguments that do not parse into `invalid_tool_calls`, but valid JSON that is
     not an object makes `AIMessage` itself fail to build, which would end the whole graph run on
     one bad sample. Such calls become invalid tool calls of their choice's message instead (the
-    token data, and so the trajectory, keep exactly what was sampled). Returns the response
-    without them and, per choice index, the invalid calls.
+    token data, and so the trajectory, keep exactly what was sampled). Returns a copy of the
+    response without them and, per choice index, the invalid calls.
     """
     set_aside: dict[int, list[InvalidToolCall]] = {}
     choices = []
@@ -265,4 +265,4 @@ def _set_aside_non_object_arguments(response: dict[str, Any]) -> tuple[dict[str,
         if index in set_aside:
             choice = {**choice, "message": {**message, "tool_calls": kept or None}}
         choices.append(choice)
-    return ({**response, "choices": choices} if set_aside else response), set_aside
+    return {**response, "choices": choices}, set_aside
