@@ -32,6 +32,7 @@ _SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
     "--vllm-startup-timeout": ("vllm_startup_timeout", float),
     "--chat-template": ("chat_template", str),
     "--tool-call-parser": ("tool_call_parser", str),
+    "--json-whitespace": ("json_whitespace", str),
     "--batch-groups": ("batch_groups", int),
     "--train-threads": ("train_threads", int),
     "--train-processes": ("train_processes", int),
@@ -55,6 +56,7 @@ _SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
 }
 _CHOICES: dict[str, list[str]] = {
     "keep_best_mode": ["max", "min"],
+    "json_whitespace": ["compact", "any"],
     "wandb": ["auto", "off"],
     "loss": ["ppo", "cispo"],
     "importance_sampling": ["token", "sequence"],

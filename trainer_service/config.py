@@ -92,6 +92,12 @@ class TrainerSettings(BaseSettings):
         description="vLLM tool-call parser (`--enable-auto-tool-choice --tool-call-parser`). Default: `hermes` for "
         "the bundled model (matching its bundled template), none otherwise; `none` turns tool parsing off.",
     )
+    json_whitespace: Literal["compact", "any"] = Field(
+        default="compact",
+        description="Whitespace in structured (JSON-schema) outputs. `compact`: none between JSON tokens (vLLM's xgrammar "
+        "backend with `disable_any_whitespace`); the bundled model as RULER judge otherwise filled max_tokens with "
+        "newlines inside its JSON. `any`: vLLM's default, whitespace allowed.",
+    )
     vllm_startup_timeout: float = Field(default=600.0, gt=0, description="Seconds to wait for vLLM to become healthy.")
     batch_groups: int = Field(default=8, ge=1, description="Most groups leased from the collector per training step.")
     train_threads: int | None = Field(
@@ -200,6 +206,12 @@ class TrainerSettings(BaseSettings):
         if parser and parser != "none":
             args += ["--enable-auto-tool-choice", "--tool-call-parser", parser]
         return args
+
+    def structured_output_args(self) -> list[str]:
+        """vLLM flags for structured outputs (see `json_whitespace`)."""
+        if self.json_whitespace == "any":
+            return []
+        return ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
 
 
 @dataclass

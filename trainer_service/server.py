@@ -54,7 +54,7 @@ def build_service(settings: TrainerSettings, grpo: GRPOConfig,
         max_model_len=settings.max_model_len,
         max_lora_rank=settings.max_lora_rank,
         max_loras=settings.max_loras,
-        extra_args=[*settings.tool_calling_args(), *settings.vllm_args],
+        extra_args=[*settings.tool_calling_args(), *settings.structured_output_args(), *settings.vllm_args],
         log_path=settings.run_dir / "vllm.log",
         startup_timeout=settings.vllm_startup_timeout,
     )

@@ -66,3 +66,25 @@ def test_status_reports_a_healthy_engine(client: httpx.Client) -> None:
     assert status["engine"]["healthy"] is True
     assert status["models"] == [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert status["latest_model"] == (f"agent@{status['step']}" if status["step"] else BASE)
+
+
+def test_json_schema_answers_are_compact(client: httpx.Client) -> None:
+    """`--json-whitespace compact` (the default): guided JSON has no whitespace between tokens.
+
+    With vLLM's default the bundled model pretty-prints (`{\\n  "a": ...`) and can loop on
+    newlines until `max_tokens`; integers and booleans only, so the compact form is unique.
+    """
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": schema, "strict": True}}
+    for seed in range(3):
+        response = chat(client, "agent@latest", max_tokens=64, temperature=1.0, seed=seed, response_format=fmt)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        text = choice["message"]["content"]
+        assert choice["finish_reason"] == "stop", text
+        assert text == json.dumps(json.loads(text), separators=(",", ":")), text

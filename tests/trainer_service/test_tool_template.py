@@ -69,3 +69,10 @@ def test_tool_calling_flags_default_to_the_bundled_template_and_hermes() -> None
     ]  # fmt: skip
     assert TrainerSettings(chat_template="model", tool_call_parser="none").tool_calling_args() == []
     assert TrainerSettings(chat_template="/t.jinja").tool_calling_args()[:2] == ["--chat-template", "/t.jinja"]
+
+
+def test_structured_outputs_are_compact_unless_any_whitespace_is_asked() -> None:
+    flag, value = TrainerSettings().structured_output_args()
+    assert flag == "--structured-outputs-config"
+    assert json.loads(value) == {"backend": "xgrammar", "disable_any_whitespace": True}
+    assert TrainerSettings(json_whitespace="any").structured_output_args() == []
