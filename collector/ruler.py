@@ -4,8 +4,9 @@ The judge sees a group's trajectories side by side. Messages every trajectory st
 (the shared prefix: system prompt, task) are sent once as context; each trajectory's own
 messages follow as a numbered block. Identical trajectories are shown once and share the
 score. The answer is constrained by a JSON schema (`response_format={"type": "json_schema"}`,
-which vLLM enforces with guided decoding) and checked again here: one score in [0, 1] with an
-explanation for every block, nothing else.
+which vLLM enforces with guided decoding): an object keyed by block number with every block
+required, so a judge held to the schema cannot skip a block or score one twice. It is checked
+again here: one score in [0, 1] with an explanation for every block, nothing else.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ score near the top of the range and the worst near the bottom, unless they are t
 Rubric:
 {rubric}
 
-Answer with JSON only: {{"scores": [{{"trajectory_id": <number of the block>, "explanation": "<one or two sentences>", "score": <0..1>}}, ...]}}
-with exactly one entry per trajectory, in the order given."""
+Answer with JSON only: {{"scores": {{"1": {{"explanation": "<one or two sentences>", "score": <0..1>}}, "2": ...}}}}
+with exactly one entry per trajectory, keyed by its id, in the order given."""
 
 
 class JudgeError(Exception):
@@ -146,60 +147,60 @@ def build_messages(rubric: str, conversations: Sequence[Messages]) -> Messages:
 
 
 def response_format(count: int, explanation_max_chars: int = 0) -> dict[str, Any]:
-    """OpenAI `response_format` with a JSON schema for exactly `count` scores in [0, 1]."""
+    """OpenAI `response_format`: a JSON schema with one required entry per block `"1"`..`"count"`."""
     explanation: dict[str, Any] = {"type": "string"}
     if explanation_max_chars:
         explanation["maxLength"] = explanation_max_chars
     item = {
         "type": "object",
-        "properties": {
-            "trajectory_id": {"type": "integer", "minimum": 1, "maximum": count},
-            "explanation": explanation,
-            "score": {"type": "number", "minimum": 0, "maximum": 1},
-        },
-        "required": ["trajectory_id", "explanation", "score"],
+        "properties": {"explanation": explanation, "score": {"type": "number", "minimum": 0, "maximum": 1}},
+        "required": ["explanation", "score"],
         "additionalProperties": False,
     }
-    schema = {
-        "type": "object",
-        "properties": {"scores": {"type": "array", "items": item, "minItems": count, "maxItems": count}},
-        "required": ["scores"],
-        "additionalProperties": False,
-    }
+    blocks = [str(block) for block in range(1, count + 1)]
+    scores = {"type": "object", "properties": {block: item for block in blocks}, "required": blocks, "additionalProperties": False}
+    schema = {"type": "object", "properties": {"scores": scores}, "required": ["scores"], "additionalProperties": False}
     return {"type": "json_schema", "json_schema": {"name": "ruler_scores", "schema": schema, "strict": True}}
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict; a key written twice (e.g. one trajectory scored twice) is an error."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise JudgeError(f"key {key!r} appears twice in one object of the judge's answer", code="judge_bad_scores")
+        data[key] = value
+    return data
+
+
 def parse_scores(text: str, count: int) -> list[Score]:
-    """Check the judge's answer: JSON with one finite score in [0, 1] per block 1..count, in block order.
+    """Check the judge's answer: JSON with one finite score in [0, 1] for each block `"1"`..`"count"`.
 
     Raises:
         JudgeError: `judge_bad_json` or `judge_bad_scores`, naming what is wrong.
     """
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise JudgeError(f"judge answer is not JSON ({exc}): {text[:200]!r}", code="judge_bad_json") from exc
     entries = data.get("scores") if isinstance(data, dict) else None
-    if not isinstance(entries, list):
-        raise JudgeError(f"judge answer has no `scores` list: {text[:200]!r}", code="judge_bad_scores")
-    found: dict[int, Score] = {}
-    for entry in entries:
-        if not isinstance(entry, dict):
-            raise JudgeError(f"score entry is not an object: {entry!r}", code="judge_bad_scores")
-        block, value = entry.get("trajectory_id"), entry.get("score")
-        if isinstance(block, str) and block.strip().isdigit():
-            block = int(block)
-        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= count:
-            raise JudgeError(f"trajectory_id {block!r} is not one of 1..{count}", code="judge_bad_scores")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not 0 <= value <= 1:
-            raise JudgeError(f"score {value!r} of trajectory {block} is not a number in [0, 1]", code="judge_bad_scores")
-        if block in found:
-            raise JudgeError(f"trajectory {block} was scored twice", code="judge_bad_scores")
-        found[block] = Score(block, float(value), str(entry.get("explanation") or "").strip())
-    missing = [b for b in range(1, count + 1) if b not in found]
+    if not isinstance(entries, dict):
+        raise JudgeError(f"judge answer has no `scores` object: {text[:200]!r}", code="judge_bad_scores")
+    blocks = [str(block) for block in range(1, count + 1)]
+    unknown = sorted(set(entries) - set(blocks))
+    if unknown:
+        raise JudgeError(f"scores for unknown trajectories {unknown}; the ids are 1..{count}", code="judge_bad_scores")
+    missing = [int(block) for block in blocks if block not in entries]
     if missing:
         raise JudgeError(f"no score for trajectories {missing}", code="judge_bad_scores")
-    return [found[b] for b in range(1, count + 1)]
+    found = []
+    for block in blocks:
+        entry = entries[block]
+        value = entry.get("score") if isinstance(entry, dict) else None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not 0 <= value <= 1:
+            raise JudgeError(f"score {value!r} of trajectory {block} is not a number in [0, 1]", code="judge_bad_scores")
+        found.append(Score(int(block), float(value), str(entry.get("explanation") or "").strip()))
+    return found
 
 
 class JudgeClient:

@@ -74,21 +74,21 @@ def test_render_message_spells_out_tool_calls_and_results() -> None:
     assert render_message({"role": "user", "content": [{"type": "text", "text": "hi"}]}) == "[user] hi"
 
 
-def test_response_format_pins_count_and_range() -> None:
+def test_response_format_requires_one_entry_per_block() -> None:
     fmt = response_format(3, 120)
     schema = fmt["json_schema"]["schema"]
     scores = schema["properties"]["scores"]
-    assert fmt["type"] == "json_schema"
-    assert (scores["minItems"], scores["maxItems"]) == (3, 3)
-    item = scores["items"]["properties"]
+    assert fmt["type"] == "json_schema" and fmt["json_schema"]["strict"] is True
+    assert list(scores["properties"]) == scores["required"] == ["1", "2", "3"]
+    assert scores["additionalProperties"] is False
+    item = scores["properties"]["2"]["properties"]
     assert (item["score"]["minimum"], item["score"]["maximum"]) == (0, 1)
-    assert item["trajectory_id"]["maximum"] == 3
     assert item["explanation"]["maxLength"] == 120
-    assert "maxLength" not in response_format(2)["json_schema"]["schema"]["properties"]["scores"]["items"]["properties"]["explanation"]
+    assert "maxLength" not in response_format(2)["json_schema"]["schema"]["properties"]["scores"]["properties"]["1"]["properties"]["explanation"]
 
 
 def answer(*entries: tuple) -> str:
-    return json.dumps({"scores": [{"trajectory_id": i, "explanation": e, "score": s} for i, e, s in entries]})
+    return json.dumps({"scores": {str(i): {"explanation": e, "score": s} for i, e, s in entries}})
 
 
 def test_parse_scores_in_block_order() -> None:
@@ -96,20 +96,18 @@ def test_parse_scores_in_block_order() -> None:
     assert [(s.block, s.score, s.explanation) for s in scores] == [(1, 0.9, "right"), (2, 0.1, "wrong")]
 
 
-def test_parse_scores_accepts_numeric_string_ids() -> None:
-    assert parse_scores(answer(("1", "ok", 1)), 1)[0].score == 1.0
-
-
 @pytest.mark.parametrize(
     ("text", "code", "match"),
     [
         ("not json", "judge_bad_json", "not JSON"),
-        ('{"verdict": 1}', "judge_bad_scores", "no `scores` list"),
+        ('{"verdict": 1}', "judge_bad_scores", "no `scores` object"),
+        ('{"scores": [{"trajectory_id": 1, "score": 1}]}', "judge_bad_scores", "no `scores` object"),
         (answer((1, "x", 1.5), (2, "y", 0.0)), "judge_bad_scores", r"not a number in \[0, 1\]"),
         (answer((1, "x", True), (2, "y", 0.0)), "judge_bad_scores", "not a number"),
+        ('{"scores": {"1": 0.5, "2": {"score": 0.1}}}', "judge_bad_scores", "None of trajectory 1 is not a number"),
         (answer((1, "x", 0.5)), "judge_bad_scores", r"no score for trajectories \[2\]"),
-        (answer((1, "x", 0.5), (1, "y", 0.2)), "judge_bad_scores", "scored twice"),
-        (answer((1, "x", 0.5), (3, "y", 0.2)), "judge_bad_scores", "not one of 1..2"),
+        ('{"scores": {"1": {"score": 0.5}, "1": {"score": 0.2}, "2": {"score": 0}}}', "judge_bad_scores", "'1' appears twice"),
+        (answer((1, "x", 0.5), (2, "y", 0.2), (3, "z", 0.2)), "judge_bad_scores", r"unknown trajectories \['3'\]"),
     ],
 )
 def test_parse_scores_rejects_bad_answers(text: str, code: str, match: str) -> None:
