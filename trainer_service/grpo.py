@@ -34,6 +34,7 @@ __all__ = [
     "ppo_loss",
     "sequence_level",
     "token_level",
+    "kept_token_logprobs",
     "token_logprobs",
     "trajectory_token_weights",
 ]
@@ -74,6 +75,23 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tenso
     # TRL's helper: equal to gather(log_softmax) to 2e-6, and measured 1.7x faster forward+backward
     # on [1024, 49152] fp32 logits here (it never materialises the full log-softmax).
     return selective_log_softmax(logits[..., :-1, :].float(), token_ids[..., 1:])
+
+
+def kept_token_logprobs(kept_logits: torch.Tensor, token_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """`token_logprobs` from the logits of the `keep` positions only, 0 at every other position.
+
+    Args:
+        kept_logits: `[len(keep), vocab]` logits of positions `keep` (a model's `logits_to_keep=keep`).
+        token_ids: `[seq]` token ids of the sequence.
+        keep: sorted positions `p` in `0..seq-2`; each predicts token `p + 1`.
+
+    Returns:
+        `[seq - 1]` float32 log-probs of tokens `1..seq-1`: filled at `keep`, 0 elsewhere.
+    """
+    if kept_logits.shape[0] != keep.numel():
+        raise ValueError(f"{kept_logits.shape[0]} rows of logits for {keep.numel()} kept positions")
+    values = selective_log_softmax(kept_logits.float(), token_ids[keep + 1])
+    return values.new_zeros(token_ids.numel() - 1).index_copy(0, keep, values)
 
 
 def trajectory_token_weights(assistant_tokens: Sequence[int]) -> list[float]:

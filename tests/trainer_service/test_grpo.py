@@ -12,6 +12,7 @@ from trainer_service.grpo import (
     POLICY_LOSSES,
     cispo_loss,
     group_advantages,
+    kept_token_logprobs,
     kl_k3,
     policy_loss,
     ppo_loss,
@@ -153,3 +154,15 @@ def test_kl_k3_values_and_penalty() -> None:
     assert plain.loss.item() == 0.0
     assert with_kl.loss.item() == pytest.approx(0.1 * 0.5 * (math.e - 2.0), rel=1e-6)
     assert with_kl.kl_sum == pytest.approx(math.e - 2.0, rel=1e-6)
+
+
+def test_kept_token_logprobs_equal_the_full_rows_where_kept() -> None:
+    torch.manual_seed(0)
+    logits, ids = torch.randn(6, 11), torch.randint(0, 11, (6,))
+    keep = torch.tensor([1, 2, 4])
+    got = kept_token_logprobs(logits[keep], ids, keep)
+    full = token_logprobs(logits, ids)
+    assert got.shape == full.shape == (5,)
+    assert torch.allclose(got[keep], full[keep]) and got[[0, 3]].tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="2 rows of logits for 3 kept positions"):
+        kept_token_logprobs(logits[:2], ids, keep)
