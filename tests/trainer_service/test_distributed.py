@@ -7,7 +7,9 @@ ones of `test_service`.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -112,6 +114,49 @@ async def test_a_failing_worker_is_a_readable_500_and_nothing_is_served(tmp_path
     await service.aclose()
 
 
+async def test_a_step_past_its_timeout_is_stopped_whole(tmp_path: Path, base_dir: Path) -> None:
+    """Every rank hangs (its chat template is a FIFO no one writes to): past the timeout, torchrun
+    and both workers are killed, the step fails readably and nothing is served."""
+    stuck = tmp_path / "template.jinja"
+    os.mkfifo(stuck)
+    acks: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    launcher = TrainLauncher(2, str(base_dir), tmp_path / "train_workers.log", chat_template=str(stuck), cpu_threads=1,
+                             timeout=30)
+    service = make_service(tmp_path, batches, acks, launcher=launcher)
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=batch_groups(service.trainer), lease_expires_at=0))
+
+    step = asyncio.ensure_future(service.train_once())
+    most = 0
+    while not step.done():
+        most = max(most, len(processes_mentioning(str(tmp_path))))
+        await asyncio.sleep(0.2)
+    with pytest.raises(ServiceError) as info:
+        await step
+
+    assert most == 3, "torchrun and its two workers should have been running"
+    error = info.value.body.error
+    assert info.value.status == 500 and error.code == "training_failed"
+    assert "did not finish within 30 s" in error.message and "--train-step-timeout" in error.message, error.message
+    assert processes_mentioning(str(tmp_path)) == []
+    assert service.engine.adapters == {} and acks == [] and service.trainer.step_count == 0
+    assert not (tmp_path / "checkpoints").exists() or list((tmp_path / "checkpoints").iterdir()) == []
+    await service.aclose()
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of running processes whose command line contains `text` (zombies have none)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace"):
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
 def test_launcher_checks_its_process_count(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="train_processes=1"):
         TrainLauncher(1, "model", tmp_path / "log")
@@ -121,7 +166,8 @@ async def test_build_service_wires_the_launcher(tmp_path: Path, base_dir: Path) 
     settings = TrainerSettings(base_model=str(base_dir), output_dir=tmp_path, train_processes=2, train_threads=4,
                                wandb="off")
     service = build_service(settings, GRPOConfig())
-    assert service.launcher == TrainLauncher(2, str(base_dir), tmp_path / "train_workers.log", cpu_threads=2)
+    assert service.launcher == TrainLauncher(2, str(base_dir), tmp_path / "train_workers.log", cpu_threads=2,
+                                             timeout=3600.0)
     single = build_service(settings.model_copy(update={"train_processes": 1}), GRPOConfig())
     assert single.launcher is None
     await service.aclose()
