@@ -146,6 +146,11 @@ def build_messages(rubric: str, conversations: Sequence[Messages]) -> Messages:
     ]
 
 
+def _block_keys(count: int) -> list[str]:
+    """The keys of the judge's `scores` object: `"1"`..`"count"`, one per trajectory block."""
+    return [str(block) for block in range(1, count + 1)]
+
+
 def response_format(count: int, explanation_max_chars: int = 0) -> dict[str, Any]:
     """OpenAI `response_format`: a JSON schema with one required entry per block `"1"`..`"count"`."""
     explanation: dict[str, Any] = {"type": "string"}
@@ -157,7 +162,7 @@ def response_format(count: int, explanation_max_chars: int = 0) -> dict[str, Any
         "required": ["explanation", "score"],
         "additionalProperties": False,
     }
-    blocks = [str(block) for block in range(1, count + 1)]
+    blocks = _block_keys(count)
     scores = {"type": "object", "properties": {block: item for block in blocks}, "required": blocks, "additionalProperties": False}
     schema = {"type": "object", "properties": {"scores": scores}, "required": ["scores"], "additionalProperties": False}
     return {"type": "json_schema", "json_schema": {"name": "ruler_scores", "schema": schema, "strict": True}}
@@ -186,7 +191,7 @@ def parse_scores(text: str, count: int) -> list[Score]:
     entries = data.get("scores") if isinstance(data, dict) else None
     if not isinstance(entries, dict):
         raise JudgeError(f"judge answer has no `scores` object: {text[:200]!r}", code="judge_bad_scores")
-    blocks = [str(block) for block in range(1, count + 1)]
+    blocks = _block_keys(count)
     unknown = sorted(set(entries) - set(blocks))
     if unknown:
         raise JudgeError(f"scores for unknown trajectories {unknown}; the ids are 1..{count}", code="judge_bad_scores")

@@ -112,7 +112,6 @@ class TrainerSettings(BaseSettings):
         "step in N `torchrun` workers (one GPU each with CUDA, nccl; gloo on a CPU, `train_threads` / N threads each, "
         "at least 1), whose summed gradients give the one-process step.",
     )
-
     train_step_timeout: float = Field(
         default=3600.0, gt=0,
         description="With train_processes > 1: seconds one step's `torchrun` workers may take before all of them are "

@@ -29,13 +29,12 @@ __all__ = [
     "TokenLosses",
     "cispo_loss",
     "group_advantages",
+    "kept_token_logprobs",
     "kl_k3",
     "policy_loss",
     "ppo_loss",
     "sequence_level",
     "token_level",
-    "kept_token_logprobs",
-    "token_logprobs",
     "trajectory_token_weights",
 ]
 
@@ -60,25 +59,9 @@ def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-
     return centred / (rewards.std(correction=0) + eps)
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Return the log-probability of each token under the logits of the position before it.
-
-    Args:
-        logits: `[seq, vocab]` (or `[batch, seq, vocab]`) logits of a causal LM.
-        token_ids: `[seq]` (or `[batch, seq]`) token ids that produced the logits.
-
-    Returns:
-        `[seq - 1]` (or `[batch, seq - 1]`) float32 log-probs of tokens `1..seq-1`.
-    """
-    if logits.shape[:-1] != token_ids.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} do not match token_ids {tuple(token_ids.shape)}")
-    # TRL's helper: equal to gather(log_softmax) to 2e-6, and measured 1.7x faster forward+backward
-    # on [1024, 49152] fp32 logits here (it never materialises the full log-softmax).
-    return selective_log_softmax(logits[..., :-1, :].float(), token_ids[..., 1:])
-
-
 def kept_token_logprobs(kept_logits: torch.Tensor, token_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """`token_logprobs` from the logits of the `keep` positions only, 0 at every other position.
+    """Log-probability of each token under the logits of the position before it, computed at the
+    `keep` positions only (the ones a loss reads), 0 at every other position.
 
     Args:
         kept_logits: `[len(keep), vocab]` logits of positions `keep` (a model's `logits_to_keep=keep`).
@@ -90,6 +73,8 @@ def kept_token_logprobs(kept_logits: torch.Tensor, token_ids: torch.Tensor, keep
     """
     if kept_logits.shape[0] != keep.numel():
         raise ValueError(f"{kept_logits.shape[0]} rows of logits for {keep.numel()} kept positions")
+    # TRL's helper: equal to gather(log_softmax) to 2e-6, and measured 1.7x faster forward+backward
+    # on [1024, 49152] fp32 logits here (it never materialises the full log-softmax).
     values = selective_log_softmax(kept_logits.float(), token_ids[keep + 1])
     return values.new_zeros(token_ids.numel() - 1).index_copy(0, keep, values)
 

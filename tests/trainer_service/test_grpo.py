@@ -16,7 +16,6 @@ from trainer_service.grpo import (
     kl_k3,
     policy_loss,
     ppo_loss,
-    token_logprobs,
     trajectory_token_weights,
 )
 
@@ -37,16 +36,17 @@ def test_group_advantages_zero_spread_is_zero() -> None:
         group_advantages(torch.tensor([]))
 
 
-def test_token_logprobs_matches_log_softmax() -> None:
+def test_kept_token_logprobs_match_log_softmax_at_every_position() -> None:
     torch.manual_seed(0)
     logits = torch.randn(5, 7)
     ids = torch.tensor([3, 1, 4, 1, 5])
-    got = token_logprobs(logits, ids)
+    got = kept_token_logprobs(logits[:4], ids, torch.arange(4))
     expected = torch.stack([torch.log_softmax(logits[t], -1)[ids[t + 1]] for t in range(4)])
     assert got.shape == (4,)
     assert torch.allclose(got, expected, atol=1e-6)
     # Uniform logits: every token has log(1/7).
-    assert torch.allclose(token_logprobs(torch.zeros(3, 7), torch.tensor([0, 1, 2])), torch.full((2,), -math.log(7)))
+    uniform = kept_token_logprobs(torch.zeros(2, 7), torch.tensor([0, 1, 2]), torch.arange(2))
+    assert torch.allclose(uniform, torch.full((2,), -math.log(7)))
 
 
 def test_ppo_ratio_is_exactly_one_on_policy() -> None:
@@ -161,8 +161,8 @@ def test_kept_token_logprobs_equal_the_full_rows_where_kept() -> None:
     logits, ids = torch.randn(6, 11), torch.randint(0, 11, (6,))
     keep = torch.tensor([1, 2, 4])
     got = kept_token_logprobs(logits[keep], ids, keep)
-    full = token_logprobs(logits, ids)
+    full = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
     assert got.shape == full.shape == (5,)
-    assert torch.allclose(got[keep], full[keep]) and got[[0, 3]].tolist() == [0.0, 0.0]
+    assert torch.allclose(got[keep], full[keep], atol=1e-6) and got[[0, 3]].tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="2 rows of logits for 3 kept positions"):
         kept_token_logprobs(logits[:2], ids, keep)

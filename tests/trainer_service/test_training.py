@@ -12,7 +12,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer_service.batching import prepare_grpo
 from trainer_service.config import GRPOConfig
-from trainer_service.grpo import token_logprobs
 from trainer_service.training import LoRATrainer, NothingTrainableError
 
 PROMPT = [1, 104, 2003, 42, 7, 311]
@@ -45,7 +44,7 @@ def seq_logprobs(trainer: LoRATrainer, ids: list[int]) -> list[float]:
     trainer.model.eval()
     with torch.no_grad():
         logits = trainer.model(input_ids=torch.tensor([ids])).logits[0]
-    return token_logprobs(logits, torch.tensor(ids)).tolist()
+    return torch.log_softmax(logits[:-1].float(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
 
 
 def trajectory(trainer: LoRATrainer, completion: list[int], reward: float | None, tid: str) -> Trajectory:
