@@ -236,6 +236,24 @@ def prepare_sft(groups: list[Group], config: GRPOConfig, device: torch.device,
     return PreparedBatch(_items(per_traj, device), stats)
 
 
+def micro_batches(items: list[TrainItem], max_items: int, max_tokens: int) -> list[list[TrainItem]]:
+    """Split `items`, in order, into passes of at most `max_items` items and `max_tokens` tokens.
+
+    A pass takes the next item while both limits hold; an item longer than `max_tokens` gets a
+    pass of its own.
+    """
+    passes: list[list[TrainItem]] = []
+    tokens = 0
+    for item in items:
+        length = int(item.token_ids.numel())
+        if not passes or len(passes[-1]) == max_items or tokens + length > max_tokens:
+            passes.append([])
+            tokens = 0
+        passes[-1].append(item)
+        tokens += length
+    return passes
+
+
 def shard_items(items: list[TrainItem], rank: int, world_size: int) -> list[TrainItem]:
     """Return rank `rank`'s share of `items`: whole trajectories, balanced by token count.
 

@@ -76,6 +76,7 @@ _GRPO_FLAGS: dict[str, tuple[str, type]] = {
     "--lora-alpha": ("lora_alpha", int),
     "--lora-dropout": ("lora_dropout", float),
     "--micro-batch-size": ("micro_batch_size", int),
+    "--micro-batch-tokens": ("micro_batch_tokens", int),
     "--max-seq-len": ("max_seq_len", int),
     "--max-seq-len-policy": ("max_seq_len_policy", str),
     "--importance-sampling": ("importance_sampling", str),

@@ -255,11 +255,20 @@ class GRPOConfig:
         default_factory=lambda: list(DEFAULT_TARGET_MODULES),
         metadata={"help": "Module names that get LoRA adapters (default: all attention and MLP projections)."},
     )
-    micro_batch_size: int = field(
-        default=4,
+    micro_batch_size: int | None = field(
+        default=None,
         metadata={
-            "help": "Sequences whose losses are summed before one backward pass. Each sequence still has its own "
-            "forward (no padding); larger values trade memory for fewer backward calls."
+            "help": "Most sequences trained in one forward and backward pass, packed end to end into one row "
+            "(attention stays within each sequence; no padding). None means 64 with CUDA, where a pass is "
+            "launch-bound (32 sequences: 12.5 s one per pass, 0.44 s in one, on an H200), and 1 on a CPU, where "
+            "packing saved nothing and a long row costs attention (measured)."
+        },
+    )
+    micro_batch_tokens: int = field(
+        default=8192,
+        metadata={
+            "help": "Most tokens packed into one pass (a longer sequence gets a pass of its own): bounds a pass's "
+            "memory, whose attention mask grows with the square of its row."
         },
     )
     max_seq_len: int = field(
@@ -304,8 +313,10 @@ class GRPOConfig:
             raise ValueError(f"lora_dropout={self.lora_dropout} must lie in [0, 1).")
         if not self.target_modules:
             raise ValueError("target_modules is empty: name at least one module, e.g. 'q_proj'.")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size={self.micro_batch_size} must be at least 1.")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={self.micro_batch_size} must be at least 1, or None for the device's default.")
+        if self.micro_batch_tokens < 2:
+            raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} must be at least 2.")
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len={self.max_seq_len} must be at least 2 tokens.")
         if self.weight_decay < 0:
@@ -380,7 +391,7 @@ def _parse_env_value(name: str, raw: str, default: Any) -> Any:
             if text.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError("expected true or false")
-        if isinstance(default, int) and not isinstance(default, bool):
+        if (isinstance(default, int) and not isinstance(default, bool)) or name in _OPTIONAL_INT_FIELDS:
             return int(text)
         if isinstance(default, float) or name in _OPTIONAL_FIELDS:
             return float(text)
@@ -389,4 +400,5 @@ def _parse_env_value(name: str, raw: str, default: Any) -> Any:
         raise ValueError(f"ART_TRAINER_{name.upper()}={raw!r} does not parse: {exc}.") from exc
 
 
-_OPTIONAL_FIELDS = {"epsilon_high", "max_grad_norm", "gradient_checkpointing"}
+_OPTIONAL_INT_FIELDS = {"micro_batch_size"}
+_OPTIONAL_FIELDS = {"epsilon_high", "max_grad_norm", "gradient_checkpointing", *_OPTIONAL_INT_FIELDS}

@@ -23,6 +23,7 @@ from trl.trainer.utils import selective_log_softmax
 
 __all__ = [
     "IMPORTANCE_LEVELS",
+    "ImportanceLevelFn",
     "POLICY_LOSSES",
     "PolicyLossFn",
     "PolicyLossOutput",
@@ -185,6 +186,7 @@ def policy_loss(
     level: str = "token",
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    segments: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """Apply the registered loss `name` and reduce it to one weighted scalar.
 
@@ -203,6 +205,8 @@ def policy_loss(
         ref_logprobs: per-token log-probs of the reference (base) model; with `kl_coef > 0`
             adds `kl_coef * k3(new, ref)` per assistant token.
         kl_coef: weight of the KL penalty.
+        segments: for several sequences end to end, the index (0..n-1) of the sequence each
+            token belongs to (`sequence` level takes its mean per sequence); None: one sequence.
 
     Returns:
         The weighted loss and metric sums.
@@ -218,7 +222,7 @@ def policy_loss(
     known = (mask > 0) & ~torch.isnan(old_logprobs)
     old = torch.where(known, old_logprobs, new_logprobs.detach())
     try:
-        new = IMPORTANCE_LEVELS[level](new_logprobs, old, mask)
+        new = IMPORTANCE_LEVELS[level](new_logprobs, old, mask, segments)
     except KeyError:
         raise ValueError(f"unknown importance sampling level {level!r}; choose one of {sorted(IMPORTANCE_LEVELS)}") from None
     terms = fn(new, old, torch.as_tensor(advantages, dtype=new_logprobs.dtype), epsilon,
@@ -249,25 +253,34 @@ def kl_k3(new_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tenso
     return torch.exp(delta) - delta - 1.0
 
 
-def token_level(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def token_level(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
     """Token-level importance sampling: each token keeps its own log-prob (the identity)."""
-    del old_logprobs, mask
+    del old_logprobs, mask, segments
     return new_logprobs
 
 
-def sequence_level(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sequence-level importance sampling (GSPO): every token gets `old + mean(new - old)` over the mask.
+def sequence_level(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
+                   segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Sequence-level importance sampling (GSPO): every token gets `old + mean(new - old)` over the
+    masked tokens of its sequence (`segments` numbers the sequences of a packed row; None: one).
 
-    The ratio `exp(new' - old)` is then the same for all assistant tokens of the sequence, and its
+    The ratio `exp(new' - old)` is then the same for all assistant tokens of a sequence, and its
     gradient is the gradient of the mean log-ratio.
     """
-    count = mask.sum().clamp(min=1.0)
-    mean_log_ratio = ((new_logprobs - old_logprobs) * mask).sum() / count
-    return old_logprobs + mean_log_ratio
+    if segments is None:
+        segments = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
+    sequences = int(segments[-1]) + 1 if segments.numel() else 0
+    count = mask.new_zeros(sequences).index_add(0, segments, mask).clamp(min=1.0)
+    total = new_logprobs.new_zeros(sequences).index_add(0, segments, (new_logprobs - old_logprobs) * mask)
+    return old_logprobs + (total / count)[segments]
 
 
-IMPORTANCE_LEVELS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+ImportanceLevelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""`(new_logprobs, old_logprobs, mask, segments) -> new_logprobs'` (see `sequence_level`)."""
+
+IMPORTANCE_LEVELS: dict[str, ImportanceLevelFn] = {
     "token": token_level,
     "sequence": sequence_level,
 }
-"""Registry of importance-sampling levels (`GRPOConfig.importance_sampling`): `(new, old, mask) -> new'`."""
+"""Registry of importance-sampling levels (`GRPOConfig.importance_sampling`)."""

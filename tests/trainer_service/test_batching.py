@@ -11,7 +11,14 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tests.trainer_service.test_training import BAD, GOOD, PROMPT, group, make_trainer
 from trainer_service.base_model import resolve_base_model
-from trainer_service.batching import NothingTrainableError, TrainItem, prepare_grpo, prepare_sft, shard_items
+from trainer_service.batching import (
+    NothingTrainableError,
+    TrainItem,
+    micro_batches,
+    prepare_grpo,
+    prepare_sft,
+    shard_items,
+)
 from trainer_service.config import BUNDLED_TOOL_TEMPLATE, GRPOConfig
 from trainer_service.retokenize import RetokenizeError, render_with_assistant_mask
 
@@ -125,11 +132,12 @@ def test_retokenize_refuses_what_it_cannot_mask(tokenizer: PreTrainedTokenizerBa
         render_with_assistant_mask(tokenizer, CONVERSATION[:2])
 
 
-def test_shard_items_keeps_trajectories_whole_and_balances_tokens() -> None:
-    def item(trajectory: int, tokens: int) -> TrainItem:
-        return TrainItem(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens - 1), torch.ones(tokens - 1),
-                         advantage=0.0, weight=0.1, trajectory=trajectory)
+def item(trajectory: int, tokens: int) -> TrainItem:
+    return TrainItem(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens - 1), torch.ones(tokens - 1),
+                     advantage=0.0, weight=0.1, trajectory=trajectory)
 
+
+def test_shard_items_keeps_trajectories_whole_and_balances_tokens() -> None:
     # trajectory 1 has two sequences (10 + 10 tokens); longest first to the lighter rank:
     # 50 -> r0, 30 -> r1, 25 -> r1 (55), 20 -> r0 (70), 5 -> r1 (60)
     items = [item(0, 50), item(1, 10), item(2, 30), item(1, 10), item(3, 25), item(4, 5)]
@@ -145,3 +153,16 @@ def test_items_carry_their_trajectory_index() -> None:
     trainer = make_trainer()
     items = prepare_grpo([group(trainer, (1.0, 0.0), "a"), group(trainer, (0.0, 1.0), "b")], trainer.config, CPU).items
     assert [i.trajectory for i in items] == [0, 1, 2, 3]
+
+
+def test_micro_batches_keep_order_and_both_limits() -> None:
+    items = [item(i, n) for i, n in enumerate((30, 30, 30, 50, 200, 10, 10, 10, 10))]
+
+    def shape(passes: list[list[TrainItem]]) -> list[list[int]]:
+        return [[i.trajectory for i in p] for p in passes]
+
+    # 100 tokens at most: 30+30+30, then 50 (+200 would pass it), 200 alone (over the limit), 10s by three
+    assert shape(micro_batches(items, 3, 100)) == [[0, 1, 2], [3], [4], [5, 6, 7], [8]]
+    assert shape(micro_batches(items, 1, 10_000)) == [[i] for i in range(9)]
+    assert shape(micro_batches(items, 64, 10_000)) == [list(range(9))]
+    assert micro_batches([], 4, 100) == []

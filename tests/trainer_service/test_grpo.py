@@ -166,3 +166,25 @@ def test_kept_token_logprobs_equal_the_full_rows_where_kept() -> None:
     assert torch.allclose(got[keep], full[keep], atol=1e-6) and got[[0, 3]].tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="2 rows of logits for 3 kept positions"):
         kept_token_logprobs(logits[:2], ids, keep)
+
+
+def test_sequence_level_on_a_packed_row_equals_one_call_per_sequence() -> None:
+    torch.manual_seed(0)
+    lengths = (3, 5, 2)
+    new = [torch.randn(n, requires_grad=True) for n in lengths]
+    old = [torch.randn(n) for n in lengths]
+    masks = [torch.tensor([0.0, 1.0, 1.0]), torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0]), torch.tensor([1.0, 1.0])]
+    advantages, weights = (1.0, -0.5, 2.0), (0.1, 0.2, 0.3)
+    alone = [policy_loss("ppo", n, o, a, m, w, level="sequence") for n, o, a, m, w in
+             zip(new, old, advantages, masks, weights, strict=True)]
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    per_token = [torch.full((n,), v) for v, n in zip(advantages, lengths, strict=True)]
+    row = policy_loss("ppo", torch.cat(new), torch.cat(old), torch.cat(per_token), torch.cat(masks),
+                      torch.cat([torch.full((n,), w) for w, n in zip(weights, lengths, strict=True)]),
+                      level="sequence", segments=segments)
+    assert float(row.loss.detach()) == pytest.approx(sum(float(out.loss.detach()) for out in alone), rel=1e-6)
+    assert row.ratio_sum == pytest.approx(sum(out.ratio_sum for out in alone), rel=1e-6)
+    assert row.clipped_tokens == sum(out.clipped_tokens for out in alone)
+    grads = torch.autograd.grad(row.loss, new)
+    expected = torch.autograd.grad(sum(out.loss for out in alone), new)
+    assert all(torch.allclose(g, e, atol=1e-7) for g, e in zip(grads, expected, strict=True))
