@@ -12,9 +12,12 @@ the update is the same). vLLM is stopped before TRL runs, so TRL has every core 
 
 Printed: wall time and tokens/s of the training part and of the whole step (sampling +
 training + new adapter live in vLLM for art; sampling + training for TRL), their ratios, and
-"last reward of the batch -> new adapter answering" against the pure step time.
+"last reward of the batch -> new adapter answering" against the pure step time. Then art's
+steady state under traffic, as a separate figure: `--overlapped-steps` more steps in which
+vLLM samples the next batch (one step stale) while the current one trains, each ending with
+the new adapter live.
 
-    .venv/bin/python bench/train_throughput.py [--vllm-port 28101] [--skip-trl]
+    .venv/bin/python bench/train_throughput.py [--vllm-port 28101] [--skip-trl] [--overlapped-steps 3]
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import asyncio
 import os
 import random
 import re
+import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +95,30 @@ def to_groups(answers: list[tuple[tuple[int, int], dict[str, Any]]]) -> list[Gro
     return groups
 
 
-def run_ours(model_path: str, port: int, workdir: Path) -> dict[str, float]:
+def run_overlapped(engine: VLLMEngine, trainer: LoRATrainer, workdir: Path, steps: int) -> float:
+    """Median seconds per step when each step's training overlaps the sampling of the next batch.
+
+    How the service runs while an app keeps calling it: vLLM samples batch k+1 on its core (with
+    the adapter of step k-1, one step stale) while batch k trains on the other; then the new
+    adapter is saved and hot-loaded. Starts after `run_ours`'s step 1.
+    """
+    model = "bench@1"
+    groups = to_groups(asyncio.run(sample(engine.base_url, model)))
+    times = []
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for step in range(2, 2 + steps):
+            started = time.perf_counter()
+            training = pool.submit(trainer.step, groups)
+            answers = asyncio.run(sample(engine.base_url, model))
+            training.result()
+            model = f"bench@{step}"
+            engine.load_adapter(model, trainer.save(workdir / "checkpoints" / f"step-{step}"))
+            groups = to_groups(answers)
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int) -> dict[str, float]:
     engine = VLLMEngine(model_path, BUNDLED_MODEL, port, dtype="float32", max_lora_rank=8, max_loras=2,
                         max_model_len=1024, log_path=workdir / "vllm.log")
     print("starting vLLM (not timed)...", flush=True)
@@ -114,11 +142,12 @@ def run_ours(model_path: str, port: int, workdir: Path) -> dict[str, float]:
             "model": "bench@1", "max_tokens": 1, "messages": [{"role": "user", "content": question(1, 2)}]})
         reply.raise_for_status()
         live = time.perf_counter()
+        overlapped = run_overlapped(engine, trainer, workdir, overlapped_steps) if overlapped_steps else None
     finally:
         engine.stop()
     return {"sampling_s": sampled - started, "training_s": trained - rewarded, "whole_s": live - started,
             "reward_to_live_s": live - rewarded, "tokens": batch_tokens, "trained_tokens": metrics["data/tokens"],
-            "reward_mean": metrics["reward/mean"]}
+            "reward_mean": metrics["reward/mean"], "overlapped_s": overlapped}
 
 
 def run_trl(model_path: str, workdir: Path) -> dict[str, float]:
@@ -166,11 +195,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-port", type=int, default=28101)
     parser.add_argument("--skip-trl", action="store_true", help="only time art-trainer")
+    parser.add_argument("--overlapped-steps", type=int, default=3,
+                        help="steps timed with the next batch's sampling overlapping training (0: skip)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model_path = resolve_base_model(BUNDLED_MODEL)
     with tempfile.TemporaryDirectory(prefix="train-bench-") as tmp:
-        ours = run_ours(model_path, args.vllm_port, Path(tmp))
+        ours = run_ours(model_path, args.vllm_port, Path(tmp), args.overlapped_steps)
         tokens = ours["tokens"]
         print(f"\nbatch: {PROMPTS} prompts x {SAMPLES} samples x {COMPLETION_TOKENS} completion tokens = "
               f"{tokens:.0f} tokens (prompt + completion); art trains {ours['trained_tokens']:.0f} of them, skipping "
@@ -182,6 +213,10 @@ def main() -> None:
         print(f"last reward -> new adapter answering: {ours['reward_to_live_s']:.1f} s "
               f"(pure training step {ours['training_s']:.1f} s; "
               f"overhead {ours['reward_to_live_s'] - ours['training_s']:.1f} s)")
+        if ours["overlapped_s"] is not None:
+            print(f"art-trainer, sampling of the next batch overlapping training (one step stale, the service "
+                  f"under traffic): {ours['overlapped_s']:.1f} s per step ({tokens / ours['overlapped_s']:.0f} tok/s), "
+                  f"median of {args.overlapped_steps}")
         if args.skip_trl:
             return
         trl = run_trl(model_path, Path(tmp))
@@ -192,6 +227,9 @@ def main() -> None:
               f"{trl['sampling_s'] / ours['sampling_s']:.2f}x")
         print(f"ratio (art / TRL tokens/s): training part {trl['training_s'] / ours['training_s']:.2f}x "
               f"(aim 1.5x) | whole step {trl['whole_s'] / ours['whole_s']:.2f}x (aim 2.5x)")
+        if ours["overlapped_s"] is not None:
+            print(f"ratio overlapped art step / TRL whole step: {trl['whole_s'] / ours['overlapped_s']:.2f}x "
+                  "(TRL's default has no overlap: generate and train take turns on every core)")
 
 
 if __name__ == "__main__":
