@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from collector.protocol import Batch
-from peft import get_peft_model_state_dict
 
 from tests.trainer_service.test_training import (
     BAD,
     GOOD,
     PROMPT,
     adapter_gap,
+    adapter_weights,
     group,
     save_tiny_model,
     seq_logprobs,
@@ -41,9 +41,6 @@ def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def load(base_dir: Path, **overrides: object) -> LoRATrainer:
     return LoRATrainer.load(str(base_dir), GRPOConfig(**{"learning_rate": 2e-3, **overrides}))  # type: ignore[arg-type]
 
-
-def adapter(trainer: LoRATrainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().cpu().clone() for k, v in get_peft_model_state_dict(trainer.model).items()}
 
 
 def completion_logprob(trainer: LoRATrainer, completion: list[int]) -> float:
@@ -79,10 +76,10 @@ def test_gradient_checkpointing_takes_the_same_step(base_dir: Path) -> None:
     plain, checkpointed = load(base_dir, gradient_checkpointing=False), load(base_dir, gradient_checkpointing=True)
     checkpointed.restore(plain.snapshot())  # the same LoRA initialisation
     groups = uneven_groups(plain)
-    before = adapter(plain)
+    before = adapter_weights(plain)
     want = plain.step(groups)
     got = checkpointed.step(groups)
-    off, moved = adapter_gap(adapter(checkpointed), adapter(plain), before)
+    off, moved = adapter_gap(adapter_weights(checkpointed), adapter_weights(plain), before)
     assert moved > 1e-4 and off < 1e-2 * moved, (off, moved)  # measured: identical
     assert got["loss/policy"] == pytest.approx(want["loss/policy"], rel=1e-2, abs=1e-4)
 
@@ -92,9 +89,9 @@ def test_packed_micro_batches_take_the_one_sequence_step_on_the_gpu(base_dir: Pa
     assert packed.packs  # sdpa on CUDA keeps packed sequences apart
     packed.restore(alone.snapshot())
     groups = uneven_groups(alone)
-    before = adapter(alone)
+    before = adapter_weights(alone)
     want, got = alone.step(groups), packed.step(groups)
-    off, moved = adapter_gap(adapter(packed), adapter(alone), before)
+    off, moved = adapter_gap(adapter_weights(packed), adapter_weights(alone), before)
     assert moved > 1e-4 and off < 0.1 * moved, (off, moved)  # bf16: other kernels, other rounding
     assert got["loss/ratio_mean"] == pytest.approx(want["loss/ratio_mean"], abs=2e-2)
 
@@ -109,14 +106,14 @@ def test_checkpoints_resume_on_the_gpu_and_on_the_cpu(base_dir: Path, tmp_path: 
     on_gpu.resume(path)
     state = next(iter(on_gpu.optimizer.state.values()))
     assert on_gpu.step_count == 2 and state["exp_avg"].device.type == "cuda"
-    saved = adapter(trainer)
-    assert all(torch.equal(saved[n], v) for n, v in adapter(on_gpu).items())
+    saved = adapter_weights(trainer)
+    assert all(torch.equal(saved[n], v) for n, v in adapter_weights(on_gpu).items())
 
     # the service's copy when workers train: on the CPU, in bf16 like the workers
     on_cpu = LoRATrainer.load(str(base_dir), GRPOConfig(), device="cpu")
     on_cpu.resume(path)
     assert on_cpu.device.type == "cpu" and on_cpu.step_count == 2
-    assert all(torch.equal(saved[n], v) for n, v in adapter(on_cpu).items())
+    assert all(torch.equal(saved[n], v) for n, v in adapter_weights(on_cpu).items())
 
 
 class _OneRankLauncher(TrainLauncher):
@@ -136,8 +133,8 @@ def test_nccl_workers_take_the_in_process_step(base_dir: Path, tmp_path: Path,
     reference = load(base_dir, kl_coef=0.05, micro_batch_size=2)
     service_copy = LoRATrainer.load(str(base_dir), reference.config, device="cpu")
     reference.restore(service_copy.snapshot())  # the workers start from the service's adapter
-    groups = [group(reference, (1.0, 0.0), "g1"), group(reference, (0.2, 0.9), "g2"), group(reference, (0.0, 0.5), "g3")]
-    before = adapter(reference)
+    groups = [group(reference, rewards, f"g{i}") for i, rewards in enumerate(((1.0, 0.0), (0.2, 0.9), (0.0, 0.5)))]
+    before = adapter_weights(reference)
     expected = reference.step(groups)
 
     metrics = launcher.step(service_copy, Batch(id="b1", groups=groups, lease_expires_at=0), "grpo",
@@ -146,7 +143,7 @@ def test_nccl_workers_take_the_in_process_step(base_dir: Path, tmp_path: Path,
     assert "NCCL INFO" in (tmp_path / "train_workers.log").read_text()
     assert (tmp_path / "checkpoints" / "step-1" / "manifest.json").is_file()
     assert service_copy.step_count == 1 and metrics["time/workers_s"] > 0
-    off, moved = adapter_gap(adapter(service_copy), adapter(reference), before)
+    off, moved = adapter_gap(adapter_weights(service_copy), adapter_weights(reference), before)
     assert moved > 1e-4 and off < 1e-2 * moved, (off, moved)
     for key in ("loss/policy", "loss/kl", "data/assistant_tokens"):
         assert metrics[key] == pytest.approx(expected[key], rel=2e-2, abs=1e-4), key

@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from collector.protocol import Batch, Group
-from peft import get_peft_model_state_dict
 
 from tests.trainer_service.test_service import make_service
-from tests.trainer_service.test_training import adapter_gap, group, make_trainer, save_tiny_model
+from tests.trainer_service.test_training import adapter_gap, adapter_weights, group, make_trainer, save_tiny_model
 from trainer_service.config import GRPOConfig, TrainerSettings
 from trainer_service.distributed import TrainLauncher
 from trainer_service.protocol import ServiceError
@@ -38,9 +37,6 @@ def batch_groups(trainer: LoRATrainer) -> list[Group]:
     return [group(trainer, (1.0, 0.0), "g1"), group(trainer, (0.2, 0.9), "g2"), group(trainer, (0.0, 0.5), "g3")]
 
 
-def adapter(trainer: LoRATrainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(trainer.model).items()}
-
 
 @pytest.mark.parametrize(("kind", "overrides"), [("grpo", {"kl_coef": 0.05, "micro_batch_size": 2}), ("sft", {})])
 async def test_two_processes_take_the_one_process_step(tmp_path: Path, base_dir: Path, kind: str,
@@ -54,7 +50,7 @@ async def test_two_processes_take_the_one_process_step(tmp_path: Path, base_dir:
     assert trainer is not None
     groups = batch_groups(trainer)
     trainer.step(groups)  # in process first: the workers must start from a trained adapter and AdamW state
-    before = adapter(trainer)
+    before = adapter_weights(trainer)
     reference = make_trainer(**overrides)
     reference.restore(trainer.snapshot())
     expected = reference.train(groups, kind)
@@ -67,7 +63,7 @@ async def test_two_processes_take_the_one_process_step(tmp_path: Path, base_dir:
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["promotion.json", "step-2"]
     manifest = json.loads((tmp_path / "checkpoints" / "step-2" / "manifest.json").read_text())
     assert manifest["step"] == 2 and manifest["batch_id"] == "b2"
-    off, moved = adapter_gap(adapter(trainer), adapter(reference), before)
+    off, moved = adapter_gap(adapter_weights(trainer), adapter_weights(reference), before)
     # Equal up to the order of float additions (measured: off ~1e-6 of weights ~0.1 at a step of ~5e-3).
     assert moved > 1e-3 and off < 1e-3 * moved, (off, moved)
     for key, value in expected.items():
@@ -86,7 +82,7 @@ async def test_a_failing_worker_is_a_readable_500_and_nothing_is_served(tmp_path
     launcher = TrainLauncher(2, str(broken), tmp_path / "train_workers.log", cpu_threads=1)
     service = make_service(tmp_path, batches, acks, launcher=launcher)
     assert service.trainer is not None
-    before = adapter(service.trainer)
+    before = adapter_weights(service.trainer)
     batches.append(Batch(id="b1", groups=batch_groups(service.trainer), lease_expires_at=0))
 
     with pytest.raises(ServiceError) as info:
@@ -100,7 +96,7 @@ async def test_a_failing_worker_is_a_readable_500_and_nothing_is_served(tmp_path
     assert not (tmp_path / "checkpoints").exists() or list((tmp_path / "checkpoints").iterdir()) == []
     assert service.engine.adapters == {} and acks == [] and service.steps == []
     assert service.trainer.step_count == 0
-    assert all(torch.equal(v, before[k]) for k, v in adapter(service.trainer).items())
+    assert all(torch.equal(v, before[k]) for k, v in adapter_weights(service.trainer).items())
     await service.aclose()
 
 

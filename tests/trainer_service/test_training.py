@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from collector.protocol import Group, Sequence, Trajectory
+from peft import get_peft_model_state_dict
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -81,6 +82,12 @@ def group(trainer: LoRATrainer, rewards: tuple[float | None, float | None], gid:
 
 def lora_params(trainer: LoRATrainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+
+
+def adapter_weights(trainer: LoRATrainer) -> dict[str, torch.Tensor]:
+    """A copy of the adapter's weights (PEFT's state dict), in fp32 on the CPU."""
+    state = get_peft_model_state_dict(trainer.model)
+    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
 
 
 def adapter_gap(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
