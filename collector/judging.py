@@ -16,7 +16,16 @@ from collections.abc import Callable
 from collector.errors import NotFound
 from collector.protocol import RewardIn, Trajectory
 from collector.read_protocol import JudgeRun, Judgement
-from collector.ruler import JudgeClient, JudgeError, Score, build_messages, dedupe, parse_scores, response_format
+from collector.ruler import (
+    JudgeClient,
+    JudgeError,
+    Score,
+    build_messages,
+    dedupe,
+    explanation_limit,
+    parse_scores,
+    response_format,
+)
 from collector.scoring_config import JudgeSettings
 from collector.scoring_store import ScoringStore
 from collector.store import Store
@@ -82,7 +91,7 @@ class GroupJudge:
         self.scoring.save_run(**base, state="running", attempts=0, error=None, finished_at=None, next_try_at=None)
         tries = s.attempts if s.on_failure == "retry" else 1
         messages = build_messages(rubric, distinct)
-        fmt = response_format(len(distinct), s.explanation_max_chars)
+        fmt = response_format(len(distinct), explanation_limit(len(distinct), s.max_tokens, s.explanation_max_chars))
         error: JudgeError | None = None
         for attempt in range(1, tries + 1):
             try:

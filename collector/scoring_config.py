@@ -67,7 +67,12 @@ class JudgeSettings(BaseSettings):
     temperature: float = Field(default=0.0, ge=0, le=2, description="Sampling temperature of the judge.")
     max_tokens: int = Field(default=1024, ge=16, description="Most tokens the judge may answer with.")
     explanation_max_chars: int = Field(
-        default=300, ge=0, description="`maxLength` of each explanation in the JSON schema (0: no limit; OpenAI ignores it)."
+        default=300,
+        ge=0,
+        description=(
+            "`maxLength` of each explanation in the JSON schema (0: none), lowered per group so that the whole answer "
+            "fits in `max_tokens` (OpenAI ignores it)."
+        ),
     )
     timeout_seconds: float = Field(default=300.0, gt=0, description="HTTP timeout of one judge call.")
 

@@ -6,7 +6,16 @@ import json
 
 import pytest
 
-from collector.ruler import JudgeError, build_messages, dedupe, parse_scores, render_message, response_format, shared_prefix
+from collector.ruler import (
+    JudgeError,
+    build_messages,
+    dedupe,
+    explanation_limit,
+    parse_scores,
+    render_message,
+    response_format,
+    shared_prefix,
+)
 
 SYSTEM = {"role": "system", "content": "You add numbers."}
 USER = {"role": "user", "content": "What is 3 + 4?"}
@@ -85,6 +94,27 @@ def test_response_format_requires_one_entry_per_block() -> None:
     assert (item["score"]["minimum"], item["score"]["maximum"]) == (0, 1)
     assert item["explanation"]["maxLength"] == 120
     assert "maxLength" not in response_format(2)["json_schema"]["schema"]["properties"]["scores"]["properties"]["1"]["properties"]["explanation"]
+    assert response_format(2, 0)["json_schema"]["schema"]["properties"]["scores"]["properties"]["1"]["properties"]["explanation"]["maxLength"] == 0
+
+
+def longest_answer(count: int, explanation_chars: int) -> str:
+    """The longest answer the guided schema allows: every explanation full, every score 6 decimals."""
+    blocks = {str(i): {"explanation": "x" * explanation_chars, "score": 0.5} for i in range(1, count + 1)}
+    return json.dumps({"scores": blocks}).replace("0.5", "0.000001")
+
+
+@pytest.mark.parametrize(("count", "max_tokens"), [(1, 64), (4, 1024), (4, 512), (8, 1024), (16, 1200)])
+def test_explanation_limit_fits_the_longest_answer_in_max_tokens(count: int, max_tokens: int) -> None:
+    limit = explanation_limit(count, max_tokens)
+    assert limit > 0
+    # One token per character at most, and one token for the end of text.
+    assert len(longest_answer(count, limit)) + 1 <= max_tokens < len(longest_answer(count, limit + 1)) + 1
+    assert explanation_limit(count, max_tokens, configured=limit + 50) == limit
+    assert explanation_limit(count, max_tokens, configured=limit // 2 + 1) == limit // 2 + 1
+
+
+def test_explanation_limit_is_zero_when_even_empty_explanations_do_not_fit() -> None:
+    assert explanation_limit(60, 1024) == 0
 
 
 def answer(*entries: tuple) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from collector.ruler import explanation_limit
 from examples.stack import Service
 from tests.collector.seeding import group_spans, make_app
 
@@ -43,3 +44,23 @@ def test_ruler_scores_a_group_with_the_bundled_model(trainer_service: Service, t
         detail = client.get("/v1/view/trajectories/sums-1").json()
         assert detail["judgements"] == [by_id["sums-1"]]
         assert client.get("/v1/groups/sums/judge").json()["judgements"] == run["judgements"]
+
+
+def test_a_tight_token_budget_shortens_explanations_instead_of_cutting_the_answer(
+    trainer_service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No explanation limit configured and a budget that a free-running explanation overflows:
+    # the schema's `maxLength` is derived from the budget, so the guided answer ends in time.
+    env = {
+        "ART_COLLECTOR_JUDGE_URL": f"{trainer_service.url}/v1",
+        "ART_COLLECTOR_JUDGE_MODEL": "SmolLM2-135M-Instruct",
+        "ART_COLLECTOR_JUDGE_MAX_TOKENS": "150",
+        "ART_COLLECTOR_JUDGE_EXPLANATION_MAX_CHARS": "0",
+        "ART_COLLECTOR_JUDGE_ON_FAILURE": "skip",
+    }
+    app = make_app(tmp_path, monkeypatch, env=env)
+    app.state.store.add_spans(group_spans("tight", ["7", "12"]))
+    with TestClient(app) as client:
+        run = client.post("/v1/groups/tight/judge").json()
+        assert run["state"] == "ok", run
+        assert all(len(j["explanation"]) <= explanation_limit(2, 150) for j in run["judgements"])
