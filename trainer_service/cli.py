@@ -62,6 +62,7 @@ _CHOICES: dict[str, list[str]] = {
     "loss": ["ppo", "cispo"],
     "importance_sampling": ["token", "sequence"],
     "max_seq_len_policy": ["truncate", "skip"],
+    "train_dtype": ["auto", "float32", "bfloat16"],
 }
 
 # flag → GRPOConfig field (help text comes from the field's metadata)
@@ -77,6 +78,7 @@ _GRPO_FLAGS: dict[str, tuple[str, type]] = {
     "--lora-dropout": ("lora_dropout", float),
     "--micro-batch-size": ("micro_batch_size", int),
     "--micro-batch-tokens": ("micro_batch_tokens", int),
+    "--train-dtype": ("train_dtype", str),
     "--max-seq-len": ("max_seq_len", int),
     "--max-seq-len-policy": ("max_seq_len_policy", str),
     "--importance-sampling": ("importance_sampling", str),

@@ -43,8 +43,9 @@ from trainer_service.batching import (
 )
 from trainer_service.config import GRPOConfig
 from trainer_service.grpo import PolicyLossOutput, kept_token_logprobs, policy_loss
+from trainer_service.packed_attention import PACKED_ATTENTION, packed_inputs
 
-__all__ = ["MANIFEST", "NothingTrainableError", "LoRATrainer", "packing_keeps_sequences_apart"]
+__all__ = ["MANIFEST", "NothingTrainableError", "LoRATrainer", "packing_keeps_sequences_apart", "train_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +53,15 @@ MANIFEST = "manifest.json"
 """Name of the checkpoint manifest written next to the adapter."""
 _OPTIMIZER = "optimizer.pt"
 _PREPARE = {"grpo": prepare_grpo, "sft": prepare_sft}
-_CUDA_MICRO_BATCH = 64
-"""Sequences per pass with CUDA when `micro_batch_size` is None (see its help)."""
+_MICRO_BATCH_TOKENS = {"cuda": 8192, "cpu": 1024}
+"""Tokens per pass when `micro_batch_tokens` is None, by device type (see its help)."""
 
 
 class LoRATrainer:
     """Trains a LoRA adapter with GRPO, one `step(groups)` at a time.
 
     Args:
-        model: the base causal LM (loaded; LoRA is added here).
+        model: the base causal LM (loaded; cast to `config.train_dtype`; LoRA is added here).
         config: GRPO hyper-parameters.
         base_model: name recorded in checkpoint manifests.
         tokenizer: the model's tokenizer, used to re-tokenize trajectories that are not
@@ -73,12 +74,15 @@ class LoRATrainer:
         self.tokenizer = tokenizer
         self.base_model = base_model or str(getattr(model.config, "name_or_path", ""))
         self.device = next(model.parameters()).device
+        model.to(train_dtype(config.train_dtype))  # the base weights; LoRA's are added in fp32 below
         checkpointing = config.gradient_checkpointing
         if checkpointing is None:
             checkpointing = self.device.type == "cuda"
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
+        if self.device.type == "cpu":
+            model.set_attn_implementation(PACKED_ATTENTION)  # per-sequence attention in a packed row
         lora = LoraConfig(
             r=config.lora_r,
             lora_alpha=config.lora_alpha,
@@ -102,19 +106,17 @@ class LoRATrainer:
              cpu_threads: int | None = None, device: str | None = None) -> LoRATrainer:
         """Load the base model and tokenizer from `path` and wrap them.
 
-        fp32 on a CPU (the engine serves fp32 too, so logprobs agree); bf16 with gradient
-        checkpointing when CUDA is present. `chat_template` (a Jinja file) replaces the
-        tokenizer's template, so re-tokenized trajectories match what vLLM rendered.
-        `cpu_threads` sets torch's intra-op threads on a CPU (keep them off vLLM's cores).
-        `device` places the model (default `cuda` when present, else the CPU); the dtype follows
-        the machine, so a CPU copy on a CUDA machine (the service's copy when the steps run in
-        worker processes) stays bf16.
+        The base weights take `train_dtype(config.train_dtype)` (the LoRA weights stay fp32).
+        `chat_template` (a Jinja file) replaces the tokenizer's template, so re-tokenized
+        trajectories match what vLLM rendered. `cpu_threads` sets torch's intra-op threads on a
+        CPU (keep them off vLLM's cores). `device` places the model (default `cuda` when present,
+        else the CPU); the dtype follows the machine, so a CPU copy on a CUDA machine (the
+        service's copy when the steps run in worker processes) stays bf16.
         """
-        cuda = torch.cuda.is_available()
-        device = device or ("cuda" if cuda else "cpu")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if cpu_threads is not None and not device.startswith("cuda"):
             torch.set_num_threads(cpu_threads)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if cuda else torch.float32).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=train_dtype(config.train_dtype)).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path)
         if chat_template is not None:
             tokenizer.chat_template = Path(chat_template).read_text()
@@ -211,10 +213,9 @@ class LoRATrainer:
         lengths = [int(item.token_ids.numel()) for item in items]
         starts = [0, *itertools.accumulate(lengths)][:-1]
         token_ids = torch.cat([item.token_ids for item in items])
-        positions = torch.cat([torch.arange(n, device=token_ids.device) for n in lengths])
         keep = torch.cat([item.mask.nonzero().squeeze(-1) + start for item, start in zip(items, starts, strict=True)])
-        logits = self.model(input_ids=token_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
-                            logits_to_keep=keep, use_cache=False).logits[0]
+        logits = self.model(input_ids=token_ids.unsqueeze(0), logits_to_keep=keep, use_cache=False,
+                            **packed_inputs(lengths, token_ids.device)).logits[0]
         row = kept_token_logprobs(logits, token_ids, keep)
         if len(items) == 1:
             return row
@@ -244,8 +245,8 @@ class LoRATrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(("loss", "tokens", "clipped", "ratio", "kl"), 0.0)
-        size = self.config.micro_batch_size or (_CUDA_MICRO_BATCH if self.device.type == "cuda" else 1)
-        for chunk in micro_batches(items, size, self.config.micro_batch_tokens):
+        tokens = self.config.micro_batch_tokens or _MICRO_BATCH_TOKENS.get(self.device.type, _MICRO_BATCH_TOKENS["cpu"])
+        for chunk in micro_batches(items, self.config.micro_batch_size, tokens):
             out = loss_fn(chunk, self._logprobs(chunk))
             out.loss.backward()
             sums["loss"] += float(out.loss.detach())
@@ -400,14 +401,28 @@ def packing_keeps_sequences_apart(model: torch.nn.Module) -> bool:
     """
     device = next(model.parameters()).device
     first, second = torch.arange(1, 9, device=device), torch.arange(9, 15, device=device)
-    positions = torch.cat([torch.arange(8, device=device), torch.arange(6, device=device)])
     training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            alone = model(input_ids=second.unsqueeze(0), use_cache=False).logits[0].float()
-            packed = model(input_ids=torch.cat([first, second]).unsqueeze(0), position_ids=positions.unsqueeze(0),
-                           use_cache=False).logits[0, first.numel() :].float()
+            alone = model(input_ids=second.unsqueeze(0), use_cache=False, **packed_inputs([6], device)).logits[0].float()
+            packed = model(input_ids=torch.cat([first, second]).unsqueeze(0), use_cache=False,
+                           **packed_inputs([8, 6], device)).logits[0, first.numel() :].float()
     finally:
         model.train(training)
     return bool((packed - alone).abs().max() <= 5e-2 * alone.abs().max())
+
+
+def train_dtype(setting: str) -> torch.dtype:
+    """The base weights' dtype for `GRPOConfig.train_dtype` on this machine.
+
+    `auto` is bf16 when CUDA is present and on a CPU with AMX tiles (`torch.cpu._is_amx_tile_supported`,
+    torch's own check: bf16 matrix products in hardware), float32 on other CPUs, where bf16
+    matrix products are emulated and slower.
+    """
+    if setting != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return torch.bfloat16 if amx is not None and amx() else torch.float32
