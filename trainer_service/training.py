@@ -43,9 +43,16 @@ from trainer_service.batching import (
 )
 from trainer_service.config import GRPOConfig
 from trainer_service.grpo import PolicyLossOutput, kept_token_logprobs, policy_loss
-from trainer_service.packed_attention import PACKED_ATTENTION, packed_inputs
+from trainer_service.packed_attention import PACKED_ATTENTION, pack_row
 
-__all__ = ["MANIFEST", "NothingTrainableError", "LoRATrainer", "packing_keeps_sequences_apart", "train_dtype"]
+__all__ = [
+    "MANIFEST",
+    "NothingTrainableError",
+    "LoRATrainer",
+    "packing_keeps_sequences_apart",
+    "prefix_sharing_works",
+    "train_dtype",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +100,7 @@ class LoRATrainer:
         )
         self.model: PeftModel = get_peft_model(model, lora)
         self.packs = packing_keeps_sequences_apart(self.model)
+        self.shares_prefixes = self.packs and prefix_sharing_works(self.model)  # `art_packed` does (on a CPU)
         if not self.packs:
             logger.warning("%s attends across sequences packed into one row: training one sequence per forward "
                            "instead (correct, slower on a GPU)", type(model).__name__)
@@ -210,17 +218,19 @@ class LoRATrainer:
         """
         if not self.packs and len(items) > 1:
             return torch.cat([self._logprobs([item]) for item in items])
-        lengths = [int(item.token_ids.numel()) for item in items]
-        starts = [0, *itertools.accumulate(lengths)][:-1]
-        token_ids = torch.cat([item.token_ids for item in items])
-        keep = torch.cat([item.mask.nonzero().squeeze(-1) + start for item, start in zip(items, starts, strict=True)])
-        logits = self.model(input_ids=token_ids.unsqueeze(0), logits_to_keep=keep, use_cache=False,
-                            **packed_inputs(lengths, token_ids.device)).logits[0]
-        row = kept_token_logprobs(logits, token_ids, keep)
-        if len(items) == 1:
-            return row
-        # drop each sequence's last position (it would predict the next sequence's first token)
-        return torch.cat([row[start : start + n - 1] for start, n in zip(starts, lengths, strict=True)])
+        shareable = [_first_trained(item) if self.shares_prefixes else 0 for item in items]
+        row = pack_row([item.token_ids for item in items], shareable)
+        keep = torch.cat([item.mask[shared:].nonzero().squeeze(-1) + start
+                          for item, shared, start in zip(items, row.shared, row.starts, strict=True)])
+        logits = self.model(input_ids=row.token_ids.unsqueeze(0), logits_to_keep=keep, use_cache=False,
+                            **row.inputs).logits[0]
+        values = kept_token_logprobs(logits, row.token_ids, keep)
+        # each item's `[seq - 1]`: 0 over its shared prefix (never trained), then its own positions
+        # but the last (that one predicts the next segment's first token)
+        return torch.cat([
+            torch.cat([values.new_zeros(shared), values[start : start + item.mask.numel() - shared]])
+            for item, shared, start in zip(items, row.shared, row.starts, strict=True)
+        ])
 
     @staticmethod
     def _sft_loss(items: list[TrainItem], new: torch.Tensor) -> PolicyLossOutput:
@@ -370,6 +380,12 @@ class LoRATrainer:
         return manifest
 
 
+def _first_trained(item: TrainItem) -> int:
+    """How many leading tokens of `item` no loss reads: the position of its first trained prediction."""
+    trained = item.mask.nonzero()
+    return int(trained[0]) if trained.numel() else item.mask.numel()
+
+
 def _row_lengths(items: list[TrainItem]) -> torch.Tensor:
     """Number of per-token entries (`seq - 1`) of each item."""
     return torch.tensor([item.mask.numel() for item in items], device=items[0].mask.device)
@@ -399,18 +415,36 @@ def packing_keeps_sequences_apart(model: torch.nn.Module) -> bool:
     on the bundled model and the tests' tiny one: equal when kept apart, off by 0.7-1.3 times
     the largest logit when not).
     """
+    return _packed_logits_match(model, torch.arange(1, 9), torch.arange(9, 15), shareable=0)
+
+
+def prefix_sharing_works(model: torch.nn.Module) -> bool:
+    """Whether `model` computes a `pack_row` row with a shared prefix right (`art_packed` attention does).
+
+    Checked like `packing_keeps_sequences_apart`, on two sequences that share their first 4
+    tokens. An attention that ignores `art_prefix` (transformers' own: a continuation's
+    positions do not restart at 0, so it is taken for a sequence of its own) fails it.
+    """
+    return _packed_logits_match(model, torch.arange(1, 9), torch.cat([torch.arange(1, 5), torch.arange(9, 15)]),
+                                shareable=4)
+
+
+def _packed_logits_match(model: torch.nn.Module, first: torch.Tensor, second: torch.Tensor, shareable: int) -> bool:
+    """`second`'s logits (beyond a shared prefix) alone and packed after `first` agree."""
     device = next(model.parameters()).device
-    first, second = torch.arange(1, 9, device=device), torch.arange(9, 15, device=device)
+    first, second = first.to(device), second.to(device)
     training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            alone = model(input_ids=second.unsqueeze(0), use_cache=False, **packed_inputs([6], device)).logits[0].float()
-            packed = model(input_ids=torch.cat([first, second]).unsqueeze(0), use_cache=False,
-                           **packed_inputs([8, 6], device)).logits[0, first.numel() :].float()
+            alone = model(input_ids=second.unsqueeze(0), use_cache=False, **pack_row([second]).inputs).logits[0].float()
+            row = pack_row([first, second], [shareable, shareable])
+            packed = model(input_ids=row.token_ids.unsqueeze(0), use_cache=False, **row.inputs).logits[0].float()
     finally:
         model.train(training)
-    return bool((packed - alone).abs().max() <= 5e-2 * alone.abs().max())
+    shared = row.shared[1]
+    want, got = alone[shared:], packed[row.starts[1] : row.starts[1] + second.numel() - shared]
+    return bool((got - want).abs().max() <= 5e-2 * want.abs().max())
 
 
 def train_dtype(setting: str) -> torch.dtype:

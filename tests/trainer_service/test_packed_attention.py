@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.trainer_service.test_training import tiny_model
-from trainer_service.packed_attention import PACKED_ATTENTION, packed_inputs
+from trainer_service.packed_attention import PACKED_ATTENTION, pack_row
 
 LENGTHS = [7, 12, 3, 9]
 
@@ -21,8 +21,9 @@ def test_a_packed_row_gives_each_sequence_its_logits_alone() -> None:
     with torch.no_grad():
         alone = [model(input_ids=s.unsqueeze(0)).logits[0] for s in sequences()]
         model.set_attn_implementation(PACKED_ATTENTION)
-        row = torch.cat(sequences()).unsqueeze(0)
-        packed = model(input_ids=row, use_cache=False, **packed_inputs(LENGTHS, row.device)).logits[0]
+        layout = pack_row(sequences())
+        row = layout.token_ids.unsqueeze(0)
+        packed = model(input_ids=row, use_cache=False, **layout.inputs).logits[0]
         unbounded = model(input_ids=sequences()[1].unsqueeze(0)).logits[0]  # no bounds: one sequence
     torch.testing.assert_close(packed, torch.cat(alone), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(unbounded, alone[1], atol=1e-5, rtol=1e-5)
@@ -33,9 +34,9 @@ def test_a_packed_row_gives_each_sequence_its_logits_alone() -> None:
 def test_gradients_stay_within_each_sequence() -> None:
     model = tiny_model()
     model.set_attn_implementation(PACKED_ATTENTION)
-    embeddings = model.get_input_embeddings()(torch.cat(sequences())).detach().requires_grad_(True)
-    logits = model(inputs_embeds=embeddings.unsqueeze(0), use_cache=False,
-                   **packed_inputs(LENGTHS, embeddings.device)).logits[0]
+    layout = pack_row(sequences())
+    embeddings = model.get_input_embeddings()(layout.token_ids).detach().requires_grad_(True)
+    logits = model(inputs_embeds=embeddings.unsqueeze(0), use_cache=False, **layout.inputs).logits[0]
     logits[LENGTHS[0] : LENGTHS[0] + LENGTHS[1]].sum().backward()  # the second sequence's outputs only
     touched = embeddings.grad.abs().sum(-1) > 0
     assert touched[LENGTHS[0] : LENGTHS[0] + LENGTHS[1]].all() and touched.sum() == LENGTHS[1]
@@ -46,3 +47,58 @@ def test_a_padded_batch_is_refused() -> None:
     model.set_attn_implementation(PACKED_ATTENTION)
     with pytest.raises(ValueError, match="takes one unpadded row, got a batch of 2"):
         model(input_ids=torch.ones(2, 5, dtype=torch.long))
+
+
+def family() -> list[torch.Tensor]:
+    """Three samples of one 6-token prompt (one identical to another), then a stranger."""
+    prompt = torch.tensor([5, 17, 300, 4000, 12, 9])
+    return [torch.cat([prompt, torch.tensor(tail)]) for tail in ([40, 41, 42], [50, 51], [40, 41, 42, 43])] + [
+        torch.tensor([7, 8, 9, 10])]
+
+
+def test_a_shared_prefix_is_held_once_and_each_continuation_sees_it() -> None:
+    model = tiny_model().eval()
+    sequences = family()
+    with torch.no_grad():
+        alone = [model(input_ids=s.unsqueeze(0)).logits[0] for s in sequences]
+        model.set_attn_implementation(PACKED_ATTENTION)
+        layout = pack_row(sequences, shareable=[7, 6, 6, 3])  # the first may share 7 tokens, the others 6
+        logits = model(input_ids=layout.token_ids.unsqueeze(0), use_cache=False, **layout.inputs).logits[0]
+    assert layout.shared == [6, 6, 6, 0] and layout.token_ids.numel() == 6 + 3 + 2 + 4 + 4
+    assert layout.inputs["art_prefix"] == [-1, 0, 0, 0, -1]
+    for sequence, want, shared, start in zip(sequences, alone, layout.shared, layout.starts, strict=True):
+        got = logits[start : start + sequence.numel() - shared]
+        torch.testing.assert_close(got, want[shared:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[:6], alone[0][:6], atol=1e-5, rtol=1e-5)  # the prefix itself
+
+
+def test_the_shared_prefix_gets_the_gradient_of_every_continuation() -> None:
+    model = tiny_model()
+    model.set_attn_implementation(PACKED_ATTENTION)
+    embed = model.get_input_embeddings()
+    sequences = family()[:3]
+
+    def prompt_gradient(shareable: list[int]) -> torch.Tensor:
+        """d(sum of every continuation's logits) / d(prompt embeddings), summed over the prompt's copies."""
+        layout = pack_row(sequences, shareable)
+        inputs = embed(layout.token_ids).detach().requires_grad_(True)
+        logits = model(inputs_embeds=inputs.unsqueeze(0), use_cache=False, **layout.inputs).logits[0]
+        own = [(start + 6 - shared, start + s.numel() - shared)
+               for s, shared, start in zip(sequences, layout.shared, layout.starts, strict=True)]
+        sum(logits[a:b].sum() for a, b in own).backward()
+        grad = inputs.grad
+        assert grad is not None
+        copies = [0] if layout.shared[0] else layout.starts
+        return sum(grad[start : start + 6] for start in copies)
+
+    torch.testing.assert_close(prompt_gradient([6, 6, 6]), prompt_gradient([0, 0, 0]), atol=1e-4, rtol=1e-4)
+
+
+def test_continuations_are_not_separated_without_art_packed() -> None:
+    model = tiny_model().eval()  # sdpa: positions that do not restart at 0 read as a new sequence
+    sequences = family()[:2]
+    layout = pack_row(sequences, [6, 6])
+    with torch.no_grad():
+        alone = model(input_ids=sequences[1].unsqueeze(0)).logits[0][6:]
+        logits = model(input_ids=layout.token_ids.unsqueeze(0), use_cache=False, **layout.inputs).logits[0]
+    assert not torch.allclose(logits[layout.starts[1]:], alone, atol=1e-3)

@@ -15,7 +15,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from trainer_service.batching import prepare_grpo
 from trainer_service.config import GRPOConfig
-from trainer_service.training import LoRATrainer, NothingTrainableError, train_dtype
+from trainer_service.packed_attention import PACKED_ATTENTION
+from trainer_service.training import (
+    LoRATrainer,
+    NothingTrainableError,
+    packing_keeps_sequences_apart,
+    prefix_sharing_works,
+    train_dtype,
+)
 
 PROMPT = [1, 104, 2003, 42, 7, 311]
 GOOD = [900, 901, 902, 2]
@@ -265,7 +272,7 @@ def test_a_model_that_attends_across_packed_sequences_trains_one_sequence_at_a_t
     model = tiny_model()
     forward = model.forward
     def forward_without_bounds(*args: object, position_ids: object = None, cu_seq_lens_q: object = None,
-                               cu_seq_lens_k: object = None, **kwargs: object) -> object:
+                               cu_seq_lens_k: object = None, art_prefix: object = None, **kwargs: object) -> object:
         return forward(*args, **kwargs)  # sees no sequence starts
 
     model.forward = forward_without_bounds
@@ -317,3 +324,22 @@ def test_train_dtype_auto_follows_the_hardware() -> None:
     amx = torch.cpu._is_amx_tile_supported()
     want = torch.bfloat16 if torch.cuda.is_available() or amx else torch.float32
     assert train_dtype("auto") == want
+
+
+def test_a_group_trains_its_shared_prompt_once() -> None:
+    trainer = make_trainer(micro_batch_size=4)
+    assert trainer.shares_prefixes
+    groups = [group(trainer, (1.0, 0.0))]
+    rows: list[int] = []
+    trainer.model.base_model.model.register_forward_pre_hook(
+        lambda _module, args, kwargs: rows.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    trainer.step(groups)
+    # PROMPT + GOOD and PROMPT + BAD: the prompt once, then each completion from the prompt's last token on
+    assert rows == [len(PROMPT) - 1 + 1 + len(GOOD) + 1 + len(BAD)]
+
+
+def test_prefix_sharing_needs_art_packed_attention() -> None:
+    model = tiny_model()
+    assert packing_keeps_sequences_apart(model) and not prefix_sharing_works(model)  # sdpa
+    model.set_attn_implementation(PACKED_ATTENTION)
+    assert prefix_sharing_works(model)
