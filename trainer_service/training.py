@@ -207,9 +207,10 @@ class LoRATrainer:
     def _logprobs(self, items: list[TrainItem]) -> torch.Tensor:
         """The items' `[seq - 1]` log-probs of their tokens 1.., end to end, computed where their masks are on.
 
-        The items run as one forward: packed end to end into a single row, each with positions
-        from 0, which `transformers` turns into attention within each sequence only (no
-        padding; the same logits as one forward per sequence up to float rounding). On a GPU,
+        The items run as one forward: packed end to end into a single row (`pack_row`), each
+        with positions from 0, which `transformers` turns into attention within each sequence
+        only (no padding; the same logits as one forward per sequence up to float rounding).
+        Where `shares_prefixes`, the samples of one prompt hold it once (`art_packed`). On a GPU,
         where each pass is launch-bound, this is what makes a step fast: on an H200 a batch of
         32 sequences took 12.5 s one sequence per pass and 0.44 s in one (bench/train_gpu.py).
         The LM head and the softmax run on the assistant positions alone (`logits_to_keep`);

@@ -102,3 +102,21 @@ def test_continuations_are_not_separated_without_art_packed() -> None:
         alone = model(input_ids=sequences[1].unsqueeze(0)).logits[0][6:]
         logits = model(input_ids=layout.token_ids.unsqueeze(0), use_cache=False, **layout.inputs).logits[0]
     assert not torch.allclose(logits[layout.starts[1]:], alone, atol=1e-3)
+
+
+def test_bf16_rows_match_each_sequence_alone_short_and_long() -> None:
+    # short segments take the plain-math kernel in bf16, long ones flash: both must agree with sdpa alone
+    generator = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 49152, (30,), generator=generator)
+    sequences = [torch.cat([prompt, torch.randint(0, 49152, (n,), generator=generator)]) for n in (20, 230)]
+    sequences.append(torch.randint(0, 49152, (240,), generator=generator))
+    model = tiny_model().to(torch.bfloat16).eval()
+    with torch.no_grad():
+        alone = [model(input_ids=s.unsqueeze(0)).logits[0].float() for s in sequences]
+        model.set_attn_implementation(PACKED_ATTENTION)
+        layout = pack_row(sequences, [30, 30, 0])
+        logits = model(input_ids=layout.token_ids.unsqueeze(0), use_cache=False, **layout.inputs).logits[0].float()
+    assert layout.shared == [30, 30, 0]
+    for sequence, want, shared, start in zip(sequences, alone, layout.shared, layout.starts, strict=True):
+        got = logits[start : start + sequence.numel() - shared]
+        assert (got - want[shared:]).abs().max() <= 2e-2 * want.abs().max()
