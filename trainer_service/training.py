@@ -15,7 +15,6 @@ rank takes the step a single process would take on the whole batch.
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import logging
 import os
@@ -89,7 +88,11 @@ class LoRATrainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
         if self.device.type == "cpu":
-            model.set_attn_implementation(PACKED_ATTENTION)  # per-sequence attention in a packed row
+            try:
+                model.set_attn_implementation(PACKED_ATTENTION)  # per-sequence attention in a packed row
+            except ValueError as exc:  # a model without transformers' attention interface keeps its own
+                logger.warning("%s keeps its own attention (%s): packed rows use its position_ids mask and "
+                               "prompts are not shared", type(model).__name__, exc)
         lora = LoraConfig(
             r=config.lora_r,
             lora_alpha=config.lora_alpha,

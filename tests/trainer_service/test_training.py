@@ -343,3 +343,19 @@ def test_prefix_sharing_needs_art_packed_attention() -> None:
     assert packing_keeps_sequences_apart(model) and not prefix_sharing_works(model)  # sdpa
     model.set_attn_implementation(PACKED_ATTENTION)
     assert prefix_sharing_works(model)
+
+
+def test_a_model_without_the_attention_interface_keeps_its_own(caplog: pytest.LogCaptureFixture) -> None:
+    model = tiny_model()
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not supported")
+
+    model.set_attn_implementation = refuse  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="trainer_service.training"):
+        trainer = LoRATrainer(model, GRPOConfig(learning_rate=5e-3, train_dtype="float32"))
+    assert "keeps its own attention" in caplog.text
+    assert trainer.packs and not trainer.shares_prefixes  # sdpa with position_ids still packs
+    reference = make_trainer()
+    groups = uneven_groups(reference)
+    assert trainer.step(groups)["loss/policy"] == pytest.approx(reference.step(groups)["loss/policy"], abs=1e-6)
