@@ -49,6 +49,13 @@ class PackedRow:
     """Per sequence: how many of its leading tokens sit in a shared prefix segment (0: none)."""
     starts: list[int]
     """Per sequence: the row index of its first token that is not in a shared prefix."""
+    lengths: list[int]
+    """Per sequence: its length in tokens (shared prefix included)."""
+
+    def own(self, index: int) -> slice:
+        """The row positions of sequence `index`'s tokens that are not in a shared prefix."""
+        start = self.starts[index]
+        return slice(start, start + self.lengths[index] - self.shared[index])
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -118,7 +125,8 @@ def pack_row(sequences: list[torch.Tensor], shareable: list[int] | None = None) 
     bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
     inputs = {"position_ids": torch.cat(positions).unsqueeze(0), "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
               "max_length_q": max(lengths), "max_length_k": max(lengths), "art_prefix": prefix_of}
-    return PackedRow(token_ids=torch.cat(pieces), inputs=inputs, shared=shared, starts=starts)
+    return PackedRow(token_ids=torch.cat(pieces), inputs=inputs, shared=shared, starts=starts,
+                     lengths=[sequence.numel() for sequence in sequences])
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -150,8 +158,8 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             keys = torch.cat([key[:, :, prefix], keys], dim=2)
             values = torch.cat([value[:, :, prefix], values], dim=2)
             n, p = end - start, prefix.stop - prefix.start
-            mask = torch.ones(n, p + n, dtype=torch.bool, device=query.device)
-            mask[:, p:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+            # all of the prefix, then causal within the segment: key j is seen by query i when j <= i + p
+            mask = torch.ones(n, p + n, dtype=torch.bool, device=query.device).tril(diagonal=p)
         with _kernel(query, keys.shape[2]):
             outputs.append(F.scaled_dot_product_attention(query[:, :, own], keys, values, attn_mask=mask,
                                                           dropout_p=dropout, is_causal=mask is None, scale=scaling,

@@ -224,17 +224,17 @@ class LoRATrainer:
             return torch.cat([self._logprobs([item]) for item in items])
         shareable = [_first_trained(item) if self.shares_prefixes else 0 for item in items]
         row = pack_row([item.token_ids for item in items], shareable)
-        keep = torch.cat([item.mask[shared:].nonzero().squeeze(-1) + start
-                          for item, shared, start in zip(items, row.shared, row.starts, strict=True)])
+        keep = torch.cat([item.mask[row.shared[i]:].nonzero().squeeze(-1) + row.starts[i]
+                          for i, item in enumerate(items)])
         logits = self.model(input_ids=row.token_ids.unsqueeze(0), logits_to_keep=keep, use_cache=False,
                             **row.inputs).logits[0]
         values = kept_token_logprobs(logits, row.token_ids, keep)
         # each item's `[seq - 1]`: 0 over its shared prefix (never trained), then its own positions
-        # but the last (that one predicts the next segment's first token)
-        return torch.cat([
-            torch.cat([values.new_zeros(shared), values[start : start + item.mask.numel() - shared]])
-            for item, shared, start in zip(items, row.shared, row.starts, strict=True)
-        ])
+        # but the last (that one predicts the next segment's first token; `values` has no entry
+        # for the row's last position)
+        own = [row.own(i) for i in range(len(items))]
+        return torch.cat([torch.cat([values.new_zeros(row.shared[i]), values[part.start : part.stop - 1]])
+                          for i, part in enumerate(own)])
 
     @staticmethod
     def _sft_loss(items: list[TrainItem], new: torch.Tensor) -> PolicyLossOutput:
@@ -446,8 +446,7 @@ def _packed_logits_match(model: torch.nn.Module, first: torch.Tensor, second: to
             packed = model(input_ids=row.token_ids.unsqueeze(0), use_cache=False, **row.inputs).logits[0].float()
     finally:
         model.train(training)
-    shared = row.shared[1]
-    want, got = alone[shared:], packed[row.starts[1] : row.starts[1] + second.numel() - shared]
+    want, got = alone[row.shared[1] :], packed[row.own(1)]
     return bool((got - want).abs().max() <= 5e-2 * want.abs().max())
 
 
