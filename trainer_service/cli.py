@@ -35,6 +35,7 @@ _SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
     "--json-whitespace": ("json_whitespace", str),
     "--batch-groups": ("batch_groups", int),
     "--train-threads": ("train_threads", int),
+    "--idle-train-threads": ("idle_train_threads", int),
     "--train-processes": ("train_processes", int),
     "--train-step-timeout": ("train_step_timeout", float),
     "--min-groups": ("min_groups", int),

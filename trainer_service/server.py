@@ -20,12 +20,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
+import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.background import BackgroundTask
 
 from trainer_service.base_model import resolve_base_model
 from trainer_service.config import GRPOConfig, TrainerSettings
+from trainer_service.core_lending import CoreLender, EngineRequest
 from trainer_service.distributed import TrainLauncher
 from trainer_service.engine import VLLMEngine
 from trainer_service.protocol import ServiceError, StatusResponse, TrainResponse
@@ -65,13 +66,30 @@ def build_service(settings: TrainerSettings, grpo: GRPOConfig,
                                  chat_template=settings.served_chat_template(),
                                  cpu_threads=max(1, settings.training_threads() // settings.train_processes),
                                  timeout=settings.train_step_timeout)
-    return TrainerService(
-        settings, grpo, engine, lambda: LoRATrainer.load(model_path, grpo, base_model=settings.base_model,
-                                                       chat_template=settings.served_chat_template(),
-                                                       cpu_threads=settings.training_threads(),
-                                                       device="cpu" if launcher else None),
-        collector_transport=collector_transport, launcher=launcher,
-    )
+    own = settings.training_threads()
+    lends = launcher is None and not torch.cuda.is_available() and settings.lent_threads() > own
+    lender = CoreLender(own, settings.lent_threads() if lends else own)
+
+    def load_trainer() -> LoRATrainer:
+        trainer = LoRATrainer.load(model_path, grpo, base_model=settings.base_model,
+                                   chat_template=settings.served_chat_template(),
+                                   cpu_threads=settings.training_threads(), device="cpu" if launcher else None)
+        if lends:
+            trainer.call_between_layers(lender.between_layers)
+        return trainer
+
+    return TrainerService(settings, grpo, engine, load_trainer, collector_transport=collector_transport,
+                          launcher=launcher, lender=lender)
+
+
+async def _relay(response: httpx.Response, request_ticket: EngineRequest) -> AsyncIterator[bytes]:
+    """A streamed answer from vLLM, chunk by chunk; the request stops counting when it ends or the client leaves."""
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    finally:
+        await response.aclose()
+        request_ticket.close()
 
 
 def _error(exc: ServiceError) -> JSONResponse:
@@ -136,17 +154,24 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
             raise ServiceError(400, "missing_model", "The request needs a `model` string.", param="model")
         body["model"] = svc.resolve(body["model"])
+        stream = bool(body.get("stream"))
         upstream = engine_client.build_request("POST", route, json=body)
+        request_ticket = await svc.engine_request()  # counted until vLLM's answer is through
+        streaming = False
         try:
-            response = await engine_client.send(upstream, stream=bool(body.get("stream")))
+            response = await engine_client.send(upstream, stream=stream)
+            headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
+            if stream:
+                streaming = True
+                return StreamingResponse(_relay(response, request_ticket), status_code=response.status_code,
+                                         headers=headers)
+            return Response(response.content, status_code=response.status_code, headers=headers)
         except httpx.HTTPError as exc:
             raise ServiceError(503, "engine_unavailable", f"The vLLM engine did not answer: {exc}. "
                                "See GET /v1/status and the vLLM log.", type="server_error") from exc
-        headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
-        if body.get("stream"):
-            return StreamingResponse(response.aiter_raw(), status_code=response.status_code, headers=headers,
-                                     background=BackgroundTask(response.aclose))
-        return Response(response.content, status_code=response.status_code, headers=headers)
+        finally:
+            if not streaming:
+                request_ticket.close()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

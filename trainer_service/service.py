@@ -22,6 +22,7 @@ from collector.protocol import AckRequest, Batch, BatchRequest
 
 from trainer_service.checkpoints import CheckpointStore, select_kept
 from trainer_service.config import GRPOConfig, TrainerSettings
+from trainer_service.core_lending import CoreLender, EngineRequest
 from trainer_service.distributed import TrainLauncher
 from trainer_service.engine import EngineError, VLLMEngine
 from trainer_service.evaluation import Evaluator, build_evaluator
@@ -61,6 +62,8 @@ class TrainerService:
         evaluator: the promotion gate's evaluator; built from the settings when None and an
             eval set is configured.
         launcher: runs each step in data-parallel worker processes; None trains in this process.
+        lender: counts the requests the proxy sends to vLLM and lends the engine's idle cores to
+            the step (`CoreLender`); default: counts them and lends nothing.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class TrainerService:
         collector_transport: httpx.AsyncBaseTransport | None = None,
         evaluator: Evaluator | None = None,
         launcher: TrainLauncher | None = None,
+        lender: CoreLender | None = None,
     ) -> None:
         grpo.check_against(settings)
         self.settings = settings
@@ -79,6 +83,7 @@ class TrainerService:
         self.engine = engine
         self._trainer_factory = trainer_factory
         self.launcher = launcher
+        self.lender = lender or CoreLender(1, 1)
         self.trainer: LoRATrainer | None = None
         self.base_name = engine.served_name
         self.store = CheckpointStore(settings.run_dir / "checkpoints")
@@ -164,6 +169,10 @@ class TrainerService:
             type="not_found_error",
             param="model",
         )
+
+    async def engine_request(self) -> EngineRequest:
+        """Count a request on its way to vLLM (`CoreLender.engine_request`); close the ticket once answered."""
+        return await self.lender.engine_request()
 
     # --- control ------------------------------------------------------------------------
 
@@ -274,7 +283,8 @@ class TrainerService:
                 metrics = self.launcher.step(trainer, batch, kind, path)  # rank 0 saved the checkpoint
                 started = time.perf_counter()
             else:
-                metrics = trainer.train(batch.groups, kind)
+                with self.lender.lending():
+                    metrics = trainer.train(batch.groups, kind)
                 started = time.perf_counter()
                 trainer.save(path, batch_id=batch.id, metrics=metrics)
         except Exception:
@@ -373,10 +383,11 @@ class TrainerService:
             promotion=self.gate.decision,
             eval_rewards=dict(self.gate.evals),
             last_metrics=self.metrics.last or (dict(trainer.last_metrics) if trainer else {}),
-            counters={**self.counters, "metrics_sink_errors": self.metrics.sink_errors},
+            counters={**self.counters, **self.lender.counters, "metrics_sink_errors": self.metrics.sink_errors},
             last_error=self.last_error,
             engine=EngineStatus(healthy=healthy, pid=self.engine.pid, restarts=self.engine.restarts,
-                                url=self.engine.base_url),
+                                url=self.engine.base_url, requests_in_flight=self.lender.in_flight,
+                                training_threads=self.lender.threads),
         )
 
     async def watch_engine(self, interval: float = 10.0) -> None:

@@ -133,6 +133,33 @@ class LoRATrainer:
             tokenizer.chat_template = Path(chat_template).read_text()
         return cls(model, config, base_model=base_model or path, tokenizer=tokenizer)
 
+    def call_between_layers(self, callback: Callable[[], None]) -> None:
+        """Call `callback` on the training thread before each decoder layer's forward and backward.
+
+        Decoder layers are the modules the model names in `_no_split_modules`; `CoreLender`
+        changes the step's threads there, within a pass.
+
+        Raises:
+            ValueError: the model names no decoder layer class, or none of its modules is one.
+        """
+        names = set(getattr(self.model.get_base_model(), "_no_split_modules", None) or ())
+        layers = [module for module in self.model.modules() if type(module).__name__ in names]
+        if not layers:
+            raise ValueError(f"{type(self.model.get_base_model()).__name__} has no decoder layers named in "
+                             "`_no_split_modules`; cannot call back between layers")
+
+        def before_forward(module: torch.nn.Module, args: Any) -> None:
+            callback()
+
+        def after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output
+            if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+                hidden.register_hook(lambda grad: callback())  # this layer's backward starts
+
+        for layer in layers:
+            layer.register_forward_pre_hook(before_forward)
+            layer.register_forward_hook(after_forward)
+
     # --- step ---------------------------------------------------------------------------
 
     def prepare(self, groups: Iterable[Group], kind: str = "grpo") -> PreparedBatch:

@@ -7,6 +7,7 @@ OpenAI surface: model names, the proxy, streaming, unknown models, status.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -59,6 +60,29 @@ def test_streaming_passthrough(client: httpx.Client) -> None:
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[0][6:])["object"] == "chat.completion.chunk"
+
+
+def test_proxied_requests_count_until_answered_even_when_the_client_leaves(client: httpx.Client) -> None:
+    """The count `CoreLender` lends the engine's cores by: it must drop back to 0, or training never borrows again."""
+    def in_flight() -> int:
+        return client.get("/v1/status").raise_for_status().json()["engine"]["requests_in_flight"]
+
+    assert in_flight() == 0
+    body = {"model": BASE, "messages": [{"role": "user", "content": "Count to fifty."}], "max_tokens": 200,
+            "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()  # kept: a dropped iterator closes the stream
+        next(lines)
+        assert in_flight() == 1
+    # the client left mid-answer: the proxy stops relaying and stops counting it
+    deadline = time.monotonic() + 30
+    while in_flight() != 0:
+        assert time.monotonic() < deadline, "a request the client left is still counted"
+        time.sleep(0.2)
+    assert chat(client, BASE).status_code == 200
+    assert chat(client, "agent@999").status_code == 404
+    assert in_flight() == 0
 
 
 def test_status_reports_a_healthy_engine(client: httpx.Client) -> None:

@@ -359,3 +359,32 @@ def test_a_model_without_the_attention_interface_keeps_its_own(caplog: pytest.Lo
     reference = make_trainer()
     groups = uneven_groups(reference)
     assert trainer.step(groups)["loss/policy"] == pytest.approx(reference.step(groups)["loss/policy"], abs=1e-6)
+
+
+def test_between_layers_is_called_before_each_layer_both_ways_and_threads_may_change_there() -> None:
+    trainer, reference = make_trainer(micro_batch_size=1), make_trainer(micro_batch_size=1)
+    groups = uneven_groups(trainer)  # six sequences: six passes
+    calls: list[int] = []
+    threads = torch.get_num_threads()
+
+    def switch_threads() -> None:  # what CoreLender does there
+        calls.append(1)
+        torch.set_num_threads(1 + len(calls) % 2)
+
+    trainer.call_between_layers(switch_threads)
+    try:
+        got = trainer.step(groups)
+    finally:
+        torch.set_num_threads(threads)
+    layers = trainer.model.get_base_model().config.num_hidden_layers
+    assert len(calls) == 6 * 2 * layers  # each layer's forward and backward, in each pass
+    want = reference.step(groups)
+    assert got["loss/policy"] == pytest.approx(want["loss/policy"], abs=1e-6)
+    assert got["grad/norm"] == pytest.approx(want["grad/norm"], rel=1e-4)
+
+
+def test_between_layers_needs_named_decoder_layers() -> None:
+    trainer = make_trainer()
+    trainer.model.get_base_model()._no_split_modules = []
+    with pytest.raises(ValueError, match="no decoder layers"):
+        trainer.call_between_layers(lambda: None)

@@ -1,0 +1,94 @@
+"""`CoreLender`: the step's torch threads follow the engine's requests; a request waits for the hand-back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from trainer_service.core_lending import CoreLender
+
+
+@pytest.fixture(autouse=True)
+def restore_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_lends_only_inside_a_step_with_no_request() -> None:
+    lender = CoreLender(1, 2, settle_s=0.0)
+    lender.between_layers()
+    assert lender.threads == 1, "no step runs: nothing is lent"
+    with lender.lending():
+        assert lender.threads == torch.get_num_threads() == 2
+    assert lender.threads == torch.get_num_threads() == 1
+    assert lender.counters == {"core_lends": 1, "core_handbacks": 1}
+
+
+def test_a_request_takes_the_cores_back_and_they_return_after_the_settle_time() -> None:
+    async def scenario() -> None:
+        lender = CoreLender(1, 2, settle_s=0.2, handback_timeout_s=5.0)
+        with lender.lending():
+            lender.between_layers()
+            assert lender.threads == 1, "the engine answered nothing yet but was not idle for settle_s"
+            await asyncio.sleep(0.25)
+            lender.between_layers()
+            assert lender.threads == 2
+
+            waiting = asyncio.create_task(lender.engine_request())
+            await asyncio.sleep(0.05)
+            assert not waiting.done(), "the request went on while the step still held the engine's cores"
+            assert lender.in_flight == 1
+            lender.between_layers()  # the step reaches its next layer
+            assert torch.get_num_threads() == 1
+            ticket = await asyncio.wait_for(waiting, 1.0)
+
+            await asyncio.sleep(0.25)
+            lender.between_layers()
+            assert lender.threads == 1, "lent while a request was in flight"
+            ticket.close()
+            ticket.close()  # idempotent
+            assert lender.in_flight == 0
+            lender.between_layers()
+            assert lender.threads == 1, "lent again before the engine was idle for settle_s"
+            await asyncio.sleep(0.25)
+            lender.between_layers()
+            assert lender.threads == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_request_goes_on_after_the_handback_timeout() -> None:
+    async def scenario() -> None:
+        lender = CoreLender(1, 2, settle_s=0.0, handback_timeout_s=0.1)
+        with lender.lending():
+            started = time.monotonic()
+            ticket = await lender.engine_request()  # the step never reaches a layer boundary
+            assert 0.1 <= time.monotonic() - started < 2.0
+            assert lender.counters["core_handback_timeouts"] == 1
+            ticket.close()
+
+    asyncio.run(scenario())
+
+
+def test_requests_between_steps_do_not_wait() -> None:
+    async def scenario() -> None:
+        lender = CoreLender(1, 2, settle_s=0.0, handback_timeout_s=5.0)
+        started = time.monotonic()
+        tickets = await asyncio.gather(*(lender.engine_request() for _ in range(100)))
+        assert time.monotonic() - started < 1.0
+        assert lender.in_flight == 100
+        for ticket in tickets:
+            ticket.close()
+        assert lender.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_rejects_fewer_lent_threads_than_own() -> None:
+    with pytest.raises(ValueError, match="own_threads"):
+        CoreLender(2, 1)
