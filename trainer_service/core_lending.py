@@ -90,11 +90,15 @@ class CoreLender:
         with self._lock:
             self._in_flight += 1
         deadline = time.monotonic() + self.handback_timeout_s
-        while self._threads > self.own_threads:
-            if time.monotonic() >= deadline:
-                self.counters["core_handback_timeouts"] += 1
-                break
-            await asyncio.sleep(_POLL_S)
+        try:
+            while self._threads > self.own_threads:
+                if time.monotonic() >= deadline:
+                    self.counters["core_handback_timeouts"] += 1
+                    break
+                await asyncio.sleep(_POLL_S)
+        except BaseException:  # cancelled while waiting (the client left): nothing will close a ticket
+            self._request_done()
+            raise
         return EngineRequest(self)
 
     def _request_done(self) -> None:

@@ -75,6 +75,21 @@ def test_a_request_goes_on_after_the_handback_timeout() -> None:
     asyncio.run(scenario())
 
 
+def test_a_request_cancelled_while_waiting_stops_counting() -> None:
+    async def scenario() -> None:
+        lender = CoreLender(1, 2, settle_s=0.0, handback_timeout_s=5.0)
+        with lender.lending():
+            waiting = asyncio.create_task(lender.engine_request())
+            await asyncio.sleep(0.05)
+            assert lender.in_flight == 1
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert lender.in_flight == 0
+
+    asyncio.run(scenario())
+
+
 def test_requests_between_steps_do_not_wait() -> None:
     async def scenario() -> None:
         lender = CoreLender(1, 2, settle_s=0.0, handback_timeout_s=5.0)
