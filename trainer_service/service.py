@@ -22,7 +22,7 @@ from collector.protocol import AckRequest, Batch, BatchRequest
 
 from trainer_service.checkpoints import CheckpointStore, select_kept
 from trainer_service.config import GRPOConfig, TrainerSettings
-from trainer_service.core_lending import CoreLender, EngineRequest
+from trainer_service.core_lending import CoreLender
 from trainer_service.distributed import TrainLauncher
 from trainer_service.engine import EngineError, VLLMEngine
 from trainer_service.evaluation import Evaluator, build_evaluator
@@ -62,8 +62,8 @@ class TrainerService:
         evaluator: the promotion gate's evaluator; built from the settings when None and an
             eval set is configured.
         launcher: runs each step in data-parallel worker processes; None trains in this process.
-        lender: counts the requests the proxy sends to vLLM and lends the engine's idle cores to
-            the step (`CoreLender`); default: counts them and lends nothing.
+        lender: counts the requests the proxy sends to vLLM (`lender.engine_request`) and lends
+            the engine's idle cores to the step (`CoreLender`); default: counts them, lends nothing.
     """
 
     def __init__(
@@ -169,10 +169,6 @@ class TrainerService:
             type="not_found_error",
             param="model",
         )
-
-    async def engine_request(self) -> EngineRequest:
-        """Count a request on its way to vLLM (`CoreLender.engine_request`); close the ticket once answered."""
-        return await self.lender.engine_request()
 
     # --- control ------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from trainer_service.config import TrainerSettings
 from trainer_service.core_lending import CoreLender
 
 
@@ -107,3 +108,13 @@ def test_requests_between_steps_do_not_wait() -> None:
 def test_rejects_fewer_lent_threads_than_own() -> None:
     with pytest.raises(ValueError, match="own_threads"):
         CoreLender(2, 1)
+
+
+
+def test_from_settings_lends_only_to_an_in_process_cpu_step_with_more_lent_threads() -> None:
+    lent = CoreLender.from_settings(TrainerSettings(train_threads=1, idle_train_threads=3))
+    assert (lent.own_threads, lent.lends) == (1, not torch.cuda.is_available())
+    off = CoreLender.from_settings(TrainerSettings(train_threads=2, idle_train_threads=1))
+    assert (off.own_threads, off.idle_threads, off.lends) == (2, 2, False)
+    in_workers = CoreLender.from_settings(TrainerSettings(train_threads=1, idle_train_threads=3), can_lend=False)
+    assert not in_workers.lends
