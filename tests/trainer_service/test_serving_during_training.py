@@ -58,7 +58,7 @@ def test_chat_requests_succeed_while_a_step_trains_and_loads(collector_service: 
             results.append((started, time.monotonic(), response.status_code, response.text[:200]))
             turn += 1
 
-    workers = [threading.Thread(target=chat_forever) for _ in range(2)]
+    workers = [threading.Thread(target=chat_forever) for _ in range(4)]
     for worker in workers:
         worker.start()
     try:
@@ -79,8 +79,10 @@ def test_chat_requests_succeed_while_a_step_trains_and_loads(collector_service: 
 
     failures = [r for r in results if r[2] != 200]
     assert not failures, failures[:3]
-    during = [r for r in results if r[0] >= train_started and r[1] <= train_ended]
-    assert len(during) >= 2, (len(results), train_ended - train_started)  # answered while the step ran
+    # answered while the step ran; a warm trainer's step on this one group takes ~1.5 s, and a
+    # request ~0.5-0.7 s: four clients, and only the answers (not whole requests) must fall inside it
+    answered = [r for r in results if train_started <= r[1] <= train_ended]
+    assert len(answered) >= 2, (len(results), train_ended - train_started)
     answer = client.post("/v1/chat/completions", json={"model": f"agent@{step}", "max_tokens": 4,
                                                        "messages": [{"role": "user", "content": "Hi"}]})
     assert answer.status_code == 200 and answer.json()["model"] == f"agent@{step}"
