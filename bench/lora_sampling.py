@@ -112,11 +112,11 @@ def run_variant(variant: str, model_path: str, adapter: Path, port: int, workdir
         engine.load_adapter(ADAPTER, adapter)
         timed(engine.base_url, ADAPTER)  # warm-up
         adapter_s, choices = timed(engine.base_url, ADAPTER)
-        base_s, _ = timed(engine.base_url, BUNDLED_MODEL)
+        base_s, base_choices = timed(engine.base_url, BUNDLED_MODEL)
     finally:
         engine.stop()
     print(f"  {variant}: adapter {adapter_s:.1f} s | base model {base_s:.1f} s", flush=True)
-    return {"adapter_s": adapter_s, "base_s": base_s, "choices": choices}
+    return {"adapter_s": adapter_s, "base_s": base_s, "choices": choices, "base_choices": base_choices}
 
 
 def main() -> None:
@@ -143,9 +143,10 @@ def main() -> None:
     (art_adapter, art_base), (vllm_adapter, vllm_base) = medians["art ops"], medians["vLLM ops"]
     print(f"ratio art / vLLM ops (speed, medians): with the adapter {vllm_adapter / art_adapter:.2f}x | "
           f"base model {vllm_base / art_base:.2f}x")
-    same, gap = compare(runs["art ops"][0]["choices"], runs["vLLM ops"][0]["choices"])
-    print(f"answers with the adapter: {same}/{PROMPTS * SAMPLES} completions token-for-token the same; "
-          f"largest logprob gap before a differing token {gap:.2e}")
+    for label, key in (("with the adapter", "choices"), ("from the base model", "base_choices")):
+        same, gap = compare(runs["art ops"][0][key], runs["vLLM ops"][0][key])
+        print(f"answers {label}: {same}/{PROMPTS * SAMPLES} completions token-for-token the same; "
+              f"largest logprob gap before a differing token {gap:.2e}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ Every example declares an `Example` (its agent, inputs, reward and score) and ca
 its own adapter from the base model), scores the agent on held-out inputs, optionally warms
 it up with supervised steps on the best attempt of each group (`POST /v1/sft`, as in ART's
 SFT-then-RL recipe), runs the GRPO steps, scores it again, and writes under
-`--workdir`: `seed-K/reward_curve.png`, `results.json` (every figure, per seed and summed
+`--workdir`: `seed-K/` (the seed's services, emptied at start: the trainer would resume an
+earlier run's checkpoints there), `seed-K/reward_curve.png`, `results.json` (every figure, per seed and summed
 up) and `reward_curves.png` (all seeds in one plot).
 """
 
@@ -15,6 +16,7 @@ import argparse
 import dataclasses
 import asyncio
 import json
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -145,10 +147,22 @@ async def train_seed(example: Example, seed: int, trainer_url: str, collector_ur
     )
 
 
+def fresh_folder(folder: Path) -> None:
+    """Create `folder` empty, removing an earlier run's there (collector database, checkpoints, logs).
+
+    The trainer resumes from the checkpoints it finds: a seed run over an earlier one would start
+    from that run's adapter, not from the base model.
+    """
+    if folder.exists():
+        print(f"removing the earlier run in {folder}", flush=True)
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+
+
 def run_seed(example: Example, seed: int, workdir: Path) -> SeedResult:
-    """Start a fresh collector and trainer under `workdir`, train one seed, stop them."""
+    """Start a fresh collector and trainer under `workdir` (emptied first), train one seed, stop them."""
     started = time.monotonic()
-    workdir.mkdir(parents=True, exist_ok=True)
+    fresh_folder(workdir)
     print(f"[{example.name} seed {seed}] starting collector and trainer (logs in {workdir}); vLLM takes about a minute...", flush=True)
     trainer_args = ["--learning-rate", str(example.learning_rate), *example.trainer_args]
     with running_stack(
@@ -248,7 +262,7 @@ def parse_args(example: Example, argv: Sequence[str] | None, doc: str | None) ->
     parser.add_argument("--eval-size", type=int, default=example.eval_size, help=f"held-out inputs, {EVAL_ATTEMPTS} attempts each (default: {example.eval_size})")
     parser.add_argument("--learning-rate", type=float, default=example.learning_rate, help=f"LoRA learning rate (default: {example.learning_rate})")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds to train, each from the base model with its own services (default: 0)")
-    parser.add_argument("--workdir", type=Path, default=Path("runs") / example.name, help=f"logs, checkpoints, results.json and PNGs (default: runs/{example.name})")
+    parser.add_argument("--workdir", type=Path, default=Path("runs") / example.name, help=f"logs, checkpoints, results.json and PNGs; each seed-K folder in it is emptied at start (default: runs/{example.name})")
     return parser.parse_args(argv)
 
 

