@@ -21,10 +21,11 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import torch
