@@ -2,7 +2,8 @@
 
 The same engine settings as the trainer's (fp32, bundled SmolLM2-135M, `--max-lora-rank 8`),
 the same adapter (r=8 on every projection, random non-zero weights, so it moves every logit),
-the same batch as `train_throughput.py` (8 prompts x 4 samples x 64 tokens, a seed per prompt).
+the batch of `train_throughput.py` (its `sample_batch`: 8 prompts x 4 samples x 64 tokens, a seed
+per prompt).
 vLLM is started twice: once as the trainer starts it (the `art_cpu_lora` plugin loads), once
 with `VLLM_PLUGINS` naming only vLLM's own plugins. The variants alternate, `--rounds` times.
 
@@ -22,23 +23,20 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from bench.train_throughput import COMPLETION_TOKENS, PROMPTS, SAMPLES, sample_batch
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
 from trainer_service.config import DEFAULT_TARGET_MODULES
 from trainer_service.engine import VLLMEngine
 
-PROMPTS = 8
-SAMPLES = 4
-COMPLETION_TOKENS = 64
 ADAPTER = "bench-adapter"
 VARIANTS = ("art ops", "vLLM ops")
 
@@ -54,11 +52,8 @@ def make_adapter(model_path: str, folder: Path) -> Path:
 
 
 @contextmanager
-def plugins_without_art(enabled: bool) -> Iterator[None]:
-    """Set `VLLM_PLUGINS` to vLLM's own general plugins while `enabled` (the engine reads our environment)."""
-    if not enabled:
-        yield
-        return
+def plugins_without_art() -> Iterator[None]:
+    """Set `VLLM_PLUGINS` to vLLM's own general plugins (the engine reads our environment)."""
     names = [p.name for p in entry_points(group="vllm.general_plugins") if p.name != "art_cpu_lora"]
     before = os.environ.get("VLLM_PLUGINS")
     os.environ["VLLM_PLUGINS"] = ",".join(names)
@@ -71,24 +66,11 @@ def plugins_without_art(enabled: bool) -> Iterator[None]:
             os.environ["VLLM_PLUGINS"] = before
 
 
-async def sample(url: str, model: str) -> list[dict[str, Any]]:
-    """The batch's choices: 8 prompts x 4 samples, seeded, EOS ignored."""
-    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
-        async def one(seed: int) -> list[dict[str, Any]]:
-            body = {"model": model, "n": SAMPLES, "max_tokens": COMPLETION_TOKENS, "ignore_eos": True,
-                    "temperature": 1.0, "logprobs": True, "return_token_ids": True, "seed": seed,
-                    "messages": [{"role": "user", "content": f"What is {10 + seed}+{20 + 3 * seed}? Reply with only the number."}]}
-            response = await client.post("/v1/chat/completions", json=body)
-            response.raise_for_status()
-            return response.json()["choices"]
-        batches = await asyncio.gather(*(one(seed) for seed in range(PROMPTS)))
-    return [choice for batch in batches for choice in batch]
-
-
 def timed(url: str, model: str) -> tuple[float, list[dict[str, Any]]]:
+    """Seconds to sample the training bench's batch through `model`, and its 32 choices."""
     started = time.perf_counter()
-    choices = asyncio.run(sample(url, model))
-    return time.perf_counter() - started, choices
+    answers = asyncio.run(sample_batch(url, model))
+    return time.perf_counter() - started, [choice for _, body in answers for choice in body["choices"]]
 
 
 def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[int, float]:
@@ -104,7 +86,7 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[int, floa
 
 
 def run_variant(variant: str, model_path: str, adapter: Path, port: int, workdir: Path) -> dict[str, Any]:
-    with plugins_without_art(variant == "vLLM ops"):
+    with plugins_without_art() if variant == "vLLM ops" else nullcontext():
         engine = VLLMEngine(model_path, BUNDLED_MODEL, port, max_lora_rank=8, max_model_len=1024,
                             log_path=workdir / f"vllm-{variant.split()[0]}.log")
         print(f"starting vLLM with {variant} (not timed)...", flush=True)

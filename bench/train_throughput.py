@@ -74,12 +74,13 @@ async def sample(engine_url: str, model: str, lender: CoreLender) -> list[tuple[
     """The batch's completions, counted as engine requests: the training step hands lent cores back first."""
     request_ticket = await lender.engine_request()
     try:
-        return await _sample(engine_url, model)
+        return await sample_batch(engine_url, model)
     finally:
         request_ticket.close()
 
 
-async def _sample(engine_url: str, model: str) -> list[tuple[tuple[int, int], dict[str, Any]]]:
+async def sample_batch(engine_url: str, model: str) -> list[tuple[tuple[int, int], dict[str, Any]]]:
+    """The batch: each prompt's problem and vLLM's answer (4 seeded samples, EOS ignored, with logprobs)."""
     async with httpx.AsyncClient(base_url=engine_url, timeout=600) as client:
         async def one(seed: int, a: int, b: int) -> tuple[tuple[int, int], dict[str, Any]]:
             # A seed per prompt: every run samples the same completions, so the same groups have a
