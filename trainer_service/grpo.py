@@ -171,6 +171,8 @@ class PolicyLossOutput:
     """Sum of the importance ratio over assistant tokens."""
     kl_sum: float = 0.0
     """Sum of the per-token KL estimate to the reference over assistant tokens (0 without one)."""
+    gap_sum: float = 0.0
+    """Sum over assistant tokens of `|new - old|` log-prob (0 where the engine's is unknown)."""
 
 
 def policy_loss(
@@ -241,6 +243,7 @@ def policy_loss(
         clipped_tokens=float((terms.clipped.to(mask.dtype) * mask).sum()),
         ratio_sum=float((terms.ratio * mask).sum()),
         kl_sum=kl_sum,
+        gap_sum=float(((new_logprobs.detach() - old).abs() * mask).sum()),
     )
 
 

@@ -197,6 +197,7 @@ class LoRATrainer:
             "loss/policy": sums["loss"],
             "loss/clip_fraction": sums["clipped"] / tokens,
             "loss/ratio_mean": sums["ratio"] / tokens,
+            "loss/logprob_gap": sums["gap"] / tokens,
         })
         if self.config.kl_coef > 0:
             metrics["loss/kl"] = sums["kl"] / tokens
@@ -285,7 +286,7 @@ class LoRATrainer:
             items = shard_items(items, dist.get_rank(), dist.get_world_size())
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = dict.fromkeys(("loss", "tokens", "clipped", "ratio", "kl"), 0.0)
+        sums = dict.fromkeys(("loss", "tokens", "clipped", "ratio", "kl", "gap"), 0.0)
         tokens = self.config.micro_batch_tokens or _MICRO_BATCH_TOKENS.get(self.device.type, _MICRO_BATCH_TOKENS["cpu"])
         for chunk in micro_batches(items, self.config.micro_batch_size, tokens):
             out = loss_fn(chunk, self._logprobs(chunk))
@@ -295,6 +296,7 @@ class LoRATrainer:
             sums["clipped"] += out.clipped_tokens
             sums["ratio"] += out.ratio_sum
             sums["kl"] += out.kl_sum
+            sums["gap"] += out.gap_sum
         params = [p for p in self.model.parameters() if p.requires_grad]
         if distributed:
             self._sum_over_ranks(params, sums)

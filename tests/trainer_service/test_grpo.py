@@ -93,6 +93,7 @@ def test_policy_loss_masks_weights_and_metrics() -> None:
     # on-policy everywhere that counts: loss per token = -2, 3 tokens, weight 0.25
     assert math.isclose(float(out.loss.detach()), -1.5, rel_tol=1e-6)
     assert out.tokens == 3 and out.clipped_tokens == 0 and out.ratio_sum == 3
+    assert out.gap_sum == 0  # neither the placeholder nor the missing logprob counts as a gap
     with pytest.raises(ValueError, match="unknown policy loss"):
         policy_loss("nope", new, old, 1.0, mask, 1.0)
 
@@ -131,6 +132,8 @@ def test_sequence_level_ratio_is_shared_and_hand_computed() -> None:
     assert torch.allclose(new.grad, torch.tensor([-ratio, -ratio, 0.0, -ratio]), atol=1e-6)
     token = policy_loss("ppo", new.detach(), old, 1.0, mask, 1.0, epsilon=0.2, level="token")
     assert token.ratio_sum != pytest.approx(out.ratio_sum)
+    # the engine/trainer gap is per token at either level: |0.2| + |-0.2| + |0.3|
+    assert out.gap_sum == pytest.approx(0.7, rel=1e-6) and token.gap_sum == pytest.approx(0.7, rel=1e-6)
     with pytest.raises(ValueError, match="importance sampling level"):
         policy_loss("ppo", new, old, 1.0, mask, 1.0, level="word")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,17 @@ def group(trainer: LoRATrainer, rewards: tuple[float | None, float | None], gid:
     )
 
 
+def test_logprob_gap_measures_how_far_the_engine_disagrees() -> None:
+    trainer = make_trainer()
+    shifted = group(trainer, (1.0, 0.0))
+    for t in shifted.trajectories:  # an engine that reports every sampled token 0.1 nats likelier
+        seq = t.sequences[0]
+        seq.logprobs = [None if lp is None else lp + 0.1 for lp in seq.logprobs]
+    metrics = trainer.step([shifted])
+    assert metrics["loss/logprob_gap"] == pytest.approx(0.1, abs=1e-4)
+    assert metrics["loss/ratio_mean"] == pytest.approx(math.exp(-0.1), rel=1e-4)
+
+
 def lora_params(trainer: LoRATrainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
 
@@ -117,6 +129,7 @@ def test_step_changes_only_the_adapter() -> None:
     assert all(torch.equal(p, base_before[n]) for n, p in trainer.model.named_parameters() if "lora_" not in n)
     assert metrics["step"] == 1 and trainer.step_count == 1
     assert metrics["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy data
+    assert metrics["loss/logprob_gap"] == pytest.approx(0.0, abs=1e-5)
     assert metrics["loss/clip_fraction"] == 0.0
     assert metrics["reward/mean"] == 0.5
     assert metrics["grad/norm"] > 0
