@@ -75,8 +75,8 @@ class TrainerSettings(BaseSettings):
     vllm_dtype: str = Field(
         default="float32",
         description="vLLM weight dtype (`--dtype`). float32 keeps small LoRA updates in the served policy; bfloat16 "
-        "samples 1.3x faster through an adapter on this CPU but rounds them away: the arithmetic example gained "
-        "+0.105 ± 0.030 with it against +0.256 ± 0.081 in float32 (3 seeds each; bench/engine_dtype.py).",
+        "sampled 1.6x faster through an adapter on a 2-core AMX CPU but rounds them away: the arithmetic example "
+        "gained +0.105 ± 0.030 with it against +0.256 ± 0.081 in float32 (3 seeds each; README, vLLM's dtype).",
     )
     kv_cache_gib: float = Field(default=2, gt=0, description="KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE` on a CPU).")
     max_model_len: int = Field(default=2048, ge=16, description="Longest sequence (prompt + completion) vLLM accepts.")
