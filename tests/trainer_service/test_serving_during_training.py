@@ -28,7 +28,8 @@ def test_chat_requests_succeed_while_a_step_trains_and_loads(collector_service: 
                                                              trainer_service: Service) -> None:
     art_langgraph.configure(collector_url=collector_service.url, trainer_url=f"{trainer_service.url}/v1",
                             model="agent@latest")
-    llm = art_langgraph.init_chat_model("agent@latest", max_tokens=8, temperature=1.0)
+    # 32-token answers: a step long enough (~2-4 s) to hold several answers of 4 tokens
+    llm = art_langgraph.init_chat_model("agent@latest", max_tokens=32, temperature=1.0)
     task, group = f"serve-{uuid.uuid4().hex[:8]}", f"serve-{uuid.uuid4().hex[:8]}"
     for attempt in range(4):
         with art_langgraph.rollout(task, group=group, group_size=4) as run:
@@ -47,8 +48,10 @@ def test_chat_requests_succeed_while_a_step_trains_and_loads(collector_service: 
     results: list[tuple[float, float, int, str]] = []
     stop = threading.Event()
 
-    def chat_forever() -> None:
+    def chat_forever(client_index: int) -> None:
         chat = httpx.Client(base_url=trainer_service.url, timeout=300)
+        # staggered: clients that start together are batched together by vLLM and answered together
+        time.sleep(0.2 * client_index)
         turn = 0
         while not stop.is_set():
             model = ("agent@latest", BASE)[turn % 2]
@@ -58,7 +61,7 @@ def test_chat_requests_succeed_while_a_step_trains_and_loads(collector_service: 
             results.append((started, time.monotonic(), response.status_code, response.text[:200]))
             turn += 1
 
-    workers = [threading.Thread(target=chat_forever) for _ in range(4)]
+    workers = [threading.Thread(target=chat_forever, args=(i,)) for i in range(4)]
     for worker in workers:
         worker.start()
     try:
@@ -79,8 +82,10 @@ def test_chat_requests_succeed_while_a_step_trains_and_loads(collector_service: 
 
     failures = [r for r in results if r[2] != 200]
     assert not failures, failures[:3]
-    # answered while the step ran; a warm trainer's step on this one group takes ~1.5 s, and a
-    # request ~0.5-0.7 s: four clients, and only the answers (not whole requests) must fall inside it
+    # answered while the step ran; a warm trainer's step on this group takes a few seconds, and a
+    # request ~0.5-0.7 s (~3 s once, with the machine loaded, when 8-token answers made a 1.5-s step
+    # and four clients started together, so their answers came together: 1 inside it). Only the
+    # answers, not whole requests, must fall inside the step.
     answered = [r for r in results if train_started <= r[1] <= train_ended]
     assert len(answered) >= 2, (len(results), train_ended - train_started)
     answer = client.post("/v1/chat/completions", json={"model": f"agent@{step}", "max_tokens": 4,
