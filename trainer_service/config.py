@@ -76,7 +76,14 @@ class TrainerSettings(BaseSettings):
         default="float32",
         description="vLLM weight dtype (`--dtype`). float32 keeps small LoRA updates in the served policy; bfloat16 "
         "sampled 1.6x faster through an adapter on a 2-core AMX CPU but rounds them away: the arithmetic example "
-        "gained +0.105 ± 0.030 with it against +0.256 ± 0.081 in float32 (3 seeds each; README, vLLM's dtype).",
+        "gained +0.105 ± 0.030 with it against +0.256 ± 0.081 in float32 (3 seeds each; README, vLLM's precision). `--vllm-matmul-dtype` gets most of the speed without the loss.",
+    )
+    vllm_matmul_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto",
+        description="Dtype of the linear layers' matrix products in a float32 engine on a CPU (vLLM plugin "
+        "`art_cpu_bf16_matmul`, trainer_service/vllm_cpu_matmul.py): inputs and weights rounded to bf16 for the CPU's "
+        "AMX units, the products back in float32; the residual stream, attention, LoRA and logits stay float32. "
+        "`auto`: bfloat16 on a CPU with AMX, float32 elsewhere.",
     )
     kv_cache_gib: float = Field(default=2, gt=0, description="KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE` on a CPU).")
     max_model_len: int = Field(default=2048, ge=16, description="Longest sequence (prompt + completion) vLLM accepts.")

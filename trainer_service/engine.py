@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from trainer_service.parent_death import launch_command
+from trainer_service.vllm_cpu_matmul import MATMUL_DTYPE_ENV
 
 __all__ = ["EngineError", "VLLMEngine"]
 
@@ -44,6 +45,8 @@ class VLLMEngine:
         max_model_len: longest sequence.
         max_lora_rank: largest adapter rank.
         max_loras: adapters active in one batch.
+        cpu_matmul_dtype: dtype of a float32 engine's linear-layer products on a CPU (`float32` or
+            `bfloat16`, `ART_VLLM_CPU_MATMUL_DTYPE` for the `art_cpu_bf16_matmul` plugin).
         extra_args: more vLLM command-line arguments.
         log_path: file receiving vLLM's stdout and stderr.
         startup_timeout: seconds to wait for `/health`.
@@ -61,6 +64,7 @@ class VLLMEngine:
         max_model_len: int = 2048,
         max_lora_rank: int = 8,
         max_loras: int = 4,
+        cpu_matmul_dtype: str = "float32",
         extra_args: list[str] | None = None,
         log_path: str | Path = "vllm.log",
         startup_timeout: float = 600.0,
@@ -74,6 +78,7 @@ class VLLMEngine:
         self.max_model_len = max_model_len
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras
+        self.cpu_matmul_dtype = cpu_matmul_dtype
         self.extra_args = list(extra_args or [])
         self.log_path = Path(log_path)
         self.startup_timeout = startup_timeout
@@ -110,9 +115,10 @@ class VLLMEngine:
         ]  # fmt: skip
 
     def environment(self) -> dict[str, str]:
-        """Return the child's environment: ours plus runtime LoRA loading and the KV cache size."""
+        """Return the child's environment: ours plus runtime LoRA loading, the KV cache size and the CPU matmul dtype."""
         env = dict(os.environ)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        env[MATMUL_DTYPE_ENV] = self.cpu_matmul_dtype
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.kv_cache_gib:g}")
         return env
 

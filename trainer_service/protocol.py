@@ -86,6 +86,9 @@ class EngineStatus(BaseModel):
     requests_in_flight: int = Field(description="Requests the proxy has sent to vLLM that are not answered yet.")
     training_threads: int = Field(description="torch threads of the training step now: more than its own while "
                                   "the step borrows the idle engine's cores (`--idle-train-threads`).")
+    dtype: str = Field(description="vLLM's weight dtype (`--vllm-dtype`).")
+    cpu_matmul_dtype: str = Field(description="Dtype of a float32 engine's linear-layer products on a CPU "
+                                  "(`--vllm-matmul-dtype`, resolved).")
 
 
 class ScheduleStatus(BaseModel):

@@ -31,6 +31,7 @@ from trainer_service.engine import VLLMEngine
 from trainer_service.protocol import ServiceError, StatusResponse, TrainResponse
 from trainer_service.service import TrainerService, served_base_name
 from trainer_service.training import LoRATrainer
+from trainer_service.vllm_cpu_matmul import matmul_dtype
 
 __all__ = ["build_service", "create_app"]
 
@@ -54,6 +55,7 @@ def build_service(settings: TrainerSettings, grpo: GRPOConfig,
         max_model_len=settings.max_model_len,
         max_lora_rank=settings.max_lora_rank,
         max_loras=settings.max_loras,
+        cpu_matmul_dtype=matmul_dtype(settings.vllm_matmul_dtype),
         extra_args=[*settings.tool_calling_args(), *settings.structured_output_args(), *settings.vllm_args],
         log_path=settings.run_dir / "vllm.log",
         startup_timeout=settings.vllm_startup_timeout,

@@ -383,7 +383,8 @@ class TrainerService:
             last_error=self.last_error,
             engine=EngineStatus(healthy=healthy, pid=self.engine.pid, restarts=self.engine.restarts,
                                 url=self.engine.base_url, requests_in_flight=self.lender.in_flight,
-                                training_threads=self.lender.threads),
+                                training_threads=self.lender.threads, dtype=self.engine.dtype,
+                                cpu_matmul_dtype=self.engine.cpu_matmul_dtype),
         )
 
     async def watch_engine(self, interval: float = 10.0) -> None:

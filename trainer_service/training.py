@@ -43,6 +43,7 @@ from trainer_service.batching import (
 from trainer_service.config import GRPOConfig
 from trainer_service.grpo import PolicyLossOutput, kept_token_logprobs, policy_loss
 from trainer_service.packed_attention import PACKED_ATTENTION, pack_row
+from trainer_service.vllm_cpu_matmul import cpu_has_amx
 
 __all__ = [
     "MANIFEST",
@@ -490,5 +491,4 @@ def train_dtype(setting: str) -> torch.dtype:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
     if torch.cuda.is_available():
         return torch.bfloat16
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return torch.bfloat16 if amx is not None and amx() else torch.float32
+    return torch.bfloat16 if cpu_has_amx() else torch.float32

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from examples.stack import Service
+from trainer_service.vllm_cpu_matmul import matmul_dtype
 
 pytestmark = pytest.mark.vllm
 
@@ -88,6 +89,9 @@ def test_proxied_requests_count_until_answered_even_when_the_client_leaves(clien
 def test_status_reports_a_healthy_engine(client: httpx.Client) -> None:
     status = client.get("/v1/status").raise_for_status().json()
     assert status["engine"]["healthy"] is True
+    # the session's engine: float32, its linear layers in bf16 where the CPU has AMX (the defaults)
+    assert status["engine"]["dtype"] == "float32"
+    assert status["engine"]["cpu_matmul_dtype"] == matmul_dtype("auto")
     assert status["models"] == [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert status["latest_model"] == (f"agent@{status['step']}" if status["step"] else BASE)
 
