@@ -35,6 +35,8 @@ class FakeEngine:
     base_url = "http://fake"
     pid = None
     restarts = 0
+    dtype = "float32"
+    cpu_matmul_dtype = "float32"
 
     def __init__(self) -> None:
         self.adapters: dict[str, str] = {}
