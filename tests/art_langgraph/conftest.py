@@ -83,8 +83,13 @@ def spans(memory_tracing: MemoryTracing) -> Iterator[InMemorySpanExporter]:
 
 @pytest.fixture
 def chat_model(openai_url: str, served_model: str) -> ARTChatModel:
-    """An `ARTChatModel` on the test server, short completions."""
-    return ARTChatModel(model=served_model, base_url=openai_url, max_tokens=16, temperature=1.0, max_retries=0)
+    """An `ARTChatModel` on the test server, short completions.
+
+    One retry, as every OpenAI client has (its default is 2): langchain-openai pools connections
+    across models, and a keep-alive connection the server closed between two tests failed a
+    request with `ReadError` once (CI of e7d67fd, test_graph_in_rollout_tags_every_llm_span).
+    """
+    return ARTChatModel(model=served_model, base_url=openai_url, max_tokens=16, temperature=1.0, max_retries=1)
 
 
 @pytest.fixture
