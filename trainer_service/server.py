@@ -32,6 +32,7 @@ from trainer_service.protocol import ServiceError, StatusResponse, TrainResponse
 from trainer_service.service import TrainerService, served_base_name
 from trainer_service.training import LoRATrainer
 from trainer_service.vllm_cpu_matmul import matmul_dtype
+from trainer_service.vllm_cpu_threads import EngineThreads
 
 __all__ = ["build_service", "create_app"]
 
@@ -46,6 +47,7 @@ def build_service(settings: TrainerSettings, grpo: GRPOConfig,
                   collector_transport: httpx.AsyncBaseTransport | None = None) -> TrainerService:
     """Wire a `TrainerService` from settings: the base model, the vLLM engine and the trainer."""
     model_path = resolve_base_model(settings.base_model)
+    engine_threads = EngineThreads.from_settings(settings, settings.run_dir / "vllm-threads")
     engine = VLLMEngine(
         model_path,
         served_base_name(settings.base_model),
@@ -56,6 +58,7 @@ def build_service(settings: TrainerSettings, grpo: GRPOConfig,
         max_lora_rank=settings.max_lora_rank,
         max_loras=settings.max_loras,
         cpu_matmul_dtype=matmul_dtype(settings.vllm_matmul_dtype),
+        threads=engine_threads,
         extra_args=[*settings.tool_calling_args(), *settings.structured_output_args(), *settings.vllm_args],
         log_path=settings.run_dir / "vllm.log",
         startup_timeout=settings.vllm_startup_timeout,
@@ -67,7 +70,7 @@ def build_service(settings: TrainerSettings, grpo: GRPOConfig,
                                  chat_template=settings.served_chat_template(),
                                  cpu_threads=max(1, settings.training_threads() // settings.train_processes),
                                  timeout=settings.train_step_timeout)
-    lender = CoreLender.from_settings(settings, can_lend=launcher is None)
+    lender = CoreLender.from_settings(settings, can_lend=launcher is None, engine_threads=engine_threads)
 
     def load_trainer() -> LoRATrainer:
         trainer = LoRATrainer.load(model_path, grpo, base_model=settings.base_model,

@@ -276,7 +276,8 @@ class TrainerService:
         path = self.store.path(step)
         try:
             if self.launcher is not None:
-                metrics = self.launcher.step(trainer, batch, kind, path)  # rank 0 saved the checkpoint
+                with self.lender.lending():  # lends nothing to the workers; takes the engine's borrowed cores back
+                    metrics = self.launcher.step(trainer, batch, kind, path)  # rank 0 saved the checkpoint
                 started = time.perf_counter()
             else:
                 with self.lender.lending():
@@ -384,7 +385,8 @@ class TrainerService:
             engine=EngineStatus(healthy=healthy, pid=self.engine.pid, restarts=self.engine.restarts,
                                 url=self.engine.base_url, requests_in_flight=self.lender.in_flight,
                                 training_threads=self.lender.threads, dtype=self.engine.dtype,
-                                cpu_matmul_dtype=self.engine.cpu_matmul_dtype),
+                                cpu_matmul_dtype=self.engine.cpu_matmul_dtype,
+                                threads=self.engine.threads.threads if self.engine.threads else None),
         )
 
     async def watch_engine(self, interval: float = 10.0) -> None:

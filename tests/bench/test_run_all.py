@@ -1,4 +1,4 @@
-"""`make bench`'s writer keeps RESULTS.md whole when `--only` runs overlap."""
+"""`make bench`'s writer keeps RESULTS.md whole when `--only` runs overlap, and says where each section ran."""
 
 from __future__ import annotations
 
@@ -26,4 +26,5 @@ def test_a_section_written_meanwhile_by_another_run_is_kept(tmp_path: Path, monk
     kept = run_all.kept_sections(results.read_text())
     assert list(kept) == ["a", "b"]
     assert "figures of a" in kept["a"] and "exit 0" in kept["a"]
+    assert f", on {run_all.cpu_name()}, " in kept["a"], "each section names the CPU it ran on"
     assert "figures of b" in kept["b"]

