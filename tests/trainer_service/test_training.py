@@ -112,10 +112,16 @@ def adapter_weights(trainer: LoRATrainer) -> dict[str, torch.Tensor]:
 
 def adapter_gap(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
                 before: dict[str, torch.Tensor]) -> tuple[float, float]:
-    """(largest difference between two adapters, largest move of `want` from `before`)."""
+    """(norm of the difference between two adapters, norm of `want`'s move from `before`), over all their weights.
+
+    Norms, not the largest element: AdamW moves each weight by about lr x sign(gradient), so a
+    weight whose gradient is near 0 moves by what the order of float additions decides. Measured
+    on a second GRPO step with KL, packed against one sequence per pass: largest element 2.6e-2 of
+    the largest move, norm 2.9e-4 of the move's; a learning rate 1% higher gives 3.0e-2 and 1.0e-2.
+    """
     assert got.keys() == want.keys()
-    moved = max(float((want[n] - before[n]).abs().max()) for n in want)
-    off = max(float((got[n] - want[n]).abs().max()) for n in want)
+    moved = sum(float((want[n] - before[n]).double().pow(2).sum()) for n in want) ** 0.5
+    off = sum(float((got[n] - want[n]).double().pow(2).sum()) for n in want) ** 0.5
     return off, moved
 
 
@@ -272,8 +278,8 @@ def test_packed_micro_batches_take_the_one_sequence_step(kind: str, overrides: d
     before = lora_params(alone)
     want, got = alone.train(groups, kind), packed.train(groups, kind)
     off, moved = adapter_gap(lora_params(packed), lora_params(alone), before)
-    # float order only: AdamW's second step magnifies it where gradients are near 0 (measured 5e-3 with KL)
-    assert moved > 1e-3 and off < 2e-2 * moved, (off, moved)
+    # float order only (measured up to 2.9e-4 of the move, with KL; a 1% learning-rate change: 1e-2)
+    assert moved > 1e-3 and off < 1e-3 * moved, (off, moved)
     assert want.keys() == got.keys()
     for key, value in want.items():
         if not key.startswith("time/"):
