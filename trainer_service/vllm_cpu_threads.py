@@ -39,6 +39,9 @@ THREADS_FILE_ENV = "ART_VLLM_CPU_THREADS_FILE"
 _LAYOUT = struct.Struct("<ii")
 """The file: the thread count the service wants, then the count the engine runs now (0: not known yet)."""
 
+_COUNT = struct.Struct("<i")
+"""One of the two counts: the service writes only the first, the engine only the second."""
+
 _POLL_S = 0.002
 
 
@@ -69,7 +72,7 @@ class SharedThreadCount:
 
     def want(self, threads: int) -> None:
         """Ask the engine to run `threads` threads from its next model step on."""
-        _LAYOUT.pack_into(self._map, 0, threads, self.applied)
+        _COUNT.pack_into(self._map, 0, threads)  # each side writes only its own field
 
     def apply(self) -> None:
         """Engine side, before a model step: switch to the wanted count if it changed, and say so."""
@@ -79,7 +82,7 @@ class SharedThreadCount:
             # the builtin is safe here: OpenMP binds each thread of the pool to its core of the list.
             torch._C.set_num_threads(wanted)
         if applied != wanted:
-            _LAYOUT.pack_into(self._map, 0, wanted, wanted)
+            _COUNT.pack_into(self._map, _COUNT.size, wanted)
 
 
 class EngineThreads:
