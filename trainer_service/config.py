@@ -83,8 +83,8 @@ class TrainerSettings(BaseSettings):
         default="auto",
         description="Dtype of the linear layers' matrix products in a float32 engine on a CPU (vLLM plugin "
         "`art_cpu_bf16_matmul`, trainer_service/vllm_cpu_matmul.py): inputs and weights rounded to bf16 for the CPU's "
-        "AMX units, the products back in float32; the residual stream, attention, LoRA and logits stay float32. "
-        "`auto`: bfloat16 on a CPU with AMX, float32 elsewhere.",
+        "bf16 units (AMX or AVX512-BF16), the products back in float32; the residual stream, attention, LoRA and "
+        "logits stay float32. `auto`: bfloat16 on a CPU with AMX or AVX512-BF16, float32 elsewhere.",
     )
     kv_cache_gib: float = Field(default=2, gt=0, description="KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE` on a CPU).")
     max_model_len: int = Field(default=2048, ge=16, description="Longest sequence (prompt + completion) vLLM accepts.")
@@ -306,8 +306,9 @@ class GRPOConfig:
         default="auto",
         metadata={
             "help": "Dtype of the frozen base weights while training (the LoRA weights and the optimizer stay "
-            "float32). `auto`: bfloat16 with CUDA and on a CPU with AMX (native bf16 matrix units: a step of the "
-            "bundled model 1.4x faster than float32 here), float32 elsewhere."
+            "float32). `auto`: bfloat16 with CUDA and on a CPU that multiplies bf16 in hardware, with AMX or "
+            "AVX512-BF16 (a step of the bundled model on 2 cores: 1.4x faster than float32 on an Intel Xeon with AMX, "
+            "1.3x on an AMD EPYC with AVX512-BF16), float32 elsewhere."
         },
     )
     max_seq_len: int = field(

@@ -43,7 +43,7 @@ from trainer_service.batching import (
 from trainer_service.config import GRPOConfig
 from trainer_service.grpo import PolicyLossOutput, kept_token_logprobs, policy_loss
 from trainer_service.packed_attention import PACKED_ATTENTION, pack_row
-from trainer_service.vllm_cpu_matmul import cpu_has_amx
+from trainer_service.vllm_cpu_matmul import cpu_multiplies_bf16
 
 __all__ = [
     "MANIFEST",
@@ -483,12 +483,11 @@ def _packed_logits_match(model: torch.nn.Module, first: torch.Tensor, second: to
 def train_dtype(setting: str) -> torch.dtype:
     """The base weights' dtype for `GRPOConfig.train_dtype` on this machine.
 
-    `auto` is bf16 when CUDA is present and on a CPU with AMX tiles (`torch.cpu._is_amx_tile_supported`,
-    torch's own check: bf16 matrix products in hardware), float32 on other CPUs, where bf16
-    matrix products are emulated and slower.
+    `auto` is bf16 when CUDA is present and on a CPU with bf16 matrix products in hardware (AMX or
+    AVX512-BF16: `cpu_multiplies_bf16`), float32 on other CPUs, where they are emulated and slower.
     """
     if setting != "auto":
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
     if torch.cuda.is_available():
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_amx() else torch.float32
+    return torch.bfloat16 if cpu_multiplies_bf16() else torch.float32

@@ -100,7 +100,7 @@ def test_two_groups_of_four_train_and_serve(collector_service: Service, trainer_
     assert result["step"] == step and result["model"] == f"agent@{step}"
     assert result["metrics"]["data/groups_trained"] >= 2
     # vLLM (fp32) sampled the batch and the trainer agrees: the first update is on-policy, up to
-    # the trainer's bf16 rounding (`train_dtype=auto` on an AMX CPU: 0.028-0.03 mean |logprob gap|
+    # the trainer's bf16 rounding (`train_dtype=auto` on a CPU with bf16 units: 0.028-0.03 mean |logprob gap|
     # per token, measured; a ratio run was 1.0015). A logprob paired with the wrong token is off by nats.
     assert result["metrics"]["loss/ratio_mean"] == pytest.approx(1.0, abs=2e-2)
     assert result["metrics"]["loss/logprob_gap"] < 0.2

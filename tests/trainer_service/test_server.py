@@ -89,7 +89,7 @@ def test_proxied_requests_count_until_answered_even_when_the_client_leaves(clien
 def test_status_reports_a_healthy_engine(client: httpx.Client) -> None:
     status = client.get("/v1/status").raise_for_status().json()
     assert status["engine"]["healthy"] is True
-    # the session's engine: float32, its linear layers in bf16 where the CPU has AMX (the defaults)
+    # the session's engine: float32, its linear layers in bf16 where the CPU multiplies bf16 (the defaults)
     assert status["engine"]["dtype"] == "float32"
     assert status["engine"]["cpu_matmul_dtype"] == matmul_dtype("auto")
     assert status["models"] == [m["id"] for m in client.get("/v1/models").json()["data"]]

@@ -340,8 +340,8 @@ def test_bf16_base_weights_train_an_fp32_adapter() -> None:
 
 def test_train_dtype_auto_follows_the_hardware() -> None:
     assert train_dtype("float32") == torch.float32 and train_dtype("bfloat16") == torch.bfloat16
-    amx = torch.cpu._is_amx_tile_supported()
-    want = torch.bfloat16 if torch.cuda.is_available() or amx else torch.float32
+    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    want = torch.bfloat16 if torch.cuda.is_available() or native else torch.float32
     assert train_dtype("auto") == want
 
 

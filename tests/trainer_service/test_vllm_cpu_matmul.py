@@ -18,7 +18,9 @@ from vllm.model_executor.layers.linear import ReplicatedLinear
 from trainer_service import vllm_cpu_matmul
 from trainer_service.engine import VLLMEngine
 
-pytestmark = pytest.mark.skipif(not vllm_cpu_matmul.cpu_has_amx(), reason="bf16 products want a CPU with AMX")
+pytestmark = pytest.mark.skipif(
+    not vllm_cpu_matmul.cpu_multiplies_bf16(), reason="bf16 products want a CPU with AMX or AVX512-BF16"
+)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +114,7 @@ def test_register_patches_once_and_rejects_unknown_values(patched: None, monkeyp
 
 
 def test_the_setting_reaches_the_engine_through_its_environment() -> None:
-    assert vllm_cpu_matmul.matmul_dtype("auto") == "bfloat16"  # this module only runs with AMX
+    assert vllm_cpu_matmul.matmul_dtype("auto") == "bfloat16"  # this module only runs where the CPU multiplies bf16
     assert vllm_cpu_matmul.matmul_dtype("float32") == "float32"
     with pytest.raises(ValueError, match="vllm_matmul_dtype='half'"):
         vllm_cpu_matmul.matmul_dtype("half")
