@@ -146,22 +146,23 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError(f"attention {PACKED_ATTENTION!r} takes one unpadded row, got a batch of {query.shape[0]}; "
                          "pack the sequences into one row (`pack_row`)")
     bounds = [0, query.shape[2]] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
-    segments = list(itertools.pairwise(bounds))
-    parents = art_prefix or [-1] * len(segments)
+    lengths = [end - start for start, end in itertools.pairwise(bounds)]
+    parents = art_prefix or [-1] * len(lengths)
     grouped = key.shape[1] != query.shape[1]
+    # split, not sliced: a split's backward is one concatenation of the segments' gradients, where
+    # each slice's backward would fill a row-sized tensor of zeros and add it to the others
+    queries, keys, values = (tensor.split(lengths, dim=2) for tensor in (query, key, value))
     outputs = []
-    for (start, end), parent in zip(segments, parents, strict=True):
-        own = slice(start, end)
-        keys, values, mask = key[:, :, own], value[:, :, own], None
+    for index, parent in enumerate(parents):
+        own_keys, own_values, mask = keys[index], values[index], None
         if parent >= 0:
-            prefix = slice(*segments[parent])
-            keys = torch.cat([key[:, :, prefix], keys], dim=2)
-            values = torch.cat([value[:, :, prefix], values], dim=2)
-            n, p = end - start, prefix.stop - prefix.start
+            own_keys = torch.cat([keys[parent], own_keys], dim=2)
+            own_values = torch.cat([values[parent], own_values], dim=2)
+            n, p = lengths[index], lengths[parent]
             # all of the prefix, then causal within the segment: key j is seen by query i when j <= i + p
             mask = torch.ones(n, p + n, dtype=torch.bool, device=query.device).tril(diagonal=p)
-        with _kernel(query, keys.shape[2]):
-            outputs.append(F.scaled_dot_product_attention(query[:, :, own], keys, values, attn_mask=mask,
+        with _kernel(query, own_keys.shape[2]):
+            outputs.append(F.scaled_dot_product_attention(queries[index], own_keys, own_values, attn_mask=mask,
                                                           dropout_p=dropout, is_causal=mask is None, scale=scaling,
                                                           enable_gqa=grouped))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
