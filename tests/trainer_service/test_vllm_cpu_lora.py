@@ -22,13 +22,18 @@ RANK, HIDDEN, SLICES, SCALE = 4, 16, (6, 10), 2.0
 LORA_IDS = [11, 12, 13]  # every slot holds an adapter: slot 2 is also what index -1 would pick by indexing
 
 
+WRAPPER_METHODS = ("update_metadata", "add_lora_linear")
+
+
 @pytest.fixture
 def vllm_native_ops() -> Iterator[dict[str, Any]]:
     """vLLM's own ops; whatever a test patches is put back afterwards."""
+    wrapper = punica_cpu.PunicaWrapperCPU
     saved = {(module, name): getattr(module, name) for module in (lora_ops, punica_cpu) for name in OPS}
+    saved.update({(wrapper, name): vars(wrapper).get(name, getattr(wrapper, name)) for name in WRAPPER_METHODS})
     yield {name: getattr(lora_ops, name) for name in OPS}
-    for (module, name), op in saved.items():
-        setattr(module, name, op)
+    for (owner, name), op in saved.items():
+        setattr(owner, name, op)
 
 
 @pytest.fixture
@@ -58,9 +63,10 @@ def expected(y: torch.Tensor, x: torch.Tensor, slots: list[int], a: tuple[torch.
     return out
 
 
-def apply(token_lora_ids: list[int], request_lora_ids: list[int], prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run `add_lora_linear` through vLLM's CPU punica wrapper; returns (result, expected)."""
-    wrapper = punica_cpu.PunicaWrapperCPU(max_num_batched_tokens=64, max_batches=8, device="cpu")
+def apply(token_lora_ids: list[int], request_lora_ids: list[int], prefill: bool,
+          wrapper: punica_cpu.PunicaWrapperCPU | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `add_lora_linear` through vLLM's CPU punica wrapper (a new one by default); returns (result, expected)."""
+    wrapper = wrapper or punica_cpu.PunicaWrapperCPU(max_num_batched_tokens=64, max_batches=8, device="cpu")
     mapping = LoRAMapping(tuple(token_lora_ids), tuple(request_lora_ids), is_prefill=prefill)
     wrapper.update_metadata(mapping, list(LORA_IDS), len(LORA_IDS), vocab_size=32)
     gen = torch.Generator().manual_seed(1)
@@ -83,6 +89,9 @@ def test_register_routes_vllms_cpu_punica_ops_through_ours(art_ops: None) -> Non
     for name in OPS:
         assert getattr(punica_cpu, name) is getattr(vllm_cpu_lora, name)
         assert getattr(lora_ops, name) is getattr(vllm_cpu_lora, name)
+    for name in WRAPPER_METHODS:  # wrapped once, not twice
+        method = getattr(punica_cpu.PunicaWrapperCPU, name)
+        assert method.art_lora and not getattr(method.__closure__[0].cell_contents, "art_lora", False)
 
 
 @pytest.mark.parametrize(
@@ -100,6 +109,24 @@ def test_each_token_gets_its_own_adapter_and_base_tokens_none(
 ) -> None:
     result, want = apply(tokens, requests, prefill)
     torch.testing.assert_close(result, want)
+
+
+def test_a_step_with_one_adapter_skips_the_ops_and_a_new_mapping_is_seen(
+    art_ops: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wrapper = punica_cpu.PunicaWrapperCPU(max_num_batched_tokens=64, max_batches=8, device="cpu")
+    calls = []
+    for module in (lora_ops, punica_cpu):  # the ops vLLM's own path calls (decode, prefill), counted
+        for name in OPS:
+            op = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _op=op, _name=name, **k: (calls.append(_name), _op(*a, **k)))
+    for tokens, slot, through_ops in (([12] * 5, 1, False), ([0] * 3, -1, False), ([11, 12, 0], None, True),
+                                      ([13] * 4, 2, False)):
+        calls.clear()
+        result, want = apply(tokens, tokens, prefill=True, wrapper=wrapper)
+        torch.testing.assert_close(result, want)
+        assert wrapper.art_slot == slot
+        assert bool(calls) == through_ops, (tokens, calls)
 
 
 @pytest.mark.parametrize("add_inputs", [True, False])
