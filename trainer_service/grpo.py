@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from trl.trainer.utils import selective_log_softmax
+
+from trainer_service.logprobs import token_logprobs
 
 __all__ = [
     "IMPORTANCE_LEVELS",
@@ -74,9 +75,7 @@ def kept_token_logprobs(kept_logits: torch.Tensor, token_ids: torch.Tensor, keep
     """
     if kept_logits.shape[0] != keep.numel():
         raise ValueError(f"{kept_logits.shape[0]} rows of logits for {keep.numel()} kept positions")
-    # TRL's helper: equal to gather(log_softmax) to 2e-6, and measured 1.7x faster forward+backward
-    # on [1024, 49152] fp32 logits here (it never materialises the full log-softmax).
-    values = selective_log_softmax(kept_logits.float(), token_ids[keep + 1])
+    values = token_logprobs(kept_logits, token_ids[keep + 1])
     return values.new_zeros(token_ids.numel() - 1).index_copy(0, keep, values)
 
 

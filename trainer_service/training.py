@@ -255,8 +255,9 @@ class LoRATrainer:
         row = pack_row([item.token_ids for item in items], shareable)
         keep = torch.cat([item.mask[row.shared[i]:].nonzero().squeeze(-1) + row.starts[i]
                           for i, item in enumerate(items)])
+        # squeeze, not [0]: a select's backward would fill a zero tensor the size of the logits
         logits = self.model(input_ids=row.token_ids.unsqueeze(0), logits_to_keep=keep, use_cache=False,
-                            **row.inputs).logits[0]
+                            **row.inputs).logits.squeeze(0)
         values = kept_token_logprobs(logits, row.token_ids, keep)
         # each item's `[seq - 1]`: 0 over its shared prefix (never trained), then its own positions
         # but the last (that one predicts the next segment's first token; `values` has no entry
