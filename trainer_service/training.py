@@ -42,6 +42,7 @@ from trainer_service.batching import (
 )
 from trainer_service.config import GRPOConfig
 from trainer_service.grpo import PolicyLossOutput, kept_token_logprobs, policy_loss
+from trainer_service.lora_forward import fuse_lora_forward
 from trainer_service.packed_attention import PACKED_ATTENTION, pack_row
 from trainer_service.vllm_cpu_matmul import cpu_multiplies_bf16
 
@@ -103,6 +104,7 @@ class LoRATrainer:
             bias="none",
         )
         self.model: PeftModel = get_peft_model(model, lora)
+        fuse_lora_forward(self.model)  # the LoRA delta in the base dtype, added by the matmul (see the module)
         self.packs = packing_keeps_sequences_apart(self.model)
         self.shares_prefixes = self.packs and prefix_sharing_works(self.model)  # `art_packed` does (on a CPU)
         if not self.packs:
