@@ -61,7 +61,7 @@ MANIFEST = "manifest.json"
 """Name of the checkpoint manifest written next to the adapter."""
 _OPTIMIZER = "optimizer.pt"
 _PREPARE = {"grpo": prepare_grpo, "sft": prepare_sft}
-_MICRO_BATCH_TOKENS = {"cuda": 8192, "cpu": 1024}
+_MICRO_BATCH_TOKENS = {"cuda": 8192, "cpu": 4096}
 """Tokens per pass when `micro_batch_tokens` is None, by device type (see its help)."""
 
 
