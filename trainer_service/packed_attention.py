@@ -12,6 +12,12 @@ samples of one prompt) hold that prefix once in the row, and each continuation a
 (`art_prefix`), so the prompt's forward and backward run once per group instead of once per
 sample. Its gradient is the sum the separate copies would give.
 
+On a CPU in bf16, short segments (a prompt, an answer: up to `_SHORT_KEYS` keys with their
+prefix) run together as one padded batch (`SegmentBatch`, laid out once per row by `pack_row`): one attention call per
+layer for all of them instead of one per segment, whose fixed cost (mask checks, casts, the
+autograd nodes of each slice) made attention a quarter of a bf16 step on the bench's batch. The
+padding costs little at those lengths; longer segments keep one call each.
+
 The trainer uses it on a CPU, where packing turns many small matrix products into a few large
 ones (forward and backward of 32 sequences of the bundled model in bf16, 1 thread: 21.7 s one per
 pass, 16.7 s eight per pass; fp32 one per pass 30.5 s), and a row-sized mask made 32 packed
@@ -44,7 +50,8 @@ class PackedRow:
     token_ids: torch.Tensor
     """`[row]` the row's tokens: each shared prefix once, then its sequences' remaining tokens."""
     inputs: dict[str, Any]
-    """Model keyword arguments: positions, segment bounds and each segment's prefix (`art_prefix`)."""
+    """Model keyword arguments: positions, segment bounds, each segment's prefix (`art_prefix`) and the batch
+    of short segments (`art_batch`)."""
     shared: list[int]
     """Per sequence: how many of its leading tokens sit in a shared prefix segment (0: none)."""
     starts: list[int]
@@ -56,6 +63,56 @@ class PackedRow:
         """The row positions of sequence `index`'s tokens that are not in a shared prefix."""
         start = self.starts[index]
         return slice(start, start + self.lengths[index] - self.shared[index])
+
+
+@dataclass(frozen=True)
+class SegmentBatch:
+    """A row's short segments laid out as one padded batch for a single attention call (`pack_row`)."""
+
+    segments: list[int]
+    """The segments in the batch, in batch order."""
+    queries: torch.Tensor
+    """`[len(segments) * width_q]` the row position of each query slot (padding repeats a valid one)."""
+    keys: torch.Tensor
+    """`[len(segments) * width_k]` the row position of each key slot: the segment's prefix, then itself."""
+    mask: torch.Tensor
+    """`[len(segments), 1, width_q, width_k]` which keys each query slot sees (a padding query sees one)."""
+    gather: torch.Tensor
+    """`[row]` where each row position's output is: in the batch's `[segments * width_q]` outputs, then in
+    those of the other segments, one after another in row order."""
+
+
+def _segment_batch(lengths: list[int], parents: list[int], device: torch.device) -> SegmentBatch | None:
+    """The batch of the segments with at most `_SHORT_KEYS` keys (prefix included); None if there are none."""
+    starts = [0, *itertools.accumulate(lengths)]
+    keys_of = [lengths[i] + (lengths[p] if p >= 0 else 0) for i, p in enumerate(parents)]
+    short = [i for i, n in enumerate(keys_of) if n <= _SHORT_KEYS]
+    if not short:
+        return None
+    width_q, width_k = max(lengths[i] for i in short), max(keys_of[i] for i in short)
+    queries = torch.zeros(len(short), width_q, dtype=torch.long)
+    keys = torch.zeros(len(short), width_k, dtype=torch.long)
+    mask = torch.zeros(len(short), 1, width_q, width_k, dtype=torch.bool)
+    slot = torch.empty(starts[-1], dtype=torch.long)
+    for b, i in enumerate(short):
+        n, parent = lengths[i], parents[i]
+        p = lengths[parent] if parent >= 0 else 0
+        own = torch.arange(starts[i], starts[i] + n)
+        queries[b, :n] = own
+        queries[b, n:] = starts[i]
+        keys[b, p : p + n] = own
+        if parent >= 0:
+            keys[b, :p] = torch.arange(starts[parent], starts[parent] + p)
+        # all of the prefix, then causal within the segment: key j is seen by query i when j <= i + p
+        mask[b, 0, :n, : p + n] = torch.ones(n, p + n, dtype=torch.bool).tril(diagonal=p)
+        mask[b, 0, n:, 0] = True  # padding queries see one key: no row of -inf (their outputs are dropped)
+        slot[own] = b * width_q + torch.arange(n)
+    offset = len(short) * width_q
+    for i in sorted(set(range(len(lengths))) - set(short)):
+        slot[starts[i] : starts[i + 1]] = torch.arange(offset, offset + lengths[i])
+        offset += lengths[i]
+    return SegmentBatch(segments=short, queries=queries.flatten().to(device), keys=keys.flatten().to(device),
+                        mask=mask.to(device), gather=slot.to(device))
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -124,7 +181,8 @@ def pack_row(sequences: list[torch.Tensor], shareable: list[int] | None = None) 
     lengths = [piece.numel() for piece in pieces]
     bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
     inputs = {"position_ids": torch.cat(positions).unsqueeze(0), "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
-              "max_length_q": max(lengths), "max_length_k": max(lengths), "art_prefix": prefix_of}
+              "max_length_q": max(lengths), "max_length_k": max(lengths), "art_prefix": prefix_of,
+              "art_batch": _segment_batch(lengths, prefix_of, device)}
     return PackedRow(token_ids=torch.cat(pieces), inputs=inputs, shared=shared, starts=starts,
                      lengths=[sequence.numel() for sequence in sequences])
 
@@ -132,12 +190,13 @@ def pack_row(sequences: list[torch.Tensor], shareable: list[int] | None = None) 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      cu_seq_lens_q: torch.Tensor | None = None, art_prefix: list[int] | None = None,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+                     art_batch: SegmentBatch | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Causal attention within each packed segment: `[1, heads, row, dim]` in, `[1, row, heads, dim]` out.
 
     Without bounds (`cu_seq_lens_q`, see `pack_row`) the row is one sequence. A segment
     whose `art_prefix` entry names an earlier segment (`pack_row`) continues it: it attends to
-    all of that prefix, then causally to itself.
+    all of that prefix, then causally to itself. Where short segments run on the plain-math kernel
+    (bf16 on a CPU), those of `art_batch` run as one padded batch; the others one call each.
 
     Raises:
         ValueError: a batch of more than one row (padding would need a mask, which this never reads).
@@ -148,28 +207,62 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     bounds = [0, query.shape[2]] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
     lengths = [end - start for start, end in itertools.pairwise(bounds)]
     parents = art_prefix or [-1] * len(lengths)
-    grouped = key.shape[1] != query.shape[1]
-    # split, not sliced: a split's backward is one concatenation of the segments' gradients, where
-    # each slice's backward would fill a row-sized tensor of zeros and add it to the others
-    queries, keys, values = (tensor.split(lengths, dim=2) for tensor in (query, key, value))
-    outputs = []
-    for index, parent in enumerate(parents):
-        own_keys, own_values, mask = keys[index], values[index], None
-        if parent >= 0:
-            own_keys = torch.cat([keys[parent], own_keys], dim=2)
-            own_values = torch.cat([values[parent], own_values], dim=2)
-            n, p = lengths[index], lengths[parent]
-            # all of the prefix, then causal within the segment: key j is seen by query i when j <= i + p
-            mask = torch.ones(n, p + n, dtype=torch.bool, device=query.device).tril(diagonal=p)
-        with _kernel(query, own_keys.shape[2]):
-            outputs.append(F.scaled_dot_product_attention(queries[index], own_keys, own_values, attn_mask=mask,
-                                                          dropout_p=dropout, is_causal=mask is None, scale=scaling,
-                                                          enable_gqa=grouped))
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+    if art_batch is not None and not _short_on_math(query):
+        art_batch = None  # flash, one segment at a time
+    alone = [i for i in range(len(lengths)) if art_batch is None or i not in art_batch.segments]
+    outputs = []  # [tokens, heads, dim] pieces in the order `art_batch.gather` reads them
+    if art_batch is not None:
+        outputs.append(_batched_attention(query, key, value, art_batch, dropout, scaling))
+    if alone:
+        # split, not sliced: a split's backward is one concatenation of the segments' gradients, where
+        # each slice's backward would fill a row-sized tensor of zeros and add it to the others
+        queries, keys, values = (tensor.split(lengths, dim=2) for tensor in (query, key, value))
+        for index in alone:
+            own_keys, own_values, mask, parent = keys[index], values[index], None, parents[index]
+            if parent >= 0:
+                own_keys = torch.cat([keys[parent], own_keys], dim=2)
+                own_values = torch.cat([values[parent], own_values], dim=2)
+                n, p = lengths[index], lengths[parent]
+                # all of the prefix, then causal within the segment: key j is seen by query i when j <= i + p
+                mask = torch.ones(n, p + n, dtype=torch.bool, device=query.device).tril(diagonal=p)
+            with _kernel(query, own_keys.shape[2]):
+                out = F.scaled_dot_product_attention(queries[index], own_keys, own_values, attn_mask=mask,
+                                                     dropout_p=dropout, is_causal=mask is None, scale=scaling,
+                                                     enable_gqa=key.shape[1] != query.shape[1])
+            outputs.append(out[0].transpose(0, 1))
+    pieces = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    if art_batch is not None:
+        pieces = pieces.index_select(0, art_batch.gather)
+    return pieces.unsqueeze(0).contiguous(), None
+
+
+def _batched_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: SegmentBatch,
+                       dropout: float, scaling: float | None) -> torch.Tensor:
+    """`batch`'s segments in one attention call: `[segments * width_q, heads, dim]` (padding slots included)."""
+    segments, (_, _, width_q, width_k) = len(batch.segments), batch.mask.shape
+
+    def gathered(tensor: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:
+        rows = tensor[0].transpose(0, 1).index_select(0, index)  # [slots, heads, dim]
+        return rows.view(segments, width, *rows.shape[1:]).transpose(1, 2)  # [segments, heads, width, dim]
+
+    with _kernel(query, width_k):
+        out = F.scaled_dot_product_attention(
+            gathered(query, batch.queries, width_q), gathered(key, batch.keys, width_k),
+            gathered(value, batch.keys, width_k), attn_mask=batch.mask, dropout_p=dropout, scale=scaling,
+            enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).reshape(segments * width_q, out.shape[1], out.shape[3])
 
 
 _SHORT_KEYS = 192
 """Up to this many keys, bf16 attention on a CPU runs on the plain-math kernel (see `_kernel`)."""
+
+_MATH_DTYPES = (torch.bfloat16,)
+"""Dtypes whose short segments run on the plain-math kernel on a CPU, batched (see `_kernel`)."""
+
+
+def _short_on_math(query: torch.Tensor) -> bool:
+    """Whether `query`'s short segments run on the plain-math kernel, and so in one batched call."""
+    return query.device.type == "cpu" and query.dtype in _MATH_DTYPES
 
 
 def _kernel(query: torch.Tensor, keys: int) -> contextlib.AbstractContextManager[None]:
@@ -178,9 +271,11 @@ def _kernel(query: torch.Tensor, keys: int) -> contextlib.AbstractContextManager
     There torch's flash kernel spends most of a short segment's backward outside the
     arithmetic: fwd+bwd of 9 query heads over 3 key/value heads at 105 keys took 4.4 ms with
     it and 2.6 ms with plain math; at 224 keys they were even, at 1024 flash was 4.8x faster.
-    In fp32 flash was faster at every length measured (1.4 vs 2.1 ms at 105 keys).
+    In fp32 flash was faster at every length measured (1.4 vs 2.1 ms at 105 keys), and batching
+    fp32 segments on the math kernel gained nothing over flash per segment (the bench's step on 2
+    threads, 4 alternations: median 8.96 s batched, 8.40 s alone).
     """
-    if query.device.type == "cpu" and query.dtype == torch.bfloat16 and keys <= _SHORT_KEYS:
+    if _short_on_math(query) and keys <= _SHORT_KEYS:
         return sdpa_kernel(SDPBackend.MATH)
     return contextlib.nullcontext()
 

@@ -6,9 +6,22 @@ import pytest
 import torch
 
 from tests.trainer_service.test_training import tiny_model
+from trainer_service import packed_attention
 from trainer_service.packed_attention import PACKED_ATTENTION, pack_row
 
 LENGTHS = [7, 12, 3, 9]
+
+
+@pytest.fixture(autouse=True, params=[192, 8, 0, None],
+                ids=["short-segments-batched", "some-batched", "none-batched", "float32-on-flash"])
+def short_keys(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Every test runs with all segments in one batched call, with some, with each segment alone (the tiny
+    model is float32: here it runs on the math kernel as bf16 does), and with float32's own kernels."""
+    if request.param is None:
+        return 192
+    monkeypatch.setattr(packed_attention, "_MATH_DTYPES", (torch.bfloat16, torch.float32))
+    monkeypatch.setattr(packed_attention, "_SHORT_KEYS", request.param)
+    return request.param
 
 
 def sequences() -> list[torch.Tensor]:
@@ -118,3 +131,15 @@ def test_bf16_rows_match_each_sequence_alone_short_and_long() -> None:
     for index, want in enumerate(alone):
         got = logits[layout.own(index)]
         assert (got - want[layout.shared[index] :]).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_the_batch_holds_the_short_segments_and_the_rest_run_alone(short_keys: int) -> None:
+    layout = pack_row(family(), shareable=[7, 6, 6, 3])  # segments: prompt 6, then 3, 2 and 4 after it, stranger 4
+    batch = layout.inputs["art_batch"]
+    expected = {192: [0, 1, 2, 3, 4], 8: [0, 2, 4], 0: []}[short_keys]  # keys with the prompt: 6, 9, 8, 10, 4
+    if not expected:
+        assert batch is None
+        return
+    assert batch.segments == expected
+    assert sorted(batch.gather.tolist()) == batch.gather.unique().tolist()  # every row position read once
+    assert batch.gather.numel() == layout.token_ids.numel()

@@ -291,7 +291,8 @@ def test_a_model_that_attends_across_packed_sequences_trains_one_sequence_at_a_t
     model = tiny_model()
     forward = model.forward
     def forward_without_bounds(*args: object, position_ids: object = None, cu_seq_lens_q: object = None,
-                               cu_seq_lens_k: object = None, art_prefix: object = None, **kwargs: object) -> object:
+                               cu_seq_lens_k: object = None, art_prefix: object = None, art_batch: object = None,
+                               **kwargs: object) -> object:
         return forward(*args, **kwargs)  # sees no sequence starts
 
     model.forward = forward_without_bounds
