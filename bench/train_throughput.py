@@ -51,6 +51,7 @@ from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
 from trainer_service.config import DEFAULT_TARGET_MODULES, GRPOConfig, TrainerSettings
 from trainer_service.core_lending import CoreLender
 from trainer_service.engine import VLLMEngine
+from trainer_service.huge_pages import enable_huge_pages
 from trainer_service.training import LoRATrainer, train_dtype
 from trainer_service.vllm_cpu_matmul import matmul_dtype
 from trainer_service.vllm_cpu_threads import EngineThreads
@@ -251,6 +252,7 @@ def main() -> None:
                         help="vLLM's threads while no step trains (default: every core, the service's default; "
                         "the cores minus 1 lends nothing)")
     args = parser.parse_args()
+    enable_huge_pages()  # as `art-trainer serve` does; TRL runs in this process too, so it gets them as well
     art_dtype = "auto" if args.precision == "default" else "float32"
     trl_bf16 = args.precision == "default"
     torch.manual_seed(0)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 from trainer_service.config import GRPOConfig, TrainerSettings
+from trainer_service.huge_pages import enable_huge_pages
 
 __all__ = ["build_parser", "main", "settings_from_args"]
 
@@ -154,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    enable_huge_pages()  # before the model loads: PyTorch reads it at its first large allocation
 
     import uvicorn
 
