@@ -16,13 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import zmq
+from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+from vllm.utils.network_utils import get_open_zmq_inproc_path
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from trainer_service import vllm_cpu_threads
 from trainer_service.config import TrainerSettings
 from trainer_service.core_lending import CoreLender
 from trainer_service.engine import VLLMEngine
-from trainer_service.vllm_cpu_threads import EngineThreads, SharedThreadCount, obeying
+from trainer_service.vllm_cpu_threads import EngineThreads, SharedThreadCount, obeying, sleeping_while_training
 
 
 @pytest.fixture(autouse=True)
@@ -69,8 +72,9 @@ def test_the_plugin_applies_the_count_before_each_model_step(tmp_path: Path) -> 
 
 def test_register_patches_the_cpu_worker_once_and_only_with_the_variable(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    original = CPUWorker.execute_model
+    original, original_wait = CPUWorker.execute_model, SpinCondition.wait
     monkeypatch.setattr(CPUWorker, "execute_model", original)  # undone after the test
+    monkeypatch.setattr(SpinCondition, "wait", original_wait)
     monkeypatch.delenv(vllm_cpu_threads.THREADS_FILE_ENV, raising=False)
     vllm_cpu_threads.register()
     assert CPUWorker.execute_model is original
@@ -79,8 +83,10 @@ def test_register_patches_the_cpu_worker_once_and_only_with_the_variable(
     vllm_cpu_threads.register()
     patched = CPUWorker.execute_model
     assert patched is not original and getattr(patched, "art_threads", False)
+    waiting = SpinCondition.wait
+    assert waiting is not original_wait and getattr(waiting, "art_threads", False)
     vllm_cpu_threads.register()
-    assert CPUWorker.execute_model is patched
+    assert CPUWorker.execute_model is patched and SpinCondition.wait is waiting
     (plugin,) = [p for p in entry_points(group="vllm.general_plugins") if p.name == "art_cpu_threads"]
     assert plugin.load() is vllm_cpu_threads.register
 
@@ -127,9 +133,12 @@ def test_shrink_waits_for_a_busy_engine_and_not_for_an_idle_one(tmp_path: Path) 
     engine = SharedThreadCount(tmp_path / "threads")
     engine.apply()
 
+    assert threads.shared.may_spin
     assert threads.shrink(busy=lambda: False, timeout_s=5.0), "an idle engine switches at its next step"
     assert threads.shared.wanted == 1 and threads.shared.applied == 2
+    assert not engine.may_spin, "while the step trains the engine sleeps between model steps"
     threads.grow()
+    assert engine.may_spin and engine.wanted == 2
 
     timer = threading.Timer(0.3, engine.apply)  # the engine's next model step
     timer.start()
@@ -163,3 +172,28 @@ def test_a_step_takes_the_engine_cores_back_and_returns_them(tmp_path: Path) -> 
     asyncio.run(busy_step())
     assert lender.counters["engine_shrink_timeouts"] == 1
     assert threads.shared.wanted == 3
+
+
+def test_a_reader_of_vllms_queue_sleeps_instead_of_spinning_while_a_step_trains(tmp_path: Path) -> None:
+    service = SharedThreadCount.create(tmp_path / "threads", 2)
+    wait = sleeping_while_training(SpinCondition.wait, SharedThreadCount(tmp_path / "threads"))
+    context = zmq.Context()
+    address = get_open_zmq_inproc_path()
+    writer = SpinCondition(is_reader=False, context=context, notify_address=address)
+    reader = SpinCondition(is_reader=True, context=context, notify_address=address)
+    try:
+        reader.record_read()  # a model step just ended: vLLM's reader would spin for busy_loop_s (1 s)
+        started = time.monotonic()
+        wait(reader, timeout_ms=300)
+        assert time.monotonic() - started < 0.1, "between steps it spins: one yield, back at once"
+        service.let_spin(False)
+        started = time.monotonic()
+        wait(reader, timeout_ms=300)
+        assert 0.25 <= time.monotonic() - started < 2.0, "during a step it sleeps until notified (here: timeout)"
+        assert reader.busy_loop_s == 1, "vLLM's own setting is left as it was"
+        threading.Timer(0.1, writer.notify).start()
+        started = time.monotonic()
+        wait(reader, timeout_ms=5000)
+        assert time.monotonic() - started < 2.0, "a notification (a new model step) wakes it"
+    finally:
+        context.destroy(linger=0)
