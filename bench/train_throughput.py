@@ -19,14 +19,17 @@ TRL runs, so TRL has every core to itself.
 
 Printed: wall time and tokens/s of the training part and of the whole step (sampling +
 training + new adapter live in vLLM for art; sampling + training for TRL), their ratios, and
-"last reward of the batch -> new adapter answering" against the pure step time. Then art's
+"last reward of the batch -> new adapter answering" against the pure step time: medians over
+`--rounds` rounds that alternate art and TRL, each from a fresh trainer, since this machine's
+speed drifts by up to 2x over minutes (bf16 matrix products measured at 220 to 980 GFLOPS on one
+core the same day). Then art's
 steady state under traffic, as a separate figure: `--overlapped-steps` more steps in which
 vLLM samples the next batch (one step stale) while the current one trains, each ending with
 the new adapter live.
 
     .venv/bin/python bench/train_throughput.py [--vllm-port 28101] [--skip-trl] [--overlapped-steps 3]
                                                [--precision default|float32] [--idle-train-threads N]
-                                               [--idle-vllm-threads N]
+                                               [--idle-vllm-threads N] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -251,48 +254,84 @@ def main() -> None:
     parser.add_argument("--idle-vllm-threads", type=int, default=None,
                         help="vLLM's threads while no step trains (default: every core, the service's default; "
                         "the cores minus 1 lends nothing)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds of art-trainer and TRL (each from a fresh trainer); the figures are "
+                        "medians over them: this machine's speed drifts by up to 2x over minutes")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     enable_huge_pages()  # as `art-trainer serve` does; TRL runs in this process too, so it gets them as well
     art_dtype = "auto" if args.precision == "default" else "float32"
     trl_bf16 = args.precision == "default"
-    torch.manual_seed(0)
     model_path = resolve_base_model(BUNDLED_MODEL)
+    ours_runs: list[dict[str, Any]] = []
+    trl_runs: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="train-bench-") as tmp:
-        ours = run_ours(model_path, args.vllm_port, Path(tmp), args.overlapped_steps, art_dtype,
-                        args.idle_train_threads, args.idle_vllm_threads)
-        tokens = ours["tokens"]
-        trl_precision = "bf16 autocast over fp32 weights (bf16=True, its default)" if trl_bf16 else "fp32 (bf16=False)"
-        print(f"\nprecision: art base weights {str(train_dtype(art_dtype)).removeprefix('torch.')} (train_dtype="
-              f"{art_dtype}), LoRA fp32, vLLM fp32 with {matmul_dtype('auto') if art_dtype == 'auto' else 'float32'} "
-              f"matmuls | TRL {trl_precision}")
-        print(f"threads: art {ours['threads']}; lends/hand-backs {ours['lending']} | TRL every core (vLLM stopped)")
-        print(f"batch: {PROMPTS} prompts x {SAMPLES} samples x {COMPLETION_TOKENS} completion tokens = "
-              f"{tokens:.0f} tokens (prompt + completion); art trains {ours['trained_tokens']:.0f} of them, skipping "
-              "the groups without reward spread (zero advantage: the same update), TRL all. tok/s below: batch "
-              "tokens / time")
-        print(f"art-trainer : sampling {ours['sampling_s']:.1f} s | training {ours['training_s']:.1f} s "
-              f"({tokens / ours['training_s']:.0f} tok/s) | whole step incl. adapter live {ours['whole_s']:.1f} s "
-              f"({tokens / ours['whole_s']:.0f} tok/s)")
-        print(f"last reward -> new adapter answering: {ours['reward_to_live_s']:.1f} s "
-              f"(pure training step {ours['training_s']:.1f} s; "
-              f"overhead {ours['reward_to_live_s'] - ours['training_s']:.1f} s)")
-        if ours["overlapped_s"] is not None:
-            print(f"art-trainer, sampling of the next batch overlapping training (one step stale, the service "
-                  f"under traffic): {ours['overlapped_s']:.1f} s per step ({tokens / ours['overlapped_s']:.0f} tok/s), "
-                  f"median of {args.overlapped_steps}")
-        if args.skip_trl:
-            return
-        trl = run_trl(model_path, Path(tmp), trl_bf16)
-        print(f"TRL GRPOTrainer: sampling {trl['sampling_s']:.1f} s | training {trl['training_s']:.1f} s "
-              f"({tokens / trl['training_s']:.0f} tok/s) | whole step {trl['whole_s']:.1f} s "
-              f"({tokens / trl['whole_s']:.0f} tok/s)")
-        print(f"ratio sampling (vLLM / transformers generate, same {PROMPTS * SAMPLES} completions): "
-              f"{trl['sampling_s'] / ours['sampling_s']:.2f}x")
-        print(f"ratio (art / TRL tokens/s): training part {trl['training_s'] / ours['training_s']:.2f}x "
-              f"(aim 1.5x) | whole step {trl['whole_s'] / ours['whole_s']:.2f}x (aim 2.5x)")
-        if ours["overlapped_s"] is not None:
-            print(f"ratio overlapped art step / TRL whole step: {trl['whole_s'] / ours['overlapped_s']:.2f}x "
-                  "(TRL's default has no overlap: generate and train take turns on every core)")
+        for round_ in range(args.rounds):
+            workdir = Path(tmp) / f"round-{round_}"
+            torch.manual_seed(0)
+            ours_runs.append(run_ours(model_path, args.vllm_port, workdir, args.overlapped_steps, art_dtype,
+                                      args.idle_train_threads, args.idle_vllm_threads))
+            line = _phases(ours_runs[-1])
+            if not args.skip_trl:
+                torch.manual_seed(0)
+                trl_runs.append(run_trl(model_path, workdir, trl_bf16))
+                line += f" || TRL {_phases(trl_runs[-1])}"
+            print(f"round {round_ + 1}/{args.rounds}: art {line}", flush=True)
+    report(ours_runs, trl_runs, args, art_dtype, trl_bf16)
+
+
+def _phases(run: dict[str, Any]) -> str:
+    return f"sampling {run['sampling_s']:.1f} s, training {run['training_s']:.1f} s, whole {run['whole_s']:.1f} s"
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(run[key] for run in runs)
+
+
+def report(ours_runs: list[dict[str, Any]], trl_runs: list[dict[str, float]], args: argparse.Namespace,
+           art_dtype: str, trl_bf16: bool) -> None:
+    """Print the medians over the rounds, their ratios, and each round's whole-step ratio."""
+    ours = {key: _median(ours_runs, key) for key in ("sampling_s", "training_s", "whole_s", "reward_to_live_s",
+                                                     "tokens", "trained_tokens")}
+    overlapped = [run["overlapped_s"] for run in ours_runs if run["overlapped_s"] is not None]
+    tokens = ours["tokens"]
+    rounds = f"medians of {len(ours_runs)} alternating round{'s' if len(ours_runs) > 1 else ''}"
+    trl_precision = "bf16 autocast over fp32 weights (bf16=True, its default)" if trl_bf16 else "fp32 (bf16=False)"
+    print(f"\nprecision: art base weights {str(train_dtype(art_dtype)).removeprefix('torch.')} (train_dtype="
+          f"{art_dtype}), LoRA fp32, vLLM fp32 with {matmul_dtype('auto') if art_dtype == 'auto' else 'float32'} "
+          f"matmuls | TRL {trl_precision}")
+    print(f"threads: art {ours_runs[-1]['threads']}; lends/hand-backs {ours_runs[-1]['lending']} | TRL every core "
+          "(vLLM stopped)")
+    print(f"batch: {PROMPTS} prompts x {SAMPLES} samples x {COMPLETION_TOKENS} completion tokens = "
+          f"{tokens:.0f} tokens (prompt + completion); art trains {ours['trained_tokens']:.0f} of them, skipping "
+          "the groups without reward spread (zero advantage: the same update), TRL all. tok/s below: batch "
+          f"tokens / time; {rounds}, each from a fresh trainer (its first step, as TRL's)")
+    print(f"art-trainer : sampling {ours['sampling_s']:.1f} s | training {ours['training_s']:.1f} s "
+          f"({tokens / ours['training_s']:.0f} tok/s) | whole step incl. adapter live {ours['whole_s']:.1f} s "
+          f"({tokens / ours['whole_s']:.0f} tok/s)")
+    print(f"last reward -> new adapter answering: {ours['reward_to_live_s']:.1f} s "
+          f"(pure training step {ours['training_s']:.1f} s; "
+          f"overhead {ours['reward_to_live_s'] - ours['training_s']:.1f} s)")
+    if overlapped:
+        print(f"art-trainer, sampling of the next batch overlapping training (one step stale, the service "
+              f"under traffic): {statistics.median(overlapped):.1f} s per step "
+              f"({tokens / statistics.median(overlapped):.0f} tok/s), median of {args.overlapped_steps} steps a round")
+    if not trl_runs:
+        return
+    trl = {key: _median(trl_runs, key) for key in ("sampling_s", "training_s", "whole_s")}
+    print(f"TRL GRPOTrainer: sampling {trl['sampling_s']:.1f} s | training {trl['training_s']:.1f} s "
+          f"({tokens / trl['training_s']:.0f} tok/s) | whole step {trl['whole_s']:.1f} s "
+          f"({tokens / trl['whole_s']:.0f} tok/s)")
+    print(f"ratio sampling (vLLM / transformers generate, same {PROMPTS * SAMPLES} completions): "
+          f"{trl['sampling_s'] / ours['sampling_s']:.2f}x")
+    print(f"ratio (art / TRL tokens/s): training part {trl['training_s'] / ours['training_s']:.2f}x "
+          f"(aim 1.5x) | whole step {trl['whole_s'] / ours['whole_s']:.2f}x (aim 2.5x)")
+    per_round = " ".join(f"{t['whole_s'] / o['whole_s']:.2f}x" for o, t in zip(ours_runs, trl_runs, strict=True))
+    print(f"whole-step ratio in each round: {per_round}")
+    if overlapped:
+        print(f"ratio overlapped art step / TRL whole step: {trl['whole_s'] / statistics.median(overlapped):.2f}x "
+              "(TRL's default has no overlap: generate and train take turns on every core)")
 
 
 if __name__ == "__main__":
