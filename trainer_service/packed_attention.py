@@ -13,10 +13,10 @@ samples of one prompt) hold that prefix once in the row, and each continuation a
 sample. Its gradient is the sum the separate copies would give.
 
 On a CPU in bf16, short segments (a prompt, an answer: up to `_SHORT_KEYS` keys with their
-prefix) run together as one padded batch (`SegmentBatch`, laid out once per row by `pack_row`): one attention call per
-layer for all of them instead of one per segment, whose fixed cost (mask checks, casts, the
-autograd nodes of each slice) made attention a quarter of a bf16 step on the bench's batch. The
-padding costs little at those lengths; longer segments keep one call each.
+prefix) run together as one padded batch (`SegmentBatch`, laid out once per row by `pack_row`):
+one attention call per layer for all of them instead of one per segment, whose fixed cost (mask
+checks, casts, the autograd nodes of each slice) made attention a quarter of a bf16 step on the
+bench's batch. The padding costs little at those lengths; longer segments keep one call each.
 
 The trainer uses it on a CPU, where packing turns many small matrix products into a few large
 ones (forward and backward of 32 sequences of the bundled model in bf16, 1 thread: 21.7 s one per
@@ -209,7 +209,8 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     parents = art_prefix or [-1] * len(lengths)
     if art_batch is not None and not _short_on_math(query):
         art_batch = None  # flash, one segment at a time
-    alone = [i for i in range(len(lengths)) if art_batch is None or i not in art_batch.segments]
+    batched = set(art_batch.segments) if art_batch is not None else set()
+    alone = [i for i in range(len(lengths)) if i not in batched]
     outputs = []  # [tokens, heads, dim] pieces in the order `art_batch.gather` reads them
     if art_batch is not None:
         outputs.append(_batched_attention(query, key, value, art_batch, dropout, scaling))
