@@ -294,7 +294,8 @@ def report(ours_runs: list[dict[str, Any]], trl_runs: list[dict[str, float]], ar
     """Print the medians over the rounds, their ratios, and each round's whole-step ratio."""
     ours = {key: _median(ours_runs, key) for key in ("sampling_s", "training_s", "whole_s", "reward_to_live_s",
                                                      "tokens", "trained_tokens")}
-    overlapped = [run["overlapped_s"] for run in ours_runs if run["overlapped_s"] is not None]
+    overlapped_runs = [run["overlapped_s"] for run in ours_runs if run["overlapped_s"] is not None]
+    overlapped = statistics.median(overlapped_runs) if overlapped_runs else None
     tokens = ours["tokens"]
     rounds = f"medians of {len(ours_runs)} alternating round{'s' if len(ours_runs) > 1 else ''}"
     trl_precision = "bf16 autocast over fp32 weights (bf16=True, its default)" if trl_bf16 else "fp32 (bf16=False)"
@@ -313,10 +314,10 @@ def report(ours_runs: list[dict[str, Any]], trl_runs: list[dict[str, float]], ar
     print(f"last reward -> new adapter answering: {ours['reward_to_live_s']:.1f} s "
           f"(pure training step {ours['training_s']:.1f} s; "
           f"overhead {ours['reward_to_live_s'] - ours['training_s']:.1f} s)")
-    if overlapped:
+    if overlapped is not None:
         print(f"art-trainer, sampling of the next batch overlapping training (one step stale, the service "
-              f"under traffic): {statistics.median(overlapped):.1f} s per step "
-              f"({tokens / statistics.median(overlapped):.0f} tok/s), median of {args.overlapped_steps} steps a round")
+              f"under traffic): {overlapped:.1f} s per step ({tokens / overlapped:.0f} tok/s), median of "
+              f"{args.overlapped_steps} steps a round")
     if not trl_runs:
         return
     trl = {key: _median(trl_runs, key) for key in ("sampling_s", "training_s", "whole_s")}
@@ -329,8 +330,8 @@ def report(ours_runs: list[dict[str, Any]], trl_runs: list[dict[str, float]], ar
           f"(aim 1.5x) | whole step {trl['whole_s'] / ours['whole_s']:.2f}x (aim 2.5x)")
     per_round = " ".join(f"{t['whole_s'] / o['whole_s']:.2f}x" for o, t in zip(ours_runs, trl_runs, strict=True))
     print(f"whole-step ratio in each round: {per_round}")
-    if overlapped:
-        print(f"ratio overlapped art step / TRL whole step: {trl['whole_s'] / statistics.median(overlapped):.2f}x "
+    if overlapped is not None:
+        print(f"ratio overlapped art step / TRL whole step: {trl['whole_s'] / overlapped:.2f}x "
               "(TRL's default has no overlap: generate and train take turns on every core)")
 
 

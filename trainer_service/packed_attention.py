@@ -182,7 +182,8 @@ def pack_row(sequences: list[torch.Tensor], shareable: list[int] | None = None) 
     bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
     inputs = {"position_ids": torch.cat(positions).unsqueeze(0), "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
               "max_length_q": max(lengths), "max_length_k": max(lengths), "art_prefix": prefix_of,
-              "art_batch": _segment_batch(lengths, prefix_of, device)}
+              # only a CPU's attention batches short segments (`_short_on_math`): no index tensors elsewhere
+              "art_batch": _segment_batch(lengths, prefix_of, device) if device.type == "cpu" else None}
     return PackedRow(token_ids=torch.cat(pieces), inputs=inputs, shared=shared, starts=starts,
                      lengths=[sequence.numel() for sequence in sequences])
 
