@@ -158,3 +158,49 @@ def test_lora_matmul_says_when_no_row_has_an_adapter() -> None:
     out = vllm_cpu_lora.lora_matmul(torch.ones(3, HIDDEN), weights, torch.tensor([-1, 1, -1]), torch.float32)
     assert out is not None
     torch.testing.assert_close(out, torch.tensor([[0.0] * RANK, [float(HIDDEN)] * RANK, [0.0] * RANK]))
+
+
+def test_one_adapters_fused_matrices_are_kept_until_vllm_writes_the_layer(
+    art_ops: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    builds = []
+    fuse = vllm_cpu_lora.fuse_adapter
+    monkeypatch.setattr(vllm_cpu_lora, "fuse_adapter", lambda *a: (builds.append(a[2]), fuse(*a))[1])
+    wrapper = punica_cpu.PunicaWrapperCPU(max_num_batched_tokens=64, max_batches=8, device="cpu")
+    tokens = [12] * 4  # slot 1
+    wrapper.update_metadata(LoRAMapping(tuple(tokens), tuple(tokens), is_prefill=False), list(LORA_IDS),
+                            len(LORA_IDS), vocab_size=32)
+    a, b = adapters()
+    gen = torch.Generator().manual_seed(4)
+
+    def step() -> None:
+        x = torch.randn(len(tokens), HIDDEN, generator=gen)
+        y = torch.randn(len(tokens), sum(SLICES), generator=gen)
+        want = expected(y, x, [1] * len(tokens), a, b)
+        wrapper.add_lora_linear(y, x, a, b, SCALE, SLICES)
+        torch.testing.assert_close(y, want)
+
+    step()
+    step()
+    assert len(builds) == 1  # the second step reused the first one's matrices
+    a[0][1, 0].copy_(torch.randn(RANK, HIDDEN, generator=gen))  # vLLM's set_lora: a new adapter in slot 1
+    b[1][1, 0].copy_(torch.randn(SLICES[1], RANK, generator=gen))
+    step()
+    assert len(builds) == 2
+    for stacked in (*a, *b):  # vLLM's reset_lora
+        stacked[1] = 0
+    step()
+    wrapper.add_lora_linear(torch.zeros(4, sum(SLICES)), torch.ones(4, HIDDEN), a, b, 0.5, SLICES)  # another scale
+    assert builds == [SCALE, SCALE, SCALE, 0.5]
+
+
+def test_inference_tensors_are_fused_on_every_call(art_ops: None) -> None:
+    with torch.inference_mode():  # no version counters to tell a write by
+        result, want = apply([12] * 3, [12] * 3, prefill=False)
+    torch.testing.assert_close(result, want)
+
+
+def test_fuse_adapter_says_when_the_slices_do_not_match_b() -> None:
+    a, b = adapters()
+    with pytest.raises(ValueError, match=r"B matrices of \[6, 10\] rows for output slices \[6, 9\]"):
+        vllm_cpu_lora.fuse_adapter([w[0, 0] for w in a], [w[0, 0] for w in b], SCALE, (6, 9), torch.float32)
