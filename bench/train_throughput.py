@@ -159,7 +159,8 @@ def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, d
     engine_threads = EngineThreads.from_settings(settings, workdir / "vllm-threads")
     engine = VLLMEngine(model_path, BUNDLED_MODEL, port, dtype="float32", max_lora_rank=8, max_loras=2,
                         cpu_matmul_dtype=matmul_dtype("auto") if dtype == "auto" else "float32",
-                        threads=engine_threads, max_model_len=1024, log_path=workdir / "vllm.log")
+                        threads=engine_threads, block_size=settings.engine_block_size(), max_model_len=1024,
+                        log_path=workdir / "vllm.log")
     print("starting vLLM (not timed)...", flush=True)
     engine.start()
     try:
@@ -195,7 +196,7 @@ def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, d
             "threads": f"{lender.own_threads} own, {lender.idle_threads} while vLLM idles (after {lender.settle_s:g} s); "
                        + (f"vLLM {engine_threads.own} during a step, {engine_threads.idle} between steps"
                           if engine_threads else "vLLM on its own cores"),
-            "lending": dict(lender.counters)}
+            "lending": dict(lender.counters), "block_size": engine.block_size}
 
 
 def run_trl(model_path: str, workdir: Path, bf16: bool) -> dict[str, float]:
@@ -304,6 +305,9 @@ def report(ours_runs: list[dict[str, Any]], trl_runs: list[dict[str, float]], ar
           f"matmuls | TRL {trl_precision}")
     print(f"threads: art {ours_runs[-1]['threads']}; lends/hand-backs {ours_runs[-1]['lending']} | TRL every core "
           "(vLLM stopped)")
+    block = ours_runs[-1]["block_size"]
+    print(f"vLLM KV-cache blocks: {block or 'vLLM default'} tokens (TrainerSettings.kv_block_size; the prefix cache "
+          "reuses whole blocks of a prompt across its samples)")
     print(f"batch: {PROMPTS} prompts x {SAMPLES} samples x {COMPLETION_TOKENS} completion tokens = "
           f"{tokens:.0f} tokens (prompt + completion); art trains {ours['trained_tokens']:.0f} of them, skipping "
           "the groups without reward spread (zero advantage: the same update), TRL all. tok/s below: batch "

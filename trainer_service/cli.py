@@ -28,6 +28,7 @@ _SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
     "--vllm-dtype": ("vllm_dtype", str),
     "--vllm-matmul-dtype": ("vllm_matmul_dtype", str),
     "--kv-cache-gib": ("kv_cache_gib", float),
+    "--kv-block-size": ("kv_block_size", int),
     "--max-model-len": ("max_model_len", int),
     "--max-lora-rank": ("max_lora_rank", int),
     "--max-loras": ("max_loras", int),

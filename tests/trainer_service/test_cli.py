@@ -90,3 +90,21 @@ def test_train_processes_from_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> N
     assert parse("--train-processes", "2")[0].train_processes == 2
     with pytest.raises(ValueError, match="train_processes"):
         parse("--train-processes", "0")
+
+
+def test_kv_block_size_defaults_to_32_on_a_cpu_and_vllms_with_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from trainer_service.engine import VLLMEngine
+
+    settings, _ = parse()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert settings.kv_block_size is None and settings.engine_block_size() == 32
+    command = VLLMEngine("model", "model", 8001, block_size=settings.engine_block_size()).command()
+    assert command[command.index("--block-size") + 1] == "32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert settings.engine_block_size() is None
+    assert "--block-size" not in VLLMEngine("model", "model", 8001, block_size=None).command()
+    monkeypatch.setenv("ART_TRAINER_KV_BLOCK_SIZE", "64")
+    assert parse()[0].engine_block_size() == 64  # set: on CUDA too
+    assert parse("--kv-block-size", "128")[0].engine_block_size() == 128
