@@ -11,6 +11,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import fields
 
+from trainer_service.allocator import loaded_allocator, preload_allocator
 from trainer_service.config import GRPOConfig, TrainerSettings
 from trainer_service.huge_pages import enable_huge_pages
 
@@ -40,6 +41,7 @@ _SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
     "--train-threads": ("train_threads", int),
     "--idle-train-threads": ("idle_train_threads", int),
     "--idle-vllm-threads": ("idle_vllm_threads", int),
+    "--allocator": ("allocator", str),
     "--train-processes": ("train_processes", int),
     "--train-step-timeout": ("train_step_timeout", float),
     "--min-groups": ("min_groups", int),
@@ -148,7 +150,11 @@ def settings_from_args(args: argparse.Namespace) -> tuple[TrainerSettings, GRPOC
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of the `art-trainer` console script."""
+    """Entry point of the `art-trainer` console script.
+
+    Called without `argv` (the console script, `python -m trainer_service.cli`), it first runs its own
+    command line again on the `--allocator` library; with `argv` (in-process callers) it never does.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -156,6 +162,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if argv is None:  # the console script: its own command line can run again; a caller's in-process argv cannot
+        try:
+            preload_allocator(settings.allocator)  # may exec this process again, before anything loads
+        except ValueError as exc:
+            parser.error(str(exc))
+        logging.getLogger("trainer_service").info("memory allocator: %s", loaded_allocator() or "system")
     enable_huge_pages()  # before the model loads: PyTorch reads it at its first large allocation
 
     import uvicorn

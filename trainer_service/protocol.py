@@ -122,4 +122,6 @@ class StatusResponse(BaseModel):
     last_metrics: dict[str, float]
     counters: dict[str, int] = Field(description="Service counters: `retention_errors`, `metrics_sink_errors`, ...")
     last_error: str | None = Field(description="Message of the last failed training step, if any.")
+    allocator: str = Field(default="system", description="The memory allocator preloaded into the service and its "
+                           "engine (`--allocator`), or `system`.")
     engine: EngineStatus

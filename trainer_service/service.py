@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 from collector.protocol import AckRequest, Batch, BatchRequest
 
+from trainer_service.allocator import loaded_allocator
 from trainer_service.checkpoints import CheckpointStore, select_kept
 from trainer_service.config import GRPOConfig, TrainerSettings
 from trainer_service.core_lending import CoreLender
@@ -91,6 +92,7 @@ class TrainerService:
         self.last_error: str | None = None
         self.paused = False
         self.counters: Counter[str] = Counter()
+        self.allocator = loaded_allocator() or "system"
         self._lock = asyncio.Lock()
         headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
         self.collector = httpx.AsyncClient(
@@ -382,6 +384,7 @@ class TrainerService:
             last_metrics=self.metrics.last or (dict(trainer.last_metrics) if trainer else {}),
             counters={**self.counters, **self.lender.counters, "metrics_sink_errors": self.metrics.sink_errors},
             last_error=self.last_error,
+            allocator=self.allocator,
             engine=EngineStatus(healthy=healthy, pid=self.engine.pid, restarts=self.engine.restarts,
                                 url=self.engine.base_url, requests_in_flight=self.lender.in_flight,
                                 training_threads=self.lender.threads, dtype=self.engine.dtype,

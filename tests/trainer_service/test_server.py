@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from examples.stack import Service
+from trainer_service.allocator import allocator_library, is_mapped
 from trainer_service.vllm_cpu_matmul import matmul_dtype
 
 pytestmark = pytest.mark.vllm
@@ -94,6 +95,15 @@ def test_status_reports_a_healthy_engine(client: httpx.Client) -> None:
     assert status["engine"]["cpu_matmul_dtype"] == matmul_dtype("auto")
     assert status["models"] == [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert status["latest_model"] == (f"agent@{status['step']}" if status["step"] else BASE)
+
+
+def test_the_service_and_its_engine_run_on_the_allocator_it_chose(client: httpx.Client) -> None:
+    """`art-trainer serve` ran itself again on TCMalloc where installed (`--allocator auto`); vLLM inherited it."""
+    status = client.get("/v1/status").raise_for_status().json()
+    library = allocator_library("auto")
+    assert status["allocator"] == (library or "system")
+    if library is not None:
+        assert is_mapped(library, status["engine"]["pid"])
 
 
 def test_json_schema_answers_are_compact(client: httpx.Client) -> None:
