@@ -8,8 +8,9 @@ the training bench's batch (bundled model, bf16, 2 threads, a fresh process each
 twice): with huge pages on both, steps of 6.0 / 6.4 s (first), 3.4 / 3.6 s (second), 3.8 / 3.9 s
 (third, other lengths) against 7.4 / 9.1, 4.5 / 4.9 and 4.1 / 4.3 s with glibc, 0.40 M page faults
 against 0.50 M; without huge pages 4.2 / 4.3, 3.5 / 3.6 and 3.7 / 3.7 s alone, but in the bench's
-step beside vLLM slower than with them (trainer_service/huge_pages.py stays on). jemalloc (its default decay) was slower than glibc, 2.2 M faults. vLLM
-sampling the bench's batch: 5.59 against 5.93 s median (6 samplings each, engines alternating).
+step beside vLLM slower than with them (trainer_service/huge_pages.py stays on). jemalloc (its
+default decay) was slower than glibc, 2.2 M faults. vLLM sampling the bench's batch: 5.59 against
+5.93 s median (6 samplings each, engines alternating).
 
 An allocator is chosen before a process starts (`LD_PRELOAD`), so `art-trainer serve` runs itself
 again with it preloaded (`exec`: same process id, same arguments) before anything else; the
@@ -94,17 +95,17 @@ def preload_allocator(setting: str) -> str | None:
     """Make this process run on the allocator `setting` names: return it if loaded, else run the process again.
 
     Call it first thing in a program's `main`, before threads or large allocations: the process is
-    replaced (`os.execve` of `sys.orig_argv`) with the library in `LD_PRELOAD`. Returns the library
-    this process runs on, or None for the system allocator (also when the loader refused the library
-    on the second run: logged, not retried).
+    replaced (`os.execve` of `sys.orig_argv`) with the library in `LD_PRELOAD`. Returns the preloaded
+    allocator this process runs on (`loaded_allocator`; with `system`, one the user preloaded), or None
+    for the system allocator (also when the loader refused the library on the second run: logged, not
+    retried).
 
     Raises:
         ValueError: `setting` is a path that does not exist.
     """
     library = allocator_library(setting)
-    if library is None:
-        return None
-    if (loaded := loaded_allocator()) is not None:
+    loaded = loaded_allocator()
+    if library is None or loaded is not None:
         return loaded
     if os.environ.get(PRELOADED_ENV) == library:
         logger.warning("allocator %s was preloaded but is not mapped into this process; using the system "

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import fields
 
-from trainer_service.allocator import loaded_allocator, preload_allocator
+from trainer_service.allocator import preload_allocator
 from trainer_service.config import GRPOConfig, TrainerSettings
 from trainer_service.huge_pages import enable_huge_pages
 
@@ -164,10 +164,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if argv is None:  # the console script: its own command line can run again; a caller's in-process argv cannot
         try:
-            preload_allocator(settings.allocator)  # may exec this process again, before anything loads
+            allocator = preload_allocator(settings.allocator)  # may exec this process again, before anything loads
         except ValueError as exc:
             parser.error(str(exc))
-        logging.getLogger("trainer_service").info("memory allocator: %s", loaded_allocator() or "system")
+        logging.getLogger("trainer_service").info("memory allocator: %s", allocator or "system")
     enable_huge_pages()  # before the model loads: PyTorch reads it at its first large allocation
 
     import uvicorn
