@@ -143,3 +143,25 @@ def test_the_batch_holds_the_short_segments_and_the_rest_run_alone(short_keys: i
     assert batch.segments == expected
     assert sorted(batch.gather.tolist()) == batch.gather.unique().tolist()  # every row position read once
     assert batch.gather.numel() == layout.token_ids.numel()
+
+
+def test_bf16_batched_attention_gradients_match_float64_per_segment() -> None:
+    # the batched short segments (two bf16 products, query heads stacked per key/value head) against
+    # sdpa on each segment alone in float64: bf16's own rounding is the only difference allowed
+    generator = torch.Generator().manual_seed(3)
+    layout = pack_row(family(), shareable=[7, 6, 6, 3])
+    rows, heads, kv_heads, dim = layout.token_ids.numel(), 6, 2, 16
+    query, key, value = (torch.randn(1, n, rows, dim, generator=generator) for n in (heads, kv_heads, kv_heads))
+    grad_out = torch.randn(1, rows, heads, dim, generator=generator)
+
+    def gradients(dtype: torch.dtype, batch: object) -> list[torch.Tensor]:
+        leaves = [t.to(dtype).requires_grad_(True) for t in (query, key, value)]
+        inputs = {**layout.inputs, "art_batch": batch}
+        out, _ = packed_attention.packed_attention(torch.nn.Module(), *leaves, None, **inputs)
+        out.backward(grad_out.to(dtype))
+        return [leaf.grad.double() for leaf in leaves]
+
+    want = gradients(torch.float64, None)  # each segment alone, float64 sdpa
+    got = gradients(torch.bfloat16, layout.inputs["art_batch"])
+    for g, w in zip(got, want, strict=True):
+        assert (g - w).norm() <= 1e-2 * w.norm()
