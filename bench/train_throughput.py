@@ -19,15 +19,18 @@ process every round, so TRL has every core to itself (vLLM is stopped) and neith
 the other's warm memory: art and vLLM on the service's allocator (`--allocator`, TCMalloc where
 installed), TRL on the same and, to show what that choice is worth, also on the system allocator.
 
-Printed: wall time and tokens/s of the training part and of the whole step (sampling +
-training + new adapter live in vLLM for art; sampling + training for TRL), their ratios, and
-"last reward of the batch -> new adapter answering" against the pure step time: medians over
-`--rounds` rounds that alternate art and TRL, each from a fresh trainer, since this machine's
-speed drifts by up to 2x over minutes (bf16 matrix products measured at 220 to 980 GFLOPS on one
-core the same day). Then art's
-steady state under traffic, as a separate figure: `--overlapped-steps` more steps in which
-vLLM samples the next batch (one step stale) while the current one trains, each ending with
-the new adapter live.
+Printed, for each of two steps on each side: wall time and tokens/s of the training part and of
+the whole step (sampling + training + new adapter live in vLLM for art; sampling + training for
+TRL), their ratios, and "last reward of the batch -> new adapter answering" against the pure step
+time. Step 1 is a fresh trainer's first, which pays for its process's cold memory and kernels
+(on these VMs a first touch of fresh memory costs seconds of system time); step 2 finds the
+process warm, as every later step of a run does, so it is the figure a training run's throughput
+follows. Each figure is the median over `--rounds` rounds that alternate art and TRL, each from a
+fresh process, since this machine's speed drifts by up to 2x over minutes (bf16 matrix products
+measured at 220 to 980 GFLOPS on one core the same day). Then art's steady state under traffic,
+as a separate figure: `--overlapped-steps` more steps in which vLLM samples the next batch (one
+step stale) while the current one trains, each ending with the new adapter live, against TRL's
+warm step.
 
     .venv/bin/python bench/train_throughput.py [--vllm-port 28101] [--skip-trl] [--overlapped-steps 3]
                                                [--precision default|float32] [--idle-train-threads N]
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -53,6 +57,7 @@ from typing import Any
 
 import httpx
 import torch
+from transformers import TrainerCallback
 from collector.protocol import Group, Sequence, Trajectory
 
 from trainer_service.allocator import allocator_library, loaded_allocator, with_preload
@@ -68,6 +73,8 @@ from trainer_service.vllm_cpu_threads import EngineThreads
 PROMPTS = 8
 SAMPLES = 4
 COMPLETION_TOKENS = 64
+TIMED_STEPS = 2
+"""Steps timed on each side: a fresh trainer's first, then the second, which finds the process warm."""
 
 
 def problems() -> list[tuple[int, int]]:
@@ -133,18 +140,19 @@ def train(trainer: LoRATrainer, lender: CoreLender, groups: list[Group]) -> dict
         return trainer.step(groups)
 
 
-def run_overlapped(engine: VLLMEngine, trainer: LoRATrainer, lender: CoreLender, workdir: Path, steps: int) -> float:
+def run_overlapped(engine: VLLMEngine, trainer: LoRATrainer, lender: CoreLender, workdir: Path, steps: int,
+                   first: int) -> float:
     """Median seconds per step when each step's training overlaps the sampling of the next batch.
 
     How the service runs while an app keeps calling it: vLLM samples batch k+1 on its core (with
     the adapter of step k-1, one step stale) while batch k trains on the other; then the new
-    adapter is saved and hot-loaded. Starts after `run_ours`'s step 1.
+    adapter is saved and hot-loaded. Starts with step `first`, after `run_ours`'s timed steps.
     """
-    model = "bench@1"
+    model = f"bench@{first - 1}"
     groups = to_groups(asyncio.run(sample(engine.base_url, model, lender)))
     times = []
     with ThreadPoolExecutor(max_workers=1) as pool:
-        for step in range(2, 2 + steps):
+        for step in range(first, first + steps):
             started = time.perf_counter()
             training = pool.submit(train, trainer, lender, groups)
             answers = asyncio.run(sample(engine.base_url, model, lender))
@@ -154,6 +162,26 @@ def run_overlapped(engine: VLLMEngine, trainer: LoRATrainer, lender: CoreLender,
             groups = to_groups(answers)
             times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def timed_step(engine: VLLMEngine, trainer: LoRATrainer, lender: CoreLender, workdir: Path, step: int) -> dict[str, float]:
+    """Step `step` as the service runs it, timed by phase: sample the batch through `bench@{step - 1}`,
+    reward it, train, save and hot-load `bench@{step}`, and get its first reply."""
+    started = time.perf_counter()
+    answers = asyncio.run(sample(engine.base_url, f"bench@{step - 1}", lender))
+    sampled = time.perf_counter()
+    groups = to_groups(answers)
+    batch_tokens = sum(len(s.token_ids) for g in groups for t in g.trajectories for s in t.sequences)
+    rewarded = time.perf_counter()
+    metrics = train(trainer, lender, groups)
+    trained = time.perf_counter()
+    engine.load_adapter(f"bench@{step}", trainer.save(workdir / "checkpoints" / f"step-{step}"))
+    reply = httpx.post(f"{engine.base_url}/v1/chat/completions", timeout=600, json={
+        "model": f"bench@{step}", "max_tokens": 1, "messages": [{"role": "user", "content": question(1, 2)}]})
+    reply.raise_for_status()
+    live = time.perf_counter()
+    return {"sampling_s": sampled - started, "training_s": trained - rewarded, "whole_s": live - started,
+            "reward_to_live_s": live - rewarded, "tokens": batch_tokens, "trained_tokens": metrics["data/tokens"]}
 
 
 def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, dtype: str,
@@ -179,33 +207,20 @@ def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, d
         # runs through its PEFT LoRA too): here the fresh one, step 0
         engine.load_adapter("bench@0", trainer.save(workdir / "checkpoints" / "step-0"))
         asyncio.run(sample(engine.base_url, "bench@0", lender))  # warm-up, not timed
-        started = time.perf_counter()
-        answers = asyncio.run(sample(engine.base_url, "bench@0", lender))
-        sampled = time.perf_counter()
-        groups = to_groups(answers)
-        batch_tokens = sum(len(s.token_ids) for g in groups for t in g.trajectories for s in t.sequences)
-        rewarded = time.perf_counter()
-        metrics = train(trainer, lender, groups)
-        trained = time.perf_counter()
-        path = trainer.save(workdir / "checkpoints" / "step-1")
-        engine.load_adapter("bench@1", path)
-        reply = httpx.post(f"{engine.base_url}/v1/chat/completions", timeout=600, json={
-            "model": "bench@1", "max_tokens": 1, "messages": [{"role": "user", "content": question(1, 2)}]})
-        reply.raise_for_status()
-        live = time.perf_counter()
-        overlapped = run_overlapped(engine, trainer, lender, workdir, overlapped_steps) if overlapped_steps else None
+        # the first step of a fresh trainer, then the second, which finds the process warm (as every later one)
+        steps = [timed_step(engine, trainer, lender, workdir, step) for step in range(1, TIMED_STEPS + 1)]
+        overlapped = (run_overlapped(engine, trainer, lender, workdir, overlapped_steps, first=TIMED_STEPS + 1)
+                      if overlapped_steps else None)
     finally:
         engine.stop()
-    return {"sampling_s": sampled - started, "training_s": trained - rewarded, "whole_s": live - started,
-            "reward_to_live_s": live - rewarded, "tokens": batch_tokens, "trained_tokens": metrics["data/tokens"],
-            "reward_mean": metrics["reward/mean"], "overlapped_s": overlapped,
+    return {"steps": steps, "overlapped_s": overlapped,
             "threads": f"{lender.own_threads} own, {lender.idle_threads} while vLLM idles (after {lender.settle_s:g} s); "
                        + (f"vLLM {engine_threads.own} during a step, {engine_threads.idle} between steps"
                           if engine_threads else "vLLM on its own cores"),
             "lending": dict(lender.counters), "block_size": engine.block_size}
 
 
-def run_trl(model_path: str, workdir: Path, bf16: bool) -> dict[str, float]:
+def run_trl(model_path: str, workdir: Path, bf16: bool) -> dict[str, Any]:
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig as TRLConfig
@@ -222,14 +237,16 @@ def run_trl(model_path: str, workdir: Path, bf16: bool) -> dict[str, float]:
 
     args = TRLConfig(
         output_dir=str(workdir / "trl"), per_device_train_batch_size=PROMPTS * SAMPLES, gradient_accumulation_steps=1,
-        num_generations=SAMPLES, max_completion_length=COMPLETION_TOKENS, max_steps=1, learning_rate=1e-4,
+        num_generations=SAMPLES, max_completion_length=COMPLETION_TOKENS, max_steps=TIMED_STEPS, learning_rate=1e-4,
         beta=0.0, use_cpu=True, bf16=bf16, report_to=[], logging_steps=1, save_strategy="no", temperature=1.0,
         generation_kwargs={"min_new_tokens": COMPLETION_TOKENS}, seed=0, shuffle_dataset=False,
     )
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(DEFAULT_TARGET_MODULES),
                       task_type="CAUSAL_LM", bias="none")
-    trainer = GRPOTrainer(model=model_path, reward_funcs=reward, args=args, train_dataset=dataset, peft_config=lora)
-    timed = {"generate_s": 0.0}
+    ends: list[float] = []
+    trainer = GRPOTrainer(model=model_path, reward_funcs=reward, args=args, train_dataset=dataset, peft_config=lora,
+                          callbacks=[_StepClock(ends)])
+    generate_s: list[float] = []  # one entry per step: TRL generates and scores at the start of each
     generate = trainer._generate_and_score_completions
 
     def timed_generate(*a: Any, **k: Any) -> Any:
@@ -237,13 +254,25 @@ def run_trl(model_path: str, workdir: Path, bf16: bool) -> dict[str, float]:
         try:
             return generate(*a, **k)
         finally:
-            timed["generate_s"] += time.perf_counter() - started
+            generate_s.append(time.perf_counter() - started)
 
     trainer._generate_and_score_completions = timed_generate  # type: ignore[method-assign]
     started = time.perf_counter()
     trainer.train()
-    whole = time.perf_counter() - started
-    return {"sampling_s": timed["generate_s"], "training_s": whole - timed["generate_s"], "whole_s": whole}
+    if len(ends) != TIMED_STEPS or len(generate_s) != TIMED_STEPS:
+        raise RuntimeError(f"TRL ran {len(ends)} steps and generated {len(generate_s)} times; expected {TIMED_STEPS}")
+    wholes = [end - begin for begin, end in itertools.pairwise([started, *ends])]
+    return {"steps": [{"sampling_s": g, "training_s": w - g, "whole_s": w} for g, w in zip(generate_s, wholes, strict=True)]}
+
+
+class _StepClock(TrainerCallback):
+    """Notes when each of TRL's optimizer steps ends."""
+
+    def __init__(self, ends: list[float]) -> None:
+        self.ends = ends
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.ends.append(time.perf_counter())
 
 
 def main() -> None:
@@ -291,7 +320,7 @@ def main() -> None:
         parser.error(str(exc))
     trl_allocators = [library] + ([None] if library is not None else [])
     ours_runs: list[dict[str, Any]] = []
-    trl_runs: dict[str | None, list[dict[str, float]]] = {lib: [] for lib in trl_allocators}
+    trl_runs: dict[str | None, list[dict[str, Any]]] = {lib: [] for lib in trl_allocators}
     with tempfile.TemporaryDirectory(prefix="train-bench-") as tmp:
         for round_ in range(args.rounds):
             ours_runs.append(run_side("art", library, Path(tmp) / f"art-{round_}.json"))
@@ -318,22 +347,26 @@ def run_side(side: str, library: str | None, out: Path) -> dict[str, Any]:
 
 
 def _phases(run: dict[str, Any]) -> str:
-    return f"sampling {run['sampling_s']:.1f} s, training {run['training_s']:.1f} s, whole {run['whole_s']:.1f} s"
+    return " ; ".join(f"step {index + 1}: sampling {step['sampling_s']:.1f} s, training {step['training_s']:.1f} s, "
+                      f"whole {step['whole_s']:.1f} s" for index, step in enumerate(run["steps"]))
 
 
-def _median(runs: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(run[key] for run in runs)
+def _medians(runs: list[dict[str, Any]], index: int, keys: tuple[str, ...]) -> dict[str, float]:
+    """Step `index`'s figures, each the median over the rounds."""
+    return {key: statistics.median(run["steps"][index][key] for run in runs) for key in keys}
+
+
+STEP_LABELS = ("step 1, a fresh trainer's first (its memory and kernels cold)",
+               "step 2, the process warm (as every later step of a run)")
 
 
 def report(ours_runs: list[dict[str, Any]], trl_runs: dict[str | None, list[dict[str, Any]]],
            args: argparse.Namespace, art_dtype: str, trl_bf16: bool) -> None:
-    """Print the medians over the rounds, their ratios (against TRL on art's allocator, and on the system
-    allocator where that differs), and each round's whole-step ratio."""
-    ours = {key: _median(ours_runs, key) for key in ("sampling_s", "training_s", "whole_s", "reward_to_live_s",
-                                                     "tokens", "trained_tokens")}
+    """Print, for each timed step, the medians over the rounds and their ratios (against TRL on art's allocator,
+    and on the system allocator where that differs), and each round's whole-step ratio."""
     overlapped_runs = [run["overlapped_s"] for run in ours_runs if run["overlapped_s"] is not None]
     overlapped = statistics.median(overlapped_runs) if overlapped_runs else None
-    tokens = ours["tokens"]
+    tokens = ours_runs[-1]["steps"][0]["tokens"]
     rounds = f"medians of {len(ours_runs)} alternating round{'s' if len(ours_runs) > 1 else ''}"
     trl_precision = "bf16 autocast over fp32 weights (bf16=True, its default)" if trl_bf16 else "fp32 (bf16=False)"
     print(f"\nprecision: art base weights {str(train_dtype(art_dtype)).removeprefix('torch.')} (train_dtype="
@@ -348,38 +381,43 @@ def report(ours_runs: list[dict[str, Any]], trl_runs: dict[str | None, list[dict
     print(f"vLLM KV-cache blocks: {block or 'vLLM default'} tokens (TrainerSettings.kv_block_size; the prefix cache "
           "reuses whole blocks of a prompt across its samples)")
     print(f"batch: {PROMPTS} prompts x {SAMPLES} samples x {COMPLETION_TOKENS} completion tokens = "
-          f"{tokens:.0f} tokens (prompt + completion); art trains {ours['trained_tokens']:.0f} of them, skipping "
-          "the groups without reward spread (zero advantage: the same update), TRL all. tok/s below: batch "
-          f"tokens / time; {rounds}, each from a fresh trainer (its first step, as TRL's)")
-    print(f"art-trainer : sampling {ours['sampling_s']:.1f} s | training {ours['training_s']:.1f} s "
-          f"({tokens / ours['training_s']:.0f} tok/s) | whole step incl. adapter live {ours['whole_s']:.1f} s "
-          f"({tokens / ours['whole_s']:.0f} tok/s)")
-    print(f"last reward -> new adapter answering: {ours['reward_to_live_s']:.1f} s "
-          f"(pure training step {ours['training_s']:.1f} s; "
-          f"overhead {ours['reward_to_live_s'] - ours['training_s']:.1f} s)")
+          f"{tokens:.0f} tokens (prompt + completion) a step; art trains the groups with a reward spread (zero "
+          f"advantage: the same update), TRL all. tok/s below: batch tokens / time; {rounds}, each side from a fresh "
+          f"process; {TIMED_STEPS} steps timed on each side")
+    for index, label in enumerate(STEP_LABELS[:TIMED_STEPS]):
+        ours = _medians(ours_runs, index, ("sampling_s", "training_s", "whole_s", "reward_to_live_s", "trained_tokens"))
+        print(f"\n== {label}")
+        print(f"art-trainer : sampling {ours['sampling_s']:.1f} s | training {ours['training_s']:.1f} s "
+              f"({tokens / ours['training_s']:.0f} tok/s; {ours['trained_tokens']:.0f} tokens trained) | whole step "
+              f"incl. adapter live {ours['whole_s']:.1f} s ({tokens / ours['whole_s']:.0f} tok/s)")
+        print(f"last reward -> new adapter answering: {ours['reward_to_live_s']:.1f} s "
+              f"(pure training step {ours['training_s']:.1f} s; "
+              f"overhead {ours['reward_to_live_s'] - ours['training_s']:.1f} s)")
+        for order, runs in enumerate(trl_runs.values()):
+            if not runs:
+                continue
+            trl = _medians(runs, index, ("sampling_s", "training_s", "whole_s"))
+            label = f"TRL GRPOTrainer on {runs[-1]['allocator']}" + (" (art's allocator)" if order == 0 else
+                                                                     " (the system's, as a plain `python` runs it)")
+            print(f"{label}: sampling {trl['sampling_s']:.1f} s | training {trl['training_s']:.1f} s "
+                  f"({tokens / trl['training_s']:.0f} tok/s) | whole step {trl['whole_s']:.1f} s "
+                  f"({tokens / trl['whole_s']:.0f} tok/s)")
+            print(f"  ratio sampling (vLLM / transformers generate, same {PROMPTS * SAMPLES} completions): "
+                  f"{trl['sampling_s'] / ours['sampling_s']:.2f}x")
+            print(f"  ratio (art / TRL tokens/s): training part {trl['training_s'] / ours['training_s']:.2f}x "
+                  f"(aim 1.5x) | whole step {trl['whole_s'] / ours['whole_s']:.2f}x (aim 2.5x)")
+            per_round = " ".join(f"{t['steps'][index]['whole_s'] / o['steps'][index]['whole_s']:.2f}x"
+                                 for o, t in zip(ours_runs, runs, strict=True))
+            print(f"  whole-step ratio in each round: {per_round}")
     if overlapped is not None:
-        print(f"art-trainer, sampling of the next batch overlapping training (one step stale, the service "
-              f"under traffic): {overlapped:.1f} s per step ({tokens / overlapped:.0f} tok/s), median of "
+        print(f"\nart-trainer, sampling of the next batch overlapping training (one step stale, the service under "
+              f"traffic): {overlapped:.1f} s per step ({tokens / overlapped:.0f} tok/s), median of "
               f"{args.overlapped_steps} steps a round")
-    for index, runs in enumerate(trl_runs.values()):
-        if not runs:
-            continue
-        same = index == 0
-        trl = {key: _median(runs, key) for key in ("sampling_s", "training_s", "whole_s")}
-        label = f"TRL GRPOTrainer on {runs[-1]['allocator']}" + (" (art's allocator)" if same else
-                                                                 " (the system's, as a plain `python` runs it)")
-        print(f"\n{label}: sampling {trl['sampling_s']:.1f} s | training {trl['training_s']:.1f} s "
-              f"({tokens / trl['training_s']:.0f} tok/s) | whole step {trl['whole_s']:.1f} s "
-              f"({tokens / trl['whole_s']:.0f} tok/s)")
-        print(f"ratio sampling (vLLM / transformers generate, same {PROMPTS * SAMPLES} completions): "
-              f"{trl['sampling_s'] / ours['sampling_s']:.2f}x")
-        print(f"ratio (art / TRL tokens/s): training part {trl['training_s'] / ours['training_s']:.2f}x "
-              f"(aim 1.5x) | whole step {trl['whole_s'] / ours['whole_s']:.2f}x (aim 2.5x)")
-        per_round = " ".join(f"{t['whole_s'] / o['whole_s']:.2f}x" for o, t in zip(ours_runs, runs, strict=True))
-        print(f"whole-step ratio in each round: {per_round}")
-        if overlapped is not None:
-            print(f"ratio overlapped art step / TRL whole step: {trl['whole_s'] / overlapped:.2f}x "
-                  "(TRL's default has no overlap: generate and train take turns on every core)")
+        for runs in trl_runs.values():
+            if runs:
+                warm = _medians(runs, TIMED_STEPS - 1, ("whole_s",))["whole_s"]
+                print(f"  ratio against TRL on {runs[-1]['allocator']}'s warm whole step: {warm / overlapped:.2f}x "
+                      "(TRL's default has no overlap: generate and train take turns on every core)")
 
 
 if __name__ == "__main__":
