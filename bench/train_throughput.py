@@ -397,9 +397,9 @@ def report(ours_runs: list[dict[str, Any]], trl_runs: dict[str | None, list[dict
             if not runs:
                 continue
             trl = _medians(runs, index, ("sampling_s", "training_s", "whole_s"))
-            label = f"TRL GRPOTrainer on {runs[-1]['allocator']}" + (" (art's allocator)" if order == 0 else
-                                                                     " (the system's, as a plain `python` runs it)")
-            print(f"{label}: sampling {trl['sampling_s']:.1f} s | training {trl['training_s']:.1f} s "
+            trl_label = f"TRL GRPOTrainer on {runs[-1]['allocator']}" + (
+                " (art's allocator)" if order == 0 else " (the system's, as a plain `python` runs it)")
+            print(f"{trl_label}: sampling {trl['sampling_s']:.1f} s | training {trl['training_s']:.1f} s "
                   f"({tokens / trl['training_s']:.0f} tok/s) | whole step {trl['whole_s']:.1f} s "
                   f"({tokens / trl['whole_s']:.0f} tok/s)")
             print(f"  ratio sampling (vLLM / transformers generate, same {PROMPTS * SAMPLES} completions): "

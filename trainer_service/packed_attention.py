@@ -278,19 +278,23 @@ def _batched_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 _SHORT_KEYS = 192
-"""Up to this many keys, bf16 attention on a CPU runs on the plain-math kernel (see `_kernel`)."""
+"""Up to this many keys (prefix included) a segment is short: in bf16 on a CPU it runs in the row's batch
+(`_batched_attention`), or on sdpa's plain-math kernel in a row given without one (see `_kernel`)."""
 
 _MATH_DTYPES = (torch.bfloat16,)
-"""Dtypes whose short segments run on the plain-math kernel on a CPU, batched (see `_kernel`)."""
+"""Dtypes whose short segments run batched on a CPU (`_batched_attention`; see `_kernel` for a row without a
+batch)."""
 
 
 def _short_on_math(query: torch.Tensor) -> bool:
-    """Whether `query`'s short segments run on the plain-math kernel, and so in one batched call."""
+    """Whether `query`'s short segments run in the row's batch (`_batched_attention`), or on the plain-math
+    kernel one by one where the row has no batch."""
     return query.device.type == "cpu" and query.dtype in _MATH_DTYPES
 
 
 def _kernel(query: torch.Tensor, keys: int) -> contextlib.AbstractContextManager[None]:
-    """The sdpa kernels to allow for one segment: the default, except short bf16 ones on a CPU.
+    """The sdpa kernels to allow for one segment: the default, except short bf16 ones on a CPU (which run
+    alone only in a row given without `art_batch`; `pack_row` batches them).
 
     There torch's flash kernel spends most of a short segment's backward outside the
     arithmetic: fwd+bwd of 9 query heads over 3 key/value heads at 105 keys took 4.4 ms with
