@@ -10,7 +10,9 @@ Nothing here knows about models, batches or HTTP; the trainer orchestrates. Conv
   is the mean over trajectories of each trajectory's mean token loss.
 
 Policy losses live in the `POLICY_LOSSES` registry (name → function); add a variant by
-registering a function with the `PolicyLossFn` signature.
+registering a function with the `PolicyLossFn` signature. Both losses take the ratio
+`exp(clamp(new - old, -MAX_LOG_RATIO, MAX_LOG_RATIO))`, so an engine log-prob far from the
+trainer's (vLLM writes a `-inf` log-prob as -9999.0) cannot overflow the loss or its gradient.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from trainer_service.logprobs import token_logprobs
 
 __all__ = [
     "IMPORTANCE_LEVELS",
+    "MAX_LOG_RATIO",
     "ImportanceLevelFn",
     "POLICY_LOSSES",
     "PolicyLossFn",
@@ -31,6 +34,7 @@ __all__ = [
     "TokenLosses",
     "cispo_loss",
     "group_advantages",
+    "importance_ratio",
     "kept_token_logprobs",
     "kl_k3",
     "policy_loss",
@@ -106,6 +110,16 @@ class TokenLosses:
     """True where the clip bound was active for the token."""
 
 
+MAX_LOG_RATIO = 20.0
+"""Bound on `|new - old|` log-prob before the importance ratio is exponentiated (ratio within
+`e^-20..e^20`); beyond it the token's ratio is constant and passes no gradient through the ratio."""
+
+
+def importance_ratio(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """`exp(new - old)` with the log-ratio clamped to `±MAX_LOG_RATIO` (differentiable inside the bound)."""
+    return torch.exp(torch.clamp(new_logprobs - old_logprobs, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+
+
 PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float], TokenLosses]
 """`(new_logprobs, old_logprobs, advantages, epsilon, epsilon_high) -> TokenLosses`."""
 
@@ -123,7 +137,7 @@ def ppo_loss(
     has ratio 1 and the clip only engages as the policy drifts inside a step (or when the engine
     and the trainer disagree).
     """
-    ratio = torch.exp(new_logprobs - old_logprobs)
+    ratio = importance_ratio(new_logprobs, old_logprobs)
     unclipped = ratio * advantages
     clipped_ratio = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
     clipped = clipped_ratio * advantages
@@ -146,7 +160,7 @@ def cispo_loss(
     is accepted for a uniform signature and unused by design.
     """
     del epsilon  # CISPO bounds the weight from above only.
-    ratio = torch.exp(new_logprobs - old_logprobs).detach()
+    ratio = importance_ratio(new_logprobs, old_logprobs).detach()
     weight = torch.clamp(ratio, max=1.0 + epsilon_high)
     loss = -weight * advantages * new_logprobs
     return TokenLosses(loss=loss, ratio=ratio, clipped=ratio > 1.0 + epsilon_high)
@@ -195,7 +209,7 @@ def policy_loss(
         name: key of `POLICY_LOSSES`.
         new_logprobs: per-token log-probs under the policy being trained (with gradient).
         old_logprobs: per-token log-probs the engine sampled with (any value where `mask` is 0;
-            NaN where unknown, which trains that token on-policy).
+            NaN or ±inf where unknown, which trains that token on-policy).
         advantages: per-token (or scalar) advantage.
         mask: 1.0 on assistant tokens, 0.0 elsewhere.
         weight: per-token (or scalar) weight, see `trajectory_token_weights`.
@@ -217,10 +231,10 @@ def policy_loss(
     except KeyError:
         raise ValueError(f"unknown policy loss {name!r}; choose one of {sorted(POLICY_LOSSES)}") from None
     mask = mask.to(new_logprobs.dtype)
-    # Prompt positions may carry placeholders and a missing engine logprob is NaN: both are
-    # replaced by the current log-prob (ratio 1), so they can neither overflow nor poison the sum.
+    # Prompt positions may carry placeholders and a missing engine logprob is NaN (or ±inf): all
+    # are replaced by the current log-prob (ratio 1), so they can neither overflow nor poison the sum.
     old_logprobs = old_logprobs.to(new_logprobs.dtype)
-    known = (mask > 0) & ~torch.isnan(old_logprobs)
+    known = (mask > 0) & torch.isfinite(old_logprobs)
     old = torch.where(known, old_logprobs, new_logprobs.detach())
     try:
         new = IMPORTANCE_LEVELS[level](new_logprobs, old, mask, segments)

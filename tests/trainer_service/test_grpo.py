@@ -9,9 +9,11 @@ import torch
 
 from trainer_service.config import GRPOConfig
 from trainer_service.grpo import (
+    MAX_LOG_RATIO,
     POLICY_LOSSES,
     cispo_loss,
     group_advantages,
+    importance_ratio,
     kept_token_logprobs,
     kl_k3,
     policy_loss,
@@ -191,3 +193,26 @@ def test_sequence_level_on_a_packed_row_equals_one_call_per_sequence() -> None:
     grads = torch.autograd.grad(row.loss, new)
     expected = torch.autograd.grad(sum(out.loss for out in alone), new)
     assert all(torch.allclose(g, e, atol=1e-7) for g, e in zip(grads, expected, strict=True))
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_far_or_infinite_engine_logprobs_keep_loss_and_gradient_finite(name: str, advantage: float) -> None:
+    new = torch.tensor([-1.0, -2.0, -0.5, -3.0], requires_grad=True)
+    # vLLM writes a -inf log-prob as -9999.0; a -inf or +inf that reaches the trainer is unknown
+    old = torch.tensor([-1.0, -9999.0, -math.inf, math.inf])
+    out = policy_loss(name, new, old, advantage, torch.ones(4), 0.25)
+    out.loss.backward()
+    assert math.isfinite(float(out.loss.detach())) and math.isfinite(out.ratio_sum)
+    assert new.grad is not None and bool(torch.isfinite(new.grad).all())
+    # token 1's log-ratio is clamped: its ratio is e^MAX_LOG_RATIO; the infinite ones count as on-policy
+    assert out.ratio_sum == pytest.approx(2.0 + math.exp(MAX_LOG_RATIO), rel=1e-6)
+    assert out.gap_sum == pytest.approx(9997.0)
+
+
+def test_importance_ratio_is_clamped_and_differentiable_inside_the_bound() -> None:
+    new = torch.tensor([0.5, 30.0, -30.0], requires_grad=True)
+    ratio = importance_ratio(new, torch.zeros(3))
+    assert torch.allclose(ratio.detach(), torch.tensor([math.exp(0.5), math.exp(MAX_LOG_RATIO), math.exp(-MAX_LOG_RATIO)]))
+    ratio.sum().backward()
+    assert new.grad is not None and new.grad.tolist() == [pytest.approx(math.exp(0.5)), 0.0, 0.0]

@@ -160,6 +160,21 @@ def test_only_assistant_tokens_count() -> None:
     assert metrics["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.parametrize("loss", ["ppo", "cispo"])
+def test_an_engine_placeholder_logprob_trains_a_finite_step(loss: str) -> None:
+    trainer = make_trainer(loss=loss)
+    g = group(trainer, (1.0, 0.0))
+    for t in g.trajectories:  # A > 0 and A < 0: vLLM writes a sampled token's -inf log-prob as -9999.0
+        seq = t.sequences[0]
+        seq.logprobs = [*seq.logprobs[:-2], -9999.0, seq.logprobs[-1]]
+    before = lora_params(trainer)
+    metrics = trainer.step([g])
+    after = lora_params(trainer)
+    assert math.isfinite(metrics["grad/norm"]) and math.isfinite(metrics["loss/policy"])
+    assert all(bool(torch.isfinite(p).all()) for p in after.values())
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
 def test_zero_spread_groups_are_skipped() -> None:
     trainer = make_trainer()
     metrics = trainer.step([group(trainer, (1.0, 0.0), "a"), group(trainer, (0.5, 0.5), "b")])
