@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -50,6 +51,7 @@ __all__ = [
     "MANIFEST",
     "NothingTrainableError",
     "LoRATrainer",
+    "NonFiniteStepError",
     "packing_keeps_sequences_apart",
     "prefix_sharing_works",
     "train_dtype",
@@ -63,6 +65,10 @@ _OPTIMIZER = "optimizer.pt"
 _PREPARE = {"grpo": prepare_grpo, "sft": prepare_sft}
 _MICRO_BATCH_TOKENS = {"cuda": 8192, "cpu": 4096}
 """Tokens per pass when `micro_batch_tokens` is None, by device type (see its help)."""
+
+
+class NonFiniteStepError(RuntimeError):
+    """A step's loss or gradient norm is not finite; the optimizer did not step and the adapter is unchanged."""
 
 
 class LoRATrainer:
@@ -284,6 +290,10 @@ class LoRATrainer:
 
         Under `torch.distributed` this rank trains its `shard_items` share, then `_sum_over_ranks`
         adds up the gradients and the metric sums, so clipping and AdamW see the whole batch.
+
+        Raises:
+            NonFiniteStepError: the loss or the gradient norm is NaN or infinite; the gradients are
+                dropped and the optimizer does not step (every rank sees the same sums and raises).
         """
         distributed = dist.is_available() and dist.is_initialized()
         if distributed:
@@ -306,6 +316,13 @@ class LoRATrainer:
             self._sum_over_ranks(params, sums)
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else float("inf")
         sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if not (math.isfinite(sums["loss"]) and math.isfinite(sums["grad_norm"])):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteStepError(
+                f"step {self.step_count + 1}: loss {sums['loss']} and gradient norm {sums['grad_norm']} must be "
+                "finite (look for extreme rewards or engine log-probs in the batch); the optimizer did not step "
+                "and the adapter is unchanged"
+            )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,9 +18,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from trainer_service.batching import prepare_grpo
 from trainer_service.config import GRPOConfig
+from trainer_service.grpo import PolicyLossOutput
 from trainer_service.packed_attention import PACKED_ATTENTION
 from trainer_service.training import (
     LoRATrainer,
+    NonFiniteStepError,
     NothingTrainableError,
     packing_keeps_sequences_apart,
     prefix_sharing_works,
@@ -173,6 +177,32 @@ def test_an_engine_placeholder_logprob_trains_a_finite_step(loss: str) -> None:
     assert math.isfinite(metrics["grad/norm"]) and math.isfinite(metrics["loss/policy"])
     assert all(bool(torch.isfinite(p).all()) for p in after.values())
     assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def nan_loss(out: PolicyLossOutput, new: torch.Tensor) -> torch.Tensor:
+    return out.loss * math.nan
+
+
+def nan_gradient(out: PolicyLossOutput, new: torch.Tensor) -> torch.Tensor:
+    return out.loss + torch.sqrt(new.sum() * 0.0)  # the same value; d sqrt(x)/dx at 0 is inf, times 0: NaN
+
+
+@pytest.mark.parametrize("poison", [nan_loss, nan_gradient])
+def test_a_non_finite_loss_or_gradient_never_reaches_the_adapter(
+        poison: Callable[[PolicyLossOutput, torch.Tensor], torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = make_trainer()
+    g = group(trainer, (1.0, 0.0))
+    real = trainer._grpo_loss
+    monkeypatch.setattr(trainer, "_grpo_loss",
+                        lambda items, new: dataclasses.replace(out := real(items, new), loss=poison(out, new)))
+    before = lora_params(trainer)
+    with pytest.raises(NonFiniteStepError, match="must be finite .*the optimizer did not step"):
+        trainer.step([g])
+    assert all(torch.equal(before[n], p) for n, p in lora_params(trainer).items())
+    assert trainer.step_count == 0 and trainer.optimizer.state_dict()["state"] == {}
+    assert all(p.grad is None for p in trainer.model.parameters())
+    monkeypatch.undo()
+    assert trainer.step([g])["step"] == 1  # the next good batch trains as usual
 
 
 def test_zero_spread_groups_are_skipped() -> None:
