@@ -1,9 +1,20 @@
 """Turn a leased batch of groups into training items: select, score, tokenize, weigh.
 
-`prepare_grpo` keeps groups with a GRPO signal (two or more trajectories with finite,
-different rewards and assistant tokens), computes their advantages, applies the sequence
-length policy, re-tokenizes trajectories that are not token-exact, and gives every
-trajectory the same weight. Everything it leaves out is counted under `data/skipped/<reason>`.
+`prepare_grpo` builds the sequences of every trajectory with a finite reward (applying the
+sequence length policy, re-tokenizing trajectories that are not token-exact), keeps the groups
+whose trajectories with trainable tokens are two or more with different rewards, computes the
+advantages and reward statistics on exactly those trajectories, and gives every trajectory the
+same weight. Everything it leaves out is counted once under `data/skipped/<reason>`, in the unit
+the reason names:
+
+* groups: `too_few_trajectories` (fewer than two trajectories left to train), `no_reward_spread`,
+  `nonfinite_advantages` (rewards so large the advantages do not fit float32), and for SFT
+  `no_rewarded_trajectory`;
+* trajectories: `unrewarded_trajectories`, `nonfinite_rewards`, `not_token_exact_without_tokenizer`,
+  `retokenize_failed`, `no_assistant_tokens` (no sequence has an assistant token, e.g. truncation
+  cut them all);
+* sequences: `too_long_sequences` (left out by `max_seq_len_policy="skip"`; a trajectory that loses
+  all its trainable sequences this way is counted here only).
 `prepare_sft` does the same for supervised warm-start steps on the best trajectory of each group.
 `shard_items` splits the items between data-parallel ranks, whole trajectories at a time.
 """
@@ -66,7 +77,10 @@ class _Counters:
 
 def _sequences(trajectory: Trajectory, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase | None,
                counters: _Counters) -> list[_Seq]:
-    """Tensors `(ids, old_logprobs, mask)` of each trainable sequence of `trajectory`."""
+    """Tensors `(ids, old_logprobs, mask)` of each trainable sequence of `trajectory`.
+
+    Returns [] when it has none; the trajectory is then counted under exactly one reason.
+    """
     raw: list[tuple[list[int], list[float | None], list[int]]] = []
     if trajectory.token_exact:
         for seq in trajectory.sequences:
@@ -89,22 +103,25 @@ def _sequences(trajectory: Trajectory, config: GRPOConfig, tokenizer: PreTrained
         counters.retokenized += 1
         raw.append((ids, [None] * len(ids), mask))
     out: list[_Seq] = []
+    too_long = 0
     for token_ids, logprobs, assistant_mask in raw:
         n = len(token_ids)
         if n > config.max_seq_len:
             if config.max_seq_len_policy == "skip":
-                counters.skipped["too_long_sequences"] += 1
+                too_long += 1
                 continue
             counters.truncated += 1
             n = config.max_seq_len
         mask = torch.tensor(assistant_mask[1:n], dtype=torch.float32)
-        old_values = logprobs[1:n]
-        missing = [m > 0 and lp is None for lp, m in zip(old_values, mask.tolist(), strict=True)]
-        # Without the engine's logprob the ratio is unknown; those tokens train on-policy.
-        counters.missing_logprobs += sum(missing)
-        old = torch.tensor([float("nan") if lp is None else lp for lp in old_values], dtype=torch.float32)
+        # Without a finite engine logprob the ratio is unknown (NaN); those tokens train on-policy.
+        old_values = [float("nan") if lp is None or not math.isfinite(lp) else lp for lp in logprobs[1:n]]
+        old = torch.tensor(old_values, dtype=torch.float32)
+        counters.missing_logprobs += int((mask.bool() & old.isnan()).sum())
         if int(mask.sum()) > 0:
             out.append((torch.tensor(token_ids[:n], dtype=torch.long), old, mask))
+    counters.skipped["too_long_sequences"] += too_long
+    if not out and not too_long:
+        counters.skipped["no_assistant_tokens"] += 1
     return out
 
 
@@ -153,7 +170,7 @@ def prepare_grpo(groups: list[Group], config: GRPOConfig, device: torch.device,
 
     Raises:
         NothingTrainableError: no group has two trajectories with finite, different rewards and
-            assistant tokens; the message counts why each was left out.
+            assistant tokens (and advantages that fit float32); the message counts why each was left out.
     """
     counters = _Counters()
     rewards_seen: list[float] = []
@@ -165,29 +182,28 @@ def prepare_grpo(groups: list[Group], config: GRPOConfig, device: torch.device,
         if len(rewarded) < 2:
             counters.skipped["too_few_trajectories"] += 1
             continue
-        rewards = torch.tensor([float(t.reward) for t in rewarded])  # type: ignore[arg-type]
+        kept = [(float(t.reward), seqs) for t in rewarded  # type: ignore[arg-type]
+                if (seqs := _sequences(t, config, tokenizer, counters))]
+        if len(kept) < 2:
+            counters.skipped["too_few_trajectories"] += 1
+            continue
+        # float64: a finite reward beyond float32's range must not turn into inf
+        rewards = torch.tensor([reward for reward, _ in kept], dtype=torch.float64)
         if float(rewards.max() - rewards.min()) == 0.0:
             counters.skipped["no_reward_spread"] += 1
             continue
         advantages = group_advantages(rewards, scale=config.scale_rewards)
-        group_items: list[tuple[float, list[_Seq]]] = []
-        for trajectory, advantage in zip(rewarded, advantages.tolist(), strict=True):
-            seqs = _sequences(trajectory, config, tokenizer, counters)
-            if seqs:
-                group_items.append((advantage, seqs))
-            else:
-                counters.skipped["no_assistant_tokens"] += 1
-        if len(group_items) < 2:
-            counters.skipped["too_few_trajectories"] += 1
+        if not bool(torch.isfinite(advantages).all()):
+            counters.skipped["nonfinite_advantages"] += 1
             continue
         rewards_seen.extend(rewards.tolist())
-        advantages_seen.extend(a for a, _ in group_items)
-        per_traj.extend(group_items)
+        advantages_seen.extend(advantages.tolist())
+        per_traj.extend(zip(advantages.tolist(), (seqs for _, seqs in kept), strict=True))
         trained_groups += 1
     if not per_traj:
         raise _nothing(groups, counters, "A group needs at least two trajectories with finite, different rewards "
                        "and assistant tokens.")
-    rewards_t, adv_t = torch.tensor(rewards_seen), torch.tensor(advantages_seen)
+    rewards_t, adv_t = torch.tensor(rewards_seen, dtype=torch.float64), torch.tensor(advantages_seen)
     stats = {
         **_common_stats(groups, counters, trained_groups, len(per_traj)),
         "reward/mean": float(rewards_t.mean()),
@@ -221,13 +237,12 @@ def prepare_sft(groups: list[Group], config: GRPOConfig, device: torch.device,
         best = max(rewarded, key=lambda t: float(t.reward))  # type: ignore[arg-type]
         seqs = _sequences(best, config, tokenizer, counters)
         if not seqs:
-            counters.skipped["no_assistant_tokens"] += 1
             continue
         per_traj.append((1.0, seqs))
         rewards_seen.append(float(best.reward))  # type: ignore[arg-type]
     if not per_traj:
         raise _nothing(groups, counters, "SFT needs a rewarded trajectory with assistant tokens in some group.")
-    rewards_t = torch.tensor(rewards_seen)
+    rewards_t = torch.tensor(rewards_seen, dtype=torch.float64)
     stats = {
         **_common_stats(groups, counters, len(per_traj), len(per_traj)),
         "reward/mean": float(rewards_t.mean()),

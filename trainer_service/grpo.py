@@ -48,21 +48,25 @@ __all__ = [
 def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """Return GRPO advantages of one group: `(r - mean(r)) / (std(r) + eps)`.
 
+    Computed in float64, so rewards beyond float32's range (about 3.4e38) still give finite
+    advantages when scaled.
+
     Args:
         rewards: 1-D tensor, one reward per trajectory of the group.
         scale: divide by the standard deviation (population, not sample); False keeps `r - mean(r)`.
         eps: added to the standard deviation so a near-constant group does not explode.
 
     Returns:
-        A float tensor shaped like `rewards`; all zeros when the rewards have no spread.
+        A float32 tensor shaped like `rewards`; all zeros when the rewards have no spread;
+        infinite or NaN where the result does not fit float32 (the caller checks).
     """
-    rewards = rewards.to(torch.float32)
+    rewards = rewards.to(torch.float64)
     if rewards.ndim != 1 or rewards.numel() == 0:
         raise ValueError(f"rewards must be a non-empty 1-D tensor, got shape {tuple(rewards.shape)}")
     centred = rewards - rewards.mean()
-    if not scale:
-        return centred
-    return centred / (rewards.std(correction=0) + eps)
+    if scale:
+        centred = centred / (rewards.std(correction=0) + eps)
+    return centred.to(torch.float32)
 
 
 def kept_token_logprobs(kept_logits: torch.Tensor, token_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

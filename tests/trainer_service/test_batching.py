@@ -9,7 +9,7 @@ import torch
 from collector.protocol import Group, Sequence, Trajectory
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tests.trainer_service.test_training import BAD, GOOD, PROMPT, group, make_trainer
+from tests.trainer_service.test_training import BAD, GOOD, PROMPT, group, make_trainer, trajectory
 from trainer_service.base_model import resolve_base_model
 from trainer_service.batching import (
     NothingTrainableError,
@@ -69,8 +69,63 @@ def test_long_sequences_truncate_or_skip() -> None:
     cut = prepare_grpo([g], GRPOConfig(max_seq_len=limit), CPU)
     assert cut.stats["data/truncated_sequences"] == 1
     assert sorted(int(i.token_ids.numel()) for i in cut.items) == [limit, limit]
-    with pytest.raises(NothingTrainableError, match="too_long_sequences=1"):
+    with pytest.raises(NothingTrainableError, match="too_long_sequences=1") as info:
         prepare_grpo([g], GRPOConfig(max_seq_len=limit, max_seq_len_policy="skip"), CPU)
+    assert "no_assistant_tokens" not in str(info.value)  # one dropped trajectory, one reason
+
+
+def test_advantages_and_reward_stats_cover_only_the_trajectories_trained() -> None:
+    trainer = make_trainer()
+    g = group(trainer, (1.0, 0.0))
+    g.trajectories.append(trajectory(trainer, BAD, 0.5, "g-c"))
+    skip = GRPOConfig(max_seq_len=len(PROMPT) + len(BAD), max_seq_len_policy="skip")  # GOOD (reward 1) is too long
+    batch = prepare_grpo([g], skip, CPU)
+    # rewards 0 and 0.5 are trained: advantages ±1 and the stats of those two, not of [1, 0, 0.5]
+    assert [round(i.advantage, 4) for i in batch.items] == [-1.0, 1.0]
+    assert batch.stats["reward/mean"] == 0.25 and batch.stats["reward/std"] == 0.25
+    assert batch.stats["data/trajectories"] == 2 and batch.stats["data/skipped/too_long_sequences"] == 1
+    assert "data/skipped/no_assistant_tokens" not in batch.stats
+    # rewards [1, 0, 0] with the 1 dropped: the two left share a reward, so nothing trains
+    g.trajectories[2].reward = 0.0
+    with pytest.raises(NothingTrainableError, match="no_reward_spread=1, too_long_sequences=1. ") as info:
+        prepare_grpo([g], skip, CPU)
+    assert "no_assistant_tokens" not in str(info.value)
+
+
+def test_a_trajectory_truncated_to_its_prompt_is_left_out_before_the_advantages() -> None:
+    trainer = make_trainer()
+    g = group(trainer, (1.0, 0.0))
+    long_prompt = trajectory(trainer, BAD, 0.9, "g-c")
+    seq, pad = long_prompt.sequences[0], 10
+    seq.token_ids = PROMPT + [5] * pad + BAD
+    seq.logprobs = [None] * (len(PROMPT) + pad) + seq.logprobs[len(PROMPT):]
+    seq.assistant_mask = [0] * (len(PROMPT) + pad) + [1] * len(BAD)
+    g.trajectories.append(long_prompt)
+    batch = prepare_grpo([g], GRPOConfig(max_seq_len=len(PROMPT) + len(GOOD)), CPU)  # cut inside its prompt
+    assert batch.stats["data/truncated_sequences"] == 1 and batch.stats["data/skipped/no_assistant_tokens"] == 1
+    assert [round(i.advantage, 4) for i in batch.items] == [1.0, -1.0]  # rewards 1 and 0, not [1, 0, 0.9]
+    assert batch.stats["reward/mean"] == 0.5 and batch.stats["data/trajectories"] == 2
+
+
+def test_rewards_beyond_float32_scale_to_finite_advantages_or_are_counted() -> None:
+    trainer = make_trainer()
+    huge = group(trainer, (1e39, 0.0))
+    batch = prepare_grpo([huge], trainer.config, CPU)
+    assert [round(i.advantage, 4) for i in batch.items] == [1.0, -1.0]
+    assert batch.stats["reward/mean"] == pytest.approx(5e38) and math.isfinite(batch.stats["advantage/std"])
+    # unscaled, an advantage of 5e38 does not fit float32: the group is left out and counted
+    with pytest.raises(NothingTrainableError, match="nonfinite_advantages=1"):
+        prepare_grpo([huge], GRPOConfig(scale_rewards=False), CPU)
+
+
+def test_infinite_engine_logprobs_are_missing() -> None:
+    trainer = make_trainer()
+    g = group(trainer, (1.0, 0.0))
+    seq = g.trajectories[0].sequences[0]
+    seq.logprobs = [*seq.logprobs[:-2], -math.inf, seq.logprobs[-1]]
+    item = prepare_grpo([g], trainer.config, CPU).items[0]
+    assert math.isnan(float(item.old_logprobs[-2])) and not item.old_logprobs[-1].isnan()
+    assert prepare_grpo([g], trainer.config, CPU).stats["data/missing_logprobs"] == 1
 
 
 def test_advantage_stats_are_reported() -> None:

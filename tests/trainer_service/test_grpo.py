@@ -216,3 +216,8 @@ def test_importance_ratio_is_clamped_and_differentiable_inside_the_bound() -> No
     assert torch.allclose(ratio.detach(), torch.tensor([math.exp(0.5), math.exp(MAX_LOG_RATIO), math.exp(-MAX_LOG_RATIO)]))
     ratio.sum().backward()
     assert new.grad is not None and new.grad.tolist() == [pytest.approx(math.exp(0.5)), 0.0, 0.0]
+
+
+def test_group_advantages_of_rewards_beyond_float32() -> None:
+    assert group_advantages(torch.tensor([1e39, 0.0], dtype=torch.float64)).tolist() == [1.0, -1.0]
+    assert group_advantages(torch.tensor([1e39, 0.0], dtype=torch.float64)).dtype == torch.float32
