@@ -296,9 +296,19 @@ class GRPOConfig:
         default="ppo",
         metadata={"help": "Policy loss: `ppo` (clipped importance ratio) or `cispo` (clipped, stop-gradient weight)."},
     )
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clip range: the ratio is kept above 1 - epsilon."})
+    epsilon: float = field(
+        default=0.2,
+        metadata={
+            "help": "Lower clip range of `ppo`: the ratio is clipped below at 1 - epsilon. `cispo` has no lower "
+            "bound and uses epsilon only as the upper range when epsilon_high is None."
+        },
+    )
     epsilon_high: float | None = field(
-        default=None, metadata={"help": "Upper clip range (ratio below 1 + epsilon_high); None means epsilon."}
+        default=None,
+        metadata={
+            "help": "Upper clip range: `ppo` clips the ratio above at 1 + epsilon_high, `cispo` caps its weight "
+            "at 1 + epsilon_high. None means epsilon (a cap of 1 + epsilon for both)."
+        },
     )
     scale_rewards: bool = field(
         default=True, metadata={"help": "Divide advantages by the group's reward standard deviation."}

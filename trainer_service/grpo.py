@@ -217,8 +217,9 @@ def policy_loss(
         advantages: per-token (or scalar) advantage.
         mask: 1.0 on assistant tokens, 0.0 elsewhere.
         weight: per-token (or scalar) weight, see `trajectory_token_weights`.
-        epsilon: lower clip range.
-        epsilon_high: upper clip range; None means `epsilon`.
+        epsilon: lower clip range (`ppo`: ratio >= 1 - epsilon; `cispo` has no lower bound).
+        epsilon_high: upper clip range (`ppo`: ratio <= 1 + epsilon_high; `cispo`: weight capped
+            at 1 + epsilon_high); None means `epsilon`.
         level: `token` (a ratio per token) or `sequence` (every assistant token shares
             `exp(mean(new - old))`, with the gradient of that mean).
         ref_logprobs: per-token log-probs of the reference (base) model; with `kl_coef > 0`

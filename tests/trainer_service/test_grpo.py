@@ -221,3 +221,15 @@ def test_importance_ratio_is_clamped_and_differentiable_inside_the_bound() -> No
 def test_group_advantages_of_rewards_beyond_float32() -> None:
     assert group_advantages(torch.tensor([1e39, 0.0], dtype=torch.float64)).tolist() == [1.0, -1.0]
     assert group_advantages(torch.tensor([1e39, 0.0], dtype=torch.float64)).dtype == torch.float32
+
+
+def test_cispo_bounds_its_weight_from_above_only_as_documented() -> None:
+    new, old = torch.log(torch.tensor([2.0, 0.1])), torch.zeros(2)  # ratios 2 and 0.1
+
+    def loss(**eps: float | None) -> float:
+        return float(policy_loss("cispo", new, old, 1.0, torch.ones(2), 1.0, **eps).loss)  # type: ignore[arg-type]
+
+    # weight = [min(2, 1 + cap), 0.1]: the lower epsilon never lifts 0.1 and never matters beside epsilon_high
+    assert loss(epsilon=0.1, epsilon_high=0.3) == loss(epsilon=0.9, epsilon_high=0.3) == pytest.approx(
+        -(1.3 * math.log(2.0) + 0.1 * math.log(0.1)), rel=1e-6)
+    assert loss(epsilon=0.5) == pytest.approx(-(1.5 * math.log(2.0) + 0.1 * math.log(0.1)), rel=1e-6)  # cap 1 + epsilon
