@@ -179,17 +179,21 @@ class PolicyLossOutput:
     """A weighted loss over some tokens plus the sums its metrics are made of."""
 
     loss: torch.Tensor
-    """Scalar: sum over tokens of `weight * mask * token loss` (call backward on it)."""
+    """Scalar: sum over tokens of `weight * mask * token loss`, KL penalty included (call backward on it)."""
+    policy: float
+    """The policy term of `loss` alone (without the KL penalty)."""
     tokens: float
     """Number of assistant tokens counted."""
     clipped_tokens: float
     """Assistant tokens where the clip was active."""
     ratio_sum: float
-    """Sum of the importance ratio over assistant tokens."""
+    """Sum of the importance ratio over the `known_tokens`."""
     kl_sum: float = 0.0
     """Sum of the per-token KL estimate to the reference over assistant tokens (0 without one)."""
     gap_sum: float = 0.0
-    """Sum over assistant tokens of `|new - old|` log-prob (0 where the engine's is unknown)."""
+    """Sum of `|new - old|` log-prob over the `known_tokens`."""
+    known_tokens: float = 0.0
+    """Assistant tokens with a finite engine log-prob (the ones `ratio_sum` and `gap_sum` cover)."""
 
 
 def policy_loss(
@@ -247,21 +251,24 @@ def policy_loss(
         raise ValueError(f"unknown importance sampling level {level!r}; choose one of {sorted(IMPORTANCE_LEVELS)}") from None
     terms = fn(new, old, torch.as_tensor(advantages, dtype=new_logprobs.dtype), epsilon,
                epsilon if epsilon_high is None else epsilon_high)
-    per_token = terms.loss
+    policy = (terms.loss * mask * weight).sum()
+    loss = policy
     kl_sum = 0.0
     if ref_logprobs is not None:
         kl = kl_k3(new_logprobs, ref_logprobs.to(new_logprobs.dtype))
         kl_sum = float((kl.detach() * mask).sum())
         if kl_coef:
-            per_token = per_token + kl_coef * kl
-    loss = (per_token * mask * weight).sum()
+            loss = policy + (kl_coef * kl * mask * weight).sum()
+    counted = known.to(mask.dtype)  # tokens without an engine log-prob have no ratio or gap to report
     return PolicyLossOutput(
         loss=loss,
+        policy=float(policy.detach()),
         tokens=float(mask.sum()),
         clipped_tokens=float((terms.clipped.to(mask.dtype) * mask).sum()),
-        ratio_sum=float((terms.ratio * mask).sum()),
+        ratio_sum=float((terms.ratio * counted).sum()),
         kl_sum=kl_sum,
-        gap_sum=float(((new_logprobs.detach() - old).abs() * mask).sum()),
+        gap_sum=float(((new_logprobs.detach() - old).abs() * counted).sum()),
+        known_tokens=float(counted.sum()),
     )
 
 

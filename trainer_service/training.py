@@ -201,15 +201,15 @@ class LoRATrainer:
         batch = self.prepare(groups, "grpo")
         sums = self._accumulate(batch.items, self._grpo_loss)
         metrics = self._finish(started, batch, sums)
-        tokens = sums["tokens"]
-        metrics.update({
-            "loss/policy": sums["loss"],
-            "loss/clip_fraction": sums["clipped"] / tokens,
-            "loss/ratio_mean": sums["ratio"] / tokens,
-            "loss/logprob_gap": sums["gap"] / tokens,
-        })
+        tokens, known = sums["tokens"], sums["known"]
+        metrics["loss/policy"] = sums["policy"]
+        metrics["loss/clip_fraction"] = sums["clipped"] / tokens
+        if known:  # over the tokens with an engine log-prob; none has one when every trajectory was re-tokenized
+            metrics["loss/ratio_mean"] = sums["ratio"] / known
+            metrics["loss/logprob_gap"] = sums["gap"] / known
         if self.config.kl_coef > 0:
             metrics["loss/kl"] = sums["kl"] / tokens
+            metrics["loss/total"] = sums["loss"]
         self.last_metrics = metrics
         return metrics
 
@@ -278,7 +278,8 @@ class LoRATrainer:
     def _sft_loss(items: list[TrainItem], new: torch.Tensor) -> PolicyLossOutput:
         mask = _cat_masks(items)
         weight = _per_token([item.weight for item in items], _row_lengths(items))
-        return PolicyLossOutput(loss=-(new * mask * weight).sum(), tokens=float(mask.sum()), clipped_tokens=0.0,
+        loss = -(new * mask * weight).sum()
+        return PolicyLossOutput(loss=loss, policy=float(loss.detach()), tokens=float(mask.sum()), clipped_tokens=0.0,
                                 ratio_sum=0.0)
 
     def _accumulate(self, items: list[TrainItem],
@@ -300,17 +301,19 @@ class LoRATrainer:
             items = shard_items(items, dist.get_rank(), dist.get_world_size())
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = dict.fromkeys(("loss", "tokens", "clipped", "ratio", "kl", "gap"), 0.0)
+        sums = dict.fromkeys(("loss", "policy", "tokens", "clipped", "ratio", "kl", "gap", "known"), 0.0)
         tokens = self.config.micro_batch_tokens or _MICRO_BATCH_TOKENS.get(self.device.type, _MICRO_BATCH_TOKENS["cpu"])
         for chunk in micro_batches(items, self.config.micro_batch_size, tokens):
             out = loss_fn(chunk, self._logprobs(chunk))
             out.loss.backward()
             sums["loss"] += float(out.loss.detach())
+            sums["policy"] += out.policy
             sums["tokens"] += out.tokens
             sums["clipped"] += out.clipped_tokens
             sums["ratio"] += out.ratio_sum
             sums["kl"] += out.kl_sum
             sums["gap"] += out.gap_sum
+            sums["known"] += out.known_tokens
         params = [p for p in self.model.parameters() if p.requires_grad]
         if distributed:
             self._sum_over_ranks(params, sums)

@@ -94,8 +94,9 @@ def test_policy_loss_masks_weights_and_metrics() -> None:
     out = policy_loss("ppo", new, old, 2.0, mask, 0.25)
     # on-policy everywhere that counts: loss per token = -2, 3 tokens, weight 0.25
     assert math.isclose(float(out.loss.detach()), -1.5, rel_tol=1e-6)
-    assert out.tokens == 3 and out.clipped_tokens == 0 and out.ratio_sum == 3
-    assert out.gap_sum == 0  # neither the placeholder nor the missing logprob counts as a gap
+    assert out.tokens == 3 and out.clipped_tokens == 0
+    # the ratio and the gap cover the two tokens with an engine logprob, not the missing one
+    assert out.known_tokens == 2 and out.ratio_sum == 2 and out.gap_sum == 0
     with pytest.raises(ValueError, match="unknown policy loss"):
         policy_loss("nope", new, old, 1.0, mask, 1.0)
 
@@ -158,6 +159,7 @@ def test_kl_k3_values_and_penalty() -> None:
     with_kl = policy_loss("ppo", new, new.detach(), 0.0, mask, 0.5, ref_logprobs=ref, kl_coef=0.1)
     assert plain.loss.item() == 0.0
     assert with_kl.loss.item() == pytest.approx(0.1 * 0.5 * (math.e - 2.0), rel=1e-6)
+    assert with_kl.policy == plain.policy == 0.0  # the policy term alone: the KL penalty is not in it
     assert with_kl.kl_sum == pytest.approx(math.e - 2.0, rel=1e-6)
 
 
@@ -205,8 +207,8 @@ def test_far_or_infinite_engine_logprobs_keep_loss_and_gradient_finite(name: str
     out.loss.backward()
     assert math.isfinite(float(out.loss.detach())) and math.isfinite(out.ratio_sum)
     assert new.grad is not None and bool(torch.isfinite(new.grad).all())
-    # token 1's log-ratio is clamped: its ratio is e^MAX_LOG_RATIO; the infinite ones count as on-policy
-    assert out.ratio_sum == pytest.approx(2.0 + math.exp(MAX_LOG_RATIO), rel=1e-6)
+    # token 1's log-ratio is clamped: its ratio is e^MAX_LOG_RATIO; the infinite ones are unknown (on-policy)
+    assert out.known_tokens == 2 and out.ratio_sum == pytest.approx(1.0 + math.exp(MAX_LOG_RATIO), rel=1e-6)
     assert out.gap_sum == pytest.approx(9997.0)
 
 

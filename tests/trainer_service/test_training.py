@@ -99,7 +99,9 @@ def test_logprob_gap_measures_how_far_the_engine_disagrees() -> None:
     for t in shifted.trajectories:  # an engine that reports every sampled token 0.1 nats likelier
         seq = t.sequences[0]
         seq.logprobs = [None if lp is None else lp + 0.1 for lp in seq.logprobs]
+        seq.logprobs[-1] = None  # an unknown one is neither a gap of 0 nor a ratio of 1
     metrics = trainer.step([shifted])
+    assert metrics["data/missing_logprobs"] == 2
     assert metrics["loss/logprob_gap"] == pytest.approx(0.1, abs=1e-4)
     assert metrics["loss/ratio_mean"] == pytest.approx(math.exp(-0.1), rel=1e-4)
 
@@ -273,6 +275,13 @@ def test_kl_to_the_base_is_zero_before_training_and_grows_after() -> None:
     for _ in range(2):
         metrics = trainer.step([group(trainer, (1.0, 0.0))])
     assert metrics["loss/kl"] > 1e-6
+    # loss/policy is the policy term alone, the one a trainer without the penalty reports on the same step
+    without_kl = make_trainer()
+    without_kl.restore(trainer.snapshot())
+    groups = [group(trainer, (1.0, 0.0))]
+    got, want = trainer.step(groups), without_kl.step(groups)
+    assert got["loss/policy"] == pytest.approx(want["loss/policy"], rel=1e-5, abs=1e-7)
+    assert got["loss/total"] > got["loss/policy"] and "loss/total" not in want
 
 
 def test_sequence_level_importance_sampling_learns() -> None:
