@@ -1,9 +1,11 @@
 """`VLLMEngine`: starts vLLM's OpenAI server as a child process and keeps it alive.
 
 The engine serves the base model under its name and every LoRA checkpoint hot-loaded with
-`load_adapter`. When the child dies, `ensure_running` starts it again and re-loads the
-adapters, in the order they were first loaded. vLLM runs in its own process group (stopped as
-a whole) and gets SIGTERM if the service dies, even by SIGKILL (`parent_death`).
+`load_adapter`. From `start` until `stop`, `ensure_running` keeps it serving: when the child
+died, its last start failed, or it stopped answering `/health`, it stops the old process group
+and starts vLLM again, re-loading the adapters in the order they were first loaded; an adapter
+vLLM refuses then stays pending and is retried by the next call. vLLM runs in its own process
+group (stopped as a whole) and gets SIGTERM if the service dies, even by SIGKILL (`parent_death`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,20 @@ from trainer_service.parent_death import launch_command
 from trainer_service.vllm_cpu_matmul import MATMUL_DTYPE_ENV
 from trainer_service.vllm_cpu_threads import EngineThreads
 
-__all__ = ["EngineError", "VLLMEngine"]
+__all__ = ["HEALTH_FAILURES_BEFORE_RESTART", "EngineError", "VLLMEngine"]
 
 logger = logging.getLogger(__name__)
+
+HEALTH_FAILURES_BEFORE_RESTART = 3
+"""Failed `/health` checks in a row after which `ensure_running` restarts a vLLM that still runs. One slow
+answer is not a hang (training and sampling can hold every core of a CPU machine for seconds), and a restart
+drops every request in flight, so it takes three: at the service's watchdog interval of 10 s, about 30 s."""
+
+_HEALTH_CHECK_TIMEOUT = 10.0
+"""Seconds `ensure_running` waits for one `/health` answer (longer than `healthy`'s default, for a busy engine)."""
+
+_KILL_WAIT = 10.0
+"""Seconds to wait for vLLM's process group to end after SIGKILL."""
 
 
 class EngineError(RuntimeError):
@@ -90,11 +103,31 @@ class VLLMEngine:
         self.extra_args = list(extra_args or [])
         self.log_path = Path(log_path)
         self.startup_timeout = startup_timeout
-        self.adapters: dict[str, str] = {}
-        """Loaded adapters, name → folder, in load order."""
         self.restarts = 0
+        """Restarts `ensure_running` attempted."""
+        self.last_restart_reason: str | None = None
+        """Why `ensure_running` last restarted vLLM."""
+        self._registered: dict[str, str] = {}
+        self._pending: set[str] = set()
+        self._supervised = False
+        self._failed_health_checks = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.RLock()
+
+    # The two views below take no lock (a restart holds it for minutes, and the proxy resolves names
+    # on its event loop); copying a dict or a set is atomic, so each sees one consistent state.
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """Adapters vLLM serves, name → folder, in load order (pending ones left out)."""
+        registered, pending = dict(self._registered), set(self._pending)
+        return {name: path for name, path in registered.items() if name not in pending}
+
+    @property
+    def pending_adapters(self) -> list[str]:
+        """Adapters loaded once that vLLM does not serve since a restart; `ensure_running` retries them."""
+        registered, pending = dict(self._registered), set(self._pending)
+        return [name for name in registered if name in pending]
 
     @property
     def base_url(self) -> str:
@@ -155,15 +188,17 @@ class VLLMEngine:
             return "".join(deque(handle, maxlen=lines))
 
     def start(self) -> None:
-        """Start vLLM and block until it is healthy.
+        """Start vLLM, block until it is healthy, and supervise it (`ensure_running`) until `stop`.
 
         Raises:
-            EngineError: the process exited or did not answer `/health` within the timeout;
-                the message carries the end of its log.
+            EngineError: the process exited or did not answer `/health` within the timeout (its
+                process group is then stopped); the message carries the end of its log.
         """
         with self._lock:
             if self.is_alive():
                 raise EngineError(f"vLLM runs already (pid {self.pid}); call stop() first")
+            self._supervised = True
+            self._failed_health_checks = 0
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = self.log_path.open("ab")
             logger.info("starting vLLM: %s (log: %s)", " ".join(self.command()), self.log_path)
@@ -182,6 +217,7 @@ class VLLMEngine:
         while time.monotonic() < deadline:
             code = self._proc.poll()
             if code is not None:
+                self._stop_group()
                 raise EngineError(
                     f"vLLM exited with code {code} while starting. Last lines of {self.log_path}:\n{self.log_tail()}"
                 )
@@ -189,41 +225,105 @@ class VLLMEngine:
                 logger.info("vLLM is healthy at %s (pid %s)", self.base_url, self.pid)
                 return
             time.sleep(1.0)
-        self.stop()
+        self._stop_group()
         raise EngineError(
             f"vLLM did not become healthy within {self.startup_timeout:.0f} s (raise vllm_startup_timeout on a "
             f"slow machine). Last lines of {self.log_path}:\n{self.log_tail()}"
         )
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the child (SIGTERM to its process group, SIGKILL after `timeout`). Idempotent."""
+        """Stop supervising and stop the child's process group (SIGTERM, SIGKILL after `timeout`). Idempotent.
+
+        Raises:
+            EngineError: a process of the group outlived SIGKILL.
+        """
         with self._lock:
-            proc, self._proc = self._proc, None
-            if proc is None or proc.poll() is not None:
-                return
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                logger.warning("vLLM (pid %s) ignored SIGTERM for %.0f s; killing it", proc.pid, timeout)
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            except ProcessLookupError:
-                proc.wait()
+            self._supervised = False
+            self._stop_group(timeout)
+
+    def _stop_group(self, timeout: float = 30.0) -> None:
+        """Stop every process of the child's group, also when the child itself is gone (vLLM's engine
+        core process may outlive its API server and keep the port and the memory)."""
+        proc = self._proc
+        if proc is None:
+            return
+        pgid = proc.pid  # the child leads its own session and group
+        if not _wait_group(proc, 0.0):
+            _signal_group(pgid, signal.SIGTERM)
+            if not _wait_group(proc, timeout):
+                logger.warning("vLLM (process group %s) ignored SIGTERM for %.0f s; killing it", pgid, timeout)
+                _signal_group(pgid, signal.SIGKILL)
+                if not _wait_group(proc, _KILL_WAIT):
+                    raise EngineError(f"vLLM's process group {pgid} still runs {_KILL_WAIT:.0f} s after SIGKILL "
+                                      "(a process stuck in the kernel?); the next ensure_running tries again")
+        proc.wait()
+        self._proc = None
 
     def ensure_running(self) -> bool:
-        """Restart vLLM if it died, re-loading every adapter. Returns True when it restarted."""
+        """Keep vLLM serving between `start` and `stop`.
+
+        Restarts it (stopping the old process group first, then re-loading every adapter) when it
+        died, its last start failed, or it failed `HEALTH_FAILURES_BEFORE_RESTART` health checks in
+        a row; while it serves, retries the pending adapters. Call it periodically.
+
+        Returns:
+            True when it restarted vLLM.
+
+        Raises:
+            EngineError: the restart failed, or adapters failed to load (named; they stay pending).
+                The next call tries again.
+        """
         with self._lock:
-            if self._proc is None or self.is_alive():
+            if not self._supervised:
                 return False
-            code = self._proc.poll()
-            logger.error("vLLM died with code %s; restarting. Log tail:\n%s", code, self.log_tail(20))
-            self._proc = None
+            reason = self._restart_reason()
+            if reason is None:
+                if self._pending and self._failed_health_checks == 0:
+                    self._load_pending()
+                return False
             self.restarts += 1
+            self.last_restart_reason = reason
+            logger.error("restarting vLLM (restart %d): %s. Log tail:\n%s", self.restarts, reason, self.log_tail(20))
+            self._pending = set(self._registered)
+            self._stop_group()
             self.start()
-            for name, path in list(self.adapters.items()):
-                self._post_adapter("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            self._load_pending()
             return True
+
+    def _restart_reason(self) -> str | None:
+        """Why vLLM needs a restart now, or None; counts failed health checks of a running vLLM."""
+        if self._proc is None:
+            return "its last start failed"
+        code = self._proc.poll()
+        if code is not None:
+            return f"it exited with code {code}"
+        if self.healthy(timeout=_HEALTH_CHECK_TIMEOUT):
+            self._failed_health_checks = 0
+            return None
+        self._failed_health_checks += 1
+        if self._failed_health_checks < HEALTH_FAILURES_BEFORE_RESTART:
+            logger.warning("vLLM (pid %s) failed a health check (%d in a row; restarted at %d)",
+                           self.pid, self._failed_health_checks, HEALTH_FAILURES_BEFORE_RESTART)
+            return None
+        return f"it runs (pid {self.pid}) but failed {self._failed_health_checks} health checks in a row"
+
+    def _load_pending(self) -> None:
+        """Load every pending adapter, in load order; those vLLM refuses stay pending.
+
+        Raises:
+            EngineError: naming each adapter that failed and why.
+        """
+        failures: list[str] = []
+        for name in self.pending_adapters:
+            try:
+                self._post_adapter("/v1/load_lora_adapter", {"lora_name": name, "lora_path": self._registered[name]})
+            except EngineError as exc:
+                failures.append(f"{name}: {exc}")
+                continue
+            self._pending.discard(name)
+        if failures:
+            raise EngineError(f"vLLM did not re-load {len(failures)} adapter(s); they are not served and are "
+                              "retried at the next check:\n" + "\n".join(failures))
 
     def load_adapter(self, name: str, path: str | Path) -> None:
         """Hot-load the PEFT adapter folder `path` as model `name`.
@@ -234,13 +334,17 @@ class VLLMEngine:
         path = str(Path(path).resolve())
         with self._lock:
             self._post_adapter("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
-            self.adapters[name] = path
+            self._registered[name] = path
+            self._pending.discard(name)
 
     def unload_adapter(self, name: str) -> None:
-        """Unload adapter `name` from vLLM."""
+        """Unload adapter `name` from vLLM (a pending one is only forgotten: vLLM does not have it)."""
         with self._lock:
-            self._post_adapter("/v1/unload_lora_adapter", {"lora_name": name})
-            self.adapters.pop(name, None)
+            if name in self._pending:
+                self._pending.discard(name)
+            else:
+                self._post_adapter("/v1/unload_lora_adapter", {"lora_name": name})
+            self._registered.pop(name, None)
 
     def _post_adapter(self, route: str, body: dict[str, str]) -> None:
         try:
@@ -249,3 +353,44 @@ class VLLMEngine:
             raise EngineError(f"vLLM at {self.base_url} did not answer {route}: {exc}") from exc
         if response.status_code != 200:
             raise EngineError(f"vLLM refused {route} for {body}: HTTP {response.status_code}: {response.text[:500]}")
+
+
+def _group_runs(pgid: int) -> bool:
+    """True while a process of group `pgid` runs. Zombies do not count: they hold no memory or port, and an
+    orphan's zombie stays until its new parent reaps it (which a container's init may never do)."""
+    if not sys.platform.startswith("linux"):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, _ppid, group = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (FileNotFoundError, ProcessLookupError):  # it ended while we looked
+            continue
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
+
+
+def _wait_group(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait up to `timeout` seconds until no process of `proc`'s group runs, reaping `proc`; True once none does."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc.poll()
+        if not _group_runs(proc.pid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Send `sig` to process group `pgid`; a group that ended meanwhile is fine."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass

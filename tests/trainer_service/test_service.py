@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,7 @@ from tests.trainer_service.test_training import group, make_trainer
 
 from trainer_service.config import GRPOConfig, TrainerSettings
 from trainer_service.distributed import TrainLauncher
-from trainer_service.engine import EngineError, VLLMEngine
+from trainer_service.engine import HEALTH_FAILURES_BEFORE_RESTART, EngineError, VLLMEngine
 from trainer_service.evaluation import Evaluator
 from trainer_service.protocol import ServiceError
 from trainer_service.service import TrainerService
@@ -163,24 +164,46 @@ def test_engine_death_reports_log_tail(tmp_path: Path) -> None:
 
 
 _FAKE_VLLM = """
-import http.server, sys
+import http.server, json, os, subprocess, sys, time
+if "--silent" in sys.argv:  # never answers: a start that times out
+    time.sleep(600)
+if "--with-child" in sys.argv:  # a second process in the group, as vLLM's engine core is
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print("CHILD", child.pid, flush=True)
+hung = False
 class H(http.server.BaseHTTPRequestHandler):
-    def _ok(self):
-        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
-    def do_GET(self): self._ok()
+    def _send(self, code):
+        self.send_response(code); self.end_headers(); self.wfile.write(b"{}")
+    def do_GET(self): self._send(503 if hung else 200)
     def do_POST(self):
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        print("POST", self.path, body.decode(), flush=True); self._ok()
+        global hung
+        raw = self.rfile.read(int(self.headers["Content-Length"]))
+        print("POST", self.path, raw.decode(), flush=True)
+        body = json.loads(raw)
+        hung = hung or self.path == "/hang"  # from now on /health fails while the process runs
+        self._send(400 if "lora_path" in body and not os.path.exists(body["lora_path"]) else 200)
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 
-def test_engine_restarts_and_reloads_adapters(tmp_path: Path) -> None:
-    class Fake(VLLMEngine):
-        def command(self) -> list[str]:
-            return [sys.executable, "-c", _FAKE_VLLM, str(self.port)]
+class FakeVLLM(VLLMEngine):
+    """The engine's real supervision around `_FAKE_VLLM`: refuses an adapter whose folder is missing,
+    `/health` fails after `POST /hang`; `fake_args` picks `--silent` or `--with-child`."""
 
-    engine = Fake("model", "base", 18997, log_path=tmp_path / "vllm.log", startup_timeout=30)
+    fake_args: list[str] = []
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", _FAKE_VLLM, str(self.port), *self.fake_args]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_engine_restarts_and_reloads_adapters(tmp_path: Path) -> None:
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
     engine.start()
     try:
         engine.load_adapter("agent@1", tmp_path)
@@ -195,6 +218,88 @@ def test_engine_restarts_and_reloads_adapters(tmp_path: Path) -> None:
     finally:
         engine.stop()
     assert not engine.is_alive()
+
+
+def test_engine_reloads_every_adapter_and_retries_the_refused(tmp_path: Path) -> None:
+    first, second = tmp_path / "a1", tmp_path / "a2"
+    first.mkdir()
+    second.mkdir()
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.start()
+    try:
+        engine.load_adapter("agent@1", first)
+        engine.load_adapter("agent@2", second)
+        first.rmdir()  # vLLM now refuses agent@1
+        os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        engine._proc.wait()  # type: ignore[union-attr]
+        with pytest.raises(EngineError) as refused:
+            engine.ensure_running()
+        assert engine.healthy() and engine.restarts == 1
+        assert engine.log_tail(200).count('"lora_name":"agent@2"') == 2  # re-loaded after the refusal
+        assert engine.adapters == {"agent@2": str(second)} and engine.pending_adapters == ["agent@1"]
+        assert "re-load 1 adapter" in str(refused.value) and "agent@1" in str(refused.value)
+        with pytest.raises(EngineError, match="agent@1"):  # retried, still refused
+            engine.ensure_running()
+        first.mkdir()
+        assert engine.ensure_running() is False  # retried and loaded, no restart
+        assert list(engine.adapters) == ["agent@1", "agent@2"] and engine.pending_adapters == []
+        assert engine.log_tail(200).count('"lora_name":"agent@1"') == 4 and engine.restarts == 1
+    finally:
+        engine.stop()
+
+
+def test_engine_retries_a_restart_that_timed_out(tmp_path: Path) -> None:
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=2)
+    engine.start()
+    try:
+        os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        engine._proc.wait()  # type: ignore[union-attr]
+        engine.fake_args = ["--silent"]
+        with pytest.raises(EngineError, match="did not become healthy"):
+            engine.ensure_running()
+        assert not engine.is_alive()
+        engine.fake_args = []  # it could start now
+        assert engine.ensure_running() is True
+        assert engine.healthy() and engine.restarts == 2 and engine.last_restart_reason == "its last start failed"
+    finally:
+        engine.stop()
+    assert engine.ensure_running() is False and not engine.is_alive()  # stopped: no longer supervised
+
+
+def test_engine_restarts_a_hung_engine(tmp_path: Path) -> None:
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.start()
+    try:
+        engine.load_adapter("agent@1", tmp_path)
+        hung_pid = engine.pid
+        assert hung_pid is not None
+        httpx.post(f"{engine.base_url}/hang", json={})
+        for _ in range(HEALTH_FAILURES_BEFORE_RESTART - 1):  # a few failed checks are tolerated
+            assert engine.ensure_running() is False and engine.pid == hung_pid
+        assert engine.ensure_running() is True
+        assert engine.pid != hung_pid and not _running(hung_pid) and engine.healthy()
+        assert engine.restarts == 1 and "health checks in a row" in (engine.last_restart_reason or "")
+        assert engine.log_tail(200).count('"lora_name":"agent@1"') == 2 and engine.pending_adapters == []
+    finally:
+        engine.stop()
+
+
+def test_engine_restart_stops_the_old_process_group(tmp_path: Path) -> None:
+    # vLLM's API server can die while its engine core child lives on, holding the port and the memory.
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.fake_args = ["--with-child"]
+    engine.start()
+    child = int(engine.log_tail().split("CHILD ")[1].split()[0])
+    try:
+        assert _running(child)
+        os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        engine._proc.wait()  # type: ignore[union-attr]
+        assert engine.ensure_running() is True
+        assert not _running(child), "the old engine's child outlived the restart"
+    finally:
+        engine.stop()
+        if _running(child):
+            os.kill(child, signal.SIGKILL)
 
 
 def _running(pid: int) -> bool:
