@@ -81,7 +81,11 @@ class EngineStatus(BaseModel):
 
     healthy: bool
     pid: int | None
-    restarts: int
+    restarts: int = Field(description="Restarts the supervisor attempted (vLLM died, its start failed, or it "
+                          "failed 3 health checks in a row).")
+    last_restart_reason: str | None = Field(default=None, description="Why vLLM was last restarted.")
+    pending_adapters: list[str] = Field(default_factory=list, description="Adapters vLLM refused to re-load after "
+                                        "a restart: not served, retried at every check.")
     url: str
     requests_in_flight: int = Field(description="Requests the proxy has sent to vLLM that are not answered yet.")
     training_threads: int = Field(description="torch threads of the training step now: more than its own while "

@@ -386,6 +386,8 @@ class TrainerService:
             last_error=self.last_error,
             allocator=self.allocator,
             engine=EngineStatus(healthy=healthy, pid=self.engine.pid, restarts=self.engine.restarts,
+                                last_restart_reason=self.engine.last_restart_reason,
+                                pending_adapters=self.engine.pending_adapters,
                                 url=self.engine.base_url, requests_in_flight=self.lender.in_flight,
                                 training_threads=self.lender.threads, dtype=self.engine.dtype,
                                 cpu_matmul_dtype=self.engine.cpu_matmul_dtype,
@@ -393,10 +395,13 @@ class TrainerService:
         )
 
     async def watch_engine(self, interval: float = 10.0) -> None:
-        """Forever: restart vLLM (re-loading adapters) when it dies. Run as a background task."""
+        """Forever, every `interval` seconds: `engine.ensure_running` (restart vLLM when it died or stopped
+        answering `/health`, re-load adapters). Run as a background task; a failure is logged, counted
+        (`engine_supervision_errors`) and tried again at the next check, so supervision never stops."""
         while True:
             await asyncio.sleep(interval)
             try:
                 await asyncio.to_thread(self.engine.ensure_running)
-            except EngineError:
-                logger.exception("restarting vLLM failed; retrying in %.0f s", interval)
+            except Exception:  # any error escaping this loop would end supervision for good; logged and counted
+                self.counters["engine_supervision_errors"] += 1
+                logger.exception("keeping vLLM serving failed; trying again in %.0f s", interval)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -36,6 +37,8 @@ class FakeEngine:
     base_url = "http://fake"
     pid = None
     restarts = 0
+    last_restart_reason = None
+    pending_adapters: list[str] = []
     dtype = "float32"
     cpu_matmul_dtype = "float32"
     threads = None
@@ -300,6 +303,21 @@ def test_engine_restart_stops_the_old_process_group(tmp_path: Path) -> None:
         engine.stop()
         if _running(child):
             os.kill(child, signal.SIGKILL)
+
+
+async def test_watchdog_survives_any_error(tmp_path: Path) -> None:
+    class Failing(FakeEngine):
+        def ensure_running(self) -> bool:
+            raise OSError("no more file descriptors")
+
+    settings = TrainerSettings(output_dir=tmp_path, wandb="off")
+    service = TrainerService(settings, GRPOConfig(), Failing(), make_trainer)  # type: ignore[arg-type]
+    watchdog = asyncio.create_task(service.watch_engine(interval=0.01))
+    await asyncio.sleep(0.2)
+    assert not watchdog.done(), "the watchdog ended: vLLM would never be restarted again"
+    assert service.counters["engine_supervision_errors"] >= 2
+    watchdog.cancel()
+    await service.aclose()
 
 
 def _running(pid: int) -> bool:
