@@ -255,8 +255,16 @@ class TrainerService:
                 "its lease will expire and the collector will offer it again.", type="server_error",
             ) from exc
         self.steps.append(step)
-        await self._ack(batch.id, step)
-        self.last_error = None
+        # The step is served from here on: gate, retention and metrics run whatever the ack does;
+        # a failed ack is reported once they are done.
+        ack_error: ServiceError | None = None
+        try:
+            await self._ack(batch.id, step)
+        except ServiceError as exc:
+            ack_error = exc
+            self.counters["ack_failures"] += 1
+            logger.error("step %s is served but its batch was not acked: %s", step, exc)
+        metrics["collector/ack_failed"] = float(ack_error is not None)
         decision = await self.gate.judge(step, self.steps)
         if decision.eval_reward is not None:
             metrics["eval/reward"] = decision.eval_reward
@@ -268,6 +276,9 @@ class TrainerService:
         except OSError:
             self.counters["metrics_write_errors"] += 1
             logger.exception("metrics of step %s could not be written", step)
+        if ack_error is not None:
+            raise ack_error
+        self.last_error = None
         return TrainResponse(step=step, model=self.model_name(step), checkpoint=str(path), batch_id=batch.id,
                              kind=kind, latest_model=self.latest_model, promotion=decision, metrics=metrics)
 

@@ -64,9 +64,12 @@ class FakeEngine:
 
 def make_service(tmp_path: Path, batches: list[Batch], acks: list[tuple[str, dict]], *,
                  evaluator: Evaluator | None = None, launcher: TrainLauncher | None = None,
-                 trainer_factory: Callable[[], LoRATrainer] = make_trainer,
+                 trainer_factory: Callable[[], LoRATrainer] = make_trainer, ack_status: int = 200,
                  **settings_overrides: Any) -> TrainerService:
-    """A service on the tiny Llama with a scripted collector (its published HTTP API, in process)."""
+    """A service on the tiny Llama with a scripted collector (its published HTTP API, in process).
+
+    The collector answers acks with `ack_status` (recorded in `acks` either way).
+    """
 
     def handle(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/batches":
@@ -77,7 +80,7 @@ def make_service(tmp_path: Path, batches: list[Batch], acks: list[tuple[str, dic
                      for b in batches for g in b.groups]
             return httpx.Response(200, json=ready)
         acks.append((request.url.path.split("/")[3], json.loads(request.content)))
-        return httpx.Response(200, json={})
+        return httpx.Response(ack_status, json={})
 
     settings = TrainerSettings(**{"output_dir": tmp_path, "name": "agent", "wandb": "off", **settings_overrides})
     service = TrainerService(settings, GRPOConfig(), FakeEngine(), trainer_factory,  # type: ignore[arg-type]
@@ -128,6 +131,29 @@ async def test_nothing_trainable_is_422_and_acked(tmp_path: Path) -> None:
     assert info.value.status == 422 and "no_reward_spread=1" in info.value.body.error.message
     assert acks == [("flat", {"policy_step": None})]
     assert service.steps == [] and service.last_error is not None
+    await service.aclose()
+
+
+async def test_failed_ack_still_gates_retains_and_records_the_step(tmp_path: Path) -> None:
+    acks: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, acks, ack_status=500, keep_last=1)
+    assert service.trainer is not None
+    for index in (1, 2):
+        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+        with pytest.raises(ServiceError) as info:
+            await service.train_once()
+        assert info.value.status == 502 and info.value.body.error.code == "ack_failed"
+        assert f"step {index} is saved and served" in info.value.body.error.message
+    # The steps were served, so the gate, retention and metrics ran as for an acked step.
+    assert acks == [("b1", {"policy_step": 1}), ("b2", {"policy_step": 2})]
+    assert service.resolve("agent@latest") == "agent@2" and service.steps == [2]
+    assert sorted(service.engine.adapters) == ["agent@2"]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2] and all(line["collector/ack_failed"] == 1.0 for line in lines)
+    status = await service.status()
+    assert status.last_metrics["step"] == 2 and status.counters["ack_failures"] == 2
+    assert status.last_error is not None and "ack of batch b2" in status.last_error
     await service.aclose()
 
 
