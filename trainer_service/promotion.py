@@ -15,7 +15,7 @@ from collections.abc import Callable
 from trainer_service.checkpoints import CheckpointStore
 from trainer_service.config import TrainerSettings
 from trainer_service.evaluation import EvalError, Evaluator
-from trainer_service.protocol import PromotionDecision
+from trainer_service.protocol import PromotionDecision, ServiceError
 
 __all__ = ["PromotionGate"]
 
@@ -62,16 +62,30 @@ class PromotionGate:
         return self._base_name() if step == 0 else self._model_name(step)
 
     async def judge(self, step: int, steps: list[int]) -> PromotionDecision:
-        """Evaluate the new checkpoint `step` (served already) and promote it or keep the current one."""
+        """Evaluate the new checkpoint `step` (served already) and promote it or keep the current one.
+
+        The decision is saved first; `latest` and `decision` change only once it is on disk.
+
+        Raises:
+            ServiceError: 507 `promotion_write_failed` when the state cannot be saved (`latest` stays).
+        """
         if self.evaluator is None:
             decision = PromotionDecision(step=step, promoted=True, reason="no eval set configured: every step is promoted")
         else:
             decision = await self._gate(step, self.evaluator)
-        if decision.promoted:
-            self.latest = step
-        self.decision = decision
+        latest = step if decision.promoted else self.latest
         self.evals = {s: r for s, r in self.evals.items() if s == 0 or s in steps}
-        self.store.write_promotion({"latest": self.latest, "evals": self.evals, "decision": decision.model_dump()})
+        try:
+            self.store.write_promotion({"latest": latest, "evals": self.evals, "decision": decision.model_dump()})
+        except OSError as exc:
+            logger.exception("the promotion state of step %s could not be saved", step)
+            current = self._name(self.latest or 0)
+            raise ServiceError(507, "promotion_write_failed", f"Step {step} is saved and served as "
+                               f"{self._model_name(step)}, but the promotion state could not be written to "
+                               f"{self.store.root}: {exc}. {current} stays latest; free disk space.",
+                               type="server_error") from exc
+        self.latest = latest
+        self.decision = decision
         return decision
 
     async def _gate(self, step: int, evaluator: Evaluator) -> PromotionDecision:

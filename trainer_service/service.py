@@ -31,6 +31,7 @@ from trainer_service.metrics import MetricsSink
 from trainer_service.promotion import PromotionGate
 from trainer_service.protocol import (
     EngineStatus,
+    PromotionDecision,
     ScheduleStatus,
     ServiceError,
     StatusResponse,
@@ -211,8 +212,8 @@ class TrainerService:
         Raises:
             ServiceError: 409 when paused, when a step runs already or the collector has nothing
                 ready; 422 when no group of the batch is trainable; 502 when the collector
-                fails; 507 when the checkpoint cannot be written; 500 when training or
-                loading fails.
+                fails or refuses the ack of a served step; 507 when the checkpoint or the
+                promotion state cannot be written; 500 when training or loading fails.
         """
         if self.paused:
             raise ServiceError(409, "paused", "Training is paused; POST /v1/resume to train again.")
@@ -255,20 +256,25 @@ class TrainerService:
                 "its lease will expire and the collector will offer it again.", type="server_error",
             ) from exc
         self.steps.append(step)
-        # The step is served from here on: gate, retention and metrics run whatever the ack does;
-        # a failed ack is reported once they are done.
-        ack_error: ServiceError | None = None
+        # The step is served from here on: gate, retention and metrics run whatever the ack and the
+        # gate's save do; their failures are reported once the step's bookkeeping is done.
+        deferred: list[ServiceError] = []
         try:
             await self._ack(batch.id, step)
         except ServiceError as exc:
-            ack_error = exc
+            deferred.append(exc)
             self.counters["ack_failures"] += 1
             logger.error("step %s is served but its batch was not acked: %s", step, exc)
-        metrics["collector/ack_failed"] = float(ack_error is not None)
-        decision = await self.gate.judge(step, self.steps)
-        if decision.eval_reward is not None:
-            metrics["eval/reward"] = decision.eval_reward
-        metrics["promotion/promoted"] = float(decision.promoted)
+        metrics["collector/ack_failed"] = float(bool(deferred))
+        decision: PromotionDecision | None = None
+        try:
+            decision = await self.gate.judge(step, self.steps)
+        except ServiceError as exc:
+            deferred.append(exc)
+            self.counters["promotion_write_errors"] += 1
+        if step in self.gate.evals:
+            metrics["eval/reward"] = self.gate.evals[step]
+        metrics["promotion/promoted"] = float(self.gate.latest == step)
         await asyncio.to_thread(self._apply_retention)
         try:
             await asyncio.to_thread(self.metrics.emit, step, metrics, batch_id=batch.id, model=self.model_name(step),
@@ -276,8 +282,8 @@ class TrainerService:
         except OSError:
             self.counters["metrics_write_errors"] += 1
             logger.exception("metrics of step %s could not be written", step)
-        if ack_error is not None:
-            raise ack_error
+        if decision is None or deferred:
+            raise deferred[0]
         self.last_error = None
         return TrainResponse(step=step, model=self.model_name(step), checkpoint=str(path), batch_id=batch.id,
                              kind=kind, latest_model=self.latest_model, promotion=decision, metrics=metrics)

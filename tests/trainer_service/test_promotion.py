@@ -7,6 +7,7 @@ test controls each checkpoint's eval reward through the reward function.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 from pathlib import Path
@@ -19,6 +20,7 @@ from collector.protocol import Batch
 from tests.trainer_service.test_service import make_service
 from tests.trainer_service.test_training import group
 from trainer_service.evaluation import EvalError, Evaluator, load_eval_file, load_reward_fn
+from trainer_service.protocol import ServiceError
 
 SCORES: dict[str, float] = {}
 """Eval reward per answering model, set by the test."""
@@ -87,3 +89,30 @@ def test_eval_file_errors_name_the_line(tmp_path: Path) -> None:
         load_eval_file(bad)
     with pytest.raises(EvalError, match="cannot be imported"):
         load_reward_fn("tests.trainer_service.test_promotion:missing")
+
+
+async def test_full_disk_for_the_promotion_state_keeps_latest_where_it_is_saved(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])  # no eval set: every step is promoted
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    await service.train_once()
+
+    def disk_full(state: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(service.store, "write_promotion", disk_full)
+    batches.append(Batch(id="b2", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    assert info.value.status == 507 and info.value.body.error.code == "promotion_write_failed"
+    assert "No space left on device" in info.value.body.error.message and "agent@1" in info.value.body.error.message
+    # latest stays what promotion.json says; step 2 is served by name and its metrics are recorded
+    assert service.resolve("agent@latest") == "agent@1" and service.resolve("agent@2") == "agent@2"
+    assert json.loads((tmp_path / "checkpoints" / "promotion.json").read_text())["latest"] == 1
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 2 and last["promotion/promoted"] == 0.0
+    status = await service.status()
+    assert status.last_error == info.value.body.error.message and status.counters["promotion_write_errors"] == 1
+    await service.aclose()
