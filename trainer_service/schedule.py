@@ -25,7 +25,7 @@ __all__ = ["TrainingSchedule", "describe"]
 logger = logging.getLogger(__name__)
 
 TrainFn = Callable[[str, int], Awaitable[object]]
-"""`(source, min_groups) -> result`: runs one step (raises `ServiceError` when it cannot)."""
+"""`(source, min_groups) -> result`: runs one step (raises `ServiceError` when it cannot; other errors count as `failed`)."""
 QueueFn = Callable[[], Awaitable[int]]
 """Returns the number of groups ready at the collector."""
 
@@ -133,10 +133,13 @@ class TrainingSchedule:
             outcome = {"training_in_progress": "busy"}.get(code, code)
             self._note(outcome, exc.body.error.message)
             return
+        except Exception as exc:  # runs in its own task: nothing else would see it
+            self._note("failed", f"{source}: {type(exc).__name__}: {exc}", exc)
+            return
         self._note("trained", source)
 
-    def _note(self, outcome: str, detail: str) -> None:
+    def _note(self, outcome: str, detail: str, exc: BaseException | None = None) -> None:
         self.counts[outcome] += 1
         self.last_outcome = f"{outcome}: {detail}"
         level = logging.INFO if outcome in ("trained", "below_min_groups", "no_batch_ready", "paused") else logging.WARNING
-        logger.log(level, "scheduled training: %s (%s)", outcome, detail)
+        logger.log(level, "scheduled training: %s (%s)", outcome, detail, exc_info=exc)

@@ -213,7 +213,8 @@ class TrainerService:
             ServiceError: 409 when paused, when a step runs already or the collector has nothing
                 ready; 422 when no group of the batch is trainable; 502 when the collector
                 fails or refuses the ack of a served step; 507 when the checkpoint or the
-                promotion state cannot be written; 500 when training or loading fails.
+                promotion state cannot be written; 500 when training or loading fails, and
+                `training_failed` for any other error.
         """
         if self.paused:
             raise ServiceError(409, "paused", "Training is paused; POST /v1/resume to train again.")
@@ -225,6 +226,13 @@ class TrainerService:
             except ServiceError as exc:
                 self.last_error = exc.body.error.message
                 raise
+            except Exception as exc:
+                logger.exception("training step (%s, %s) failed unexpectedly", kind, source)
+                error = ServiceError(500, "training_failed", f"The training step failed unexpectedly: "
+                                     f"{type(exc).__name__}: {str(exc)[:500]}. The service log has the traceback.",
+                                     type="server_error")
+                self.last_error = error.body.error.message
+                raise error from exc
         logger.info("step %s (%s, %s) -> %s; latest: %s", result.step, kind, source, result.model, result.latest_model)
         return result
 

@@ -65,6 +65,22 @@ async def test_every_skips_when_busy_and_counts_empty_queues(tmp_path: Path) -> 
         await service.aclose()
 
 
+async def test_any_failure_of_a_scheduled_step_is_counted(tmp_path: Path) -> None:
+    async def broken(source: str, min_groups: int) -> None:
+        raise RuntimeError("a bug in the step")
+
+    async def ready() -> int:
+        return 1
+
+    schedule = TrainingSchedule(TrainerSettings(output_dir=tmp_path, every="0.1s"), broken, ready)
+    schedule.start()
+    try:
+        await wait_for(lambda: schedule.counts["failed"] >= 1)
+        assert schedule.last_outcome is not None and "RuntimeError: a bug in the step" in schedule.last_outcome
+    finally:
+        schedule.shutdown()
+
+
 async def test_cron_reports_its_next_run(tmp_path: Path) -> None:
     service = make_service(tmp_path, [], [], cron="*/15 * * * *")
     service.schedule.start()

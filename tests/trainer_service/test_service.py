@@ -415,6 +415,25 @@ def test_api_key_guards_every_endpoint(tmp_path: Path) -> None:
         assert [m["id"] for m in authorized.json()["data"]] == ["base-model", "agent@latest"]
 
 
+def test_unexpected_errors_are_500_training_failed_in_the_error_envelope(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from trainer_service.server import create_app
+
+    def collector(request: httpx.Request) -> httpx.Response:  # answers 200, but not with a batch
+        return httpx.Response(200, json=[] if request.url.path == "/v1/groups" else {"lease": "unexpected"})
+
+    service = make_service(tmp_path, [], [])
+    service.collector = httpx.AsyncClient(base_url="http://collector", transport=httpx.MockTransport(collector))
+    with TestClient(create_app(service=service)) as client:
+        response = client.post("/v1/train")
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert error["code"] == "training_failed" and error["type"] == "server_error"
+        assert "ValidationError" in error["message"]
+        assert client.get("/v1/status").json()["last_error"] == error["message"]
+
+
 def test_pause_resume_and_sft_endpoints(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
