@@ -117,8 +117,8 @@ class Evaluator:
         """Sample `samples` answers per prompt from `model` and return the mean reward.
 
         Raises:
-            EvalError: no prompts, the engine failed, or the reward function raised or returned
-                a non-finite value.
+            EvalError: no prompts, the engine failed or answered something other than a chat
+                completion, or the reward function raised or returned a non-finite value.
         """
         rows = (await self._rows())[: self.max_prompts]
         if not rows:
@@ -139,9 +139,13 @@ class Evaluator:
         if response.status_code != 200:
             raise EvalError(f"the engine refused an eval prompt for {model}: HTTP {response.status_code}: "
                             f"{response.text[:300]}")
+        try:
+            texts = [choice["message"].get("content") or "" for choice in response.json()["choices"]]
+        except (ValueError, LookupError, TypeError, AttributeError) as exc:  # not JSON, or not shaped like one
+            raise EvalError(f"the engine's answer to an eval prompt for {model} is not a chat completion "
+                            f"({type(exc).__name__}: {exc}): {response.text[:300]}") from exc
         scores = []
-        for choice in response.json()["choices"]:
-            text = choice["message"].get("content") or ""
+        for text in texts:
             try:
                 value = float(self.reward_fn(row, text))
             except Exception as exc:  # a user function: any failure is reported with its type
@@ -181,7 +185,11 @@ def build_evaluator(settings: TrainerSettings, collector: httpx.AsyncClient, eng
             if response.status_code != 200:
                 raise EvalError(f"the collector refused the eval split {split!r}: HTTP {response.status_code}: "
                                 f"{response.text[:300]}")
-            return prompts_from_trajectories([Trajectory.model_validate(t) for t in response.json()])
+            try:
+                return prompts_from_trajectories([Trajectory.model_validate(t) for t in response.json()])
+            except (ValueError, TypeError) as exc:  # not JSON, not a list, or rows that are not trajectories
+                raise EvalError(f"the collector's trajectories of the eval split {split!r} are malformed "
+                                f"({type(exc).__name__}: {exc})") from exc
     return Evaluator(source, reward_fn, engine_url, samples=settings.eval_samples,
                      max_prompts=settings.eval_max_prompts, max_tokens=settings.eval_max_tokens,
                      temperature=settings.eval_temperature)

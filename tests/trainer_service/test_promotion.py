@@ -19,7 +19,8 @@ from collector.protocol import Batch
 
 from tests.trainer_service.test_service import make_service
 from tests.trainer_service.test_training import group
-from trainer_service.evaluation import EvalError, Evaluator, load_eval_file, load_reward_fn
+from trainer_service.config import TrainerSettings
+from trainer_service.evaluation import EvalError, Evaluator, build_evaluator, load_eval_file, load_reward_fn
 from trainer_service.protocol import ServiceError
 
 SCORES: dict[str, float] = {}
@@ -116,3 +117,32 @@ async def test_full_disk_for_the_promotion_state_keeps_latest_where_it_is_saved(
     status = await service.status()
     assert status.last_error == info.value.body.error.message and status.counters["promotion_write_errors"] == 1
     await service.aclose()
+
+
+async def test_a_malformed_engine_answer_fails_the_eval_and_promotes_nothing(tmp_path: Path) -> None:
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": "1+1?"}]}]
+
+    no_choices = httpx.MockTransport(lambda request: httpx.Response(200, json={"object": "error", "message": "x"}))
+    evaluator = Evaluator(source, lambda row, text: 1.0, "http://engine", transport=no_choices)
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [], evaluator=evaluator)
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    result = await service.train_once()
+    assert not result.promotion.promoted and result.latest_model == "base-model"
+    assert "eval failed" in result.promotion.reason and "not a chat completion" in result.promotion.reason
+    assert "KeyError" in result.promotion.reason
+    await service.aclose()
+
+
+async def test_malformed_collector_trajectories_are_an_eval_error(tmp_path: Path) -> None:
+    trajectories = httpx.MockTransport(lambda request: httpx.Response(200, json=[{"not": "a trajectory"}]))
+    settings = TrainerSettings(output_dir=tmp_path, wandb="off", eval_split="val",
+                               eval_reward="tests.trainer_service.test_promotion:reward")
+    async with httpx.AsyncClient(base_url="http://collector", transport=trajectories) as collector:
+        evaluator = build_evaluator(settings, collector, "http://engine")
+        assert evaluator is not None
+        with pytest.raises(EvalError, match=r"trajectories of the eval split 'val' are malformed.*ValidationError"):
+            await evaluator.evaluate("agent@1")
+        await evaluator.aclose()
