@@ -188,11 +188,16 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        """The base model, every checkpoint `name@N`, and `name@latest`."""
+        """The base model, every checkpoint `name@N`, and `name@latest`; only names that resolve."""
         created = int(time.time())
         data = []
         for model_id in svc.served_models():
-            target = svc.resolve(model_id)
+            try:
+                target = svc.resolve(model_id)
+            except ServiceError:  # one lost adapter must not hide the whole list
+                svc.counters["unresolved_models"] += 1
+                logger.warning("%s is listed but vLLM does not serve it; left out of /v1/models", model_id)
+                continue
             data.append({
                 "id": model_id,
                 "object": "model",

@@ -283,7 +283,7 @@ class TrainerService:
         if step in self.gate.evals:
             metrics["eval/reward"] = self.gate.evals[step]
         metrics["promotion/promoted"] = float(self.gate.latest == step)
-        await asyncio.to_thread(self._apply_retention)
+        await self._apply_retention()
         try:
             await asyncio.to_thread(self.metrics.emit, step, metrics, batch_id=batch.id, model=self.model_name(step),
                                     kind=kind)
@@ -323,8 +323,22 @@ class TrainerService:
         metrics["time/publish_s"] = time.perf_counter() - started
         return metrics, path
 
-    def _apply_retention(self) -> None:
-        """Delete checkpoints the retention policy drops: unload from vLLM, then remove the folder."""
+    async def _apply_retention(self) -> None:
+        """Drop the checkpoints the retention policy no longer keeps (called under the step lock).
+
+        A dropped step leaves `steps` first, so `/v1/models` never lists a name being removed; then
+        it is unloaded from vLLM and its folder deleted. A step vLLM cannot unload is served again
+        and kept for the next step's retention; a folder that cannot be deleted is logged and counted.
+        """
+        dropped = await asyncio.to_thread(self._retention_drops)
+        for step in dropped:
+            self.steps.remove(step)
+        still_loaded = await asyncio.to_thread(self._remove_checkpoints, dropped)
+        self.steps.extend(still_loaded)
+        self.steps.sort()
+
+    def _retention_drops(self) -> list[int]:
+        """Steps the retention policy drops (reads the manifests' metrics)."""
         s = self.settings
         values: dict[int, float] = {}
         if s.keep_best_metric is not None:
@@ -335,17 +349,29 @@ class TrainerService:
                     values[step] = float(merged[s.keep_best_metric])
         protect = {step for step in (self.gate.latest, self.steps[-1] if self.steps else None) if step is not None}
         kept = select_kept(self.steps, values, keep_last=s.keep_last, best_mode=s.keep_best_mode, protect=protect)
-        for step in [st for st in self.steps if st not in kept]:
+        return [step for step in self.steps if step not in kept]
+
+    def _remove_checkpoints(self, steps: list[int]) -> list[int]:
+        """Unload each step from vLLM, then delete its folder; return the steps vLLM could not unload."""
+        still_loaded = []
+        for step in steps:
             try:
                 self.engine.unload_adapter(self.model_name(step))
             except EngineError:
                 self.counters["retention_errors"] += 1
-                logger.exception("could not unload %s; keeping its checkpoint for now", self.model_name(step))
+                logger.exception("could not unload %s; keeping it served for now", self.model_name(step))
+                still_loaded.append(step)
                 continue
-            self.store.delete(step)
-            self.steps.remove(step)
+            try:
+                self.store.delete(step)
+            except OSError:
+                self.counters["retention_errors"] += 1
+                logger.exception("%s is no longer served but its folder %s could not be deleted (it is served "
+                                 "again after a restart)", self.model_name(step), self.store.path(step))
+                continue
             self.counters["checkpoints_deleted"] += 1
             logger.info("retention: deleted checkpoint step %s", step)
+        return still_loaded
 
     async def _lease(self, min_groups: int) -> Batch:
         request = BatchRequest(max_groups=self.settings.batch_groups, min_groups=min_groups, trainer=self.settings.name)

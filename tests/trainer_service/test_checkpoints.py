@@ -55,6 +55,29 @@ async def test_retention_deletes_unloads_and_restart_restores(tmp_path: Path) ->
     await restarted.aclose()
 
 
+async def test_retention_stops_serving_before_it_deletes_and_counts_a_failed_delete(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [], keep_last=1)
+    assert service.trainer is not None
+    listed: list[list[str]] = []
+
+    def delete_fails(step: int) -> None:
+        listed.append([service.resolve(name) for name in service.served_models()])  # GET /v1/models meanwhile
+        raise PermissionError(errno.EACCES, "Permission denied", str(service.store.path(step)))
+
+    monkeypatch.setattr(service.store, "delete", delete_fails)
+    for index in (1, 2):
+        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+        await service.train_once()  # the failed delete does not fail the step
+    assert listed == [["base-model", "agent@2", "agent@2"]]  # step 1 was no longer listed while it was deleted
+    assert service.steps == [2] and sorted(service.engine.adapters) == ["agent@2"]
+    status = await service.status()
+    assert status.counters["retention_errors"] == 1 and "checkpoints_deleted" not in status.counters
+    assert status.last_error is None
+    await service.aclose()
+
+
 async def test_full_disk_serves_nothing_and_rolls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     acks: list[tuple[str, dict]] = []
     batches: list[Batch] = []

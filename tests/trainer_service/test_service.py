@@ -434,6 +434,25 @@ def test_unexpected_errors_are_500_training_failed_in_the_error_envelope(tmp_pat
         assert client.get("/v1/status").json()["last_error"] == error["message"]
 
 
+def test_models_lists_only_names_that_resolve(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from trainer_service.server import create_app
+
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    assert service.trainer is not None
+    with TestClient(create_app(service=service)) as client:
+        for index in (1, 2):
+            batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+            assert client.post("/v1/train").status_code == 200
+        service.engine.adapters.pop("agent@1")  # an adapter vLLM no longer has
+        response = client.get("/v1/models")
+        assert response.status_code == 200, response.text
+        assert [m["id"] for m in response.json()["data"]] == ["base-model", "agent@2", "agent@latest"]
+        assert client.get("/v1/status").json()["counters"]["unresolved_models"] == 1
+
+
 def test_pause_resume_and_sft_endpoints(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
