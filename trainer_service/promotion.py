@@ -4,7 +4,8 @@ Without an eval set every new checkpoint is promoted. With one, the new checkpoi
 reward is compared with the promoted checkpoint's (the base model's, key 0, before any
 promotion; measured once and cached): promoted when `new >= current - margin`, else kept and
 served as `name@N` but not as `name@latest`, with the reason recorded. A failed evaluation
-promotes nothing. The state survives restarts in `checkpoints/promotion.json`.
+promotes nothing. The state survives restarts in `checkpoints/promotion.json`; without an eval
+set, a restart serves the newest kept step as latest.
 """
 
 from __future__ import annotations
@@ -47,14 +48,18 @@ class PromotionGate:
         self.decision: PromotionDecision | None = None
 
     def restore(self, steps: list[int]) -> None:
-        """Reload the saved state for the kept `steps` (after a restart)."""
-        saved = self.store.read_promotion() if (self.store.root / "promotion.json").is_file() else None
-        if saved is None:
-            self.latest = steps[-1] if steps else None
-            return
+        """Reload the saved state for the kept `steps` (after a restart).
+
+        Without an evaluator the newest kept step is latest (every step is promoted, also one whose
+        gate a crash cut short); with one, the saved latest if it is kept, else the base model: a
+        step is never promoted unevaluated.
+        """
+        saved = self.store.read_promotion()
         self.evals = {s: r for s, r in saved["evals"].items() if s == 0 or s in steps}
-        self.latest = saved["latest"] if saved["latest"] in steps else (steps[-1] if steps and self.evaluator is None
-                                                                        else None)
+        if self.evaluator is None:
+            self.latest = steps[-1] if steps else None
+        else:
+            self.latest = saved["latest"] if saved["latest"] in steps else None
         if saved.get("decision"):
             self.decision = PromotionDecision.model_validate(saved["decision"])
 

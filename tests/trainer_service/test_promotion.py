@@ -19,8 +19,10 @@ from collector.protocol import Batch
 
 from tests.trainer_service.test_service import make_service
 from tests.trainer_service.test_training import group
+from trainer_service.checkpoints import CheckpointStore
 from trainer_service.config import TrainerSettings
 from trainer_service.evaluation import EvalError, Evaluator, build_evaluator, load_eval_file, load_reward_fn
+from trainer_service.promotion import PromotionGate
 from trainer_service.protocol import ServiceError
 
 SCORES: dict[str, float] = {}
@@ -146,3 +148,24 @@ async def test_malformed_collector_trajectories_are_an_eval_error(tmp_path: Path
         with pytest.raises(EvalError, match=r"trajectories of the eval split 'val' are malformed.*ValidationError"):
             await evaluator.evaluate("agent@1")
         await evaluator.aclose()
+
+
+def test_restore_promotes_no_unevaluated_step_and_without_eval_serves_the_newest(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "checkpoints")
+    async def no_rows() -> list[dict[str, Any]]:
+        raise AssertionError("restore evaluated a step")
+
+    never = Evaluator(no_rows, reward, "http://engine")
+    settings = TrainerSettings(output_dir=tmp_path, wandb="off")
+
+    def restored(evaluator: Evaluator | None, steps: list[int]) -> int | None:
+        gate = PromotionGate(settings, store, evaluator, lambda step: f"agent@{step}", lambda: "base-model")
+        gate.restore(steps)
+        return gate.latest
+
+    # A crash after step 1 was saved, before its gate ran: with an eval set, latest stays the base model.
+    assert restored(never, [1]) is None
+    # Without an eval set every step is promoted: the newest kept one wins over a saved older latest.
+    store.write_promotion({"latest": 1, "evals": {}, "decision": None})
+    assert restored(None, [1, 2]) == 2
+    assert restored(never, [1, 2]) == 1  # with an eval set the saved decision holds
