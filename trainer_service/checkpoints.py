@@ -14,18 +14,24 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from trainer_service.training import MANIFEST
 
-__all__ = ["CheckpointStore", "select_kept"]
+__all__ = ["CheckpointMismatchError", "CheckpointStore", "select_kept"]
 
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _PROMOTION = "promotion.json"
+_FLAGS = {"base_model": "--base-model", "lora_r": "--lora-r", "target_modules": "--target-modules"}
+"""Manifest fields a resumed checkpoint must match, and the flag that sets each."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A kept checkpoint was trained on another base model or LoRA shape than the service now has."""
 
 
 def select_kept(
@@ -95,6 +101,26 @@ class CheckpointStore:
             logger.warning("removed %d half-written checkpoint folder(s): %s", len(removed), ", ".join(removed))
         return removed
 
+    def check_compatible(self, base_model: str, lora_r: int, target_modules: Sequence[str]) -> None:
+        """Check that every kept checkpoint was trained on `base_model` with this LoRA rank and modules.
+
+        Raises:
+            CheckpointMismatchError: names the first checkpoint that differs, what differs, and the fix.
+        """
+        wanted = {"base_model": base_model, "lora_r": lora_r, "target_modules": sorted(target_modules)}
+        for _, path in self.existing():
+            manifest = json.loads((path / MANIFEST).read_text())
+            config = manifest.get("config") or {}
+            recorded = {"base_model": manifest.get("base_model"), "lora_r": config.get("lora_r"),
+                        "target_modules": sorted(config["target_modules"]) if "target_modules" in config else None}
+            differ = [key for key in _FLAGS if recorded[key] is not None and recorded[key] != wanted[key]]
+            if differ:
+                found = ", ".join(f"{key} {recorded[key]!r} (now {wanted[key]!r})" for key in differ)
+                flags = " ".join(f"{_FLAGS[key]} {_flag_value(recorded[key])}" for key in differ)
+                raise CheckpointMismatchError(
+                    f"{path} was trained with {found}: its adapter does not fit this model. Give another "
+                    f"--output-dir to start a new run, or start with {flags} to resume this one.")
+
     def metrics(self, step: int) -> dict[str, Any]:
         """The metrics recorded in checkpoint `step`'s manifest."""
         manifest = json.loads((self.path(step) / MANIFEST).read_text())
@@ -124,3 +150,8 @@ class CheckpointStore:
         body = {**state, "evals": {str(k): v for k, v in (state.get("evals") or {}).items()}}
         tmp.write_text(json.dumps(body, indent=2))
         os.replace(tmp, self.root / _PROMOTION)
+
+
+def _flag_value(value: Any) -> str:
+    """A manifest value as written on the command line (lists comma-separated)."""
+    return ",".join(value) if isinstance(value, list) else str(value)

@@ -118,7 +118,12 @@ class TrainerService:
 
         Every kept checkpoint is re-registered as `name@N`; the trainer resumes the newest
         (step counter, adapter, optimizer); `name@latest` returns to the promoted step.
+
+        Raises:
+            CheckpointMismatchError: a kept checkpoint was trained on another base model or LoRA
+                shape (checked before vLLM starts).
         """
+        self.store.check_compatible(self.settings.base_model, self.grpo.lora_r, self.grpo.target_modules)
         self.engine.start()
         self.trainer = self._trainer_factory()
         self.store.remove_partial()

@@ -12,7 +12,7 @@ from collector.protocol import Batch
 
 from tests.trainer_service.test_service import make_service
 from tests.trainer_service.test_training import group, lora_params
-from trainer_service.checkpoints import CheckpointStore, select_kept
+from trainer_service.checkpoints import CheckpointMismatchError, CheckpointStore, select_kept
 from trainer_service.protocol import ServiceError
 
 
@@ -108,6 +108,32 @@ async def test_full_disk_serves_nothing_and_rolls_back(tmp_path: Path, monkeypat
     result = await service.train_once()
     assert result.step == 1 and acks == [("b2", {"policy_step": 1})]
     await service.aclose()
+
+
+async def test_resume_refuses_checkpoints_of_another_base_model(tmp_path: Path) -> None:
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    await service.train_once()
+    await service.aclose()
+    with pytest.raises(CheckpointMismatchError) as info:
+        make_service(tmp_path, [], [], base_model="SomeOther/Model-7B")
+    message = str(info.value)
+    assert str(tmp_path / "checkpoints" / "step-1") in message and "base_model 'tiny-llama'" in message
+    assert "another --output-dir" in message and "--base-model tiny-llama" in message
+
+
+def test_lora_shape_mismatch_names_the_checkpoint_and_the_flags(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    (tmp_path / "step-3").mkdir()
+    config = {"lora_r": 8, "target_modules": ["q_proj", "v_proj"]}
+    (tmp_path / "step-3" / "manifest.json").write_text(json.dumps({"step": 3, "base_model": "m", "config": config}))
+    store.check_compatible("m", 8, ["v_proj", "q_proj"])  # the same modules in another order fit
+    with pytest.raises(CheckpointMismatchError, match=r"step-3 was trained with lora_r 8 \(now 16\).*--lora-r 8"):
+        store.check_compatible("m", 16, ["q_proj", "v_proj"])
+    with pytest.raises(CheckpointMismatchError, match=r"--target-modules q_proj,v_proj"):
+        store.check_compatible("m", 8, ["q_proj"])
 
 
 def test_partial_folders_are_removed_at_start(tmp_path: Path) -> None:

@@ -82,7 +82,8 @@ def make_service(tmp_path: Path, batches: list[Batch], acks: list[tuple[str, dic
         acks.append((request.url.path.split("/")[3], json.loads(request.content)))
         return httpx.Response(ack_status, json={})
 
-    settings = TrainerSettings(**{"output_dir": tmp_path, "name": "agent", "wandb": "off", **settings_overrides})
+    settings = TrainerSettings(**{"output_dir": tmp_path, "name": "agent", "wandb": "off", "base_model": "tiny-llama",
+                                  **settings_overrides})
     service = TrainerService(settings, GRPOConfig(), FakeEngine(), trainer_factory,  # type: ignore[arg-type]
                              collector_transport=httpx.MockTransport(handle), evaluator=evaluator, launcher=launcher)
     service.start()
