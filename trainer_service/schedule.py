@@ -25,7 +25,8 @@ __all__ = ["TrainingSchedule", "describe"]
 logger = logging.getLogger(__name__)
 
 TrainFn = Callable[[str, int], Awaitable[object]]
-"""`(source, min_groups) -> result`: runs one step (raises `ServiceError` when it cannot; other errors count as `failed`)."""
+"""`(source, min_groups) -> result`: runs one step (raises `ServiceError` when it cannot; any other
+exception counts as `failed`)."""
 QueueFn = Callable[[], Awaitable[int]]
 """Returns the number of groups ready at the collector."""
 

@@ -295,7 +295,7 @@ class TrainerService:
         except OSError:
             self.counters["metrics_write_errors"] += 1
             logger.exception("metrics of step %s could not be written", step)
-        if decision is None or deferred:
+        if decision is None or deferred:  # no decision only when the gate could not save it (deferred)
             raise deferred[0]
         self.last_error = None
         return TrainResponse(step=step, model=self.model_name(step), checkpoint=str(path), batch_id=batch.id,
