@@ -33,7 +33,15 @@ from trainer_service.config import GRPOConfig
 from trainer_service.grpo import group_advantages, trajectory_token_weights
 from trainer_service.retokenize import RetokenizeError, render_with_assistant_mask
 
-__all__ = ["NothingTrainableError", "PreparedBatch", "TrainItem", "prepare_grpo", "prepare_sft", "shard_items"]
+__all__ = [
+    "VLLM_LOGPROB_FLOOR", "NothingTrainableError", "PreparedBatch", "TrainItem", "prepare_grpo", "prepare_sft",
+    "shard_items",
+]
+
+
+VLLM_LOGPROB_FLOOR = -9999.0
+"""vLLM's chat API writes a log-prob at or below this (`-inf` among them) as this value: a placeholder, not a
+log-prob the trainer can compare with its own (its ratio would be e^20 after the clamp, `grpo.MAX_LOG_RATIO`)."""
 
 
 class NothingTrainableError(ValueError):
@@ -113,8 +121,10 @@ def _sequences(trajectory: Trajectory, config: GRPOConfig, tokenizer: PreTrained
             counters.truncated += 1
             n = config.max_seq_len
         mask = torch.tensor(assistant_mask[1:n], dtype=torch.float32)
-        # Without a finite engine logprob the ratio is unknown (NaN); those tokens train on-policy.
-        old_values = [float("nan") if lp is None or not math.isfinite(lp) else lp for lp in logprobs[1:n]]
+        # Without a finite engine logprob (or with vLLM's placeholder for -inf) the ratio is unknown (NaN);
+        # those tokens train on-policy.
+        old_values = [lp if lp is not None and math.isfinite(lp) and lp > VLLM_LOGPROB_FLOOR else float("nan")
+                      for lp in logprobs[1:n]]
         old = torch.tensor(old_values, dtype=torch.float32)
         counters.missing_logprobs += int((mask.bool() & old.isnan()).sum())
         if int(mask.sum()) > 0:

@@ -12,7 +12,7 @@ Nothing here knows about models, batches or HTTP; the trainer orchestrates. Conv
 Policy losses live in the `POLICY_LOSSES` registry (name → function); add a variant by
 registering a function with the `PolicyLossFn` signature. Both losses take the ratio
 `exp(clamp(new - old, -MAX_LOG_RATIO, MAX_LOG_RATIO))`, so an engine log-prob far from the
-trainer's (vLLM writes a `-inf` log-prob as -9999.0) cannot overflow the loss or its gradient.
+trainer's cannot overflow the loss or its gradient (batching drops vLLM's -9999.0 placeholder for `-inf`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from tests.trainer_service.test_training import BAD, GOOD, PROMPT, group, make_trainer, trajectory
 from trainer_service.base_model import resolve_base_model
 from trainer_service.batching import (
+    VLLM_LOGPROB_FLOOR,
     NothingTrainableError,
     TrainItem,
     micro_batches,
@@ -118,13 +119,15 @@ def test_rewards_beyond_float32_scale_to_finite_advantages_or_are_counted() -> N
         prepare_grpo([huge], GRPOConfig(scale_rewards=False), CPU)
 
 
-def test_infinite_engine_logprobs_are_missing() -> None:
+@pytest.mark.parametrize("placeholder", [-math.inf, VLLM_LOGPROB_FLOOR])
+def test_infinite_engine_logprobs_are_missing(placeholder: float) -> None:
     trainer = make_trainer()
     g = group(trainer, (1.0, 0.0))
     seq = g.trajectories[0].sequences[0]
-    seq.logprobs = [*seq.logprobs[:-2], -math.inf, seq.logprobs[-1]]
+    seq.logprobs = [*seq.logprobs[:-3], -50.0, placeholder, seq.logprobs[-1]]
     item = prepare_grpo([g], trainer.config, CPU).items[0]
     assert math.isnan(float(item.old_logprobs[-2])) and not item.old_logprobs[-1].isnan()
+    assert float(item.old_logprobs[-3]) == -50.0  # a very unlikely token is still a log-prob
     assert prepare_grpo([g], trainer.config, CPU).stats["data/missing_logprobs"] == 1
 
 
