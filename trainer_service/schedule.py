@@ -14,10 +14,9 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
-from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
-from trainer_service.config import TrainerSettings, parse_duration
+from trainer_service.config import TrainerSettings, parse_cron, parse_duration
 from trainer_service.protocol import ServiceError
 
 __all__ = ["TrainingSchedule", "describe"]
@@ -61,12 +60,6 @@ class TrainingSchedule:
         self.last_outcome: str | None = None
         self._scheduler: AsyncIOScheduler | None = None
         self._running: asyncio.Task[None] | None = None
-        if settings.cron is not None:
-            try:
-                CronTrigger.from_crontab(settings.cron)
-            except ValueError as exc:
-                raise ValueError(f"cron={settings.cron!r} is not a cron expression ({exc}); write five fields, "
-                                 "e.g. `*/15 * * * *`.") from exc
 
     @property
     def active(self) -> bool:
@@ -86,7 +79,7 @@ class TrainingSchedule:
             scheduler.add_job(self._fire, IntervalTrigger(seconds=parse_duration(s.every)), args=["every"],
                               id="every", max_instances=1, coalesce=True)
         if s.cron is not None:
-            scheduler.add_job(self._fire, CronTrigger.from_crontab(s.cron), args=["cron"], id="cron",
+            scheduler.add_job(self._fire, parse_cron(s.cron), args=["cron"], id="cron",
                               max_instances=1, coalesce=True)
         scheduler.start()
         self._scheduler = scheduler

@@ -71,10 +71,19 @@ def test_grpo_fields_come_from_env_and_flags(monkeypatch: pytest.MonkeyPatch) ->
         parse()
 
 
-def test_bad_schedule_and_eval_settings_exit_with_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_schedule_and_eval_settings_exit_with_the_fix(capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit):
         main(["serve", "--every", "soon"])
     assert "write a positive number and a unit" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--cron", "every day"])
+    assert "cron='every day' has 2 fields; write five" in capsys.readouterr().err
+    monkeypatch.setenv("ART_TRAINER_CRON", "61 * * * *")
+    with pytest.raises(SystemExit):
+        main(["serve"])
+    assert "cron='61 * * * *' has a bad field" in capsys.readouterr().err
+    monkeypatch.delenv("ART_TRAINER_CRON")
     with pytest.raises(SystemExit):
         main(["serve", "--eval-file", "eval.jsonl"])
     assert "needs both eval prompts" in capsys.readouterr().err
