@@ -208,7 +208,8 @@ class TrainerSettings(BaseSettings):
     # --- when it trains
     min_groups: int | None = Field(
         default=None, ge=1,
-        description="Train whenever this many groups are ready at the collector (polled every `poll_seconds`).",
+        description="Train whenever this many groups are ready at the collector (polled every `poll_seconds`); at most "
+        "`batch_groups`, the most a step leases.",
     )
     every: str | None = Field(
         default=None, description="Train on an interval, e.g. `30s`, `10m`, `2h` (a step when groups are ready)."
@@ -256,6 +257,12 @@ class TrainerSettings(BaseSettings):
             parse_duration(self.every)
         if self.cron is not None:
             parse_cron(self.cron)
+        if self.min_groups is not None and self.min_groups > self.batch_groups:
+            raise ValueError(
+                f"min_groups={self.min_groups} exceeds batch_groups={self.batch_groups}: a step leases at most "
+                "batch_groups groups, so it would never reach min_groups and never train. Raise --batch-groups "
+                "(ART_TRAINER_BATCH_GROUPS) to at least min_groups or lower --min-groups (ART_TRAINER_MIN_GROUPS)."
+            )
         if self.eval_file is not None and self.eval_split is not None:
             raise ValueError("Set eval_file or eval_split, not both: they are two sources of eval prompts.")
         if (self.eval_file is not None or self.eval_split is not None) != (self.eval_reward is not None):

@@ -76,14 +76,19 @@ def test_bad_schedule_and_eval_settings_exit_with_the_fix(capsys: pytest.Capture
     with pytest.raises(SystemExit):
         main(["serve", "--every", "soon"])
     assert "write a positive number and a unit" in capsys.readouterr().err
+    # A missing base model ends `serve` before vLLM starts should the settings let a bad value through.
+    no_model = ["--base-model", "/no/such/folder"]
     with pytest.raises(SystemExit):
-        main(["serve", "--cron", "every day"])
+        main(["serve", "--cron", "every day", *no_model])
     assert "cron='every day' has 2 fields; write five" in capsys.readouterr().err
     monkeypatch.setenv("ART_TRAINER_CRON", "61 * * * *")
     with pytest.raises(SystemExit):
-        main(["serve"])
+        main(["serve", *no_model])
     assert "cron='61 * * * *' has a bad field" in capsys.readouterr().err
     monkeypatch.delenv("ART_TRAINER_CRON")
+    with pytest.raises(SystemExit):
+        main(["serve", "--min-groups", "9", *no_model])
+    assert "min_groups=9 exceeds batch_groups=8" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--eval-file", "eval.jsonl"])
     assert "needs both eval prompts" in capsys.readouterr().err

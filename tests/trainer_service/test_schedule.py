@@ -99,3 +99,6 @@ def test_bad_schedules_are_rejected_with_the_fix() -> None:
         TrainerSettings(cron="every day")
     with pytest.raises(ValueError, match=r"has a bad field: .*maximum value \(59\)\. Ranges: minute 0-59"):
         TrainerSettings(cron="61 * * * *")
+    with pytest.raises(ValueError, match=r"min_groups=9 exceeds batch_groups=8: .*ART_TRAINER_MIN_GROUPS"):
+        TrainerSettings(min_groups=9)
+    assert TrainerSettings(min_groups=4, batch_groups=4).min_groups == 4
