@@ -65,9 +65,31 @@ class MetricsSink:
         return {k: float(v) for k, v in self.history[-1].items() if isinstance(v, int | float) and k != "time"}
 
     def _read_history(self) -> list[dict[str, Any]]:
+        """The records of `metrics.jsonl`; a line that does not decode (cut short by a full disk) is skipped."""
         if not self.jsonl_path.is_file():
             return []
-        return [json.loads(line) for line in self.jsonl_path.read_text().splitlines() if line.strip()]
+        history, skipped = [], 0
+        for line in self.jsonl_path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                history.append(json.loads(line))
+            except json.JSONDecodeError:
+                skipped += 1
+        if skipped:
+            logger.warning("%s: skipped %d line(s) that are not JSON (a write cut short?)", self.jsonl_path, skipped)
+        return history
+
+    def _ends_mid_line(self) -> bool:
+        """True when `metrics.jsonl` ends without a newline (a write cut short): the next record needs its own line."""
+        try:
+            with self.jsonl_path.open("rb") as handle:
+                if handle.seek(0, os.SEEK_END) == 0:
+                    return False
+                handle.seek(-1, os.SEEK_END)
+                return handle.read(1) != b"\n"
+        except FileNotFoundError:
+            return False
 
     def emit(self, step: int, metrics: dict[str, float], **extra: Any) -> None:
         """Record one step: JSONL line, status history, plot, W&B.
@@ -82,8 +104,9 @@ class MetricsSink:
         """
         line = {"step": step, "time": time.time(), **extra, **metrics}
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        start = "\n" if self._ends_mid_line() else ""
         with self.jsonl_path.open("a") as handle:
-            handle.write(json.dumps(line) + "\n")
+            handle.write(start + json.dumps(line) + "\n")
         self.history.append(line)
         for sink in (self._plot, self._wandb):
             try:

@@ -53,3 +53,18 @@ async def test_step_metrics_reach_status_and_plot(tmp_path: Path) -> None:
         assert key in result.metrics and status.last_metrics[key] == pytest.approx(result.metrics[key]), key
     assert (tmp_path / PLOT_FILE).is_file()
     await service.aclose()
+
+
+def test_a_line_cut_short_is_skipped_and_the_next_record_gets_its_own_line(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "loss/policy": 0.5}) + "\n" + '{"step": 2, "loss/po')  # full disk mid-line
+    sink = MetricsSink(tmp_path, wandb="off")
+    assert [h["step"] for h in sink.history] == [1]
+    assert f"{path}: skipped 1 line(s)" in caplog.text
+    sink.emit(3, {"loss/policy": 0.25})
+    assert path.read_text().splitlines()[1:] == ['{"step": 2, "loss/po', json.dumps(sink.history[-1])]
+    caplog.clear()
+    assert [h["step"] for h in MetricsSink(tmp_path, wandb="off").history] == [1, 3]  # step 3 survives a restart
+    assert f"{path}: skipped 1 line(s)" in caplog.text
+
