@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 PLOT_FILE = "metrics.png"
 """Name of the reward/loss plot in the run folder."""
-_PLOTTED = (("reward/mean", "reward (mean)"), ("loss/policy", "policy loss"), ("eval/reward", "eval reward"))
+_PLOTTED = (("reward/mean", "reward (mean)"), ("loss/policy", "policy loss"), ("loss/sft", "SFT loss"),
+            ("eval/reward", "eval reward"))
 
 
 class MetricsSink:

@@ -68,3 +68,19 @@ def test_a_line_cut_short_is_skipped_and_the_next_record_gets_its_own_line(
     assert [h["step"] for h in MetricsSink(tmp_path, wandb="off").history] == [1, 3]  # step 3 survives a restart
     assert f"{path}: skipped 1 line(s)" in caplog.text
 
+
+def test_the_plot_shows_the_sft_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib.figure import Figure
+
+    labels: list[list[str]] = []
+    savefig = Figure.savefig
+
+    def record(figure: Figure, *args: object, **kwargs: object) -> None:
+        labels.append([axis.get_ylabel() for axis in figure.axes])
+        savefig(figure, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    sink = MetricsSink(tmp_path, wandb="off")
+    sink.emit(1, {"loss/sft": 0.7})
+    sink.emit(2, {"reward/mean": 0.5, "loss/policy": 0.1})
+    assert labels == [["SFT loss"], ["reward (mean)", "policy loss", "SFT loss"]] and sink.sink_errors == 0
