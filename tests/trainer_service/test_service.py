@@ -454,6 +454,32 @@ def test_models_lists_only_names_that_resolve(tmp_path: Path) -> None:
         assert client.get("/v1/status").json()["counters"]["unresolved_models"] == 1
 
 
+def test_api_key_scheme_is_case_insensitive_and_the_key_compared_in_constant_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hmac
+
+    from fastapi.testclient import TestClient
+
+    from trainer_service.server import create_app
+
+    compared: list[tuple[bytes, bytes]] = []
+    constant_time = hmac.compare_digest
+
+    def compare_digest(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return constant_time(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", compare_digest)
+    service = make_service(tmp_path, [], [])
+    service.settings.api_key = "sekret"
+    with TestClient(create_app(service=service)) as client:
+        for header in ("Bearer sekret", "bearer sekret", "BEARER sekret"):  # RFC 7235: the scheme has no case
+            assert client.get("/health", headers={"Authorization": header}).status_code == 200, header
+        for header in ("Bearer wrong", "Bearer Sekret", "Basic sekret", "Bearersekret", "sekret"):
+            assert client.get("/health", headers={"Authorization": header}).status_code == 401, header
+    assert (b"wrong", b"sekret") in compared and (b"sekret", b"sekret") in compared
+
+
 def test_pause_resume_and_sft_endpoints(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
