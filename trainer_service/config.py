@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from apscheduler.triggers.cron import CronTrigger
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trainer_service.base_model import BUNDLED_MODEL
@@ -202,8 +202,9 @@ class TrainerSettings(BaseSettings):
         return len(os.sched_getaffinity(0))
     api_key: str | None = Field(
         default=None,
-        validation_alias=AliasChoices("ART_API_KEY", "ART_TRAINER_API_KEY"),
-        description="When set, every endpoint needs `Authorization: Bearer <key>` (env `ART_API_KEY`).",
+        validation_alias="ART_API_KEY",
+        description="When set, every endpoint needs `Authorization: Bearer <key>` (env `ART_API_KEY`, the key the "
+        "plugin sends to both services; like the collector's, it has no `ART_TRAINER_` variable).",
     )
     # --- when it trains
     min_groups: int | None = Field(
@@ -253,6 +254,9 @@ class TrainerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSettings:
+        if "ART_TRAINER_API_KEY" in os.environ:  # read until it was dropped: ignoring it would open the API
+            raise ValueError("ART_TRAINER_API_KEY is not read: the API key is ART_API_KEY, the one the plugin sends "
+                             "to the trainer and the collector. Set ART_API_KEY and unset ART_TRAINER_API_KEY.")
         if self.every is not None:
             parse_duration(self.every)
         if self.cron is not None:

@@ -31,6 +31,15 @@ def test_trainer_url_variable_is_not_a_setting(monkeypatch: pytest.MonkeyPatch) 
     assert TrainerSettings().collector == "http://localhost:4318"
 
 
+def test_the_api_key_comes_from_art_api_key_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ART_TRAINER_API_KEY", "trainer-only")  # like the collector: one shared key, no prefixed one
+    with pytest.raises(ValueError, match="ART_TRAINER_API_KEY is not read: the API key is ART_API_KEY"):
+        TrainerSettings()
+    monkeypatch.delenv("ART_TRAINER_API_KEY")
+    monkeypatch.setenv("ART_API_KEY", "shared")
+    assert TrainerSettings().api_key == "shared"
+
+
 def test_bad_values_exit_with_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["serve", "--lora-r", "16"])
