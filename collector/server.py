@@ -7,7 +7,6 @@ endpoints (`POST`) need `Authorization: Bearer <key>`.
 from __future__ import annotations
 
 import logging
-import secrets
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
@@ -17,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from collector import assembly, otlp
+from collector.auth import bearer_matches
 from collector.config import CollectorSettings
 from collector.errors import CollectorError, NotFound
 from collector.protocol import (
@@ -80,8 +80,7 @@ def _authorize(request: Request) -> None:
     secret = request.app.state.settings.api_key
     if secret is None:
         return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), secret.get_secret_value().encode()):
+    if not bearer_matches(request.headers.get("authorization", ""), secret.get_secret_value()):
         raise _Rejected(401, "unauthorized", "send `Authorization: Bearer <ART_API_KEY>`")
 
 

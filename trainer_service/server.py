@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
+from collector.auth import bearer_matches
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -100,13 +100,6 @@ def _error(exc: ServiceError) -> JSONResponse:
     return JSONResponse(exc.body.model_dump(), status_code=exc.status)
 
 
-def _bearer_matches(authorization: str, key: str) -> bool:
-    """True when an `Authorization` header says `Bearer <key>`: the scheme in any case (RFC 7235), the key
-    compared in constant time."""
-    scheme, _, token = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
-
-
 def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None = None, *,
                service: TrainerService | None = None) -> FastAPI:
     """Build the FastAPI app. The lifespan starts vLLM and the trainer, and stops them.
@@ -147,7 +140,7 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if settings.api_key and not _bearer_matches(request.headers.get("authorization", ""), settings.api_key):
+        if settings.api_key and not bearer_matches(request.headers.get("authorization", ""), settings.api_key):
             return _error(ServiceError(401, "invalid_api_key", "Missing or wrong API key: send "
                                        "`Authorization: Bearer <ART_API_KEY>`."))
         return await call_next(request)
