@@ -12,6 +12,7 @@ from collector.protocol import Batch
 from tests.trainer_service.test_service import make_service
 from tests.trainer_service.test_training import group
 from trainer_service.config import TrainerSettings, parse_duration
+from trainer_service.schedule import TrainingSchedule
 
 
 async def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
