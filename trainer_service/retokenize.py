@@ -6,7 +6,9 @@ template; a token is an assistant token when the text it comes from was added by
 message. The spans are found by rendering growing prefixes of the conversation, so any
 template that renders a conversation as the concatenation of its turns works, tool calls
 included. Trailing template text after the end-of-turn token (a newline) is not sampled by the
-model and is left out of the mask.
+model and is left out of the mask. The end-of-turn token is the tokenizer's eos, or the special
+token the template writes right after an assistant message where that is another one (Gemma's
+`<end_of_turn>`, whose eos is `<eos>`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,24 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], 
     if not isinstance(text, str):
         raise RetokenizeError(f"the chat template returned {type(text).__name__}, not text")
     return text
+
+
+_PROBE = "art-retokenize-probe"
+"""The content of the assistant message `_end_of_turn_ids` renders to find what the template writes after one."""
+
+
+def _end_of_turn_ids(tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None) -> set[int]:
+    """The token ids that end a sampled assistant turn: the eos token, and the special token the chat template
+    writes right after an assistant message's content (where the template drops the content: eos alone)."""
+    ends = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
+    rendered = _render(tokenizer, probe, tools, generation_prompt=False)
+    if _PROBE not in rendered:
+        return ends
+    after = rendered[rendered.rindex(_PROBE) + len(_PROBE):]
+    special = {index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
+    ends.update(index for index in tokenizer(after, add_special_tokens=False)["input_ids"][:1] if index in special)
+    return ends
 
 
 def render_with_assistant_mask(
@@ -73,10 +93,10 @@ def render_with_assistant_mask(
     ids: list[int] = list(encoded["input_ids"])
     offsets: list[tuple[int, int]] = [tuple(o) for o in encoded["offset_mapping"]]
     mask = [0] * len(ids)
+    end_of_turn = _end_of_turn_ids(tokenizer, tools)
     for start, end in spans:
         inside = [i for i, (s, e) in enumerate(offsets) if s >= start and e <= end and e > s]
-        eos = tokenizer.eos_token_id
-        ends = [i for i in inside if ids[i] == eos]
+        ends = [i for i in inside if ids[i] in end_of_turn]
         if ends:
             inside = [i for i in inside if i <= ends[-1]]
         for i in inside:

@@ -169,6 +169,19 @@ def test_retokenized_mask_covers_exactly_the_assistant_turns(tokenizer: PreTrain
         assert text in unmasked  # prompts, tool definitions and tool results carry no loss
 
 
+def test_retokenized_mask_ends_at_an_end_of_turn_token_that_is_not_eos(tokenizer: PreTrainedTokenizerBase) -> None:
+    # a Gemma-like template: turns end with a special token other than eos (here <|endoftext|>; eos is <|im_end|>),
+    # then a newline the model never samples
+    gemma_like = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    gemma_like.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|endoftext|>\n"
+                                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    messages = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"}]
+    ids, mask = render_with_assistant_mask(gemma_like, messages)
+    masked = [token for token, m in zip(ids, mask, strict=True) if m]
+    assert gemma_like.decode(masked) == "5<|endoftext|>"
+    assert gemma_like.decode(ids[len(ids) - 1:]) == "\n" and mask[-1] == 0
+
+
 def test_foreign_trajectories_are_retokenized_and_counted(tokenizer: PreTrainedTokenizerBase) -> None:
     def foreign(tid: str, answer: str, reward: float) -> Trajectory:
         return Trajectory(id=tid, trace_id="1" * 32, group_id="f", token_exact=False, tools=TOOLS, reward=reward,
