@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from collector.errors import NotFound
-from collector.protocol import RewardIn, Trajectory
+from collector.protocol import GroupState, RewardIn, Trajectory
 from collector.read_protocol import JudgeRun, Judgement
 from collector.ruler import (
     JudgeClient,
@@ -34,7 +34,7 @@ __all__ = ["GroupJudge", "run_view"]
 
 log = logging.getLogger(__name__)
 
-_IN_POOL = frozenset({"open", "ready", "skipped"})
+_IN_POOL: frozenset[GroupState] = frozenset({"open", "ready", "skipped"})
 """Group states a new reward can still matter in (a skipped group reopens on one)."""
 
 
@@ -155,8 +155,8 @@ class GroupJudge:
         """Groups in the pool (open, ready or skipped) whose trajectories are all complete and that
         reached their expected size, not judged yet (or `failed` and due for another try)."""
         complete = [
-            g.id for g in self.store.groups()
-            if g.state in _IN_POOL and g.size == g.complete and g.size >= g.expected
+            g.id for g in self.store.groups(states=_IN_POOL)
+            if g.size == g.complete and g.size >= g.expected
         ]
         runs = self.scoring.runs(complete)
         now = self.clock()

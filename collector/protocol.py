@@ -117,6 +117,10 @@ class RewardIn(BaseModel):
         return value
 
 
+GroupState = Literal["open", "ready", "leased", "trained", "skipped", "expired"]
+"""A group's state as the read API shows it (`open`, `ready` and the pool's `skipped` are computed for open groups)."""
+
+
 class GroupStatus(BaseModel):
     """A group as shown by the read API."""
 
@@ -128,7 +132,7 @@ class GroupStatus(BaseModel):
     )
     complete: int
     rewarded: int
-    state: Literal["open", "ready", "leased", "trained", "skipped", "expired"]
+    state: GroupState
     reason: str | None = None
 
 

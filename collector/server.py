@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
@@ -25,6 +25,7 @@ from collector.protocol import (
     Batch,
     BatchRequest,
     ErrorResponse,
+    GroupState,
     GroupStatus,
     RewardAccepted,
     RewardIn,
@@ -175,9 +176,9 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
         return found
 
     @app.get("/v1/groups")
-    def list_groups() -> list[GroupStatus]:
-        """Every group with its size, completeness, rewards and state."""
-        return store.groups()
+    def list_groups(state: Annotated[list[GroupState] | None, Query()] = None) -> list[GroupStatus]:
+        """Every group with its size, completeness, rewards and state; `?state=ready` (repeatable): only those."""
+        return store.groups(states=state)
 
     install_scoring(app, store, _authorize)  # RULER, Langfuse, read API, web page (collector/scoring_api.py)
     return app

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from sqlalchemy import Connection, func, or_, select, update
@@ -38,6 +38,7 @@ from collector.protocol import (
     BatchRequest,
     BatchStatus,
     Group,
+    GroupState,
     GroupStatus,
     RewardAccepted,
     RewardIn,
@@ -49,6 +50,13 @@ from collector.transactions import GROUP_LOCKS, TRAJECTORY_LOCKS, Transactions
 __all__ = ["SqlStore", "Store"]
 
 log = logging.getLogger(__name__)
+
+_STORED_AS: dict[GroupState, frozenset[str]] = {
+    "open": frozenset({"open"}), "ready": frozenset({"open"}), "skipped": frozenset({"open", "skipped"}),
+    "leased": frozenset({"leased"}), "trained": frozenset({"trained"}), "expired": frozenset({"expired"}),
+}
+"""The stored states a group shown in each state can have: `ready`, `open` and `skipped` are decided for open
+groups (`pool.decisions`), the others are stored as they are shown."""
 
 
 class Store(ABC):
@@ -83,8 +91,8 @@ class Store(ABC):
         """Assembled trajectories matching every filter given (`group`: group id or group key)."""
 
     @abstractmethod
-    def groups(self) -> list[GroupStatus]:
-        """Every non-empty group with its readiness."""
+    def groups(self, states: Collection[GroupState] | None = None) -> list[GroupStatus]:
+        """Every non-empty group with its readiness; with `states`, only the groups in one of them."""
 
     @abstractmethod
     def batches(self, *, limit: int = 100) -> list[BatchStatus]:
@@ -262,11 +270,15 @@ class SqlStore(Store):
             query = query.where(trajectories.c.split == split)
         return self._read(lambda conn: self._assemble(conn, list(conn.execute(query).mappings())))
 
-    def groups(self) -> list[GroupStatus]:
-        """Every non-empty group with its readiness (`ready` is computed, not stored)."""
+    def groups(self, states: Collection[GroupState] | None = None) -> list[GroupStatus]:
+        """Every non-empty group with its readiness (`ready` is computed, not stored); with `states`, only the
+        groups in one of them, read from the rows stored in a state they can show (not the whole history)."""
+        query = select(groups).order_by(groups.c.created_at, groups.c.id)
+        if states is not None:
+            query = query.where(groups.c.state.in_({stored for state in states for stored in _STORED_AS[state]}))
 
         def work(conn: Connection) -> tuple[list[Any], dict[str, list[Any]], dict[str, dict[str, float]], dict[str, Decision]]:
-            every = list(conn.execute(select(groups).order_by(groups.c.created_at, groups.c.id)).mappings())
+            every = list(conn.execute(query).mappings())
             members = pool.group_members(conn, [g["id"] for g in every])
             named = pool.rewards_of(conn, [row for rows in members.values() for row in rows])
             return every, members, named, pool.decisions(conn, self.settings, [g for g in every if g["state"] == "open"])
@@ -287,7 +299,7 @@ class SqlStore(Store):
                     rewarded=sum(self.training.of(named[r["id"]]) is not None for r in rows), state=state, reason=reason,
                 )
             )
-        return out
+        return out if states is None else [status for status in out if status.state in states]
 
     def batches(self, *, limit: int = 100) -> list[BatchStatus]:
         """The latest `limit` batches (leases), newest first, with their group ids."""

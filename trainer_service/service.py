@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from collector.protocol import AckRequest, Batch, BatchRequest
+from collector.protocol import AckRequest, Batch, BatchRequest, GroupStatus
+from pydantic import TypeAdapter
 
 from trainer_service.allocator import loaded_allocator
 from trainer_service.checkpoints import CheckpointStore, select_kept
@@ -43,6 +44,9 @@ from trainer_service.training import LoRATrainer, NothingTrainableError
 __all__ = ["TrainerService", "served_base_name"]
 
 logger = logging.getLogger(__name__)
+
+_GROUPS = TypeAdapter(list[GroupStatus])
+"""Reads the collector's `GET /v1/groups` answer."""
 
 
 def served_base_name(base_model: str) -> str:
@@ -189,20 +193,25 @@ class TrainerService:
         self.paused = False
 
     async def queue_depth(self) -> int:
-        """Groups ready for training at the collector (`GET /v1/groups`, state `ready`).
+        """Groups ready for training at the collector (`GET /v1/groups?state=ready`).
 
         Raises:
-            ServiceError: 502 when the collector does not answer.
+            ServiceError: 502 when the collector does not answer, or not with a list of groups.
         """
         try:
-            response = await self.collector.get("/v1/groups")
+            response = await self.collector.get("/v1/groups", params={"state": "ready"})
         except httpx.HTTPError as exc:
             raise ServiceError(502, "collector_unavailable", f"The collector at {self.settings.collector} did not "
                                f"answer: {exc}.", type="server_error") from exc
         if response.status_code != 200:
-            raise ServiceError(502, "collector_error", f"GET /v1/groups: HTTP {response.status_code}",
+            raise ServiceError(502, "collector_error", f"GET /v1/groups?state=ready: HTTP {response.status_code}",
                                type="server_error")
-        return sum(1 for group in response.json() if group.get("state") == "ready")
+        try:
+            listed = _GROUPS.validate_json(response.content)
+        except ValueError as exc:
+            raise ServiceError(502, "collector_error", f"GET /v1/groups?state=ready did not answer with groups: {exc}",
+                               type="server_error") from exc
+        return sum(1 for group in listed if group.state == "ready")  # a collector without the filter lists all
 
     # --- training -----------------------------------------------------------------------
 

@@ -129,6 +129,9 @@ def test_batches_groups_and_acks(client: TestClient) -> None:
     ack = client.post(f"/v1/batches/{batch['id']}/ack", json={"policy_step": 3})
     assert ack.status_code == 200 and ack.json() == {"batch_id": batch["id"], "groups": ["g"], "policy_step": 3}
     assert client.get("/v1/groups").json()[0]["state"] == "trained"
+    assert client.get("/v1/groups", params={"state": "ready"}).json() == []
+    assert [g["id"] for g in client.get("/v1/groups?state=ready&state=trained").json()] == ["g"]
+    _assert_error(client.get("/v1/groups", params={"state": "done"}), 400, "invalid_request")
     _assert_error(client.post("/v1/batches/unknown/ack", json={}), 404, "not_found")
     _assert_error(client.get("/v1/trajectories/unknown"), 404, "not_found")
     _assert_error(client.post("/v1/batches", json={"max_groups": 0}), 400, "invalid_request")

@@ -87,6 +87,18 @@ def test_lease_ack_and_never_again(make_store) -> None:
     assert store.lease(BatchRequest()).groups == []
 
 
+def test_groups_by_state_read_only_groups_in_those_states(make_store) -> None:
+    store = make_store()
+    store.add_spans(_trajectory(10, "a", reward=1.0) + _trajectory(20, "b", reward=0.0))
+    store.ack(store.lease(BatchRequest()).id, policy_step=1)  # g: trained
+    store.add_spans(_trajectory(30, "c", group="h", reward=1.0) + _trajectory(40, "d", group="h", reward=0.0))
+    store.add_spans(_trajectory(50, "e", group="i", reward=1.0))  # one of two: open
+    assert [(g.id, g.state) for g in store.groups()] == [("g", "trained"), ("h", "ready"), ("i", "open")]
+    assert [g.id for g in store.groups(states={"ready"})] == ["h"]
+    assert [g.id for g in store.groups(states={"open", "trained"})] == ["g", "i"]
+    assert store.groups(states={"leased"}) == []
+
+
 def test_expired_lease_is_leased_again_and_old_ack_conflicts(make_store, clock) -> None:
     store = make_store()
     store.add_spans(_trajectory(10, "a", reward=1.0) + _trajectory(20, "b", reward=0.0))

@@ -75,8 +75,10 @@ def make_service(tmp_path: Path, batches: list[Batch], acks: list[tuple[str, dic
         if request.url.path == "/v1/batches":
             batch = batches.pop(0) if batches else Batch(id="none", groups=[], lease_expires_at=0)
             return httpx.Response(200, json=batch.model_dump())
-        if request.url.path == "/v1/groups":
-            ready = [{"id": g.id, "task": None, "size": 2, "complete": 2, "rewarded": 2, "state": "ready"}
+        if request.url.path == "/v1/groups":  # the trainer asks for the ready ones only, not the whole history
+            if request.url.params.get_list("state") != ["ready"]:
+                return httpx.Response(400, json={"error": {"message": "expected ?state=ready"}})
+            ready = [{"id": g.id, "task": None, "size": 2, "expected": 2, "complete": 2, "rewarded": 2, "state": "ready"}
                      for b in batches for g in b.groups]
             return httpx.Response(200, json=ready)
         acks.append((request.url.path.split("/")[3], json.loads(request.content)))
@@ -433,6 +435,22 @@ def test_unexpected_errors_are_500_training_failed_in_the_error_envelope(tmp_pat
         assert error["code"] == "training_failed" and error["type"] == "server_error"
         assert "ValidationError" in error["message"]
         assert client.get("/v1/status").json()["last_error"] == error["message"]
+
+
+async def test_queue_depth_reads_only_ready_groups_and_names_a_malformed_answer(tmp_path: Path) -> None:
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])  # its collector refuses a /v1/groups without ?state=ready
+    assert service.trainer is not None
+    batches.append(Batch(id="b", groups=[group(service.trainer, (1.0, 0.0), "a")], lease_expires_at=0))
+    assert (await service.status()).queue_depth == 1
+
+    def malformed(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"groups": "not a list"})
+
+    service.collector = httpx.AsyncClient(base_url="http://collector", transport=httpx.MockTransport(malformed))
+    status = await service.status()
+    assert status.queue_depth is None and "did not answer with groups" in (status.queue_error or "")
+    await service.aclose()
 
 
 def test_models_lists_only_names_that_resolve(tmp_path: Path) -> None:
