@@ -175,11 +175,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     from trainer_service.server import create_app
 
     from trainer_service.base_model import BaseModelError
+    from trainer_service.checkpoints import CheckpointMismatchError
     from trainer_service.evaluation import EvalError
 
     try:
         app = create_app(settings, grpo)
-    except (BaseModelError, EvalError) as exc:
+    except (BaseModelError, CheckpointMismatchError, EvalError) as exc:
         parser.exit(2, f"art-trainer: error: {exc}\n")
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
 

@@ -70,6 +70,10 @@ class TrainerService:
         launcher: runs each step in data-parallel worker processes; None trains in this process.
         lender: counts the requests the proxy sends to vLLM (`lender.engine_request`) and lends
             the engine's idle cores to the step (`CoreLender`); default: counts them, lends nothing.
+
+    Raises:
+        CheckpointMismatchError: a kept checkpoint was trained on another base model or LoRA shape
+            (checked here, before anything starts).
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class TrainerService:
         self.trainer: LoRATrainer | None = None
         self.base_name = engine.served_name
         self.store = CheckpointStore(settings.run_dir / "checkpoints")
+        self.store.check_compatible(settings.base_model, grpo.lora_r, grpo.target_modules)
         self.steps: list[int] = []
         self.last_error: str | None = None
         self.paused = False
@@ -122,12 +127,7 @@ class TrainerService:
 
         Every kept checkpoint is re-registered as `name@N`; the trainer resumes the newest
         (step counter, adapter, optimizer); `name@latest` returns to the promoted step.
-
-        Raises:
-            CheckpointMismatchError: a kept checkpoint was trained on another base model or LoRA
-                shape (checked before vLLM starts).
         """
-        self.store.check_compatible(self.settings.base_model, self.grpo.lora_r, self.grpo.target_modules)
         self.engine.start()
         self.trainer = self._trainer_factory()
         self.store.remove_partial()

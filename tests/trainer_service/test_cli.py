@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,22 @@ def test_bad_schedule_and_eval_settings_exit_with_the_fix(capsys: pytest.Capture
     with pytest.raises(SystemExit):
         main(["serve", "--base-model", "/no/such/folder"])
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_checkpoints_of_another_base_model_exit_with_the_fix_before_vllm(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    kept = tmp_path / "run" / "checkpoints" / "step-1"
+    kept.mkdir(parents=True)
+    config = {"lora_r": 16, "target_modules": ["q_proj"]}
+    (kept / "manifest.json").write_text(json.dumps({"step": 1, "base_model": "SomeOther/Model-7B", "config": config}))
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--base-model", str(model), "--output-dir", str(tmp_path / "run"), "--allocator", "system"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "art-trainer: error:" in err and str(kept) in err and "Traceback" not in err
 
 
 def test_train_processes_from_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
