@@ -85,12 +85,11 @@ class TrainingSchedule:
         self._scheduler = scheduler
 
     def shutdown(self) -> None:
-        """Stop the scheduler. Idempotent."""
+        """Stop the scheduler: no job fires again. A step already running is left to finish
+        (`TrainerService.aclose` waits for it). Idempotent."""
         scheduler, self._scheduler = self._scheduler, None
         if scheduler is not None:
             scheduler.shutdown(wait=False)
-        if self._running is not None:
-            self._running.cancel()  # the step's worker thread finishes; its result is not awaited
 
     def next_run(self) -> datetime | None:
         """When the next job fires (None without triggers)."""

@@ -104,6 +104,7 @@ class TrainerService:
         self.counters: Counter[str] = Counter()
         self.allocator = loaded_allocator() or "system"
         self._lock = asyncio.Lock()
+        self._closing = False
         headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
         self.collector = httpx.AsyncClient(
             base_url=settings.collector, headers=headers, timeout=60.0, transport=collector_transport
@@ -141,12 +142,20 @@ class TrainerService:
         self.gate.restore(self.steps)
 
     async def aclose(self) -> None:
-        """Stop the schedule and the engine, close the clients and the metrics sinks."""
+        """Stop the schedule, let a running step finish, then stop the engine and close the clients and sinks.
+
+        A step that runs (scheduled or manual) ends as usual: checkpoint, hot-load, ack, gate, metrics.
+        Stopping under it would leave its batch leased and its metrics unwritten; no new step starts.
+        """
         self.schedule.shutdown()
-        await self.gate.aclose()
-        await self.collector.aclose()
-        await asyncio.to_thread(self.metrics.close)
-        await asyncio.to_thread(self.engine.stop)
+        self._closing = True
+        if self._lock.locked():
+            logger.info("shutting down: waiting for the running training step to finish")
+        async with self._lock:
+            await self.gate.aclose()
+            await self.collector.aclose()
+            await asyncio.to_thread(self.metrics.close)
+            await asyncio.to_thread(self.engine.stop)
 
     # --- model names --------------------------------------------------------------------
 
@@ -225,11 +234,14 @@ class TrainerService:
 
         Raises:
             ServiceError: 409 when paused, when a step runs already or the collector has nothing
-                ready; 422 when no group of the batch is trainable; 502 when the collector
+                ready; 503 when the service is shutting down; 422 when no group of the batch is trainable; 502 when the collector
                 fails or refuses the ack of a served step; 507 when the checkpoint or the
                 promotion state cannot be written; 500 when training or loading fails, and
                 `training_failed` for any other error.
         """
+        if self._closing:
+            raise ServiceError(503, "shutting_down", "The service is shutting down; no new step starts.",
+                               type="server_error")
         if self.paused:
             raise ServiceError(409, "paused", "Training is paused; POST /v1/resume to train again.")
         if self._lock.locked():

@@ -453,6 +453,33 @@ async def test_queue_depth_reads_only_ready_groups_and_names_a_malformed_answer(
     await service.aclose()
 
 
+async def test_shutdown_lets_a_running_step_finish_and_starts_no_new_one(tmp_path: Path) -> None:
+    acks: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, acks)
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    stopped_after: list[list[tuple[str, dict]]] = []
+    service.engine.stop = lambda: stopped_after.append(list(acks))  # type: ignore[method-assign]
+    train_and_publish = service._train_and_publish
+
+    def slow(*args: Any) -> Any:  # the step is still running when shutdown begins
+        time.sleep(0.5)
+        return train_and_publish(*args)
+
+    service._train_and_publish = slow  # type: ignore[method-assign]
+    step = asyncio.create_task(service.train_once())
+    while not service._lock.locked():
+        await asyncio.sleep(0.01)
+    await service.aclose()
+    assert (await step).step == 1 and (tmp_path / "checkpoints" / "step-1").is_dir()
+    assert stopped_after == [[("b1", {"policy_step": 1})]]  # the engine stopped after the step was acked
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    assert info.value.status == 503 and info.value.body.error.code == "shutting_down"
+
+
 def test_models_lists_only_names_that_resolve(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
