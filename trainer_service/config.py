@@ -40,6 +40,13 @@ DEFAULT_TARGET_MODULES: tuple[str, ...] = (
 BUNDLED_TOOL_TEMPLATE = Path(__file__).parent / "templates" / "smollm2_tools.jinja"
 """SmolLM2's chat format with Hermes-style tool calls (`<tool_call>{json}</tool_call>`)."""
 
+_OWNED_VLLM_FLAGS = {
+    "--model": "--base-model", "--served-model-name": "--base-model", "--host": None, "--port": "--vllm-port",
+    "--dtype": "--vllm-dtype", "--enable-lora": None, "--max-lora-rank": "--max-lora-rank",
+    "--max-loras": "--max-loras", "--max-model-len": "--max-model-len", "--block-size": "--kv-block-size",
+}
+"""vLLM flags the service sets itself (`VLLMEngine.command`), with the service's flag for each (None: fixed)."""
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$")
 _UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -257,6 +264,13 @@ class TrainerSettings(BaseSettings):
         if "ART_TRAINER_API_KEY" in os.environ:  # read until it was dropped: ignoring it would open the API
             raise ValueError("ART_TRAINER_API_KEY is not read: the API key is ART_API_KEY, the one the plugin sends "
                              "to the trainer and the collector. Set ART_API_KEY and unset ART_TRAINER_API_KEY.")
+        for arg in self.vllm_args:
+            flag = arg.split("=", 1)[0].replace("_", "-")
+            if flag in _OWNED_VLLM_FLAGS:
+                own = _OWNED_VLLM_FLAGS[flag]
+                fix = f"use the service's {own} instead" if own else "the service fixes it"
+                raise ValueError(f"vllm_args sets {flag}, which the service sets itself (its checks and the trainer "
+                                 f"rely on the value it passes): {fix}.")
         if self.every is not None:
             parse_duration(self.every)
         if self.cron is not None:

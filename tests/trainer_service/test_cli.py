@@ -99,6 +99,13 @@ def test_bad_schedule_and_eval_settings_exit_with_the_fix(capsys: pytest.Capture
     with pytest.raises(SystemExit):
         main(["serve", "--min-groups", "9", *no_model])
     assert "min_groups=9 exceeds batch_groups=8" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # vLLM would take the last --max-lora-rank, past the rank check
+        main(["serve", "--vllm-arg=--max_lora_rank=64", *no_model])
+    err = capsys.readouterr().err
+    assert "vllm_args sets --max-lora-rank" in err and "use the service's --max-lora-rank instead" in err
+    with pytest.raises(SystemExit):
+        main(["serve", "--vllm-arg=--port", "--vllm-arg=9000", *no_model])
+    assert "use the service's --vllm-port instead" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--eval-file", "eval.jsonl"])
     assert "needs both eval prompts" in capsys.readouterr().err
