@@ -135,7 +135,8 @@ class CheckpointStore:
     # --- promotion state ------------------------------------------------------------------
 
     def read_promotion(self) -> dict[str, Any]:
-        """The saved promotion state: `{"latest": step or None, "evals": {step: reward}, "decision": ...}`."""
+        """The saved promotion state: `{"latest": step or None, "evals": {step: reward}, "prompt_set": key of the
+        prompts those rewards were measured on, "decision": ...}`."""
         path = self.root / _PROMOTION
         if not path.is_file():
             return {"latest": None, "evals": {}, "decision": None}

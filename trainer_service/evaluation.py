@@ -10,6 +10,7 @@ checkpoints are compared on the same prompts with the same sampling noise.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib
 import json
 import math
@@ -22,7 +23,8 @@ from collector.protocol import Trajectory
 
 from trainer_service.config import TrainerSettings
 
-__all__ = ["EvalError", "Evaluator", "RewardFn", "build_evaluator", "load_eval_file", "load_reward_fn", "prompts_from_trajectories"]
+__all__ = ["EvalError", "Evaluator", "RewardFn", "build_evaluator", "load_eval_file", "load_reward_fn",
+           "prompt_set_key", "prompts_from_trajectories"]
 
 RewardFn = Callable[[dict[str, Any], str], float]
 """`(row, completion_text) -> reward`: `row` is the eval line (with `messages`)."""
@@ -113,16 +115,25 @@ class Evaluator:
         self.temperature = temperature
         self._client = httpx.AsyncClient(base_url=engine_url, timeout=600.0, transport=transport)
 
-    async def evaluate(self, model: str) -> float:
-        """Sample `samples` answers per prompt from `model` and return the mean reward.
+    async def prompts(self) -> list[dict[str, Any]]:
+        """The eval prompts as of now, at most `max_prompts` (a collector split grows between calls).
+
+        Raises:
+            EvalError: there are none yet, or their source failed.
+        """
+        rows = (await self._rows())[: self.max_prompts]
+        if not rows:
+            raise EvalError("the eval set has no prompts yet (for a collector split: record rollouts with that split)")
+        return rows
+
+    async def evaluate(self, model: str, rows: list[dict[str, Any]] | None = None) -> float:
+        """Sample `samples` answers per prompt of `rows` (default: `prompts()`) from `model`; the mean reward.
 
         Raises:
             EvalError: no prompts, the engine failed or answered something other than a chat
                 completion, or the reward function raised or returned a non-finite value.
         """
-        rows = (await self._rows())[: self.max_prompts]
-        if not rows:
-            raise EvalError("the eval set has no prompts yet (for a collector split: record rollouts with that split)")
+        rows = await self.prompts() if rows is None else rows
         rewards = await asyncio.gather(*(self._score(model, index, row) for index, row in enumerate(rows)))
         flat = [r for per_row in rewards for r in per_row]
         return sum(flat) / len(flat)
@@ -158,6 +169,11 @@ class Evaluator:
     async def aclose(self) -> None:
         """Close the engine client."""
         await self._client.aclose()
+
+
+def prompt_set_key(rows: list[dict[str, Any]]) -> str:
+    """A short fingerprint of eval prompts: rewards measured on prompts with the same key are comparable."""
+    return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def build_evaluator(settings: TrainerSettings, collector: httpx.AsyncClient, engine_url: str) -> Evaluator | None:

@@ -2,7 +2,8 @@
 
 Without an eval set every new checkpoint is promoted. With one, the new checkpoint's mean eval
 reward is compared with the promoted checkpoint's (the base model's, key 0, before any
-promotion; measured once and cached): promoted when `new >= current - margin`, else kept and
+promotion) on the same prompts: measured once and cached while the prompts stay the same, again
+when they change (a collector split grows). Promoted when `new >= current - margin`, else kept and
 served as `name@N` but not as `name@latest`, with the reason recorded. A failed evaluation
 promotes nothing. The state survives restarts in `checkpoints/promotion.json`; without an eval
 set, a restart serves the newest kept step as latest.
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 from trainer_service.checkpoints import CheckpointStore
 from trainer_service.config import TrainerSettings
-from trainer_service.evaluation import EvalError, Evaluator
+from trainer_service.evaluation import EvalError, Evaluator, prompt_set_key
 from trainer_service.protocol import PromotionDecision, ServiceError
 
 __all__ = ["PromotionGate"]
@@ -44,7 +45,9 @@ class PromotionGate:
         self.latest: int | None = None
         """Promoted step (None: the base model)."""
         self.evals: dict[int, float] = {}
-        """Mean eval reward per step; 0 is the base model."""
+        """Mean eval reward per step on the prompts of `prompt_set`; 0 is the base model."""
+        self.prompt_set: str | None = None
+        """`prompt_set_key` of the prompts `evals` were measured on."""
         self.decision: PromotionDecision | None = None
 
     def restore(self, steps: list[int]) -> None:
@@ -56,6 +59,7 @@ class PromotionGate:
         """
         saved = self.store.read_promotion()
         self.evals = {s: r for s, r in saved["evals"].items() if s == 0 or s in steps}
+        self.prompt_set = saved.get("prompt_set")
         if self.evaluator is None:
             self.latest = steps[-1] if steps else None
         else:
@@ -81,7 +85,8 @@ class PromotionGate:
         latest = step if decision.promoted else self.latest
         self.evals = {s: r for s, r in self.evals.items() if s == 0 or s in steps}
         try:
-            self.store.write_promotion({"latest": latest, "evals": self.evals, "decision": decision.model_dump()})
+            self.store.write_promotion({"latest": latest, "evals": self.evals, "prompt_set": self.prompt_set,
+                                        "decision": decision.model_dump()})
         except OSError as exc:
             logger.exception("the promotion state of step %s could not be saved", step)
             current = self._name(self.latest or 0)
@@ -96,10 +101,13 @@ class PromotionGate:
     async def _gate(self, step: int, evaluator: Evaluator) -> PromotionDecision:
         current = self.latest or 0
         try:
-            new = await evaluator.evaluate(self._model_name(step))
+            rows = await evaluator.prompts()
+            if prompt_set_key(rows) != self.prompt_set:  # other prompts: rewards measured before do not compare
+                self.evals, self.prompt_set = {}, prompt_set_key(rows)
+            new = await evaluator.evaluate(self._model_name(step), rows)
             self.evals[step] = new
             if current not in self.evals:
-                self.evals[current] = await evaluator.evaluate(self._name(current))
+                self.evals[current] = await evaluator.evaluate(self._name(current), rows)
         except EvalError as exc:
             logger.warning("eval of step %s failed; not promoted: %s", step, exc)
             return PromotionDecision(step=step, promoted=False, reason=f"eval failed, not promoted: {exc}",

@@ -85,6 +85,38 @@ async def test_gate_promotes_within_margin_and_says_why_not(tmp_path: Path) -> N
     await restarted.aclose()
 
 
+async def test_a_grown_eval_split_measures_the_baseline_again_on_the_same_prompts(tmp_path: Path) -> None:
+    rows = [{"messages": [{"role": "user", "content": "0+1?"}]}]
+    asked: list[tuple[str, str]] = []  # (model, prompt) of each eval request
+
+    async def source() -> list[dict[str, Any]]:  # a collector split: it grows between steps
+        return list(rows)
+
+    def recording(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        asked.append((body["model"], body["messages"][0]["content"]))
+        return engine(request)
+
+    SCORES.clear()
+    SCORES.update({"base-model": 0.5, "agent@1": 0.6, "agent@2": 0.6})
+    evaluator = Evaluator(source, load_reward_fn("tests.trainer_service.test_promotion:reward"), "http://engine",
+                          samples=1, transport=httpx.MockTransport(recording))
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [], evaluator=evaluator)
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    await service.train_once()
+    assert sorted(asked) == [("agent@1", "0+1?"), ("base-model", "0+1?")]
+    rows.append({"messages": [{"role": "user", "content": "1+1?"}]})
+    asked.clear()
+    batches.append(Batch(id="b2", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    await service.train_once()
+    # agent@1's cached reward was for one prompt: it is measured again, on both, beside agent@2
+    assert sorted(asked) == [("agent@1", "0+1?"), ("agent@1", "1+1?"), ("agent@2", "0+1?"), ("agent@2", "1+1?")]
+    assert set((await service.status()).eval_rewards) == {1, 2}  # the base's one-prompt reward is dropped
+    await service.aclose()
+
+
 def test_eval_file_errors_name_the_line(tmp_path: Path) -> None:
     bad = tmp_path / "eval.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"prompt": "no messages"}\n')
