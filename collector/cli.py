@@ -47,14 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `art-collector` console script."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     import uvicorn
 
-    from collector.config import CollectorSettings
+    from pydantic import ValidationError
+
+    from collector.config import CollectorSettings, settings_error
     from collector.server import create_app
 
     overrides = {name: getattr(args, name) for name in ("host", "port", "db") if getattr(args, name) is not None}
-    settings = CollectorSettings(**overrides)
+    try:
+        settings = CollectorSettings(**overrides)
+    except ValidationError as exc:
+        parser.error(settings_error(exc))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)

@@ -12,12 +12,23 @@ import math
 import os
 from pathlib import Path
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from collector.groups import TrainingReward
 
-__all__ = ["CollectorSettings", "art_home", "default_db_url"]
+__all__ = ["CollectorSettings", "art_home", "default_db_url", "settings_error"]
+
+
+def settings_error(exc: ValidationError) -> str:
+    """A settings validation error as a command line reports it: each problem on one line, the setting and its value
+    first (`port='abc': ...`), without pydantic's type codes and links."""
+    problems = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}={error['input']!r}: {message}" if where else message)
+    return "\n".join(problems)
 
 
 def art_home() -> Path:

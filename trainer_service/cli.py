@@ -11,6 +11,9 @@ import logging
 from collections.abc import Sequence
 from dataclasses import fields
 
+from collector.config import settings_error
+from pydantic import ValidationError
+
 from trainer_service.allocator import preload_allocator
 from trainer_service.config import GRPOConfig, TrainerSettings
 from trainer_service.huge_pages import enable_huge_pages
@@ -159,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         settings, grpo = settings_from_args(args)
+    except ValidationError as exc:
+        parser.error(settings_error(exc))
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -98,7 +98,14 @@ def test_bad_schedule_and_eval_settings_exit_with_the_fix(capsys: pytest.Capture
     monkeypatch.delenv("ART_TRAINER_CRON")
     with pytest.raises(SystemExit):
         main(["serve", "--min-groups", "9", *no_model])
-    assert "min_groups=9 exceeds batch_groups=8" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "min_groups=9 exceeds batch_groups=8" in err
+    assert "validation error" not in err and "errors.pydantic.dev" not in err  # a line a person reads, not pydantic's
+    monkeypatch.setenv("ART_TRAINER_BATCH_GROUPS", "many")
+    with pytest.raises(SystemExit):
+        main(["serve", *no_model])
+    assert "batch_groups='many': Input should be a valid integer" in capsys.readouterr().err
+    monkeypatch.delenv("ART_TRAINER_BATCH_GROUPS")
     with pytest.raises(SystemExit):  # vLLM would take the last --max-lora-rank, past the rank check
         main(["serve", "--vllm-arg=--max_lora_rank=64", *no_model])
     err = capsys.readouterr().err
