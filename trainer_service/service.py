@@ -234,10 +234,10 @@ class TrainerService:
 
         Raises:
             ServiceError: 409 when paused, when a step runs already or the collector has nothing
-                ready; 503 when the service is shutting down; 422 when no group of the batch is trainable; 502 when the collector
-                fails or refuses the ack of a served step; 507 when the checkpoint or the
-                promotion state cannot be written; 500 when training or loading fails, and
-                `training_failed` for any other error.
+                ready; 503 when the service is shutting down; 422 when no group of the batch is
+                trainable; 502 when the collector fails or refuses the ack of a served step; 507
+                when the checkpoint or the promotion state cannot be written; 500 when training or
+                loading fails, and `training_failed` for any other error.
         """
         if self._closing:
             raise ServiceError(503, "shutting_down", "The service is shutting down; no new step starts.",

@@ -35,7 +35,8 @@ def test_default_db_lives_in_art_home(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert CollectorSettings().api_key.get_secret_value() == "k"
 
 
-def test_bad_settings_exit_with_one_line_each(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_settings_exit_with_one_line_each(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served with bad settings"))
     monkeypatch.setenv("ART_COLLECTOR_PORT", "abc")
     with pytest.raises(SystemExit) as info:
