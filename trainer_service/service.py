@@ -18,11 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from collector.protocol import AckRequest, Batch, BatchRequest, GroupStatus
-from pydantic import TypeAdapter
+from collector.protocol import Batch
 
 from trainer_service.allocator import loaded_allocator
 from trainer_service.checkpoints import CheckpointStore, select_kept
+from trainer_service.collector_client import CollectorClient
 from trainer_service.config import GRPOConfig, TrainerSettings
 from trainer_service.core_lending import CoreLender
 from trainer_service.distributed import TrainLauncher
@@ -44,9 +44,6 @@ from trainer_service.training import LoRATrainer, NothingTrainableError
 __all__ = ["TrainerService", "served_base_name"]
 
 logger = logging.getLogger(__name__)
-
-_GROUPS = TypeAdapter(list[GroupStatus])
-"""Reads the collector's `GET /v1/groups` answer."""
 
 
 def served_base_name(base_model: str) -> str:
@@ -105,12 +102,9 @@ class TrainerService:
         self.allocator = loaded_allocator() or "system"
         self._lock = asyncio.Lock()
         self._closing = False
-        headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-        self.collector = httpx.AsyncClient(
-            base_url=settings.collector, headers=headers, timeout=60.0, transport=collector_transport
-        )
-        self.gate = PromotionGate(settings, self.store, evaluator or build_evaluator(settings, self.collector, engine.base_url), self.model_name,
-                                  lambda: self.base_name)
+        self.collector = CollectorClient(settings, collector_transport)
+        evaluator = evaluator or build_evaluator(settings, self.collector.http, engine.base_url)
+        self.gate = PromotionGate(settings, self.store, evaluator, self.model_name, lambda: self.base_name)
         self.metrics = MetricsSink(settings.run_dir, wandb=settings.wandb, project=settings.wandb_project,
                                    run_name=settings.name, config={"settings": settings.model_dump(mode="json"),
                                                                    "grpo": grpo.to_dict()})
@@ -202,25 +196,8 @@ class TrainerService:
         self.paused = False
 
     async def queue_depth(self) -> int:
-        """Groups ready for training at the collector (`GET /v1/groups?state=ready`).
-
-        Raises:
-            ServiceError: 502 when the collector does not answer, or not with a list of groups.
-        """
-        try:
-            response = await self.collector.get("/v1/groups", params={"state": "ready"})
-        except httpx.HTTPError as exc:
-            raise ServiceError(502, "collector_unavailable", f"The collector at {self.settings.collector} did not "
-                               f"answer: {exc}.", type="server_error") from exc
-        if response.status_code != 200:
-            raise ServiceError(502, "collector_error", f"GET /v1/groups?state=ready: HTTP {response.status_code}",
-                               type="server_error")
-        try:
-            listed = _GROUPS.validate_json(response.content)
-        except ValueError as exc:
-            raise ServiceError(502, "collector_error", f"GET /v1/groups?state=ready did not answer with groups: {exc}",
-                               type="server_error") from exc
-        return sum(1 for group in listed if group.state == "ready")  # a collector without the filter lists all
+        """Groups ready for training at the collector (`CollectorClient.ready_groups`)."""
+        return await self.collector.ready_groups()
 
     # --- training -----------------------------------------------------------------------
 
@@ -269,13 +246,13 @@ class TrainerService:
         trainer = self.trainer
         if trainer is None:
             raise ServiceError(503, "not_ready", "The trainer is still starting; try again shortly.", type="server_error")
-        batch = await self._lease(min_groups)
+        batch = await self.collector.lease(min_groups)
         step = trainer.step_count + 1
         try:
             metrics, path = await asyncio.to_thread(self._train_and_publish, trainer, batch, step, kind)
         except NothingTrainableError as exc:
             # Such groups can never train; acking keeps them from coming back forever.
-            await self._ack(batch.id, None)
+            await self.collector.ack(batch.id, None)
             raise ServiceError(422, "nothing_trainable", f"{exc} Batch {batch.id} was acked without a step.") from exc
         except OSError as exc:
             logger.exception("checkpoint of step %s could not be written", step)
@@ -294,7 +271,7 @@ class TrainerService:
         # gate's save do; their failures are reported once the step's bookkeeping is done.
         deferred: list[ServiceError] = []
         try:
-            await self._ack(batch.id, step)
+            await self.collector.ack(batch.id, step)
         except ServiceError as exc:
             deferred.append(exc)
             self.counters["ack_failures"] += 1
@@ -398,37 +375,6 @@ class TrainerService:
             self.counters["checkpoints_deleted"] += 1
             logger.info("retention: deleted checkpoint step %s", step)
         return still_loaded
-
-    async def _lease(self, min_groups: int) -> Batch:
-        request = BatchRequest(max_groups=self.settings.batch_groups, min_groups=min_groups, trainer=self.settings.name)
-        try:
-            response = await self.collector.post("/v1/batches", json=request.model_dump())
-        except httpx.HTTPError as exc:
-            raise ServiceError(502, "collector_unavailable",
-                               f"The collector at {self.settings.collector} did not answer: {exc}. "
-                               "Start it (`art-collector serve`) or point --collector at it.",
-                               type="server_error") from exc
-        if response.status_code != 200:
-            raise ServiceError(502, "collector_error", f"The collector refused a batch lease: HTTP "
-                               f"{response.status_code}: {response.text[:500]}", type="server_error")
-        batch = Batch.model_validate(response.json())
-        if not batch.groups:
-            raise ServiceError(409, "no_batch_ready", "The collector has no rewarded group ready for training yet; "
-                               "record more rollouts with rewards and try again.")
-        return batch
-
-    async def _ack(self, batch_id: str, step: int | None) -> None:
-        try:
-            response = await self.collector.post(f"/v1/batches/{batch_id}/ack",
-                                                 json=AckRequest(policy_step=step).model_dump())
-        except httpx.HTTPError as exc:
-            raise ServiceError(502, "ack_failed", f"Could not ack batch {batch_id} (step {step} is saved and "
-                               f"served): {exc}. Its groups will be offered again after the lease.",
-                               type="server_error") from exc
-        if response.status_code != 200:
-            raise ServiceError(502, "ack_failed", f"The collector refused the ack of batch {batch_id} (step {step} "
-                               f"is saved and served): HTTP {response.status_code}: {response.text[:300]}",
-                               type="server_error")
 
     # --- status -------------------------------------------------------------------------
 

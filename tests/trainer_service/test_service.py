@@ -423,18 +423,35 @@ def test_unexpected_errors_are_500_training_failed_in_the_error_envelope(tmp_pat
 
     from trainer_service.server import create_app
 
-    def collector(request: httpx.Request) -> httpx.Response:  # answers 200, but not with a batch
-        return httpx.Response(200, json=[] if request.url.path == "/v1/groups" else {"lease": "unexpected"})
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
 
-    service = make_service(tmp_path, [], [])
-    service.collector = httpx.AsyncClient(base_url="http://collector", transport=httpx.MockTransport(collector))
+    def bug(*args: Any) -> Any:  # an error no handler expects
+        raise KeyError("a bug")
+
+    service._train_and_publish = bug  # type: ignore[method-assign]
     with TestClient(create_app(service=service)) as client:
         response = client.post("/v1/train")
         assert response.status_code == 500
         error = response.json()["error"]
         assert error["code"] == "training_failed" and error["type"] == "server_error"
-        assert "ValidationError" in error["message"]
+        assert "KeyError" in error["message"] and "a bug" in error["message"]
         assert client.get("/v1/status").json()["last_error"] == error["message"]
+
+
+async def test_a_lease_answer_that_is_not_a_batch_is_a_502_naming_the_collector(tmp_path: Path) -> None:
+    def collector(request: httpx.Request) -> httpx.Response:  # answers 200, but not with a batch
+        return httpx.Response(200, json={"lease": "unexpected"})
+
+    service = make_service(tmp_path, [], [])
+    service.collector.http = httpx.AsyncClient(base_url="http://collector", transport=httpx.MockTransport(collector))
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    assert info.value.status == 502 and info.value.body.error.code == "collector_error"
+    assert "is not a batch" in info.value.body.error.message and service.last_error == info.value.body.error.message
+    await service.aclose()
 
 
 async def test_queue_depth_reads_only_ready_groups_and_names_a_malformed_answer(tmp_path: Path) -> None:
@@ -447,7 +464,7 @@ async def test_queue_depth_reads_only_ready_groups_and_names_a_malformed_answer(
     def malformed(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json={"groups": "not a list"})
 
-    service.collector = httpx.AsyncClient(base_url="http://collector", transport=httpx.MockTransport(malformed))
+    service.collector.http = httpx.AsyncClient(base_url="http://collector", transport=httpx.MockTransport(malformed))
     status = await service.status()
     assert status.queue_depth is None and "did not answer with groups" in (status.queue_error or "")
     await service.aclose()

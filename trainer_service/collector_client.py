@@ -1,0 +1,106 @@
+"""The trainer's side of the collector's HTTP API: ready groups, batch leases and acks.
+
+Every failure (no answer, an HTTP error, an answer that is not what the API publishes) is a
+`ServiceError` that names the collector call and what to do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from collector.protocol import AckRequest, Batch, BatchRequest, GroupStatus
+from pydantic import TypeAdapter
+
+from trainer_service.config import TrainerSettings
+from trainer_service.protocol import ServiceError
+
+__all__ = ["CollectorClient"]
+
+_GROUPS = TypeAdapter(list[GroupStatus])
+"""Reads `GET /v1/groups`."""
+
+
+class CollectorClient:
+    """Talks to the collector at `settings.collector`, with `ART_API_KEY` when one is set.
+
+    Args:
+        settings: `collector`, `api_key`, `batch_groups` and `name` (the trainer named in leases).
+        transport: httpx transport (tests inject a mock).
+    """
+
+    def __init__(self, settings: TrainerSettings, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.settings = settings
+        headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+        self.http = httpx.AsyncClient(base_url=settings.collector, headers=headers, timeout=60.0, transport=transport)
+        """The HTTP client (the evaluator reads an eval split through it too)."""
+
+    async def ready_groups(self) -> int:
+        """Groups ready for training (`GET /v1/groups?state=ready`).
+
+        Raises:
+            ServiceError: 502 when the collector does not answer, or not with a list of groups.
+        """
+        response = await self._send("GET", "/v1/groups", params={"state": "ready"})
+        if response.status_code != 200:
+            raise ServiceError(502, "collector_error", f"GET /v1/groups?state=ready: HTTP {response.status_code}",
+                               type="server_error")
+        try:
+            listed = _GROUPS.validate_json(response.content)
+        except ValueError as exc:
+            raise ServiceError(502, "collector_error", f"GET /v1/groups?state=ready did not answer with groups: {exc}",
+                               type="server_error") from exc
+        return sum(1 for group in listed if group.state == "ready")  # a collector without the filter lists all
+
+    async def lease(self, min_groups: int) -> Batch:
+        """Lease up to `batch_groups` ready groups, none unless `min_groups` are ready (`POST /v1/batches`).
+
+        Raises:
+            ServiceError: 502 when the collector does not answer or not with a batch; 409 `no_batch_ready`
+                when it has nothing ready.
+        """
+        request = BatchRequest(max_groups=self.settings.batch_groups, min_groups=min_groups, trainer=self.settings.name)
+        response = await self._send("POST", "/v1/batches", json=request.model_dump())
+        if response.status_code != 200:
+            raise ServiceError(502, "collector_error", f"The collector refused a batch lease: HTTP "
+                               f"{response.status_code}: {response.text[:500]}", type="server_error")
+        try:
+            batch = Batch.model_validate_json(response.content)
+        except ValueError as exc:
+            raise ServiceError(502, "collector_error", f"The collector answered a batch lease with something that "
+                               f"is not a batch: {str(exc)[:500]}", type="server_error") from exc
+        if not batch.groups:
+            raise ServiceError(409, "no_batch_ready", "The collector has no rewarded group ready for training yet; "
+                               "record more rollouts with rewards and try again.")
+        return batch
+
+    async def ack(self, batch_id: str, step: int | None) -> None:
+        """Mark batch `batch_id` trained by `step` (None: acked without a step) (`POST /v1/batches/{id}/ack`).
+
+        Raises:
+            ServiceError: 502 `ack_failed` when the collector does not answer or refuses.
+        """
+        try:
+            response = await self.http.post(f"/v1/batches/{batch_id}/ack", json=AckRequest(policy_step=step).model_dump())
+        except httpx.HTTPError as exc:
+            raise ServiceError(502, "ack_failed", f"Could not ack batch {batch_id} (step {step} is saved and "
+                               f"served): {exc}. Its groups will be offered again after the lease.",
+                               type="server_error") from exc
+        if response.status_code != 200:
+            raise ServiceError(502, "ack_failed", f"The collector refused the ack of batch {batch_id} (step {step} "
+                               f"is saved and served): HTTP {response.status_code}: {response.text[:300]}",
+                               type="server_error")
+
+    async def aclose(self) -> None:
+        """Close the HTTP client."""
+        await self.http.aclose()
+
+    async def _send(self, method: str, path: str, *, params: dict[str, str] | None = None,
+                    json: dict[str, Any] | None = None) -> httpx.Response:
+        try:
+            return await self.http.request(method, path, params=params, json=json)
+        except httpx.HTTPError as exc:
+            raise ServiceError(502, "collector_unavailable",
+                               f"The collector at {self.settings.collector} did not answer: {exc}. "
+                               "Start it (`art-collector serve`) or point --collector at it.",
+                               type="server_error") from exc
