@@ -137,7 +137,8 @@ class VLLMEngine:
     @property
     def pid(self) -> int | None:
         """Process id of the running child, if any."""
-        return self._proc.pid if self._proc is not None else None
+        proc = self._proc  # read once: `_stop_group` may clear it meanwhile
+        return proc.pid if proc is not None else None
 
     def command(self) -> list[str]:
         """Return the command line that starts vLLM."""
@@ -169,7 +170,8 @@ class VLLMEngine:
 
     def is_alive(self) -> bool:
         """True while the child process runs (it may still be starting)."""
-        return self._proc is not None and self._proc.poll() is None
+        proc = self._proc  # read once: `_stop_group` may clear it meanwhile
+        return proc is not None and proc.poll() is None
 
     def healthy(self, timeout: float = 2.0) -> bool:
         """True when the child runs and answers `/health` with 200."""
@@ -367,11 +369,12 @@ def _group_runs(pgid: int) -> bool:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
-        try:
-            state, _ppid, group = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[:3]
-        except (FileNotFoundError, ProcessLookupError):  # it ended while we looked
+        try:  # the raw process name (any bytes, cut at 15) sits in parentheses before the fields
+            state, _ppid, group = Path(entry.path, "stat").read_bytes().rsplit(b")", 1)[1].split()[:3]
+            in_group = int(group) == pgid
+        except (OSError, ValueError, IndexError):  # it ended while we looked, is hidden from us, or reads oddly
             continue
-        if int(group) == pgid and state != "Z":
+        if in_group and state != b"Z":
             return True
     return False
 

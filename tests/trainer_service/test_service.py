@@ -334,6 +334,26 @@ def test_engine_restart_stops_the_old_process_group(tmp_path: Path) -> None:
             os.kill(child, signal.SIGKILL)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_engine_stops_beside_a_process_whose_name_is_not_utf8(tmp_path: Path) -> None:
+    # /proc/PID/stat holds the raw process name cut at 15 bytes: "abcdefghijklmn" and half of "é".
+    named = ("import ctypes, time; ctypes.CDLL(None).prctl(15, 'abcdefghijklmné'.encode(), 0, 0, 0); "
+             "print(flush=True); time.sleep(60)")
+    other = subprocess.Popen([sys.executable, "-c", named], stdout=subprocess.PIPE)
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    try:
+        assert other.stdout is not None and other.stdout.readline()
+        assert Path(f"/proc/{other.pid}/stat").read_bytes().startswith(b"%d (abcdefghijklmn\xc3)" % other.pid)
+        engine.start()
+        engine.stop()
+        assert not engine.is_alive()
+    finally:
+        if engine.is_alive():
+            os.killpg(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        other.kill()
+        other.wait()
+
+
 async def test_watchdog_survives_any_error(tmp_path: Path) -> None:
     class Failing(FakeEngine):
         def ensure_running(self) -> bool:
