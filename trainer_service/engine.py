@@ -41,6 +41,12 @@ _HEALTH_CHECK_TIMEOUT = 10.0
 _KILL_WAIT = 10.0
 """Seconds to wait for vLLM's process group to end after SIGKILL."""
 
+_ALREADY_LOADED = (400, "The lora adapter '{}' has already been loaded")
+"""vLLM's answer to loading a name it serves (`_check_load_lora_adapter_request` in its models/serving.py)."""
+
+_NOT_FOUND = (404, "The lora adapter '{}' cannot be found")
+"""vLLM's answer to unloading a name it does not serve (`_check_unload_lora_adapter_request`, same module)."""
+
 
 class EngineError(RuntimeError):
     """vLLM could not be started, died, or refused a request."""
@@ -317,8 +323,9 @@ class VLLMEngine:
         """
         failures: list[str] = []
         for name in self.pending_adapters:
-            try:
-                self._post_adapter("/v1/load_lora_adapter", {"lora_name": name, "lora_path": self._registered[name]})
+            try:  # vLLM may have it already: a load that timed out on our side can still have completed
+                self._post_adapter("/v1/load_lora_adapter", {"lora_name": name, "lora_path": self._registered[name]},
+                                   accept=_ALREADY_LOADED)
             except EngineError as exc:
                 failures.append(f"{name}: {exc}")
                 continue
@@ -330,31 +337,51 @@ class VLLMEngine:
     def load_adapter(self, name: str, path: str | Path) -> None:
         """Hot-load the PEFT adapter folder `path` as model `name`.
 
+        When vLLM has the name already (an earlier load whose answer we did not get, maybe of other
+        weights in that folder), it is unloaded and loaded again, so vLLM serves what `path` holds now.
+
         Raises:
             EngineError: vLLM refused the adapter (its message is included).
         """
         path = str(Path(path).resolve())
+        body = {"lora_name": name, "lora_path": path}
         with self._lock:
-            self._post_adapter("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            if not self._post_adapter("/v1/load_lora_adapter", body, accept=_ALREADY_LOADED):
+                self._post_adapter("/v1/unload_lora_adapter", {"lora_name": name}, accept=_NOT_FOUND)
+                self._post_adapter("/v1/load_lora_adapter", body)
             self._registered[name] = path
             self._pending.discard(name)
 
     def unload_adapter(self, name: str) -> None:
-        """Unload adapter `name` from vLLM (a pending one is only forgotten: vLLM does not have it)."""
+        """Unload adapter `name` from vLLM; vLLM not having it (a pending adapter may or may not be loaded) is fine."""
         with self._lock:
-            if name in self._pending:
-                self._pending.discard(name)
-            else:
-                self._post_adapter("/v1/unload_lora_adapter", {"lora_name": name})
+            self._post_adapter("/v1/unload_lora_adapter", {"lora_name": name}, accept=_NOT_FOUND)
+            self._pending.discard(name)
             self._registered.pop(name, None)
 
-    def _post_adapter(self, route: str, body: dict[str, str]) -> None:
+    def _post_adapter(self, route: str, body: dict[str, str], accept: tuple[int, str] | None = None) -> bool:
+        """POST `body` to vLLM's adapter `route`.
+
+        Args:
+            accept: an answer that is no error, as (HTTP status, message with `{}` for the adapter's name).
+
+        Returns:
+            True when vLLM did it, False when it gave the `accept`ed answer.
+
+        Raises:
+            EngineError: vLLM did not answer, or refused with another answer.
+        """
         try:
             response = httpx.post(f"{self.base_url}{route}", json=body, timeout=120.0)
         except httpx.HTTPError as exc:
             raise EngineError(f"vLLM at {self.base_url} did not answer {route}: {exc}") from exc
-        if response.status_code != 200:
-            raise EngineError(f"vLLM refused {route} for {body}: HTTP {response.status_code}: {response.text[:500]}")
+        if response.status_code == 200:
+            return True
+        if accept is not None:
+            status, message = accept
+            if response.status_code == status and message.format(body["lora_name"]) in response.text:
+                return False
+        raise EngineError(f"vLLM refused {route} for {body}: HTTP {response.status_code}: {response.text[:500]}")
 
 
 def _group_runs(pgid: int) -> bool:

@@ -202,25 +202,39 @@ if "--silent" in sys.argv:  # never answers: a start that times out
 if "--with-child" in sys.argv:  # a second process in the group, as vLLM's engine core is
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     print("CHILD", child.pid, flush=True)
-hung = False
+hung, loaded = False, set()
 class H(http.server.BaseHTTPRequestHandler):
-    def _send(self, code):
-        self.send_response(code); self.end_headers(); self.wfile.write(b"{}")
+    def _send(self, code, message=""):
+        self.send_response(code); self.end_headers()
+        self.wfile.write(json.dumps({"error": {"message": message}}).encode())
     def do_GET(self): self._send(503 if hung else 200)
     def do_POST(self):
         global hung
         raw = self.rfile.read(int(self.headers["Content-Length"]))
         print("POST", self.path, raw.decode(), flush=True)
         body = json.loads(raw)
+        name = body.get("lora_name")
         hung = hung or self.path == "/hang"  # from now on /health fails while the process runs
-        self._send(400 if "lora_path" in body and not os.path.exists(body["lora_path"]) else 200)
+        if self.path == "/v1/unload_lora_adapter":  # vLLM's answers, word for word
+            if name not in loaded:
+                return self._send(404, f"The lora adapter '{name}' cannot be found.")
+            loaded.discard(name)
+        elif name in loaded:
+            return self._send(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                              "adapter in place, set 'load_inplace' to True.")
+        elif "lora_path" in body:
+            if not os.path.exists(body["lora_path"]):
+                return self._send(400, "no such folder")
+            loaded.add(name)
+        self._send(200)
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 
 class FakeVLLM(VLLMEngine):
-    """The engine's real supervision around `_FAKE_VLLM`: refuses an adapter whose folder is missing,
-    `/health` fails after `POST /hang`; `fake_args` picks `--silent` or `--with-child`."""
+    """The engine's real supervision around `_FAKE_VLLM`: refuses an adapter whose folder is missing, and
+    (as vLLM) loading a name it has or unloading one it has not; `/health` fails after `POST /hang`;
+    `fake_args` picks `--silent` or `--with-child`."""
 
     fake_args: list[str] = []
 
@@ -276,6 +290,46 @@ def test_engine_reloads_every_adapter_and_retries_the_refused(tmp_path: Path) ->
         assert engine.ensure_running() is False  # retried and loaded, no restart
         assert list(engine.adapters) == ["agent@1", "agent@2"] and engine.pending_adapters == []
         assert engine.log_tail(200).count('"lora_name":"agent@1"') == 4 and engine.restarts == 1
+    finally:
+        engine.stop()
+
+
+def test_engine_takes_an_adapter_vllm_has_already_as_loaded(tmp_path: Path) -> None:
+    # A load that timed out on our side (or whose connection dropped) may have completed in vLLM.
+    first, second = tmp_path / "a1", tmp_path / "a2"
+    first.mkdir()
+    second.mkdir()
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.start()
+
+    def load_behind_our_back(name: str, folder: Path) -> None:
+        body = {"lora_name": name, "lora_path": str(folder)}
+        assert httpx.post(f"{engine.base_url}/v1/load_lora_adapter", json=body).status_code == 200
+
+    try:
+        engine.load_adapter("agent@1", first)
+        first.rmdir()  # the restart's re-load is refused: agent@1 stays pending
+        os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        engine._proc.wait()  # type: ignore[union-attr]
+        with pytest.raises(EngineError, match="agent@1"):
+            engine.ensure_running()
+        first.mkdir()
+        load_behind_our_back("agent@1", first)
+        assert engine.ensure_running() is False and engine.pending_adapters == []
+        assert engine.adapters == {"agent@1": str(first)}
+
+        load_behind_our_back("agent@2", second)  # maybe other weights than the folder holds now: loaded again
+        engine.load_adapter("agent@2", second)
+        assert engine.log_tail(200).count('unload_lora_adapter {"lora_name":"agent@2"}') == 1
+        assert list(engine.adapters) == ["agent@1", "agent@2"]
+
+        engine.unload_adapter("agent@2")
+        engine.unload_adapter("agent@2")  # vLLM does not have it (any more): nothing to do
+        assert engine.adapters == {"agent@1": str(first)}
+        engine._pending.add("agent@1")  # pending, yet vLLM has it (its re-load answered too late)
+        engine.unload_adapter("agent@1")
+        assert engine.adapters == {} and engine.pending_adapters == []
+        load_behind_our_back("agent@1", first)  # vLLM no longer has it: no "already loaded"
     finally:
         engine.stop()
 
