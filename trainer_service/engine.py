@@ -41,6 +41,13 @@ _HEALTH_CHECK_TIMEOUT = 10.0
 _KILL_WAIT = 10.0
 """Seconds to wait for vLLM's process group to end after SIGKILL."""
 
+_RETRY_FIRST = 10.0
+"""Seconds before a failed restart, or a failed re-load of pending adapters, is tried again; doubled at each
+further failure in a row, up to `_RETRY_MAX`."""
+
+_RETRY_MAX = 600.0
+"""Longest wait between two tries of a failing restart or adapter re-load."""
+
 _ALREADY_LOADED = (400, "The lora adapter '{}' has already been loaded")
 """vLLM's answer to loading a name it serves (`_check_load_lora_adapter_request` in its models/serving.py)."""
 
@@ -50,6 +57,33 @@ _NOT_FOUND = (404, "The lora adapter '{}' cannot be found")
 
 class EngineError(RuntimeError):
     """vLLM could not be started, died, or refused a request."""
+
+
+class _Retry:
+    """When a failing action may run again: `_RETRY_FIRST` s after the first failure in a row, twice as long
+    after each further one, at most `_RETRY_MAX`; a success ends the streak (`reset`)."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+        """Failures in a row."""
+        self.not_before = 0.0
+        """`time.monotonic()` before which the action is not tried again."""
+
+    def due(self) -> bool:
+        """True when the action may run now."""
+        return time.monotonic() >= self.not_before
+
+    def failed(self) -> float:
+        """Count a failure; return the seconds until the next try."""
+        delay = min(_RETRY_FIRST * 2 ** min(self.failures, 16), _RETRY_MAX)
+        self.failures += 1
+        self.not_before = time.monotonic() + delay
+        return delay
+
+    def reset(self) -> None:
+        """End the streak: the action may run now."""
+        self.failures = 0
+        self.not_before = 0.0
 
 
 class VLLMEngine:
@@ -117,6 +151,8 @@ class VLLMEngine:
         self._pending: set[str] = set()
         self._supervised = False
         self._failed_health_checks = 0
+        self._restart_retry = _Retry()
+        self._adapter_retry = _Retry()
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.RLock()
 
@@ -206,38 +242,51 @@ class VLLMEngine:
             if self.is_alive():
                 raise EngineError(f"vLLM runs already (pid {self.pid}); call stop() first")
             self._supervised = True
-            self._failed_health_checks = 0
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            log = self.log_path.open("ab")
-            logger.info("starting vLLM: %s (log: %s)", " ".join(self.command()), self.log_path)
-            try:
-                self._proc = subprocess.Popen(
-                    launch_command(self.command()),
-                    stdout=log, stderr=subprocess.STDOUT, env=self.environment(), start_new_session=True,
-                )
-            finally:
-                log.close()
+            self._restart_retry.reset()
+            self._adapter_retry.reset()
+            self._launch()
             self._wait_healthy()
 
-    def _wait_healthy(self) -> None:
-        assert self._proc is not None
+    def _launch(self) -> None:
+        """Start vLLM's process, in its own session and process group, appending its output to the log."""
+        self._failed_health_checks = 0
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        logger.info("starting vLLM: %s (log: %s)", " ".join(self.command()), self.log_path)
+        try:
+            self._proc = subprocess.Popen(
+                launch_command(self.command()),
+                stdout=log, stderr=subprocess.STDOUT, env=self.environment(), start_new_session=True,
+            )
+        finally:
+            log.close()
+
+    def _wait_healthy(self, *, with_log: bool = True) -> None:
+        """Wait until the started vLLM answers `/health`.
+
+        Raises:
+            EngineError: it exited or timed out (its process group is then stopped); the message carries the
+                end of its log when `with_log`, else only names the log.
+        """
+        proc = self._proc
+        assert proc is not None
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
-            code = self._proc.poll()
+            code = proc.poll()
             if code is not None:
-                self._stop_group()
-                raise EngineError(
-                    f"vLLM exited with code {code} while starting. Last lines of {self.log_path}:\n{self.log_tail()}"
-                )
+                raise self._start_failed(f"vLLM exited with code {code} while starting", with_log)
             if self.healthy():
                 logger.info("vLLM is healthy at %s (pid %s)", self.base_url, self.pid)
                 return
             time.sleep(1.0)
+        raise self._start_failed(f"vLLM did not become healthy within {self.startup_timeout:.0f} s (raise "
+                                 "vllm_startup_timeout on a slow machine)", with_log)
+
+    def _start_failed(self, reason: str, with_log: bool) -> EngineError:
+        """Stop the process group of a start that failed; return the error to raise."""
         self._stop_group()
-        raise EngineError(
-            f"vLLM did not become healthy within {self.startup_timeout:.0f} s (raise vllm_startup_timeout on a "
-            f"slow machine). Last lines of {self.log_path}:\n{self.log_tail()}"
-        )
+        where = f"Last lines of {self.log_path}:\n{self.log_tail()}" if with_log else f"Its log: {self.log_path}."
+        return EngineError(f"{reason}. {where}")
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop supervising and stop the child's process group (SIGTERM, SIGKILL after `timeout`). Idempotent.
@@ -272,29 +321,41 @@ class VLLMEngine:
 
         Restarts it (stopping the old process group first, then re-loading every adapter) when it
         died, its last start failed, or it failed `HEALTH_FAILURES_BEFORE_RESTART` health checks in
-        a row; while it serves, retries the pending adapters. Call it periodically.
+        a row; while it serves, retries the pending adapters. Call it periodically. After a failed
+        restart, or re-load, the next try waits `_RETRY_FIRST` s, doubling with each further failure
+        in a row up to `_RETRY_MAX`; calls before then do nothing.
 
         Returns:
             True when it restarted vLLM.
 
         Raises:
-            EngineError: the restart failed, or adapters failed to load (named; they stay pending).
-                The next call tries again.
+            EngineError: the restart failed (the end of vLLM's log only for the first failure in a row),
+                or adapters failed to load (named; they stay pending); it says when the next try is.
         """
         with self._lock:
             if not self._supervised:
                 return False
             reason = self._restart_reason()
             if reason is None:
-                if self._pending and self._failed_health_checks == 0:
+                if self._pending and self._failed_health_checks == 0 and self._adapter_retry.due():
                     self._load_pending()
+                return False
+            if not self._restart_retry.due():
                 return False
             self.restarts += 1
             self.last_restart_reason = reason
-            logger.error("restarting vLLM (restart %d): %s. Log tail:\n%s", self.restarts, reason, self.log_tail(20))
+            failed = self._restart_retry.failures
+            first = failed == 0
+            more = f"Log tail:\n{self.log_tail(20)}" if first else f"{failed} restarts failed in a row"
+            logger.error("restarting vLLM (restart %d): %s. %s", self.restarts, reason, more)
             self._pending = set(self._registered)
             self._stop_group()
-            self.start()
+            self._launch()
+            try:
+                self._wait_healthy(with_log=first)
+            except EngineError as exc:
+                raise EngineError(f"{exc}\nNext restart in {self._restart_retry.failed():.0f} s.") from None
+            self._restart_retry.reset()
             self._load_pending()
             return True
 
@@ -316,7 +377,7 @@ class VLLMEngine:
         return f"it runs (pid {self.pid}) but failed {self._failed_health_checks} health checks in a row"
 
     def _load_pending(self) -> None:
-        """Load every pending adapter, in load order; those vLLM refuses stay pending.
+        """Load every pending adapter, in load order; those vLLM refuses stay pending (retried after `_adapter_retry`).
 
         Raises:
             EngineError: naming each adapter that failed and why.
@@ -332,7 +393,8 @@ class VLLMEngine:
             self._pending.discard(name)
         if failures:
             raise EngineError(f"vLLM did not re-load {len(failures)} adapter(s); they are not served and are "
-                              "retried at the next check:\n" + "\n".join(failures))
+                              f"retried in {self._adapter_retry.failed():.0f} s:\n" + "\n".join(failures))
+        self._adapter_retry.reset()
 
     def load_adapter(self, name: str, path: str | Path) -> None:
         """Hot-load the PEFT adapter folder `path` as model `name`.

@@ -284,12 +284,64 @@ def test_engine_reloads_every_adapter_and_retries_the_refused(tmp_path: Path) ->
         assert engine.log_tail(200).count('"lora_name":"agent@2"') == 2  # re-loaded after the refusal
         assert engine.adapters == {"agent@2": str(second)} and engine.pending_adapters == ["agent@1"]
         assert "re-load 1 adapter" in str(refused.value) and "agent@1" in str(refused.value)
+        engine._adapter_retry.not_before = 0.0  # its back-off is over
         with pytest.raises(EngineError, match="agent@1"):  # retried, still refused
             engine.ensure_running()
         first.mkdir()
+        engine._adapter_retry.not_before = 0.0
         assert engine.ensure_running() is False  # retried and loaded, no restart
         assert list(engine.adapters) == ["agent@1", "agent@2"] and engine.pending_adapters == []
         assert engine.log_tail(200).count('"lora_name":"agent@1"') == 4 and engine.restarts == 1
+    finally:
+        engine.stop()
+
+
+def test_engine_backs_off_failing_restarts_and_adapter_retries(tmp_path: Path) -> None:
+    class Crashing(FakeVLLM):
+        crash = False
+
+        def command(self) -> list[str]:
+            if self.crash:
+                return [sys.executable, "-c", "print('CUDA error: out of memory'); raise SystemExit(1)"]
+            return super().command()
+
+    def wait_over(retry: Any) -> None:
+        retry.not_before = 0.0  # instead of sleeping until the next try
+
+    folder = tmp_path / "a1"
+    folder.mkdir()
+    engine = Crashing("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.start()
+    try:
+        engine.load_adapter("agent@1", folder)
+        engine.crash = True  # every start fails from now on
+        os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        engine._proc.wait()  # type: ignore[union-attr]
+        with pytest.raises(EngineError, match=r"(?s)exited with code 1.*out of memory.*Next restart in 10 s"):
+            engine.ensure_running()
+        assert engine.ensure_running() is False and engine.restarts == 1  # too early: no restart
+        for delay in (20, 40, 80, 160, 320, 600, 600):
+            wait_over(engine._restart_retry)
+            with pytest.raises(EngineError, match=f"Next restart in {delay} s") as again:
+                engine.ensure_running()
+            assert "out of memory" not in str(again.value)  # the log's end once per streak
+        assert engine.restarts == 8
+
+        engine.crash = False
+        folder.rmdir()  # vLLM now refuses agent@1
+        wait_over(engine._restart_retry)
+        with pytest.raises(EngineError, match="retried in 10 s"):
+            engine.ensure_running()
+        assert engine.healthy() and engine.restarts == 9 and engine._restart_retry.failures == 0
+        loads = engine.log_tail(500).count('"lora_name":"agent@1"')
+        assert engine.ensure_running() is False and engine.log_tail(500).count('"lora_name":"agent@1"') == loads
+        wait_over(engine._adapter_retry)
+        with pytest.raises(EngineError, match="retried in 20 s"):
+            engine.ensure_running()
+        folder.mkdir()
+        wait_over(engine._adapter_retry)
+        assert engine.ensure_running() is False and engine.pending_adapters == []
+        assert engine._adapter_retry.failures == 0 and engine.restarts == 9
     finally:
         engine.stop()
 
@@ -315,6 +367,7 @@ def test_engine_takes_an_adapter_vllm_has_already_as_loaded(tmp_path: Path) -> N
             engine.ensure_running()
         first.mkdir()
         load_behind_our_back("agent@1", first)
+        engine._adapter_retry.not_before = 0.0  # its back-off is over
         assert engine.ensure_running() is False and engine.pending_adapters == []
         assert engine.adapters == {"agent@1": str(first)}
 
@@ -345,6 +398,7 @@ def test_engine_retries_a_restart_that_timed_out(tmp_path: Path) -> None:
             engine.ensure_running()
         assert not engine.is_alive()
         engine.fake_args = []  # it could start now
+        engine._restart_retry.not_before = 0.0  # its back-off is over
         assert engine.ensure_running() is True
         assert engine.healthy() and engine.restarts == 2 and engine.last_restart_reason == "its last start failed"
     finally:
