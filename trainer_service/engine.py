@@ -155,6 +155,8 @@ class VLLMEngine:
         self._adapter_retry = _Retry()
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.RLock()
+        self._stopping = threading.Event()
+        """Set by `stop` before it waits for the lock: a start or restart under way gives up."""
 
     # The two views below take no lock (a restart holds it for minutes, and the proxy resolves names
     # on its event loop); copying a dict or a set is atomic, so each sees one consistent state.
@@ -241,6 +243,7 @@ class VLLMEngine:
         with self._lock:
             if self.is_alive():
                 raise EngineError(f"vLLM runs already (pid {self.pid}); call stop() first")
+            self._stopping.clear()
             self._supervised = True
             self._restart_retry.reset()
             self._adapter_retry.reset()
@@ -265,20 +268,22 @@ class VLLMEngine:
         """Wait until the started vLLM answers `/health`.
 
         Raises:
-            EngineError: it exited or timed out (its process group is then stopped); the message carries the
-                end of its log when `with_log`, else only names the log.
+            EngineError: it exited, timed out or `stop` was called (its process group is then stopped); the
+                message carries the end of its log when `with_log`, else only names the log.
         """
         proc = self._proc
         assert proc is not None
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
+            if self._stopping.is_set():
+                raise self._start_failed("vLLM was stopped while starting", with_log=False)
             code = proc.poll()
             if code is not None:
                 raise self._start_failed(f"vLLM exited with code {code} while starting", with_log)
             if self.healthy():
                 logger.info("vLLM is healthy at %s (pid %s)", self.base_url, self.pid)
                 return
-            time.sleep(1.0)
+            self._stopping.wait(1.0)
         raise self._start_failed(f"vLLM did not become healthy within {self.startup_timeout:.0f} s (raise "
                                  "vllm_startup_timeout on a slow machine)", with_log)
 
@@ -291,9 +296,12 @@ class VLLMEngine:
     def stop(self, timeout: float = 30.0) -> None:
         """Stop supervising and stop the child's process group (SIGTERM, SIGKILL after `timeout`). Idempotent.
 
+        A start or restart under way gives up within about a second (stopping what it started).
+
         Raises:
             EngineError: a process of the group outlived SIGKILL.
         """
+        self._stopping.set()
         with self._lock:
             self._supervised = False
             self._stop_group(timeout)
@@ -333,7 +341,7 @@ class VLLMEngine:
                 or adapters failed to load (named; they stay pending); it says when the next try is.
         """
         with self._lock:
-            if not self._supervised:
+            if not self._supervised or self._stopping.is_set():
                 return False
             reason = self._restart_reason()
             if reason is None:
@@ -354,6 +362,8 @@ class VLLMEngine:
             try:
                 self._wait_healthy(with_log=first)
             except EngineError as exc:
+                if self._stopping.is_set():
+                    raise
                 raise EngineError(f"{exc}\nNext restart in {self._restart_retry.failed():.0f} s.") from None
             self._restart_retry.reset()
             self._load_pending()

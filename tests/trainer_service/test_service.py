@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -404,6 +405,32 @@ def test_engine_retries_a_restart_that_timed_out(tmp_path: Path) -> None:
     finally:
         engine.stop()
     assert engine.ensure_running() is False and not engine.is_alive()  # stopped: no longer supervised
+
+
+def test_engine_stop_interrupts_a_restart(tmp_path: Path) -> None:
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=60)
+    engine.start()
+    os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    engine._proc.wait()  # type: ignore[union-attr]
+    engine.fake_args = ["--silent"]  # the restarted vLLM never answers /health
+    errors: list[EngineError] = []
+
+    def watchdog() -> None:
+        try:
+            engine.ensure_running()
+        except EngineError as exc:
+            errors.append(exc)
+
+    restart = threading.Thread(target=watchdog)
+    restart.start()
+    while engine.restarts == 0 or not engine.is_alive():
+        time.sleep(0.05)
+    started = time.monotonic()
+    engine.stop()
+    assert time.monotonic() - started < 10, "stop() waited for the restart's start-up timeout"
+    restart.join()
+    assert not engine.is_alive() and len(errors) == 1 and "stopped while starting" in str(errors[0])
+    assert engine.ensure_running() is False and engine.restarts == 1
 
 
 def test_engine_restarts_a_hung_engine(tmp_path: Path) -> None:
