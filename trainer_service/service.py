@@ -171,12 +171,17 @@ class TrainerService:
         """Map a requested model name to the engine's name.
 
         Raises:
-            ServiceError: 404 `model_not_found` for an unknown name.
+            ServiceError: 503 `adapter_loading` for a checkpoint vLLM is re-loading (after a restart of vLLM,
+                or refused since; OpenAI clients retry a 503), 404 `model_not_found` for an unknown name.
         """
-        if model in (f"{self.settings.name}@latest", self.settings.name):
-            return self.latest_model
-        if model == self.base_name or model in self.engine.adapters:
-            return model
+        latest = model in (f"{self.settings.name}@latest", self.settings.name)
+        target = self.latest_model if latest else model
+        if target in self.engine.pending_adapters:
+            raise ServiceError(503, "adapter_loading", f"The model `{target}` is being re-loaded into vLLM after "
+                               "a restart of vLLM; retry shortly (GET /v1/status shows engine.pending_adapters).",
+                               type="server_error")
+        if latest or target == self.base_name or target in self.engine.adapters:
+            return target
         raise ServiceError(
             404,
             "model_not_found",

@@ -124,6 +124,26 @@ async def test_train_once_publishes_and_names_models(tmp_path: Path) -> None:
     await restarted.aclose()
 
 
+async def test_a_checkpoint_being_reloaded_is_503_not_404(tmp_path: Path) -> None:
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    await service.train_once()
+    service.engine.pending_adapters = list(service.engine.adapters)  # as during a restart of vLLM
+    service.engine.adapters.clear()
+    for model in ("agent@1", "agent@latest", "agent"):
+        with pytest.raises(ServiceError) as info:
+            service.resolve(model)
+        assert info.value.status == 503 and info.value.body.error.code == "adapter_loading", model
+        assert info.value.body.error.type == "server_error" and "agent@1" in info.value.body.error.message
+    assert service.resolve("base-model") == "base-model"
+    with pytest.raises(ServiceError) as info:
+        service.resolve("agent@2")
+    assert info.value.status == 404
+    await service.aclose()
+
+
 async def test_nothing_trainable_is_422_and_acked(tmp_path: Path) -> None:
     acks: list[tuple[str, dict]] = []
     batches: list[Batch] = []
