@@ -174,6 +174,12 @@ class VLLMEngine:
         return [name for name in registered if name in pending]
 
     @property
+    def next_restart_in(self) -> float | None:
+        """Seconds until the next restart is tried while restarts keep failing; None when none failed."""
+        retry = self._restart_retry
+        return max(0.0, retry.not_before - time.monotonic()) if retry.failures else None
+
+    @property
     def base_url(self) -> str:
         """Address of the engine, e.g. `http://127.0.0.1:8001`."""
         return f"http://{self.host}:{self.port}"

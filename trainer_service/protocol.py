@@ -84,6 +84,8 @@ class EngineStatus(BaseModel):
     restarts: int = Field(description="Restarts the supervisor attempted (vLLM died, its start failed, or it "
                           "failed 3 health checks in a row).")
     last_restart_reason: str | None = Field(default=None, description="Why vLLM was last restarted.")
+    next_restart_in_s: float | None = Field(default=None, description="While restarts keep failing: seconds until "
+                                            "the next one is tried (they back off from 10 s to 600 s).")
     pending_adapters: list[str] = Field(default_factory=list, description="Adapters vLLM refused to re-load after "
                                         "a restart: not served, retried at every check.")
     url: str

@@ -415,6 +415,7 @@ class TrainerService:
             allocator=self.allocator,
             engine=EngineStatus(healthy=healthy, pid=self.engine.pid, restarts=self.engine.restarts,
                                 last_restart_reason=self.engine.last_restart_reason,
+                                next_restart_in_s=self.engine.next_restart_in,
                                 pending_adapters=self.engine.pending_adapters,
                                 url=self.engine.base_url, requests_in_flight=self.lender.in_flight,
                                 training_threads=self.lender.threads, dtype=self.engine.dtype,

@@ -39,6 +39,7 @@ class FakeEngine:
     pid = None
     restarts = 0
     last_restart_reason = None
+    next_restart_in = None
     pending_adapters: list[str] = []
     dtype = "float32"
     cpu_matmul_dtype = "float32"
@@ -341,6 +342,7 @@ def test_engine_backs_off_failing_restarts_and_adapter_retries(tmp_path: Path) -
         with pytest.raises(EngineError, match=r"(?s)exited with code 1.*out of memory.*Next restart in 10 s"):
             engine.ensure_running()
         assert engine.ensure_running() is False and engine.restarts == 1  # too early: no restart
+        assert engine.next_restart_in is not None and 0 < engine.next_restart_in <= 10
         for delay in (20, 40, 80, 160, 320, 600, 600):
             wait_over(engine._restart_retry)
             with pytest.raises(EngineError, match=f"Next restart in {delay} s") as again:
@@ -354,6 +356,7 @@ def test_engine_backs_off_failing_restarts_and_adapter_retries(tmp_path: Path) -
         with pytest.raises(EngineError, match="retried in 10 s"):
             engine.ensure_running()
         assert engine.healthy() and engine.restarts == 9 and engine._restart_retry.failures == 0
+        assert engine.next_restart_in is None
         loads = engine.log_tail(500).count('"lora_name":"agent@1"')
         assert engine.ensure_running() is False and engine.log_tail(500).count('"lora_name":"agent@1"') == loads
         wait_over(engine._adapter_retry)
