@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainer_service.durable import durable_rename
 from trainer_service.training import MANIFEST
 
 __all__ = ["CheckpointMismatchError", "CheckpointStore", "select_kept"]
@@ -145,12 +145,12 @@ class CheckpointStore:
         return state
 
     def write_promotion(self, state: Mapping[str, Any]) -> None:
-        """Save the promotion state atomically (write a temporary file, then rename)."""
+        """Save the promotion state atomically (write a temporary file, then `durable_rename` it)."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{_PROMOTION}.tmp"
         body = {**state, "evals": {str(k): v for k, v in (state.get("evals") or {}).items()}}
         tmp.write_text(json.dumps(body, indent=2))
-        os.replace(tmp, self.root / _PROMOTION)
+        durable_rename(tmp, self.root / _PROMOTION)
 
 
 def _flag_value(value: Any) -> str:

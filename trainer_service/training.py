@@ -18,7 +18,6 @@ import copy
 import json
 import logging
 import math
-import os
 import shutil
 import time
 import uuid
@@ -42,6 +41,7 @@ from trainer_service.batching import (
     shard_items,
 )
 from trainer_service.config import GRPOConfig
+from trainer_service.durable import durable_rename
 from trainer_service.grpo import PolicyLossOutput, kept_token_logprobs, policy_loss
 from trainer_service.lora_forward import fuse_lora_forward
 from trainer_service.packed_attention import PACKED_ATTENTION, pack_row
@@ -385,8 +385,9 @@ class LoRATrainer:
     def save(self, path: str | Path, *, batch_id: str | None = None, metrics: dict[str, float] | None = None) -> Path:
         """Write the adapter, optimizer state and `manifest.json` to `path`, atomically.
 
-        Everything goes to a temporary sibling folder first, which is renamed to `path`, so a
-        crash never leaves a half-written checkpoint under the final name.
+        Everything goes to a temporary sibling folder first, which is renamed to `path` once it is
+        on disk (`durable_rename`), so neither a crash nor a power loss leaves a half-written
+        checkpoint under the final name.
 
         Raises:
             FileExistsError: `path` exists already.
@@ -408,7 +409,7 @@ class LoRATrainer:
                 "created_at": time.time(),
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-            os.rename(tmp, path)
+            durable_rename(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
