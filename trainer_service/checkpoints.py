@@ -31,7 +31,8 @@ _FLAGS = {"base_model": "--base-model", "lora_r": "--lora-r", "target_modules": 
 
 
 class CheckpointMismatchError(ValueError):
-    """A kept checkpoint was trained on another base model or LoRA shape than the service now has."""
+    """A kept checkpoint was trained on another base model or LoRA shape than the service now has, or its manifest
+    cannot be read."""
 
 
 def select_kept(
@@ -105,11 +106,17 @@ class CheckpointStore:
         """Check that every kept checkpoint was trained on `base_model` with this LoRA rank and modules.
 
         Raises:
-            CheckpointMismatchError: names the first checkpoint that differs, what differs, and the fix.
+            CheckpointMismatchError: names the first checkpoint that differs (or whose manifest cannot be
+                read), what differs, and the fix.
         """
         wanted = {"base_model": base_model, "lora_r": lora_r, "target_modules": sorted(target_modules)}
         for _, path in self.existing():
-            manifest = json.loads((path / MANIFEST).read_text())
+            try:
+                manifest = json.loads((path / MANIFEST).read_text())
+            except (OSError, ValueError) as exc:
+                raise CheckpointMismatchError(
+                    f"{path / MANIFEST} cannot be read ({exc}). Move {path} out of {self.root} to resume from the "
+                    "checkpoints before it, or give another --output-dir to start a new run.") from exc
             config = manifest.get("config") or {}
             recorded = {"base_model": manifest.get("base_model"), "lora_r": config.get("lora_r"),
                         "target_modules": sorted(config["target_modules"]) if "target_modules" in config else None}

@@ -136,6 +136,13 @@ def test_lora_shape_mismatch_names_the_checkpoint_and_the_flags(tmp_path: Path) 
         store.check_compatible("m", 8, ["q_proj"])
 
 
+def test_an_unreadable_manifest_names_the_folder_and_the_fix(tmp_path: Path) -> None:
+    (tmp_path / "step-2").mkdir()
+    (tmp_path / "step-2" / "manifest.json").write_text('{"step": 2, "base_mo')  # damaged on disk
+    with pytest.raises(CheckpointMismatchError, match=r"step-2/manifest.json cannot be read .*Move .*step-2 out of"):
+        CheckpointStore(tmp_path).check_compatible("m", 8, ["q_proj"])
+
+
 def test_partial_folders_are_removed_at_start(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     (tmp_path / ".step-3.tmp-abcd").mkdir(parents=True)
