@@ -1,8 +1,9 @@
 """Settings of the collector's judges: RULER (`JudgeSettings`) and Langfuse (`LangfuseSettings`).
 
 `JudgeSettings` reads `ART_COLLECTOR_JUDGE_<FIELD>`; `LangfuseSettings` reads
-`ART_COLLECTOR_LANGFUSE_<FIELD>`, with Langfuse's own `LANGFUSE_HOST`, `LANGFUSE_PUBLIC_KEY`
-and `LANGFUSE_SECRET_KEY` as fallbacks for the connection.
+`ART_COLLECTOR_LANGFUSE_<FIELD>`, with Langfuse's own `LANGFUSE_BASE_URL` (then its older name
+`LANGFUSE_HOST`, as the Langfuse SDK and the plugin read them), `LANGFUSE_PUBLIC_KEY` and
+`LANGFUSE_SECRET_KEY` as fallbacks for the connection.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class LangfuseSettings(BaseSettings):
 
     host: str | None = Field(
         default=None,
-        validation_alias=AliasChoices("ART_COLLECTOR_LANGFUSE_HOST", "LANGFUSE_HOST", "LANGFUSE_BASE_URL"),
+        validation_alias=AliasChoices("ART_COLLECTOR_LANGFUSE_HOST", "LANGFUSE_BASE_URL", "LANGFUSE_HOST"),
         description="Langfuse base URL, e.g. https://cloud.langfuse.com. Unset: no sync.",
     )
     public_key: str | None = Field(

@@ -120,3 +120,18 @@ def test_sync_without_langfuse_configured_is_404(tmp_path: Path, monkeypatch: py
     with TestClient(make_app(tmp_path, monkeypatch)) as client:
         answer = client.post("/v1/langfuse/sync")
         assert answer.status_code == 404 and answer.json()["error"] == "langfuse_not_configured"
+
+
+def test_langfuse_host_prefers_base_url_as_the_sdk_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The Langfuse SDK reads LANGFUSE_BASE_URL before its older LANGFUSE_HOST, and so does the
+    # plugin; the collector must sync with the same server the traces went to.
+    from collector.scoring_config import LangfuseSettings
+
+    monkeypatch.delenv("ART_COLLECTOR_LANGFUSE_HOST", raising=False)
+    monkeypatch.setenv("LANGFUSE_HOST", "http://legacy.example:3000")
+    monkeypatch.setenv("LANGFUSE_BASE_URL", "http://current.example:3000")
+    monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", "pk-lf-test")
+    monkeypatch.setenv("LANGFUSE_SECRET_KEY", "sk-lf-test")
+    assert LangfuseSettings().host == "http://current.example:3000"
+    monkeypatch.setenv("ART_COLLECTOR_LANGFUSE_HOST", "http://own.example:3000")
+    assert LangfuseSettings().host == "http://own.example:3000"
