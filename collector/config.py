@@ -83,6 +83,14 @@ class CollectorSettings(BaseSettings):
         default=False,
         description="Lease groups whose rewards are all equal (they carry no GRPO signal; skipped by default).",
     )
+    max_failed_attempts: int = Field(
+        default=3,
+        ge=0,
+        description=(
+            "A group whose training failed this many times (a trainer released its batch as failed, or the lease "
+            "expired) is skipped with the last error and never leased again automatically (0: never give up)."
+        ),
+    )
     idle_seconds: float = Field(
         default=300.0,
         gt=0,

@@ -14,7 +14,7 @@ from collector.engine import chunks
 from collector.groups import Decision, Member, decide, merge_rewards
 from collector.schema import batches, groups, rewards, trajectories
 
-__all__ = ["decisions", "expected_size", "group_members", "maintain", "rewards_of"]
+__all__ = ["LEASE_EXPIRED", "decisions", "expected_size", "give_back", "group_members", "maintain", "rewards_of"]
 
 log = logging.getLogger(__name__)
 
@@ -71,18 +71,42 @@ def decisions(conn: Connection, settings: CollectorSettings, open_groups: list[A
     return out
 
 
+LEASE_EXPIRED = "lease expired"
+"""The reason of an expired batch, and the error its groups count."""
+
+
+def give_back(conn: Connection, settings: CollectorSettings, batch_ids: list[str], *, failed: bool, error: str, now: float) -> None:
+    """Return the groups that `batch_ids` still hold to the pool.
+
+    With `failed`, each counts a failed attempt, and one that reaches `settings.max_failed_attempts` is skipped
+    instead (the reason says how often and `error`); it keeps the batch that gave up on it in `batch_id`, which
+    tells it from a group skipped for its rewards: a new reward does not reopen it.
+    """
+    held = and_(groups.c.state == "leased", groups.c.batch_id.in_(batch_ids))
+    limit = settings.max_failed_attempts
+    if failed:
+        conn.execute(groups.update().where(held).values(failed_attempts=groups.c.failed_attempts + 1))
+    if failed and limit:
+        spent = conn.execute(select(groups.c.id, groups.c.failed_attempts).where(held, groups.c.failed_attempts >= limit)).all()
+        for group_id, attempts in spent:
+            reason = f"training failed {attempts} times; last: {error}"
+            conn.execute(groups.update().where(groups.c.id == group_id).values(state="skipped", reason=reason, updated_at=now))
+            log.warning("group %s skipped, not leased again: %s", group_id, reason)
+    conn.execute(groups.update().where(held).values(state="open", batch_id=None, updated_at=now))
+
+
 def maintain(conn: Connection, settings: CollectorSettings, now: float) -> None:
-    """Return expired leases; complete idle trajectories without rollout span; expire stale groups."""
+    """Return expired leases (a failed attempt for each group); complete idle trajectories without rollout span;
+    expire stale groups."""
     expired = list(
         conn.execute(select(batches.c.id).where(batches.c.state == "leased", batches.c.lease_expires_at <= now)).scalars()
     )
     for chunk in chunks(expired):
-        conn.execute(batches.update().where(batches.c.id.in_(chunk)).values(state="expired"))
+        # only batches still leased: another replica may have acked or released one since the select
         conn.execute(
-            groups.update()
-            .where(groups.c.state == "leased", groups.c.batch_id.in_(chunk))
-            .values(state="open", batch_id=None, updated_at=now)
+            batches.update().where(batches.c.id.in_(chunk), batches.c.state == "leased").values(state="expired", reason=LEASE_EXPIRED)
         )
+        give_back(conn, settings, chunk, failed=True, error=LEASE_EXPIRED, now=now)
         log.warning("leases expired, groups back in the pool: batches %s", ", ".join(chunk))
     conn.execute(
         trajectories.update()

@@ -101,6 +101,31 @@ class AckRequest(BaseModel):
     policy_step: int | None = Field(default=None, description="Checkpoint step trained from this batch.")
 
 
+MAX_REASON_CHARS = 2000
+"""Longest `ReleaseRequest.reason` the collector keeps; a longer one is cut to this length, ending in `…`."""
+
+
+class ReleaseRequest(BaseModel):
+    """Body of `POST /v1/batches/{id}/release`: the batch was not trained, and why."""
+
+    reason: str = Field(
+        min_length=1,
+        description=f"What went wrong (the trainer's error), shown on the batch and on groups it gets skipped; "
+        f"cut to {MAX_REASON_CHARS} characters.",
+    )
+    failed: bool = Field(
+        default=True,
+        description="True: the batch's data made the step fail, each group counts a failed attempt (see "
+        "`ART_COLLECTOR_MAX_FAILED_ATTEMPTS`). False: the trainer itself failed (disk full, engine down): the "
+        "groups go back uncounted.",
+    )
+
+    @field_validator("reason")
+    @classmethod
+    def _bounded(cls, reason: str) -> str:
+        return reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 1] + "…"
+
+
 class RewardIn(BaseModel):
     """Body of `POST /v1/rewards`: one named reward for one trajectory."""
 
@@ -134,6 +159,9 @@ class GroupStatus(BaseModel):
     rewarded: int
     state: GroupState
     reason: str | None = None
+    failed_attempts: int = Field(
+        default=0, description="Failed trainings of the group: releases as failed and expired leases."
+    )
 
 
 class BatchStatus(BaseModel):
@@ -141,12 +169,16 @@ class BatchStatus(BaseModel):
 
     id: str
     trainer: str | None
-    state: Literal["leased", "acked", "expired"]
+    state: Literal["leased", "acked", "expired", "released"]
     created_at: float
     lease_expires_at: float
     acked_at: float | None
     policy_step: int | None
     groups: list[str] = Field(description="Ids of the leased groups, sorted.")
+    reason: str | None = Field(
+        default=None,
+        description="Why the lease ended without an ack: the trainer's error (`released`) or `lease expired` (`expired`).",
+    )
 
 
 class RewardAccepted(BaseModel):
@@ -165,3 +197,18 @@ class AckResponse(BaseModel):
     batch_id: str
     groups: list[str] = Field(description="Ids of the groups now marked trained.")
     policy_step: int | None = None
+
+
+class ReleaseResponse(BaseModel):
+    """Answer of `POST /v1/batches/{id}/release` (the same answer again for a batch released already)."""
+
+    batch_id: str
+    returned: list[str] = Field(
+        description="Ids of the batch's groups that went back to the pool when the batch ended (released now, or its "
+        "lease expired before), sorted; they can be leased again at once."
+    )
+    skipped: list[str] = Field(
+        description="Ids of the batch's groups that reached `max_failed_attempts` when the batch ended: skipped, "
+        "never leased again automatically; sorted."
+    )
+    max_failed_attempts: int = Field(description="The collector's limit of failed attempts per group (0: no limit).")

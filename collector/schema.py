@@ -116,9 +116,12 @@ groups = Table(
     Column("size_hint", Integer),  # art.group.size, when known
     Column("state", String(16), nullable=False, index=True),  # open / leased / trained / skipped / expired
     Column("reason", Text),
+    # the batch that holds (leased), trained (trained) or gave up on (skipped after failed trainings) the group
     Column("batch_id", String(64)),
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
+    # version 5: failed trainings of the group (a release as failed, or an expired lease)
+    Column("failed_attempts", Integer, nullable=False, server_default="0"),
 )
 
 batches = Table(
@@ -126,11 +129,13 @@ batches = Table(
     metadata,
     Column("id", String(64), primary_key=True),
     Column("trainer", String(256)),
-    Column("state", String(16), nullable=False, index=True),  # leased / acked / expired
+    Column("state", String(16), nullable=False, index=True),  # leased / acked / expired / released
     Column("created_at", Float, nullable=False),
     Column("lease_expires_at", Float, nullable=False),
     Column("acked_at", Float),
     Column("policy_step", Integer),
+    # version 5: why the lease ended without an ack (the trainer's error when released, or "lease expired")
+    Column("reason", Text),
 )
 
 batch_groups = Table(
@@ -193,7 +198,7 @@ langfuse_pushed = Table(
 
 def _v1(conn: Connection) -> None:
     """Version 1: spans, trajectories, rewards, groups, batches, batch membership."""
-    old = MetaData()  # rewards and trajectories as version 1 defined them; later versions add columns
+    old = MetaData()  # the tables as version 1 defined them, where later versions add columns
     rewards_v1 = Table(
         "rewards",
         old,
@@ -219,8 +224,33 @@ def _v1(conn: Connection) -> None:
         Column("created_at", Float, nullable=False),
         Column("updated_at", Float, nullable=False),
     )
-    metadata.create_all(conn, tables=[spans, groups, batches, batch_groups])
-    old.create_all(conn, tables=[rewards_v1, trajectories_v1])
+    groups_v1 = Table(
+        "groups",
+        old,
+        Column("id", String(300), primary_key=True),
+        Column("key", String(256), nullable=False, index=True),
+        Column("task", String(256)),
+        Column("explicit", Boolean, nullable=False),
+        Column("size_hint", Integer),
+        Column("state", String(16), nullable=False, index=True),
+        Column("reason", Text),
+        Column("batch_id", String(64)),
+        Column("created_at", Float, nullable=False),
+        Column("updated_at", Float, nullable=False),
+    )
+    batches_v1 = Table(
+        "batches",
+        old,
+        Column("id", String(64), primary_key=True),
+        Column("trainer", String(256)),
+        Column("state", String(16), nullable=False, index=True),
+        Column("created_at", Float, nullable=False),
+        Column("lease_expires_at", Float, nullable=False),
+        Column("acked_at", Float),
+        Column("policy_step", Integer),
+    )
+    old.create_all(conn, tables=[rewards_v1, trajectories_v1, groups_v1, batches_v1])  # before what refers to them
+    metadata.create_all(conn, tables=[spans, batch_groups])
 
 
 _REWARDS_V2 = ("span_id", "time_ns")
@@ -253,7 +283,15 @@ def _v4(conn: Connection) -> None:
         )
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4]
+def _v5(conn: Connection) -> None:
+    """Version 5: `groups.failed_attempts` (0 for the groups already stored) and `batches.reason`."""
+    attempts_type = groups.c.failed_attempts.type.compile(dialect=conn.dialect)
+    conn.execute(text(f"ALTER TABLE groups ADD COLUMN failed_attempts {attempts_type} NOT NULL DEFAULT 0"))
+    reason_type = batches.c.reason.type.compile(dialect=conn.dialect)
+    conn.execute(text(f"ALTER TABLE batches ADD COLUMN reason {reason_type}"))
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

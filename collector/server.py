@@ -27,6 +27,8 @@ from collector.protocol import (
     ErrorResponse,
     GroupState,
     GroupStatus,
+    ReleaseRequest,
+    ReleaseResponse,
     RewardAccepted,
     RewardIn,
     Trajectory,
@@ -159,8 +161,14 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
 
     @app.post("/v1/batches/{batch_id}/ack")
     def ack_batch(batch_id: str, _: Auth, body: AckRequest | None = None) -> AckResponse:
-        """Mark the batch's groups trained (404 unknown batch; 409 when its groups were re-leased)."""
+        """Mark the batch's groups trained (404 unknown batch; 409 when its groups were re-leased or it was released)."""
         return store.ack(batch_id, body.policy_step if body else None)
+
+    @app.post("/v1/batches/{batch_id}/release")
+    def release_batch(batch_id: str, _: Auth, body: ReleaseRequest) -> ReleaseResponse:
+        """Give the batch's groups back untrained, now; with `failed` each counts a failed attempt, and a group at
+        the limit is skipped (404 unknown batch; 409 when acked). Releasing it again answers the same."""
+        return store.release(batch_id, body)
 
     @app.get("/v1/trajectories")
     def list_trajectories(group: str | None = None, task: str | None = None, split: str | None = None) -> list[Trajectory]:

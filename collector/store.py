@@ -23,13 +23,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 from typing import Any
 
-from sqlalchemy import Connection, func, or_, select, update
+from sqlalchemy import Connection, and_, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from collector import assembly, placement, pool
+from collector import assembly, leases, placement, pool
 from collector.config import CollectorSettings
 from collector.engine import chunks, make_engine
-from collector.errors import Conflict, InvalidRequest, NotFound
+from collector.errors import InvalidRequest
 from collector.groups import Decision
 from collector.otlp import SpanRecord
 from collector.protocol import (
@@ -40,6 +40,8 @@ from collector.protocol import (
     Group,
     GroupState,
     GroupStatus,
+    ReleaseRequest,
+    ReleaseResponse,
     RewardAccepted,
     RewardIn,
     Trajectory,
@@ -80,7 +82,12 @@ class Store(ABC):
 
     @abstractmethod
     def ack(self, batch_id: str, policy_step: int | None) -> AckResponse:
-        """Mark a batch's groups trained. Raises `NotFound`, or `Conflict` when they were re-leased."""
+        """Mark a batch's groups trained. Raises `NotFound`, or `Conflict` when they were re-leased or released."""
+
+    @abstractmethod
+    def release(self, batch_id: str, request: ReleaseRequest) -> ReleaseResponse:
+        """Give a batch's groups back untrained, counting a failed attempt when `request.failed`; idempotent.
+        Raises `NotFound`, or `Conflict` when the batch was acked."""
 
     @abstractmethod
     def trajectory(self, trajectory_id: str) -> Trajectory | None:
@@ -225,10 +232,10 @@ class SqlStore(Store):
         match = trajectories.c.id == reward.rollout_id if reward.rollout_id else trajectories.c.trace_id == reward.trace_id
         group_ids = set(conn.execute(select(trajectories.c.group_id).where(match)).scalars()) - {None}
         if group_ids:  # a new reward may give a skipped group its spread back; it is activity too
+            # (not to a group skipped after failed trainings, which keeps the batch that gave up on it)
+            reopened = or_(groups.c.state == "open", and_(groups.c.state == "skipped", groups.c.batch_id.is_(None)))
             conn.execute(
-                groups.update()
-                .where(groups.c.id.in_(group_ids), groups.c.state.in_(("skipped", "open")))
-                .values(state="open", reason=None, updated_at=now)
+                groups.update().where(groups.c.id.in_(group_ids), reopened).values(state="open", reason=None, updated_at=now)
             )
         return conn.execute(select(func.count()).where(match)).scalar_one() > 0
 
@@ -297,6 +304,7 @@ class SqlStore(Store):
                     id=group["id"], task=group["task"], size=len(rows), expected=pool.expected_size(group, self.settings),
                     complete=sum(bool(r["complete"]) for r in rows),
                     rewarded=sum(self.training.of(named[r["id"]]) is not None for r in rows), state=state, reason=reason,
+                    failed_attempts=group["failed_attempts"],
                 )
             )
         return out if states is None else [status for status in out if status.state in states]
@@ -315,7 +323,7 @@ class SqlStore(Store):
                 BatchStatus(
                     id=row["id"], trainer=row["trainer"], state=row["state"], created_at=row["created_at"],
                     lease_expires_at=row["lease_expires_at"], acked_at=row["acked_at"], policy_step=row["policy_step"],
-                    groups=sorted(members[row["id"]]),
+                    groups=sorted(members[row["id"]]), reason=row["reason"],
                 )
                 for row in rows
             ]
@@ -371,29 +379,13 @@ class SqlStore(Store):
         return Batch(id=batch_id, groups=out, lease_expires_at=expires)
 
     def ack(self, batch_id: str, policy_step: int | None) -> AckResponse:
-        """Mark a batch's groups trained. Raises `NotFound`, or `Conflict` when they were re-leased."""
-        return self._tx.run(lambda conn: self._ack(conn, batch_id, policy_step))
+        """Mark a batch's groups trained. Raises `NotFound`, or `Conflict` when they were re-leased or released."""
+        return self._tx.run(lambda conn: leases.ack(conn, self.settings, batch_id, policy_step, self.clock()))
 
-    def _ack(self, conn: Connection, batch_id: str, policy_step: int | None) -> AckResponse:
-        now = self.clock()
-        pool.maintain(conn, self.settings, now)
-        batch = conn.execute(select(batches).where(batches.c.id == batch_id).with_for_update()).mappings().first()
-        if batch is None:
-            raise NotFound(f"no batch {batch_id!r}; lease one with POST /v1/batches")
-        ids = sorted(conn.execute(select(batch_groups.c.group_id).where(batch_groups.c.batch_id == batch_id)).scalars())
-        if batch["state"] == "acked":
-            return AckResponse(batch_id=batch_id, groups=ids, policy_step=batch["policy_step"])
-        rows = list(conn.execute(select(groups).where(groups.c.id.in_(ids)).with_for_update()).mappings()) if ids else []
-        lost = [g["id"] for g in rows if not (g["state"] == "open" or g["batch_id"] == batch_id)]
-        if lost:
-            raise Conflict(
-                f"the lease of batch {batch_id} expired and groups {', '.join(sorted(lost))} were leased again; "
-                "discard this batch's update or lease with a longer lease_seconds",
-                code="lease_expired",
-            )
-        if ids:
-            conn.execute(
-                groups.update().where(groups.c.id.in_(ids)).values(state="trained", batch_id=batch_id, reason=None, updated_at=now)
-            )
-        conn.execute(batches.update().where(batches.c.id == batch_id).values(state="acked", acked_at=now, policy_step=policy_step))
-        return AckResponse(batch_id=batch_id, groups=ids, policy_step=policy_step)
+    def release(self, batch_id: str, request: ReleaseRequest) -> ReleaseResponse:
+        """Give a batch's groups back untrained, counting a failed attempt when `request.failed`; idempotent.
+        Raises `NotFound`, or `Conflict` when the batch was acked."""
+        released = self._tx.run(lambda conn: leases.release(conn, self.settings, batch_id, request, self.clock()))
+        log.info("batch %s released (%s): %d groups back in the pool, %d skipped", batch_id,
+                 "failed" if request.failed else "not counted", len(released.returned), len(released.skipped))
+        return released

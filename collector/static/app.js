@@ -132,10 +132,10 @@ async function batchesView() {
   const batches = await api("/v1/view/batches");
   const rows = batches
     .map((b) => `<tr><td><code>${esc(b.id.slice(0, 12))}</code></td><td>${esc(b.trainer)}</td><td>${esc(b.state)}</td><td>${when(b.created_at)}</td>
-      <td>${when(b.acked_at)}</td><td class="num">${b.policy_step ?? "–"}</td><td>${b.groups.map(esc).join(", ")}</td></tr>`)
+      <td>${when(b.acked_at)}</td><td class="num">${b.policy_step ?? "–"}</td><td>${b.groups.map(esc).join(", ")}</td><td class="muted">${esc(b.reason)}</td></tr>`)
     .join("");
   app.innerHTML = `<h2>Batches</h2><table id="batches"><thead><tr><th>id</th><th>trainer</th><th>state</th><th>leased</th><th>acked</th>
-    <th>step</th><th>groups</th></tr></thead><tbody>${rows}</tbody></table>`;
+    <th>step</th><th>groups</th><th>reason</th></tr></thead><tbody>${rows}</tbody></table>`;
 }
 
 async function route() {

@@ -138,6 +138,31 @@ def test_batches_groups_and_acks(client: TestClient) -> None:
     assert client.get("/health").json() == {"status": "ok"}
 
 
+def test_release_gives_groups_back_now_and_shows_on_the_batch(tmp_path: Path) -> None:
+    client = TestClient(_app(tmp_path, max_failed_attempts=2))
+    client.post("/v1/traces", content=to_request(_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
+    _assert_error(client.post("/v1/batches/unknown/release", json={"reason": "x"}), 404, "not_found")
+    first = client.post("/v1/batches", json={"trainer": "t"}).json()
+    _assert_error(client.post(f"/v1/batches/{first['id']}/release", json={}), 400, "invalid_request")  # reason needed
+    _assert_error(client.post(f"/v1/batches/{first['id']}/release", json={"reason": ""}), 400, "invalid_request")
+    released = client.post(f"/v1/batches/{first['id']}/release", json={"reason": "NonFiniteStepError: " + "n" * 3000})
+    assert released.status_code == 200
+    assert released.json() == {"batch_id": first["id"], "returned": ["g"], "skipped": [], "max_failed_attempts": 2}
+    assert [(g["state"], g["failed_attempts"]) for g in client.get("/v1/groups").json()] == [("ready", 1)]
+    [shown] = client.get("/v1/view/batches").json()
+    assert shown["state"] == "released" and shown["reason"].startswith("NonFiniteStepError: nnn")
+    assert len(shown["reason"]) == 2000  # cut, not refused: a trainer's long traceback still releases
+    _assert_error(client.post(f"/v1/batches/{first['id']}/ack", json={"policy_step": 1}), 409, "batch_released")
+
+    second = client.post("/v1/batches", json={}).json()
+    assert [g["id"] for g in second["groups"]] == ["g"]
+    skipped = client.post(f"/v1/batches/{second['id']}/release", json={"reason": "RuntimeError: again"}).json()
+    assert (skipped["returned"], skipped["skipped"]) == ([], ["g"])
+    [group] = client.get("/v1/groups").json()
+    assert (group["state"], group["reason"]) == ("skipped", "training failed 2 times; last: RuntimeError: again")
+    assert client.post("/v1/batches", json={}).json()["groups"] == []
+
+
 def test_api_key_guards_writes_only(tmp_path: Path) -> None:
     client = TestClient(_app(tmp_path, api_key="sekret"))
     body = to_request(_group({"a": 1.0})).SerializeToString()
@@ -146,6 +171,7 @@ def test_api_key_guards_writes_only(tmp_path: Path) -> None:
         ("/v1/rewards", {"json": {"rollout_id": "a", "value": 1.0}}),
         ("/v1/batches", {"json": {}}),
         ("/v1/batches/x/ack", {"json": {}}),
+        ("/v1/batches/x/release", {"json": {"reason": "RuntimeError: boom"}}),
     ]:
         _assert_error(client.post(path, **kwargs), 401, "unauthorized")
         wrong = {**kwargs.get("headers", {}), "authorization": "Bearer nope"}

@@ -341,6 +341,51 @@ def test_migration_from_version_2_digests_stored_trajectories(db_url, clock) -> 
     store.close()
 
 
+def test_migration_from_version_4_keeps_groups_and_batches(db_url, clock) -> None:
+    """Version 5 adds `groups.failed_attempts` and `batches.reason`; stored groups and leases keep working."""
+    from sqlalchemy import inspect
+
+    from collector.config import CollectorSettings
+    from collector.engine import make_engine
+    from collector.protocol import ReleaseRequest
+    from collector.schema import MIGRATIONS, schema_version
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database does not outlive its engine")
+    old = make_engine(url)
+    with old.begin() as conn:  # a database as version 4 left it, with an acked batch of a trained group
+        schema_version.create(conn)
+        for version in range(4):
+            MIGRATIONS[version](conn)
+            conn.execute(schema_version.insert().values(version=version + 1, applied_at=0.0))
+        conn.execute(text(
+            "INSERT INTO batches (id, trainer, state, created_at, lease_expires_at, acked_at, policy_step) "
+            "VALUES ('old', 't', 'acked', 1.0, 2.0, 1.5, 7)"
+        ))
+        conn.execute(text(
+            "INSERT INTO groups (id, key, task, explicit, size_hint, state, reason, batch_id, created_at, updated_at) "
+            "VALUES ('t', 't', NULL, TRUE, 2, 'trained', NULL, 'old', 1.0, 1.0)"
+        ))
+        conn.execute(text("INSERT INTO batch_groups (batch_id, group_id) VALUES ('old', 't')"))
+    assert "failed_attempts" not in {c["name"] for c in inspect(old).get_columns("groups")}
+    assert "reason" not in {c["name"] for c in inspect(old).get_columns("batches")}
+    old.dispose()
+    store = SqlStore(CollectorSettings(db=url), clock=clock)
+    store.setup()
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT max(version) FROM schema_version")).scalar() == SCHEMA_VERSION == 5
+        assert conn.execute(text("SELECT failed_attempts FROM groups WHERE id = 't'")).scalar() == 0
+    [shown] = store.batches()
+    assert (shown.id, shown.state, shown.policy_step, shown.groups, shown.reason) == ("old", "acked", 7, ["t"], None)
+    store.add_spans(_trajectory(10, "a", reward=1.0) + _trajectory(20, "b", reward=0.0))  # groups made after it
+    batch = store.lease(BatchRequest())
+    assert store.release(batch.id, ReleaseRequest(reason="RuntimeError: x")).returned == ["g"]
+    assert {g.id: g.failed_attempts for g in store.groups()} == {"g": 1}  # "t" has no trajectory: not listed
+    store.close()
+
+
 def test_weighted_training_reward(make_store) -> None:
     store = make_store(reward_weights={"correct": 1.0, "short": 0.5})
     store.add_spans(_trajectory(10, "a", reward=None) + _trajectory(20, "b", reward=None))

@@ -70,3 +70,13 @@ def test_page_lists_trajectories_and_shows_messages(served: str, tmp_path: Path)
     shot = tmp_path / "page.png"
     chromium(f"{served}/ui/#/", tmp_path / "profile", f"--screenshot={shot}", "--window-size=1280,900")
     assert shot.stat().st_size > 10_000
+
+
+def test_batches_page_shows_a_released_batch_and_its_reason(served: str, tmp_path: Path) -> None:
+    batch = httpx.post(f"{served}/v1/batches", json={"trainer": "t1"}).json()
+    assert [g["id"] for g in batch["groups"]] == ["sums"]
+    released = httpx.post(f"{served}/v1/batches/{batch['id']}/release", json={"reason": "NonFiniteStepError: loss is nan"})
+    assert released.status_code == 200
+    page = html.unescape(chromium(f"{served}/ui/#/batches", tmp_path / "profile", "--dump-dom"))
+    assert 'id="batches"' in page and "<td>released</td>" in page
+    assert "NonFiniteStepError: loss is nan" in page and batch["id"][:12] in page

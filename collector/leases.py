@@ -1,0 +1,94 @@
+"""How a lease ends: an ack (its groups are trained) or a release (given back untrained, failures counted).
+
+Functions over an open transaction; `SqlStore` calls them. An expired lease ends in `pool.maintain`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sqlalchemy import Connection, select
+
+from collector import pool
+from collector.config import CollectorSettings
+from collector.errors import Conflict, NotFound
+from collector.protocol import AckResponse, ReleaseRequest, ReleaseResponse
+from collector.schema import batch_groups, batches, groups
+
+__all__ = ["ack", "release"]
+
+log = logging.getLogger(__name__)
+
+
+def _locked_batch(conn: Connection, batch_id: str) -> tuple[Any, list[str]]:
+    """The batch row, locked until the transaction ends, and its group ids, sorted. Raises `NotFound`."""
+    batch = conn.execute(select(batches).where(batches.c.id == batch_id).with_for_update()).mappings().first()
+    if batch is None:
+        raise NotFound(f"no batch {batch_id!r}; lease one with POST /v1/batches")
+    ids = sorted(conn.execute(select(batch_groups.c.group_id).where(batch_groups.c.batch_id == batch_id)).scalars())
+    return batch, ids
+
+
+def ack(conn: Connection, settings: CollectorSettings, batch_id: str, policy_step: int | None, now: float) -> AckResponse:
+    """Mark a batch's groups trained; idempotent.
+
+    Raises:
+        NotFound: no such batch.
+        Conflict: `lease_expired`, its lease expired and groups were leased again; `batch_released`, the trainer
+            released it.
+    """
+    pool.maintain(conn, settings, now)
+    batch, ids = _locked_batch(conn, batch_id)
+    if batch["state"] == "acked":
+        return AckResponse(batch_id=batch_id, groups=ids, policy_step=batch["policy_step"])
+    if batch["state"] == "released":
+        raise Conflict(
+            f"batch {batch_id} was released ({batch['reason']}) and its groups went back to the pool; "
+            "lease them again with POST /v1/batches",
+            code="batch_released",
+        )
+    rows = list(conn.execute(select(groups).where(groups.c.id.in_(ids)).with_for_update()).mappings()) if ids else []
+    lost = [g["id"] for g in rows if not (g["state"] == "open" or g["batch_id"] == batch_id)]
+    if lost:
+        raise Conflict(
+            f"the lease of batch {batch_id} expired and groups {', '.join(sorted(lost))} were leased again; "
+            "discard this batch's update or lease with a longer lease_seconds",
+            code="lease_expired",
+        )
+    if ids:
+        conn.execute(
+            groups.update().where(groups.c.id.in_(ids)).values(state="trained", batch_id=batch_id, reason=None, updated_at=now)
+        )
+    conn.execute(batches.update().where(batches.c.id == batch_id).values(state="acked", acked_at=now, policy_step=policy_step))
+    return AckResponse(batch_id=batch_id, groups=ids, policy_step=policy_step)
+
+
+def release(conn: Connection, settings: CollectorSettings, batch_id: str, request: ReleaseRequest, now: float) -> ReleaseResponse:
+    """Give a batch's groups back untrained, now (`pool.give_back`); the batch ends `released` with the reason.
+
+    Only the groups the batch still holds go back and count: after its lease expired (which counted them) none
+    do, and a group leased again since is not touched. Releasing a released batch changes nothing and answers
+    the same.
+
+    Raises:
+        NotFound: no such batch.
+        Conflict: `batch_acked`, the batch was acked (its groups are trained).
+    """
+    pool.maintain(conn, settings, now)
+    batch, ids = _locked_batch(conn, batch_id)
+    if batch["state"] == "acked":
+        raise Conflict(
+            f"batch {batch_id} was acked (policy step {batch['policy_step']}): its groups are trained and stay so",
+            code="batch_acked",
+        )
+    if batch["state"] != "released":
+        pool.give_back(conn, settings, [batch_id], failed=request.failed, error=request.reason, now=now)
+        conn.execute(batches.update().where(batches.c.id == batch_id).values(state="released", reason=request.reason))
+    skipped = sorted(
+        conn.execute(select(groups.c.id).where(groups.c.id.in_(ids), groups.c.state == "skipped", groups.c.batch_id == batch_id)).scalars()
+    )
+    return ReleaseResponse(
+        batch_id=batch_id, returned=[gid for gid in ids if gid not in skipped], skipped=skipped,
+        max_failed_attempts=settings.max_failed_attempts,
+    )

@@ -1,0 +1,136 @@
+"""How leases end (`collector/leases.py`, `pool.give_back`): releases, failed attempts, expiry, acks after them."""
+
+from __future__ import annotations
+
+import pytest
+from tests.collector.test_store import _trajectory
+
+from collector.errors import Conflict, NotFound
+from collector.protocol import BatchRequest, ReleaseRequest, ReleaseResponse, RewardIn
+
+FAILED = ReleaseRequest(reason="NonFiniteStepError: loss is nan")
+
+
+def _ready_group(store, group: str = "g", first: int = 10) -> None:
+    """Two rewarded trajectories with different rewards: a group ready to lease."""
+    store.add_spans(_trajectory(first, f"{group}-a", reward=1.0, group=group) + _trajectory(first + 10, f"{group}-b", reward=0.0, group=group))
+
+
+def _state(store, group: str = "g") -> tuple[str, str | None, int]:
+    (shown,) = [g for g in store.groups() if g.id == group]
+    return shown.state, shown.reason, shown.failed_attempts
+
+
+def test_a_released_batch_is_leased_again_at_once(make_store) -> None:
+    store = make_store()
+    _ready_group(store)
+    batch = store.lease(BatchRequest(trainer="t1", lease_seconds=900))
+    released = store.release(batch.id, FAILED)
+    assert released == ReleaseResponse(batch_id=batch.id, returned=["g"], skipped=[], max_failed_attempts=3)
+    assert _state(store) == ("ready", None, 1)
+    again = store.lease(BatchRequest(lease_seconds=900))  # no waiting for the 900 s lease to run out
+    assert [g.id for g in again.groups] == ["g"]
+    shown = {b.id: (b.state, b.reason) for b in store.batches()}
+    assert shown == {batch.id: ("released", FAILED.reason), again.id: ("leased", None)}
+    assert store.ack(again.id, policy_step=1).groups == ["g"]
+    assert _state(store) == ("trained", None, 1)  # trained is final; the count stays as history
+
+
+def test_failed_releases_skip_a_group_at_the_limit_and_a_reward_does_not_reopen_it(make_store) -> None:
+    store = make_store()
+    _ready_group(store)
+    _ready_group(store, "h", first=30)
+    for attempt in (1, 2, 3):
+        batch = store.lease(BatchRequest(max_groups=1))
+        assert [g.id for g in batch.groups] == ["g"]  # the oldest group first, again and again
+        released = store.release(batch.id, ReleaseRequest(reason=f"RuntimeError: attempt {attempt}"))
+    assert (released.returned, released.skipped) == ([], ["g"])
+    assert _state(store) == ("skipped", "training failed 3 times; last: RuntimeError: attempt 3", 3)
+    assert [g.id for g in store.lease(BatchRequest()).groups] == ["h"]  # g is never offered again
+    store.add_reward(RewardIn(rollout_id="g-b", value=0.5))  # new rewards do not make the data trainable
+    assert _state(store)[0::2] == ("skipped", 3)
+    assert store.groups(states={"ready"}) == []
+
+
+def test_a_release_as_not_failed_counts_nothing(make_store) -> None:
+    store = make_store()
+    _ready_group(store)
+    for _ in range(4):
+        batch = store.lease(BatchRequest())
+        assert store.release(batch.id, ReleaseRequest(reason="OSError: No space left on device", failed=False)).returned == ["g"]
+    assert _state(store) == ("ready", None, 0)
+
+
+def test_no_limit_never_gives_up(make_store) -> None:
+    store = make_store(max_failed_attempts=0)
+    _ready_group(store)
+    for _ in range(5):
+        released = store.release(store.lease(BatchRequest()).id, FAILED)
+    assert (released.returned, released.skipped, released.max_failed_attempts) == (["g"], [], 0)
+    assert _state(store) == ("ready", None, 5)
+
+
+def test_expired_leases_count_and_skip_at_the_limit(make_store, clock) -> None:
+    store = make_store(max_failed_attempts=2)
+    _ready_group(store)
+    first = store.lease(BatchRequest(lease_seconds=10))
+    clock.now += 11
+    assert _state(store) == ("ready", None, 1)
+    second = store.lease(BatchRequest(lease_seconds=10))  # say the trainer is killed mid-step again
+    clock.now += 11
+    assert _state(store) == ("skipped", "training failed 2 times; last: lease expired", 2)
+    assert store.lease(BatchRequest()).groups == []
+    shown = {b.id: (b.state, b.reason) for b in store.batches()}
+    assert shown[first.id] == shown[second.id] == ("expired", "lease expired")
+    # the trainer comes back and releases its batch: the expiry counted that attempt already
+    late = store.release(second.id, FAILED)
+    assert (late.returned, late.skipped) == ([], ["g"])
+    assert _state(store)[2] == 2
+    assert {b.id: b.state for b in store.batches()}[second.id] == "released"
+
+
+def test_a_release_after_expiry_leaves_groups_leased_again_alone(make_store, clock) -> None:
+    store = make_store()
+    _ready_group(store)
+    first = store.lease(BatchRequest(lease_seconds=10))
+    clock.now += 11
+    second = store.lease(BatchRequest(lease_seconds=100))
+    released = store.release(first.id, FAILED)
+    assert released.returned == ["g"]  # it went back when the lease expired
+    assert _state(store) == ("leased", None, 1)  # counted once, by the expiry; still the second batch's
+    assert store.ack(second.id, policy_step=1).groups == ["g"]
+    assert _state(store) == ("trained", None, 1)
+
+
+def test_release_is_idempotent_and_conflicts_with_acks(make_store) -> None:
+    store = make_store()
+    _ready_group(store)
+    _ready_group(store, "h", first=30)
+    batch = store.lease(BatchRequest(max_groups=1))
+    first = store.release(batch.id, FAILED)
+    assert store.release(batch.id, ReleaseRequest(reason="again", failed=True)) == first
+    assert _state(store)[2] == 1  # not counted twice
+    assert {b.id: b.reason for b in store.batches()}[batch.id] == FAILED.reason
+    with pytest.raises(Conflict) as released:
+        store.ack(batch.id, policy_step=1)
+    assert released.value.code == "batch_released" and "NonFiniteStepError" in released.value.message
+    acked = store.lease(BatchRequest(max_groups=2))
+    store.ack(acked.id, policy_step=1)
+    with pytest.raises(Conflict) as trained:
+        store.release(acked.id, FAILED)
+    assert trained.value.code == "batch_acked"
+    assert {g.id: g.state for g in store.groups()} == {"g": "trained", "h": "trained"}
+    with pytest.raises(NotFound):
+        store.release("nope", FAILED)
+
+
+def test_an_empty_lease_releases_to_nothing(make_store) -> None:
+    store = make_store()
+    batch = store.lease(BatchRequest())
+    assert store.release(batch.id, FAILED) == ReleaseResponse(batch_id=batch.id, returned=[], skipped=[], max_failed_attempts=3)
+
+
+def test_a_long_reason_is_cut() -> None:
+    request = ReleaseRequest(reason="x" * 5000)
+    assert len(request.reason) == 2000 and request.reason.endswith("…")
+    assert ReleaseRequest(reason="y" * 2000).reason == "y" * 2000
