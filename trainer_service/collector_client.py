@@ -1,4 +1,4 @@
-"""The trainer's side of the collector's HTTP API: ready groups, batch leases and acks.
+"""The trainer's side of the collector's HTTP API: ready groups, batch leases, acks and releases.
 
 Every failure (no answer, an HTTP error, an answer that is not what the API publishes) is a
 `ServiceError` that names the collector call and what to do.
@@ -9,13 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from collector.protocol import AckRequest, Batch, BatchRequest, GroupStatus
+from collector.protocol import AckRequest, Batch, BatchRequest, GroupStatus, ReleaseRequest, ReleaseResponse
 from pydantic import TypeAdapter
 
 from trainer_service.config import TrainerSettings
 from trainer_service.protocol import ServiceError
 
-__all__ = ["CollectorClient"]
+__all__ = ["CollectorClient", "describe_release"]
 
 _GROUPS = TypeAdapter(list[GroupStatus])
 """Reads `GET /v1/groups`."""
@@ -91,6 +91,34 @@ class CollectorClient:
                                f"is saved and served): HTTP {response.status_code}: {response.text[:300]}",
                                type="server_error")
 
+    async def release(self, batch_id: str, reason: str, failed: bool) -> ReleaseResponse:
+        """Give batch `batch_id` back untrained (`POST /v1/batches/{id}/release`): its groups can be leased again now.
+
+        Args:
+            batch_id: the leased batch.
+            reason: what went wrong (the step's error; the collector keeps 2000 characters).
+            failed: True when the batch's data made the step fail (the collector counts a failed attempt for each
+                group and skips a group at its limit); False when the trainer itself failed (disk, vLLM).
+
+        Raises:
+            ServiceError: 502 `release_failed` when the collector does not answer, refuses, or answers with
+                something that is not a release.
+        """
+        body = ReleaseRequest(reason=reason, failed=failed).model_dump()
+        try:
+            response = await self.http.post(f"/v1/batches/{batch_id}/release", json=body)
+        except httpx.HTTPError as exc:
+            raise ServiceError(502, "release_failed", f"Could not release batch {batch_id}: {exc}",
+                               type="server_error") from exc
+        if response.status_code != 200:
+            raise ServiceError(502, "release_failed", f"The collector refused the release of batch {batch_id}: HTTP "
+                               f"{response.status_code}: {response.text[:300]}", type="server_error")
+        try:
+            return ReleaseResponse.model_validate_json(response.content)
+        except ValueError as exc:
+            raise ServiceError(502, "release_failed", f"The collector answered the release of batch {batch_id} with "
+                               f"something that is not a release: {str(exc)[:300]}", type="server_error") from exc
+
     async def aclose(self) -> None:
         """Close the HTTP client."""
         await self.http.aclose()
@@ -104,3 +132,14 @@ class CollectorClient:
                                f"The collector at {self.settings.collector} did not answer: {exc}. "
                                "Start it (`art-collector serve`) or point --collector at it.",
                                type="server_error") from exc
+
+
+def describe_release(released: ReleaseResponse) -> str:
+    """What became of a released batch's groups, as a sentence of an error message."""
+    fates = []
+    if released.returned:
+        fates.append(f"groups {', '.join(released.returned)} are back in the collector's pool")
+    if released.skipped:
+        fates.append(f"groups {', '.join(released.skipped)} reached the collector's limit of "
+                     f"{released.max_failed_attempts} failed attempts and are skipped (not leased again)")
+    return f"Batch {released.batch_id} was released: {'; '.join(fates) or 'it held no group any more'}."

@@ -22,7 +22,7 @@ from collector.protocol import Batch
 
 from trainer_service.allocator import loaded_allocator
 from trainer_service.checkpoints import CheckpointStore, select_kept
-from trainer_service.collector_client import CollectorClient
+from trainer_service.collector_client import CollectorClient, describe_release
 from trainer_service.config import GRPOConfig, TrainerSettings
 from trainer_service.core_lending import CoreLender
 from trainer_service.distributed import TrainLauncher
@@ -219,7 +219,8 @@ class TrainerService:
                 ready; 503 when the service is shutting down; 422 when no group of the batch is
                 trainable; 502 when the collector fails or refuses the ack of a served step; 507
                 when the checkpoint or the promotion state cannot be written; 500 when training or
-                loading fails, and `training_failed` for any other error.
+                loading fails, and `training_failed` for any other error. A batch whose step failed
+                is released to the collector (counted as failed unless the disk or vLLM failed).
         """
         if self._closing:
             raise ServiceError(503, "shutting_down", "The service is shutting down; no new step starts.",
@@ -261,16 +262,15 @@ class TrainerService:
             raise ServiceError(422, "nothing_trainable", f"{exc} Batch {batch.id} was acked without a step.") from exc
         except OSError as exc:
             logger.exception("checkpoint of step %s could not be written", step)
+            fate = await self._release(batch, exc, failed=False)
             raise ServiceError(507, "checkpoint_write_failed", f"Step {step} trained but its checkpoint could not "
                                f"be written to {self.checkpoint_dir}: {exc}. Nothing was served and the trainer was "
-                               f"rolled back; free disk space. Batch {batch.id} was not acked and will be offered "
-                               "again when its lease expires.", type="server_error") from exc
-        except (EngineError, RuntimeError, ValueError) as exc:
+                               f"rolled back; free disk space. {fate}", type="server_error") from exc
+        except (EngineError, RuntimeError, ValueError) as exc:  # EngineError is a RuntimeError: vLLM's, not the data's
             logger.exception("training step %s failed", step)
-            raise ServiceError(
-                500, "training_failed", f"Step {step} failed: {exc}. Batch {batch.id} was not acked; "
-                "its lease will expire and the collector will offer it again.", type="server_error",
-            ) from exc
+            fate = await self._release(batch, exc, failed=not isinstance(exc, EngineError))
+            raise ServiceError(500, "training_failed", f"Step {step} failed: {exc}. {fate}",
+                               type="server_error") from exc
         self.steps.append(step)
         # The step is served from here on: gate, retention and metrics run whatever the ack and the
         # gate's save do; their failures are reported once the step's bookkeeping is done.
@@ -303,6 +303,19 @@ class TrainerService:
         self.last_error = None
         return TrainResponse(step=step, model=self.model_name(step), checkpoint=str(path), batch_id=batch.id,
                              kind=kind, latest_model=self.latest_model, promotion=decision, metrics=metrics)
+
+    async def _release(self, batch: Batch, error: Exception, *, failed: bool) -> str:
+        """Give `batch` back to the collector after its step failed with `error`; returns what became of it, for the
+        step's error message. A release the collector does not take is logged and counted (`release_failures`):
+        the batch then comes back when its lease expires."""
+        try:
+            released = await self.collector.release(batch.id, f"{type(error).__name__}: {error}", failed)
+        except ServiceError as exc:
+            self.counters["release_failures"] += 1
+            logger.error("batch %s could not be released: %s", batch.id, exc.body.error.message)
+            return (f"{exc.body.error.message}; its lease will expire and the collector will offer it again "
+                    "(counting a failed attempt).")
+        return describe_release(released)
 
     def _train_and_publish(self, trainer: LoRATrainer, batch: Batch, step: int,
                            kind: str) -> tuple[dict[str, float], Path]:

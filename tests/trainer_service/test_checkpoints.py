@@ -80,8 +80,9 @@ async def test_retention_stops_serving_before_it_deletes_and_counts_a_failed_del
 
 async def test_full_disk_serves_nothing_and_rolls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     acks: list[tuple[str, dict]] = []
+    releases: list[tuple[str, dict]] = []
     batches: list[Batch] = []
-    service = make_service(tmp_path, batches, acks)
+    service = make_service(tmp_path, batches, acks, releases=releases)
     trainer = service.trainer
     assert trainer is not None
     before = lora_params(trainer)
@@ -98,6 +99,8 @@ async def test_full_disk_serves_nothing_and_rolls_back(tmp_path: Path, monkeypat
         await service.train_once()
     assert info.value.status == 507 and info.value.body.error.code == "checkpoint_write_failed"
     assert "No space left on device" in info.value.body.error.message
+    assert "Batch b1 was released: groups g are back" in info.value.body.error.message
+    assert releases == [("b1", {"reason": "OSError: [Errno 28] No space left on device", "failed": False})]  # not the data's fault
     assert acks == [] and service.engine.adapters == {} and service.steps == []
     assert list((tmp_path / "checkpoints").iterdir()) == []  # no half-written folder left behind
     assert trainer.step_count == 0 and all(torch.equal(before[n], p) for n, p in lora_params(trainer).items())

@@ -18,8 +18,9 @@ from typing import Any
 
 import httpx
 import pytest
-from collector.protocol import Batch
+from collector.protocol import Batch, ReleaseResponse
 
+from tests.collector.seeding import group_spans, make_app
 from tests.trainer_service.test_training import group, make_trainer
 
 from trainer_service.config import GRPOConfig, TrainerSettings
@@ -28,7 +29,7 @@ from trainer_service.engine import HEALTH_FAILURES_BEFORE_RESTART, EngineError, 
 from trainer_service.evaluation import Evaluator
 from trainer_service.protocol import ServiceError
 from trainer_service.service import TrainerService
-from trainer_service.training import LoRATrainer
+from trainer_service.training import LoRATrainer, NonFiniteStepError
 
 
 class FakeEngine:
@@ -67,13 +68,21 @@ class FakeEngine:
 def make_service(tmp_path: Path, batches: list[Batch], acks: list[tuple[str, dict]], *,
                  evaluator: Evaluator | None = None, launcher: TrainLauncher | None = None,
                  trainer_factory: Callable[[], LoRATrainer] = make_trainer, ack_status: int = 200,
+                 releases: list[tuple[str, dict]] | None = None, release_status: int = 200,
                  **settings_overrides: Any) -> TrainerService:
     """A service on the tiny Llama with a scripted collector (its published HTTP API, in process).
 
-    The collector answers acks with `ack_status` (recorded in `acks` either way).
+    The collector answers acks with `ack_status` (recorded in `acks` either way), and releases with
+    `release_status` (recorded in `releases`; a 200 says group `g` is back in the pool).
     """
+    releases = [] if releases is None else releases
 
     def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/release"):
+            batch_id = request.url.path.split("/")[3]
+            releases.append((batch_id, json.loads(request.content)))
+            released = ReleaseResponse(batch_id=batch_id, returned=["g"], skipped=[], max_failed_attempts=3)
+            return httpx.Response(release_status, json=released.model_dump())
         if request.url.path == "/v1/batches":
             batch = batches.pop(0) if batches else Batch(id="none", groups=[], lease_expires_at=0)
             return httpx.Response(200, json=batch.model_dump())
@@ -179,6 +188,79 @@ async def test_failed_ack_still_gates_retains_and_records_the_step(tmp_path: Pat
     status = await service.status()
     assert status.last_metrics["step"] == 2 and status.counters["ack_failures"] == 2
     assert status.last_error is not None and "ack of batch b2" in status.last_error
+    await service.aclose()
+
+
+def _nan_step(groups: Any, kind: str) -> dict[str, float]:
+    raise NonFiniteStepError("loss is nan")
+
+
+async def test_a_failed_step_releases_its_batch_and_the_next_step_gets_it_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    collector = make_app(tmp_path, monkeypatch, max_failed_attempts=2)  # the real collector, in process
+    collector.state.store.add_spans(group_spans("sums", ["7", "8"], rewards=[1.0, 0.0]))
+    settings = TrainerSettings(output_dir=tmp_path / "run", name="agent", wandb="off", base_model="tiny-llama")
+    service = TrainerService(settings, GRPOConfig(), FakeEngine(), make_trainer,  # type: ignore[arg-type]
+                             collector_transport=httpx.ASGITransport(app=collector))
+    service.start()
+    assert service.trainer is not None
+    monkeypatch.setattr(service.trainer, "train", _nan_step)
+    with pytest.raises(ServiceError) as first:
+        await service.train_once()
+    assert first.value.status == 500 and first.value.body.error.code == "training_failed"
+    assert "loss is nan" in first.value.body.error.message
+    assert "was released: groups sums are back in the collector's pool" in first.value.body.error.message
+    [shown] = collector.state.store.groups()
+    assert (shown.state, shown.failed_attempts) == ("ready", 1)  # counted: a training error is the data's
+    [batch] = collector.state.store.batches()
+    assert (batch.state, batch.reason) == ("released", "NonFiniteStepError: loss is nan")
+
+    with pytest.raises(ServiceError) as second:  # leased again at once, not after the lease's 900 s
+        await service.train_once()
+    assert "reached the collector's limit of 2 failed attempts and are skipped" in second.value.body.error.message
+    with pytest.raises(ServiceError) as third:
+        await service.train_once()
+    assert third.value.body.error.code == "no_batch_ready"
+    assert service.steps == [] and service.engine.adapters == {} and service.trainer.step_count == 0
+    await service.aclose()
+
+
+async def test_a_failed_load_into_vllm_releases_without_counting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    releases: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [], releases=releases)
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+
+    def refuse(name: str, path: str | Path) -> None:
+        raise EngineError("vLLM refused /v1/load_lora_adapter")
+
+    monkeypatch.setattr(service.engine, "load_adapter", refuse)
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    assert info.value.status == 500 and "Batch b1 was released" in info.value.body.error.message
+    assert releases == [("b1", {"reason": "EngineError: vLLM refused /v1/load_lora_adapter", "failed": False})]
+    assert service.steps == [] and list((tmp_path / "checkpoints").iterdir()) == []
+    await service.aclose()
+
+
+async def test_a_release_the_collector_refuses_is_counted_and_the_error_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    releases: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [], releases=releases, release_status=503)
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    monkeypatch.setattr(service.trainer, "train", _nan_step)
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    message = info.value.body.error.message
+    assert info.value.status == 500 and info.value.body.error.code == "training_failed" and "loss is nan" in message
+    assert "refused the release of batch b1: HTTP 503" in message and "its lease will expire" in message
+    assert releases == [("b1", {"reason": "NonFiniteStepError: loss is nan", "failed": True})]
+    assert (await service.status()).counters["release_failures"] == 1
     await service.aclose()
 
 
