@@ -1,4 +1,5 @@
-"""How a lease ends: an ack (its groups are trained) or a release (given back untrained, failures counted).
+"""How a lease ends: an ack (its groups are trained) or a release (given back untrained, failures counted);
+and how an operator puts a group that was given up on back in the pool (reopen).
 
 Functions over an open transaction; `SqlStore` calls them. An expired lease ends in `pool.maintain`.
 """
@@ -13,10 +14,10 @@ from sqlalchemy import Connection, select
 from collector import pool
 from collector.config import CollectorSettings
 from collector.errors import Conflict, NotFound
-from collector.protocol import AckResponse, ReleaseRequest, ReleaseResponse
+from collector.protocol import AckResponse, ReleaseRequest, ReleaseResponse, ReopenResponse
 from collector.schema import batch_groups, batches, groups
 
-__all__ = ["ack", "release"]
+__all__ = ["REOPENABLE", "ack", "release", "reopen"]
 
 log = logging.getLogger(__name__)
 
@@ -92,3 +93,34 @@ def release(conn: Connection, settings: CollectorSettings, batch_id: str, reques
         batch_id=batch_id, returned=[gid for gid in ids if gid not in skipped], skipped=skipped,
         max_failed_attempts=settings.max_failed_attempts,
     )
+
+
+REOPENABLE = ("skipped", "expired")
+"""Stored states a group can be reopened from: the pool gave up on it (failed trainings, no reward spread, no
+activity); from the others (`open`, `leased`, `trained`) it is in the pool or done."""
+
+
+def reopen(conn: Connection, group_id: str, now: float) -> ReopenResponse:
+    """Put a skipped or expired group back in the pool with its failed attempts reset, e.g. once the trainer's
+    bug that failed it is fixed; it is leased when it is ready, or skipped again if it still cannot train.
+
+    Raises:
+        NotFound: no such group.
+        Conflict: `group_not_reopenable`, the group is open, leased or trained.
+    """
+    row = conn.execute(select(groups).where(groups.c.id == group_id).with_for_update()).mappings().first()
+    if row is None:
+        raise NotFound(f"no group {group_id!r}; GET /v1/groups lists them")
+    if row["state"] not in REOPENABLE:
+        raise Conflict(
+            f"group {group_id} is {row['state']}; only a group in {' or '.join(REOPENABLE)} can be reopened",
+            code="group_not_reopenable",
+        )
+    conn.execute(
+        groups.update().where(groups.c.id == group_id)
+        .values(state="open", reason=None, batch_id=None, failed_attempts=0, updated_at=now)
+    )
+    log.info("group %s reopened from %s (%s; %d failed attempts forgotten)", group_id, row["state"], row["reason"],
+             row["failed_attempts"])
+    return ReopenResponse(group_id=group_id, previous_state=row["state"], previous_reason=row["reason"],
+                          failed_attempts=row["failed_attempts"])

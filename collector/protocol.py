@@ -212,3 +212,12 @@ class ReleaseResponse(BaseModel):
         "never leased again automatically; sorted."
     )
     max_failed_attempts: int = Field(description="The collector's limit of failed attempts per group (0: no limit).")
+
+
+class ReopenResponse(BaseModel):
+    """Answer of `POST /v1/groups/{group_id}/reopen`: the group is `open` again, its failed attempts forgotten."""
+
+    group_id: str
+    previous_state: GroupState = Field(description="The state it was reopened from: `skipped` or `expired`.")
+    previous_reason: str | None = Field(default=None, description="Why it was in that state.")
+    failed_attempts: int = Field(description="The failed attempts it had counted, now reset to 0.")

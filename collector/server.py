@@ -29,6 +29,7 @@ from collector.protocol import (
     GroupStatus,
     ReleaseRequest,
     ReleaseResponse,
+    ReopenResponse,
     RewardAccepted,
     RewardIn,
     Trajectory,
@@ -169,6 +170,12 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
         """Give the batch's groups back untrained, now; with `failed` each counts a failed attempt, and a group at
         the limit is skipped (404 unknown batch; 409 when acked). Releasing it again answers the same."""
         return store.release(batch_id, body)
+
+    @app.post("/v1/groups/{group_id:path}/reopen")
+    def reopen_group(group_id: str, _: Auth) -> ReopenResponse:
+        """Put a skipped or expired group back in the pool, its failed attempts reset (404 unknown group; 409 when
+        it is open, leased or trained)."""
+        return store.reopen(group_id)
 
     @app.get("/v1/trajectories")
     def list_trajectories(group: str | None = None, task: str | None = None, split: str | None = None) -> list[Trajectory]:

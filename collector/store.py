@@ -42,6 +42,7 @@ from collector.protocol import (
     GroupStatus,
     ReleaseRequest,
     ReleaseResponse,
+    ReopenResponse,
     RewardAccepted,
     RewardIn,
     Trajectory,
@@ -88,6 +89,11 @@ class Store(ABC):
     def release(self, batch_id: str, request: ReleaseRequest) -> ReleaseResponse:
         """Give a batch's groups back untrained, counting a failed attempt when `request.failed`; idempotent.
         Raises `NotFound`, or `Conflict` when the batch was acked."""
+
+    @abstractmethod
+    def reopen(self, group_id: str) -> ReopenResponse:
+        """Put a skipped or expired group back in the pool, its failed attempts reset. Raises `NotFound`, or
+        `Conflict` when the group is open, leased or trained."""
 
     @abstractmethod
     def trajectory(self, trajectory_id: str) -> Trajectory | None:
@@ -389,3 +395,8 @@ class SqlStore(Store):
         log.info("batch %s released (%s): %d groups back in the pool, %d skipped", batch_id,
                  "failed" if request.failed else "not counted", len(released.returned), len(released.skipped))
         return released
+
+    def reopen(self, group_id: str) -> ReopenResponse:
+        """Put a skipped or expired group back in the pool, its failed attempts reset. Raises `NotFound`, or
+        `Conflict` when the group is open, leased or trained."""
+        return self._tx.run(lambda conn: leases.reopen(conn, group_id, self.clock()))

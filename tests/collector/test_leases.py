@@ -6,7 +6,7 @@ import pytest
 from tests.collector.test_store import _trajectory
 
 from collector.errors import Conflict, NotFound
-from collector.protocol import BatchRequest, ReleaseRequest, ReleaseResponse, RewardIn
+from collector.protocol import BatchRequest, ReleaseRequest, ReleaseResponse, ReopenResponse, RewardIn
 
 FAILED = ReleaseRequest(reason="NonFiniteStepError: loss is nan")
 
@@ -134,3 +134,30 @@ def test_a_long_reason_is_cut() -> None:
     request = ReleaseRequest(reason="x" * 5000)
     assert len(request.reason) == 2000 and request.reason.endswith("…")
     assert ReleaseRequest(reason="y" * 2000).reason == "y" * 2000
+
+
+def test_reopen_puts_a_group_given_up_on_back_with_its_attempts_reset(make_store, clock) -> None:
+    store = make_store(max_failed_attempts=1, group_timeout_seconds=60)
+    _ready_group(store)
+    store.release(store.lease(BatchRequest()).id, FAILED)
+    assert _state(store) == ("skipped", f"training failed 1 times; last: {FAILED.reason}", 1)
+    assert store.reopen("g") == ReopenResponse(
+        group_id="g", previous_state="skipped", previous_reason=f"training failed 1 times; last: {FAILED.reason}",
+        failed_attempts=1)
+    assert _state(store) == ("ready", None, 0)
+    batch = store.lease(BatchRequest())
+    assert [g.id for g in batch.groups] == ["g"]
+    with pytest.raises(Conflict) as leased:
+        store.reopen("g")
+    assert leased.value.code == "group_not_reopenable"
+    store.release(batch.id, FAILED)  # it fails again: the limit counts from zero after a reopen
+    assert _state(store)[0::2] == ("skipped", 1)
+
+    store.add_spans(_trajectory(50, "lone", reward=1.0, group="stale"))  # waits for a second member that never comes
+    clock.now += 61
+    store.lease(BatchRequest())  # the pool's upkeep expires it
+    assert _state(store, "stale")[0] == "expired"
+    assert store.reopen("stale").previous_state == "expired"
+    assert _state(store, "stale")[0] == "open"  # a new timeout window; still waiting for its group
+    with pytest.raises(NotFound):
+        store.reopen("nope")

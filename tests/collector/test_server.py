@@ -162,6 +162,17 @@ def test_release_gives_groups_back_now_and_shows_on_the_batch(tmp_path: Path) ->
     assert (group["state"], group["reason"]) == ("skipped", "training failed 2 times; last: RuntimeError: again")
     assert client.post("/v1/batches", json={}).json()["groups"] == []
 
+    # once the trainer's bug is fixed, an operator puts the group back: leased again, attempts forgotten
+    _assert_error(client.post("/v1/groups/unknown/reopen"), 404, "not_found")
+    reopened = client.post("/v1/groups/g/reopen")
+    assert reopened.status_code == 200
+    assert reopened.json() == {"group_id": "g", "previous_state": "skipped",
+                               "previous_reason": "training failed 2 times; last: RuntimeError: again", "failed_attempts": 2}
+    assert [(g["state"], g["failed_attempts"]) for g in client.get("/v1/groups").json()] == [("ready", 0)]
+    _assert_error(client.post("/v1/groups/g/reopen"), 409, "group_not_reopenable")
+    third = client.post("/v1/batches", json={}).json()
+    assert [g["id"] for g in third["groups"]] == ["g"]
+
 
 def test_api_key_guards_writes_only(tmp_path: Path) -> None:
     client = TestClient(_app(tmp_path, api_key="sekret"))
@@ -172,6 +183,7 @@ def test_api_key_guards_writes_only(tmp_path: Path) -> None:
         ("/v1/batches", {"json": {}}),
         ("/v1/batches/x/ack", {"json": {}}),
         ("/v1/batches/x/release", {"json": {"reason": "RuntimeError: boom"}}),
+        ("/v1/groups/x/reopen", {}),
     ]:
         _assert_error(client.post(path, **kwargs), 401, "unauthorized")
         wrong = {**kwargs.get("headers", {}), "authorization": "Bearer nope"}
