@@ -218,9 +218,10 @@ class TrainerService:
             ServiceError: 409 when paused, when a step runs already or the collector has nothing
                 ready; 503 when the service is shutting down; 422 when no group of the batch is
                 trainable; 502 when the collector fails or refuses the ack of a served step; 507
-                when the checkpoint or the promotion state cannot be written; 500 when training or
-                loading fails, and `training_failed` for any other error. A batch whose step failed
-                is released to the collector (counted as failed unless the disk or vLLM failed).
+                when the checkpoint or the promotion state cannot be written; 500 `training_failed`
+                when training or loading fails, or for any other error. A batch whose step failed,
+                whatever the error, is released to the collector (counted as a failed attempt of its
+                groups unless the disk or vLLM failed).
         """
         if self._closing:
             raise ServiceError(503, "shutting_down", "The service is shutting down; no new step starts.",
@@ -266,10 +267,10 @@ class TrainerService:
             raise ServiceError(507, "checkpoint_write_failed", f"Step {step} trained but its checkpoint could not "
                                f"be written to {self.checkpoint_dir}: {exc}. Nothing was served and the trainer was "
                                f"rolled back; free disk space. {fate}", type="server_error") from exc
-        except (EngineError, RuntimeError, ValueError) as exc:  # EngineError is a RuntimeError: vLLM's, not the data's
+        except Exception as exc:  # any error of the step's own; an EngineError is vLLM's, so not counted against the data
             logger.exception("training step %s failed", step)
             fate = await self._release(batch, exc, failed=not isinstance(exc, EngineError))
-            raise ServiceError(500, "training_failed", f"Step {step} failed: {exc}. {fate}",
+            raise ServiceError(500, "training_failed", f"Step {step} failed: {type(exc).__name__}: {exc}. {fate}",
                                type="server_error") from exc
         self.steps.append(step)
         # The step is served from here on: gate, retention and metrics run whatever the ack and the

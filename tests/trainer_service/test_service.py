@@ -245,6 +245,28 @@ async def test_a_failed_load_into_vllm_releases_without_counting(tmp_path: Path,
     await service.aclose()
 
 
+async def test_a_step_failing_with_an_unexpected_error_still_releases_its_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    releases: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [], releases=releases)
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+
+    def missing_key(groups: Any, kind: str) -> dict[str, float]:
+        raise KeyError("token_ids")
+
+    monkeypatch.setattr(service.trainer, "train", missing_key)
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    assert info.value.status == 500 and info.value.body.error.code == "training_failed"
+    assert "Batch b1 was released" in info.value.body.error.message
+    assert releases == [("b1", {"reason": "KeyError: 'token_ids'", "failed": True})]
+    assert service.steps == [] and service.trainer.step_count == 0
+    await service.aclose()
+
+
 async def test_a_release_the_collector_refuses_is_counted_and_the_error_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
