@@ -20,7 +20,9 @@ One step (`TrainLauncher.step`):
 4. The service's trainer resumes from it and the folder is renamed to `checkpoints/step-N`;
    the service then hot-loads it as after an in-process step.
 
-A failing worker leaves no checkpoint: `DistributedStepError` names its rank and error, and the
+A failing worker leaves no checkpoint: `DistributedStepError` names its rank and error, says
+whether the batch's data is to blame (`data_fault`: the error came from the step itself, as it
+would have in one process, not from starting, loading, saving or the collectives), and the
 job folder (named `.step-N.dist-*`, so a crash's leftover is removed at start) is deleted. So
 does a step that outlives `timeout` (a collective that never completes waits forever): torchrun
 is sent SIGTERM, on which it stops every worker.
@@ -38,6 +40,7 @@ import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +59,17 @@ _ERROR = "error-rank{rank}.json"
 
 
 class DistributedStepError(RuntimeError):
-    """A training worker failed; no checkpoint of the step was written."""
+    """A training worker failed; no checkpoint of the step was written.
+
+    `data_fault` is True only when the first failing worker failed inside `LoRATrainer.train` with
+    an error of its own (not a collective's `torch.distributed.DistError`): the one-process step
+    would have failed the same way on this batch. A timeout, a worker that died without a report,
+    or a failure to start, load or save blames the workers, not the data.
+    """
+
+    def __init__(self, message: str, *, data_fault: bool = False) -> None:
+        super().__init__(message)
+        self.data_fault = data_fault
 
 
 @dataclass(frozen=True)
@@ -156,14 +169,20 @@ class TrainLauncher:
         if not reports:
             raise DistributedStepError(f"torchrun exited with status {code} and no worker reported an error; "
                                        f"see {self.log_path}.")
-        first = min(reports, key=lambda r: r["time"])
-        raise DistributedStepError(f"training worker rank {first['rank']} of {self.processes} failed: "
-                                   f"{first['error']} (traceback in {self.log_path})")
+        raise worker_error(reports, self.processes, self.log_path)
+
+
+def worker_error(reports: list[dict[str, Any]], processes: int, log_path: Path) -> DistributedStepError:
+    """The step's error from the workers' error reports: the earliest one, with its `data_fault`."""
+    first = min(reports, key=lambda r: r["time"])
+    return DistributedStepError(f"training worker rank {first['rank']} of {processes} failed {first['phase']}: "
+                                f"{first['error']} (traceback in {log_path})", data_fault=first["data_fault"])
 
 
 def _run_worker(job: Path) -> None:
     """One rank of a step: load, resume, train its share, all-reduce; rank 0 saves the checkpoint."""
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    phase = "starting"
     try:
         spec = json.loads((job / _JOB).read_text())
         cuda = torch.cuda.is_available()
@@ -171,17 +190,22 @@ def _run_worker(job: Path) -> None:
             torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if cuda else "gloo")
         try:
+            phase = "loading"
             trainer = LoRATrainer.load(spec["model_path"], GRPOConfig(**spec["config"]), base_model=spec["base_model"],
                                        chat_template=spec["chat_template"], cpu_threads=spec["cpu_threads"],
                                        device=f"cuda:{local_rank}" if cuda else "cpu")
             trainer.resume(job / _STATE)
-            metrics = trainer.train(Batch.model_validate_json((job / _BATCH).read_text()).groups, spec["kind"])
+            groups = Batch.model_validate_json((job / _BATCH).read_text()).groups
+            phase = "training"
+            metrics = trainer.train(groups, spec["kind"])
+            phase = "saving"
             if rank == 0:
                 trainer.save(job / _OUTPUT, batch_id=spec["batch_id"], metrics=metrics)
         finally:
             dist.destroy_process_group()
     except Exception as exc:
-        report = {"rank": rank, "time": time.time(), "error": f"{type(exc).__name__}: {exc}",
+        report = {"rank": rank, "time": time.time(), "phase": phase, "error": f"{type(exc).__name__}: {exc}",
+                  "data_fault": phase == "training" and not isinstance(exc, dist.DistError),
                   "traceback": traceback.format_exc()}
         (job / _ERROR.format(rank=rank)).write_text(json.dumps(report))
         raise

@@ -25,7 +25,7 @@ from trainer_service.checkpoints import CheckpointStore, select_kept
 from trainer_service.collector_client import CollectorClient, describe_release
 from trainer_service.config import GRPOConfig, TrainerSettings
 from trainer_service.core_lending import CoreLender
-from trainer_service.distributed import TrainLauncher
+from trainer_service.distributed import DistributedStepError, TrainLauncher
 from trainer_service.engine import EngineError, VLLMEngine
 from trainer_service.evaluation import Evaluator, build_evaluator
 from trainer_service.metrics import MetricsSink
@@ -41,7 +41,7 @@ from trainer_service.protocol import (
 from trainer_service.schedule import TrainingSchedule, describe
 from trainer_service.training import LoRATrainer, NothingTrainableError
 
-__all__ = ["TrainerService", "served_base_name"]
+__all__ = ["TrainerService", "blames_the_data", "served_base_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,20 @@ def served_base_name(base_model: str) -> str:
     if base_model.startswith((".", "/", "~")):
         return Path(base_model).expanduser().name
     return base_model
+
+
+def blames_the_data(error: Exception) -> bool:
+    """Whether a step that failed with `error` counts a failed attempt against its batch's groups.
+
+    Not when vLLM failed (`EngineError`) or the training workers did, rather than the step they ran
+    (`DistributedStepError.data_fault`); a full disk never reaches here (it is released uncounted).
+    Any other error came from training on this batch, so its groups are the likely cause.
+    """
+    if isinstance(error, EngineError):
+        return False
+    if isinstance(error, DistributedStepError):
+        return error.data_fault
+    return True
 
 
 class TrainerService:
@@ -221,7 +235,7 @@ class TrainerService:
                 when the checkpoint or the promotion state cannot be written; 500 `training_failed`
                 when training or loading fails, or for any other error. A batch whose step failed,
                 whatever the error, is released to the collector (counted as a failed attempt of its
-                groups unless the disk or vLLM failed).
+                groups unless `blames_the_data` says the disk, vLLM or the worker processes failed).
         """
         if self._closing:
             raise ServiceError(503, "shutting_down", "The service is shutting down; no new step starts.",
@@ -267,9 +281,9 @@ class TrainerService:
             raise ServiceError(507, "checkpoint_write_failed", f"Step {step} trained but its checkpoint could not "
                                f"be written to {self.checkpoint_dir}: {exc}. Nothing was served and the trainer was "
                                f"rolled back; free disk space. {fate}", type="server_error") from exc
-        except Exception as exc:  # any error of the step's own; an EngineError is vLLM's, so not counted against the data
+        except Exception as exc:
             logger.exception("training step %s failed", step)
-            fate = await self._release(batch, exc, failed=not isinstance(exc, EngineError))
+            fate = await self._release(batch, exc, failed=blames_the_data(exc))
             raise ServiceError(500, "training_failed", f"Step {step} failed: {type(exc).__name__}: {exc}. {fate}",
                                type="server_error") from exc
         self.steps.append(step)

@@ -79,8 +79,9 @@ async def test_a_failing_worker_is_a_readable_500_and_nothing_is_served(tmp_path
     (broken / "model.safetensors").unlink()
     acks: list[tuple[str, dict]] = []
     batches: list[Batch] = []
+    releases: list[tuple[str, dict]] = []
     launcher = TrainLauncher(2, str(broken), tmp_path / "train_workers.log", cpu_threads=1)
-    service = make_service(tmp_path, batches, acks, launcher=launcher)
+    service = make_service(tmp_path, batches, acks, launcher=launcher, releases=releases)
     assert service.trainer is not None
     before = adapter_weights(service.trainer)
     batches.append(Batch(id="b1", groups=batch_groups(service.trainer), lease_expires_at=0))
@@ -90,13 +91,38 @@ async def test_a_failing_worker_is_a_readable_500_and_nothing_is_served(tmp_path
 
     error = info.value.body.error
     assert info.value.status == 500 and error.code == "training_failed"
-    assert "training worker rank" in error.message and "of 2 failed: OSError" in error.message, error.message
+    assert "training worker rank" in error.message and "of 2 failed loading: OSError" in error.message, error.message
     assert "model.safetensors" in error.message and "train_workers.log" in error.message, error.message
     assert "Traceback" in (tmp_path / "train_workers.log").read_text()
     assert not (tmp_path / "checkpoints").exists() or list((tmp_path / "checkpoints").iterdir()) == []
     assert service.engine.adapters == {} and acks == [] and service.steps == []
+    assert [(batch_id, body["failed"]) for batch_id, body in releases] == [("b1", False)]  # the workers', not the data's
     assert service.trainer.step_count == 0
     assert all(torch.equal(v, before[k]) for k, v in adapter_weights(service.trainer).items())
+    await service.aclose()
+
+
+async def test_a_worker_failing_inside_the_step_blames_the_batch(tmp_path: Path, base_dir: Path) -> None:
+    """A token id past the vocabulary passes the service's checks but fails both workers' forward
+    pass, as it would fail one process: the release counts a failed attempt against the groups."""
+    acks: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    releases: list[tuple[str, dict]] = []
+    launcher = TrainLauncher(2, str(base_dir), tmp_path / "train_workers.log", cpu_threads=1)
+    service = make_service(tmp_path, batches, acks, launcher=launcher, releases=releases)
+    assert service.trainer is not None
+    groups = batch_groups(service.trainer)
+    for trajectory in (t for g in groups for t in g.trajectories):
+        trajectory.sequences[0].token_ids[0] = service.trainer.model.config.vocab_size + 7
+    batches.append(Batch(id="b1", groups=groups, lease_expires_at=0))
+
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+
+    error = info.value.body.error
+    assert info.value.status == 500 and "of 2 failed training: IndexError" in error.message, error.message
+    assert [(batch_id, body["failed"]) for batch_id, body in releases] == [("b1", True)]
+    assert service.engine.adapters == {} and acks == [] and service.trainer.step_count == 0
     await service.aclose()
 
 
@@ -107,9 +133,10 @@ async def test_a_step_past_its_timeout_is_stopped_whole(tmp_path: Path, base_dir
     os.mkfifo(stuck)
     acks: list[tuple[str, dict]] = []
     batches: list[Batch] = []
+    releases: list[tuple[str, dict]] = []
     launcher = TrainLauncher(2, str(base_dir), tmp_path / "train_workers.log", chat_template=str(stuck), cpu_threads=1,
                              timeout=30)
-    service = make_service(tmp_path, batches, acks, launcher=launcher)
+    service = make_service(tmp_path, batches, acks, launcher=launcher, releases=releases)
     assert service.trainer is not None
     batches.append(Batch(id="b1", groups=batch_groups(service.trainer), lease_expires_at=0))
 
@@ -127,6 +154,7 @@ async def test_a_step_past_its_timeout_is_stopped_whole(tmp_path: Path, base_dir
     assert "did not finish within 30 s" in error.message and "--train-step-timeout" in error.message, error.message
     assert processes_mentioning(str(tmp_path)) == []
     assert service.engine.adapters == {} and acks == [] and service.trainer.step_count == 0
+    assert [(batch_id, body["failed"]) for batch_id, body in releases] == [("b1", False)]
     assert not (tmp_path / "checkpoints").exists() or list((tmp_path / "checkpoints").iterdir()) == []
     await service.aclose()
 

@@ -24,11 +24,11 @@ from tests.collector.seeding import group_spans, make_app
 from tests.trainer_service.test_training import group, make_trainer
 
 from trainer_service.config import GRPOConfig, TrainerSettings
-from trainer_service.distributed import TrainLauncher
+from trainer_service.distributed import DistributedStepError, TrainLauncher
 from trainer_service.engine import HEALTH_FAILURES_BEFORE_RESTART, EngineError, VLLMEngine
 from trainer_service.evaluation import Evaluator
 from trainer_service.protocol import ServiceError
-from trainer_service.service import TrainerService
+from trainer_service.service import TrainerService, blames_the_data
 from trainer_service.training import LoRATrainer, NonFiniteStepError
 
 
@@ -265,6 +265,13 @@ async def test_a_step_failing_with_an_unexpected_error_still_releases_its_batch(
     assert releases == [("b1", {"reason": "KeyError: 'token_ids'", "failed": True})]
     assert service.steps == [] and service.trainer.step_count == 0
     await service.aclose()
+
+
+def test_only_errors_of_the_step_itself_count_against_the_data() -> None:
+    assert blames_the_data(NonFiniteStepError("loss is nan")) and blames_the_data(KeyError("token_ids"))
+    assert not blames_the_data(EngineError("vLLM is down"))
+    assert not blames_the_data(DistributedStepError("worker rank 1 of 2 failed loading: OSError: ..."))
+    assert blames_the_data(DistributedStepError("worker rank 0 of 2 failed training: IndexError", data_fault=True))
 
 
 async def test_a_release_the_collector_refuses_is_counted_and_the_error_kept(
