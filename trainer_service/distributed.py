@@ -169,10 +169,10 @@ class TrainLauncher:
         if not reports:
             raise DistributedStepError(f"torchrun exited with status {code} and no worker reported an error; "
                                        f"see {self.log_path}.")
-        raise worker_error(reports, self.processes, self.log_path)
+        raise _worker_error(reports, self.processes, self.log_path)
 
 
-def worker_error(reports: list[dict[str, Any]], processes: int, log_path: Path) -> DistributedStepError:
+def _worker_error(reports: list[dict[str, Any]], processes: int, log_path: Path) -> DistributedStepError:
     """The step's error from the workers' error reports: the earliest one, with its `data_fault`."""
     first = min(reports, key=lambda r: r["time"])
     return DistributedStepError(f"training worker rank {first['rank']} of {processes} failed {first['phase']}: "
