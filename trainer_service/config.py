@@ -404,7 +404,10 @@ class GRPOConfig:
     )
     importance_sampling: Literal["token", "sequence"] = field(
         default="token",
-        metadata={"help": "Importance ratio per token, or one per sequence (exp of the mean token log-ratio, GSPO-style)."},
+        metadata={
+            "help": "Importance ratio per token, or one per sequence (exp of the mean token log-ratio, GSPO-style). "
+            "A mean log-ratio stays near 0, so epsilon 0.2 rarely clips it; the GSPO paper uses 3e-4 / 4e-4."
+        },
     )
     kl_coef: float = field(
         default=0.0,
