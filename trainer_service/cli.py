@@ -82,6 +82,7 @@ _GRPO_FLAGS: dict[str, tuple[str, type]] = {
     "--loss": ("loss", str),
     "--epsilon": ("epsilon", float),
     "--epsilon-high": ("epsilon_high", float),
+    "--delta": ("delta", float),
     "--max-grad-norm": ("max_grad_norm", float),
     "--weight-decay": ("weight_decay", float),
     "--lora-r": ("lora_r", int),

@@ -355,6 +355,14 @@ class GRPOConfig:
             "at 1 + epsilon_high. None means epsilon (a cap of 1 + epsilon for both)."
         },
     )
+    delta: float | None = field(
+        default=None,
+        metadata={
+            "help": "`ppo` only: two-sided clipping. The unclipped ratio is capped at delta, so a token with a "
+            "negative advantage whose ratio ran far above 1 + epsilon_high costs at most delta * |A| (TRL's `delta`, "
+            "INTELLECT-2; they suggest a value above 1 + epsilon_high, e.g. 3 or 4). None: no cap, PPO as published."
+        },
+    )
     scale_rewards: bool = field(
         default=True, metadata={"help": "Divide advantages by the group's reward standard deviation."}
     )
@@ -430,6 +438,12 @@ class GRPOConfig:
             raise ValueError(f"epsilon={self.epsilon} must lie in (0, 1); 0.2 is the usual value.")
         if self.epsilon_high is not None and self.epsilon_high <= 0:
             raise ValueError(f"epsilon_high={self.epsilon_high} must be positive, or None to reuse epsilon.")
+        if self.delta is not None and self.loss != "ppo":
+            raise ValueError(f"delta={self.delta} is PPO's two-sided clip; loss={self.loss!r} caps its weight at "
+                             "1 + epsilon_high already: leave delta unset.")
+        if self.delta is not None and not self.delta > 1 + self.upper_epsilon:
+            raise ValueError(f"delta={self.delta} must exceed 1 + epsilon_high ({1 + self.upper_epsilon:g}), or it "
+                             "would cap ratios the clip keeps; 3 or 4 is usual.")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm={self.max_grad_norm} must be positive, or None to disable clipping.")
         if self.lora_r < 1:
@@ -530,4 +544,4 @@ def _parse_env_value(name: str, raw: str, default: Any) -> Any:
 
 
 _OPTIONAL_INT_FIELDS = {"micro_batch_tokens"}
-_OPTIONAL_FIELDS = {"epsilon_high", "max_grad_norm", "gradient_checkpointing", *_OPTIONAL_INT_FIELDS}
+_OPTIONAL_FIELDS = {"epsilon_high", "delta", "max_grad_norm", "gradient_checkpointing", *_OPTIONAL_INT_FIELDS}

@@ -124,8 +124,8 @@ def importance_ratio(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> 
     return torch.exp(torch.clamp(new_logprobs - old_logprobs, -MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
-PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float], TokenLosses]
-"""`(new_logprobs, old_logprobs, advantages, epsilon, epsilon_high) -> TokenLosses`."""
+PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float, float | None], TokenLosses]
+"""`(new_logprobs, old_logprobs, advantages, epsilon, epsilon_high, delta) -> TokenLosses`."""
 
 
 def ppo_loss(
@@ -134,20 +134,26 @@ def ppo_loss(
     advantages: torch.Tensor,
     epsilon: float,
     epsilon_high: float,
+    delta: float | None = None,
 ) -> TokenLosses:
     """PPO's clipped surrogate: `-min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)`.
 
     The ratio is taken against the engine's sampled log-probs, so the first step on fresh data
     has ratio 1 and the clip only engages as the policy drifts inside a step (or when the engine
-    and the trainer disagree).
+    and the trainer disagree). A negative advantage leaves the ratio unbounded above; with `delta`
+    (two-sided clipping, as TRL's `delta` and INTELLECT-2) the unclipped term uses `min(ratio, delta)`,
+    so such a token costs at most `delta * |A|` and passes no gradient beyond it.
     """
     ratio = importance_ratio(new_logprobs, old_logprobs)
-    unclipped = ratio * advantages
+    capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    unclipped = capped * advantages
     clipped_ratio = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
     clipped = clipped_ratio * advantages
     loss = -torch.minimum(unclipped, clipped)
-    active = (clipped < unclipped).detach()
-    return TokenLosses(loss=loss, ratio=ratio.detach(), clipped=active)
+    active = clipped < unclipped
+    if delta is not None:
+        active = active | ((ratio > delta) & (advantages < 0))
+    return TokenLosses(loss=loss, ratio=ratio.detach(), clipped=active.detach())
 
 
 def cispo_loss(
@@ -156,14 +162,18 @@ def cispo_loss(
     advantages: torch.Tensor,
     epsilon: float,
     epsilon_high: float,
+    delta: float | None = None,
 ) -> TokenLosses:
     """CISPO (MiniMax-M1): `-sg(min(ratio, 1 + eps_high)) * A * log pi`.
 
     The importance weight is clipped and detached, so every token keeps a gradient (PPO drops
     the gradient of clipped tokens). Only the upper bound is applied, as in the paper; `epsilon`
-    is accepted for a uniform signature and unused by design.
+    is accepted for a uniform signature and unused by design. Its weight is already capped, so a
+    `delta` (PPO's two-sided clip) is an error.
     """
     del epsilon  # CISPO bounds the weight from above only.
+    if delta is not None:
+        raise ValueError(f"delta={delta} is PPO's two-sided clip; cispo caps its weight at 1 + epsilon_high already")
     ratio = importance_ratio(new_logprobs, old_logprobs).detach()
     weight = torch.clamp(ratio, max=1.0 + epsilon_high)
     loss = -weight * advantages * new_logprobs
@@ -206,6 +216,7 @@ def policy_loss(
     *,
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
+    delta: float | None = None,
     level: str = "token",
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
@@ -224,6 +235,7 @@ def policy_loss(
         epsilon: lower clip range (`ppo`: ratio >= 1 - epsilon; `cispo` has no lower bound).
         epsilon_high: upper clip range (`ppo`: ratio <= 1 + epsilon_high; `cispo`: weight capped
             at 1 + epsilon_high); None means `epsilon`.
+        delta: `ppo` only: cap of the unclipped ratio (two-sided clipping); None: no cap.
         level: `token` (a ratio per token) or `sequence` (every assistant token shares
             `exp(mean(new - old))`, with the gradient of that mean).
         ref_logprobs: per-token log-probs of the reference (base) model; with `kl_coef > 0`
@@ -250,7 +262,7 @@ def policy_loss(
     except KeyError:
         raise ValueError(f"unknown importance sampling level {level!r}; choose one of {sorted(IMPORTANCE_LEVELS)}") from None
     terms = fn(new, old, torch.as_tensor(advantages, dtype=new_logprobs.dtype), epsilon,
-               epsilon if epsilon_high is None else epsilon_high)
+               epsilon if epsilon_high is None else epsilon_high, delta)
     policy = (terms.loss * mask * weight).sum()
     loss = policy
     kl_sum = 0.0

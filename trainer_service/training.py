@@ -241,8 +241,8 @@ class LoRATrainer:
         return policy_loss(cfg.loss, new, torch.cat([item.old_logprobs for item in items]),
                            _per_token([item.advantage for item in items], lengths), _cat_masks(items),
                            _per_token([item.weight for item in items], lengths), epsilon=cfg.epsilon,
-                           epsilon_high=cfg.upper_epsilon, level=cfg.importance_sampling, ref_logprobs=ref,
-                           kl_coef=cfg.kl_coef, segments=_segments(lengths))
+                           epsilon_high=cfg.upper_epsilon, delta=cfg.delta, level=cfg.importance_sampling,
+                           ref_logprobs=ref, kl_coef=cfg.kl_coef, segments=_segments(lengths))
 
     def _logprobs(self, items: list[TrainItem]) -> torch.Tensor:
         """The items' `[seq - 1]` log-probs of their tokens 1.., end to end, computed where their masks are on.

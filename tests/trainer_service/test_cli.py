@@ -69,12 +69,12 @@ def test_grpo_fields_come_from_env_and_flags(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("ART_TRAINER_MICRO_BATCH_TOKENS", "none")
     settings, grpo = parse("--importance-sampling", "sequence", "--kl-coef", "0.1", "--max-seq-len-policy", "skip",
                            "--every", "10m", "--keep-last", "3", "--keep-best-metric", "eval/reward",
-                           "--train-dtype", "bfloat16")
+                           "--train-dtype", "bfloat16", "--delta", "3")
     assert grpo.learning_rate == 3e-4 and grpo.kl_coef == 0.1 and grpo.scale_rewards is False  # type: ignore[attr-defined]
     assert grpo.target_modules == ["q_proj", "v_proj"] and grpo.importance_sampling == "sequence"  # type: ignore[attr-defined]
     assert grpo.max_seq_len_policy == "skip"  # type: ignore[attr-defined]
     assert grpo.micro_batch_size == 16 and grpo.micro_batch_tokens is None  # type: ignore[attr-defined]  # None: the device's default
-    assert grpo.train_dtype == "bfloat16"  # type: ignore[attr-defined]
+    assert grpo.train_dtype == "bfloat16" and grpo.delta == 3.0  # type: ignore[attr-defined]
     assert settings.min_groups == 4 and settings.every == "10m" and settings.keep_last == 3
     monkeypatch.setenv("ART_TRAINER_KL_COEF", "lots")
     with pytest.raises(ValueError, match="ART_TRAINER_KL_COEF='lots' does not parse"):

@@ -76,6 +76,36 @@ def test_ppo_clipping_engages() -> None:
     assert new.grad[1] != 0 and new.grad[2] != 0
 
 
+def test_ppo_delta_caps_the_ratio_of_negative_advantages() -> None:
+    old = torch.zeros(4)
+    new = torch.log(torch.tensor([5.0, 2.0, 5.0, 0.5])).requires_grad_()
+    adv = torch.tensor([-1.0, -1.0, 1.0, -1.0])
+    plain = ppo_loss(new, old, adv, 0.2, 0.2)
+    out = ppo_loss(new, old, adv, 0.2, 0.2, delta=3.0)
+    # ratio 5, A<0: PPO's loss 5 (unbounded), with delta 3 → 3 and no gradient; ratio 2 < delta, A<0: 2 as PPO;
+    # ratio 5, A>0: clipped at 1.2 either way; ratio 0.5, A<0: clipped at 0.8 either way.
+    assert torch.allclose(plain.loss, torch.tensor([5.0, 2.0, -1.2, 0.8]), atol=1e-6)
+    assert torch.allclose(out.loss, torch.tensor([3.0, 2.0, -1.2, 0.8]), atol=1e-6)
+    assert out.clipped.tolist() == [True, False, True, True]
+    assert plain.clipped.tolist() == [False, False, True, True]
+    (grad,) = torch.autograd.grad(out.loss.sum(), new)
+    assert grad.tolist() == [0.0, pytest.approx(2.0), 0.0, 0.0]  # d(ratio)/d(logp) = ratio, times |A| = 1
+    (plain_grad,) = torch.autograd.grad(plain.loss.sum(), new)
+    assert plain_grad[0] == pytest.approx(5.0)
+
+
+def test_delta_is_ppo_only_and_above_the_clip() -> None:
+    assert GRPOConfig(delta=3.0).delta == 3.0
+    assert GRPOConfig.from_env({"ART_TRAINER_DELTA": "4"}).delta == 4.0
+    assert GRPOConfig.from_env({"ART_TRAINER_DELTA": "none"}).delta is None
+    with pytest.raises(ValueError, match=r"delta=3.0 is PPO's two-sided clip; loss='cispo'"):
+        GRPOConfig(loss="cispo", delta=3.0)
+    with pytest.raises(ValueError, match=r"delta=1.1 must exceed 1 \+ epsilon_high \(1.2\)"):
+        GRPOConfig(delta=1.1)
+    with pytest.raises(ValueError, match="delta=2.0 is PPO's two-sided clip"):
+        policy_loss("cispo", torch.zeros(2), torch.zeros(2), 1.0, torch.ones(2), 1.0, delta=2.0)
+
+
 def test_cispo_keeps_gradient_of_clipped_tokens() -> None:
     old = torch.zeros(2)
     new = torch.log(torch.tensor([2.0, 0.5])).requires_grad_()

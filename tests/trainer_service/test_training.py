@@ -181,6 +181,24 @@ def test_an_engine_placeholder_logprob_trains_a_finite_step(loss: str) -> None:
     assert any(not torch.equal(before[n], after[n]) for n in before)
 
 
+def test_delta_bounds_a_far_off_token_of_a_negative_advantage() -> None:
+    """An engine log-prob 3 nats below the trainer's on the worse trajectory's first token (ratio e^3 ~ 20,
+    A = -1): PPO's loss grows with that ratio; with delta 4 the token costs 4 |A| and is counted as clipped."""
+    losses = {}
+    for delta in (None, 4.0):
+        trainer = make_trainer(delta=delta)
+        g = group(trainer, (1.0, 0.0))
+        seq = g.trajectories[1].sequences[0]  # reward 0: advantage -1
+        first = len(PROMPT)
+        seq.logprobs = [*seq.logprobs[:first], seq.logprobs[first] - 3.0, *seq.logprobs[first + 1:]]
+        metrics = trainer.step([g])
+        losses[delta] = metrics["loss/policy"]
+        tokens = metrics["data/assistant_tokens"]
+        assert metrics["loss/clip_fraction"] == pytest.approx((1 / tokens) if delta else 0.0)
+    # the one token's share of the loss: weight 1 / (len(BAD) * 2 trajectories), times ratio e^3 or delta 4
+    assert losses[None] - losses[4.0] == pytest.approx((math.exp(3.0) - 4.0) / (len(BAD) * 2), rel=1e-4)
+
+
 def nan_loss(out: PolicyLossOutput, new: torch.Tensor) -> torch.Tensor:
     return out.loss * math.nan
 
