@@ -6,7 +6,10 @@ idle; `CoreLender` gives them to the step and takes them back before a request r
 
 * the step calls `between_layers` on its own thread before every decoder layer's forward and
   backward (`LoRATrainer.call_between_layers`), which sets torch's thread count: the lent count
-  while no request is in flight and none has ended for `settle_s`, the step's own count else;
+  while no request is in flight and none has ended for `settle_s`, the step's own count else. A
+  step that starts with no request in flight takes the cores at once: it starts when its batch's
+  last rollout has been rewarded, so the request that ended just before is that batch's, not the
+  start of a burst;
 * the proxy calls `engine_request` before forwarding a request: it counts the request and waits
   until the step has handed the cores back (at most `handback_timeout_s`, about one layer).
 
@@ -18,7 +21,11 @@ the cores back before each layer but letting requests through at once took 32.7 
 every ~1 s, against 10.3 s on one thread throughout. As built (requests held for the hand-back,
 1 s settle), alternating runs: idle engine 9.0 and 6.3 s lent against 12.2 and 9.5 s on one
 thread; a 16-token request every 0.5 s, 13.6 s against 12.7 s (mean of 5, sd ~1.5 s: no
-difference measured), request latency p50 ~0.1 s higher.
+difference measured), request latency p50 ~0.1 s higher. Lending at a step's start without the
+settle (`bench/train_throughput.py --skip-trl --overlapped-steps 0`, 3 alternating rounds on a
+2-core AMD EPYC): the warm step trained in 7.6, 7.9, 7.2 s against 9.1, 8.5, 7.5 s with it, the
+first in 6.4, 5.0, 3.6 s against 6.9, 5.9, 4.8 s (the settle had kept its first second on one
+thread).
 
 The other way round, with `engine_threads` (trainer_service/vllm_cpu_threads.py): between steps the
 engine runs on the step's cores too; `lending` asks it back to its own share before the step
@@ -67,7 +74,8 @@ class CoreLender:
         idle_threads: the step's threads while no request is in flight (usually every core).
         settle_s: how long the engine must have been idle before its cores are lent again, so a
             burst of requests does not switch the thread count for each one (switching costs
-            time: ~0.2 s per lend and hand-back measured inside a step).
+            time: ~0.2 s per lend and hand-back measured inside a step). Not waited for at the
+            start of a step on an idle engine.
         handback_timeout_s: the longest a request waits for the step to hand the cores back; a
             step stuck in one long operation then shares the cores rather than delay serving. Also
             the longest a step waits for a busy engine to give the step's cores back.
@@ -145,7 +153,10 @@ class CoreLender:
         engine = self.engine_threads
         if engine is not None and not engine.shrink(lambda: self._in_flight > 0, self.handback_timeout_s):
             self.counters["engine_shrink_timeouts"] += 1
-        self._stepping = True
+        with self._lock:
+            self._stepping = True
+            if self._in_flight == 0:
+                self._quiet_since = float("-inf")  # an idle engine at the step's start counts as settled
         try:
             self.between_layers()
             yield

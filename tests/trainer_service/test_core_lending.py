@@ -30,13 +30,36 @@ def test_lends_only_inside_a_step_with_no_request() -> None:
     assert lender.counters == {"core_lends": 1, "core_handbacks": 1}
 
 
+def test_a_step_on_an_idle_engine_takes_the_cores_at_once() -> None:
+    async def scenario() -> None:
+        lender = CoreLender(1, 2, settle_s=60.0)
+        (await lender.engine_request()).close()  # the batch's last rollout, just answered
+        with lender.lending():
+            assert lender.threads == 2, "the settle held back the cores of a step begun on an idle engine"
+
+    asyncio.run(scenario())
+
+
+def test_a_step_begun_during_a_request_waits_the_settle_time_after_it() -> None:
+    async def scenario() -> None:
+        lender = CoreLender(1, 2, settle_s=0.2)
+        ticket = await lender.engine_request()
+        with lender.lending():
+            assert lender.threads == 1, "lent while a request was in flight"
+            ticket.close()
+            lender.between_layers()
+            assert lender.threads == 1, "lent before the engine was idle for settle_s"
+            await asyncio.sleep(0.25)
+            lender.between_layers()
+            assert lender.threads == 2
+
+    asyncio.run(scenario())
+
+
 def test_a_request_takes_the_cores_back_and_they_return_after_the_settle_time() -> None:
     async def scenario() -> None:
         lender = CoreLender(1, 2, settle_s=0.2, handback_timeout_s=5.0)
         with lender.lending():
-            lender.between_layers()
-            assert lender.threads == 1, "the engine answered nothing yet but was not idle for settle_s"
-            await asyncio.sleep(0.25)
             lender.between_layers()
             assert lender.threads == 2
 
