@@ -22,10 +22,10 @@ every ~1 s, against 10.3 s on one thread throughout. As built (requests held for
 1 s settle), alternating runs: idle engine 9.0 and 6.3 s lent against 12.2 and 9.5 s on one
 thread; a 16-token request every 0.5 s, 13.6 s against 12.7 s (mean of 5, sd ~1.5 s: no
 difference measured), request latency p50 ~0.1 s higher. Lending at a step's start without the
-settle (`bench/train_throughput.py --skip-trl --overlapped-steps 0`, 3 alternating rounds on a
-2-core AMD EPYC): the warm step trained in 7.6, 7.9, 7.2 s against 9.1, 8.5, 7.5 s with it, the
-first in 6.4, 5.0, 3.6 s against 6.9, 5.9, 4.8 s (the settle had kept its first second on one
-thread).
+settle (`bench/train_throughput.py --skip-trl --overlapped-steps 0 --rounds 1`, 7 alternating
+runs on a 2-core AMD EPYC): a fresh trainer's first step trained in 5.0 s against 5.5 s with it
+(medians; faster in 7 runs of 7), the warm second in 7.9 s against 8.5 s (faster in 4, 1 tie, 2
+slower); the settle had kept each step's first second on one thread.
 
 The other way round, with `engine_threads` (trainer_service/vllm_cpu_threads.py): between steps the
 engine runs on the step's cores too; `lending` asks it back to its own share before the step
