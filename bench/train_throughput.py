@@ -22,10 +22,11 @@ installed), TRL on the same and, to show what that choice is worth, also on the 
 Printed, for each of two steps on each side: wall time and tokens/s of the training part and of
 the whole step (sampling + training + new adapter live in vLLM for art; sampling + training for
 TRL), their ratios, and "last reward of the batch -> new adapter answering" against the pure step
-time. Step 1 is a fresh trainer's first, which pays for its process's cold memory and kernels
-(on these VMs a first touch of fresh memory costs seconds of system time); step 2 finds the
-process warm, as every later step of a run does, so it is the figure a training run's throughput
-follows. Each figure is the median over `--rounds` rounds that alternate art and TRL, each from a
+time. Step 1 is a fresh trainer's first: TRL's pays for its process's cold memory and kernels
+(on these VMs a first touch of fresh memory costs 4-7 s of system time per GB), art's follows the
+warm-up `art-trainer serve` runs at start (`LoRATrainer.warm_up`, not timed, its seconds printed);
+step 2 finds both processes warm, as every later step of a run does, so it is the figure a
+training run's throughput follows. Each figure is the median over `--rounds` rounds that alternate art and TRL, each from a
 fresh process, since this machine's speed drifts by up to 2x over minutes (bf16 matrix products
 measured at 220 to 980 GFLOPS on one core the same day). Then art's steady state under traffic,
 as a separate figure: `--overlapped-steps` more steps in which vLLM samples the next batch (one
@@ -203,6 +204,8 @@ def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, d
                                    cpu_threads=lender.own_threads)
         if lender.lends:
             trainer.call_between_layers(lender.between_layers)
+        with lender.lending():  # as `art-trainer serve` starts (TrainerSettings.warm_up), not timed
+            warm_up_s = trainer.warm_up()
         # the policy samples through its adapter, as every step after the first does (TRL's generate
         # runs through its PEFT LoRA too): here the fresh one, step 0
         engine.load_adapter("bench@0", trainer.save(workdir / "checkpoints" / "step-0"))
@@ -213,7 +216,7 @@ def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, d
                       if overlapped_steps else None)
     finally:
         engine.stop()
-    return {"steps": steps, "overlapped_s": overlapped,
+    return {"steps": steps, "overlapped_s": overlapped, "warm_up_s": warm_up_s,
             "threads": f"{lender.own_threads} own, {lender.idle_threads} while vLLM idles (after {lender.settle_s:g} s); "
                        + (f"vLLM {engine_threads.own} during a step, {engine_threads.idle} between steps"
                           if engine_threads else "vLLM on its own cores"),
@@ -356,7 +359,7 @@ def _medians(runs: list[dict[str, Any]], index: int, keys: tuple[str, ...]) -> d
     return {key: statistics.median(run["steps"][index][key] for run in runs) for key in keys}
 
 
-STEP_LABELS = ("step 1, a fresh trainer's first (its memory and kernels cold)",
+STEP_LABELS = ("step 1, a fresh trainer's first (TRL's memory and kernels cold; art's warmed up at start)",
                "step 2, the process warm (as every later step of a run)")
 
 
@@ -377,6 +380,10 @@ def report(ours_runs: list[dict[str, Any]], trl_runs: dict[str | None, list[dict
     print(f"allocator: art and vLLM {ours_runs[-1]['allocator']} (--allocator {args.allocator}) | TRL "
           + " and ".join(runs[-1]["allocator"] for runs in trl_runs.values() if runs)
           + "; each side in a fresh process every round")
+    warm_ups = ", ".join(f"{run['warm_up_s']:.0f}" for run in ours_runs)
+    print(f"start-up (not timed, like vLLM's start and TRL's trainer construction): art's trainer warms up as the service "
+          f"does (TrainerSettings.warm_up: one dummy forward and backward of a full pass) in {warm_ups} s; TRL's first step "
+          "pays for its fresh memory, its second repeats the first's shapes")
     block = ours_runs[-1]["block_size"]
     print(f"vLLM KV-cache blocks: {block or 'vLLM default'} tokens (TrainerSettings.kv_block_size; the prefix cache "
           "reuses whole blocks of a prompt across its samples)")

@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
         service.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS, choices=_CHOICES.get(name),
                              help=f"{info.description} [env {env}, default: {default}]")
     service.add_argument(
+        "--no-warm-up", dest="warm_up", action="store_false", default=argparse.SUPPRESS,
+        help="Start without the trainer's warm-up pass; the first steps then pay for fresh memory. "
+        "[env ART_TRAINER_WARM_UP=false]")
+    service.add_argument(
         "--vllm-arg", dest="vllm_args", action="append", default=argparse.SUPPRESS, metavar="ARG",
         help="Extra argument passed to vLLM as is; repeat for several (e.g. --vllm-arg=--enforce-eager).",
     )
@@ -144,8 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace) -> tuple[TrainerSettings, GRPOConfig]:
     """Build the settings (flags over environment) and the GRPO config from parsed flags."""
     overrides = {name: getattr(args, name) for name, _ in _SETTINGS_FLAGS.values() if hasattr(args, name)}
-    if hasattr(args, "vllm_args"):
-        overrides["vllm_args"] = args.vllm_args
+    for name in ("vllm_args", "warm_up"):  # flags outside `_SETTINGS_FLAGS`
+        if hasattr(args, name):
+            overrides[name] = getattr(args, name)
     settings = TrainerSettings(**overrides)
     grpo_names = [name for name, _ in _GRPO_FLAGS.values()] + ["target_modules", "scale_rewards"]
     grpo = GRPOConfig.from_env(**{name: getattr(args, name) for name in grpo_names if hasattr(args, name)})

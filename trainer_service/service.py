@@ -135,10 +135,14 @@ class TrainerService:
         """Start vLLM, build the trainer and resume from kept checkpoints (blocking).
 
         Every kept checkpoint is re-registered as `name@N`; the trainer resumes the newest
-        (step counter, adapter, optimizer); `name@latest` returns to the promoted step.
+        (step counter, adapter, optimizer); `name@latest` returns to the promoted step. With
+        `settings.warm_up`, the trainer first runs `LoRATrainer.warm_up`, lent the idle engine's cores.
         """
         self.engine.start()
         self.trainer = self._trainer_factory()
+        if self.settings.warm_up and self.launcher is None:  # worker processes hold their own memory
+            with self.lender.lending():
+                logger.info("trainer warmed up in %.1f s", self.trainer.warm_up())
         self.store.remove_partial()
         existing = self.store.existing()
         for step, path in existing:

@@ -169,6 +169,33 @@ class LoRATrainer:
             layer.register_forward_pre_hook(before_forward)
             layer.register_forward_hook(after_forward)
 
+    def warm_up(self) -> float:
+        """Forward and backward one pass as large as a step packs, on dummy tokens; return its seconds.
+
+        The pass holds `micro_batch_tokens` (the device's default when None) in sequences of up to
+        128 tokens, every position trained, so it needs at least the memory of any pass of a step.
+        Run at start, it lets the steps find their memory already touched and their kernels
+        already called: a process touching memory for the first time pays a page fault for each
+        page, and on a VM whose host backs memory lazily (the project's CI VMs) each costs ~25 µs
+        (4-7 s of system time per GB). There, a second step that trained more tokens than the
+        first spent 32% of its time zeroing fresh pages (bench/README.md). Gradients are dropped:
+        the adapter, optimizer and step counter are unchanged.
+        """
+        started = time.perf_counter()
+        tokens = self.config.micro_batch_tokens or _MICRO_BATCH_TOKENS.get(self.device.type, _MICRO_BATCH_TOKENS["cpu"])
+        length = max(2, min(128, self.config.max_seq_len, tokens))
+        vocab = self.model.get_input_embeddings().num_embeddings
+        items = [TrainItem(token_ids=torch.randint(vocab, (length,), device=self.device),
+                           old_logprobs=torch.full((length - 1,), float("nan"), device=self.device),
+                           mask=torch.ones(length - 1, device=self.device), advantage=0.0, weight=1.0)
+                 for _ in range(max(1, tokens // length))]
+        self.model.train()
+        try:
+            self._logprobs(items).sum().backward()
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
+
     # --- step ---------------------------------------------------------------------------
 
     def prepare(self, groups: Iterable[Group], kind: str = "grpo") -> PreparedBatch:

@@ -162,3 +162,10 @@ def test_kv_block_size_defaults_to_32_on_a_cpu_and_vllms_with_cuda(monkeypatch: 
     monkeypatch.setenv("ART_TRAINER_KV_BLOCK_SIZE", "64")
     assert parse()[0].engine_block_size() == 64  # set: on CUDA too
     assert parse("--kv-block-size", "128")[0].engine_block_size() == 128
+
+
+def test_warm_up_is_on_unless_a_flag_or_env_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse()[0].warm_up is True
+    assert parse("--no-warm-up")[0].warm_up is False
+    monkeypatch.setenv("ART_TRAINER_WARM_UP", "false")
+    assert parse()[0].warm_up is False

@@ -855,3 +855,18 @@ def test_pause_resume_and_sft_endpoints(tmp_path: Path) -> None:
         assert "loss/sft" in body["metrics"] and acks == [("b1", {"policy_step": 1})]
         status = client.get("/v1/status").json()
         assert status["step"] == 1 and status["queue_depth"] == 0 and status["checkpoints"] == [1]
+
+
+@pytest.mark.parametrize("warm_up", [True, False])
+def test_start_warms_the_trainer_up_when_asked(tmp_path: Path, warm_up: bool) -> None:
+    warmed: list[LoRATrainer] = []
+
+    def factory() -> LoRATrainer:
+        trainer = make_trainer()
+        run = trainer.warm_up
+        trainer.warm_up = lambda: warmed.append(trainer) or run()  # type: ignore[method-assign]
+        return trainer
+
+    service = make_service(tmp_path, [], [], trainer_factory=factory, warm_up=warm_up)
+    assert warmed == ([service.trainer] if warm_up else [])
+    assert service.trainer is not None and service.trainer.step_count == 0

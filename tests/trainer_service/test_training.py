@@ -147,6 +147,24 @@ def test_step_changes_only_the_adapter() -> None:
     assert metrics["grad/norm"] > 0
 
 
+def test_warm_up_runs_a_full_pass_and_changes_nothing() -> None:
+    warmed, cold = make_trainer(micro_batch_tokens=300), make_trainer(micro_batch_tokens=300)
+    passes: list[int] = []
+    warmed.model.register_forward_pre_hook(lambda module, args, kwargs: passes.append(kwargs["input_ids"].numel()),
+                                           with_kwargs=True)
+    before = adapter_weights(warmed)
+    assert warmed.warm_up() > 0
+    assert passes == [256], "one pass of the largest whole number of 128-token sequences in micro_batch_tokens"
+    assert all(p.grad is None for p in warmed.model.parameters()), "the warm-up's gradients were kept"
+    assert warmed.step_count == 0 and not warmed.optimizer.state
+    assert all(torch.equal(before[n], w) for n, w in adapter_weights(warmed).items())
+    batch = [group(cold, (1.0, 0.0))]
+    got, want = warmed.step(batch), cold.step(batch)
+    assert [got[k] for k in ("loss/policy", "grad/norm", "data/tokens")] == [
+        want[k] for k in ("loss/policy", "grad/norm", "data/tokens")]
+    assert all(torch.equal(w, adapter_weights(cold)[n]) for n, w in adapter_weights(warmed).items())
+
+
 def test_only_assistant_tokens_count() -> None:
     trainer = make_trainer()
     g = group(trainer, (1.0, 0.0))
