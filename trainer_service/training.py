@@ -169,6 +169,10 @@ class LoRATrainer:
             layer.register_forward_pre_hook(before_forward)
             layer.register_forward_hook(after_forward)
 
+    def _pass_tokens(self) -> int:
+        """Most tokens in one forward and backward pass: `micro_batch_tokens`, or the device's default."""
+        return self.config.micro_batch_tokens or _MICRO_BATCH_TOKENS.get(self.device.type, _MICRO_BATCH_TOKENS["cpu"])
+
     def warm_up(self) -> float:
         """Forward and backward one pass as large as a step packs, on dummy tokens; return its seconds.
 
@@ -182,7 +186,7 @@ class LoRATrainer:
         the adapter, optimizer and step counter are unchanged.
         """
         started = time.perf_counter()
-        tokens = self.config.micro_batch_tokens or _MICRO_BATCH_TOKENS.get(self.device.type, _MICRO_BATCH_TOKENS["cpu"])
+        tokens = self._pass_tokens()
         length = max(2, min(128, self.config.max_seq_len, tokens))
         vocab = self.model.get_input_embeddings().num_embeddings
         items = [TrainItem(token_ids=torch.randint(vocab, (length,), device=self.device),
@@ -329,7 +333,7 @@ class LoRATrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(("loss", "policy", "tokens", "clipped", "ratio", "kl", "gap", "known"), 0.0)
-        tokens = self.config.micro_batch_tokens or _MICRO_BATCH_TOKENS.get(self.device.type, _MICRO_BATCH_TOKENS["cpu"])
+        tokens = self._pass_tokens()
         for chunk in micro_batches(items, self.config.micro_batch_size, tokens):
             out = loss_fn(chunk, self._logprobs(chunk))
             out.loss.backward()
