@@ -22,9 +22,10 @@ a 20-ms spin everywhere had sampled 7-10% slower, hence only while a step trains
 A sleeping reader does not trust the notification to come: it looks at the queue again after at most
 50 ms. vLLM's writer publishes notifications with a send high-water mark of 1, so one sent shortly
 after another can be dropped, and a reader waiting for it slept until vLLM's 5-s recheck
-(`SHM_READER_RECHECK_INTERVAL_MS`, vLLM's own guard against that drop: vllm-project/vllm#45224). Measured with the bundled model (a `/tmp` probe: 4 clients asking
-for 4 tokens in a loop, 30-s windows, with and without a 1-thread matmul loop beside the engine, 2-core
-AMD EPYC): sleeping without a bound, 6 of 10 windows had every client's request take 4.6-5.4 s (p50
+(`SHM_READER_RECHECK_INTERVAL_MS`, vLLM's own guard against that drop: vllm-project/vllm#45224).
+Measured with the bundled model (a `/tmp` probe: 4 clients asking for 4 tokens in a loop, 30-s
+windows, with and without a 1-thread matmul loop beside the engine, 2-core AMD EPYC): sleeping
+without a bound, 6 of 10 windows had every client's request take 4.6-5.4 s (p50
 0.33 s), the stalled engine that failed test_serving_during_training about once in ten CI runs; with
 the 50-ms bound, none of 6 windows had a request over 0.5 s. Waking every 50 ms cost an idle engine
 nothing measurable (a 2-thread matmul loop beside it: 2.07 and 2.15 s against 2.17 and 2.11 s with

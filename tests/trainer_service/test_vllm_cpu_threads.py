@@ -197,7 +197,8 @@ def test_a_reader_of_vllms_queue_sleeps_instead_of_spinning_while_a_step_trains(
             slept = time.monotonic() - started
             assert 0.04 <= slept < 1.0, f"a dropped notification costs at most ~50 ms, not {slept:.2f} s"
         writer.notify()  # a new model step
+        assert reader.local_notify_socket.poll(1000), "the notification reached the reader's socket"
         wait(reader, timeout_ms=5000)
-        assert not reader.local_notify_socket.poll(0), "the notification woke it (and was consumed)"
+        assert not reader.local_notify_socket.poll(0), "the wait took the notification: it woke on it"
     finally:
         context.destroy(linger=0)
