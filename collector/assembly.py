@@ -54,6 +54,10 @@ MAX_ID_LENGTH = 256
 """Longest rollout id, group, task, reward name (the store's column width)."""
 _MAX_SPLIT_LENGTH = 64
 _MAX_NS = 2**63 - 1
+_MAX_COUNT = 2**31 - 1
+"""Largest group size or policy step (the store's INTEGER columns)."""
+_COUNTS = {sc.GROUP_SIZE: 1, sc.POLICY_STEP: 0}
+"""Whole-number attributes and the least value each may take."""
 
 class InvalidReward(ValueError):
     """A reward event whose value is missing, not a number, or not finite."""
@@ -90,8 +94,11 @@ def is_llm(span: SpanRecord) -> bool:
 
 
 def model_calls(spans: Iterable[SpanRecord]) -> list[SpanRecord]:
-    """The spans that are a trajectory's turns: its `llm` spans, or, when it has none, its foreign model calls."""
-    calls = [span for span in spans if is_llm(span)]
+    """The spans that are a trajectory's turns: its `llm` spans, or, when it has none, its foreign model calls.
+
+    A call that failed (`error.type` set: a retried attempt, a timeout) sampled nothing and is no turn.
+    """
+    calls = [span for span in spans if is_llm(span) and span.attributes.get(sc.ERROR_TYPE) is None]
     ours = [span for span in calls if span.attributes.get(sc.SPAN_KIND) == sc.SPAN_KIND_LLM]
     return ours or calls
 
@@ -130,6 +137,15 @@ def span_rewards(span: SpanRecord) -> list[SpanReward]:
     return rewards
 
 
+def _count(value: Any, low: int) -> int | None:
+    """`value` as an int when it is a whole number (an int, or a float such as 4.0) from `low` to `_MAX_COUNT`."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, float) and not value.is_integer():  # also NaN and the infinities
+        return None
+    return int(value) if low <= value <= _MAX_COUNT else None
+
+
 def span_problem(span: SpanRecord) -> str | None:
     """Why the store must reject a span (an OTLP partial success), or None when it is fine."""
     if not (0 <= span.start_ns <= _MAX_NS and 0 <= span.end_ns <= _MAX_NS):
@@ -143,6 +159,10 @@ def span_problem(span: SpanRecord) -> str | None:
             return f"attribute {key} contains a NUL character"
     if "\x00" in span.name:
         return "the span name contains a NUL character"
+    for key, low in _COUNTS.items():
+        value = span.attributes.get(key)
+        if value is not None and _count(value, low) is None:
+            return f"attribute {key} is {value!r}; it must be a whole number from {low} to {_MAX_COUNT}"
     try:
         rewards = span_rewards(span)
     except InvalidReward as exc:
@@ -247,7 +267,7 @@ class FactsDigest:
             has_llm=self.llm,
             group_key=str(group) if group else (str(task) if task else trajectory_id),
             explicit_group=bool(group),
-            group_size=int(size) if isinstance(size, int | float) and not isinstance(size, bool) and size > 0 else None,
+            group_size=_count(size, _COUNTS[sc.GROUP_SIZE]),
             task=str(task) if task else None,
             split=str(split) if split else "train",
         )
@@ -315,8 +335,7 @@ def build_sequences(llm_spans: Iterable[SpanRecord]) -> Sequences:
             out.token_exact = False
             continue
         prompt, completion, logprobs = turn
-        step = span.attributes.get(sc.POLICY_STEP)
-        step = int(step) if isinstance(step, int | float) and not isinstance(step, bool) else None
+        step = _count(span.attributes.get(sc.POLICY_STEP), _COUNTS[sc.POLICY_STEP])
         talk = foreign.conversation(span.attributes, span_id=span.span_id)
         last = out.sequences[-1] if out.sequences else None
         if last is not None and last.token_ids and prompt[: len(last.token_ids)] == last.token_ids:

@@ -101,10 +101,10 @@ def conversation(attributes: Mapping[str, Any], *, span_id: str = "?") -> Conver
     tools = _gen_ai_tools(attributes, span_id) or _openinference_tools(attributes, span_id)
     if sc.GEN_AI_INPUT_MESSAGES in attributes or sc.GEN_AI_OUTPUT_MESSAGES in attributes:
         system = _json(attributes, GEN_AI_SYSTEM_INSTRUCTIONS, span_id)
-        sent = _semconv_messages(_json(attributes, sc.GEN_AI_INPUT_MESSAGES, span_id))
+        sent = _semconv_messages(_json(attributes, sc.GEN_AI_INPUT_MESSAGES, span_id), span_id)
         if isinstance(system, list) and not any(m.get("role") == "system" for m in sent):
             sent = [{"role": "system", "content": _parts_text(system)}, *sent]
-        returned = _semconv_messages(_json(attributes, sc.GEN_AI_OUTPUT_MESSAGES, span_id))
+        returned = _semconv_messages(_json(attributes, sc.GEN_AI_OUTPUT_MESSAGES, span_id), span_id)
         return Conversation(sent, returned, tools, model)
     if f"{GEN_AI_PROMPT}0.role" in attributes or f"{GEN_AI_COMPLETION}0.role" in attributes:
         sent = [_flat_message(node) for node in _unflatten(attributes, GEN_AI_PROMPT)]
@@ -115,8 +115,8 @@ def conversation(attributes: Mapping[str, Any], *, span_id: str = "?") -> Conver
         returned = [_openinference_message(node, "assistant") for node in _unflatten(attributes, OPENINFERENCE_OUTPUT)]
         return Conversation(sent, returned, tools, model)
     if LANGFUSE_INPUT in attributes or LANGFUSE_OUTPUT in attributes:
-        sent, offered = _langfuse_messages(attributes.get(LANGFUSE_INPUT), "user")
-        returned, _ = _langfuse_messages(attributes.get(LANGFUSE_OUTPUT), "assistant")
+        sent, offered = _langfuse_messages(attributes.get(LANGFUSE_INPUT), "user", span_id)
+        returned, _ = _langfuse_messages(attributes.get(LANGFUSE_OUTPUT), "assistant", span_id)
         return Conversation(sent, returned, tools or offered, model)
     return Conversation(tools=tools, model=model)
 
@@ -181,7 +181,26 @@ def _arguments(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def _semconv_messages(value: Any) -> list[dict[str, Any]]:
+def _dict(value: Any) -> dict[str, Any]:
+    """`value` when it is an object, else an empty one: a part of unexpected shape reads as absent."""
+    return value if isinstance(value, dict) else {}
+
+
+def _openai_message(message: Mapping[str, Any], span_id: str) -> dict[str, Any]:
+    """An OpenAI-format message as recorded, less the tool calls that are not `{"function": {...}}` objects."""
+    out = dict(message)
+    calls = out.get("tool_calls")
+    if calls is None:
+        return out
+    listed = calls if isinstance(calls, list) else [calls]
+    out["tool_calls"] = [call for call in listed if isinstance(call, Mapping) and isinstance(call.get("function"), Mapping)]
+    if len(out["tool_calls"]) < len(listed):
+        log.warning("span %s: %d of a message's tool calls are not OpenAI tool calls; left out",
+                    span_id, len(listed) - len(out["tool_calls"]))
+    return out
+
+
+def _semconv_messages(value: Any, span_id: str) -> list[dict[str, Any]]:
     """`gen_ai.*.messages`: OpenAI-format messages pass through; `parts` messages are converted."""
     if not isinstance(value, list):
         return []
@@ -190,7 +209,7 @@ def _semconv_messages(value: Any) -> list[dict[str, Any]]:
         if not isinstance(message, Mapping):
             continue
         if "parts" not in message:
-            out.append(dict(message))
+            out.append(_openai_message(message, span_id))
             continue
         role = message.get("role", "user")
         parts = message["parts"] if isinstance(message["parts"], list) else []
@@ -257,7 +276,7 @@ def _flat_message(node: Any, default_role: str = "user") -> dict[str, Any]:
 
 def _openinference_message(node: Any, default_role: str = "user") -> dict[str, Any]:
     """One `llm.*_messages.N.message` (OpenInference)."""
-    body = node.get("message", {}) if isinstance(node, dict) else {}
+    body = _dict(_dict(node).get("message"))
     content = body.get("content")
     if content is None and isinstance(body.get("contents"), list):
         content = _parts_text([c.get("message_content", {}) for c in body["contents"] if isinstance(c, dict)])
@@ -266,8 +285,8 @@ def _openinference_message(node: Any, default_role: str = "user") -> dict[str, A
     if isinstance(calls, list) and calls:
         message["tool_calls"] = []
         for call in calls:
-            inner = call.get("tool_call", {}) if isinstance(call, dict) else {}
-            function = inner.get("function", {}) if isinstance(inner.get("function"), dict) else {}
+            inner = _dict(_dict(call).get("tool_call"))
+            function = _dict(inner.get("function"))
             message["tool_calls"].append(
                 {"id": inner.get("id"), "type": "function", "function": {"name": function.get("name"), "arguments": _arguments(function.get("arguments", "{}"))}}
             )
@@ -276,7 +295,7 @@ def _openinference_message(node: Any, default_role: str = "user") -> dict[str, A
     return message
 
 
-def _langfuse_messages(raw: Any, role: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _langfuse_messages(raw: Any, role: str, span_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Langfuse input/output → (messages, tools). JSON lists of messages, `{"messages": ...}`, or text."""
     if raw is None:
         return [], []
@@ -293,7 +312,7 @@ def _langfuse_messages(raw: Any, role: str) -> tuple[list[dict[str, Any]], list[
     if isinstance(value, Mapping) and "role" in value:
         value = [value]
     if isinstance(value, list) and all(isinstance(m, Mapping) and "role" in m for m in value):
-        return _semconv_messages(value), tools
+        return _semconv_messages(value, span_id), tools
     content = value if isinstance(value, str) else json.dumps(value)
     return [{"role": role, "content": content}], tools
 
@@ -320,7 +339,7 @@ def _gen_ai_tools(attributes: Mapping[str, Any], span_id: str) -> list[dict[str,
 def _openinference_tools(attributes: Mapping[str, Any], span_id: str) -> list[dict[str, Any]]:
     tools = []
     for node in _unflatten(attributes, OPENINFERENCE_TOOLS):
-        schema = node.get("tool", {}).get("json_schema") if isinstance(node, dict) else None
+        schema = _dict(_dict(node).get("tool")).get("json_schema")
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)

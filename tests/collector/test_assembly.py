@@ -8,6 +8,7 @@ import math
 import pytest
 from tests.collector.span_builders import TRACE, llm, rollout
 
+from art_langgraph import semconv as sc
 from collector.assembly import (
     FactsDigest,
     InvalidReward,
@@ -15,6 +16,7 @@ from collector.assembly import (
     assemble,
     build_sequences,
     facts,
+    model_calls,
     span_rewards,
     trajectory_key,
 )
@@ -82,6 +84,16 @@ def test_span_without_token_ids_is_not_token_exact() -> None:
     traj = _assemble([llm(1, **TURN1), llm(2, start=20, prompt=None, completion=None)])
     assert not traj.token_exact
     assert [s.token_ids for s in traj.sequences] == [[1, 2, 3, 4, 5]]
+
+
+def test_a_failed_attempt_is_no_turn() -> None:
+    """A retried call leaves a span with `error.type` and no token ids; the retry alone is the turn."""
+    failed = llm(2, start=15, prompt=None, completion=None, messages=[{"role": "user", "content": "q"}])
+    failed.attributes[sc.ERROR_TYPE] = "APITimeoutError"
+    traj = _assemble([llm(1, **TURN1), failed, llm(3, **TURN2, messages=[{"role": "user", "content": "q"}])])
+    assert traj.token_exact
+    assert [s.token_ids for s in traj.sequences] == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert model_calls([failed]) == []
 
 
 def test_logprob_count_mismatch_drops_the_turn() -> None:

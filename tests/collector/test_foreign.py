@@ -182,6 +182,32 @@ def test_conversation_ignores_malformed_values() -> None:
     assert clash.input == [{"role": "user", "content": "hi"}]
 
 
+def test_conversation_reads_parts_of_unexpected_shape_as_absent() -> None:
+    """Values a convention never writes there (a string where an object belongs, a number for a
+    list) are left out, not raised on: assembly runs when a batch is leased, so one such span
+    would otherwise stop every lease."""
+    openinference = conversation({
+        "openinference.span.kind": "LLM",
+        "llm.input_messages.0.message": "x",
+        "llm.input_messages.1.message.role": "user",
+        "llm.input_messages.1.message.content": "hi",
+        "llm.input_messages.1.message.tool_calls.0.tool_call": "y",
+        "llm.tools.0.tool": "z",
+    })
+    assert openinference.input == [
+        {"role": "user", "content": ""},
+        {"role": "user", "content": "hi", "tool_calls": [{"id": None, "type": "function", "function": {"name": None, "arguments": "{}"}}]},
+    ]
+    assert openinference.tools == []
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    gen_ai = conversation({"gen_ai.operation.name": "chat", "gen_ai.input.messages": json.dumps([
+        {"role": "user", "content": "hi", "tool_calls": 5},
+        {"role": "assistant", "content": "", "tool_calls": ["add", call, {"function": "add"}]},
+    ])})
+    assert gen_ai.input == [{"role": "user", "content": "hi", "tool_calls": []}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    assert same_messages(gen_ai.input, gen_ai.input)
+
+
 # --- the app sends another instrumentation's spans of the same calls too -------------------------
 #
 # Attribute sets as the real instrumentations write them for an `ARTChatModel` call (recorded

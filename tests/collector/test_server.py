@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import httpx
 import pytest
@@ -26,6 +27,7 @@ from tests.collector.span_builders import TRACE, llm, rollout, to_otlp_json, to_
 from art_langgraph import semconv as sc
 from collector.config import CollectorSettings
 from collector.server import create_app
+from collector.store import SqlStore
 
 PB = {"content-type": "application/x-protobuf"}
 JSON = {"content-type": "application/json"}
@@ -105,6 +107,39 @@ def test_partial_success_rejects_bad_spans_and_stores_the_rest(client: TestClien
     assert answer.status_code == 200 and answer.json()["partialSuccess"]["rejectedSpans"] == "1"
     clean = client.post("/v1/traces", content=to_otlp_json(spans[:2]), headers=JSON)  # a retry: duplicates are fine
     assert clean.status_code == 200 and clean.json() == {}
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    (sc.GROUP_SIZE, float("inf")), (sc.GROUP_SIZE, 1e300), (sc.GROUP_SIZE, 2**31), (sc.GROUP_SIZE, 0), (sc.GROUP_SIZE, 2.5),
+    (sc.GROUP_SIZE, "4"), (sc.POLICY_STEP, float("nan")), (sc.POLICY_STEP, -1),
+])
+def test_a_count_that_is_no_whole_number_rejects_its_span_alone(client: TestClient, key: str, value: object) -> None:
+    spans = _group({"a": 1.0, "b": 0.0})
+    bad = spans[1] if key == sc.GROUP_SIZE else spans[0]  # the rollout span, the llm span of a
+    bad.attributes[key] = value
+    response = client.post("/v1/traces", content=to_request(spans).SerializeToString(), headers=PB)
+    assert response.status_code == 200
+    partial = ExportTraceServiceResponse.FromString(response.content).partial_success
+    assert partial.rejected_spans == 1
+    assert f"attribute {key} is {value!r}; it must be a whole number" in partial.error_message
+    assert client.get("/v1/trajectories/b").json()["reward"] == 0.0
+
+
+def test_counts_stored_before_they_were_checked_neither_fail_a_lease_nor_count(tmp_path: Path) -> None:
+    """Spans stored by a collector that did not check their counts yet assemble, those counts read as absent."""
+    settings = CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}")
+    store = SqlStore(settings)
+    store.setup()
+    spans = _group({"a": 1.0, "b": 0.0})
+    spans[0].attributes[sc.POLICY_STEP] = float("nan")
+    spans[1].attributes[sc.GROUP_SIZE] = float("inf")
+    with patch("collector.assembly.span_problem", return_value=None):
+        store.add_spans(spans)
+    store.close()
+    client = TestClient(create_app(settings))
+    assert client.get("/v1/trajectories/a").json()["sequences"][0]["policy_step"] is None
+    leased = client.post("/v1/batches", json={"max_groups": 4})
+    assert leased.status_code == 200 and [g["id"] for g in leased.json()["groups"]] == ["g"]
 
 
 def test_rewards_endpoint(client: TestClient) -> None:
