@@ -30,7 +30,7 @@ from art_langgraph import semconv as sc
 from collector import foreign
 from collector.groups import TrainingReward
 from collector.otlp import SpanRecord
-from collector.protocol import Drift, Sequence, Trajectory
+from collector.protocol import MAX_COUNT, MAX_ID_LENGTH, Drift, Sequence, Trajectory
 
 __all__ = [
     "FactsDigest",
@@ -50,12 +50,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MAX_ID_LENGTH = 256
-"""Longest rollout id, group, task, reward name (the store's column width)."""
 _MAX_SPLIT_LENGTH = 64
 _MAX_NS = 2**63 - 1
-_MAX_COUNT = 2**31 - 1
-"""Largest group size or policy step (the store's INTEGER columns)."""
 _COUNTS = {sc.GROUP_SIZE: 1, sc.POLICY_STEP: 0}
 """Whole-number attributes and the least value each may take."""
 
@@ -138,12 +134,12 @@ def span_rewards(span: SpanRecord) -> list[SpanReward]:
 
 
 def _count(value: Any, low: int) -> int | None:
-    """`value` as an int when it is a whole number (an int, or a float such as 4.0) from `low` to `_MAX_COUNT`."""
+    """`value` as an int when it is a whole number (an int, or a float such as 4.0) from `low` to `MAX_COUNT`."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     if isinstance(value, float) and not value.is_integer():  # also NaN and the infinities
         return None
-    return int(value) if low <= value <= _MAX_COUNT else None
+    return int(value) if low <= value <= MAX_COUNT else None
 
 
 def span_problem(span: SpanRecord) -> str | None:
@@ -162,7 +158,7 @@ def span_problem(span: SpanRecord) -> str | None:
     for key, low in _COUNTS.items():
         value = span.attributes.get(key)
         if value is not None and _count(value, low) is None:
-            return f"attribute {key} is {value!r}; it must be a whole number from {low} to {_MAX_COUNT}"
+            return f"attribute {key} is {value!r}; it must be a whole number from {low} to {MAX_COUNT}"
     try:
         rewards = span_rewards(span)
     except InvalidReward as exc:

@@ -12,7 +12,7 @@ import math
 import os
 from pathlib import Path
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from collector.groups import TrainingReward
@@ -102,8 +102,14 @@ class CollectorSettings(BaseSettings):
     api_key: SecretStr | None = Field(
         default=None,
         validation_alias="ART_API_KEY",
-        description="When set, write endpoints need `Authorization: Bearer <key>` (env `ART_API_KEY`).",
+        description="When set, write endpoints need `Authorization: Bearer <key>` (env `ART_API_KEY`); empty counts as unset, "
+        "as in the plugin and the trainer.",
     )
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value
 
     @model_validator(mode="after")
     def _check_reward(self) -> CollectorSettings:

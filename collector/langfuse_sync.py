@@ -22,6 +22,7 @@ from collections.abc import Callable
 import httpx
 from langfuse.api import CreateScoreBatchResults, CreateScoreRequest, CreateScoreSource, LangfuseAPI, ScoreDataType
 from langfuse.api.core.api_error import ApiError
+from pydantic import ValidationError
 
 from collector.errors import CollectorError
 from collector.protocol import RewardIn
@@ -136,7 +137,13 @@ class LangfuseSync:
             version = score.updated_at.isoformat()
             if seen.get(score.id) == version:
                 continue
-            accepted = self.store.add_reward(RewardIn(trace_id=trace_id, name=score.name, value=value))
+            try:
+                reward = RewardIn(trace_id=trace_id, name=score.name, value=value)
+            except ValidationError as exc:  # a trace id that is no OpenTelemetry one, an over-long name
+                log.warning("Langfuse score %s cannot be a reward: %s; ignored", score.id, exc.errors()[0]["msg"])
+                ignored += 1
+                continue
+            accepted = self.store.add_reward(reward)
             self.scoring.mark_pulled(
                 {"score_id": score.id, "updated_at": version, "trace_id": trace_id, "name": score.name, "value": value, "pulled_at": self.clock()}
             )

@@ -145,7 +145,9 @@ def decode_request(body: bytes, content_type: str | None) -> Decoded:
                 "malformed_body", f"body is not a valid protobuf ExportTraceServiceRequest: {exc}"
             ) from exc
     elif kind == CONTENT_TYPE_JSON:
-        request = _parse_json(body)
+        request, rejected = _parse_json(body)
+        decoded = _records(request)
+        return Decoded(decoded.spans, rejected + decoded.rejected)
     else:
         raise OtlpError(
             "unsupported_media_type",
@@ -167,27 +169,41 @@ def encode_response(content_type: str | None, rejected: list[str] | None = None)
     return response.SerializeToString(), CONTENT_TYPE_PROTOBUF
 
 
-def _parse_json(body: bytes) -> ExportTraceServiceRequest:
-    """Parse OTLP/JSON, converting its hex ids to the base64 that `json_format` expects."""
+def _parse_json(body: bytes) -> tuple[ExportTraceServiceRequest, list[str]]:
+    """Parse OTLP/JSON, converting its hex ids to the base64 that `json_format` expects.
+
+    Returns the request without the spans whose ids are not hex strings, and why each was left out.
+    """
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise OtlpError("malformed_body", f"body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise OtlpError("malformed_body", "body is JSON nested too deeply") from exc
     if not isinstance(data, dict):
         raise OtlpError("malformed_body", "OTLP/JSON body must be an object with `resourceSpans`")
+    rejected: list[str] = []
     for r, resource_spans in enumerate(_list(data, "resourceSpans", "")):
         for s, scope_spans in enumerate(_list(resource_spans, "scopeSpans", f"resourceSpans[{r}]")):
+            kept = []
             for i, span in enumerate(_list(scope_spans, "spans", f"resourceSpans[{r}].scopeSpans[{s}]")):
                 path = f"resourceSpans[{r}].scopeSpans[{s}].spans[{i}]"
-                _hex_ids_to_base64(span, path, ("traceId", "spanId", "parentSpanId"))
+                problem = _hex_ids_to_base64(span, path, ("traceId", "spanId", "parentSpanId"))
                 for k, link in enumerate(_list(span, "links", path)):
-                    _hex_ids_to_base64(link, f"{path}.links[{k}]", ("traceId", "spanId"))
+                    problem = problem or _hex_ids_to_base64(link, f"{path}.links[{k}]", ("traceId", "spanId"))
+                if problem:
+                    rejected.append(problem)
+                else:
+                    kept.append(span)
+            scope_spans["spans"] = kept
     request = ExportTraceServiceRequest()
     try:
         json_format.ParseDict(data, request, ignore_unknown_fields=True)
     except json_format.ParseError as exc:
         raise OtlpError("malformed_body", f"body is not a valid OTLP/JSON ExportTraceServiceRequest: {exc}") from exc
-    return request
+    except RecursionError as exc:
+        raise OtlpError("malformed_body", "body is JSON nested too deeply") from exc
+    return request, rejected
 
 
 def _list(parent: Any, key: str, path: str) -> list[Any]:
@@ -200,19 +216,20 @@ def _list(parent: Any, key: str, path: str) -> list[Any]:
     return value
 
 
-def _hex_ids_to_base64(obj: dict[str, Any], path: str, keys: tuple[str, ...]) -> None:
-    """Replace hex id strings in `obj` by base64, in place."""
+def _hex_ids_to_base64(obj: dict[str, Any], path: str, keys: tuple[str, ...]) -> str | None:
+    """Replace hex id strings in `obj` by base64, in place; say why not when one is no hex string."""
     for key in keys:
         value = obj.get(key)
         if value is None or value == "":
             continue
-        if not isinstance(value, str):
-            raise OtlpError("malformed_body", f"{path}.{key} must be a hex string")
         try:
-            raw = bytes.fromhex(value)
-        except ValueError as exc:
-            raise OtlpError("malformed_body", f"{path}.{key} is not a hex string: {value!r}") from exc
+            raw = bytes.fromhex(value) if isinstance(value, str) else None
+        except ValueError:
+            raw = None
+        if raw is None:
+            return f"{path}.{key} is not a hex string: {str(value)[:40]!r}"
         obj[key] = base64.b64encode(raw).decode()
+    return None
 
 
 def _records(request: ExportTraceServiceRequest) -> Decoded:

@@ -7,10 +7,22 @@ produces them. Every list that runs along a sequence (`token_ids`, `logprobs`,
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
-from pydantic import BaseModel, Field, field_validator
 import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, StringConstraints, field_validator, model_validator
+
+MAX_ID_LENGTH = 256
+"""Longest rollout id, group, task, reward name or trainer name (the store's column width)."""
+MAX_COUNT = 2**31 - 1
+"""Largest group size or policy step (the store's INTEGER columns)."""
+MAX_LEASE_SECONDS = 7 * 24 * 3600.0
+"""Longest lease a trainer may take: a week."""
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_LENGTH, pattern=r"^[^\x00]*$")]
+"""An id or a name as the store keeps it: 1 to 256 characters, no NUL."""
+TraceId = Annotated[str, StringConstraints(strip_whitespace=True, to_lower=True, pattern=r"^[0-9a-f]{32}$")]
+"""An OpenTelemetry trace id: 32 hex digits, kept in lower case as OTLP spans carry it."""
 
 
 class ErrorResponse(BaseModel):
@@ -82,9 +94,17 @@ class BatchRequest(BaseModel):
     """Body of `POST /v1/batches`."""
 
     max_groups: int = Field(default=8, ge=1, le=1024, description="Most groups to lease.")
-    min_groups: int = Field(default=1, ge=1, description="Lease nothing unless this many are ready.")
-    lease_seconds: float = Field(default=900.0, gt=0, description="Lease length; expired leases return groups to the pool.")
-    trainer: str | None = Field(default=None, description="Name of the trainer taking the lease (shown in the UI).")
+    min_groups: int = Field(default=1, ge=1, le=1024, description="Lease nothing unless this many are ready; at most `max_groups`.")
+    lease_seconds: float = Field(
+        default=900.0, gt=0, le=MAX_LEASE_SECONDS, description="Lease length (at most a week); expired leases return groups to the pool."
+    )
+    trainer: Name | None = Field(default=None, description="Name of the trainer taking the lease (shown in the UI).")
+
+    @model_validator(mode="after")
+    def _satisfiable(self) -> BatchRequest:
+        if self.min_groups > self.max_groups:
+            raise ValueError(f"min_groups={self.min_groups} exceeds max_groups={self.max_groups}: no lease could ever hold them")
+        return self
 
 
 class Batch(BaseModel):
@@ -98,7 +118,7 @@ class Batch(BaseModel):
 class AckRequest(BaseModel):
     """Body of `POST /v1/batches/{id}/ack`."""
 
-    policy_step: int | None = Field(default=None, description="Checkpoint step trained from this batch.")
+    policy_step: int | None = Field(default=None, ge=0, le=MAX_COUNT, description="Checkpoint step trained from this batch.")
 
 
 MAX_REASON_CHARS = 2000
@@ -129,9 +149,11 @@ class ReleaseRequest(BaseModel):
 class RewardIn(BaseModel):
     """Body of `POST /v1/rewards`: one named reward for one trajectory."""
 
-    rollout_id: str | None = Field(default=None, description="Trajectory id; or give trace_id.")
-    trace_id: str | None = Field(default=None, description="Trace id (32 hex digits), when the rollout id is unknown.")
-    name: str = "reward"
+    rollout_id: Name | None = Field(default=None, description="Trajectory id; or give trace_id.")
+    trace_id: TraceId | None = Field(
+        default=None, description="Trace id (32 hex digits, either case), when the rollout id is unknown."
+    )
+    name: Name = "reward"
     value: float
 
     @field_validator("value")

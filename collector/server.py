@@ -12,6 +12,7 @@ from typing import Annotated
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy.exc import OperationalError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -90,6 +91,9 @@ def _authorize(request: Request) -> None:
 
 Auth = Annotated[None, Depends(_authorize)]
 
+STORE_RETRY_AFTER_S = 5
+"""`Retry-After` of a 503 `store_unavailable` answer."""
+
 
 def create_app(settings: CollectorSettings | None = None, store: Store | None = None) -> FastAPI:
     """Build the collector's app; creates (and migrates) the store unless one is given."""
@@ -117,6 +121,15 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return _error(exc.status_code, code, str(exc.detail))
+
+    @app.exception_handler(OperationalError)
+    async def _store_unavailable(request: Request, exc: OperationalError) -> JSONResponse:
+        # a full disk, a lock held past the timeout, a lost database connection: the transaction rolled
+        # back, so nothing was stored and the client may send the same request again (OTLP exporters retry 503)
+        log.error("store unavailable on %s %s: %s", request.method, request.url.path, exc)
+        reason = str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else type(exc.orig).__name__
+        return _error(503, "store_unavailable", f"the store could not complete the request ({reason}); nothing was "
+                      "stored, try again", headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

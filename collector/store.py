@@ -79,7 +79,7 @@ class Store(ABC):
 
     @abstractmethod
     def lease(self, request: BatchRequest) -> Batch:
-        """Lease ready groups to one trainer, atomically; an empty batch when none are ready."""
+        """Lease ready groups to one trainer, atomically; an empty batch, not stored, when fewer than `min_groups` are ready."""
 
     @abstractmethod
     def ack(self, batch_id: str, policy_step: int | None) -> AckResponse:
@@ -338,7 +338,7 @@ class SqlStore(Store):
 
     # --- leases -------------------------------------------------------------------------
     def lease(self, request: BatchRequest) -> Batch:
-        """Lease ready groups to one trainer, atomically; an empty batch when none are ready."""
+        """Lease ready groups to one trainer, atomically; an empty batch, not stored, when fewer than `min_groups` are ready."""
         batch = self._tx.run(lambda conn: self._lease(conn, request))
         if batch.groups:
             log.info("leased %d groups to %s as batch %s", len(batch.groups), request.trainer or "a trainer", batch.id)
@@ -369,9 +369,9 @@ class SqlStore(Store):
             if len(taken) >= request.max_groups:
                 break
         taken = sorted(taken, key=lambda g: (g["created_at"], g["id"]))[: request.max_groups]
-        if len(taken) < request.min_groups:
-            taken = []
         batch_id, expires = uuid.uuid4().hex, now + request.lease_seconds
+        if len(taken) < request.min_groups:  # nothing leased: no batch to store, none to expire later
+            return Batch(id=batch_id, groups=[], lease_expires_at=expires)
         conn.execute(
             batches.insert().values(id=batch_id, trainer=request.trainer, state="leased", created_at=now, lease_expires_at=expires)
         )

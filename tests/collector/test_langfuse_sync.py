@@ -54,9 +54,10 @@ def test_pull_maps_annotation_scores_to_trajectories_by_trace(
     server.add_score("session", "human", 0.9, session_id="sess-1")
     server.add_score("old", "human", 0.9, trace_id=trace_id("g", 3), timestamp=dt.datetime.now(dt.UTC) - dt.timedelta(days=30))
     server.add_score("late", "human", 0.25, trace_id="f" * 32)  # its trace has not arrived yet
+    server.add_score("custom", "human", 0.5, trace_id="checkout-42")  # Langfuse takes any trace id; no span has it
     with TestClient(app) as client:
         result = client.post("/v1/langfuse/sync").json()
-        assert result == {"pulled": 134, "applied": 132, "unmatched": 1, "ignored": 2, "pushed": 0, "push_rejected": 0}
+        assert result == {"pulled": 135, "applied": 132, "unmatched": 1, "ignored": 3, "pushed": 0, "push_rejected": 0}
         gets = [path for method, path in server.requests if method == "GET"]
         assert len(gets) == 2 and "cursor=" in gets[1] and "source=ANNOTATION" in gets[0] and "fields=subject" in gets[0]
         rewards = {t["id"]: t["rewards"] for t in client.get("/v1/trajectories", params={"group": "g"}).json()}
@@ -66,7 +67,7 @@ def test_pull_maps_annotation_scores_to_trajectories_by_trace(
         assert "helpfulness" not in rewards["g-1"]
 
         again = client.post("/v1/langfuse/sync").json()
-        assert (again["pulled"], again["applied"]) == (134, 0)  # nothing new: nothing applied twice
+        assert (again["pulled"], again["applied"]) == (135, 0)  # nothing new: nothing applied twice
         server.touch("s5", 0.99)  # a person corrects a score
         assert client.post("/v1/langfuse/sync").json()["applied"] == 1
         assert client.get("/v1/trajectories/g-5").json()["rewards"]["human"] == 0.99

@@ -124,10 +124,15 @@ def test_release_is_idempotent_and_conflicts_with_acks(make_store) -> None:
         store.release("nope", FAILED)
 
 
-def test_an_empty_lease_releases_to_nothing(make_store) -> None:
+def test_an_empty_lease_is_not_stored(make_store) -> None:
+    """A poll that finds nothing ready leaves no batch behind to expire later, nor one to ack or release."""
     store = make_store()
     batch = store.lease(BatchRequest())
-    assert store.release(batch.id, FAILED) == ReleaseResponse(batch_id=batch.id, returned=[], skipped=[], max_failed_attempts=3)
+    assert batch.groups == [] and store.batches() == []
+    with pytest.raises(NotFound):
+        store.release(batch.id, FAILED)
+    with pytest.raises(NotFound):
+        store.ack(batch.id, None)
 
 
 def test_a_long_reason_is_cut() -> None:

@@ -82,8 +82,7 @@ def test_records_round_trip_through_dict() -> None:
         (b"{not json", JSON, "not valid JSON"),
         (b"[1, 2]", JSON, "must be an object"),
         (b'{"resourceSpans": {}}', JSON, "resourceSpans must be an array"),
-        (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz", "spanId": sid(1)}]}]}]}).encode(), JSON,
-         "resourceSpans[0].scopeSpans[0].spans[0].traceId is not a hex string"),
+        (b"[" * 100_000 + b"]" * 100_000, JSON, "nested too deeply"),
         (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": TRACE, "spanId": sid(1), "startTimeUnixNano": "x"}]}]}]}).encode(),
          JSON, "not a valid OTLP/JSON"),
     ],
@@ -97,12 +96,18 @@ def test_malformed_bodies_name_the_fault(body: bytes, content_type: str, fragmen
 
 def test_spans_with_invalid_ids_are_rejected_alone() -> None:
     good = {"traceId": TRACE, "spanId": sid(1), "name": "ok"}
-    spans = [good, {"traceId": TRACE, "spanId": "abcd", "name": "s"}, {"traceId": "00" * 16, "spanId": sid(2), "name": "z"}]
+    spans = [good, {"traceId": TRACE, "spanId": "abcd", "name": "s"}, {"traceId": "00" * 16, "spanId": sid(2), "name": "z"},
+             {"traceId": "zz", "spanId": sid(3), "name": "x"}, {"traceId": TRACE, "spanId": sid(4), "parentSpanId": 7},
+             {"traceId": TRACE, "spanId": sid(5), "links": [{"traceId": TRACE, "spanId": "not hex"}]}]
     decoded = decode_request(json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": spans}]}]}).encode(), JSON)
     assert [s.name for s in decoded.spans] == ["ok"]
-    assert len(decoded.rejected) == 2
-    assert "span 's' has an invalid span_id (2 bytes" in decoded.rejected[0]
-    assert "span 'z' has an invalid trace_id" in decoded.rejected[1]
+    assert decoded.rejected == [
+        "resourceSpans[0].scopeSpans[0].spans[3].traceId is not a hex string: 'zz'",
+        "resourceSpans[0].scopeSpans[0].spans[4].parentSpanId is not a hex string: '7'",
+        "resourceSpans[0].scopeSpans[0].spans[5].links[0].spanId is not a hex string: 'not hex'",
+        "span 's' has an invalid span_id (2 bytes, 'abcd'); expected 8 bytes, not all zero",
+        "span 'z' has an invalid trace_id (16 bytes, '00000000000000000000000000000000'); expected 16 bytes, not all zero",
+    ]
 
 
 def test_unsupported_content_type() -> None:

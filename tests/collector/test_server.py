@@ -17,12 +17,13 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from sqlalchemy import event
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from tests.collector.span_builders import TRACE, llm, rollout, to_otlp_json, to_request
+from tests.collector.span_builders import llm, rollout, to_otlp_json, to_request
 
 from art_langgraph import semconv as sc
 from collector.config import CollectorSettings
@@ -154,6 +155,26 @@ def test_rewards_endpoint(client: TestClient) -> None:
     _assert_error(client.post("/v1/rewards", json={"rollout_id": "a"}), 400, "invalid_request")
 
 
+@pytest.mark.parametrize(("body", "fragment"), [
+    ({"rollout_id": "x" * 257, "value": 1.0}, "rollout_id"),
+    ({"rollout_id": "a\x00b", "value": 1.0}, "rollout_id"),
+    ({"rollout_id": "a", "name": "n" * 257, "value": 1.0}, "name"),
+    ({"rollout_id": "a", "name": "", "value": 1.0}, "name"),
+    ({"trace_id": "NOT-HEX", "value": 1.0}, "trace_id"),
+    ({"trace_id": "ab" * 17, "value": 1.0}, "trace_id"),
+])
+def test_a_reward_the_store_could_not_keep_or_match_is_refused(client: TestClient, body: dict[str, Any], fragment: str) -> None:
+    assert fragment in _assert_error(client.post("/v1/rewards", json=body), 400, "invalid_request")["message"]
+
+
+def test_a_reward_by_trace_id_in_upper_case_finds_its_trajectory(client: TestClient) -> None:
+    client.post("/v1/traces", content=to_request(_group({"a": 1.0})).SerializeToString(), headers=PB)
+    trace = client.get("/v1/trajectories/a").json()["trace_id"]
+    answer = client.post("/v1/rewards", json={"trace_id": trace.upper(), "name": "judge", "value": 0.5})
+    assert answer.status_code == 200 and answer.json()["trace_id"] == trace and answer.json()["trajectory_known"] is True
+    assert client.get("/v1/trajectories/a").json()["rewards"] == {"reward": 1.0, "judge": 0.5}
+
+
 def test_batches_groups_and_acks(client: TestClient) -> None:
     client.post("/v1/traces", content=to_request(_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
     assert [(g["id"], g["state"], g["size"]) for g in client.get("/v1/groups").json()] == [("g", "ready", 2)]
@@ -171,6 +192,30 @@ def test_batches_groups_and_acks(client: TestClient) -> None:
     _assert_error(client.get("/v1/trajectories/unknown"), 404, "not_found")
     _assert_error(client.post("/v1/batches", json={"max_groups": 0}), 400, "invalid_request")
     assert client.get("/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize(("body", "fragment"), [
+    ({"min_groups": 5, "max_groups": 4}, "min_groups=5 exceeds max_groups=4"),
+    ({"lease_seconds": 1e309}, "lease_seconds"),
+    ({"lease_seconds": 8 * 24 * 3600}, "lease_seconds"),
+    ({"trainer": "t" * 257}, "trainer"),
+])
+def test_a_lease_request_that_could_never_be_met_or_kept_is_refused(client: TestClient, body: dict[str, Any], fragment: str) -> None:
+    answer = client.post("/v1/batches", content=json.dumps(body), headers=JSON)  # `Infinity` for 1e309, as Python writes it
+    assert fragment in _assert_error(answer, 400, "invalid_request")["message"]
+    _assert_error(client.post("/v1/batches/b/ack", json={"policy_step": 2**31}), 400, "invalid_request")
+
+
+def test_a_lease_that_takes_nothing_leaves_no_batch(client: TestClient) -> None:
+    """Trainers poll; a poll that finds too few ready groups must not leave a batch that later 'expires'."""
+    assert client.post("/v1/batches", json={}).json()["groups"] == []  # nothing stored yet
+    client.post("/v1/traces", content=to_request(_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
+    nothing = client.post("/v1/batches", json={"min_groups": 2, "max_groups": 4})  # one group is ready
+    assert nothing.status_code == 200 and nothing.json()["groups"] == []
+    _assert_error(client.post(f"/v1/batches/{nothing.json()['id']}/ack", json={}), 404, "not_found")
+    assert client.get("/v1/view/batches").json() == []
+    leased = client.post("/v1/batches", json={}).json()
+    assert [b["id"] for b in client.get("/v1/view/batches").json()] == [leased["id"]]
 
 
 def test_release_gives_groups_back_now_and_shows_on_the_batch(tmp_path: Path) -> None:
@@ -227,6 +272,44 @@ def test_api_key_guards_writes_only(tmp_path: Path) -> None:
     assert client.post("/v1/traces", content=body, headers=good).status_code == 200
     assert client.get("/v1/trajectories").status_code == 200
     assert client.get("/v1/groups").status_code == 200
+
+
+def test_an_empty_api_key_means_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in the plugin, which then sends no header: an empty `ART_API_KEY` must not lock every write."""
+    monkeypatch.setenv("ART_API_KEY", "")
+    client = TestClient(create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}")))
+    assert client.post("/v1/traces", content=to_request(_group({"a": 1.0})).SerializeToString(), headers=PB).status_code == 200
+    assert client.post("/v1/rewards", json={"rollout_id": "a", "value": 1.0}).status_code == 200
+
+
+def test_a_full_disk_answers_503_stores_nothing_and_the_retry_succeeds(tmp_path: Path) -> None:
+    """SQLite's page limit stands in for a full disk: the insert fails with the same `database or disk
+    is full` error. OTLP exporters retry 503 (`Retry-After`), so the spans are not lost."""
+    app = _app(tmp_path)
+    client = TestClient(app)
+    engine = app.state.store.engine
+    engine.dispose()
+    limit = {"pages": 0}
+
+    @event.listens_for(engine, "connect")
+    def _cap(dbapi_connection: Any, _: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        pages = cursor.execute("PRAGMA page_count").fetchone()[0]
+        cursor.execute(f"PRAGMA max_page_count={pages + limit['pages']}" if limit["pages"] else "PRAGMA max_page_count=1073741823")
+        cursor.close()
+
+    limit["pages"] = 2
+    big = [llm(i, rollout=f"r{i}", trace=f"{i:032x}", start=5, prompt=list(range(2000)), completion=[1]) for i in range(1, 30)]
+    body = to_request(big).SerializeToString()
+    full = client.post("/v1/traces", content=body, headers=PB)
+    message = _assert_error(full, 503, "store_unavailable")["message"]
+    assert "database or disk is full" in message and "INSERT" not in message
+    assert full.headers["retry-after"] == "5"
+    assert client.get("/v1/trajectories").json() == []
+    limit["pages"] = 0
+    engine.dispose()
+    assert client.post("/v1/traces", content=body, headers=PB).status_code == 200
+    assert len(client.get("/v1/trajectories").json()) == 29
 
 
 # --- the real OpenTelemetry SDK against the app served by uvicorn ---------------------------
@@ -316,7 +399,8 @@ def test_real_sdk_export_lease_ack_and_expiry(served: tuple[str, _RecordEncoding
 
 
 def test_batch_and_ack_without_body(client: TestClient) -> None:
+    client.post("/v1/traces", content=to_request(_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
     batch = client.post("/v1/batches")
-    assert batch.status_code == 200 and batch.json()["groups"] == []
+    assert batch.status_code == 200 and [g["id"] for g in batch.json()["groups"]] == ["g"]
     ack = client.post(f"/v1/batches/{batch.json()['id']}/ack")
-    assert ack.status_code == 200 and ack.json()["groups"] == []
+    assert ack.status_code == 200 and ack.json() == {"batch_id": batch.json()["id"], "groups": ["g"], "policy_step": None}
