@@ -57,12 +57,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     from collector.server import create_app
 
     overrides = {name: getattr(args, name) for name in ("host", "port", "db") if getattr(args, name) is not None}
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = CollectorSettings(**overrides)
+        app = create_app(settings)  # reads the judge's and Langfuse's settings (ART_COLLECTOR_JUDGE_*, _LANGFUSE_*)
     except ValidationError as exc:
-        parser.error(settings_error(exc))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
+        where = "" if exc.title == CollectorSettings.__name__ else f"{exc.title}: "
+        parser.error(where + settings_error(exc))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
 
 

@@ -153,17 +153,24 @@ class GroupJudge:
     # --- automatic runs -----------------------------------------------------------------
     def due_groups(self) -> list[str]:
         """Groups in the pool (open, ready or skipped) whose trajectories are all complete and that
-        reached their expected size, not judged yet (or `failed` and due for another try)."""
-        complete = [
-            g.id for g in self.store.groups(states=_IN_POOL)
+        reached their expected size, not judged yet, grown since their last finished run (a group
+        without an announced size takes members as they come), or `failed` and due for another try."""
+        complete = {
+            g.id: g.size for g in self.store.groups(states=_IN_POOL)
             if g.size == g.complete and g.size >= g.expected
-        ]
+        }
         runs = self.scoring.runs(complete)
         now = self.clock()
-        return [
-            gid for gid in complete
-            if gid not in runs or (runs[gid]["state"] == "failed" and (runs[gid]["next_try_at"] or 0) <= now)
-        ]
+
+        def due(group_id: str) -> bool:
+            run = runs.get(group_id)
+            if run is None:
+                return True
+            if run["state"] == "failed":
+                return (run["next_try_at"] or 0) <= now
+            return run["state"] != "running" and run["trajectories"] < complete[group_id]
+
+        return [group_id for group_id in complete if due(group_id)]
 
     def run_due(self) -> list[JudgeRun]:
         """Judge every due group (see `due_groups`), one after the other."""

@@ -46,6 +46,17 @@ def test_bad_settings_exit_with_one_line_each(monkeypatch: pytest.MonkeyPatch,
     assert "Traceback" not in err and "errors.pydantic.dev" not in err
 
 
+def test_bad_judge_settings_exit_naming_them(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served with bad settings"))
+    monkeypatch.setenv("ART_COLLECTOR_JUDGE_ON_FAILURE", "bogus")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--db", f"sqlite:///{tmp_path / 'x.db'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "art-collector: error: JudgeSettings: on_failure='bogus': Input should be" in err
+    assert "Traceback" not in err
+
+
 def test_serve_needs_a_command(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         cli.main([])

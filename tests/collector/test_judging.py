@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from art_langgraph import semconv as sc
 from tests.collector.seeding import free_port, group_spans, make_app
 
 
@@ -89,6 +90,23 @@ def test_due_groups_wait_for_the_announced_size(tmp_path: Path, monkeypatch: pyt
     assert judge.due_groups() == []
     app.state.store.add_spans(spans[4:])
     assert judge.due_groups() == ["g"]
+
+
+def test_a_group_that_grew_after_its_run_is_due_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group keyed by `art.group` alone has no size: a member that comes after the judge ran needs a score too."""
+    app = make_app(tmp_path, monkeypatch, env=down_judge("skip"))
+    spans = group_spans("g", ["7", "8", "9"])
+    for span in spans:
+        span.attributes.pop(sc.GROUP_SIZE, None)
+    app.state.store.add_spans(spans[:4])
+    judge = app.state.scoring.judge
+    assert judge.due_groups() == ["g"]
+    assert judge.judge("g").trajectories == 2
+    assert judge.due_groups() == []
+    app.state.store.add_spans(spans[4:])
+    assert judge.due_groups() == ["g"]
+    assert judge.judge("g").trajectories == 3
+    assert judge.due_groups() == []
 
 
 def test_judge_unknown_group_is_404(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
