@@ -10,14 +10,17 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import StaticPool
 
-__all__ = ["chunks", "make_engine"]
+__all__ = ["READ_ONLY", "chunks", "make_engine"]
 
 CHUNK = 500
 """Most values in one `IN (...)` list."""
+READ_ONLY = "art_read_only"
+"""Execution option of a connection whose transactions only read: on SQLite they begin deferred (`BEGIN`), and
+in WAL mode such a reader neither waits for the writer nor holds it up."""
 
 
 def make_engine(url: str) -> Engine:
-    """An engine for `url`; SQLite gets WAL, `synchronous=FULL` and `BEGIN IMMEDIATE` transactions."""
+    """An engine for `url`; SQLite gets WAL, `synchronous=FULL` and `BEGIN IMMEDIATE` transactions (`BEGIN` with `READ_ONLY`)."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         return create_engine(parsed, pool_pre_ping=True)
@@ -41,7 +44,7 @@ def make_engine(url: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
 
     return engine
 

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, or_, select, update
+from sqlalchemy import Connection, Select, and_, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from collector import assembly, leases, placement, pool
@@ -100,8 +100,14 @@ class Store(ABC):
         """One assembled trajectory, or None."""
 
     @abstractmethod
-    def trajectories(self, *, group: str | None = None, task: str | None = None, split: str | None = None) -> list[Trajectory]:
-        """Assembled trajectories matching every filter given (`group`: group id or group key)."""
+    def trajectories(self, *, group: str | None = None, task: str | None = None, split: str | None = None,
+                     newest_first: bool = False, limit: int | None = None, offset: int = 0) -> list[Trajectory]:
+        """Assembled trajectories matching every filter given (`group`: group id or group key), oldest first
+        (`newest_first`: the reverse); with `limit`, that many from `offset` on, the others not assembled."""
+
+    @abstractmethod
+    def count_trajectories(self, *, group: str | None = None, task: str | None = None, split: str | None = None) -> int:
+        """How many trajectories `trajectories` would return with the same filters and no limit."""
 
     @abstractmethod
     def groups(self, states: Collection[GroupState] | None = None) -> list[GroupStatus]:
@@ -257,11 +263,10 @@ class SqlStore(Store):
         ]
 
     def _read(self, work: Callable[[Connection], Any]) -> Any:
-        def run(conn: Connection) -> Any:
-            pool.maintain(conn, self.settings, self.clock())
-            return work(conn)
-
-        return self._tx.run(run)
+        """`work(conn)` on the store as of now: due maintenance (expired leases, stale groups) first, in a short write
+        transaction of its own, then `work` in a read-only one, which on SQLite does not hold up writers."""
+        self._tx.run(lambda conn: pool.maintain(conn, self.settings, self.clock()))
+        return self._tx.read(work)
 
     def trajectory(self, trajectory_id: str) -> Trajectory | None:
         """One assembled trajectory, or None."""
@@ -272,16 +277,29 @@ class SqlStore(Store):
 
         return self._read(work)
 
-    def trajectories(self, *, group: str | None = None, task: str | None = None, split: str | None = None) -> list[Trajectory]:
-        """Assembled trajectories matching every filter given (`group`: group id or group key)."""
-        query = select(trajectories).order_by(trajectories.c.created_at, trajectories.c.id)
+    @staticmethod
+    def _filtered(query: Select[Any], group: str | None, task: str | None, split: str | None) -> Select[Any]:
         if group is not None:
             query = query.where(or_(trajectories.c.group_id == group, trajectories.c.group_key == group))
         if task is not None:
             query = query.where(trajectories.c.task == task)
         if split is not None:
             query = query.where(trajectories.c.split == split)
+        return query
+
+    def trajectories(self, *, group: str | None = None, task: str | None = None, split: str | None = None,
+                     newest_first: bool = False, limit: int | None = None, offset: int = 0) -> list[Trajectory]:
+        """Assembled trajectories matching every filter given (`group`: group id or group key), oldest first
+        (`newest_first`: the reverse); with `limit`, that many from `offset` on, the others not assembled."""
+        order = (trajectories.c.created_at, trajectories.c.id)
+        query = self._filtered(select(trajectories), group, task, split)
+        query = query.order_by(*(column.desc() for column in order) if newest_first else order).offset(offset).limit(limit)
         return self._read(lambda conn: self._assemble(conn, list(conn.execute(query).mappings())))
+
+    def count_trajectories(self, *, group: str | None = None, task: str | None = None, split: str | None = None) -> int:
+        """How many trajectories `trajectories` would return with the same filters and no limit."""
+        query = self._filtered(select(func.count()).select_from(trajectories), group, task, split)
+        return self._read(lambda conn: conn.execute(query).scalar_one())
 
     def groups(self, states: Collection[GroupState] | None = None) -> list[GroupStatus]:
         """Every non-empty group with its readiness (`ready` is computed, not stored); with `states`, only the

@@ -19,6 +19,9 @@ from typing import TypeVar
 
 from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import StaticPool
+
+from collector.engine import READ_ONLY
 
 __all__ = ["GROUP_LOCKS", "TRAJECTORY_LOCKS", "Transactions"]
 
@@ -62,6 +65,19 @@ class Transactions:
                 log.warning("transaction aborted (%s), retry %d of %d", _RETRIED[state], attempt, _ATTEMPTS - 1)
                 time.sleep(0.005 * 2**attempt)
         raise AssertionError("unreachable")
+
+    def read(self, work: Callable[[Connection], T]) -> T:
+        """`work(conn)` in a transaction that only reads.
+
+        On a SQLite file it runs beside the writer, not after it: a deferred transaction (`READ_ONLY`) on a
+        connection of its own, which in WAL mode sees the last commit and holds no write lock, so a long read
+        (assembling every trajectory for the web page) does not stall exports. Elsewhere as `run`: PostgreSQL
+        reads never block writers anyway, and SQLite in memory has one connection for every thread.
+        """
+        if self.postgres or isinstance(self.engine.pool, StaticPool):
+            return self.run(work)
+        with self.engine.connect().execution_options(**{READ_ONLY: True}) as conn, conn.begin():
+            return work(conn)
 
     def lock(self, conn: Connection, namespace: int, names: Iterable[str]) -> None:
         """Hold advisory locks on `names` until the transaction ends (PostgreSQL; SQLite needs none).

@@ -57,7 +57,15 @@ def trajectory_page(
     limit: int = 100,
     offset: int = 0,
 ) -> TrajectoryPage:
-    """Trajectories matching every filter (reward filters apply to the training reward), newest first."""
+    """Trajectories matching every filter (reward filters apply to the training reward), newest first.
+
+    Without a policy-step or reward filter, only the page's trajectories are assembled; those filters need every
+    trajectory assembled, as the training reward and the step come out of the spans and rewards.
+    """
+    if policy_step_eq is None and reward_min is None and reward_max is None:
+        page = store.trajectories(group=group, task=task, split=split, newest_first=True, limit=limit, offset=offset)
+        total = store.count_trajectories(group=group, task=task, split=split)
+        return TrajectoryPage(total=total, items=[TrajectorySummary(**_summary(t)) for t in page])
     found = store.trajectories(group=group, task=task, split=split)
     if policy_step_eq is not None:
         found = [t for t in found if policy_step(t) == policy_step_eq]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from sqlalchemy import text
 from tests.collector.span_builders import TRACE, llm, rollout, sid
 
+from collector import assembly
 from collector.errors import Conflict, InvalidRequest, NotFound
 from collector.protocol import BatchRequest, RewardIn
 from collector.schema import SCHEMA_VERSION
@@ -489,3 +492,48 @@ def test_shuffled_and_duplicated_delivery_gives_the_same_trajectories(make_store
         delivery = delivery[cut:]
     assert store.trajectories() == expected
     assert [(g.id, g.state, g.size) for g in store.groups()] == [("g", "ready", 2)]
+
+
+def test_a_long_read_does_not_hold_up_ingest(make_store, db_url, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The web page and the Langfuse push assemble every trajectory; exports must not wait for them.
+
+    SQLite in memory is left out: its one connection serves every thread, so reads and writes take turns there.
+    """
+    store = make_store()
+    if str(store.engine.url) == "sqlite://":
+        pytest.skip("SQLite in memory has one connection: reads and writes take turns")
+    store.add_spans(_trajectory(10, "r1", reward=1.0))
+    reading, finish = threading.Event(), threading.Event()
+    real_assemble = assembly.assemble
+
+    def slow_assemble(*args, **kwargs):
+        reading.set()
+        assert finish.wait(30), "the writer never let the reader finish"
+        return real_assemble(*args, **kwargs)
+
+    monkeypatch.setattr(assembly, "assemble", slow_assemble)
+    reader = threading.Thread(target=store.trajectories)
+    reader.start()
+    assert reading.wait(30)
+    writer = threading.Thread(target=store.add_spans, args=(_trajectory(20, "r2", reward=0.0),))
+    writer.start()
+    writer.join(10)
+    stalled = writer.is_alive()
+    finish.set()
+    reader.join(30)
+    writer.join(30)
+    assert not stalled, "an export waited for a read to end"
+    monkeypatch.setattr(assembly, "assemble", real_assemble)
+    assert {t.id for t in store.trajectories()} == {"r1", "r2"}
+
+
+def test_trajectories_page_newest_first_and_count(make_store, clock) -> None:
+    store = make_store()
+    for n, rollout_id in enumerate(["r1", "r2", "r3", "r4"]):
+        clock.now += 1
+        store.add_spans(_trajectory(10 * (n + 1), rollout_id, reward=float(n), group="g" if n < 2 else "h"))
+    assert [t.id for t in store.trajectories()] == ["r1", "r2", "r3", "r4"]
+    assert [t.id for t in store.trajectories(newest_first=True, limit=2, offset=1)] == ["r3", "r2"]
+    assert [t.id for t in store.trajectories(group="h", newest_first=True, limit=5)] == ["r4", "r3"]
+    assert [t.id for t in store.trajectories(offset=3)] == ["r4"]
+    assert (store.count_trajectories(), store.count_trajectories(group="g"), store.count_trajectories(task="none")) == (4, 2, 0)

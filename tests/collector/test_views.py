@@ -34,6 +34,14 @@ def test_filters(client: TestClient) -> None:
     assert ids(client, reward_min=0.1, reward_max=0.45) == ["c-0", "c-1"]
     page = client.get("/v1/view/trajectories", params={"limit": 2, "offset": 1}).json()
     assert page["total"] == 6 and len(page["items"]) == 2
+    every = [t["id"] for t in client.get("/v1/view/trajectories").json()["items"]]
+    assert every == ["c-1", "c-0", "b-1", "b-0", "a-1", "a-0"]  # newest first
+    assert [t["id"] for t in page["items"]] == every[1:3]
+    # a reward filter assembles everything and cuts the page after; it must cut the same page
+    filtered = client.get("/v1/view/trajectories", params={"reward_min": 0.0, "limit": 2, "offset": 1}).json()
+    assert filtered == page
+    tools = client.get("/v1/view/trajectories", params={"task": "tools", "limit": 1}).json()
+    assert tools["total"] == 2 and [t["id"] for t in tools["items"]] == ["c-1"]
 
 
 def test_summary_and_detail(client: TestClient) -> None:
