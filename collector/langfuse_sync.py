@@ -84,6 +84,19 @@ def _numeric(score: object) -> float | None:
     return None
 
 
+def _reward_of(score: object) -> RewardIn | None:
+    """The reward a score gives its trace, or None: text and categorical scores, session scores, and scores on a
+    trace id that is no OpenTelemetry one (logged) give none."""
+    trace_id, value = _trace_of(score), _numeric(score)
+    if trace_id is None or value is None:
+        return None
+    try:
+        return RewardIn(trace_id=trace_id, name=getattr(score, "name"), value=value)
+    except ValidationError as exc:  # a trace id that is no OpenTelemetry one, an over-long name
+        log.warning("Langfuse score %s cannot be a reward: %s; ignored", getattr(score, "id"), exc.errors()[0]["msg"])
+        return None
+
+
 class LangfuseSync:
     """Pulls scores into the store and pushes rewards to Langfuse; `sync()` does both."""
 
@@ -128,27 +141,31 @@ class LangfuseSync:
                 break
         found.sort(key=lambda score: (score.timestamp, score.updated_at))  # the latest score of a name wins
         seen = self.scoring.pulled_versions([score.id for score in found])
-        applied = unmatched = ignored = 0
+        latest: dict[tuple[str | None, str], RewardIn] = {}
+        changed: dict[tuple[str | None, str], None] = {}
+        marks = []
+        ignored = 0
         for score in found:
-            trace_id, value = _trace_of(score), _numeric(score)
-            if trace_id is None or value is None:
+            reward = _reward_of(score)
+            if reward is None:
                 ignored += 1
                 continue
+            key = (reward.trace_id, reward.name)
+            latest[key] = reward
             version = score.updated_at.isoformat()
-            if seen.get(score.id) == version:
-                continue
-            try:
-                reward = RewardIn(trace_id=trace_id, name=score.name, value=value)
-            except ValidationError as exc:  # a trace id that is no OpenTelemetry one, an over-long name
-                log.warning("Langfuse score %s cannot be a reward: %s; ignored", score.id, exc.errors()[0]["msg"])
-                ignored += 1
-                continue
-            accepted = self.store.add_reward(reward)
-            self.scoring.mark_pulled(
-                {"score_id": score.id, "updated_at": version, "trace_id": trace_id, "name": score.name, "value": value, "pulled_at": self.clock()}
-            )
+            if seen.get(score.id) != version:
+                changed[key] = None
+                marks.append({"score_id": score.id, "updated_at": version, "trace_id": reward.trace_id, "name": reward.name,
+                              "value": reward.value, "pulled_at": self.clock()})
+        # a new or edited score re-applies the latest of its trace and name: an edit to an older score must
+        # not override a newer one (the store's newest API reward of a name wins)
+        applied = unmatched = 0
+        for key in changed:
+            accepted = self.store.add_reward(latest[key])
             applied += 1
             unmatched += not accepted.trajectory_known
+        for mark in marks:
+            self.scoring.mark_pulled(mark)
         return LangfuseSyncResult(pulled=len(found), applied=applied, unmatched=unmatched, ignored=ignored, pushed=0)
 
     def push(self) -> tuple[int, int]:

@@ -57,7 +57,8 @@ def test_pull_maps_annotation_scores_to_trajectories_by_trace(
     server.add_score("custom", "human", 0.5, trace_id="checkout-42")  # Langfuse takes any trace id; no span has it
     with TestClient(app) as client:
         result = client.post("/v1/langfuse/sync").json()
-        assert result == {"pulled": 135, "applied": 132, "unmatched": 1, "ignored": 3, "pushed": 0, "push_rejected": 0}
+        # 132 usable scores on 131 (trace, name) pairs: g-0's two scores give one reward, the later one
+        assert result == {"pulled": 135, "applied": 131, "unmatched": 1, "ignored": 3, "pushed": 0, "push_rejected": 0}
         gets = [path for method, path in server.requests if method == "GET"]
         assert len(gets) == 2 and "cursor=" in gets[1] and "source=ANNOTATION" in gets[0] and "fields=subject" in gets[0]
         rewards = {t["id"]: t["rewards"] for t in client.get("/v1/trajectories", params={"group": "g"}).json()}
@@ -71,6 +72,9 @@ def test_pull_maps_annotation_scores_to_trajectories_by_trace(
         server.touch("s5", 0.99)  # a person corrects a score
         assert client.post("/v1/langfuse/sync").json()["applied"] == 1
         assert client.get("/v1/trajectories/g-5").json()["rewards"]["human"] == 0.99
+        server.touch("s0", 0.01)  # a person edits g-0's older score: the later boolean one still holds
+        assert client.post("/v1/langfuse/sync").json()["applied"] == 1
+        assert client.get("/v1/trajectories/g-0").json()["rewards"]["human"] == 1.0
 
 
 def test_push_sends_rewards_once_and_updates_changed_ones(
