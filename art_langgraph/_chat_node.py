@@ -8,6 +8,7 @@ from typing import Any
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AnyMessage, BaseMessage, SystemMessage
 from langchain_core.runnables import Runnable, RunnableBinding, RunnableConfig, RunnableLambda
+from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from art_langgraph._init_chat_model import init_chat_model
 
@@ -21,11 +22,31 @@ def _messages(state: Any) -> list[AnyMessage]:
     return list(messages)
 
 
+def _tool_name(tool: Any) -> str:
+    """The name a tool is offered to the model under (LangChain tool, function or OpenAI dict)."""
+    return str(convert_to_openai_tool(tool)["function"]["name"])
+
+
 def _bind_tools(llm: Runnable[Any, BaseMessage], tools: list[Any]) -> Runnable[Any, BaseMessage]:
-    """`bind_tools` that keeps arguments bound before (LangChain's drops them on a binding)."""
-    if isinstance(llm, RunnableBinding) and hasattr(llm.bound, "bind_tools"):
-        return llm.bound.bind_tools(tools).bind(**llm.kwargs).with_config(llm.config)  # type: ignore[no-any-return]
-    return llm.bind_tools(tools)  # type: ignore[attr-defined,no-any-return]
+    """`bind_tools` that keeps arguments bound before (LangChain's drops them on a binding).
+
+    A model that has tools bound already is used as it is when they are the same tools, and
+    refused otherwise, as LangGraph's `create_react_agent` does.
+
+    Raises:
+        ValueError: `llm` has other tools bound than `tools`.
+    """
+    if not isinstance(llm, RunnableBinding) or not hasattr(llm.bound, "bind_tools"):
+        return llm.bind_tools(tools)  # type: ignore[attr-defined,no-any-return]
+    if (bound := llm.kwargs.get("tools")) is not None:
+        have, want = sorted(map(_tool_name, bound)), sorted(map(_tool_name, tools))
+        if have != want:
+            raise ValueError(
+                f"chat_node: the model has the tools {have} bound but tools= gives {want}; give the tools once, "
+                "either chat_node(model, tools=[...]) with a model without bound tools or chat_node(model.bind_tools([...]))"
+            )
+        return llm
+    return llm.bound.bind_tools(tools).bind(**llm.kwargs).with_config(llm.config)  # type: ignore[no-any-return]
 
 
 def chat_node(
@@ -43,11 +64,16 @@ def chat_node(
         model: A chat model, a served model name, or None for `init_chat_model()` (the
             `ARTChatModel` from `ART_MODEL` / `configure`).
         tools: Tools to bind (`bind_tools`): LangChain tools, functions, or OpenAI tool dicts.
-            Arguments already bound to `model` (`model.bind(max_tokens=...)`) are kept.
+            Arguments already bound to `model` (`model.bind(max_tokens=...)`) are kept. A model
+            with tools bound already (`model.bind_tools(...)`) is used as it is when they are the
+            same tools, and refused (`ValueError`) when they differ, as in `create_react_agent`.
         system: System prompt put first when the messages do not start with one.
 
     Returns:
         A runnable node (sync and async) returning `{"messages": [reply]}`.
+
+    Raises:
+        ValueError: `model` has other tools bound than `tools`.
     """
     llm: Runnable[Any, BaseMessage]
     llm = init_chat_model(model) if model is None or isinstance(model, str) else model  # type: ignore[assignment]

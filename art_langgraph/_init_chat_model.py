@@ -21,14 +21,32 @@ from art_langgraph.errors import UnsupportedOption
 __all__ = ["ConfigurableARTChatModel", "init_chat_model"]
 
 _PROVIDERS = (None, "openai", "art")
-_DECLARATIVE = ("bind_tools", "with_structured_output", "bind")
+_LANGCHAIN_PROVIDERS = frozenset({
+    "anthropic", "anthropic_bedrock", "azure_ai", "azure_openai", "baseten", "bedrock", "bedrock_converse",
+    "bedrock_mantle_anthropic", "bedrock_mantle_openai", "cohere", "deepseek", "fireworks", "google_anthropic_vertex",
+    "google_genai", "google_vertexai", "groq", "huggingface", "ibm", "langsmith", "litellm", "meta", "mistralai",
+    "nvidia", "ollama", "openai", "openrouter", "perplexity", "together", "upstage", "xai",
+})
+"""The providers LangChain's `init_chat_model` (langchain 1.5) takes from a `provider:model` prefix;
+a test keeps this list equal to LangChain's (the plugin does not depend on `langchain` itself)."""
+_DECLARATIVE = ("bind_tools", "with_structured_output")
+
+
+def _split_provider(model: str, model_provider: str | None) -> tuple[str, str | None]:
+    """Take a `provider:` prefix off `model` as LangChain does: only a provider LangChain knows, or `art`.
+
+    Any other colon belongs to the model's name (`mymodel:v2`). Unlike LangChain, a prefix equal
+    to the given `model_provider` is taken off too.
+    """
+    prefix, _, rest = model.partition(":")
+    if rest and (prefix in _LANGCHAIN_PROVIDERS or prefix == "art") and model_provider in (None, prefix):
+        return rest, prefix
+    return model, model_provider
 
 
 def _build(model: str | None, model_provider: str | None, kwargs: dict[str, Any]) -> ARTChatModel:
-    if model and ":" in model:
-        prefix, rest = model.split(":", 1)
-        if prefix.isidentifier() and model_provider in (None, prefix):
-            model_provider, model = prefix, rest
+    if model:
+        model, model_provider = _split_provider(model, model_provider)
     if model_provider not in _PROVIDERS:
         raise UnsupportedOption(
             f"model_provider={model_provider!r}",
@@ -53,9 +71,10 @@ def init_chat_model(
 
     Args:
         model: Served model name (`name@latest`, `name@step`, the base name); default
-            `ART_MODEL`. An `openai:` or `art:` prefix is accepted and stripped. Unlike LangChain,
-            no model is not an error: the default model is used (and nothing is configurable
-            unless `configurable_fields` says so).
+            `ART_MODEL`. An `openai:` or `art:` prefix is accepted and stripped; another provider
+            LangChain knows (`anthropic:claude`) is refused; any other colon is part of the name
+            (`mymodel:v2`), as in LangChain. Unlike LangChain, no model is not an error: the
+            default model is used (and nothing is configurable unless `configurable_fields` says so).
         model_provider: `openai`, `art` or None; any other provider is refused.
         configurable_fields: Fields settable per call through `config["configurable"]`:
             `"any"` or a list such as `["model", "temperature"]`. With it, a
@@ -81,8 +100,9 @@ def init_chat_model(
 class ConfigurableARTChatModel(Runnable[LanguageModelInput, Any]):
     """An `ARTChatModel` built per call from `config["configurable"]` (LangChain's semantics).
 
-    `bind_tools`, `with_structured_output` and `bind` are recorded and replayed on the model
-    built for each call; `with_config(configurable=...)` fixes values for later calls.
+    `bind_tools` and `with_structured_output` are recorded and replayed on the model built for each
+    call (`bind(...)` is `Runnable.bind`: its arguments reach each call); `with_config(configurable=...)`
+    fixes values for later calls.
     """
 
     def __init__(

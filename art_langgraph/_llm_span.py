@@ -1,78 +1,160 @@
-"""One `llm` span per chat-model call: request attributes up front, result attributes at the end."""
+"""One `llm` span per chat-model call: request attributes up front, result attributes at the end.
+
+Recording never raises into the app (a call that succeeds with `ChatOpenAI` succeeds here): an
+error while recording is logged with its traceback and counted (`recording_errors()`).
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 from uuid import UUID
 
 from langchain_core.messages import AIMessage
-from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_openai.chat_models.base import _convert_message_to_dict
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from art_langgraph import semconv
 from art_langgraph._graph_tracing import placement_of
 from art_langgraph._rollout import current_rollout
-from art_langgraph._token_data import ART_METADATA_KEY
+from art_langgraph._token_data import ART_METADATA_KEY, STREAM_PIECE_KEY, ArtTokenData, StreamTokens
 from art_langgraph._tracing import get_tracer
 
-__all__ = ["LLMSpan", "llm_span"]
+__all__ = ["LLMSpan", "llm_span", "recording_errors", "recording_guard"]
+
+_logger = logging.getLogger(__name__)
+_errors = 0
+_errors_lock = threading.Lock()
+
+
+def recording_errors() -> int:
+    """Number of errors caught while recording model calls (each logged with its traceback)."""
+    return _errors
+
+
+@contextmanager
+def recording_guard(what: str) -> Iterator[None]:
+    """Log and count an error raised while recording `what`, instead of raising it into the app."""
+    global _errors
+    try:
+        yield
+    except Exception:
+        with _errors_lock:
+            _errors += 1
+        _logger.exception("art_langgraph: could not record %s; the model call itself is unaffected", what)
 
 
 def _json(value: Any) -> str:
     return json.dumps(value, default=str, ensure_ascii=False)
 
 
-class LLMSpan:
-    """Records a call's result on its span (and on sibling spans for choices beyond the first)."""
+def _add(left: ChatGenerationChunk | None, right: ChatGenerationChunk) -> ChatGenerationChunk:
+    """`left + right`, or `right` when there is no `left` yet (a new chunk: neither is modified)."""
+    return right if left is None else left + right
 
-    def __init__(self, span: Span, request_attributes: dict[str, Any]) -> None:
+
+class LLMSpan:
+    """The `llm` span of one call; each choice beyond the first gets a sibling span started alike."""
+
+    def __init__(
+        self, span: Span, name: str, parent: otel_context.Context, start_time: int, request_attributes: dict[str, Any]
+    ) -> None:
         self.span = span
+        self._name = name
+        self._parent = parent
+        self._start_time = start_time
         self._request_attributes = request_attributes
+        self._tokens = StreamTokens()
+        self._choices: dict[int, ChatGenerationChunk] = {}
+        self._shared: ChatGenerationChunk | None = None
+        """Stream chunks of no choice (the usage chunk, a structured stream's final completion)."""
 
     def record_result(self, result: ChatResult) -> None:
-        """Set response attributes from a `ChatResult`; choice i>0 gets a sibling span."""
-        llm_output = result.llm_output or {}
-        for i, generation in enumerate(result.generations):
-            if i == 0:
-                self._record_generation(self.span, generation, llm_output)
-                continue
-            extra = get_tracer().start_span(self.span.name, attributes=self._request_attributes)  # type: ignore[attr-defined]
-            self._record_generation(extra, generation, llm_output)
-            extra.end()
+        """Record a `ChatResult`: one span per choice, with the token data on its message."""
+        with recording_guard("a model call's result"):
+            choices = [(g, g.message.response_metadata.get(ART_METADATA_KEY)) for g in result.generations]
+            self._record_choices(choices, result.llm_output or {})
 
-    def record_generation(self, generation: ChatGeneration) -> None:
-        """Set response attributes from one (possibly aggregated streamed) generation."""
-        self._record_generation(self.span, generation, {})
+    def add_chunk(self, chunk: ChatGenerationChunk) -> ChatGenerationChunk:
+        """Take in one stream chunk (kept per choice) and return it with its part of the token data.
 
-    @staticmethod
-    def _record_generation(span: Span, generation: ChatGeneration, llm_output: dict[str, Any]) -> None:
-        message = generation.message
-        info = {**(generation.generation_info or {}), **message.response_metadata}
-        attrs: dict[str, Any] = {}
-        if model := llm_output.get("model_name") or info.get("model_name"):
-            attrs[semconv.GEN_AI_RESPONSE_MODEL] = model
-        response_id = llm_output.get("id") or message.id
-        if response_id and not response_id.startswith("lc_"):  # skip LangChain's run ids
-            attrs[semconv.GEN_AI_RESPONSE_ID] = response_id
-        if finish := info.get("finish_reason"):
-            attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = [finish]
-        if isinstance(message, AIMessage):
-            if usage := message.usage_metadata:
-                attrs[semconv.GEN_AI_USAGE_INPUT_TOKENS] = usage["input_tokens"]
-                attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = usage["output_tokens"]
-            out = _convert_message_to_dict(AIMessage(content=message.content, tool_calls=message.tool_calls))
-            attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = _json([out])
-        if art := info.get(ART_METADATA_KEY):
-            attrs[semconv.PROMPT_TOKEN_IDS] = list(art["prompt_token_ids"])
-            attrs[semconv.COMPLETION_TOKEN_IDS] = list(art["completion_token_ids"])
-            attrs[semconv.COMPLETION_LOGPROBS] = [float(x) for x in art["logprobs"]]
-            attrs[semconv.POLICY_STEP] = int(art["policy_step"])
-        span.set_attributes(attrs)
+        The chunk's `StreamPiece` (set by `ARTChatModel`'s chunk converter) is removed from it.
+        """
+        piece = chunk.message.response_metadata.pop(STREAM_PIECE_KEY, None)
+        with recording_guard("a stream chunk"):
+            if piece is not None and (part := self._tokens.add(piece)):
+                chunk.message.response_metadata[ART_METADATA_KEY] = part
+            if piece is None or piece["index"] is None:
+                self._shared = _add(self._shared, chunk)
+            else:
+                self._choices[piece["index"]] = _add(self._choices.get(piece["index"]), chunk)
+        return chunk
+
+    def record_stream(self) -> None:
+        """Record the chunks taken in: one span per choice."""
+        with recording_guard("a streamed result"):
+            streamed = self._streamed()
+            self._record_choices([(streamed[i], self._tokens.token_data(i)) for i in sorted(streamed)], {})
+
+    def _streamed(self) -> dict[int, ChatGenerationChunk]:
+        """Each choice's streamed message, with the chunks of no choice added to every one."""
+        if not self._choices:
+            return {0: self._shared} if self._shared is not None else {}
+        if self._shared is None:
+            return self._choices
+        return {i: chunk + self._shared for i, chunk in self._choices.items()}
+
+    def _record_choices(self, choices: Sequence[tuple[ChatGeneration, ArtTokenData | None]], llm_output: dict[str, Any]) -> None:
+        for i, (generation, art) in enumerate(choices):
+            span = self.span if i == 0 else self._sibling()
+            try:
+                _set_result(span, generation, art, llm_output)
+            finally:
+                if span is not self.span:
+                    span.end()
+
+    def _sibling(self) -> Span:
+        """A span for another choice of the same call: same parent, name, request and start time."""
+        return get_tracer().start_span(
+            self._name,
+            context=self._parent,
+            attributes=self._request_attributes,
+            start_time=self._start_time,
+        )
+
+
+def _set_result(span: Span, generation: ChatGeneration, art: ArtTokenData | None, llm_output: dict[str, Any]) -> None:
+    """Set one choice's response attributes; token attributes only when the engine sent ids."""
+    message = generation.message
+    info = {**(generation.generation_info or {}), **message.response_metadata}
+    attrs: dict[str, Any] = {}
+    if model := llm_output.get("model_name") or info.get("model_name"):
+        attrs[semconv.GEN_AI_RESPONSE_MODEL] = model
+    response_id = llm_output.get("id") or message.id
+    if response_id and not response_id.startswith("lc_"):  # skip LangChain's run ids
+        attrs[semconv.GEN_AI_RESPONSE_ID] = response_id
+    if finish := info.get("finish_reason"):
+        attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = [finish]
+    if isinstance(message, AIMessage):
+        if usage := message.usage_metadata:
+            attrs[semconv.GEN_AI_USAGE_INPUT_TOKENS] = usage["input_tokens"]
+            attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = usage["output_tokens"]
+        out = _convert_message_to_dict(AIMessage(content=message.content, tool_calls=message.tool_calls))
+        attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = _json([out])
+    if art is not None:
+        attrs[semconv.PROMPT_TOKEN_IDS] = list(art["prompt_token_ids"])
+        attrs[semconv.COMPLETION_TOKEN_IDS] = list(art["completion_token_ids"])
+        attrs[semconv.COMPLETION_LOGPROBS] = [float(x) for x in art["logprobs"]]
+        attrs[semconv.POLICY_STEP] = int(art["policy_step"])
+    span.set_attributes(attrs)
 
 
 @contextmanager
@@ -81,7 +163,8 @@ def llm_span(payload: dict[str, Any], parent_run_id: UUID | None = None) -> Iter
 
     The span hangs under the run that called the model (its node span, or the rollout span)
     when the graph tracer knows that run; otherwise under the current OpenTelemetry context,
-    with the rollout of the current `rollout(...)`, if any.
+    with the rollout of the current `rollout(...)`, if any. A failed call's span also gets
+    `error.type` (`semconv.ERROR_TYPE`), the exception's class name: it sampled nothing to train on.
 
     Args:
         payload: The OpenAI request payload the chat model is about to send.
@@ -97,19 +180,21 @@ def llm_span(payload: dict[str, Any], parent_run_id: UUID | None = None) -> Iter
     }
     if tools := payload.get("tools"):
         attrs[semconv.GEN_AI_TOOL_DEFINITIONS] = _json(tools)
-    context = None
+    parent = otel_context.get_current()
     if (placement := placement_of(parent_run_id)) is not None:
         attrs.update(placement.rollout.span_attributes())
-        context = trace.set_span_in_context(placement.parent)
+        parent = trace.set_span_in_context(placement.parent)
     elif (current := current_rollout()) is not None:
         attrs.update(current.span_attributes())
-    span = get_tracer().start_span(f"chat {model}", context=context, attributes=attrs)
+    name, start_time = f"chat {model}", time.time_ns()
+    span = get_tracer().start_span(name, context=parent, attributes=attrs, start_time=start_time)
     try:
-        yield LLMSpan(span, attrs)
+        yield LLMSpan(span, name, parent, start_time, attrs)
     except GeneratorExit:  # a consumer stopped reading a stream: not an error
         raise
     except BaseException as exc:
         span.record_exception(exc)
+        span.set_attribute(semconv.ERROR_TYPE, type(exc).__name__)
         span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
         raise
     finally:

@@ -1,7 +1,8 @@
 """Plugin settings, read from the environment (prefix `ART_`) and overridable by `configure`.
 
 The standard `OTEL_EXPORTER_OTLP_*` variables are read by the OTLP exporter itself; this module
-only uses `OTEL_EXPORTER_OTLP_ENDPOINT` as a fallback for the collector's base URL.
+only uses `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` and `OTEL_EXPORTER_OTLP_ENDPOINT` as fallbacks for
+the collector's base URL (where late rewards go).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ __all__ = ["Settings", "get_settings", "update_settings"]
 DEFAULT_COLLECTOR_URL = "http://localhost:4318"
 DEFAULT_TRAINER_URL = "http://localhost:8000/v1"
 DEFAULT_MODEL = "agent@latest"
+TRACES_PATH = "/v1/traces"
+"""Path of the OTLP/HTTP traces endpoint under the collector's base URL."""
 
 
 class Settings(BaseSettings):
@@ -71,10 +74,13 @@ class Settings(BaseSettings):
 
     @property
     def collector_base_url(self) -> str:
-        """The collector's base URL, without a trailing slash and without `/v1/traces`."""
-        url = self.collector_url or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or (
-            DEFAULT_COLLECTOR_URL
-        )
+        """The collector's base URL, without a trailing slash and without `/v1/traces`.
+
+        The first of `ART_COLLECTOR_URL`, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (the traces URL
+        itself, so `/v1/traces` is taken off), `OTEL_EXPORTER_OTLP_ENDPOINT`: where the spans go.
+        """
+        traces = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").rstrip("/").removesuffix(TRACES_PATH)
+        url = self.collector_url or traces or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or DEFAULT_COLLECTOR_URL
         return url.rstrip("/")
 
 

@@ -1,18 +1,37 @@
 """What the engine returned beyond the OpenAI schema: token ids, sampled logprobs, policy step.
 
-vLLM with `return_token_ids` puts `prompt_token_ids` at the top level of a response (first
-chunk when streaming) and `token_ids` in each choice (each content chunk when streaming);
-`logprobs=True` gives `choices[i].logprobs.content[j].logprob` per sampled token.
+vLLM with `return_token_ids` puts `prompt_token_ids` at the top level of a response (of each
+choice's first chunk when streaming) and `token_ids` in each choice (each content chunk when
+streaming, the chunk's choice named by its `index`); `logprobs=True` gives
+`choices[i].logprobs.content[j].logprob` per sampled token. An OpenAI-compatible engine that
+ignores `return_token_ids` sends no ids: no token data is recorded then, and a warning (once per
+model) says that those trajectories will be re-tokenized for training.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any, TypedDict
 
-__all__ = ["ART_METADATA_KEY", "ArtTokenData", "chunk_token_data", "choice_token_data", "policy_step"]
+__all__ = [
+    "ART_METADATA_KEY",
+    "STREAM_PIECE_KEY",
+    "ArtTokenData",
+    "StreamPiece",
+    "StreamTokens",
+    "choice_token_data",
+    "policy_step",
+    "stream_piece",
+]
+
+_logger = logging.getLogger(__name__)
 
 ART_METADATA_KEY = "art"
 """Key of `AIMessage.response_metadata` that holds an `ArtTokenData`."""
+STREAM_PIECE_KEY = "_art_piece"
+"""Private `response_metadata` key that carries a chunk's `StreamPiece` from `ARTChatModel`'s chunk
+converter to its stream wrapper, which removes it before the chunk reaches the caller."""
 
 
 class ArtTokenData(TypedDict):
@@ -28,6 +47,21 @@ class ArtTokenData(TypedDict):
     """Checkpoint step from the response model name `name@step`; 0 for anything else."""
 
 
+class StreamPiece(TypedDict):
+    """The token data one stream chunk carries (plain JSON values: it rides on the chunk's metadata)."""
+
+    index: int | None
+    """The choice the chunk belongs to; None for a chunk of no choice (the usage chunk)."""
+    model: str | None
+    """The model that answered."""
+    prompt_token_ids: list[int] | None
+    """The prompt's ids, on the first chunk (of each choice, for vLLM); None elsewhere."""
+    completion_token_ids: list[int] | None
+    """The ids sampled in this chunk; None when the chunk has no `token_ids`."""
+    logprobs: list[float]
+    """The sampled logprobs of this chunk's tokens."""
+
+
 def policy_step(model_name: str | None) -> int:
     """Parse the checkpoint step from a served model name (`agent@12` → 12, else 0)."""
     if not model_name or "@" not in model_name:
@@ -36,30 +70,114 @@ def policy_step(model_name: str | None) -> int:
     return int(suffix) if suffix.isdigit() else 0
 
 
+_warned_models: set[str | None] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_no_token_ids(model: str | None) -> None:
+    """Say once per model that its engine sent no token ids (so nothing is token-exact)."""
+    with _warned_lock:
+        if model in _warned_models:
+            return
+        _warned_models.add(model)
+    _logger.warning(
+        "art_langgraph: the engine serving %r returned no token ids (it ignores `return_token_ids`), so its "
+        "trajectories will be re-tokenized for training (not token-exact); serve the model with vLLM (the ART "
+        "trainer) to train on the exact tokens.",
+        model,
+    )
+
+
+def _build_token_data(
+    model: str | None, prompt: list[int] | None, completion: list[int] | None, logprobs: list[float]
+) -> ArtTokenData | None:
+    """Token data of one choice, or None when ids are missing (warned when even the prompt's are)."""
+    if prompt is None:
+        _warn_no_token_ids(model)
+    if prompt is None or completion is None:
+        return None
+    return ArtTokenData(
+        prompt_token_ids=list(prompt),
+        completion_token_ids=list(completion),
+        logprobs=logprobs,
+        policy_step=policy_step(model),
+    )
+
+
 def _logprobs(choice: dict[str, Any]) -> list[float]:
     content = (choice.get("logprobs") or {}).get("content") or []
     return [float(item["logprob"]) for item in content]
 
 
-def choice_token_data(response: dict[str, Any], choice: dict[str, Any]) -> ArtTokenData:
-    """Token data of one choice of a non-streamed chat completion (as a dict)."""
-    return ArtTokenData(
-        prompt_token_ids=list(response.get("prompt_token_ids") or []),
-        completion_token_ids=list(choice.get("token_ids") or []),
+def choice_token_data(response: dict[str, Any], choice: dict[str, Any]) -> ArtTokenData | None:
+    """Token data of one choice of a non-streamed chat completion (as a dict); None without ids.
+
+    The final completion the OpenAI client assembles from a structured-output stream has the
+    prompt's ids but not the choice's: None, without a warning (the chunks carried them).
+    """
+    return _build_token_data(response.get("model"), response.get("prompt_token_ids"), choice.get("token_ids"), _logprobs(choice))
+
+
+def _unwrap(event: dict[str, Any]) -> dict[str, Any] | None:
+    """The chat-completion chunk of a stream event; None for an event that is not one.
+
+    A plain stream sends chunks as they are. `beta.chat.completions.stream` (LangChain's path for
+    a `response_format`, i.e. structured output) wraps each as `{"type": "chunk", "chunk": {...}}`
+    and adds events of other types (`content.delta`, ...) that repeat what the chunks hold.
+    """
+    if "type" not in event:
+        return event
+    inner = event.get("chunk")
+    return inner if event["type"] == "chunk" and isinstance(inner, dict) else None
+
+
+def stream_piece(event: dict[str, Any]) -> StreamPiece | None:
+    """The token data one stream event carries; None for an event that is not a chunk."""
+    chunk = _unwrap(event)
+    if chunk is None:
+        return None
+    choices = chunk.get("choices") or []
+    choice = choices[0] if choices else {}  # one choice per chunk; LangChain reads the first too
+    prompt, completion = chunk.get("prompt_token_ids"), choice.get("token_ids")
+    return StreamPiece(
+        index=int(choice.get("index") or 0) if choices else None,
+        model=chunk.get("model"),
+        prompt_token_ids=list(prompt) if prompt is not None else None,
+        completion_token_ids=list(completion) if completion is not None else None,
         logprobs=_logprobs(choice),
-        policy_step=policy_step(response.get("model")),
     )
 
 
-def chunk_token_data(chunk: dict[str, Any]) -> dict[str, list[int] | list[float]]:
-    """The part of the token data one stream chunk carries (lists to concatenate).
+class StreamTokens:
+    """Token data of one streamed call, gathered per choice from its chunks' `StreamPiece`s."""
 
-    No `policy_step` here: merging chunk metadata sums integers; the stream wrapper adds it once.
-    """
-    choices = chunk.get("choices") or []
-    choice = choices[0] if choices else {}
-    return {
-        "prompt_token_ids": list(chunk.get("prompt_token_ids") or []),
-        "completion_token_ids": list(choice.get("token_ids") or []),
-        "logprobs": _logprobs(choice),
-    }
+    def __init__(self) -> None:
+        self._model: str | None = None
+        self._prompt: list[int] | None = None
+        self._completion: dict[int, list[int]] = {}
+        self._logprobs: dict[int, list[float]] = {}
+        self._step_given = False
+
+    def add(self, piece: StreamPiece) -> dict[str, Any]:
+        """Take in one chunk's piece; return what goes on that chunk's `response_metadata["art"]`.
+
+        LangChain concatenates lists and adds up integers when it adds chunks, so the prompt ids
+        (sent again with each choice) and the policy step go on one chunk only: the aggregated
+        message then holds each once, and its completion ids and logprobs in stream order.
+        """
+        self._model = self._model or piece["model"]
+        part: dict[str, Any] = {}
+        if piece["prompt_token_ids"] is not None and self._prompt is None:
+            self._prompt = part["prompt_token_ids"] = piece["prompt_token_ids"]
+        if piece["completion_token_ids"] is not None and piece["index"] is not None:
+            self._completion.setdefault(piece["index"], []).extend(piece["completion_token_ids"])
+            self._logprobs.setdefault(piece["index"], []).extend(piece["logprobs"])
+            part["completion_token_ids"], part["logprobs"] = piece["completion_token_ids"], piece["logprobs"]
+        if part and not self._step_given:
+            part["policy_step"] = policy_step(self._model)
+            self._step_given = True
+        return part
+
+    def token_data(self, index: int) -> ArtTokenData | None:
+        """Choice `index`'s token data; None when the engine sent no ids for it."""
+        return _build_token_data(self._model, self._prompt, self._completion.get(index), self._logprobs.get(index, []))

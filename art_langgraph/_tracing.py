@@ -12,7 +12,7 @@ import base64
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import Tracer
 
-from art_langgraph._settings import Settings, get_settings, update_settings
+from art_langgraph._settings import TRACES_PATH, Settings, get_settings, update_settings
 
 __all__ = [
     "configure",
@@ -111,7 +111,7 @@ _state: _State | None = None
 
 
 def _otlp_exporter(settings: Settings) -> OTLPSpanExporter:
-    endpoint = f"{settings.collector_url.rstrip('/')}/v1/traces" if settings.collector_url else None
+    endpoint = f"{settings.collector_url.rstrip('/')}{TRACES_PATH}" if settings.collector_url else None
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else None
     compression = None if any(os.environ.get(v) for v in _COMPRESSION_ENV) else Compression.Gzip
     # endpoint=None lets OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT decide (default localhost:4318).
@@ -164,7 +164,7 @@ def configure(
     trainer_url: str | None = None,
     model: str | None = None,
     api_key: str | None = None,
-    langfuse: bool = False,
+    langfuse: bool | None = None,
     max_queue_size: int | None = None,
 ) -> None:
     """Set up tracing and the default trainer endpoint; arguments override `ART_*` variables.
@@ -180,7 +180,8 @@ def configure(
         langfuse: Also send every span, with the same trace id, to Langfuse's OTLP endpoint
             `{LANGFUSE_BASE_URL}/api/public/otel/v1/traces` (Basic auth from
             `LANGFUSE_PUBLIC_KEY` / `LANGFUSE_SECRET_KEY`; `LANGFUSE_HOST` is read too).
-            `ART_LANGFUSE=true` does the same without code.
+            `ART_LANGFUSE=true` does the same without code; `False` turns it off whatever
+            `ART_LANGFUSE` says, None (the default) leaves it to `ART_LANGFUSE`.
         max_queue_size: Spans held per destination while waiting for export (default
             `ART_MAX_QUEUE_SIZE`, 2048); past it, spans are dropped, counted and logged.
 
@@ -193,7 +194,7 @@ def configure(
         trainer_url=trainer_url,
         model=model,
         api_key=api_key,
-        langfuse=langfuse or None,
+        langfuse=langfuse,
         max_queue_size=max_queue_size,
     )
     exporters = [_CountingExporter(_otlp_exporter(settings), "collector")]
@@ -201,12 +202,13 @@ def configure(
         exporters.append(_CountingExporter(_langfuse_exporter(), "langfuse"))
     provider = TracerProvider(
         resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "art-langgraph")}),
-        shutdown_on_exit=False,  # our own atexit hook below flushes with a bound
+        shutdown_on_exit=False,  # our own exit hook (`_ExitFlush`) flushes with a bound
     )
     for exporter in exporters:
         provider.add_span_processor(_BoundedProcessor(exporter, settings.max_queue_size))
     with _lock:
         old, _state = _state, _State(provider, exporters)
+        _exit_flush.arm()
     if old is not None:
         _bounded(old.provider.shutdown, timeout=5.0)
 
@@ -246,20 +248,23 @@ def dropped_spans() -> int:
         return sum(e.dropped for e in _state.exporters) if _state else 0
 
 
-def _bounded(fn: object, timeout: float) -> bool:
+def _run_logged(fn: Callable[[], object]) -> bool:
+    """Call `fn()`; False when it returned False or raised (logged with the traceback)."""
+    try:
+        return fn() is not False
+    except Exception:
+        _logger.exception("art_langgraph: tracing flush/shutdown failed")
+        return False
+
+
+def _bounded(fn: Callable[[], object], timeout: float) -> bool:
     """Run `fn()` in a daemon thread and wait at most `timeout` seconds; True if it finished."""
     done = threading.Event()
     ok: list[bool] = []
 
     def run() -> None:
-        try:
-            result = fn()  # type: ignore[operator]
-            ok.append(result is not False)
-        except Exception:
-            _logger.exception("art_langgraph: tracing flush/shutdown failed")
-            ok.append(False)
-        finally:
-            done.set()
+        ok.append(_run_logged(fn))
+        done.set()
 
     threading.Thread(target=run, name="art-langgraph-flush", daemon=True).start()
     return done.wait(timeout) and all(ok)
@@ -281,18 +286,62 @@ def flush(timeout: float = 5.0) -> bool:
     return _bounded(lambda: state.provider.force_flush(int(timeout * 1000)), timeout)
 
 
-def shutdown(timeout: float = 5.0) -> None:
-    """Flush and stop the pipeline (bounded); the next span configures a new one from env."""
+def _take_state() -> _State | None:
+    """Detach the current pipeline (the next span configures a new one) and return it."""
     global _state
     with _lock:
         state, _state = _state, None
-    if state is not None:
+    return state
+
+
+def shutdown(timeout: float = 5.0) -> None:
+    """Flush and stop the pipeline (bounded); the next span configures a new one from env."""
+    if (state := _take_state()) is not None:
         _bounded(state.provider.shutdown, timeout)
 
 
-def _flush_at_exit() -> None:
-    """Export what is left when the interpreter exits, waiting at most `ART_EXIT_FLUSH_TIMEOUT` s."""
-    shutdown(timeout=get_settings().exit_flush_timeout)
+class _ExitFlush:
+    """The exit hook: exports what is left, waiting at most `ART_EXIT_FLUSH_TIMEOUT` seconds.
+
+    The wait is bounded by running the shutdown on another thread. From Python 3.12 no thread can
+    start once the interpreter is exiting (atexit handlers included), so that thread is started
+    with the pipeline (`arm`) and waits for the hook.
+    """
+
+    def __init__(self) -> None:
+        self._exiting = threading.Event()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def arm(self) -> None:
+        """Start the waiting thread, once per process (`configure` calls it)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._shut_down_at_exit, name="art-langgraph-exit", daemon=True)
+            self._thread.start()
+
+    def after_fork(self) -> None:
+        """In a forked child, which has no copy of the thread: start its own if the parent had one."""
+        armed, self._thread = self._thread is not None, None
+        self._exiting, self._done = threading.Event(), threading.Event()
+        if armed:
+            self.arm()
+
+    def _shut_down_at_exit(self) -> None:
+        self._exiting.wait()
+        if (state := _take_state()) is not None:
+            _run_logged(state.provider.shutdown)
+        self._done.set()
+
+    def __call__(self) -> None:
+        """Wake the waiting thread and give it at most `ART_EXIT_FLUSH_TIMEOUT` seconds."""
+        if self._thread is None:
+            return
+        self._exiting.set()
+        if not self._done.wait(get_settings().exit_flush_timeout):
+            _logger.warning("art_langgraph: spans still queued at exit were not all exported in time")
 
 
-atexit.register(_flush_at_exit)
+_exit_flush = _ExitFlush()
+atexit.register(_exit_flush)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_exit_flush.after_fork)

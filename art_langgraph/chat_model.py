@@ -1,7 +1,8 @@
 """`ARTChatModel`: LangChain's `ChatOpenAI`, pointed at the trainer, recording exact tokens.
 
 Every call asks the engine for logprobs and token ids, keeps them on the returned message as
-`response_metadata["art"]` (see `ArtTokenData`) and records one `llm` span.
+`response_metadata["art"]` (see `ArtTokenData`; absent when the engine sent no ids) and records
+one `llm` span per choice.
 """
 
 from __future__ import annotations
@@ -11,21 +12,22 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 from uuid import UUID
 
-from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, BaseCallbackManager, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.messages.tool import InvalidToolCall, invalid_tool_call
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
+from langchain_core.runnables.config import var_child_runnable_config
 from langchain_openai import ChatOpenAI
 from pydantic import model_validator
 
 from art_langgraph import semconv
-from art_langgraph._llm_span import llm_span
-from art_langgraph.errors import UnsupportedOption
+from art_langgraph._llm_span import llm_span, recording_guard
 from art_langgraph._settings import get_settings
-from art_langgraph._token_data import ART_METADATA_KEY, chunk_token_data, choice_token_data, policy_step
+from art_langgraph._token_data import ART_METADATA_KEY, STREAM_PIECE_KEY, StreamPiece, choice_token_data, stream_piece
+from art_langgraph.errors import UnsupportedOption
 
 __all__ = ["ARTChatModel", "check_options"]
 
@@ -52,26 +54,15 @@ def check_options(values: dict[str, Any]) -> None:
 
 
 def _parent(run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None) -> UUID | None:
-    """The LangChain run that called the model (where its span hangs), if known."""
-    return run_manager.parent_run_id if run_manager is not None else None
+    """The LangChain run that called the model (where its span hangs), if known.
 
-
-class _StreamTokens:
-    """Gathers token data across stream chunks; puts `policy_step` on the first chunk only."""
-
-    def __init__(self) -> None:
-        self.aggregate: ChatGenerationChunk | None = None
-        self._step_given = False
-
-    def add(self, chunk: ChatGenerationChunk) -> ChatGenerationChunk:
-        art = chunk.message.response_metadata.get(ART_METADATA_KEY)
-        model = chunk.message.response_metadata.pop("_art_model", None)
-        if art is not None:
-            if model is not None and not self._step_given:
-                art["policy_step"] = policy_step(model)
-                self._step_given = True
-        self.aggregate = chunk if self.aggregate is None else self.aggregate + chunk
-        return chunk
+    LangChain gives `_generate` its run manager but calls `_stream` without one; the caller is
+    then the run whose config LangChain keeps current (a graph node, a sequence).
+    """
+    if run_manager is not None:
+        return run_manager.parent_run_id
+    callbacks = (var_child_runnable_config.get() or {}).get("callbacks")
+    return callbacks.parent_run_id if isinstance(callbacks, BaseCallbackManager) else None
 
 
 class ARTChatModel(ChatOpenAI):
@@ -79,7 +70,8 @@ class ARTChatModel(ChatOpenAI):
 
     Defaults come from `configure(...)` / `ART_TRAINER_URL`, `ART_MODEL`, `ART_API_KEY`
     (api key `"EMPTY"` when none). The returned `AIMessage.response_metadata["art"]` holds
-    `prompt_token_ids`, `completion_token_ids`, `logprobs` and `policy_step`.
+    `prompt_token_ids`, `completion_token_ids`, `logprobs` and `policy_step` (no `"art"` when the
+    engine ignores `return_token_ids`).
     """
 
     logprobs: bool | None = True
@@ -156,7 +148,9 @@ class ARTChatModel(ChatOpenAI):
         for index, (generation, choice) in enumerate(zip(result.generations, response_dict.get("choices") or [], strict=False)):
             # ChatOpenAI shares one generation_info dict across choices; give each its own.
             generation.generation_info = dict(generation.generation_info or {})
-            generation.message.response_metadata[ART_METADATA_KEY] = choice_token_data(response_dict, choice)
+            with recording_guard("a response's token data"):
+                if (art := choice_token_data(response_dict, choice)) is not None:
+                    generation.message.response_metadata[ART_METADATA_KEY] = art
             if isinstance(generation.message, AIMessage):
                 generation.message.invalid_tool_calls.extend(not_objects.get(index, []))
         return result
@@ -167,15 +161,18 @@ class ARTChatModel(ChatOpenAI):
         default_chunk_class: type,
         base_generation_info: dict | None,
     ) -> ChatGenerationChunk | None:
+        """LangChain's chunk, carrying the event's `StreamPiece` to the stream wrapper (`LLMSpan.add_chunk`)."""
         generation_chunk = super()._convert_chunk_to_generation_chunk(chunk, default_chunk_class, base_generation_info)
-        data = chunk_token_data(chunk)
+        piece: StreamPiece | None = None
+        with recording_guard("a stream chunk's token data"):
+            piece = stream_piece(chunk)
+        if piece is None:
+            return generation_chunk
         if generation_chunk is None:
-            if not any(data.values()):
+            if piece["prompt_token_ids"] is None and piece["completion_token_ids"] is None:
                 return None
             generation_chunk = ChatGenerationChunk(message=default_chunk_class(content=""))
-        generation_chunk.message.response_metadata[ART_METADATA_KEY] = data
-        if model := chunk.get("model"):
-            generation_chunk.message.response_metadata["_art_model"] = model
+        generation_chunk.message.response_metadata[STREAM_PIECE_KEY] = piece
         return generation_chunk
 
     def _generate(
@@ -209,14 +206,12 @@ class ARTChatModel(ChatOpenAI):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        tokens = _StreamTokens()
         with llm_span(self._get_request_payload(messages, stop=stop, **kwargs), _parent(run_manager)) as span:
             try:
                 for chunk in super()._stream(messages, stop=stop, run_manager=run_manager, **kwargs):
-                    yield tokens.add(chunk)
+                    yield span.add_chunk(chunk)
             finally:
-                if tokens.aggregate is not None:
-                    span.record_generation(tokens.aggregate)
+                span.record_stream()
 
     async def _astream(
         self,
@@ -225,14 +220,12 @@ class ARTChatModel(ChatOpenAI):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        tokens = _StreamTokens()
         with llm_span(self._get_request_payload(messages, stop=stop, **kwargs), _parent(run_manager)) as span:
             try:
                 async for chunk in super()._astream(messages, stop=stop, run_manager=run_manager, **kwargs):
-                    yield tokens.add(chunk)
+                    yield span.add_chunk(chunk)
             finally:
-                if tokens.aggregate is not None:
-                    span.record_generation(tokens.aggregate)
+                span.record_stream()
 
 
 def _set_aside_non_object_arguments(response: dict[str, Any]) -> tuple[dict[str, Any], dict[int, list[InvalidToolCall]]]:

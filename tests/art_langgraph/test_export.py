@@ -72,6 +72,22 @@ def test_langfuse_fan_out_same_trace(receivers, monkeypatch, base_var: str) -> N
     assert {a.key: a.value.string_value for a in theirs.attributes}[semconv.ROLLOUT_ID] == run.id
 
 
+@pytest.mark.parametrize(("langfuse", "to_langfuse"), [(None, True), (False, False)])
+def test_configure_langfuse_overrides_art_langfuse(receivers, monkeypatch, langfuse, to_langfuse: bool) -> None:
+    """`ART_LANGFUSE=true` sends spans to Langfuse unless `configure(langfuse=False)` says otherwise."""
+    collector, langfuse_receiver = receivers
+    monkeypatch.setenv("ART_LANGFUSE", "true")
+    monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", "pk-lf-test")
+    monkeypatch.setenv("LANGFUSE_SECRET_KEY", "sk-lf-test")
+    monkeypatch.setenv("LANGFUSE_BASE_URL", langfuse_receiver.url)
+    art_langgraph.configure(collector_url=collector.url, langfuse=langfuse)
+    with rollout("switch"):
+        pass
+    assert art_langgraph.flush(timeout=10)
+    assert len(collector.spans()) == 1
+    assert len(langfuse_receiver.spans()) == (1 if to_langfuse else 0)
+
+
 def test_langfuse_without_keys_is_refused(monkeypatch, memory_tracing) -> None:
     monkeypatch.delenv("LANGFUSE_PUBLIC_KEY", raising=False)
     with pytest.raises(ValueError, match="LANGFUSE_PUBLIC_KEY"):
@@ -107,7 +123,17 @@ def test_bounded_queue_never_blocks_and_counts_drops(receivers) -> None:
     assert _tracing.dropped_spans() <= 190
 
 
-def test_spans_are_flushed_at_exit(receivers) -> None:
+REFUSE_THREADS_AT_EXIT = """
+import atexit, threading
+def refuse(self):
+    raise RuntimeError("can't create new thread at interpreter shutdown")
+atexit.register(setattr, threading.Thread, "start", refuse)  # runs before the plugin's hook (LIFO)
+"""
+"""What Python 3.12+ does at exit (`Thread.start()` raises from the first atexit handler on), on any version."""
+
+
+@pytest.mark.parametrize("threads_at_exit", ["allowed", "refused"])
+def test_spans_are_flushed_at_exit(receivers, threads_at_exit: str) -> None:
     collector, _ = receivers
     script = textwrap.dedent(
         f"""
@@ -118,7 +144,10 @@ def test_spans_are_flushed_at_exit(receivers) -> None:
         # no flush(): the exit hook exports what is queued
         """
     )
+    if threads_at_exit == "refused":
+        script += REFUSE_THREADS_AT_EXIT
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert "Traceback" not in out.stderr, out.stderr
     (span,) = collector.spans()
     attrs = {a.key: a.value.string_value for a in span.attributes}
     assert attrs[semconv.ROLLOUT_ID] == out.stdout.strip()

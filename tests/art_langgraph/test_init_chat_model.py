@@ -50,6 +50,42 @@ def test_refuses_what_it_cannot_honour(args, kwargs, needle: str) -> None:
     assert "Hint:" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("model", "model_provider", "name"),
+    [
+        ("mymodel:v2", None, "mymodel:v2"),  # not a provider: the colon is part of the name
+        ("agent@3:beta", None, "agent@3:beta"),
+        ("openai:agent@3", None, "agent@3"),
+        ("art:agent@3", None, "agent@3"),
+        ("art:agent@3", "art", "agent@3"),
+        ("mymodel:v2", "openai", "mymodel:v2"),
+    ],
+)
+def test_a_colon_names_a_provider_only_when_langchain_knows_it(model: str, model_provider, name: str) -> None:
+    built = init_chat_model(model, model_provider=model_provider, base_url="http://127.0.0.1:9/v1")
+    assert built.model_name == name
+
+
+def test_known_providers_are_langchains() -> None:
+    from langchain.chat_models.base import _BUILTIN_PROVIDERS
+
+    from art_langgraph._init_chat_model import _LANGCHAIN_PROVIDERS
+
+    assert _LANGCHAIN_PROVIDERS == set(_BUILTIN_PROVIDERS)
+
+
+def test_bind_on_a_configurable_model_reaches_the_request(spans) -> None:
+    """`bind` is `Runnable.bind` (not a replayed operation): its arguments reach each call."""
+    from tests.art_langgraph.fake_engine import FakeEngine
+
+    engine = FakeEngine()
+    clients = {name: getattr(engine.chat_model(), name) for name in ("http_client", "http_async_client")}
+    model = init_chat_model("agent@latest", configurable_fields=["temperature"], **clients)
+    model.bind(max_tokens=5).invoke("hi", config={"configurable": {"temperature": 0.5}})
+    (request,) = engine.requests
+    assert (request["max_completion_tokens"], request["temperature"]) == (5, 0.5)
+
+
 def test_configurable_fields_pick_the_model_per_call(openai_url: str, served_model: str, spans) -> None:
     from art_langgraph import semconv
 

@@ -7,6 +7,7 @@ import json
 import math
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import TypedDict
 
@@ -201,19 +202,43 @@ class _Rewards(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def reward_server(memory_tracing) -> Iterator[list]:
-    """A stand-in collector that records `POST /v1/rewards`; tracing is restored after."""
+@contextmanager
+def _serving_rewards() -> Iterator[tuple[str, list]]:
+    """A stand-in collector that records `POST /v1/rewards`: its URL and what it received."""
     server = HTTPServer(("127.0.0.1", 0), _Rewards)
     _Rewards.received = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    art_langgraph.configure(collector_url=f"http://127.0.0.1:{server.server_port}", api_key="sekret")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        yield _Rewards.received
+        yield f"http://127.0.0.1:{server.server_port}", _Rewards.received
     finally:
         server.shutdown()
-        memory_tracing.install()
+
+
+@pytest.fixture
+def reward_server(memory_tracing) -> Iterator[list]:
+    """The stand-in collector, configured as the collector; tracing is restored after."""
+    with _serving_rewards() as (url, received):
+        art_langgraph.configure(collector_url=url, api_key="sekret")
+        try:
+            yield received
+        finally:
+            memory_tracing.install()
+
+
+def test_late_reward_follows_the_otlp_traces_endpoint(memory_tracing, monkeypatch) -> None:
+    """With only `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` set, rewards go to the collector the spans go to."""
+    for name in ("ART_COLLECTOR_URL", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    with _serving_rewards() as (url, received):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"{url}/v1/traces/")
+        art_langgraph.configure()
+        try:
+            reward(0.5, rollout_id="finished")
+        finally:
+            memory_tracing.install()
+    assert [(path, body) for path, body, _ in received] == [
+        ("/v1/rewards", {"rollout_id": "finished", "name": "reward", "value": 0.5})
+    ]
 
 
 def test_reward_after_the_fact_posts_to_collector(reward_server: list) -> None:

@@ -1,0 +1,203 @@
+"""`llm` spans against a vLLM-shaped fake engine (`fake_engine.py`): exact tokens on every path.
+
+The fake engine's tokens are known in advance, so each test checks the recorded ids and logprobs
+exactly: structured output streamed through `beta.chat.completions.stream`, `n > 1` streamed and
+not, failed attempts, an engine that sends no token ids, and a result that cannot be recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import operator
+import uuid
+from functools import reduce
+from typing import Any
+
+import openai
+import pytest
+from langgraph.graph import START, MessagesState, StateGraph
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+from pydantic import BaseModel
+
+from art_langgraph import _llm_span, semconv
+from tests.art_langgraph import fake_engine
+from tests.art_langgraph.fake_engine import PROMPT_IDS, FakeEngine, completion_ids, logprobs, reply_text
+
+TOKEN_ATTRIBUTES = {semconv.PROMPT_TOKEN_IDS, semconv.COMPLETION_TOKEN_IDS, semconv.COMPLETION_LOGPROBS, semconv.POLICY_STEP}
+
+
+class Answer(BaseModel):
+    answer: int
+
+
+def llm_spans(spans: InMemorySpanExporter) -> list:
+    return [s for s in spans.get_finished_spans() if s.attributes[semconv.SPAN_KIND] == semconv.SPAN_KIND_LLM]
+
+
+def node_span(spans: InMemorySpanExporter) -> ReadableSpan:
+    (span,) = [s for s in spans.get_finished_spans() if s.attributes[semconv.SPAN_KIND] == semconv.SPAN_KIND_NODE]
+    return span
+
+
+def assert_choice(span, choice: int) -> None:
+    """The span records exactly what the fake engine sampled for choice `choice`."""
+    assert list(span.attributes[semconv.PROMPT_TOKEN_IDS]) == PROMPT_IDS
+    assert list(span.attributes[semconv.COMPLETION_TOKEN_IDS]) == completion_ids(choice)
+    assert list(span.attributes[semconv.COMPLETION_LOGPROBS]) == logprobs(choice)
+    assert span.attributes[semconv.POLICY_STEP] == 7
+
+
+def by_completion(spans: list) -> dict[int, object]:
+    """Spans keyed by the choice whose ids they hold (choice i samples 10 + i first)."""
+    return {s.attributes[semconv.COMPLETION_TOKEN_IDS][0] - 10: s for s in spans}
+
+
+def merged(chunks: list[Any]) -> Any:
+    """The stream's chunks added up, as a caller of `stream()` would."""
+    return reduce(operator.add, chunks)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_structured_output_stream_records_exact_tokens(spans) -> None:
+    """`with_structured_output(...).stream()` goes through `beta.chat.completions.stream`, whose chunks come wrapped."""
+    structured = FakeEngine().chat_model().with_structured_output(Answer)
+    assert list(structured.stream("What is 1+2?"))[-1] == Answer(answer=3)
+    assert [x async for x in structured.astream("What is 1+2?")][-1] == Answer(answer=3)
+    for span in llm_spans(spans):
+        assert_choice(span, 0)
+        assert span.attributes[semconv.GEN_AI_RESPONSE_MODEL] == "agent@7"
+        assert span.status.status_code is StatusCode.UNSET
+    assert len(llm_spans(spans)) == 2
+
+
+def test_raw_stream_with_response_format_carries_token_data(spans) -> None:
+    chunks = list(FakeEngine().chat_model().bind(response_format=Answer).stream("What is 1+2?"))
+    art = merged(chunks).response_metadata["art"]
+    assert art == {
+        "prompt_token_ids": PROMPT_IDS,
+        "completion_token_ids": completion_ids(0),
+        "logprobs": logprobs(0),
+        "policy_step": 7,
+    }
+    (span,) = llm_spans(spans)
+    assert_choice(span, 0)
+
+
+def test_graph_streaming_messages_with_structured_output_in_a_node(spans) -> None:
+    """`stream_mode="messages"` makes a node's `invoke` stream; structured output must still work."""
+    model = FakeEngine().chat_model()
+
+    def node(state: MessagesState) -> dict:
+        return {"messages": [("ai", str(model.with_structured_output(Answer).invoke(state["messages"]).answer))]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("answer", node)
+    builder.add_edge(START, "answer")
+    events = list(builder.compile().stream({"messages": [("user", "What is 1+2?")]}, stream_mode="messages"))
+    assert events
+    (span,) = llm_spans(spans)
+    assert_choice(span, 0)
+    assert span.parent.span_id == node_span(spans).context.span_id
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_stream_with_n_records_one_span_per_choice(spans) -> None:
+    model = FakeEngine().chat_model(n=3)
+    streamed = merged(list(model.stream("Say a word.")))
+    assert streamed.response_metadata["art"]["prompt_token_ids"] == PROMPT_IDS  # sent with each choice, kept once
+    [chunk async for chunk in model.astream("Say a word.")]
+    got = llm_spans(spans)
+    assert len(got) == 6
+    for call in (got[:3], got[3:]):
+        choices = by_completion(call)
+        assert sorted(choices) == [0, 1, 2]
+        for choice, span in choices.items():
+            assert_choice(span, choice)
+            (out,) = json.loads(span.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])
+            assert out["content"] == reply_text(choice)
+            assert span.attributes[semconv.GEN_AI_RESPONSE_FINISH_REASONS] == ("stop",)
+
+
+@pytest.mark.parametrize(
+    ("call", "stream_mode"),
+    [
+        ("invoke", "values"),
+        ("invoke", "messages"),  # the node's invoke streams (LangChain calls `_stream` without a run manager)
+        ("stream", "values"),
+    ],
+)
+def test_choice_spans_share_the_calls_parent_and_start(spans, call: str, stream_mode: str) -> None:
+    """Each choice's span hangs where the call's does (the node), in its trace, from its start."""
+    model = FakeEngine().chat_model(n=2)
+
+    def agent(state: MessagesState) -> dict:
+        reply = model.invoke(state["messages"]) if call == "invoke" else merged(list(model.stream(state["messages"])))
+        return {"messages": [reply]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("agent", agent)
+    builder.add_edge(START, "agent")
+    list(builder.compile().stream({"messages": [("user", "hi")]}, stream_mode=stream_mode))
+    node = node_span(spans)
+    first, second = llm_spans(spans)
+    for span in (first, second):
+        assert span.parent.span_id == node.context.span_id
+        assert span.context.trace_id == node.context.trace_id
+        assert span.attributes[semconv.ROLLOUT_ID] == node.attributes[semconv.ROLLOUT_ID]
+    assert first.start_time == second.start_time
+    assert sorted(by_completion([first, second])) == [0, 1]
+
+
+def test_failed_attempt_span_carries_error_type(spans) -> None:
+    """A failed attempt sampled nothing: its span says why (`error.type`); the retry's span does not."""
+    engine = FakeEngine(failures=1)
+    reply = engine.chat_model(max_retries=0).with_retry(stop_after_attempt=2, wait_exponential_jitter=False).invoke("hi")
+    assert reply.response_metadata["art"]["completion_token_ids"] == completion_ids(0)
+    failed, succeeded = llm_spans(spans)
+    assert failed.attributes[semconv.ERROR_TYPE] == "OpenAIAPIError"  # LangChain's class for the engine's 500
+    assert failed.status.status_code is StatusCode.ERROR
+    assert semconv.ERROR_TYPE not in succeeded.attributes
+    assert_choice(succeeded, 0)
+
+
+def test_failed_stream_span_carries_error_type(spans) -> None:
+    with pytest.raises(openai.InternalServerError) as raised:
+        list(FakeEngine(failures=1).chat_model(max_retries=0).stream("hi"))
+    (span,) = llm_spans(spans)
+    assert span.attributes[semconv.ERROR_TYPE] == type(raised.value).__name__
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_engine_without_token_ids_records_none_and_warns_once(spans, caplog) -> None:
+    """An OpenAI-compatible engine that ignores `return_token_ids`: no token attributes, one warning per model."""
+    name = f"other-engine-{uuid.uuid4().hex[:8]}"
+    model = FakeEngine(model=name, token_ids=False).chat_model()
+    with caplog.at_level(logging.WARNING, logger="art_langgraph"):
+        replies = [model.invoke("hi"), merged(list(model.stream("hi"))), await model.ainvoke("hi")]
+    assert all("art" not in reply.response_metadata for reply in replies)
+    got = llm_spans(spans)
+    assert len(got) == 3
+    for span in got:
+        assert not TOKEN_ATTRIBUTES & set(span.attributes)
+        assert span.attributes[semconv.GEN_AI_RESPONSE_MODEL] == name
+    warnings = [r for r in caplog.records if "returned no token ids" in r.getMessage()]
+    assert len(warnings) == 1 and name in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_result_that_cannot_be_recorded_does_not_fail_the_call(spans, monkeypatch, caplog, stream: bool) -> None:
+    """Engine data the recorder cannot read (a null logprob) is logged and counted; the app gets its reply."""
+    monkeypatch.setattr(fake_engine, "logprobs", lambda choice: [None, None, None])
+    model = FakeEngine().chat_model()
+    before = _llm_span.recording_errors()
+    with caplog.at_level(logging.ERROR, logger="art_langgraph"):
+        reply = merged(list(model.stream("hi"))) if stream else model.invoke("hi")
+    assert reply.content == reply_text(0)
+    assert _llm_span.recording_errors() > before
+    assert any(r.exc_info for r in caplog.records if "could not record" in r.getMessage())
+    (span,) = llm_spans(spans)
+    assert span.status.status_code is StatusCode.UNSET
+    assert semconv.COMPLETION_TOKEN_IDS not in span.attributes
