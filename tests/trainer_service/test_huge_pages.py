@@ -51,11 +51,26 @@ def test_a_large_tensor_faults_far_fewer_pages() -> None:
         "torch.ones(64 * 2**20)\n"  # 256 MiB
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n"
     )
-    faults = {}
+    faults, fallbacks = {}, {}
     for mode in ("off", "on"):
         env = {k: v for k, v in os.environ.items() if k != THP_ENV}
+        before = _thp_fallbacks()
         done = subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True, env=env, timeout=120,
                               check=True)
-        faults[mode] = int(done.stdout.split()[-1])
+        faults[mode], fallbacks[mode] = int(done.stdout.split()[-1]), _thp_fallbacks() - before
     # 4-KiB pages: 65,536 faults for 256 MiB; 2-MiB pages: 128 (measured 65,584 and 687)
-    assert faults["off"] > 30_000 and faults["on"] < faults["off"] / 10, faults
+    assert faults["off"] > 30_000, faults
+    if faults["on"] >= faults["off"] / 10 and fallbacks["on"] > 0:
+        # the huge pages were asked for, but the kernel found no free 2-MiB blocks (memory fragmented by
+        # other work on the machine: once in a CI run beside other tests, 21,623 faults) and fell back
+        pytest.skip(f"the kernel fell back to 4-KiB pages {fallbacks['on']} times: no free huge pages now ({faults})")
+    assert faults["on"] < faults["off"] / 10, (faults, fallbacks)
+
+
+def _thp_fallbacks() -> int:
+    """Huge-page faults the kernel served with small pages so far, machine-wide (`/proc/vmstat`)."""
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        name, _, value = line.partition(" ")
+        if name == "thp_fault_fallback":
+            return int(value)
+    return 0
