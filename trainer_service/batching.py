@@ -21,6 +21,7 @@ the reason names:
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ __all__ = [
     "VLLM_LOGPROB_FLOOR", "NothingTrainableError", "PreparedBatch", "TrainItem", "prepare_grpo", "prepare_sft",
     "shard_items",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 VLLM_LOGPROB_FLOOR = -9999.0
@@ -105,7 +108,9 @@ def _sequences(trajectory: Trajectory, config: GRPOConfig, tokenizer: PreTrained
             return []
         try:
             ids, mask = render_with_assistant_mask(tokenizer, trajectory.messages, trajectory.tools)
-        except RetokenizeError:
+        except RetokenizeError as exc:
+            logger.warning("trajectory %s of group %s is skipped (retokenize_failed): %s", trajectory.id,
+                           trajectory.group_id, exc)
             counters.skipped["retokenize_failed"] += 1
             return []
         counters.retokenized += 1

@@ -26,13 +26,14 @@ logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _PROMOTION = "promotion.json"
-_FLAGS = {"base_model": "--base-model", "lora_r": "--lora-r", "target_modules": "--target-modules"}
+_FLAGS = {"base_model": "--base-model", "lora_r": "--lora-r", "lora_alpha": "--lora-alpha",
+          "target_modules": "--target-modules"}
 """Manifest fields a resumed checkpoint must match, and the flag that sets each."""
 
 
 class CheckpointMismatchError(ValueError):
-    """A kept checkpoint was trained on another base model or LoRA shape than the service now has, or its manifest
-    cannot be read."""
+    """A kept checkpoint was trained on another base model, LoRA shape or LoRA scale (alpha) than the service now has,
+    or its manifest cannot be read."""
 
 
 def select_kept(
@@ -102,14 +103,18 @@ class CheckpointStore:
             logger.warning("removed %d half-written checkpoint folder(s): %s", len(removed), ", ".join(removed))
         return removed
 
-    def check_compatible(self, base_model: str, lora_r: int, target_modules: Sequence[str]) -> None:
-        """Check that every kept checkpoint was trained on `base_model` with this LoRA rank and modules.
+    def check_compatible(self, base_model: str, lora_r: int, target_modules: Sequence[str], lora_alpha: int) -> None:
+        """Check that every kept checkpoint was trained on `base_model` with this LoRA rank, modules and alpha.
+
+        A resumed adapter trained with another alpha would be scaled by the new `lora_alpha / lora_r`: its
+        next checkpoint would serve another policy than the one it was trained as.
 
         Raises:
             CheckpointMismatchError: names the first checkpoint that differs (or whose manifest cannot be
                 read), what differs, and the fix.
         """
-        wanted = {"base_model": base_model, "lora_r": lora_r, "target_modules": sorted(target_modules)}
+        wanted = {"base_model": base_model, "lora_r": lora_r, "lora_alpha": lora_alpha,
+                  "target_modules": sorted(target_modules)}
         for _, path in self.existing():
             try:
                 manifest = json.loads((path / MANIFEST).read_text())
@@ -119,13 +124,14 @@ class CheckpointStore:
                     "checkpoints before it, or give another --output-dir to start a new run.") from exc
             config = manifest.get("config") or {}
             recorded = {"base_model": manifest.get("base_model"), "lora_r": config.get("lora_r"),
+                        "lora_alpha": config.get("lora_alpha"),
                         "target_modules": sorted(config["target_modules"]) if "target_modules" in config else None}
             differ = [key for key in _FLAGS if recorded[key] is not None and recorded[key] != wanted[key]]
             if differ:
                 found = ", ".join(f"{key} {recorded[key]!r} (now {wanted[key]!r})" for key in differ)
                 flags = " ".join(f"{_FLAGS[key]} {_flag_value(recorded[key])}" for key in differ)
                 raise CheckpointMismatchError(
-                    f"{path} was trained with {found}: its adapter does not fit this model. Give another "
+                    f"{path} was trained with {found}: its adapter does not fit these settings. Give another "
                     f"--output-dir to start a new run, or start with {flags} to resume this one.")
 
     def metrics(self, step: int) -> dict[str, Any]:

@@ -55,11 +55,15 @@ class CollectorClient:
     async def lease(self, min_groups: int) -> Batch:
         """Lease up to `batch_groups` ready groups, none unless `min_groups` are ready (`POST /v1/batches`).
 
+        The lease lasts `settings.lease_seconds()`, the step's timeout and a margin: the collector's default
+        (900 s) would offer a batch to another trainer, and count a failed attempt, while a long step still trains.
+
         Raises:
             ServiceError: 502 when the collector does not answer or not with a batch; 409 `no_batch_ready`
                 when it has nothing ready.
         """
-        request = BatchRequest(max_groups=self.settings.batch_groups, min_groups=min_groups, trainer=self.settings.name)
+        request = BatchRequest(max_groups=self.settings.batch_groups, min_groups=min_groups, trainer=self.settings.name,
+                               lease_seconds=self.settings.lease_seconds())
         response = await self._send("POST", "/v1/batches", json=request.model_dump())
         if response.status_code != 200:
             raise ServiceError(502, "collector_error", f"The collector refused a batch lease: HTTP "
@@ -80,16 +84,15 @@ class CollectorClient:
         Raises:
             ServiceError: 502 `ack_failed` when the collector does not answer or refuses.
         """
+        done = "nothing in it can train, no step was taken" if step is None else f"step {step} is saved and served"
         try:
             response = await self.http.post(f"/v1/batches/{batch_id}/ack", json=AckRequest(policy_step=step).model_dump())
         except httpx.HTTPError as exc:
-            raise ServiceError(502, "ack_failed", f"Could not ack batch {batch_id} (step {step} is saved and "
-                               f"served): {exc}. Its groups will be offered again after the lease.",
-                               type="server_error") from exc
+            raise ServiceError(502, "ack_failed", f"Could not ack batch {batch_id} ({done}): {exc}. Its groups will "
+                               "be offered again after the lease.", type="server_error") from exc
         if response.status_code != 200:
-            raise ServiceError(502, "ack_failed", f"The collector refused the ack of batch {batch_id} (step {step} "
-                               f"is saved and served): HTTP {response.status_code}: {response.text[:300]}",
-                               type="server_error")
+            raise ServiceError(502, "ack_failed", f"The collector refused the ack of batch {batch_id} ({done}): "
+                               f"HTTP {response.status_code}: {response.text[:300]}", type="server_error")
 
     async def release(self, batch_id: str, reason: str, failed: bool) -> ReleaseResponse:
         """Give batch `batch_id` back untrained (`POST /v1/batches/{id}/release`): its groups can be leased again now.

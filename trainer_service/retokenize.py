@@ -15,20 +15,35 @@ from __future__ import annotations
 
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 __all__ = ["RetokenizeError", "render_with_assistant_mask"]
 
 
 class RetokenizeError(ValueError):
-    """The chat template cannot render this conversation as a growing sequence of turns."""
+    """The chat template cannot render this conversation, or not as a growing sequence of turns."""
+
+
+_TEMPLATE_ERRORS = (TemplateError, TypeError, KeyError, ValueError)
+"""What rendering a conversation the template does not expect raises: jinja2's errors (an undefined field, such as
+a foreign tool call without a `name`; the template's own `raise_exception`), and the errors of Python operations
+and filters a template runs on such a value."""
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
             generation_prompt: bool) -> str:
-    text = tokenizer.apply_chat_template(
-        messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
-    )
+    """The chat template's text of `messages`.
+
+    Raises:
+        RetokenizeError: the template failed on them (its error chained) or returned something else than text.
+    """
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+        )
+    except _TEMPLATE_ERRORS as exc:
+        raise RetokenizeError(f"the chat template cannot render the conversation: {type(exc).__name__}: {exc}") from exc
     if not isinstance(text, str):
         raise RetokenizeError(f"the chat template returned {type(text).__name__}, not text")
     return text
@@ -69,8 +84,9 @@ def render_with_assistant_mask(
         including the end-of-turn token), 0 elsewhere.
 
     Raises:
-        RetokenizeError: no assistant message, no chat template, or a template whose rendering of
-            a longer conversation does not extend the rendering of a shorter one.
+        RetokenizeError: no assistant message, no chat template, a template that fails on the
+            conversation, or one whose rendering of a longer conversation does not extend the
+            rendering of a shorter one.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise RetokenizeError("the tokenizer has no chat template; set one (or serve a model that ships one)")

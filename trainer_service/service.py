@@ -83,7 +83,7 @@ class TrainerService:
             the engine's idle cores to the step (`CoreLender`); default: counts them, lends nothing.
 
     Raises:
-        CheckpointMismatchError: a kept checkpoint was trained on another base model or LoRA shape
+        CheckpointMismatchError: a kept checkpoint was trained on another base model, LoRA shape or alpha
             (checked here, before anything starts).
     """
 
@@ -108,7 +108,7 @@ class TrainerService:
         self.trainer: LoRATrainer | None = None
         self.base_name = engine.served_name
         self.store = CheckpointStore(settings.run_dir / "checkpoints")
-        self.store.check_compatible(settings.base_model, grpo.lora_r, grpo.target_modules)
+        self.store.check_compatible(settings.base_model, grpo.lora_r, grpo.target_modules, grpo.lora_alpha)
         self.steps: list[int] = []
         self.last_error: str | None = None
         self.paused = False
@@ -279,7 +279,7 @@ class TrainerService:
             # Such groups can never train; acking keeps them from coming back forever.
             await self.collector.ack(batch.id, None)
             raise ServiceError(422, "nothing_trainable", f"{exc} Batch {batch.id} was acked without a step.") from exc
-        except OSError as exc:
+        except OSError as exc:  # `CheckpointWriteError` from any writer, or the launcher's job folder
             logger.exception("checkpoint of step %s could not be written", step)
             fate = await self._release(batch, exc, failed=False)
             raise ServiceError(507, "checkpoint_write_failed", f"Step {step} trained but its checkpoint could not "

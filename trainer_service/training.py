@@ -49,6 +49,7 @@ from trainer_service.vllm_cpu_matmul import cpu_multiplies_bf16
 
 __all__ = [
     "MANIFEST",
+    "CheckpointWriteError",
     "NothingTrainableError",
     "LoRATrainer",
     "NonFiniteStepError",
@@ -68,7 +69,20 @@ _MICRO_BATCH_TOKENS = {"cuda": 8192, "cpu": 4096}
 
 
 class NonFiniteStepError(RuntimeError):
-    """A step's loss or gradient norm is not finite; the optimizer did not step and the adapter is unchanged."""
+    """A step's loss, gradient norm or updated adapter is not finite.
+
+    When the loss or the gradient norm is, the optimizer did not step and the adapter is unchanged. When the
+    optimizer's step made the adapter weights non-finite, they stay so in this trainer: the caller rolls back with
+    `restore` (the service does for every failed step), and the step counter has not moved.
+    """
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint folder could not be written (e.g. a full disk); nothing was left of it.
+
+    Whatever the writer raised (an `OSError`, safetensors' `SafetensorError`, the `RuntimeError` of `torch.save`)
+    is chained as `__cause__`; the message is its type and message.
+    """
 
 
 class LoRATrainer:
@@ -325,7 +339,9 @@ class LoRATrainer:
 
         Raises:
             NonFiniteStepError: the loss or the gradient norm is NaN or infinite; the gradients are
-                dropped and the optimizer does not step (every rank sees the same sums and raises).
+                dropped and the optimizer does not step (every rank sees the same sums and raises). Or
+                the optimizer's step made an adapter weight NaN or infinite: the step counter stays, the
+                caller rolls back (`restore`).
         """
         distributed = dist.is_available() and dist.is_initialized()
         if distributed:
@@ -359,6 +375,13 @@ class LoRATrainer:
             )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if not _all_finite(params):
+            raise NonFiniteStepError(
+                f"step {self.step_count + 1}: the optimizer's step made adapter weights NaN or infinite (loss "
+                f"{sums['loss']}, gradient norm {sums['grad_norm']}, learning rate "
+                f"{self.optimizer.param_groups[0]['lr']}); roll back with `restore` (the service does, nothing is "
+                "saved or served)"
+            )
         self.step_count += 1
         return sums
 
@@ -422,32 +445,42 @@ class LoRATrainer:
 
         Raises:
             FileExistsError: `path` exists already.
+            CheckpointWriteError: writing failed (the writer's error chained); nothing is left of the checkpoint.
         """
         path = Path(path)
         if path.exists():
             raise FileExistsError(f"checkpoint {path} exists already; remove it or choose another step folder")
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
         try:
-            self.model.save_pretrained(tmp)
-            torch.save(self.optimizer.state_dict(), tmp / _OPTIMIZER)
-            manifest = {
-                "step": self.step_count,
-                "base_model": self.base_model,
-                "config": self.config.to_dict(),
-                "metrics": metrics if metrics is not None else self.last_metrics,
-                "batch_id": batch_id,
-                "created_at": time.time(),
-            }
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._write_checkpoint(tmp, batch_id, metrics)
             durable_rename(tmp, path)
-        except BaseException:
+        except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, Exception):
+                raise CheckpointWriteError(f"{type(exc).__name__}: {exc}") from exc
             raise
         return path
 
+    def _write_checkpoint(self, folder: Path, batch_id: str | None, metrics: dict[str, float] | None) -> None:
+        """Write the adapter (PEFT, safetensors), the optimizer state (`torch.save`) and the manifest into `folder`."""
+        self.model.save_pretrained(folder)
+        torch.save(self.optimizer.state_dict(), folder / _OPTIMIZER)
+        manifest = {
+            "step": self.step_count,
+            "base_model": self.base_model,
+            "config": self.config.to_dict(),
+            "metrics": metrics if metrics is not None else self.last_metrics,
+            "batch_id": batch_id,
+            "created_at": time.time(),
+        }
+        (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
     def resume(self, path: str | Path) -> dict[str, Any]:
         """Load adapter weights, optimizer state and step from a checkpoint written by `save`.
+
+        The optimizer's moments come from the checkpoint, its learning rate and weight decay from this trainer's
+        config (`_apply_config_to_optimizer`): a run restarted with new values trains with them.
 
         Returns:
             The checkpoint's manifest.
@@ -464,9 +497,32 @@ class LoRATrainer:
         optimizer_file = path / _OPTIMIZER
         if optimizer_file.is_file():
             self.optimizer.load_state_dict(torch.load(optimizer_file, map_location=self.device))
+            self._apply_config_to_optimizer(path)
         self.step_count = int(manifest["step"])
         self.last_metrics = dict(manifest.get("metrics") or {})
         return manifest
+
+    def _apply_config_to_optimizer(self, source: Path) -> None:
+        """Set every param group's hyper-parameters to the config's, logging those that differ from `source`'s.
+
+        `load_state_dict` restores the saved groups' `lr` and `weight_decay` along with the moments.
+        """
+        wanted = {"lr": ("learning_rate", self.config.learning_rate),
+                  "weight_decay": ("weight_decay", self.config.weight_decay)}
+        changed: dict[str, tuple[float, float]] = {}
+        for param_group in self.optimizer.param_groups:
+            for key, (name, value) in wanted.items():
+                if param_group[key] != value:
+                    changed[name] = (param_group[key], value)
+                param_group[key] = value
+        if changed:
+            logger.info("resumed the optimizer state of %s with this run's settings: %s", source,
+                        ", ".join(f"{name} {saved:g} -> {value:g}" for name, (saved, value) in changed.items()))
+
+
+def _all_finite(params: list[torch.nn.Parameter]) -> bool:
+    """Whether every value of `params` is finite (one synchronisation, however many tensors)."""
+    return bool(torch.stack([param.detach().isfinite().all() for param in params]).all())
 
 
 def _first_trained(item: TrainItem) -> int:

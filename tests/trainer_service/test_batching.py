@@ -203,6 +203,28 @@ def test_retokenize_refuses_what_it_cannot_mask(tokenizer: PreTrainedTokenizerBa
         render_with_assistant_mask(tokenizer, CONVERSATION[:2])
 
 
+def test_a_conversation_the_template_cannot_render_is_skipped_and_counted(
+        tokenizer: PreTrainedTokenizerBase, caplog: pytest.LogCaptureFixture) -> None:
+    def foreign(tid: str, gid: str, messages: list[dict], reward: float) -> Trajectory:
+        return Trajectory(id=tid, trace_id="1" * 32, group_id=gid, token_exact=False, messages=messages, reward=reward)
+
+    hello = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    nameless = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"arguments": "{}"}}]}]  # a foreign tool call without a name
+    groups = [Group(id="ok", trajectories=[foreign("a", "ok", hello, 1.0), foreign("b", "ok", CONVERSATION, 0.0)]),
+              Group(id="odd", trajectories=[foreign("c", "odd", nameless, 1.0), foreign("d", "odd", hello, 0.0)])]
+    batch = prepare_grpo(groups, GRPOConfig(), CPU, tokenizer)  # the rest of the batch trains
+    assert batch.stats["data/skipped/retokenize_failed"] == 1 and batch.stats["data/groups_trained"] == 1
+    assert "trajectory c of group odd is skipped (retokenize_failed)" in caplog.text and "UndefinedError" in caplog.text
+    with pytest.raises(RetokenizeError, match="cannot render the conversation: UndefinedError") as info:
+        render_with_assistant_mask(tokenizer, nameless)
+    assert type(info.value.__cause__).__name__ == "UndefinedError"
+    strict = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    strict.chat_template = "{{ raise_exception('only user turns') }}"  # a template refusing what it does not support
+    with pytest.raises(RetokenizeError, match="TemplateError: only user turns"):
+        render_with_assistant_mask(strict, hello)
+
+
 def item(trajectory: int, tokens: int) -> TrainItem:
     return TrainItem(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens - 1), torch.ones(tokens - 1),
                      advantage=0.0, weight=0.1, trajectory=trajectory)

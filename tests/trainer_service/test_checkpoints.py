@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import errno
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,7 +103,8 @@ async def test_full_disk_serves_nothing_and_rolls_back(tmp_path: Path, monkeypat
     assert info.value.status == 507 and info.value.body.error.code == "checkpoint_write_failed"
     assert "No space left on device" in info.value.body.error.message
     assert "Batch b1 was released: groups g are back" in info.value.body.error.message
-    assert releases == [("b1", {"reason": "OSError: [Errno 28] No space left on device", "failed": False})]  # not the data's fault
+    assert releases == [("b1", {"reason": "CheckpointWriteError: OSError: [Errno 28] No space left on device",
+                                "failed": False})]  # not the data's fault
     assert acks == [] and service.engine.adapters == {} and service.steps == []
     assert list((tmp_path / "checkpoints").iterdir()) == []  # no half-written folder left behind
     assert trainer.step_count == 0 and all(torch.equal(before[n], p) for n, p in lora_params(trainer).items())
@@ -111,6 +115,58 @@ async def test_full_disk_serves_nothing_and_rolls_back(tmp_path: Path, monkeypat
     result = await service.train_once()
     assert result.step == 1 and acks == [("b2", {"policy_step": 1})]
     await service.aclose()
+
+
+_WRITE_LIMITED_STEPS = """
+import asyncio, json, resource, signal, sys, tempfile
+from pathlib import Path
+from collector.protocol import Batch
+from tests.trainer_service.test_service import make_service
+from tests.trainer_service.test_training import group, make_trainer
+from trainer_service.protocol import ServiceError
+
+async def main(root):
+    releases, batches = [], []
+    service = make_service(root / "run", batches, [], releases=releases)
+    trained = make_trainer()  # unlimited: the sizes of the files of a checkpoint after a step
+    trained.step([group(trained, (1.0, 0.0))])
+    probe = trained.save(root / "probe")
+    adapter, optimizer = ((probe / name).stat().st_size for name in ("adapter_model.safetensors", "optimizer.pt"))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+    outcomes = []
+    # the adapter's file cannot be written (safetensors); then only the optimizer's can not (torch.save)
+    for index, limit in enumerate((adapter // 2, (adapter + optimizer) // 2)):
+        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+        try:
+            await service.train_once()
+            outcomes.append({"status": 200})
+        except ServiceError as exc:
+            outcomes.append({"status": exc.status, "code": exc.body.error.code, "message": exc.body.error.message,
+                             "cause": type(exc.__cause__.__cause__).__name__})
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    print(json.dumps({"outcomes": outcomes, "releases": releases, "step": service.trainer.step_count,
+                      "left": sorted(p.name for p in service.checkpoint_dir.iterdir())}))
+    await service.aclose()
+
+asyncio.run(main(Path(sys.argv[1])))
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs POSIX file-size limits")
+def test_a_real_write_limit_is_507_and_not_the_datas_fault(tmp_path: Path) -> None:
+    """The real savers on a real write failure (a file-size limit in a child process): safetensors raises its
+    `SafetensorError`, `torch.save` a `RuntimeError`, neither an `OSError`; both are 507 and released not failed."""
+    done = subprocess.run([sys.executable, "-c", _WRITE_LIMITED_STEPS, str(tmp_path)], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[2], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert [(o["status"], o.get("code"), o.get("cause")) for o in result["outcomes"]] == [
+        (507, "checkpoint_write_failed", "SafetensorError"), (507, "checkpoint_write_failed", "RuntimeError")]
+    assert "SafetensorError: " in result["outcomes"][0]["message"]  # the writer's own message is kept
+    assert [(batch_id, body["failed"]) for batch_id, body in result["releases"]] == [("b0", False), ("b1", False)]
+    assert result["step"] == 0 and result["left"] == []  # rolled back, nothing half-written left
 
 
 async def test_resume_refuses_checkpoints_of_another_base_model(tmp_path: Path) -> None:
@@ -130,20 +186,23 @@ async def test_resume_refuses_checkpoints_of_another_base_model(tmp_path: Path) 
 def test_lora_shape_mismatch_names_the_checkpoint_and_the_flags(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     (tmp_path / "step-3").mkdir()
-    config = {"lora_r": 8, "target_modules": ["q_proj", "v_proj"]}
+    config = {"lora_r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
     (tmp_path / "step-3" / "manifest.json").write_text(json.dumps({"step": 3, "base_model": "m", "config": config}))
-    store.check_compatible("m", 8, ["v_proj", "q_proj"])  # the same modules in another order fit
+    store.check_compatible("m", 8, ["v_proj", "q_proj"], 16)  # the same modules in another order fit
     with pytest.raises(CheckpointMismatchError, match=r"step-3 was trained with lora_r 8 \(now 16\).*--lora-r 8"):
-        store.check_compatible("m", 16, ["q_proj", "v_proj"])
+        store.check_compatible("m", 16, ["q_proj", "v_proj"], 16)
     with pytest.raises(CheckpointMismatchError, match=r"--target-modules q_proj,v_proj"):
-        store.check_compatible("m", 8, ["q_proj"])
+        store.check_compatible("m", 8, ["q_proj"], 16)
+    # another alpha fits the shapes but scales the resumed adapter by another alpha / r: refused too
+    with pytest.raises(CheckpointMismatchError, match=r"step-3 was trained with lora_alpha 16 \(now 32\).*--lora-alpha 16"):
+        store.check_compatible("m", 8, ["q_proj", "v_proj"], 32)
 
 
 def test_an_unreadable_manifest_names_the_folder_and_the_fix(tmp_path: Path) -> None:
     (tmp_path / "step-2").mkdir()
     (tmp_path / "step-2" / "manifest.json").write_text('{"step": 2, "base_mo')  # damaged on disk
     with pytest.raises(CheckpointMismatchError, match=r"step-2/manifest.json cannot be read .*Move .*step-2 out of"):
-        CheckpointStore(tmp_path).check_compatible("m", 8, ["q_proj"])
+        CheckpointStore(tmp_path).check_compatible("m", 8, ["q_proj"], 16)
 
 
 def test_partial_folders_are_removed_at_start(tmp_path: Path) -> None:

@@ -50,6 +50,31 @@ def test_bad_values_exit_with_the_fix(capsys: pytest.CaptureFixture[str]) -> Non
     assert "learning_rate=-1.0 must be positive" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--learning-rate", "inf"), ("--max-grad-norm", "nan"),
+                                             ("--epsilon-high", "nan"), ("--kl-coef", "nan"), ("--weight-decay", "nan"),
+                                             ("--delta", "inf")])
+def test_non_finite_hyper_parameters_are_refused_naming_flag_and_variable(
+        flag: str, value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # each passes a range check such as `x <= 0` (NaN compares false) and would poison the adapter at its first step
+    name = flag[2:].replace("-", "_")
+    refusal = f"{name}={float(value)} must be a finite number (flag {flag}, env ART_TRAINER_{name.upper()})"
+    with pytest.raises(SystemExit):
+        main(["serve", flag, value])
+    assert refusal in capsys.readouterr().err
+    monkeypatch.setenv(f"ART_TRAINER_{name.upper()}", value)
+    with pytest.raises(ValueError) as info:
+        parse()
+    assert refusal in str(info.value)
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 7 * 24 * 3600.0])
+def test_a_step_timeout_no_lease_can_cover_is_refused(timeout: float) -> None:
+    # it sizes every collector lease (the timeout and 300 s), which the collector caps at a week
+    with pytest.raises(ValueError, match="train_step_timeout"):
+        TrainerSettings(train_step_timeout=timeout)
+    assert TrainerSettings(train_step_timeout=7 * 24 * 3600.0 - 300).lease_seconds() == 7 * 24 * 3600.0
+
+
 def test_help_lists_env_and_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["serve", "--help"])

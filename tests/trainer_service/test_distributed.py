@@ -19,11 +19,12 @@ from collector.protocol import Batch, Group
 
 from tests.trainer_service.test_service import make_service
 from tests.trainer_service.test_training import adapter_gap, adapter_weights, group, make_trainer, save_tiny_model
+from trainer_service import durable
 from trainer_service.config import GRPOConfig, TrainerSettings
-from trainer_service.distributed import TrainLauncher
+from trainer_service.distributed import DistributedStepError, TrainLauncher, _error_report, _worker_error
 from trainer_service.protocol import ServiceError
 from trainer_service.server import build_service
-from trainer_service.training import LoRATrainer
+from trainer_service.training import CheckpointWriteError, LoRATrainer
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +187,56 @@ async def test_build_service_wires_the_launcher(tmp_path: Path, base_dir: Path) 
     assert single.launcher is None
     await service.aclose()
     await single.aclose()
+
+
+def test_a_worker_report_says_whether_the_data_or_a_checkpoint_write_failed(tmp_path: Path) -> None:
+    log = tmp_path / "train_workers.log"
+    full = _error_report(0, "saving", CheckpointWriteError("SafetensorError: File too large (os error 27)"))
+    stepped = _error_report(1, "training", IndexError("index out of range"))
+    assert json.loads(json.dumps(full))["write_failed"] and not stepped["write_failed"]  # reports travel as JSON
+    write = _worker_error([full], 2, log)
+    assert isinstance(write, CheckpointWriteError)  # the service's 507, released as not failed
+    assert "rank 0 of 2 failed saving: CheckpointWriteError: SafetensorError: File too large" in str(write)
+    step = _worker_error([stepped], 2, log)
+    assert isinstance(step, DistributedStepError) and step.data_fault and "IndexError" in str(step)
+
+
+async def test_rank_0_unable_to_write_the_checkpoint_is_507_and_not_the_datas_fault(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full_disk(self: TrainLauncher, job: Path) -> None:  # the workers trained; rank 0's save hit a full disk
+        raise _worker_error([_error_report(0, "saving", CheckpointWriteError("OSError: [Errno 28] No space left"))],
+                            self.processes, self.log_path)
+
+    monkeypatch.setattr(TrainLauncher, "_launch", full_disk)
+    releases: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    launcher = TrainLauncher(2, "unused", tmp_path / "train_workers.log")
+    service = make_service(tmp_path, batches, [], launcher=launcher, releases=releases)
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=batch_groups(service.trainer), lease_expires_at=0))
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    assert info.value.status == 507 and info.value.body.error.code == "checkpoint_write_failed"
+    assert "rank 0 of 2 failed saving" in info.value.body.error.message
+    assert [(batch_id, body["failed"]) for batch_id, body in releases] == [("b1", False)]
+    assert service.steps == [] and sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == []
+    await service.aclose()
+
+
+async def test_the_workers_checkpoint_reaches_its_name_durably(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its files are flushed, then its folder renamed to `step-N`, then the rename flushed (the parent folder)."""
+    def rank_0_saved(self: TrainLauncher, job: Path) -> None:
+        shutil.copytree(job / "state", job / "checkpoint")  # as if trained and saved by rank 0
+
+    flushed: list[Path] = []
+    real_fsync = durable._fsync
+    monkeypatch.setattr(TrainLauncher, "_launch", rank_0_saved)
+    monkeypatch.setattr(durable, "_fsync", lambda path: (flushed.append(Path(path)), real_fsync(path)))
+    service = make_service(tmp_path, [], [], launcher=TrainLauncher(2, "unused", tmp_path / "train_workers.log"))
+    assert service.trainer is not None
+    dest = service.store.path(1)
+    service.launcher.step(service.trainer, Batch(id="b1", groups=batch_groups(service.trainer), lease_expires_at=0),
+                          "grpo", dest)
+    assert dest.is_dir() and flushed[-1] == dest.parent
+    assert any(path.parent.name.startswith(".step-1.dist-") and path.name == "checkpoint" for path in flushed)
+    await service.aclose()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import socket
@@ -18,10 +19,11 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from collector.protocol import Batch, ReleaseResponse
 
 from tests.collector.seeding import group_spans, make_app
-from tests.trainer_service.test_training import group, make_trainer
+from tests.trainer_service.test_training import group, lora_params, make_trainer
 
 from trainer_service.config import GRPOConfig, TrainerSettings
 from trainer_service.distributed import DistributedStepError, TrainLauncher
@@ -223,6 +225,26 @@ async def test_a_failed_step_releases_its_batch_and_the_next_step_gets_it_at_onc
         await service.train_once()
     assert third.value.body.error.code == "no_batch_ready"
     assert service.steps == [] and service.engine.adapters == {} and service.trainer.step_count == 0
+    await service.aclose()
+
+
+async def test_a_step_that_makes_the_adapter_non_finite_saves_and_serves_nothing(tmp_path: Path) -> None:
+    releases: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [], releases=releases)
+    trainer = service.trainer
+    assert trainer is not None
+    before = lora_params(trainer)
+    for param_group in trainer.optimizer.param_groups:  # an optimizer update that overflows
+        param_group["lr"] = math.inf
+    batches.append(Batch(id="b1", groups=[group(trainer, (1.0, 0.0))], lease_expires_at=0))
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    assert info.value.status == 500 and info.value.body.error.code == "training_failed"
+    assert "NonFiniteStepError: step 1: the optimizer's step made adapter weights" in info.value.body.error.message
+    assert [(batch_id, body["failed"]) for batch_id, body in releases] == [("b1", True)]
+    assert service.steps == [] and service.engine.adapters == {} and not service.store.path(1).exists()
+    assert trainer.step_count == 0 and all(torch.equal(before[n], p) for n, p in lora_params(trainer).items())
     await service.aclose()
 
 

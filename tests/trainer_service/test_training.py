@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -243,6 +244,20 @@ def test_a_non_finite_loss_or_gradient_never_reaches_the_adapter(
     assert trainer.step([g])["step"] == 1  # the next good batch trains as usual
 
 
+def test_a_step_that_makes_the_adapter_non_finite_raises_and_restore_undoes_it() -> None:
+    trainer = make_trainer()
+    g = group(trainer, (1.0, 0.0))
+    before, snapshot = lora_params(trainer), trainer.snapshot()
+    for param_group in trainer.optimizer.param_groups:  # an update that overflows; the loss and gradient are finite
+        param_group["lr"] = math.inf
+    with pytest.raises(NonFiniteStepError, match=r"step 1: the optimizer's step made adapter weights NaN or infinite"):
+        trainer.step([g])
+    assert trainer.step_count == 0 and all(p.grad is None for p in trainer.model.parameters())
+    trainer.restore(snapshot)  # what the service does with every failed step
+    assert all(torch.equal(before[n], p) for n, p in lora_params(trainer).items())
+    assert trainer.step([g])["step"] == 1 and all(bool(p.isfinite().all()) for p in lora_params(trainer).values())
+
+
 def test_zero_spread_groups_are_skipped() -> None:
     trainer = make_trainer()
     metrics = trainer.step([group(trainer, (1.0, 0.0), "a"), group(trainer, (0.5, 0.5), "b")])
@@ -302,6 +317,25 @@ def test_save_is_atomic_and_resumable(tmp_path: Path) -> None:
     assert fresh.step_count == 1
     saved, restored = lora_params(trainer), lora_params(fresh)
     assert all(torch.equal(saved[n], restored[n]) for n in saved)
+
+
+def test_resume_trains_with_this_runs_learning_rate_and_weight_decay(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    first = make_trainer(learning_rate=5e-3, weight_decay=0.0)
+    first.step([group(first, (1.0, 0.0))])
+    path = first.save(tmp_path / "step-1")
+    resumed = make_trainer(learning_rate=1e-4, weight_decay=0.1)  # restarted with new --learning-rate, --weight-decay
+    with caplog.at_level(logging.INFO, logger="trainer_service.training"):
+        resumed.resume(path)
+    assert [(g["lr"], g["weight_decay"]) for g in resumed.optimizer.param_groups] == [(1e-4, 0.1)]
+    assert "learning_rate 0.005 -> 0.0001, weight_decay 0 -> 0.1" in caplog.text
+    saved, restored = first.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert all(torch.equal(saved[k]["exp_avg"], restored[k]["exp_avg"]) for k in saved)  # the moments are the saved ones
+    assert resumed.step([group(resumed, (1.0, 0.0))])["optim/lr"] == 1e-4
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainer_service.training"):
+        make_trainer(learning_rate=5e-3).resume(path)
+    assert "resumed the optimizer state" not in caplog.text  # nothing changed, nothing said
 
 
 def test_kl_to_the_base_is_zero_before_training_and_grows_after() -> None:
