@@ -4,16 +4,19 @@ A run reads the group's trajectories from the store, sends the distinct ones to 
 and writes each score as a reward (`JudgeSettings.reward_name`, default `ruler`) through
 `Store.add_reward`, with the explanation kept in `ScoringStore`. A failed run follows the
 configured policy (`retry`, `skip`, `zero`) and its state and error show on the group.
+
+A run claims its group in the `judge_runs` table before it calls the judge, so two collector
+replicas on one database (or two requests to one collector) never judge a group at once.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-from collector.errors import NotFound
+from collector.errors import Conflict, NotFound
 from collector.protocol import GroupState, RewardIn, Trajectory
 from collector.read_protocol import JudgeRun, Judgement
 from collector.ruler import (
@@ -30,7 +33,7 @@ from collector.scoring_config import JudgeSettings
 from collector.scoring_store import ScoringStore
 from collector.store import Store
 
-__all__ = ["GroupJudge", "run_view"]
+__all__ = ["GroupJudge", "claim_seconds", "run_view"]
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +50,27 @@ def run_view(row: dict, judgements: list[Judgement] | None = None) -> JudgeRun:
     )
 
 
+_MAX_BACKOFF = 10.0
+"""Longest wait between two tries of one run, in seconds."""
+
+
+def _tries(settings: JudgeSettings) -> int:
+    """Judge calls one run makes at most."""
+    return settings.attempts if settings.on_failure == "retry" else 1
+
+
+def claim_seconds(settings: JudgeSettings) -> float:
+    """How long a `running` run holds its group before another judge may take it over as stale: every try
+    timing out after the longest back-off, plus a minute for reading and writing the store."""
+    return _tries(settings) * (settings.timeout_seconds + _MAX_BACKOFF) + 60.0
+
+
 class GroupJudge:
-    """Judges groups with one `JudgeClient`; one run per group at a time."""
+    """Judges groups with one `JudgeClient`; one run per group at a time, across every collector on the database.
+
+    A run first claims its group in `judge_runs` (`ScoringStore.claim_run`); a judge that loses the claim calls
+    no model.
+    """
 
     def __init__(
         self,
@@ -63,12 +85,6 @@ class GroupJudge:
         key = settings.api_key.get_secret_value() if settings.api_key else None
         self.client = client or JudgeClient(settings.url, settings.model, api_key=key, timeout=settings.timeout_seconds)
         self.clock = clock
-        self._locks: dict[str, threading.Lock] = {}
-        self._guard = threading.Lock()
-
-    def _lock(self, group_id: str) -> threading.Lock:
-        with self._guard:
-            return self._locks.setdefault(group_id, threading.Lock())
 
     # --- one run ------------------------------------------------------------------------
     def judge(self, group_id: str, *, rubric: str | None = None) -> JudgeRun:
@@ -76,20 +92,50 @@ class GroupJudge:
 
         Raises:
             NotFound: the group does not exist or has no trajectories.
+            Conflict: `judge_running`, another run of the group has not finished (here or on another replica).
+        """
+        run = self._try(group_id, rubric or self.settings.rubric)
+        if run is None:
+            row = self.scoring.run(group_id) or {}
+            raise Conflict(
+                f"group {group_id!r} is being judged: its run is {row.get('state')} since {row.get('started_at')}; "
+                f"GET /v1/groups/{group_id}/judge shows its outcome",
+                code="judge_running",
+            )
+        return run
+
+    def _try(self, group_id: str, rubric: str) -> JudgeRun | None:
+        """Judge the group if its claim is won; None, with no judge call, when another run holds it.
+
+        Raises:
+            NotFound: the group does not exist or has no trajectories.
         """
         members = [t for t in self.store.trajectories(group=group_id) if t.group_id == group_id]
         if not members:
             raise NotFound(f"no group {group_id!r} with trajectories; see GET /v1/groups")
-        with self._lock(group_id):
-            return self._judge(group_id, members, rubric or self.settings.rubric)
-
-    def _judge(self, group_id: str, members: list[Trajectory], rubric: str) -> JudgeRun:
-        s = self.settings
         distinct, owner = dedupe([t.messages for t in members])
         started = self.clock()
-        base = {"group_id": group_id, "model": s.model, "trajectories": len(members), "distinct_count": len(distinct), "started_at": started}
-        self.scoring.save_run(**base, state="running", attempts=0, error=None, finished_at=None, next_try_at=None)
-        tries = s.attempts if s.on_failure == "retry" else 1
+        claim = {
+            "group_id": group_id, "model": self.settings.model, "trajectories": len(members), "distinct_count": len(distinct),
+            "started_at": started, "state": "running", "attempts": 0, "error": None, "finished_at": None, "next_try_at": None,
+        }
+        if not self.scoring.claim_run(claim, stale_before=started - claim_seconds(self.settings)):
+            log.info("group %s is being judged by another run; left to it", group_id)
+            return None
+        try:
+            return self._judge(group_id, members, distinct, owner, rubric, started)
+        except Exception as exc:  # e.g. the store failed mid-run: free the group now, not after claim_seconds
+            now = self.clock()
+            self._finish(group_id, started, state="failed", attempts=0, error=f"{type(exc).__name__}: {exc}", finished_at=now,
+                         next_try_at=now + self.settings.retry_seconds)
+            raise
+
+    def _judge(
+        self, group_id: str, members: list[Trajectory], distinct: list[list[dict[str, Any]]], owner: list[int], rubric: str, started: float
+    ) -> JudgeRun:
+        """The claimed run started at `started`: call the judge, store the scores and the outcome."""
+        s = self.settings
+        tries = _tries(s)
         messages = build_messages(rubric, distinct)
         fmt = response_format(len(distinct), explanation_limit(len(distinct), s.max_tokens, s.explanation_max_chars))
         error: JudgeError | None = None
@@ -101,10 +147,10 @@ class GroupJudge:
                 error = exc
                 log.warning("judge of group %s failed (try %d/%d): %s", group_id, attempt, tries, exc)
                 if attempt < tries:
-                    time.sleep(min(2.0 ** (attempt - 1), 10.0))
+                    time.sleep(min(2.0 ** (attempt - 1), _MAX_BACKOFF))
                 continue
             rows = self._store_scores(group_id, members, owner, scores)
-            self.scoring.save_run(**base, state="ok", attempts=attempt, error=None, finished_at=self.clock(), next_try_at=None)
+            self._finish(group_id, started, state="ok", attempts=attempt, error=None, finished_at=self.clock(), next_try_at=None)
             log.info("judged group %s: %d trajectories, %d distinct", group_id, len(members), len(distinct))
             return run_view(self.scoring.run(group_id) or {}, rows)
         assert error is not None
@@ -112,11 +158,19 @@ class GroupJudge:
         now = self.clock()
         if s.on_failure == "zero":
             rows = self._store_zeros(group_id, members, message)
-            self.scoring.save_run(**base, state="zeroed", attempts=tries, error=message, finished_at=now, next_try_at=None)
+            self._finish(group_id, started, state="zeroed", attempts=tries, error=message, finished_at=now, next_try_at=None)
             return run_view(self.scoring.run(group_id) or {}, rows)
         state, next_try = ("failed", now + s.retry_seconds) if s.on_failure == "retry" else ("skipped", None)
-        self.scoring.save_run(**base, state=state, attempts=tries, error=message, finished_at=now, next_try_at=next_try)
+        self._finish(group_id, started, state=state, attempts=tries, error=message, finished_at=now, next_try_at=next_try)
         return run_view(self.scoring.run(group_id) or {})
+
+    def _finish(self, group_id: str, started: float, **outcome: object) -> None:
+        """Record the outcome of the run started at `started`; a run that outlived its claim only logs it."""
+        if not self.scoring.finish_run(group_id, started, **outcome):
+            log.warning(
+                "judge run of group %s started at %s outlived its claim (%.0f s) and another run took the group over; "
+                "its outcome (%s) is not recorded as the group's run", group_id, started, claim_seconds(self.settings), outcome["state"],
+            )
 
     def _store_scores(self, group_id: str, members: list[Trajectory], owner: list[int], scores: list[Score]) -> list[Judgement]:
         first: dict[int, str] = {}
@@ -154,7 +208,8 @@ class GroupJudge:
     def due_groups(self) -> list[str]:
         """Groups in the pool (open, ready or skipped) whose trajectories are all complete and that
         reached their expected size, not judged yet, grown since their last finished run (a group
-        without an announced size takes members as they come), or `failed` and due for another try."""
+        without an announced size takes members as they come), `failed` and due for another try, or
+        `running` past `claim_seconds` (its judge died mid-run)."""
         complete = {
             g.id: g.size for g in self.store.groups(states=_IN_POOL)
             if g.size == g.complete and g.size >= g.expected
@@ -168,13 +223,16 @@ class GroupJudge:
                 return True
             if run["state"] == "failed":
                 return (run["next_try_at"] or 0) <= now
-            return run["state"] != "running" and run["trajectories"] < complete[group_id]
+            if run["state"] == "running":
+                return run["started_at"] < now - claim_seconds(self.settings)
+            return run["trajectories"] < complete[group_id]
 
         return [group_id for group_id in complete if due(group_id)]
 
     def run_due(self) -> list[JudgeRun]:
-        """Judge every due group (see `due_groups`), one after the other."""
-        return [self.judge(gid) for gid in self.due_groups()]
+        """Judge every due group (see `due_groups`), one after the other; a group another run claimed first is left to it."""
+        runs = (self._try(group_id, self.settings.rubric) for group_id in self.due_groups())
+        return [run for run in runs if run is not None]
 
     def close(self) -> None:
         """Release the judge client."""

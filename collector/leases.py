@@ -100,22 +100,34 @@ REOPENABLE = ("skipped", "expired")
 activity); from the others (`open`, `leased`, `trained`) it is in the pool or done."""
 
 
-def reopen(conn: Connection, group_id: str, now: float) -> ReopenResponse:
+def _not_reopenable(conn: Connection, settings: CollectorSettings, row: Any) -> str:
+    """Why a group in the pool or done cannot be reopened, in the state `GET /v1/groups` shows it in."""
+    group_id, shown = row["id"], row["state"]
+    if shown == "open":  # shown as decided now: open, ready, or skipped for its rewards
+        decision = pool.decisions(conn, settings, [row])[group_id]
+        if decision.state == "skipped":
+            return (
+                f"group {group_id} is skipped ({decision.reason}) but still in the pool: a new or changed reward "
+                "puts it back by itself, ready once its rewards differ; reopen is for groups the pool gave up on"
+            )
+        shown = decision.state
+    return f"group {group_id} is {shown}; only a group in {' or '.join(REOPENABLE)} can be reopened"
+
+
+def reopen(conn: Connection, settings: CollectorSettings, group_id: str, now: float) -> ReopenResponse:
     """Put a skipped or expired group back in the pool with its failed attempts reset, e.g. once the trainer's
     bug that failed it is fixed; it is leased when it is ready, or skipped again if it still cannot train.
 
     Raises:
         NotFound: no such group.
-        Conflict: `group_not_reopenable`, the group is open, leased or trained.
+        Conflict: `group_not_reopenable`, the group is open, ready, leased or trained, or skipped for its rewards
+            while still in the pool (a new reward puts it back).
     """
     row = conn.execute(select(groups).where(groups.c.id == group_id).with_for_update()).mappings().first()
     if row is None:
         raise NotFound(f"no group {group_id!r}; GET /v1/groups lists them")
     if row["state"] not in REOPENABLE:
-        raise Conflict(
-            f"group {group_id} is {row['state']}; only a group in {' or '.join(REOPENABLE)} can be reopened",
-            code="group_not_reopenable",
-        )
+        raise Conflict(_not_reopenable(conn, settings, row), code="group_not_reopenable")
     conn.execute(
         groups.update().where(groups.c.id == group_id)
         .values(state="open", reason=None, batch_id=None, failed_attempts=0, updated_at=now)

@@ -101,6 +101,11 @@ def write_trajectories(
 ) -> None:
     """Write the rows of an export's trajectories and place each in a group once its group key is known.
 
+    A trajectory without a model call (`TrajectoryFacts.has_llm`) in no group the app named, such as a prompt
+    template run on its own (the plugin gives every top-level run a rollout), has nothing to train on or judge
+    and joins no group. One in a group the app named (`art.group`), e.g. an attempt that failed before calling the
+    model, stays its member: the app counted it, and its reward belongs beside the others'.
+
     Args:
         conn: The export's transaction.
         found: Facts of each trajectory the export touched, by (id, keyed by rollout id).
@@ -112,7 +117,8 @@ def write_trajectories(
     wanted = []
     for (key, by_rollout), facts in found.items():
         row = existing.get(key)
-        if (facts.has_rollout_span or not by_rollout) and (row is None or row["group_id"] is None or row["group_key"] != facts.group_key):
+        key_known = facts.has_rollout_span or not by_rollout
+        if key_known and (facts.has_llm or facts.explicit_group) and (row is None or row["group_id"] is None or row["group_key"] != facts.group_key):
             current = conn.execute(select(groups.c.state).where(groups.c.id == row["group_id"])).scalar() if row and row["group_id"] else None
             if current in (None, "open"):  # a leased or trained group keeps its members
                 wanted.append((key, facts))

@@ -85,6 +85,9 @@ class TrajectorySummary(BaseModel):
     tokens: int
     complete: bool
     token_exact: bool
+    ungrouped: str | None = Field(
+        default=None, description="Why the trajectory is in no group (e.g. it made no model call), None when it is in one."
+    )
     last_message: str = Field(description="Start of the last message, for the list view.")
 
 

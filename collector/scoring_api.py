@@ -111,7 +111,8 @@ def install(
 
     @router.post("/v1/groups/{group_id:path}/judge", dependencies=writes)
     def judge_group(group_id: str, body: JudgeRequest | None = None) -> JudgeRun:
-        """Run the RULER judge on one group now (any state); scores become rewards named `ruler`."""
+        """Run the RULER judge on one group now (any state); scores become rewards named `ruler`; 409 `judge_running`
+        while another run of the group has not finished."""
         return judge.judge(group_id, rubric=body.rubric if body else None)
 
     @router.get("/v1/groups/{group_id:path}/judge")

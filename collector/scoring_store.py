@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Engine, delete, select
+from sqlalchemy import Engine, delete, or_, select, update
+from sqlalchemy.exc import IntegrityError
 
 from collector.engine import chunks
 from collector.schema import judge_runs, judgements, langfuse_pulled, langfuse_pushed
@@ -43,11 +44,38 @@ class ScoringStore:
                     rows += conn.execute(select(judge_runs).where(judge_runs.c.group_id.in_(chunk))).mappings()
         return {row["group_id"]: dict(row) for row in rows}
 
-    def save_run(self, **values: Any) -> None:
-        """Insert or replace the judge run of `values["group_id"]`."""
+    def claim_run(self, run: dict[str, Any], *, stale_before: float) -> bool:
+        """Start the judge run `run` (a `running` row) of `run["group_id"]`, unless another run holds the group.
+
+        The row is taken when the group has none, when its last run finished, or when its `running` run
+        started before `stale_before` (its judge died mid-run). The database decides between judges racing
+        for the group, on one collector or on replicas sharing the database: exactly one gets True.
+        """
+        group = judge_runs.c.group_id == run["group_id"]
+        takeover = update(judge_runs).where(group, or_(judge_runs.c.state != "running", judge_runs.c.started_at < stale_before))
         with self.engine.begin() as conn:
-            conn.execute(delete(judge_runs).where(judge_runs.c.group_id == values["group_id"]))
-            conn.execute(judge_runs.insert().values(**values))
+            if conn.execute(takeover.values(**run)).rowcount:
+                return True
+            if conn.execute(select(judge_runs.c.group_id).where(group)).first() is not None:
+                return False
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(judge_runs.insert().values(**run))
+        except IntegrityError:
+            if self.run(run["group_id"]) is None:  # not the group's key: no lost race but a bad row
+                raise
+            return False  # another judge inserted the group's first run since the check above
+        return True
+
+    def finish_run(self, group_id: str, started_at: float, **values: Any) -> bool:
+        """Record the outcome (`values`) of the group's run that `claim_run` started at `started_at`.
+
+        Returns False, writing nothing, when that run no longer holds the group (another judge took over
+        its claim as stale).
+        """
+        ours = (judge_runs.c.group_id == group_id, judge_runs.c.state == "running", judge_runs.c.started_at == started_at)
+        with self.engine.begin() as conn:
+            return conn.execute(update(judge_runs).where(*ours).values(**values)).rowcount == 1
 
     def save_judgements(self, name: str, group_id: str, rows: list[dict[str, Any]]) -> None:
         """Replace the group's judgements under reward `name` with `rows` (trajectory_id, score, explanation, ...)."""

@@ -93,7 +93,7 @@ class Store(ABC):
     @abstractmethod
     def reopen(self, group_id: str) -> ReopenResponse:
         """Put a skipped or expired group back in the pool, its failed attempts reset. Raises `NotFound`, or
-        `Conflict` when the group is open, leased or trained."""
+        `Conflict` when the group is open, ready, leased or trained, or skipped for its rewards while in the pool."""
 
     @abstractmethod
     def trajectory(self, trajectory_id: str) -> Trajectory | None:
@@ -416,5 +416,5 @@ class SqlStore(Store):
 
     def reopen(self, group_id: str) -> ReopenResponse:
         """Put a skipped or expired group back in the pool, its failed attempts reset. Raises `NotFound`, or
-        `Conflict` when the group is open, leased or trained."""
-        return self._tx.run(lambda conn: leases.reopen(conn, group_id, self.clock()))
+        `Conflict` when the group is open, ready, leased or trained, or skipped for its rewards while in the pool."""
+        return self._tx.run(lambda conn: leases.reopen(conn, self.settings, group_id, self.clock()))

@@ -26,7 +26,7 @@ from collector.ruler import render_message
 from collector.scoring_store import ScoringStore
 from collector.store import Store
 
-__all__ = ["batch_list", "group_list", "policy_step", "reward_curve", "trajectory_detail", "trajectory_page"]
+__all__ = ["NO_MODEL_CALL", "batch_list", "group_list", "policy_step", "reward_curve", "trajectory_detail", "trajectory_page", "ungrouped"]
 
 
 def policy_step(trajectory: Trajectory) -> int | None:
@@ -35,13 +35,24 @@ def policy_step(trajectory: Trajectory) -> int | None:
     return max(steps) if steps else None
 
 
+NO_MODEL_CALL = "no model call: kept out of groups, leases and the judge"
+"""Why a complete trajectory is in no group: the store groups every other complete one (`placement.write_trajectories`)."""
+
+
+def ungrouped(t: Trajectory) -> str | None:
+    """Why a trajectory is in no group, or None when it is in one."""
+    if t.group_id:
+        return None
+    return NO_MODEL_CALL if t.complete else "not complete: its rollout span, which names its group, has not arrived"
+
+
 def _summary(t: Trajectory) -> dict[str, Any]:
     last = render_message(t.messages[-1]) if t.messages else ""
     return {
         "id": t.id, "trace_id": t.trace_id, "group_id": t.group_id, "task": t.task, "split": t.split, "model": t.model,
         "policy_step": policy_step(t), "reward": t.reward, "rewards": t.rewards, "messages": len(t.messages),
         "tokens": sum(len(s.token_ids) for s in t.sequences), "complete": t.complete, "token_exact": t.token_exact,
-        "last_message": last[:200],
+        "ungrouped": ungrouped(t), "last_message": last[:200],
     }
 
 

@@ -61,7 +61,7 @@ async def judge_groups(collector_url: str, task: str, judged: set[str], rubric: 
     async with httpx.AsyncClient(base_url=collector_url, timeout=1800) as client:
         params = {"task": task, "split": "train"}
         trajectories = (await client.get("/v1/trajectories", params=params)).raise_for_status().json()
-        for group in sorted({t["group_id"] for t in trajectories} - judged):
+        for group in sorted({t["group_id"] for t in trajectories if t["group_id"]} - judged):  # "": in no group yet
             body = {"rubric": rubric} if rubric else None
             runs.append((await client.post(f"/v1/groups/{group}/judge", json=body)).raise_for_status().json())
             judged.add(group)

@@ -46,6 +46,11 @@ function curveSvg(points) {
     <path d="${line}" fill="none" stroke="#3b82f6" stroke-width="2"/>${dots}${ticks}</svg>`;
 }
 
+function groupLink(t) {
+  if (!t.group_id) return `<span class="muted">${esc(t.ungrouped)}</span>`;
+  return `<a href="#/?group=${encodeURIComponent(t.group_id)}">${esc(t.group_id)}</a>`;
+}
+
 async function trajectoriesView(params) {
   const query = new URLSearchParams();
   for (const [key, value] of params) if (value !== "") query.set(key, value);
@@ -55,7 +60,7 @@ async function trajectoriesView(params) {
     .map(
       (t) => `<tr class="trajectory-row" data-id="${esc(t.id)}">
       <td><a href="#/t/${encodeURIComponent(t.id)}">${esc(t.id)}</a></td><td>${esc(t.task)}</td>
-      <td><a href="#/?group=${encodeURIComponent(t.group_id)}">${esc(t.group_id)}</a></td>
+      <td>${groupLink(t)}</td>
       <td class="num">${t.policy_step ?? "–"}</td><td class="num">${num(t.reward)}</td>
       <td>${Object.entries(t.rewards).map(([k, v]) => `<span class="badge">${esc(k)} ${num(v, 2)}</span>`).join(" ")}</td>
       <td class="num">${t.messages}</td><td class="num">${t.tokens}</td>
@@ -102,7 +107,7 @@ async function trajectoryView(id) {
     .map((j) => `<div class="judgement"><strong>${esc(j.name)} ${num(j.score)}</strong>${j.duplicate_of ? ` <span class="muted">(identical to ${esc(j.duplicate_of)}, judged once)</span>` : ""}<div>${esc(j.explanation)}</div></div>`)
     .join("");
   app.innerHTML = `<h2>Trajectory <code>${esc(t.id)}</code></h2>
-    <div class="kv"><span>trace</span><code>${esc(t.trace_id)}</code><span>group</span><a href="#/?group=${encodeURIComponent(t.group_id)}">${esc(t.group_id)}</a>
+    <div class="kv"><span>trace</span><code>${esc(t.trace_id)}</code><span>group</span><span>${groupLink(t)}</span>
       <span>task / split</span><span>${esc(t.task)} / ${esc(t.split)}</span><span>model</span><span>${esc(t.model)}</span>
       <span>policy step</span><span>${t.policy_step ?? "–"}</span><span>training reward</span><span>${num(t.reward)}</span>
       <span>rewards</span><span id="rewards">${rewards}</span><span>tool calls</span><span>${t.tool_calls}</span>

@@ -1,18 +1,33 @@
-"""The RULER judge's run mechanics without a model: failure policies, automatic runs, auth.
+"""The RULER judge's run mechanics without a model: failure policies, automatic runs, auth, and
+one run per group across collector replicas.
 
 The judge here is a real HTTP endpoint that is down (a closed port), so every call fails the
-way an unreachable judge fails; scoring with a real model is in `test_ruler_vllm.py`.
+way an unreachable judge fails, or, for races between replicas, a client that answers only
+when the test releases it; scoring with a real model is in `test_ruler_vllm.py`.
 """
 
 from __future__ import annotations
 
+import json
+import queue
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import Engine
 
 from art_langgraph import semconv as sc
+from collector.config import CollectorSettings
+from collector.errors import Conflict
+from collector.judging import GroupJudge, claim_seconds
+from collector.scoring_config import JudgeSettings
+from collector.scoring_store import ScoringStore
+from collector.store import SqlStore
+from tests.collector.conftest import Clock
 from tests.collector.seeding import free_port, group_spans, make_app
 
 
@@ -125,3 +140,183 @@ def test_judge_run_needs_the_api_key(tmp_path: Path, monkeypatch: pytest.MonkeyP
         ok = client.post("/v1/groups/g/judge", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and ok.json()["state"] == "skipped"
         assert client.get("/v1/view/groups").status_code == 200  # reads stay open
+
+
+# --- one run per group across replicas ----------------------------------------------------
+WAIT = 10.0
+"""Longest a test waits for a thread or an event."""
+
+
+class HeldJudge:
+    """A judge client that answers (two blocks, scores 1 and 0) only once `release` is set; counts its calls."""
+
+    def __init__(self, *, released: bool = False) -> None:
+        self.calls = 0
+        self.waiting = threading.Event()
+        self.release = threading.Event()
+        if released:
+            self.release.set()
+        self._count = threading.Lock()
+
+    def complete(self, messages: list[dict[str, Any]], fmt: dict[str, Any], *, temperature: float, max_tokens: int) -> str:
+        with self._count:
+            self.calls += 1
+        self.waiting.set()
+        if not self.release.wait(WAIT):
+            raise AssertionError("the test never released the judge")
+        return json.dumps({"scores": {"1": {"explanation": "right", "score": 1.0}, "2": {"explanation": "wrong", "score": 0.0}}})
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class SyncedScoring(ScoringStore):
+    """A `ScoringStore` whose `runs` returns only once every replica has read them: all see the same groups due."""
+
+    def __init__(self, engine: Engine, barrier: threading.Barrier) -> None:
+        super().__init__(engine)
+        self.barrier = barrier
+
+    def runs(self, group_ids: Any = None) -> dict[str, dict[str, Any]]:
+        found = super().runs(group_ids)
+        self.barrier.wait(WAIT)
+        return found
+
+
+@pytest.fixture(params=["sqlite-file", "postgresql"])
+def shared_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """One database that several collector replicas share."""
+    if request.param == "postgresql":
+        return request.getfixturevalue("postgres").create_database()
+    return f"sqlite:///{tmp_path / 'collector.db'}"
+
+
+@pytest.fixture
+def replica_stores(shared_db: str, clock: Clock) -> Iterator[list[SqlStore]]:
+    """The stores of two collector replicas on `shared_db` (two engines), group `g` seeded: two different answers."""
+    stores = [SqlStore(CollectorSettings(db=shared_db), clock=clock) for _ in range(2)]
+    for store in stores:
+        store.setup()
+    stores[0].add_spans(group_spans("g", ["7", "8"]))
+    yield stores
+    for store in stores:
+        store.close()
+
+
+def _race(contenders: list[Any]) -> tuple[queue.Queue[Any], list[threading.Thread]]:
+    """Run each callable in a thread of its own, all started at once; their results (or errors) go to the queue."""
+    results: queue.Queue[Any] = queue.Queue()
+    start = threading.Barrier(len(contenders))
+
+    def run(contender: Any) -> None:
+        start.wait(WAIT)
+        try:
+            results.put(contender())
+        except Exception as exc:  # the test asserts on it
+            results.put(exc)
+
+    threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in contenders]
+    for thread in threads:
+        thread.start()
+    return results, threads
+
+
+def _race_held(client: HeldJudge, contenders: list[Any]) -> tuple[Any, Any]:
+    """Race `contenders` while `client` holds its one judge call; return (the loser's outcome, the winner's).
+
+    The loser ends while the winner's call is still held, and the judge is called once in all.
+    """
+    try:
+        results, threads = _race(contenders)
+        lost = results.get(timeout=WAIT)
+        assert client.calls == 1
+    finally:
+        client.release.set()
+    won = results.get(timeout=WAIT)
+    for thread in threads:
+        thread.join(WAIT)
+    assert client.calls == 1
+    return lost, won
+
+
+def test_replicas_judging_automatically_call_the_judge_once(replica_stores: list[SqlStore], clock: Clock) -> None:
+    client = HeldJudge()
+    both_read = threading.Barrier(2)
+    judges = [
+        GroupJudge(store, SyncedScoring(store.engine, both_read), JudgeSettings(auto=True), client=client, clock=clock)
+        for store in replica_stores
+    ]
+    lost, won = _race_held(client, [judge.run_due for judge in judges])
+    assert lost == []  # the replica that lost the claim judged nothing and raised nothing
+    assert [(run.group_id, run.state, run.attempts) for run in won] == [("g", "ok", 1)]
+    after = GroupJudge(replica_stores[1], ScoringStore(replica_stores[1].engine), JudgeSettings(auto=True), client=client, clock=clock)
+    assert after.scoring.run("g")["state"] == "ok" and after.due_groups() == []
+
+
+def test_a_judge_request_racing_another_replica_gets_409_not_a_second_run(replica_stores: list[SqlStore], clock: Clock) -> None:
+    client = HeldJudge()
+    judges = [GroupJudge(store, ScoringStore(store.engine), JudgeSettings(), client=client, clock=clock) for store in replica_stores]
+    lost, won = _race_held(client, [lambda judge=judge: judge.judge("g") for judge in judges])
+    assert isinstance(lost, Conflict) and lost.code == "judge_running" and lost.status == 409
+    assert "its run is running" in lost.message
+    assert (won.state, [j.score for j in won.judgements]) == ("ok", [1.0, 0.0])
+
+
+def test_the_judge_endpoint_answers_409_while_another_replica_judges(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    app = make_app(tmp_path, monkeypatch, env=down_judge("skip"))
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    other = SqlStore(CollectorSettings(db=f"sqlite:///{tmp_path / 'collector.db'}"))  # a second replica on the same file
+    client = HeldJudge()
+    judge = GroupJudge(other, ScoringStore(other.engine), JudgeSettings(), client=client)
+    try:
+        results, _ = _race([lambda: judge.judge("g")])
+        assert client.waiting.wait(WAIT)
+        with TestClient(app) as http:
+            answer = http.post("/v1/groups/g/judge")
+            assert answer.status_code == 409
+            assert answer.json()["error"] == "judge_running" and "its run is running" in answer.json()["message"]
+            assert http.get("/v1/groups/g/judge").json()["state"] == "running"
+            client.release.set()
+            assert results.get(timeout=WAIT).state == "ok"
+            assert http.get("/v1/groups/g/judge").json()["state"] == "ok"
+    finally:
+        client.release.set()
+        other.close()
+    assert client.calls == 1
+
+
+def test_a_run_that_outlives_its_claim_is_taken_over_and_records_nothing(replica_stores: list[SqlStore], clock: Clock) -> None:
+    stuck, fresh = HeldJudge(), HeldJudge(released=True)
+    first, second = (
+        GroupJudge(store, ScoringStore(store.engine), JudgeSettings(), client=client, clock=clock)
+        for store, client in zip(replica_stores, [stuck, fresh], strict=True)
+    )
+    try:
+        results, threads = _race([lambda: first.judge("g")])
+        assert stuck.waiting.wait(WAIT)
+        assert second.due_groups() == []
+        clock.now += claim_seconds(second.settings) + 1  # the first run's judge hangs past its claim
+        assert second.due_groups() == ["g"]
+        taken = second.judge("g")
+        assert (taken.state, taken.started_at, fresh.calls) == ("ok", clock.now, 1)
+    finally:
+        stuck.release.set()
+    assert not isinstance(results.get(timeout=WAIT), Exception)
+    threads[0].join(WAIT)
+    run = second.scoring.run("g")
+    assert (run["state"], run["started_at"]) == ("ok", clock.now)  # the stale run did not overwrite the new one
+
+
+def test_a_run_that_fails_unexpectedly_frees_its_group(replica_stores: list[SqlStore], clock: Clock) -> None:
+    class Broken(HeldJudge):
+        def complete(self, *args: Any, **kwargs: Any) -> str:
+            raise RuntimeError("judge client bug")
+
+    judge = GroupJudge(replica_stores[0], ScoringStore(replica_stores[0].engine), JudgeSettings(), client=Broken(), clock=clock)
+    with pytest.raises(RuntimeError, match="judge client bug"):
+        judge.judge("g")
+    run = judge.scoring.run("g")
+    assert (run["state"], run["error"]) == ("failed", "RuntimeError: judge client bug")
+    assert run["next_try_at"] == clock.now + judge.settings.retry_seconds
+    judge.client = HeldJudge(released=True)
+    assert judge.judge("g").state == "ok"  # no 409: the failed run holds the group no longer

@@ -166,3 +166,21 @@ def test_reopen_puts_a_group_given_up_on_back_with_its_attempts_reset(make_store
     assert _state(store, "stale")[0] == "open"  # a new timeout window; still waiting for its group
     with pytest.raises(NotFound):
         store.reopen("nope")
+
+
+def test_reopen_of_a_group_skipped_for_its_rewards_says_so_and_a_new_reward_puts_it_back(make_store) -> None:
+    store = make_store()
+    store.add_spans(_trajectory(10, "g-a", reward=1.0) + _trajectory(20, "g-b", reward=1.0))
+    assert _state(store) == ("skipped", "no reward spread", 0)
+    with pytest.raises(Conflict) as refused:
+        store.reopen("g")
+    assert refused.value.code == "group_not_reopenable"
+    assert refused.value.message == (
+        "group g is skipped (no reward spread) but still in the pool: a new or changed reward puts it back by itself, "
+        "ready once its rewards differ; reopen is for groups the pool gave up on"
+    )
+    store.add_reward(RewardIn(rollout_id="g-b", value=0.0))
+    assert _state(store) == ("ready", None, 0)
+    with pytest.raises(Conflict) as ready:
+        store.reopen("g")
+    assert ready.value.message == "group g is ready; only a group in skipped or expired can be reopened"

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +12,6 @@ from unittest.mock import patch
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import event
@@ -24,6 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from tests.collector.span_builders import llm, rollout, to_otlp_json, to_request
+from tests.served import served as served_app
 
 from art_langgraph import semconv as sc
 from collector.config import CollectorSettings
@@ -330,20 +328,9 @@ class _RecordEncodings:
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[str, _RecordEncodings]]:
     """The collector app on a free localhost port, in a background thread."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     app = _RecordEncodings(_app(tmp_path, api_key="k"))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", app
-    server.should_exit = True
-    thread.join(10)
+    with served_app(app, lifespan="off") as url:
+        yield url, app
 
 
 def _run_rollout(tracer, rollout_id: str, group: str, reward: float, completion: list[int]) -> None:

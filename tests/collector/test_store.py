@@ -537,3 +537,31 @@ def test_trajectories_page_newest_first_and_count(make_store, clock) -> None:
     assert [t.id for t in store.trajectories(group="h", newest_first=True, limit=5)] == ["r4", "r3"]
     assert [t.id for t in store.trajectories(offset=3)] == ["r4"]
     assert (store.count_trajectories(), store.count_trajectories(group="g"), store.count_trajectories(task="none")) == (4, 2, 0)
+
+
+def _template_run(n: int, rollout_id: str, *, reward: float) -> list:
+    """A prompt template invoked on its own: the plugin opens a rollout for the top-level run; no model call."""
+    return [rollout(n, rollout_id, trace=f"{n:032x}", task="ChatPromptTemplate", rewards={"reward": reward})]
+
+
+def test_a_trajectory_without_a_model_call_joins_no_group_until_one_arrives(make_store) -> None:
+    store = make_store()
+    store.add_spans(_template_run(10, "tmpl-a", reward=1.0) + _template_run(20, "tmpl-b", reward=0.0))
+    shown = [(t.id, t.group_id, t.complete, t.reward) for t in store.trajectories()]
+    assert shown == [("tmpl-a", "", True, 1.0), ("tmpl-b", "", True, 0.0)]  # still stored and listed
+    assert store.count_trajectories() == 2
+    assert store.groups() == []  # so never ready, leased or judged, although its rewards differ
+    assert store.lease(BatchRequest()).groups == []
+    store.add_spans([llm(21, rollout="tmpl-b", trace=f"{20:032x}", start=10, prompt=[1, 2], completion=[3])])  # late turn
+    assert [(t.id, t.group_id) for t in store.trajectories()] == [("tmpl-a", ""), ("tmpl-b", "ChatPromptTemplate")]
+    assert [(g.id, g.size) for g in store.groups()] == [("ChatPromptTemplate", 1)]
+
+
+def test_an_attempt_without_a_model_call_stays_in_the_group_the_app_named(make_store) -> None:
+    store = make_store()
+    failed = rollout(10, "try-0", trace=f"{10:032x}", group="q1", size=2, rewards={"reward": 0.0})  # raised before the model
+    answered = [rollout(20, "try-1", trace=f"{20:032x}", group="q1", size=2, rewards={"reward": 1.0}),
+                llm(21, rollout="try-1", trace=f"{20:032x}", start=10, prompt=[1, 2], completion=[3])]
+    store.add_spans([failed, *answered])
+    assert [(t.id, t.group_id) for t in store.trajectories()] == [("try-0", "q1"), ("try-1", "q1")]
+    assert [g.id for g in store.lease(BatchRequest()).groups] == ["q1"]

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from collector.views import NO_MODEL_CALL
+from tests.collector import span_builders as sb
 from tests.collector.seeding import group_spans, make_app
 
 
@@ -75,3 +77,21 @@ def test_home_redirects_to_the_page(client: TestClient) -> None:
     page = client.get("/ui/")
     assert page.status_code == 200 and '<script src="app.js">' in page.text
     assert client.get("/ui/app.js").status_code == 200
+
+
+def test_a_trajectory_without_a_model_call_is_listed_with_why_it_has_no_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    app = make_app(tmp_path, monkeypatch)
+    store = app.state.store
+    store.add_spans(group_spans("a", ["7", "8"], rewards=[1.0, 0.0]))
+    store.add_spans([sb.rollout(n, f"tmpl-{n}", trace=f"{n:032x}", task="ChatPromptTemplate") for n in (100, 200)])
+    store.add_spans([sb.llm(301, rollout="open-1", trace=f"{300:032x}", start=10, prompt=[1], completion=[2])])  # no rollout span yet
+    with TestClient(app) as client:
+        items = {t["id"]: t for t in client.get("/v1/view/trajectories").json()["items"]}
+        assert {tid: (t["group_id"], t["ungrouped"]) for tid, t in items.items()} == {
+            "a-0": ("a", None), "a-1": ("a", None),
+            "tmpl-100": ("", NO_MODEL_CALL), "tmpl-200": ("", NO_MODEL_CALL),
+            "open-1": ("", "not complete: its rollout span, which names its group, has not arrived"),
+        }
+        assert client.get("/v1/view/trajectories/tmpl-100").json()["ungrouped"] == NO_MODEL_CALL
+        assert [g["id"] for g in client.get("/v1/view/groups").json()] == ["a"]
+        assert app.state.scoring.judge.due_groups() == ["a"]  # the template runs are no group the judge could take

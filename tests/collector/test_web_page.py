@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import html
 import subprocess
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
-from tests.collector.seeding import free_port, group_spans, make_app
+from tests.collector.seeding import group_spans, make_app
+from tests.served import served as served_app
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -30,18 +28,9 @@ def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     app.state.scoring.scoring.save_judgements(
         "ruler", "sums", [{"trajectory_id": "sums-0", "score": 0.9, "explanation": "Right sum, short reply.", "block": 1, "duplicate_of": None, "created_at": 0.0}]
     )
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert httpx.get(f"{url}/health").status_code == 200
-    yield url
-    server.should_exit = True
-    thread.join(10)
+    with served_app(app) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        yield url
 
 
 def chromium(url: str, profile: Path, *extra: str) -> str:
