@@ -155,11 +155,24 @@ class Rollout:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._finish(exc)
+        self._leave()
+
+    def _leave(self) -> None:
+        """Undo what `__enter__` made current, if the block is left in the context it was entered in.
+
+        It may be left in another one: an async generator that the event loop closes after its
+        consumer went away runs its `finally` in a new task (a copy of some context), a sync one
+        stepped through a thread pool in a copy per step. Nothing is undone there; the span has
+        ended all the same.
+        """
         assert self._tokens is not None
         token, otel_token = self._tokens
+        try:
+            _current.reset(token)
+        except ValueError:  # "created in a different Context": not the context the block was entered in
+            return
         otel_context.detach(otel_token)  # type: ignore[arg-type]
-        _current.reset(token)
-        self._finish(exc)
 
     async def __aenter__(self) -> Rollout:
         return self.__enter__()

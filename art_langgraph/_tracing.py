@@ -12,15 +12,16 @@ import base64
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import Tracer
 
+from art_langgraph._bounded import run_bounded, spare_thread
 from art_langgraph._settings import TRACES_PATH, Settings, get_settings, update_settings
 
 __all__ = [
@@ -97,19 +98,6 @@ class _CountingExporter(SpanExporter):
         return self._inner.force_flush(timeout_millis)
 
 
-class _State:
-    """The configured pipeline: provider plus the exporters to count drops on."""
-
-    def __init__(self, provider: TracerProvider, exporters: list[_CountingExporter]) -> None:
-        self.provider = provider
-        self.exporters = exporters
-        self.tracer = provider.get_tracer(_INSTRUMENTATION_NAME)
-
-
-_lock = threading.RLock()
-_state: _State | None = None
-
-
 def _otlp_exporter(settings: Settings) -> OTLPSpanExporter:
     endpoint = f"{settings.collector_url.rstrip('/')}{TRACES_PATH}" if settings.collector_url else None
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else None
@@ -148,15 +136,59 @@ class _BoundedProcessor(BatchSpanProcessor):
 
     def __init__(self, exporter: _CountingExporter, max_queue_size: int) -> None:
         super().__init__(exporter, max_queue_size=max_queue_size, max_export_batch_size=min(512, max_queue_size))
-        self._counting = exporter
+        self.counting = exporter
         self._max = max_queue_size
 
     def on_end(self, span: ReadableSpan) -> None:
-        if self._counting.pending >= self._max:
-            self._counting.refuse()
+        if self.counting.pending >= self._max:
+            self.counting.refuse()
             return
-        self._counting.enqueue()
+        self.counting.enqueue()
         super().on_end(span)
+
+
+class _ToCurrentPipeline(SpanProcessor):
+    """Every provider's way out: an ended span goes to the export processors current when it ends.
+
+    A span started before `configure` was called again (a rollout in flight) ends after the
+    pipeline it started on was shut down; the new pipeline exports it instead of it being lost.
+    """
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if (state := _state) is not None:
+            for processor in state.processors:
+                processor.on_end(span)
+
+
+_TO_CURRENT = _ToCurrentPipeline()
+
+
+class _State:
+    """The configured pipeline: the provider spans start on, and the processors that export them."""
+
+    def __init__(self, provider: TracerProvider, processors: list[_BoundedProcessor]) -> None:
+        self.provider = provider
+        self.processors = processors
+        self.tracer = provider.get_tracer(_INSTRUMENTATION_NAME)
+
+    def dropped(self) -> int:
+        """Spans this pipeline's exporters failed to deliver."""
+        return sum(p.counting.dropped for p in self.processors)
+
+    def force_flush(self, timeout_millis: int) -> bool:
+        """Export every ended span: through the provider's own processors (tests add some), then ours."""
+        flushed = self.provider.force_flush(timeout_millis)
+        return all([flushed, *(p.force_flush(timeout_millis) for p in self.processors)])
+
+    def shutdown(self) -> None:
+        """Shut the provider down, then export what our processors hold and stop them."""
+        self.provider.shutdown()
+        for processor in self.processors:
+            processor.shutdown()
+
+
+_lock = threading.RLock()
+_state: _State | None = None
 
 
 def configure(
@@ -169,7 +201,8 @@ def configure(
 ) -> None:
     """Set up tracing and the default trainer endpoint; arguments override `ART_*` variables.
 
-    Calling it again replaces the previous pipeline (which is flushed, bounded, and shut down).
+    Calling it again replaces the previous pipeline (which is flushed, bounded, and shut down);
+    spans in flight then (a rollout still running) go out through the new one when they end.
     Without a call, the first span configures everything from the environment.
 
     Args:
@@ -202,15 +235,15 @@ def configure(
         exporters.append(_CountingExporter(_langfuse_exporter(), "langfuse"))
     provider = TracerProvider(
         resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "art-langgraph")}),
-        shutdown_on_exit=False,  # our own exit hook (`_ExitFlush`) flushes with a bound
+        shutdown_on_exit=False,  # our own exit hook (`_flush_at_exit`) flushes with a bound
     )
-    for exporter in exporters:
-        provider.add_span_processor(_BoundedProcessor(exporter, settings.max_queue_size))
+    provider.add_span_processor(_TO_CURRENT)
+    state = _State(provider, [_BoundedProcessor(exporter, settings.max_queue_size) for exporter in exporters])
     with _lock:
-        old, _state = _state, _State(provider, exporters)
-        _exit_flush.arm()
+        old, _state = _state, state
+        spare_thread.arm()
     if old is not None:
-        _bounded(old.provider.shutdown, timeout=5.0)
+        run_bounded(old.shutdown, timeout=5.0)
 
 
 def _current() -> _State:
@@ -245,33 +278,13 @@ def get_tracer() -> Tracer:
 def dropped_spans() -> int:
     """Number of spans the current pipeline's exporters failed to deliver."""
     with _lock:
-        return sum(e.dropped for e in _state.exporters) if _state else 0
-
-
-def _run_logged(fn: Callable[[], object]) -> bool:
-    """Call `fn()`; False when it returned False or raised (logged with the traceback)."""
-    try:
-        return fn() is not False
-    except Exception:
-        _logger.exception("art_langgraph: tracing flush/shutdown failed")
-        return False
-
-
-def _bounded(fn: Callable[[], object], timeout: float) -> bool:
-    """Run `fn()` in a daemon thread and wait at most `timeout` seconds; True if it finished."""
-    done = threading.Event()
-    ok: list[bool] = []
-
-    def run() -> None:
-        ok.append(_run_logged(fn))
-        done.set()
-
-    threading.Thread(target=run, name="art-langgraph-flush", daemon=True).start()
-    return done.wait(timeout) and all(ok)
+        return _state.dropped() if _state else 0
 
 
 def flush(timeout: float = 5.0) -> bool:
     """Export every finished span now, waiting at most `timeout` seconds.
+
+    It works from the application's own atexit handlers too (see `run_bounded`).
 
     Args:
         timeout: Upper bound on the wait, in seconds.
@@ -283,7 +296,7 @@ def flush(timeout: float = 5.0) -> bool:
         state = _state
     if state is None:
         return True
-    return _bounded(lambda: state.provider.force_flush(int(timeout * 1000)), timeout)
+    return run_bounded(lambda: state.force_flush(int(timeout * 1000)), timeout)
 
 
 def _take_state() -> _State | None:
@@ -295,53 +308,30 @@ def _take_state() -> _State | None:
 
 
 def shutdown(timeout: float = 5.0) -> None:
-    """Flush and stop the pipeline (bounded); the next span configures a new one from env."""
+    """Flush and stop the pipeline (bounded, atexit handlers included); the next span configures a new one."""
     if (state := _take_state()) is not None:
-        _bounded(state.provider.shutdown, timeout)
+        run_bounded(state.shutdown, timeout)
 
 
-class _ExitFlush:
-    """The exit hook: exports what is left, waiting at most `ART_EXIT_FLUSH_TIMEOUT` seconds.
+def _flush_at_exit() -> None:
+    """The exit hook: exports what is left, waiting at most `ART_EXIT_FLUSH_TIMEOUT` seconds."""
+    if (state := _take_state()) is None:
+        return
+    if not run_bounded(state.shutdown, get_settings().exit_flush_timeout):
+        _logger.warning("art_langgraph: spans still queued at exit were not all exported in time")
 
-    The wait is bounded by running the shutdown on another thread. From Python 3.12 no thread can
-    start once the interpreter is exiting (atexit handlers included), so that thread is started
-    with the pipeline (`arm`) and waits for the hook.
+
+def _after_fork_in_child() -> None:
+    """Give a forked child its own pipeline and spare thread, both started at its first span.
+
+    The parent's exporters hold the parent's HTTP connections, on which the child would write
+    too, and count the spans queued in the parent, which the child's queues do not hold.
     """
-
-    def __init__(self) -> None:
-        self._exiting = threading.Event()
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def arm(self) -> None:
-        """Start the waiting thread, once per process (`configure` calls it)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._shut_down_at_exit, name="art-langgraph-exit", daemon=True)
-            self._thread.start()
-
-    def after_fork(self) -> None:
-        """In a forked child, which has no copy of the thread: start its own if the parent had one."""
-        armed, self._thread = self._thread is not None, None
-        self._exiting, self._done = threading.Event(), threading.Event()
-        if armed:
-            self.arm()
-
-    def _shut_down_at_exit(self) -> None:
-        self._exiting.wait()
-        if (state := _take_state()) is not None:
-            _run_logged(state.provider.shutdown)
-        self._done.set()
-
-    def __call__(self) -> None:
-        """Wake the waiting thread and give it at most `ART_EXIT_FLUSH_TIMEOUT` seconds."""
-        if self._thread is None:
-            return
-        self._exiting.set()
-        if not self._done.wait(get_settings().exit_flush_timeout):
-            _logger.warning("art_langgraph: spans still queued at exit were not all exported in time")
+    global _state
+    _state = None
+    spare_thread.after_fork()
 
 
-_exit_flush = _ExitFlush()
-atexit.register(_exit_flush)
+atexit.register(_flush_at_exit)
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_exit_flush.after_fork)
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -109,6 +109,20 @@ def test_failed_exports_are_retried_with_backoff(receivers, monkeypatch) -> None
     assert _tracing.dropped_spans() == before
 
 
+def test_configure_again_exports_spans_in_flight(receivers) -> None:
+    """A rollout still running when `configure` is called again goes out through the new pipeline."""
+    first, second = receivers
+    art_langgraph.configure(collector_url=first.url)
+    with rollout("in-flight") as run:
+        art_langgraph.configure(collector_url=second.url)
+        run.reward(1.0)
+    assert art_langgraph.flush(timeout=10)
+    assert first.spans() == []
+    (span,) = second.spans()
+    assert {a.key: a.value.string_value for a in span.attributes}[semconv.ROLLOUT_ID] == run.id
+    assert [event.name for event in span.events] == [semconv.REWARD_EVENT]
+
+
 def test_bounded_queue_never_blocks_and_counts_drops(receivers) -> None:
     collector, _ = receivers
     collector.delay = 2.0  # a slow collector
@@ -153,6 +167,39 @@ def test_spans_are_flushed_at_exit(receivers, threads_at_exit: str) -> None:
     assert attrs[semconv.ROLLOUT_ID] == out.stdout.strip()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_exports_through_its_own_pipeline(receivers) -> None:
+    """A child forked while the parent's spans wait in the export queue still has room for its own.
+
+    The queue holds 8 spans; the parent leaves 7 queued (the batch waits for its schedule delay),
+    and the child, whose queue does not hold the parent's, ends 2.
+    """
+    collector, _ = receivers
+    script = textwrap.dedent(
+        f"""
+        import os
+        import art_langgraph
+        art_langgraph.configure(collector_url={collector.url!r}, max_queue_size=8)
+        for i in range(7):
+            with art_langgraph.rollout(f"parent-{{i}}"):
+                pass
+        pid = os.fork()
+        if pid == 0:
+            for i in range(2):
+                with art_langgraph.rollout(f"child-{{i}}"):
+                    pass
+            os._exit(0 if art_langgraph.flush(timeout=10) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child's flush failed"
+        """
+    )
+    env = {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "60000"}  # nothing leaves the queue before the fork
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    tasks = sorted({a.key: a.value.string_value for a in s.attributes}[semconv.TASK] for s in collector.spans())
+    assert tasks == ["child-0", "child-1", *(f"parent-{i}" for i in range(7))]
+
+
 def test_exit_with_collector_down_is_bounded(dead_url) -> None:
     script = textwrap.dedent(
         f"""
@@ -174,3 +221,35 @@ def test_exit_with_collector_down_is_bounded(dead_url) -> None:
     )
     exit_seconds = time.time() - float(out.stdout.strip())
     assert exit_seconds < 5  # at most ~1 s of flushing, plus interpreter teardown
+
+
+@pytest.mark.parametrize(("call", "returns"), [("flush", "True"), ("shutdown", "None")])
+def test_flush_and_shutdown_from_an_atexit_handler(receivers, call: str, returns: str) -> None:
+    """An application's own atexit handler may flush or shut down while threads are refused.
+
+    The handler ends the process (`os._exit`) right after the call, so the span must have been
+    exported by the call itself, not by the plugin's exit hook.
+    """
+    collector, _ = receivers
+    script = textwrap.dedent(
+        f"""
+        import atexit, os
+        import art_langgraph
+        art_langgraph.configure(collector_url={collector.url!r})
+
+        def at_exit():
+            print(art_langgraph.{call}(timeout=10), flush=True)
+            os._exit(0)
+
+        atexit.register(at_exit)
+        with art_langgraph.rollout("app-at-exit") as run:
+            print(run.id, flush=True)
+        """
+    )
+    script += REFUSE_THREADS_AT_EXIT
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert "Traceback" not in out.stderr, out.stderr
+    rollout_id, result = out.stdout.split()
+    assert result == returns
+    (span,) = collector.spans()
+    assert {a.key: a.value.string_value for a in span.attributes}[semconv.ROLLOUT_ID] == rollout_id

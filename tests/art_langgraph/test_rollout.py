@@ -150,6 +150,33 @@ def test_rollout_error_marks_span_and_propagates(spans) -> None:
     assert root.status.status_code.name == "ERROR"
 
 
+def test_rollout_left_in_another_context_still_ends(spans) -> None:
+    """A streaming endpoint's rollout ends even when its consumer goes away mid-stream.
+
+    The event loop then closes the abandoned async generator in a new task, so the `async with`
+    block is left in another context than it was entered in.
+    """
+
+    async def events():  # type: ignore[no-untyped-def]
+        async with rollout("events"):
+            yield 1
+            yield 2
+
+    abandoned: list = []
+    loop_errors: list[dict] = []
+
+    async def read_one_event() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
+        abandoned.append(events())
+        await abandoned[0].__anext__()
+
+    asyncio.run(read_one_event())  # on its way out, asyncio.run closes the abandoned generator
+    assert loop_errors == []
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert root.attributes[semconv.TASK] == "events"
+    assert art_langgraph.current_rollout() is None
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_reward_rejects_non_finite(bad: float, spans) -> None:
     with rollout("r") as r:

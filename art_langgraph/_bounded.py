@@ -1,0 +1,91 @@
+"""Bounded waits: run a call on another thread and wait for it at most so long, at exit too.
+
+From Python 3.12 no thread can start once the interpreter is exiting (atexit handlers
+included, the application's as well as the plugin's), yet a flush there must still be bounded.
+Such calls run on a spare thread started beforehand (`spare_thread.arm()`, by `configure`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+__all__ = ["run_bounded", "spare_thread"]
+
+_logger = logging.getLogger(__name__)
+
+
+def _run_logged(fn: Callable[[], object]) -> bool:
+    """Call `fn()`; False when it returned False or raised (logged with the traceback)."""
+    try:
+        return fn() is not False
+    except Exception:
+        _logger.exception("art_langgraph: tracing flush/shutdown failed")
+        return False
+
+
+class _Job:
+    """One call run on another thread, so that the caller's wait can be bounded."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self._fn = fn
+        self._done = threading.Event()
+        self._ok = False
+
+    def run(self) -> None:
+        """Call the function (errors are logged, see `_run_logged`) and wake the waiter."""
+        self._ok = _run_logged(self._fn)
+        self._done.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait at most `timeout` seconds; True if the call finished in time and succeeded."""
+        return self._done.wait(timeout) and self._ok
+
+
+class _SpareThread:
+    """A daemon thread, started before it is needed, that runs the calls no new thread can run."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def arm(self) -> None:
+        """Start the thread, once per process."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="art-langgraph-spare", daemon=True)
+            self._thread.start()
+
+    def after_fork(self) -> None:
+        """In a forked child, which has no copy of the thread: forget it (the next `arm` starts one)."""
+        self._thread = None
+        self._jobs = queue.SimpleQueue()
+
+    def submit(self, job: _Job) -> None:
+        """Queue `job` for the thread; the caller bounds its wait with `job.wait`."""
+        self._jobs.put(job)
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get().run()
+
+
+spare_thread = _SpareThread()
+
+
+def run_bounded(fn: Callable[[], object], timeout: float) -> bool:
+    """Run `fn()` on another thread and wait at most `timeout` seconds.
+
+    The thread is a new daemon thread or, while the interpreter is exiting, the spare thread.
+    Errors `fn` raises are logged with their traceback, never raised.
+
+    Returns:
+        True if `fn()` finished in time and neither raised nor returned False.
+    """
+    job = _Job(fn)
+    try:
+        threading.Thread(target=job.run, name="art-langgraph-flush", daemon=True).start()
+    except RuntimeError:  # "can't create new thread at interpreter shutdown" (Python 3.12+)
+        spare_thread.submit(job)
+    return job.wait(timeout)
