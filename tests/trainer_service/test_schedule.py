@@ -92,10 +92,19 @@ async def test_cron_reports_its_next_run(tmp_path: Path) -> None:
         await service.aclose()
 
 
+@pytest.mark.parametrize("every", ["366d", "1" + "0" * 400 + "s"])  # the second parses to inf
+def test_an_interval_the_scheduler_cannot_take_is_refused(every: str) -> None:
+    with pytest.raises(ValueError, match=r"is longer than the longest interval, 365d"):
+        TrainerSettings(every=every)
+    with pytest.raises(ValueError, match=r"poll_seconds\n  Input should be less than or equal to 31536000"):
+        TrainerSettings(poll_seconds=366 * 86400)
+
+
 def test_bad_schedules_are_rejected_with_the_fix() -> None:
     with pytest.raises(ValueError, match="write a positive number and a unit"):
         TrainerSettings(every="10 minutes")
     assert parse_duration("10m") == 600 and parse_duration("1.5h") == 5400
+    assert parse_duration("365d") == 365 * 86400
     with pytest.raises(ValueError, match=r"has 2 fields; write five \(minute hour"):
         TrainerSettings(cron="every day")
     with pytest.raises(ValueError, match=r"has a bad field: .*maximum value \(59\)\. Ranges: minute 0-59"):

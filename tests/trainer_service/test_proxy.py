@@ -1,0 +1,112 @@
+"""The service's proxy to vLLM, against a fake vLLM: a client that leaves stops counting as in flight.
+
+Both servers run in uvicorn on localhost, so a client's disconnect is a real closed socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tests.served import served
+from tests.trainer_service.test_service import make_service
+from trainer_service.server import create_app
+from trainer_service.service import TrainerService
+
+
+class FakeVLLM:
+    """A chat endpoint that answers (headers included) only once `answer` is set, and records whether its client
+    (the proxy) left while it waited or streamed."""
+
+    def __init__(self) -> None:
+        self.arrived = threading.Event()
+        self.answer = threading.Event()
+        self.client_left = threading.Event()
+        self.app = Starlette(routes=[Route("/v1/chat/completions", self.chat, methods=["POST"])])
+
+    async def chat(self, request: Request) -> Response:
+        body = await request.json()
+        self.arrived.set()
+        while not self.answer.is_set():
+            if await request.is_disconnected():
+                self.client_left.set()
+                return Response(status_code=499)
+            await asyncio.sleep(0.01)
+        if not body.get("stream"):
+            return JSONResponse({"choices": [{"message": {"content": "5"}}]})
+        return StreamingResponse(self.tokens(), media_type="text/event-stream")
+
+    async def tokens(self) -> AsyncIterator[bytes]:
+        """One event every 20 ms until the proxy closes the stream."""
+        try:
+            while True:
+                yield b'data: {"choices": [{"delta": {"content": "5"}}]}\n\n'
+                await asyncio.sleep(0.02)
+        finally:
+            self.client_left.set()
+
+
+@pytest.fixture()
+def stack(tmp_path: Path) -> Iterator[tuple[FakeVLLM, TrainerService, str]]:
+    """The fake vLLM, and a service proxying to it (served); yields both and the service's URL."""
+    vllm = FakeVLLM()
+    service = make_service(tmp_path, [], [])
+    with served(vllm.app) as vllm_url:
+        service.engine.base_url = vllm_url
+        with served(create_app(service=service)) as url:
+            yield vllm, service, url
+
+
+def open_chat(url: str, *, stream: bool) -> socket.socket:
+    """Send a chat request on a raw socket (to close it at will); returns the socket."""
+    body = json.dumps({"model": "base-model", "messages": [{"role": "user", "content": "2+3?"}], "stream": stream})
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    return sock
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Whether `condition` held within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_before_vllm_answers_stops_counting_and_vllm_sees_it_leave(
+        stack: tuple[FakeVLLM, TrainerService, str], stream: bool) -> None:
+    vllm, service, url = stack
+    sock = open_chat(url, stream=stream)
+    assert vllm.arrived.wait(10)
+    assert service.lender.in_flight == 1
+    sock.close()  # before vLLM has sent even its headers
+    assert wait_until(lambda: service.lender.in_flight == 0), "the abandoned request is still counted as in flight"
+    assert vllm.client_left.wait(5), "the proxy kept waiting on vLLM for a client that left"
+
+
+def test_a_client_that_leaves_mid_stream_stops_counting_and_the_stream_to_vllm_closes(
+        stack: tuple[FakeVLLM, TrainerService, str]) -> None:
+    vllm, service, url = stack
+    vllm.answer.set()
+    sock = open_chat(url, stream=True)
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    assert service.lender.in_flight == 1
+    sock.close()
+    assert wait_until(lambda: service.lender.in_flight == 0), "the abandoned stream is still counted as in flight"
+    assert vllm.client_left.wait(5), "the stream from vLLM stayed open for a client that left"
