@@ -59,6 +59,15 @@ class Settings(BaseSettings):
         ge=1,
         description="Spans held per destination while waiting for export; past it, new spans are dropped and counted.",
     )
+    max_export_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=64 * 1024,
+        description=(
+            "Largest OTLP request the exporters send, in bytes before compression: a batch past it goes out in "
+            "several requests. Keep it under the collector's `ART_COLLECTOR_MAX_BODY_BYTES` (20 MiB), which "
+            "refuses a larger body (413, not retried)."
+        ),
+    )
     exit_flush_timeout: float = Field(
         default=5.0,
         ge=0,

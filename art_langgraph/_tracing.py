@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.trace import Tracer
 
 from art_langgraph._bounded import run_bounded, spare_thread
+from art_langgraph._export_size import REQUEST_BYTES, size_bound, size_bounded
 from art_langgraph._settings import TRACES_PATH, Settings, get_settings, update_settings
 
 __all__ = [
@@ -42,9 +43,10 @@ _COMPRESSION_ENV = ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "OTEL_EXPORTER_OTLP
 class _CountingExporter(SpanExporter):
     """Delegates to an exporter, never raises, and counts the spans it failed to deliver."""
 
-    def __init__(self, inner: SpanExporter, name: str) -> None:
+    def __init__(self, inner: SpanExporter, name: str, max_request_bytes: int) -> None:
         self._inner = inner
         self._name = name
+        self._max_request_bytes = max_request_bytes
         self._lock = threading.Lock()
         self.dropped = 0
         self.pending = 0
@@ -70,23 +72,35 @@ class _CountingExporter(SpanExporter):
             )
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        """Export `spans` in requests of at most `ART_MAX_EXPORT_BYTES` (`size_bounded`); FAILURE if any failed."""
         with self._lock:
             self.pending = max(0, self.pending - len(spans))
+        results = []
+        for part in size_bounded(spans, self._max_request_bytes):
+            if len(part) == 1 and (bound := size_bound(part[0]) + REQUEST_BYTES) > self._max_request_bytes:
+                _logger.warning(
+                    "art_langgraph: a span of up to %d bytes is past ART_MAX_EXPORT_BYTES=%d; sent alone, %s may "
+                    "refuse it (raise its body limit, e.g. ART_COLLECTOR_MAX_BODY_BYTES, and this one)",
+                    bound, self._max_request_bytes, self._name,
+                )
+            results.append(self._export_request(part))
+        return SpanExportResult.SUCCESS if all(results) else SpanExportResult.FAILURE
+
+    def _export_request(self, spans: Sequence[ReadableSpan]) -> bool:
+        """Send one request; True when it was delivered, else its spans are counted and logged as dropped."""
         try:
             result = self._inner.export(spans)
         except Exception:  # an exporter must not raise; log with traceback and count
             _logger.exception("art_langgraph: %s exporter raised; dropped %d spans", self._name, len(spans))
             self._drop(len(spans))
-            return SpanExportResult.FAILURE
-        if result is not SpanExportResult.SUCCESS:
-            self._drop(len(spans))
-            _logger.warning(
-                "art_langgraph: could not export %d spans to %s (%d dropped so far)",
-                len(spans),
-                self._name,
-                self.dropped,
-            )
-        return result
+            return False
+        if result is SpanExportResult.SUCCESS:
+            return True
+        self._drop(len(spans))
+        _logger.warning(
+            "art_langgraph: could not export %d spans to %s (%d dropped so far)", len(spans), self._name, self.dropped
+        )
+        return False
 
     def shutdown(self) -> None:
         try:
@@ -230,9 +244,9 @@ def configure(
         langfuse=langfuse,
         max_queue_size=max_queue_size,
     )
-    exporters = [_CountingExporter(_otlp_exporter(settings), "collector")]
+    exporters = [_CountingExporter(_otlp_exporter(settings), "collector", settings.max_export_bytes)]
     if settings.langfuse:
-        exporters.append(_CountingExporter(_langfuse_exporter(), "langfuse"))
+        exporters.append(_CountingExporter(_langfuse_exporter(), "langfuse", settings.max_export_bytes))
     provider = TracerProvider(
         resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "art-langgraph")}),
         shutdown_on_exit=False,  # our own exit hook (`_flush_at_exit`) flushes with a bound

@@ -20,6 +20,8 @@ import pytest
 import art_langgraph
 from art_langgraph import _tracing, rollout, semconv
 from tests.art_langgraph.otlp_receiver import Receiver
+from tests.collector.seeding import make_app
+from tests.served import served
 
 
 @pytest.fixture
@@ -121,6 +123,31 @@ def test_configure_again_exports_spans_in_flight(receivers) -> None:
     (span,) = second.spans()
     assert {a.key: a.value.string_value for a in span.attributes}[semconv.ROLLOUT_ID] == run.id
     assert [event.name for event in span.events] == [semconv.REWARD_EVENT]
+
+
+def test_a_batch_past_the_collectors_body_limit_goes_out_in_several_requests(memory_tracing, tmp_path, monkeypatch) -> None:
+    """The real collector refuses a body past its limit with 413, which exporters do not retry: one batch of long
+    `llm` spans used to be lost whole. Each request now stays under `ART_MAX_EXPORT_BYTES`."""
+    app = make_app(tmp_path, monkeypatch, max_body_bytes=256 * 1024)
+    monkeypatch.setenv("ART_MAX_EXPORT_BYTES", str(192 * 1024))
+    prompt = list(range(100_000, 104_000))  # 4,000 prompt tokens: about 20 KiB a span
+    try:
+        with served(app) as url:
+            art_langgraph.configure(collector_url=url)
+            tracer = _tracing.get_tracer()
+            for n in range(40):  # one batch of 80 spans, about 1 MiB
+                with rollout("long", group=f"g{n}") as run:
+                    attrs = {semconv.SPAN_KIND: semconv.SPAN_KIND_LLM, semconv.ROLLOUT_ID: run.id, semconv.POLICY_STEP: 0,
+                             semconv.PROMPT_TOKEN_IDS: prompt, semconv.COMPLETION_TOKEN_IDS: [7, 8],
+                             semconv.COMPLETION_LOGPROBS: [-0.5, -0.25]}
+                    tracer.start_span("chat", attributes=attrs).end()
+            assert art_langgraph.flush(timeout=30)
+            assert art_langgraph.dropped_spans() == 0
+            stored = app.state.store.trajectories()
+    finally:
+        memory_tracing.install()
+    assert len(stored) == 40
+    assert all(t.complete and t.sequences[0].token_ids == [*prompt, 7, 8] for t in stored)
 
 
 def test_bounded_queue_never_blocks_and_counts_drops(receivers) -> None:

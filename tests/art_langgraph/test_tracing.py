@@ -95,7 +95,7 @@ def test_flush_is_bounded_and_exporter_errors_are_counted(memory_tracing) -> Non
             time.sleep(2)
             raise RuntimeError("exporter bug")
 
-    counting = _tracing._CountingExporter(Hanging(), "hanging")
+    counting = _tracing._CountingExporter(Hanging(), "hanging", 1 << 20)
     _tracing.get_tracer_provider().add_span_processor(BatchSpanProcessor(counting))
     try:
         with rollout("slow"):
