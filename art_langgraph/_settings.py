@@ -28,7 +28,7 @@ class Settings(BaseSettings):
     Each field is read from the environment variable `ART_<FIELD>` (e.g. `ART_COLLECTOR_URL`).
     """
 
-    model_config = SettingsConfigDict(env_prefix="ART_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="ART_", extra="ignore", allow_inf_nan=False)
 
     collector_url: str | None = Field(
         default=None,

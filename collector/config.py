@@ -8,7 +8,6 @@ belongs to the plugin (the collector's address as seen by the agent).
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -45,7 +44,7 @@ def default_db_url() -> str:
 class CollectorSettings(BaseSettings):
     """Where the collector listens, where it stores, and how it forms training groups."""
 
-    model_config = SettingsConfigDict(env_prefix="ART_COLLECTOR_", extra="forbid", populate_by_name=True)
+    model_config = SettingsConfigDict(env_prefix="ART_COLLECTOR_", extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
     host: str = Field(default="127.0.0.1", description="Interface the HTTP API listens on.")
     port: int = Field(
@@ -117,9 +116,8 @@ class CollectorSettings(BaseSettings):
             return self
         if not self.reward_weights:
             raise ValueError("reward_weights is empty; give at least one name, or unset it to train on reward_name")
-        bad = {name: w for name, w in self.reward_weights.items() if not name or not math.isfinite(w)}
-        if bad:
-            raise ValueError(f"reward_weights {bad} need non-empty names and finite weights")
+        if "" in self.reward_weights:  # weights are finite: NaN and inf are refused as every float setting is
+            raise ValueError(f"reward_weights {self.reward_weights} need non-empty names")
         if self.reward_name != "reward":
             raise ValueError(
                 f"reward_name={self.reward_name!r} and reward_weights are both set; set one "

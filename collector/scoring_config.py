@@ -39,7 +39,7 @@ def _split_names(value: object) -> object:
 class JudgeSettings(BaseSettings):
     """The RULER judge: which endpoint and model, which rubric, when it runs, what failures do."""
 
-    model_config = SettingsConfigDict(env_prefix="ART_COLLECTOR_JUDGE_", extra="forbid", populate_by_name=True)
+    model_config = SettingsConfigDict(env_prefix="ART_COLLECTOR_JUDGE_", extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
     url: str = Field(
         default_factory=_default_judge_url,
@@ -93,7 +93,7 @@ class JudgeSettings(BaseSettings):
 class LangfuseSettings(BaseSettings):
     """The Langfuse sync: pull human scores as rewards, push computed rewards as scores."""
 
-    model_config = SettingsConfigDict(env_prefix="ART_COLLECTOR_LANGFUSE_", extra="forbid", populate_by_name=True)
+    model_config = SettingsConfigDict(env_prefix="ART_COLLECTOR_LANGFUSE_", extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
     host: str | None = Field(
         default=None,

@@ -9,12 +9,14 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
+from pydantic import ValidationError
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 import art_langgraph
 from art_langgraph import ARTChatModel, _tracing, rollout, semconv
+from art_langgraph._settings import update_settings
 
 
 class _OTLP(BaseHTTPRequestHandler):
@@ -109,3 +111,11 @@ def test_flush_is_bounded_and_exporter_errors_are_counted(memory_tracing) -> Non
         assert counting.dropped == 1  # the exporter's exception was caught and counted
     finally:
         memory_tracing.install()  # replaces the provider that holds the hanging exporter
+
+
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_a_non_finite_exit_flush_timeout_is_refused(monkeypatch, value: str) -> None:
+    """inf passed `ge=0`, and the exit hook's wait then raised OverflowError instead of flushing."""
+    monkeypatch.setenv("ART_EXIT_FLUSH_TIMEOUT", value)
+    with pytest.raises(ValidationError, match="exit_flush_timeout\n  Input should be a finite number"):
+        update_settings()
