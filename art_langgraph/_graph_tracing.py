@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.callbacks import BaseCallbackHandler, BaseCallbackManager
 from langchain_core.messages import ToolMessage
+from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tracers.context import register_configure_hook
 from langgraph.errors import GraphBubbleUp
 from opentelemetry import trace
@@ -37,7 +38,7 @@ from art_langgraph._rollout import Rollout, current_rollout
 from art_langgraph._settings import get_settings
 from art_langgraph._tracing import get_tracer
 
-__all__ = ["GraphTracer", "Placement", "placement_of"]
+__all__ = ["GraphTracer", "Placement", "current_run_id", "placement_of", "rollout_of_current_run"]
 
 _logger = logging.getLogger(__name__)
 
@@ -64,6 +65,19 @@ _runs: dict[UUID, Placement] = {}
 def placement_of(run_id: UUID | None) -> Placement | None:
     """The placement of a running LangChain run, or None when it is not tracked."""
     return _runs.get(run_id) if run_id is not None else None
+
+
+def current_run_id() -> UUID | None:
+    """The LangChain run the caller's code runs in (a graph node, a sequence), from the config LangChain keeps
+    current for it; None outside any run."""
+    callbacks = (var_child_runnable_config.get() or {}).get("callbacks")
+    return callbacks.parent_run_id if isinstance(callbacks, BaseCallbackManager) else None
+
+
+def rollout_of_current_run() -> Rollout | None:
+    """The rollout of the LangChain run the caller runs in, e.g. the implicit one of a graph run outside `rollout()`."""
+    placement = placement_of(current_run_id())
+    return placement.rollout if placement is not None else None
 
 
 def _json(value: Any) -> str:

@@ -219,8 +219,16 @@ def _rollout_key(rollout_id: str | uuid.UUID | None) -> str | None:
     return rollout_id.hex if isinstance(rollout_id, uuid.UUID) else rollout_id
 
 
+def _running_rollout() -> Rollout | None:
+    """The rollout the caller runs inside: `rollout(...)`'s, or else that of the LangChain run it runs in (a node of
+    a graph run outside `rollout(...)`, which is a rollout of its own)."""
+    from art_langgraph._graph_tracing import rollout_of_current_run  # it imports this module
+
+    return _current.get() or rollout_of_current_run()
+
+
 def _target(rollout_id: str | None, trace_id: str | None) -> Rollout | None:
-    current = _current.get()
+    current = _running_rollout()
     if rollout_id is None and trace_id is None:
         if current is None:
             raise RuntimeError(

@@ -12,18 +12,18 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 from uuid import UUID
 
-from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, BaseCallbackManager, CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.messages.tool import InvalidToolCall, invalid_tool_call
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
-from langchain_core.runnables.config import var_child_runnable_config
 from langchain_openai import ChatOpenAI
 from pydantic import model_validator
 
 from art_langgraph import semconv
+from art_langgraph._graph_tracing import current_run_id
 from art_langgraph._llm_span import llm_span, recording_guard
 from art_langgraph._settings import get_settings
 from art_langgraph._token_data import ART_METADATA_KEY, STREAM_PIECE_KEY, StreamPiece, choice_token_data, stream_piece
@@ -61,8 +61,7 @@ def _parent(run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRu
     """
     if run_manager is not None:
         return run_manager.parent_run_id
-    callbacks = (var_child_runnable_config.get() or {}).get("callbacks")
-    return callbacks.parent_run_id if isinstance(callbacks, BaseCallbackManager) else None
+    return current_run_id()
 
 
 class ARTChatModel(ChatOpenAI):

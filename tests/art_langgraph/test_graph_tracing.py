@@ -234,6 +234,39 @@ def test_reward_outside_rollout_without_id_says_how() -> None:
         reward(1.0)
 
 
+class Scored(TypedDict, total=False):
+    score: float
+
+
+async def test_reward_in_a_node_of_a_graph_run_outside_rollout_goes_to_that_run(spans) -> None:
+    """A graph run outside `rollout()` is a trajectory of its own; `reward()` in its nodes used to raise."""
+
+    def judge(state: Scored) -> Scored:  # a sync node: LangGraph's thread pool under ainvoke
+        reward(state["score"])
+        return {}
+
+    async def style(state: Scored) -> Scored:
+        await art_langgraph.areward(state["score"] / 2, name="style")
+        return {}
+
+    builder = StateGraph(Scored)
+    builder.add_node("judge", judge)
+    builder.add_node("style", style)
+    builder.add_edge(START, "judge")
+    builder.add_edge("judge", "style")
+    graph = builder.compile()
+    scores = [0.25, 0.5, 1.0]
+    await asyncio.gather(*(graph.ainvoke({"score": score}) for score in scores))
+
+    rewards = sorted(
+        tuple((e.attributes[semconv.REWARD_NAME], e.attributes[semconv.REWARD_VALUE]) for e in span.events)
+        for span in kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+    )
+    assert rewards == sorted((("reward", score), ("style", score / 2)) for score in scores)
+    with pytest.raises(RuntimeError, match="run_id"):  # outside the runs again
+        reward(1.0)
+
+
 def test_llm_span_outside_any_graph_has_no_rollout(chat_model: ARTChatModel, spans) -> None:
     chat_model.bind(max_tokens=2).invoke([HumanMessage("hi")])
     assert kinds(spans, semconv.SPAN_KIND_ROLLOUT) == []
