@@ -77,7 +77,7 @@ class PostgresServer:
 
 
 class CollectorProcess:
-    """`art-collector serve` as a child process, on a free port in 24400-24499."""
+    """`art-collector serve` as a child process, on a free port."""
 
     def __init__(self, db: str, log_path: Path, env: dict[str, str] | None = None) -> None:
         self.db, self.log_path, self.env = db, log_path, env or {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -30,11 +31,10 @@ def _group_spans(i: int) -> tuple[bytes, bytes]:
 
 
 def _parallel(count: int, work: Callable[[int], None]) -> None:
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    """Run `work(0..count-1)` on as many threads at once; a worker's exception fails the test."""
+    with ThreadPoolExecutor(count) as pool:
+        for future in [pool.submit(work, k) for k in range(count)]:
+            future.result(timeout=120)
 
 
 def test_two_replicas_on_one_postgres_never_lease_a_group_twice(postgres: PostgresServer, tmp_path: Path) -> None:
