@@ -2,7 +2,8 @@
 
 From Python 3.12 no thread can start once the interpreter is exiting (atexit handlers
 included, the application's as well as the plugin's), yet a flush there must still be bounded.
-Such calls run on a spare thread started beforehand (`spare_thread.arm()`, by `configure`).
+Such calls run on a spare thread started beforehand: when the plugin is imported
+(`spare_thread.arm()`), and again in a forked child (`spare_thread.after_fork()`).
 """
 
 from __future__ import annotations
@@ -52,19 +53,29 @@ class _SpareThread:
         self._thread: threading.Thread | None = None
 
     def arm(self) -> None:
-        """Start the thread, once per process."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name="art-langgraph-spare", daemon=True)
-            self._thread.start()
+        """Start the thread, once per process; where none can start (at exit), log what that costs."""
+        if self._thread is not None:
+            return
+        thread = threading.Thread(target=self._serve, name="art-langgraph-spare", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # "can't create new thread at interpreter shutdown" (Python 3.12+)
+            _logger.warning("art_langgraph: no thread can start (the interpreter is exiting); spans made now are lost")
+            return
+        self._thread = thread
 
     def after_fork(self) -> None:
-        """In a forked child, which has no copy of the thread: forget it (the next `arm` starts one)."""
+        """In a forked child, which has no copy of the thread: start the child's own."""
         self._thread = None
         self._jobs = queue.SimpleQueue()
+        self.arm()
 
-    def submit(self, job: _Job) -> None:
-        """Queue `job` for the thread; the caller bounds its wait with `job.wait`."""
+    def submit(self, job: _Job) -> bool:
+        """Queue `job` for the thread (the caller bounds its wait with `job.wait`); False if there is none."""
+        if self._thread is None:
+            return False
         self._jobs.put(job)
+        return True
 
     def _serve(self) -> None:
         while True:
@@ -87,5 +98,6 @@ def run_bounded(fn: Callable[[], object], timeout: float) -> bool:
     try:
         threading.Thread(target=job.run, name="art-langgraph-flush", daemon=True).start()
     except RuntimeError:  # "can't create new thread at interpreter shutdown" (Python 3.12+)
-        spare_thread.submit(job)
+        if not spare_thread.submit(job):
+            return False
     return job.wait(timeout)

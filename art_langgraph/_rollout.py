@@ -8,6 +8,7 @@ inside reads its id from there.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import uuid
 from contextvars import ContextVar, Token
@@ -24,7 +25,11 @@ from art_langgraph._tracing import get_tracer
 
 __all__ = ["Rollout", "areward", "current_rollout", "reward", "rollout"]
 
+_logger = logging.getLogger(__name__)
+
 _current: ContextVar[Rollout | None] = ContextVar("art_langgraph_rollout", default=None)
+_warned_stepped_apart = False
+"""Whether `Rollout._leave` has logged, once per process, a block stepped through several contexts."""
 
 
 def _check_reward(value: float, name: str) -> float:
@@ -156,21 +161,33 @@ class Rollout:
         tb: TracebackType | None,
     ) -> None:
         self._finish(exc)
-        self._leave()
+        self._leave(exc)
 
-    def _leave(self) -> None:
+    def _leave(self, exc: BaseException | None) -> None:
         """Undo what `__enter__` made current, if the block is left in the context it was entered in.
 
-        It may be left in another one: an async generator that the event loop closes after its
-        consumer went away runs its `finally` in a new task (a copy of some context), a sync one
-        stepped through a thread pool in a copy per step. Nothing is undone there; the span has
-        ended all the same.
+        It may be left in another one; nothing is undone there, and the span has ended all the same.
+        Benign, and told apart by its `GeneratorExit`: an async generator that the event loop closes
+        after its consumer went away runs its `finally` in a new task. Otherwise the block was stepped
+        through several contexts (a sync generator under Starlette's `StreamingResponse` gets a copy
+        per step), so model calls after the entering step were outside the rollout: logged once per
+        process. A generator of that kind closed early (`GeneratorExit` too) goes unreported.
         """
+        global _warned_stepped_apart
         assert self._tokens is not None
         token, otel_token = self._tokens
         try:
             _current.reset(token)
         except ValueError:  # "created in a different Context": not the context the block was entered in
+            if not isinstance(exc, GeneratorExit) and not _warned_stepped_apart:
+                _warned_stepped_apart = True
+                _logger.warning(
+                    "art_langgraph: rollout(%r) was left in another context than it was entered in, likely by a "
+                    "generator stepped in a new copy of the context per step (as Starlette's StreamingResponse steps "
+                    "a sync iterator): its model calls after the first step were not in the rollout. Use an async "
+                    "generator (Starlette steps it in one task), or open the rollout around the whole response.",
+                    self.task,
+                )
             return
         otel_context.detach(otel_token)  # type: ignore[arg-type]
 

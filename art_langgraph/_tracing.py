@@ -2,7 +2,8 @@
 
 The provider is private so that an application's global tracer provider is never replaced.
 Exports run in a background thread (`BatchSpanProcessor`); a collector that is down costs
-log lines and counted drops, never an exception in the agent.
+log lines and counted drops, never an exception in the agent. A pipeline first needed at exit,
+where no thread can start, holds its spans for the exit hook instead (`_HeldProcessor`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class _CountingExporter(SpanExporter):
         self._lock = threading.Lock()
         self.dropped = 0
         self.pending = 0
-        """Spans queued for this exporter and not yet handed to it (kept by `_BoundedProcessor`)."""
+        """Spans queued for this exporter and not yet handed to it (kept by its processor)."""
 
     def _drop(self, n: int) -> None:
         with self._lock:
@@ -161,17 +162,72 @@ class _BoundedProcessor(BatchSpanProcessor):
         super().on_end(span)
 
 
+class _HeldProcessor(SpanProcessor):
+    """Holds ended spans until flushed: the processor of a pipeline configured where no thread can start.
+
+    That is at exit from Python 3.12 (a process's first span made in an atexit handler), where
+    `BatchSpanProcessor` cannot start its worker. The plugin's exit hook, which runs after every
+    atexit handler registered after `import art_langgraph`, or the app's `flush()`, exports the
+    held spans through `run_bounded`, on the spare thread kept for exit.
+    """
+
+    def __init__(self, exporter: _CountingExporter, max_queue_size: int) -> None:
+        self.counting = exporter
+        self._max = max_queue_size
+        self._lock = threading.Lock()
+        self._spans: list[ReadableSpan] = []
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self.counting.pending >= self._max:
+            self.counting.refuse()
+            return
+        self.counting.enqueue()
+        with self._lock:
+            self._spans.append(span)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Export the held spans in the calling thread (callers bound the wait with `run_bounded`)."""
+        with self._lock:
+            spans, self._spans = self._spans, []
+        return not spans or self.counting.export(spans) is SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        self.force_flush()
+        self.counting.shutdown()
+
+
+_Processor = _BoundedProcessor | _HeldProcessor
+
+
+def _processors(exporters: list[_CountingExporter], max_queue_size: int) -> list[_Processor]:
+    """A batch processor per exporter or, where no thread can start (at exit, Python 3.12), a held one."""
+    try:
+        return [_BoundedProcessor(exporter, max_queue_size) for exporter in exporters]
+    except RuntimeError:  # "can't create new thread at interpreter shutdown"
+        return [_HeldProcessor(exporter, max_queue_size) for exporter in exporters]
+
+
+def _resource() -> Resource:
+    """The spans' resource; at exit, where `Resource.create`'s detector thread pool refuses work, the name only."""
+    attributes = {"service.name": os.environ.get("OTEL_SERVICE_NAME", "art-langgraph")}
+    try:
+        return Resource.create(attributes)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        return Resource(attributes)
+
+
 class _ToCurrentPipeline(SpanProcessor):
     """Every provider's way out: an ended span goes to the export processors current when it ends.
 
     A span started before `configure` was called again (a rollout in flight) ends after the
     pipeline it started on was shut down; the new pipeline exports it instead of it being lost.
+    With no pipeline (a forked child, or after `shutdown()`), the span configures one, as a
+    first span would.
     """
 
     def on_end(self, span: ReadableSpan) -> None:
-        if (state := _state) is not None:
-            for processor in state.processors:
-                processor.on_end(span)
+        for processor in (_state or _current()).processors:
+            processor.on_end(span)
 
 
 _TO_CURRENT = _ToCurrentPipeline()
@@ -180,7 +236,7 @@ _TO_CURRENT = _ToCurrentPipeline()
 class _State:
     """The configured pipeline: the provider spans start on, and the processors that export them."""
 
-    def __init__(self, provider: TracerProvider, processors: list[_BoundedProcessor]) -> None:
+    def __init__(self, provider: TracerProvider, processors: list[_Processor]) -> None:
         self.provider = provider
         self.processors = processors
         self.tracer = provider.get_tracer(_INSTRUMENTATION_NAME)
@@ -203,6 +259,7 @@ class _State:
 
 _lock = threading.RLock()
 _state: _State | None = None
+_exit_hook_ran = False
 
 
 def configure(
@@ -248,14 +305,13 @@ def configure(
     if settings.langfuse:
         exporters.append(_CountingExporter(_langfuse_exporter(), "langfuse", settings.max_export_bytes))
     provider = TracerProvider(
-        resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "art-langgraph")}),
+        resource=_resource(),
         shutdown_on_exit=False,  # our own exit hook (`_flush_at_exit`) flushes with a bound
     )
     provider.add_span_processor(_TO_CURRENT)
-    state = _State(provider, [_BoundedProcessor(exporter, settings.max_queue_size) for exporter in exporters])
+    state = _State(provider, _processors(exporters, settings.max_queue_size))
     with _lock:
         old, _state = _state, state
-        spare_thread.arm()
     if old is not None:
         run_bounded(old.shutdown, timeout=5.0)
 
@@ -263,6 +319,11 @@ def configure(
 def _current() -> _State:
     with _lock:
         if _state is None:
+            if _exit_hook_ran:
+                _logger.warning(
+                    "art_langgraph: tracing started after its exit hook ran (in an atexit handler registered before "
+                    "`import art_langgraph`); those spans are exported only if that handler calls art_langgraph.flush()"
+                )
             settings = get_settings()
             configure(
                 collector_url=settings.collector_url,
@@ -329,6 +390,8 @@ def shutdown(timeout: float = 5.0) -> None:
 
 def _flush_at_exit() -> None:
     """The exit hook: exports what is left, waiting at most `ART_EXIT_FLUSH_TIMEOUT` seconds."""
+    global _exit_hook_ran
+    _exit_hook_ran = True
     if (state := _take_state()) is None:
         return
     if not run_bounded(state.shutdown, get_settings().exit_flush_timeout):
@@ -336,7 +399,7 @@ def _flush_at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
-    """Give a forked child its own pipeline and spare thread, both started at its first span.
+    """Give a forked child its own spare thread now, and its own pipeline at its first span (or span end).
 
     The parent's exporters hold the parent's HTTP connections, on which the child would write
     too, and count the spans queued in the parent, which the child's queues do not hold.
@@ -346,6 +409,7 @@ def _after_fork_in_child() -> None:
     spare_thread.after_fork()
 
 
+spare_thread.arm()
 atexit.register(_flush_at_exit)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -194,6 +194,86 @@ def test_spans_are_flushed_at_exit(receivers, threads_at_exit: str) -> None:
     assert attrs[semconv.ROLLOUT_ID] == out.stdout.strip()
 
 
+@pytest.mark.parametrize("threads_at_exit", ["allowed", "refused"])
+def test_first_span_made_in_an_atexit_handler_is_exported(receivers, threads_at_exit: str) -> None:
+    """A process's first span may come from an atexit handler, where no thread pool (any version) or thread (3.12)
+    can start: the pipeline then built holds the span for the plugin's exit hook, which runs after the handler."""
+    collector, _ = receivers
+    script = textwrap.dedent(
+        """
+        import atexit
+        import art_langgraph
+
+        def at_exit():
+            with art_langgraph.rollout("first-at-exit") as run:
+                print(run.id, flush=True)
+
+        atexit.register(at_exit)
+        """
+    )
+    if threads_at_exit == "refused":
+        script += REFUSE_THREADS_AT_EXIT
+    env = {**os.environ, "ART_COLLECTOR_URL": collector.url}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    (span,) = collector.spans()
+    assert {a.key: a.value.string_value for a in span.attributes}[semconv.ROLLOUT_ID] == out.stdout.strip()
+    ((_, _, request),) = collector.requests
+    resource = {a.key: a.value.string_value for a in request.resource_spans[0].resource.attributes}
+    assert resource["service.name"] == "art-langgraph"
+
+
+@pytest.mark.parametrize("threads_at_exit", ["allowed", "refused"])
+def test_spans_made_after_the_exit_hook_are_a_logged_loss(receivers, threads_at_exit: str) -> None:
+    """An atexit handler registered before `import art_langgraph` runs after the plugin's exit hook: its spans are
+    never exported. That must not raise, and is logged once, with the fix."""
+    collector, _ = receivers
+    script = textwrap.dedent(
+        """
+        import atexit
+
+        def at_exit():
+            for i in range(2):
+                with art_langgraph.rollout(f"after-hook-{i}"):
+                    pass
+
+        atexit.register(at_exit)  # before the import: runs after the plugin's exit hook
+        import art_langgraph
+        """
+    )
+    if threads_at_exit == "refused":
+        script += REFUSE_THREADS_AT_EXIT
+    env = {**os.environ, "ART_COLLECTOR_URL": collector.url}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.count("after its exit hook ran") == 1, out.stderr
+    assert "art_langgraph.flush()" in out.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_span_started_before_a_fork_and_ended_in_the_child_is_exported(receivers) -> None:
+    """The child has no pipeline yet when the span ends: the span configures one, as a first span would."""
+    collector, _ = receivers
+    script = textwrap.dedent(
+        f"""
+        import os
+        import art_langgraph
+        from art_langgraph import _tracing
+        art_langgraph.configure(collector_url={collector.url!r})
+        span = _tracing.get_tracer().start_span("across-fork")
+        pid = os.fork()
+        if pid == 0:
+            span.end()
+            os._exit(0 if art_langgraph.flush(timeout=10) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child's flush failed"
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert [s.name for s in collector.spans()] == ["across-fork"]
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_forked_child_exports_through_its_own_pipeline(receivers) -> None:
     """A child forked while the parent's spans wait in the export queue still has room for its own.

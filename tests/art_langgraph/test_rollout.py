@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import TypedDict
 
 import pytest
 from langgraph.graph import END, START, StateGraph
+from starlette.responses import StreamingResponse
 
 import art_langgraph
-from art_langgraph import ARTChatModel, reward, rollout, semconv
+from art_langgraph import ARTChatModel, _rollout, reward, rollout, semconv
+from tests.art_langgraph.fake_engine import FakeEngine
 
 
 class State(TypedDict, total=False):
@@ -150,7 +153,7 @@ def test_rollout_error_marks_span_and_propagates(spans) -> None:
     assert root.status.status_code.name == "ERROR"
 
 
-def test_rollout_left_in_another_context_still_ends(spans) -> None:
+def test_rollout_left_in_another_context_still_ends(spans, caplog) -> None:
     """A streaming endpoint's rollout ends even when its consumer goes away mid-stream.
 
     The event loop then closes the abandoned async generator in a new task, so the `async with`
@@ -170,11 +173,64 @@ def test_rollout_left_in_another_context_still_ends(spans) -> None:
         abandoned.append(events())
         await abandoned[0].__anext__()
 
-    asyncio.run(read_one_event())  # on its way out, asyncio.run closes the abandoned generator
+    with caplog.at_level(logging.WARNING, logger="art_langgraph"):
+        asyncio.run(read_one_event())  # on its way out, asyncio.run closes the abandoned generator
     assert loop_errors == []
+    assert caplog.records == []  # closed from outside after steps in one context: nothing escaped, no warning
     (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
     assert root.attributes[semconv.TASK] == "events"
     assert art_langgraph.current_rollout() is None
+
+
+def stream_with_starlette(body: Iterator[str] | AsyncIterator[str]) -> None:
+    """Serve `body` as Starlette's `StreamingResponse` does, to an ASGI 2.4 server that takes every chunk."""
+
+    async def receive() -> dict:
+        raise AssertionError("an ASGI 2.4 response does not listen for a disconnect")
+
+    async def send(message: dict) -> None:
+        pass
+
+    asyncio.run(StreamingResponse(body)({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send))
+
+
+def test_sync_generator_stepped_in_a_context_copy_per_step_warns_once(spans, caplog, monkeypatch) -> None:
+    """Starlette steps a sync iterator in a thread pool, in a copy of the context per step: the rollout the generator
+    opened is not current in later steps, and their model calls are not in it. That cannot be fixed; it is logged
+    once per process, with the fix."""
+    monkeypatch.setattr(_rollout, "_warned_stepped_apart", False)
+    model = FakeEngine().chat_model()
+
+    def events() -> Iterator[str]:
+        with rollout("sse"):
+            for i in range(3):
+                yield str(model.invoke(f"part {i}").content)
+
+    with caplog.at_level(logging.WARNING, logger="art_langgraph"):
+        for _ in range(2):
+            stream_with_starlette(events())
+    in_rollout = [semconv.ROLLOUT_ID in s.attributes for s in spans_of(spans, semconv.SPAN_KIND_LLM)]
+    assert in_rollout == [True, False, False] * 2  # the limit the warning is about
+    (warning,) = caplog.records
+    assert warning.levelname == "WARNING"
+    assert "rollout('sse')" in warning.getMessage() and "async generator" in warning.getMessage()
+
+
+def test_async_generator_under_starlette_keeps_every_model_call_in_the_rollout(spans, caplog) -> None:
+    """The fix the warning names: Starlette steps an async generator in one task, so in one context."""
+    model = FakeEngine().chat_model()
+
+    async def events() -> AsyncIterator[str]:
+        async with rollout("sse"):
+            for i in range(3):
+                yield str((await model.ainvoke(f"part {i}")).content)
+
+    with caplog.at_level(logging.WARNING, logger="art_langgraph"):
+        stream_with_starlette(events())
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    calls = spans_of(spans, semconv.SPAN_KIND_LLM)
+    assert [s.attributes.get(semconv.ROLLOUT_ID) for s in calls] == [root.attributes[semconv.ROLLOUT_ID]] * 3
+    assert caplog.records == []
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
