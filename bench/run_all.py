@@ -171,7 +171,7 @@ def kept_sections(text: str) -> dict[str, str]:
 def main() -> None:
     """Run the chosen sections and rewrite RESULTS.md."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", metavar="SECTION", help="sections to run (default: all); names: ingest tracing training lora-sampling engine-dtype serving learning-<example>")
+    parser.add_argument("--only", nargs="+", metavar="SECTION", help=f"sections to run (default: all); names: {' '.join(s.name for s in sections([0], None))}")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of each learning run (default: 0 1 2)")
     parser.add_argument("--postgres", default=os.environ.get("ART_BENCH_POSTGRES"), help="also measure ingest on this empty PostgreSQL database (env ART_BENCH_POSTGRES)")
     args = parser.parse_args()

@@ -360,7 +360,7 @@ class GRPOConfig:
         default=1e-4,
         metadata={
             "help": "AdamW learning rate. ART uses 5e-6..1e-5 on large models; a 135M model with LoRA on "
-            "this CPU learned nothing below 5e-5 in 20 steps and learned at 1e-4..2e-4 (DESIGN.md)."
+            "this CPU learned nothing below 5e-5 in 20 steps and learned at 1e-4..2e-4."
         },
     )
     loss: Literal["ppo", "cispo"] = field(
