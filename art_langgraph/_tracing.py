@@ -3,7 +3,7 @@
 The provider is private so that an application's global tracer provider is never replaced.
 Exports run in a background thread (`BatchSpanProcessor`); a collector that is down costs
 log lines and counted drops, never an exception in the agent. A pipeline first needed at exit,
-where no thread can start, holds its spans for the exit hook instead (`_HeldProcessor`).
+where no thread can start, holds its spans for the exit hook instead (`HeldProcessor`).
 """
 
 from __future__ import annotations
@@ -13,17 +13,15 @@ import base64
 import logging
 import os
 import threading
-from collections.abc import Sequence
 
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import Tracer
 
 from art_langgraph._bounded import run_bounded, spare_thread
-from art_langgraph._export_size import REQUEST_BYTES, size_bound, size_bounded
+from art_langgraph._export_queue import CountingExporter, Processor, export_processors
 from art_langgraph._settings import TRACES_PATH, Settings, get_settings, update_settings
 
 __all__ = [
@@ -39,78 +37,6 @@ _logger = logging.getLogger(__name__)
 
 _INSTRUMENTATION_NAME = "art_langgraph"
 _COMPRESSION_ENV = ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "OTEL_EXPORTER_OTLP_COMPRESSION")
-
-
-class _CountingExporter(SpanExporter):
-    """Delegates to an exporter, never raises, and counts the spans it failed to deliver."""
-
-    def __init__(self, inner: SpanExporter, name: str, max_request_bytes: int) -> None:
-        self._inner = inner
-        self._name = name
-        self._max_request_bytes = max_request_bytes
-        self._lock = threading.Lock()
-        self.dropped = 0
-        self.pending = 0
-        """Spans queued for this exporter and not yet handed to it (kept by its processor)."""
-
-    def _drop(self, n: int) -> None:
-        with self._lock:
-            self.dropped += n
-
-    def enqueue(self) -> None:
-        """Count one span queued for export."""
-        with self._lock:
-            self.pending += 1
-
-    def refuse(self) -> None:
-        """Count one span dropped because the queue is full; log the first and every 1000th."""
-        with self._lock:
-            self.dropped += 1
-            dropped = self.dropped
-        if dropped == 1 or dropped % 1000 == 0:
-            _logger.warning(
-                "art_langgraph: %s export queue full; dropping spans (%d dropped so far)", self._name, dropped
-            )
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        """Export `spans` in requests of at most `ART_MAX_EXPORT_BYTES` (`size_bounded`); FAILURE if any failed."""
-        with self._lock:
-            self.pending = max(0, self.pending - len(spans))
-        results = []
-        for part in size_bounded(spans, self._max_request_bytes):
-            if len(part) == 1 and (bound := size_bound(part[0]) + REQUEST_BYTES) > self._max_request_bytes:
-                _logger.warning(
-                    "art_langgraph: a span of up to %d bytes is past ART_MAX_EXPORT_BYTES=%d; sent alone, %s may "
-                    "refuse it (raise its body limit, e.g. ART_COLLECTOR_MAX_BODY_BYTES, and this one)",
-                    bound, self._max_request_bytes, self._name,
-                )
-            results.append(self._export_request(part))
-        return SpanExportResult.SUCCESS if all(results) else SpanExportResult.FAILURE
-
-    def _export_request(self, spans: Sequence[ReadableSpan]) -> bool:
-        """Send one request; True when it was delivered, else its spans are counted and logged as dropped."""
-        try:
-            result = self._inner.export(spans)
-        except Exception:  # an exporter must not raise; log with traceback and count
-            _logger.exception("art_langgraph: %s exporter raised; dropped %d spans", self._name, len(spans))
-            self._drop(len(spans))
-            return False
-        if result is SpanExportResult.SUCCESS:
-            return True
-        self._drop(len(spans))
-        _logger.warning(
-            "art_langgraph: could not export %d spans to %s (%d dropped so far)", len(spans), self._name, self.dropped
-        )
-        return False
-
-    def shutdown(self) -> None:
-        try:
-            self._inner.shutdown()
-        except Exception:
-            _logger.exception("art_langgraph: %s exporter failed to shut down", self._name)
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self._inner.force_flush(timeout_millis)
 
 
 def _otlp_exporter(settings: Settings) -> OTLPSpanExporter:
@@ -142,71 +68,6 @@ def _langfuse_exporter() -> OTLPSpanExporter:
     )
 
 
-class _BoundedProcessor(BatchSpanProcessor):
-    """`BatchSpanProcessor` that refuses spans past `max_queue_size` and counts them as dropped.
-
-    The SDK's processor would also drop them, with one warning per span; here the drop is
-    counted on the exporter (so `dropped_spans()` sees it) and logged once per 1000.
-    """
-
-    def __init__(self, exporter: _CountingExporter, max_queue_size: int) -> None:
-        super().__init__(exporter, max_queue_size=max_queue_size, max_export_batch_size=min(512, max_queue_size))
-        self.counting = exporter
-        self._max = max_queue_size
-
-    def on_end(self, span: ReadableSpan) -> None:
-        if self.counting.pending >= self._max:
-            self.counting.refuse()
-            return
-        self.counting.enqueue()
-        super().on_end(span)
-
-
-class _HeldProcessor(SpanProcessor):
-    """Holds ended spans until flushed: the processor of a pipeline configured where no thread can start.
-
-    That is at exit from Python 3.12 (a process's first span made in an atexit handler), where
-    `BatchSpanProcessor` cannot start its worker. The plugin's exit hook, which runs after every
-    atexit handler registered after `import art_langgraph`, or the app's `flush()`, exports the
-    held spans through `run_bounded`, on the spare thread kept for exit.
-    """
-
-    def __init__(self, exporter: _CountingExporter, max_queue_size: int) -> None:
-        self.counting = exporter
-        self._max = max_queue_size
-        self._lock = threading.Lock()
-        self._spans: list[ReadableSpan] = []
-
-    def on_end(self, span: ReadableSpan) -> None:
-        if self.counting.pending >= self._max:
-            self.counting.refuse()
-            return
-        self.counting.enqueue()
-        with self._lock:
-            self._spans.append(span)
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        """Export the held spans in the calling thread (callers bound the wait with `run_bounded`)."""
-        with self._lock:
-            spans, self._spans = self._spans, []
-        return not spans or self.counting.export(spans) is SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        self.force_flush()
-        self.counting.shutdown()
-
-
-_Processor = _BoundedProcessor | _HeldProcessor
-
-
-def _processors(exporters: list[_CountingExporter], max_queue_size: int) -> list[_Processor]:
-    """A batch processor per exporter or, where no thread can start (at exit, Python 3.12), a held one."""
-    try:
-        return [_BoundedProcessor(exporter, max_queue_size) for exporter in exporters]
-    except RuntimeError:  # "can't create new thread at interpreter shutdown"
-        return [_HeldProcessor(exporter, max_queue_size) for exporter in exporters]
-
-
 def _resource() -> Resource:
     """The spans' resource; at exit, where `Resource.create`'s detector thread pool refuses work, the name only."""
     attributes = {"service.name": os.environ.get("OTEL_SERVICE_NAME", "art-langgraph")}
@@ -236,7 +97,7 @@ _TO_CURRENT = _ToCurrentPipeline()
 class _State:
     """The configured pipeline: the provider spans start on, and the processors that export them."""
 
-    def __init__(self, provider: TracerProvider, processors: list[_Processor]) -> None:
+    def __init__(self, provider: TracerProvider, processors: list[Processor]) -> None:
         self.provider = provider
         self.processors = processors
         self.tracer = provider.get_tracer(_INSTRUMENTATION_NAME)
@@ -301,15 +162,15 @@ def configure(
         langfuse=langfuse,
         max_queue_size=max_queue_size,
     )
-    exporters = [_CountingExporter(_otlp_exporter(settings), "collector", settings.max_export_bytes)]
+    exporters = [CountingExporter(_otlp_exporter(settings), "collector", settings.max_export_bytes)]
     if settings.langfuse:
-        exporters.append(_CountingExporter(_langfuse_exporter(), "langfuse", settings.max_export_bytes))
+        exporters.append(CountingExporter(_langfuse_exporter(), "langfuse", settings.max_export_bytes))
     provider = TracerProvider(
         resource=_resource(),
         shutdown_on_exit=False,  # our own exit hook (`_flush_at_exit`) flushes with a bound
     )
     provider.add_span_processor(_TO_CURRENT)
-    state = _State(provider, _processors(exporters, settings.max_queue_size))
+    state = _State(provider, export_processors(exporters, settings.max_queue_size))
     with _lock:
         old, _state = _state, state
     if old is not None:

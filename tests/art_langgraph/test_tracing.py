@@ -16,6 +16,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 import art_langgraph
 from art_langgraph import ARTChatModel, _tracing, rollout, semconv
+from art_langgraph._export_queue import CountingExporter
 from art_langgraph._settings import update_settings
 
 
@@ -97,7 +98,7 @@ def test_flush_is_bounded_and_exporter_errors_are_counted(memory_tracing) -> Non
             time.sleep(2)
             raise RuntimeError("exporter bug")
 
-    counting = _tracing._CountingExporter(Hanging(), "hanging", 1 << 20)
+    counting = CountingExporter(Hanging(), "hanging", 1 << 20)
     _tracing.get_tracer_provider().add_span_processor(BatchSpanProcessor(counting))
     try:
         with rollout("slow"):
