@@ -37,20 +37,22 @@ class CountingExporter(SpanExporter):
         with self._lock:
             self.dropped += n
 
-    def enqueue(self) -> None:
-        """Count one span queued for export."""
-        with self._lock:
-            self.pending += 1
+    def admit(self, max_queue_size: int) -> bool:
+        """Count one span queued for export, or, with `max_queue_size` already queued, dropped.
 
-    def refuse(self) -> None:
-        """Count one span dropped because the queue is full; log the first and every 1000th."""
+        A drop is logged for the first span and every 1000th. Returns whether the span was queued.
+        """
         with self._lock:
+            if self.pending < max_queue_size:
+                self.pending += 1
+                return True
             self.dropped += 1
             dropped = self.dropped
         if dropped == 1 or dropped % 1000 == 0:
             _logger.warning(
                 "art_langgraph: %s export queue full; dropping spans (%d dropped so far)", self._name, dropped
             )
+        return False
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         """Export `spans` in requests of at most `ART_MAX_EXPORT_BYTES` (`size_bounded`); FAILURE if any failed."""
@@ -108,11 +110,8 @@ class BoundedProcessor(BatchSpanProcessor):
         self._max = max_queue_size
 
     def on_end(self, span: ReadableSpan) -> None:
-        if self.counting.pending >= self._max:
-            self.counting.refuse()
-            return
-        self.counting.enqueue()
-        super().on_end(span)
+        if self.counting.admit(self._max):
+            super().on_end(span)
 
 
 class HeldProcessor(SpanProcessor):
@@ -131,12 +130,9 @@ class HeldProcessor(SpanProcessor):
         self._spans: list[ReadableSpan] = []
 
     def on_end(self, span: ReadableSpan) -> None:
-        if self.counting.pending >= self._max:
-            self.counting.refuse()
-            return
-        self.counting.enqueue()
-        with self._lock:
-            self._spans.append(span)
+        if self.counting.admit(self._max):
+            with self._lock:
+                self._spans.append(span)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """Export the held spans in the calling thread (callers bound the wait with `run_bounded`)."""
