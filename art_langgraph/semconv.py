@@ -80,7 +80,7 @@ GEN_AI_TOOL_CALL_RESULT: Final = "gen_ai.tool.call.result"
 
 # --- art.* -------------------------------------------------------------------------------
 SPAN_KIND: Final = "art.span.kind"
-"""`rollout`, `llm`, `node` or `tool` (see module docstring); consumers ignore other values."""
+"""`rollout`, `llm`, `node`, `tool` or `reward` (see module docstring); consumers ignore other values."""
 SPAN_KIND_ROLLOUT: Final = "rollout"
 SPAN_KIND_LLM: Final = "llm"
 SPAN_KIND_NODE: Final = "node"
