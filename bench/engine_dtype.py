@@ -93,7 +93,7 @@ def run_engine(name: str, trainer: LoRATrainer, states: list[tuple[Path, dict[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps; every engine samples before each")
-    parser.add_argument("--vllm-port", type=int, default=28151)
+    parser.add_argument("--vllm-port", type=int, default=28151, help="port of the vLLM engine under test")
     args = parser.parse_args()
     settings = TrainerSettings()
     default = next(name for name, pair in ENGINES.items()

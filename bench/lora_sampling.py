@@ -105,7 +105,7 @@ def run_variant(variant: str, model_path: str, adapter: Path, port: int, workdir
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-port", type=int, default=28121)
+    parser.add_argument("--vllm-port", type=int, default=28121, help="port of the vLLM engine under test")
     parser.add_argument("--rounds", type=int, default=2, help="times each variant runs, alternating")
     args = parser.parse_args()
     model_path = resolve_base_model(BUNDLED_MODEL)

@@ -44,7 +44,7 @@ def forward_backward(fn: Fn, logits: torch.Tensor, targets: torch.Tensor, grad: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=576, help="trained positions in one pass")
-    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--vocab", type=int, default=49152, help="vocabulary size (49152: SmolLM2's)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the logits' dtype")
     parser.add_argument("--rounds", type=int, default=7, help="timed forward+backward runs per variant and thread count")
     args = parser.parse_args()

@@ -88,9 +88,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trainer", help="trainer service base URL (default: start a collector and a trainer)")
     parser.add_argument("--collector", help="collector base URL, where spans go (with --trainer)")
-    parser.add_argument("--model", default="agent@latest")
-    parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--model", default="agent@latest", help="model name the chat calls ask for")
+    parser.add_argument("--rounds", type=int, default=40, help="calls per variant, interleaved")
+    parser.add_argument("--max-tokens", type=int, default=8, help="completion tokens per call")
     args = parser.parse_args()
     if (args.trainer is None) != (args.collector is None):
         parser.error("give both --trainer and --collector, or neither (then both are started here)")

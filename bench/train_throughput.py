@@ -280,7 +280,7 @@ class _StepClock(TrainerCallback):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-port", type=int, default=28101)
+    parser.add_argument("--vllm-port", type=int, default=28101, help="port of the vLLM engine art samples from")
     parser.add_argument("--skip-trl", action="store_true", help="only time art-trainer")
     parser.add_argument("--overlapped-steps", type=int, default=3,
                         help="steps timed with the next batch's sampling overlapping training (0: skip)")
