@@ -139,9 +139,13 @@ class Rollout:
         return self._span
 
     def _finish(self, exc: BaseException | None) -> None:
-        """End the rollout span; an exception marks it ERROR."""
+        """End the rollout span; an exception marks it ERROR, a `GeneratorExit` does not.
+
+        A `GeneratorExit` means a consumer stopped reading early: it broke out of a graph's
+        `stream()`/`astream()`, or closed a generator that runs the rollout. That is not an error.
+        """
         assert self._span is not None
-        if exc is not None:
+        if exc is not None and not isinstance(exc, GeneratorExit):
             self._span.record_exception(exc)
             self._span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
         self._ended = True

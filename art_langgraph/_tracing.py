@@ -3,7 +3,8 @@
 The provider is private so that an application's global tracer provider is never replaced.
 Exports run in a background thread (`BatchSpanProcessor`); a collector that is down costs
 log lines and counted drops, never an exception in the agent. A pipeline first needed at exit,
-where no thread can start, holds its spans for the exit hook instead (`HeldProcessor`).
+where no thread can start, holds its spans for the exit hook instead (`HeldProcessor`), and takes
+the resource detected at import, where no detector can run (`_resource`).
 """
 
 from __future__ import annotations
@@ -68,13 +69,29 @@ def _langfuse_exporter() -> OTLPSpanExporter:
     )
 
 
+def _detect_resource() -> Resource:
+    """What `Resource.create` finds now (SDK defaults, `OTEL_RESOURCE_ATTRIBUTES`); empty if imported at exit."""
+    try:
+        return Resource.create()
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        _logger.warning(
+            "art_langgraph: imported at exit, where no resource detector can run; spans carry service.name alone"
+        )
+        return Resource.get_empty()
+
+
+_DETECTED_AT_IMPORT = _detect_resource()
+"""The detected resource, for a pipeline configured at exit, where `Resource.create`'s detector thread pool refuses
+work (any Python version)."""
+
+
 def _resource() -> Resource:
-    """The spans' resource; at exit, where `Resource.create`'s detector thread pool refuses work, the name only."""
+    """The spans' resource: the detected one with our `service.name`, the same whether configured at exit or before."""
     attributes = {"service.name": os.environ.get("OTEL_SERVICE_NAME", "art-langgraph")}
     try:
         return Resource.create(attributes)
     except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
-        return Resource(attributes)
+        return _DETECTED_AT_IMPORT.merge(Resource(attributes))
 
 
 class _ToCurrentPipeline(SpanProcessor):

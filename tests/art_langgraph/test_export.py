@@ -224,6 +224,45 @@ def test_first_span_made_in_an_atexit_handler_is_exported(receivers, threads_at_
 
 
 @pytest.mark.parametrize("threads_at_exit", ["allowed", "refused"])
+def test_a_pipeline_configured_at_exit_has_the_same_resource(receivers, threads_at_exit: str) -> None:
+    """`Resource.create` cannot run its detectors at exit: a pipeline first configured there used to send
+    `service.name` alone, without the SDK's `telemetry.sdk.*` or `OTEL_RESOURCE_ATTRIBUTES`."""
+    collector, _ = receivers
+    script = textwrap.dedent(
+        """
+        import atexit
+        import art_langgraph
+
+        def at_exit():
+            with art_langgraph.rollout("configured-at-exit"):
+                pass
+
+        atexit.register(at_exit)
+        with art_langgraph.rollout("configured-before"):
+            pass
+        art_langgraph.shutdown(timeout=10)  # exports it; the span at exit configures a new pipeline
+        """
+    )
+    if threads_at_exit == "refused":
+        script += REFUSE_THREADS_AT_EXIT
+    env = {**os.environ, "ART_COLLECTOR_URL": collector.url, "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    resources = {
+        {a.key: a.value.string_value for a in span.attributes}[semconv.TASK]: {
+            a.key: a.value.string_value for a in resource_spans.resource.attributes
+        }
+        for _, _, request in collector.requests
+        for resource_spans in request.resource_spans
+        for scope_spans in resource_spans.scope_spans
+        for span in scope_spans.spans
+    }
+    assert resources["configured-at-exit"] == resources["configured-before"]
+    assert resources["configured-before"]["deployment.environment"] == "test"
+    assert resources["configured-before"]["telemetry.sdk.language"] == "python"
+
+
+@pytest.mark.parametrize("threads_at_exit", ["allowed", "refused"])
 def test_spans_made_after_the_exit_hook_are_a_logged_loss(receivers, threads_at_exit: str) -> None:
     """An atexit handler registered before `import art_langgraph` runs after the plugin's exit hook: its spans are
     never exported. That must not raise, and is logged once, with the fix."""

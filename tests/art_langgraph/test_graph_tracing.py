@@ -22,6 +22,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, Send, interrupt
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 import art_langgraph
 from art_langgraph import ARTChatModel, _tracing, reward, rollout, semconv
@@ -265,6 +266,67 @@ async def test_reward_in_a_node_of_a_graph_run_outside_rollout_goes_to_that_run(
     assert rewards == sorted((("reward", score), ("style", score / 2)) for score in scores)
     with pytest.raises(RuntimeError, match="run_id"):  # outside the runs again
         reward(1.0)
+
+
+class Steps(TypedDict, total=False):
+    done: Annotated[list[str], operator.add]
+
+
+def steps_graph(fail_at: str | None = None):  # type: ignore[no-untyped-def]
+    """START -> `one` -> `two` -> END, one update per node; the node named `fail_at` raises `ValueError`."""
+
+    def step(name: str):  # type: ignore[no-untyped-def]
+        def run(state: Steps) -> Steps:
+            if name == fail_at:
+                raise ValueError(f"{name} failed")
+            return {"done": [name]}
+
+        return run
+
+    builder = StateGraph(Steps)
+    builder.add_node("one", step("one"))
+    builder.add_node("two", step("two"))
+    builder.add_edge(START, "one")
+    builder.add_edge("one", "two")
+    builder.add_edge("two", END)
+    return builder.compile()
+
+
+def read_first_update(graph, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """Break out of the graph's `stream()` (or `astream()`) after its first update, and close it as the loop would."""
+    if mode == "sync":
+        stream = graph.stream({})
+        for _ in stream:
+            break
+        stream.close()  # what dropping it does in CPython; explicit, so that no test waits on the garbage collector
+        return
+
+    async def read() -> None:
+        stream = graph.astream({})
+        async for _ in stream:
+            break
+        await stream.aclose()
+
+    asyncio.run(read())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_graph_stream_stopped_early_is_not_an_error(spans, mode: str) -> None:
+    """An app that stops reading a graph's stream closes it (`GeneratorExit`); its rollout used to end as ERROR."""
+    read_first_update(steps_graph(), mode)
+    (root,) = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert root.status.status_code is StatusCode.UNSET
+    assert root.events == ()  # no exception recorded
+    assert [s.attributes[semconv.NODE_NAME] for s in kinds(spans, semconv.SPAN_KIND_NODE)] == ["one"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_graph_stream_that_raises_is_an_error(spans, mode: str) -> None:
+    with pytest.raises(ValueError, match="one failed"):
+        read_first_update(steps_graph(fail_at="one"), mode)
+    (root,) = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert root.status.status_code is StatusCode.ERROR
+    assert root.status.description == "ValueError: one failed"
 
 
 def test_llm_span_outside_any_graph_has_no_rollout(chat_model: ARTChatModel, spans) -> None:

@@ -153,6 +153,22 @@ def test_rollout_error_marks_span_and_propagates(spans) -> None:
     assert root.status.status_code.name == "ERROR"
 
 
+def test_rollout_in_a_generator_closed_early_is_not_an_error(spans) -> None:
+    """A consumer that stops reading a generator closes it (`GeneratorExit`): the rollout it runs ends without ERROR."""
+
+    def events() -> Iterator[int]:
+        with rollout("events"):
+            yield 1
+            yield 2
+
+    stream = events()
+    next(stream)
+    stream.close()
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert root.status.status_code.name == "UNSET"
+    assert root.events == ()
+
+
 def test_rollout_left_in_another_context_still_ends(spans, caplog) -> None:
     """A streaming endpoint's rollout ends even when its consumer goes away mid-stream.
 
