@@ -7,9 +7,11 @@ import json
 from typing import Any
 
 from google.protobuf import json_format
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
-from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.trace import SpanContext, TraceFlags
 
 from art_langgraph import semconv as sc
 from collector.otlp import SpanEvent, SpanRecord
@@ -88,51 +90,35 @@ def rollout(
     return SpanRecord(trace, sid(n), None, "rollout", 0, 100, attrs, events)
 
 
-def _any(value: Any) -> AnyValue:
-    if isinstance(value, bool):
-        return AnyValue(bool_value=value)
-    if isinstance(value, int):
-        return AnyValue(int_value=value)
-    if isinstance(value, float):
-        return AnyValue(double_value=value)
-    if isinstance(value, str):
-        return AnyValue(string_value=value)
-    if isinstance(value, bytes):
-        return AnyValue(bytes_value=value)
-    if isinstance(value, list):
-        return AnyValue(array_value=ArrayValue(values=[_any(v) for v in value]))
-    raise TypeError(value)
-
-
-def _kv(attrs: dict[str, Any]) -> list[KeyValue]:
-    return [KeyValue(key=k, value=_any(v)) for k, v in attrs.items()]
+def _context(trace_id: str, span_id: str) -> SpanContext:
+    return SpanContext(int(trace_id, 16), int(span_id, 16), is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
 
 
 def to_request(records: list[SpanRecord], resource: dict[str, Any] | None = None) -> ExportTraceServiceRequest:
-    """An OTLP export request holding `records`."""
-    pb_spans = [
-        Span(
-            trace_id=bytes.fromhex(r.trace_id),
-            span_id=bytes.fromhex(r.span_id),
-            parent_span_id=bytes.fromhex(r.parent_span_id) if r.parent_span_id else b"",
+    """An OTLP export request holding `records`, encoded by the OpenTelemetry SDK's exporter (as an app sends it).
+
+    Attribute values go to the encoder as they are, unchecked: mixed-type arrays, NaN, out-of-range counts.
+    """
+    sdk_resource = Resource(resource or {})  # not Resource.create: no SDK default attributes
+    spans = [
+        ReadableSpan(
             name=r.name,
-            start_time_unix_nano=r.start_ns,
-            end_time_unix_nano=r.end_ns,
-            attributes=_kv(r.attributes),
-            events=[Span.Event(name=e.name, time_unix_nano=e.time_ns, attributes=_kv(e.attributes)) for e in r.events],
+            context=_context(r.trace_id, r.span_id),
+            parent=_context(r.trace_id, r.parent_span_id) if r.parent_span_id else None,
+            resource=sdk_resource,
+            attributes=r.attributes,
+            events=[Event(e.name, e.attributes, e.time_ns) for e in r.events],
+            start_time=r.start_ns,
+            end_time=r.end_ns,
         )
         for r in records
     ]
-    request = ExportTraceServiceRequest()
-    resource_spans = ResourceSpans(scope_spans=[ScopeSpans(spans=pb_spans)])
-    resource_spans.resource.attributes.extend(_kv(resource or {}))
-    request.resource_spans.append(resource_spans)
-    return request
+    return encode_spans(spans)
 
 
 def to_otlp_json(records: list[SpanRecord], resource: dict[str, Any] | None = None) -> bytes:
-    """OTLP/JSON of `records`: camelCase keys and hex ids, as the OTLP spec writes them."""
-    data = json_format.MessageToDict(to_request(records, resource))
+    """OTLP/JSON of `records`: camelCase keys, hex ids and enums as numbers, as the OTLP spec writes them."""
+    data = json_format.MessageToDict(to_request(records, resource), use_integers_for_enums=True)
     for resource_spans in data["resourceSpans"]:
         for scope_spans in resource_spans["scopeSpans"]:
             for span in scope_spans["spans"]:

@@ -56,14 +56,16 @@ def test_two_replicas_on_one_postgres_never_lease_a_group_twice(postgres: Postgr
         assert sorted((g["id"], g["state"], g["size"]) for g in states) == sorted((f"g{i}", "ready", 2) for i in range(groups))
 
         leased: list[tuple[int, str, str]] = []
-        start = threading.Barrier(8)
+        start = threading.Barrier(8, timeout=60)
 
         def lease(worker: int) -> None:
             with httpx.Client(timeout=30) as http:
                 start.wait()
                 empty = 0
                 while empty < 3:
-                    batch = http.post(f"{urls[worker % 2]}/v1/batches", json={"max_groups": 2, "trainer": f"t{worker}"}).json()
+                    reply = http.post(f"{urls[worker % 2]}/v1/batches", json={"max_groups": 2, "trainer": f"t{worker}"})
+                    assert reply.status_code == 200, reply.text  # a refused lease shows its reason, not a KeyError
+                    batch = reply.json()
                     empty = 0 if batch["groups"] else empty + 1
                     leased.extend((worker % 2, batch["id"], g["id"]) for g in batch["groups"])
 
