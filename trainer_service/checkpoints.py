@@ -1,9 +1,11 @@
-"""Checkpoint folders on disk: which exist, which to keep, and which one `name@latest` serves.
+"""Checkpoint folders on disk: how one is written and read, which exist, which to keep, and which one
+`name@latest` serves.
 
 A checkpoint is `checkpoints/step-N/` with the adapter, the optimizer state and
-`manifest.json`; it is written under a temporary name and renamed, so a folder without a
-manifest is never a checkpoint (leftovers of a crash are removed at start). `promotion.json`
-next to the folders records the promoted step and every eval reward, written atomically.
+`manifest.json`; it is written under a temporary name and renamed (`write_checkpoint`), so a
+folder without a manifest is never a checkpoint (leftovers of a crash are removed at start).
+`promotion.json` next to the folders records the promoted step and every eval reward, written
+atomically.
 """
 
 from __future__ import annotations
@@ -13,17 +15,28 @@ import logging
 import math
 import re
 import shutil
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainer_service.durable import durable_rename
-from trainer_service.training import MANIFEST
+import torch
+from peft import PeftModel, set_peft_model_state_dict
 
-__all__ = ["CheckpointMismatchError", "CheckpointStore", "select_kept"]
+from trainer_service.durable import durable_rename
+
+__all__ = [
+    "MANIFEST", "CheckpointMismatchError", "CheckpointStore", "CheckpointWriteError", "read_checkpoint",
+    "select_kept", "write_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
+MANIFEST = "manifest.json"
+"""Name of the checkpoint manifest written next to the adapter."""
+_OPTIMIZER = "optimizer.pt"
+_ADAPTER = "adapter_model.safetensors"
+"""The adapter's weights as PEFT's `save_pretrained` names them."""
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _PROMOTION = "promotion.json"
 _FLAGS = {"base_model": "--base-model", "lora_r": "--lora-r", "lora_alpha": "--lora-alpha",
@@ -34,6 +47,64 @@ _FLAGS = {"base_model": "--base-model", "lora_r": "--lora-r", "lora_alpha": "--l
 class CheckpointMismatchError(ValueError):
     """A kept checkpoint was trained on another base model, LoRA shape or LoRA scale (alpha) than the service now has,
     or its manifest cannot be read."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint folder could not be written (e.g. a full disk); nothing was left of it.
+
+    Whatever the writer raised (an `OSError`, safetensors' `SafetensorError`, the `RuntimeError` of `torch.save`)
+    is chained as `__cause__`; the message is its type and message.
+    """
+
+
+def write_checkpoint(path: Path, model: PeftModel, optimizer: torch.optim.Optimizer,
+                     manifest: Mapping[str, Any]) -> Path:
+    """Write `model`'s adapter (PEFT, safetensors), `optimizer`'s state and `manifest` to folder `path`, atomically.
+
+    Everything goes to a temporary sibling folder first, which is renamed to `path` once it is
+    on disk (`durable_rename`), so neither a crash nor a power loss leaves a half-written
+    checkpoint under the final name.
+
+    Raises:
+        FileExistsError: `path` exists already.
+        CheckpointWriteError: writing failed (the writer's error chained); nothing is left of the checkpoint.
+    """
+    if path.exists():
+        raise FileExistsError(f"checkpoint {path} exists already; remove it or choose another step folder")
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(tmp)
+        torch.save(optimizer.state_dict(), tmp / _OPTIMIZER)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        durable_rename(tmp, path)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, Exception):
+            raise CheckpointWriteError(f"{type(exc).__name__}: {exc}") from exc
+        raise
+    return path
+
+
+def read_checkpoint(path: Path, model: PeftModel) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Load the adapter weights of checkpoint `path` into `model`; return its manifest and optimizer state.
+
+    The optimizer state (None when the folder has none) is mapped to `model`'s device.
+
+    Raises:
+        ValueError: the checkpoint's adapter has weights `model`'s adapter does not.
+    """
+    from safetensors.torch import load_file
+
+    device = next(model.parameters()).device
+    manifest = json.loads((path / MANIFEST).read_text())
+    result = set_peft_model_state_dict(model, load_file(str(path / _ADAPTER), device=str(device)))
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise ValueError(f"checkpoint {path} does not match this adapter: unexpected keys {unexpected[:3]}...")
+    optimizer_file = path / _OPTIMIZER
+    optimizer = torch.load(optimizer_file, map_location=device) if optimizer_file.is_file() else None
+    return manifest, optimizer
 
 
 def select_kept(

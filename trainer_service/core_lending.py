@@ -5,7 +5,7 @@ leaves free (`TrainerSettings.training_threads`). Whenever nobody calls the engi
 idle; `CoreLender` gives them to the step and takes them back before a request reaches vLLM:
 
 * the step calls `between_layers` on its own thread before every decoder layer's forward and
-  backward (`LoRATrainer.call_between_layers`), which sets torch's thread count: the lent count
+  backward (`call_between_layers`), which sets torch's thread count: the lent count
   while no request is in flight and none has ended for `settle_s`, the step's own count else. A
   step that starts with no request in flight takes the cores at once: it starts when its batch's
   last rollout has been rewarded, so the request that ended just before is that batch's, not the
@@ -40,14 +40,16 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+from peft import PeftModel
 
 from trainer_service.config import TrainerSettings
 from trainer_service.vllm_cpu_threads import EngineThreads
 
-__all__ = ["CoreLender", "EngineRequest"]
+__all__ = ["CoreLender", "EngineRequest", "call_between_layers"]
 
 _POLL_S = 0.002
 """How often a waiting request looks whether the step has handed the cores back."""
@@ -179,3 +181,31 @@ class CoreLender:
             torch.set_num_threads(threads)
             self.counters["core_lends" if threads > self._threads else "core_handbacks"] += 1
             self._threads = threads
+
+
+def call_between_layers(model: PeftModel, callback: Callable[[], None]) -> None:
+    """Call `callback` on the training thread before each decoder layer's forward and backward in `model`.
+
+    Decoder layers are the modules the model names in `_no_split_modules`; `CoreLender.between_layers`
+    changes the step's threads there, within a pass.
+
+    Raises:
+        ValueError: the model names no decoder layer class, or none of its modules is one.
+    """
+    names = set(getattr(model.get_base_model(), "_no_split_modules", None) or ())
+    layers = [module for module in model.modules() if type(module).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model.get_base_model()).__name__} has no decoder layers named in "
+                         "`_no_split_modules`; cannot call back between layers")
+
+    def before_forward(module: torch.nn.Module, args: Any) -> None:
+        callback()
+
+    def after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(lambda grad: callback())  # this layer's backward starts
+
+    for layer in layers:
+        layer.register_forward_pre_hook(before_forward)
+        layer.register_forward_hook(after_forward)

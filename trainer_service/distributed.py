@@ -47,9 +47,10 @@ import torch
 import torch.distributed as dist
 from collector.protocol import Batch
 
+from trainer_service.checkpoints import CheckpointWriteError
 from trainer_service.config import GRPOConfig
 from trainer_service.durable import durable_rename
-from trainer_service.training import CheckpointWriteError, LoRATrainer
+from trainer_service.training import LoRATrainer
 
 __all__ = ["DistributedStepError", "TrainLauncher"]
 

@@ -42,7 +42,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-__all__ = ["PACKED_ATTENTION", "PackedRow", "pack_row", "packed_attention"]
+__all__ = [
+    "PACKED_ATTENTION", "PackedRow", "pack_row", "packed_attention", "packing_keeps_sequences_apart",
+    "prefix_sharing_works",
+]
 
 PACKED_ATTENTION = "art_packed"
 """The `attn_implementation` name under which `packed_attention` is registered."""
@@ -315,3 +318,43 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
 AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
+
+
+def packing_keeps_sequences_apart(model: torch.nn.Module) -> bool:
+    """Whether `model` attends only within each sequence of a packed row (positions restarting at 0).
+
+    `transformers` builds that mask from `position_ids` when no KV cache is in use; a model
+    that does not would let a sequence see the one packed before it. Checked on two short
+    sequences: the second one's logits alone and packed after the first must agree (measured
+    on the bundled model and the tests' tiny one: equal when kept apart, off by 0.7-1.3 times
+    the largest logit when not).
+    """
+    return _packed_logits_match(model, torch.arange(1, 9), torch.arange(9, 15), shareable=0)
+
+
+def prefix_sharing_works(model: torch.nn.Module) -> bool:
+    """Whether `model` computes a `pack_row` row with a shared prefix right (`art_packed` attention does).
+
+    Checked like `packing_keeps_sequences_apart`, on two sequences that share their first 4
+    tokens. An attention that ignores `art_prefix` (transformers' own: a continuation's
+    positions do not restart at 0, so it is taken for a sequence of its own) fails it.
+    """
+    return _packed_logits_match(model, torch.arange(1, 9), torch.cat([torch.arange(1, 5), torch.arange(9, 15)]),
+                                shareable=4)
+
+
+def _packed_logits_match(model: torch.nn.Module, first: torch.Tensor, second: torch.Tensor, shareable: int) -> bool:
+    """`second`'s logits (beyond a shared prefix) alone and packed after `first` agree."""
+    device = next(model.parameters()).device
+    first, second = first.to(device), second.to(device)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            alone = model(input_ids=second.unsqueeze(0), use_cache=False, **pack_row([second]).inputs).logits[0].float()
+            row = pack_row([first, second], [shareable, shareable])
+            packed = model(input_ids=row.token_ids.unsqueeze(0), use_cache=False, **row.inputs).logits[0].float()
+    finally:
+        model.train(training)
+    want, got = alone[row.shared[1] :], packed[row.own(1)]
+    return bool((got - want).abs().max() <= 5e-2 * want.abs().max())

@@ -15,12 +15,9 @@ rank takes the step a single process would take on the whole batch.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
-import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -40,29 +37,27 @@ from trainer_service.batching import (
     prepare_sft,
     shard_items,
 )
+from trainer_service.checkpoints import read_checkpoint, write_checkpoint
 from trainer_service.config import GRPOConfig
-from trainer_service.durable import durable_rename
 from trainer_service.grpo import PolicyLossOutput, kept_token_logprobs, policy_loss
 from trainer_service.lora_forward import fuse_lora_forward
-from trainer_service.packed_attention import PACKED_ATTENTION, pack_row
+from trainer_service.packed_attention import (
+    PACKED_ATTENTION,
+    pack_row,
+    packing_keeps_sequences_apart,
+    prefix_sharing_works,
+)
 from trainer_service.vllm_cpu_matmul import cpu_multiplies_bf16
 
 __all__ = [
-    "MANIFEST",
-    "CheckpointWriteError",
     "NothingTrainableError",
     "LoRATrainer",
     "NonFiniteStepError",
-    "packing_keeps_sequences_apart",
-    "prefix_sharing_works",
     "train_dtype",
 ]
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-"""Name of the checkpoint manifest written next to the adapter."""
-_OPTIMIZER = "optimizer.pt"
 _PREPARE = {"grpo": prepare_grpo, "sft": prepare_sft}
 _MICRO_BATCH_TOKENS = {"cuda": 8192, "cpu": 4096}
 """Tokens per pass when `micro_batch_tokens` is None, by device type (see its help)."""
@@ -74,14 +69,6 @@ class NonFiniteStepError(RuntimeError):
     When the loss or the gradient norm is, the optimizer did not step and the adapter is unchanged. When the
     optimizer's step made the adapter weights non-finite, they stay so in this trainer: the caller rolls back with
     `restore` (the service does for every failed step), and the step counter has not moved.
-    """
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint folder could not be written (e.g. a full disk); nothing was left of it.
-
-    Whatever the writer raised (an `OSError`, safetensors' `SafetensorError`, the `RuntimeError` of `torch.save`)
-    is chained as `__cause__`; the message is its type and message.
     """
 
 
@@ -155,33 +142,6 @@ class LoRATrainer:
         if chat_template is not None:
             tokenizer.chat_template = Path(chat_template).read_text()
         return cls(model, config, base_model=base_model or path, tokenizer=tokenizer)
-
-    def call_between_layers(self, callback: Callable[[], None]) -> None:
-        """Call `callback` on the training thread before each decoder layer's forward and backward.
-
-        Decoder layers are the modules the model names in `_no_split_modules`; `CoreLender`
-        changes the step's threads there, within a pass.
-
-        Raises:
-            ValueError: the model names no decoder layer class, or none of its modules is one.
-        """
-        names = set(getattr(self.model.get_base_model(), "_no_split_modules", None) or ())
-        layers = [module for module in self.model.modules() if type(module).__name__ in names]
-        if not layers:
-            raise ValueError(f"{type(self.model.get_base_model()).__name__} has no decoder layers named in "
-                             "`_no_split_modules`; cannot call back between layers")
-
-        def before_forward(module: torch.nn.Module, args: Any) -> None:
-            callback()
-
-        def after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
-            hidden = output[0] if isinstance(output, tuple) else output
-            if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
-                hidden.register_hook(lambda grad: callback())  # this layer's backward starts
-
-        for layer in layers:
-            layer.register_forward_pre_hook(before_forward)
-            layer.register_forward_hook(after_forward)
 
     def _pass_tokens(self) -> int:
         """Most tokens in one forward and backward pass: `micro_batch_tokens`, or the device's default."""
@@ -437,35 +397,8 @@ class LoRATrainer:
     # --- checkpoints --------------------------------------------------------------------
 
     def save(self, path: str | Path, *, batch_id: str | None = None, metrics: dict[str, float] | None = None) -> Path:
-        """Write the adapter, optimizer state and `manifest.json` to `path`, atomically.
-
-        Everything goes to a temporary sibling folder first, which is renamed to `path` once it is
-        on disk (`durable_rename`), so neither a crash nor a power loss leaves a half-written
-        checkpoint under the final name.
-
-        Raises:
-            FileExistsError: `path` exists already.
-            CheckpointWriteError: writing failed (the writer's error chained); nothing is left of the checkpoint.
-        """
-        path = Path(path)
-        if path.exists():
-            raise FileExistsError(f"checkpoint {path} exists already; remove it or choose another step folder")
-        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._write_checkpoint(tmp, batch_id, metrics)
-            durable_rename(tmp, path)
-        except BaseException as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, Exception):
-                raise CheckpointWriteError(f"{type(exc).__name__}: {exc}") from exc
-            raise
-        return path
-
-    def _write_checkpoint(self, folder: Path, batch_id: str | None, metrics: dict[str, float] | None) -> None:
-        """Write the adapter (PEFT, safetensors), the optimizer state (`torch.save`) and the manifest into `folder`."""
-        self.model.save_pretrained(folder)
-        torch.save(self.optimizer.state_dict(), folder / _OPTIMIZER)
+        """Write the adapter, optimizer state and `manifest.json` (step, base model, config, metrics, batch id) to
+        `path`, atomically (`checkpoints.write_checkpoint`, whose errors it raises)."""
         manifest = {
             "step": self.step_count,
             "base_model": self.base_model,
@@ -474,7 +407,7 @@ class LoRATrainer:
             "batch_id": batch_id,
             "created_at": time.time(),
         }
-        (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        return write_checkpoint(Path(path), self.model, self.optimizer, manifest)
 
     def resume(self, path: str | Path) -> dict[str, Any]:
         """Load adapter weights, optimizer state and step from a checkpoint written by `save`.
@@ -485,18 +418,10 @@ class LoRATrainer:
         Returns:
             The checkpoint's manifest.
         """
-        from safetensors.torch import load_file
-
         path = Path(path)
-        manifest = json.loads((path / MANIFEST).read_text())
-        state = load_file(str(path / "adapter_model.safetensors"), device=str(self.device))
-        result = set_peft_model_state_dict(self.model, state)
-        unexpected = getattr(result, "unexpected_keys", [])
-        if unexpected:
-            raise ValueError(f"checkpoint {path} does not match this adapter: unexpected keys {unexpected[:3]}...")
-        optimizer_file = path / _OPTIMIZER
-        if optimizer_file.is_file():
-            self.optimizer.load_state_dict(torch.load(optimizer_file, map_location=self.device))
+        manifest, optimizer_state = read_checkpoint(path, self.model)
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)
             self._apply_config_to_optimizer(path)
         self.step_count = int(manifest["step"])
         self.last_metrics = dict(manifest.get("metrics") or {})
@@ -549,46 +474,6 @@ def _per_token(values: list[float], lengths: torch.Tensor) -> torch.Tensor:
 def _segments(lengths: torch.Tensor) -> torch.Tensor:
     """The index of the item each entry of a packed row belongs to."""
     return torch.arange(lengths.numel(), device=lengths.device).repeat_interleave(lengths)
-
-
-def packing_keeps_sequences_apart(model: torch.nn.Module) -> bool:
-    """Whether `model` attends only within each sequence of a packed row (positions restarting at 0).
-
-    `transformers` builds that mask from `position_ids` when no KV cache is in use; a model
-    that does not would let a sequence see the one packed before it. Checked on two short
-    sequences: the second one's logits alone and packed after the first must agree (measured
-    on the bundled model and the tests' tiny one: equal when kept apart, off by 0.7-1.3 times
-    the largest logit when not).
-    """
-    return _packed_logits_match(model, torch.arange(1, 9), torch.arange(9, 15), shareable=0)
-
-
-def prefix_sharing_works(model: torch.nn.Module) -> bool:
-    """Whether `model` computes a `pack_row` row with a shared prefix right (`art_packed` attention does).
-
-    Checked like `packing_keeps_sequences_apart`, on two sequences that share their first 4
-    tokens. An attention that ignores `art_prefix` (transformers' own: a continuation's
-    positions do not restart at 0, so it is taken for a sequence of its own) fails it.
-    """
-    return _packed_logits_match(model, torch.arange(1, 9), torch.cat([torch.arange(1, 5), torch.arange(9, 15)]),
-                                shareable=4)
-
-
-def _packed_logits_match(model: torch.nn.Module, first: torch.Tensor, second: torch.Tensor, shareable: int) -> bool:
-    """`second`'s logits (beyond a shared prefix) alone and packed after `first` agree."""
-    device = next(model.parameters()).device
-    first, second = first.to(device), second.to(device)
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            alone = model(input_ids=second.unsqueeze(0), use_cache=False, **pack_row([second]).inputs).logits[0].float()
-            row = pack_row([first, second], [shareable, shareable])
-            packed = model(input_ids=row.token_ids.unsqueeze(0), use_cache=False, **row.inputs).logits[0].float()
-    finally:
-        model.train(training)
-    want, got = alone[row.shared[1] :], packed[row.own(1)]
-    return bool((got - want).abs().max() <= 5e-2 * want.abs().max())
 
 
 def train_dtype(setting: str) -> torch.dtype:

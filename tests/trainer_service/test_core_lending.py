@@ -9,8 +9,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.trainer_service.test_training import make_trainer, uneven_groups
 from trainer_service.config import TrainerSettings
-from trainer_service.core_lending import CoreLender
+from trainer_service.core_lending import CoreLender, call_between_layers
 
 
 @pytest.fixture(autouse=True)
@@ -141,3 +142,28 @@ def test_from_settings_lends_only_to_an_in_process_cpu_step_with_more_lent_threa
     assert (off.own_threads, off.idle_threads, off.lends) == (2, 2, False)
     in_workers = CoreLender.from_settings(TrainerSettings(train_threads=1, idle_train_threads=3), can_lend=False)
     assert not in_workers.lends
+
+
+def test_between_layers_is_called_before_each_layer_both_ways_and_threads_may_change_there() -> None:
+    trainer, reference = make_trainer(micro_batch_size=1), make_trainer(micro_batch_size=1)
+    groups = uneven_groups(trainer)  # six sequences: six passes
+    calls: list[int] = []
+
+    def switch_threads() -> None:  # what CoreLender does there
+        calls.append(1)
+        torch.set_num_threads(1 + len(calls) % 2)
+
+    call_between_layers(trainer.model, switch_threads)
+    got = trainer.step(groups)  # `restore_threads` puts the threads back
+    layers = trainer.model.get_base_model().config.num_hidden_layers
+    assert len(calls) == 6 * 2 * layers  # each layer's forward and backward, in each pass
+    want = reference.step(groups)
+    assert got["loss/policy"] == pytest.approx(want["loss/policy"], abs=1e-6)
+    assert got["grad/norm"] == pytest.approx(want["grad/norm"], rel=1e-4)
+
+
+def test_between_layers_needs_named_decoder_layers() -> None:
+    trainer = make_trainer()
+    trainer.model.get_base_model()._no_split_modules = []
+    with pytest.raises(ValueError, match="no decoder layers"):
+        call_between_layers(trainer.model, lambda: None)

@@ -7,7 +7,12 @@ import torch
 
 from tests.trainer_service.test_training import tiny_model
 from trainer_service import packed_attention
-from trainer_service.packed_attention import PACKED_ATTENTION, pack_row
+from trainer_service.packed_attention import (
+    PACKED_ATTENTION,
+    pack_row,
+    packing_keeps_sequences_apart,
+    prefix_sharing_works,
+)
 
 LENGTHS = [7, 12, 3, 9]
 
@@ -165,3 +170,10 @@ def test_bf16_batched_attention_gradients_match_float64_per_segment() -> None:
     got = gradients(torch.bfloat16, layout.inputs["art_batch"])
     for g, w in zip(got, want, strict=True):
         assert (g - w).norm() <= 1e-2 * w.norm()
+
+
+def test_prefix_sharing_needs_art_packed_attention() -> None:
+    model = tiny_model()
+    assert packing_keeps_sequences_apart(model) and not prefix_sharing_works(model)  # sdpa
+    model.set_attn_implementation(PACKED_ATTENTION)
+    assert prefix_sharing_works(model)

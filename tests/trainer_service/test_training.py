@@ -20,13 +20,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trainer_service.batching import prepare_grpo
 from trainer_service.config import GRPOConfig
 from trainer_service.grpo import PolicyLossOutput
-from trainer_service.packed_attention import PACKED_ATTENTION
 from trainer_service.training import (
     LoRATrainer,
     NonFiniteStepError,
     NothingTrainableError,
-    packing_keeps_sequences_apart,
-    prefix_sharing_works,
     train_dtype,
 )
 
@@ -482,13 +479,6 @@ def test_a_group_trains_its_shared_prompt_once() -> None:
     assert rows == [len(PROMPT) - 1 + 1 + len(GOOD) + 1 + len(BAD)]
 
 
-def test_prefix_sharing_needs_art_packed_attention() -> None:
-    model = tiny_model()
-    assert packing_keeps_sequences_apart(model) and not prefix_sharing_works(model)  # sdpa
-    model.set_attn_implementation(PACKED_ATTENTION)
-    assert prefix_sharing_works(model)
-
-
 def test_a_model_without_the_attention_interface_keeps_its_own(caplog: pytest.LogCaptureFixture) -> None:
     model = tiny_model()
 
@@ -503,32 +493,3 @@ def test_a_model_without_the_attention_interface_keeps_its_own(caplog: pytest.Lo
     reference = make_trainer()
     groups = uneven_groups(reference)
     assert trainer.step(groups)["loss/policy"] == pytest.approx(reference.step(groups)["loss/policy"], abs=1e-6)
-
-
-def test_between_layers_is_called_before_each_layer_both_ways_and_threads_may_change_there() -> None:
-    trainer, reference = make_trainer(micro_batch_size=1), make_trainer(micro_batch_size=1)
-    groups = uneven_groups(trainer)  # six sequences: six passes
-    calls: list[int] = []
-    threads = torch.get_num_threads()
-
-    def switch_threads() -> None:  # what CoreLender does there
-        calls.append(1)
-        torch.set_num_threads(1 + len(calls) % 2)
-
-    trainer.call_between_layers(switch_threads)
-    try:
-        got = trainer.step(groups)
-    finally:
-        torch.set_num_threads(threads)
-    layers = trainer.model.get_base_model().config.num_hidden_layers
-    assert len(calls) == 6 * 2 * layers  # each layer's forward and backward, in each pass
-    want = reference.step(groups)
-    assert got["loss/policy"] == pytest.approx(want["loss/policy"], abs=1e-6)
-    assert got["grad/norm"] == pytest.approx(want["grad/norm"], rel=1e-4)
-
-
-def test_between_layers_needs_named_decoder_layers() -> None:
-    trainer = make_trainer()
-    trainer.model.get_base_model()._no_split_modules = []
-    with pytest.raises(ValueError, match="no decoder layers"):
-        trainer.call_between_layers(lambda: None)
