@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                              help=f"{info.description} [env {env}, default: {default}]")
     service.add_argument(
         "--no-warm-up", dest="warm_up", action="store_false", default=argparse.SUPPRESS,
-        help="Start without the trainer's warm-up pass; the first steps then pay for fresh memory. "
+        help="Start without the trainer's warm-up passes; the first steps then pay for fresh memory. "
         "[env ART_TRAINER_WARM_UP=false]")
     service.add_argument(
         "--vllm-arg", dest="vllm_args", action="append", default=argparse.SUPPRESS, metavar="ARG",

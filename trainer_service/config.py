@@ -166,8 +166,8 @@ class TrainerSettings(BaseSettings):
     vllm_startup_timeout: float = Field(default=600.0, gt=0, description="Seconds to wait for vLLM to become healthy.")
     warm_up: bool = Field(
         default=True,
-        description="At start, run one dummy forward and backward as large as a step's pass (`LoRATrainer.warm_up`), "
-        "so that steps find their memory touched and kernels loaded. Off: `--no-warm-up`.",
+        description="At start, run dummy forwards and backwards as large as a step's largest passes "
+        "(`LoRATrainer.warm_up`), so that steps find their memory touched and kernels loaded. Off: `--no-warm-up`.",
     )
     batch_groups: int = Field(default=8, ge=1, description="Most groups leased from the collector per training step.")
     train_threads: int | None = Field(

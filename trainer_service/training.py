@@ -148,10 +148,12 @@ class LoRATrainer:
         return self.config.micro_batch_tokens or _MICRO_BATCH_TOKENS.get(self.device.type, _MICRO_BATCH_TOKENS["cpu"])
 
     def warm_up(self) -> float:
-        """Forward and backward one pass as large as a step packs, on dummy tokens; return its seconds.
+        """Forward and backward the largest passes a step can hold, on dummy tokens; return the seconds.
 
-        The pass holds `micro_batch_tokens` (the device's default when None) in sequences of up to
-        128 tokens, every position trained, so it needs at least the memory of any pass of a step.
+        One pass holds `micro_batch_tokens` (the device's default when None) in sequences of up
+        to 128 tokens, every position trained; when `max_seq_len` is longer than that, a second
+        pass holds one sequence of `max_seq_len` tokens (a step trains such a sequence in a pass
+        of its own). So the warm-up needs at least the memory of any pass of a step.
         Run at start, it lets the steps find their memory already touched and their kernels
         already called: a process touching memory for the first time pays a page fault for each
         page, and on a VM whose host backs memory lazily (the project's CI VMs) each costs ~25 µs
@@ -160,16 +162,20 @@ class LoRATrainer:
         the adapter, optimizer and step counter are unchanged.
         """
         started = time.perf_counter()
-        tokens = self._pass_tokens()
-        length = max(2, min(128, self.config.max_seq_len, tokens))
+        tokens, longest = self._pass_tokens(), self.config.max_seq_len
+        length = max(2, min(128, longest, tokens))
+        passes = [[length] * max(1, tokens // length)]
+        if longest > tokens:
+            passes.append([longest])
         vocab = self.model.get_input_embeddings().num_embeddings
-        items = [TrainItem(token_ids=torch.randint(vocab, (length,), device=self.device),
-                           old_logprobs=torch.full((length - 1,), float("nan"), device=self.device),
-                           mask=torch.ones(length - 1, device=self.device), advantage=0.0, weight=1.0)
-                 for _ in range(max(1, tokens // length))]
         self.model.train()
         try:
-            self._logprobs(items).sum().backward()
+            for lengths in passes:
+                items = [TrainItem(token_ids=torch.randint(vocab, (n,), device=self.device),
+                                   old_logprobs=torch.full((n - 1,), float("nan"), device=self.device),
+                                   mask=torch.ones(n - 1, device=self.device), advantage=0.0, weight=1.0)
+                         for n in lengths]
+                self._logprobs(items).sum().backward()
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - started

@@ -145,14 +145,18 @@ def test_step_changes_only_the_adapter() -> None:
     assert metrics["grad/norm"] > 0
 
 
-def test_warm_up_runs_a_full_pass_and_changes_nothing() -> None:
-    warmed, cold = make_trainer(micro_batch_tokens=300), make_trainer(micro_batch_tokens=300)
+@pytest.mark.parametrize(("max_seq_len", "want"), [(300, [256]), (400, [256, 400])],
+                         ids=["sequences-fit-a-pass", "a-sequence-longer-than-a-pass"])
+def test_warm_up_runs_the_largest_passes_and_changes_nothing(max_seq_len: int, want: list[int]) -> None:
+    """One pass of the largest whole number of 128-token sequences in micro_batch_tokens, and one of a
+    max_seq_len sequence when that is longer than a pass (a step gives such a sequence a pass of its own)."""
+    warmed, cold = (make_trainer(micro_batch_tokens=300, max_seq_len=max_seq_len) for _ in range(2))
     passes: list[int] = []
     warmed.model.register_forward_pre_hook(lambda module, args, kwargs: passes.append(kwargs["input_ids"].numel()),
                                            with_kwargs=True)
     before = adapter_weights(warmed)
     assert warmed.warm_up() > 0
-    assert passes == [256], "one pass of the largest whole number of 128-token sequences in micro_batch_tokens"
+    assert passes == want
     assert all(p.grad is None for p in warmed.model.parameters()), "the warm-up's gradients were kept"
     assert warmed.step_count == 0 and not warmed.optimizer.state
     assert all(torch.equal(before[n], w) for n, w in adapter_weights(warmed).items())
