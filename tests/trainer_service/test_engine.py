@@ -1,0 +1,368 @@
+"""`VLLMEngine`'s supervision around a fake vLLM (a small HTTP server speaking vLLM's adapter API, word for
+word): start failures with the log's tail, restarts that re-load adapters, back-off, hangs, and stopping the
+whole process group, also when the service itself is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from trainer_service.engine import HEALTH_FAILURES_BEFORE_RESTART, EngineError, VLLMEngine
+
+
+def test_engine_death_reports_log_tail(tmp_path: Path) -> None:
+    class Dying(VLLMEngine):
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", "print('CUDA out of cheese'); raise SystemExit(3)"]
+
+    engine = Dying("model", "base", 18999, log_path=tmp_path / "vllm.log")
+    with pytest.raises(EngineError, match=r"(?s)exited with code 3.*out of cheese"):
+        engine.start()
+    engine.stop()  # idempotent
+
+
+_FAKE_VLLM = """
+import http.server, json, os, subprocess, sys, time
+if "--silent" in sys.argv:  # never answers: a start that times out
+    time.sleep(600)
+if "--with-child" in sys.argv:  # a second process in the group, as vLLM's engine core is
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print("CHILD", child.pid, flush=True)
+hung, loaded = False, set()
+class H(http.server.BaseHTTPRequestHandler):
+    def _send(self, code, message=""):
+        self.send_response(code); self.end_headers()
+        self.wfile.write(json.dumps({"error": {"message": message}}).encode())
+    def do_GET(self): self._send(503 if hung else 200)
+    def do_POST(self):
+        global hung
+        raw = self.rfile.read(int(self.headers["Content-Length"]))
+        print("POST", self.path, raw.decode(), flush=True)
+        body = json.loads(raw)
+        name = body.get("lora_name")
+        hung = hung or self.path == "/hang"  # from now on /health fails while the process runs
+        if self.path == "/v1/unload_lora_adapter":  # vLLM's answers, word for word
+            if name not in loaded:
+                return self._send(404, f"The lora adapter '{name}' cannot be found.")
+            loaded.discard(name)
+        elif name in loaded:
+            return self._send(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                              "adapter in place, set 'load_inplace' to True.")
+        elif "lora_path" in body:
+            if not os.path.exists(body["lora_path"]):
+                return self._send(400, "no such folder")
+            loaded.add(name)
+        self._send(200)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+class FakeVLLM(VLLMEngine):
+    """The engine's real supervision around `_FAKE_VLLM`: refuses an adapter whose folder is missing, and
+    (as vLLM) loading a name it has or unloading one it has not; `/health` fails after `POST /hang`;
+    `fake_args` picks `--silent` or `--with-child`."""
+
+    fake_args: list[str] = []
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", _FAKE_VLLM, str(self.port), *self.fake_args]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_engine_restarts_and_reloads_adapters(tmp_path: Path) -> None:
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.start()
+    try:
+        engine.load_adapter("agent@1", tmp_path)
+        assert engine.ensure_running() is False
+        old_pid = engine.pid
+        assert old_pid is not None
+        os.kill(old_pid, signal.SIGKILL)
+        engine._proc.wait()  # type: ignore[union-attr]
+        assert engine.ensure_running() is True
+        assert engine.restarts == 1 and engine.pid != old_pid and engine.healthy()
+        assert engine.log_tail(200).count('"lora_name":"agent@1"') == 2  # loaded, then re-loaded
+    finally:
+        engine.stop()
+    assert not engine.is_alive()
+
+
+def test_engine_reloads_every_adapter_and_retries_the_refused(tmp_path: Path) -> None:
+    first, second = tmp_path / "a1", tmp_path / "a2"
+    first.mkdir()
+    second.mkdir()
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.start()
+    try:
+        engine.load_adapter("agent@1", first)
+        engine.load_adapter("agent@2", second)
+        first.rmdir()  # vLLM now refuses agent@1
+        os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        engine._proc.wait()  # type: ignore[union-attr]
+        with pytest.raises(EngineError) as refused:
+            engine.ensure_running()
+        assert engine.healthy() and engine.restarts == 1
+        assert engine.log_tail(200).count('"lora_name":"agent@2"') == 2  # re-loaded after the refusal
+        assert engine.adapters == {"agent@2": str(second)} and engine.pending_adapters == ["agent@1"]
+        assert "re-load 1 adapter" in str(refused.value) and "agent@1" in str(refused.value)
+        engine._adapter_retry.not_before = 0.0  # its back-off is over
+        with pytest.raises(EngineError, match="agent@1"):  # retried, still refused
+            engine.ensure_running()
+        first.mkdir()
+        engine._adapter_retry.not_before = 0.0
+        assert engine.ensure_running() is False  # retried and loaded, no restart
+        assert list(engine.adapters) == ["agent@1", "agent@2"] and engine.pending_adapters == []
+        assert engine.log_tail(200).count('"lora_name":"agent@1"') == 4 and engine.restarts == 1
+    finally:
+        engine.stop()
+
+
+def test_engine_backs_off_failing_restarts_and_adapter_retries(tmp_path: Path) -> None:
+    class Crashing(FakeVLLM):
+        crash = False
+
+        def command(self) -> list[str]:
+            if self.crash:
+                return [sys.executable, "-c", "print('CUDA error: out of memory'); raise SystemExit(1)"]
+            return super().command()
+
+    def wait_over(retry: Any) -> None:
+        retry.not_before = 0.0  # instead of sleeping until the next try
+
+    folder = tmp_path / "a1"
+    folder.mkdir()
+    engine = Crashing("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.start()
+    try:
+        engine.load_adapter("agent@1", folder)
+        engine.crash = True  # every start fails from now on
+        os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        engine._proc.wait()  # type: ignore[union-attr]
+        with pytest.raises(EngineError, match=r"(?s)exited with code 1.*out of memory.*Next restart in 10 s"):
+            engine.ensure_running()
+        assert engine.ensure_running() is False and engine.restarts == 1  # too early: no restart
+        assert engine.next_restart_in is not None and 0 < engine.next_restart_in <= 10
+        for delay in (20, 40, 80, 160, 320, 600, 600):
+            wait_over(engine._restart_retry)
+            with pytest.raises(EngineError, match=f"Next restart in {delay} s") as again:
+                engine.ensure_running()
+            assert "out of memory" not in str(again.value)  # the log's end once per streak
+        assert engine.restarts == 8
+
+        engine.crash = False
+        folder.rmdir()  # vLLM now refuses agent@1
+        wait_over(engine._restart_retry)
+        with pytest.raises(EngineError, match="retried in 10 s"):
+            engine.ensure_running()
+        assert engine.healthy() and engine.restarts == 9 and engine._restart_retry.failures == 0
+        assert engine.next_restart_in is None
+        loads = engine.log_tail(500).count('"lora_name":"agent@1"')
+        assert engine.ensure_running() is False and engine.log_tail(500).count('"lora_name":"agent@1"') == loads
+        wait_over(engine._adapter_retry)
+        with pytest.raises(EngineError, match="retried in 20 s"):
+            engine.ensure_running()
+        folder.mkdir()
+        wait_over(engine._adapter_retry)
+        assert engine.ensure_running() is False and engine.pending_adapters == []
+        assert engine._adapter_retry.failures == 0 and engine.restarts == 9
+    finally:
+        engine.stop()
+
+
+def test_engine_takes_an_adapter_vllm_has_already_as_loaded(tmp_path: Path) -> None:
+    # A load that timed out on our side (or whose connection dropped) may have completed in vLLM.
+    first, second = tmp_path / "a1", tmp_path / "a2"
+    first.mkdir()
+    second.mkdir()
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.start()
+
+    def load_behind_our_back(name: str, folder: Path) -> None:
+        body = {"lora_name": name, "lora_path": str(folder)}
+        assert httpx.post(f"{engine.base_url}/v1/load_lora_adapter", json=body).status_code == 200
+
+    try:
+        engine.load_adapter("agent@1", first)
+        first.rmdir()  # the restart's re-load is refused: agent@1 stays pending
+        os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        engine._proc.wait()  # type: ignore[union-attr]
+        with pytest.raises(EngineError, match="agent@1"):
+            engine.ensure_running()
+        first.mkdir()
+        load_behind_our_back("agent@1", first)
+        engine._adapter_retry.not_before = 0.0  # its back-off is over
+        assert engine.ensure_running() is False and engine.pending_adapters == []
+        assert engine.adapters == {"agent@1": str(first)}
+
+        load_behind_our_back("agent@2", second)  # maybe other weights than the folder holds now: loaded again
+        engine.load_adapter("agent@2", second)
+        assert engine.log_tail(200).count('unload_lora_adapter {"lora_name":"agent@2"}') == 1
+        assert list(engine.adapters) == ["agent@1", "agent@2"]
+
+        engine.unload_adapter("agent@2")
+        engine.unload_adapter("agent@2")  # vLLM does not have it (any more): nothing to do
+        assert engine.adapters == {"agent@1": str(first)}
+        engine._pending.add("agent@1")  # pending, yet vLLM has it (its re-load answered too late)
+        engine.unload_adapter("agent@1")
+        assert engine.adapters == {} and engine.pending_adapters == []
+        load_behind_our_back("agent@1", first)  # vLLM no longer has it: no "already loaded"
+    finally:
+        engine.stop()
+
+
+def test_engine_retries_a_restart_that_timed_out(tmp_path: Path) -> None:
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=2)
+    engine.start()
+    try:
+        os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        engine._proc.wait()  # type: ignore[union-attr]
+        engine.fake_args = ["--silent"]
+        with pytest.raises(EngineError, match="did not become healthy"):
+            engine.ensure_running()
+        assert not engine.is_alive()
+        engine.fake_args = []  # it could start now
+        engine._restart_retry.not_before = 0.0  # its back-off is over
+        assert engine.ensure_running() is True
+        assert engine.healthy() and engine.restarts == 2 and engine.last_restart_reason == "its last start failed"
+    finally:
+        engine.stop()
+    assert engine.ensure_running() is False and not engine.is_alive()  # stopped: no longer supervised
+
+
+def test_engine_stop_interrupts_a_restart(tmp_path: Path) -> None:
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=60)
+    engine.start()
+    os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    engine._proc.wait()  # type: ignore[union-attr]
+    engine.fake_args = ["--silent"]  # the restarted vLLM never answers /health
+    errors: list[EngineError] = []
+
+    def watchdog() -> None:
+        try:
+            engine.ensure_running()
+        except EngineError as exc:
+            errors.append(exc)
+
+    restart = threading.Thread(target=watchdog)
+    restart.start()
+    while engine.restarts == 0 or not engine.is_alive():
+        time.sleep(0.05)
+    started = time.monotonic()
+    engine.stop()
+    assert time.monotonic() - started < 10, "stop() waited for the restart's start-up timeout"
+    restart.join()
+    assert not engine.is_alive() and len(errors) == 1 and "stopped while starting" in str(errors[0])
+    assert engine.ensure_running() is False and engine.restarts == 1
+
+
+def test_engine_restarts_a_hung_engine(tmp_path: Path) -> None:
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.start()
+    try:
+        engine.load_adapter("agent@1", tmp_path)
+        hung_pid = engine.pid
+        assert hung_pid is not None
+        httpx.post(f"{engine.base_url}/hang", json={})
+        for _ in range(HEALTH_FAILURES_BEFORE_RESTART - 1):  # a few failed checks are tolerated
+            assert engine.ensure_running() is False and engine.pid == hung_pid
+        assert engine.ensure_running() is True
+        assert engine.pid != hung_pid and not _running(hung_pid) and engine.healthy()
+        assert engine.restarts == 1 and "health checks in a row" in (engine.last_restart_reason or "")
+        assert engine.log_tail(200).count('"lora_name":"agent@1"') == 2 and engine.pending_adapters == []
+    finally:
+        engine.stop()
+
+
+def test_engine_restart_stops_the_old_process_group(tmp_path: Path) -> None:
+    # vLLM's API server can die while its engine core child lives on, holding the port and the memory.
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.fake_args = ["--with-child"]
+    engine.start()
+    child = int(engine.log_tail().split("CHILD ")[1].split()[0])
+    try:
+        assert _running(child)
+        os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        engine._proc.wait()  # type: ignore[union-attr]
+        assert engine.ensure_running() is True
+        assert not _running(child), "the old engine's child outlived the restart"
+    finally:
+        engine.stop()
+        if _running(child):
+            os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_engine_stops_beside_a_process_whose_name_is_not_utf8(tmp_path: Path) -> None:
+    # /proc/PID/stat holds the raw process name cut at 15 bytes: "abcdefghijklmn" and half of "é".
+    named = ("import ctypes, time; ctypes.CDLL(None).prctl(15, 'abcdefghijklmné'.encode(), 0, 0, 0); "
+             "print(flush=True); time.sleep(60)")
+    other = subprocess.Popen([sys.executable, "-c", named], stdout=subprocess.PIPE)
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    try:
+        assert other.stdout is not None and other.stdout.readline()
+        assert Path(f"/proc/{other.pid}/stat").read_bytes().startswith(b"%d (abcdefghijklmn\xc3)" % other.pid)
+        engine.start()
+        engine.stop()
+        assert not engine.is_alive()
+    finally:
+        if engine.is_alive():
+            os.killpg(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        other.kill()
+        other.wait()
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_engine_stops_when_the_service_is_killed(tmp_path: Path) -> None:
+    # A service process starts the (fake) engine, then is killed with SIGKILL: no stop() runs,
+    # and the engine, in its own session, must still go away instead of holding its port.
+    service = textwrap.dedent(f"""
+        import sys, time
+        from trainer_service.engine import VLLMEngine
+        class Fake(VLLMEngine):
+            def command(self):
+                return [sys.executable, "-c", {_FAKE_VLLM!r}, str(self.port)]
+        engine = Fake("model", "base", 18995, log_path={str(tmp_path / "vllm.log")!r}, startup_timeout=30)
+        engine.start()
+        print(engine.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", service], stdout=subprocess.PIPE, text=True)
+    engine_pid = 0
+    try:
+        assert parent.stdout is not None
+        engine_pid = int(parent.stdout.readline())
+        assert _running(engine_pid)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while _running(engine_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(engine_pid), "the engine outlived the service that started it"
+    finally:
+        parent.kill()
+        if engine_pid and _running(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)
