@@ -85,6 +85,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_engine_restarts_and_reloads_adapters(tmp_path: Path) -> None:
     engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
     engine.start()
@@ -325,14 +333,6 @@ def test_engine_stops_beside_a_process_whose_name_is_not_utf8(tmp_path: Path) ->
             os.killpg(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
         other.kill()
         other.wait()
-
-
-def _running(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
