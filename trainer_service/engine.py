@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from trainer_service.parent_death import launch_command
+from trainer_service.process_group import stop_group
 from trainer_service.vllm_cpu_matmul import MATMUL_DTYPE_ENV
 from trainer_service.vllm_cpu_threads import EngineThreads
 
@@ -313,20 +313,13 @@ class VLLMEngine:
             self._stop_group(timeout)
 
     def _stop_group(self, timeout: float = 30.0) -> None:
-        """Stop every process of the child's group, also when the child itself is gone (vLLM's engine
-        core process may outlive its API server and keep the port and the memory)."""
+        """Stop every process of the child's group (`stop_group`), also when the child itself is gone."""
         proc = self._proc
         if proc is None:
             return
-        pgid = proc.pid  # the child leads its own session and group
-        if not _wait_group(proc, 0.0):
-            _signal_group(pgid, signal.SIGTERM)
-            if not _wait_group(proc, timeout):
-                logger.warning("vLLM (process group %s) ignored SIGTERM for %.0f s; killing it", pgid, timeout)
-                _signal_group(pgid, signal.SIGKILL)
-                if not _wait_group(proc, _KILL_WAIT):
-                    raise EngineError(f"vLLM's process group {pgid} still runs {_KILL_WAIT:.0f} s after SIGKILL "
-                                      "(a process stuck in the kernel?); the next ensure_running tries again")
+        if not stop_group(proc, timeout, _KILL_WAIT):
+            raise EngineError(f"vLLM's process group {proc.pid} still runs {_KILL_WAIT:.0f} s after SIGKILL "
+                              "(a process stuck in the kernel?); the next ensure_running tries again")
         proc.wait()
         self._proc = None
 
@@ -460,45 +453,3 @@ class VLLMEngine:
             if response.status_code == status and message.format(body["lora_name"]) in response.text:
                 return False
         raise EngineError(f"vLLM refused {route} for {body}: HTTP {response.status_code}: {response.text[:500]}")
-
-
-def _group_runs(pgid: int) -> bool:
-    """True while a process of group `pgid` runs. Zombies do not count: they hold no memory or port, and an
-    orphan's zombie stays until its new parent reaps it (which a container's init may never do)."""
-    if not sys.platform.startswith("linux"):
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:  # the raw process name (any bytes, cut at 15) sits in parentheses before the fields
-            state, _ppid, group = Path(entry.path, "stat").read_bytes().rsplit(b")", 1)[1].split()[:3]
-            in_group = int(group) == pgid
-        except (OSError, ValueError, IndexError):  # it ended while we looked, is hidden from us, or reads oddly
-            continue
-        if in_group and state != b"Z":
-            return True
-    return False
-
-
-def _wait_group(proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    """Wait up to `timeout` seconds until no process of `proc`'s group runs, reaping `proc`; True once none does."""
-    deadline = time.monotonic() + timeout
-    while True:
-        proc.poll()
-        if not _group_runs(proc.pid):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.1)
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    """Send `sig` to process group `pgid`; a group that ended meanwhile is fine."""
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
