@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.trainer_service.test_process_group import running
 from trainer_service.engine import HEALTH_FAILURES_BEFORE_RESTART, EngineError, VLLMEngine
 
 
@@ -83,14 +84,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _running(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_engine_restarts_and_reloads_adapters(tmp_path: Path) -> None:
@@ -290,7 +283,7 @@ def test_engine_restarts_a_hung_engine(tmp_path: Path) -> None:
         for _ in range(HEALTH_FAILURES_BEFORE_RESTART - 1):  # a few failed checks are tolerated
             assert engine.ensure_running() is False and engine.pid == hung_pid
         assert engine.ensure_running() is True
-        assert engine.pid != hung_pid and not _running(hung_pid) and engine.healthy()
+        assert engine.pid != hung_pid and not running(hung_pid) and engine.healthy()
         assert engine.restarts == 1 and "health checks in a row" in (engine.last_restart_reason or "")
         assert engine.log_tail(200).count('"lora_name":"agent@1"') == 2 and engine.pending_adapters == []
     finally:
@@ -304,14 +297,14 @@ def test_engine_restart_stops_the_old_process_group(tmp_path: Path) -> None:
     engine.start()
     child = int(engine.log_tail().split("CHILD ")[1].split()[0])
     try:
-        assert _running(child)
+        assert running(child)
         os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
         engine._proc.wait()  # type: ignore[union-attr]
         assert engine.ensure_running() is True
-        assert not _running(child), "the old engine's child outlived the restart"
+        assert not running(child), "the old engine's child outlived the restart"
     finally:
         engine.stop()
-        if _running(child):
+        if running(child):
             os.kill(child, signal.SIGKILL)
 
 
@@ -355,14 +348,14 @@ def test_engine_stops_when_the_service_is_killed(tmp_path: Path) -> None:
     try:
         assert parent.stdout is not None
         engine_pid = int(parent.stdout.readline())
-        assert _running(engine_pid)
+        assert running(engine_pid)
         parent.kill()
         parent.wait()
         deadline = time.monotonic() + 20
-        while _running(engine_pid) and time.monotonic() < deadline:
+        while running(engine_pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _running(engine_pid), "the engine outlived the service that started it"
+        assert not running(engine_pid), "the engine outlived the service that started it"
     finally:
         parent.kill()
-        if engine_pid and _running(engine_pid):
+        if engine_pid and running(engine_pid):
             os.kill(engine_pid, signal.SIGKILL)

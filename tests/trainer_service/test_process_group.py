@@ -28,7 +28,7 @@ time.sleep(600)
 """
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -47,14 +47,14 @@ def _start(*args: str) -> tuple[subprocess.Popen[bytes], int]:
 def test_stop_group_ends_every_process_of_the_group(ignores_term: bool, caplog: pytest.LogCaptureFixture) -> None:
     proc, grandchild = _start(*(["--ignore-term"] if ignores_term else []))
     try:
-        assert _running(grandchild)
+        assert running(grandchild)
         with caplog.at_level(logging.WARNING, logger="trainer_service.process_group"):
             assert stop_group(proc, timeout=1.0, kill_wait=10.0)
         assert proc.returncode == -(signal.SIGKILL if ignores_term else signal.SIGTERM)
-        assert not _running(grandchild), "the child's own child outlived the group's stop"
+        assert not running(grandchild), "the child's own child outlived the group's stop"
         assert ("ignored SIGTERM" in caplog.text) is ignores_term
     finally:
-        if _running(grandchild):
+        if running(grandchild):
             subprocess.run(["kill", "-9", str(grandchild)], check=False)
         proc.kill()
         proc.wait()
@@ -66,9 +66,9 @@ def test_stop_group_of_a_child_gone_alone_still_stops_the_rest() -> None:
     try:
         proc.kill()
         proc.wait()
-        assert _running(grandchild)
+        assert running(grandchild)
         assert stop_group(proc, timeout=5.0, kill_wait=10.0)
-        assert not _running(grandchild)
+        assert not running(grandchild)
     finally:
-        if _running(grandchild):
+        if running(grandchild):
             subprocess.run(["kill", "-9", str(grandchild)], check=False)
