@@ -41,6 +41,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: setup system-deps
+	$(PY) -m ruff check --no-cache .
 	$(PY) -m pytest -m "not gpu" -q -rs
 
 demo: setup runtime-deps

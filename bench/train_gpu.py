@@ -28,13 +28,14 @@ import shutil
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from collector.config import art_home
 from collector.protocol import Group, Sequence, Trajectory
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
 
 from trainer_service.base_model import BUNDLED_MODEL
 from trainer_service.config import DEFAULT_TARGET_MODULES, GRPOConfig
@@ -114,7 +115,7 @@ def run_ours(model_path: Path, steps: int, checkpointing: bool, micro_batch_size
     for size in micro_batch_sizes:
         trainer.config = dataclasses.replace(config, micro_batch_size=size)
         torch.cuda.reset_peak_memory_stats()
-        times = [timed(lambda: trainer.step(groups)) for _ in range(steps)]
+        times = [timed(partial(trainer.step, groups)) for _ in range(steps)]
         results[size] = {"step_s": statistics.median(times), "tokens": tokens,
                          "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
     del trainer

@@ -10,7 +10,6 @@ import pytest
 from fastapi import FastAPI
 
 from collector.otlp import SpanRecord
-from examples.stack import free_port
 from tests.collector import span_builders as sb
 
 QUESTION = [

@@ -28,7 +28,8 @@ from collector.scoring_config import JudgeSettings
 from collector.scoring_store import ScoringStore
 from collector.store import SqlStore
 from tests.collector.conftest import Clock
-from tests.collector.seeding import free_port, group_spans, make_app
+from examples.stack import free_port
+from tests.collector.seeding import group_spans, make_app
 
 
 def down_judge(policy: str, **extra: str) -> dict[str, str]:

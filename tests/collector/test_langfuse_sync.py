@@ -19,7 +19,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from tests.collector import fake_langfuse
-from tests.collector.seeding import free_port, group_spans, make_app, trace_id
+from examples.stack import free_port
+from tests.collector.seeding import group_spans, make_app, trace_id
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
