@@ -43,7 +43,8 @@ def _bind_tools(llm: Runnable[Any, BaseMessage], tools: list[Any]) -> Runnable[A
         if have != want:
             raise ValueError(
                 f"chat_node: the model has the tools {have} bound but tools= gives {want}; give the tools once, "
-                "either chat_node(model, tools=[...]) with a model without bound tools or chat_node(model.bind_tools([...]))"
+                "either chat_node(model, tools=[...]) with a model without bound tools or "
+                "chat_node(model.bind_tools([...]))"
             )
         return llm
     return llm.bound.bind_tools(tools).bind(**llm.kwargs).with_config(llm.config)  # type: ignore[no-any-return]

@@ -12,8 +12,9 @@ sync nodes, `Send` fan-out and subgraphs.
   the run's `run_id` in hex, task/group/split from `config["metadata"]` (`art.task`, ...) or
   the run's name. It ends when the run ends.
 * A LangGraph node run (`name == metadata["langgraph_node"]`, tagged `graph:step:N`, not
-  LangGraph's internal `__start__`) gets a `node` span; a tool run gets a `tool` span. Other runs (sequences, lambdas, channel writes)
-  get no span; their children hang under their nearest spanned ancestor.
+  LangGraph's internal `__start__`) gets a `node` span; a tool run gets a `tool` span. Other runs
+  (sequences, lambdas, channel writes) get no span; their children hang under their nearest spanned
+  ancestor.
 """
 
 from __future__ import annotations

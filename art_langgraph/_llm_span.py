@@ -112,7 +112,8 @@ class LLMSpan:
             return self._choices
         return {i: chunk + self._shared for i, chunk in self._choices.items()}
 
-    def _record_choices(self, choices: Sequence[tuple[ChatGeneration, ArtTokenData | None]], llm_output: dict[str, Any]) -> None:
+    def _record_choices(self, choices: Sequence[tuple[ChatGeneration, ArtTokenData | None]],
+                        llm_output: dict[str, Any]) -> None:
         for i, (generation, art) in enumerate(choices):
             span = self.span if i == 0 else self._sibling()
             try:

@@ -115,7 +115,8 @@ def choice_token_data(response: dict[str, Any], choice: dict[str, Any]) -> ArtTo
     The final completion the OpenAI client assembles from a structured-output stream has the
     prompt's ids but not the choice's: None, without a warning (the chunks carried them).
     """
-    return _build_token_data(response.get("model"), response.get("prompt_token_ids"), choice.get("token_ids"), _logprobs(choice))
+    return _build_token_data(response.get("model"), response.get("prompt_token_ids"), choice.get("token_ids"),
+                             _logprobs(choice))
 
 
 def _unwrap(event: dict[str, Any]) -> dict[str, Any] | None:

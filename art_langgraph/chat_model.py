@@ -144,7 +144,8 @@ class ARTChatModel(ChatOpenAI):
         cleaned, not_objects = _set_aside_non_object_arguments(response_dict)
         # The original object when nothing was set aside: structured output reads its `parsed`.
         result = super()._create_chat_result(cleaned if not_objects else response, generation_info)
-        for index, (generation, choice) in enumerate(zip(result.generations, response_dict.get("choices") or [], strict=False)):
+        choices = response_dict.get("choices") or []
+        for index, (generation, choice) in enumerate(zip(result.generations, choices, strict=False)):
             # ChatOpenAI shares one generation_info dict across choices; give each its own.
             generation.generation_info = dict(generation.generation_info or {})
             with recording_guard("a response's token data"):
@@ -227,7 +228,9 @@ class ARTChatModel(ChatOpenAI):
                 span.record_stream()
 
 
-def _set_aside_non_object_arguments(response: dict[str, Any]) -> tuple[dict[str, Any], dict[int, list[InvalidToolCall]]]:
+def _set_aside_non_object_arguments(
+    response: dict[str, Any],
+) -> tuple[dict[str, Any], dict[int, list[InvalidToolCall]]]:
     """Take out the tool calls whose arguments are JSON but not an object (a sampled `[253]`).
 
     LangChain turns arguments that do not parse into `invalid_tool_calls`, but valid JSON that is
@@ -252,7 +255,8 @@ def _set_aside_non_object_arguments(response: dict[str, Any]) -> tuple[dict[str,
                 continue
             error = f"arguments of {function.get('name')!r} are JSON but not an object: {function.get('arguments')}"
             set_aside.setdefault(index, []).append(
-                invalid_tool_call(name=function.get("name"), args=function.get("arguments"), id=call.get("id"), error=error)
+                invalid_tool_call(name=function.get("name"), args=function.get("arguments"), id=call.get("id"),
+                                  error=error)
             )
         if index in set_aside:
             choice = {**choice, "message": {**message, "tool_calls": kept or None}}

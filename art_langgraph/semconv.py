@@ -86,7 +86,8 @@ SPAN_KIND_LLM: Final = "llm"
 SPAN_KIND_NODE: Final = "node"
 SPAN_KIND_TOOL: Final = "tool"
 SPAN_KIND_REWARD: Final = "reward"
-"""A reward given apart from the rollout span: `art.reward.name` / `art.reward.value` attributes and `art.reward` events."""
+"""A reward given apart from the rollout span: `art.reward.name` / `art.reward.value` attributes and `art.reward`
+events."""
 
 NODE_NAME: Final = "art.node.name"
 """Name of the LangGraph node a `node` span ran (`langgraph_node`)."""

@@ -109,7 +109,8 @@ def _check_hub_name(name: str, timeout: float = 5.0) -> None:
     hint = (f"Use the bundled {BUNDLED_MODEL}, a local model folder, or download {name!r} first "
             f"(`huggingface-cli download {name}`) on a machine with network access.")
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
-        raise BaseModelError(f"Base model {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set. {hint}")
+        raise BaseModelError(
+            f"Base model {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set. {hint}")
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     try:
         response = httpx.get(f"{endpoint}/api/models/{name}", timeout=timeout)

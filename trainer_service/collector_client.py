@@ -86,7 +86,8 @@ class CollectorClient:
         """
         done = "nothing in it can train, no step was taken" if step is None else f"step {step} is saved and served"
         try:
-            response = await self.http.post(f"/v1/batches/{batch_id}/ack", json=AckRequest(policy_step=step).model_dump())
+            body = AckRequest(policy_step=step).model_dump()
+            response = await self.http.post(f"/v1/batches/{batch_id}/ack", json=body)
         except httpx.HTTPError as exc:
             raise ServiceError(502, "ack_failed", f"Could not ack batch {batch_id} ({done}): {exc}. Its groups will "
                                "be offered again after the lease.", type="server_error") from exc

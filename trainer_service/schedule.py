@@ -2,7 +2,8 @@
 
 APScheduler's `AsyncIOScheduler` fires the jobs; each job calls `TrainerService.train_once`,
 which runs one step at a time: a job starts the step in its own task and returns, and a job that
-finds a step running is skipped and counted (`busy`), never queued behind it. Pausing stops every automatic and manual step until resumed.
+finds a step running is skipped and counted (`busy`), never queued behind it. Pausing stops every
+automatic and manual step until resumed.
 """
 
 from __future__ import annotations
@@ -134,5 +135,6 @@ class TrainingSchedule:
     def _note(self, outcome: str, detail: str, exc: BaseException | None = None) -> None:
         self.counts[outcome] += 1
         self.last_outcome = f"{outcome}: {detail}"
-        level = logging.INFO if outcome in ("trained", "below_min_groups", "no_batch_ready", "paused") else logging.WARNING
+        quiet = ("trained", "below_min_groups", "no_batch_ready", "paused")
+        level = logging.INFO if outcome in quiet else logging.WARNING
         logger.log(level, "scheduled training: %s (%s)", outcome, detail, exc_info=exc)

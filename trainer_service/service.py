@@ -270,7 +270,8 @@ class TrainerService:
     async def _train_locked(self, kind: str, min_groups: int) -> TrainResponse:
         trainer = self.trainer
         if trainer is None:
-            raise ServiceError(503, "not_ready", "The trainer is still starting; try again shortly.", type="server_error")
+            raise ServiceError(503, "not_ready", "The trainer is still starting; try again shortly.",
+                               type="server_error")
         batch = await self.collector.lease(min_groups)
         step = trainer.step_count + 1
         try:

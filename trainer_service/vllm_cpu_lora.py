@@ -65,7 +65,8 @@ def uniform_slot(indices: torch.Tensor) -> int | None:
     return low if low == high else None
 
 
-def lora_matmul(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+def lora_matmul(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor | None:
     """Multiply each row of `inputs` by the transposed weights of its adapter slot.
 
     Args:
