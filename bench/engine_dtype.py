@@ -63,7 +63,8 @@ def run_engine(name: str, trainer: LoRATrainer, states: list[tuple[Path, dict[st
     """
     dtype, matmul = ENGINES[name]
     engine = VLLMEngine(resolve_base_model(BUNDLED_MODEL), BUNDLED_MODEL, port, dtype=dtype, cpu_matmul_dtype=matmul,
-                        max_lora_rank=8, max_loras=2, max_model_len=1024, log_path=workdir / f"vllm-{dtype}-{matmul}.log")
+                        max_lora_rank=8, max_loras=2, max_model_len=1024,
+                        log_path=workdir / f"vllm-{dtype}-{matmul}.log")
     print(f"starting vLLM: {name} (not timed)...", flush=True)
     engine.start()
     seconds: list[float] = []

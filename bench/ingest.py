@@ -72,8 +72,8 @@ def make_trace(n: int, rng: random.Random) -> list[ReadableSpan]:
     rollout = f"bench-{n}"
     root = ReadableSpan(
         "rollout", root_context, resource=_RESOURCE, start_time=start, end_time=start + 9_000_000,
-        attributes={sc.SPAN_KIND: sc.SPAN_KIND_ROLLOUT, sc.ROLLOUT_ID: rollout, sc.TASK: "bench", sc.GROUP: f"g{n // 4}",
-                    sc.GROUP_SIZE: 4, sc.SPLIT: "train"},
+        attributes={sc.SPAN_KIND: sc.SPAN_KIND_ROLLOUT, sc.ROLLOUT_ID: rollout, sc.TASK: "bench",
+                    sc.GROUP: f"g{n // 4}", sc.GROUP_SIZE: 4, sc.SPLIT: "train"},
         events=[Event(sc.REWARD_EVENT, {sc.REWARD_NAME: "reward", sc.REWARD_VALUE: rng.random()}, start + 8_000_000)],
     )
     children = []
@@ -99,7 +99,8 @@ def make_trace(n: int, rng: random.Random) -> list[ReadableSpan]:
     for kind, name in ((sc.SPAN_KIND_NODE, "agent"), (sc.SPAN_KIND_TOOL, "add"), (sc.SPAN_KIND_NODE, "tools")):
         t0 = start + 500_000
         children.append(ReadableSpan(
-            name, _context(trace_id, rng), parent=root_context, resource=_RESOURCE, start_time=t0, end_time=t0 + 300_000,
+            name, _context(trace_id, rng), parent=root_context, resource=_RESOURCE,
+            start_time=t0, end_time=t0 + 300_000,
             attributes={sc.SPAN_KIND: kind, sc.ROLLOUT_ID: rollout, sc.NODE_NAME: name},
         ))
     return [root, *children]
@@ -110,7 +111,9 @@ def make_exports(traces: int, per_export: int, seed: int = 0) -> list[bytes]:
     OpenTelemetry SDK's own OTLP encoder (the plugin's exporter)."""
     rng = random.Random(seed)
     return [
-        encode_spans([s for n in range(first, min(traces, first + per_export)) for s in make_trace(n, rng)]).SerializeToString()
+        encode_spans(
+            [s for n in range(first, min(traces, first + per_export)) for s in make_trace(n, rng)]
+        ).SerializeToString()
         for first in range(0, traces, per_export)
     ]
 
@@ -148,7 +151,8 @@ def run(name: str, url: str, bodies: list[bytes], expected: int, count: Callable
             raise RuntimeError(f"{name}: only {seen} of {expected} spans persisted after 30 min")
         time.sleep(0.05)
     elapsed = time.perf_counter() - start
-    print(f"{name:<26} {expected / elapsed:10.0f} spans/s  ({expected} spans in {elapsed:.2f}s; last 200 after {acked:.2f}s)", flush=True)
+    print(f"{name:<26} {expected / elapsed:10.0f} spans/s  "
+          f"({expected} spans in {elapsed:.2f}s; last 200 after {acked:.2f}s)", flush=True)
     return expected / elapsed
 
 
@@ -158,7 +162,8 @@ def bench_collector(label: str, db: str, bodies: list[bytes], expected: int, con
     env = {**os.environ, "ART_HOME": str(workdir)}
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-c", "from collector.cli import main; main()", "serve", "--port", str(port), "--db", db, "--log-level", "warning"],
+            [sys.executable, "-c", "from collector.cli import main; main()", "serve", "--port", str(port), "--db", db,
+             "--log-level", "warning"],
             cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, env=env,
         )
     engine = create_engine(db)
@@ -171,10 +176,12 @@ def bench_collector(label: str, db: str, bodies: list[bytes], expected: int, con
             with engine.connect() as conn:
                 return conn.execute(text("select count(*) from spans")).scalar_one() - before
 
-        rate = run(f"art-collector ({label})", f"http://127.0.0.1:{port}/v1/traces", bodies, expected, count, concurrency)
+        rate = run(f"art-collector ({label})", f"http://127.0.0.1:{port}/v1/traces", bodies, expected, count,
+                   concurrency)
         t0 = time.perf_counter()
         found = httpx.get(f"http://127.0.0.1:{port}/v1/trajectories", params={"task": "bench"}, timeout=600).json()
-        print(f"{'':26} queryable: GET /v1/trajectories?task=bench -> {len(found)} assembled in {time.perf_counter() - t0:.2f}s")
+        print(f"{'':26} queryable: GET /v1/trajectories?task=bench -> {len(found)} assembled in "
+              f"{time.perf_counter() - t0:.2f}s")
         return rate
     finally:
         engine.dispose()
@@ -195,16 +202,18 @@ def phoenix_python() -> Path:
 
 def bench_phoenix(bodies: list[bytes], expected: int, concurrency: int, workdir: Path) -> float:
     python = phoenix_python()
-    version = subprocess.run([str(python), "-c", "import phoenix; print(phoenix.__version__)"], capture_output=True, text=True).stdout.strip()
+    version = subprocess.run([str(python), "-c", "import phoenix; print(phoenix.__version__)"],
+                             capture_output=True, text=True).stdout.strip()
     port = free_port()
     home = workdir / "phoenix"
     home.mkdir()
     log = workdir / "phoenix.log"
     grpc_port = port + 1
     with log.open("wb") as sink:
-        env = {**os.environ, "PHOENIX_PORT": str(port), "PHOENIX_GRPC_PORT": str(grpc_port), "PHOENIX_WORKING_DIR": str(home),
-               "PHOENIX_TELEMETRY_ENABLED": "false"}
-        process = subprocess.Popen([str(python), "-m", "phoenix.server.main", "serve"], stdout=sink, stderr=subprocess.STDOUT, env=env)
+        env = {**os.environ, "PHOENIX_PORT": str(port), "PHOENIX_GRPC_PORT": str(grpc_port),
+               "PHOENIX_WORKING_DIR": str(home), "PHOENIX_TELEMETRY_ENABLED": "false"}
+        process = subprocess.Popen([str(python), "-m", "phoenix.server.main", "serve"], stdout=sink,
+                                   stderr=subprocess.STDOUT, env=env)
     try:
         wait_http(f"http://127.0.0.1:{port}/healthz", process, 180, log)
         database = home / "phoenix.db"
@@ -213,7 +222,8 @@ def bench_phoenix(bodies: list[bytes], expected: int, concurrency: int, workdir:
             with sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=30) as conn:
                 return conn.execute("select count(*) from spans").fetchone()[0]
 
-        return run(f"Arize Phoenix {version}", f"http://127.0.0.1:{port}/v1/traces", bodies, expected, count, concurrency)
+        return run(f"Arize Phoenix {version}", f"http://127.0.0.1:{port}/v1/traces", bodies, expected, count,
+                   concurrency)
     finally:
         process.terminate()
         process.wait(60)
@@ -222,7 +232,8 @@ def bench_phoenix(bodies: list[bytes], expected: int, concurrency: int, workdir:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--traces", type=int, default=1000, help="traces to send (7 spans each)")
-    parser.add_argument("--traces-per-export", type=int, default=64, help="traces per OTLP export request (64 = 448 spans)")
+    parser.add_argument("--traces-per-export", type=int, default=64,
+                        help="traces per OTLP export request (64 = 448 spans)")
     parser.add_argument("--concurrency", type=int, default=4, help="exports in flight at once")
     parser.add_argument("--postgres", help="also measure the collector on this PostgreSQL URL (an empty database)")
     parser.add_argument("--skip-phoenix", action="store_true", help="measure only the collector")
@@ -235,9 +246,11 @@ def main() -> None:
           f"{args.concurrency} in flight; {os.cpu_count()} CPUs", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
         workdir = Path(tmp)
-        rates = {"sqlite": bench_collector("SQLite", f"sqlite:///{workdir / 'collector.db'}", bodies, expected, args.concurrency, workdir)}
+        rates = {"sqlite": bench_collector("SQLite", f"sqlite:///{workdir / 'collector.db'}", bodies, expected,
+                                           args.concurrency, workdir)}
         if args.postgres:
-            rates["postgresql"] = bench_collector("PostgreSQL", args.postgres, bodies, expected, args.concurrency, workdir)
+            rates["postgresql"] = bench_collector("PostgreSQL", args.postgres, bodies, expected, args.concurrency,
+                                                  workdir)
         if not args.skip_phoenix:
             phoenix = bench_phoenix(bodies, expected, args.concurrency, workdir)
             for label, rate in rates.items():

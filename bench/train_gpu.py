@@ -13,7 +13,8 @@ default size (64 sequences with CUDA: here the whole batch in one pass) and at
 runs one warm-up step, then `--steps` timed steps; printed: the median step time, tokens/s
 (batch tokens / time), peak GPU memory, and the ratio to TRL.
 
-    PYTHONPATH=. python bench/train_gpu.py --model-dir DIR [--steps 3] [--skip-trl] [--micro-batch-sizes 4 1] [--gradient-checkpointing both]
+    PYTHONPATH=. python bench/train_gpu.py --model-dir DIR [--steps 3] [--skip-trl] [--micro-batch-sizes 4 1]
+                                           [--gradient-checkpointing both]
 
 DIR holds `config.json` and the tokenizer files of the model to shape (default: the bundled
 SmolLM2-135M-Instruct folder in the art cache, where it has been prepared).
@@ -154,7 +155,8 @@ def run_trl(model_path: Path, workdir: Path, steps: int, checkpointing: bool) ->
     args = TRLConfig(
         output_dir=str(workdir / "trl"), per_device_train_batch_size=PROMPTS * SAMPLES, gradient_accumulation_steps=1,
         num_generations=SAMPLES, max_completion_length=COMPLETION_TOKENS, max_steps=1 + steps, learning_rate=1e-4,
-        beta=0.0, bf16=True, gradient_checkpointing=checkpointing, report_to=[], logging_strategy="no", disable_tqdm=True, save_strategy="no",
+        beta=0.0, bf16=True, gradient_checkpointing=checkpointing, report_to=[], logging_strategy="no",
+        disable_tqdm=True, save_strategy="no",
         generation_kwargs={"min_new_tokens": COMPLETION_TOKENS}, seed=0, shuffle_dataset=False,
         model_init_kwargs={"dtype": torch.bfloat16},
     )
@@ -209,7 +211,8 @@ def main() -> None:
             label = f"gradient checkpointing {'on ' if checkpointing else 'off'}"
             trl = None if args.skip_trl else run_trl(model_path, Path(tmp), args.steps, checkpointing)
             if trl is not None:
-                print(f"{label} | TRL                     : {trl['step_s'] * 1000:7.1f} ms, peak {trl['peak_gib']:.2f} GiB",
+                print(f"{label} | TRL                     : {trl['step_s'] * 1000:7.1f} ms, "
+                      f"peak {trl['peak_gib']:.2f} GiB",
                       flush=True)
             sizes = [None, *args.micro_batch_sizes] if checkpointing else [None]
             for size, ours in run_ours(model_path, args.steps, checkpointing, sizes).items():

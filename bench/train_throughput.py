@@ -5,10 +5,10 @@ attention and MLP projections), same batch: 8 prompts x 4 samples x 64 completio
 ignored, so both sides train on exactly 64 completion tokens per sample), same reward, no KL,
 one optimizer step. Each side trains in its default precision on this machine (`--precision
 float32` makes both fp32): TRL's `bf16=True` (autocast over fp32 weights), art's `train_dtype=auto`
-(bf16 base weights where the CPU multiplies bf16, with AMX or AVX512-BF16; fp32 LoRA). TRL samples with `transformers` `generate`
-(its default; its vLLM modes were not tried here) and trains the 32 sequences as one padded
-batch; art samples with vLLM through the step's adapter (a seed per prompt, so every run trains
-the same completions), as the service starts it: float32, its linear layers multiplying in bf16
+(bf16 base weights where the CPU multiplies bf16, with AMX or AVX512-BF16; fp32 LoRA). TRL samples with
+`transformers` `generate` (its default; its vLLM modes were not tried here) and trains the 32 sequences
+as one padded batch; art samples with vLLM through the step's adapter (a seed per prompt, so every run
+trains the same completions), as the service starts it: float32, its linear layers multiplying in bf16
 on a CPU with AMX or AVX512-BF16 (`--vllm-matmul-dtype auto`; float32 throughout with `--precision float32`),
 bound to every core and sampling on all of them while no step trains (`--idle-vllm-threads`, the
 service default); and trains the sequences packed end to end without padding, with logits only
@@ -26,10 +26,10 @@ time. Step 1 is a fresh trainer's first: TRL's pays for its process's cold memor
 (on these VMs a first touch of fresh memory costs 4-7 s of system time per GB), art's follows the
 warm-up `art-trainer serve` runs at start (`LoRATrainer.warm_up`, not timed, its seconds printed);
 step 2 finds both processes warm, as every later step of a run does, so it is the figure a
-training run's throughput follows. Each figure is the median over `--rounds` rounds that alternate art and TRL, each from a
-fresh process, since this machine's speed drifts by up to 2x over minutes (bf16 matrix products
-measured at 220 to 980 GFLOPS on one core the same day). Then art's steady state under traffic,
-as a separate figure: `--overlapped-steps` more steps in which vLLM samples the next batch (one
+training run's throughput follows. Each figure is the median over `--rounds` rounds that alternate art
+and TRL, each from a fresh process, since this machine's speed drifts by up to 2x over minutes (bf16
+matrix products measured at 220 to 980 GFLOPS on one core the same day). Then art's steady state under
+traffic, as a separate figure: `--overlapped-steps` more steps in which vLLM samples the next batch (one
 step stale) while the current one trains, each ending with the new adapter live, against TRL's
 warm step.
 
@@ -165,7 +165,8 @@ def run_overlapped(engine: VLLMEngine, trainer: LoRATrainer, lender: CoreLender,
     return statistics.median(times)
 
 
-def timed_step(engine: VLLMEngine, trainer: LoRATrainer, lender: CoreLender, workdir: Path, step: int) -> dict[str, float]:
+def timed_step(engine: VLLMEngine, trainer: LoRATrainer, lender: CoreLender, workdir: Path,
+               step: int) -> dict[str, float]:
     """Step `step` as the service runs it, timed by phase: sample the batch through `bench@{step - 1}`,
     reward it, train, save and hot-load `bench@{step}`, and get its first reply."""
     started = time.perf_counter()
@@ -217,7 +218,8 @@ def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, d
     finally:
         engine.stop()
     return {"steps": steps, "overlapped_s": overlapped, "warm_up_s": warm_up_s,
-            "threads": f"{lender.own_threads} own, {lender.idle_threads} while vLLM idles (after {lender.settle_s:g} s); "
+            "threads": f"{lender.own_threads} own, {lender.idle_threads} while vLLM idles "
+                       f"(after {lender.settle_s:g} s); "
                        + (f"vLLM {engine_threads.own} during a step, {engine_threads.idle} between steps"
                           if engine_threads else "vLLM on its own cores"),
             "lending": dict(lender.counters), "block_size": engine.block_size}
@@ -265,7 +267,8 @@ def run_trl(model_path: str, workdir: Path, bf16: bool) -> dict[str, Any]:
     if len(ends) != TIMED_STEPS or len(generate_s) != TIMED_STEPS:
         raise RuntimeError(f"TRL ran {len(ends)} steps and generated {len(generate_s)} times; expected {TIMED_STEPS}")
     wholes = [end - begin for begin, end in itertools.pairwise([started, *ends])]
-    return {"steps": [{"sampling_s": g, "training_s": w - g, "whole_s": w} for g, w in zip(generate_s, wholes, strict=True)]}
+    return {"steps": [{"sampling_s": g, "training_s": w - g, "whole_s": w}
+                      for g, w in zip(generate_s, wholes, strict=True)]}
 
 
 class _StepClock(TrainerCallback):
@@ -381,9 +384,9 @@ def report(ours_runs: list[dict[str, Any]], trl_runs: dict[str | None, list[dict
           + " and ".join(runs[-1]["allocator"] for runs in trl_runs.values() if runs)
           + "; each side in a fresh process every round")
     warm_ups = ", ".join(f"{run['warm_up_s']:.0f}" for run in ours_runs)
-    print(f"start-up (not timed, like vLLM's start and TRL's trainer construction): art's trainer warms up as the service "
-          f"does (TrainerSettings.warm_up: one dummy forward and backward of a full pass) in {warm_ups} s; TRL's first step "
-          "pays for its fresh memory, its second repeats the first's shapes")
+    print(f"start-up (not timed, like vLLM's start and TRL's trainer construction): art's trainer warms up as the "
+          f"service does (TrainerSettings.warm_up: one dummy forward and backward of a full pass) in {warm_ups} s; "
+          "TRL's first step pays for its fresh memory, its second repeats the first's shapes")
     block = ours_runs[-1]["block_size"]
     print(f"vLLM KV-cache blocks: {block or 'vLLM default'} tokens (TrainerSettings.kv_block_size; the prefix cache "
           "reuses whole blocks of a prompt across its samples)")

@@ -126,10 +126,16 @@ def span_rewards(span: SpanRecord) -> list[SpanReward]:
         return []
     rewards = []
     if kind == sc.SPAN_KIND_REWARD and (sc.REWARD_VALUE in span.attributes or sc.REWARD_NAME in span.attributes):
-        rewards.append(_reward(span, span.attributes.get(sc.REWARD_NAME), span.attributes.get(sc.REWARD_VALUE), span.end_ns))
+        rewards.append(
+            _reward(span, span.attributes.get(sc.REWARD_NAME), span.attributes.get(sc.REWARD_VALUE), span.end_ns)
+        )
     for event in span.events:
         if event.name == sc.REWARD_EVENT:
-            rewards.append(_reward(span, event.attributes.get(sc.REWARD_NAME), event.attributes.get(sc.REWARD_VALUE), event.time_ns))
+            rewards.append(
+                _reward(
+                    span, event.attributes.get(sc.REWARD_NAME), event.attributes.get(sc.REWARD_VALUE), event.time_ns
+                )
+            )
     return rewards
 
 
@@ -146,7 +152,12 @@ def span_problem(span: SpanRecord) -> str | None:
     """Why the store must reject a span (an OTLP partial success), or None when it is fine."""
     if not (0 <= span.start_ns <= _MAX_NS and 0 <= span.end_ns <= _MAX_NS):
         return "timestamps beyond year 2262"
-    limits = {sc.ROLLOUT_ID: MAX_ID_LENGTH, sc.GROUP: MAX_ID_LENGTH, sc.TASK: MAX_ID_LENGTH, sc.SPLIT: _MAX_SPLIT_LENGTH}
+    limits = {
+        sc.ROLLOUT_ID: MAX_ID_LENGTH,
+        sc.GROUP: MAX_ID_LENGTH,
+        sc.TASK: MAX_ID_LENGTH,
+        sc.SPLIT: _MAX_SPLIT_LENGTH,
+    }
     for key, limit in limits.items():
         value = span.attributes.get(key)
         if value is not None and len(str(value)) > limit:
@@ -224,7 +235,9 @@ class FactsDigest:
             order = _order(span)
             if self.first is None or order < self.first[:3]:
                 self.first = [*order, span.trace_id]
-            if span.attributes.get(sc.SPAN_KIND) == sc.SPAN_KIND_ROLLOUT and (self.rollout is None or order < self.rollout[:3]):
+            if span.attributes.get(sc.SPAN_KIND) == sc.SPAN_KIND_ROLLOUT and (
+                self.rollout is None or order < self.rollout[:3]
+            ):
                 kept = {key: span.attributes[key] for key in _FACT_KEYS if span.attributes.get(key) is not None}
                 self.rollout = [*order, span.trace_id, kept]
             for key in _FACT_KEYS:
@@ -313,12 +326,20 @@ class Sequences:
 
 
 def _extends(messages: list[dict[str, Any]], previous: list[dict[str, Any]]) -> bool:
-    return bool(previous) and len(messages) > len(previous) and foreign.same_messages(messages[: len(previous)], previous)
+    return (
+        bool(previous) and len(messages) > len(previous) and foreign.same_messages(messages[: len(previous)], previous)
+    )
 
 
 def _drift(span: SpanRecord, turn: int, prompt: list[int], previous: list[int]) -> Drift:
     position = next((i for i, (a, b) in enumerate(zip(prompt, previous)) if a != b), min(len(prompt), len(previous)))
-    return Drift(span_id=span.span_id, turn=turn, position=position, expected=previous[position : position + 8], got=prompt[position : position + 8])
+    return Drift(
+        span_id=span.span_id,
+        turn=turn,
+        position=position,
+        expected=previous[position : position + 8],
+        got=prompt[position : position + 8],
+    )
 
 
 def build_sequences(llm_spans: Iterable[SpanRecord]) -> Sequences:
@@ -368,7 +389,13 @@ def _json_attr(span: SpanRecord, key: str, want: type) -> Any:
         log.warning("span %s: attribute %s is not valid JSON (%s); ignored", span.span_id, key, exc)
         return None
     if not isinstance(value, want):
-        log.warning("span %s: attribute %s is a %s, expected %s; ignored", span.span_id, key, type(value).__name__, want.__name__)
+        log.warning(
+            "span %s: attribute %s is a %s, expected %s; ignored",
+            span.span_id,
+            key,
+            type(value).__name__,
+            want.__name__,
+        )
         return None
     return value
 

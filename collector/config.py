@@ -44,7 +44,9 @@ def default_db_url() -> str:
 class CollectorSettings(BaseSettings):
     """Where the collector listens, where it stores, and how it forms training groups."""
 
-    model_config = SettingsConfigDict(env_prefix="ART_COLLECTOR_", extra="forbid", populate_by_name=True, allow_inf_nan=False)
+    model_config = SettingsConfigDict(
+        env_prefix="ART_COLLECTOR_", extra="forbid", populate_by_name=True, allow_inf_nan=False
+    )
 
     host: str = Field(default="127.0.0.1", description="Interface the HTTP API listens on.")
     port: int = Field(
@@ -101,8 +103,8 @@ class CollectorSettings(BaseSettings):
     api_key: SecretStr | None = Field(
         default=None,
         validation_alias="ART_API_KEY",
-        description="When set, write endpoints need `Authorization: Bearer <key>` (env `ART_API_KEY`); empty counts as unset, "
-        "as in the plugin and the trainer.",
+        description="When set, write endpoints need `Authorization: Bearer <key>` (env `ART_API_KEY`); "
+        "empty counts as unset, as in the plugin and the trainer.",
     )
 
     @field_validator("api_key", mode="before")

@@ -20,7 +20,8 @@ in WAL mode such a reader neither waits for the writer nor holds it up."""
 
 
 def make_engine(url: str) -> Engine:
-    """An engine for `url`; SQLite gets WAL, `synchronous=FULL` and `BEGIN IMMEDIATE` transactions (`BEGIN` with `READ_ONLY`)."""
+    """An engine for `url`; SQLite gets WAL, `synchronous=FULL` and `BEGIN IMMEDIATE` transactions (`BEGIN` with
+    `READ_ONLY`)."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         return create_engine(parsed, pool_pre_ping=True)

@@ -193,7 +193,9 @@ def _openai_message(message: Mapping[str, Any], span_id: str) -> dict[str, Any]:
     if calls is None:
         return out
     listed = calls if isinstance(calls, list) else [calls]
-    out["tool_calls"] = [call for call in listed if isinstance(call, Mapping) and isinstance(call.get("function"), Mapping)]
+    out["tool_calls"] = [
+        call for call in listed if isinstance(call, Mapping) and isinstance(call.get("function"), Mapping)
+    ]
     if len(out["tool_calls"]) < len(listed):
         log.warning("span %s: %d of a message's tool calls are not OpenAI tool calls; left out",
                     span_id, len(listed) - len(out["tool_calls"]))
@@ -224,7 +226,11 @@ def _semconv_messages(value: Any, span_id: str) -> list[dict[str, Any]]:
             converted: dict[str, Any] = {"role": role, "content": text}
             if calls:
                 converted["tool_calls"] = [
-                    {"id": c.get("id"), "type": "function", "function": {"name": c.get("name"), "arguments": _arguments(c.get("arguments", {}))}}
+                    {
+                        "id": c.get("id"),
+                        "type": "function",
+                        "function": {"name": c.get("name"), "arguments": _arguments(c.get("arguments", {}))},
+                    }
                     for c in calls
                 ]
             out.append(converted)
@@ -265,7 +271,11 @@ def _flat_message(node: Any, default_role: str = "user") -> dict[str, Any]:
     calls = node.get("tool_calls")
     if isinstance(calls, list) and calls:
         message["tool_calls"] = [
-            {"id": c.get("id"), "type": "function", "function": {"name": c.get("name"), "arguments": _arguments(c.get("arguments", "{}"))}}
+            {
+                "id": c.get("id"),
+                "type": "function",
+                "function": {"name": c.get("name"), "arguments": _arguments(c.get("arguments", "{}"))},
+            }
             for c in calls
             if isinstance(c, dict)
         ]
@@ -288,7 +298,14 @@ def _openinference_message(node: Any, default_role: str = "user") -> dict[str, A
             inner = _dict(_dict(call).get("tool_call"))
             function = _dict(inner.get("function"))
             message["tool_calls"].append(
-                {"id": inner.get("id"), "type": "function", "function": {"name": function.get("name"), "arguments": _arguments(function.get("arguments", "{}"))}}
+                {
+                    "id": inner.get("id"),
+                    "type": "function",
+                    "function": {
+                        "name": function.get("name"),
+                        "arguments": _arguments(function.get("arguments", "{}")),
+                    },
+                }
             )
     if body.get("tool_call_id"):
         message["tool_call_id"] = body["tool_call_id"]
@@ -331,7 +348,11 @@ def _gen_ai_tools(attributes: Mapping[str, Any], span_id: str) -> list[dict[str,
                     parameters = json.loads(parameters)
                 except json.JSONDecodeError:
                     parameters = {}
-            spec = {"name": function["name"], "description": function.get("description", ""), "parameters": parameters or {}}
+            spec = {
+                "name": function["name"],
+                "description": function.get("description", ""),
+                "parameters": parameters or {},
+            }
             tools.append({"type": "function", "function": spec})
     return tools
 

@@ -116,8 +116,9 @@ class GroupJudge:
         distinct, owner = dedupe([t.messages for t in members])
         started = self.clock()
         claim = {
-            "group_id": group_id, "model": self.settings.model, "trajectories": len(members), "distinct_count": len(distinct),
-            "started_at": started, "state": "running", "attempts": 0, "error": None, "finished_at": None, "next_try_at": None,
+            "group_id": group_id, "model": self.settings.model, "trajectories": len(members),
+            "distinct_count": len(distinct), "started_at": started, "state": "running", "attempts": 0, "error": None,
+            "finished_at": None, "next_try_at": None,
         }
         if not self.scoring.claim_run(claim, stale_before=started - claim_seconds(self.settings)):
             log.info("group %s is being judged by another run; left to it", group_id)
@@ -126,12 +127,13 @@ class GroupJudge:
             return self._judge(group_id, members, distinct, owner, rubric, started)
         except Exception as exc:  # e.g. the store failed mid-run: free the group now, not after claim_seconds
             now = self.clock()
-            self._finish(group_id, started, state="failed", attempts=0, error=f"{type(exc).__name__}: {exc}", finished_at=now,
-                         next_try_at=now + self.settings.retry_seconds)
+            self._finish(group_id, started, state="failed", attempts=0, error=f"{type(exc).__name__}: {exc}",
+                         finished_at=now, next_try_at=now + self.settings.retry_seconds)
             raise
 
     def _judge(
-        self, group_id: str, members: list[Trajectory], distinct: list[list[dict[str, Any]]], owner: list[int], rubric: str, started: float
+        self, group_id: str, members: list[Trajectory], distinct: list[list[dict[str, Any]]], owner: list[int],
+        rubric: str, started: float
     ) -> JudgeRun:
         """The claimed run started at `started`: call the judge, store the scores and the outcome."""
         s = self.settings
@@ -150,7 +152,8 @@ class GroupJudge:
                     time.sleep(min(2.0 ** (attempt - 1), _MAX_BACKOFF))
                 continue
             rows = self._store_scores(group_id, members, owner, scores)
-            self._finish(group_id, started, state="ok", attempts=attempt, error=None, finished_at=self.clock(), next_try_at=None)
+            self._finish(group_id, started, state="ok", attempts=attempt, error=None, finished_at=self.clock(),
+                         next_try_at=None)
             log.info("judged group %s: %d trajectories, %d distinct", group_id, len(members), len(distinct))
             return run_view(self.scoring.run(group_id) or {}, rows)
         assert error is not None
@@ -158,10 +161,12 @@ class GroupJudge:
         now = self.clock()
         if s.on_failure == "zero":
             rows = self._store_zeros(group_id, members, message)
-            self._finish(group_id, started, state="zeroed", attempts=tries, error=message, finished_at=now, next_try_at=None)
+            self._finish(group_id, started, state="zeroed", attempts=tries, error=message, finished_at=now,
+                         next_try_at=None)
             return run_view(self.scoring.run(group_id) or {}, rows)
         state, next_try = ("failed", now + s.retry_seconds) if s.on_failure == "retry" else ("skipped", None)
-        self._finish(group_id, started, state=state, attempts=tries, error=message, finished_at=now, next_try_at=next_try)
+        self._finish(group_id, started, state=state, attempts=tries, error=message, finished_at=now,
+                     next_try_at=next_try)
         return run_view(self.scoring.run(group_id) or {})
 
     def _finish(self, group_id: str, started: float, **outcome: object) -> None:
@@ -169,10 +174,13 @@ class GroupJudge:
         if not self.scoring.finish_run(group_id, started, **outcome):
             log.warning(
                 "judge run of group %s started at %s outlived its claim (%.0f s) and another run took the group over; "
-                "its outcome (%s) is not recorded as the group's run", group_id, started, claim_seconds(self.settings), outcome["state"],
+                "its outcome (%s) is not recorded as the group's run",
+                group_id, started, claim_seconds(self.settings), outcome["state"],
             )
 
-    def _store_scores(self, group_id: str, members: list[Trajectory], owner: list[int], scores: list[Score]) -> list[Judgement]:
+    def _store_scores(
+        self, group_id: str, members: list[Trajectory], owner: list[int], scores: list[Score]
+    ) -> list[Judgement]:
         first: dict[int, str] = {}
         rows = []
         for trajectory, index in zip(members, owner, strict=True):
@@ -180,8 +188,9 @@ class GroupJudge:
             duplicate_of = first.setdefault(index, trajectory.id)
             rows.append(
                 Judgement(
-                    trajectory_id=trajectory.id, name=self.settings.reward_name, score=score.score, explanation=score.explanation,
-                    block=score.block, duplicate_of=None if duplicate_of == trajectory.id else duplicate_of,
+                    trajectory_id=trajectory.id, name=self.settings.reward_name, score=score.score,
+                    explanation=score.explanation, block=score.block,
+                    duplicate_of=None if duplicate_of == trajectory.id else duplicate_of,
                 )
             )
         self._write(group_id, rows)
@@ -189,7 +198,10 @@ class GroupJudge:
 
     def _store_zeros(self, group_id: str, members: list[Trajectory], message: str) -> list[Judgement]:
         rows = [
-            Judgement(trajectory_id=t.id, name=self.settings.reward_name, score=0.0, explanation=f"judge failed, scored 0 by policy: {message}")
+            Judgement(
+                trajectory_id=t.id, name=self.settings.reward_name, score=0.0,
+                explanation=f"judge failed, scored 0 by policy: {message}",
+            )
             for t in members
         ]
         self._write(group_id, rows)
@@ -230,7 +242,8 @@ class GroupJudge:
         return [group_id for group_id in complete if due(group_id)]
 
     def run_due(self) -> list[JudgeRun]:
-        """Judge every due group (see `due_groups`), one after the other; a group another run claimed first is left to it."""
+        """Judge every due group (see `due_groups`), one after the other; a group another run claimed first is
+        left to it."""
         runs = (self._try(group_id, self.settings.rubric) for group_id in self.due_groups())
         return [run for run in runs if run is not None]
 

@@ -49,7 +49,9 @@ class LangfuseSyncError(CollectorError):
 def make_client(settings: LangfuseSettings) -> LangfuseAPI:
     """The SDK's REST client for the configured project (Basic auth with the key pair)."""
     if not settings.enabled:
-        raise LangfuseSyncError("Langfuse is not configured: set ART_COLLECTOR_LANGFUSE_HOST and its keys", code="langfuse_not_configured")
+        raise LangfuseSyncError(
+            "Langfuse is not configured: set ART_COLLECTOR_LANGFUSE_HOST and its keys", code="langfuse_not_configured"
+        )
     from langfuse import __version__
 
     return LangfuseAPI(
@@ -120,7 +122,9 @@ class LangfuseSync:
         except ApiError as exc:
             raise LangfuseSyncError(f"Langfuse {what} answered {exc.status_code}: {exc.body!r}") from exc
         except httpx.HTTPError as exc:
-            raise LangfuseSyncError(f"Langfuse {what} unreachable at {self.settings.host}: {exc}", code="langfuse_unreachable") from exc
+            raise LangfuseSyncError(
+                f"Langfuse {what} unreachable at {self.settings.host}: {exc}", code="langfuse_unreachable"
+            ) from exc
 
     def pull(self) -> LangfuseSyncResult:
         """Read scores (configured sources and names, within the lookback) and store new or changed ones as rewards."""
@@ -155,8 +159,8 @@ class LangfuseSync:
             version = score.updated_at.isoformat()
             if seen.get(score.id) != version:
                 changed[key] = None
-                marks.append({"score_id": score.id, "updated_at": version, "trace_id": reward.trace_id, "name": reward.name,
-                              "value": reward.value, "pulled_at": self.clock()})
+                marks.append({"score_id": score.id, "updated_at": version, "trace_id": reward.trace_id,
+                              "name": reward.name, "value": reward.value, "pulled_at": self.clock()})
         # a new or edited score re-applies the latest of its trace and name: an edit to an older score must
         # not override a newer one (the store's newest API reward of a name wins)
         applied = unmatched = 0
@@ -194,14 +198,17 @@ class LangfuseSync:
                         timestamp=dt.datetime.fromtimestamp(first, tz=dt.UTC),
                     )
                 )
-                marks.append({"trajectory_id": t.id, "name": name, "value": value, "score_id": score_id, "pushed_at": first})
+                marks.append(
+                    {"trajectory_id": t.id, "name": name, "value": value, "score_id": score_id, "pushed_at": first}
+                )
         rejected = 0
         for start in range(0, len(requests), PAGE):
             chunk = requests[start : start + PAGE]
             answer = self._call("POST /api/public/scores", lambda chunk=chunk: self.client.scores.create(request=chunk))
             if isinstance(answer, CreateScoreBatchResults) and answer.rejected:
                 rejected += answer.rejected
-                log.warning("Langfuse rejected %d of %d scores: %s", answer.rejected, len(chunk), [e.message for e in answer.errors])
+                log.warning("Langfuse rejected %d of %d scores: %s", answer.rejected, len(chunk),
+                            [e.message for e in answer.errors])
             self.scoring.mark_pushed(marks[start : start + PAGE])
         return len(requests), rejected
 

@@ -31,7 +31,9 @@ def _locked_batch(conn: Connection, batch_id: str) -> tuple[Any, list[str]]:
     return batch, ids
 
 
-def ack(conn: Connection, settings: CollectorSettings, batch_id: str, policy_step: int | None, now: float) -> AckResponse:
+def ack(
+    conn: Connection, settings: CollectorSettings, batch_id: str, policy_step: int | None, now: float
+) -> AckResponse:
     """Mark a batch's groups trained; idempotent.
 
     Raises:
@@ -59,13 +61,19 @@ def ack(conn: Connection, settings: CollectorSettings, batch_id: str, policy_ste
         )
     if ids:
         conn.execute(
-            groups.update().where(groups.c.id.in_(ids)).values(state="trained", batch_id=batch_id, reason=None, updated_at=now)
+            groups.update()
+            .where(groups.c.id.in_(ids))
+            .values(state="trained", batch_id=batch_id, reason=None, updated_at=now)
         )
-    conn.execute(batches.update().where(batches.c.id == batch_id).values(state="acked", acked_at=now, policy_step=policy_step))
+    conn.execute(
+        batches.update().where(batches.c.id == batch_id).values(state="acked", acked_at=now, policy_step=policy_step)
+    )
     return AckResponse(batch_id=batch_id, groups=ids, policy_step=policy_step)
 
 
-def release(conn: Connection, settings: CollectorSettings, batch_id: str, request: ReleaseRequest, now: float) -> ReleaseResponse:
+def release(
+    conn: Connection, settings: CollectorSettings, batch_id: str, request: ReleaseRequest, now: float
+) -> ReleaseResponse:
     """Give a batch's groups back untrained, now (`pool.give_back`); the batch ends `released` with the reason.
 
     Only the groups the batch still holds go back and count: after its lease expired (which counted them) none
@@ -87,7 +95,9 @@ def release(conn: Connection, settings: CollectorSettings, batch_id: str, reques
         pool.give_back(conn, settings, [batch_id], failed=request.failed, error=request.reason, now=now)
         conn.execute(batches.update().where(batches.c.id == batch_id).values(state="released", reason=request.reason))
     skipped = sorted(
-        conn.execute(select(groups.c.id).where(groups.c.id.in_(ids), groups.c.state == "skipped", groups.c.batch_id == batch_id)).scalars()
+        conn.execute(
+            select(groups.c.id).where(groups.c.id.in_(ids), groups.c.state == "skipped", groups.c.batch_id == batch_id)
+        ).scalars()
     )
     return ReleaseResponse(
         batch_id=batch_id, returned=[gid for gid in ids if gid not in skipped], skipped=skipped,

@@ -243,7 +243,11 @@ def _records(request: ExportTraceServiceRequest) -> Decoded:
                 problem = (
                     _id_problem(span.trace_id, 16, "trace_id", span.name)
                     or _id_problem(span.span_id, 8, "span_id", span.name)
-                    or (_id_problem(span.parent_span_id, 8, "parent_span_id", span.name) if span.parent_span_id else None)
+                    or (
+                        _id_problem(span.parent_span_id, 8, "parent_span_id", span.name)
+                        if span.parent_span_id
+                        else None
+                    )
                 )
                 if problem:
                     rejected.append(problem)

@@ -43,7 +43,9 @@ def _counts(conn: Connection, column: Any, values: list[str]) -> Counter[str]:
     return counts
 
 
-def place(conn: Connection, wanted: list[tuple[str, TrajectoryFacts]], *, min_group_size: int, now: float) -> dict[str, str]:
+def place(
+    conn: Connection, wanted: list[tuple[str, TrajectoryFacts]], *, min_group_size: int, now: float
+) -> dict[str, str]:
     """The group instance of each trajectory in `wanted` (id, facts), by trajectory id.
 
     Each goes to the oldest open instance of its group key with room left (see
@@ -68,14 +70,18 @@ def place(conn: Connection, wanted: list[tuple[str, TrajectoryFacts]], *, min_gr
             group = _new_instance(conn, facts, taken[facts.group_key] + 1, {g["id"] for g in created}, now)
             taken[facts.group_key] += 1
             created.append(group)
-            instances[facts.group_key] = sorted([*instances[facts.group_key], group], key=lambda g: (g["created_at"], g["id"]))
+            instances[facts.group_key] = sorted(
+                [*instances[facts.group_key], group], key=lambda g: (g["created_at"], g["id"])
+            )
         members[group["id"]] += 1
         placed[trajectory_id] = group["id"]
     if created:
         conn.execute(groups.insert(), created)
     hinted = [{"group": gid, "hint": hint} for gid, hint in hints.items() if gid not in {g["id"] for g in created}]
     if hinted:
-        conn.execute(groups.update().where(groups.c.id == bindparam("group")).values(size_hint=bindparam("hint")), hinted)
+        conn.execute(
+            groups.update().where(groups.c.id == bindparam("group")).values(size_hint=bindparam("hint")), hinted
+        )
     return placed
 
 
@@ -86,7 +92,8 @@ def _new_instance(conn: Connection, facts: TrajectoryFacts, n: int, created: set
         group_id, n = f"{facts.group_key}#{n}", n + 1
     return {
         "id": group_id, "key": facts.group_key, "task": facts.task, "explicit": facts.explicit_group,
-        "size_hint": facts.group_size, "state": "open", "reason": None, "batch_id": None, "created_at": now, "updated_at": now,
+        "size_hint": facts.group_size, "state": "open", "reason": None, "batch_id": None,
+        "created_at": now, "updated_at": now,
     }
 
 
@@ -118,8 +125,16 @@ def write_trajectories(
     for (key, by_rollout), facts in found.items():
         row = existing.get(key)
         key_known = facts.has_rollout_span or not by_rollout
-        if key_known and (facts.has_llm or facts.explicit_group) and (row is None or row["group_id"] is None or row["group_key"] != facts.group_key):
-            current = conn.execute(select(groups.c.state).where(groups.c.id == row["group_id"])).scalar() if row and row["group_id"] else None
+        if (
+            key_known
+            and (facts.has_llm or facts.explicit_group)
+            and (row is None or row["group_id"] is None or row["group_key"] != facts.group_key)
+        ):
+            current = (
+                conn.execute(select(groups.c.state).where(groups.c.id == row["group_id"])).scalar()
+                if row and row["group_id"]
+                else None
+            )
             if current in (None, "open"):  # a leased or trained group keeps its members
                 wanted.append((key, facts))
     placed = place(conn, wanted, min_group_size=min_group_size, now=now)

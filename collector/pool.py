@@ -46,7 +46,11 @@ def group_members(conn: Connection, group_ids: list[str]) -> dict[str, list[Any]
     """Trajectory rows of each group, oldest first."""
     members: dict[str, list[Any]] = {gid: [] for gid in group_ids}
     for chunk in chunks(group_ids):
-        query = select(trajectories).where(trajectories.c.group_id.in_(chunk)).order_by(trajectories.c.created_at, trajectories.c.id)
+        query = (
+            select(trajectories)
+            .where(trajectories.c.group_id.in_(chunk))
+            .order_by(trajectories.c.created_at, trajectories.c.id)
+        )
         for row in conn.execute(query).mappings():
             members[row["group_id"]].append(row)
     return members
@@ -66,7 +70,10 @@ def decisions(conn: Connection, settings: CollectorSettings, open_groups: list[A
         rows = members[group["id"]]
         ms = [Member(bool(r["complete"]), r["split"], settings.training_reward.of(named[r["id"]])) for r in rows]
         out[group["id"]] = decide(
-            ms, expected_size(group, settings), reward_label=settings.training_reward.label, keep_zero_spread=settings.keep_zero_spread
+            ms,
+            expected_size(group, settings),
+            reward_label=settings.training_reward.label,
+            keep_zero_spread=settings.keep_zero_spread,
         )
     return out
 
@@ -75,7 +82,9 @@ LEASE_EXPIRED = "lease expired"
 """The reason of an expired batch, and the error its groups count."""
 
 
-def give_back(conn: Connection, settings: CollectorSettings, batch_ids: list[str], *, failed: bool, error: str, now: float) -> None:
+def give_back(
+    conn: Connection, settings: CollectorSettings, batch_ids: list[str], *, failed: bool, error: str, now: float
+) -> None:
     """Return the groups that `batch_ids` still hold to the pool.
 
     With `failed`, each counts a failed attempt, and one that reaches `settings.max_failed_attempts` is skipped
@@ -87,10 +96,14 @@ def give_back(conn: Connection, settings: CollectorSettings, batch_ids: list[str
     if failed:
         conn.execute(groups.update().where(held).values(failed_attempts=groups.c.failed_attempts + 1))
     if failed and limit:
-        spent = conn.execute(select(groups.c.id, groups.c.failed_attempts).where(held, groups.c.failed_attempts >= limit)).all()
+        spent = conn.execute(
+            select(groups.c.id, groups.c.failed_attempts).where(held, groups.c.failed_attempts >= limit)
+        ).all()
         for group_id, attempts in spent:
             reason = f"training failed {attempts} times; last: {error}"
-            conn.execute(groups.update().where(groups.c.id == group_id).values(state="skipped", reason=reason, updated_at=now))
+            conn.execute(
+                groups.update().where(groups.c.id == group_id).values(state="skipped", reason=reason, updated_at=now)
+            )
             log.warning("group %s skipped, not leased again: %s", group_id, reason)
     conn.execute(groups.update().where(held).values(state="open", batch_id=None, updated_at=now))
 
@@ -99,12 +112,16 @@ def maintain(conn: Connection, settings: CollectorSettings, now: float) -> None:
     """Return expired leases (a failed attempt for each group); complete idle trajectories without rollout span;
     expire stale groups."""
     expired = list(
-        conn.execute(select(batches.c.id).where(batches.c.state == "leased", batches.c.lease_expires_at <= now)).scalars()
+        conn.execute(
+            select(batches.c.id).where(batches.c.state == "leased", batches.c.lease_expires_at <= now)
+        ).scalars()
     )
     for chunk in chunks(expired):
         # only batches still leased: another replica may have acked or released one since the select
         conn.execute(
-            batches.update().where(batches.c.id.in_(chunk), batches.c.state == "leased").values(state="expired", reason=LEASE_EXPIRED)
+            batches.update()
+            .where(batches.c.id.in_(chunk), batches.c.state == "leased")
+            .values(state="expired", reason=LEASE_EXPIRED)
         )
         give_back(conn, settings, chunk, failed=True, error=LEASE_EXPIRED, now=now)
         log.warning("leases expired, groups back in the pool: batches %s", ", ".join(chunk))
@@ -121,7 +138,9 @@ def maintain(conn: Connection, settings: CollectorSettings, now: float) -> None:
     if timeout > 0:
         stale = list(
             conn.execute(
-                select(groups).where(groups.c.state == "open", groups.c.updated_at <= now - timeout).order_by(groups.c.id)
+                select(groups)
+                .where(groups.c.state == "open", groups.c.updated_at <= now - timeout)
+                .order_by(groups.c.id)
             ).mappings()
         )
         for group_id, decision in decisions(conn, settings, stale).items():

@@ -75,7 +75,8 @@ class Trajectory(BaseModel):
     reward: float | None = Field(default=None, description="The training reward (configured name).")
     token_exact: bool = Field(
         default=True,
-        description="False when any turn lacks engine token ids (foreign GenAI spans): the trainer re-tokenizes `messages`.",
+        description="False when any turn lacks engine token ids (foreign GenAI spans): "
+        "the trainer re-tokenizes `messages`.",
     )
     drift: list[Drift] = Field(default_factory=list, description="Turns with retokenization drift (see `Drift`).")
     complete: bool = Field(default=False, description="The rollout span has ended.")
@@ -94,16 +95,23 @@ class BatchRequest(BaseModel):
     """Body of `POST /v1/batches`."""
 
     max_groups: int = Field(default=8, ge=1, le=1024, description="Most groups to lease.")
-    min_groups: int = Field(default=1, ge=1, le=1024, description="Lease nothing unless this many are ready; at most `max_groups`.")
+    min_groups: int = Field(
+        default=1, ge=1, le=1024, description="Lease nothing unless this many are ready; at most `max_groups`."
+    )
     lease_seconds: float = Field(
-        default=900.0, gt=0, le=MAX_LEASE_SECONDS, description="Lease length (at most a week); expired leases return groups to the pool."
+        default=900.0,
+        gt=0,
+        le=MAX_LEASE_SECONDS,
+        description="Lease length (at most a week); expired leases return groups to the pool.",
     )
     trainer: Name | None = Field(default=None, description="Name of the trainer taking the lease (shown in the UI).")
 
     @model_validator(mode="after")
     def _satisfiable(self) -> BatchRequest:
         if self.min_groups > self.max_groups:
-            raise ValueError(f"min_groups={self.min_groups} exceeds max_groups={self.max_groups}: no lease could ever hold them")
+            raise ValueError(
+                f"min_groups={self.min_groups} exceeds max_groups={self.max_groups}: no lease could ever hold them"
+            )
         return self
 
 
@@ -118,7 +126,9 @@ class Batch(BaseModel):
 class AckRequest(BaseModel):
     """Body of `POST /v1/batches/{id}/ack`."""
 
-    policy_step: int | None = Field(default=None, ge=0, le=MAX_COUNT, description="Checkpoint step trained from this batch.")
+    policy_step: int | None = Field(
+        default=None, ge=0, le=MAX_COUNT, description="Checkpoint step trained from this batch."
+    )
 
 
 MAX_REASON_CHARS = 2000
@@ -175,7 +185,8 @@ class GroupStatus(BaseModel):
     task: str | None
     size: int
     expected: int = Field(
-        description="Trajectories the group waits for: its announced size (`art.group.size`), else the minimum group size."
+        description="Trajectories the group waits for: its announced size (`art.group.size`), "
+        "else the minimum group size."
     )
     complete: int
     rewarded: int
@@ -199,7 +210,8 @@ class BatchStatus(BaseModel):
     groups: list[str] = Field(description="Ids of the leased groups, sorted.")
     reason: str | None = Field(
         default=None,
-        description="Why the lease ended without an ack: the trainer's error (`released`) or `lease expired` (`expired`).",
+        description="Why the lease ended without an ack: the trainer's error (`released`) "
+        "or `lease expired` (`expired`).",
     )
 
 

@@ -30,14 +30,20 @@ class Judgement(BaseModel):
     name: str = Field(description="Reward name the judge wrote (default `ruler`).")
     score: float = Field(ge=0, le=1)
     explanation: str
-    block: int | None = Field(default=None, description="Number of the trajectory's block in the judge prompt; None when zeroed.")
-    duplicate_of: str | None = Field(default=None, description="Identical to this trajectory, which was judged in its place.")
+    block: int | None = Field(
+        default=None, description="Number of the trajectory's block in the judge prompt; None when zeroed."
+    )
+    duplicate_of: str | None = Field(
+        default=None, description="Identical to this trajectory, which was judged in its place."
+    )
 
 
 class JudgeRequest(BaseModel):
     """Body of `POST /v1/groups/{id}/judge` (optional)."""
 
-    rubric: str | None = Field(default=None, min_length=1, description="Rubric for this run (default: the configured one).")
+    rubric: str | None = Field(
+        default=None, min_length=1, description="Rubric for this run (default: the configured one)."
+    )
 
 
 class JudgeRun(BaseModel):
@@ -45,7 +51,8 @@ class JudgeRun(BaseModel):
 
     group_id: str
     state: Literal["running", "ok", "failed", "skipped", "zeroed"] = Field(
-        description="`ok`: scores stored; `failed`: retried later (retry policy); `skipped`: left unjudged; `zeroed`: all 0."
+        description="`ok`: scores stored; `failed`: retried later (retry policy); `skipped`: left unjudged; "
+        "`zeroed`: all 0."
     )
     attempts: int
     error: str | None = None
@@ -86,7 +93,8 @@ class TrajectorySummary(BaseModel):
     complete: bool
     token_exact: bool
     ungrouped: str | None = Field(
-        default=None, description="Why the trajectory is in no group (e.g. it made no model call), None when it is in one."
+        default=None,
+        description="Why the trajectory is in no group (e.g. it made no model call), None when it is in one.",
     )
     last_message: str = Field(description="Start of the last message, for the list view.")
 

@@ -186,7 +186,12 @@ def response_format(count: int, explanation_max_chars: int | None = None) -> dic
         "additionalProperties": False,
     }
     blocks = _block_keys(count)
-    scores = {"type": "object", "properties": {block: item for block in blocks}, "required": blocks, "additionalProperties": False}
+    scores = {
+        "type": "object",
+        "properties": {block: item for block in blocks},
+        "required": blocks,
+        "additionalProperties": False,
+    }
     schema = {"type": "object", "properties": {"scores": scores}, "required": ["scores"], "additionalProperties": False}
     return {"type": "json_schema", "json_schema": {"name": "ruler_scores", "schema": schema, "strict": True}}
 
@@ -225,8 +230,15 @@ def parse_scores(text: str, count: int) -> list[Score]:
     for block in blocks:
         entry = entries[block]
         value = entry.get("score") if isinstance(entry, dict) else None
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not 0 <= value <= 1:
-            raise JudgeError(f"score {value!r} of trajectory {block} is not a number in [0, 1]", code="judge_bad_scores")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or not 0 <= value <= 1
+        ):
+            raise JudgeError(
+                f"score {value!r} of trajectory {block} is not a number in [0, 1]", code="judge_bad_scores"
+            )
         found.append(Score(int(block), float(value), str(entry.get("explanation") or "").strip()))
     return found
 
@@ -246,22 +258,33 @@ class JudgeClient:
         Raises:
             JudgeError: `judge_unreachable`, `judge_http_error`, or `judge_truncated` (hit max_tokens).
         """
-        body = {"model": self.model, "messages": messages, "response_format": fmt, "temperature": temperature, "max_tokens": max_tokens}
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "response_format": fmt,
+            "temperature": temperature,
+            "max_tokens": max_tokens,
+        }
         url = f"{self.base_url}/chat/completions"
         try:
             response = self._http.post(url, json=body)
         except httpx.HTTPError as exc:
             raise JudgeError(f"judge {url} unreachable: {type(exc).__name__}: {exc}", code="judge_unreachable") from exc
         if response.status_code != 200:
-            raise JudgeError(f"judge {url} answered {response.status_code}: {response.text[:300]}", code="judge_http_error")
+            raise JudgeError(
+                f"judge {url} answered {response.status_code}: {response.text[:300]}", code="judge_http_error"
+            )
         try:
             choice = response.json()["choices"][0]
             text = choice["message"]["content"] or ""
         except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise JudgeError(f"judge {url} sent no chat completion: {response.text[:300]}", code="judge_http_error") from exc
+            raise JudgeError(
+                f"judge {url} sent no chat completion: {response.text[:300]}", code="judge_http_error"
+            ) from exc
         if choice.get("finish_reason") == "length":
             raise JudgeError(
-                f"judge answer was cut at max_tokens={max_tokens} (it ended {text[-80:]!r}); raise ART_COLLECTOR_JUDGE_MAX_TOKENS",
+                f"judge answer was cut at max_tokens={max_tokens} (it ended {text[-80:]!r}); "
+                "raise ART_COLLECTOR_JUDGE_MAX_TOKENS",
                 code="judge_truncated",
             )
         return text

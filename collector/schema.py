@@ -274,11 +274,15 @@ def _v4(conn: Connection) -> None:
     conn.execute(text(f"ALTER TABLE trajectories ADD COLUMN digest {column_type}"))
     for chunk in chunks(list(conn.execute(select(trajectories.c.id)).scalars())):
         digests = {trajectory_id: FactsDigest() for trajectory_id in chunk}
-        rows = conn.execute(select(spans.c.trajectory_id, spans.c.record).where(spans.c.trajectory_id.in_(list(digests))))
+        rows = conn.execute(
+            select(spans.c.trajectory_id, spans.c.record).where(spans.c.trajectory_id.in_(list(digests)))
+        )
         for trajectory_id, record in rows:
             digests[trajectory_id].add([SpanRecord.from_dict(json.loads(record))])
         conn.execute(
-            trajectories.update().where(trajectories.c.id == bindparam("trajectory")).values(digest=bindparam("digest")),
+            trajectories.update()
+            .where(trajectories.c.id == bindparam("trajectory"))
+            .values(digest=bindparam("digest")),
             [{"trajectory": trajectory_id, "digest": digest.to_json()} for trajectory_id, digest in digests.items()],
         )
 

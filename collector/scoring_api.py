@@ -97,7 +97,10 @@ def install(
 
     def run_sync() -> LangfuseSyncResult:
         if sync is None:
-            raise NotFound("Langfuse is not configured: set ART_COLLECTOR_LANGFUSE_HOST and its keys", code="langfuse_not_configured")
+            raise NotFound(
+                "Langfuse is not configured: set ART_COLLECTOR_LANGFUSE_HOST and its keys",
+                code="langfuse_not_configured",
+            )
         try:
             state.last_sync = sync.sync()
             state.last_sync_error = None
@@ -123,7 +126,9 @@ def install(
             raise NotFound(f"group {group_id!r} has not been judged; POST /v1/groups/{{id}}/judge")
         members = [t.id for t in store.trajectories(group=group_id) if t.group_id == group_id]
         found = scoring_store.judgements(members)
-        return run_view(row, [Judgement(**{k: r[k] for k in Judgement.model_fields}) for tid in members for r in found[tid]])
+        return run_view(
+            row, [Judgement(**{k: r[k] for k in Judgement.model_fields}) for tid in members for r in found[tid]]
+        )
 
     @router.post("/v1/langfuse/sync", dependencies=writes)
     def langfuse_sync() -> LangfuseSyncResult:

@@ -39,32 +39,48 @@ def _split_names(value: object) -> object:
 class JudgeSettings(BaseSettings):
     """The RULER judge: which endpoint and model, which rubric, when it runs, what failures do."""
 
-    model_config = SettingsConfigDict(env_prefix="ART_COLLECTOR_JUDGE_", extra="forbid", populate_by_name=True, allow_inf_nan=False)
+    model_config = SettingsConfigDict(
+        env_prefix="ART_COLLECTOR_JUDGE_", extra="forbid", populate_by_name=True, allow_inf_nan=False
+    )
 
     url: str = Field(
         default_factory=_default_judge_url,
-        description="Base URL of any OpenAI-compatible API (ending in /v1). Default: `ART_TRAINER_URL` or http://localhost:8000/v1.",
+        description="Base URL of any OpenAI-compatible API (ending in /v1). "
+        "Default: `ART_TRAINER_URL` or http://localhost:8000/v1.",
     )
-    model: str = Field(default="SmolLM2-135M-Instruct", min_length=1, description="Judge model name (default: the trainer's base model).")
+    model: str = Field(
+        default="SmolLM2-135M-Instruct",
+        min_length=1,
+        description="Judge model name (default: the trainer's base model).",
+    )
     api_key: SecretStr | None = Field(
         default=None,
         validation_alias=AliasChoices("ART_COLLECTOR_JUDGE_API_KEY", "ART_API_KEY"),
         description="Bearer key of the judge endpoint; falls back to `ART_API_KEY` (the trainer's key).",
     )
-    rubric: str = Field(default=DEFAULT_RUBRIC, min_length=1, description="What makes a trajectory good (the default is generic).")
+    rubric: str = Field(
+        default=DEFAULT_RUBRIC, min_length=1, description="What makes a trajectory good (the default is generic)."
+    )
     rubric_file: Path | None = Field(default=None, description="Read the rubric from this file (overrides `rubric`).")
     reward_name: str = Field(default="ruler", min_length=1, description="Name of the reward the judge writes.")
-    auto: bool = Field(default=False, description="Judge every group as soon as it is complete (all members ended, size reached).")
-    poll_seconds: float = Field(default=5.0, gt=0, description="How often the automatic judge looks for complete groups.")
+    auto: bool = Field(
+        default=False, description="Judge every group as soon as it is complete (all members ended, size reached)."
+    )
+    poll_seconds: float = Field(
+        default=5.0, gt=0, description="How often the automatic judge looks for complete groups."
+    )
     on_failure: Literal["retry", "skip", "zero"] = Field(
         default="retry",
         description=(
             "`retry`: up to `attempts` tries, then the group shows `failed` and is tried again after `retry_seconds`; "
-            "`skip`: one try, then the group stays unjudged (`skipped`); `zero`: one try, then every trajectory scores 0."
+            "`skip`: one try, then the group stays unjudged (`skipped`); "
+            "`zero`: one try, then every trajectory scores 0."
         ),
     )
     attempts: int = Field(default=3, ge=1, le=20, description="Tries per run under the `retry` policy.")
-    retry_seconds: float = Field(default=60.0, gt=0, description="Wait before the automatic judge retries a `failed` group.")
+    retry_seconds: float = Field(
+        default=60.0, gt=0, description="Wait before the automatic judge retries a `failed` group."
+    )
     temperature: float = Field(default=0.0, ge=0, le=2, description="Sampling temperature of the judge.")
     max_tokens: int = Field(default=1024, ge=16, description="Most tokens the judge may answer with.")
     explanation_max_chars: int = Field(
@@ -83,7 +99,9 @@ class JudgeSettings(BaseSettings):
             try:
                 text = self.rubric_file.expanduser().read_text().strip()
             except OSError as exc:
-                raise ValueError(f"rubric_file {self.rubric_file}: {exc}; point ART_COLLECTOR_JUDGE_RUBRIC_FILE at a text file") from exc
+                raise ValueError(
+                    f"rubric_file {self.rubric_file}: {exc}; point ART_COLLECTOR_JUDGE_RUBRIC_FILE at a text file"
+                ) from exc
             if not text:
                 raise ValueError(f"rubric_file {self.rubric_file} is empty; write the rubric in it or unset it")
             self.rubric = text
@@ -93,7 +111,9 @@ class JudgeSettings(BaseSettings):
 class LangfuseSettings(BaseSettings):
     """The Langfuse sync: pull human scores as rewards, push computed rewards as scores."""
 
-    model_config = SettingsConfigDict(env_prefix="ART_COLLECTOR_LANGFUSE_", extra="forbid", populate_by_name=True, allow_inf_nan=False)
+    model_config = SettingsConfigDict(
+        env_prefix="ART_COLLECTOR_LANGFUSE_", extra="forbid", populate_by_name=True, allow_inf_nan=False
+    )
 
     host: str | None = Field(
         default=None,
@@ -110,7 +130,8 @@ class LangfuseSettings(BaseSettings):
         default_factory=list, description="Comma-separated score names to pull (empty: every name)."
     )
     sources: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: ["ANNOTATION"], description="Comma-separated score sources to pull (human scores: ANNOTATION)."
+        default_factory=lambda: ["ANNOTATION"],
+        description="Comma-separated score sources to pull (human scores: ANNOTATION).",
     )
     push_names: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Comma-separated reward names to push to Langfuse as scores (empty: no push)."

@@ -52,7 +52,9 @@ class ScoringStore:
         for the group, on one collector or on replicas sharing the database: exactly one gets True.
         """
         group = judge_runs.c.group_id == run["group_id"]
-        takeover = update(judge_runs).where(group, or_(judge_runs.c.state != "running", judge_runs.c.started_at < stale_before))
+        takeover = update(judge_runs).where(
+            group, or_(judge_runs.c.state != "running", judge_runs.c.started_at < stale_before)
+        )
         with self.engine.begin() as conn:
             if conn.execute(takeover.values(**run)).rowcount:
                 return True
@@ -73,7 +75,9 @@ class ScoringStore:
         Returns False, writing nothing, when that run no longer holds the group (another judge took over
         its claim as stale).
         """
-        ours = (judge_runs.c.group_id == group_id, judge_runs.c.state == "running", judge_runs.c.started_at == started_at)
+        ours = (
+            judge_runs.c.group_id == group_id, judge_runs.c.state == "running", judge_runs.c.started_at == started_at
+        )
         with self.engine.begin() as conn:
             return conn.execute(update(judge_runs).where(*ours).values(**values)).rowcount == 1
 
@@ -99,7 +103,10 @@ class ScoringStore:
         out: dict[str, str] = {}
         with self.engine.connect() as conn:
             for chunk in chunks(score_ids):
-                rows = conn.execute(select(langfuse_pulled.c.score_id, langfuse_pulled.c.updated_at).where(langfuse_pulled.c.score_id.in_(chunk)))
+                rows = conn.execute(
+                    select(langfuse_pulled.c.score_id, langfuse_pulled.c.updated_at)
+                    .where(langfuse_pulled.c.score_id.in_(chunk))
+                )
                 out.update({score_id: updated for score_id, updated in rows})
         return out
 
@@ -113,7 +120,12 @@ class ScoringStore:
         """(value, first push time) of what was pushed to Langfuse, by (trajectory id, reward name)."""
         with self.engine.connect() as conn:
             rows = conn.execute(
-                select(langfuse_pushed.c.trajectory_id, langfuse_pushed.c.name, langfuse_pushed.c.value, langfuse_pushed.c.pushed_at)
+                select(
+                    langfuse_pushed.c.trajectory_id,
+                    langfuse_pushed.c.name,
+                    langfuse_pushed.c.value,
+                    langfuse_pushed.c.pushed_at,
+                )
             )
             return {(tid, name): (value, at) for tid, name, value, at in rows}
 

@@ -42,7 +42,12 @@ __all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
 
-_ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 409: {"model": ErrorResponse}}
+_ERRORS = {
+    400: {"model": ErrorResponse},
+    401: {"model": ErrorResponse},
+    404: {"model": ErrorResponse},
+    409: {"model": ErrorResponse},
+}
 
 
 def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -76,7 +81,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
     if encoding == "gzip":
         return otlp.gunzip(body, limit)
     if encoding not in ("", "identity"):
-        raise _Rejected(415, "unsupported_encoding", f"Content-Encoding {encoding!r} is not supported; use gzip or none")
+        raise _Rejected(
+            415, "unsupported_encoding", f"Content-Encoding {encoding!r} is not supported; use gzip or none"
+        )
     return body
 
 
@@ -175,7 +182,8 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
 
     @app.post("/v1/batches/{batch_id}/ack")
     def ack_batch(batch_id: str, _: Auth, body: AckRequest | None = None) -> AckResponse:
-        """Mark the batch's groups trained (404 unknown batch; 409 when its groups were re-leased or it was released)."""
+        """Mark the batch's groups trained (404 unknown batch; 409 when its groups were re-leased or it was
+        released)."""
         return store.ack(batch_id, body.policy_step if body else None)
 
     @app.post("/v1/batches/{batch_id}/release")
@@ -191,7 +199,9 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
         return store.reopen(group_id)
 
     @app.get("/v1/trajectories")
-    def list_trajectories(group: str | None = None, task: str | None = None, split: str | None = None) -> list[Trajectory]:
+    def list_trajectories(
+        group: str | None = None, task: str | None = None, split: str | None = None
+    ) -> list[Trajectory]:
         """Trajectories, filtered by group (id or key), task and split."""
         return store.trajectories(group=group, task=task, split=split)
 

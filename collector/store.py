@@ -79,7 +79,8 @@ class Store(ABC):
 
     @abstractmethod
     def lease(self, request: BatchRequest) -> Batch:
-        """Lease ready groups to one trainer, atomically; an empty batch, not stored, when fewer than `min_groups` are ready."""
+        """Lease ready groups to one trainer, atomically; an empty batch, not stored, when fewer than `min_groups`
+        are ready."""
 
     @abstractmethod
     def ack(self, batch_id: str, policy_step: int | None) -> AckResponse:
@@ -212,14 +213,21 @@ class SqlStore(Store):
             digests[key, by_rollout] = digest
         found = {trajectory: digest.facts(trajectory[0]) for trajectory, digest in digests.items()}
         self._tx.lock(conn, GROUP_LOCKS, [f.group_key for f in found.values()])
-        placement.write_trajectories(conn, found, digests, existing, min_group_size=self.settings.min_group_size, now=now)
+        placement.write_trajectories(
+            conn, found, digests, existing, min_group_size=self.settings.min_group_size, now=now
+        )
         return len(new)
 
     def _trajectory_rows(self, conn: Connection, ids: list[str]) -> dict[str, Any]:
         """Trajectory rows by id, of those of `ids` that exist."""
         found = {}
         for chunk in chunks(sorted(ids)):
-            found.update({row["id"]: row for row in conn.execute(select(trajectories).where(trajectories.c.id.in_(chunk))).mappings()})
+            found.update(
+                {
+                    row["id"]: row
+                    for row in conn.execute(select(trajectories).where(trajectories.c.id.in_(chunk))).mappings()
+                }
+            )
         return found
 
     def _spans_of(self, conn: Connection, trajectory_id: str) -> list[SpanRecord]:
@@ -241,13 +249,17 @@ class SqlStore(Store):
                 name=reward.name, value=reward.value, source="api", created_at=now,
             )
         )
-        match = trajectories.c.id == reward.rollout_id if reward.rollout_id else trajectories.c.trace_id == reward.trace_id
+        match = (
+            trajectories.c.id == reward.rollout_id if reward.rollout_id else trajectories.c.trace_id == reward.trace_id
+        )
         group_ids = set(conn.execute(select(trajectories.c.group_id).where(match)).scalars()) - {None}
         if group_ids:  # a new reward may give a skipped group its spread back; it is activity too
             # (not to a group skipped after failed trainings, which keeps the batch that gave up on it)
             reopened = or_(groups.c.state == "open", and_(groups.c.state == "skipped", groups.c.batch_id.is_(None)))
             conn.execute(
-                groups.update().where(groups.c.id.in_(group_ids), reopened).values(state="open", reason=None, updated_at=now)
+                groups.update()
+                .where(groups.c.id.in_(group_ids), reopened)
+                .values(state="open", reason=None, updated_at=now)
             )
         return conn.execute(select(func.count()).where(match)).scalar_one() > 0
 
@@ -293,7 +305,11 @@ class SqlStore(Store):
         (`newest_first`: the reverse); with `limit`, that many from `offset` on, the others not assembled."""
         order = (trajectories.c.created_at, trajectories.c.id)
         query = self._filtered(select(trajectories), group, task, split)
-        query = query.order_by(*(column.desc() for column in order) if newest_first else order).offset(offset).limit(limit)
+        query = (
+            query.order_by(*(column.desc() for column in order) if newest_first else order)
+            .offset(offset)
+            .limit(limit)
+        )
         return self._read(lambda conn: self._assemble(conn, list(conn.execute(query).mappings())))
 
     def count_trajectories(self, *, group: str | None = None, task: str | None = None, split: str | None = None) -> int:
@@ -308,11 +324,15 @@ class SqlStore(Store):
         if states is not None:
             query = query.where(groups.c.state.in_({stored for state in states for stored in _STORED_AS[state]}))
 
-        def work(conn: Connection) -> tuple[list[Any], dict[str, list[Any]], dict[str, dict[str, float]], dict[str, Decision]]:
+        def work(
+            conn: Connection,
+        ) -> tuple[list[Any], dict[str, list[Any]], dict[str, dict[str, float]], dict[str, Decision]]:
             every = list(conn.execute(query).mappings())
             members = pool.group_members(conn, [g["id"] for g in every])
             named = pool.rewards_of(conn, [row for rows in members.values() for row in rows])
-            return every, members, named, pool.decisions(conn, self.settings, [g for g in every if g["state"] == "open"])
+            return (
+                every, members, named, pool.decisions(conn, self.settings, [g for g in every if g["state"] == "open"])
+            )
 
         every, members, named, decisions = self._read(work)
         out = []
@@ -325,9 +345,11 @@ class SqlStore(Store):
                 state, reason = decisions[group["id"]].state, decisions[group["id"]].reason
             out.append(
                 GroupStatus(
-                    id=group["id"], task=group["task"], size=len(rows), expected=pool.expected_size(group, self.settings),
+                    id=group["id"], task=group["task"], size=len(rows),
+                    expected=pool.expected_size(group, self.settings),
                     complete=sum(bool(r["complete"]) for r in rows),
-                    rewarded=sum(self.training.of(named[r["id"]]) is not None for r in rows), state=state, reason=reason,
+                    rewarded=sum(self.training.of(named[r["id"]]) is not None for r in rows),
+                    state=state, reason=reason,
                     failed_attempts=group["failed_attempts"],
                 )
             )
@@ -337,10 +359,17 @@ class SqlStore(Store):
         """The latest `limit` batches (leases), newest first, with their group ids."""
 
         def work(conn: Connection) -> list[BatchStatus]:
-            rows = list(conn.execute(select(batches).order_by(batches.c.created_at.desc(), batches.c.id).limit(limit)).mappings())
+            rows = list(
+                conn.execute(
+                    select(batches).order_by(batches.c.created_at.desc(), batches.c.id).limit(limit)
+                ).mappings()
+            )
             members: dict[str, list[str]] = {row["id"]: [] for row in rows}
             for chunk in chunks(list(members)):
-                query = select(batch_groups.c.batch_id, batch_groups.c.group_id).where(batch_groups.c.batch_id.in_(chunk))
+                query = (
+                    select(batch_groups.c.batch_id, batch_groups.c.group_id)
+                    .where(batch_groups.c.batch_id.in_(chunk))
+                )
                 for batch_id, group_id in conn.execute(query):
                     members[batch_id].append(group_id)
             return [
@@ -356,7 +385,8 @@ class SqlStore(Store):
 
     # --- leases -------------------------------------------------------------------------
     def lease(self, request: BatchRequest) -> Batch:
-        """Lease ready groups to one trainer, atomically; an empty batch, not stored, when fewer than `min_groups` are ready."""
+        """Lease ready groups to one trainer, atomically; an empty batch, not stored, when fewer than `min_groups`
+        are ready."""
         batch = self._tx.run(lambda conn: self._lease(conn, request))
         if batch.groups:
             log.info("leased %d groups to %s as batch %s", len(batch.groups), request.trainer or "a trainer", batch.id)
@@ -391,11 +421,15 @@ class SqlStore(Store):
         if len(taken) < request.min_groups:  # nothing leased: no batch to store, none to expire later
             return Batch(id=batch_id, groups=[], lease_expires_at=expires)
         conn.execute(
-            batches.insert().values(id=batch_id, trainer=request.trainer, state="leased", created_at=now, lease_expires_at=expires)
+            batches.insert().values(
+                id=batch_id, trainer=request.trainer, state="leased", created_at=now, lease_expires_at=expires
+            )
         )
         for group in taken:
             conn.execute(
-                update(groups).where(groups.c.id == group["id"]).values(state="leased", batch_id=batch_id, reason=None, updated_at=now)
+                update(groups)
+                .where(groups.c.id == group["id"])
+                .values(state="leased", batch_id=batch_id, reason=None, updated_at=now)
             )
             conn.execute(batch_groups.insert().values(batch_id=batch_id, group_id=group["id"]))
         members = pool.group_members(conn, [g["id"] for g in taken])

@@ -26,7 +26,16 @@ from collector.ruler import render_message
 from collector.scoring_store import ScoringStore
 from collector.store import Store
 
-__all__ = ["NO_MODEL_CALL", "batch_list", "group_list", "policy_step", "reward_curve", "trajectory_detail", "trajectory_page", "ungrouped"]
+__all__ = [
+    "NO_MODEL_CALL",
+    "batch_list",
+    "group_list",
+    "policy_step",
+    "reward_curve",
+    "trajectory_detail",
+    "trajectory_page",
+    "ungrouped",
+]
 
 
 def policy_step(trajectory: Trajectory) -> int | None:
@@ -36,7 +45,8 @@ def policy_step(trajectory: Trajectory) -> int | None:
 
 
 NO_MODEL_CALL = "no model call: kept out of groups, leases and the judge"
-"""Why a complete trajectory is in no group: the store groups every other complete one (`placement.write_trajectories`)."""
+"""Why a complete trajectory is in no group: the store groups every other complete one
+(`placement.write_trajectories`)."""
 
 
 def ungrouped(t: Trajectory) -> str | None:
@@ -85,7 +95,9 @@ def trajectory_page(
     if reward_max is not None:
         found = [t for t in found if t.reward is not None and t.reward <= reward_max]
     found.reverse()
-    return TrajectoryPage(total=len(found), items=[TrajectorySummary(**_summary(t)) for t in found[offset : offset + limit]])
+    return TrajectoryPage(
+        total=len(found), items=[TrajectorySummary(**_summary(t)) for t in found[offset : offset + limit]]
+    )
 
 
 def _judgements(scoring: ScoringStore, trajectory_id: str) -> list[Judgement]:

@@ -163,7 +163,11 @@ def run_seed(example: Example, seed: int, workdir: Path) -> SeedResult:
     """Start a fresh collector and trainer under `workdir` (emptied first), train one seed, stop them."""
     started = time.monotonic()
     fresh_folder(workdir)
-    print(f"[{example.name} seed {seed}] starting collector and trainer (logs in {workdir}); vLLM takes about a minute...", flush=True)
+    print(
+        f"[{example.name} seed {seed}] starting collector and trainer (logs in {workdir}); "
+        "vLLM takes about a minute...",
+        flush=True,
+    )
     trainer_args = ["--learning-rate", str(example.learning_rate), *example.trainer_args]
     with running_stack(
         workdir, trainer_args=trainer_args, collector_args=example.collector_args, env=example.collector_env
@@ -172,7 +176,9 @@ def run_seed(example: Example, seed: int, workdir: Path) -> SeedResult:
         result = asyncio.run(train_seed(example, seed, trainer.url, collector.url))
         art_langgraph.flush()
     result.wall_seconds = time.monotonic() - started
-    plot_curve(result.curve, result.before, result.after, workdir / "reward_curve.png", f"{example.title} (seed {seed})")
+    plot_curve(
+        result.curve, result.before, result.after, workdir / "reward_curve.png", f"{example.title} (seed {seed})"
+    )
     return result
 
 
@@ -206,7 +212,14 @@ def plot_seeds(results: Sequence[SeedResult], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
         (line,) = ax.plot(range(len(r.curve)), r.curve, marker=".", alpha=0.7, label=f"seed {r.seed}: training")
-        ax.plot([0, len(r.curve)], [r.before, r.after], linestyle="--", marker="s", color=line.get_color(), label=f"seed {r.seed}: held-out")
+        ax.plot(
+            [0, len(r.curve)],
+            [r.before, r.after],
+            linestyle="--",
+            marker="s",
+            color=line.get_color(),
+            label=f"seed {r.seed}: held-out",
+        )
     ax.set_xlabel("policy step")
     ax.set_ylabel("score (mean over attempts)")
     ax.set_title(title)
@@ -241,13 +254,16 @@ def report(summary: dict[str, Any]) -> str:
     lines = [f"=== {summary['example']}: held-out score ({EVAL_ATTEMPTS} attempts per input) ==="]
     for r in summary["seeds"]:
         lines.append(
-            f"seed {r['seed']}: {r['before']:.3f} -> {r['after']:.3f}  ({r['sft_steps_trained']} SFT + {r['steps_trained']} GRPO"
+            f"seed {r['seed']}: {r['before']:.3f} -> {r['after']:.3f}"
+            f"  ({r['sft_steps_trained']} SFT + {r['steps_trained']} GRPO"
             f" steps trained, {r['train_seconds'] / 60:.1f} min training, {r['wall_seconds'] / 60:.1f} min in all)"
         )
         lines += [f"    before {old}\n    after  {new}" for old, new in r["samples"][:3]]
     lines.append(
-        f"mean ± sd over {len(summary['seeds'])} seeds: before {summary['before_mean']:.3f} ± {summary['before_std']:.3f},"
-        f" after {summary['after_mean']:.3f} ± {summary['after_std']:.3f}, gain {summary['gain_mean']:+.3f} ± {summary['gain_std']:.3f}"
+        f"mean ± sd over {len(summary['seeds'])} seeds:"
+        f" before {summary['before_mean']:.3f} ± {summary['before_std']:.3f},"
+        f" after {summary['after_mean']:.3f} ± {summary['after_std']:.3f},"
+        f" gain {summary['gain_mean']:+.3f} ± {summary['gain_std']:.3f}"
     )
     return "\n".join(lines)
 
@@ -255,14 +271,50 @@ def report(summary: dict[str, Any]) -> str:
 def parse_args(example: Example, argv: Sequence[str] | None, doc: str | None) -> argparse.Namespace:
     """Command-line options shared by every example."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=example.steps, help=f"GRPO steps per seed (default: {example.steps})")
-    parser.add_argument("--groups", type=int, default=example.groups, help=f"inputs per step, one group each (default: {example.groups})")
-    parser.add_argument("--sft-steps", type=int, default=example.sft_steps, help=f"supervised warm-start steps before GRPO (default: {example.sft_steps})")
-    parser.add_argument("--n", type=int, default=example.n, help=f"attempts per input, the group size (default: {example.n})")
-    parser.add_argument("--eval-size", type=int, default=example.eval_size, help=f"held-out inputs, {EVAL_ATTEMPTS} attempts each (default: {example.eval_size})")
-    parser.add_argument("--learning-rate", type=float, default=example.learning_rate, help=f"LoRA learning rate (default: {example.learning_rate})")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds to train, each from the base model with its own services (default: 0)")
-    parser.add_argument("--workdir", type=Path, default=Path("runs") / example.name, help=f"logs, checkpoints, results.json and PNGs; each seed-K folder in it is emptied at start (default: runs/{example.name})")
+    parser.add_argument(
+        "--steps", type=int, default=example.steps, help=f"GRPO steps per seed (default: {example.steps})"
+    )
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=example.groups,
+        help=f"inputs per step, one group each (default: {example.groups})",
+    )
+    parser.add_argument(
+        "--sft-steps",
+        type=int,
+        default=example.sft_steps,
+        help=f"supervised warm-start steps before GRPO (default: {example.sft_steps})",
+    )
+    parser.add_argument(
+        "--n", type=int, default=example.n, help=f"attempts per input, the group size (default: {example.n})"
+    )
+    parser.add_argument(
+        "--eval-size",
+        type=int,
+        default=example.eval_size,
+        help=f"held-out inputs, {EVAL_ATTEMPTS} attempts each (default: {example.eval_size})",
+    )
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=example.learning_rate,
+        help=f"LoRA learning rate (default: {example.learning_rate})",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="seeds to train, each from the base model with its own services (default: 0)",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("runs") / example.name,
+        help=f"logs, checkpoints, results.json and PNGs; each seed-K folder in it is emptied at start "
+        f"(default: runs/{example.name})",
+    )
     return parser.parse_args(argv)
 
 
@@ -270,7 +322,13 @@ def main(example: Example, argv: Sequence[str] | None = None, doc: str | None = 
     """Parse the shared options, measure every seed, print the table; return the results."""
     args = parse_args(example, argv, doc)
     configured = dataclasses.replace(
-        example, steps=args.steps, sft_steps=args.sft_steps, groups=args.groups, n=args.n, eval_size=args.eval_size, learning_rate=args.learning_rate
+        example,
+        steps=args.steps,
+        sft_steps=args.sft_steps,
+        groups=args.groups,
+        n=args.n,
+        eval_size=args.eval_size,
+        learning_rate=args.learning_rate,
     )
     summary = measure(configured, args.seeds, args.workdir)
     print(report(summary))

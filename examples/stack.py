@@ -64,7 +64,13 @@ def _console_script(name: str) -> str:
 
 
 def start_service(
-    name: str, args: Sequence[str], health_url: str, url: str, log: Path, timeout: float, env: dict[str, str] | None = None
+    name: str,
+    args: Sequence[str],
+    health_url: str,
+    url: str,
+    log: Path,
+    timeout: float,
+    env: dict[str, str] | None = None,
 ) -> Service:
     """Start `name serve ARGS` and wait until `health_url` answers 200."""
     log.parent.mkdir(parents=True, exist_ok=True)

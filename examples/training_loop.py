@@ -51,7 +51,9 @@ async def score_attempts(
     return outputs, scores
 
 
-async def judge_groups(collector_url: str, task: str, judged: set[str], rubric: str | None = None) -> list[dict[str, Any]]:
+async def judge_groups(
+    collector_url: str, task: str, judged: set[str], rubric: str | None = None
+) -> list[dict[str, Any]]:
     """Ask the collector's RULER judge to score every train group of `task` not in `judged`.
 
     Each `POST /v1/groups/{id}/judge` returns once the group is judged; its scores become
@@ -114,7 +116,8 @@ async def train_steps(
             sft_loss = f" | loss {metrics['loss/sft']:.3f}" if "loss/sft" in metrics else ""  # GRPO's is ~0 on-policy
             print(
                 f"{kind} step {step + 1}/{steps}: score {report.reward:.3f}{sft_loss}"
-                f" | grad norm {metrics['grad/norm']:.3f} | groups trained {metrics['data/groups_trained']:.0f}/{metrics['data/groups']:.0f}"
+                f" | grad norm {metrics['grad/norm']:.3f}"
+                f" | groups trained {metrics['data/groups_trained']:.0f}/{metrics['data/groups']:.0f}"
                 f" | {time.monotonic() - started:.0f} s -> serving {result['model']}",
                 flush=True,
             )

@@ -200,7 +200,8 @@ def code_env_names() -> set[str]:
                         and any(isinstance(target, ast.Name) and target.id == "__all__" for target in stmt.targets)
                         for node in ast.walk(stmt.value)}
             names.update(node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
-                         and isinstance(node.value, str) and ENV_NAME.fullmatch(node.value) and id(node) not in exported)
+                         and isinstance(node.value, str) and ENV_NAME.fullmatch(node.value)
+                         and id(node) not in exported)
     return names
 
 

@@ -97,7 +97,9 @@ def build_agent(model: str = "agent@latest", *, max_tokens: int = 40, temperatur
 
 def inputs(count: int, seed: int) -> list[Task]:
     """`count` questions, each about its own mailbox, reproducible by `seed`."""
-    return [Task(seed=q.seed, question=q.question, answer=q.answer, email_id=q.email_id) for q in questions(count, seed)]
+    return [
+        Task(seed=q.seed, question=q.question, answer=q.answer, email_id=q.email_id) for q in questions(count, seed)
+    ]
 
 
 def final_answer(output: dict[str, Any]) -> str:

@@ -72,12 +72,14 @@ def _fact_email(kind: str, key: str, rng: random.Random) -> tuple[str, str, str,
                 f"What is the order number of my {key}?", answer)
     if kind == "invoice":
         answer = f"${rng.randint(120, 990)}"
-        return (f"billing@{key.lower()}.example", f"Invoice from {key}", f"The {key} invoice total is {answer}, due in 30 days.",
+        return (f"billing@{key.lower()}.example", f"Invoice from {key}",
+                f"The {key} invoice total is {answer}, due in 30 days.",
                 f"How much is the invoice from {key}?", answer)
     if kind == "meeting":
         answer = f"{rng.randint(9, 17)}:{rng.choice(['00', '15', '30', '45'])}"
         day = rng.choice(WEEKDAYS)
-        return (f"{key.lower()}@work.example", "Meeting moved", f"Hi, {key} here. Our meeting is moved to {day} at {answer}.",
+        return (f"{key.lower()}@work.example", "Meeting moved",
+                f"Hi, {key} here. Our meeting is moved to {day} at {answer}.",
                 f"What time is the meeting with {key} now?", answer)
     answer = "".join(rng.choice(string.ascii_uppercase + string.digits) for _ in range(6))
     return ("trips@travel.example", f"Hotel in {key}", f"Your hotel in {key} is booked. Booking code {answer}.",
@@ -132,14 +134,17 @@ class Mailbox:
         query = " OR ".join(f'"{term}"' for term in terms)
         with self._lock:
             rows = self._db.execute(
-                "SELECT rowid, sender, date, subject FROM emails WHERE emails MATCH ? ORDER BY rank LIMIT ?", (query, limit)
+                "SELECT rowid, sender, date, subject FROM emails WHERE emails MATCH ? ORDER BY rank LIMIT ?",
+                (query, limit),
             ).fetchall()
         return [(int(r[0]), str(r[1]), str(r[2]), str(r[3])) for r in rows]
 
     def read(self, email_id: int) -> Email | None:
         """The email with this id, or None."""
         with self._lock:
-            row = self._db.execute("SELECT rowid, sender, date, subject, body FROM emails WHERE rowid = ?", (email_id,)).fetchone()
+            row = self._db.execute(
+                "SELECT rowid, sender, date, subject, body FROM emails WHERE rowid = ?", (email_id,)
+            ).fetchone()
         return Email(int(row[0]), *map(str, row[1:])) if row else None
 
 

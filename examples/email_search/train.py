@@ -13,7 +13,8 @@ from examples.experiment import Example, main
 
 RUBRIC = """\
 - The user asked one question about their emails; the search results in the context are the emails.
-- The best answer states the exact fact the question asks for (a number, time, amount or code), copied from the email that matches the question, and nothing else.
+- The best answer states the exact fact the question asks for (a number, time, amount or code), copied from the \
+email that matches the question, and nothing else.
 - An answer with a fact from another email, an invented fact, or no fact scores low.
 - Between equally correct answers, the shorter one scores higher."""
 

@@ -68,7 +68,12 @@ def documents(count: int, seed: int) -> list[Document]:
     out: list[Document] = []
     for _ in range(count):
         person = f"{rng.choice(FIRST_NAMES)} {rng.choice(SURNAMES)}"
-        facts = {"person": person, "place": rng.choice(PLACES), "year": rng.randint(1990, 2023), "number": rng.randint(12, 950)}
+        facts = {
+            "person": person,
+            "place": rng.choice(PLACES),
+            "year": rng.randint(1990, 2023),
+            "number": rng.randint(12, 950),
+        }
         lead, detail = rng.choice(STORIES)
         sentences = [lead.format(**facts), detail.format(**facts)]
         for filler in rng.sample(FILLER, rng.randint(1, 2)):
@@ -82,4 +87,6 @@ def facts_covered(document: Document, summary: str) -> list[bool]:
     words = {word.lower() for word in re.findall(r"[A-Za-z]+", summary)}
     numbers = {int(n) for n in re.findall(r"\d+", summary.replace(",", ""))}
     surname = document["person"].split()[-1].lower()
-    return [surname in words, document["place"].lower() in words, document["year"] in numbers, document["number"] in numbers]
+    return [
+        surname in words, document["place"].lower() in words, document["year"] in numbers, document["number"] in numbers
+    ]

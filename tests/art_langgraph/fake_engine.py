@@ -82,7 +82,8 @@ class FakeEngine:
 
     def _logprobs(self, choice: int, positions: range) -> dict[str, Any]:
         ids, lps = completion_ids(choice), logprobs(choice)
-        return {"content": [{"token": str(ids[p]), "logprob": lps[p], "bytes": [65], "top_logprobs": []} for p in positions]}
+        return {"content": [{"token": str(ids[p]), "logprob": lps[p], "bytes": [65], "top_logprobs": []}
+                            for p in positions]}
 
     def _completion(self, body: dict[str, Any]) -> dict[str, Any]:
         structured = "response_format" in body
@@ -116,7 +117,8 @@ class FakeEngine:
         head = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": self.model}
         chunks = []
         for i in range(n):  # vLLM: one role chunk per choice, each with the prompt's ids
-            first = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+            first = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                          "finish_reason": None}]}
             if self.token_ids:
                 first["prompt_token_ids"] = PROMPT_IDS
             chunks.append(first)

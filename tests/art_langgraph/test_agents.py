@@ -29,8 +29,10 @@ def assert_exact(message: AIMessage) -> None:
 
 
 def test_bind_tools_auto_is_parsed_by_vllm(chat_model: ARTChatModel, add_tool, spans) -> None:
-    msg = chat_model.bind_tools([add_tool], max_tokens=STEERED_MAX_TOKENS, **steer(ADD_CALL)).invoke("What is 3+4? Use add.")
-    assert msg.tool_calls == [{"name": "add", "args": {"a": 3, "b": 4}, "id": msg.tool_calls[0]["id"], "type": "tool_call"}]
+    msg = chat_model.bind_tools([add_tool], max_tokens=STEERED_MAX_TOKENS,
+                                **steer(ADD_CALL)).invoke("What is 3+4? Use add.")
+    assert msg.tool_calls == [{"name": "add", "args": {"a": 3, "b": 4}, "id": msg.tool_calls[0]["id"],
+                               "type": "tool_call"}]
     assert msg.response_metadata["finish_reason"] == "tool_calls"
     assert_exact(msg)
     (span,) = by_kind(spans, semconv.SPAN_KIND_LLM)

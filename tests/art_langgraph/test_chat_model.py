@@ -158,7 +158,8 @@ def test_n_greater_than_one_gives_one_span_per_choice(chat_model: ARTChatModel, 
     prompts = {tuple(s.attributes[semconv.PROMPT_TOKEN_IDS]) for s in got}
     assert len(prompts) == 1  # the same prompt, three samples
     for g in generations:
-        assert_matches(by_ids[tuple(g.message.response_metadata["art"]["completion_token_ids"])], g.message.response_metadata["art"])
+        assert_matches(by_ids[tuple(g.message.response_metadata["art"]["completion_token_ids"])],
+                       g.message.response_metadata["art"])
 
 
 def test_timeout_marks_span_and_raises(openai_url: str, served_model: str, spans) -> None:
@@ -203,7 +204,8 @@ def test_policy_step(name: str | None, step: int) -> None:
 def test_tool_call_arguments_that_are_not_an_object_become_invalid_tool_calls() -> None:
     """A sampled `{"name": "calculator", "arguments": [253]}` must not end the graph run."""
     model = ARTChatModel(model="agent@latest", base_url="http://127.0.0.1:9/v1", api_key="EMPTY")
-    good = {"id": "call-1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2*3"}'}}
+    good = {"id": "call-1", "type": "function",
+            "function": {"name": "calculator", "arguments": '{"expression": "2*3"}'}}
     bad = {"id": "call-2", "type": "function", "function": {"name": "calculator", "arguments": "[253]"}}
     response = {
         "id": "chatcmpl-1",

@@ -38,7 +38,8 @@ def test_model_with_the_same_tools_bound_is_used_as_it_is() -> None:
 
 
 def test_model_with_other_tools_bound_is_refused() -> None:
-    """`tools=` must not be dropped silently in favour of the model's own (LangGraph's `create_react_agent` refuses too)."""
+    """`tools=` must not be dropped silently in favour of the model's own (LangGraph's
+    `create_react_agent` refuses too)."""
     model = FakeEngine().chat_model().bind_tools([search])
     with pytest.raises(ValueError, match=r"\['search'\] bound but tools= gives \['calculator'\]"):
         chat_node(model, tools=[calculator])

@@ -72,7 +72,8 @@ def test_langfuse_callback_handler_and_art_spans_do_not_mix(langfuse_app, chat_m
     assert {s.span_id for s in theirs}.isdisjoint({s.context.span_id.to_bytes(8, "big") for s in ours})
     assert all(path == "/api/public/otel/v1/traces" for path, _, _ in receiver.requests)
     # Sent to the collector as well, Langfuse's generation would be no model call of any trajectory.
-    records = [r for _, _, request in receiver.requests for r in decode_request(request.SerializeToString(), "application/x-protobuf").spans]
+    records = [r for _, _, request in receiver.requests
+               for r in decode_request(request.SerializeToString(), "application/x-protobuf").spans]
     (generation,) = [r for r in records if r.attributes.get("langfuse.observation.type") == "generation"]
     assert generation.attributes[f"langfuse.observation.metadata.{semconv.TRACED_RUN}"] == "true"
     assert not any(assembly.is_llm(r) for r in records)
@@ -112,28 +113,33 @@ def test_openinference_app_gets_exact_spans_and_one_trajectory_per_rollout(
         with art_langgraph.rollout(task) as inside:  # OpenInference's spans join the rollout's trace
             replies = {inside.id: graph.invoke({"messages": [HumanMessage("hi")]})["messages"][-1]}
         run_id = uuid.uuid4()  # a graph run outside rollout(): OpenInference's spans are a trace of their own
-        replies[run_id.hex] = graph.invoke({"messages": [HumanMessage("hello")]}, config={"run_id": run_id})["messages"][-1]
+        replies[run_id.hex] = graph.invoke({"messages": [HumanMessage("hello")]},
+                                           config={"run_id": run_id})["messages"][-1]
         assert art_langgraph.flush(timeout=10)
     finally:
         memory_tracing.install()
 
     finished = ours.get_finished_spans()
     for rollout_id, reply in replies.items():
-        mine = {s.attributes[semconv.SPAN_KIND]: s for s in finished if s.attributes.get(semconv.ROLLOUT_ID) == rollout_id}
+        mine = {s.attributes[semconv.SPAN_KIND]: s for s in finished
+                if s.attributes.get(semconv.ROLLOUT_ID) == rollout_id}
         assert sorted(mine) == ["llm", "node", "rollout"]
         root, node, call = mine["rollout"], mine["node"], mine["llm"]
-        assert root.parent is None and node.parent.span_id == root.context.span_id and call.parent.span_id == node.context.span_id
+        assert (root.parent is None and node.parent.span_id == root.context.span_id
+                and call.parent.span_id == node.context.span_id)
         assert len({s.context.trace_id for s in mine.values()}) == 1
         art = reply.response_metadata["art"]
         assert list(call.attributes[semconv.PROMPT_TOKEN_IDS]) == art["prompt_token_ids"]
         assert list(call.attributes[semconv.COMPLETION_TOKEN_IDS]) == art["completion_token_ids"]
         assert list(call.attributes[semconv.COMPLETION_LOGPROBS]) == pytest.approx(art["logprobs"])
-        assert all(key.startswith(("art.", "gen_ai.")) for s in mine.values() for key in s.attributes), "nothing of OpenInference's"
+        assert all(key.startswith(("art.", "gen_ai.")) for s in mine.values()
+                   for key in s.attributes), "nothing of OpenInference's"
 
     theirs = openinference_app.get_finished_spans()
     calls = [s for s in theirs if s.attributes.get("openinference.span.kind") == "LLM"]
     assert len(calls) == 2, "the instrumentor still sees every model call"
-    assert {s.attributes["llm.output_messages.0.message.content"] for s in calls} == {r.content for r in replies.values()}
+    assert ({s.attributes["llm.output_messages.0.message.content"] for s in calls}
+            == {r.content for r in replies.values()})
     assert all(f'"{semconv.TRACED_RUN}": true' in s.attributes["metadata"] for s in calls)
     their_traces = {_hex(s.context.trace_id, 32) for s in theirs}
     assert inside.trace_id in their_traces and len(their_traces) == 2
@@ -143,6 +149,7 @@ def test_openinference_app_gets_exact_spans_and_one_trajectory_per_rollout(
     for trajectory in found:
         art = replies[trajectory["id"]].response_metadata["art"]
         assert trajectory["token_exact"] is True
-        assert [s["token_ids"] for s in trajectory["sequences"]] == [art["prompt_token_ids"] + art["completion_token_ids"]]
+        assert ([s["token_ids"] for s in trajectory["sequences"]]
+                == [art["prompt_token_ids"] + art["completion_token_ids"]])
     for trace_id in their_traces:  # no trajectory of OpenInference's traces
         assert httpx.get(f"{collector_service.url}/v1/trajectories/{trace_id}", timeout=10).status_code == 404

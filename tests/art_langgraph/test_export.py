@@ -125,7 +125,9 @@ def test_configure_again_exports_spans_in_flight(receivers) -> None:
     assert [event.name for event in span.events] == [semconv.REWARD_EVENT]
 
 
-def test_a_batch_past_the_collectors_body_limit_goes_out_in_several_requests(memory_tracing, tmp_path, monkeypatch) -> None:
+def test_a_batch_past_the_collectors_body_limit_goes_out_in_several_requests(
+    memory_tracing, tmp_path, monkeypatch
+) -> None:
     """The real collector refuses a body past its limit with 413, which exporters do not retry: one batch of long
     `llm` spans used to be lost whole. Each request now stays under `ART_MAX_EXPORT_BYTES`."""
     app = make_app(tmp_path, monkeypatch, max_body_bytes=256 * 1024)
@@ -137,9 +139,9 @@ def test_a_batch_past_the_collectors_body_limit_goes_out_in_several_requests(mem
             tracer = _tracing.get_tracer()
             for n in range(40):  # one batch of 80 spans, about 1 MiB
                 with rollout("long", group=f"g{n}") as run:
-                    attrs = {semconv.SPAN_KIND: semconv.SPAN_KIND_LLM, semconv.ROLLOUT_ID: run.id, semconv.POLICY_STEP: 0,
-                             semconv.PROMPT_TOKEN_IDS: prompt, semconv.COMPLETION_TOKEN_IDS: [7, 8],
-                             semconv.COMPLETION_LOGPROBS: [-0.5, -0.25]}
+                    attrs = {semconv.SPAN_KIND: semconv.SPAN_KIND_LLM, semconv.ROLLOUT_ID: run.id,
+                             semconv.POLICY_STEP: 0, semconv.PROMPT_TOKEN_IDS: prompt,
+                             semconv.COMPLETION_TOKEN_IDS: [7, 8], semconv.COMPLETION_LOGPROBS: [-0.5, -0.25]}
                     tracer.start_span("chat", attributes=attrs).end()
             assert art_langgraph.flush(timeout=30)
             assert art_langgraph.dropped_spans() == 0

@@ -151,7 +151,8 @@ def test_subgraph_nodes_and_tools_nest(chat_model: ARTChatModel, add_tool, spans
     assert by_id[tool.parent.span_id] is nodes["compute"]
     assert by_id[llm.parent.span_id] is nodes["compute"]
     assert tool.attributes[semconv.GEN_AI_TOOL_CALL_ARGUMENTS] == '{"a": 3, "b": 4}'
-    assert {s.attributes[semconv.ROLLOUT_ID] for s in spans.get_finished_spans()} == {root.attributes[semconv.ROLLOUT_ID]}
+    assert ({s.attributes[semconv.ROLLOUT_ID] for s in spans.get_finished_spans()}
+            == {root.attributes[semconv.ROLLOUT_ID]})
 
 
 def test_interrupt_is_an_event_and_resume_is_a_new_run(chat_model: ARTChatModel, spans) -> None:

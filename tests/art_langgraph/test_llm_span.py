@@ -26,7 +26,8 @@ from art_langgraph import _llm_span, semconv
 from tests.art_langgraph import fake_engine
 from tests.art_langgraph.fake_engine import PROMPT_IDS, FakeEngine, completion_ids, logprobs, reply_text
 
-TOKEN_ATTRIBUTES = {semconv.PROMPT_TOKEN_IDS, semconv.COMPLETION_TOKEN_IDS, semconv.COMPLETION_LOGPROBS, semconv.POLICY_STEP}
+TOKEN_ATTRIBUTES = {semconv.PROMPT_TOKEN_IDS, semconv.COMPLETION_TOKEN_IDS, semconv.COMPLETION_LOGPROBS,
+                    semconv.POLICY_STEP}
 
 
 class Answer(BaseModel):
@@ -154,7 +155,8 @@ def test_choice_spans_share_the_calls_parent_and_start(spans, call: str, stream_
 def test_failed_attempt_span_carries_error_type(spans) -> None:
     """A failed attempt sampled nothing: its span says why (`error.type`); the retry's span does not."""
     engine = FakeEngine(failures=1)
-    reply = engine.chat_model(max_retries=0).with_retry(stop_after_attempt=2, wait_exponential_jitter=False).invoke("hi")
+    reply = engine.chat_model(max_retries=0).with_retry(stop_after_attempt=2,
+                                                        wait_exponential_jitter=False).invoke("hi")
     assert reply.response_metadata["art"]["completion_token_ids"] == completion_ids(0)
     failed, succeeded = llm_spans(spans)
     assert failed.attributes[semconv.ERROR_TYPE] == "OpenAIAPIError"  # LangChain's class for the engine's 500

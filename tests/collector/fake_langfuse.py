@@ -27,7 +27,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 PUBLIC, SECRET = "pk-lf-test", "sk-lf-test"
-_FIELD_GROUPS = {"details": ("comment", "configId", "metadata"), "subject": ("subject",), "annotation": ("authorUserId", "queueId")}
+_FIELD_GROUPS = {"details": ("comment", "configId", "metadata"), "subject": ("subject",),
+                 "annotation": ("authorUserId", "queueId")}
 
 
 def _iso(value: dt.datetime) -> str:
@@ -113,7 +114,8 @@ class FakeLangfuse:
                 problem = "a score needs name and value"
             elif score.get("source") == "EVAL":
                 problem = "source EVAL is not accepted on this endpoint"
-            elif score.get("source") == "ANNOTATION" and not score.get("configId") and score.get("dataType") != "CORRECTION":
+            elif (score.get("source") == "ANNOTATION" and not score.get("configId")
+                  and score.get("dataType") != "CORRECTION"):
                 problem = "ANNOTATION scores need a configId"
             elif sum(bool(score.get(k)) for k in ("traceId", "sessionId", "datasetRunId")) != 1:
                 problem = "exactly one of traceId, sessionId, datasetRunId is required"

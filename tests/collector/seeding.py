@@ -51,11 +51,13 @@ def group_spans(
         )
         if complete:
             reward = {"reward": rewards[i]} if rewards is not None else None
-            records.append(sb.rollout(n + 1, rid, trace=trace, group=group, task=task, size=len(answers), rewards=reward))
+            records.append(sb.rollout(n + 1, rid, trace=trace, group=group, task=task, size=len(answers),
+                                      rewards=reward))
     return records
 
 
-def make_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, env: dict[str, str] | None = None, **fields: Any) -> FastAPI:
+def make_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, env: dict[str, str] | None = None,
+             **fields: Any) -> FastAPI:
     """The collector's app on a fresh SQLite file, with `env` set (e.g. `ART_COLLECTOR_JUDGE_*`)."""
     from collector.config import CollectorSettings
     from collector.server import create_app

@@ -91,11 +91,13 @@ class CollectorProcess:
     def start(self, timeout: float = 60.0) -> CollectorProcess:
         """Start and wait until `/health` answers."""
         self.port = free_port()
-        command = [sys.executable, "-m", "collector.cli", "serve", "--port", str(self.port), "--db", self.db, "--log-level", "warning"]
+        command = [sys.executable, "-m", "collector.cli", "serve", "--port", str(self.port), "--db", self.db,
+                   "--log-level", "warning"]
         env = {**os.environ, **self.env}
         env.pop("ART_API_KEY", None)
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parents[2])
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            cwd=Path(__file__).parents[2])
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:

@@ -103,10 +103,12 @@ def test_logprob_count_mismatch_drops_the_turn() -> None:
 
 def test_messages_tools_model_metadata_and_rewards() -> None:
     tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
-    first = llm(1, **TURN1, messages=[{"role": "user", "content": "old"}], output=[{"role": "assistant", "content": "a"}])
+    first = llm(1, **TURN1, messages=[{"role": "user", "content": "old"}],
+                output=[{"role": "assistant", "content": "a"}])
     last = llm(
         2, **TURN2, model="agent@4", tools=tools,
-        messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}],
+        messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                  {"role": "user", "content": "more"}],
         output=[{"role": "assistant", "content": "b"}],
     )
     root = rollout(9, group="g1", task="add", split="val", rewards={"reward": 0.5, "len": 2.0}, metadata={"k": 1})
@@ -179,4 +181,5 @@ def test_reward_events_only_count_on_rollout_spans() -> None:
     span = llm(1, **TURN1)
     span.events.append(rollout(2, rewards={"reward": 1.0}).events[0])
     assert span_rewards(span) == []
-    assert span_rewards(rollout(2, rewards={"reward": 1, "x": -2.5})) == [SpanReward("reward", 1.0, 50), SpanReward("x", -2.5, 50)]
+    assert (span_rewards(rollout(2, rewards={"reward": 1, "x": -2.5}))
+            == [SpanReward("reward", 1.0, 50), SpanReward("x", -2.5, 50)])

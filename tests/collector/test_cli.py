@@ -85,14 +85,19 @@ def test_reward_weights_from_env_and_conflicts(monkeypatch: pytest.MonkeyPatch) 
     ("variable", "value", "says"),
     [
         ("ART_COLLECTOR_IDLE_SECONDS", "inf", "idle_seconds='inf': Input should be a finite number"),
-        ("ART_COLLECTOR_GROUP_TIMEOUT_SECONDS", "Infinity", "group_timeout_seconds='Infinity': Input should be a finite number"),
-        ("ART_COLLECTOR_REWARD_WEIGHTS", '{"correct": Infinity}', "reward_weights.correct=inf: Input should be a finite number"),
-        ("ART_COLLECTOR_JUDGE_TIMEOUT_SECONDS", "inf", "JudgeSettings: timeout_seconds='inf': Input should be a finite number"),
-        ("ART_COLLECTOR_LANGFUSE_SYNC_SECONDS", "inf", "LangfuseSettings: sync_seconds='inf': Input should be a finite number"),
+        ("ART_COLLECTOR_GROUP_TIMEOUT_SECONDS", "Infinity",
+         "group_timeout_seconds='Infinity': Input should be a finite number"),
+        ("ART_COLLECTOR_REWARD_WEIGHTS", '{"correct": Infinity}',
+         "reward_weights.correct=inf: Input should be a finite number"),
+        ("ART_COLLECTOR_JUDGE_TIMEOUT_SECONDS", "inf",
+         "JudgeSettings: timeout_seconds='inf': Input should be a finite number"),
+        ("ART_COLLECTOR_LANGFUSE_SYNC_SECONDS", "inf",
+         "LangfuseSettings: sync_seconds='inf': Input should be a finite number"),
     ],
 )
-def test_non_finite_settings_exit_naming_them(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                               variable: str, value: str, says: str) -> None:
+def test_non_finite_settings_exit_naming_them(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str],
+                                              variable: str, value: str, says: str) -> None:
     """inf passed every `gt=0` bound: an idle time of inf never completed a trajectory, a judge timeout of inf hung."""
     monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served with bad settings"))
     monkeypatch.setenv(variable, value)

@@ -58,7 +58,8 @@ def export(tmp_path: Path) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
         provider.shutdown()
         spans = memory.get_finished_spans()
         body = encode_spans(spans).SerializeToString()
-        assert client.post("/v1/traces", content=body, headers={"content-type": "application/x-protobuf"}).status_code == 200
+        assert client.post("/v1/traces", content=body,
+                           headers={"content-type": "application/x-protobuf"}).status_code == 200
         trace_id = f"{spans[0].context.trace_id:032x}"
         found = client.get(f"/v1/trajectories/{trace_id}")
         return found.json() if found.status_code == 200 else None
@@ -78,7 +79,8 @@ def _check(trajectory: dict[str, Any] | None, model: str, tools: bool = True) ->
 def test_opentelemetry_gen_ai_structured_messages(export) -> None:
     parts_in = [
         {"role": "user", "parts": [{"type": "text", "content": "What is 2+3?"}]},
-        {"role": "assistant", "parts": [{"type": "tool_call", "id": "call_1", "name": "add", "arguments": {"a": 2, "b": 3}}]},
+        {"role": "assistant",
+         "parts": [{"type": "tool_call", "id": "call_1", "name": "add", "arguments": {"a": 2, "b": 3}}]},
         {"role": "tool", "parts": [{"type": "tool_call_response", "id": "call_1", "response": "5"}]},
     ]
     parts_out = [{"role": "assistant", "parts": [{"type": "text", "content": "5"}], "finish_reason": "stop"}]
@@ -160,7 +162,8 @@ def test_langfuse_generation(export) -> None:
         "langfuse.observation.input": "What is 2+3?",
         "langfuse.observation.output": "5",
     })
-    assert text is not None and text["messages"] == [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"}]
+    assert text is not None and text["messages"] == [{"role": "user", "content": "What is 2+3?"},
+                                                     {"role": "assistant", "content": "5"}]
 
 
 @pytest.mark.parametrize(
@@ -176,9 +179,11 @@ def test_spans_that_are_not_model_calls_make_no_trajectory(export, attributes) -
 
 
 def test_conversation_ignores_malformed_values() -> None:
-    broken = conversation({"gen_ai.operation.name": "chat", "gen_ai.input.messages": "{not json", "gen_ai.output.messages": "[1, 2]"})
+    broken = conversation({"gen_ai.operation.name": "chat", "gen_ai.input.messages": "{not json",
+                           "gen_ai.output.messages": "[1, 2]"})
     assert (broken.input, broken.output, broken.tools) == ([], [], [])
-    clash = conversation({"gen_ai.prompt.0.role": "user", "gen_ai.prompt.0.content": "hi", "gen_ai.prompt.0.content.x": "y"})
+    clash = conversation({"gen_ai.prompt.0.role": "user", "gen_ai.prompt.0.content": "hi",
+                          "gen_ai.prompt.0.content.x": "y"})
     assert clash.input == [{"role": "user", "content": "hi"}]
 
 
@@ -196,7 +201,8 @@ def test_conversation_reads_parts_of_unexpected_shape_as_absent() -> None:
     })
     assert openinference.input == [
         {"role": "user", "content": ""},
-        {"role": "user", "content": "hi", "tool_calls": [{"id": None, "type": "function", "function": {"name": None, "arguments": "{}"}}]},
+        {"role": "user", "content": "hi",
+         "tool_calls": [{"id": None, "type": "function", "function": {"name": None, "arguments": "{}"}}]},
     ]
     assert openinference.tools == []
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
@@ -204,7 +210,8 @@ def test_conversation_reads_parts_of_unexpected_shape_as_absent() -> None:
         {"role": "user", "content": "hi", "tool_calls": 5},
         {"role": "assistant", "content": "", "tool_calls": ["add", call, {"function": "add"}]},
     ])})
-    assert gen_ai.input == [{"role": "user", "content": "hi", "tool_calls": []}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    assert gen_ai.input == [{"role": "user", "content": "hi", "tool_calls": []},
+                            {"role": "assistant", "content": "", "tool_calls": [call]}]
     assert same_messages(gen_ai.input, gen_ai.input)
 
 
@@ -226,13 +233,15 @@ def _openinference_llm(trace: str, n: int, parent: str | None, *, marked: bool) 
         metadata[sc.TRACED_RUN] = True
     return SpanRecord(trace, sid(n), parent, "ARTChatModel" if marked else "ChatOpenAI", 12, 40, {
         "openinference.span.kind": "LLM",
-        "input.value": json.dumps({"messages": [[{"lc": 1, "type": "constructor", "kwargs": {"content": "hi", "type": "human"}}]]}),
+        "input.value": json.dumps({"messages": [[{"lc": 1, "type": "constructor",
+                                                  "kwargs": {"content": "hi", "type": "human"}}]]}),
         "input.mime_type": "application/json",
         "llm.input_messages.0.message.role": "user",
         "llm.input_messages.0.message.content": "hi",
         "llm.output_messages.0.message.role": "assistant",
         "llm.output_messages.0.message.content": "hey there!",
-        "llm.invocation_parameters": json.dumps({"model": "agent@latest", "logprobs": True, "_type": "art-chat" if marked else "openai-chat"}),
+        "llm.invocation_parameters": json.dumps({"model": "agent@latest", "logprobs": True,
+                                                 "_type": "art-chat" if marked else "openai-chat"}),
         "llm.provider": "openai",
         "llm.system": "openai",
         "llm.model_name": "agent@8",
@@ -243,7 +252,8 @@ def _openinference_llm(trace: str, n: int, parent: str | None, *, marked: bool) 
 
 
 def _openinference_chain(trace: str, n: int, parent: str | None, name: str) -> SpanRecord:
-    return SpanRecord(trace, sid(n), parent, name, 5, 50, {"openinference.span.kind": "CHAIN", "input.value": "{}", "output.value": "{}"})
+    return SpanRecord(trace, sid(n), parent, name, 5, 50,
+                      {"openinference.span.kind": "CHAIN", "input.value": "{}", "output.value": "{}"})
 
 
 def _langfuse_generation(trace: str, n: int, parent: str | None) -> SpanRecord:
@@ -261,7 +271,8 @@ def _ours(rollout_id: str, trace: str, n: int) -> list[SpanRecord]:
     """One graph run as the plugin records it: rollout → node → llm."""
     node = SpanRecord(trace, sid(n + 1), sid(n), "node agent", 8, 45,
                       {sc.SPAN_KIND: sc.SPAN_KIND_NODE, sc.ROLLOUT_ID: rollout_id, sc.NODE_NAME: "agent"})
-    call = llm(n + 2, rollout=rollout_id, trace=trace, start=11, prompt=[1, 2, 3], completion=[7, n, 9], messages=QUESTION, output=REPLY)
+    call = llm(n + 2, rollout=rollout_id, trace=trace, start=11, prompt=[1, 2, 3], completion=[7, n, 9],
+               messages=QUESTION, output=REPLY)
     call = replace(call, parent_span_id=node.span_id)
     return [rollout(n, rollout_id, trace=trace, task="chat", rewards={"reward": 1.0}), node, call]
 
@@ -274,7 +285,8 @@ def _deliver(client: TestClient, spans: list[SpanRecord], seed: int) -> None:
     while delivery:
         cut = rng.randint(1, 4)
         body = to_request(delivery[:cut]).SerializeToString()
-        assert client.post("/v1/traces", content=body, headers={"content-type": "application/x-protobuf"}).status_code == 200
+        assert client.post("/v1/traces", content=body,
+                           headers={"content-type": "application/x-protobuf"}).status_code == 200
         delivery = delivery[cut:]
 
 
@@ -282,10 +294,12 @@ def _deliver(client: TestClient, spans: list[SpanRecord], seed: int) -> None:
 def test_foreign_spans_of_art_calls_make_no_trajectory_nor_turn(tmp_path: Path, seed: int) -> None:
     # `with rollout(...)`: OpenInference's spans are children of the rollout span (same trace).
     inside = _ours("r-inside", TRACE_A, 100)
-    inside += [_openinference_chain(TRACE_A, 110, sid(100), "app"), _openinference_llm(TRACE_A, 111, sid(110), marked=True)]
+    inside += [_openinference_chain(TRACE_A, 110, sid(100), "app"),
+               _openinference_llm(TRACE_A, 111, sid(110), marked=True)]
     # A graph run outside `rollout()`: the foreign spans are a trace of their own.
     outside = _ours("r-graph", TRACE_B, 200)
-    foreign_only = [_openinference_chain(TRACE_C, 300, None, "app"), _openinference_llm(TRACE_C, 301, sid(300), marked=True),
+    foreign_only = [_openinference_chain(TRACE_C, 300, None, "app"),
+                    _openinference_llm(TRACE_C, 301, sid(300), marked=True),
                     _langfuse_generation(TRACE_D, 400, None)]
     # Control: an app that does not use `ARTChatModel` still makes a (not token-exact) trajectory.
     plain = [_openinference_chain(TRACE_E, 500, None, "app"), _openinference_llm(TRACE_E, 501, sid(500), marked=False)]
@@ -312,7 +326,8 @@ def test_a_trace_with_an_llm_span_takes_no_foreign_turns(tmp_path: Path, seed: i
         "gen_ai.provider.name": "openai",
         "gen_ai.request.model": "agent@latest",
         "gen_ai.input.messages": json.dumps([{"role": "user", "parts": [{"type": "text", "content": "hi"}]}]),
-        "gen_ai.output.messages": json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": "hey there!"}]}]),
+        "gen_ai.output.messages": json.dumps([{"role": "assistant",
+                                               "parts": [{"type": "text", "content": "hey there!"}]}]),
     })
     client = TestClient(create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}")))
     _deliver(client, [ours, client_span], seed)

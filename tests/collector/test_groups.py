@@ -27,7 +27,8 @@ def test_decide() -> None:
 
 
 def test_merge_rewards_api_over_span_later_over_earlier() -> None:
-    rows = [((3,), "api", "r", 0.3), ((1,), "span", "r", 0.1), ((5,), "span", "r", 0.5), ((2,), "api", "x", 2.0), ((4,), "api", "x", 4.0)]
+    rows = [((3,), "api", "r", 0.3), ((1,), "span", "r", 0.1), ((5,), "span", "r", 0.5), ((2,), "api", "x", 2.0),
+            ((4,), "api", "x", 4.0)]
     assert merge_rewards(rows) == {"r": 0.3, "x": 4.0}
 
 

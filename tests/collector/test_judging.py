@@ -159,13 +159,15 @@ class HeldJudge:
             self.release.set()
         self._count = threading.Lock()
 
-    def complete(self, messages: list[dict[str, Any]], fmt: dict[str, Any], *, temperature: float, max_tokens: int) -> str:
+    def complete(self, messages: list[dict[str, Any]], fmt: dict[str, Any], *, temperature: float,
+                 max_tokens: int) -> str:
         with self._count:
             self.calls += 1
         self.waiting.set()
         if not self.release.wait(WAIT):
             raise AssertionError("the test never released the judge")
-        return json.dumps({"scores": {"1": {"explanation": "right", "score": 1.0}, "2": {"explanation": "wrong", "score": 0.0}}})
+        return json.dumps({"scores": {"1": {"explanation": "right", "score": 1.0},
+                                      "2": {"explanation": "wrong", "score": 0.0}}})
 
     def close(self) -> None:
         """Nothing to release."""
@@ -250,23 +252,30 @@ def test_replicas_judging_automatically_call_the_judge_once(replica_stores: list
     lost, won = _race_held(client, [judge.run_due for judge in judges])
     assert lost == []  # the replica that lost the claim judged nothing and raised nothing
     assert [(run.group_id, run.state, run.attempts) for run in won] == [("g", "ok", 1)]
-    after = GroupJudge(replica_stores[1], ScoringStore(replica_stores[1].engine), JudgeSettings(auto=True), client=client, clock=clock)
+    after = GroupJudge(replica_stores[1], ScoringStore(replica_stores[1].engine), JudgeSettings(auto=True),
+                       client=client, clock=clock)
     assert after.scoring.run("g")["state"] == "ok" and after.due_groups() == []
 
 
-def test_a_judge_request_racing_another_replica_gets_409_not_a_second_run(replica_stores: list[SqlStore], clock: Clock) -> None:
+def test_a_judge_request_racing_another_replica_gets_409_not_a_second_run(
+    replica_stores: list[SqlStore], clock: Clock
+) -> None:
     client = HeldJudge()
-    judges = [GroupJudge(store, ScoringStore(store.engine), JudgeSettings(), client=client, clock=clock) for store in replica_stores]
+    judges = [GroupJudge(store, ScoringStore(store.engine), JudgeSettings(), client=client, clock=clock)
+              for store in replica_stores]
     lost, won = _race_held(client, [lambda judge=judge: judge.judge("g") for judge in judges])
     assert isinstance(lost, Conflict) and lost.code == "judge_running" and lost.status == 409
     assert "its run is running" in lost.message
     assert (won.state, [j.score for j in won.judgements]) == ("ok", [1.0, 0.0])
 
 
-def test_the_judge_endpoint_answers_409_while_another_replica_judges(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_judge_endpoint_answers_409_while_another_replica_judges(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     app = make_app(tmp_path, monkeypatch, env=down_judge("skip"))
     app.state.store.add_spans(group_spans("g", ["7", "8"]))
-    other = SqlStore(CollectorSettings(db=f"sqlite:///{tmp_path / 'collector.db'}"))  # a second replica on the same file
+    # a second replica on the same file
+    other = SqlStore(CollectorSettings(db=f"sqlite:///{tmp_path / 'collector.db'}"))
     client = HeldJudge()
     judge = GroupJudge(other, ScoringStore(other.engine), JudgeSettings(), client=client)
     try:
@@ -286,7 +295,9 @@ def test_the_judge_endpoint_answers_409_while_another_replica_judges(tmp_path: P
     assert client.calls == 1
 
 
-def test_a_run_that_outlives_its_claim_is_taken_over_and_records_nothing(replica_stores: list[SqlStore], clock: Clock) -> None:
+def test_a_run_that_outlives_its_claim_is_taken_over_and_records_nothing(
+    replica_stores: list[SqlStore], clock: Clock
+) -> None:
     stuck, fresh = HeldJudge(), HeldJudge(released=True)
     first, second = (
         GroupJudge(store, ScoringStore(store.engine), JudgeSettings(), client=client, clock=clock)
@@ -313,7 +324,8 @@ def test_a_run_that_fails_unexpectedly_frees_its_group(replica_stores: list[SqlS
         def complete(self, *args: Any, **kwargs: Any) -> str:
             raise RuntimeError("judge client bug")
 
-    judge = GroupJudge(replica_stores[0], ScoringStore(replica_stores[0].engine), JudgeSettings(), client=Broken(), clock=clock)
+    judge = GroupJudge(replica_stores[0], ScoringStore(replica_stores[0].engine), JudgeSettings(),
+                       client=Broken(), clock=clock)
     with pytest.raises(RuntimeError, match="judge client bug"):
         judge.judge("g")
     run = judge.scoring.run("g")

@@ -53,7 +53,8 @@ def test_pull_maps_annotation_scores_to_trajectories_by_trace(
     server.add_score("other", "helpfulness", 0.3, trace_id=trace_id("g", 1))  # not a chosen name
     server.add_score("text", "human", "great", trace_id=trace_id("g", 2), data_type="TEXT")
     server.add_score("session", "human", 0.9, session_id="sess-1")
-    server.add_score("old", "human", 0.9, trace_id=trace_id("g", 3), timestamp=dt.datetime.now(dt.UTC) - dt.timedelta(days=30))
+    server.add_score("old", "human", 0.9, trace_id=trace_id("g", 3),
+                     timestamp=dt.datetime.now(dt.UTC) - dt.timedelta(days=30))
     server.add_score("late", "human", 0.25, trace_id="f" * 32)  # its trace has not arrived yet
     server.add_score("custom", "human", 0.5, trace_id="checkout-42")  # Langfuse takes any trace id; no span has it
     with TestClient(app) as client:
@@ -61,7 +62,8 @@ def test_pull_maps_annotation_scores_to_trajectories_by_trace(
         # 132 usable scores on 131 (trace, name) pairs: g-0's two scores give one reward, the later one
         assert result == {"pulled": 135, "applied": 131, "unmatched": 1, "ignored": 3, "pushed": 0, "push_rejected": 0}
         gets = [path for method, path in server.requests if method == "GET"]
-        assert len(gets) == 2 and "cursor=" in gets[1] and "source=ANNOTATION" in gets[0] and "fields=subject" in gets[0]
+        assert (len(gets) == 2 and "cursor=" in gets[1] and "source=ANNOTATION" in gets[0]
+                and "fields=subject" in gets[0])
         rewards = {t["id"]: t["rewards"] for t in client.get("/v1/trajectories", params={"group": "g"}).json()}
         assert rewards["g-0"]["human"] == 1.0  # the later observation-level boolean score
         assert rewards["g-1"] == {"human": 1 / 200}

@@ -13,7 +13,8 @@ FAILED = ReleaseRequest(reason="NonFiniteStepError: loss is nan")
 
 def _ready_group(store, group: str = "g", first: int = 10) -> None:
     """Two rewarded trajectories with different rewards: a group ready to lease."""
-    store.add_spans(_trajectory(first, f"{group}-a", reward=1.0, group=group) + _trajectory(first + 10, f"{group}-b", reward=0.0, group=group))
+    store.add_spans(_trajectory(first, f"{group}-a", reward=1.0, group=group)
+                    + _trajectory(first + 10, f"{group}-b", reward=0.0, group=group))
 
 
 def _state(store, group: str = "g") -> tuple[str, str | None, int]:
@@ -57,7 +58,8 @@ def test_a_release_as_not_failed_counts_nothing(make_store) -> None:
     _ready_group(store)
     for _ in range(4):
         batch = store.lease(BatchRequest())
-        assert store.release(batch.id, ReleaseRequest(reason="OSError: No space left on device", failed=False)).returned == ["g"]
+        assert store.release(batch.id, ReleaseRequest(reason="OSError: No space left on device",
+                                                      failed=False)).returned == ["g"]
     assert _state(store) == ("ready", None, 0)
 
 

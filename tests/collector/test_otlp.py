@@ -17,7 +17,8 @@ JSON = "application/json"
 
 def _records() -> list[SpanRecord]:
     return [
-        llm(1, start=5, prompt=[1, 2, 3], completion=[4, 5], logprobs=[-0.25, -1.5], messages=[{"role": "user", "content": "hi"}]),
+        llm(1, start=5, prompt=[1, 2, 3], completion=[4, 5], logprobs=[-0.25, -1.5],
+            messages=[{"role": "user", "content": "hi"}]),
         rollout(2, group="g", size=4, rewards={"reward": 0.75, "len": 3.0}),
     ]
 
@@ -60,7 +61,8 @@ def test_json_accepts_int_values_as_numbers_and_unknown_fields() -> None:
 
 @pytest.mark.parametrize(
     "value",
-    [[3, 0, 7], [0.5, 0.0, -1.25, -0.0], [1, "a", 2.5, True, 0], [0, 0], [2.5, 1, 0], ["x", 1], [True, 0], [], [1.5, 2.0]],
+    [[3, 0, 7], [0.5, 0.0, -1.25, -0.0], [1, "a", 2.5, True, 0], [0, 0], [2.5, 1, 0], ["x", 1], [True, 0], [],
+     [1.5, 2.0]],
 )
 def test_arrays_decode_exactly(value: list[object]) -> None:
     """Long int/double arrays take a fast path; mixed arrays and zeros must still decode exactly."""
@@ -83,7 +85,8 @@ def test_records_round_trip_through_dict() -> None:
         (b"[1, 2]", JSON, "must be an object"),
         (b'{"resourceSpans": {}}', JSON, "resourceSpans must be an array"),
         (b"[" * 100_000 + b"]" * 100_000, JSON, "nested too deeply"),
-        (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": TRACE, "spanId": sid(1), "startTimeUnixNano": "x"}]}]}]}).encode(),
+        (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": TRACE, "spanId": sid(1),
+                                                                   "startTimeUnixNano": "x"}]}]}]}).encode(),
          JSON, "not a valid OTLP/JSON"),
     ],
 )
@@ -96,7 +99,8 @@ def test_malformed_bodies_name_the_fault(body: bytes, content_type: str, fragmen
 
 def test_spans_with_invalid_ids_are_rejected_alone() -> None:
     good = {"traceId": TRACE, "spanId": sid(1), "name": "ok"}
-    spans = [good, {"traceId": TRACE, "spanId": "abcd", "name": "s"}, {"traceId": "00" * 16, "spanId": sid(2), "name": "z"},
+    spans = [good, {"traceId": TRACE, "spanId": "abcd", "name": "s"},
+             {"traceId": "00" * 16, "spanId": sid(2), "name": "z"},
              {"traceId": "zz", "spanId": sid(3), "name": "x"}, {"traceId": TRACE, "spanId": sid(4), "parentSpanId": 7},
              {"traceId": TRACE, "spanId": sid(5), "links": [{"traceId": TRACE, "spanId": "not hex"}]}]
     decoded = decode_request(json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": spans}]}]}).encode(), JSON)
@@ -106,7 +110,8 @@ def test_spans_with_invalid_ids_are_rejected_alone() -> None:
         "resourceSpans[0].scopeSpans[0].spans[4].parentSpanId is not a hex string: '7'",
         "resourceSpans[0].scopeSpans[0].spans[5].links[0].spanId is not a hex string: 'not hex'",
         "span 's' has an invalid span_id (2 bytes, 'abcd'); expected 8 bytes, not all zero",
-        "span 'z' has an invalid trace_id (16 bytes, '00000000000000000000000000000000'); expected 16 bytes, not all zero",
+        "span 'z' has an invalid trace_id (16 bytes, '00000000000000000000000000000000'); "
+        "expected 16 bytes, not all zero",
     ]
 
 

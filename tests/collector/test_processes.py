@@ -53,7 +53,8 @@ def test_two_replicas_on_one_postgres_never_lease_a_group_twice(postgres: Postgr
 
         _parallel(4, ingest)
         states = httpx.get(f"{urls[0]}/v1/groups", timeout=30).json()
-        assert sorted((g["id"], g["state"], g["size"]) for g in states) == sorted((f"g{i}", "ready", 2) for i in range(groups))
+        assert (sorted((g["id"], g["state"], g["size"]) for g in states)
+                == sorted((f"g{i}", "ready", 2) for i in range(groups)))
 
         leased: list[tuple[int, str, str]] = []
         start = threading.Barrier(8, timeout=60)
@@ -75,7 +76,8 @@ def test_two_replicas_on_one_postgres_never_lease_a_group_twice(postgres: Postgr
         assert sorted(ids) == sorted(f"g{i}" for i in range(groups))
         assert {replica for replica, _, _ in leased} == {0, 1}  # both replicas handed out groups
         for replica, batch_id in {(r, b) for r, b, _ in leased}:
-            assert httpx.post(f"{urls[1 - replica]}/v1/batches/{batch_id}/ack", json={"policy_step": 1}, timeout=30).status_code == 200
+            assert httpx.post(f"{urls[1 - replica]}/v1/batches/{batch_id}/ack", json={"policy_step": 1},
+                              timeout=30).status_code == 200
         assert {g["state"] for g in httpx.get(f"{urls[1]}/v1/groups", timeout=30).json()} == {"trained"}
     finally:
         for replica in replicas:
@@ -89,15 +91,19 @@ def _export(worker: int, i: int) -> bytes:
     """One export: one trajectory of `SPANS_PER_EXPORT` unrelated turns (one sequence each)."""
     rollout_id, trace = f"w{worker}-{i}", f"{worker + 1:08x}{i + 1:024x}"
     spans = [
-        llm((worker * 100_000 + i) * 100 + t + 1, rollout=rollout_id, trace=trace, start=t, prompt=[t + 1000, 7], completion=[t])
+        llm((worker * 100_000 + i) * 100 + t + 1, rollout=rollout_id, trace=trace, start=t, prompt=[t + 1000, 7],
+            completion=[t])
         for t in range(SPANS_PER_EXPORT)
     ]
     return to_request(spans).SerializeToString()
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
-def test_kill_9_mid_ingest_loses_no_acknowledged_span(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    db = request.getfixturevalue("postgres").create_database() if backend == "postgresql" else f"sqlite:///{tmp_path / 'c.db'}"
+def test_kill_9_mid_ingest_loses_no_acknowledged_span(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    db = (request.getfixturevalue("postgres").create_database() if backend == "postgresql"
+          else f"sqlite:///{tmp_path / 'c.db'}")
     collector = CollectorProcess(db, tmp_path / "collector.log").start()
     acked: list[str] = []
     failed: list[str] = []
@@ -131,7 +137,8 @@ def test_kill_9_mid_ingest_loses_no_acknowledged_span(backend: str, tmp_path: Pa
 
     restarted = CollectorProcess(db, tmp_path / "collector.log").start()
     try:
-        stored = {t["id"]: len(t["sequences"]) for t in httpx.get(f"{restarted.url}/v1/trajectories", timeout=120).json()}
+        stored = {t["id"]: len(t["sequences"])
+                  for t in httpx.get(f"{restarted.url}/v1/trajectories", timeout=120).json()}
         lost = [rollout_id for rollout_id in acked if stored.get(rollout_id) != SPANS_PER_EXPORT]
         assert not lost, f"acknowledged exports missing after kill -9: {lost[:5]} of {len(acked)}"
     finally:

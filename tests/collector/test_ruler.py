@@ -77,7 +77,8 @@ def test_prompt_needs_trajectories() -> None:
 
 
 def test_render_message_spells_out_tool_calls_and_results() -> None:
-    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 3}'}}]}
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 3}'}}]}
     assert render_message(call) == '[assistant calls tool] add({"a": 3})'
     assert render_message({"role": "tool", "tool_call_id": "c1", "content": "7"}) == "[tool result c1] 7"
     assert render_message({"role": "user", "content": [{"type": "text", "text": "hi"}]}) == "[user] hi"
@@ -93,8 +94,10 @@ def test_response_format_requires_one_entry_per_block() -> None:
     item = scores["properties"]["2"]["properties"]
     assert (item["score"]["minimum"], item["score"]["maximum"]) == (0, 1)
     assert item["explanation"]["maxLength"] == 120
-    assert "maxLength" not in response_format(2)["json_schema"]["schema"]["properties"]["scores"]["properties"]["1"]["properties"]["explanation"]
-    assert response_format(2, 0)["json_schema"]["schema"]["properties"]["scores"]["properties"]["1"]["properties"]["explanation"]["maxLength"] == 0
+    assert "maxLength" not in (response_format(2)["json_schema"]["schema"]["properties"]["scores"]
+                               ["properties"]["1"]["properties"]["explanation"])
+    assert (response_format(2, 0)["json_schema"]["schema"]["properties"]["scores"]
+            ["properties"]["1"]["properties"]["explanation"]["maxLength"] == 0)
 
 
 def longest_answer(count: int, explanation_chars: int) -> str:
@@ -136,7 +139,8 @@ def test_parse_scores_in_block_order() -> None:
         (answer((1, "x", True), (2, "y", 0.0)), "judge_bad_scores", "not a number"),
         ('{"scores": {"1": 0.5, "2": {"score": 0.1}}}', "judge_bad_scores", "None of trajectory 1 is not a number"),
         (answer((1, "x", 0.5)), "judge_bad_scores", r"no score for trajectories \[2\]"),
-        ('{"scores": {"1": {"score": 0.5}, "1": {"score": 0.2}, "2": {"score": 0}}}', "judge_bad_scores", "'1' appears twice"),
+        ('{"scores": {"1": {"score": 0.5}, "1": {"score": 0.2}, "2": {"score": 0}}}', "judge_bad_scores",
+         "'1' appears twice"),
         (answer((1, "x", 0.5), (2, "y", 0.2), (3, "z", 0.2)), "judge_bad_scores", r"unknown trajectories \['3'\]"),
     ],
 )

@@ -19,7 +19,9 @@ from tests.collector.seeding import group_spans, make_app
 pytestmark = pytest.mark.vllm
 
 
-def test_ruler_scores_a_group_with_the_bundled_model(trainer_service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ruler_scores_a_group_with_the_bundled_model(
+    trainer_service: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     env = {
         "ART_COLLECTOR_JUDGE_URL": f"{trainer_service.url}/v1",
         "ART_COLLECTOR_JUDGE_MODEL": "SmolLM2-135M-Instruct",
@@ -38,7 +40,8 @@ def test_ruler_scores_a_group_with_the_bundled_model(trainer_service: Service, t
         assert all(0.0 <= j["score"] <= 1.0 for j in by_id.values())
         assert (by_id["sums-0"]["block"], by_id["sums-1"]["block"], by_id["sums-2"]["block"]) == (1, 2, 1)
         assert by_id["sums-2"]["duplicate_of"] == "sums-0"
-        assert (by_id["sums-2"]["score"], by_id["sums-2"]["explanation"]) == (by_id["sums-0"]["score"], by_id["sums-0"]["explanation"])
+        assert ((by_id["sums-2"]["score"], by_id["sums-2"]["explanation"])
+                == (by_id["sums-0"]["score"], by_id["sums-0"]["explanation"]))
         for t in client.get("/v1/trajectories", params={"group": "sums"}).json():
             assert t["rewards"]["ruler"] == by_id[t["id"]]["score"]
         detail = client.get("/v1/view/trajectories/sums-1").json()

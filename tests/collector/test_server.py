@@ -47,7 +47,8 @@ def _group(rollouts: dict[str, float], group: str = "g") -> list:
     for i, (rollout_id, reward) in enumerate(rollouts.items()):
         trace = f"{i + 1:032x}"
         spans.append(llm(10 * i + 1, rollout=rollout_id, trace=trace, start=5, prompt=[1], completion=[i + 2]))
-        spans.append(rollout(10 * i + 2, rollout_id, trace=trace, group=group, size=len(rollouts), rewards={"reward": reward}))
+        spans.append(rollout(10 * i + 2, rollout_id, trace=trace, group=group, size=len(rollouts),
+                             rewards={"reward": reward}))
     return spans
 
 
@@ -74,7 +75,8 @@ def test_gzip_json_export_answers_json(client: TestClient) -> None:
     assert response.status_code == 200 and response.json() == {}
     assert response.headers["content-type"] == "application/json"
     traj = client.get("/v1/trajectories/a").json()
-    assert traj["sequences"] == [{"token_ids": [1, 2], "logprobs": [None, -0.5], "assistant_mask": [0, 1], "policy_step": 0}]
+    assert traj["sequences"] == [{"token_ids": [1, 2], "logprobs": [None, -0.5], "assistant_mask": [0, 1],
+                                  "policy_step": 0}]
 
 
 def test_export_errors(tmp_path: Path) -> None:
@@ -83,9 +85,12 @@ def test_export_errors(tmp_path: Path) -> None:
     _assert_error(client.post("/v1/traces", content=b"{", headers=JSON), 400, "malformed_body")
     _assert_error(client.post("/v1/traces", content=b"x" * 4096, headers=PB), 413, "body_too_large")
     bomb = gzip.compress(b"\0" * 100_000)
-    _assert_error(client.post("/v1/traces", content=bomb, headers={**PB, "content-encoding": "gzip"}), 413, "body_too_large")
-    _assert_error(client.post("/v1/traces", content=b"", headers={"content-type": "text/plain"}), 415, "unsupported_media_type")
-    _assert_error(client.post("/v1/traces", content=b"", headers={**PB, "content-encoding": "br"}), 415, "unsupported_encoding")
+    _assert_error(client.post("/v1/traces", content=bomb, headers={**PB, "content-encoding": "gzip"}),
+                  413, "body_too_large")
+    _assert_error(client.post("/v1/traces", content=b"", headers={"content-type": "text/plain"}),
+                  415, "unsupported_media_type")
+    _assert_error(client.post("/v1/traces", content=b"", headers={**PB, "content-encoding": "br"}),
+                  415, "unsupported_encoding")
 
 
 def test_partial_success_rejects_bad_spans_and_stores_the_rest(client: TestClient) -> None:
@@ -109,8 +114,8 @@ def test_partial_success_rejects_bad_spans_and_stores_the_rest(client: TestClien
 
 
 @pytest.mark.parametrize(("key", "value"), [
-    (sc.GROUP_SIZE, float("inf")), (sc.GROUP_SIZE, 1e300), (sc.GROUP_SIZE, 2**31), (sc.GROUP_SIZE, 0), (sc.GROUP_SIZE, 2.5),
-    (sc.GROUP_SIZE, "4"), (sc.POLICY_STEP, float("nan")), (sc.POLICY_STEP, -1),
+    (sc.GROUP_SIZE, float("inf")), (sc.GROUP_SIZE, 1e300), (sc.GROUP_SIZE, 2**31), (sc.GROUP_SIZE, 0),
+    (sc.GROUP_SIZE, 2.5), (sc.GROUP_SIZE, "4"), (sc.POLICY_STEP, float("nan")), (sc.POLICY_STEP, -1),
 ])
 def test_a_count_that_is_no_whole_number_rejects_its_span_alone(client: TestClient, key: str, value: object) -> None:
     spans = _group({"a": 1.0, "b": 0.0})
@@ -148,7 +153,8 @@ def test_rewards_endpoint(client: TestClient) -> None:
     assert client.get("/v1/trajectories/a").json()["rewards"] == {"reward": 1.0, "judge": 0.5}
     nan = client.post("/v1/rewards", content=b'{"rollout_id": "a", "value": NaN}', headers=JSON)
     assert "finite" in _assert_error(nan, 400, "invalid_request")["message"]
-    _assert_error(client.post("/v1/rewards", content=b'{"rollout_id": "a", "value": Infinity}', headers=JSON), 400, "invalid_request")
+    _assert_error(client.post("/v1/rewards", content=b'{"rollout_id": "a", "value": Infinity}', headers=JSON),
+                  400, "invalid_request")
     _assert_error(client.post("/v1/rewards", json={"value": 1.0}), 400, "invalid_request")
     _assert_error(client.post("/v1/rewards", json={"rollout_id": "a"}), 400, "invalid_request")
 
@@ -161,7 +167,9 @@ def test_rewards_endpoint(client: TestClient) -> None:
     ({"trace_id": "NOT-HEX", "value": 1.0}, "trace_id"),
     ({"trace_id": "ab" * 17, "value": 1.0}, "trace_id"),
 ])
-def test_a_reward_the_store_could_not_keep_or_match_is_refused(client: TestClient, body: dict[str, Any], fragment: str) -> None:
+def test_a_reward_the_store_could_not_keep_or_match_is_refused(
+    client: TestClient, body: dict[str, Any], fragment: str
+) -> None:
     assert fragment in _assert_error(client.post("/v1/rewards", json=body), 400, "invalid_request")["message"]
 
 
@@ -169,7 +177,8 @@ def test_a_reward_by_trace_id_in_upper_case_finds_its_trajectory(client: TestCli
     client.post("/v1/traces", content=to_request(_group({"a": 1.0})).SerializeToString(), headers=PB)
     trace = client.get("/v1/trajectories/a").json()["trace_id"]
     answer = client.post("/v1/rewards", json={"trace_id": trace.upper(), "name": "judge", "value": 0.5})
-    assert answer.status_code == 200 and answer.json()["trace_id"] == trace and answer.json()["trajectory_known"] is True
+    assert (answer.status_code == 200 and answer.json()["trace_id"] == trace
+            and answer.json()["trajectory_known"] is True)
     assert client.get("/v1/trajectories/a").json()["rewards"] == {"reward": 1.0, "judge": 0.5}
 
 
@@ -198,8 +207,11 @@ def test_batches_groups_and_acks(client: TestClient) -> None:
     ({"lease_seconds": 8 * 24 * 3600}, "lease_seconds"),
     ({"trainer": "t" * 257}, "trainer"),
 ])
-def test_a_lease_request_that_could_never_be_met_or_kept_is_refused(client: TestClient, body: dict[str, Any], fragment: str) -> None:
-    answer = client.post("/v1/batches", content=json.dumps(body), headers=JSON)  # `Infinity` for 1e309, as Python writes it
+def test_a_lease_request_that_could_never_be_met_or_kept_is_refused(
+    client: TestClient, body: dict[str, Any], fragment: str
+) -> None:
+    # `Infinity` for 1e309, as Python writes it
+    answer = client.post("/v1/batches", content=json.dumps(body), headers=JSON)
     assert fragment in _assert_error(answer, 400, "invalid_request")["message"]
     _assert_error(client.post("/v1/batches/b/ack", json={"policy_step": 2**31}), 400, "invalid_request")
 
@@ -245,7 +257,8 @@ def test_release_gives_groups_back_now_and_shows_on_the_batch(tmp_path: Path) ->
     reopened = client.post("/v1/groups/g/reopen")
     assert reopened.status_code == 200
     assert reopened.json() == {"group_id": "g", "previous_state": "skipped",
-                               "previous_reason": "training failed 2 times; last: RuntimeError: again", "failed_attempts": 2}
+                               "previous_reason": "training failed 2 times; last: RuntimeError: again",
+                               "failed_attempts": 2}
     assert [(g["state"], g["failed_attempts"]) for g in client.get("/v1/groups").json()] == [("ready", 0)]
     _assert_error(client.post("/v1/groups/g/reopen"), 409, "group_not_reopenable")
     third = client.post("/v1/batches", json={}).json()
@@ -276,7 +289,8 @@ def test_an_empty_api_key_means_none(tmp_path: Path, monkeypatch: pytest.MonkeyP
     """As in the plugin, which then sends no header: an empty `ART_API_KEY` must not lock every write."""
     monkeypatch.setenv("ART_API_KEY", "")
     client = TestClient(create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}")))
-    assert client.post("/v1/traces", content=to_request(_group({"a": 1.0})).SerializeToString(), headers=PB).status_code == 200
+    assert client.post("/v1/traces", content=to_request(_group({"a": 1.0})).SerializeToString(),
+                       headers=PB).status_code == 200
     assert client.post("/v1/rewards", json={"rollout_id": "a", "value": 1.0}).status_code == 200
 
 
@@ -293,11 +307,13 @@ def test_a_full_disk_answers_503_stores_nothing_and_the_retry_succeeds(tmp_path:
     def _cap(dbapi_connection: Any, _: Any) -> None:
         cursor = dbapi_connection.cursor()
         pages = cursor.execute("PRAGMA page_count").fetchone()[0]
-        cursor.execute(f"PRAGMA max_page_count={pages + limit['pages']}" if limit["pages"] else "PRAGMA max_page_count=1073741823")
+        cursor.execute(f"PRAGMA max_page_count={pages + limit['pages']}" if limit["pages"]
+                       else "PRAGMA max_page_count=1073741823")
         cursor.close()
 
     limit["pages"] = 2
-    big = [llm(i, rollout=f"r{i}", trace=f"{i:032x}", start=5, prompt=list(range(2000)), completion=[1]) for i in range(1, 30)]
+    big = [llm(i, rollout=f"r{i}", trace=f"{i:032x}", start=5, prompt=list(range(2000)), completion=[1])
+           for i in range(1, 30)]
     body = to_request(big).SerializeToString()
     full = client.post("/v1/traces", content=body, headers=PB)
     message = _assert_error(full, 503, "store_unavailable")["message"]
@@ -334,7 +350,8 @@ def served(tmp_path: Path) -> Iterator[tuple[str, _RecordEncodings]]:
 
 
 def _run_rollout(tracer, rollout_id: str, group: str, reward: float, completion: list[int]) -> None:
-    attrs = {sc.SPAN_KIND: sc.SPAN_KIND_ROLLOUT, sc.ROLLOUT_ID: rollout_id, sc.GROUP: group, sc.GROUP_SIZE: 2, sc.TASK: "sum"}
+    attrs = {sc.SPAN_KIND: sc.SPAN_KIND_ROLLOUT, sc.ROLLOUT_ID: rollout_id, sc.GROUP: group, sc.GROUP_SIZE: 2,
+             sc.TASK: "sum"}
     with tracer.start_as_current_span("rollout", attributes=attrs) as root:
         for turn, prompt in enumerate(([5, 6], [5, 6, *completion, 7])):
             llm_attrs = {
@@ -390,4 +407,5 @@ def test_batch_and_ack_without_body(client: TestClient) -> None:
     batch = client.post("/v1/batches")
     assert batch.status_code == 200 and [g["id"] for g in batch.json()["groups"]] == ["g"]
     ack = client.post(f"/v1/batches/{batch.json()['id']}/ack")
-    assert ack.status_code == 200 and ack.json() == {"batch_id": batch.json()["id"], "groups": ["g"], "policy_step": None}
+    assert ack.status_code == 200 and ack.json() == {"batch_id": batch.json()["id"], "groups": ["g"],
+                                                     "policy_step": None}

@@ -145,7 +145,8 @@ def test_batches_list_leases_newest_first(make_store, clock) -> None:
 
 def test_groups_show_the_size_they_wait_for(make_store) -> None:
     store = make_store(min_group_size=3)
-    store.add_spans(_trajectory(10, "a", reward=1.0, group="sized", size=4) + _trajectory(20, "b", reward=1.0, group="bare", size=None))
+    store.add_spans(_trajectory(10, "a", reward=1.0, group="sized", size=4)
+                    + _trajectory(20, "b", reward=1.0, group="bare", size=None))
     assert sorted((g.id, g.size, g.expected) for g in store.groups()) == [("bare", 1, 3), ("sized", 1, 4)]
 
 
@@ -183,7 +184,8 @@ def test_min_and_max_groups(make_store) -> None:
     store = make_store()
     for i, group in enumerate(["g1", "g2", "g3"]):
         n = 100 * (i + 1)
-        store.add_spans(_trajectory(n, f"{group}a", reward=1.0, group=group) + _trajectory(n + 50, f"{group}b", reward=0.0, group=group))
+        store.add_spans(_trajectory(n, f"{group}a", reward=1.0, group=group)
+                        + _trajectory(n + 50, f"{group}b", reward=0.0, group=group))
     assert store.lease(BatchRequest(min_groups=4)).groups == []
     assert [g.id for g in store.lease(BatchRequest(max_groups=2)).groups] == ["g1", "g2"]
     assert [g.id for g in store.lease(BatchRequest(max_groups=2)).groups] == ["g3"]
@@ -191,7 +193,8 @@ def test_min_and_max_groups(make_store) -> None:
 
 def test_full_group_key_opens_a_new_instance(make_store) -> None:
     store = make_store()
-    store.add_spans(_trajectory(10, "a", reward=1.0) + _trajectory(20, "b", reward=0.0) + _trajectory(30, "c", reward=0.5))
+    store.add_spans(_trajectory(10, "a", reward=1.0) + _trajectory(20, "b", reward=0.0)
+                    + _trajectory(30, "c", reward=0.5))
     assert [(g.id, g.size) for g in store.groups()] == [("g", 2), ("g#2", 1)]
     assert store.trajectory("c").group_id == "g#2"
     assert [t.id for t in store.trajectories(group="g")] == ["a", "b", "c"]  # by key
@@ -232,7 +235,8 @@ def test_spans_without_model_call_outside_rollouts_make_no_trajectory(make_store
 
 def test_filters(make_store) -> None:
     store = make_store()
-    store.add_spans(_trajectory(10, "a", reward=1.0, task="x") + _trajectory(20, "b", reward=1.0, group="h", split="val"))
+    store.add_spans(_trajectory(10, "a", reward=1.0, task="x")
+                    + _trajectory(20, "b", reward=1.0, group="h", split="val"))
     assert [t.id for t in store.trajectories(task="x")] == ["a"]
     assert [t.id for t in store.trajectories(split="val")] == ["b"]
     assert [t.id for t in store.trajectories(group="h", split="train")] == []
@@ -290,13 +294,15 @@ def test_migration_from_version_1_keeps_rewards(db_url, clock) -> None:
         schema_version.create(conn)
         MIGRATIONS[0](conn)
         conn.execute(schema_version.insert().values(version=1, applied_at=0.0))
-        conn.execute(text("INSERT INTO rewards (rollout_id, name, value, source, created_at) VALUES ('a', 'judge', 0.5, 'api', 1.0)"))
+        conn.execute(text("INSERT INTO rewards (rollout_id, name, value, source, created_at) "
+                          "VALUES ('a', 'judge', 0.5, 'api', 1.0)"))
     assert "time_ns" not in {c["name"] for c in inspect(old).get_columns("rewards")}
     old.dispose()
     store = SqlStore(CollectorSettings(db=url), clock=clock)
     store.setup()
     with store.engine.connect() as conn:
-        assert [r[0] for r in conn.execute(text("SELECT version FROM schema_version ORDER BY version"))] == list(range(1, SCHEMA_VERSION + 1))
+        assert ([r[0] for r in conn.execute(text("SELECT version FROM schema_version ORDER BY version"))]
+                == list(range(1, SCHEMA_VERSION + 1)))
     store.add_spans(_trajectory(10, "a", reward=1.0))
     assert store.trajectory("a").rewards == {"reward": 1.0, "judge": 0.5}
     store.close()
@@ -332,14 +338,17 @@ def test_migration_from_version_2_digests_stored_trajectories(db_url, clock) -> 
             id="a", trace_id=root.trace_id, by_rollout=True, group_key="g", group_id="g", task=None, split="train",
             complete=True, created_at=0.0, updated_at=0.0,
         ))
-        conn.execute(groups.insert().values(id="g", key="g", explicit=True, size_hint=2, state="open", created_at=0.0, updated_at=0.0))
+        conn.execute(groups.insert().values(id="g", key="g", explicit=True, size_hint=2, state="open",
+                                            created_at=0.0, updated_at=0.0))
     old.dispose()
     store = SqlStore(CollectorSettings(db=url), clock=clock)
     store.setup()
-    assert {"judge_runs", "judgements", "langfuse_pulled", "langfuse_pushed"} <= set(inspect(store.engine).get_table_names())
+    assert ({"judge_runs", "judgements", "langfuse_pulled", "langfuse_pushed"}
+            <= set(inspect(store.engine).get_table_names()))
     assert store.add_spans([child]) == 1
     migrated = store.trajectory("a")
-    assert (migrated.group_id, migrated.complete, [s.token_ids for s in migrated.sequences]) == ("g", True, [[1, 2, 10]])
+    assert ((migrated.group_id, migrated.complete, [s.token_ids for s in migrated.sequences])
+            == ("g", True, [[1, 2, 10]]))
     assert [(g.id, g.size, g.expected) for g in store.groups()] == [("g", 1, 2)]
     store.close()
 
@@ -395,11 +404,13 @@ def test_weighted_training_reward(make_store) -> None:
     for rollout_id, correct in (("a", 1.0), ("b", 0.0)):
         store.add_reward(RewardIn(rollout_id=rollout_id, name="correct", value=correct))
     (group,) = store.groups()
-    assert (group.state, group.rewarded, group.reason) == ("open", 0, "2 trajectories without reward 1*'correct' + 0.5*'short'")
+    assert ((group.state, group.rewarded, group.reason)
+            == ("open", 0, "2 trajectories without reward 1*'correct' + 0.5*'short'"))
     store.add_reward(RewardIn(rollout_id="a", name="short", value=0.2))
     store.add_reward(RewardIn(rollout_id="b", name="short", value=1.0))
     (batch_group,) = store.lease(BatchRequest()).groups
-    assert sorted((t.id, t.reward, t.rewards["short"]) for t in batch_group.trajectories) == [("a", 1.1, 0.2), ("b", 0.5, 1.0)]
+    assert (sorted((t.id, t.reward, t.rewards["short"]) for t in batch_group.trajectories)
+            == [("a", 1.1, 0.2), ("b", 0.5, 1.0)])
 
 
 def test_reward_spans_attach_by_rollout_or_trace(make_store) -> None:
@@ -407,7 +418,8 @@ def test_reward_spans_attach_by_rollout_or_trace(make_store) -> None:
 
     store = make_store()
     store.add_spans(_trajectory(10, "a", reward=None) + _trajectory(20, "b", reward=None))
-    late = SpanRecord("f" * 32, sid(900), None, "score", 500, 600, {"art.span.kind": "reward", "art.rollout.id": "a", "art.reward.value": 0.25})
+    late = SpanRecord("f" * 32, sid(900), None, "score", 500, 600,
+                      {"art.span.kind": "reward", "art.rollout.id": "a", "art.reward.value": 0.25})
     same_trace = SpanRecord(
         f"{20:032x}", sid(901), sid(20), "judge", 500, 600, {"art.span.kind": "reward"},
         [SpanEvent("art.reward", 550, {"art.reward.name": "reward", "art.reward.value": 0.75})],
@@ -415,7 +427,8 @@ def test_reward_spans_attach_by_rollout_or_trace(make_store) -> None:
     store.add_spans([late, same_trace])
     assert (store.trajectory("a").reward, store.trajectory("b").reward) == (0.25, 0.75)
     assert [t.id for t in store.trajectories()] == ["a", "b"]  # reward spans make no trajectory of their own
-    bad = SpanRecord("f" * 32, sid(902), None, "score", 1, 2, {"art.span.kind": "reward", "art.rollout.id": "a", "art.reward.value": "high"})
+    bad = SpanRecord("f" * 32, sid(902), None, "score", 1, 2,
+                     {"art.span.kind": "reward", "art.rollout.id": "a", "art.reward.value": "high"})
     with pytest.raises(InvalidRequest, match="finite number"):
         store.add_spans([bad])
 
@@ -431,7 +444,8 @@ def test_stale_group_expires_with_its_reason(make_store, clock) -> None:
     clock.now += 41
     states = {g.id: (g.state, g.reason) for g in store.groups()}
     assert states["h"] == ("ready", None)  # a ready group waits for a trainer, it does not go stale
-    assert states["g"] == ("expired", "expired: no new span or reward for 100 s while waiting for 1 more of 3 trajectories")
+    assert states["g"] == ("expired",
+                           "expired: no new span or reward for 100 s while waiting for 1 more of 3 trajectories")
     store.add_spans(_trajectory(30, "c", reward=0.5, size=3))
     assert store.trajectory("c").group_id == "g#2"  # the expired instance takes no one
     assert [g.id for g in store.lease(BatchRequest()).groups] == ["h"]
@@ -439,9 +453,12 @@ def test_stale_group_expires_with_its_reason(make_store, clock) -> None:
 
 def test_drift_is_reported_in_the_read_api(make_store) -> None:
     store = make_store()
-    first = llm(11, start=10, prompt=[1, 2], completion=[3, 4], messages=[{"role": "user", "content": "q"}], output=[{"role": "assistant", "content": "a"}])
-    drifted = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]
-    second = llm(12, start=20, prompt=[1, 2, 3, 7, 5], completion=[6], messages=drifted, output=[{"role": "assistant", "content": "b"}])
+    first = llm(11, start=10, prompt=[1, 2], completion=[3, 4], messages=[{"role": "user", "content": "q"}],
+                output=[{"role": "assistant", "content": "a"}])
+    drifted = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+               {"role": "user", "content": "more"}]
+    second = llm(12, start=20, prompt=[1, 2, 3, 7, 5], completion=[6], messages=drifted,
+                 output=[{"role": "assistant", "content": "b"}])
     store.add_spans([first, second, rollout(10, "r1", group="g")])
     traj = store.trajectory("r1")
     assert [s.token_ids for s in traj.sequences] == [[1, 2, 3, 4], [1, 2, 3, 7, 5, 6]]
@@ -456,15 +473,21 @@ def _rich_spans() -> list:
     for k, rollout_id in enumerate(("a", "b")):
         trace, n = f"{k + 7:032x}", 100 * (k + 1)
         q = [{"role": "user", "content": f"q{k}"}]
-        a = [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}]
+        a = [{"role": "assistant", "content": "",
+              "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}]
         t = [{"role": "tool", "tool_call_id": "c", "content": "5"}]
         spans += [
-            llm(n + 1, rollout=rollout_id, trace=trace, start=10, prompt=[1, 2], completion=[3, k], messages=q, output=a),
-            llm(n + 2, rollout=rollout_id, trace=trace, start=20, prompt=[1, 2, 3, k, 9], completion=[4], messages=q + a + t,
-                output=[{"role": "assistant", "content": "5"}], tools=[{"type": "function", "function": {"name": "add"}}], model="agent@1"),
-            llm(n + 3, rollout=rollout_id, trace=trace, start=30, prompt=[1, 2, 8], completion=[5], messages=q + a + t + [{"role": "assistant", "content": "5"}, {"role": "user", "content": "again"}]),
-            rollout(n, rollout_id, trace=trace, group="g", size=2, task="sum", rewards={"reward": float(k), "len": 1.0 + k}),
-            SpanRecord(trace, sid(n + 4), sid(n), "score", 40, 90, {"art.span.kind": "reward", "art.rollout.id": rollout_id},
+            llm(n + 1, rollout=rollout_id, trace=trace, start=10, prompt=[1, 2], completion=[3, k],
+                messages=q, output=a),
+            llm(n + 2, rollout=rollout_id, trace=trace, start=20, prompt=[1, 2, 3, k, 9], completion=[4],
+                messages=q + a + t, output=[{"role": "assistant", "content": "5"}],
+                tools=[{"type": "function", "function": {"name": "add"}}], model="agent@1"),
+            llm(n + 3, rollout=rollout_id, trace=trace, start=30, prompt=[1, 2, 8], completion=[5],
+                messages=q + a + t + [{"role": "assistant", "content": "5"}, {"role": "user", "content": "again"}]),
+            rollout(n, rollout_id, trace=trace, group="g", size=2, task="sum",
+                    rewards={"reward": float(k), "len": 1.0 + k}),
+            SpanRecord(trace, sid(n + 4), sid(n), "score", 40, 90,
+                       {"art.span.kind": "reward", "art.rollout.id": rollout_id},
                        [SpanEvent("art.reward", 60, {"art.reward.name": "len", "art.reward.value": 0.5 + k}),
                         SpanEvent("art.reward", 70, {"art.reward.name": "judge", "art.reward.value": 0.1})]),
         ]
@@ -536,7 +559,8 @@ def test_trajectories_page_newest_first_and_count(make_store, clock) -> None:
     assert [t.id for t in store.trajectories(newest_first=True, limit=2, offset=1)] == ["r3", "r2"]
     assert [t.id for t in store.trajectories(group="h", newest_first=True, limit=5)] == ["r4", "r3"]
     assert [t.id for t in store.trajectories(offset=3)] == ["r4"]
-    assert (store.count_trajectories(), store.count_trajectories(group="g"), store.count_trajectories(task="none")) == (4, 2, 0)
+    assert (store.count_trajectories(), store.count_trajectories(group="g"),
+            store.count_trajectories(task="none")) == (4, 2, 0)
 
 
 def _template_run(n: int, rollout_id: str, *, reward: float) -> list:
@@ -552,14 +576,16 @@ def test_a_trajectory_without_a_model_call_joins_no_group_until_one_arrives(make
     assert store.count_trajectories() == 2
     assert store.groups() == []  # so never ready, leased or judged, although its rewards differ
     assert store.lease(BatchRequest()).groups == []
-    store.add_spans([llm(21, rollout="tmpl-b", trace=f"{20:032x}", start=10, prompt=[1, 2], completion=[3])])  # late turn
+    # late turn
+    store.add_spans([llm(21, rollout="tmpl-b", trace=f"{20:032x}", start=10, prompt=[1, 2], completion=[3])])
     assert [(t.id, t.group_id) for t in store.trajectories()] == [("tmpl-a", ""), ("tmpl-b", "ChatPromptTemplate")]
     assert [(g.id, g.size) for g in store.groups()] == [("ChatPromptTemplate", 1)]
 
 
 def test_an_attempt_without_a_model_call_stays_in_the_group_the_app_named(make_store) -> None:
     store = make_store()
-    failed = rollout(10, "try-0", trace=f"{10:032x}", group="q1", size=2, rewards={"reward": 0.0})  # raised before the model
+    # raised before the model
+    failed = rollout(10, "try-0", trace=f"{10:032x}", group="q1", size=2, rewards={"reward": 0.0})
     answered = [rollout(20, "try-1", trace=f"{20:032x}", group="q1", size=2, rewards={"reward": 1.0}),
                 llm(21, rollout="try-1", trace=f"{20:032x}", start=10, prompt=[1, 2], completion=[3])]
     store.add_spans([failed, *answered])

@@ -18,7 +18,8 @@ def client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> TestClient:
     store = app.state.store
     store.add_spans(group_spans("a", ["7", "8"], rewards=[1.0, 0.0], steps=[0, 0]))
     store.add_spans(group_spans("b", ["7", "7"], rewards=[1.0, 0.5], steps=[1, 1], first_span=100))
-    store.add_spans(group_spans("c", ["x", "y"], rewards=[0.2, 0.4], steps=[2, 2], task="tools", tool_call=True, first_span=200))
+    store.add_spans(group_spans("c", ["x", "y"], rewards=[0.2, 0.4], steps=[2, 2], task="tools", tool_call=True,
+                                first_span=200))
     with TestClient(app) as client:
         yield client
 
@@ -48,7 +49,8 @@ def test_filters(client: TestClient) -> None:
 
 def test_summary_and_detail(client: TestClient) -> None:
     row = next(t for t in client.get("/v1/view/trajectories").json()["items"] if t["id"] == "a-1")
-    assert (row["reward"], row["policy_step"], row["messages"], row["tokens"], row["last_message"]) == (0.0, 0, 3, 7, "[assistant] 8")
+    assert ((row["reward"], row["policy_step"], row["messages"], row["tokens"], row["last_message"])
+            == (0.0, 0, 3, 7, "[assistant] 8"))
     detail = client.get("/v1/view/trajectories/c-0").json()
     assert detail["tool_calls"] == 1
     assert detail["conversation"][-1]["tool_calls"][0]["function"]["name"] == "add"
@@ -67,7 +69,8 @@ def test_groups_batches_and_reward_curve(client: TestClient) -> None:
     assert (shown["id"], shown["trainer"], shown["state"], shown["policy_step"]) == (batch["id"], "t1", "acked", 3)
     assert shown["groups"] == sorted(g["id"] for g in batch["groups"])
     curve = client.get("/v1/view/reward-curve").json()
-    assert [(p["policy_step"], p["mean"], p["count"]) for p in curve] == [(0, 0.5, 2), (1, 0.75, 2), (2, pytest.approx(0.3), 2)]
+    assert ([(p["policy_step"], p["mean"], p["count"]) for p in curve]
+            == [(0, 0.5, 2), (1, 0.75, 2), (2, pytest.approx(0.3), 2)])
     assert client.get("/v1/view/reward-curve", params={"name": "nothing"}).json() == []
 
 
@@ -79,12 +82,15 @@ def test_home_redirects_to_the_page(client: TestClient) -> None:
     assert client.get("/ui/app.js").status_code == 200
 
 
-def test_a_trajectory_without_a_model_call_is_listed_with_why_it_has_no_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_trajectory_without_a_model_call_is_listed_with_why_it_has_no_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     app = make_app(tmp_path, monkeypatch)
     store = app.state.store
     store.add_spans(group_spans("a", ["7", "8"], rewards=[1.0, 0.0]))
     store.add_spans([sb.rollout(n, f"tmpl-{n}", trace=f"{n:032x}", task="ChatPromptTemplate") for n in (100, 200)])
-    store.add_spans([sb.llm(301, rollout="open-1", trace=f"{300:032x}", start=10, prompt=[1], completion=[2])])  # no rollout span yet
+    # no rollout span yet
+    store.add_spans([sb.llm(301, rollout="open-1", trace=f"{300:032x}", start=10, prompt=[1], completion=[2])])
     with TestClient(app) as client:
         items = {t["id"]: t for t in client.get("/v1/view/trajectories").json()["items"]}
         assert {tid: (t["group_id"], t["ungrouped"]) for tid, t in items.items()} == {

@@ -26,7 +26,8 @@ def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     app = make_app(tmp_path, monkeypatch)
     app.state.store.add_spans(group_spans("sums", ["7", "The answer is 8"], rewards=[1.0, 0.0], steps=[0, 1]))
     app.state.scoring.scoring.save_judgements(
-        "ruler", "sums", [{"trajectory_id": "sums-0", "score": 0.9, "explanation": "Right sum, short reply.", "block": 1, "duplicate_of": None, "created_at": 0.0}]
+        "ruler", "sums", [{"trajectory_id": "sums-0", "score": 0.9, "explanation": "Right sum, short reply.",
+                           "block": 1, "duplicate_of": None, "created_at": 0.0}]
     )
     with served_app(app) as url:
         assert httpx.get(f"{url}/health").status_code == 200
@@ -64,7 +65,8 @@ def test_page_lists_trajectories_and_shows_messages(served: str, tmp_path: Path)
 def test_batches_page_shows_a_released_batch_and_its_reason(served: str, tmp_path: Path) -> None:
     batch = httpx.post(f"{served}/v1/batches", json={"trainer": "t1"}).json()
     assert [g["id"] for g in batch["groups"]] == ["sums"]
-    released = httpx.post(f"{served}/v1/batches/{batch['id']}/release", json={"reason": "NonFiniteStepError: loss is nan"})
+    released = httpx.post(f"{served}/v1/batches/{batch['id']}/release",
+                          json={"reason": "NonFiniteStepError: loss is nan"})
     assert released.status_code == 200
     page = html.unescape(chromium(f"{served}/ui/#/batches", tmp_path / "profile", "--dump-dom"))
     assert 'id="batches"' in page and "<td>released</td>" in page

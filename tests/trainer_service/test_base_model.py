@@ -42,7 +42,8 @@ def test_unknown_hub_name_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: the hub is unreachable
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    with pytest.raises(BaseModelError, match=r"(?s)not in the Hugging Face cache.*unreachable.*huggingface-cli download"):
+    with pytest.raises(BaseModelError,
+                       match=r"(?s)not in the Hugging Face cache.*unreachable.*huggingface-cli download"):
         resolve_base_model("no-such-org/no-such-model")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(BaseModelError, match="HF_HUB_OFFLINE is set"):

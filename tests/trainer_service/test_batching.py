@@ -134,7 +134,8 @@ def test_infinite_engine_logprobs_are_missing(placeholder: float) -> None:
 def test_advantage_stats_are_reported() -> None:
     trainer = make_trainer()
     stats = prepare_grpo([group(trainer, (1.0, 0.0))], trainer.config, CPU).stats
-    assert stats["advantage/max"] == pytest.approx(1.0, abs=1e-5) and stats["advantage/min"] == pytest.approx(-1.0, abs=1e-5)
+    assert (stats["advantage/max"] == pytest.approx(1.0, abs=1e-5)
+            and stats["advantage/min"] == pytest.approx(-1.0, abs=1e-5))
     assert stats["advantage/mean"] == pytest.approx(0.0, abs=1e-6)
 
 
@@ -165,7 +166,8 @@ def test_retokenized_mask_covers_exactly_the_assistant_turns(tokenizer: PreTrain
         "2<|im_end|>",
     ]
     unmasked = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if not m])
-    for text in ("You add numbers.", "What is 2+3?", "<tool_response>\n5\n</tool_response>", "And 1+1?", '"name": "add"'):
+    for text in ("You add numbers.", "What is 2+3?", "<tool_response>\n5\n</tool_response>", "And 1+1?",
+                 '"name": "add"'):
         assert text in unmasked  # prompts, tool definitions and tool results carry no loss
 
 

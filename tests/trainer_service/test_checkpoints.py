@@ -194,7 +194,8 @@ def test_lora_shape_mismatch_names_the_checkpoint_and_the_flags(tmp_path: Path) 
     with pytest.raises(CheckpointMismatchError, match=r"--target-modules q_proj,v_proj"):
         store.check_compatible("m", 8, ["q_proj"], 16)
     # another alpha fits the shapes but scales the resumed adapter by another alpha / r: refused too
-    with pytest.raises(CheckpointMismatchError, match=r"step-3 was trained with lora_alpha 16 \(now 32\).*--lora-alpha 16"):
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"step-3 was trained with lora_alpha 16 \(now 32\).*--lora-alpha 16"):
         store.check_compatible("m", 8, ["q_proj", "v_proj"], 32)
 
 

@@ -80,7 +80,8 @@ def test_non_finite_service_settings_are_refused_in_one_line_naming_the_setting(
     # `inf` passed every `gt=0` (a timeout of forever, a poll that never comes); NaN failed it as "not greater than 0"
     with pytest.raises(SystemExit):  # a missing base model: were the value let through, serve would stop before vLLM
         main(["serve", f"--{name.replace('_', '-')}={value}", "--base-model", "/no/such/folder"])
-    assert capsys.readouterr().err.splitlines()[-1] == f"art-trainer: error: {name}={value}: Input should be a finite number"
+    assert (capsys.readouterr().err.splitlines()[-1]
+            == f"art-trainer: error: {name}={value}: Input should be a finite number")
     monkeypatch.setenv(f"ART_TRAINER_{name.upper()}", value)
     with pytest.raises(ValidationError) as info:
         TrainerSettings()

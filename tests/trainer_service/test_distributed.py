@@ -98,7 +98,8 @@ async def test_a_failing_worker_is_a_readable_500_and_nothing_is_served(tmp_path
     assert "Traceback" in (tmp_path / "train_workers.log").read_text()
     assert not (tmp_path / "checkpoints").exists() or list((tmp_path / "checkpoints").iterdir()) == []
     assert service.engine.adapters == {} and acks == [] and service.steps == []
-    assert [(batch_id, body["failed"]) for batch_id, body in releases] == [("b1", False)]  # the workers', not the data's
+    # the workers', not the data's
+    assert [(batch_id, body["failed"]) for batch_id, body in releases] == [("b1", False)]
     assert service.trainer.step_count == 0
     assert all(torch.equal(v, before[k]) for k, v in adapter_weights(service.trainer).items())
     await service.aclose()

@@ -245,7 +245,8 @@ def test_far_or_infinite_engine_logprobs_keep_loss_and_gradient_finite(name: str
 def test_importance_ratio_is_clamped_and_differentiable_inside_the_bound() -> None:
     new = torch.tensor([0.5, 30.0, -30.0], requires_grad=True)
     ratio = importance_ratio(new, torch.zeros(3))
-    assert torch.allclose(ratio.detach(), torch.tensor([math.exp(0.5), math.exp(MAX_LOG_RATIO), math.exp(-MAX_LOG_RATIO)]))
+    assert torch.allclose(ratio.detach(),
+                          torch.tensor([math.exp(0.5), math.exp(MAX_LOG_RATIO), math.exp(-MAX_LOG_RATIO)]))
     ratio.sum().backward()
     assert new.grad is not None and new.grad.tolist() == [pytest.approx(math.exp(0.5)), 0.0, 0.0]
 

@@ -14,8 +14,9 @@ TOKENS = torch.tensor([[1, 104, 2003, 42, 7, 311, 900, 901]])
 
 def lora_model(dtype: torch.dtype, **lora: object) -> PeftModel:
     """The tiny model in `dtype` with an fp32 LoRA on every projection, B random (PEFT starts it at 0)."""
-    model = get_peft_model(tiny_model().to(dtype), LoraConfig(r=4, lora_alpha=8, target_modules=list(DEFAULT_TARGET_MODULES),
-                                                             **lora))  # type: ignore[arg-type]
+    model = get_peft_model(tiny_model().to(dtype),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=list(DEFAULT_TARGET_MODULES),
+                                      **lora))  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, param in model.named_parameters():

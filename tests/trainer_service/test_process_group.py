@@ -20,7 +20,8 @@ if "--ignore-term" in sys.argv:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 grandchild = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\\n"
                                "if sys.argv[1] == '1': signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
-                               "print('ready', flush=True); time.sleep(600)", "1" if "--ignore-term" in sys.argv else "0"],
+                               "print('ready', flush=True); time.sleep(600)",
+                               "1" if "--ignore-term" in sys.argv else "0"],
                               stdout=subprocess.PIPE, text=True)
 grandchild.stdout.readline()
 print(grandchild.pid, flush=True)

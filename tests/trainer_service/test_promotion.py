@@ -39,12 +39,14 @@ def engine(request: httpx.Request) -> httpx.Response:
     body = json.loads(request.content)
     choices = [{"index": i, "message": {"role": "assistant", "content": f"answer from {body['model']}"},
                 "finish_reason": "stop"} for i in range(body["n"])]
-    return httpx.Response(200, json={"id": "x", "object": "chat.completion", "model": body["model"], "choices": choices})
+    return httpx.Response(200, json={"id": "x", "object": "chat.completion", "model": body["model"],
+                                     "choices": choices})
 
 
 async def test_gate_promotes_within_margin_and_says_why_not(tmp_path: Path) -> None:
     eval_file = tmp_path / "eval.jsonl"
-    eval_file.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"{a}+1?"}]}) for a in range(3)))
+    eval_file.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"{a}+1?"}]})
+                                   for a in range(3)))
     rows = load_eval_file(eval_file)
 
     async def source() -> list[dict[str, Any]]:

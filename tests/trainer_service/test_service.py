@@ -84,7 +84,8 @@ def make_service(tmp_path: Path, batches: list[Batch], acks: list[tuple[str, dic
         if request.url.path == "/v1/groups":  # the trainer asks for the ready ones only, not the whole history
             if request.url.params.get_list("state") != ["ready"]:
                 return httpx.Response(400, json={"error": {"message": "expected ?state=ready"}})
-            ready = [{"id": g.id, "task": None, "size": 2, "expected": 2, "complete": 2, "rewarded": 2, "state": "ready"}
+            ready = [{"id": g.id, "task": None, "size": 2, "expected": 2, "complete": 2, "rewarded": 2,
+                      "state": "ready"}
                      for b in batches for g in b.groups]
             return httpx.Response(200, json=ready)
         acks.append((request.url.path.split("/")[3], json.loads(request.content)))
@@ -241,7 +242,9 @@ async def test_a_step_that_makes_the_adapter_non_finite_saves_and_serves_nothing
     await service.aclose()
 
 
-async def test_a_failed_load_into_vllm_releases_without_counting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_failed_load_into_vllm_releases_without_counting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     releases: list[tuple[str, dict]] = []
     batches: list[Batch] = []
     service = make_service(tmp_path, batches, [], releases=releases)

@@ -87,7 +87,8 @@ def trajectory(trainer: LoRATrainer, completion: list[int], reward: float | None
 def group(trainer: LoRATrainer, rewards: tuple[float | None, float | None], gid: str = "g") -> Group:
     return Group(
         id=gid,
-        trajectories=[trajectory(trainer, GOOD, rewards[0], f"{gid}-a"), trajectory(trainer, BAD, rewards[1], f"{gid}-b")],
+        trajectories=[trajectory(trainer, GOOD, rewards[0], f"{gid}-a"),
+                      trajectory(trainer, BAD, rewards[1], f"{gid}-b")],
     )
 
 
@@ -331,7 +332,8 @@ def test_resume_trains_with_this_runs_learning_rate_and_weight_decay(tmp_path: P
     assert [(g["lr"], g["weight_decay"]) for g in resumed.optimizer.param_groups] == [(1e-4, 0.1)]
     assert "learning_rate 0.005 -> 0.0001, weight_decay 0 -> 0.1" in caplog.text
     saved, restored = first.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
-    assert all(torch.equal(saved[k]["exp_avg"], restored[k]["exp_avg"]) for k in saved)  # the moments are the saved ones
+    # the moments are the saved ones
+    assert all(torch.equal(saved[k]["exp_avg"], restored[k]["exp_avg"]) for k in saved)
     assert resumed.step([group(resumed, (1.0, 0.0))])["optim/lr"] == 1e-4
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="trainer_service.training"):

@@ -95,7 +95,8 @@ def test_other_layers_go_to_vllms_dispatch() -> None:
     calls: list[torch.nn.Module] = []
     dispatch = vllm_cpu_matmul.bf16_linear_dispatch(lambda layer, remove: calls.append(layer), lambda _: False)
     head = torch.nn.Module()
-    head.weight = torch.nn.Parameter(torch.zeros(4, 3), requires_grad=False)  # e.g. the LM head: its logits stay float32
+    # e.g. the LM head: its logits stay float32
+    head.weight = torch.nn.Parameter(torch.zeros(4, 3), requires_grad=False)
     dispatch(head, False)
     assert calls == [head] and not hasattr(head, "cpu_linear")
     bf16 = torch.nn.Module()
