@@ -59,8 +59,8 @@ from typing import Any
 import httpx
 import torch
 from transformers import TrainerCallback
-from collector.protocol import Group, Sequence, Trajectory
 
+from collector.protocol import Group, Sequence, Trajectory
 from trainer_service.allocator import allocator_library, loaded_allocator, with_preload
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
 from trainer_service.config import DEFAULT_TARGET_MODULES, GRPOConfig, TrainerSettings

@@ -50,7 +50,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     import uvicorn
-
     from pydantic import ValidationError
 
     from collector.config import CollectorSettings, settings_error

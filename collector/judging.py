@@ -18,7 +18,7 @@ from typing import Any
 
 from collector.errors import Conflict, NotFound
 from collector.protocol import GroupState, RewardIn, Trajectory
-from collector.read_protocol import JudgeRun, Judgement
+from collector.read_protocol import Judgement, JudgeRun
 from collector.ruler import (
     JudgeClient,
     JudgeError,

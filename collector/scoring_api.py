@@ -20,17 +20,17 @@ from fastapi import APIRouter, Depends, FastAPI, Query
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
+from collector import views
 from collector.errors import NotFound
 from collector.judging import GroupJudge, run_view
 from collector.langfuse_sync import LangfuseSync
-from collector import views
 from collector.read_protocol import (
     BatchView,
     CurvePoint,
     GroupView,
+    Judgement,
     JudgeRequest,
     JudgeRun,
-    Judgement,
     LangfuseSyncResult,
     TrajectoryDetail,
     TrajectoryPage,

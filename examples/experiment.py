@@ -13,8 +13,8 @@ up) and `reward_curves.png` (all seeds in one plot).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import asyncio
+import dataclasses
 import json
 import shutil
 import statistics

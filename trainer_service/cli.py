@@ -11,9 +11,9 @@ import logging
 from collections.abc import Sequence
 from dataclasses import fields
 
-from collector.config import settings_error
 from pydantic import ValidationError
 
+from collector.config import settings_error
 from trainer_service.allocator import preload_allocator
 from trainer_service.config import GRPOConfig, TrainerSettings
 from trainer_service.huge_pages import enable_huge_pages
@@ -183,11 +183,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import uvicorn
 
-    from trainer_service.server import create_app
-
     from trainer_service.base_model import BaseModelError
     from trainer_service.checkpoints import CheckpointMismatchError
     from trainer_service.evaluation import EvalError
+    from trainer_service.server import create_app
 
     try:
         app = create_app(settings, grpo)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from collector.protocol import AckRequest, Batch, BatchRequest, GroupStatus, ReleaseRequest, ReleaseResponse
 from pydantic import TypeAdapter
 
+from collector.protocol import AckRequest, Batch, BatchRequest, GroupStatus, ReleaseRequest, ReleaseResponse
 from trainer_service.config import TrainerSettings
 from trainer_service.protocol import ServiceError
 

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from apscheduler.triggers.cron import CronTrigger
-from collector.protocol import MAX_LEASE_SECONDS
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from collector.protocol import MAX_LEASE_SECONDS
 from trainer_service.base_model import BUNDLED_MODEL
 
 CPU_KV_BLOCK_SIZE = 32

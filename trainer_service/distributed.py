@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from collector.protocol import Batch
 
+from collector.protocol import Batch
 from trainer_service.checkpoints import CheckpointWriteError
 from trainer_service.config import GRPOConfig
 from trainer_service.durable import durable_rename

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from collector.protocol import Trajectory
 
+from collector.protocol import Trajectory
 from trainer_service.config import TrainerSettings
 
 __all__ = ["EvalError", "Evaluator", "RewardFn", "build_evaluator", "load_eval_file", "load_reward_fn",

@@ -21,10 +21,10 @@ from typing import Any
 
 import anyio
 import httpx
-from collector.auth import bearer_matches
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from collector.auth import bearer_matches
 from trainer_service.base_model import resolve_base_model
 from trainer_service.config import GRPOConfig, TrainerSettings
 from trainer_service.core_lending import CoreLender, EngineRequest, call_between_layers

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from collector.protocol import Batch
 
+from collector.protocol import Batch
 from trainer_service.allocator import loaded_allocator
 from trainer_service.checkpoints import CheckpointStore, select_kept
 from trainer_service.collector_client import CollectorClient, describe_release

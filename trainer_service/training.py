@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from collector.protocol import Group
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from collector.protocol import Group
 from trainer_service.batching import (
     NothingTrainableError,
     PreparedBatch,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 ADD_CALL = r'<tool_call>\n\{"name": "add", "arguments": \{"a": 3, "b": 4\}\}\n</tool_call>'
 """A Hermes tool call the model is steered to emit (vLLM guided decoding with a regex); vLLM's
 `hermes` parser, not the test, turns it into `tool_calls`."""

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
-from pydantic import ValidationError
 from opentelemetry import trace
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from pydantic import ValidationError
 
 import art_langgraph
 from art_langgraph import ARTChatModel, _tracing, rollout, semconv

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from art_langgraph import semconv as sc
 from bench.ingest import SPANS_PER_TRACE, make_exports
 from collector.otlp import CONTENT_TYPE_PROTOBUF, decode_request
-
-from art_langgraph import semconv as sc
 
 
 def test_ingest_exports_decode_to_every_span_with_typed_attributes() -> None:

@@ -10,10 +10,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from tests.collector.services import PostgresServer
 
 from collector.config import CollectorSettings
 from collector.store import SqlStore
+from tests.collector.services import PostgresServer
 
 
 class Clock:

@@ -21,7 +21,6 @@ import httpx
 from examples.stack import free_port
 
 
-
 class PostgresServer:
     """A throwaway PostgreSQL cluster: `start()`, `create_database()`, `stop()`."""
 

@@ -6,7 +6,6 @@ import itertools
 import math
 
 import pytest
-from tests.collector.span_builders import TRACE, llm, rollout
 
 from art_langgraph import semconv as sc
 from collector.assembly import (
@@ -21,6 +20,7 @@ from collector.assembly import (
     trajectory_key,
 )
 from collector.groups import TrainingReward
+from tests.collector.span_builders import TRACE, llm, rollout
 
 
 def _assemble(spans, **kwargs):

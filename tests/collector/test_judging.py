@@ -27,8 +27,8 @@ from collector.judging import GroupJudge, claim_seconds
 from collector.scoring_config import JudgeSettings
 from collector.scoring_store import ScoringStore
 from collector.store import SqlStore
-from tests.collector.conftest import Clock
 from examples.stack import free_port
+from tests.collector.conftest import Clock
 from tests.collector.seeding import group_spans, make_app
 
 

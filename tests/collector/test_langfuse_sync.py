@@ -18,8 +18,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from tests.collector import fake_langfuse
 from examples.stack import free_port
+from tests.collector import fake_langfuse
 from tests.collector.seeding import group_spans, make_app, trace_id
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from tests.collector.test_store import _trajectory
 
 from collector.errors import Conflict, NotFound
 from collector.protocol import BatchRequest, ReleaseRequest, ReleaseResponse, ReopenResponse, RewardIn
+from tests.collector.test_store import _trajectory
 
 FAILED = ReleaseRequest(reason="NonFiniteStepError: loss is nan")
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
-from tests.collector.span_builders import TRACE, llm, rollout, sid, to_otlp_json, to_request
 
 from collector.otlp import OtlpError, SpanEvent, SpanRecord, decode_request, encode_response, gunzip
+from tests.collector.span_builders import TRACE, llm, rollout, sid, to_otlp_json, to_request
 
 PB = "application/x-protobuf"
 JSON = "application/json"

@@ -14,19 +14,19 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from sqlalchemy import event
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from tests.collector.span_builders import llm, rollout, to_otlp_json, to_request
-from tests.served import served as served_app
+from sqlalchemy import event
 
 from art_langgraph import semconv as sc
 from collector.config import CollectorSettings
 from collector.server import create_app
 from collector.store import SqlStore
+from tests.collector.span_builders import llm, rollout, to_otlp_json, to_request
+from tests.served import served as served_app
 
 PB = {"content-type": "application/x-protobuf"}
 JSON = {"content-type": "application/json"}

@@ -6,12 +6,12 @@ import threading
 
 import pytest
 from sqlalchemy import text
-from tests.collector.span_builders import TRACE, llm, rollout, sid
 
 from collector import assembly
 from collector.errors import Conflict, InvalidRequest, NotFound
 from collector.protocol import BatchRequest, RewardIn
 from collector.schema import SCHEMA_VERSION
+from tests.collector.span_builders import TRACE, llm, rollout, sid
 
 OTHER_TRACE = "1" * 32
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from collector.protocol import Group, Sequence, Trajectory
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from collector.protocol import Group, Sequence, Trajectory
 from tests.trainer_service.test_training import BAD, GOOD, PROMPT, group, make_trainer, trajectory
 from trainer_service.base_model import resolve_base_model
 from trainer_service.batching import (

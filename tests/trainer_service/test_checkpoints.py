@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from collector.protocol import Batch
 
+from collector.protocol import Batch
 from tests.trainer_service.test_service import make_service
 from tests.trainer_service.test_training import group, lora_params
 from trainer_service.checkpoints import CheckpointMismatchError, CheckpointStore, select_kept

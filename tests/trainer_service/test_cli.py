@@ -7,9 +7,9 @@ import re
 from pathlib import Path
 
 import pytest
-from collector.config import settings_error
 from pydantic import ValidationError
 
+from collector.config import settings_error
 from trainer_service.cli import build_parser, main, settings_from_args
 from trainer_service.config import TrainerSettings
 

@@ -6,8 +6,8 @@ import json
 
 import httpx
 import pytest
-from collector.protocol import MAX_LEASE_SECONDS, BatchRequest
 
+from collector.protocol import MAX_LEASE_SECONDS, BatchRequest
 from trainer_service.collector_client import CollectorClient
 from trainer_service.config import LEASE_MARGIN_S, TrainerSettings
 from trainer_service.protocol import ServiceError

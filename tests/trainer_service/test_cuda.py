@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from collector.protocol import Batch
 
+from collector.protocol import Batch
 from tests.trainer_service.test_training import (
     BAD,
     GOOD,

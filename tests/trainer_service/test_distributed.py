@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from collector.protocol import Batch, Group
 
+from collector.protocol import Batch, Group
 from tests.trainer_service.test_service import make_service
 from tests.trainer_service.test_training import adapter_gap, adapter_weights, group, make_trainer, save_tiny_model
 from trainer_service import durable

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from collector.protocol import Batch
 
+from collector.protocol import Batch
 from tests.trainer_service.test_service import make_service
 from tests.trainer_service.test_training import group
 from trainer_service.metrics import PLOT_FILE, MetricsSink

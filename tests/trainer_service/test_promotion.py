@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
-from collector.protocol import Batch
 
+from collector.protocol import Batch
 from tests.trainer_service.test_service import make_service
 from tests.trainer_service.test_training import group
 from trainer_service.checkpoints import CheckpointStore

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from collector.protocol import Batch
 
+from collector.protocol import Batch
 from tests.trainer_service.test_service import make_service
 from tests.trainer_service.test_training import group
 from trainer_service.config import TrainerSettings, parse_duration

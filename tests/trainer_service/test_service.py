@@ -13,11 +13,10 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from collector.protocol import Batch, ReleaseResponse
 
+from collector.protocol import Batch, ReleaseResponse
 from tests.collector.seeding import group_spans, make_app
 from tests.trainer_service.test_training import group, lora_params, make_trainer
-
 from trainer_service.config import GRPOConfig, TrainerSettings
 from trainer_service.distributed import DistributedStepError, TrainLauncher
 from trainer_service.engine import EngineError

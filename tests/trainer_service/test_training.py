@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from collector.protocol import Group, Sequence, Trajectory
 from peft import get_peft_model_state_dict
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from collector.protocol import Group, Sequence, Trajectory
 from trainer_service.batching import prepare_grpo
 from trainer_service.config import GRPOConfig
 from trainer_service.grpo import PolicyLossOutput
