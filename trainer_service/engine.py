@@ -320,8 +320,7 @@ class VLLMEngine:
         if not stop_group(proc, timeout, _KILL_WAIT):
             raise EngineError(f"vLLM's process group {proc.pid} still runs {_KILL_WAIT:.0f} s after SIGKILL "
                               "(a process stuck in the kernel?); the next ensure_running tries again")
-        proc.wait()
-        self._proc = None
+        self._proc = None  # reaped by `stop_group`
 
     def ensure_running(self) -> bool:
         """Keep vLLM serving between `start` and `stop`.
