@@ -64,7 +64,7 @@ from collector.protocol import Group, Sequence, Trajectory
 from trainer_service.allocator import allocator_library, loaded_allocator, with_preload
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
 from trainer_service.config import DEFAULT_TARGET_MODULES, GRPOConfig, TrainerSettings
-from trainer_service.core_lending import CoreLender, call_between_layers
+from trainer_service.core_lending import CoreLender
 from trainer_service.engine import VLLMEngine
 from trainer_service.huge_pages import enable_huge_pages
 from trainer_service.training import LoRATrainer, train_dtype
@@ -203,8 +203,7 @@ def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, d
         lender = CoreLender.from_settings(settings, engine_threads=engine_threads)
         trainer = LoRATrainer.load(model_path, GRPOConfig(learning_rate=1e-4, train_dtype=dtype),  # type: ignore[arg-type]
                                    cpu_threads=lender.own_threads)
-        if lender.lends:
-            call_between_layers(trainer.model, lender.between_layers)
+        lender.attach(trainer.model)
         with lender.lending():  # as `art-trainer serve` starts (TrainerSettings.warm_up), not timed
             warm_up_s = trainer.warm_up()
         # the policy samples through its adapter, as every step after the first does (TRL's generate

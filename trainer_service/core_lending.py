@@ -5,7 +5,7 @@ leaves free (`TrainerSettings.training_threads`). Whenever nobody calls the engi
 idle; `CoreLender` gives them to the step and takes them back before a request reaches vLLM:
 
 * the step calls `between_layers` on its own thread before every decoder layer's forward and
-  backward (`call_between_layers`), which sets torch's thread count: the lent count
+  backward (`attach` hooks it there, through `call_between_layers`), which sets torch's thread count: the lent count
   while no request is in flight and none has ended for `settle_s`, the step's own count else. A
   step that starts with no request in flight takes the cores at once: it starts when its batch's
   last rollout has been rewarded, so the request that ended just before is that batch's, not the
@@ -168,6 +168,11 @@ class CoreLender:
                 self._use(self.own_threads)
             if engine is not None:
                 engine.grow()
+
+    def attach(self, model: PeftModel) -> None:
+        """Call `between_layers` around each of `model`'s decoder layers; nothing when this lender never lends."""
+        if self.lends:
+            call_between_layers(model, self.between_layers)
 
     def between_layers(self) -> None:
         """Set the step's threads for what the engine is doing now. Call it on the step's thread."""

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from collector.auth import bearer_matches
 from trainer_service.base_model import resolve_base_model
 from trainer_service.config import GRPOConfig, TrainerSettings
-from trainer_service.core_lending import CoreLender, EngineRequest, call_between_layers
+from trainer_service.core_lending import CoreLender, EngineRequest
 from trainer_service.distributed import TrainLauncher
 from trainer_service.engine import VLLMEngine
 from trainer_service.protocol import ServiceError, StatusResponse, TrainResponse
@@ -81,8 +81,7 @@ def build_service(settings: TrainerSettings, grpo: GRPOConfig,
         trainer = LoRATrainer.load(model_path, grpo, base_model=settings.base_model,
                                    chat_template=settings.served_chat_template(),
                                    cpu_threads=lender.own_threads, device="cpu" if launcher else None)
-        if lender.lends:
-            call_between_layers(trainer.model, lender.between_layers)
+        lender.attach(trainer.model)
         return trainer
 
     return TrainerService(settings, grpo, engine, load_trainer, collector_transport=collector_transport,

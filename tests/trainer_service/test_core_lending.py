@@ -167,3 +167,18 @@ def test_between_layers_needs_named_decoder_layers() -> None:
     trainer.model.get_base_model()._no_split_modules = []
     with pytest.raises(ValueError, match="no decoder layers"):
         call_between_layers(trainer.model, lambda: None)
+
+
+def test_attach_lends_inside_the_step_only_when_the_lender_lends() -> None:
+    for own, idle in ((1, 2), (2, 2)):
+        trainer = make_trainer(micro_batch_size=1)
+        torch.set_num_threads(own)  # as `LoRATrainer.load(cpu_threads=lender.own_threads)` does
+        lender = CoreLender(own, idle, settle_s=0.0)
+        lender.attach(trainer.model)
+        threads_in_layers: list[int] = []
+        trainer.model.get_base_model().model.layers[0].register_forward_pre_hook(
+            lambda module, args: threads_in_layers.append(torch.get_num_threads()))
+        with lender.lending():
+            trainer.step(uneven_groups(trainer))
+        assert threads_in_layers and set(threads_in_layers) == {idle}
+        assert lender.counters["core_lends"] == (1 if idle > own else 0)
