@@ -36,8 +36,9 @@ from typing import Any
 from bench.train_throughput import COMPLETION_TOKENS, PROMPTS, SAMPLES, sample_batch, to_groups
 from collector.protocol import Group
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
-from trainer_service.config import GRPOConfig, TrainerSettings
+from trainer_service.config import TrainerSettings
 from trainer_service.engine import VLLMEngine
+from trainer_service.grpo_config import GRPOConfig
 from trainer_service.training import LoRATrainer, train_dtype
 from trainer_service.vllm_cpu_matmul import matmul_dtype
 

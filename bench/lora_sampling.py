@@ -35,8 +35,8 @@ from transformers import AutoModelForCausalLM
 
 from bench.train_throughput import COMPLETION_TOKENS, PROMPTS, SAMPLES, sample_batch
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
-from trainer_service.config import DEFAULT_TARGET_MODULES
 from trainer_service.engine import VLLMEngine
+from trainer_service.grpo_config import DEFAULT_TARGET_MODULES
 
 ADAPTER = "bench-adapter"
 VARIANTS = ("art ops", "vLLM ops")

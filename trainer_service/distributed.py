@@ -48,8 +48,8 @@ import torch.distributed as dist
 
 from collector.protocol import Batch
 from trainer_service.checkpoints import CheckpointWriteError
-from trainer_service.config import GRPOConfig
 from trainer_service.durable import durable_rename
+from trainer_service.grpo_config import GRPOConfig
 from trainer_service.training import LoRATrainer
 
 __all__ = ["DistributedStepError", "TrainLauncher"]

@@ -23,11 +23,12 @@ from collector.protocol import Batch
 from trainer_service.allocator import loaded_allocator
 from trainer_service.checkpoints import CheckpointStore, select_kept
 from trainer_service.collector_client import CollectorClient, describe_release
-from trainer_service.config import GRPOConfig, TrainerSettings
+from trainer_service.config import TrainerSettings
 from trainer_service.core_lending import CoreLender
 from trainer_service.distributed import DistributedStepError, TrainLauncher
 from trainer_service.engine import EngineError, VLLMEngine
 from trainer_service.evaluation import Evaluator, build_evaluator
+from trainer_service.grpo_config import GRPOConfig
 from trainer_service.metrics import MetricsSink
 from trainer_service.promotion import PromotionGate
 from trainer_service.protocol import (

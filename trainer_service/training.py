@@ -38,8 +38,8 @@ from trainer_service.batching import (
     shard_items,
 )
 from trainer_service.checkpoints import read_checkpoint, write_checkpoint
-from trainer_service.config import GRPOConfig
 from trainer_service.grpo import PolicyLossOutput, kept_token_logprobs, policy_loss
+from trainer_service.grpo_config import GRPOConfig
 from trainer_service.lora_forward import fuse_lora_forward
 from trainer_service.packed_attention import (
     PACKED_ATTENTION,

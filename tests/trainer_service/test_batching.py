@@ -20,7 +20,8 @@ from trainer_service.batching import (
     prepare_sft,
     shard_items,
 )
-from trainer_service.config import BUNDLED_TOOL_TEMPLATE, GRPOConfig
+from trainer_service.config import BUNDLED_TOOL_TEMPLATE
+from trainer_service.grpo_config import GRPOConfig
 from trainer_service.retokenize import RetokenizeError, render_with_assistant_mask
 
 CPU = torch.device("cpu")

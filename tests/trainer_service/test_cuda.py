@@ -26,8 +26,8 @@ from tests.trainer_service.test_training import (
     seq_logprobs,
     uneven_groups,
 )
-from trainer_service.config import GRPOConfig
 from trainer_service.distributed import TrainLauncher
+from trainer_service.grpo_config import GRPOConfig
 from trainer_service.training import LoRATrainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

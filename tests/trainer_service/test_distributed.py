@@ -21,8 +21,9 @@ from tests.trainer_service.test_service import make_service
 from tests.trainer_service.test_training import adapter_gap, adapter_weights, group, make_trainer, save_tiny_model
 from trainer_service import durable
 from trainer_service.checkpoints import CheckpointWriteError
-from trainer_service.config import GRPOConfig, TrainerSettings
+from trainer_service.config import TrainerSettings
 from trainer_service.distributed import DistributedStepError, TrainLauncher, _error_report, _worker_error
+from trainer_service.grpo_config import GRPOConfig
 from trainer_service.protocol import ServiceError
 from trainer_service.server import build_service
 from trainer_service.training import LoRATrainer

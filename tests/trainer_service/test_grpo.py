@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from trainer_service.config import GRPOConfig
 from trainer_service.grpo import (
     MAX_LOG_RATIO,
     POLICY_LOSSES,
@@ -20,6 +19,7 @@ from trainer_service.grpo import (
     ppo_loss,
     trajectory_token_weights,
 )
+from trainer_service.grpo_config import GRPOConfig
 
 
 def test_group_advantages_scaled_and_unscaled() -> None:

@@ -6,7 +6,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from tests.trainer_service.test_training import tiny_model
-from trainer_service.config import DEFAULT_TARGET_MODULES
+from trainer_service.grpo_config import DEFAULT_TARGET_MODULES
 from trainer_service.lora_forward import fuse_lora_forward
 
 TOKENS = torch.tensor([[1, 104, 2003, 42, 7, 311, 900, 901]])

@@ -18,8 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from collector.protocol import Group, Sequence, Trajectory
 from trainer_service.batching import prepare_grpo
-from trainer_service.config import GRPOConfig
 from trainer_service.grpo import PolicyLossOutput
+from trainer_service.grpo_config import GRPOConfig
 from trainer_service.training import (
     LoRATrainer,
     NonFiniteStepError,
