@@ -67,6 +67,11 @@ def sections(seeds: list[int], postgres: str | None) -> list[Section]:
             [python, "bench/train_throughput.py"],
         ),
         Section(
+            "sft",
+            "One SFT step: art-trainer's sft_step vs TRL SFTTrainer (same sequences, LoRA and optimizer)",
+            [python, "bench/sft_step.py"],
+        ),
+        Section(
             "token-logprobs",
             "Token log-probs forward + backward: art's token_logprobs vs TRL's selective_log_softmax",
             [python, "bench/token_logprobs.py"],

@@ -250,7 +250,7 @@ def run_trl(model_path: str, workdir: Path, bf16: bool) -> dict[str, Any]:
                       task_type="CAUSAL_LM", bias="none")
     ends: list[float] = []
     trainer = GRPOTrainer(model=model_path, reward_funcs=reward, args=args, train_dataset=dataset, peft_config=lora,
-                          callbacks=[_StepClock(ends)])
+                          callbacks=[StepClock(ends)])
     generate_s: list[float] = []  # one entry per step: TRL generates and scores at the start of each
     generate = trainer._generate_and_score_completions
 
@@ -271,7 +271,7 @@ def run_trl(model_path: str, workdir: Path, bf16: bool) -> dict[str, Any]:
                       for g, w in zip(generate_s, wholes, strict=True)]}
 
 
-class _StepClock(TrainerCallback):
+class StepClock(TrainerCallback):
     """Notes when each of TRL's optimizer steps ends."""
 
     def __init__(self, ends: list[float]) -> None:
@@ -339,14 +339,15 @@ def main() -> None:
     report(ours_runs, trl_runs, args, art_dtype, trl_bf16)
 
 
-def run_side(side: str, library: str | None, out: Path) -> dict[str, Any]:
-    """Time one side in a fresh process on `library` (None: the system allocator); the flags are this run's.
+def run_side(side: str, library: str | None, out: Path, script: str = __file__) -> dict[str, Any]:
+    """Time one side in `script` (this one unless given) in a fresh process on `library` (None: the system
+    allocator); the flags are this run's.
 
     A fresh process per side and round: neither side inherits the other's warm allocator, caches or
     threads (with TCMalloc, TRL after art in one process trained 1.6x faster than alone).
     """
     env = with_preload(os.environ, library) if library else {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker", side, "--worker-out", str(out)],
+    subprocess.run([sys.executable, script, *sys.argv[1:], "--worker", side, "--worker-out", str(out)],
                    env=env, check=True)
     result: dict[str, Any] = json.loads(out.read_text())
     return result
