@@ -5,11 +5,11 @@ leaves free (`TrainerSettings.training_threads`). Whenever nobody calls the engi
 idle; `CoreLender` gives them to the step and takes them back before a request reaches vLLM:
 
 * the step calls `between_layers` on its own thread before every decoder layer's forward and
-  backward (`attach` hooks it there, through `call_between_layers`), which sets torch's thread count: the lent count
-  while no request is in flight and none has ended for `settle_s`, the step's own count else. A
-  step that starts with no request in flight takes the cores at once: it starts when its batch's
-  last rollout has been rewarded, so the request that ended just before is that batch's, not the
-  start of a burst;
+  backward (`attach` hooks it there, through `call_between_layers`), which sets torch's thread
+  count: the lent count while no request is in flight and none has ended for `settle_s`, the
+  step's own count else. A step that starts with no request in flight takes the cores at once:
+  it starts when its batch's last rollout has been rewarded, so the request that ended just
+  before is that batch's, not the start of a burst;
 * the proxy calls `engine_request` before forwarding a request: it counts the request and waits
   until the step has handed the cores back (at most `handback_timeout_s`, about one layer).
 
