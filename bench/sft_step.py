@@ -44,15 +44,15 @@ from bench.train_throughput import StepClock, question, run_side
 from collector.protocol import Group, Sequence, Trajectory
 from trainer_service.allocator import allocator_library, loaded_allocator
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
-from trainer_service.grpo_config import DEFAULT_TARGET_MODULES, GRPOConfig
+from trainer_service.grpo_config import GRPOConfig
 from trainer_service.huge_pages import enable_huge_pages
 from trainer_service.training import LoRATrainer
 
 LEARNING_RATE = 1e-4
 
 
-def sft_batch(tokenizer: Any, sequences: int, completion_tokens: int) -> list[tuple[list[int], int]]:
-    """Each sequence's token ids and its prompt's length: a templated question, then random tokens."""
+def sft_batch(tokenizer: Any, sequences: int, completion_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """Each sequence's token ids (a templated question, then random tokens) and its completion mask."""
     rng = random.Random(0)
     special = set(tokenizer.all_special_ids)
     vocabulary = [token for token in range(len(tokenizer)) if token not in special]
@@ -61,20 +61,21 @@ def sft_batch(tokenizer: Any, sequences: int, completion_tokens: int) -> list[tu
         messages = [{"role": "user", "content": question(rng.randint(10, 99), rng.randint(10, 99))}]
         prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                     return_dict=True)["input_ids"])
-        batch.append((prompt + rng.choices(vocabulary, k=completion_tokens), len(prompt)))
+        completion = rng.choices(vocabulary, k=completion_tokens)
+        batch.append((prompt + completion, [0] * len(prompt) + [1] * len(completion)))
     return batch
 
 
-def run_ours(model_path: str, batch: list[tuple[list[int], int]], steps: int, dtype: str) -> dict[str, Any]:
+def run_ours(model_path: str, batch: list[tuple[list[int], list[int]]], steps: int, dtype: str) -> dict[str, Any]:
     """Art's `sft_step` `steps` times on `batch` in `dtype` (`auto` or `float32`), after the service's warm-up."""
     trainer = LoRATrainer.load(model_path, GRPOConfig(learning_rate=LEARNING_RATE, train_dtype=dtype),  # type: ignore[arg-type]
                                cpu_threads=os.cpu_count() or 1)
     warm_up_s = trainer.warm_up()
     groups = [Group(id=str(index), trajectories=[Trajectory(
         id=str(index), trace_id="0" * 32, group_id=str(index), reward=1.0,
-        sequences=[Sequence(token_ids=ids, logprobs=[None] * prompt + [0.0] * (len(ids) - prompt),
-                            assistant_mask=[0] * prompt + [1] * (len(ids) - prompt))])])
-              for index, (ids, prompt) in enumerate(batch)]
+        sequences=[Sequence(token_ids=ids, logprobs=[0.0 if trained else None for trained in mask],
+                            assistant_mask=mask)])])
+              for index, (ids, mask) in enumerate(batch)]
     times, losses = [], []
     for _ in range(steps):
         started = time.perf_counter()
@@ -84,23 +85,20 @@ def run_ours(model_path: str, batch: list[tuple[list[int], int]], steps: int, dt
     return {"step_s": times, "loss": losses, "warm_up_s": warm_up_s}
 
 
-def run_trl(model_path: str, batch: list[tuple[list[int], int]], steps: int, workdir: Path,
+def run_trl(model_path: str, batch: list[tuple[list[int], list[int]]], steps: int, workdir: Path,
             bf16: bool) -> dict[str, Any]:
     """TRL's `SFTTrainer`, `steps` optimizer steps, each on the whole `batch` in one batch (bf16 autocast or fp32)."""
     from datasets import Dataset
-    from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
     torch.set_num_threads(os.cpu_count() or 1)
-    masks = [[0] * prompt + [1] * (len(ids) - prompt) for ids, prompt in batch]
-    dataset = Dataset.from_dict({"input_ids": [ids for ids, _ in batch], "completion_mask": masks})
+    dataset = Dataset.from_dict({"input_ids": [ids for ids, _ in batch], "completion_mask": [m for _, m in batch]})
     args = SFTConfig(output_dir=str(workdir / "trl"), per_device_train_batch_size=len(batch),
                      gradient_accumulation_steps=1, max_steps=steps, learning_rate=LEARNING_RATE,
                      lr_scheduler_type="constant", use_cpu=True,
                      bf16=bf16, report_to=[], logging_steps=1, save_strategy="no", seed=0,
                      completion_only_loss=True, max_length=None)
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(DEFAULT_TARGET_MODULES),
-                      task_type="CAUSAL_LM", bias="none")
+    lora = GRPOConfig().lora_config()  # art's LoRA: r=8, alpha 16, every projection
     ends: list[float] = []
     trainer = SFTTrainer(model=model_path, args=args, train_dataset=dataset, peft_config=lora,
                          callbacks=[StepClock(ends)])
@@ -113,7 +111,7 @@ def run_trl(model_path: str, batch: list[tuple[list[int], int]], steps: int, wor
 
 
 def report(ours: list[dict[str, Any]], trl: list[dict[str, Any]], tokens: int, trained: int, steps: int) -> None:
-    """Medians over the rounds per step kind, tokens/s, ratios and the first step's loss gap."""
+    """Medians over the rounds per step kind, tokens/s, ratios, and each step's loss on both sides."""
     print(f"batch: {tokens} tokens a step ({trained} of them completion tokens, which carry the loss); "
           f"allocator {ours[0]['allocator']}; medians of {len(ours)} rounds, each side in a fresh process")
     print(f"art's warm-up (as the service starts, not timed): {statistics.median(r['warm_up_s'] for r in ours):.1f} s")

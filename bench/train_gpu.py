@@ -39,7 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
 from collector.config import art_home
 from collector.protocol import Group, Sequence, Trajectory
 from trainer_service.base_model import BUNDLED_MODEL
-from trainer_service.grpo_config import DEFAULT_TARGET_MODULES, GRPOConfig
+from trainer_service.grpo_config import GRPOConfig
 from trainer_service.training import LoRATrainer
 
 PROMPTS = 8
@@ -142,7 +142,6 @@ class _StepClock(TrainerCallback):
 
 def run_trl(model_path: Path, workdir: Path, steps: int, checkpointing: bool) -> dict[str, float]:
     from datasets import Dataset
-    from peft import LoraConfig
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer
 
@@ -160,8 +159,7 @@ def run_trl(model_path: Path, workdir: Path, steps: int, checkpointing: bool) ->
         generation_kwargs={"min_new_tokens": COMPLETION_TOKENS}, seed=0, shuffle_dataset=False,
         model_init_kwargs={"dtype": torch.bfloat16},
     )
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(DEFAULT_TARGET_MODULES),
-                      task_type="CAUSAL_LM", bias="none")
+    lora = GRPOConfig().lora_config()  # art's LoRA: r=8, alpha 16, every projection
     clock = _StepClock()
     trainer = GRPOTrainer(model=str(model_path), reward_funcs=reward, args=args, train_dataset=dataset,
                           peft_config=lora, callbacks=[clock])

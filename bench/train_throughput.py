@@ -66,7 +66,7 @@ from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
 from trainer_service.config import TrainerSettings
 from trainer_service.core_lending import CoreLender
 from trainer_service.engine import VLLMEngine
-from trainer_service.grpo_config import DEFAULT_TARGET_MODULES, GRPOConfig
+from trainer_service.grpo_config import GRPOConfig
 from trainer_service.huge_pages import enable_huge_pages
 from trainer_service.training import LoRATrainer, train_dtype
 from trainer_service.vllm_cpu_matmul import matmul_dtype
@@ -227,7 +227,6 @@ def run_ours(model_path: str, port: int, workdir: Path, overlapped_steps: int, d
 
 def run_trl(model_path: str, workdir: Path, bf16: bool) -> dict[str, Any]:
     from datasets import Dataset
-    from peft import LoraConfig
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer
 
@@ -246,8 +245,7 @@ def run_trl(model_path: str, workdir: Path, bf16: bool) -> dict[str, Any]:
         beta=0.0, use_cpu=True, bf16=bf16, report_to=[], logging_steps=1, save_strategy="no", temperature=1.0,
         generation_kwargs={"min_new_tokens": COMPLETION_TOKENS}, seed=0, shuffle_dataset=False,
     )
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(DEFAULT_TARGET_MODULES),
-                      task_type="CAUSAL_LM", bias="none")
+    lora = GRPOConfig().lora_config()  # art's LoRA: r=8, alpha 16, every projection
     ends: list[float] = []
     trainer = GRPOTrainer(model=model_path, reward_funcs=reward, args=args, train_dataset=dataset, peft_config=lora,
                           callbacks=[StepClock(ends)])

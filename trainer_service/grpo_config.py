@@ -13,6 +13,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    from peft import LoraConfig
+
     from trainer_service.config import TrainerSettings
 
 __all__ = ["DEFAULT_TARGET_MODULES", "GRPOConfig"]
@@ -217,6 +219,13 @@ class GRPOConfig:
     def upper_epsilon(self) -> float:
         """The upper clip range: `epsilon_high`, or `epsilon` when that is None."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def lora_config(self) -> LoraConfig:
+        """PEFT's `LoraConfig` for these LoRA fields: the adapter the trainer trains (and the benches give TRL)."""
+        from peft import LoraConfig  # here, so reading settings does not import PEFT
+
+        return LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
+                          target_modules=list(self.target_modules), task_type="CAUSAL_LM", bias="none")
 
     def to_dict(self) -> dict[str, Any]:
         """Return the fields as a JSON-ready dict."""

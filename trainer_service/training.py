@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from collector.protocol import Group
@@ -102,15 +102,7 @@ class LoRATrainer:
             except ValueError as exc:  # a model without transformers' attention interface keeps its own
                 logger.warning("%s keeps its own attention (%s): packed rows use its position_ids mask and "
                                "prompts are not shared", type(model).__name__, exc)
-        lora = LoraConfig(
-            r=config.lora_r,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
-            target_modules=list(config.target_modules),
-            task_type="CAUSAL_LM",
-            bias="none",
-        )
-        self.model: PeftModel = get_peft_model(model, lora)
+        self.model: PeftModel = get_peft_model(model, config.lora_config())
         fuse_lora_forward(self.model)  # the LoRA delta in the base dtype, added by the matmul (see the module)
         self.packs = packing_keeps_sequences_apart(self.model)
         self.shares_prefixes = self.packs and prefix_sharing_works(self.model)  # `art_packed` does (on a CPU)
