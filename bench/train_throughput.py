@@ -68,7 +68,7 @@ from trainer_service.core_lending import CoreLender
 from trainer_service.engine import VLLMEngine
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.huge_pages import enable_huge_pages
-from trainer_service.training import LoRATrainer, train_dtype
+from trainer_service.training import LoRATrainer
 from trainer_service.vllm_cpu_matmul import matmul_dtype
 from trainer_service.vllm_cpu_threads import EngineThreads
 
@@ -374,7 +374,8 @@ def report(ours_runs: list[dict[str, Any]], trl_runs: dict[str | None, list[dict
     tokens = ours_runs[-1]["steps"][0]["tokens"]
     rounds = f"medians of {len(ours_runs)} alternating round{'s' if len(ours_runs) > 1 else ''}"
     trl_precision = "bf16 autocast over fp32 weights (bf16=True, its default)" if trl_bf16 else "fp32 (bf16=False)"
-    print(f"\nprecision: art base weights {str(train_dtype(art_dtype)).removeprefix('torch.')} (train_dtype="
+    weights = str(GRPOConfig(train_dtype=art_dtype).torch_dtype()).removeprefix("torch.")  # type: ignore[arg-type]
+    print(f"\nprecision: art base weights {weights} (train_dtype="
           f"{art_dtype}), LoRA fp32, vLLM fp32 with {matmul_dtype('auto') if art_dtype == 'auto' else 'float32'} "
           f"matmuls | TRL {trl_precision}")
     print(f"threads: art {ours_runs[-1]['threads']}; lends/hand-backs {ours_runs[-1]['lending']} | TRL every core "

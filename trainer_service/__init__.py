@@ -6,7 +6,8 @@ Modules, by part (each module's docstring says more):
   (model resolution);
 * training: `collector_client` (leases and acks), `batching` (groups to training items), `retokenize`
   (chat-template masks for foreign trajectories), `grpo` (pure GRPO maths), `training` (`LoRATrainer`:
-  GRPO and SFT steps), `lora_forward`, `packed_attention`, `logprobs` (the step's fused ops),
+  GRPO and SFT steps), `packed_pass` (a pass's log-probs and losses), `lora_forward`,
+  `packed_attention`, `logprobs` (the step's fused ops),
   `distributed` (data-parallel steps under torchrun), `checkpoints` and `durable` (checkpoint
   folders), `metrics` (every metrics sink);
 * serving: `engine` (vLLM supervisor), `process_group` and `parent_death` (stopping it), the vLLM

@@ -13,6 +13,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    import torch
     from peft import LoraConfig
 
     from trainer_service.config import TrainerSettings
@@ -226,6 +227,20 @@ class GRPOConfig:
 
         return LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
                           target_modules=list(self.target_modules), task_type="CAUSAL_LM", bias="none")
+
+    def torch_dtype(self) -> torch.dtype:
+        """The base weights' dtype for `train_dtype` on this machine.
+
+        `auto` is bf16 when CUDA is present and on a CPU with bf16 matrix products in hardware (AMX or
+        AVX512-BF16: `cpu_multiplies_bf16`), float32 on other CPUs, where they are emulated and slower.
+        """
+        import torch  # here, so reading settings does not import torch
+
+        from trainer_service.vllm_cpu_matmul import cpu_multiplies_bf16
+
+        if self.train_dtype != "auto":
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.train_dtype]
+        return torch.bfloat16 if torch.cuda.is_available() or cpu_multiplies_bf16() else torch.float32
 
     def to_dict(self) -> dict[str, Any]:
         """Return the fields as a JSON-ready dict."""

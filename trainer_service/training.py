@@ -38,22 +38,16 @@ from trainer_service.batching import (
     shard_items,
 )
 from trainer_service.checkpoints import read_checkpoint, write_checkpoint
-from trainer_service.grpo import PolicyLossOutput, kept_token_logprobs, policy_loss
+from trainer_service.grpo import PolicyLossOutput
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.lora_forward import fuse_lora_forward
-from trainer_service.packed_attention import (
-    PACKED_ATTENTION,
-    pack_row,
-    packing_keeps_sequences_apart,
-    prefix_sharing_works,
-)
-from trainer_service.vllm_cpu_matmul import cpu_multiplies_bf16
+from trainer_service.packed_attention import PACKED_ATTENTION, packing_keeps_sequences_apart, prefix_sharing_works
+from trainer_service.packed_pass import grpo_pass_loss, pass_logprobs, sft_pass_loss
 
 __all__ = [
     "NothingTrainableError",
     "LoRATrainer",
     "NonFiniteStepError",
-    "train_dtype",
 ]
 
 logger = logging.getLogger(__name__)
@@ -89,7 +83,7 @@ class LoRATrainer:
         self.tokenizer = tokenizer
         self.base_model = base_model or str(getattr(model.config, "name_or_path", ""))
         self.device = next(model.parameters()).device
-        model.to(train_dtype(config.train_dtype))  # the base weights; LoRA's are added in fp32 below
+        model.to(config.torch_dtype())  # the base weights; LoRA's are added in fp32 below
         checkpointing = config.gradient_checkpointing
         if checkpointing is None:
             checkpointing = self.device.type == "cuda"
@@ -119,7 +113,7 @@ class LoRATrainer:
              cpu_threads: int | None = None, device: str | None = None) -> LoRATrainer:
         """Load the base model and tokenizer from `path` and wrap them.
 
-        The base weights take `train_dtype(config.train_dtype)` (the LoRA weights stay fp32).
+        The base weights take `config.torch_dtype()` (the LoRA weights stay fp32).
         `chat_template` (a Jinja file) replaces the tokenizer's template, so re-tokenized
         trajectories match what vLLM rendered. `cpu_threads` sets torch's intra-op threads on a
         CPU (keep them off vLLM's cores). `device` places the model (default `cuda` when present,
@@ -129,7 +123,7 @@ class LoRATrainer:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if cpu_threads is not None and not device.startswith("cuda"):
             torch.set_num_threads(cpu_threads)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=train_dtype(config.train_dtype)).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=config.torch_dtype()).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path)
         if chat_template is not None:
             tokenizer.chat_template = Path(chat_template).read_text()
@@ -227,7 +221,7 @@ class LoRATrainer:
         """
         started = time.perf_counter()
         batch = self.prepare(groups, "sft")
-        sums = self._accumulate(batch.items, self._sft_loss)
+        sums = self._accumulate(batch.items, sft_pass_loss)
         metrics = self._finish(started, batch, sums)
         metrics["loss/sft"] = sums["loss"]
         metrics["kind/sft"] = 1.0
@@ -235,55 +229,15 @@ class LoRATrainer:
         return metrics
 
     def _grpo_loss(self, items: list[TrainItem], new: torch.Tensor) -> PolicyLossOutput:
-        cfg = self.config
         ref = None
-        if cfg.kl_coef > 0:
+        if self.config.kl_coef > 0:
             with torch.no_grad(), self.model.disable_adapter():
                 ref = self._logprobs(items)
-        lengths = _row_lengths(items)
-        return policy_loss(cfg.loss, new, torch.cat([item.old_logprobs for item in items]),
-                           _per_token([item.advantage for item in items], lengths), _cat_masks(items),
-                           _per_token([item.weight for item in items], lengths), epsilon=cfg.epsilon,
-                           epsilon_high=cfg.upper_epsilon, delta=cfg.delta, level=cfg.importance_sampling,
-                           ref_logprobs=ref, kl_coef=cfg.kl_coef, segments=_segments(lengths))
+        return grpo_pass_loss(self.config, items, new, ref)
 
     def _logprobs(self, items: list[TrainItem]) -> torch.Tensor:
-        """The items' `[seq - 1]` log-probs of their tokens 1.., end to end, computed where their masks are on.
-
-        The items run as one forward: packed end to end into a single row (`pack_row`), each
-        with positions from 0, which `transformers` turns into attention within each sequence
-        only (no padding; the same logits as one forward per sequence up to float rounding).
-        Where `shares_prefixes`, the samples of one prompt hold it once (`art_packed`). On a GPU,
-        where each pass is launch-bound, this is what makes a step fast: on an H200 a batch of
-        32 sequences took 12.5 s one sequence per pass and 0.44 s in one (bench/train_gpu.py).
-        The LM head and the softmax run on the assistant positions alone (`logits_to_keep`);
-        the losses never read the other positions (1.13x on this CPU with 64-token answers to
-        40-token prompts).
-        """
-        if not self.packs and len(items) > 1:
-            return torch.cat([self._logprobs([item]) for item in items])
-        shareable = [_first_trained(item) if self.shares_prefixes else 0 for item in items]
-        row = pack_row([item.token_ids for item in items], shareable)
-        keep = torch.cat([item.mask[row.shared[i]:].nonzero().squeeze(-1) + row.starts[i]
-                          for i, item in enumerate(items)])
-        # squeeze, not [0]: a select's backward would fill a zero tensor the size of the logits
-        logits = self.model(input_ids=row.token_ids.unsqueeze(0), logits_to_keep=keep, use_cache=False,
-                            **row.inputs).logits.squeeze(0)
-        values = kept_token_logprobs(logits, row.token_ids, keep)
-        # each item's `[seq - 1]`: 0 over its shared prefix (never trained), then its own positions
-        # but the last (that one predicts the next segment's first token; `values` has no entry
-        # for the row's last position)
-        own = [row.own(i) for i in range(len(items))]
-        return torch.cat([torch.cat([values.new_zeros(row.shared[i]), values[part.start : part.stop - 1]])
-                          for i, part in enumerate(own)])
-
-    @staticmethod
-    def _sft_loss(items: list[TrainItem], new: torch.Tensor) -> PolicyLossOutput:
-        mask = _cat_masks(items)
-        weight = _per_token([item.weight for item in items], _row_lengths(items))
-        loss = -(new * mask * weight).sum()
-        return PolicyLossOutput(loss=loss, policy=float(loss.detach()), tokens=float(mask.sum()), clipped_tokens=0.0,
-                                ratio_sum=0.0)
+        """The items' log-probs from one packed forward of the adapter's model (`pass_logprobs`)."""
+        return pass_logprobs(self.model, items, packs=self.packs, shares_prefixes=self.shares_prefixes)
 
     def _accumulate(self, items: list[TrainItem],
                     loss_fn: Callable[[list[TrainItem], torch.Tensor], PolicyLossOutput]) -> dict[str, float]:
@@ -446,42 +400,3 @@ class LoRATrainer:
 def _all_finite(params: list[torch.nn.Parameter]) -> bool:
     """Whether every value of `params` is finite (one synchronisation, however many tensors)."""
     return bool(torch.stack([param.detach().isfinite().all() for param in params]).all())
-
-
-def _first_trained(item: TrainItem) -> int:
-    """How many leading tokens of `item` no loss reads: the position of its first trained prediction."""
-    trained = item.mask.nonzero()
-    return int(trained[0]) if trained.numel() else item.mask.numel()
-
-
-def _row_lengths(items: list[TrainItem]) -> torch.Tensor:
-    """Number of per-token entries (`seq - 1`) of each item."""
-    return torch.tensor([item.mask.numel() for item in items], device=items[0].mask.device)
-
-
-def _cat_masks(items: list[TrainItem]) -> torch.Tensor:
-    """The items' assistant masks end to end."""
-    return torch.cat([item.mask for item in items])
-
-
-def _per_token(values: list[float], lengths: torch.Tensor) -> torch.Tensor:
-    """One value per item, repeated over that item's entries."""
-    return torch.tensor(values, dtype=torch.float32, device=lengths.device).repeat_interleave(lengths)
-
-
-def _segments(lengths: torch.Tensor) -> torch.Tensor:
-    """The index of the item each entry of a packed row belongs to."""
-    return torch.arange(lengths.numel(), device=lengths.device).repeat_interleave(lengths)
-
-
-def train_dtype(setting: str) -> torch.dtype:
-    """The base weights' dtype for `GRPOConfig.train_dtype` on this machine.
-
-    `auto` is bf16 when CUDA is present and on a CPU with bf16 matrix products in hardware (AMX or
-    AVX512-BF16: `cpu_multiplies_bf16`), float32 on other CPUs, where they are emulated and slower.
-    """
-    if setting != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
-    if torch.cuda.is_available():
-        return torch.bfloat16
-    return torch.bfloat16 if cpu_multiplies_bf16() else torch.float32

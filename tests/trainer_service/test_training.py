@@ -24,7 +24,6 @@ from trainer_service.training import (
     LoRATrainer,
     NonFiniteStepError,
     NothingTrainableError,
-    train_dtype,
 )
 
 PROMPT = [1, 104, 2003, 42, 7, 311]
@@ -467,10 +466,11 @@ def test_bf16_base_weights_train_an_fp32_adapter() -> None:
 
 
 def test_train_dtype_auto_follows_the_hardware() -> None:
-    assert train_dtype("float32") == torch.float32 and train_dtype("bfloat16") == torch.bfloat16
+    assert GRPOConfig(train_dtype="float32").torch_dtype() == torch.float32
+    assert GRPOConfig(train_dtype="bfloat16").torch_dtype() == torch.bfloat16
     native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
     want = torch.bfloat16 if torch.cuda.is_available() or native else torch.float32
-    assert train_dtype("auto") == want
+    assert GRPOConfig(train_dtype="auto").torch_dtype() == want
 
 
 def test_a_group_trains_its_shared_prompt_once() -> None:

@@ -1,0 +1,64 @@
+"""One training pass: packed log-probs equal each sequence's own, and the losses lay out each item's values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.trainer_service.test_training import PROMPT, make_trainer
+from trainer_service.batching import TrainItem
+from trainer_service.grpo import policy_loss
+from trainer_service.grpo_config import GRPOConfig
+from trainer_service.packed_pass import grpo_pass_loss, pass_logprobs, sft_pass_loss
+
+
+def item(ids: list[int], trained_from: int, advantage: float = 0.0, weight: float = 1.0,
+         old: float = float("nan")) -> TrainItem:
+    """An item whose predictions of tokens `trained_from`.. carry loss."""
+    n = len(ids) - 1
+    mask = torch.tensor([0.0] * (trained_from - 1) + [1.0] * (n - trained_from + 1))
+    return TrainItem(token_ids=torch.tensor(ids), old_logprobs=torch.full((n,), old), mask=mask,
+                     advantage=advantage, weight=weight)
+
+
+def alone(model: torch.nn.Module, one: TrainItem) -> torch.Tensor:
+    """`one`'s log-probs of its tokens 1.. from a forward of its own."""
+    with torch.no_grad():
+        logits = model(input_ids=one.token_ids.unsqueeze(0)).logits[0, :-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, one.token_ids[1:, None])[:, 0]
+
+
+@pytest.mark.parametrize("packs,shares_prefixes", [(True, True), (True, False), (False, False)])
+def test_each_item_gets_its_own_log_probs_where_its_mask_is_on(packs: bool, shares_prefixes: bool) -> None:
+    trainer = make_trainer()
+    trainer.model.eval()
+    items = [item(PROMPT + [900, 901, 2], len(PROMPT)), item(PROMPT + [1500, 2], len(PROMPT)),
+             item([1, 77, 78, 79, 80], 2)]
+    with torch.no_grad():
+        got = pass_logprobs(trainer.model, items, packs=packs, shares_prefixes=shares_prefixes)
+    assert got.shape == (sum(len(i.token_ids) - 1 for i in items),)
+    for part, one in zip(got.split([len(i.token_ids) - 1 for i in items]), items, strict=True):
+        on = one.mask.bool()
+        assert torch.allclose(part[on], alone(trainer.model, one)[on], atol=1e-5)
+
+
+def test_the_grpo_loss_repeats_each_items_advantage_and_weight_over_its_own_tokens() -> None:
+    config = GRPOConfig(loss="ppo", epsilon=0.2)
+    items = [item([1, 2, 3, 4], 2, advantage=1.5, weight=0.25, old=-1.0),
+             item([1, 2, 3], 1, advantage=-0.5, weight=2.0, old=-2.0)]
+    new = torch.tensor([-9.0, -1.1, -0.9, -2.05, -1.95])  # item 0: 3 entries (first not trained), item 1: 2
+    got = grpo_pass_loss(config, items, new)
+    want = policy_loss("ppo", new, torch.tensor([-1.0, -1.0, -1.0, -2.0, -2.0]),
+                       torch.tensor([1.5, 1.5, 1.5, -0.5, -0.5]), torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0]),
+                       torch.tensor([0.25, 0.25, 0.25, 2.0, 2.0]), epsilon=0.2,
+                       segments=torch.tensor([0, 0, 0, 1, 1]))
+    assert float(got.loss) == pytest.approx(float(want.loss))
+    assert (got.tokens, got.clipped_tokens, got.ratio_sum) == (want.tokens, want.clipped_tokens, want.ratio_sum)
+
+
+def test_the_sft_loss_is_the_weighted_negative_log_likelihood_of_the_trained_tokens() -> None:
+    items = [item([1, 2, 3, 4], 2, weight=0.5), item([1, 2, 3], 1, weight=2.0)]
+    new = torch.tensor([-9.0, -1.0, -2.0, -0.5, -0.25])
+    got = sft_pass_loss(items, new)
+    assert float(got.loss) == pytest.approx(0.5 * (1.0 + 2.0) + 2.0 * (0.5 + 0.25))
+    assert got.tokens == 4.0
