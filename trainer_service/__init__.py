@@ -3,17 +3,16 @@
 Modules, by part (each module's docstring says more):
 
 * settings: `config` (the service's `TrainerSettings`), `grpo_config` (`GRPOConfig`), `base_model`
-  (model resolution);
+  (model resolution and the served name);
 * training: `collector_client` (leases and acks), `batching` (groups to training items), `retokenize`
   (chat-template masks for foreign trajectories), `grpo` (pure GRPO maths), `training` (`LoRATrainer`:
   GRPO and SFT steps), `packed_pass` (a pass's log-probs and losses), `lora_forward`,
-  `packed_attention`, `logprobs` (the step's fused ops),
-  `distributed` (data-parallel steps under torchrun), `checkpoints` and `durable` (checkpoint
-  folders), `metrics` (every metrics sink);
+  `packed_attention`, `logprobs` (the step's fused ops), `distributed` (data-parallel steps under
+  torchrun), `checkpoints` and `durable` (checkpoint folders), `metrics` (every metrics sink);
 * serving: `engine` (vLLM supervisor), `process_group` and `parent_death` (stopping it), the vLLM
   plugins `vllm_cpu_lora`, `vllm_cpu_matmul`, `vllm_cpu_norm`, `vllm_cpu_seeds`, `vllm_cpu_threads`,
   and the CPU's `core_lending`, `allocator`, `huge_pages`;
-* the service: `evaluation` and `promotion` (the promotion gate), `schedule` (min-groups / interval /
-  cron triggers), `service` (train/serve logic), `server` (HTTP layer), `protocol` (wire models),
-  `cli` (`art-trainer`).
+* the service: `evaluation` and `promotion` (the promotion gate), `retention` (which checkpoints
+  stay), `schedule` (min-groups / interval / cron triggers), `service` (train/serve logic), `server`
+  (HTTP layer), `protocol` (wire models), `cli` (`art-trainer`).
 """

@@ -120,3 +120,10 @@ def _check_hub_name(name: str, timeout: float = 5.0) -> None:
     if response.status_code != 200:
         raise BaseModelError(f"Base model {name!r} is not a local folder and the hub at {endpoint} does not serve it "
                              f"(HTTP {response.status_code}). Check the name. {hint}")
+
+
+def served_base_name(base_model: str) -> str:
+    """Name the base model is served under: the folder name for a local path, else as given."""
+    if base_model.startswith((".", "/", "~")):
+        return Path(base_model).expanduser().name
+    return base_model

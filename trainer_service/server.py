@@ -25,14 +25,14 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from collector.auth import bearer_matches
-from trainer_service.base_model import resolve_base_model
+from trainer_service.base_model import resolve_base_model, served_base_name
 from trainer_service.config import TrainerSettings
 from trainer_service.core_lending import CoreLender, EngineRequest
 from trainer_service.distributed import TrainLauncher
 from trainer_service.engine import VLLMEngine
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.protocol import ServiceError, StatusResponse, TrainResponse
-from trainer_service.service import TrainerService, served_base_name
+from trainer_service.service import TrainerService
 from trainer_service.training import LoRATrainer
 from trainer_service.vllm_cpu_matmul import matmul_dtype
 from trainer_service.vllm_cpu_threads import EngineThreads

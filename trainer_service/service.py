@@ -3,7 +3,7 @@
 It owns the vLLM engine, the LoRA trainer, the checkpoint folder and the collector client; it
 names models (`base`, `name@N`, `name@latest`) and runs one step at a time:
 lease a batch → train (GRPO or SFT; in `torchrun` workers with a `TrainLauncher`) → save
-`checkpoints/step-N` → hot-load `name@N` → ack → promotion gate (eval) → retention → metrics.
+`checkpoints/step-N` → hot-load `name@N` → ack → promotion gate (eval) → retention (`Retention`) → metrics.
 A step that fails, or whose checkpoint cannot be written or loaded, is rolled back in memory
 and never served.
 """
@@ -21,7 +21,7 @@ import httpx
 
 from collector.protocol import Batch
 from trainer_service.allocator import loaded_allocator
-from trainer_service.checkpoints import CheckpointStore, select_kept
+from trainer_service.checkpoints import CheckpointStore
 from trainer_service.collector_client import CollectorClient, describe_release
 from trainer_service.config import TrainerSettings
 from trainer_service.core_lending import CoreLender
@@ -39,19 +39,13 @@ from trainer_service.protocol import (
     StatusResponse,
     TrainResponse,
 )
+from trainer_service.retention import Retention
 from trainer_service.schedule import TrainingSchedule, describe
 from trainer_service.training import LoRATrainer, NothingTrainableError
 
-__all__ = ["TrainerService", "blames_the_data", "served_base_name"]
+__all__ = ["TrainerService", "blames_the_data"]
 
 logger = logging.getLogger(__name__)
-
-
-def served_base_name(base_model: str) -> str:
-    """Name the base model is served under: the folder name for a local path, else as given."""
-    if base_model.startswith((".", "/", "~")):
-        return Path(base_model).expanduser().name
-    return base_model
 
 
 def blames_the_data(error: Exception) -> bool:
@@ -120,6 +114,7 @@ class TrainerService:
         self.collector = CollectorClient(settings, collector_transport)
         evaluator = evaluator or build_evaluator(settings, self.collector.http, engine.base_url)
         self.gate = PromotionGate(settings, self.store, evaluator, self.model_name, lambda: self.base_name)
+        self.retention = Retention(settings, self.store, engine, self.gate, self.model_name, self.counters)
         self.metrics = MetricsSink(settings.run_dir, wandb=settings.wandb, project=settings.wandb_project,
                                    run_name=settings.name, config={"settings": settings.model_dump(mode="json"),
                                                                    "grpo": grpo.to_dict()})
@@ -312,7 +307,7 @@ class TrainerService:
         if step in self.gate.evals:
             metrics["eval/reward"] = self.gate.evals[step]
         metrics["promotion/promoted"] = float(self.gate.latest == step)
-        await self._apply_retention()
+        await self.retention.apply(self.steps)
         try:
             await asyncio.to_thread(self.metrics.emit, step, metrics, batch_id=batch.id, model=self.model_name(step),
                                     kind=kind)
@@ -364,56 +359,6 @@ class TrainerService:
             raise
         metrics["time/publish_s"] = time.perf_counter() - started
         return metrics, path
-
-    async def _apply_retention(self) -> None:
-        """Drop the checkpoints the retention policy no longer keeps (called under the step lock).
-
-        A dropped step leaves `steps` first, so `/v1/models` never lists a name being removed; then
-        it is unloaded from vLLM and its folder deleted. A step vLLM cannot unload is served again
-        and kept for the next step's retention; a folder that cannot be deleted is logged and counted.
-        """
-        dropped = await asyncio.to_thread(self._retention_drops)
-        for step in dropped:
-            self.steps.remove(step)
-        still_loaded = await asyncio.to_thread(self._remove_checkpoints, dropped)
-        self.steps.extend(still_loaded)
-        self.steps.sort()
-
-    def _retention_drops(self) -> list[int]:
-        """Steps the retention policy drops (reads the manifests' metrics)."""
-        s = self.settings
-        values: dict[int, float] = {}
-        if s.keep_best_metric is not None:
-            for step in self.steps:
-                merged = {**self.store.metrics(step), **({"eval/reward": self.gate.evals[step]}
-                                                         if step in self.gate.evals else {})}
-                if isinstance(merged.get(s.keep_best_metric), int | float):
-                    values[step] = float(merged[s.keep_best_metric])
-        protect = {step for step in (self.gate.latest, self.steps[-1] if self.steps else None) if step is not None}
-        kept = select_kept(self.steps, values, keep_last=s.keep_last, best_mode=s.keep_best_mode, protect=protect)
-        return [step for step in self.steps if step not in kept]
-
-    def _remove_checkpoints(self, steps: list[int]) -> list[int]:
-        """Unload each step from vLLM, then delete its folder; return the steps vLLM could not unload."""
-        still_loaded = []
-        for step in steps:
-            try:
-                self.engine.unload_adapter(self.model_name(step))
-            except EngineError:
-                self.counters["retention_errors"] += 1
-                logger.exception("could not unload %s; keeping it served for now", self.model_name(step))
-                still_loaded.append(step)
-                continue
-            try:
-                self.store.delete(step)
-            except OSError:
-                self.counters["retention_errors"] += 1
-                logger.exception("%s is no longer served but its folder %s could not be deleted (it is served "
-                                 "again after a restart)", self.model_name(step), self.store.path(step))
-                continue
-            self.counters["checkpoints_deleted"] += 1
-            logger.info("retention: deleted checkpoint step %s", step)
-        return still_loaded
 
     # --- status -------------------------------------------------------------------------
 

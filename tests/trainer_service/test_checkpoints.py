@@ -1,4 +1,4 @@
-"""Checkpoint retention, resume after restart, and a full disk: nothing half-written is served."""
+"""Checkpoints: what is kept, resume after restart, and a full disk: nothing half-written is served."""
 
 from __future__ import annotations
 
@@ -27,58 +27,6 @@ def test_select_kept_last_best_and_protected() -> None:
     assert select_kept(steps, values, keep_last=2, best_mode="min") == {3, 4, 5}
     assert select_kept(steps, values, keep_last=1, protect={1}) == {1, 2, 5}
     assert select_kept(steps, {}, keep_last=1) == {5}
-
-
-async def test_retention_deletes_unloads_and_restart_restores(tmp_path: Path) -> None:
-    acks: list[tuple[str, dict]] = []
-    batches: list[Batch] = []
-    service = make_service(tmp_path, batches, acks, keep_last=2, keep_best_metric="reward/mean")
-    assert service.trainer is not None
-    # reward/mean per step: 0.5, 1.5 (the best), 0.1, 0.2, 0.3
-    for index, top in enumerate((1.0, 3.0, 0.2, 0.4, 0.6), 1):
-        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (top, 0.0))], lease_expires_at=0))
-        await service.train_once()
-    assert service.steps == [2, 4, 5]
-    assert sorted(service.engine.adapters) == ["agent@2", "agent@4", "agent@5"]
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()) == ["step-2", "step-4", "step-5"]
-    assert service.served_models() == ["base-model", "agent@2", "agent@4", "agent@5", "agent@latest"]
-    status = await service.status()
-    assert status.checkpoints == [2, 4, 5] and status.counters["checkpoints_deleted"] == 2
-    saved = lora_params(service.trainer)
-    optimizer_state = service.trainer.optimizer.state_dict()["state"]
-    await service.aclose()
-
-    restarted = make_service(tmp_path, [], [], keep_last=2, keep_best_metric="reward/mean")
-    assert restarted.trainer is not None and restarted.trainer.step_count == 5
-    assert sorted(restarted.engine.adapters) == ["agent@2", "agent@4", "agent@5"]
-    assert restarted.resolve("agent@latest") == "agent@5"
-    assert all(torch.equal(saved[n], p) for n, p in lora_params(restarted.trainer).items())
-    restored = restarted.trainer.optimizer.state_dict()["state"]
-    assert all(torch.equal(optimizer_state[k]["exp_avg"], restored[k]["exp_avg"]) for k in optimizer_state)
-    await restarted.aclose()
-
-
-async def test_retention_stops_serving_before_it_deletes_and_counts_a_failed_delete(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    batches: list[Batch] = []
-    service = make_service(tmp_path, batches, [], keep_last=1)
-    assert service.trainer is not None
-    listed: list[list[str]] = []
-
-    def delete_fails(step: int) -> None:
-        listed.append([service.resolve(name) for name in service.served_models()])  # GET /v1/models meanwhile
-        raise PermissionError(errno.EACCES, "Permission denied", str(service.store.path(step)))
-
-    monkeypatch.setattr(service.store, "delete", delete_fails)
-    for index in (1, 2):
-        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
-        await service.train_once()  # the failed delete does not fail the step
-    assert listed == [["base-model", "agent@2", "agent@2"]]  # step 1 was no longer listed while it was deleted
-    assert service.steps == [2] and sorted(service.engine.adapters) == ["agent@2"]
-    status = await service.status()
-    assert status.counters["retention_errors"] == 1 and "checkpoints_deleted" not in status.counters
-    assert status.last_error is None
-    await service.aclose()
 
 
 async def test_full_disk_serves_nothing_and_rolls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

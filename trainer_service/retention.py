@@ -1,0 +1,96 @@
+"""Checkpoint retention: after each step, drop the checkpoints the policy no longer keeps.
+
+The policy (`TrainerSettings.keep_last`, `keep_best_metric`, `keep_best_mode`; `select_kept`) keeps
+the newest steps, the best by a named metric (a manifest metric, or the promotion gate's eval
+reward), the promoted step and the newest. A dropped step stops being served before its folder
+goes: it leaves the served list, is unloaded from vLLM, then deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+from trainer_service.checkpoints import CheckpointStore, select_kept
+from trainer_service.config import TrainerSettings
+from trainer_service.engine import EngineError, VLLMEngine
+from trainer_service.promotion import PromotionGate
+
+__all__ = ["Retention"]
+
+logger = logging.getLogger(__name__)
+
+
+class Retention:
+    """Applies the retention policy to a service's served steps.
+
+    Args:
+        settings: `keep_last`, `keep_best_metric`, `keep_best_mode`.
+        store: the checkpoint folders and their manifests.
+        engine: the vLLM engine the dropped steps are unloaded from.
+        gate: the promotion gate (its promoted step is kept; its eval rewards can be the metric).
+        model_name: step → `name@step`.
+        counters: the service's counters (`retention_errors`, `checkpoints_deleted`).
+    """
+
+    def __init__(self, settings: TrainerSettings, store: CheckpointStore, engine: VLLMEngine, gate: PromotionGate,
+                 model_name: Callable[[int], str], counters: Counter[str]) -> None:
+        self.settings = settings
+        self.store = store
+        self.engine = engine
+        self.gate = gate
+        self.model_name = model_name
+        self.counters = counters
+
+    async def apply(self, steps: list[int]) -> None:
+        """Drop from `steps` (the served steps, changed in place) the checkpoints the policy no longer keeps.
+
+        A dropped step leaves `steps` first, so `/v1/models` never lists a name being removed; then
+        it is unloaded from vLLM and its folder deleted. A step vLLM cannot unload is served again
+        and kept for the next step's retention; a folder that cannot be deleted is logged and counted.
+        Run under the service's step lock.
+        """
+        dropped = await asyncio.to_thread(self.drops, list(steps))
+        for step in dropped:
+            steps.remove(step)
+        still_loaded = await asyncio.to_thread(self._remove, dropped)
+        steps.extend(still_loaded)
+        steps.sort()
+
+    def drops(self, steps: list[int]) -> list[int]:
+        """The steps of `steps` the policy drops (reads the manifests' metrics)."""
+        s = self.settings
+        values: dict[int, float] = {}
+        if s.keep_best_metric is not None:
+            for step in steps:
+                merged = {**self.store.metrics(step), **({"eval/reward": self.gate.evals[step]}
+                                                         if step in self.gate.evals else {})}
+                if isinstance(merged.get(s.keep_best_metric), int | float):
+                    values[step] = float(merged[s.keep_best_metric])
+        protect = {step for step in (self.gate.latest, steps[-1] if steps else None) if step is not None}
+        kept = select_kept(steps, values, keep_last=s.keep_last, best_mode=s.keep_best_mode, protect=protect)
+        return [step for step in steps if step not in kept]
+
+    def _remove(self, steps: list[int]) -> list[int]:
+        """Unload each step from vLLM, then delete its folder; return the steps vLLM could not unload."""
+        still_loaded = []
+        for step in steps:
+            try:
+                self.engine.unload_adapter(self.model_name(step))
+            except EngineError:
+                self.counters["retention_errors"] += 1
+                logger.exception("could not unload %s; keeping it served for now", self.model_name(step))
+                still_loaded.append(step)
+                continue
+            try:
+                self.store.delete(step)
+            except OSError:
+                self.counters["retention_errors"] += 1
+                logger.exception("%s is no longer served but its folder %s could not be deleted (it is served "
+                                 "again after a restart)", self.model_name(step), self.store.path(step))
+                continue
+            self.counters["checkpoints_deleted"] += 1
+            logger.info("retention: deleted checkpoint step %s", step)
+        return still_loaded
