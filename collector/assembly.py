@@ -2,11 +2,7 @@
 
 A trajectory is identified by `art.rollout.id` (every span inside a rollout carries it) or,
 for model calls outside any rollout, by its trace id. Its LLM spans, in start-time order,
-become token sequences: a turn whose prompt starts with everything the previous sequence
-holds (prompt and completion, token for token) extends that sequence; any other turn starts a
-new one. Prompt tokens get mask 0 and no logprob, sampled tokens mask 1 and their logprob.
-A turn that starts a new sequence although its messages extend the previous turn's messages
-is recorded as retokenization drift. Model calls of other instrumentations (see
+become token sequences (`collector.sequences`). Model calls of other instrumentations (see
 `collector.foreign`) carry no token ids: their trajectories are not token-exact.
 
 No model call counts twice when the app also sends another instrumentation's spans: a foreign
@@ -30,16 +26,16 @@ from art_langgraph import semconv as sc
 from collector import foreign
 from collector.groups import TrainingReward
 from collector.otlp import SpanRecord
-from collector.protocol import MAX_COUNT, MAX_ID_LENGTH, Drift, Sequence, Trajectory
+from collector.protocol import MAX_COUNT, MAX_ID_LENGTH, Trajectory
+from collector.sequences import build_sequences
+from collector.spans import COUNTS, unique_sorted, whole_number
 
 __all__ = [
     "FactsDigest",
     "InvalidReward",
-    "Sequences",
     "SpanReward",
     "TrajectoryFacts",
     "assemble",
-    "build_sequences",
     "facts",
     "is_llm",
     "model_calls",
@@ -52,8 +48,7 @@ log = logging.getLogger(__name__)
 
 _MAX_SPLIT_LENGTH = 64
 _MAX_NS = 2**63 - 1
-_COUNTS = {sc.GROUP_SIZE: 1, sc.POLICY_STEP: 0}
-"""Whole-number attributes and the least value each may take."""
+
 
 class InvalidReward(ValueError):
     """A reward event whose value is missing, not a number, or not finite."""
@@ -139,15 +134,6 @@ def span_rewards(span: SpanRecord) -> list[SpanReward]:
     return rewards
 
 
-def _count(value: Any, low: int) -> int | None:
-    """`value` as an int when it is a whole number (an int, or a float such as 4.0) from `low` to `MAX_COUNT`."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    if isinstance(value, float) and not value.is_integer():  # also NaN and the infinities
-        return None
-    return int(value) if low <= value <= MAX_COUNT else None
-
-
 def span_problem(span: SpanRecord) -> str | None:
     """Why the store must reject a span (an OTLP partial success), or None when it is fine."""
     if not (0 <= span.start_ns <= _MAX_NS and 0 <= span.end_ns <= _MAX_NS):
@@ -166,9 +152,9 @@ def span_problem(span: SpanRecord) -> str | None:
             return f"attribute {key} contains a NUL character"
     if "\x00" in span.name:
         return "the span name contains a NUL character"
-    for key, low in _COUNTS.items():
+    for key, low in COUNTS.items():
         value = span.attributes.get(key)
-        if value is not None and _count(value, low) is None:
+        if value is not None and whole_number(value, low) is None:
             return f"attribute {key} is {value!r}; it must be a whole number from {low} to {MAX_COUNT}"
     try:
         rewards = span_rewards(span)
@@ -178,14 +164,6 @@ def span_problem(span: SpanRecord) -> str | None:
         if len(reward.name) > MAX_ID_LENGTH or "\x00" in reward.name:
             return f"reward name {reward.name[:40]!r}... is longer than {MAX_ID_LENGTH} characters or holds a NUL"
     return None
-
-
-def _unique_sorted(spans: Iterable[SpanRecord]) -> list[SpanRecord]:
-    """Drop duplicate span ids (first wins) and sort by start, end, id."""
-    seen: dict[str, SpanRecord] = {}
-    for span in spans:
-        seen.setdefault(span.span_id, span)
-    return sorted(seen.values(), key=lambda s: (s.start_ns, s.end_ns, s.span_id))
 
 
 def _rollout_span(spans: list[SpanRecord]) -> SpanRecord | None:
@@ -200,7 +178,7 @@ _FACT_KEYS = (sc.GROUP, sc.TASK, sc.GROUP_SIZE, sc.SPLIT)
 
 
 def _order(span: SpanRecord) -> list[Any]:
-    """A span's place in a trajectory: start, end, id (the order of `_unique_sorted`)."""
+    """A span's place in a trajectory: start, end, id (the order of `spans.unique_sorted`)."""
     return [span.start_ns, span.end_ns, span.span_id]
 
 
@@ -276,7 +254,7 @@ class FactsDigest:
             has_llm=self.llm,
             group_key=str(group) if group else (str(task) if task else trajectory_id),
             explicit_group=bool(group),
-            group_size=_count(size, _COUNTS[sc.GROUP_SIZE]),
+            group_size=whole_number(size, COUNTS[sc.GROUP_SIZE]),
             task=str(task) if task else None,
             split=str(split) if split else "train",
         )
@@ -285,97 +263,6 @@ class FactsDigest:
 def facts(trajectory_id: str, spans: Iterable[SpanRecord]) -> TrajectoryFacts:
     """Summarise a trajectory's spans: identity, grouping key, task, split."""
     return FactsDigest.of(spans).facts(trajectory_id)
-
-
-def _int_list(value: Any) -> list[int] | None:
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return value
-    return None
-
-
-def _turn(span: SpanRecord) -> tuple[list[int], list[int], list[float | None]] | None:
-    """(prompt ids, completion ids, logprobs) of an LLM span, or None when not token-exact."""
-    prompt = _int_list(span.attributes.get(sc.PROMPT_TOKEN_IDS))
-    completion = _int_list(span.attributes.get(sc.COMPLETION_TOKEN_IDS))
-    if prompt is None or completion is None:
-        return None
-    raw = span.attributes.get(sc.COMPLETION_LOGPROBS)
-    if raw is None:
-        logprobs: list[float | None] = [None] * len(completion)
-    elif isinstance(raw, list) and len(raw) == len(completion):
-        logprobs = [float(v) if isinstance(v, int | float) else None for v in raw]
-    else:
-        log.warning(
-            "span %s: %s has %s entries for %d completion tokens; turn dropped",
-            span.span_id,
-            sc.COMPLETION_LOGPROBS,
-            len(raw) if isinstance(raw, list) else type(raw).__name__,
-            len(completion),
-        )
-        return None
-    return prompt, completion, logprobs
-
-
-@dataclass
-class Sequences:
-    """What `build_sequences` makes of a trajectory's LLM spans."""
-
-    sequences: list[Sequence] = field(default_factory=list)
-    token_exact: bool = True
-    drift: list[Drift] = field(default_factory=list)
-
-
-def _extends(messages: list[dict[str, Any]], previous: list[dict[str, Any]]) -> bool:
-    return (
-        bool(previous) and len(messages) > len(previous) and foreign.same_messages(messages[: len(previous)], previous)
-    )
-
-
-def _drift(span: SpanRecord, turn: int, prompt: list[int], previous: list[int]) -> Drift:
-    position = next((i for i, (a, b) in enumerate(zip(prompt, previous)) if a != b), min(len(prompt), len(previous)))
-    return Drift(
-        span_id=span.span_id,
-        turn=turn,
-        position=position,
-        expected=previous[position : position + 8],
-        got=prompt[position : position + 8],
-    )
-
-
-def build_sequences(llm_spans: Iterable[SpanRecord]) -> Sequences:
-    """Turn LLM spans into token sequences, noting turns without token ids and drifting turns."""
-    out = Sequences()
-    previous_messages: list[dict[str, Any]] = []
-    for turn_index, span in enumerate(_unique_sorted(llm_spans)):
-        turn = _turn(span)
-        if turn is None:
-            out.token_exact = False
-            continue
-        prompt, completion, logprobs = turn
-        step = _count(span.attributes.get(sc.POLICY_STEP), _COUNTS[sc.POLICY_STEP])
-        talk = foreign.conversation(span.attributes, span_id=span.span_id)
-        last = out.sequences[-1] if out.sequences else None
-        if last is not None and last.token_ids and prompt[: len(last.token_ids)] == last.token_ids:
-            tail = prompt[len(last.token_ids) :]
-            last.token_ids += tail + completion
-            last.logprobs += [None] * len(tail) + logprobs
-            last.assistant_mask += [0] * len(tail) + [1] * len(completion)
-            last.policy_step = step
-        else:
-            if last is not None and _extends(talk.input, previous_messages):
-                out.drift.append(_drift(span, turn_index, prompt, last.token_ids))
-            out.sequences.append(
-                Sequence(
-                    token_ids=prompt + completion,
-                    logprobs=[None] * len(prompt) + logprobs,
-                    assistant_mask=[0] * len(prompt) + [1] * len(completion),
-                    policy_step=step,
-                )
-            )
-        previous_messages = talk.input + talk.output
-    if out.drift:
-        log.info("retokenization drift in %d turns (first at span %s)", len(out.drift), out.drift[0].span_id)
-    return out
 
 
 def _json_attr(span: SpanRecord, key: str, want: type) -> Any:
@@ -419,7 +306,7 @@ def assemble(
         rewards: Its named rewards, from every source (see `groups.merge_rewards`).
         training: Which reward trains; becomes `Trajectory.reward`.
     """
-    ordered = _unique_sorted(spans)
+    ordered = unique_sorted(spans)
     summary = facts(trajectory_id, ordered)
     rollout = _rollout_span(ordered)
     llm = model_calls(ordered)

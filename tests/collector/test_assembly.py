@@ -13,13 +13,13 @@ from collector.assembly import (
     InvalidReward,
     SpanReward,
     assemble,
-    build_sequences,
     facts,
     model_calls,
     span_rewards,
     trajectory_key,
 )
 from collector.groups import TrainingReward
+from collector.sequences import build_sequences
 from tests.collector.span_builders import TRACE, llm, rollout
 
 

@@ -1,0 +1,117 @@
+"""LLM spans → token sequences: pure functions, no I/O.
+
+The spans, in start-time order, are a trajectory's turns. A turn whose prompt starts with
+everything the previous sequence holds (prompt and completion, token for token) extends that
+sequence; any other turn starts a new one. Prompt tokens get mask 0 and no logprob, sampled
+tokens mask 1 and their logprob. A turn that starts a new sequence although its messages
+extend the previous turn's messages is recorded as retokenization drift. A turn without token
+ids (or with logprobs that do not match them) is left out, and the sequences are not token-exact.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from art_langgraph import semconv as sc
+from collector import foreign
+from collector.otlp import SpanRecord
+from collector.protocol import Drift, Sequence
+from collector.spans import COUNTS, unique_sorted, whole_number
+
+__all__ = ["Sequences", "build_sequences"]
+
+log = logging.getLogger(__name__)
+
+
+def _int_list(value: Any) -> list[int] | None:
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return value
+    return None
+
+
+def _turn(span: SpanRecord) -> tuple[list[int], list[int], list[float | None]] | None:
+    """(prompt ids, completion ids, logprobs) of an LLM span, or None when not token-exact."""
+    prompt = _int_list(span.attributes.get(sc.PROMPT_TOKEN_IDS))
+    completion = _int_list(span.attributes.get(sc.COMPLETION_TOKEN_IDS))
+    if prompt is None or completion is None:
+        return None
+    raw = span.attributes.get(sc.COMPLETION_LOGPROBS)
+    if raw is None:
+        logprobs: list[float | None] = [None] * len(completion)
+    elif isinstance(raw, list) and len(raw) == len(completion):
+        logprobs = [float(v) if isinstance(v, int | float) else None for v in raw]
+    else:
+        log.warning(
+            "span %s: %s has %s entries for %d completion tokens; turn dropped",
+            span.span_id,
+            sc.COMPLETION_LOGPROBS,
+            len(raw) if isinstance(raw, list) else type(raw).__name__,
+            len(completion),
+        )
+        return None
+    return prompt, completion, logprobs
+
+
+@dataclass
+class Sequences:
+    """What `build_sequences` makes of a trajectory's LLM spans."""
+
+    sequences: list[Sequence] = field(default_factory=list)
+    token_exact: bool = True
+    drift: list[Drift] = field(default_factory=list)
+
+
+def _extends(messages: list[dict[str, Any]], previous: list[dict[str, Any]]) -> bool:
+    return (
+        bool(previous) and len(messages) > len(previous) and foreign.same_messages(messages[: len(previous)], previous)
+    )
+
+
+def _drift(span: SpanRecord, turn: int, prompt: list[int], previous: list[int]) -> Drift:
+    position = next((i for i, (a, b) in enumerate(zip(prompt, previous)) if a != b), min(len(prompt), len(previous)))
+    return Drift(
+        span_id=span.span_id,
+        turn=turn,
+        position=position,
+        expected=previous[position : position + 8],
+        got=prompt[position : position + 8],
+    )
+
+
+def build_sequences(llm_spans: Iterable[SpanRecord]) -> Sequences:
+    """Turn LLM spans into token sequences, noting turns without token ids and drifting turns."""
+    out = Sequences()
+    previous_messages: list[dict[str, Any]] = []
+    for turn_index, span in enumerate(unique_sorted(llm_spans)):
+        turn = _turn(span)
+        if turn is None:
+            out.token_exact = False
+            continue
+        prompt, completion, logprobs = turn
+        step = whole_number(span.attributes.get(sc.POLICY_STEP), COUNTS[sc.POLICY_STEP])
+        talk = foreign.conversation(span.attributes, span_id=span.span_id)
+        last = out.sequences[-1] if out.sequences else None
+        if last is not None and last.token_ids and prompt[: len(last.token_ids)] == last.token_ids:
+            tail = prompt[len(last.token_ids) :]
+            last.token_ids += tail + completion
+            last.logprobs += [None] * len(tail) + logprobs
+            last.assistant_mask += [0] * len(tail) + [1] * len(completion)
+            last.policy_step = step
+        else:
+            if last is not None and _extends(talk.input, previous_messages):
+                out.drift.append(_drift(span, turn_index, prompt, last.token_ids))
+            out.sequences.append(
+                Sequence(
+                    token_ids=prompt + completion,
+                    logprobs=[None] * len(prompt) + logprobs,
+                    assistant_mask=[0] * len(prompt) + [1] * len(completion),
+                    policy_step=step,
+                )
+            )
+        previous_messages = talk.input + talk.output
+    if out.drift:
+        log.info("retokenization drift in %d turns (first at span %s)", len(out.drift), out.drift[0].span_id)
+    return out
