@@ -31,7 +31,7 @@ from collector.ruler import (
 )
 from collector.scoring_config import JudgeSettings
 from collector.scoring_store import ScoringStore
-from collector.store import Store
+from collector.store_base import Store
 
 __all__ = ["GroupJudge", "claim_seconds", "run_view"]
 

@@ -29,7 +29,7 @@ from collector.protocol import RewardIn
 from collector.read_protocol import LangfuseSyncResult
 from collector.scoring_config import LangfuseSettings
 from collector.scoring_store import ScoringStore
-from collector.store import Store
+from collector.store_base import Store
 
 __all__ = ["LangfuseSync", "LangfuseSyncError", "make_client"]
 

@@ -36,7 +36,8 @@ from collector.protocol import (
     Trajectory,
 )
 from collector.scoring_api import install as install_scoring
-from collector.store import SqlStore, Store
+from collector.store import SqlStore
+from collector.store_base import Store
 
 __all__ = ["create_app"]
 

@@ -1,11 +1,11 @@
 """The collector's store: spans in, trajectories, groups and batch leases out.
 
-`Store` is the interface; `SqlStore` implements it with SQLAlchemy Core, portable SQL with
-dialect-specific locking (see `collector.transactions`): on SQLite (WAL, `synchronous=FULL`)
-one writer at a time; on PostgreSQL concurrent transactions, advisory locks per trajectory
-and group key, and leases that take group rows with `FOR UPDATE SKIP LOCKED`, so several
-collector replicas on one database never lease a group twice. Every write method returns
-only after its transaction committed.
+`SqlStore` implements the `Store` interface (`collector.store_base`) with SQLAlchemy Core,
+portable SQL with dialect-specific locking (see `collector.transactions`): on SQLite (WAL,
+`synchronous=FULL`) one writer at a time; on PostgreSQL concurrent transactions, advisory locks
+per trajectory and group key, and leases that take group rows with `FOR UPDATE SKIP LOCKED`, so
+several collector replicas on one database never lease a group twice. Every write method
+returns only after its transaction committed.
 
 Ingest costs work for the export's own spans, not for what is stored: the spans go in one
 multi-row insert, each trajectory's grouping facts are updated from its digest
@@ -19,7 +19,6 @@ import json
 import logging
 import time
 import uuid
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -48,9 +47,10 @@ from collector.protocol import (
     Trajectory,
 )
 from collector.schema import batch_groups, batches, groups, migrate, rewards, spans, trajectories
+from collector.store_base import Store
 from collector.transactions import GROUP_LOCKS, TRAJECTORY_LOCKS, Transactions
 
-__all__ = ["SqlStore", "Store"]
+__all__ = ["SqlStore"]
 
 log = logging.getLogger(__name__)
 
@@ -60,67 +60,6 @@ _STORED_AS: dict[GroupState, frozenset[str]] = {
 }
 """The stored states a group shown in each state can have: `ready`, `open` and `skipped` are decided for open
 groups (`pool.decisions`), the others are stored as they are shown."""
-
-
-class Store(ABC):
-    """What the HTTP layer needs from storage. Implementations share `tests/collector/test_store.py`."""
-
-    @abstractmethod
-    def setup(self) -> None:
-        """Create or migrate the schema. Idempotent."""
-
-    @abstractmethod
-    def add_spans(self, records: list[SpanRecord]) -> int:
-        """Store spans (duplicates ignored) and update their trajectories; returns how many were new."""
-
-    @abstractmethod
-    def add_reward(self, reward: RewardIn) -> RewardAccepted:
-        """Store a reward posted by API; it applies now or when the trajectory's spans arrive."""
-
-    @abstractmethod
-    def lease(self, request: BatchRequest) -> Batch:
-        """Lease ready groups to one trainer, atomically; an empty batch, not stored, when fewer than `min_groups`
-        are ready."""
-
-    @abstractmethod
-    def ack(self, batch_id: str, policy_step: int | None) -> AckResponse:
-        """Mark a batch's groups trained. Raises `NotFound`, or `Conflict` when they were re-leased or released."""
-
-    @abstractmethod
-    def release(self, batch_id: str, request: ReleaseRequest) -> ReleaseResponse:
-        """Give a batch's groups back untrained, counting a failed attempt when `request.failed`; idempotent.
-        Raises `NotFound`, or `Conflict` when the batch was acked."""
-
-    @abstractmethod
-    def reopen(self, group_id: str) -> ReopenResponse:
-        """Put a skipped or expired group back in the pool, its failed attempts reset. Raises `NotFound`, or
-        `Conflict` when the group is open, ready, leased or trained, or skipped for its rewards while in the pool."""
-
-    @abstractmethod
-    def trajectory(self, trajectory_id: str) -> Trajectory | None:
-        """One assembled trajectory, or None."""
-
-    @abstractmethod
-    def trajectories(self, *, group: str | None = None, task: str | None = None, split: str | None = None,
-                     newest_first: bool = False, limit: int | None = None, offset: int = 0) -> list[Trajectory]:
-        """Assembled trajectories matching every filter given (`group`: group id or group key), oldest first
-        (`newest_first`: the reverse); with `limit`, that many from `offset` on, the others not assembled."""
-
-    @abstractmethod
-    def count_trajectories(self, *, group: str | None = None, task: str | None = None, split: str | None = None) -> int:
-        """How many trajectories `trajectories` would return with the same filters and no limit."""
-
-    @abstractmethod
-    def groups(self, states: Collection[GroupState] | None = None) -> list[GroupStatus]:
-        """Every non-empty group with its readiness; with `states`, only the groups in one of them."""
-
-    @abstractmethod
-    def batches(self, *, limit: int = 100) -> list[BatchStatus]:
-        """The latest `limit` batches (leases), newest first, with their group ids."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Release connections."""
 
 
 class SqlStore(Store):

@@ -24,7 +24,7 @@ from collector.read_protocol import (
 )
 from collector.ruler import render_message
 from collector.scoring_store import ScoringStore
-from collector.store import Store
+from collector.store_base import Store
 
 __all__ = [
     "NO_MODEL_CALL",

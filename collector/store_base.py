@@ -1,0 +1,88 @@
+"""The collector's storage interface: what the HTTP layer, the judges and the read views need from a store.
+
+`Store` is the interface; `collector.store.SqlStore` implements it on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection
+
+from collector.otlp import SpanRecord
+from collector.protocol import (
+    AckResponse,
+    Batch,
+    BatchRequest,
+    BatchStatus,
+    GroupState,
+    GroupStatus,
+    ReleaseRequest,
+    ReleaseResponse,
+    ReopenResponse,
+    RewardAccepted,
+    RewardIn,
+    Trajectory,
+)
+
+__all__ = ["Store"]
+
+
+class Store(ABC):
+    """What the HTTP layer needs from storage. Implementations share `tests/collector/test_store.py`."""
+
+    @abstractmethod
+    def setup(self) -> None:
+        """Create or migrate the schema. Idempotent."""
+
+    @abstractmethod
+    def add_spans(self, records: list[SpanRecord]) -> int:
+        """Store spans (duplicates ignored) and update their trajectories; returns how many were new."""
+
+    @abstractmethod
+    def add_reward(self, reward: RewardIn) -> RewardAccepted:
+        """Store a reward posted by API; it applies now or when the trajectory's spans arrive."""
+
+    @abstractmethod
+    def lease(self, request: BatchRequest) -> Batch:
+        """Lease ready groups to one trainer, atomically; an empty batch, not stored, when fewer than `min_groups`
+        are ready."""
+
+    @abstractmethod
+    def ack(self, batch_id: str, policy_step: int | None) -> AckResponse:
+        """Mark a batch's groups trained. Raises `NotFound`, or `Conflict` when they were re-leased or released."""
+
+    @abstractmethod
+    def release(self, batch_id: str, request: ReleaseRequest) -> ReleaseResponse:
+        """Give a batch's groups back untrained, counting a failed attempt when `request.failed`; idempotent.
+        Raises `NotFound`, or `Conflict` when the batch was acked."""
+
+    @abstractmethod
+    def reopen(self, group_id: str) -> ReopenResponse:
+        """Put a skipped or expired group back in the pool, its failed attempts reset. Raises `NotFound`, or
+        `Conflict` when the group is open, ready, leased or trained, or skipped for its rewards while in the pool."""
+
+    @abstractmethod
+    def trajectory(self, trajectory_id: str) -> Trajectory | None:
+        """One assembled trajectory, or None."""
+
+    @abstractmethod
+    def trajectories(self, *, group: str | None = None, task: str | None = None, split: str | None = None,
+                     newest_first: bool = False, limit: int | None = None, offset: int = 0) -> list[Trajectory]:
+        """Assembled trajectories matching every filter given (`group`: group id or group key), oldest first
+        (`newest_first`: the reverse); with `limit`, that many from `offset` on, the others not assembled."""
+
+    @abstractmethod
+    def count_trajectories(self, *, group: str | None = None, task: str | None = None, split: str | None = None) -> int:
+        """How many trajectories `trajectories` would return with the same filters and no limit."""
+
+    @abstractmethod
+    def groups(self, states: Collection[GroupState] | None = None) -> list[GroupStatus]:
+        """Every non-empty group with its readiness; with `states`, only the groups in one of them."""
+
+    @abstractmethod
+    def batches(self, *, limit: int = 100) -> list[BatchStatus]:
+        """The latest `limit` batches (leases), newest first, with their group ids."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections."""
