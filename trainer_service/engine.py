@@ -21,12 +21,15 @@ from pathlib import Path
 
 import httpx
 
+from trainer_service.backoff import Backoff
+from trainer_service.engine_errors import EngineError
 from trainer_service.parent_death import launch_command
 from trainer_service.process_group import stop_group
 from trainer_service.vllm_cpu_matmul import MATMUL_DTYPE_ENV
 from trainer_service.vllm_cpu_threads import EngineThreads
+from trainer_service.vllm_lora_api import load_lora, unload_lora
 
-__all__ = ["HEALTH_FAILURES_BEFORE_RESTART", "EngineError", "VLLMEngine"]
+__all__ = ["HEALTH_FAILURES_BEFORE_RESTART", "VLLMEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,47 +46,10 @@ _KILL_WAIT = 10.0
 
 _RETRY_FIRST = 10.0
 """Seconds before a failed restart, or a failed re-load of pending adapters, is tried again; doubled at each
-further failure in a row, up to `_RETRY_MAX`."""
+further failure in a row (`Backoff`), up to `_RETRY_MAX`."""
 
 _RETRY_MAX = 600.0
 """Longest wait between two tries of a failing restart or adapter re-load."""
-
-_ALREADY_LOADED = (400, "The lora adapter '{}' has already been loaded")
-"""vLLM's answer to loading a name it serves (`_check_load_lora_adapter_request` in its models/serving.py)."""
-
-_NOT_FOUND = (404, "The lora adapter '{}' cannot be found")
-"""vLLM's answer to unloading a name it does not serve (`_check_unload_lora_adapter_request`, same module)."""
-
-
-class EngineError(RuntimeError):
-    """vLLM could not be started, died, or refused a request."""
-
-
-class _Retry:
-    """When a failing action may run again: `_RETRY_FIRST` s after the first failure in a row, twice as long
-    after each further one, at most `_RETRY_MAX`; a success ends the streak (`reset`)."""
-
-    def __init__(self) -> None:
-        self.failures = 0
-        """Failures in a row."""
-        self.not_before = 0.0
-        """`time.monotonic()` before which the action is not tried again."""
-
-    def due(self) -> bool:
-        """True when the action may run now."""
-        return time.monotonic() >= self.not_before
-
-    def failed(self) -> float:
-        """Count a failure; return the seconds until the next try."""
-        delay = min(_RETRY_FIRST * 2 ** min(self.failures, 16), _RETRY_MAX)
-        self.failures += 1
-        self.not_before = time.monotonic() + delay
-        return delay
-
-    def reset(self) -> None:
-        """End the streak: the action may run now."""
-        self.failures = 0
-        self.not_before = 0.0
 
 
 class VLLMEngine:
@@ -151,8 +117,8 @@ class VLLMEngine:
         self._pending: set[str] = set()
         self._supervised = False
         self._failed_health_checks = 0
-        self._restart_retry = _Retry()
-        self._adapter_retry = _Retry()
+        self._restart_retry = Backoff(_RETRY_FIRST, _RETRY_MAX)
+        self._adapter_retry = Backoff(_RETRY_FIRST, _RETRY_MAX)
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.RLock()
         self._stopping = threading.Event()
@@ -392,9 +358,8 @@ class VLLMEngine:
         """
         failures: list[str] = []
         for name in self.pending_adapters:
-            try:  # vLLM may have it already: a load that timed out on our side can still have completed
-                self._post_adapter("/v1/load_lora_adapter", {"lora_name": name, "lora_path": self._registered[name]},
-                                   accept=_ALREADY_LOADED)
+            try:  # vLLM may have it already (False): a load that timed out on our side can still have completed
+                load_lora(self.base_url, name, self._registered[name])
             except EngineError as exc:
                 failures.append(f"{name}: {exc}")
                 continue
@@ -414,41 +379,17 @@ class VLLMEngine:
             EngineError: vLLM refused the adapter (its message is included).
         """
         path = str(Path(path).resolve())
-        body = {"lora_name": name, "lora_path": path}
         with self._lock:
-            if not self._post_adapter("/v1/load_lora_adapter", body, accept=_ALREADY_LOADED):
-                self._post_adapter("/v1/unload_lora_adapter", {"lora_name": name}, accept=_NOT_FOUND)
-                self._post_adapter("/v1/load_lora_adapter", body)
+            if not load_lora(self.base_url, name, path):
+                unload_lora(self.base_url, name)
+                if not load_lora(self.base_url, name, path):
+                    raise EngineError(f"vLLM still serves adapter {name!r} after unloading it; not re-loaded")
             self._registered[name] = path
             self._pending.discard(name)
 
     def unload_adapter(self, name: str) -> None:
         """Unload adapter `name` from vLLM; vLLM not having it (a pending adapter may or may not be loaded) is fine."""
         with self._lock:
-            self._post_adapter("/v1/unload_lora_adapter", {"lora_name": name}, accept=_NOT_FOUND)
+            unload_lora(self.base_url, name)
             self._pending.discard(name)
             self._registered.pop(name, None)
-
-    def _post_adapter(self, route: str, body: dict[str, str], accept: tuple[int, str] | None = None) -> bool:
-        """POST `body` to vLLM's adapter `route`.
-
-        Args:
-            accept: an answer that is no error, as (HTTP status, message with `{}` for the adapter's name).
-
-        Returns:
-            True when vLLM did it, False when it gave the `accept`ed answer.
-
-        Raises:
-            EngineError: vLLM did not answer, or refused with another answer.
-        """
-        try:
-            response = httpx.post(f"{self.base_url}{route}", json=body, timeout=120.0)
-        except httpx.HTTPError as exc:
-            raise EngineError(f"vLLM at {self.base_url} did not answer {route}: {exc}") from exc
-        if response.status_code == 200:
-            return True
-        if accept is not None:
-            status, message = accept
-            if response.status_code == status and message.format(body["lora_name"]) in response.text:
-                return False
-        raise EngineError(f"vLLM refused {route} for {body}: HTTP {response.status_code}: {response.text[:500]}")

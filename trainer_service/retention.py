@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 from trainer_service.checkpoints import CheckpointStore, select_kept
 from trainer_service.config import TrainerSettings
-from trainer_service.engine import EngineError, VLLMEngine
+from trainer_service.engine import VLLMEngine
+from trainer_service.engine_errors import EngineError
 from trainer_service.promotion import PromotionGate
 
 __all__ = ["Retention"]

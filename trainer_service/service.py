@@ -26,7 +26,8 @@ from trainer_service.collector_client import CollectorClient, describe_release
 from trainer_service.config import TrainerSettings
 from trainer_service.core_lending import CoreLender
 from trainer_service.distributed import DistributedStepError, TrainLauncher
-from trainer_service.engine import EngineError, VLLMEngine
+from trainer_service.engine import VLLMEngine
+from trainer_service.engine_errors import EngineError
 from trainer_service.evaluation import Evaluator, build_evaluator
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.metrics import MetricsSink

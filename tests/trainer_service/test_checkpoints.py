@@ -166,7 +166,7 @@ def test_partial_folders_are_removed_at_start(tmp_path: Path) -> None:
 
 async def test_adapter_vllm_refuses_is_rolled_back_and_removed(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainer_service.engine import EngineError
+    from trainer_service.engine_errors import EngineError
 
     acks: list[tuple[str, dict]] = []
     batches: list[Batch] = []

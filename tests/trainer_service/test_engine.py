@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from tests.trainer_service.test_process_group import running
-from trainer_service.engine import HEALTH_FAILURES_BEFORE_RESTART, EngineError, VLLMEngine
+from trainer_service.engine import HEALTH_FAILURES_BEFORE_RESTART, VLLMEngine
+from trainer_service.engine_errors import EngineError
 
 
 def test_engine_death_reports_log_tail(tmp_path: Path) -> None:

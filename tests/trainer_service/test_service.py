@@ -19,7 +19,7 @@ from tests.collector.seeding import group_spans, make_app
 from tests.trainer_service.test_training import group, lora_params, make_trainer
 from trainer_service.config import TrainerSettings
 from trainer_service.distributed import DistributedStepError, TrainLauncher
-from trainer_service.engine import EngineError
+from trainer_service.engine_errors import EngineError
 from trainer_service.evaluation import Evaluator
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.protocol import ServiceError
