@@ -32,11 +32,12 @@ from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tracers.context import register_configure_hook
 from langgraph.errors import GraphBubbleUp
 from opentelemetry import trace
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import Span
 
 from art_langgraph import semconv
 from art_langgraph._rollout import Rollout, current_rollout
 from art_langgraph._settings import get_settings
+from art_langgraph._span_status import mark_ended_by
 from art_langgraph._tracing import get_tracer
 
 __all__ = ["GraphTracer", "Placement", "current_run_id", "placement_of", "rollout_of_current_run"]
@@ -235,9 +236,8 @@ class GraphTracer(BaseCallbackHandler):
         span = placement.own_span
         if isinstance(error, GraphBubbleUp):
             span.add_event(semconv.INTERRUPT_EVENT, {"exception.type": type(error).__name__})
-        elif error is not None:
-            span.record_exception(error)
-            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        else:
+            mark_ended_by(span, error)
         span.end()
 
 

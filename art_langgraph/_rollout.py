@@ -17,10 +17,11 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import Span
 
 from art_langgraph import semconv
 from art_langgraph._collector_client import apost_reward, post_reward
+from art_langgraph._span_status import mark_ended_by
 from art_langgraph._tracing import get_tracer
 
 __all__ = ["Rollout", "areward", "current_rollout", "reward", "rollout"]
@@ -139,15 +140,10 @@ class Rollout:
         return self._span
 
     def _finish(self, exc: BaseException | None) -> None:
-        """End the rollout span; an exception marks it ERROR, a `GeneratorExit` does not.
-
-        A `GeneratorExit` means a consumer stopped reading early: it broke out of a graph's
-        `stream()`/`astream()`, or closed a generator that runs the rollout. That is not an error.
-        """
+        """End the rollout span; an exception marks it ERROR, but not a consumer that stopped reading
+        (`GeneratorExit`) nor a cancelled task (`mark_ended_by`)."""
         assert self._span is not None
-        if exc is not None and not isinstance(exc, GeneratorExit):
-            self._span.record_exception(exc)
-            self._span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        mark_ended_by(self._span, exc)
         self._ended = True
         self._span.end()
 

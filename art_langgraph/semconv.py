@@ -95,6 +95,9 @@ NODE_STEP: Final = "art.node.step"
 """LangGraph superstep the node ran in (`langgraph_step`, int)."""
 INTERRUPT_EVENT: Final = "art.interrupt"
 """Span event on a `node` span whose node paused the graph (`interrupt()`); not an error."""
+CANCELLED_EVENT: Final = "art.cancelled"
+"""Span event on a rollout, `node` or `tool` span whose task was cancelled (`asyncio.CancelledError`: the app
+left `astream()` while it ran, or a timeout); not an error."""
 ROLLOUT_SOURCE: Final = "art.rollout.source"
 """On the rollout span: `rollout` (opened by `rollout(...)`) or `graph` (a top-level graph run
 outside any rollout; its id is the run's LangChain run id in hex)."""

@@ -18,6 +18,7 @@ import pytest
 from langchain_core.messages import HumanMessage
 from langchain_core.runnables import RunnableLambda
 from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.config import get_stream_writer
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, Send, interrupt
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -319,6 +320,52 @@ def test_a_graph_stream_stopped_early_is_not_an_error(spans, mode: str) -> None:
     assert root.status.status_code is StatusCode.UNSET
     assert root.events == ()  # no exception recorded
     assert [s.attributes[semconv.NODE_NAME] for s in kinds(spans, semconv.SPAN_KIND_NODE)] == ["one"]
+
+
+def test_a_node_cancelled_mid_run_is_not_an_error(spans) -> None:
+    """Leaving `astream()` while a node runs cancels its task: the node span used to end ERROR "CancelledError"."""
+
+    async def slow(state: Steps) -> Steps:
+        get_stream_writer()("started")
+        await asyncio.sleep(30)
+        return {"done": ["slow"]}
+
+    builder = StateGraph(Steps)
+    builder.add_node("slow", slow)
+    builder.add_edge(START, "slow")
+    builder.add_edge("slow", END)
+    graph = builder.compile()
+
+    async def read() -> None:
+        stream = graph.astream({}, stream_mode="custom")
+        async for _ in stream:
+            break
+        await stream.aclose()
+
+    started = time.monotonic()
+    asyncio.run(read())
+    assert time.monotonic() - started < 10  # the node was cancelled, not awaited
+    (node,) = kinds(spans, semconv.SPAN_KIND_NODE)
+    assert node.status.status_code is StatusCode.UNSET
+    assert [(e.name, e.attributes["exception.type"]) for e in node.events] == [(semconv.CANCELLED_EVENT,
+                                                                                "CancelledError")]
+    (root,) = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert root.status.status_code is StatusCode.UNSET and root.events == ()
+
+
+def test_a_rollout_cancelled_by_a_timeout_is_not_an_error(spans) -> None:
+    async def run() -> None:
+        async with rollout("slow"):
+            await asyncio.sleep(30)
+
+    async def main() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(run(), timeout=0.2)
+
+    asyncio.run(main())
+    (root,) = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert root.status.status_code is StatusCode.UNSET
+    assert [e.name for e in root.events] == [semconv.CANCELLED_EVENT]
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
