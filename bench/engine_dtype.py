@@ -4,7 +4,7 @@ Three engines, one at a time, serve the same adapters: float32; float32 with its
 multiplying in bf16 (`--vllm-matmul-dtype bfloat16`, the `art_cpu_bf16_matmul` plugin); bfloat16.
 The trainer runs as the service does (`train_dtype=auto`: bf16 base weights on a CPU with AMX or AVX512-BF16,
 LoRA fp32) and takes `--steps` GRPO steps, each on the training bench's batch
-(`train_throughput.sample_batch`: 8 prompts x 4 samples x 64 tokens, a seed per prompt) sampled
+(`grpo_batch.sample_batch`: 8 prompts x 4 samples x 64 tokens, a seed per prompt) sampled
 through its current adapter by the engine the service starts by default; each other engine then
 samples through the same adapters, and the trainer scores its batches from the same states (a
 step from a `snapshot`, undone). Then each engine samples the batch from the base model.
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.train_throughput import COMPLETION_TOKENS, PROMPTS, SAMPLES, sample_batch, to_groups
+from bench.grpo_batch import COMPLETION_TOKENS, PROMPTS, SAMPLES, sample_batch, to_groups
 from collector.protocol import Group
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
 from trainer_service.config import TrainerSettings

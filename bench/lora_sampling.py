@@ -3,7 +3,7 @@
 The trainer's engine settings (fp32, bundled SmolLM2-135M, `--max-lora-rank 8`) but float32 linear
 products (`cpu_matmul_dtype`), which RESULTS.md's figures were measured with: the LoRA ops alone,
 the same adapter (r=8 on every projection, random non-zero weights, so it moves every logit),
-the batch of `train_throughput.py` (its `sample_batch`: 8 prompts x 4 samples x 64 tokens, a seed
+the training bench's batch (`grpo_batch.sample_batch`: 8 prompts x 4 samples x 64 tokens, a seed
 per prompt).
 vLLM is started twice: once as the trainer starts it (the `art_cpu_lora` plugin loads), once
 with `VLLM_PLUGINS` naming only vLLM's own plugins. The variants alternate, `--rounds` times.
@@ -33,7 +33,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from bench.train_throughput import COMPLETION_TOKENS, PROMPTS, SAMPLES, sample_batch
+from bench.grpo_batch import COMPLETION_TOKENS, PROMPTS, SAMPLES, sample_batch
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
 from trainer_service.engine import VLLMEngine
 from trainer_service.grpo_config import DEFAULT_TARGET_MODULES

@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from bench.train_throughput import StepClock, question, run_side
+from bench.grpo_batch import question
+from bench.train_throughput import StepClock, run_side
 from collector.protocol import Group, Sequence, Trajectory
 from trainer_service.allocator import allocator_library, loaded_allocator
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model

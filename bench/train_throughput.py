@@ -45,8 +45,6 @@ import asyncio
 import itertools
 import json
 import os
-import random
-import re
 import statistics
 import subprocess
 import sys
@@ -60,7 +58,8 @@ import httpx
 import torch
 from transformers import TrainerCallback
 
-from collector.protocol import Group, Sequence, Trajectory
+from bench.grpo_batch import COMPLETION_TOKENS, PROMPTS, SAMPLES, problems, question, sample_batch, score, to_groups
+from collector.protocol import Group
 from trainer_service.allocator import allocator_library, loaded_allocator, with_preload
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
 from trainer_service.config import TrainerSettings
@@ -72,27 +71,8 @@ from trainer_service.training import LoRATrainer
 from trainer_service.vllm_cpu_matmul import matmul_dtype
 from trainer_service.vllm_cpu_threads import EngineThreads
 
-PROMPTS = 8
-SAMPLES = 4
-COMPLETION_TOKENS = 64
 TIMED_STEPS = 2
 """Steps timed on each side: a fresh trainer's first, then the second, which finds the process warm."""
-
-
-def problems() -> list[tuple[int, int]]:
-    rng = random.Random(0)
-    return [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(PROMPTS)]
-
-
-def question(a: int, b: int) -> str:
-    return f"What is {a}+{b}? Reply with only the number."
-
-
-def score(text: str, a: int, b: int) -> float:
-    """Partial credit: 0.6 for the right number, up to 0.4 for brevity."""
-    numbers = re.findall(r"-?\d+", text)
-    right = 0.6 if numbers and int(numbers[0]) == a + b else 0.0
-    return right + 0.4 * max(0.0, 1.0 - len(text) / 200)
 
 
 async def sample(engine_url: str, model: str, lender: CoreLender) -> list[tuple[tuple[int, int], dict[str, Any]]]:
@@ -102,38 +82,6 @@ async def sample(engine_url: str, model: str, lender: CoreLender) -> list[tuple[
         return await sample_batch(engine_url, model)
     finally:
         request_ticket.close()
-
-
-async def sample_batch(engine_url: str, model: str) -> list[tuple[tuple[int, int], dict[str, Any]]]:
-    """The batch: each prompt's problem and vLLM's answer (4 seeded samples, EOS ignored, with logprobs)."""
-    async with httpx.AsyncClient(base_url=engine_url, timeout=600) as client:
-        async def one(seed: int, a: int, b: int) -> tuple[tuple[int, int], dict[str, Any]]:
-            # A seed per prompt: every run samples the same completions, so the same groups have a
-            # reward spread and runs of different code train the same batch.
-            body = {"model": model, "messages": [{"role": "user", "content": question(a, b)}], "n": SAMPLES,
-                    "max_tokens": COMPLETION_TOKENS, "ignore_eos": True, "temperature": 1.0, "logprobs": True,
-                    "return_token_ids": True, "seed": seed}
-            response = await client.post("/v1/chat/completions", json=body)
-            response.raise_for_status()
-            return (a, b), response.json()
-        return await asyncio.gather(*(one(seed, a, b) for seed, (a, b) in enumerate(problems())))
-
-
-def to_groups(answers: list[tuple[tuple[int, int], dict[str, Any]]]) -> list[Group]:
-    groups = []
-    for index, ((a, b), body) in enumerate(answers):
-        prompt = list(body["prompt_token_ids"])
-        trajectories = []
-        for choice in body["choices"]:
-            completion = list(choice["token_ids"])
-            lps = [entry["logprob"] for entry in choice["logprobs"]["content"]]
-            trajectories.append(Trajectory(
-                id=f"{index}-{choice['index']}", trace_id="0" * 32, group_id=str(index),
-                sequences=[Sequence(token_ids=prompt + completion, logprobs=[None] * len(prompt) + lps,
-                                    assistant_mask=[0] * len(prompt) + [1] * len(completion))],
-                reward=score(choice["message"]["content"] or "", a, b)))
-        groups.append(Group(id=str(index), trajectories=trajectories))
-    return groups
 
 
 def train(trainer: LoRATrainer, lender: CoreLender, groups: list[Group]) -> dict[str, float]:
