@@ -239,7 +239,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def build_collector_app(tmp_path: Path) -> FastAPI:
-    """The collector's app on a fresh SQLite file, as tests/collector/test_server.py builds it."""
+    """The collector's app on a fresh SQLite file, as `tests/collector/server_helpers.collector_app` builds it."""
     from collector.config import CollectorSettings
     from collector.server import create_app
 
@@ -247,9 +247,8 @@ def build_collector_app(tmp_path: Path) -> FastAPI:
 
 
 def build_trainer_app(tmp_path: Path) -> FastAPI:
-    """The trainer's app over a service with a fake engine (tests/trainer_service/test_service.py); nothing starts."""
-    from tests.trainer_service.test_service import FakeEngine
-    from tests.trainer_service.test_training import make_trainer
+    """The trainer's app over a service with a fake engine (tests/trainer_service/builders.py); nothing starts."""
+    from tests.trainer_service.builders import FakeEngine, make_trainer
     from trainer_service.config import TrainerSettings
     from trainer_service.server import create_app
     from trainer_service.service import TrainerService

@@ -14,6 +14,7 @@ Modules, by part (each module's docstring says more):
   plugins `vllm_cpu_lora`, `vllm_cpu_matmul`, `vllm_cpu_norm`, `vllm_cpu_seeds`, `vllm_cpu_threads`,
   and the CPU's `core_lending`, `allocator`, `huge_pages`;
 * the service: `evaluation` and `promotion` (the promotion gate), `retention` (which checkpoints
-  stay), `schedule` (min-groups / interval / cron triggers), `service` (train/serve logic), `server`
-  (HTTP layer), `protocol` (wire models), `cli` (`art-trainer`).
+  stay), `schedule` (min-groups / interval / cron triggers), `service` (train/serve logic),
+  `failed_steps` (what becomes of a failed step's batch), `server` (HTTP layer), `protocol` (wire
+  models), `cli` (`art-trainer`).
 """

@@ -15,7 +15,7 @@ from collector.protocol import AckRequest, Batch, BatchRequest, GroupStatus, Rel
 from trainer_service.config import TrainerSettings
 from trainer_service.protocol import ServiceError
 
-__all__ = ["CollectorClient", "describe_release"]
+__all__ = ["CollectorClient"]
 
 _GROUPS = TypeAdapter(list[GroupStatus])
 """Reads `GET /v1/groups`."""
@@ -136,14 +136,3 @@ class CollectorClient:
                                f"The collector at {self.settings.collector} did not answer: {exc}. "
                                "Start it (`art-collector serve`) or point --collector at it.",
                                type="server_error") from exc
-
-
-def describe_release(released: ReleaseResponse) -> str:
-    """What became of a released batch's groups, as a sentence of an error message."""
-    fates = []
-    if released.returned:
-        fates.append(f"groups {', '.join(released.returned)} are back in the collector's pool")
-    if released.skipped:
-        fates.append(f"groups {', '.join(released.skipped)} reached the collector's limit of "
-                     f"{released.max_failed_attempts} failed attempts and are skipped (not leased again)")
-    return f"Batch {released.batch_id} was released: {'; '.join(fates) or 'it held no group any more'}."

@@ -22,13 +22,14 @@ import httpx
 from collector.protocol import Batch
 from trainer_service.allocator import loaded_allocator
 from trainer_service.checkpoints import CheckpointStore
-from trainer_service.collector_client import CollectorClient, describe_release
+from trainer_service.collector_client import CollectorClient
 from trainer_service.config import TrainerSettings
 from trainer_service.core_lending import CoreLender
-from trainer_service.distributed import DistributedStepError, TrainLauncher
+from trainer_service.distributed import TrainLauncher
 from trainer_service.engine import VLLMEngine
 from trainer_service.engine_errors import EngineError
 from trainer_service.evaluation import Evaluator, build_evaluator
+from trainer_service.failed_steps import blames_the_data, release_failed
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.metrics import MetricsSink
 from trainer_service.promotion import PromotionGate
@@ -44,23 +45,9 @@ from trainer_service.retention import Retention
 from trainer_service.schedule import TrainingSchedule, describe
 from trainer_service.training import LoRATrainer, NothingTrainableError
 
-__all__ = ["TrainerService", "blames_the_data"]
+__all__ = ["TrainerService"]
 
 logger = logging.getLogger(__name__)
-
-
-def blames_the_data(error: Exception) -> bool:
-    """Whether a step that failed with `error` counts a failed attempt against its batch's groups.
-
-    Not when vLLM failed (`EngineError`) or the training workers did, rather than the step they ran
-    (`DistributedStepError.data_fault`); a full disk never reaches here (it is released uncounted).
-    Any other error came from training on this batch, so its groups are the likely cause.
-    """
-    if isinstance(error, EngineError):
-        return False
-    if isinstance(error, DistributedStepError):
-        return error.data_fault
-    return True
 
 
 class TrainerService:
@@ -279,13 +266,14 @@ class TrainerService:
             raise ServiceError(422, "nothing_trainable", f"{exc} Batch {batch.id} was acked without a step.") from exc
         except OSError as exc:  # `CheckpointWriteError` from any writer, or the launcher's job folder
             logger.exception("checkpoint of step %s could not be written", step)
-            fate = await self._release(batch, exc, failed=False)
+            fate = await release_failed(self.collector, batch, exc, failed=False, counters=self.counters)
             raise ServiceError(507, "checkpoint_write_failed", f"Step {step} trained but its checkpoint could not "
                                f"be written to {self.checkpoint_dir}: {exc}. Nothing was served and the trainer was "
                                f"rolled back; free disk space. {fate}", type="server_error") from exc
         except Exception as exc:
             logger.exception("training step %s failed", step)
-            fate = await self._release(batch, exc, failed=blames_the_data(exc))
+            fate = await release_failed(self.collector, batch, exc, failed=blames_the_data(exc),
+                                        counters=self.counters)
             raise ServiceError(500, "training_failed", f"Step {step} failed: {type(exc).__name__}: {exc}. {fate}",
                                type="server_error") from exc
         self.steps.append(step)
@@ -320,19 +308,6 @@ class TrainerService:
         self.last_error = None
         return TrainResponse(step=step, model=self.model_name(step), checkpoint=str(path), batch_id=batch.id,
                              kind=kind, latest_model=self.latest_model, promotion=decision, metrics=metrics)
-
-    async def _release(self, batch: Batch, error: Exception, *, failed: bool) -> str:
-        """Give `batch` back to the collector after its step failed with `error`; returns what became of it, for the
-        step's error message. A release the collector does not take is logged and counted (`release_failures`):
-        the batch then comes back when its lease expires."""
-        try:
-            released = await self.collector.release(batch.id, f"{type(error).__name__}: {error}", failed)
-        except ServiceError as exc:
-            self.counters["release_failures"] += 1
-            logger.error("batch %s could not be released: %s", batch.id, exc.body.error.message)
-            return (f"{exc.body.error.message}; its lease will expire and the collector will offer it again "
-                    "(counting a failed attempt).")
-        return describe_release(released)
 
     def _train_and_publish(self, trainer: LoRATrainer, batch: Batch, step: int,
                            kind: str) -> tuple[dict[str, float], Path]:

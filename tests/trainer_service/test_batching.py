@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from collector.protocol import Group, Sequence, Trajectory
-from tests.trainer_service.test_training import BAD, GOOD, PROMPT, group, make_trainer, trajectory
+from tests.trainer_service.builders import BAD, GOOD, PROMPT, group, make_trainer, trajectory
 from trainer_service.base_model import resolve_base_model
 from trainer_service.batching import (
     VLLM_LOGPROB_FLOOR,

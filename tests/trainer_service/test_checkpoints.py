@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from collector.protocol import Batch
-from tests.trainer_service.test_service import make_service
-from tests.trainer_service.test_training import group, lora_params
+from tests.trainer_service.builders import group, lora_params, make_service
 from trainer_service.checkpoints import CheckpointMismatchError, CheckpointStore, select_kept
 from trainer_service.protocol import ServiceError
 
@@ -69,8 +68,7 @@ _WRITE_LIMITED_STEPS = """
 import asyncio, json, resource, signal, sys, tempfile
 from pathlib import Path
 from collector.protocol import Batch
-from tests.trainer_service.test_service import make_service
-from tests.trainer_service.test_training import group, make_trainer
+from tests.trainer_service.builders import group, make_service, make_trainer
 from trainer_service.protocol import ServiceError
 
 async def main(root):

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.trainer_service.test_training import make_trainer, uneven_groups
+from tests.trainer_service.builders import make_trainer, uneven_groups
 from trainer_service.config import TrainerSettings
 from trainer_service.core_lending import CoreLender, call_between_layers
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from collector.protocol import Batch
-from tests.trainer_service.test_training import (
+from tests.trainer_service.builders import (
     BAD,
     GOOD,
     PROMPT,

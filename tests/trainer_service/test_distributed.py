@@ -2,7 +2,7 @@
 
 The service trains through a real `TrainLauncher` (real processes, real all-reduce) on the tiny
 random Llama, saved to a folder the workers load; the fake engine and mock collector are the
-ones of `test_service`.
+ones of `builders`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,14 @@ import pytest
 import torch
 
 from collector.protocol import Batch, Group
-from tests.trainer_service.test_service import make_service
-from tests.trainer_service.test_training import adapter_gap, adapter_weights, group, make_trainer, save_tiny_model
+from tests.trainer_service.builders import (
+    adapter_gap,
+    adapter_weights,
+    group,
+    make_service,
+    make_trainer,
+    save_tiny_model,
+)
 from trainer_service import durable
 from trainer_service.checkpoints import CheckpointWriteError
 from trainer_service.config import TrainerSettings

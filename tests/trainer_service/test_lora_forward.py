@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from tests.trainer_service.test_training import tiny_model
+from tests.trainer_service.builders import tiny_model
 from trainer_service.grpo_config import DEFAULT_TARGET_MODULES
 from trainer_service.lora_forward import fuse_lora_forward
 

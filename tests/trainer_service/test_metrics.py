@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from collector.protocol import Batch
-from tests.trainer_service.test_service import make_service
-from tests.trainer_service.test_training import group
+from tests.trainer_service.builders import group, make_service
 from trainer_service.metrics import PLOT_FILE, MetricsSink
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.trainer_service.test_training import tiny_model
+from tests.trainer_service.builders import tiny_model
 from trainer_service import packed_attention
 from trainer_service.packed_attention import (
     PACKED_ATTENTION,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.trainer_service.test_training import PROMPT, make_trainer
+from tests.trainer_service.builders import PROMPT, make_trainer
 from trainer_service.batching import TrainItem
 from trainer_service.grpo import policy_loss
 from trainer_service.grpo_config import GRPOConfig

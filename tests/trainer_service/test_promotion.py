@@ -17,8 +17,7 @@ import httpx
 import pytest
 
 from collector.protocol import Batch
-from tests.trainer_service.test_service import make_service
-from tests.trainer_service.test_training import group
+from tests.trainer_service.builders import group, make_service
 from trainer_service.checkpoints import CheckpointStore
 from trainer_service.config import TrainerSettings
 from trainer_service.evaluation import EvalError, Evaluator, build_evaluator, load_eval_file, load_reward_fn

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tests.served import served
-from tests.trainer_service.test_service import make_service
+from tests.trainer_service.builders import make_service
 from trainer_service.server import create_app
 from trainer_service.service import TrainerService
 

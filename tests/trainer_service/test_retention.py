@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from collector.protocol import Batch
-from tests.trainer_service.test_service import make_service
-from tests.trainer_service.test_training import group, lora_params
+from tests.trainer_service.builders import group, lora_params, make_service
 
 
 async def test_retention_deletes_unloads_and_restart_restores(tmp_path: Path) -> None:

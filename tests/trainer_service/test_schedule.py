@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from collector.protocol import Batch
-from tests.trainer_service.test_service import make_service
-from tests.trainer_service.test_training import group
+from tests.trainer_service.builders import group, make_service
 from trainer_service.config import TrainerSettings, parse_duration
 from trainer_service.schedule import TrainingSchedule
 

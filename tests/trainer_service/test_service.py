@@ -6,7 +6,6 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,89 +13,15 @@ import httpx
 import pytest
 import torch
 
-from collector.protocol import Batch, ReleaseResponse
+from collector.protocol import Batch
 from tests.collector.seeding import group_spans, make_app
-from tests.trainer_service.test_training import group, lora_params, make_trainer
+from tests.trainer_service.builders import FakeEngine, group, lora_params, make_service, make_trainer
 from trainer_service.config import TrainerSettings
-from trainer_service.distributed import DistributedStepError, TrainLauncher
 from trainer_service.engine_errors import EngineError
-from trainer_service.evaluation import Evaluator
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.protocol import ServiceError
-from trainer_service.service import TrainerService, blames_the_data
+from trainer_service.service import TrainerService
 from trainer_service.training import LoRATrainer, NonFiniteStepError
-
-
-class FakeEngine:
-    """Stands in for VLLMEngine: records loaded adapters."""
-
-    served_name = "base-model"
-    base_url = "http://fake"
-    pid = None
-    restarts = 0
-    last_restart_reason = None
-    next_restart_in = None
-    pending_adapters: list[str] = []
-    dtype = "float32"
-    cpu_matmul_dtype = "float32"
-    threads = None
-
-    def __init__(self) -> None:
-        self.adapters: dict[str, str] = {}
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def healthy(self) -> bool:
-        return True
-
-    def load_adapter(self, name: str, path: str | Path) -> None:
-        self.adapters[name] = str(path)
-
-    def unload_adapter(self, name: str) -> None:
-        self.adapters.pop(name)
-
-
-def make_service(tmp_path: Path, batches: list[Batch], acks: list[tuple[str, dict]], *,
-                 evaluator: Evaluator | None = None, launcher: TrainLauncher | None = None,
-                 trainer_factory: Callable[[], LoRATrainer] = make_trainer, ack_status: int = 200,
-                 releases: list[tuple[str, dict]] | None = None, release_status: int = 200,
-                 **settings_overrides: Any) -> TrainerService:
-    """A service on the tiny Llama with a scripted collector (its published HTTP API, in process).
-
-    The collector answers acks with `ack_status` (recorded in `acks` either way), and releases with
-    `release_status` (recorded in `releases`; a 200 says group `g` is back in the pool).
-    """
-    releases = [] if releases is None else releases
-
-    def handle(request: httpx.Request) -> httpx.Response:
-        if request.url.path.endswith("/release"):
-            batch_id = request.url.path.split("/")[3]
-            releases.append((batch_id, json.loads(request.content)))
-            released = ReleaseResponse(batch_id=batch_id, returned=["g"], skipped=[], max_failed_attempts=3)
-            return httpx.Response(release_status, json=released.model_dump())
-        if request.url.path == "/v1/batches":
-            batch = batches.pop(0) if batches else Batch(id="none", groups=[], lease_expires_at=0)
-            return httpx.Response(200, json=batch.model_dump())
-        if request.url.path == "/v1/groups":  # the trainer asks for the ready ones only, not the whole history
-            if request.url.params.get_list("state") != ["ready"]:
-                return httpx.Response(400, json={"error": {"message": "expected ?state=ready"}})
-            ready = [{"id": g.id, "task": None, "size": 2, "expected": 2, "complete": 2, "rewarded": 2,
-                      "state": "ready"}
-                     for b in batches for g in b.groups]
-            return httpx.Response(200, json=ready)
-        acks.append((request.url.path.split("/")[3], json.loads(request.content)))
-        return httpx.Response(ack_status, json={})
-
-    settings = TrainerSettings(**{"output_dir": tmp_path, "name": "agent", "wandb": "off", "base_model": "tiny-llama",
-                                  **settings_overrides})
-    service = TrainerService(settings, GRPOConfig(), FakeEngine(), trainer_factory,  # type: ignore[arg-type]
-                             collector_transport=httpx.MockTransport(handle), evaluator=evaluator, launcher=launcher)
-    service.start()
-    return service
 
 
 async def test_train_once_publishes_and_names_models(tmp_path: Path) -> None:
@@ -285,13 +210,6 @@ async def test_a_step_failing_with_an_unexpected_error_still_releases_its_batch(
     await service.aclose()
 
 
-def test_only_errors_of_the_step_itself_count_against_the_data() -> None:
-    assert blames_the_data(NonFiniteStepError("loss is nan")) and blames_the_data(KeyError("token_ids"))
-    assert not blames_the_data(EngineError("vLLM is down"))
-    assert not blames_the_data(DistributedStepError("worker rank 1 of 2 failed loading: OSError: ..."))
-    assert blames_the_data(DistributedStepError("worker rank 0 of 2 failed training: IndexError", data_fault=True))
-
-
 async def test_a_release_the_collector_refuses_is_counted_and_the_error_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -350,47 +268,6 @@ async def test_watchdog_survives_any_error(tmp_path: Path) -> None:
     await service.aclose()
 
 
-def test_api_key_guards_every_endpoint(tmp_path: Path) -> None:
-    from fastapi.testclient import TestClient
-
-    from trainer_service.server import create_app
-
-    service = make_service(tmp_path, [], [])
-    service.settings.api_key = "sekret"
-    with TestClient(create_app(service=service)) as client:
-        for method, path in [("GET", "/v1/models"), ("GET", "/v1/status"), ("POST", "/v1/train"),
-                             ("POST", "/v1/chat/completions")]:
-            response = client.request(method, path)
-            assert response.status_code == 401, path
-            assert response.json()["error"]["code"] == "invalid_api_key"
-        authorized = client.get("/v1/models", headers={"Authorization": "Bearer sekret"})
-        assert authorized.status_code == 200
-        assert [m["id"] for m in authorized.json()["data"]] == ["base-model", "agent@latest"]
-
-
-def test_unexpected_errors_are_500_training_failed_in_the_error_envelope(tmp_path: Path) -> None:
-    from fastapi.testclient import TestClient
-
-    from trainer_service.server import create_app
-
-    batches: list[Batch] = []
-    service = make_service(tmp_path, batches, [])
-    assert service.trainer is not None
-    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
-
-    def bug(*args: Any) -> Any:  # an error no handler expects
-        raise KeyError("a bug")
-
-    service._train_and_publish = bug  # type: ignore[method-assign]
-    with TestClient(create_app(service=service)) as client:
-        response = client.post("/v1/train")
-        assert response.status_code == 500
-        error = response.json()["error"]
-        assert error["code"] == "training_failed" and error["type"] == "server_error"
-        assert "KeyError" in error["message"] and "a bug" in error["message"]
-        assert client.get("/v1/status").json()["last_error"] == error["message"]
-
-
 async def test_a_lease_answer_that_is_not_a_batch_is_a_502_naming_the_collector(tmp_path: Path) -> None:
     def collector(request: httpx.Request) -> httpx.Response:  # answers 200, but not with a batch
         return httpx.Response(200, json={"lease": "unexpected"})
@@ -445,77 +322,6 @@ async def test_shutdown_lets_a_running_step_finish_and_starts_no_new_one(tmp_pat
     with pytest.raises(ServiceError) as info:
         await service.train_once()
     assert info.value.status == 503 and info.value.body.error.code == "shutting_down"
-
-
-def test_models_lists_only_names_that_resolve(tmp_path: Path) -> None:
-    from fastapi.testclient import TestClient
-
-    from trainer_service.server import create_app
-
-    batches: list[Batch] = []
-    service = make_service(tmp_path, batches, [])
-    assert service.trainer is not None
-    with TestClient(create_app(service=service)) as client:
-        for index in (1, 2):
-            batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
-            assert client.post("/v1/train").status_code == 200
-        service.engine.adapters.pop("agent@1")  # an adapter vLLM no longer has
-        response = client.get("/v1/models")
-        assert response.status_code == 200, response.text
-        assert [m["id"] for m in response.json()["data"]] == ["base-model", "agent@2", "agent@latest"]
-        assert client.get("/v1/status").json()["counters"]["unresolved_models"] == 1
-
-
-def test_api_key_scheme_is_case_insensitive_and_the_key_compared_in_constant_time(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import hmac
-
-    from fastapi.testclient import TestClient
-
-    from trainer_service.server import create_app
-
-    compared: list[tuple[bytes, bytes]] = []
-    constant_time = hmac.compare_digest
-
-    def compare_digest(a: bytes, b: bytes) -> bool:
-        compared.append((a, b))
-        return constant_time(a, b)
-
-    monkeypatch.setattr(hmac, "compare_digest", compare_digest)
-    service = make_service(tmp_path, [], [])
-    service.settings.api_key = "sekret"
-    with TestClient(create_app(service=service)) as client:
-        for header in ("Bearer sekret", "bearer sekret", "BEARER sekret"):  # RFC 7235: the scheme has no case
-            assert client.get("/health", headers={"Authorization": header}).status_code == 200, header
-        for header in ("Bearer wrong", "Bearer Sekret", "Basic sekret", "Bearersekret", "sekret"):
-            assert client.get("/health", headers={"Authorization": header}).status_code == 401, header
-    assert (b"wrong", b"sekret") in compared and (b"sekret", b"sekret") in compared
-
-
-def test_pause_resume_and_sft_endpoints(tmp_path: Path) -> None:
-    from fastapi.testclient import TestClient
-
-    from trainer_service.server import create_app
-
-    acks: list[tuple[str, dict]] = []
-    batches: list[Batch] = []
-    service = make_service(tmp_path, batches, acks)
-    assert service.trainer is not None
-    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
-    with TestClient(create_app(service=service)) as client:
-        assert client.post("/v1/pause").json() == {"paused": True}
-        paused = client.post("/v1/train")
-        assert paused.status_code == 409 and paused.json()["error"]["code"] == "paused"
-        status = client.get("/v1/status").json()
-        assert status["schedule"]["paused"] is True and status["queue_depth"] == 1
-        assert client.post("/v1/resume").json() == {"paused": False}
-        sft = client.post("/v1/sft")
-        assert sft.status_code == 200, sft.text
-        body = sft.json()
-        assert body["kind"] == "sft" and body["model"] == "agent@1" and body["latest_model"] == "agent@1"
-        assert "loss/sft" in body["metrics"] and acks == [("b1", {"policy_step": 1})]
-        status = client.get("/v1/status").json()
-        assert status["step"] == 1 and status["queue_depth"] == 0 and status["checkpoints"] == [1]
 
 
 @pytest.mark.parametrize("warm_up", [True, False])

@@ -11,12 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import get_peft_model_state_dict
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from collector.protocol import Group, Sequence, Trajectory
+from tests.trainer_service.builders import (
+    BAD,
+    GOOD,
+    PROMPT,
+    adapter_gap,
+    adapter_weights,
+    group,
+    lora_params,
+    make_trainer,
+    seq_logprobs,
+    tiny_model,
+    uneven_groups,
+)
 from trainer_service.batching import prepare_grpo
 from trainer_service.grpo import PolicyLossOutput
 from trainer_service.grpo_config import GRPOConfig
@@ -25,70 +33,6 @@ from trainer_service.training import (
     NonFiniteStepError,
     NothingTrainableError,
 )
-
-PROMPT = [1, 104, 2003, 42, 7, 311]
-GOOD = [900, 901, 902, 2]
-BAD = [1500, 1501, 2]
-
-
-def tiny_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config)
-
-
-def save_tiny_model(path: Path) -> Path:
-    """Write `tiny_model()` and a one-word tokenizer to `path`: a folder `LoRATrainer.load` reads."""
-    tiny_model().save_pretrained(path)
-    word_level = Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>"))
-    PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>").save_pretrained(path)
-    return path
-
-
-def make_trainer(**overrides: object) -> LoRATrainer:
-    # float32: the tests compare steps to float rounding; bf16 has its own test
-    config = GRPOConfig(**{"learning_rate": 5e-3, "train_dtype": "float32", **overrides})  # type: ignore[arg-type]
-    return LoRATrainer(tiny_model(), config, base_model="tiny-llama")
-
-
-def seq_logprobs(trainer: LoRATrainer, ids: list[int]) -> list[float]:
-    """Current policy log-probs of `ids` (what an engine sampling this policy reports)."""
-    trainer.model.eval()
-    with torch.no_grad():
-        logits = trainer.model(input_ids=torch.tensor([ids], device=trainer.device)).logits[0]
-    targets = torch.tensor(ids[1:], device=trainer.device)
-    return torch.log_softmax(logits[:-1].float(), -1).gather(-1, targets[:, None])[:, 0].tolist()
-
-
-def trajectory(trainer: LoRATrainer, completion: list[int], reward: float | None, tid: str) -> Trajectory:
-    ids = PROMPT + completion
-    lps = seq_logprobs(trainer, ids)
-    logprobs: list[float | None] = [None] * len(PROMPT) + lps[len(PROMPT) - 1 :]
-    mask = [0] * len(PROMPT) + [1] * len(completion)
-    return Trajectory(
-        id=tid,
-        trace_id="0" * 32,
-        group_id="g",
-        sequences=[Sequence(token_ids=ids, logprobs=logprobs, assistant_mask=mask)],
-        reward=reward,
-    )
-
-
-def group(trainer: LoRATrainer, rewards: tuple[float | None, float | None], gid: str = "g") -> Group:
-    return Group(
-        id=gid,
-        trajectories=[trajectory(trainer, GOOD, rewards[0], f"{gid}-a"),
-                      trajectory(trainer, BAD, rewards[1], f"{gid}-b")],
-    )
 
 
 def test_logprob_gap_measures_how_far_the_engine_disagrees() -> None:
@@ -102,31 +46,6 @@ def test_logprob_gap_measures_how_far_the_engine_disagrees() -> None:
     assert metrics["data/missing_logprobs"] == 2
     assert metrics["loss/logprob_gap"] == pytest.approx(0.1, abs=1e-4)
     assert metrics["loss/ratio_mean"] == pytest.approx(math.exp(-0.1), rel=1e-4)
-
-
-def lora_params(trainer: LoRATrainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
-
-
-def adapter_weights(trainer: LoRATrainer) -> dict[str, torch.Tensor]:
-    """A copy of the adapter's weights (PEFT's state dict), in fp32 on the CPU."""
-    state = get_peft_model_state_dict(trainer.model)
-    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
-
-
-def adapter_gap(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
-                before: dict[str, torch.Tensor]) -> tuple[float, float]:
-    """(norm of the difference between two adapters, norm of `want`'s move from `before`), over all their weights.
-
-    Norms, not the largest element: AdamW moves each weight by about lr x sign(gradient), so a
-    weight whose gradient is near 0 moves by what the order of float additions decides. Measured
-    on a second GRPO step with KL, packed against one sequence per pass: largest element 2.6e-2 of
-    the largest move, norm 2.9e-4 of the move's; a learning rate 1% higher gives 3.0e-2 and 1.0e-2.
-    """
-    assert got.keys() == want.keys()
-    moved = sum(float((want[n] - before[n]).double().pow(2).sum()) for n in want) ** 0.5
-    off = sum(float((got[n] - want[n]).double().pow(2).sum()) for n in want) ** 0.5
-    return off, moved
 
 
 def test_step_changes_only_the_adapter() -> None:
@@ -384,13 +303,6 @@ def test_snapshot_and_restore_undo_a_step() -> None:
     assert trainer.step_count == 0
     assert all(torch.equal(before[n], p) for n, p in lora_params(trainer).items())
     assert trainer.optimizer.state_dict()["state"] == {}
-
-
-def uneven_groups(trainer: LoRATrainer) -> list[Group]:
-    """Three groups whose sequences differ in length, so packed rows mix lengths."""
-    long_prompt = Group(id="g3", trajectories=[
-        trajectory(trainer, GOOD + [903, 904, 905], 0.9, "g3-a"), trajectory(trainer, BAD[:1] + [2], 0.1, "g3-b")])
-    return [group(trainer, (1.0, 0.0), "g1"), group(trainer, (0.2, 0.9), "g2"), long_prompt]
 
 
 @pytest.mark.parametrize(("kind", "overrides"), [

@@ -1,0 +1,127 @@
+"""The trainer's HTTP app (`server.create_app`) in process, over `make_service`'s fake engine and mock collector.
+
+The API key, the error envelope, the model list and the pause, resume and SFT endpoints; the service's logic
+behind them is `test_service`'s, the real service behind its proxy `test_server`'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from collector.protocol import Batch
+from tests.trainer_service.builders import group, make_service
+
+
+def test_api_key_guards_every_endpoint(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from trainer_service.server import create_app
+
+    service = make_service(tmp_path, [], [])
+    service.settings.api_key = "sekret"
+    with TestClient(create_app(service=service)) as client:
+        for method, path in [("GET", "/v1/models"), ("GET", "/v1/status"), ("POST", "/v1/train"),
+                             ("POST", "/v1/chat/completions")]:
+            response = client.request(method, path)
+            assert response.status_code == 401, path
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        authorized = client.get("/v1/models", headers={"Authorization": "Bearer sekret"})
+        assert authorized.status_code == 200
+        assert [m["id"] for m in authorized.json()["data"]] == ["base-model", "agent@latest"]
+
+
+def test_unexpected_errors_are_500_training_failed_in_the_error_envelope(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from trainer_service.server import create_app
+
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+
+    def bug(*args: Any) -> Any:  # an error no handler expects
+        raise KeyError("a bug")
+
+    service._train_and_publish = bug  # type: ignore[method-assign]
+    with TestClient(create_app(service=service)) as client:
+        response = client.post("/v1/train")
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert error["code"] == "training_failed" and error["type"] == "server_error"
+        assert "KeyError" in error["message"] and "a bug" in error["message"]
+        assert client.get("/v1/status").json()["last_error"] == error["message"]
+
+
+def test_models_lists_only_names_that_resolve(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from trainer_service.server import create_app
+
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    assert service.trainer is not None
+    with TestClient(create_app(service=service)) as client:
+        for index in (1, 2):
+            batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+            assert client.post("/v1/train").status_code == 200
+        service.engine.adapters.pop("agent@1")  # an adapter vLLM no longer has
+        response = client.get("/v1/models")
+        assert response.status_code == 200, response.text
+        assert [m["id"] for m in response.json()["data"]] == ["base-model", "agent@2", "agent@latest"]
+        assert client.get("/v1/status").json()["counters"]["unresolved_models"] == 1
+
+
+def test_api_key_scheme_is_case_insensitive_and_the_key_compared_in_constant_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hmac
+
+    from fastapi.testclient import TestClient
+
+    from trainer_service.server import create_app
+
+    compared: list[tuple[bytes, bytes]] = []
+    constant_time = hmac.compare_digest
+
+    def compare_digest(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return constant_time(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", compare_digest)
+    service = make_service(tmp_path, [], [])
+    service.settings.api_key = "sekret"
+    with TestClient(create_app(service=service)) as client:
+        for header in ("Bearer sekret", "bearer sekret", "BEARER sekret"):  # RFC 7235: the scheme has no case
+            assert client.get("/health", headers={"Authorization": header}).status_code == 200, header
+        for header in ("Bearer wrong", "Bearer Sekret", "Basic sekret", "Bearersekret", "sekret"):
+            assert client.get("/health", headers={"Authorization": header}).status_code == 401, header
+    assert (b"wrong", b"sekret") in compared and (b"sekret", b"sekret") in compared
+
+
+def test_pause_resume_and_sft_endpoints(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from trainer_service.server import create_app
+
+    acks: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, acks)
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    with TestClient(create_app(service=service)) as client:
+        assert client.post("/v1/pause").json() == {"paused": True}
+        paused = client.post("/v1/train")
+        assert paused.status_code == 409 and paused.json()["error"]["code"] == "paused"
+        status = client.get("/v1/status").json()
+        assert status["schedule"]["paused"] is True and status["queue_depth"] == 1
+        assert client.post("/v1/resume").json() == {"paused": False}
+        sft = client.post("/v1/sft")
+        assert sft.status_code == 200, sft.text
+        body = sft.json()
+        assert body["kind"] == "sft" and body["model"] == "agent@1" and body["latest_model"] == "agent@1"
+        assert "loss/sft" in body["metrics"] and acks == [("b1", {"policy_step": 1})]
+        status = client.get("/v1/status").json()
+        assert status["step"] == 1 and status["queue_depth"] == 0 and status["checkpoints"] == [1]
