@@ -28,7 +28,10 @@ __all__ = ["Store"]
 
 
 class Store(ABC):
-    """What the HTTP layer needs from storage. Implementations share `tests/collector/test_store.py`."""
+    """What the HTTP layer needs from storage.
+
+    Implementations share its tests: `tests/collector/test_store*.py`, `test_leases.py` and `test_schema.py`.
+    """
 
     @abstractmethod
     def setup(self) -> None:

@@ -1,4 +1,4 @@
-"""Fixtures of the collector tests: a store on each backend, with a clock the test moves.
+"""Fixtures of the collector tests: a store on each backend, with a clock the test moves; a client of the HTTP API.
 
 The PostgreSQL backend is a real server that this session starts from Debian's package
 (see `services.PostgresServer`); every store gets a database of its own.
@@ -10,9 +10,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 
 from collector.config import CollectorSettings
 from collector.store import SqlStore
+from tests.collector.server_helpers import collector_app
 from tests.collector.services import PostgresServer
 
 
@@ -72,3 +74,9 @@ def make_store(db_url: Callable[[], str], clock: Clock) -> Iterator[Callable[...
     yield make
     for store in made:
         store.close()
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> TestClient:
+    """A test client of the collector's app on a fresh SQLite file (`server_helpers.collector_app`)."""
+    return TestClient(collector_app(tmp_path))

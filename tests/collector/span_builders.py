@@ -90,6 +90,29 @@ def rollout(
     return SpanRecord(trace, sid(n), None, "rollout", 0, 100, attrs, events)
 
 
+def trajectory(
+    n: int, rollout_id: str, *, reward: float | None, group: str = "g", size: int | None = 2, **kw: Any
+) -> list[SpanRecord]:
+    """A rollout span (ids n) and one LLM turn (ids n + 1) in a trace of its own."""
+    trace = f"{n:032x}"
+    rewards = {"reward": reward} if reward is not None else {}
+    return [
+        llm(n + 1, rollout=rollout_id, trace=trace, start=10, prompt=[1, 2], completion=[n], logprobs=[-1.0]),
+        rollout(n, rollout_id, trace=trace, group=group, size=size, rewards=rewards, **kw),
+    ]
+
+
+def rollout_group(rollouts: dict[str, float], group: str = "g") -> list[SpanRecord]:
+    """Spans of one group: per rollout id, a rollout span with its reward and one LLM turn."""
+    spans = []
+    for i, (rollout_id, reward) in enumerate(rollouts.items()):
+        trace = f"{i + 1:032x}"
+        spans.append(llm(10 * i + 1, rollout=rollout_id, trace=trace, start=5, prompt=[1], completion=[i + 2]))
+        spans.append(rollout(10 * i + 2, rollout_id, trace=trace, group=group, size=len(rollouts),
+                             rewards={"reward": reward}))
+    return spans
+
+
 def _context(trace_id: str, span_id: str) -> SpanContext:
     return SpanContext(int(trace_id, 16), int(span_id, 16), is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
 

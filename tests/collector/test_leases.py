@@ -1,4 +1,5 @@
-"""How leases end (`collector/leases.py`, `pool.give_back`): releases, failed attempts, expiry, acks after them."""
+"""Leases: taking batches (`SqlStore.lease`, also from several stores on one database) and how a lease ends
+(`collector/leases.py`, `pool.give_back`): acks, releases, failed attempts, expiry, acks after it, reopen."""
 
 from __future__ import annotations
 
@@ -6,20 +7,115 @@ import pytest
 
 from collector.errors import Conflict, NotFound
 from collector.protocol import BatchRequest, ReleaseRequest, ReleaseResponse, ReopenResponse, RewardIn
-from tests.collector.test_store import _trajectory
+from tests.collector.span_builders import trajectory
 
 FAILED = ReleaseRequest(reason="NonFiniteStepError: loss is nan")
 
 
 def _ready_group(store, group: str = "g", first: int = 10) -> None:
     """Two rewarded trajectories with different rewards: a group ready to lease."""
-    store.add_spans(_trajectory(first, f"{group}-a", reward=1.0, group=group)
-                    + _trajectory(first + 10, f"{group}-b", reward=0.0, group=group))
+    store.add_spans(trajectory(first, f"{group}-a", reward=1.0, group=group)
+                    + trajectory(first + 10, f"{group}-b", reward=0.0, group=group))
 
 
 def _state(store, group: str = "g") -> tuple[str, str | None, int]:
     (shown,) = [g for g in store.groups() if g.id == group]
     return shown.state, shown.reason, shown.failed_attempts
+
+
+def test_lease_ack_and_never_again(make_store) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0))
+    assert [(g.id, g.state, g.size, g.complete, g.rewarded) for g in store.groups()] == [("g", "ready", 2, 2, 2)]
+    batch = store.lease(BatchRequest(trainer="t1", lease_seconds=60))
+    assert [g.id for g in batch.groups] == ["g"]
+    assert sorted(t.id for t in batch.groups[0].trajectories) == ["a", "b"]
+    assert batch.lease_expires_at == pytest.approx(1_000_060.0)
+    assert store.lease(BatchRequest()).groups == []
+    assert store.groups()[0].state == "leased"
+    ack = store.ack(batch.id, policy_step=1)
+    assert (ack.groups, ack.policy_step) == (["g"], 1)
+    assert store.ack(batch.id, policy_step=1).groups == ["g"]  # idempotent
+    assert store.groups()[0].state == "trained"
+    assert store.lease(BatchRequest()).groups == []
+
+
+def test_expired_lease_is_leased_again_and_old_ack_conflicts(make_store, clock) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0))
+    first = store.lease(BatchRequest(lease_seconds=10))
+    clock.now += 11
+    assert store.groups()[0].state == "ready"
+    second = store.lease(BatchRequest(lease_seconds=10))
+    assert [g.id for g in second.groups] == ["g"]
+    with pytest.raises(Conflict, match="leased again"):
+        store.ack(first.id, policy_step=1)
+    assert store.ack(second.id, policy_step=1).groups == ["g"]
+    with pytest.raises(NotFound):
+        store.ack("nope", policy_step=None)
+
+
+def test_late_ack_is_accepted_when_not_leased_again(make_store, clock) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0))
+    batch = store.lease(BatchRequest(lease_seconds=10))
+    clock.now += 100
+    assert store.ack(batch.id, policy_step=2).groups == ["g"]
+    assert store.groups()[0].state == "trained"
+    assert store.lease(BatchRequest()).groups == []
+
+
+def test_batches_list_leases_newest_first(make_store, clock) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0, group="g1") + trajectory(20, "b", reward=0.0, group="g1"))
+    store.add_spans(trajectory(30, "c", reward=1.0, group="g2") + trajectory(40, "d", reward=0.0, group="g2"))
+    assert store.batches() == []
+    first = store.lease(BatchRequest(max_groups=1, trainer="t1", lease_seconds=10))
+    store.ack(first.id, policy_step=3)
+    clock.now += 1
+    second = store.lease(BatchRequest(lease_seconds=10))
+    clock.now += 20
+    listed = store.batches()
+    assert [(b.id, b.state, b.groups) for b in listed] == [(second.id, "expired", ["g2"]), (first.id, "acked", ["g1"])]
+    assert (listed[1].trainer, listed[1].policy_step, listed[1].acked_at) == ("t1", 3, 1_000_000.0)
+    assert [b.id for b in store.batches(limit=1)] == [second.id]
+
+
+def test_min_and_max_groups(make_store) -> None:
+    store = make_store()
+    for i, group in enumerate(["g1", "g2", "g3"]):
+        n = 100 * (i + 1)
+        store.add_spans(trajectory(n, f"{group}a", reward=1.0, group=group)
+                        + trajectory(n + 50, f"{group}b", reward=0.0, group=group))
+    assert store.lease(BatchRequest(min_groups=4)).groups == []
+    assert [g.id for g in store.lease(BatchRequest(max_groups=2)).groups] == ["g1", "g2"]
+    assert [g.id for g in store.lease(BatchRequest(max_groups=2)).groups] == ["g3"]
+
+
+def test_concurrent_leases_from_two_stores_never_share_a_group(db_url, clock) -> None:
+    """Two stores on one database (as two collector processes would be) lease disjoint groups."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from collector.config import CollectorSettings
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database cannot be shared by two stores")
+    stores = [SqlStore(CollectorSettings(db=url), clock=clock) for _ in range(2)]
+    for store in stores:
+        store.setup()
+    for i in range(12):
+        n = 100 * (i + 1)
+        stores[i % 2].add_spans(
+            trajectory(n, f"{i}a", reward=1.0, group=f"g{i}") + trajectory(n + 50, f"{i}b", reward=0.0, group=f"g{i}")
+        )
+    with ThreadPoolExecutor(8) as pool:
+        batches = list(pool.map(lambda k: stores[k % 2].lease(BatchRequest(max_groups=2)), range(8)))
+    leased = [g.id for batch in batches for g in batch.groups]
+    assert sorted(leased) == sorted(f"g{i}" for i in range(12))
+    for store in stores:
+        store.close()
 
 
 def test_a_released_batch_is_leased_again_at_once(make_store) -> None:
@@ -160,7 +256,7 @@ def test_reopen_puts_a_group_given_up_on_back_with_its_attempts_reset(make_store
     store.release(batch.id, FAILED)  # it fails again: the limit counts from zero after a reopen
     assert _state(store)[0::2] == ("skipped", 1)
 
-    store.add_spans(_trajectory(50, "lone", reward=1.0, group="stale"))  # waits for a second member that never comes
+    store.add_spans(trajectory(50, "lone", reward=1.0, group="stale"))  # waits for a second member that never comes
     clock.now += 61
     store.lease(BatchRequest())  # the pool's upkeep expires it
     assert _state(store, "stale")[0] == "expired"
@@ -172,7 +268,7 @@ def test_reopen_puts_a_group_given_up_on_back_with_its_attempts_reset(make_store
 
 def test_reopen_of_a_group_skipped_for_its_rewards_says_so_and_a_new_reward_puts_it_back(make_store) -> None:
     store = make_store()
-    store.add_spans(_trajectory(10, "g-a", reward=1.0) + _trajectory(20, "g-b", reward=1.0))
+    store.add_spans(trajectory(10, "g-a", reward=1.0) + trajectory(20, "g-b", reward=1.0))
     assert _state(store) == ("skipped", "no reward spread", 0)
     with pytest.raises(Conflict) as refused:
         store.reopen("g")

@@ -1,4 +1,5 @@
-"""HTTP API: OTLP ingest in every encoding, errors in one envelope, auth, leases end to end."""
+"""HTTP API (`collector/server.py`): OTLP ingest in every encoding, rewards, errors in one envelope, auth;
+the real OpenTelemetry SDK against the served app. The trainers' routes: `test_server_batches.py`."""
 
 from __future__ import annotations
 
@@ -25,42 +26,13 @@ from art_langgraph import semconv as sc
 from collector.config import CollectorSettings
 from collector.server import create_app
 from collector.store import SqlStore
-from tests.collector.span_builders import llm, rollout, to_otlp_json, to_request
+from tests.collector.server_helpers import JSON, PB, assert_error, collector_app
+from tests.collector.span_builders import llm, rollout_group, to_otlp_json, to_request
 from tests.served import served as served_app
-
-PB = {"content-type": "application/x-protobuf"}
-JSON = {"content-type": "application/json"}
-
-
-def _app(tmp_path: Path, **fields: Any) -> FastAPI:
-    return create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}", **fields))
-
-
-@pytest.fixture
-def client(tmp_path: Path) -> TestClient:
-    return TestClient(_app(tmp_path))
-
-
-def _group(rollouts: dict[str, float], group: str = "g") -> list:
-    """Spans of one group: per rollout id, a rollout span with its reward and one LLM turn."""
-    spans = []
-    for i, (rollout_id, reward) in enumerate(rollouts.items()):
-        trace = f"{i + 1:032x}"
-        spans.append(llm(10 * i + 1, rollout=rollout_id, trace=trace, start=5, prompt=[1], completion=[i + 2]))
-        spans.append(rollout(10 * i + 2, rollout_id, trace=trace, group=group, size=len(rollouts),
-                             rewards={"reward": reward}))
-    return spans
-
-
-def _assert_error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error", "message"} and body["error"] == code and body["message"]
-    return body
 
 
 def test_protobuf_export_answers_protobuf(client: TestClient) -> None:
-    body = to_request(_group({"a": 1.0, "b": 0.0})).SerializeToString()
+    body = to_request(rollout_group({"a": 1.0, "b": 0.0})).SerializeToString()
     response = client.post("/v1/traces", content=body, headers=PB)
     assert response.status_code == 200
     assert response.headers["content-type"] == "application/x-protobuf"
@@ -70,7 +42,7 @@ def test_protobuf_export_answers_protobuf(client: TestClient) -> None:
 
 
 def test_gzip_json_export_answers_json(client: TestClient) -> None:
-    body = gzip.compress(to_otlp_json(_group({"a": 1.0})))
+    body = gzip.compress(to_otlp_json(rollout_group({"a": 1.0})))
     response = client.post("/v1/traces", content=body, headers={**JSON, "content-encoding": "gzip"})
     assert response.status_code == 200 and response.json() == {}
     assert response.headers["content-type"] == "application/json"
@@ -80,21 +52,21 @@ def test_gzip_json_export_answers_json(client: TestClient) -> None:
 
 
 def test_export_errors(tmp_path: Path) -> None:
-    client = TestClient(_app(tmp_path, max_body_bytes=2048))
-    _assert_error(client.post("/v1/traces", content=b"\xff\xff", headers=PB), 400, "malformed_body")
-    _assert_error(client.post("/v1/traces", content=b"{", headers=JSON), 400, "malformed_body")
-    _assert_error(client.post("/v1/traces", content=b"x" * 4096, headers=PB), 413, "body_too_large")
+    client = TestClient(collector_app(tmp_path, max_body_bytes=2048))
+    assert_error(client.post("/v1/traces", content=b"\xff\xff", headers=PB), 400, "malformed_body")
+    assert_error(client.post("/v1/traces", content=b"{", headers=JSON), 400, "malformed_body")
+    assert_error(client.post("/v1/traces", content=b"x" * 4096, headers=PB), 413, "body_too_large")
     bomb = gzip.compress(b"\0" * 100_000)
-    _assert_error(client.post("/v1/traces", content=bomb, headers={**PB, "content-encoding": "gzip"}),
+    assert_error(client.post("/v1/traces", content=bomb, headers={**PB, "content-encoding": "gzip"}),
                   413, "body_too_large")
-    _assert_error(client.post("/v1/traces", content=b"", headers={"content-type": "text/plain"}),
+    assert_error(client.post("/v1/traces", content=b"", headers={"content-type": "text/plain"}),
                   415, "unsupported_media_type")
-    _assert_error(client.post("/v1/traces", content=b"", headers={**PB, "content-encoding": "br"}),
+    assert_error(client.post("/v1/traces", content=b"", headers={**PB, "content-encoding": "br"}),
                   415, "unsupported_encoding")
 
 
 def test_partial_success_rejects_bad_spans_and_stores_the_rest(client: TestClient) -> None:
-    spans = _group({"a": 1.0, "b": 0.0})
+    spans = rollout_group({"a": 1.0, "b": 0.0})
     spans[3].events[0].attributes[sc.REWARD_VALUE] = float("nan")  # rollout span of b
     spans.append(llm(99, rollout="x" * 300, start=1, prompt=[1], completion=[2]))
     response = client.post("/v1/traces", content=to_request(spans).SerializeToString(), headers=PB)
@@ -118,7 +90,7 @@ def test_partial_success_rejects_bad_spans_and_stores_the_rest(client: TestClien
     (sc.GROUP_SIZE, 2.5), (sc.GROUP_SIZE, "4"), (sc.POLICY_STEP, float("nan")), (sc.POLICY_STEP, -1),
 ])
 def test_a_count_that_is_no_whole_number_rejects_its_span_alone(client: TestClient, key: str, value: object) -> None:
-    spans = _group({"a": 1.0, "b": 0.0})
+    spans = rollout_group({"a": 1.0, "b": 0.0})
     bad = spans[1] if key == sc.GROUP_SIZE else spans[0]  # the rollout span, the llm span of a
     bad.attributes[key] = value
     response = client.post("/v1/traces", content=to_request(spans).SerializeToString(), headers=PB)
@@ -134,7 +106,7 @@ def test_counts_stored_before_they_were_checked_neither_fail_a_lease_nor_count(t
     settings = CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}")
     store = SqlStore(settings)
     store.setup()
-    spans = _group({"a": 1.0, "b": 0.0})
+    spans = rollout_group({"a": 1.0, "b": 0.0})
     spans[0].attributes[sc.POLICY_STEP] = float("nan")
     spans[1].attributes[sc.GROUP_SIZE] = float("inf")
     with patch("collector.assembly.span_problem", return_value=None):
@@ -149,14 +121,14 @@ def test_counts_stored_before_they_were_checked_neither_fail_a_lease_nor_count(t
 def test_rewards_endpoint(client: TestClient) -> None:
     answer = client.post("/v1/rewards", json={"rollout_id": "a", "name": "judge", "value": 0.5})
     assert answer.status_code == 200 and answer.json()["trajectory_known"] is False
-    client.post("/v1/traces", content=to_request(_group({"a": 1.0})).SerializeToString(), headers=PB)
+    client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0})).SerializeToString(), headers=PB)
     assert client.get("/v1/trajectories/a").json()["rewards"] == {"reward": 1.0, "judge": 0.5}
     nan = client.post("/v1/rewards", content=b'{"rollout_id": "a", "value": NaN}', headers=JSON)
-    assert "finite" in _assert_error(nan, 400, "invalid_request")["message"]
-    _assert_error(client.post("/v1/rewards", content=b'{"rollout_id": "a", "value": Infinity}', headers=JSON),
+    assert "finite" in assert_error(nan, 400, "invalid_request")["message"]
+    assert_error(client.post("/v1/rewards", content=b'{"rollout_id": "a", "value": Infinity}', headers=JSON),
                   400, "invalid_request")
-    _assert_error(client.post("/v1/rewards", json={"value": 1.0}), 400, "invalid_request")
-    _assert_error(client.post("/v1/rewards", json={"rollout_id": "a"}), 400, "invalid_request")
+    assert_error(client.post("/v1/rewards", json={"value": 1.0}), 400, "invalid_request")
+    assert_error(client.post("/v1/rewards", json={"rollout_id": "a"}), 400, "invalid_request")
 
 
 @pytest.mark.parametrize(("body", "fragment"), [
@@ -170,11 +142,11 @@ def test_rewards_endpoint(client: TestClient) -> None:
 def test_a_reward_the_store_could_not_keep_or_match_is_refused(
     client: TestClient, body: dict[str, Any], fragment: str
 ) -> None:
-    assert fragment in _assert_error(client.post("/v1/rewards", json=body), 400, "invalid_request")["message"]
+    assert fragment in assert_error(client.post("/v1/rewards", json=body), 400, "invalid_request")["message"]
 
 
 def test_a_reward_by_trace_id_in_upper_case_finds_its_trajectory(client: TestClient) -> None:
-    client.post("/v1/traces", content=to_request(_group({"a": 1.0})).SerializeToString(), headers=PB)
+    client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0})).SerializeToString(), headers=PB)
     trace = client.get("/v1/trajectories/a").json()["trace_id"]
     answer = client.post("/v1/rewards", json={"trace_id": trace.upper(), "name": "judge", "value": 0.5})
     assert (answer.status_code == 200 and answer.json()["trace_id"] == trace
@@ -182,92 +154,9 @@ def test_a_reward_by_trace_id_in_upper_case_finds_its_trajectory(client: TestCli
     assert client.get("/v1/trajectories/a").json()["rewards"] == {"reward": 1.0, "judge": 0.5}
 
 
-def test_batches_groups_and_acks(client: TestClient) -> None:
-    client.post("/v1/traces", content=to_request(_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
-    assert [(g["id"], g["state"], g["size"]) for g in client.get("/v1/groups").json()] == [("g", "ready", 2)]
-    batch = client.post("/v1/batches", json={"max_groups": 4, "trainer": "t"}).json()
-    assert [g["id"] for g in batch["groups"]] == ["g"]
-    assert {t["id"] for t in batch["groups"][0]["trajectories"]} == {"a", "b"}
-    assert client.post("/v1/batches", json={}).json()["groups"] == []
-    ack = client.post(f"/v1/batches/{batch['id']}/ack", json={"policy_step": 3})
-    assert ack.status_code == 200 and ack.json() == {"batch_id": batch["id"], "groups": ["g"], "policy_step": 3}
-    assert client.get("/v1/groups").json()[0]["state"] == "trained"
-    assert client.get("/v1/groups", params={"state": "ready"}).json() == []
-    assert [g["id"] for g in client.get("/v1/groups?state=ready&state=trained").json()] == ["g"]
-    _assert_error(client.get("/v1/groups", params={"state": "done"}), 400, "invalid_request")
-    _assert_error(client.post("/v1/batches/unknown/ack", json={}), 404, "not_found")
-    _assert_error(client.get("/v1/trajectories/unknown"), 404, "not_found")
-    _assert_error(client.post("/v1/batches", json={"max_groups": 0}), 400, "invalid_request")
-    assert client.get("/health").json() == {"status": "ok"}
-
-
-@pytest.mark.parametrize(("body", "fragment"), [
-    ({"min_groups": 5, "max_groups": 4}, "min_groups=5 exceeds max_groups=4"),
-    ({"lease_seconds": 1e309}, "lease_seconds"),
-    ({"lease_seconds": 8 * 24 * 3600}, "lease_seconds"),
-    ({"trainer": "t" * 257}, "trainer"),
-])
-def test_a_lease_request_that_could_never_be_met_or_kept_is_refused(
-    client: TestClient, body: dict[str, Any], fragment: str
-) -> None:
-    # `Infinity` for 1e309, as Python writes it
-    answer = client.post("/v1/batches", content=json.dumps(body), headers=JSON)
-    assert fragment in _assert_error(answer, 400, "invalid_request")["message"]
-    _assert_error(client.post("/v1/batches/b/ack", json={"policy_step": 2**31}), 400, "invalid_request")
-
-
-def test_a_lease_that_takes_nothing_leaves_no_batch(client: TestClient) -> None:
-    """Trainers poll; a poll that finds too few ready groups must not leave a batch that later 'expires'."""
-    assert client.post("/v1/batches", json={}).json()["groups"] == []  # nothing stored yet
-    client.post("/v1/traces", content=to_request(_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
-    nothing = client.post("/v1/batches", json={"min_groups": 2, "max_groups": 4})  # one group is ready
-    assert nothing.status_code == 200 and nothing.json()["groups"] == []
-    _assert_error(client.post(f"/v1/batches/{nothing.json()['id']}/ack", json={}), 404, "not_found")
-    assert client.get("/v1/view/batches").json() == []
-    leased = client.post("/v1/batches", json={}).json()
-    assert [b["id"] for b in client.get("/v1/view/batches").json()] == [leased["id"]]
-
-
-def test_release_gives_groups_back_now_and_shows_on_the_batch(tmp_path: Path) -> None:
-    client = TestClient(_app(tmp_path, max_failed_attempts=2))
-    client.post("/v1/traces", content=to_request(_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
-    _assert_error(client.post("/v1/batches/unknown/release", json={"reason": "x"}), 404, "not_found")
-    first = client.post("/v1/batches", json={"trainer": "t"}).json()
-    _assert_error(client.post(f"/v1/batches/{first['id']}/release", json={}), 400, "invalid_request")  # reason needed
-    _assert_error(client.post(f"/v1/batches/{first['id']}/release", json={"reason": ""}), 400, "invalid_request")
-    released = client.post(f"/v1/batches/{first['id']}/release", json={"reason": "NonFiniteStepError: " + "n" * 3000})
-    assert released.status_code == 200
-    assert released.json() == {"batch_id": first["id"], "returned": ["g"], "skipped": [], "max_failed_attempts": 2}
-    assert [(g["state"], g["failed_attempts"]) for g in client.get("/v1/groups").json()] == [("ready", 1)]
-    [shown] = client.get("/v1/view/batches").json()
-    assert shown["state"] == "released" and shown["reason"].startswith("NonFiniteStepError: nnn")
-    assert len(shown["reason"]) == 2000  # cut, not refused: a trainer's long traceback still releases
-    _assert_error(client.post(f"/v1/batches/{first['id']}/ack", json={"policy_step": 1}), 409, "batch_released")
-
-    second = client.post("/v1/batches", json={}).json()
-    assert [g["id"] for g in second["groups"]] == ["g"]
-    skipped = client.post(f"/v1/batches/{second['id']}/release", json={"reason": "RuntimeError: again"}).json()
-    assert (skipped["returned"], skipped["skipped"]) == ([], ["g"])
-    [group] = client.get("/v1/groups").json()
-    assert (group["state"], group["reason"]) == ("skipped", "training failed 2 times; last: RuntimeError: again")
-    assert client.post("/v1/batches", json={}).json()["groups"] == []
-
-    # once the trainer's bug is fixed, an operator puts the group back: leased again, attempts forgotten
-    _assert_error(client.post("/v1/groups/unknown/reopen"), 404, "not_found")
-    reopened = client.post("/v1/groups/g/reopen")
-    assert reopened.status_code == 200
-    assert reopened.json() == {"group_id": "g", "previous_state": "skipped",
-                               "previous_reason": "training failed 2 times; last: RuntimeError: again",
-                               "failed_attempts": 2}
-    assert [(g["state"], g["failed_attempts"]) for g in client.get("/v1/groups").json()] == [("ready", 0)]
-    _assert_error(client.post("/v1/groups/g/reopen"), 409, "group_not_reopenable")
-    third = client.post("/v1/batches", json={}).json()
-    assert [g["id"] for g in third["groups"]] == ["g"]
-
-
 def test_api_key_guards_writes_only(tmp_path: Path) -> None:
-    client = TestClient(_app(tmp_path, api_key="sekret"))
-    body = to_request(_group({"a": 1.0})).SerializeToString()
+    client = TestClient(collector_app(tmp_path, api_key="sekret"))
+    body = to_request(rollout_group({"a": 1.0})).SerializeToString()
     for path, kwargs in [
         ("/v1/traces", {"content": body, "headers": PB}),
         ("/v1/rewards", {"json": {"rollout_id": "a", "value": 1.0}}),
@@ -276,9 +165,9 @@ def test_api_key_guards_writes_only(tmp_path: Path) -> None:
         ("/v1/batches/x/release", {"json": {"reason": "RuntimeError: boom"}}),
         ("/v1/groups/x/reopen", {}),
     ]:
-        _assert_error(client.post(path, **kwargs), 401, "unauthorized")
+        assert_error(client.post(path, **kwargs), 401, "unauthorized")
         wrong = {**kwargs.get("headers", {}), "authorization": "Bearer nope"}
-        _assert_error(client.post(path, **{**kwargs, "headers": wrong}), 401, "unauthorized")
+        assert_error(client.post(path, **{**kwargs, "headers": wrong}), 401, "unauthorized")
     good = {**PB, "authorization": "Bearer sekret"}
     assert client.post("/v1/traces", content=body, headers=good).status_code == 200
     assert client.get("/v1/trajectories").status_code == 200
@@ -289,7 +178,7 @@ def test_an_empty_api_key_means_none(tmp_path: Path, monkeypatch: pytest.MonkeyP
     """As in the plugin, which then sends no header: an empty `ART_API_KEY` must not lock every write."""
     monkeypatch.setenv("ART_API_KEY", "")
     client = TestClient(create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}")))
-    assert client.post("/v1/traces", content=to_request(_group({"a": 1.0})).SerializeToString(),
+    assert client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0})).SerializeToString(),
                        headers=PB).status_code == 200
     assert client.post("/v1/rewards", json={"rollout_id": "a", "value": 1.0}).status_code == 200
 
@@ -297,7 +186,7 @@ def test_an_empty_api_key_means_none(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_a_full_disk_answers_503_stores_nothing_and_the_retry_succeeds(tmp_path: Path) -> None:
     """SQLite's page limit stands in for a full disk: the insert fails with the same `database or disk
     is full` error. OTLP exporters retry 503 (`Retry-After`), so the spans are not lost."""
-    app = _app(tmp_path)
+    app = collector_app(tmp_path)
     client = TestClient(app)
     engine = app.state.store.engine
     engine.dispose()
@@ -316,7 +205,7 @@ def test_a_full_disk_answers_503_stores_nothing_and_the_retry_succeeds(tmp_path:
            for i in range(1, 30)]
     body = to_request(big).SerializeToString()
     full = client.post("/v1/traces", content=body, headers=PB)
-    message = _assert_error(full, 503, "store_unavailable")["message"]
+    message = assert_error(full, 503, "store_unavailable")["message"]
     assert "database or disk is full" in message and "INSERT" not in message
     assert full.headers["retry-after"] == "5"
     assert client.get("/v1/trajectories").json() == []
@@ -344,7 +233,7 @@ class _RecordEncodings:
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[str, _RecordEncodings]]:
     """The collector app on a free localhost port, in a background thread."""
-    app = _RecordEncodings(_app(tmp_path, api_key="k"))
+    app = _RecordEncodings(collector_app(tmp_path, api_key="k"))
     with served_app(app, lifespan="off") as url:
         yield url, app
 
@@ -400,12 +289,3 @@ def test_real_sdk_export_lease_ack_and_expiry(served: tuple[str, _RecordEncoding
     assert http.post("/v1/batches", json={"max_groups": 8}).json()["groups"] == []
     states = {g["id"]: g["state"] for g in http.get("/v1/groups").json()}
     assert states == {"g1": "trained", "g2": "trained"}
-
-
-def test_batch_and_ack_without_body(client: TestClient) -> None:
-    client.post("/v1/traces", content=to_request(_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
-    batch = client.post("/v1/batches")
-    assert batch.status_code == 200 and [g["id"] for g in batch.json()["groups"]] == ["g"]
-    ack = client.post(f"/v1/batches/{batch.json()['id']}/ack")
-    assert ack.status_code == 200 and ack.json() == {"batch_id": batch.json()["id"], "groups": ["g"],
-                                                     "policy_step": None}

@@ -1,0 +1,140 @@
+"""Schema and migrations (`collector/schema.py`): setup is idempotent; a database of an older version keeps its data."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import text
+
+from collector.protocol import BatchRequest
+from collector.schema import SCHEMA_VERSION
+from tests.collector.span_builders import trajectory
+
+
+def test_setup_is_idempotent_and_versioned(make_store) -> None:
+    store = make_store()
+    store.setup()
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT max(version) FROM schema_version")).scalar() == SCHEMA_VERSION
+        if store.engine.dialect.name == "sqlite" and store.engine.url.database:  # file-backed SQLite
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
+
+
+def test_migration_from_version_1_keeps_rewards(db_url, clock) -> None:
+    from sqlalchemy import inspect
+
+    from collector.config import CollectorSettings
+    from collector.engine import make_engine
+    from collector.schema import MIGRATIONS, schema_version
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database does not outlive its engine")
+    old = make_engine(url)
+    with old.begin() as conn:  # a database as version 1 left it, with a reward waiting for its spans
+        schema_version.create(conn)
+        MIGRATIONS[0](conn)
+        conn.execute(schema_version.insert().values(version=1, applied_at=0.0))
+        conn.execute(text("INSERT INTO rewards (rollout_id, name, value, source, created_at) "
+                          "VALUES ('a', 'judge', 0.5, 'api', 1.0)"))
+    assert "time_ns" not in {c["name"] for c in inspect(old).get_columns("rewards")}
+    old.dispose()
+    store = SqlStore(CollectorSettings(db=url), clock=clock)
+    store.setup()
+    with store.engine.connect() as conn:
+        assert ([r[0] for r in conn.execute(text("SELECT version FROM schema_version ORDER BY version"))]
+                == list(range(1, SCHEMA_VERSION + 1)))
+    store.add_spans(trajectory(10, "a", reward=1.0))
+    assert store.trajectory("a").rewards == {"reward": 1.0, "judge": 0.5}
+    store.close()
+
+
+def test_migration_from_version_2_digests_stored_trajectories(db_url, clock) -> None:
+    """Version 4 keeps a digest of each trajectory's spans; a late span of an older trajectory must find it."""
+    import json
+
+    from sqlalchemy import inspect
+
+    from collector.config import CollectorSettings
+    from collector.engine import make_engine
+    from collector.schema import MIGRATIONS, groups, judge_runs, schema_version, spans, trajectories
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database does not outlive its engine")
+    child, root = trajectory(10, "a", reward=None)
+    old = make_engine(url)
+    with old.begin() as conn:  # a database as version 2 left it: rollout "a" in group "g", its LLM span still to come
+        schema_version.create(conn)
+        for version in (0, 1):
+            MIGRATIONS[version](conn)
+            conn.execute(schema_version.insert().values(version=version + 1, applied_at=0.0))
+        judge_runs.create(conn)  # collectors before version 3 made the judges' tables on start
+        conn.execute(spans.insert().values(
+            span_id=root.span_id, trace_id=root.trace_id, trajectory_id="a", name=root.name, start_ns=root.start_ns,
+            end_ns=root.end_ns, record=json.dumps(root.to_dict()), received_at=0.0,
+        ))
+        conn.execute(trajectories.insert().values(
+            id="a", trace_id=root.trace_id, by_rollout=True, group_key="g", group_id="g", task=None, split="train",
+            complete=True, created_at=0.0, updated_at=0.0,
+        ))
+        conn.execute(groups.insert().values(id="g", key="g", explicit=True, size_hint=2, state="open",
+                                            created_at=0.0, updated_at=0.0))
+    old.dispose()
+    store = SqlStore(CollectorSettings(db=url), clock=clock)
+    store.setup()
+    assert ({"judge_runs", "judgements", "langfuse_pulled", "langfuse_pushed"}
+            <= set(inspect(store.engine).get_table_names()))
+    assert store.add_spans([child]) == 1
+    migrated = store.trajectory("a")
+    assert ((migrated.group_id, migrated.complete, [s.token_ids for s in migrated.sequences])
+            == ("g", True, [[1, 2, 10]]))
+    assert [(g.id, g.size, g.expected) for g in store.groups()] == [("g", 1, 2)]
+    store.close()
+
+
+def test_migration_from_version_4_keeps_groups_and_batches(db_url, clock) -> None:
+    """Version 5 adds `groups.failed_attempts` and `batches.reason`; stored groups and leases keep working."""
+    from sqlalchemy import inspect
+
+    from collector.config import CollectorSettings
+    from collector.engine import make_engine
+    from collector.protocol import ReleaseRequest
+    from collector.schema import MIGRATIONS, schema_version
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database does not outlive its engine")
+    old = make_engine(url)
+    with old.begin() as conn:  # a database as version 4 left it, with an acked batch of a trained group
+        schema_version.create(conn)
+        for version in range(4):
+            MIGRATIONS[version](conn)
+            conn.execute(schema_version.insert().values(version=version + 1, applied_at=0.0))
+        conn.execute(text(
+            "INSERT INTO batches (id, trainer, state, created_at, lease_expires_at, acked_at, policy_step) "
+            "VALUES ('old', 't', 'acked', 1.0, 2.0, 1.5, 7)"
+        ))
+        conn.execute(text(
+            "INSERT INTO groups (id, key, task, explicit, size_hint, state, reason, batch_id, created_at, updated_at) "
+            "VALUES ('t', 't', NULL, TRUE, 2, 'trained', NULL, 'old', 1.0, 1.0)"
+        ))
+        conn.execute(text("INSERT INTO batch_groups (batch_id, group_id) VALUES ('old', 't')"))
+    assert "failed_attempts" not in {c["name"] for c in inspect(old).get_columns("groups")}
+    assert "reason" not in {c["name"] for c in inspect(old).get_columns("batches")}
+    old.dispose()
+    store = SqlStore(CollectorSettings(db=url), clock=clock)
+    store.setup()
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT max(version) FROM schema_version")).scalar() == SCHEMA_VERSION == 5
+        assert conn.execute(text("SELECT failed_attempts FROM groups WHERE id = 't'")).scalar() == 0
+    [shown] = store.batches()
+    assert (shown.id, shown.state, shown.policy_step, shown.groups, shown.reason) == ("old", "acked", 7, ["t"], None)
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0))  # groups made after it
+    batch = store.lease(BatchRequest())
+    assert store.release(batch.id, ReleaseRequest(reason="RuntimeError: x")).returned == ["g"]
+    assert {g.id: g.failed_attempts for g in store.groups()} == {"g": 1}  # "t" has no trajectory: not listed
+    store.close()

@@ -1,0 +1,105 @@
+"""HTTP API of the trainers (`collector/server.py`): lease, ack and release batches, list and reopen groups."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.collector.server_helpers import JSON, PB, assert_error, collector_app
+from tests.collector.span_builders import rollout_group, to_request
+
+
+def test_batches_groups_and_acks(client: TestClient) -> None:
+    client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
+    assert [(g["id"], g["state"], g["size"]) for g in client.get("/v1/groups").json()] == [("g", "ready", 2)]
+    batch = client.post("/v1/batches", json={"max_groups": 4, "trainer": "t"}).json()
+    assert [g["id"] for g in batch["groups"]] == ["g"]
+    assert {t["id"] for t in batch["groups"][0]["trajectories"]} == {"a", "b"}
+    assert client.post("/v1/batches", json={}).json()["groups"] == []
+    ack = client.post(f"/v1/batches/{batch['id']}/ack", json={"policy_step": 3})
+    assert ack.status_code == 200 and ack.json() == {"batch_id": batch["id"], "groups": ["g"], "policy_step": 3}
+    assert client.get("/v1/groups").json()[0]["state"] == "trained"
+    assert client.get("/v1/groups", params={"state": "ready"}).json() == []
+    assert [g["id"] for g in client.get("/v1/groups?state=ready&state=trained").json()] == ["g"]
+    assert_error(client.get("/v1/groups", params={"state": "done"}), 400, "invalid_request")
+    assert_error(client.post("/v1/batches/unknown/ack", json={}), 404, "not_found")
+    assert_error(client.get("/v1/trajectories/unknown"), 404, "not_found")
+    assert_error(client.post("/v1/batches", json={"max_groups": 0}), 400, "invalid_request")
+    assert client.get("/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize(("body", "fragment"), [
+    ({"min_groups": 5, "max_groups": 4}, "min_groups=5 exceeds max_groups=4"),
+    ({"lease_seconds": 1e309}, "lease_seconds"),
+    ({"lease_seconds": 8 * 24 * 3600}, "lease_seconds"),
+    ({"trainer": "t" * 257}, "trainer"),
+])
+def test_a_lease_request_that_could_never_be_met_or_kept_is_refused(
+    client: TestClient, body: dict[str, Any], fragment: str
+) -> None:
+    # `Infinity` for 1e309, as Python writes it
+    answer = client.post("/v1/batches", content=json.dumps(body), headers=JSON)
+    assert fragment in assert_error(answer, 400, "invalid_request")["message"]
+    assert_error(client.post("/v1/batches/b/ack", json={"policy_step": 2**31}), 400, "invalid_request")
+
+
+def test_a_lease_that_takes_nothing_leaves_no_batch(client: TestClient) -> None:
+    """Trainers poll; a poll that finds too few ready groups must not leave a batch that later 'expires'."""
+    assert client.post("/v1/batches", json={}).json()["groups"] == []  # nothing stored yet
+    client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
+    nothing = client.post("/v1/batches", json={"min_groups": 2, "max_groups": 4})  # one group is ready
+    assert nothing.status_code == 200 and nothing.json()["groups"] == []
+    assert_error(client.post(f"/v1/batches/{nothing.json()['id']}/ack", json={}), 404, "not_found")
+    assert client.get("/v1/view/batches").json() == []
+    leased = client.post("/v1/batches", json={}).json()
+    assert [b["id"] for b in client.get("/v1/view/batches").json()] == [leased["id"]]
+
+
+def test_release_gives_groups_back_now_and_shows_on_the_batch(tmp_path: Path) -> None:
+    client = TestClient(collector_app(tmp_path, max_failed_attempts=2))
+    client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
+    assert_error(client.post("/v1/batches/unknown/release", json={"reason": "x"}), 404, "not_found")
+    first = client.post("/v1/batches", json={"trainer": "t"}).json()
+    assert_error(client.post(f"/v1/batches/{first['id']}/release", json={}), 400, "invalid_request")  # reason needed
+    assert_error(client.post(f"/v1/batches/{first['id']}/release", json={"reason": ""}), 400, "invalid_request")
+    released = client.post(f"/v1/batches/{first['id']}/release", json={"reason": "NonFiniteStepError: " + "n" * 3000})
+    assert released.status_code == 200
+    assert released.json() == {"batch_id": first["id"], "returned": ["g"], "skipped": [], "max_failed_attempts": 2}
+    assert [(g["state"], g["failed_attempts"]) for g in client.get("/v1/groups").json()] == [("ready", 1)]
+    [shown] = client.get("/v1/view/batches").json()
+    assert shown["state"] == "released" and shown["reason"].startswith("NonFiniteStepError: nnn")
+    assert len(shown["reason"]) == 2000  # cut, not refused: a trainer's long traceback still releases
+    assert_error(client.post(f"/v1/batches/{first['id']}/ack", json={"policy_step": 1}), 409, "batch_released")
+
+    second = client.post("/v1/batches", json={}).json()
+    assert [g["id"] for g in second["groups"]] == ["g"]
+    skipped = client.post(f"/v1/batches/{second['id']}/release", json={"reason": "RuntimeError: again"}).json()
+    assert (skipped["returned"], skipped["skipped"]) == ([], ["g"])
+    [group] = client.get("/v1/groups").json()
+    assert (group["state"], group["reason"]) == ("skipped", "training failed 2 times; last: RuntimeError: again")
+    assert client.post("/v1/batches", json={}).json()["groups"] == []
+
+    # once the trainer's bug is fixed, an operator puts the group back: leased again, attempts forgotten
+    assert_error(client.post("/v1/groups/unknown/reopen"), 404, "not_found")
+    reopened = client.post("/v1/groups/g/reopen")
+    assert reopened.status_code == 200
+    assert reopened.json() == {"group_id": "g", "previous_state": "skipped",
+                               "previous_reason": "training failed 2 times; last: RuntimeError: again",
+                               "failed_attempts": 2}
+    assert [(g["state"], g["failed_attempts"]) for g in client.get("/v1/groups").json()] == [("ready", 0)]
+    assert_error(client.post("/v1/groups/g/reopen"), 409, "group_not_reopenable")
+    third = client.post("/v1/batches", json={}).json()
+    assert [g["id"] for g in third["groups"]] == ["g"]
+
+
+def test_batch_and_ack_without_body(client: TestClient) -> None:
+    client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
+    batch = client.post("/v1/batches")
+    assert batch.status_code == 200 and [g["id"] for g in batch.json()["groups"]] == ["g"]
+    ack = client.post(f"/v1/batches/{batch.json()['id']}/ack")
+    assert ack.status_code == 200 and ack.json() == {"batch_id": batch.json()["id"], "groups": ["g"],
+                                                     "policy_step": None}

@@ -1,0 +1,140 @@
+"""Groups in the store: placement in instances (`collector/placement.py`), readiness (`collector/groups.py`) and
+upkeep of the pool (`collector/pool.py`: idle trajectories, stale groups), read through `Store.groups`."""
+
+from __future__ import annotations
+
+from collector.protocol import BatchRequest, RewardIn
+from tests.collector.span_builders import TRACE, llm, rollout, trajectory
+
+OTHER_TRACE = "1" * 32
+
+
+def test_groups_by_state_read_only_groups_in_those_states(make_store) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0))
+    store.ack(store.lease(BatchRequest()).id, policy_step=1)  # g: trained
+    store.add_spans(trajectory(30, "c", group="h", reward=1.0) + trajectory(40, "d", group="h", reward=0.0))
+    store.add_spans(trajectory(50, "e", group="i", reward=1.0))  # one of two: open
+    assert [(g.id, g.state) for g in store.groups()] == [("g", "trained"), ("h", "ready"), ("i", "open")]
+    assert [g.id for g in store.groups(states={"ready"})] == ["h"]
+    assert [g.id for g in store.groups(states={"open", "trained"})] == ["g", "i"]
+    assert store.groups(states={"leased"}) == []
+
+
+def test_groups_show_the_size_they_wait_for(make_store) -> None:
+    store = make_store(min_group_size=3)
+    store.add_spans(trajectory(10, "a", reward=1.0, group="sized", size=4)
+                    + trajectory(20, "b", reward=1.0, group="bare", size=None))
+    assert sorted((g.id, g.size, g.expected) for g in store.groups()) == [("bare", 1, 3), ("sized", 1, 4)]
+
+
+def test_zero_spread_is_skipped_unless_kept(make_store) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=1.0))
+    assert store.lease(BatchRequest()).groups == []
+    (group,) = store.groups()
+    assert (group.state, group.reason) == ("skipped", "no reward spread")
+    store.add_reward(RewardIn(rollout_id="b", value=0.5))  # a new reward reopens the group
+    assert [g.id for g in store.lease(BatchRequest()).groups] == ["g"]
+
+    keep = make_store(keep_zero_spread=True)
+    keep.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=1.0))
+    assert [g.id for g in keep.lease(BatchRequest()).groups] == ["g"]
+
+
+def test_group_waits_for_size_rewards_and_train_split(make_store) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0, size=3) + trajectory(20, "b", reward=0.0, size=3))
+    assert store.groups()[0].reason == "waiting for 1 more of 3 trajectories"
+    store.add_spans(trajectory(30, "c", reward=None, size=3))
+    assert store.groups()[0].reason == "1 trajectories without reward 'reward'"
+    assert store.lease(BatchRequest()).groups == []
+    store.add_reward(RewardIn(rollout_id="c", value=0.5))
+    assert [len(g.trajectories) for g in store.lease(BatchRequest()).groups] == [3]
+
+    val = make_store()
+    val.add_spans(trajectory(10, "a", reward=1.0, split="val") + trajectory(20, "b", reward=0.0, split="val"))
+    assert val.lease(BatchRequest()).groups == []
+    assert val.groups()[0].state == "open"
+
+
+def test_full_group_key_opens_a_new_instance(make_store) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0)
+                    + trajectory(30, "c", reward=0.5))
+    assert [(g.id, g.size) for g in store.groups()] == [("g", 2), ("g#2", 1)]
+    assert store.trajectory("c").group_id == "g#2"
+    assert [t.id for t in store.trajectories(group="g")] == ["a", "b", "c"]  # by key
+    assert [t.id for t in store.trajectories(group="g#2")] == ["c"]  # by instance
+
+
+def test_one_export_fills_instances_in_order(make_store) -> None:
+    store = make_store()
+    store.add_spans([span for n in range(5) for span in trajectory(10 * (n + 1), f"t{n}", reward=float(n))])
+    assert [(g.id, g.size) for g in store.groups()] == [("g", 2), ("g#2", 2), ("g#3", 1)]
+    store.add_spans(trajectory(60, "t5", reward=5.0))
+    assert [(g.id, g.size) for g in store.groups()] == [("g", 2), ("g#2", 2), ("g#3", 2)]
+    assert [t.id for t in store.trajectories(group="g#3")] == ["t4", "t5"]
+
+
+def test_calls_outside_rollouts_group_by_task_and_complete_when_idle(make_store, clock) -> None:
+    store = make_store(idle_seconds=60)
+    store.add_spans([llm(1, rollout=None, trace=TRACE, task="t", start=1, prompt=[1], completion=[2])])
+    store.add_spans([llm(2, rollout=None, trace=OTHER_TRACE, task="t", start=1, prompt=[1], completion=[3])])
+    first = store.trajectory(TRACE)
+    assert first is not None and (first.group_id, first.complete) == ("t", False)
+    store.add_reward(RewardIn(trace_id=TRACE, value=1.0))
+    store.add_reward(RewardIn(trace_id=OTHER_TRACE, value=0.0))
+    assert store.lease(BatchRequest()).groups == []
+    clock.now += 61
+    assert all(t.complete for t in store.trajectories(task="t"))
+    batch = store.lease(BatchRequest())
+    assert [(g.id, sorted(t.reward for t in g.trajectories)) for g in batch.groups] == [("t", [0.0, 1.0])]
+
+
+def test_stale_group_expires_with_its_reason(make_store, clock) -> None:
+    store = make_store(group_timeout_seconds=100)
+    store.add_spans(trajectory(10, "a", reward=1.0, size=3) + trajectory(20, "b", reward=0.0, size=3))
+    store.add_spans(trajectory(40, "x", reward=1.0, group="h") + trajectory(50, "y", reward=0.0, group="h"))  # ready
+    clock.now += 60
+    store.add_spans([llm(12, rollout="a", trace=f"{10:032x}", start=20, prompt=[9], completion=[8])])  # activity
+    clock.now += 60
+    assert {g.id: g.state for g in store.groups()} == {"g": "open", "h": "ready"}
+    clock.now += 41
+    states = {g.id: (g.state, g.reason) for g in store.groups()}
+    assert states["h"] == ("ready", None)  # a ready group waits for a trainer, it does not go stale
+    assert states["g"] == ("expired",
+                           "expired: no new span or reward for 100 s while waiting for 1 more of 3 trajectories")
+    store.add_spans(trajectory(30, "c", reward=0.5, size=3))
+    assert store.trajectory("c").group_id == "g#2"  # the expired instance takes no one
+    assert [g.id for g in store.lease(BatchRequest()).groups] == ["h"]
+
+
+def _template_run(n: int, rollout_id: str, *, reward: float) -> list:
+    """A prompt template invoked on its own: the plugin opens a rollout for the top-level run; no model call."""
+    return [rollout(n, rollout_id, trace=f"{n:032x}", task="ChatPromptTemplate", rewards={"reward": reward})]
+
+
+def test_a_trajectory_without_a_model_call_joins_no_group_until_one_arrives(make_store) -> None:
+    store = make_store()
+    store.add_spans(_template_run(10, "tmpl-a", reward=1.0) + _template_run(20, "tmpl-b", reward=0.0))
+    shown = [(t.id, t.group_id, t.complete, t.reward) for t in store.trajectories()]
+    assert shown == [("tmpl-a", "", True, 1.0), ("tmpl-b", "", True, 0.0)]  # still stored and listed
+    assert store.count_trajectories() == 2
+    assert store.groups() == []  # so never ready, leased or judged, although its rewards differ
+    assert store.lease(BatchRequest()).groups == []
+    # late turn
+    store.add_spans([llm(21, rollout="tmpl-b", trace=f"{20:032x}", start=10, prompt=[1, 2], completion=[3])])
+    assert [(t.id, t.group_id) for t in store.trajectories()] == [("tmpl-a", ""), ("tmpl-b", "ChatPromptTemplate")]
+    assert [(g.id, g.size) for g in store.groups()] == [("ChatPromptTemplate", 1)]
+
+
+def test_an_attempt_without_a_model_call_stays_in_the_group_the_app_named(make_store) -> None:
+    store = make_store()
+    # raised before the model
+    failed = rollout(10, "try-0", trace=f"{10:032x}", group="q1", size=2, rewards={"reward": 0.0})
+    answered = [rollout(20, "try-1", trace=f"{20:032x}", group="q1", size=2, rewards={"reward": 1.0}),
+                llm(21, rollout="try-1", trace=f"{20:032x}", start=10, prompt=[1, 2], completion=[3])]
+    store.add_spans([failed, *answered])
+    assert [(t.id, t.group_id) for t in store.trajectories()] == [("try-0", "q1"), ("try-1", "q1")]
+    assert [g.id for g in store.lease(BatchRequest()).groups] == ["q1"]

@@ -1,0 +1,68 @@
+"""Rewards in the store: from the API, reward events and reward spans; before their spans; weighted sums; checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from collector.errors import InvalidRequest
+from collector.protocol import BatchRequest, RewardIn
+from tests.collector.span_builders import sid, trajectory
+
+
+def test_reward_before_spans_applies_when_they_arrive(make_store) -> None:
+    store = make_store()
+    accepted = store.add_reward(RewardIn(rollout_id="r1", name="judge", value=0.25))
+    assert not accepted.trajectory_known
+    store.add_spans(trajectory(10, "r1", reward=1.0))
+    assert store.trajectory("r1").rewards == {"reward": 1.0, "judge": 0.25}
+    assert store.add_reward(RewardIn(rollout_id="r1", value=0.0)).trajectory_known
+    assert store.trajectory("r1").reward == 0.0  # API overrides the span event
+
+
+def test_reward_needs_an_id(make_store) -> None:
+    with pytest.raises(InvalidRequest):
+        make_store().add_reward(RewardIn(value=1.0))
+
+
+def test_invalid_reward_event_rejects_the_export(make_store) -> None:
+    store = make_store()
+    spans = trajectory(10, "a", reward=1.0)
+    spans[1].events[0].attributes["art.reward.value"] = float("nan")
+    with pytest.raises(InvalidRequest, match="finite"):
+        store.add_spans(spans)
+    assert store.trajectories() == []
+
+
+def test_weighted_training_reward(make_store) -> None:
+    store = make_store(reward_weights={"correct": 1.0, "short": 0.5})
+    store.add_spans(trajectory(10, "a", reward=None) + trajectory(20, "b", reward=None))
+    for rollout_id, correct in (("a", 1.0), ("b", 0.0)):
+        store.add_reward(RewardIn(rollout_id=rollout_id, name="correct", value=correct))
+    (group,) = store.groups()
+    assert ((group.state, group.rewarded, group.reason)
+            == ("open", 0, "2 trajectories without reward 1*'correct' + 0.5*'short'"))
+    store.add_reward(RewardIn(rollout_id="a", name="short", value=0.2))
+    store.add_reward(RewardIn(rollout_id="b", name="short", value=1.0))
+    (batch_group,) = store.lease(BatchRequest()).groups
+    assert (sorted((t.id, t.reward, t.rewards["short"]) for t in batch_group.trajectories)
+            == [("a", 1.1, 0.2), ("b", 0.5, 1.0)])
+
+
+def test_reward_spans_attach_by_rollout_or_trace(make_store) -> None:
+    from collector.otlp import SpanEvent, SpanRecord
+
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=None) + trajectory(20, "b", reward=None))
+    late = SpanRecord("f" * 32, sid(900), None, "score", 500, 600,
+                      {"art.span.kind": "reward", "art.rollout.id": "a", "art.reward.value": 0.25})
+    same_trace = SpanRecord(
+        f"{20:032x}", sid(901), sid(20), "judge", 500, 600, {"art.span.kind": "reward"},
+        [SpanEvent("art.reward", 550, {"art.reward.name": "reward", "art.reward.value": 0.75})],
+    )
+    store.add_spans([late, same_trace])
+    assert (store.trajectory("a").reward, store.trajectory("b").reward) == (0.25, 0.75)
+    assert [t.id for t in store.trajectories()] == ["a", "b"]  # reward spans make no trajectory of their own
+    bad = SpanRecord("f" * 32, sid(902), None, "score", 1, 2,
+                     {"art.span.kind": "reward", "art.rollout.id": "a", "art.reward.value": "high"})
+    with pytest.raises(InvalidRequest, match="finite number"):
+        store.add_spans([bad])
