@@ -27,6 +27,7 @@ from fastapi.routing import APIRoute
 from pydantic import AliasChoices
 from pydantic_settings import BaseSettings
 
+from tests.collector.server_helpers import collector_app
 from trainer_service.grpo_config import GRPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,14 +239,6 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
 
 
-def build_collector_app(tmp_path: Path) -> FastAPI:
-    """The collector's app on a fresh SQLite file, as `tests/collector/server_helpers.collector_app` builds it."""
-    from collector.config import CollectorSettings
-    from collector.server import create_app
-
-    return create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'collector.db'}"))
-
-
 def build_trainer_app(tmp_path: Path) -> FastAPI:
     """The trainer's app over a service with a fake engine (tests/trainer_service/builders.py); nothing starts."""
     from tests.trainer_service.builders import FakeEngine, make_trainer
@@ -258,7 +251,7 @@ def build_trainer_app(tmp_path: Path) -> FastAPI:
     return create_app(service=service)
 
 
-APPS: dict[str, Callable[[Path], FastAPI]] = {"collector": build_collector_app, "trainer_service": build_trainer_app}
+APPS: dict[str, Callable[[Path], FastAPI]] = {"collector": collector_app, "trainer_service": build_trainer_app}
 
 
 def test_every_settings_variable_is_documented_in_its_section() -> None:

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from collector.otlp import SpanRecord
 from tests.collector import span_builders as sb
+from tests.collector.server_helpers import collector_app
 
 QUESTION = [
     {"role": "system", "content": "You add numbers. Reply with only the number."},
@@ -59,9 +60,6 @@ def group_spans(
 def make_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, env: dict[str, str] | None = None,
              **fields: Any) -> FastAPI:
     """The collector's app on a fresh SQLite file, with `env` set (e.g. `ART_COLLECTOR_JUDGE_*`)."""
-    from collector.config import CollectorSettings
-    from collector.server import create_app
-
     for key, value in (env or {}).items():
         monkeypatch.setenv(key, value)
-    return create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'collector.db'}", **fields))
+    return collector_app(tmp_path, **fields)

@@ -17,8 +17,8 @@ JSON = {"content-type": "application/json"}
 
 
 def collector_app(tmp_path: Path, **fields: Any) -> FastAPI:
-    """The collector's app on a fresh SQLite file (`c.db` in `tmp_path`); settings fields as keyword arguments."""
-    return create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}", **fields))
+    """The collector's app on a fresh SQLite file (`collector.db` in `tmp_path`); settings fields as keywords."""
+    return create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'collector.db'}", **fields))
 
 
 def assert_error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:

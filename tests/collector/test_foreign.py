@@ -24,10 +24,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from art_langgraph import semconv as sc
-from collector.config import CollectorSettings
 from collector.foreign import conversation, describes_art_call, same_messages
 from collector.otlp import SpanRecord
-from collector.server import create_app
+from tests.collector.server_helpers import collector_app
 from tests.collector.span_builders import llm, rollout, sid, to_request
 
 TRACE_A, TRACE_B, TRACE_C, TRACE_D, TRACE_E = (f"{k:032x}" for k in range(0xA1, 0xA6))
@@ -46,7 +45,7 @@ EXPECTED = [
 @pytest.fixture
 def export(tmp_path: Path) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
     """Record one span with the SDK, post it as OTLP protobuf, return the trajectory of its trace."""
-    client = TestClient(create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}")))
+    client = TestClient(collector_app(tmp_path))
 
     def run(attributes: dict[str, Any], name: str = "llm") -> dict[str, Any] | None:
         memory = InMemorySpanExporter()
@@ -303,7 +302,7 @@ def test_foreign_spans_of_art_calls_make_no_trajectory_nor_turn(tmp_path: Path, 
                     _langfuse_generation(TRACE_D, 400, None)]
     # Control: an app that does not use `ARTChatModel` still makes a (not token-exact) trajectory.
     plain = [_openinference_chain(TRACE_E, 500, None, "app"), _openinference_llm(TRACE_E, 501, sid(500), marked=False)]
-    client = TestClient(create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}")))
+    client = TestClient(collector_app(tmp_path))
     _deliver(client, inside + outside + foreign_only + plain, seed)
 
     found = {t["id"]: t for t in client.get("/v1/trajectories").json()}
@@ -329,7 +328,7 @@ def test_a_trace_with_an_llm_span_takes_no_foreign_turns(tmp_path: Path, seed: i
         "gen_ai.output.messages": json.dumps([{"role": "assistant",
                                                "parts": [{"type": "text", "content": "hey there!"}]}]),
     })
-    client = TestClient(create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}")))
+    client = TestClient(collector_app(tmp_path))
     _deliver(client, [ours, client_span], seed)
 
     (trajectory,) = client.get("/v1/trajectories").json()

@@ -11,10 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.collector.server_helpers import PB
 from tests.collector.services import CollectorProcess, PostgresServer
 from tests.collector.span_builders import llm, rollout, to_request
-
-PB = {"content-type": "application/x-protobuf"}
 
 
 def _group_spans(i: int) -> tuple[bytes, bytes]:
