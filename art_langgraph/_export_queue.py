@@ -16,9 +16,38 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 
 from art_langgraph._export_size import REQUEST_BYTES, size_bound, size_bounded
 
-__all__ = ["BoundedProcessor", "CountingExporter", "HeldProcessor", "Processor", "export_processors"]
+__all__ = [
+    "BoundedProcessor",
+    "CountingExporter",
+    "HeldProcessor",
+    "Processor",
+    "dropped_total",
+    "export_processors",
+    "reset_dropped_total",
+]
 
 _logger = logging.getLogger(__name__)
+
+_total_lock = threading.Lock()
+_total_dropped = 0
+
+
+def dropped_total() -> int:
+    """Spans that every `CountingExporter` of this process failed to deliver, replaced or shut-down pipelines' too."""
+    return _total_dropped
+
+
+def reset_dropped_total() -> None:
+    """In a forked child: count its own losses from 0, under a new lock (a thread of the parent may have held it)."""
+    global _total_dropped, _total_lock
+    _total_lock = threading.Lock()
+    _total_dropped = 0
+
+
+def _add_to_total(n: int) -> None:
+    global _total_dropped
+    with _total_lock:
+        _total_dropped += n
 
 
 class CountingExporter(SpanExporter):
@@ -36,6 +65,7 @@ class CountingExporter(SpanExporter):
     def _drop(self, n: int) -> None:
         with self._lock:
             self.dropped += n
+        _add_to_total(n)
 
     def admit(self, max_queue_size: int) -> bool:
         """Count one span queued for export, or, with `max_queue_size` already queued, dropped.
@@ -48,6 +78,7 @@ class CountingExporter(SpanExporter):
                 return True
             self.dropped += 1
             dropped = self.dropped
+        _add_to_total(1)
         if dropped == 1 or dropped % 1000 == 0:
             _logger.warning(
                 "art_langgraph: %s export queue full; dropping spans (%d dropped so far)", self._name, dropped

@@ -76,6 +76,12 @@ class LLMSpan:
         self._choices: dict[int, ChatGenerationChunk] = {}
         self._shared: ChatGenerationChunk | None = None
         """Stream chunks of no choice (the usage chunk, a structured stream's final completion)."""
+        self._siblings: list[Span] = []
+        """The spans of the choices beyond the first, ended with the call's span (`llm_span`)."""
+
+    def spans(self) -> list[Span]:
+        """Every span of the call: the first choice's, then one per further choice recorded so far."""
+        return [self.span, *self._siblings]
 
     def record_result(self, result: ChatResult) -> None:
         """Record a `ChatResult`: one span per choice, with the token data on its message."""
@@ -115,21 +121,18 @@ class LLMSpan:
     def _record_choices(self, choices: Sequence[tuple[ChatGeneration, ArtTokenData | None]],
                         llm_output: dict[str, Any]) -> None:
         for i, (generation, art) in enumerate(choices):
-            span = self.span if i == 0 else self._sibling()
-            try:
-                _set_result(span, generation, art, llm_output)
-            finally:
-                if span is not self.span:
-                    span.end()
+            _set_result(self.span if i == 0 else self._sibling(), generation, art, llm_output)
 
     def _sibling(self) -> Span:
         """A span for another choice of the same call: same parent, name, request and start time."""
-        return get_tracer().start_span(
+        span = get_tracer().start_span(
             self._name,
             context=self._parent,
             attributes=self._request_attributes,
             start_time=self._start_time,
         )
+        self._siblings.append(span)
+        return span
 
 
 def _set_result(span: Span, generation: ChatGeneration, art: ArtTokenData | None, llm_output: dict[str, Any]) -> None:
@@ -164,8 +167,9 @@ def llm_span(payload: dict[str, Any], parent_run_id: UUID | None = None) -> Iter
 
     The span hangs under the run that called the model (its node span, or the rollout span)
     when the graph tracer knows that run; otherwise under the current OpenTelemetry context,
-    with the rollout of the current `rollout(...)`, if any. A failed call's span also gets
-    `error.type` (`semconv.ERROR_TYPE`), the exception's class name: it sampled nothing to train on.
+    with the rollout of the current `rollout(...)`, if any. A failed call's spans (every choice's, a
+    stream's partial choices included) also get `error.type` (`semconv.ERROR_TYPE`), the exception's
+    class name: it sampled nothing to train on.
 
     Args:
         payload: The OpenAI request payload the chat model is about to send.
@@ -189,14 +193,17 @@ def llm_span(payload: dict[str, Any], parent_run_id: UUID | None = None) -> Iter
         attrs.update(current.span_attributes())
     name, start_time = f"chat {model}", time.time_ns()
     span = get_tracer().start_span(name, context=parent, attributes=attrs, start_time=start_time)
+    call = LLMSpan(span, name, parent, start_time, attrs)
     try:
-        yield LLMSpan(span, name, parent, start_time, attrs)
+        yield call
     except GeneratorExit:  # a consumer stopped reading a stream: not an error
         raise
     except BaseException as exc:
-        span.record_exception(exc)
-        span.set_attribute(semconv.ERROR_TYPE, type(exc).__name__)
-        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        for choice_span in call.spans():  # a failed stream recorded each choice's part: none is a turn
+            choice_span.record_exception(exc)
+            choice_span.set_attribute(semconv.ERROR_TYPE, type(exc).__name__)
+            choice_span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
         raise
     finally:
-        span.end()
+        for choice_span in call.spans():
+            choice_span.end()

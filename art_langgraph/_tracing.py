@@ -18,11 +18,18 @@ import threading
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Tracer
 
 from art_langgraph._bounded import run_bounded, spare_thread
-from art_langgraph._export_queue import CountingExporter, Processor, export_processors
+from art_langgraph._export_queue import (
+    CountingExporter,
+    Processor,
+    dropped_total,
+    export_processors,
+    reset_dropped_total,
+)
 from art_langgraph._settings import TRACES_PATH, Settings, get_settings, update_settings
 
 __all__ = [
@@ -94,6 +101,17 @@ def _resource() -> Resource:
         return _DETECTED_AT_IMPORT.merge(Resource(attributes))
 
 
+_SPAN_LIMITS = SpanLimits(
+    max_events=SpanLimits.UNSET,
+    max_span_attributes=SpanLimits.UNSET,
+    max_event_attributes=SpanLimits.UNSET,
+    max_attribute_length=SpanLimits.UNSET,
+    max_span_attribute_length=SpanLimits.UNSET,
+)
+"""No cut in what a span carries: the app's `OTEL_*_LIMIT` variables, meant for its own spans, would truncate the
+messages' JSON (the collector could no longer read it), evict attributes and drop reward events."""
+
+
 class _ToCurrentPipeline(SpanProcessor):
     """Every provider's way out: an ended span goes to the export processors current when it ends.
 
@@ -118,10 +136,6 @@ class _State:
         self.provider = provider
         self.processors = processors
         self.tracer = provider.get_tracer(_INSTRUMENTATION_NAME)
-
-    def dropped(self) -> int:
-        """Spans this pipeline's exporters failed to deliver."""
-        return sum(p.counting.dropped for p in self.processors)
 
     def force_flush(self, timeout_millis: int) -> bool:
         """Export every ended span: through the provider's own processors (tests add some), then ours."""
@@ -184,6 +198,9 @@ def configure(
         exporters.append(CountingExporter(_langfuse_exporter(), "langfuse", settings.max_export_bytes))
     provider = TracerProvider(
         resource=_resource(),
+        # Every span is training data: neither OTEL_TRACES_SAMPLER nor a parent the app sampled out drops one.
+        sampler=ALWAYS_ON,
+        span_limits=_SPAN_LIMITS,
         shutdown_on_exit=False,  # our own exit hook (`_flush_at_exit`) flushes with a bound
     )
     provider.add_span_processor(_TO_CURRENT)
@@ -229,9 +246,8 @@ def get_tracer() -> Tracer:
 
 
 def dropped_spans() -> int:
-    """Number of spans the current pipeline's exporters failed to deliver."""
-    with _lock:
-        return _state.dropped() if _state else 0
+    """Number of spans lost so far (queue full, export failed), by this pipeline and those replaced or shut down."""
+    return dropped_total()
 
 
 def flush(timeout: float = 5.0) -> bool:
@@ -284,6 +300,7 @@ def _after_fork_in_child() -> None:
     """
     global _state
     _state = None
+    reset_dropped_total()
     spare_thread.after_fork()
 
 

@@ -10,6 +10,7 @@ structured-output stream (`beta.chat.completions.stream`) included; no engine is
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,8 @@ class FakeEngine:
     """False: an OpenAI-compatible server that ignores `return_token_ids` (no ids at all)."""
     failures: int = 0
     """Answer this many requests with a 500 before serving."""
+    stream_breaks_after: int | None = None
+    """Cut every stream with a connection error after this many events (a server gone mid-stream)."""
     requests: list[dict[str, Any]] = field(default_factory=list)
 
     def chat_model(self, **kwargs: Any) -> ARTChatModel:
@@ -77,7 +80,11 @@ class FakeEngine:
             self.failures -= 1
             return httpx.Response(500, json={"error": {"message": "engine restarting", "type": "server_error"}})
         if body.get("stream"):
-            return httpx.Response(200, text=self._stream(body), headers={"content-type": "text/event-stream"})
+            events = self._stream(body)
+            if self.stream_breaks_after is not None:
+                return httpx.Response(200, stream=_BrokenStream(events[: self.stream_breaks_after]),
+                                      headers={"content-type": "text/event-stream"})
+            return httpx.Response(200, text="".join(events), headers={"content-type": "text/event-stream"})
         return httpx.Response(200, json=self._completion(body))
 
     def _logprobs(self, choice: int, positions: range) -> dict[str, Any]:
@@ -111,7 +118,7 @@ class FakeEngine:
             response["prompt_token_ids"] = PROMPT_IDS
         return response
 
-    def _stream(self, body: dict[str, Any]) -> str:
+    def _stream(self, body: dict[str, Any]) -> list[str]:
         structured = "response_format" in body
         n = body.get("n") or 1
         head = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": self.model}
@@ -136,4 +143,21 @@ class FakeEngine:
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": 3, "completion_tokens": 3 * n, "total_tokens": 3 + 3 * n}
             chunks.append({**head, "choices": [], "usage": usage})
-        return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+        return [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks] + ["data: [DONE]\n\n"]
+
+
+class _BrokenStream(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A response body that sends `events`, then fails as a dropped connection does."""
+
+    def __init__(self, events: list[str]) -> None:
+        self._events = events
+
+    def __iter__(self) -> Iterator[bytes]:
+        for event in self._events:
+            yield event.encode()
+        raise httpx.ReadError("the server closed the connection mid-stream")
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for event in self._events:
+            yield event.encode()
+        raise httpx.ReadError("the server closed the connection mid-stream")

@@ -133,6 +133,7 @@ def test_a_batch_past_the_collectors_body_limit_goes_out_in_several_requests(
     app = make_app(tmp_path, monkeypatch, max_body_bytes=256 * 1024)
     monkeypatch.setenv("ART_MAX_EXPORT_BYTES", str(192 * 1024))
     prompt = list(range(100_000, 104_000))  # 4,000 prompt tokens: about 20 KiB a span
+    dropped = art_langgraph.dropped_spans()
     try:
         with served(app) as url:
             art_langgraph.configure(collector_url=url)
@@ -144,7 +145,7 @@ def test_a_batch_past_the_collectors_body_limit_goes_out_in_several_requests(
                              semconv.COMPLETION_TOKEN_IDS: [7, 8], semconv.COMPLETION_LOGPROBS: [-0.5, -0.25]}
                     tracer.start_span("chat", attributes=attrs).end()
             assert art_langgraph.flush(timeout=30)
-            assert art_langgraph.dropped_spans() == 0
+            assert art_langgraph.dropped_spans() == dropped
             stored = app.state.store.trajectories()
     finally:
         memory_tracing.install()
@@ -156,14 +157,31 @@ def test_bounded_queue_never_blocks_and_counts_drops(receivers) -> None:
     collector, _ = receivers
     collector.delay = 2.0  # a slow collector
     art_langgraph.configure(collector_url=collector.url, max_queue_size=10)
+    dropped = _tracing.dropped_spans()
     start = time.monotonic()
     for i in range(200):
         with rollout(f"burst-{i}"):
             pass
     elapsed = time.monotonic() - start
     assert elapsed < 1.0, f"200 spans took {elapsed:.2f}s with a stalled collector"
-    assert wait_for(lambda: _tracing.dropped_spans() >= 180, timeout=5)
-    assert _tracing.dropped_spans() <= 190
+    assert wait_for(lambda: _tracing.dropped_spans() - dropped >= 180, timeout=5)
+    assert _tracing.dropped_spans() - dropped <= 190
+
+
+def test_drops_stay_counted_after_shutdown_and_configure(memory_tracing, dead_url) -> None:
+    """`dropped_spans()` is the process's losses so far: shutting a pipeline down or replacing it forgets none."""
+    art_langgraph.configure(collector_url=dead_url)
+    dropped = _tracing.dropped_spans()
+    try:
+        for _ in range(2):
+            with rollout("lost"):
+                pass
+        art_langgraph.shutdown(timeout=5)  # the export fails: the collector is down
+        assert _tracing.dropped_spans() == dropped + 2
+        art_langgraph.configure(collector_url=dead_url)
+        assert _tracing.dropped_spans() == dropped + 2
+    finally:
+        memory_tracing.install()
 
 
 REFUSE_THREADS_AT_EXIT = """

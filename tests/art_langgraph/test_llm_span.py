@@ -173,6 +173,22 @@ def test_failed_stream_span_carries_error_type(spans) -> None:
 
 
 @pytest.mark.asyncio(loop_scope="session")
+async def test_a_stream_with_n_that_fails_midway_marks_every_choice(spans) -> None:
+    """The connection drops after two tokens of each choice: no choice's partial completion is a turn."""
+    model = FakeEngine(stream_breaks_after=6).chat_model(n=2, max_retries=0)  # 2 role chunks, 2 tokens per choice
+    with pytest.raises(openai.APIConnectionError):
+        list(model.stream("hi"))
+    with pytest.raises(openai.APIConnectionError):
+        [chunk async for chunk in model.astream("hi")]
+    got = llm_spans(spans)
+    assert len(got) == 4
+    for span in got:
+        assert span.attributes[semconv.ERROR_TYPE] == "OpenAIConnectionError"  # LangChain's class
+        assert span.status.status_code is StatusCode.ERROR
+    assert sorted(len(s.attributes[semconv.COMPLETION_TOKEN_IDS]) for s in got) == [2, 2, 2, 2]
+
+
+@pytest.mark.asyncio(loop_scope="session")
 async def test_engine_without_token_ids_records_none_and_warns_once(spans, caplog) -> None:
     """An OpenAI-compatible engine that ignores `return_token_ids`: no token attributes, one warning per model."""
     name = f"other-engine-{uuid.uuid4().hex[:8]}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -11,13 +12,16 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from pydantic import ValidationError
 
 import art_langgraph
 from art_langgraph import ARTChatModel, _tracing, rollout, semconv
 from art_langgraph._export_queue import CountingExporter
 from art_langgraph._settings import update_settings
+from tests.art_langgraph.fake_engine import FakeEngine, completion_ids
 
 
 class _OTLP(BaseHTTPRequestHandler):
@@ -72,6 +76,47 @@ def test_global_tracer_provider_is_not_replaced(memory_tracing) -> None:
     memory_tracing.install()
     assert trace.get_tracer_provider() is before
     assert _tracing.get_tracer_provider() is not before
+
+
+@pytest.fixture
+def app_environment(memory_tracing, monkeypatch) -> Iterator:
+    """`set(**variables)`: the app's `OTEL_*` settings (meant for its own provider), then the pipeline rebuilt."""
+
+    def install(**variables: str) -> None:
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+        memory_tracing.install()
+
+    yield install
+    monkeypatch.undo()
+    memory_tracing.install()
+
+
+def test_the_apps_sampling_drops_no_span(memory_tracing, app_environment) -> None:
+    """`OTEL_TRACES_SAMPLER` and a request span the app sampled out are the app's choice; training data keeps all."""
+    app_environment(OTEL_TRACES_SAMPLER="always_off")
+    app_tracer = TracerProvider(sampler=ALWAYS_OFF).get_tracer("app")
+    with app_tracer.start_as_current_span("GET /chat"):
+        FakeEngine().chat_model().invoke("hi")  # a model call outside any rollout, in the app's trace
+        with rollout("sampled"):
+            pass
+    kinds = sorted(s.attributes[semconv.SPAN_KIND] for s in memory_tracing.exporter.get_finished_spans())
+    assert kinds == [semconv.SPAN_KIND_LLM, semconv.SPAN_KIND_ROLLOUT]
+
+
+def test_the_apps_span_limits_cut_nothing(memory_tracing, app_environment) -> None:
+    """Limits the app sets for its spans would truncate the messages' JSON, evict attributes and drop rewards."""
+    app_environment(OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT="8", OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT="2",
+                    OTEL_SPAN_EVENT_COUNT_LIMIT="1")
+    with rollout("limited") as run:
+        FakeEngine().chat_model().invoke("a question longer than eight characters")
+        run.reward(1.0, name="correct")
+        run.reward(0.5, name="short")
+    by_kind = {s.attributes[semconv.SPAN_KIND]: s for s in memory_tracing.exporter.get_finished_spans()}
+    llm = by_kind[semconv.SPAN_KIND_LLM].attributes
+    assert json.loads(llm[semconv.GEN_AI_INPUT_MESSAGES])[0]["content"] == "a question longer than eight characters"
+    assert list(llm[semconv.COMPLETION_TOKEN_IDS]) == completion_ids(0)
+    assert len(by_kind[semconv.SPAN_KIND_ROLLOUT].events) == 2
 
 
 def test_down_collector_never_raises(memory_tracing, dead_url, chat_model: ARTChatModel) -> None:
