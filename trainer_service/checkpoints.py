@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 from peft import PeftModel, set_peft_model_state_dict
+from pydantic import ValidationError
 
 from trainer_service.durable import durable_rename
+from trainer_service.protocol import PromotionDecision
 
 __all__ = [
     "MANIFEST", "CheckpointMismatchError", "CheckpointStore", "CheckpointWriteError", "read_checkpoint",
@@ -46,7 +48,7 @@ _FLAGS = {"base_model": "--base-model", "lora_r": "--lora-r", "lora_alpha": "--l
 
 class CheckpointMismatchError(ValueError):
     """A kept checkpoint was trained on another base model, LoRA shape or LoRA scale (alpha) than the service now has,
-    or its manifest cannot be read."""
+    or its manifest or the promotion state (`promotion.json`) cannot be read."""
 
 
 class CheckpointWriteError(OSError):
@@ -135,6 +137,12 @@ def select_kept(
     return kept
 
 
+def _problem(error: Mapping[str, Any]) -> str:
+    """One pydantic error as `field: message`, or the message alone for the object itself."""
+    where = ".".join(str(part) for part in error["loc"])
+    return f"{where}: {error['msg']}" if where else error["msg"]
+
+
 class CheckpointStore:
     """The checkpoint folder of one run.
 
@@ -189,11 +197,13 @@ class CheckpointStore:
         for _, path in self.existing():
             try:
                 manifest = json.loads((path / MANIFEST).read_text())
+                config = (manifest.get("config") or {}) if isinstance(manifest, dict) else None
+                if not isinstance(config, dict) or not isinstance(config.get("target_modules", []), list):
+                    raise ValueError("not a JSON object whose `config` is an object with a `target_modules` list")
             except (OSError, ValueError) as exc:
                 raise CheckpointMismatchError(
                     f"{path / MANIFEST} cannot be read ({exc}). Move {path} out of {self.root} to resume from the "
                     "checkpoints before it, or give another --output-dir to start a new run.") from exc
-            config = manifest.get("config") or {}
             recorded = {"base_model": manifest.get("base_model"), "lora_r": config.get("lora_r"),
                         "lora_alpha": config.get("lora_alpha"),
                         "target_modules": sorted(config["target_modules"]) if "target_modules" in config else None}
@@ -220,12 +230,28 @@ class CheckpointStore:
 
     def read_promotion(self) -> dict[str, Any]:
         """The saved promotion state: `{"latest": step or None, "evals": {step: reward}, "prompt_set": key of the
-        prompts those rewards were measured on, "decision": ...}`."""
+        prompts those rewards were measured on, "decision": PromotionDecision or None}`.
+
+        Raises:
+            CheckpointMismatchError: `promotion.json` cannot be read, or is not such a state; names it and the fix.
+        """
         path = self.root / _PROMOTION
         if not path.is_file():
             return {"latest": None, "evals": {}, "decision": None}
-        state = json.loads(path.read_text())
-        state["evals"] = {int(k): float(v) for k, v in (state.get("evals") or {}).items()}
+        try:
+            state = json.loads(path.read_text())
+            if not isinstance(state, dict) or not isinstance(state.get("evals") or {}, dict):
+                raise ValueError("not a JSON object whose `evals` is an object")
+            state["evals"] = {int(k): float(v) for k, v in (state.get("evals") or {}).items()}
+            decision = state.get("decision")
+            state["decision"] = PromotionDecision.model_validate(decision) if decision else None
+        except (OSError, ValueError, TypeError) as exc:  # TypeError: an eval reward that is not a number
+            detail = (f"its decision is not one: {'; '.join(_problem(error) for error in exc.errors())}"
+                      if isinstance(exc, ValidationError) else f"{type(exc).__name__}: {exc}")
+            raise CheckpointMismatchError(
+                f"{path} cannot be read ({detail}). Move it out of {self.root} to start the "
+                "promotion gate afresh (`name@latest` then serves the newest checkpoint, or with an eval set the "
+                "base model until a step is promoted).") from exc
         return state
 
     def write_promotion(self, state: Mapping[str, Any]) -> None:

@@ -11,8 +11,9 @@ import re
 from pathlib import Path
 from typing import Literal
 
+import httpx
 from apscheduler.triggers.cron import CronTrigger
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from collector.protocol import MAX_LEASE_SECONDS
@@ -279,6 +280,19 @@ class TrainerSettings(BaseSettings):
         "otherwise).",
     )
     wandb_project: str = Field(default="art-langgraph", description="Weights & Biases project name.")
+
+    @field_validator("collector")
+    @classmethod
+    def _check_collector(cls, value: str) -> str:
+        """The collector's address must be an http(s) URL with a host: anything else fails every step (or, for one
+        httpx cannot parse, the start with a traceback)."""
+        try:
+            url = httpx.URL(value)
+        except httpx.InvalidURL as exc:
+            raise ValueError(f"not a URL ({exc}); write e.g. http://localhost:4318") from exc
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError("needs http:// or https:// and a host, e.g. http://localhost:4318")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSettings:

@@ -38,12 +38,13 @@ def load_reward_fn(spec: str) -> RewardFn:
     """Import `module:function`.
 
     Raises:
-        EvalError: the module or attribute does not exist, or is not callable.
+        EvalError: the module or attribute does not exist (or the module name is empty or relative), or is not
+            callable.
     """
     module_name, _, attr = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
+    except (ImportError, AttributeError, ValueError, TypeError) as exc:  # ValueError, TypeError: `:f`, `.mod:f`
         raise EvalError(f"eval reward {spec!r} cannot be imported: {exc}. Give `module:function` on the "
                         "Python path of the trainer.") from exc
     if not callable(fn):
@@ -155,6 +156,8 @@ class Evaluator:
         except (ValueError, LookupError, TypeError, AttributeError) as exc:  # not JSON, or not shaped like one
             raise EvalError(f"the engine's answer to an eval prompt for {model} is not a chat completion "
                             f"({type(exc).__name__}: {exc}): {response.text[:300]}") from exc
+        if not texts:  # the mean reward would divide by zero
+            raise EvalError(f"the engine answered an eval prompt for {model} without choices: {response.text[:300]}")
         scores = []
         for text in texts:
             try:

@@ -33,6 +33,10 @@ class PromotionGate:
         evaluator: scores a served model; None promotes every step.
         model_name: step → `name@step`.
         base_name: returns the base model's served name (eval of step 0).
+
+    Raises:
+        CheckpointMismatchError: the saved state (`promotion.json`, read here so a damaged one stops the service
+            before anything starts) cannot be read.
     """
 
     def __init__(self, settings: TrainerSettings, store: CheckpointStore, evaluator: Evaluator | None,
@@ -49,6 +53,7 @@ class PromotionGate:
         self.prompt_set: str | None = None
         """`prompt_set_key` of the prompts `evals` were measured on."""
         self.decision: PromotionDecision | None = None
+        self._saved = store.read_promotion()
 
     def restore(self, steps: list[int]) -> None:
         """Reload the saved state for the kept `steps` (after a restart).
@@ -57,15 +62,14 @@ class PromotionGate:
         gate a crash cut short); with one, the saved latest if it is kept, else the base model: a
         step is never promoted unevaluated.
         """
-        saved = self.store.read_promotion()
+        saved = self._saved
         self.evals = {s: r for s, r in saved["evals"].items() if s == 0 or s in steps}
         self.prompt_set = saved.get("prompt_set")
         if self.evaluator is None:
             self.latest = steps[-1] if steps else None
         else:
             self.latest = saved["latest"] if saved["latest"] in steps else None
-        if saved.get("decision"):
-            self.decision = PromotionDecision.model_validate(saved["decision"])
+        self.decision = saved["decision"]
 
     def _name(self, step: int) -> str:
         return self._base_name() if step == 0 else self._model_name(step)

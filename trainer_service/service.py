@@ -66,8 +66,8 @@ class TrainerService:
             the engine's idle cores to the step (`CoreLender`); default: counts them, lends nothing.
 
     Raises:
-        CheckpointMismatchError: a kept checkpoint was trained on another base model, LoRA shape or alpha
-            (checked here, before anything starts).
+        CheckpointMismatchError: a kept checkpoint was trained on another base model, LoRA shape or alpha, or a
+            manifest or `promotion.json` cannot be read (checked here, before anything starts).
     """
 
     def __init__(
@@ -121,21 +121,27 @@ class TrainerService:
         Every kept checkpoint is re-registered as `name@N`; the trainer resumes the newest
         (step counter, adapter, optimizer); `name@latest` returns to the promoted step. With
         `settings.warm_up`, the trainer first runs `LoRATrainer.warm_up`, lent the idle engine's cores.
+        When anything after vLLM's start fails, vLLM is stopped before the error is raised: no engine is left
+        running (with its memory and port) behind a service that did not start.
         """
         self.engine.start()
-        self.trainer = self._trainer_factory()
-        if self.settings.warm_up and self.launcher is None:  # worker processes hold their own memory
-            with self.lender.lending():
-                logger.info("trainer warmed up in %.1f s", self.trainer.warm_up())
-        self.store.remove_partial()
-        existing = self.store.existing()
-        for step, path in existing:
-            self.engine.load_adapter(self.model_name(step), path)
-            self.steps.append(step)
-        if existing:
-            manifest = self.trainer.resume(existing[-1][1])
-            logger.info("resumed from %s (step %s)", existing[-1][1], manifest["step"])
-        self.gate.restore(self.steps)
+        try:
+            self.trainer = self._trainer_factory()
+            if self.settings.warm_up and self.launcher is None:  # worker processes hold their own memory
+                with self.lender.lending():
+                    logger.info("trainer warmed up in %.1f s", self.trainer.warm_up())
+            self.store.remove_partial()
+            existing = self.store.existing()
+            for step, path in existing:
+                self.engine.load_adapter(self.model_name(step), path)
+                self.steps.append(step)
+            if existing:
+                manifest = self.trainer.resume(existing[-1][1])
+                logger.info("resumed from %s (step %s)", existing[-1][1], manifest["step"])
+            self.gate.restore(self.steps)
+        except BaseException:
+            self.engine.stop()
+            raise
 
     async def aclose(self) -> None:
         """Stop the schedule, let a running step finish, then stop the engine and close the clients and sinks.

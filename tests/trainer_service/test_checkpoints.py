@@ -152,6 +152,15 @@ def test_an_unreadable_manifest_names_the_folder_and_the_fix(tmp_path: Path) -> 
         CheckpointStore(tmp_path).check_compatible("m", 8, ["q_proj"], 16)
 
 
+@pytest.mark.parametrize("manifest", ["[]", '{"step": 2, "config": [8]}', '{"config": {"target_modules": 7}}'])
+def test_a_manifest_that_is_json_of_another_shape_is_unreadable_not_a_traceback(tmp_path: Path,
+                                                                                 manifest: str) -> None:
+    (tmp_path / "step-2").mkdir()
+    (tmp_path / "step-2" / "manifest.json").write_text(manifest)
+    with pytest.raises(CheckpointMismatchError, match=r"step-2/manifest.json cannot be read .*Move .*step-2 out of"):
+        CheckpointStore(tmp_path).check_compatible("m", 8, ["q_proj"], 16)
+
+
 def test_partial_folders_are_removed_at_start(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     (tmp_path / ".step-3.tmp-abcd").mkdir(parents=True)

@@ -175,6 +175,20 @@ def test_bad_schedule_and_eval_settings_exit_with_the_fix(capsys: pytest.Capture
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("url", "says"), [("http://[::1", "not a URL (Invalid port"),
+                                           ("localhost:4318", "needs http:// or https:// and a host")])
+def test_a_collector_address_that_is_no_http_url_exits_with_the_fix(url: str, says: str,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: the first was accepted and raised httpx's InvalidURL with a traceback when the service was built,
+    # the second failed every step.
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--collector", url, "--base-model", "/no/such/folder"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"collector={url!r}: {says}" in err and "e.g. http://localhost:4318" in err and "Traceback" not in err
+    assert parse("--collector", "https://collector.example:8443/")[0].collector == "https://collector.example:8443/"
+
+
 def test_checkpoints_of_another_base_model_exit_with_the_fix_before_vllm(tmp_path: Path,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "model"

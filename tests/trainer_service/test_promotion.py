@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 
 from collector.protocol import Batch
 from tests.trainer_service.builders import group, make_service
-from trainer_service.checkpoints import CheckpointStore
+from trainer_service.checkpoints import CheckpointMismatchError, CheckpointStore
 from trainer_service.config import TrainerSettings
 from trainer_service.evaluation import EvalError, Evaluator, build_evaluator, load_eval_file, load_reward_fn
 from trainer_service.promotion import PromotionGate
@@ -125,6 +126,9 @@ def test_eval_file_errors_name_the_line(tmp_path: Path) -> None:
         load_eval_file(bad)
     with pytest.raises(EvalError, match="cannot be imported"):
         load_reward_fn("tests.trainer_service.test_promotion:missing")
+    for spec in (":reward", ".test_promotion:reward"):  # import_module raised ValueError and TypeError here
+        with pytest.raises(EvalError, match=f"eval reward '{re.escape(spec)}' cannot be imported"):
+            load_reward_fn(spec)
 
 
 async def test_full_disk_for_the_promotion_state_keeps_latest_where_it_is_saved(tmp_path: Path,
@@ -171,6 +175,24 @@ async def test_a_malformed_engine_answer_fails_the_eval_and_promotes_nothing(tmp
     await service.aclose()
 
 
+async def test_an_engine_answer_without_choices_fails_the_eval_not_the_step(tmp_path: Path) -> None:
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": "1+1?"}]}]
+
+    no_choices = httpx.MockTransport(lambda request: httpx.Response(200, json={"object": "chat.completion",
+                                                                               "choices": []}))
+    evaluator = Evaluator(source, lambda row, text: 1.0, "http://engine", transport=no_choices)
+    with pytest.raises(EvalError, match="without choices"):  # was a ZeroDivisionError
+        await evaluator.evaluate("agent@1")
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [], evaluator=evaluator)
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    result = await service.train_once()  # the step is served; the gate promotes nothing (was a 500)
+    assert not result.promotion.promoted and "without choices" in result.promotion.reason
+    await service.aclose()
+
+
 async def test_malformed_collector_trajectories_are_an_eval_error(tmp_path: Path) -> None:
     trajectories = httpx.MockTransport(lambda request: httpx.Response(200, json=[{"not": "a trajectory"}]))
     settings = TrainerSettings(output_dir=tmp_path, wandb="off", eval_split="val",
@@ -202,3 +224,16 @@ def test_restore_promotes_no_unevaluated_step_and_without_eval_serves_the_newest
     store.write_promotion({"latest": 1, "evals": {}, "decision": None})
     assert restored(None, [1, 2]) == 2
     assert restored(never, [1, 2]) == 1  # with an eval set the saved decision holds
+
+
+@pytest.mark.parametrize("saved", ['{"latest": 1, "ev', "[]", '{"evals": {"1": "high"}}',
+                                   '{"latest": 1, "evals": {}, "decision": {"step": 1}}',
+                                   '{"latest": 1, "evals": {}, "decision": 5}'])
+def test_a_damaged_promotion_state_stops_the_start_naming_the_file(tmp_path: Path, saved: str) -> None:
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.root.mkdir()
+    (store.root / "promotion.json").write_text(saved)
+    settings = TrainerSettings(output_dir=tmp_path, wandb="off")
+    # raised when the gate is built, in the service's constructor: before vLLM starts, and the CLI reports it
+    with pytest.raises(CheckpointMismatchError, match=r"promotion.json .*Move .* afresh"):
+        PromotionGate(settings, store, None, lambda step: f"agent@{step}", lambda: "base-model")

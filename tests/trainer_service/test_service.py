@@ -337,3 +337,24 @@ def test_start_warms_the_trainer_up_when_asked(tmp_path: Path, warm_up: bool) ->
     service = make_service(tmp_path, [], [], trainer_factory=factory, warm_up=warm_up)
     assert warmed == ([service.trainer] if warm_up else [])
     assert service.trainer is not None and service.trainer.step_count == 0
+
+
+def test_a_start_that_fails_after_vllm_started_stops_it(tmp_path: Path) -> None:
+    class Engine(FakeEngine):
+        running = False
+
+        def start(self) -> None:
+            self.running = True
+
+        def stop(self) -> None:
+            self.running = False
+
+    def broken() -> LoRATrainer:
+        raise MemoryError("the model does not fit")
+
+    engine = Engine()
+    settings = TrainerSettings(output_dir=tmp_path, wandb="off", base_model="tiny-llama")
+    service = TrainerService(settings, GRPOConfig(), engine, broken)  # type: ignore[arg-type]
+    with pytest.raises(MemoryError, match="does not fit"):
+        service.start()
+    assert not engine.running  # was left running, with its memory and port, behind a service that never started
