@@ -129,7 +129,8 @@ class StatusResponse(BaseModel):
     eval_rewards: dict[int, float] = Field(description="Mean eval reward per step (0: the base model).")
     last_metrics: dict[str, float]
     counters: dict[str, int] = Field(description="Service counters: `retention_errors`, `metrics_sink_errors`, ...")
-    last_error: str | None = Field(description="Message of the last failed training step, if any.")
+    last_error: str | None = Field(description="Message of the last failed training step, if any; cleared by a "
+                                   "step that succeeds, kept when the collector has no batch ready.")
     allocator: str = Field(default="system", description="The memory allocator preloaded into the service and its "
                            "engine (`--allocator`), or `system`.")
     engine: EngineStatus

@@ -242,7 +242,8 @@ class TrainerService:
             try:
                 result = await self._train_locked(kind, min_groups)
             except ServiceError as exc:
-                self.last_error = exc.body.error.message
+                if exc.body.error.code != "no_batch_ready":  # nothing to train is no failed step: keep the last one's
+                    self.last_error = exc.body.error.message
                 raise
             except Exception as exc:
                 logger.exception("training step (%s, %s) failed unexpectedly", kind, source)

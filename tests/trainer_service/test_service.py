@@ -143,6 +143,8 @@ async def test_a_failed_step_releases_its_batch_and_the_next_step_gets_it_at_onc
     with pytest.raises(ServiceError) as third:
         await service.train_once()
     assert third.value.body.error.code == "no_batch_ready"
+    # an empty queue is no failed step: status keeps the failure (an `--every` tick would have replaced it)
+    assert service.last_error == second.value.body.error.message
     assert service.steps == [] and service.engine.adapters == {} and service.trainer.step_count == 0
     await service.aclose()
 
