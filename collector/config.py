@@ -13,6 +13,8 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from collector.groups import TrainingReward
 
@@ -106,6 +108,18 @@ class CollectorSettings(BaseSettings):
         description="When set, write endpoints need `Authorization: Bearer <key>` (env `ART_API_KEY`); "
         "empty counts as unset, as in the plugin and the trainer.",
     )
+
+    @field_validator("db")
+    @classmethod
+    def _database_url(cls, value: str) -> str:
+        try:
+            make_url(value).get_dialect().import_dbapi()
+        except (ArgumentError, NoSuchModuleError, ImportError) as exc:
+            raise ValueError(
+                f"not a database URL SQLAlchemy can open ({exc}); use sqlite:///FILE or "
+                "postgresql+psycopg://USER:PASS@HOST:PORT/DB"
+            ) from exc
+        return value
 
     @field_validator("api_key", mode="before")
     @classmethod

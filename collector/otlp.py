@@ -102,22 +102,36 @@ class Decoded:
     rejected: list[str] = field(default_factory=list)
 
 
+_GZIP_FEED = 4096
+"""Compressed bytes given to zlib at a time: where a gzip member ends, zlib copies the input left over
+(`unused_data`), so feeding a whole body of many members would copy it once per member."""
+
+
 def gunzip(body: bytes, max_bytes: int) -> bytes:
-    """Decompress a gzip body, refusing output larger than `max_bytes`.
+    """Decompress a gzip body, every member of it (RFC 1952: a gzip file is a series of members, as
+    `cat a.gz b.gz` makes), refusing output larger than `max_bytes`.
 
     Raises:
-        OtlpError: `malformed_body` when the body is not gzip, `body_too_large` past the limit.
+        OtlpError: `malformed_body` when the body is not gzip (data after a member included),
+            `body_too_large` past the limit.
     """
-    decompressor = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-    try:
-        data = decompressor.decompress(body, max_bytes + 1)
-    except zlib.error as exc:
-        raise OtlpError("malformed_body", f"Content-Encoding is gzip but the body is not valid gzip: {exc}") from exc
-    if len(data) > max_bytes:
-        raise OtlpError("body_too_large", f"decompressed body exceeds {max_bytes} bytes")
-    if not decompressor.eof:
-        raise OtlpError("malformed_body", "Content-Encoding is gzip but the gzip stream is truncated")
-    return data
+    data, view, offset = bytearray(), memoryview(body), 0
+    while True:
+        decompressor = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        while not decompressor.eof and offset < len(view):
+            chunk = view[offset : offset + _GZIP_FEED]
+            try:
+                data += decompressor.decompress(chunk, max_bytes + 1 - len(data))
+            except zlib.error as exc:
+                message = f"Content-Encoding is gzip but the body is not valid gzip: {exc}"
+                raise OtlpError("malformed_body", message) from exc
+            if len(data) > max_bytes:
+                raise OtlpError("body_too_large", f"decompressed body exceeds {max_bytes} bytes")
+            offset += len(chunk) - len(decompressor.unused_data)
+        if not decompressor.eof:
+            raise OtlpError("malformed_body", "Content-Encoding is gzip but the gzip stream is truncated")
+        if offset == len(view):
+            return bytes(data)
 
 
 def media_type(content_type: str | None) -> str:
@@ -217,7 +231,13 @@ def _list(parent: Any, key: str, path: str) -> list[Any]:
 
 
 def _hex_ids_to_base64(obj: dict[str, Any], path: str, keys: tuple[str, ...]) -> str | None:
-    """Replace hex id strings in `obj` by base64, in place; say why not when one is no hex string."""
+    """Replace hex id strings in `obj` by base64, in place; say why not when one is no hex string.
+
+    Raises:
+        OtlpError: `malformed_body` when `obj` is not an object.
+    """
+    if not isinstance(obj, dict):
+        raise OtlpError("malformed_body", f"{path} must be an object")
     for key in keys:
         value = obj.get(key)
         if value is None or value == "":

@@ -24,6 +24,7 @@ from collector import views
 from collector.errors import NotFound
 from collector.judging import GroupJudge, run_view
 from collector.langfuse_sync import LangfuseSync
+from collector.protocol import MAX_COUNT
 from collector.read_protocol import (
     BatchView,
     CurvePoint,
@@ -144,7 +145,7 @@ def install(
         reward_min: float | None = None,
         reward_max: float | None = None,
         limit: int = Query(default=100, ge=1, le=1000),
-        offset: int = Query(default=0, ge=0),
+        offset: int = Query(default=0, ge=0, le=MAX_COUNT),
     ) -> TrajectoryPage:
         """Trajectory summaries, newest first, filtered by task, group, split, policy step and training reward."""
         return views.trajectory_page(

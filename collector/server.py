@@ -12,9 +12,11 @@ from typing import Annotated
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from collector import assembly, otlp
 from collector.auth import bearer_matches
@@ -56,7 +58,7 @@ def _error(status: int, code: str, message: str, headers: dict[str, str] | None 
 
 
 class _Rejected(CollectorError):
-    """A request refused before it reaches the store (auth, size, encoding)."""
+    """A request refused before it reaches the store (auth, encoding)."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(message, code=code)
@@ -66,18 +68,38 @@ class _Rejected(CollectorError):
 _OTLP_STATUS = {"malformed_body": 400, "body_too_large": 413, "unsupported_media_type": 415}
 
 
+class _BodyLimit:
+    """ASGI middleware: a request body past `limit` bytes, declared or as it streams in, is refused with 413
+    `body_too_large` before it is held whole, on every route."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            too_large = f"body of {declared} bytes exceeds the limit of {self.limit} bytes"
+            await _error(413, "body_too_large", too_large)(scope, receive, send)
+            return
+        size = 0
+
+        async def bounded() -> Message:
+            nonlocal size
+            message = await receive()
+            size += len(message.get("body", b""))
+            if size > self.limit:  # an HTTPException: FastAPI passes it on from reading a body, to `_http`
+                raise StarletteHTTPException(413, f"body exceeds the limit of {self.limit} bytes")
+            return message
+
+        await self.app(scope, bounded, send)
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 past `limit` bytes (before and after gunzip)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _Rejected(413, "body_too_large", f"body of {declared} bytes exceeds the limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _Rejected(413, "body_too_large", f"body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    body = b"".join(chunks)
+    """The request body (`_BodyLimit` bounds it as sent), refused with 413 past `limit` bytes after gunzip."""
+    body = await request.body()
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding == "gzip":
         return otlp.gunzip(body, limit)
@@ -99,6 +121,13 @@ def _authorize(request: Request) -> None:
 
 Auth = Annotated[None, Depends(_authorize)]
 
+
+def _reason(exc: DBAPIError) -> str:
+    """The first line of the database driver's message, or its exception's name."""
+    text = str(exc.orig).strip()
+    return text.splitlines()[0] if text else type(exc.orig).__name__
+
+
 STORE_RETRY_AFTER_S = 5
 """`Retry-After` of a 503 `store_unavailable` answer."""
 
@@ -111,6 +140,7 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
     store.setup()
     app = FastAPI(title="art-langgraph collector", version="0.1.0", responses=_ERRORS)
     app.state.settings, app.state.store = settings, store
+    app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     @app.exception_handler(CollectorError)
     async def _collector_error(_: Request, exc: CollectorError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
@@ -127,7 +157,7 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status_code, "http_error")
         return _error(exc.status_code, code, str(exc.detail))
 
     @app.exception_handler(OperationalError)
@@ -135,9 +165,15 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
         # a full disk, a lock held past the timeout, a lost database connection: the transaction rolled
         # back, so nothing was stored and the client may send the same request again (OTLP exporters retry 503)
         log.error("store unavailable on %s %s: %s", request.method, request.url.path, exc)
-        reason = str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else type(exc.orig).__name__
-        return _error(503, "store_unavailable", f"the store could not complete the request ({reason}); nothing was "
-                      "stored, try again", headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+        return _error(503, "store_unavailable", f"the store could not complete the request ({_reason(exc)}); nothing "
+                      "was stored, try again", headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+
+    @app.exception_handler(DataError)
+    async def _value_refused(request: Request, exc: DataError) -> JSONResponse:
+        # a value of the request the database cannot hold (PostgreSQL: a NUL character in an id of the path or
+        # the query); the transaction rolled back
+        log.warning("store refused a value on %s %s: %s", request.method, request.url.path, _reason(exc))
+        return _error(400, "invalid_request", f"the store cannot hold a value of this request ({_reason(exc)})")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

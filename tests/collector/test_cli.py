@@ -106,3 +106,23 @@ def test_non_finite_settings_exit_naming_them(monkeypatch: pytest.MonkeyPatch, t
     err = capsys.readouterr().err
     assert info.value.code == 2 and f"art-collector: error: {says}" in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("/srv/collector.db", "Could not parse SQLAlchemy URL"),
+        ("postgres://u@db/x", "Can't load plugin: sqlalchemy.dialects:postgres"),
+        ("mysql://u@db/x", "No module named 'MySQLdb'"),
+    ],
+)
+def test_a_db_url_that_cannot_be_opened_exits_naming_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], url: str, says: str
+) -> None:
+    """A URL SQLAlchemy cannot open left `serve` with a traceback from `create_engine`."""
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served with bad settings"))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--db", url])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"art-collector: error: db={url!r}: not a database URL" in err and says in err, err
+    assert "Traceback" not in err

@@ -88,6 +88,11 @@ def test_records_round_trip_through_dict() -> None:
         (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": TRACE, "spanId": sid(1),
                                                                    "startTimeUnixNano": "x"}]}]}]}).encode(),
          JSON, "not a valid OTLP/JSON"),
+        (b'{"resourceSpans": [{"scopeSpans": [{"spans": [1]}]}]}', JSON,
+         "resourceSpans[0].scopeSpans[0].spans[0] must be an object"),
+        (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": TRACE, "spanId": sid(1),
+                                                                   "links": [[]]}]}]}]}).encode(),
+         JSON, "resourceSpans[0].scopeSpans[0].spans[0].links[0] must be an object"),
     ],
 )
 def test_malformed_bodies_name_the_fault(body: bytes, content_type: str, fragment: str) -> None:
@@ -135,6 +140,22 @@ def test_gunzip_limits_and_errors() -> None:
         gunzip(b"plain", 100)
     with pytest.raises(OtlpError, match="truncated"):
         gunzip(gzip.compress(payload)[:20], 10_000)
+
+
+def test_gunzip_reads_every_member() -> None:
+    """A gzip body is a series of members (`cat a.gz b.gz`): the spans of the second one were dropped, answered 200."""
+    assert gunzip(gzip.compress(b"abc") + gzip.compress(b"") + gzip.compress(b"def"), 6) == b"abcdef"
+    stored = bytes(range(256)) * 75  # level 0: a member of 19 kB, several zlib feeds long
+    assert gunzip(gzip.compress(stored, 0) + gzip.compress(b"x") + gzip.compress(stored, 0), 50_000) == (
+        stored + b"x" + stored
+    )
+    with pytest.raises(OtlpError) as too_big:
+        gunzip(gzip.compress(b"abc") + gzip.compress(b"defg"), 6)
+    assert too_big.value.code == "body_too_large"
+    with pytest.raises(OtlpError, match="not valid gzip"):
+        gunzip(gzip.compress(b"abc") + b"junk", 100)
+    with pytest.raises(OtlpError, match="truncated"):
+        gunzip(gzip.compress(b"abc") + gzip.compress(b"def")[:12], 100)
 
 
 def test_response_follows_request_encoding() -> None:

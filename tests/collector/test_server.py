@@ -27,6 +27,7 @@ from collector.config import CollectorSettings
 from collector.server import create_app
 from collector.store import SqlStore
 from tests.collector.server_helpers import JSON, PB, assert_error, collector_app
+from tests.collector.services import PostgresServer
 from tests.collector.span_builders import llm, rollout_group, to_otlp_json, to_request
 from tests.served import served as served_app
 
@@ -63,6 +64,21 @@ def test_export_errors(tmp_path: Path) -> None:
                   415, "unsupported_media_type")
     assert_error(client.post("/v1/traces", content=b"", headers={**PB, "content-encoding": "br"}),
                   415, "unsupported_encoding")
+
+
+@pytest.mark.parametrize("path", ["/v1/rewards", "/v1/batches", "/v1/batches/b/release", "/v1/groups/g/judge"])
+def test_every_write_refuses_a_body_past_the_limit(tmp_path: Path, path: str) -> None:
+    """`ART_COLLECTOR_MAX_BODY_BYTES` held on /v1/traces only: the other writes read a body of any size whole."""
+    client = TestClient(collector_app(tmp_path, max_body_bytes=2048))
+    padded = json.dumps({"rollout_id": "a", "value": 1, "reason": "r", "pad": "x" * 4096}).encode()
+    body = assert_error(client.post(path, content=padded, headers=JSON), 413, "body_too_large")
+    assert body["message"] == f"body of {len(padded)} bytes exceeds the limit of 2048 bytes"
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        yield from (padded[i : i + 1000] for i in range(0, len(padded), 1000))
+
+    assert_error(client.post(path, content=chunked(), headers=JSON), 413, "body_too_large")
+    assert client.post("/v1/rewards", json={"rollout_id": "a", "value": 1}).status_code == 200
 
 
 def test_partial_success_rejects_bad_spans_and_stores_the_rest(client: TestClient) -> None:
@@ -213,6 +229,22 @@ def test_a_full_disk_answers_503_stores_nothing_and_the_retry_succeeds(tmp_path:
     engine.dispose()
     assert client.post("/v1/traces", content=body, headers=PB).status_code == 200
     assert len(client.get("/v1/trajectories").json()) == 29
+
+
+def test_a_nul_in_an_id_of_the_url_is_a_bad_request_on_postgres(postgres: PostgresServer) -> None:
+    """PostgreSQL text holds no NUL: the driver's DataError was a 500 `internal_error` that showed the SQL."""
+    client = TestClient(create_app(CollectorSettings(db=postgres.create_database())))
+    client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
+    batch = client.post("/v1/batches", json={}).json()["id"]
+    for method, url, body in [
+        ("GET", "/v1/trajectories?task=%00", None), ("GET", "/v1/trajectories/a%00", None),
+        ("GET", "/v1/view/trajectories/a%00", None), ("GET", "/v1/groups/g%00/judge", None),
+        ("POST", "/v1/batches/b%00/ack", {}), ("POST", "/v1/groups/g%00/reopen", None),
+        ("POST", f"/v1/batches/{batch}/release", {"reason": "loss is NaN\x00"}),
+    ]:
+        message = assert_error(client.request(method, url, json=body), 400, "invalid_request")["message"]
+        assert "cannot contain NUL" in message and "SELECT" not in message, (url, message)
+    assert client.get("/v1/view/batches").json()[0]["state"] == "leased"  # the refused release changed nothing
 
 
 # --- the real OpenTelemetry SDK against the app served by uvicorn ---------------------------

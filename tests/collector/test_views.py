@@ -47,6 +47,13 @@ def test_filters(client: TestClient) -> None:
     assert tools["total"] == 2 and [t["id"] for t in tools["items"]] == ["c-1"]
 
 
+def test_an_offset_past_any_store_is_a_bad_request(client: TestClient) -> None:
+    """An offset past SQLite's INTEGER was an OverflowError from the driver: a 500 `internal_error`."""
+    too_far = client.get("/v1/view/trajectories", params={"offset": 2**64})
+    assert too_far.status_code == 400 and too_far.json()["error"] == "invalid_request"
+    assert client.get("/v1/view/trajectories", params={"offset": 2**31 - 1}).json() == {"total": 6, "items": []}
+
+
 def test_summary_and_detail(client: TestClient) -> None:
     row = next(t for t in client.get("/v1/view/trajectories").json()["items"] if t["id"] == "a-1")
     assert ((row["reward"], row["policy_step"], row["messages"], row["tokens"], row["last_message"])
