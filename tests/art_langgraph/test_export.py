@@ -51,7 +51,7 @@ def test_langfuse_fan_out_same_trace(receivers, monkeypatch, base_var: str) -> N
     monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", "pk-lf-test")
     monkeypatch.setenv("LANGFUSE_SECRET_KEY", "sk-lf-test")
     monkeypatch.setenv(base_var, langfuse.url + "/")
-    art_langgraph.configure(collector_url=collector.url, langfuse=True)
+    art_langgraph.configure(collector_url=collector.url, langfuse=True, api_key="collector-secret")
     with rollout("fan-out") as run:
         run.reward(1.0)
     assert art_langgraph.flush(timeout=10)
@@ -66,6 +66,9 @@ def test_langfuse_fan_out_same_trace(receivers, monkeypatch, base_var: str) -> N
     ((path, headers, theirs),) = ours_
     assert path == "/api/public/otel/v1/traces"
     assert headers["authorization"] == "Basic " + base64.b64encode(b"pk-lf-test:sk-lf-test").decode()
+    # ART_API_KEY is the collector's alone (README): never in a request to Langfuse
+    assert all("collector-secret" not in str(sent) for _, sent, _ in langfuse.requests)
+    assert {sent["authorization"] for _, sent, _ in collector.requests} == {"Bearer collector-secret"}
     assert headers["content-encoding"] == "gzip"
     assert headers["content-type"] == "application/x-protobuf"
     (ours,) = collector.spans()
