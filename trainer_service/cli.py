@@ -147,12 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> tuple[TrainerSettings, GRPOConfig]:
-    """Build the settings (flags over environment) and the GRPO config from parsed flags."""
+    """Build the settings (flags over environment) and the GRPO config from parsed flags; refuse settings nothing
+    would read (`TrainerSettings.check_effective`)."""
     overrides = {name: getattr(args, name) for name, _ in _SETTINGS_FLAGS.values() if hasattr(args, name)}
     for name in ("vllm_args", "warm_up"):  # flags outside `_SETTINGS_FLAGS`
         if hasattr(args, name):
             overrides[name] = getattr(args, name)
     settings = TrainerSettings(**overrides)
+    settings.check_effective()
     grpo_names = [name for name, _ in _GRPO_FLAGS.values()] + ["target_modules", "scale_rewards"]
     grpo = GRPOConfig.from_env(**{name: getattr(args, name) for name in grpo_names if hasattr(args, name)})
     grpo.check_against(settings)

@@ -80,6 +80,10 @@ def parse_cron(text: str) -> CronTrigger:
                          "1-31, month 1-12 or jan-dec, day of week mon-sun.") from exc
 
 
+_GATE_SETTINGS = ("eval_samples", "eval_max_prompts", "eval_max_tokens", "eval_temperature", "promotion_margin")
+"""Settings only the promotion gate reads."""
+
+
 class TrainerSettings(BaseSettings):
     """Service settings: where to listen, which model to serve, where the collector is."""
 
@@ -293,6 +297,30 @@ class TrainerSettings(BaseSettings):
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError("needs http:// or https:// and a host, e.g. http://localhost:4318")
         return value
+
+    def check_effective(self) -> None:
+        """Refuse settings given (flag or environment) that nothing would read, so none is accepted and ignored: the
+        promotion gate's tuning without an eval set, `poll_seconds` without `min_groups`, `keep_best_mode` without
+        `keep_best_metric`. The command line checks this; a caller that injects an evaluator need not.
+
+        Raises:
+            ValueError: names each such setting with its flag and variable, and what it needs.
+        """
+        given = self.model_fields_set
+        unused: list[tuple[list[str], str]] = []
+        gate = [name for name in _GATE_SETTINGS if name in given]
+        if gate and self.eval_reward is None:
+            unused.append((gate, "tune the promotion gate, which is off without an eval set (--eval-file or "
+                                 "--eval-split, with --eval-reward)"))
+        if "poll_seconds" in given and self.min_groups is None:
+            unused.append((["poll_seconds"], "is how often --min-groups asks the collector, and --min-groups is unset"))
+        if "keep_best_mode" in given and self.keep_best_metric is None:
+            unused.append((["keep_best_mode"], "orders --keep-best-metric, which is unset"))
+        if unused:
+            prefix = self.model_config.get("env_prefix", "")
+            raise ValueError("; ".join(
+                ", ".join(f"--{name.replace('_', '-')} ({prefix}{name.upper()})" for name in names) + f" {why}"
+                for names, why in unused) + ". Set what they need or leave them out.")
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSettings:

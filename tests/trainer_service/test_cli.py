@@ -189,6 +189,26 @@ def test_a_collector_address_that_is_no_http_url_exits_with_the_fix(url: str, sa
     assert parse("--collector", "https://collector.example:8443/")[0].collector == "https://collector.example:8443/"
 
 
+def test_settings_nothing_would_read_exit_naming_them(capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    no_model = ["--base-model", "/no/such/folder"]  # were accepted and ignored; the start went on
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--promotion-margin", "0.1", "--poll-seconds", "5", *no_model])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--promotion-margin (ART_TRAINER_PROMOTION_MARGIN) tune the promotion gate, which is off" in err
+    assert "--poll-seconds (ART_TRAINER_POLL_SECONDS) is how often --min-groups asks" in err
+    monkeypatch.setenv("ART_TRAINER_KEEP_BEST_MODE", "min")  # the environment counts as given too
+    with pytest.raises(SystemExit):
+        main(["serve", *no_model])
+    assert "--keep-best-mode (ART_TRAINER_KEEP_BEST_MODE) orders --keep-best-metric, which is unset" in (
+        capsys.readouterr().err)
+    # with what they need, each is read
+    settings, _ = parse("--eval-file", __file__, "--eval-reward", "m:f", "--eval-samples", "2", "--min-groups", "1",
+                        "--poll-seconds", "5", "--keep-best-metric", "eval/reward")
+    assert (settings.eval_samples, settings.poll_seconds, settings.keep_best_mode) == (2, 5.0, "min")
+
+
 def test_checkpoints_of_another_base_model_exit_with_the_fix_before_vllm(tmp_path: Path,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "model"
