@@ -20,12 +20,20 @@ def durable_rename(source: Path, target: Path) -> None:
     """Rename `source` (a file, or a folder) to `target` once everything under it is on disk.
 
     Raises:
-        OSError: a flush or the rename failed (e.g. a full disk); `target` then does not exist.
+        OSError: a flush or the rename failed (e.g. a full disk). A folder is then still at `source`, not at
+            `target` (a rename whose final flush failed is undone); a file's `target` holds the new content if
+            only that last flush failed (the old one is gone by then).
     """
-    for item in (*sorted(source.rglob("*")), source) if source.is_dir() else (source,):
+    folder = source.is_dir()
+    for item in (*sorted(source.rglob("*")), source) if folder else (source,):
         _fsync(item)
     os.replace(source, target)
-    _fsync(target.parent)
+    try:
+        _fsync(target.parent)
+    except OSError:
+        if folder:  # a checkpoint reported as not written must not be found (and served) under its name
+            os.replace(target, source)
+        raise
 
 
 def _fsync(path: Path) -> None:

@@ -66,3 +66,22 @@ def test_a_failed_flush_renames_nothing(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(OSError, match="No space left"):
         durable_rename(source, target)
     assert not target.exists() and source.read_text() == "new"
+
+
+def test_a_folder_whose_last_flush_fails_is_not_left_under_its_name(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    source, target = tmp_path / ".step-1.tmp", tmp_path / "step-1"
+    source.mkdir()
+    (source / "manifest.json").write_text("{}")
+    fsync = os.fsync
+
+    def parent_fails(descriptor: int) -> None:  # everything flushes, then the rename's own flush fails
+        if os.readlink(f"/proc/self/fd/{descriptor}") == str(tmp_path):
+            raise OSError(errno.EIO, "Input/output error")
+        fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", parent_fails)
+    with pytest.raises(OSError, match="Input/output error"):
+        durable_rename(source, target)
+    # was left at step-1 while the caller rolled the step back: the next step hit FileExistsError, a restart served it
+    assert not target.exists() and (source / "manifest.json").read_text() == "{}"
