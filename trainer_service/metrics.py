@@ -66,7 +66,7 @@ class MetricsSink:
         return {k: float(v) for k, v in self.history[-1].items() if isinstance(v, int | float) and k != "time"}
 
     def _read_history(self) -> list[dict[str, Any]]:
-        """The records of `metrics.jsonl`; a line that does not decode (cut short by a full disk) is skipped."""
+        """The records of `metrics.jsonl`; a line that is not a JSON object (cut short by a full disk) is skipped."""
         if not self.jsonl_path.is_file():
             return []
         history, skipped = [], 0
@@ -74,11 +74,16 @@ class MetricsSink:
             if not line.strip():
                 continue
             try:
-                history.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
+                record = None
+            if isinstance(record, dict):
+                history.append(record)
+            else:
                 skipped += 1
         if skipped:
-            logger.warning("%s: skipped %d line(s) that are not JSON (a write cut short?)", self.jsonl_path, skipped)
+            logger.warning("%s: skipped %d line(s) that are not JSON objects (a write cut short, or edited?)",
+                           self.jsonl_path, skipped)
         return history
 
     def _ends_mid_line(self) -> bool:
