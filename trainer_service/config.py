@@ -80,6 +80,9 @@ def parse_cron(text: str) -> CronTrigger:
                          "1-31, month 1-12 or jan-dec, day of week mon-sun.") from exc
 
 
+_COVERS_VLLM = ("127.0.0.1", "localhost", "0.0.0.0", "::", "")
+"""`host` values whose port is also taken by vLLM's listener on 127.0.0.1 (`VLLMEngine`)."""
+
 _GATE_SETTINGS = ("eval_samples", "eval_max_prompts", "eval_max_tokens", "eval_temperature", "promotion_margin")
 """Settings only the promotion gate reads."""
 
@@ -334,6 +337,10 @@ class TrainerSettings(BaseSettings):
                 fix = f"use the service's {own} instead" if own else "the service fixes it"
                 raise ValueError(f"vllm_args sets {flag}, which the service sets itself (its checks and the trainer "
                                  f"rely on the value it passes): {fix}.")
+        if self.port == self.vllm_port and self.host in _COVERS_VLLM:
+            raise ValueError(f"port={self.port} is also vllm_port, and vLLM listens on 127.0.0.1:{self.vllm_port}, "
+                             f"which host={self.host!r} includes: the API could not bind once vLLM has started. "
+                             "Give --port and --vllm-port different numbers.")
         if self.every is not None:
             parse_duration(self.every)
         if self.cron is not None:

@@ -189,6 +189,14 @@ def test_a_collector_address_that_is_no_http_url_exits_with_the_fix(url: str, sa
     assert parse("--collector", "https://collector.example:8443/")[0].collector == "https://collector.example:8443/"
 
 
+def test_the_apis_port_taken_by_vllm_exits_before_vllm_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:  # was found only once vLLM had started: uvicorn's "address in use"
+        main(["serve", "--port", "8001", "--base-model", "/no/such/folder"])
+    assert info.value.code == 2 and "port=8001 is also vllm_port" in capsys.readouterr().err
+    settings, _ = parse("--host", "10.1.2.3", "--port", "8001")  # another interface: both can listen
+    assert settings.port == settings.vllm_port == 8001
+
+
 def test_settings_nothing_would_read_exit_naming_them(capsys: pytest.CaptureFixture[str],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     no_model = ["--base-model", "/no/such/folder"]  # were accepted and ignored; the start went on
