@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from art_langgraph import ARTChatModel, _tracing
+from tests.art_langgraph.otlp_receiver import Receiver
 
 
 def closed_port() -> int:
@@ -90,6 +91,18 @@ def chat_model(openai_url: str, served_model: str) -> ARTChatModel:
     request with `ReadError` once (CI of e7d67fd, test_graph_in_rollout_tags_every_llm_span).
     """
     return ARTChatModel(model=served_model, base_url=openai_url, max_tokens=16, temperature=1.0, max_retries=1)
+
+
+@pytest.fixture
+def receivers(memory_tracing) -> Iterator[tuple[Receiver, Receiver]]:
+    """(collector stand-in, Langfuse stand-in); the test pipeline is restored afterwards."""
+    collector, langfuse = Receiver(), Receiver()
+    try:
+        yield collector, langfuse
+    finally:
+        collector.close()
+        langfuse.close()
+        memory_tracing.install()
 
 
 @pytest.fixture

@@ -1,0 +1,254 @@
+"""Export across a process's life: spans flushed at exit, made in atexit handlers or after the exit hook, across
+a fork, and an exit with the collector down that stays bounded.
+
+Each test runs a short Python program in a child process and reads what reached `Receiver`
+(tests/art_langgraph/otlp_receiver.py), a local OTLP/HTTP endpoint standing in for the collector.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from art_langgraph import semconv
+
+REFUSE_THREADS_AT_EXIT = """
+import atexit, threading
+def refuse(self):
+    raise RuntimeError("can't create new thread at interpreter shutdown")
+atexit.register(setattr, threading.Thread, "start", refuse)  # runs before the plugin's hook (LIFO)
+"""
+"""What Python 3.12+ does at exit (`Thread.start()` raises from the first atexit handler on), on any version."""
+
+
+@pytest.mark.parametrize("threads_at_exit", ["allowed", "refused"])
+def test_spans_are_flushed_at_exit(receivers, threads_at_exit: str) -> None:
+    collector, _ = receivers
+    script = textwrap.dedent(
+        f"""
+        import art_langgraph
+        art_langgraph.configure(collector_url={collector.url!r})
+        with art_langgraph.rollout("at-exit") as run:
+            print(run.id)
+        # no flush(): the exit hook exports what is queued
+        """
+    )
+    if threads_at_exit == "refused":
+        script += REFUSE_THREADS_AT_EXIT
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert "Traceback" not in out.stderr, out.stderr
+    (span,) = collector.spans()
+    attrs = {a.key: a.value.string_value for a in span.attributes}
+    assert attrs[semconv.ROLLOUT_ID] == out.stdout.strip()
+
+
+@pytest.mark.parametrize("threads_at_exit", ["allowed", "refused"])
+def test_first_span_made_in_an_atexit_handler_is_exported(receivers, threads_at_exit: str) -> None:
+    """A process's first span may come from an atexit handler, where no thread pool (any version) or thread (3.12)
+    can start: the pipeline then built holds the span for the plugin's exit hook, which runs after the handler."""
+    collector, _ = receivers
+    script = textwrap.dedent(
+        """
+        import atexit
+        import art_langgraph
+
+        def at_exit():
+            with art_langgraph.rollout("first-at-exit") as run:
+                print(run.id, flush=True)
+
+        atexit.register(at_exit)
+        """
+    )
+    if threads_at_exit == "refused":
+        script += REFUSE_THREADS_AT_EXIT
+    env = {**os.environ, "ART_COLLECTOR_URL": collector.url}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    (span,) = collector.spans()
+    assert {a.key: a.value.string_value for a in span.attributes}[semconv.ROLLOUT_ID] == out.stdout.strip()
+    ((_, _, request),) = collector.requests
+    resource = {a.key: a.value.string_value for a in request.resource_spans[0].resource.attributes}
+    assert resource["service.name"] == "art-langgraph"
+
+
+@pytest.mark.parametrize("threads_at_exit", ["allowed", "refused"])
+def test_a_pipeline_configured_at_exit_has_the_same_resource(receivers, threads_at_exit: str) -> None:
+    """`Resource.create` cannot run its detectors at exit: a pipeline first configured there used to send
+    `service.name` alone, without the SDK's `telemetry.sdk.*` or `OTEL_RESOURCE_ATTRIBUTES`."""
+    collector, _ = receivers
+    script = textwrap.dedent(
+        """
+        import atexit
+        import art_langgraph
+
+        def at_exit():
+            with art_langgraph.rollout("configured-at-exit"):
+                pass
+
+        atexit.register(at_exit)
+        with art_langgraph.rollout("configured-before"):
+            pass
+        art_langgraph.shutdown(timeout=10)  # exports it; the span at exit configures a new pipeline
+        """
+    )
+    if threads_at_exit == "refused":
+        script += REFUSE_THREADS_AT_EXIT
+    env = {**os.environ, "ART_COLLECTOR_URL": collector.url, "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    resources = {
+        {a.key: a.value.string_value for a in span.attributes}[semconv.TASK]: {
+            a.key: a.value.string_value for a in resource_spans.resource.attributes
+        }
+        for _, _, request in collector.requests
+        for resource_spans in request.resource_spans
+        for scope_spans in resource_spans.scope_spans
+        for span in scope_spans.spans
+    }
+    assert resources["configured-at-exit"] == resources["configured-before"]
+    assert resources["configured-before"]["deployment.environment"] == "test"
+    assert resources["configured-before"]["telemetry.sdk.language"] == "python"
+
+
+@pytest.mark.parametrize("threads_at_exit", ["allowed", "refused"])
+def test_spans_made_after_the_exit_hook_are_a_logged_loss(receivers, threads_at_exit: str) -> None:
+    """An atexit handler registered before `import art_langgraph` runs after the plugin's exit hook: its spans are
+    never exported. That must not raise, and is logged once, with the fix."""
+    collector, _ = receivers
+    script = textwrap.dedent(
+        """
+        import atexit
+
+        def at_exit():
+            for i in range(2):
+                with art_langgraph.rollout(f"after-hook-{i}"):
+                    pass
+
+        atexit.register(at_exit)  # before the import: runs after the plugin's exit hook
+        import art_langgraph
+        """
+    )
+    if threads_at_exit == "refused":
+        script += REFUSE_THREADS_AT_EXIT
+    env = {**os.environ, "ART_COLLECTOR_URL": collector.url}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.count("after its exit hook ran") == 1, out.stderr
+    assert "art_langgraph.flush()" in out.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_span_started_before_a_fork_and_ended_in_the_child_is_exported(receivers) -> None:
+    """The child has no pipeline yet when the span ends: the span configures one, as a first span would."""
+    collector, _ = receivers
+    script = textwrap.dedent(
+        f"""
+        import os
+        import art_langgraph
+        from art_langgraph import _tracing
+        art_langgraph.configure(collector_url={collector.url!r})
+        span = _tracing.get_tracer().start_span("across-fork")
+        pid = os.fork()
+        if pid == 0:
+            span.end()
+            os._exit(0 if art_langgraph.flush(timeout=10) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child's flush failed"
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert [s.name for s in collector.spans()] == ["across-fork"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_exports_through_its_own_pipeline(receivers) -> None:
+    """A child forked while the parent's spans wait in the export queue still has room for its own.
+
+    The queue holds 8 spans; the parent leaves 7 queued (the batch waits for its schedule delay),
+    and the child, whose queue does not hold the parent's, ends 2.
+    """
+    collector, _ = receivers
+    script = textwrap.dedent(
+        f"""
+        import os
+        import art_langgraph
+        art_langgraph.configure(collector_url={collector.url!r}, max_queue_size=8)
+        for i in range(7):
+            with art_langgraph.rollout(f"parent-{{i}}"):
+                pass
+        pid = os.fork()
+        if pid == 0:
+            for i in range(2):
+                with art_langgraph.rollout(f"child-{{i}}"):
+                    pass
+            os._exit(0 if art_langgraph.flush(timeout=10) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child's flush failed"
+        """
+    )
+    env = {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "60000"}  # nothing leaves the queue before the fork
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    tasks = sorted({a.key: a.value.string_value for a in s.attributes}[semconv.TASK] for s in collector.spans())
+    assert tasks == ["child-0", "child-1", *(f"parent-{i}" for i in range(7))]
+
+
+def test_exit_with_collector_down_is_bounded(dead_url) -> None:
+    script = textwrap.dedent(
+        f"""
+        import time
+        import art_langgraph
+        art_langgraph.configure(collector_url={dead_url!r})
+        with art_langgraph.rollout("down"):
+            pass
+        print(time.time())  # the program is done; what follows is the exit hook
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env={**os.environ, "ART_EXIT_FLUSH_TIMEOUT": "1"},
+    )
+    exit_seconds = time.time() - float(out.stdout.strip())
+    assert exit_seconds < 5  # at most ~1 s of flushing, plus interpreter teardown
+
+
+@pytest.mark.parametrize(("call", "returns"), [("flush", "True"), ("shutdown", "None")])
+def test_flush_and_shutdown_from_an_atexit_handler(receivers, call: str, returns: str) -> None:
+    """An application's own atexit handler may flush or shut down while threads are refused.
+
+    The handler ends the process (`os._exit`) right after the call, so the span must have been
+    exported by the call itself, not by the plugin's exit hook.
+    """
+    collector, _ = receivers
+    script = textwrap.dedent(
+        f"""
+        import atexit, os
+        import art_langgraph
+        art_langgraph.configure(collector_url={collector.url!r})
+
+        def at_exit():
+            print(art_langgraph.{call}(timeout=10), flush=True)
+            os._exit(0)
+
+        atexit.register(at_exit)
+        with art_langgraph.rollout("app-at-exit") as run:
+            print(run.id, flush=True)
+        """
+    )
+    script += REFUSE_THREADS_AT_EXIT
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert "Traceback" not in out.stderr, out.stderr
+    rollout_id, result = out.stdout.split()
+    assert result == returns
+    (span,) = collector.spans()
+    assert {a.key: a.value.string_value for a in span.attributes}[semconv.ROLLOUT_ID] == rollout_id
