@@ -45,24 +45,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _store_refused(url: str, reason: str) -> str:
+    """The `error:` line of a store `serve` cannot open: the URL (its password hidden), the reason and the fix."""
+    from collector.config import hide_password
+
+    return (
+        f"db={hide_password(url)!r}: cannot open the store ({reason}); "
+        "start the database or correct --db (env ART_COLLECTOR_DB)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `art-collector` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
     import uvicorn
     from pydantic import ValidationError
+    from sqlalchemy.exc import OperationalError
 
     from collector.config import CollectorSettings, settings_error
+    from collector.engine import driver_reason
     from collector.server import create_app
+    from collector.store import SqlStore
 
     overrides = {name: getattr(args, name) for name in ("host", "port", "db") if getattr(args, name) is not None}
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = CollectorSettings(**overrides)
-        app = create_app(settings)  # reads the judge's and Langfuse's settings (ART_COLLECTOR_JUDGE_*, _LANGFUSE_*)
+        store = SqlStore(settings)  # makes the folder of a SQLite file
     except ValidationError as exc:
-        where = "" if exc.title == CollectorSettings.__name__ else f"{exc.title}: "
-        parser.error(where + settings_error(exc))
+        parser.error(settings_error(exc))
+    except OSError as exc:  # that folder cannot be made (a file is in the way, no permission)
+        parser.error(_store_refused(settings.db, str(exc)))
+    try:
+        app = create_app(settings, store)  # migrates the store, then reads the judge's and Langfuse's settings
+    except ValidationError as exc:  # ART_COLLECTOR_JUDGE_*, ART_COLLECTOR_LANGFUSE_*
+        parser.error(f"{exc.title}: {settings_error(exc)}")
+    except OperationalError as exc:  # from the migration, the only database work here: down, refused, wrong login
+        parser.error(_store_refused(settings.db, driver_reason(exc)))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
 
 

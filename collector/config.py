@@ -18,17 +18,28 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from collector.groups import TrainingReward
 
-__all__ = ["CollectorSettings", "art_home", "default_db_url", "settings_error"]
+__all__ = ["CollectorSettings", "art_home", "default_db_url", "hide_password", "settings_error"]
+
+
+def hide_password(value: str) -> str:
+    """`value` with its password shown as `***` when it parses as a URL that has one (`--db
+    postgresql+psycopg://u:***@h/db`); any other string as it is."""
+    try:
+        url = make_url(value)
+    except (ArgumentError, ValueError):  # not a URL (a path, a number): nothing to hide
+        return value
+    return url.render_as_string(hide_password=True) if url.password else value
 
 
 def settings_error(exc: ValidationError) -> str:
     """A settings validation error as a command line reports it: each problem on one line, the setting and its value
-    first (`port='abc': ...`), without pydantic's type codes and links."""
+    first (`port='abc': ...`; a URL's password hidden), without pydantic's type codes and links."""
     problems = []
     for error in exc.errors():
         where = ".".join(str(part) for part in error["loc"])
         message = error["msg"].removeprefix("Value error, ")
-        problems.append(f"{where}={error['input']!r}: {message}" if where else message)
+        value = hide_password(error["input"]) if isinstance(error["input"], str) else error["input"]
+        problems.append(f"{where}={value!r}: {message}" if where else message)
     return "\n".join(problems)
 
 

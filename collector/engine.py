@@ -8,9 +8,10 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import StaticPool
 
-__all__ = ["READ_ONLY", "chunks", "make_engine"]
+__all__ = ["READ_ONLY", "chunks", "driver_reason", "make_engine"]
 
 CHUNK = 500
 """Most values in one `IN (...)` list."""
@@ -48,6 +49,12 @@ def make_engine(url: str) -> Engine:
         conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
 
     return engine
+
+
+def driver_reason(exc: DBAPIError) -> str:
+    """The first line of the database driver's message, or its exception's name."""
+    text = str(exc.orig).strip()
+    return text.splitlines()[0] if text else type(exc.orig).__name__
 
 
 def chunks(items: list[Any]) -> Iterator[list[Any]]:

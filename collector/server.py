@@ -12,7 +12,7 @@ from typing import Annotated
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from sqlalchemy.exc import DataError, DBAPIError, OperationalError
+from sqlalchemy.exc import DataError, OperationalError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from collector import assembly, otlp
 from collector.auth import bearer_matches
 from collector.config import CollectorSettings
+from collector.engine import driver_reason
 from collector.errors import CollectorError, NotFound
 from collector.protocol import (
     AckRequest,
@@ -122,12 +123,6 @@ def _authorize(request: Request) -> None:
 Auth = Annotated[None, Depends(_authorize)]
 
 
-def _reason(exc: DBAPIError) -> str:
-    """The first line of the database driver's message, or its exception's name."""
-    text = str(exc.orig).strip()
-    return text.splitlines()[0] if text else type(exc.orig).__name__
-
-
 STORE_RETRY_AFTER_S = 5
 """`Retry-After` of a 503 `store_unavailable` answer."""
 
@@ -165,15 +160,15 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
         # a full disk, a lock held past the timeout, a lost database connection: the transaction rolled
         # back, so nothing was stored and the client may send the same request again (OTLP exporters retry 503)
         log.error("store unavailable on %s %s: %s", request.method, request.url.path, exc)
-        return _error(503, "store_unavailable", f"the store could not complete the request ({_reason(exc)}); nothing "
-                      "was stored, try again", headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+        return _error(503, "store_unavailable", f"the store could not complete the request ({driver_reason(exc)}); "
+                      "nothing was stored, try again", headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
 
     @app.exception_handler(DataError)
     async def _value_refused(request: Request, exc: DataError) -> JSONResponse:
         # a value of the request the database cannot hold (PostgreSQL: a NUL character in an id of the path or
         # the query); the transaction rolled back
-        log.warning("store refused a value on %s %s: %s", request.method, request.url.path, _reason(exc))
-        return _error(400, "invalid_request", f"the store cannot hold a value of this request ({_reason(exc)})")
+        log.warning("store refused a value on %s %s: %s", request.method, request.url.path, driver_reason(exc))
+        return _error(400, "invalid_request", f"the store cannot hold a value of this request ({driver_reason(exc)})")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 
 from collector import cli
+from examples.stack import free_port
+from tests.collector.services import PostgresServer
 
 
 def test_serve_flags_override_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -126,3 +128,85 @@ def test_a_db_url_that_cannot_be_opened_exits_naming_it(
     err = capsys.readouterr().err
     assert info.value.code == 2 and f"art-collector: error: db={url!r}: not a database URL" in err and says in err, err
     assert "Traceback" not in err
+
+
+def _serve_refused(capsys: pytest.CaptureFixture[str], db: str) -> str:
+    """The `error:` line `serve --db db` exits with (code 2, no traceback)."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--db", db])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err, err
+    return err.splitlines()[-1]
+
+
+FIX = "start the database or correct --db (env ART_COLLECTOR_DB)"
+
+
+def test_a_database_that_refuses_the_connection_exits_naming_it_without_its_password(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server that is down ended `serve` with an OperationalError traceback from `store.setup()`."""
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served without a store"))
+    port = free_port()
+    line = _serve_refused(capsys, f"postgresql+psycopg://u:secret@127.0.0.1:{port}/x")
+    said = f"db='postgresql+psycopg://u:***@127.0.0.1:{port}/x': cannot open the store (connection failed: "
+    assert line.startswith(f"art-collector: error: {said}connection to server at \"127.0.0.1\", port {port}"), line
+    assert "Connection refused" in line and line.endswith(f"); {FIX}") and "secret" not in line
+
+
+def test_a_missing_database_exits_naming_it_without_its_password(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], postgres: PostgresServer
+) -> None:
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served without a store"))
+    url = postgres.url("nosuch").replace("postgres@", "postgres:secret@")  # the test server trusts any password
+    line = _serve_refused(capsys, url)
+    assert line == (f"art-collector: error: db='{url.replace(':secret@', ':***@')}': cannot open the store "
+                    f"(connection failed: connection to server at \"127.0.0.1\", port {postgres.port} failed: FATAL:  "
+                    f"database \"nosuch\" does not exist); {FIX}"), line
+
+
+@pytest.mark.parametrize(
+    ("in_the_way", "path", "reason"),
+    [
+        ("file", "blocker/sub/collector.db", "[Errno 20] Not a directory: '{tmp}/blocker/sub'"),  # folder not made
+        ("folder", "blocker", "unable to open database file"),  # a folder where the file goes
+    ],
+)
+def test_a_sqlite_file_that_cannot_be_made_exits_naming_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+    in_the_way: str, path: str, reason: str,
+) -> None:
+    """`make_engine`'s mkdir raised NotADirectoryError, sqlite3 an OperationalError: both a traceback."""
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served without a store"))
+    blocker = tmp_path / "blocker"
+    blocker.mkdir() if in_the_way == "folder" else blocker.write_text("not a folder")
+    db = f"sqlite:///{tmp_path / path}"
+    line = _serve_refused(capsys, db)
+    assert line == f"art-collector: error: db={db!r}: cannot open the store ({reason.format(tmp=tmp_path)}); {FIX}"
+
+
+def test_a_bad_db_setting_is_reported_without_its_password(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`settings_error` printed `db='nosuch://u:secret@h/x'` on stderr."""
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served with bad settings"))
+    line = _serve_refused(capsys, "nosuch://u:secret@h/x")
+    assert line.startswith("art-collector: error: db='nosuch://u:***@h/x': not a database URL SQLAlchemy can open")
+    assert "secret" not in line
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("postgresql+psycopg://u:p%40ss@db:5432/x?sslmode=require", "postgresql+psycopg://u:***@db:5432/x?sslmode=require"),
+        ("http://:key@collector:4318", "http://:***@collector:4318"),
+        ("postgresql+psycopg://u@db/x", "postgresql+psycopg://u@db/x"),  # no password: as it is
+        ("sqlite:////srv/collector.db", "sqlite:////srv/collector.db"),
+        ("/srv/collector.db", "/srv/collector.db"),  # not a URL
+        ("abc", "abc"),
+    ],
+)
+def test_hide_password_hides_only_a_url_password(value: str, shown: str) -> None:
+    from collector.config import hide_password
+
+    assert hide_password(value) == shown
