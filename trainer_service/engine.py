@@ -223,18 +223,23 @@ class VLLMEngine:
             self._wait_healthy()
 
     def _launch(self) -> None:
-        """Start vLLM's process, in its own session and process group, appending its output to the log."""
+        """Start vLLM's process, in its own session and process group, appending its output to the log.
+
+        Raises:
+            EngineError: the process could not be started (the log could not be opened, no memory or file
+                handle was left); the `OSError` is its cause.
+        """
         self._failed_health_checks = 0
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("ab")
         logger.info("starting vLLM: %s (log: %s)", " ".join(self.command()), self.log_path)
         try:
-            self._proc = subprocess.Popen(
-                launch_command(self.command()),
-                stdout=log, stderr=subprocess.STDOUT, env=self.environment(), start_new_session=True,
-            )
-        finally:
-            log.close()
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.log_path.open("ab") as log:
+                self._proc = subprocess.Popen(
+                    launch_command(self.command()),
+                    stdout=log, stderr=subprocess.STDOUT, env=self.environment(), start_new_session=True,
+                )
+        except OSError as exc:
+            raise EngineError(f"vLLM could not be started: {exc!r} (log: {self.log_path})") from exc
 
     def _wait_healthy(self, *, with_log: bool = True) -> None:
         """Wait until the started vLLM answers `/health`.
@@ -321,9 +326,9 @@ class VLLMEngine:
             more = f"Log tail:\n{self.log_tail(20)}" if first else f"{failed} restarts failed in a row"
             logger.error("restarting vLLM (restart %d): %s. %s", self.restarts, reason, more)
             self._pending = set(self._registered)
-            self._stop_group()
-            self._launch()
             try:
+                self._stop_group()
+                self._launch()
                 self._wait_healthy(with_log=first)
             except EngineError as exc:
                 if self._stopping.is_set():

@@ -23,6 +23,7 @@ import anyio
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from collector.auth import bearer_matches
 from trainer_service.base_model import resolve_base_model, served_base_name
@@ -31,7 +32,7 @@ from trainer_service.core_lending import CoreLender, EngineRequest
 from trainer_service.distributed import TrainLauncher
 from trainer_service.engine import VLLMEngine
 from trainer_service.grpo_config import GRPOConfig
-from trainer_service.protocol import ServiceError, StatusResponse, TrainResponse
+from trainer_service.protocol import ErrorBody, ErrorResponse, ServiceError, StatusResponse, TrainResponse
 from trainer_service.service import TrainerService
 from trainer_service.training import LoRATrainer
 from trainer_service.vllm_cpu_matmul import matmul_dtype
@@ -46,6 +47,9 @@ _ENGINE_CONNECTIONS = 128
 _CLIENT_CLOSED_REQUEST = 499
 """Status logged for a request whose client disconnected before vLLM answered (nginx's convention)."""
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
+_RETRY_AFTER_S = 10
+"""`Retry-After` of every 503: the engine's watchdog looks every 10 s, so a restart or an adapter re-load is under
+way by then (OpenAI clients wait what it says, up to 60 s, before they retry)."""
 
 
 def build_service(settings: TrainerSettings, grpo: GRPOConfig,
@@ -90,10 +94,21 @@ def build_service(settings: TrainerSettings, grpo: GRPOConfig,
 
 
 async def _relay(response: httpx.Response, request_ticket: EngineRequest) -> AsyncIterator[bytes]:
-    """A streamed answer from vLLM, chunk by chunk; the request stops counting when it ends or the client leaves."""
+    """A streamed answer from vLLM, chunk by chunk; the request stops counting when it ends or the client leaves.
+
+    The chunks are decoded (`aiter_bytes`), as the dropped `content-encoding` header says. When vLLM stops
+    answering mid-stream (it died or was restarted), the stream ends with an error event in OpenAI's envelope, as
+    vLLM ends its own failed streams, so the client raises instead of taking a cut answer for a whole one.
+    """
     try:
-        async for chunk in response.aiter_raw():
+        async for chunk in response.aiter_bytes():
             yield chunk
+    except httpx.HTTPError as exc:
+        logger.warning("vLLM stopped answering a streamed request mid-answer: %s", exc)
+        error = ErrorResponse(error=ErrorBody(
+            message=f"The vLLM engine stopped answering mid-stream: {exc}. See GET /v1/status and the vLLM log.",
+            type="server_error", code="engine_unavailable"))
+        yield f"data: {error.model_dump_json()}\n\ndata: [DONE]\n\n".encode()
     finally:
         await response.aclose()
         request_ticket.close()
@@ -123,7 +138,9 @@ async def _send_unless_client_leaves(request: Request, client: httpx.AsyncClient
 
 
 def _error(exc: ServiceError) -> JSONResponse:
-    return JSONResponse(exc.body.model_dump(), status_code=exc.status)
+    """`exc` as an answer: its envelope, with `Retry-After` on a 503 and `WWW-Authenticate` on a 401."""
+    headers = {503: {"Retry-After": str(_RETRY_AFTER_S)}, 401: {"WWW-Authenticate": "Bearer"}}.get(exc.status)
+    return JSONResponse(exc.body.model_dump(), status_code=exc.status, headers=headers)
 
 
 def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None = None, *,
@@ -175,6 +192,15 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
         return _error(exc)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own errors (an unknown route, a method a route does not take) in the envelope too."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        response = _error(ServiceError(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}",
+                                       type="not_found_error" if exc.status_code == 404 else "invalid_request_error"))
+        response.headers.update(exc.headers or {})  # `Allow` of a 405
+        return response
+
     async def proxy(request: Request, route: str) -> Response:
         assert engine_client is not None
         try:
@@ -185,7 +211,11 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
             raise ServiceError(400, "missing_model", "The request needs a `model` string.", param="model")
         body["model"] = svc.resolve(body["model"])
         stream = bool(body.get("stream"))
-        upstream = engine_client.build_request("POST", route, json=body)
+        try:
+            upstream = engine_client.build_request("POST", route, json=body)
+        except ValueError as exc:  # NaN, Infinity or 1e400: Python's `json` reads them, JSON has no such number
+            raise ServiceError(400, "invalid_json", f"The request body is not valid JSON: {exc} (NaN, Infinity "
+                               "or a number out of float range).") from exc
         request_ticket = await svc.lender.engine_request()  # counted until vLLM's answer is through
         streaming = False
         try:

@@ -247,6 +247,27 @@ def test_engine_retries_a_restart_that_timed_out(tmp_path: Path) -> None:
     assert engine.ensure_running() is False and not engine.is_alive()  # stopped: no longer supervised
 
 
+def test_engine_backs_off_a_restart_whose_process_cannot_start(tmp_path: Path) -> None:
+    """An `OSError` of the launch (its log cannot be opened; no memory or file handle left) is a failed restart
+    like any other: an `EngineError`, backed off, not a restart at every call."""
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.start()
+    log_path = engine.log_path
+    try:
+        os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        engine._proc.wait()  # type: ignore[union-attr]
+        (tmp_path / "not-a-folder").touch()
+        engine.log_path = tmp_path / "not-a-folder" / "vllm.log"
+        with pytest.raises(EngineError, match=r"(?s)could not be started: FileExistsError.*Next restart in 10 s"):
+            engine.ensure_running()
+        assert engine.ensure_running() is False and engine.restarts == 1  # too early: no restart
+        engine.log_path = log_path
+        engine._restart_retry.not_before = 0.0  # its back-off is over
+        assert engine.ensure_running() is True and engine.healthy() and engine.restarts == 2
+    finally:
+        engine.stop()
+
+
 def test_engine_stop_interrupts_a_restart(tmp_path: Path) -> None:
     engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=60)
     engine.start()

@@ -1,4 +1,5 @@
-"""The service's proxy to vLLM, against a fake vLLM: a client that leaves stops counting as in flight.
+"""The service's proxy to vLLM, against a fake vLLM: a client that leaves stops counting as in flight; a stream
+vLLM breaks off ends with an error event; a compressed stream reaches the client decoded.
 
 Both servers run in uvicorn on localhost, so a client's disconnect is a real closed socket.
 """
@@ -6,6 +7,7 @@ Both servers run in uvicorn on localhost, so a client's disconnect is a real clo
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 import threading
@@ -13,6 +15,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -24,15 +28,20 @@ from tests.trainer_service.builders import make_service
 from trainer_service.server import create_app
 from trainer_service.service import TrainerService
 
+_CHUNK = b'data: {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "base-model", ' \
+         b'"choices": [{"index": 0, "delta": {"content": "5"}}]}\n\n'
+
 
 class FakeVLLM:
     """A chat endpoint that answers (headers included) only once `answer` is set, and records whether its client
-    (the proxy) left while it waited or streamed."""
+    (the proxy) left while it waited or streamed. `mode` `dies` breaks a stream off after one event (the
+    connection drops, as when vLLM dies); `gzip` sends one event and `[DONE]` gzip-encoded."""
 
     def __init__(self) -> None:
         self.arrived = threading.Event()
         self.answer = threading.Event()
         self.client_left = threading.Event()
+        self.mode = "endless"
         self.app = Starlette(routes=[Route("/v1/chat/completions", self.chat, methods=["POST"])])
 
     async def chat(self, request: Request) -> Response:
@@ -45,7 +54,16 @@ class FakeVLLM:
             await asyncio.sleep(0.01)
         if not body.get("stream"):
             return JSONResponse({"choices": [{"message": {"content": "5"}}]})
-        return StreamingResponse(self.tokens(), media_type="text/event-stream")
+        if self.mode == "gzip":
+            return Response(gzip.compress(_CHUNK + b"data: [DONE]\n\n"), media_type="text/event-stream",
+                            headers={"Content-Encoding": "gzip"})
+        return StreamingResponse(self.dying() if self.mode == "dies" else self.tokens(), media_type="text/event-stream")
+
+    async def dying(self) -> AsyncIterator[bytes]:
+        """One event, then the connection drops mid-answer."""
+        yield _CHUNK
+        await asyncio.sleep(0.05)
+        raise RuntimeError("vLLM died (a fake's death: uvicorn logs it and drops the connection)")
 
     async def tokens(self) -> AsyncIterator[bytes]:
         """One event every 20 ms until the proxy closes the stream."""
@@ -110,3 +128,31 @@ def test_a_client_that_leaves_mid_stream_stops_counting_and_the_stream_to_vllm_c
     sock.close()
     assert wait_until(lambda: service.lender.in_flight == 0), "the abandoned stream is still counted as in flight"
     assert vllm.client_left.wait(5), "the stream from vLLM stayed open for a client that left"
+
+
+def test_a_stream_vllm_breaks_off_ends_with_an_error_event_the_openai_client_raises(
+        stack: tuple[FakeVLLM, TrainerService, str]) -> None:
+    vllm, service, url = stack
+    vllm.answer.set()
+    vllm.mode = "dies"
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    received: list[str | None] = []
+    with pytest.raises(openai.APIError, match="stopped answering mid-stream") as failed:
+        for chunk in client.chat.completions.create(model="base-model", messages=[{"role": "user", "content": "2+3?"}],
+                                                    stream=True):
+            received.append(chunk.choices[0].delta.content)
+    assert received == ["5"], "the events before the break reach the client"
+    assert failed.value.body == {"message": failed.value.message, "type": "server_error", "param": None,
+                                 "code": "engine_unavailable"}
+    assert wait_until(lambda: service.lender.in_flight == 0)
+
+
+def test_a_compressed_stream_reaches_the_client_decoded(stack: tuple[FakeVLLM, TrainerService, str]) -> None:
+    vllm, _, url = stack
+    vllm.answer.set()
+    vllm.mode = "gzip"
+    body = {"model": "base-model", "messages": [{"role": "user", "content": "2+3?"}], "stream": True}
+    with httpx.Client(base_url=url, timeout=10) as client, client.stream("POST", "/v1/chat/completions",
+                                                                          json=body) as response:
+        assert "content-encoding" not in response.headers  # dropped by the proxy: what follows must be plain
+        assert response.read() == _CHUNK + b"data: [DONE]\n\n"

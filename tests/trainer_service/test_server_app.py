@@ -125,3 +125,44 @@ def test_pause_resume_and_sft_endpoints(tmp_path: Path) -> None:
         assert "loss/sft" in body["metrics"] and acks == [("b1", {"policy_step": 1})]
         status = client.get("/v1/status").json()
         assert status["step"] == 1 and status["queue_depth"] == 0 and status["checkpoints"] == [1]
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_a_body_with_a_number_json_has_not_is_400_invalid_json(tmp_path: Path, number: str) -> None:
+    """Python's `json` reads these; sent on to vLLM they failed to encode (a 500 outside the envelope)."""
+    from fastapi.testclient import TestClient
+
+    from trainer_service.server import create_app
+
+    service = make_service(tmp_path, [], [])
+    with TestClient(create_app(service=service), raise_server_exceptions=False) as client:
+        response = client.post("/v1/chat/completions", content=f'{{"model": "base-model", "temperature": {number}}}',
+                               headers={"Content-Type": "application/json"})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["code"] == "invalid_json"
+
+
+def test_errors_carry_their_headers_and_starlettes_own_use_the_envelope(tmp_path: Path) -> None:
+    """A 503 says when to retry (vLLM restarting: nothing listens), a 401 which scheme to use; an unknown route and
+    a method a route does not take answer in OpenAI's envelope too, the 405 with `Allow`."""
+    from fastapi.testclient import TestClient
+
+    from examples.stack import free_port
+    from trainer_service.server import create_app
+
+    service = make_service(tmp_path, [], [])
+    service.engine.base_url = f"http://127.0.0.1:{free_port()}"
+    with TestClient(create_app(service=service)) as client:
+        down = client.post("/v1/chat/completions", json={"model": "base-model", "messages": []})
+        assert down.status_code == 503 and down.json()["error"]["code"] == "engine_unavailable"
+        assert down.headers["retry-after"] == "10"
+        unknown = client.get("/v1/embeddings")
+        assert unknown.status_code == 404
+        assert unknown.json()["error"] == {"message": "GET /v1/embeddings: Not Found", "type": "not_found_error",
+                                           "param": None, "code": "not_found"}
+        wrong = client.get("/v1/chat/completions")
+        assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+        assert wrong.json()["error"]["code"] == "method_not_allowed"
+        service.settings.api_key = "sekret"
+        refused = client.get("/v1/models")
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
