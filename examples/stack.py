@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +23,17 @@ import httpx
 
 def free_port() -> int:
     """Return a TCP port on localhost that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """Return `count` different TCP ports on localhost that nothing listens on right now (each held until all are
+    chosen: ports asked for one at a time may repeat, and the trainer refuses an API port equal to vLLM's)."""
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 @dataclass
@@ -112,7 +120,7 @@ def running_stack(
     The collector gets `ART_TRAINER_URL` = this trainer's `/v1`, so its RULER judge (when
     `ART_COLLECTOR_JUDGE_AUTO` is on and no `ART_COLLECTOR_JUDGE_URL` is set) asks this trainer.
     """
-    collector_port, trainer_port, vllm_port = free_port(), free_port(), free_port()
+    collector_port, trainer_port, vllm_port = free_ports(3)
     collector_url = f"http://127.0.0.1:{collector_port}"
     trainer_url = f"http://127.0.0.1:{trainer_port}"
     collector = start_service(
