@@ -117,10 +117,14 @@ class LangfuseSync:
         self._lock = threading.Lock()
 
     def _call(self, what: str, fn: Callable[[], object]) -> object:
+        """`fn()`, a call of Langfuse's API; any way Langfuse fails, a malformed answer too, raises
+        `LangfuseSyncError` (502)."""
         try:
             return fn()
         except ApiError as exc:
             raise LangfuseSyncError(f"Langfuse {what} answered {exc.status_code}: {exc.body!r}") from exc
+        except ValidationError as exc:  # a 2xx body the SDK cannot read: a proxy's page, a newer Langfuse's score type
+            raise LangfuseSyncError(f"Langfuse {what} answered something its API does not define: {exc}") from exc
         except httpx.HTTPError as exc:
             raise LangfuseSyncError(
                 f"Langfuse {what} unreachable at {self.settings.host}: {exc}", code="langfuse_unreachable"
@@ -145,8 +149,8 @@ class LangfuseSync:
                 break
         found.sort(key=lambda score: (score.timestamp, score.updated_at))  # the latest score of a name wins
         seen = self.scoring.pulled_versions([score.id for score in found])
-        latest: dict[tuple[str | None, str], RewardIn] = {}
-        changed: dict[tuple[str | None, str], None] = {}
+        latest: dict[tuple[str | None, str], tuple[str, RewardIn]] = {}
+        changed: set[str] = set()
         marks = []
         ignored = 0
         for score in found:
@@ -154,20 +158,21 @@ class LangfuseSync:
             if reward is None:
                 ignored += 1
                 continue
-            key = (reward.trace_id, reward.name)
-            latest[key] = reward
+            latest[(reward.trace_id, reward.name)] = (score.id, reward)
             version = score.updated_at.isoformat()
             if seen.get(score.id) != version:
-                changed[key] = None
+                changed.add(score.id)
                 marks.append({"score_id": score.id, "updated_at": version, "trace_id": reward.trace_id,
                               "name": reward.name, "value": reward.value, "pulled_at": self.clock()})
-        # a new or edited score re-applies the latest of its trace and name: an edit to an older score must
-        # not override a newer one (the store's newest API reward of a name wins)
+        # only a new or edited latest score of its trace and name is applied: an edit to an older score changes
+        # nothing (the newer one holds, applied when it came), and applying the unchanged newer one again would
+        # override a reward given since (the store's newest API reward of a name wins)
         applied = unmatched = 0
-        for key in changed:
-            accepted = self.store.add_reward(latest[key])
-            applied += 1
-            unmatched += not accepted.trajectory_known
+        for score_id, reward in latest.values():
+            if score_id in changed:
+                accepted = self.store.add_reward(reward)
+                applied += 1
+                unmatched += not accepted.trajectory_known
         for mark in marks:
             self.scoring.mark_pulled(mark)
         return LangfuseSyncResult(pulled=len(found), applied=applied, unmatched=unmatched, ignored=ignored, pushed=0)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -214,7 +213,7 @@ def parse_scores(text: str, count: int) -> list[Score]:
     """
     try:
         data = json.loads(text, object_pairs_hook=_unique_keys)
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:  # also an integer past Python's digit limit, nesting past recursion
         raise JudgeError(f"judge answer is not JSON ({exc}): {text[:200]!r}", code="judge_bad_json") from exc
     entries = data.get("scores") if isinstance(data, dict) else None
     if not isinstance(entries, dict):
@@ -233,11 +232,10 @@ def parse_scores(text: str, count: int) -> list[Score]:
         if (
             isinstance(value, bool)
             or not isinstance(value, int | float)
-            or not math.isfinite(value)
-            or not 0 <= value <= 1
+            or not 0 <= value <= 1  # NaN fails it too; no float conversion, which a huge integer would overflow
         ):
             raise JudgeError(
-                f"score {value!r} of trajectory {block} is not a number in [0, 1]", code="judge_bad_scores"
+                f"score {repr(value)[:50]} of trajectory {block} is not a number in [0, 1]", code="judge_bad_scores"
             )
         found.append(Score(int(block), float(value), str(entry.get("explanation") or "").strip()))
     return found
@@ -277,10 +275,14 @@ class JudgeClient:
         try:
             choice = response.json()["choices"][0]
             text = choice["message"]["content"] or ""
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
+        except (ValueError, KeyError, IndexError, TypeError, RecursionError) as exc:
             raise JudgeError(
                 f"judge {url} sent no chat completion: {response.text[:300]}", code="judge_http_error"
             ) from exc
+        if not isinstance(text, str):
+            raise JudgeError(
+                f"judge {url} sent a message content that is not text: {response.text[:300]}", code="judge_http_error"
+            )
         if choice.get("finish_reason") == "length":
             raise JudgeError(
                 f"judge answer was cut at max_tokens={max_tokens} (it ended {text[-80:]!r}); "

@@ -30,6 +30,10 @@ def _default_judge_url() -> str:
     return os.environ.get("ART_TRAINER_URL", "http://localhost:8000/v1")
 
 
+_MAX_LOOKBACK_HOURS = 24 * 365 * 100
+"""100 years. Far longer ones reach back past year 1, which no `datetime` holds: every sync would fail."""
+
+
 def _split_names(value: object) -> object:
     if isinstance(value, str):
         return [name.strip() for name in value.split(",") if name.strip()]
@@ -137,7 +141,12 @@ class LangfuseSettings(BaseSettings):
         default_factory=list, description="Comma-separated reward names to push to Langfuse as scores (empty: no push)."
     )
     sync_seconds: float = Field(default=60.0, gt=0, description="Interval of the scheduled sync.")
-    lookback_hours: float = Field(default=168.0, gt=0, description="Pull scores whose timestamp is at most this old.")
+    lookback_hours: float = Field(
+        default=168.0,
+        gt=0,
+        le=_MAX_LOOKBACK_HOURS,
+        description="Pull scores whose timestamp is at most this old (at most 100 years: further back is no date).",
+    )
     timeout_seconds: float = Field(default=30.0, gt=0, description="HTTP timeout of one Langfuse call.")
 
     @model_validator(mode="before")

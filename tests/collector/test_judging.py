@@ -333,3 +333,22 @@ def test_a_run_that_fails_unexpectedly_frees_its_group(replica_stores: list[SqlS
     assert run["next_try_at"] == clock.now + judge.settings.retry_seconds
     judge.client = HeldJudge(released=True)
     assert judge.judge("g").state == "ok"  # no 409: the failed run holds the group no longer
+
+
+def test_an_answer_python_cannot_read_as_a_number_follows_the_failure_policy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A score of 10**400 overflows a float: it is a bad answer like any other, not a crash of the judging loop."""
+
+    class Overflowing(HeldJudge):
+        def complete(self, *args: Any, **kwargs: Any) -> str:
+            return json.dumps({"scores": {"1": {"explanation": "x", "score": 10**400},
+                                          "2": {"explanation": "y", "score": 0}}})
+
+    app = make_app(tmp_path, monkeypatch, env=down_judge("zero"))
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    judge = app.state.scoring.judge
+    judge.client = Overflowing()
+    [run] = judge.run_due()
+    assert (run.state, run.attempts) == ("zeroed", 1) and run.error.startswith("judge_bad_scores")
+    assert [j.score for j in run.judgements] == [0.0, 0.0]

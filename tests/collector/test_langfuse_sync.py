@@ -76,8 +76,28 @@ def test_pull_maps_annotation_scores_to_trajectories_by_trace(
         assert client.post("/v1/langfuse/sync").json()["applied"] == 1
         assert client.get("/v1/trajectories/g-5").json()["rewards"]["human"] == 0.99
         server.touch("s0", 0.01)  # a person edits g-0's older score: the later boolean one still holds
-        assert client.post("/v1/langfuse/sync").json()["applied"] == 1
+        assert client.post("/v1/langfuse/sync").json()["applied"] == 0
         assert client.get("/v1/trajectories/g-0").json()["rewards"]["human"] == 1.0
+
+
+def test_an_edit_of_an_older_score_does_not_apply_the_unchanged_newer_one_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    url, server = langfuse
+    app = app_for(tmp_path, monkeypatch, url)
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    now = dt.datetime.now(dt.UTC)
+    server.add_score("older", "human", 0.1, trace_id=trace_id("g", 0), timestamp=now - dt.timedelta(hours=2))
+    server.add_score("newer", "human", 0.9, trace_id=trace_id("g", 0), timestamp=now - dt.timedelta(hours=1))
+    with TestClient(app) as client:
+        assert client.post("/v1/langfuse/sync").json()["applied"] == 1
+        client.post("/v1/rewards", json={"rollout_id": "g-0", "name": "human", "value": 0.5})  # given since
+        server.touch("older", 0.2)
+        assert client.post("/v1/langfuse/sync").json()["applied"] == 0
+        assert client.get("/v1/trajectories/g-0").json()["rewards"]["human"] == 0.5
+        server.touch("newer", 0.8)  # an edit of the latest score is applied
+        assert client.post("/v1/langfuse/sync").json()["applied"] == 1
+        assert client.get("/v1/trajectories/g-0").json()["rewards"]["human"] == 0.8
 
 
 def test_push_sends_rewards_once_and_updates_changed_ones(
@@ -124,6 +144,19 @@ def test_wrong_keys_answer_502_naming_langfuse(
         assert answer.json()["error"] == "langfuse_error" and "401" in answer.json()["message"]
 
 
+def test_an_answer_the_sdk_cannot_read_is_502_naming_langfuse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    url, server = langfuse
+    server.add_score("s", "human", "x", trace_id=trace_id("g", 0), data_type="RANKING")  # a type this SDK predates
+    app = app_for(tmp_path, monkeypatch, url)
+    with TestClient(app) as client:
+        answer = client.post("/v1/langfuse/sync")
+        assert answer.status_code == 502, answer.text
+        assert answer.json()["error"] == "langfuse_error" and "RANKING" in answer.json()["message"]
+        assert app.state.scoring.last_sync_error.startswith("LangfuseSyncError")
+
+
 def test_sync_without_langfuse_configured_is_404(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with TestClient(make_app(tmp_path, monkeypatch)) as client:
         answer = client.post("/v1/langfuse/sync")
@@ -143,3 +176,13 @@ def test_langfuse_host_prefers_base_url_as_the_sdk_does(monkeypatch: pytest.Monk
     assert LangfuseSettings().host == "http://current.example:3000"
     monkeypatch.setenv("ART_COLLECTOR_LANGFUSE_HOST", "http://own.example:3000")
     assert LangfuseSettings().host == "http://own.example:3000"
+
+
+def test_a_lookback_past_any_date_is_refused_when_the_settings_are_read() -> None:
+    from pydantic import ValidationError
+
+    from collector.scoring_config import LangfuseSettings
+
+    assert LangfuseSettings(lookback_hours=24 * 365 * 100).lookback_hours == 876_000  # a century back still syncs
+    with pytest.raises(ValidationError, match="lookback_hours"):
+        LangfuseSettings(lookback_hours=1e8)  # 11,000 years: year -9382, every sync would fail with a 500

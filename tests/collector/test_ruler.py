@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from collector.ruler import (
+    JudgeClient,
     JudgeError,
     build_messages,
     dedupe,
@@ -142,9 +144,25 @@ def test_parse_scores_in_block_order() -> None:
         ('{"scores": {"1": {"score": 0.5}, "1": {"score": 0.2}, "2": {"score": 0}}}', "judge_bad_scores",
          "'1' appears twice"),
         (answer((1, "x", 0.5), (2, "y", 0.2), (3, "z", 0.2)), "judge_bad_scores", r"unknown trajectories \['3'\]"),
+        # an integer too large for a float, one past Python's 4300-digit limit, nesting past the recursion limit
+        (answer((1, "x", 10**400), (2, "y", 0.0)), "judge_bad_scores", "not a number in"),
+        ('{"scores": {"1": {"explanation": "x", "score": ' + "1" * 4301 + "}}}", "judge_bad_json", "not JSON"),
+        ("[" * 100_000, "judge_bad_json", "not JSON"),
     ],
 )
 def test_parse_scores_rejects_bad_answers(text: str, code: str, match: str) -> None:
     with pytest.raises(JudgeError, match=match) as caught:
         parse_scores(text, 2)
     assert caught.value.code == code
+
+
+@pytest.mark.parametrize("content", [[{"type": "text", "text": "{}"}], {"scores": {}}, 7])
+def test_judge_content_that_is_not_text_is_a_judge_error(content: object) -> None:
+    def chat(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"choices": [{"message": {"content": content}, "finish_reason": "stop"}]})
+
+    client = JudgeClient("http://judge/v1", "m")
+    client._http = httpx.Client(transport=httpx.MockTransport(chat))
+    with pytest.raises(JudgeError, match="not text") as caught:
+        client.complete([USER], response_format(1), temperature=0, max_tokens=64)
+    assert caught.value.code == "judge_http_error"
