@@ -7,12 +7,13 @@ advantages and reward statistics on exactly those trajectories, and gives every 
 same weight. Everything it leaves out is counted once under `data/skipped/<reason>`, in the unit
 the reason names:
 
-* groups: `too_few_trajectories` (fewer than two trajectories left to train), `no_reward_spread`,
-  `nonfinite_advantages` (rewards so large the advantages do not fit float32), and for SFT
-  `no_rewarded_trajectory`;
-* trajectories: `unrewarded_trajectories`, `nonfinite_rewards`, `not_token_exact_without_tokenizer`,
-  `retokenize_failed`, `no_assistant_tokens` (no sequence has an assistant token, e.g. truncation
-  cut them all);
+* groups: `too_few_trajectories` (fewer than two trajectories left to train), `no_reward_spread` (rewards
+  equal up to `REWARD_SPREAD_TOLERANCE`), `nonfinite_advantages` (rewards so large the advantages do not fit
+  float32), and for SFT `no_rewarded_trajectory`;
+* trajectories: `unrewarded_trajectories`, `nonfinite_rewards`, `malformed_trajectories` (a sequence whose
+  `token_ids`, `logprobs` and `assistant_mask` differ in length, or whose mask holds a value other than 0 and 1),
+  `not_token_exact_without_tokenizer`, `retokenize_failed`, `no_assistant_tokens` (no sequence has an assistant
+  token, e.g. truncation cut them all);
 * sequences: `too_long_sequences` (left out by `max_seq_len_policy="skip"`; a trajectory that loses
   all its trainable sequences this way is counted here only).
 `prepare_sft` does the same for supervised warm-start steps on the best trajectory of each group.
@@ -29,14 +30,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from collector.protocol import Group, Trajectory
+from collector.protocol import Group, Sequence, Trajectory
 from trainer_service.grpo import group_advantages, trajectory_token_weights
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.retokenize import RetokenizeError, render_with_assistant_mask
 
 __all__ = [
-    "VLLM_LOGPROB_FLOOR", "NothingTrainableError", "PreparedBatch", "TrainItem", "prepare_grpo", "prepare_sft",
-    "shard_items",
+    "REWARD_SPREAD_TOLERANCE", "VLLM_LOGPROB_FLOOR", "NothingTrainableError", "PreparedBatch", "TrainItem",
+    "prepare_grpo", "prepare_sft", "shard_items",
 ]
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,11 @@ logger = logging.getLogger(__name__)
 VLLM_LOGPROB_FLOOR = -9999.0
 """vLLM's chat API writes a log-prob at or below this (`-inf` among them) as this value: a placeholder, not a
 log-prob the trainer can compare with its own (its ratio would be e^20 after the clamp, `grpo.MAX_LOG_RATIO`)."""
+
+
+REWARD_SPREAD_TOLERANCE = 1e-12
+"""Rewards of a group that differ by no more than this, relatively or absolutely, are equal: float rounding
+(`0.1 + 0.2 + 0.3` against `0.3 + 0.2 + 0.1`) is no signal, yet scaled by the group's tiny std it would be one."""
 
 
 class NothingTrainableError(ValueError):
@@ -82,8 +88,18 @@ class _Counters:
     def __init__(self) -> None:
         self.skipped: Counter[str] = Counter()
         self.truncated = 0
-        self.missing_logprobs = 0
         self.retokenized = 0
+
+
+def _malformed(seq: Sequence) -> str | None:
+    """What breaks the protocol's shape of `seq` (its per-token lists of one length, a 0/1 mask), or None."""
+    n = len(seq.token_ids)
+    if not len(seq.logprobs) == len(seq.assistant_mask) == n:
+        return (f"has token_ids ({n}), logprobs ({len(seq.logprobs)}) and assistant_mask ({len(seq.assistant_mask)}) "
+                "of different lengths")
+    if any(m not in (0, 1) for m in seq.assistant_mask):
+        return f"has an assistant_mask value other than 0 and 1: {sorted(set(seq.assistant_mask) - {0, 1})[:5]}"
+    return None
 
 
 def _sequences(trajectory: Trajectory, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase | None,
@@ -94,13 +110,12 @@ def _sequences(trajectory: Trajectory, config: GRPOConfig, tokenizer: PreTrained
     """
     raw: list[tuple[list[int], list[float | None], list[int]]] = []
     if trajectory.token_exact:
-        for seq in trajectory.sequences:
-            n = len(seq.token_ids)
-            if not (len(seq.logprobs) == len(seq.assistant_mask) == n):
-                raise ValueError(
-                    f"trajectory {trajectory.id}: token_ids ({n}), logprobs ({len(seq.logprobs)}) and "
-                    f"assistant_mask ({len(seq.assistant_mask)}) must have the same length"
-                )
+        for index, seq in enumerate(trajectory.sequences):
+            if problem := _malformed(seq):
+                logger.warning("trajectory %s of group %s is skipped (malformed_trajectories): sequence %d %s",
+                               trajectory.id, trajectory.group_id, index, problem)
+                counters.skipped["malformed_trajectories"] += 1
+                return []
             raw.append((seq.token_ids, seq.logprobs, seq.assistant_mask))
     else:
         if tokenizer is None:
@@ -131,11 +146,11 @@ def _sequences(trajectory: Trajectory, config: GRPOConfig, tokenizer: PreTrained
         old_values = [lp if lp is not None and math.isfinite(lp) and lp > VLLM_LOGPROB_FLOOR else float("nan")
                       for lp in logprobs[1:n]]
         old = torch.tensor(old_values, dtype=torch.float32)
-        counters.missing_logprobs += int((mask.bool() & old.isnan()).sum())
         if int(mask.sum()) > 0:
             out.append((torch.tensor(token_ids[:n], dtype=torch.long), old, mask))
-    counters.skipped["too_long_sequences"] += too_long
-    if not out and not too_long:
+    if too_long:
+        counters.skipped["too_long_sequences"] += too_long
+    elif not out:
         counters.skipped["no_assistant_tokens"] += 1
     return out
 
@@ -167,13 +182,16 @@ def _nothing(groups: list[Group], counters: _Counters, need: str) -> NothingTrai
     return NothingTrainableError(f"nothing to train in {len(groups)} group(s): {reasons}. {need}")
 
 
-def _common_stats(groups: list[Group], counters: _Counters, trained_groups: int, n_traj: int) -> dict[str, float]:
+def _common_stats(groups: list[Group], counters: _Counters, trained_groups: int,
+                  per_traj: list[tuple[float, list[_Seq]]]) -> dict[str, float]:
+    # assistant tokens without an engine log-prob among those that train (not those of groups left out)
+    missing = sum(int((mask.bool() & old.isnan()).sum()) for _, seqs in per_traj for _, old, mask in seqs)
     return {
         "data/groups": float(len(groups)),
         "data/groups_trained": float(trained_groups),
-        "data/trajectories": float(n_traj),
+        "data/trajectories": float(len(per_traj)),
         "data/truncated_sequences": float(counters.truncated),
-        "data/missing_logprobs": float(counters.missing_logprobs),
+        "data/missing_logprobs": float(missing),
         "data/retokenized_trajectories": float(counters.retokenized),
         **{f"data/skipped/{k}": float(v) for k, v in sorted(counters.skipped.items())},
     }
@@ -204,7 +222,8 @@ def prepare_grpo(groups: list[Group], config: GRPOConfig, device: torch.device,
             continue
         # float64: a finite reward beyond float32's range must not turn into inf
         rewards = torch.tensor([reward for reward, _ in kept], dtype=torch.float64)
-        if float(rewards.max() - rewards.min()) == 0.0:
+        if math.isclose(float(rewards.min()), float(rewards.max()), rel_tol=REWARD_SPREAD_TOLERANCE,
+                        abs_tol=REWARD_SPREAD_TOLERANCE):
             counters.skipped["no_reward_spread"] += 1
             continue
         advantages = group_advantages(rewards, scale=config.scale_rewards)
@@ -220,7 +239,7 @@ def prepare_grpo(groups: list[Group], config: GRPOConfig, device: torch.device,
                        "and assistant tokens.")
     rewards_t, adv_t = torch.tensor(rewards_seen, dtype=torch.float64), torch.tensor(advantages_seen)
     stats = {
-        **_common_stats(groups, counters, trained_groups, len(per_traj)),
+        **_common_stats(groups, counters, trained_groups, per_traj),
         "reward/mean": float(rewards_t.mean()),
         "reward/std": float(rewards_t.std(correction=0)),
         "advantage/mean": float(adv_t.mean()),
@@ -259,7 +278,7 @@ def prepare_sft(groups: list[Group], config: GRPOConfig, device: torch.device,
         raise _nothing(groups, counters, "SFT needs a rewarded trajectory with assistant tokens in some group.")
     rewards_t = torch.tensor(rewards_seen, dtype=torch.float64)
     stats = {
-        **_common_stats(groups, counters, len(per_traj), len(per_traj)),
+        **_common_stats(groups, counters, len(per_traj), per_traj),
         "reward/mean": float(rewards_t.mean()),
         "reward/std": float(rewards_t.std(correction=0)),
     }

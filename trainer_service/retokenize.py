@@ -2,17 +2,18 @@
 
 Trajectories whose spans came without engine token ids (`token_exact=False`: another
 instrumentation, a foreign span) still carry their messages. They are rendered with the chat
-template; a token is an assistant token when the text it comes from was added by an assistant
-message. The spans are found by rendering growing prefixes of the conversation, so any
-template that renders a conversation as the concatenation of its turns works, tool calls
-included. Trailing template text after the end-of-turn token (a newline) is not sampled by the
-model and is left out of the mask. The end-of-turn token is the tokenizer's eos, or the special
-token the template writes right after an assistant message where that is another one (Gemma's
-`<end_of_turn>`, whose eos is `<eos>`).
+template as vLLM renders them (a tool call's `arguments` JSON string parsed into an object first);
+a token is an assistant token when the text it comes from was added by an assistant message. The
+spans are found by rendering growing prefixes of the conversation, so any template that renders a
+conversation as the concatenation of its turns works, tool calls included. Trailing template text
+after the end-of-turn token (a newline) is not sampled by the model and is left out of the mask.
+The end-of-turn token is the tokenizer's eos, or the special token the template writes right after
+an assistant message where that is another one (Gemma's `<end_of_turn>`, whose eos is `<eos>`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from jinja2 import TemplateError
@@ -49,6 +50,31 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], 
     return text
 
 
+def _as_served(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` as vLLM hands them to the chat template: a tool call's `arguments` that is a JSON string of an
+    object becomes that object, which templates render with `tojson` (`{"a": 2}` where the string may have been
+    `{"a":2}`). Other arguments stay as they are."""
+    served = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if message.get("role") == "assistant" and isinstance(calls, list):
+            message = {**message, "tool_calls": [_parsed_arguments(call) for call in calls]}
+        served.append(message)
+    return served
+
+
+def _parsed_arguments(call: Any) -> Any:
+    """`call` with its `function.arguments` parsed when that is a JSON string of an object; else `call` itself."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:  # not JSON: the template renders the string as it is
+        return call
+    return {**call, "function": {**function, "arguments": arguments}} if isinstance(arguments, dict) else call
+
+
 _PROBE = "art-retokenize-probe"
 """The content of the assistant message `_end_of_turn_ids` renders to find what the template writes after one."""
 
@@ -76,7 +102,8 @@ def render_with_assistant_mask(
 
     Args:
         tokenizer: a fast tokenizer with a chat template.
-        messages: OpenAI-format messages (assistant messages may carry `tool_calls`).
+        messages: OpenAI-format messages (assistant messages may carry `tool_calls`, whose `arguments` strings
+            are rendered as vLLM renders them: parsed into objects).
         tools: OpenAI tool definitions passed to the template.
 
     Returns:
@@ -92,6 +119,7 @@ def render_with_assistant_mask(
         raise RetokenizeError("the tokenizer has no chat template; set one (or serve a model that ships one)")
     if not any(m.get("role") == "assistant" for m in messages):
         raise RetokenizeError("the conversation has no assistant message: nothing to train on")
+    messages = _as_served(messages)
     full = _render(tokenizer, messages, tools, generation_prompt=False)
     spans: list[tuple[int, int]] = []
     for index, message in enumerate(messages):

@@ -64,6 +64,31 @@ def test_nonfinite_rewards_are_skipped_and_counted() -> None:
         prepare_grpo([only_nan], trainer.config, CPU)
 
 
+def test_malformed_sequences_skip_their_trajectory_not_the_batch(caplog: pytest.LogCaptureFixture) -> None:
+    trainer = make_trainer()
+    short, flipped = group(trainer, (1.0, 0.0), "short"), group(trainer, (1.0, 0.0), "flipped")
+    short.trajectories[0].sequences[0].logprobs.pop()  # one log-prob fewer than tokens
+    flipped.trajectories[1].sequences[0].assistant_mask[-1] = -1  # would flip the sign of that token's loss
+    batch = prepare_grpo([group(trainer, (1.0, 0.0), "ok"), short, flipped], trainer.config, CPU)
+    assert batch.stats["data/skipped/malformed_trajectories"] == 2 and batch.stats["data/groups_trained"] == 1
+    assert batch.stats["data/skipped/too_few_trajectories"] == 2 and len(batch.items) == 2
+    assert "trajectory short-a of group g is skipped (malformed_trajectories): sequence 0 has token_ids (10), " \
+        "logprobs (9)" in caplog.text and "assistant_mask value other than 0 and 1: [-1]" in caplog.text
+    with pytest.raises(NothingTrainableError, match="malformed_trajectories=1"):  # SFT's best one is malformed
+        prepare_sft([short], trainer.config, CPU)
+
+
+def test_rewards_equal_up_to_float_rounding_have_no_spread() -> None:
+    trainer = make_trainer()
+    for scale in (1.0, 1e10):  # 1e10: the rounding noise alone gave advantages of ±0.57
+        noisy = group(trainer, (scale * (0.1 + 0.2 + 0.3), scale * (0.3 + 0.2 + 0.1)))
+        assert noisy.trajectories[0].reward != noisy.trajectories[1].reward
+        with pytest.raises(NothingTrainableError, match=r"in 1 group\(s\): no_reward_spread=1\. "):
+            prepare_grpo([noisy], trainer.config, CPU)  # and no other reason named, not even at 0
+    small = prepare_grpo([group(trainer, (1.0, 1.0 + 1e-9))], GRPOConfig(scale_rewards=False), CPU)
+    assert small.stats["data/groups_trained"] == 1  # a difference beyond rounding still trains
+
+
 def test_long_sequences_truncate_or_skip() -> None:
     trainer = make_trainer()
     g = group(trainer, (1.0, 0.0))
@@ -132,6 +157,17 @@ def test_infinite_engine_logprobs_are_missing(placeholder: float) -> None:
     assert prepare_grpo([g], trainer.config, CPU).stats["data/missing_logprobs"] == 1
 
 
+def test_missing_logprobs_count_only_the_tokens_that_train() -> None:
+    trainer = make_trainer()
+    flat = group(trainer, (0.5, 0.5), "flat")  # no reward spread: left out
+    for t in flat.trajectories:
+        t.sequences[0].logprobs = [None] * len(t.sequences[0].logprobs)  # an engine that returned no log-probs
+    batch = prepare_grpo([group(trainer, (1.0, 0.0), "ok"), flat], trainer.config, CPU)
+    assert batch.stats["data/skipped/no_reward_spread"] == 1 and batch.stats["data/missing_logprobs"] == 0
+    flat.trajectories[0].reward = 1.0  # now it trains, on-policy: all 7 of its assistant tokens
+    assert prepare_grpo([flat], trainer.config, CPU).stats["data/missing_logprobs"] == len(GOOD) + len(BAD)
+
+
 def test_advantage_stats_are_reported() -> None:
     trainer = make_trainer()
     stats = prepare_grpo([group(trainer, (1.0, 0.0))], trainer.config, CPU).stats
@@ -170,6 +206,22 @@ def test_retokenized_mask_covers_exactly_the_assistant_turns(tokenizer: PreTrain
     for text in ("You add numbers.", "What is 2+3?", "<tool_response>\n5\n</tool_response>", "And 1+1?",
                  '"name": "add"'):
         assert text in unmasked  # prompts, tool definitions and tool results carry no loss
+
+
+def test_retokenized_tool_calls_render_their_arguments_as_vllm_does(tokenizer: PreTrainedTokenizerBase) -> None:
+    # vLLM parses an `arguments` string into an object before the template renders it with `tojson`
+    def conversation(arguments: str | dict) -> list[dict]:
+        return [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": arguments}}]}]
+
+    compact, served = conversation('{"a":2,"b":3}'), conversation({"a": 2, "b": 3})
+    ids, mask = render_with_assistant_mask(tokenizer, compact, TOOLS)
+    assert (ids, mask) == render_with_assistant_mask(tokenizer, served, TOOLS)
+    assert tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == (
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>')
+    assert compact[1]["tool_calls"][0]["function"]["arguments"] == '{"a":2,"b":3}'  # the caller's messages are kept
+    odd, _ = render_with_assistant_mask(tokenizer, conversation("not json"), TOOLS)  # rendered as it is
+    assert '"arguments": not json}' in tokenizer.decode(odd)
 
 
 def test_retokenized_mask_ends_at_an_end_of_turn_token_that_is_not_eos(tokenizer: PreTrainedTokenizerBase) -> None:
