@@ -9,6 +9,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from collector.protocol import has_reward_spread
+
 __all__ = ["Decision", "Member", "TrainingReward", "capacity", "decide", "merge_rewards"]
 
 
@@ -69,7 +71,8 @@ def decide(members: list[Member], expected: int, *, reward_label: str, keep_zero
     """Readiness of an open group.
 
     Ready when every member is in the train split, complete and rewarded, there are at least
-    `expected` members, and the rewards are not all equal (unless `keep_zero_spread`).
+    `expected` members, and the rewards are not all equal up to float rounding (`has_reward_spread`; unless
+    `keep_zero_spread`).
     """
     not_train = sorted({m.split for m in members if m.split != "train"})
     if not_train:
@@ -82,7 +85,7 @@ def decide(members: list[Member], expected: int, *, reward_label: str, keep_zero
     unrewarded = sum(m.reward is None for m in members)
     if unrewarded:
         return Decision("open", f"{unrewarded} trajectories without reward {reward_label}")
-    if not keep_zero_spread and len({m.reward for m in members}) < 2:
+    if not keep_zero_spread and not has_reward_spread([m.reward for m in members if m.reward is not None]):
         return Decision("skipped", "no reward spread")
     return Decision("ready")
 

@@ -19,6 +19,18 @@ MAX_COUNT = 2**31 - 1
 MAX_LEASE_SECONDS = 7 * 24 * 3600.0
 """Longest lease a trainer may take: a week."""
 
+REWARD_SPREAD_TOLERANCE = 1e-12
+"""Rewards of a group that differ by no more than this, relatively or absolutely, are equal: float rounding
+(`0.1 + 0.2 + 0.3` against `0.3 + 0.2 + 0.1`) is no signal, yet scaled by the group's tiny std it would be one."""
+
+
+def has_reward_spread(rewards: list[float]) -> bool:
+    """Whether a group's rewards differ beyond float rounding (`REWARD_SPREAD_TOLERANCE`): the rule by which the
+    collector leases a group and the trainer trains it."""
+    low, high = min(rewards), max(rewards)
+    return not math.isclose(low, high, rel_tol=REWARD_SPREAD_TOLERANCE, abs_tol=REWARD_SPREAD_TOLERANCE)
+
+
 Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_LENGTH, pattern=r"^[^\x00]*$")]
 """An id or a name as the store keeps it: 1 to 256 characters, no NUL."""
 TraceId = Annotated[str, StringConstraints(strip_whitespace=True, to_lower=True, pattern=r"^[0-9a-f]{32}$")]

@@ -8,8 +8,8 @@ same weight. Everything it leaves out is counted once under `data/skipped/<reaso
 the reason names:
 
 * groups: `too_few_trajectories` (fewer than two trajectories left to train), `no_reward_spread` (rewards
-  equal up to `REWARD_SPREAD_TOLERANCE`), `nonfinite_advantages` (rewards so large the advantages do not fit
-  float32), and for SFT `no_rewarded_trajectory`;
+  equal up to float rounding, `collector.protocol.has_reward_spread`), `nonfinite_advantages` (rewards so
+  large the advantages do not fit float32), and for SFT `no_rewarded_trajectory`;
 * trajectories: `unrewarded_trajectories`, `nonfinite_rewards`, `malformed_trajectories` (a sequence whose
   `token_ids`, `logprobs` and `assistant_mask` differ in length, or whose mask holds a value other than 0 and 1),
   `not_token_exact_without_tokenizer`, `retokenize_failed`, `no_assistant_tokens` (no sequence has an assistant
@@ -30,14 +30,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from collector.protocol import Group, Sequence, Trajectory
+from collector.protocol import Group, Sequence, Trajectory, has_reward_spread
 from trainer_service.grpo import group_advantages, trajectory_token_weights
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.retokenize import RetokenizeError, render_with_assistant_mask
 
 __all__ = [
-    "REWARD_SPREAD_TOLERANCE", "VLLM_LOGPROB_FLOOR", "NothingTrainableError", "PreparedBatch", "TrainItem",
-    "prepare_grpo", "prepare_sft", "shard_items",
+    "VLLM_LOGPROB_FLOOR", "NothingTrainableError", "PreparedBatch", "TrainItem", "prepare_grpo", "prepare_sft",
+    "shard_items",
 ]
 
 logger = logging.getLogger(__name__)
@@ -46,11 +46,6 @@ logger = logging.getLogger(__name__)
 VLLM_LOGPROB_FLOOR = -9999.0
 """vLLM's chat API writes a log-prob at or below this (`-inf` among them) as this value: a placeholder, not a
 log-prob the trainer can compare with its own (its ratio would be e^20 after the clamp, `grpo.MAX_LOG_RATIO`)."""
-
-
-REWARD_SPREAD_TOLERANCE = 1e-12
-"""Rewards of a group that differ by no more than this, relatively or absolutely, are equal: float rounding
-(`0.1 + 0.2 + 0.3` against `0.3 + 0.2 + 0.1`) is no signal, yet scaled by the group's tiny std it would be one."""
 
 
 class NothingTrainableError(ValueError):
@@ -222,8 +217,7 @@ def prepare_grpo(groups: list[Group], config: GRPOConfig, device: torch.device,
             continue
         # float64: a finite reward beyond float32's range must not turn into inf
         rewards = torch.tensor([reward for reward, _ in kept], dtype=torch.float64)
-        if math.isclose(float(rewards.min()), float(rewards.max()), rel_tol=REWARD_SPREAD_TOLERANCE,
-                        abs_tol=REWARD_SPREAD_TOLERANCE):
+        if not has_reward_spread([reward for reward, _ in kept]):
             counters.skipped["no_reward_spread"] += 1
             continue
         advantages = group_advantages(rewards, scale=config.scale_rewards)

@@ -24,6 +24,10 @@ def test_decide() -> None:
     assert decide([_m(1.0), _m(0.0, split="val")], 2, **kw).state == "open"
     assert decide([_m(0.5), _m(0.5)], 2, **kw).state == "skipped"
     assert decide([_m(0.5), _m(0.5)], 2, reward_label="'reward'", keep_zero_spread=True).state == "ready"
+    # partial credits summed in another order differ by rounding alone: no spread, as the trainer sees it
+    assert 0.1 + 0.2 + 0.3 != 0.3 + 0.2 + 0.1
+    assert decide([_m(0.1 + 0.2 + 0.3), _m(0.3 + 0.2 + 0.1)], 2, **kw).state == "skipped"
+    assert decide([_m(1.0), _m(1.0 + 1e-9)], 2, **kw).state == "ready"
 
 
 def test_merge_rewards_api_over_span_later_over_earlier() -> None:
