@@ -50,7 +50,7 @@ async def gather(
     Raises:
         ValueError: `n` or `concurrency` below 1.
         Exception: The first error a run or the reward function raised (that rollout's span
-            is marked ERROR; the other runs are cancelled).
+            is marked ERROR); the other runs are cancelled and have ended when it is raised.
     """
     if n < 1 or concurrency < 1:
         raise ValueError(f"gather needs n >= 1 and concurrency >= 1, got n={n}, concurrency={concurrency}")
@@ -72,22 +72,20 @@ async def gather(
             bar.update(1)
             return output
 
-    async def group_of(index: int, item: Any) -> list[Any]:
-        group = uuid.uuid4().hex
-        return list(await asyncio.gather(*(one(index, item, group) for _ in range(n))))
-
+    groups = [uuid.uuid4().hex for _ in inputs]
+    tasks = [asyncio.ensure_future(one(i, item, groups[i])) for i, item in enumerate(inputs) for _ in range(n)]
     try:
-        tasks = [asyncio.ensure_future(group_of(i, item)) for i, item in enumerate(inputs)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            raise
+        outputs = await asyncio.gather(*tasks)
+    except BaseException:
+        # Every other run is cancelled and awaited, so none goes on in the background and every
+        # rollout span has ended (and can be flushed) when the error reaches the caller.
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     finally:
         bar.close()
-
-
+    return [outputs[i * n : (i + 1) * n] for i in range(len(inputs))]
 
 
 def gather_sync(graph: Any, inputs: Sequence[Any], **kwargs: Any) -> list[list[Any]]:

@@ -7,7 +7,8 @@ rollout they belong to. The table follows LangChain's own run tree (`parent_run_
 context variables, so placement stays right across asyncio tasks, LangGraph's thread pool for
 sync nodes, `Send` fan-out and subgraphs.
 
-* A top-level run (no parent) inside `rollout(...)` hangs under that rollout's span.
+* A top-level run (no parent) inside `rollout(...)` hangs under that rollout's span; so does a run
+  started inside a `rollout(...)` that a running graph's node opened (a nested rollout).
 * A top-level run outside any rollout opens an implicit rollout: a `rollout` span whose id is
   the run's `run_id` in hex, task/group/split from `config["metadata"]` (`art.task`, ...) or
   the run's name. It ends when the run ends.
@@ -64,9 +65,25 @@ class Placement:
 _runs: dict[UUID, Placement] = {}
 
 
+def _active_placement() -> Placement | None:
+    """The placement under the caller's `rollout(...)`, while it has been entered and has not ended."""
+    current = current_rollout()
+    if current is None or current._span is None or current._ended:
+        return None
+    return Placement(current._span, current)
+
+
 def placement_of(run_id: UUID | None) -> Placement | None:
-    """The placement of a running LangChain run, or None when it is not tracked."""
-    return _runs.get(run_id) if run_id is not None else None
+    """Where the children of a running LangChain run go, or None when the run is not tracked.
+
+    A `rollout(...)` opened inside the run (in a graph node) takes the children started in it: it is
+    current there, and the rollout the run belongs to is not.
+    """
+    placement = _runs.get(run_id) if run_id is not None else None
+    if placement is None:
+        return None
+    nested = _active_placement()
+    return placement if nested is None or nested.rollout is placement.rollout else nested
 
 
 def current_run_id() -> UUID | None:
@@ -139,7 +156,7 @@ class GraphTracer(BaseCallbackHandler):
         if parent_run_id is None:
             self._start_top_level(run_id, name, metadata)
             return
-        parent = _runs.get(parent_run_id)
+        parent = placement_of(parent_run_id)
         if parent is None:
             return
         node = metadata.get("langgraph_node")
@@ -164,9 +181,8 @@ class GraphTracer(BaseCallbackHandler):
         if len(_runs) >= _MAX_RUNS:
             _logger.warning("art_langgraph: %d runs in flight; run %s is not traced", len(_runs), run_id)
             return
-        explicit = current_rollout()
-        if explicit is not None and explicit._span is not None and not explicit._ended:
-            _runs[run_id] = Placement(explicit._span, explicit)
+        if (explicit := _active_placement()) is not None:
+            _runs[run_id] = explicit
             return
         rollout = _implicit_rollout(run_id, name, metadata)
         span = rollout._begin()
@@ -193,7 +209,7 @@ class GraphTracer(BaseCallbackHandler):
         **kwargs: Any,
     ) -> None:
         """Open a `tool` span under the run that called the tool."""
-        parent = _runs.get(parent_run_id) if parent_run_id is not None else None
+        parent = placement_of(parent_run_id)
         if parent is None:
             return
         name = kwargs.get("name") or (serialized or {}).get("name") or "tool"

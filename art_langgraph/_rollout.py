@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 import uuid
 from contextvars import ContextVar, Token
 from types import TracebackType
@@ -34,7 +35,8 @@ _warned_stepped_apart = False
 
 
 def _check_reward(value: float, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    """`value` as a float: any real number (NumPy's too), not a bool, finite; `name` non-empty."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"reward {name!r} must be a number, got {type(value).__name__}")
     value = float(value)
     if not math.isfinite(value):

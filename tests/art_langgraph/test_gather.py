@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import TypedDict
 
 import pytest
@@ -80,3 +81,34 @@ async def test_gather_propagates_errors_and_validates(spans) -> None:
         await gather(Boom(), [1], n=2, progress=False)
     with pytest.raises(ValueError, match="n >= 1"):
         await gather(Boom(), [1], n=0)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_gather_failure_cancels_and_ends_every_other_run(spans) -> None:
+    """The other members of the failing run's group stop too, and every rollout span has ended when it raises."""
+
+    class FailsFirst:
+        name = "flaky"
+
+        def __init__(self) -> None:
+            self.calls = 0
+            self.finished = 0
+
+        async def ainvoke(self, inp: int) -> int:
+            self.calls += 1
+            if self.calls == 1:
+                await asyncio.sleep(0.01)
+                raise RuntimeError("graph failed")
+            await asyncio.sleep(0.5)
+            self.finished += 1
+            return inp
+
+    graph = FailsFirst()
+    with pytest.raises(RuntimeError, match="graph failed"):
+        await gather(graph, [1, 2], n=3, progress=False)
+    roots = spans.get_finished_spans()
+    assert len(roots) == 6
+    assert sorted(s.status.status_code.name for s in roots) == ["ERROR"] + ["UNSET"] * 5
+    assert sum(e.name == semconv.CANCELLED_EVENT for s in roots for e in s.events) == 5
+    await asyncio.sleep(0.6)
+    assert graph.finished == 0

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import TypedDict
 
+import numpy as np
 import pytest
 from langgraph.graph import END, START, StateGraph
 from starlette.responses import StreamingResponse
@@ -275,6 +276,22 @@ def test_reward_validation_misc(spans) -> None:
                 pass
 
 
+def test_numpy_rewards_are_numbers(spans) -> None:
+    """A reward computed with NumPy (`np.float32`, `np.int64`) counts; a NumPy bool does not, as a bool does not."""
+    with rollout("np") as r:
+        r.reward(np.float32(0.5))
+        reward(np.int64(2), name="count")
+        with pytest.raises(TypeError, match="must be a number"):
+            reward(np.bool_(True))
+        with pytest.raises(ValueError, match="finite"):
+            reward(np.float32("nan"))
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert [(e.attributes[semconv.REWARD_NAME], e.attributes[semconv.REWARD_VALUE]) for e in root.events] == [
+        ("reward", 0.5),
+        ("count", 2.0),
+    ]
+
+
 def test_module_reward_inside_rollout_is_an_event(spans) -> None:
     with rollout("r") as r:
         reward(0.25, name="judge")
@@ -284,6 +301,48 @@ def test_module_reward_inside_rollout_is_an_event(spans) -> None:
         (semconv.REWARD_EVENT, 0.25),
         (semconv.REWARD_EVENT, 2.0),
     ]
+
+
+def test_rollout_opened_in_a_node_owns_the_calls_and_runs_inside_it(spans) -> None:
+    """A rollout nested in a graph node gets the model calls and the subgraph run made in it, as it gets the reward."""
+    model = FakeEngine().chat_model()
+
+    def ask(state: State) -> State:
+        return {"first": model.invoke(state["question"]).content}
+
+    sub = StateGraph(State)
+    sub.add_node("ask", ask)
+    sub.add_edge(START, "ask")
+    sub.add_edge("ask", END)
+    subgraph = sub.compile()
+    inner_ids: list[str] = []
+
+    def outer_node(state: State) -> State:
+        with rollout("inner") as inner:
+            inner_ids.append(inner.id)
+            model.invoke(state["question"])
+            subgraph.invoke(state)
+            reward(1.0)
+        return {"second": model.invoke(state["question"]).content}
+
+    g = StateGraph(State)
+    g.add_node("outer_node", outer_node)
+    g.add_edge(START, "outer_node")
+    g.add_edge("outer_node", END)
+    g.compile(name="outer").invoke({"question": "q"})
+
+    roots = {s.attributes[semconv.TASK]: s for s in spans_of(spans, semconv.SPAN_KIND_ROLLOUT)}
+    inner, outer = roots["inner"], roots["outer"]
+    assert inner.attributes[semconv.ROLLOUT_ID] == inner_ids[0] and inner.events[0].name == semconv.REWARD_EVENT
+    llm = spans_of(spans, semconv.SPAN_KIND_LLM)
+    in_inner = [s for s in llm if s.context.trace_id == inner.context.trace_id]
+    in_outer = [s for s in llm if s.context.trace_id == outer.context.trace_id]
+    assert len(in_inner) == 2 and len(in_outer) == 1
+    assert {s.attributes[semconv.ROLLOUT_ID] for s in in_inner} == {inner_ids[0]}
+    assert in_outer[0].attributes[semconv.ROLLOUT_ID] == outer.attributes[semconv.ROLLOUT_ID]
+    (ask_node,) = [s for s in spans_of(spans, semconv.SPAN_KIND_NODE) if s.attributes[semconv.NODE_NAME] == "ask"]
+    assert ask_node.attributes[semconv.ROLLOUT_ID] == inner_ids[0]
+    assert ask_node.parent.span_id == inner.context.span_id
 
 
 class _Rewards(BaseHTTPRequestHandler):
