@@ -25,15 +25,18 @@ whether the batch's data is to blame (`data_fault`: the error came from the step
 would have in one process, not from starting, loading, saving or the collectives), and the
 job folder (named `.step-N.dist-*`, so a crash's leftover is removed at start) is deleted. So
 does a step that outlives `timeout` (a collective that never completes waits forever): torchrun
-is sent SIGTERM, on which it stops every worker. Rank 0 failing to write the checkpoint (a full
-disk) is a `CheckpointWriteError`, as in one process.
+is sent SIGTERM, on which it stops every worker. torchrun dies with the service (`parent_death`)
+and each worker with torchrun (SIGKILL), so a killed service or torchrun leaves no worker behind.
+Rank 0 failing to write the checkpoint (a full disk) is a `CheckpointWriteError`, as in one process.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -50,6 +53,7 @@ from collector.protocol import Batch
 from trainer_service.checkpoints import CheckpointWriteError
 from trainer_service.durable import durable_rename
 from trainer_service.grpo_config import GRPOConfig
+from trainer_service.parent_death import die_with_parent, launch_command
 from trainer_service.training import LoRATrainer
 
 __all__ = ["DistributedStepError", "TrainLauncher"]
@@ -59,6 +63,8 @@ _BATCH = "batch.json"
 _STATE = "state"
 _OUTPUT = "checkpoint"
 _ERROR = "error-rank{rank}.json"
+
+logger = logging.getLogger(__name__)
 
 
 class DistributedStepError(RuntimeError):
@@ -145,8 +151,9 @@ class TrainLauncher:
 
     def _launch(self, job: Path) -> None:
         """Run the workers on `job`; raise the first worker error (`_worker_error`)."""
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={self.processes}", "--module", __name__, str(job)]
+        # Stopped with its workers when the service dies (a SIGKILL, the OOM killer): nothing else would stop them.
+        command = launch_command([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  f"--nproc-per-node={self.processes}", "--module", __name__, str(job)])
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("a") as log:
             log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
@@ -169,11 +176,21 @@ class TrainLauncher:
                 ) from None
         if code == 0 and (job / _OUTPUT).is_dir():
             return
-        reports = [json.loads(path.read_text()) for path in job.glob(_ERROR.format(rank="*"))]
+        reports = [report for path in sorted(job.glob(_ERROR.format(rank="*"))) if (report := _read_report(path))]
         if not reports:
             raise DistributedStepError(f"torchrun exited with status {code} and no worker reported an error; "
                                        f"see {self.log_path}.")
         raise _worker_error(reports, self.processes, self.log_path)
+
+
+def _read_report(path: Path) -> dict[str, Any] | None:
+    """A worker's error report (`_error_report`); None, logged, when it is cut short (torchrun stopped that worker,
+    once another had failed, while it wrote it)."""
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        logger.warning("unreadable training worker report %s (its worker was stopped while writing it)", path.name)
+        return None
 
 
 def _worker_error(reports: list[dict[str, Any]], processes: int,
@@ -202,6 +219,10 @@ def _run_worker(job: Path) -> None:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     phase = "starting"
     try:
+        # Each worker leads a session of its own: killed when torchrun dies without stopping it (SIGKILL).
+        torchrun = os.getppid()
+        if not die_with_parent(torchrun, signal.SIGKILL):
+            raise RuntimeError(f"torchrun (process {torchrun}) ended before rank {rank} started")
         spec = json.loads((job / _JOB).read_text())
         cuda = torch.cuda.is_available()
         if cuda:

@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 
-__all__ = ["launch_command", "main"]
+__all__ = ["die_with_parent", "launch_command", "main"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -29,19 +29,32 @@ def launch_command(command: list[str]) -> list[str]:
     return [sys.executable, "-m", "trainer_service.parent_death", str(os.getpid()), *command]
 
 
+def die_with_parent(parent: int, sig: signal.Signals = signal.SIGTERM) -> bool:
+    """Have Linux send `sig` to this process when its parent dies (nothing on other systems).
+
+    Returns:
+        False when `parent` is no longer this process's parent (it died before the signal was armed).
+
+    Raises:
+        OSError: `prctl(PR_SET_PDEATHSIG)` failed.
+    """
+    if not sys.platform.startswith("linux"):
+        return True
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(errno)}")
+    return os.getppid() == parent
+
+
 def main(argv: list[str] | None = None) -> None:
     """Arm the parent-death signal, then exec the command."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) < 2 or not args[0].isdigit():
         raise SystemExit("usage: python -m trainer_service.parent_death PARENT_PID COMMAND [ARG ...]")
     parent, command = int(args[0]), args[1:]
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(errno)}")
-        if os.getppid() != parent:
-            raise SystemExit(f"parent process {parent} ended before {command[0]} started")
+    if not die_with_parent(parent):
+        raise SystemExit(f"parent process {parent} ended before {command[0]} started")
     os.execvp(command[0], command)
 
 

@@ -8,9 +8,14 @@ ones of `builders`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -249,3 +254,69 @@ async def test_the_workers_checkpoint_reaches_its_name_durably(tmp_path: Path, m
     assert dest.is_dir() and flushed[-1] == dest.parent
     assert any(path.parent.name.startswith(".step-1.dist-") and path.name == "checkpoint" for path in flushed)
     await service.aclose()
+
+
+@pytest.mark.parametrize("victim", ["service", "torchrun"])
+def test_workers_die_with_the_service_or_torchrun(tmp_path: Path, victim: str) -> None:
+    """A service (here a child running `TrainLauncher._launch`) or a torchrun killed with SIGKILL mid-step takes the
+    step's workers with it; each worker, blocked reading its job description (a FIFO kept open, never written), would
+    otherwise run on for good."""
+    job = tmp_path / "job"
+    job.mkdir()
+    os.mkfifo(job / "job.json")
+    service = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; "
+                                "from trainer_service.distributed import TrainLauncher; "
+                                "TrainLauncher(2, 'unused', Path(sys.argv[1]) / 'log', timeout=600)._launch("
+                                "Path(sys.argv[1]) / 'job')", str(tmp_path)])
+    writer: int | None = None
+    try:
+        deadline = time.monotonic() + 240
+        workers: list[int] = []
+        while len(workers) < 2 or not all(reading(pid, job / "job.json") for pid in workers):
+            assert time.monotonic() < deadline, "both workers should have opened their job description"
+            if writer is None:
+                with contextlib.suppress(OSError):  # ENXIO until a worker waits to read
+                    writer = os.open(job / "job.json", os.O_WRONLY | os.O_NONBLOCK)
+            workers = [pid for pid in processes_mentioning(str(job)) if "-m\0trainer_service.distributed" in
+                       Path(f"/proc/{pid}/cmdline").read_text()]
+            time.sleep(0.2)
+        torchrun = [pid for pid in processes_mentioning(str(job)) if pid not in workers]
+        assert len(torchrun) == 1, torchrun
+        os.kill(service.pid if victim == "service" else torchrun[0], signal.SIGKILL)
+        deadline = time.monotonic() + 90  # torchrun gives its workers 30 s after its SIGTERM
+        while processes_mentioning(str(job)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert processes_mentioning(str(job)) == []
+        assert service.wait(timeout=30) != 0
+    finally:
+        if writer is not None:
+            os.close(writer)
+        for pid in processes_mentioning(str(job)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        service.kill()
+        service.wait()
+
+
+def reading(pid: int, path: Path) -> bool:
+    """Whether process `pid` holds `path` open."""
+    try:
+        return any(os.readlink(fd) == str(path) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+
+
+def test_a_report_cut_short_leaves_the_readable_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun stops rank 1 while it writes its report, once rank 0 has failed: rank 0's error is the step's."""
+    class Failed:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            (tmp_path / "error-rank0.json").write_text(json.dumps(_error_report(0, "training", IndexError("bad id"))))
+            (tmp_path / "error-rank1.json").write_text('{"rank": 1, "ti')
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 1
+
+    monkeypatch.setattr(subprocess, "Popen", Failed)
+    with pytest.raises(DistributedStepError, match="rank 0 of 2 failed training: IndexError: bad id") as info:
+        TrainLauncher(2, "unused", tmp_path / "train_workers.log")._launch(tmp_path)
+    assert info.value.data_fault
