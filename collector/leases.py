@@ -31,6 +31,18 @@ def _locked_batch(conn: Connection, batch_id: str) -> tuple[Any, list[str]]:
     return batch, ids
 
 
+def _changed_since(conn: Connection, group_ids: list[str], since: float) -> list[str]:
+    """Groups of `group_ids`, sorted, that differ from what a lease taken at `since` held: a trajectory joined or
+    changed after it, or a reward stored after it changed a member's rewards."""
+    members = pool.group_members(conn, group_ids)
+    rows = [row for found in members.values() for row in found]
+    now, then = pool.rewards_of(conn, rows), pool.rewards_of(conn, rows, until=since)
+    return sorted(
+        group_id for group_id, found in members.items()
+        if any(row["updated_at"] > since or now[row["id"]] != then[row["id"]] for row in found)
+    )
+
+
 def ack(
     conn: Connection, settings: CollectorSettings, batch_id: str, policy_step: int | None, now: float
 ) -> AckResponse:
@@ -38,8 +50,8 @@ def ack(
 
     Raises:
         NotFound: no such batch.
-        Conflict: `lease_expired`, its lease expired and groups were leased again; `batch_released`, the trainer
-            released it.
+        Conflict: `lease_expired`, its lease expired and groups were leased again, or changed in the pool since;
+            `batch_released`, the trainer released it.
     """
     pool.maintain(conn, settings, now)
     batch, ids = _locked_batch(conn, batch_id)
@@ -57,6 +69,14 @@ def ack(
         raise Conflict(
             f"the lease of batch {batch_id} expired and groups {', '.join(sorted(lost))} were leased again; "
             "discard this batch's update or lease with a longer lease_seconds",
+            code="lease_expired",
+        )
+    changed = _changed_since(conn, [g["id"] for g in rows if g["state"] == "open"], batch["created_at"])
+    if changed:
+        raise Conflict(
+            f"the lease of batch {batch_id} expired and groups {', '.join(changed)} changed in the pool since it was "
+            "taken (a trajectory or a reward arrived): the next lease gets them as they are now; discard this "
+            "batch's update or lease with a longer lease_seconds",
             code="lease_expired",
         )
     if ids:

@@ -19,8 +19,9 @@ __all__ = ["LEASE_EXPIRED", "decisions", "expected_size", "give_back", "group_me
 log = logging.getLogger(__name__)
 
 
-def rewards_of(conn: Connection, rows: list[Any]) -> dict[str, dict[str, float]]:
-    """Named rewards per trajectory row (by rollout id, or by trace id when none was given)."""
+def rewards_of(conn: Connection, rows: list[Any], *, until: float | None = None) -> dict[str, dict[str, float]]:
+    """Named rewards per trajectory row (by rollout id, or by trace id when none was given); with `until`, only
+    those stored by then."""
     by_id: dict[str, list[tuple[tuple[Any, ...], str, str, float]]] = {row["id"]: [] for row in rows}
     by_trace: dict[str, list[str]] = {}
     for row in rows:
@@ -30,6 +31,8 @@ def rewards_of(conn: Connection, rows: list[Any]) -> dict[str, dict[str, float]]
         query = select(rewards).where(
             or_(rewards.c.rollout_id.in_(ids), and_(rewards.c.rollout_id.is_(None), rewards.c.trace_id.in_(traces)))
         )
+        if until is not None:
+            query = query.where(rewards.c.created_at <= until)
         for r in conn.execute(query).mappings():
             if r["source"] == "span":  # by time in the trace, so arrival order does not matter
                 order: tuple[Any, ...] = (r["time_ns"] or 0, r["span_id"] or "", r["name"], r["id"])

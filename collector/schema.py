@@ -299,17 +299,31 @@ MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
+_MIGRATION_LOCK = 0x617274
+"""PostgreSQL advisory-lock key (single-key space) held by the transaction that checks or applies a migration."""
+
+
 def migrate(engine: Engine) -> int:
-    """Bring the database to `SCHEMA_VERSION`; returns the version it was at before."""
-    with engine.begin() as conn:
-        metadata.create_all(conn, tables=[schema_version])
-        current = conn.execute(select(func.max(schema_version.c.version))).scalar() or 0
-    if current > SCHEMA_VERSION:
-        raise RuntimeError(
-            f"database schema is version {current}, newer than this collector ({SCHEMA_VERSION}); upgrade art-langgraph"
-        )
-    for version in range(current, SCHEMA_VERSION):
+    """Bring the database to `SCHEMA_VERSION`; returns the version it was at before.
+
+    Each migration runs in a transaction of its own that first takes the migration lock (PostgreSQL: an advisory
+    lock; SQLite: the write lock of `BEGIN IMMEDIATE`) and reads the version again, so collectors that start at
+    once on one database apply every migration once, and the others find it done.
+    """
+    before: int | None = None
+    while True:
         with engine.begin() as conn:
-            MIGRATIONS[version](conn)
-            conn.execute(schema_version.insert().values(version=version + 1, applied_at=time.time()))
-    return current
+            if conn.dialect.name == "postgresql":
+                conn.execute(select(func.pg_advisory_xact_lock(_MIGRATION_LOCK)))
+            metadata.create_all(conn, tables=[schema_version])
+            current = conn.execute(select(func.max(schema_version.c.version))).scalar() or 0
+            before = current if before is None else before
+            if current > SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"database schema is version {current}, newer than this collector ({SCHEMA_VERSION}); "
+                    "upgrade art-langgraph"
+                )
+            if current == SCHEMA_VERSION:
+                return before
+            MIGRATIONS[current](conn)
+            conn.execute(schema_version.insert().values(version=current + 1, applied_at=time.time()))

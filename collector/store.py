@@ -63,9 +63,11 @@ groups (`pool.decisions`), the others are stored as they are shown."""
 
 
 class SqlStore(Store):
-    """`Store` on SQLAlchemy Core. `clock` returns Unix time (injectable for tests)."""
+    """`Store` on SQLAlchemy Core. `clock` returns Unix time (injectable for tests); without one, the store's time is
+    the database server's on PostgreSQL, so that replicas on one database agree when a lease runs out whatever
+    their machines' clocks say, and this machine's on SQLite."""
 
-    def __init__(self, settings: CollectorSettings, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, settings: CollectorSettings, *, clock: Callable[[], float] | None = None) -> None:
         self.settings = settings
         self.clock = clock
         self.engine = make_engine(settings.db)
@@ -73,6 +75,15 @@ class SqlStore(Store):
         self._tx = Transactions(self.engine)
 
     # --- plumbing -----------------------------------------------------------------------
+    def _now(self, conn: Connection) -> float:
+        """Unix time of the store (see the class): `clock`, else PostgreSQL's `clock_timestamp()`, else this
+        machine's."""
+        if self.clock is not None:
+            return self.clock()
+        if self._tx.postgres:
+            return float(conn.execute(select(func.extract("epoch", func.clock_timestamp()))).scalar_one())
+        return time.time()
+
     def _insert(self, table: Any) -> Any:
         return (postgresql if self._tx.postgres else sqlite).insert(table)
 
@@ -100,7 +111,7 @@ class SqlStore(Store):
 
     def _add_spans(self, conn: Connection, unique: list[SpanRecord]) -> int:
         """Insert the spans in one statement, then update each touched trajectory from its new spans only."""
-        now = self.clock()
+        now = self._now(conn)
         keys = {r.span_id: assembly.trajectory_key(r) for r in unique}
         self._tx.lock(conn, TRAJECTORY_LOCKS, [key for key, _ in keys.values()])
         rows = [
@@ -181,7 +192,7 @@ class SqlStore(Store):
         return RewardAccepted(**reward.model_dump(), trajectory_known=known)
 
     def _add_reward(self, conn: Connection, reward: RewardIn) -> bool:
-        now = self.clock()
+        now = self._now(conn)
         conn.execute(
             rewards.insert().values(
                 rollout_id=reward.rollout_id or None, trace_id=reward.trace_id or None,
@@ -216,7 +227,7 @@ class SqlStore(Store):
     def _read(self, work: Callable[[Connection], Any]) -> Any:
         """`work(conn)` on the store as of now: due maintenance (expired leases, stale groups) first, in a short write
         transaction of its own, then `work` in a read-only one, which on SQLite does not hold up writers."""
-        self._tx.run(lambda conn: pool.maintain(conn, self.settings, self.clock()))
+        self._tx.run(lambda conn: pool.maintain(conn, self.settings, self._now(conn)))
         return self._tx.read(work)
 
     def trajectory(self, trajectory_id: str) -> Trajectory | None:
@@ -332,7 +343,7 @@ class SqlStore(Store):
         return batch
 
     def _lease(self, conn: Connection, request: BatchRequest) -> Batch:
-        now = self.clock()
+        now = self._now(conn)
         pool.maintain(conn, self.settings, now)
         open_groups = list(conn.execute(select(groups).where(groups.c.state == "open")).mappings())
         ready = []
@@ -356,6 +367,10 @@ class SqlStore(Store):
             if len(taken) >= request.max_groups:
                 break
         taken = sorted(taken, key=lambda g: (g["created_at"], g["id"]))[: request.max_groups]
+        # decided before their rows were locked: another replica may have committed a trajectory or a reward to one
+        # since, so decide again now that the locks keep them as they are
+        again = pool.decisions(conn, self.settings, taken)
+        taken = [g for g in taken if again[g["id"]].state == "ready"]
         batch_id, expires = uuid.uuid4().hex, now + request.lease_seconds
         if len(taken) < request.min_groups:  # nothing leased: no batch to store, none to expire later
             return Batch(id=batch_id, groups=[], lease_expires_at=expires)
@@ -376,13 +391,14 @@ class SqlStore(Store):
         return Batch(id=batch_id, groups=out, lease_expires_at=expires)
 
     def ack(self, batch_id: str, policy_step: int | None) -> AckResponse:
-        """Mark a batch's groups trained. Raises `NotFound`, or `Conflict` when they were re-leased or released."""
-        return self._tx.run(lambda conn: leases.ack(conn, self.settings, batch_id, policy_step, self.clock()))
+        """Mark a batch's groups trained. Raises `NotFound`, or `Conflict` when they were re-leased, changed or
+        released."""
+        return self._tx.run(lambda conn: leases.ack(conn, self.settings, batch_id, policy_step, self._now(conn)))
 
     def release(self, batch_id: str, request: ReleaseRequest) -> ReleaseResponse:
         """Give a batch's groups back untrained, counting a failed attempt when `request.failed`; idempotent.
         Raises `NotFound`, or `Conflict` when the batch was acked."""
-        released = self._tx.run(lambda conn: leases.release(conn, self.settings, batch_id, request, self.clock()))
+        released = self._tx.run(lambda conn: leases.release(conn, self.settings, batch_id, request, self._now(conn)))
         log.info("batch %s released (%s): %d groups back in the pool, %d skipped", batch_id,
                  "failed" if request.failed else "not counted", len(released.returned), len(released.skipped))
         return released
@@ -390,4 +406,4 @@ class SqlStore(Store):
     def reopen(self, group_id: str) -> ReopenResponse:
         """Put a skipped or expired group back in the pool, its failed attempts reset. Raises `NotFound`, or
         `Conflict` when the group is open, ready, leased or trained, or skipped for its rewards while in the pool."""
-        return self._tx.run(lambda conn: leases.reopen(conn, self.settings, group_id, self.clock()))
+        return self._tx.run(lambda conn: leases.reopen(conn, self.settings, group_id, self._now(conn)))

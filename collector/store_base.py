@@ -52,7 +52,8 @@ class Store(ABC):
 
     @abstractmethod
     def ack(self, batch_id: str, policy_step: int | None) -> AckResponse:
-        """Mark a batch's groups trained. Raises `NotFound`, or `Conflict` when they were re-leased or released."""
+        """Mark a batch's groups trained. Raises `NotFound`, or `Conflict` when they were re-leased, changed or
+        released."""
 
     @abstractmethod
     def release(self, batch_id: str, request: ReleaseRequest) -> ReleaseResponse:

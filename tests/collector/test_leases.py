@@ -65,6 +65,26 @@ def test_late_ack_is_accepted_when_not_leased_again(make_store, clock) -> None:
     assert store.lease(BatchRequest()).groups == []
 
 
+def test_late_ack_conflicts_when_the_group_changed_in_the_pool_since(make_store, clock) -> None:
+    """Back in the pool after its lease expired, a group that gained a trajectory or a reward is not marked trained by
+    the late ack of a batch that never held them: the next lease gets it as it is now."""
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0, size=None) + trajectory(20, "b", reward=0.0, size=None))
+    _ready_group(store, "h", first=100)
+    batches = [store.lease(BatchRequest(lease_seconds=10, max_groups=1)) for _ in range(2)]
+    clock.now += 11
+    assert [g.state for g in store.groups()] == ["ready", "ready"]
+    store.add_spans(trajectory(30, "c", reward=0.5, size=None))  # joins g, open again
+    store.add_reward(RewardIn(rollout_id="h-b", value=0.25))  # changes h
+    for batch, group in zip(batches, ["g", "h"], strict=True):
+        with pytest.raises(Conflict, match=f"groups {group} changed in the pool") as raised:
+            store.ack(batch.id, policy_step=1)
+        assert raised.value.code == "lease_expired"
+    again = store.lease(BatchRequest())
+    assert [[t.id for t in g.trajectories] for g in again.groups] == [["a", "b", "c"], ["h-a", "h-b"]]
+    assert store.ack(again.id, policy_step=2).groups == ["g", "h"]
+
+
 def test_batches_list_leases_newest_first(make_store, clock) -> None:
     store = make_store()
     store.add_spans(trajectory(10, "a", reward=1.0, group="g1") + trajectory(20, "b", reward=0.0, group="g1"))
@@ -116,6 +136,39 @@ def test_concurrent_leases_from_two_stores_never_share_a_group(db_url, clock) ->
     assert sorted(leased) == sorted(f"g{i}" for i in range(12))
     for store in stores:
         store.close()
+
+
+def test_a_group_changed_by_another_replica_before_the_lease_locks_it_is_not_leased(
+    db_url, clock, monkeypatch
+) -> None:
+    """A trajectory without reward joins a ready group after the lease decided it ready but before it locked its
+    row: the lease decides again under the lock and leaves the group in the pool."""
+    from collector import pool
+    from collector.config import CollectorSettings
+    from collector.store import SqlStore
+
+    url = db_url()
+    if not url.startswith("postgresql"):
+        pytest.skip("SQLite has one writer at a time: no other store commits inside a lease")
+    store, replica = (SqlStore(CollectorSettings(db=url), clock=clock) for _ in range(2))
+    store.setup()
+    store.add_spans(trajectory(10, "a", reward=1.0, size=None) + trajectory(20, "b", reward=0.0, size=None))
+    decided = pool.decisions
+
+    def decisions_then_a_commit_elsewhere(conn, settings, open_groups):
+        out = decided(conn, settings, open_groups)
+        if open_groups:
+            monkeypatch.setattr(pool, "decisions", decided)
+            replica.add_spans(trajectory(30, "c", reward=None, size=None))
+        return out
+
+    monkeypatch.setattr(pool, "decisions", decisions_then_a_commit_elsewhere)
+    assert store.lease(BatchRequest()).groups == []
+    assert _state(store)[:2] == ("open", "1 trajectories without reward 'reward'")
+    store.add_reward(RewardIn(rollout_id="c", value=0.5))
+    assert [[t.id for t in g.trajectories] for g in store.lease(BatchRequest()).groups] == [["a", "b", "c"]]
+    for each in (store, replica):
+        each.close()
 
 
 def test_a_released_batch_is_leased_again_at_once(make_store) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -142,3 +143,33 @@ def test_kill_9_mid_ingest_loses_no_acknowledged_span(
         assert not lost, f"acknowledged exports missing after kill -9: {lost[:5]} of {len(acked)}"
     finally:
         restarted.stop()
+
+
+def test_a_replica_whose_clock_runs_ahead_leaves_another_replicas_lease_alone(
+    postgres: PostgresServer, tmp_path: Path
+) -> None:
+    """On PostgreSQL the store's time is the database's: a replica on a machine whose clock is an hour ahead sees a
+    lease another replica gave as running, and does not lease its group to a second trainer."""
+    ahead = tmp_path / "ahead"
+    ahead.mkdir()
+    (ahead / "sitecustomize.py").write_text("import time\n_real = time.time\ntime.time = lambda: _real() + 3600\n")
+    path = os.pathsep.join(filter(None, [str(ahead), os.environ.get("PYTHONPATH")]))
+    db = postgres.create_database()
+    replicas = [
+        CollectorProcess(db, tmp_path / "collector0.log").start(),
+        CollectorProcess(db, tmp_path / "collector1.log", env={"PYTHONPATH": path}).start(),
+    ]
+    try:
+        with httpx.Client(timeout=30) as http:
+            for body in _group_spans(0):
+                assert http.post(f"{replicas[0].url}/v1/traces", content=body, headers=PB).status_code == 200
+            first = http.post(f"{replicas[0].url}/v1/batches", json={"lease_seconds": 600, "trainer": "t1"}).json()
+            assert [g["id"] for g in first["groups"]] == ["g0"]
+            second = http.post(f"{replicas[1].url}/v1/batches", json={"trainer": "t2"}).json()
+            assert second["groups"] == []
+            shown = http.get(f"{replicas[1].url}/v1/groups").json()
+            assert [(g["id"], g["state"]) for g in shown] == [("g0", "leased")]
+            assert http.post(f"{replicas[1].url}/v1/batches/{first['id']}/ack", json={}).status_code == 200
+    finally:
+        for replica in replicas:
+            replica.stop()

@@ -138,3 +138,30 @@ def test_migration_from_version_4_keeps_groups_and_batches(db_url, clock) -> Non
     assert store.release(batch.id, ReleaseRequest(reason="RuntimeError: x")).returned == ["g"]
     assert {g.id: g.failed_attempts for g in store.groups()} == {"g": 1}  # "t" has no trajectory: not listed
     store.close()
+
+
+def test_collectors_starting_at_once_migrate_a_new_database_once(db_url, clock) -> None:
+    """Replicas set up at the same moment on one empty database: each migration is applied once, none fails."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from collector.config import CollectorSettings
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database cannot be shared by two stores")
+    stores = [SqlStore(CollectorSettings(db=url), clock=clock) for _ in range(4)]
+    start = threading.Barrier(len(stores))
+
+    def setup(store: SqlStore) -> None:
+        start.wait()
+        store.setup()
+
+    with ThreadPoolExecutor(len(stores)) as pool:
+        list(pool.map(setup, stores))  # re-raises a replica's failure
+    with stores[0].engine.connect() as conn:
+        assert ([r[0] for r in conn.execute(text("SELECT version FROM schema_version ORDER BY version"))]
+                == list(range(1, SCHEMA_VERSION + 1)))
+    for store in stores:
+        store.close()
