@@ -14,11 +14,8 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode
 
 from art_langgraph import ARTChatModel, chat_node, semconv
+from tests.art_langgraph.span_reading import spans_of
 from tests.art_langgraph.steering import ADD_CALL, FINAL_ANSWER, STEERED_MAX_TOKENS, has_tool_result, steer
-
-
-def by_kind(spans, kind: str) -> list:
-    return [s for s in spans.get_finished_spans() if s.attributes.get(semconv.SPAN_KIND) == kind]
 
 
 def assert_exact(message: AIMessage) -> None:
@@ -35,7 +32,7 @@ def test_bind_tools_auto_is_parsed_by_vllm(chat_model: ARTChatModel, add_tool, s
                                "type": "tool_call"}]
     assert msg.response_metadata["finish_reason"] == "tool_calls"
     assert_exact(msg)
-    (span,) = by_kind(spans, semconv.SPAN_KIND_LLM)
+    (span,) = spans_of(spans, semconv.SPAN_KIND_LLM)
     (out,) = json.loads(span.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])
     assert out["tool_calls"][0]["function"]["name"] == "add"
     assert list(span.attributes[semconv.COMPLETION_TOKEN_IDS]) == msg.response_metadata["art"]["completion_token_ids"]
@@ -81,11 +78,11 @@ def test_create_react_agent(chat_model: ARTChatModel, add_tool, spans) -> None:
     assert out["messages"][3].content == "The answer is 7."
     for m in (out["messages"][1], out["messages"][3]):
         assert_exact(m)
-    (root,) = by_kind(spans, semconv.SPAN_KIND_ROLLOUT)
-    (tool_span,) = by_kind(spans, semconv.SPAN_KIND_TOOL)
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    (tool_span,) = spans_of(spans, semconv.SPAN_KIND_TOOL)
     assert tool_span.attributes[semconv.GEN_AI_TOOL_NAME] == "add"
     assert tool_span.attributes[semconv.GEN_AI_TOOL_CALL_RESULT] == "7"
-    assert len(by_kind(spans, semconv.SPAN_KIND_LLM)) == 2
+    assert len(spans_of(spans, semconv.SPAN_KIND_LLM)) == 2
     assert {s.context.trace_id for s in spans.get_finished_spans()} == {root.context.trace_id}
 
 
@@ -104,8 +101,8 @@ async def test_langchain_create_agent(chat_model: ARTChatModel, add_tool, spans)
     out = await agent.ainvoke({"messages": [HumanMessage("What is 3+4?")]})
     assert [m.type for m in out["messages"]] == ["human", "ai", "tool", "ai"]
     assert out["messages"][-1].content == "The answer is 7."
-    assert len(by_kind(spans, semconv.SPAN_KIND_LLM)) == 2
-    assert len(by_kind(spans, semconv.SPAN_KIND_ROLLOUT)) == 1
+    assert len(spans_of(spans, semconv.SPAN_KIND_LLM)) == 2
+    assert len(spans_of(spans, semconv.SPAN_KIND_ROLLOUT)) == 1
 
 
 @pytest.mark.asyncio(loop_scope="session")
@@ -122,14 +119,14 @@ async def test_chat_node_with_tool_node(chat_model: ARTChatModel, add_tool, span
     assert [m.type for m in out["messages"]] == ["human", "ai", "tool"]
     assert out["messages"][2].content == "7"
     assert_exact(out["messages"][1])
-    (llm,) = by_kind(spans, semconv.SPAN_KIND_LLM)
+    (llm,) = spans_of(spans, semconv.SPAN_KIND_LLM)
     sent = json.loads(llm.attributes[semconv.GEN_AI_INPUT_MESSAGES])
     assert sent[0] == {"role": "system", "content": "You add numbers."}
     assert json.loads(llm.attributes[semconv.GEN_AI_TOOL_DEFINITIONS])[0]["function"]["name"] == "add"
-    nodes = {s.attributes[semconv.NODE_NAME]: s for s in by_kind(spans, semconv.SPAN_KIND_NODE)}
+    nodes = {s.attributes[semconv.NODE_NAME]: s for s in spans_of(spans, semconv.SPAN_KIND_NODE)}
     assert set(nodes) == {"agent", "tools"}
     assert llm.parent.span_id == nodes["agent"].context.span_id
-    (tool_span,) = by_kind(spans, semconv.SPAN_KIND_TOOL)
+    (tool_span,) = spans_of(spans, semconv.SPAN_KIND_TOOL)
     assert tool_span.parent.span_id == nodes["tools"].context.span_id
 
 

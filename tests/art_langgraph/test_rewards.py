@@ -1,0 +1,144 @@
+"""Rewards: validation (non-finite, types, NumPy), events on the rollout span, and rewards given after the fact,
+posted to the collector."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import numpy as np
+import pytest
+
+import art_langgraph
+from art_langgraph import reward, rollout, semconv
+from tests.art_langgraph.span_reading import spans_of
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_reward_rejects_non_finite(bad: float, spans) -> None:
+    with rollout("r") as r:
+        with pytest.raises(ValueError, match="finite"):
+            r.reward(bad)
+        with pytest.raises(ValueError, match="finite"):
+            reward(bad)
+    with pytest.raises(ValueError, match="finite"):
+        reward(bad, rollout_id="abc")
+
+
+def test_reward_validation_misc(spans) -> None:
+    with pytest.raises(RuntimeError, match="rollout_id"):
+        reward(1.0)
+    with rollout("r"):
+        with pytest.raises(TypeError):
+            reward("1")  # type: ignore[arg-type]
+        with pytest.raises(ValueError):
+            reward(1.0, name="")
+    with pytest.raises(RuntimeError, match="entered only once"):
+        r = rollout("twice")
+        with r:
+            with r:
+                pass
+
+
+def test_numpy_rewards_are_numbers(spans) -> None:
+    """A reward computed with NumPy (`np.float32`, `np.int64`) counts; a NumPy bool does not, as a bool does not."""
+    with rollout("np") as r:
+        r.reward(np.float32(0.5))
+        reward(np.int64(2), name="count")
+        with pytest.raises(TypeError, match="must be a number"):
+            reward(np.bool_(True))
+        with pytest.raises(ValueError, match="finite"):
+            reward(np.float32("nan"))
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert [(e.attributes[semconv.REWARD_NAME], e.attributes[semconv.REWARD_VALUE]) for e in root.events] == [
+        ("reward", 0.5),
+        ("count", 2.0),
+    ]
+
+
+def test_module_reward_inside_rollout_is_an_event(spans) -> None:
+    with rollout("r") as r:
+        reward(0.25, name="judge")
+        reward(2, rollout_id=r.id)
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert [(e.name, e.attributes[semconv.REWARD_VALUE]) for e in root.events] == [
+        (semconv.REWARD_EVENT, 0.25),
+        (semconv.REWARD_EVENT, 2.0),
+    ]
+
+
+class _Rewards(BaseHTTPRequestHandler):
+    received: list[tuple[str, dict, str | None]] = []
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.received.append((self.path, body, self.headers.get("Authorization")))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextmanager
+def _serving_rewards() -> Iterator[tuple[str, list]]:
+    """A stand-in collector that records `POST /v1/rewards`: its URL and what it received."""
+    server = HTTPServer(("127.0.0.1", 0), _Rewards)
+    _Rewards.received = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", _Rewards.received
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture
+def reward_server(memory_tracing) -> Iterator[list]:
+    """The stand-in collector, configured as the collector; tracing is restored after."""
+    with _serving_rewards() as (url, received):
+        art_langgraph.configure(collector_url=url, api_key="sekret")
+        try:
+            yield received
+        finally:
+            memory_tracing.install()
+
+
+def test_late_reward_follows_the_otlp_traces_endpoint(memory_tracing, monkeypatch) -> None:
+    """With only `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` set, rewards go to the collector the spans go to."""
+    for name in ("ART_COLLECTOR_URL", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    with _serving_rewards() as (url, received):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"{url}/v1/traces/")
+        art_langgraph.configure()
+        try:
+            reward(0.5, rollout_id="finished")
+        finally:
+            memory_tracing.install()
+    assert [(path, body) for path, body, _ in received] == [
+        ("/v1/rewards", {"rollout_id": "finished", "name": "reward", "value": 0.5})
+    ]
+
+
+def test_reward_after_the_fact_posts_to_collector(reward_server: list) -> None:
+    with rollout("late") as r:
+        pass
+    reward(0.75, rollout_id=r.id, name="judge")
+    r.reward(1.0)  # the handle after exit also goes through the API
+    assert reward_server == [
+        ("/v1/rewards", {"rollout_id": r.id, "name": "judge", "value": 0.75}, "Bearer sekret"),
+        ("/v1/rewards", {"rollout_id": r.id, "name": "reward", "value": 1.0}, "Bearer sekret"),
+    ]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_areward_after_the_fact(reward_server: list) -> None:
+    async with rollout("late") as r:
+        pass
+    await art_langgraph.areward(0.5, rollout_id=r.id)
+    assert reward_server == [("/v1/rewards", {"rollout_id": r.id, "name": "reward", "value": 0.5}, "Bearer sekret")]
