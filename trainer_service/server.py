@@ -253,9 +253,10 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
         for model_id in svc.served_models():
             try:
                 target = svc.resolve(model_id)
-            except ServiceError:  # one lost adapter must not hide the whole list
-                svc.counters["unresolved_models"] += 1
-                logger.warning("%s is listed but vLLM does not serve it; left out of /v1/models", model_id)
+            except ServiceError as exc:  # one lost or re-loading adapter must not hide the whole list
+                if exc.body.error.code == "model_not_found":  # re-loading after a restart: back once it is loaded
+                    svc.counters["unresolved_models"] += 1
+                    logger.warning("%s is listed but vLLM does not serve it; left out of /v1/models", model_id)
                 continue
             data.append({
                 "id": model_id,
