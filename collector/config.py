@@ -9,7 +9,9 @@ belongs to the plugin (the collector's address as seen by the agent).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -18,7 +20,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from collector.groups import TrainingReward
 
-__all__ = ["CollectorSettings", "art_home", "default_db_url", "hide_password", "settings_error"]
+__all__ = ["CollectorSettings", "art_home", "default_db_url", "hide_password", "settings_error", "validation_problem"]
 
 
 def hide_password(value: str) -> str:
@@ -29,6 +31,12 @@ def hide_password(value: str) -> str:
     except (ArgumentError, ValueError):  # not a URL (a path, a number): nothing to hide
         return value
     return url.render_as_string(hide_password=True) if url.password else value
+
+
+def validation_problem(error: Mapping[str, Any]) -> str:
+    """One pydantic error as `where: message` (`body.max_groups: ...`), or the message alone for the object itself."""
+    where = ".".join(str(part) for part in error["loc"])
+    return f"{where}: {error['msg']}" if where else error["msg"]
 
 
 def settings_error(exc: ValidationError) -> str:

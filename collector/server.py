@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from collector import assembly, otlp
 from collector.auth import bearer_matches
-from collector.config import CollectorSettings
+from collector.config import CollectorSettings, validation_problem
 from collector.engine import driver_reason
 from collector.errors import CollectorError, NotFound
 from collector.protocol import (
@@ -147,7 +147,7 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        details = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        details = "; ".join(validation_problem(error) for error in exc.errors())
         return _error(400, "invalid_request", details or "invalid request")
 
     @app.exception_handler(StarletteHTTPException)

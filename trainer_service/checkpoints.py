@@ -24,6 +24,7 @@ import torch
 from peft import PeftModel, set_peft_model_state_dict
 from pydantic import ValidationError
 
+from collector.config import validation_problem
 from trainer_service.durable import durable_rename
 from trainer_service.protocol import PromotionDecision
 
@@ -137,12 +138,6 @@ def select_kept(
     return kept
 
 
-def _problem(error: Mapping[str, Any]) -> str:
-    """One pydantic error as `field: message`, or the message alone for the object itself."""
-    where = ".".join(str(part) for part in error["loc"])
-    return f"{where}: {error['msg']}" if where else error["msg"]
-
-
 class CheckpointStore:
     """The checkpoint folder of one run.
 
@@ -246,7 +241,7 @@ class CheckpointStore:
             decision = state.get("decision")
             state["decision"] = PromotionDecision.model_validate(decision) if decision else None
         except (OSError, ValueError, TypeError) as exc:  # TypeError: an eval reward that is not a number
-            detail = (f"its decision is not one: {'; '.join(_problem(error) for error in exc.errors())}"
+            detail = (f"its decision is not one: {'; '.join(validation_problem(error) for error in exc.errors())}"
                       if isinstance(exc, ValidationError) else f"{type(exc).__name__}: {exc}")
             raise CheckpointMismatchError(
                 f"{path} cannot be read ({detail}). Move it out of {self.root} to start the "
