@@ -1,5 +1,6 @@
-"""How a lease ends: an ack (its groups are trained) or a release (given back untrained, failures counted);
-and how an operator puts a group that was given up on back in the pool (reopen).
+"""How a lease begins (ready groups taken for one trainer) and ends: an ack (its groups are trained) or a release
+(given back untrained, failures counted); and how an operator puts a group that was given up on back in the pool
+(reopen).
 
 Functions over an open transaction; `SqlStore` calls them. An expired lease ends in `pool.maintain`.
 """
@@ -7,19 +8,73 @@ Functions over an open transaction; `SqlStore` calls them. An expired lease ends
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from sqlalchemy import Connection, select
 
 from collector import pool
 from collector.config import CollectorSettings
+from collector.engine import chunks
 from collector.errors import Conflict, NotFound
-from collector.protocol import AckResponse, ReleaseRequest, ReleaseResponse, ReopenResponse
+from collector.protocol import AckResponse, BatchRequest, ReleaseRequest, ReleaseResponse, ReopenResponse
 from collector.schema import batch_groups, batches, groups
 
-__all__ = ["REOPENABLE", "ack", "release", "reopen"]
+__all__ = ["REOPENABLE", "ack", "release", "reopen", "take"]
 
 log = logging.getLogger(__name__)
+
+
+def take(
+    conn: Connection, settings: CollectorSettings, request: BatchRequest, now: float
+) -> tuple[str, float, list[Any]]:
+    """Lease up to `request.max_groups` ready groups, oldest first: the batch id, when its lease expires, and the
+    group rows taken (none, and no batch stored, when fewer than `request.min_groups` are ready). Open groups
+    decided skipped on the way are stored so. Rows another transaction holds are passed over, so replicas on one
+    PostgreSQL never lease a group twice."""
+    pool.maintain(conn, settings, now)
+    open_groups = list(conn.execute(select(groups).where(groups.c.state == "open")).mappings())
+    ready = []
+    for group_id, decision in pool.decisions(conn, settings, open_groups).items():
+        if decision.state == "skipped":
+            conn.execute(
+                groups.update()
+                .where(groups.c.id == group_id, groups.c.state == "open")
+                .values(state="skipped", reason=decision.reason, updated_at=now)
+            )
+        elif decision.state == "ready":
+            ready.append(group_id)
+    taken: list[Any] = []
+    for chunk in chunks(ready):  # lock what is still open; rows another lease holds are skipped
+        query = (
+            select(groups).where(groups.c.id.in_(chunk), groups.c.state == "open")
+            .order_by(groups.c.created_at, groups.c.id).limit(request.max_groups - len(taken))
+            .with_for_update(skip_locked=True)
+        )
+        taken += conn.execute(query).mappings().all()
+        if len(taken) >= request.max_groups:
+            break
+    taken = sorted(taken, key=lambda g: (g["created_at"], g["id"]))[: request.max_groups]
+    # decided before their rows were locked: another replica may have committed a trajectory or a reward to one
+    # since, so decide again now that the locks keep them as they are
+    again = pool.decisions(conn, settings, taken)
+    taken = [g for g in taken if again[g["id"]].state == "ready"]
+    batch_id, expires = uuid.uuid4().hex, now + request.lease_seconds
+    if len(taken) < request.min_groups:  # nothing leased: no batch to store, none to expire later
+        return batch_id, expires, []
+    conn.execute(
+        batches.insert().values(
+            id=batch_id, trainer=request.trainer, state="leased", created_at=now, lease_expires_at=expires
+        )
+    )
+    for group in taken:
+        conn.execute(
+            groups.update()
+            .where(groups.c.id == group["id"])
+            .values(state="leased", batch_id=batch_id, reason=None, updated_at=now)
+        )
+        conn.execute(batch_groups.insert().values(batch_id=batch_id, group_id=group["id"]))
+    return batch_id, expires, taken
 
 
 def _locked_batch(conn: Connection, batch_id: str) -> tuple[Any, list[str]]:

@@ -18,11 +18,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections.abc import Callable, Collection
 from typing import Any
 
-from sqlalchemy import Connection, Select, and_, func, or_, select, update
+from sqlalchemy import Connection, Select, and_, func, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from collector import assembly, leases, placement, pool
@@ -343,49 +342,7 @@ class SqlStore(Store):
         return batch
 
     def _lease(self, conn: Connection, request: BatchRequest) -> Batch:
-        now = self._now(conn)
-        pool.maintain(conn, self.settings, now)
-        open_groups = list(conn.execute(select(groups).where(groups.c.state == "open")).mappings())
-        ready = []
-        for group_id, decision in pool.decisions(conn, self.settings, open_groups).items():
-            if decision.state == "skipped":
-                conn.execute(
-                    groups.update()
-                    .where(groups.c.id == group_id, groups.c.state == "open")
-                    .values(state="skipped", reason=decision.reason, updated_at=now)
-                )
-            elif decision.state == "ready":
-                ready.append(group_id)
-        taken: list[Any] = []
-        for chunk in chunks(ready):  # lock what is still open; rows another lease holds are skipped
-            query = (
-                select(groups).where(groups.c.id.in_(chunk), groups.c.state == "open")
-                .order_by(groups.c.created_at, groups.c.id).limit(request.max_groups - len(taken))
-                .with_for_update(skip_locked=True)
-            )
-            taken += conn.execute(query).mappings().all()
-            if len(taken) >= request.max_groups:
-                break
-        taken = sorted(taken, key=lambda g: (g["created_at"], g["id"]))[: request.max_groups]
-        # decided before their rows were locked: another replica may have committed a trajectory or a reward to one
-        # since, so decide again now that the locks keep them as they are
-        again = pool.decisions(conn, self.settings, taken)
-        taken = [g for g in taken if again[g["id"]].state == "ready"]
-        batch_id, expires = uuid.uuid4().hex, now + request.lease_seconds
-        if len(taken) < request.min_groups:  # nothing leased: no batch to store, none to expire later
-            return Batch(id=batch_id, groups=[], lease_expires_at=expires)
-        conn.execute(
-            batches.insert().values(
-                id=batch_id, trainer=request.trainer, state="leased", created_at=now, lease_expires_at=expires
-            )
-        )
-        for group in taken:
-            conn.execute(
-                update(groups)
-                .where(groups.c.id == group["id"])
-                .values(state="leased", batch_id=batch_id, reason=None, updated_at=now)
-            )
-            conn.execute(batch_groups.insert().values(batch_id=batch_id, group_id=group["id"]))
+        batch_id, expires, taken = leases.take(conn, self.settings, request, self._now(conn))
         members = pool.group_members(conn, [g["id"] for g in taken])
         out = [Group(id=g["id"], task=g["task"], trajectories=self._assemble(conn, members[g["id"]])) for g in taken]
         return Batch(id=batch_id, groups=out, lease_expires_at=expires)
