@@ -161,6 +161,8 @@ def span_problem(span: SpanRecord) -> str | None:
     except InvalidReward as exc:
         return str(exc)
     for reward in rewards:
+        if reward.time_ns > _MAX_NS:  # the store keeps a reward's time in a 64-bit signed column
+            return f"reward {reward.name[:40]!r} has a time beyond year 2262"
         if len(reward.name) > MAX_ID_LENGTH or "\x00" in reward.name:
             return f"reward name {reward.name[:40]!r}... is longer than {MAX_ID_LENGTH} characters or holds a NUL"
     return None

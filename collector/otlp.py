@@ -221,10 +221,13 @@ def _parse_json(body: bytes) -> tuple[ExportTraceServiceRequest, list[str]]:
 
 
 def _list(parent: Any, key: str, path: str) -> list[Any]:
-    """`parent[key]` as a list (missing → empty); anything else is malformed."""
+    """`parent[key]` as a list (missing or null → empty, as protobuf's JSON mapping reads null); anything else
+    is malformed."""
     if not isinstance(parent, dict):
         raise OtlpError("malformed_body", f"{path or 'body'} must be an object")
-    value = parent.get(key, [])
+    value = parent.get(key)
+    if value is None:
+        return []
     if not isinstance(value, list):
         raise OtlpError("malformed_body", f"{(path + '.') if path else ''}{key} must be an array")
     return value

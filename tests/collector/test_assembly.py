@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -15,6 +16,7 @@ from collector.assembly import (
     assemble,
     facts,
     model_calls,
+    span_problem,
     span_rewards,
     trajectory_key,
 )
@@ -183,3 +185,11 @@ def test_reward_events_only_count_on_rollout_spans() -> None:
     assert span_rewards(span) == []
     assert (span_rewards(rollout(2, rewards={"reward": 1, "x": -2.5}))
             == [SpanReward("reward", 1.0, 50), SpanReward("x", -2.5, 50)])
+
+
+def test_reward_time_beyond_the_store_range_rejects_the_span() -> None:
+    """An OTLP time is 64 bits unsigned, the store's reward time signed: such a reward made the whole export a 500."""
+    span = rollout(1, rewards={"reward": 1.0})
+    assert span_problem(span) is None
+    span.events[0] = replace(span.events[0], time_ns=2**64 - 1)
+    assert span_problem(span) == "reward 'reward' has a time beyond year 2262"

@@ -59,6 +59,15 @@ def test_json_accepts_int_values_as_numbers_and_unknown_fields() -> None:
     assert (span.start_ns, span.end_ns) == (1, 2)
 
 
+def test_json_null_lists_read_as_empty() -> None:
+    """Protobuf's JSON mapping reads null as the field's default: such bodies were refused with 400."""
+    span = {"traceId": TRACE, "spanId": sid(7), "name": "x", "links": None, "events": None, "attributes": None}
+    body = {"resourceSpans": [{"scopeSpans": None}, {"scopeSpans": [{"spans": None}, {"spans": [span]}]}]}
+    (record,) = decode_request(json.dumps(body).encode(), JSON).spans
+    assert (record.name, record.attributes, record.events) == ("x", {}, [])
+    assert decode_request(b'{"resourceSpans": null}', JSON).spans == []
+
+
 @pytest.mark.parametrize(
     "value",
     [[3, 0, 7], [0.5, 0.0, -1.25, -0.0], [1, "a", 2.5, True, 0], [0, 0], [2.5, 1, 0], ["x", 1], [True, 0], [],
