@@ -7,7 +7,8 @@ trajectories that the trainer re-tokenizes:
 * OpenTelemetry GenAI semantic conventions: `gen_ai.input.messages` / `gen_ai.output.messages`
   in the structured form (`{"role", "parts": [{"type": "text", "content"}, ...]}`) with
   `gen_ai.system_instructions`, and the older flattened form `gen_ai.prompt.N.role` /
-  `gen_ai.prompt.N.content` / `gen_ai.completion.N.*` (as OpenLLMetry writes it).
+  `gen_ai.prompt.N.content` / `gen_ai.completion.N.*` (as OpenLLMetry writes it: a content of parts as the
+  JSON text of the list, read back as the parts' text).
 * OpenInference: `openinference.span.kind = LLM`, `llm.input_messages.N.message.role` /
   `.content` / `.contents.M.message_content.text` / `.tool_calls.M.tool_call.function.*`,
   `llm.output_messages...`, `llm.model_name`, `llm.tools.N.tool.json_schema`.
@@ -55,7 +56,8 @@ LANGFUSE_MODEL = "langfuse.observation.model.name"
 LANGFUSE_METADATA = "langfuse.observation.metadata."
 """Langfuse: one attribute per metadata key, its value JSON-encoded."""
 
-_GEN_AI_OPERATIONS = frozenset({"chat", "text_completion", "generate_content"})
+_GEN_AI_OPERATIONS = ("chat", "text_completion", "generate_content")
+"""A tuple, not a set: an attribute may hold an array or kvlist, which cannot be hashed."""
 
 
 @dataclass(frozen=True)
@@ -259,7 +261,7 @@ def _unflatten(attributes: Mapping[str, Any], prefix: str) -> list[Any]:
 def _lists(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
-    if node and all(key.isdigit() for key in node):
+    if node and all(key.isdecimal() for key in node):  # not isdigit: `int` refuses digits such as "²"
         return [_lists(node[key]) for key in sorted(node, key=int)]
     return {key: _lists(value) for key, value in node.items()}
 
@@ -267,7 +269,7 @@ def _lists(node: Any) -> Any:
 def _flat_message(node: Any, default_role: str = "user") -> dict[str, Any]:
     """One `gen_ai.prompt.N` / `gen_ai.completion.N` message (OpenLLMetry's flattened form)."""
     node = node if isinstance(node, dict) else {}
-    message: dict[str, Any] = {"role": node.get("role", default_role), "content": node.get("content") or ""}
+    message: dict[str, Any] = {"role": node.get("role", default_role), "content": _flat_content(node.get("content"))}
     calls = node.get("tool_calls")
     if isinstance(calls, list) and calls:
         message["tool_calls"] = [
@@ -282,6 +284,16 @@ def _flat_message(node: Any, default_role: str = "user") -> dict[str, Any]:
     if node.get("tool_call_id"):
         message["tool_call_id"] = node["tool_call_id"]
     return message
+
+
+def _flat_content(value: Any) -> Any:
+    """A flattened message's content: OpenLLMetry writes a list of content parts as its JSON text, read as the
+    parts' text."""
+    if isinstance(value, str) and value.startswith("["):
+        parts = _decoded(value)
+        if isinstance(parts, list) and parts and all(isinstance(p, Mapping) and "type" in p for p in parts):
+            return _parts_text(parts)
+    return value or ""
 
 
 def _openinference_message(node: Any, default_role: str = "user") -> dict[str, Any]:
@@ -324,7 +336,8 @@ def _langfuse_messages(raw: Any, role: str, span_id: str) -> tuple[list[dict[str
             return [{"role": role, "content": raw}], []
     tools: list[dict[str, Any]] = []
     if isinstance(value, Mapping) and isinstance(value.get("messages"), list):
-        tools = [t for t in value.get("tools") or [] if isinstance(t, dict)]
+        offered = value.get("tools")
+        tools = [t for t in offered if isinstance(t, dict)] if isinstance(offered, list) else []
         value = value["messages"]
     if isinstance(value, Mapping) and "role" in value:
         value = [value]

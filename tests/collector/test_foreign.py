@@ -171,6 +171,7 @@ def test_langfuse_generation(export) -> None:
         {"openinference.span.kind": "CHAIN", "input.value": "x"},
         {"langfuse.observation.type": "span", "langfuse.observation.input": "x"},
         {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "add"},
+        {"gen_ai.operation.name": ["chat"]},  # an array attribute is no name (it made the export a 500)
     ],
 )
 def test_spans_that_are_not_model_calls_make_no_trajectory(export, attributes) -> None:
@@ -212,6 +213,23 @@ def test_conversation_reads_parts_of_unexpected_shape_as_absent() -> None:
     assert gen_ai.input == [{"role": "user", "content": "hi", "tool_calls": []},
                             {"role": "assistant", "content": "", "tool_calls": [call]}]
     assert same_messages(gen_ai.input, gen_ai.input)
+    langfuse = conversation({"langfuse.observation.type": "generation",
+                             "langfuse.observation.input": json.dumps({"messages": QUESTION, "tools": 5})})
+    assert (langfuse.input, langfuse.tools) == (QUESTION, [])
+    numbered = conversation({"gen_ai.prompt.0.role": "user", "gen_ai.prompt.0.content": "hi",
+                             "gen_ai.prompt.\u00b2.content": "x"})  # "²" is a digit that `int` refuses
+    assert numbered.input == []
+
+
+def test_openllmetry_content_parts_read_as_text() -> None:
+    """OpenLLMetry writes a message's list of content parts as JSON text: the trainer got the JSON as the message."""
+    parts = [{"type": "text", "text": "What is "}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+             {"type": "text", "text": "2+3?"}]
+    talk = conversation({"llm.request.type": "chat", "gen_ai.prompt.0.role": "user",
+                         "gen_ai.prompt.0.content": json.dumps(parts), "gen_ai.prompt.1.role": "user",
+                         "gen_ai.prompt.1.content": "[1, 2]", "gen_ai.completion.0.content": "5"})
+    assert talk.input == [{"role": "user", "content": "What is 2+3?"}, {"role": "user", "content": "[1, 2]"}]
+    assert talk.output == [{"role": "assistant", "content": "5"}]
 
 
 # --- the app sends another instrumentation's spans of the same calls too -------------------------
