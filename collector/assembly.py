@@ -87,9 +87,10 @@ def is_llm(span: SpanRecord) -> bool:
 def model_calls(spans: Iterable[SpanRecord]) -> list[SpanRecord]:
     """The spans that are a trajectory's turns: its `llm` spans, or, when it has none, its foreign model calls.
 
-    A call that failed (`error.type` set: a retried attempt, a timeout) sampled nothing and is no turn.
+    A call that failed (`error.type` set, or the span's status ERROR: a retried attempt, a timeout) sampled nothing
+    and is no turn.
     """
-    calls = [span for span in spans if is_llm(span) and span.attributes.get(sc.ERROR_TYPE) is None]
+    calls = [span for span in spans if is_llm(span) and not span.failed and span.attributes.get(sc.ERROR_TYPE) is None]
     ours = [span for span in calls if span.attributes.get(sc.SPAN_KIND) == sc.SPAN_KIND_LLM]
     return ours or calls
 

@@ -21,6 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 __all__ = [
     "CONTENT_TYPE_JSON",
@@ -68,6 +69,8 @@ class SpanRecord:
     attributes: dict[str, Any] = field(default_factory=dict)
     events: list[SpanEvent] = field(default_factory=list)
     resource: dict[str, Any] = field(default_factory=dict)
+    failed: bool = False
+    """The span's status is ERROR: how instrumentations that set no `error.type` (OpenInference) mark a failed call."""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (the inverse of `from_dict`); it shares the attribute dicts.
@@ -85,6 +88,7 @@ class SpanRecord:
             "attributes": self.attributes,
             "events": [{"name": e.name, "time_ns": e.time_ns, "attributes": e.attributes} for e in self.events],
             "resource": self.resource,
+            **({"failed": True} if self.failed else {}),
         }
 
     @classmethod
@@ -289,6 +293,7 @@ def _records(request: ExportTraceServiceRequest) -> Decoded:
                             for event in span.events
                         ],
                         resource=resource,
+                        failed=span.status.code == Status.STATUS_CODE_ERROR,
                     )
                 )
     return Decoded(records, rejected)

@@ -22,6 +22,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from art_langgraph import semconv as sc
 from collector.foreign import conversation, describes_art_call, same_messages
@@ -144,6 +145,37 @@ def test_openinference_llm_span(export) -> None:
         "input.value": "{}",
     }, name="ChatOpenAI")
     _check(trajectory, "gpt-4o-mini")
+
+
+
+def test_a_foreign_call_that_failed_is_no_turn(tmp_path: Path) -> None:
+    """OpenInference marks a failed call by the span's status alone (ERROR, with an exception event; no
+    `error.type`): it sampled nothing, so a run whose second call failed is its first call's conversation."""
+    first = {"llm.input_messages.0.message.role": "user", "llm.input_messages.0.message.content": "What is 2+3?"}
+    reply = {"llm.output_messages.0.message.role": "assistant", "llm.output_messages.0.message.content": "5"}
+    second = {**first, "llm.input_messages.1.message.role": "assistant", "llm.input_messages.1.message.content": "5",
+              "llm.input_messages.2.message.role": "user", "llm.input_messages.2.message.content": "And 5+5?"}
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("openinference")
+    llm_span = {"openinference.span.kind": "LLM", "llm.model_name": "gpt-4o-mini"}
+    with pytest.raises(TimeoutError), tracer.start_as_current_span("agent run"):
+        with tracer.start_as_current_span("ChatOpenAI", attributes={**llm_span, **first, **reply}):
+            pass
+        with tracer.start_as_current_span("ChatOpenAI", attributes={**llm_span, **second}):
+            raise TimeoutError("the model did not answer")
+    provider.shutdown()
+    spans = memory.get_finished_spans()
+    assert spans[1].status.status_code is StatusCode.ERROR and "error.type" not in spans[1].attributes
+    client = TestClient(collector_app(tmp_path))
+    body = encode_spans(spans).SerializeToString()
+    assert client.post("/v1/traces", content=body,
+                       headers={"content-type": "application/x-protobuf"}).status_code == 200
+    trajectory = client.get(f"/v1/trajectories/{spans[0].context.trace_id:032x}").json()
+    assert trajectory["messages"] == [
+        {"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"}
+    ]
 
 
 def test_langfuse_generation(export) -> None:
