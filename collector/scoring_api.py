@@ -142,8 +142,8 @@ def install(
         group: str | None = None,
         split: str | None = None,
         policy_step: int | None = None,
-        reward_min: float | None = None,
-        reward_max: float | None = None,
+        reward_min: float | None = Query(default=None, allow_inf_nan=False),
+        reward_max: float | None = Query(default=None, allow_inf_nan=False),
         limit: int = Query(default=100, ge=1, le=1000),
         offset: int = Query(default=0, ge=0, le=MAX_COUNT),
     ) -> TrajectoryPage:

@@ -237,7 +237,7 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
         """Trajectories, filtered by group (id or key), task and split."""
         return store.trajectories(group=group, task=task, split=split)
 
-    @app.get("/v1/trajectories/{trajectory_id}")
+    @app.get("/v1/trajectories/{trajectory_id:path}")
     def get_trajectory(trajectory_id: str) -> Trajectory:
         """One trajectory by id (rollout id, or trace id for calls outside a rollout)."""
         found = store.trajectory(trajectory_id)

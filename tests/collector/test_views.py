@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from collector.views import NO_MODEL_CALL
 from tests.collector import span_builders as sb
 from tests.collector.seeding import group_spans, make_app
+from tests.collector.server_helpers import assert_error
 
 
 @pytest.fixture
@@ -108,3 +109,22 @@ def test_a_trajectory_without_a_model_call_is_listed_with_why_it_has_no_group(
         assert client.get("/v1/view/trajectories/tmpl-100").json()["ungrouped"] == NO_MODEL_CALL
         assert [g["id"] for g in client.get("/v1/view/groups").json()] == ["a"]
         assert app.state.scoring.judge.due_groups() == ["a"]  # the template runs are no group the judge could take
+
+
+@pytest.mark.parametrize("bound", ["reward_min", "reward_max"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_reward_bound_that_is_not_finite_is_a_bad_request(client: TestClient, bound: str, value: str) -> None:
+    """A NaN bound matched nothing: an empty page, as if no trajectory had such a reward."""
+    assert_error(client.get("/v1/view/trajectories", params={bound: value}), 400, "invalid_request")
+
+
+def test_a_trajectory_id_with_a_slash_is_found_by_both_read_routes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`GET /v1/trajectories/{id}` took no slash: a stored `math/add-0` was a 404 there, found under /v1/view/."""
+    app = make_app(tmp_path, monkeypatch)
+    app.state.store.add_spans(group_spans("math/add", ["7", "8"], rewards=[1.0, 0.0]))
+    with TestClient(app) as client:
+        assert client.get("/v1/trajectories/math%2Fadd-0").json()["id"] == "math/add-0"
+        assert client.get("/v1/trajectories/math/add-1").json()["id"] == "math/add-1"
+        assert client.get("/v1/view/trajectories/math%2Fadd-0").json()["id"] == "math/add-0"
