@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib
+import inspect
 import json
 import math
 from collections.abc import Awaitable, Callable
@@ -39,7 +40,7 @@ def load_reward_fn(spec: str) -> RewardFn:
 
     Raises:
         EvalError: the module or attribute does not exist (or the module name is empty or relative), or is not
-            callable.
+            callable, or is an `async def` (its coroutine is no reward).
     """
     module_name, _, attr = spec.partition(":")
     try:
@@ -49,18 +50,21 @@ def load_reward_fn(spec: str) -> RewardFn:
                         "Python path of the trainer.") from exc
     if not callable(fn):
         raise EvalError(f"eval reward {spec!r} is not callable")
+    if inspect.iscoroutinefunction(fn):
+        raise EvalError(f"eval reward {spec!r} is an async function; give a plain `def function(row, completion) "
+                        "-> float`.")
     return fn  # type: ignore[no-any-return]
 
 
 def load_eval_file(path: Path) -> list[dict[str, Any]]:
-    """Read a JSONL eval set; every line needs a non-empty `messages` list.
+    """Read a JSONL eval set (UTF-8); every line needs a non-empty `messages` list of objects with a `role`.
 
     Raises:
-        EvalError: the file is missing, a line is not JSON, or lacks `messages`.
+        EvalError: the file is missing or not UTF-8, a line is not JSON, or lacks `messages` of chat messages.
     """
     try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
         raise EvalError(f"eval file {path} cannot be read: {exc}") from exc
     rows = []
     for number, line in enumerate(lines, 1):
@@ -70,8 +74,11 @@ def load_eval_file(path: Path) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise EvalError(f"{path}:{number} is not JSON: {exc}") from exc
-        if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
-            raise EvalError(f"{path}:{number} needs a non-empty `messages` list of chat messages")
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise EvalError(f"{path}:{number} needs a non-empty `messages` list of chat messages (objects with a "
+                            "`role`)")
         rows.append(row)
     if not rows:
         raise EvalError(f"eval file {path} has no prompts")

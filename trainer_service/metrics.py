@@ -66,7 +66,8 @@ class MetricsSink:
         return {k: float(v) for k, v in self.history[-1].items() if isinstance(v, int | float) and k != "time"}
 
     def _read_history(self) -> list[dict[str, Any]]:
-        """The records of `metrics.jsonl`; a line that is not a JSON object (cut short by a full disk) is skipped."""
+        """The records of `metrics.jsonl`; a line that is not a JSON object with an integer `step` (cut short by a full
+        disk, or edited) is skipped: the plot places each record at its step."""
         if not self.jsonl_path.is_file():
             return []
         history, skipped = [], 0
@@ -77,13 +78,13 @@ class MetricsSink:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 record = None
-            if isinstance(record, dict):
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
                 history.append(record)
             else:
                 skipped += 1
         if skipped:
-            logger.warning("%s: skipped %d line(s) that are not JSON objects (a write cut short, or edited?)",
-                           self.jsonl_path, skipped)
+            logger.warning("%s: skipped %d line(s) that are not JSON objects with a `step` (a write cut short, or "
+                           "edited?)", self.jsonl_path, skipped)
         return history
 
     def _ends_mid_line(self) -> bool:

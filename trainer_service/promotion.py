@@ -3,15 +3,17 @@
 Without an eval set every new checkpoint is promoted. With one, the new checkpoint's mean eval
 reward is compared with the promoted checkpoint's (the base model's, key 0, before any
 promotion) on the same prompts: measured once and cached while the prompts stay the same, again
-when they change (a collector split grows). Promoted when `new >= current - margin`, else kept and
-served as `name@N` but not as `name@latest`, with the reason recorded. A failed evaluation
-promotes nothing. The state survives restarts in `checkpoints/promotion.json`; without an eval
-set, a restart serves the newest kept step as latest.
+when they change (a collector split grows). Promoted when `new >= current - margin`, equal up to
+float rounding included, else kept and served as `name@N` but not as
+`name@latest`, with the reason recorded. A failed evaluation promotes nothing. The state survives
+restarts in `checkpoints/promotion.json`; without an eval set, a restart serves the newest kept
+step as latest.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 from trainer_service.checkpoints import CheckpointStore
@@ -119,7 +121,8 @@ class PromotionGate:
                                      eval_reward=self.evals.get(step))
         baseline = self.evals[current]
         label = self._name(current)
-        if new >= baseline - self.margin:
+        bar = baseline - self.margin
+        if new >= bar or math.isclose(new, bar, rel_tol=1e-9, abs_tol=1e-12):  # 0.7 against 0.8 - 0.1 == 0.70...01
             reason = f"eval reward {new:.4f} vs {label}'s {baseline:.4f} (margin {self.margin:g}): promoted"
             return PromotionDecision(step=step, promoted=True, reason=reason, eval_reward=new, baseline_reward=baseline)
         reason = (f"eval reward {new:.4f} is below {label}'s {baseline:.4f} by more than the margin {self.margin:g}: "

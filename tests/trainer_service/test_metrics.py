@@ -70,10 +70,13 @@ def test_a_line_cut_short_is_skipped_and_the_next_record_gets_its_own_line(
 
 def test_a_line_of_json_that_is_no_record_is_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "metrics.jsonl"
-    path.write_text("5\n" + json.dumps({"step": 1, "loss/policy": 0.5}) + "\n[]\n")  # edited by hand
+    no_step = json.dumps({"loss/policy": 0.3})  # was kept: the plot failed on it at every step, never redrawn
+    path.write_text("5\n" + json.dumps({"step": 1, "loss/policy": 0.5}) + "\n[]\n" + no_step + "\n")  # edited by hand
     sink = MetricsSink(tmp_path, wandb="off")  # was an AttributeError in `last`, a 500 from /v1/status
     assert [h["step"] for h in sink.history] == [1] and sink.last == {"step": 1.0, "loss/policy": 0.5}
-    assert f"{path}: skipped 2 line(s) that are not JSON objects" in caplog.text
+    assert f"{path}: skipped 3 line(s) that are not JSON objects with a `step`" in caplog.text
+    sink.emit(2, {"loss/policy": 0.25})
+    assert sink.sink_errors == 0 and (tmp_path / PLOT_FILE).is_file()
 
 
 def test_the_plot_shows_the_sft_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -87,6 +87,30 @@ async def test_gate_promotes_within_margin_and_says_why_not(tmp_path: Path) -> N
     await restarted.aclose()
 
 
+@pytest.mark.parametrize(("margin", "base", "new"), [(0.1, [1.0] * 8 + [0.0] * 2, [1.0] * 7 + [0.0] * 3),
+                                                     (0.0, [0.1, 0.2, 0.3], [0.3, 0.2, 0.1])])
+async def test_a_reward_exactly_the_margin_below_is_promoted_whatever_the_float_rounding(
+        tmp_path: Path, margin: float, base: list[float], new: list[float]) -> None:
+    rewards = {"base-model": base, "agent@1": new}  # per prompt; means 0.8 and 0.7, or the same three in another order
+    rows = [{"messages": [{"role": "user", "content": str(index)}]} for index in range(len(base))]
+
+    async def source() -> list[dict[str, Any]]:
+        return rows
+
+    def score(row: dict[str, Any], completion: str) -> float:
+        return rewards[completion.removeprefix("answer from ")][int(row["messages"][0]["content"])]
+
+    evaluator = Evaluator(source, score, "http://engine", samples=1, transport=httpx.MockTransport(engine))
+    settings = TrainerSettings(output_dir=tmp_path, wandb="off", eval_split="val", promotion_margin=margin,
+                               eval_reward="tests.trainer_service.test_promotion:reward")
+    gate = PromotionGate(settings, CheckpointStore(tmp_path / "checkpoints"), evaluator, lambda step: f"agent@{step}",
+                         lambda: "base-model")
+    gate.restore([])
+    decision = await gate.judge(1, [1])  # 0.8 - 0.1 is 0.7000000000000001; 0.1 + 0.2 + 0.3 is not 0.3 + 0.2 + 0.1
+    assert decision.promoted and gate.latest == 1, decision.reason  # was "0.7000 is below 0.8000 by more than 0.1"
+    await gate.aclose()
+
+
 async def test_a_grown_eval_split_measures_the_baseline_again_on_the_same_prompts(tmp_path: Path) -> None:
     rows = [{"messages": [{"role": "user", "content": "0+1?"}]}]
     asked: list[tuple[str, str]] = []  # (model, prompt) of each eval request
@@ -129,6 +153,25 @@ def test_eval_file_errors_name_the_line(tmp_path: Path) -> None:
     for spec in (":reward", ".test_promotion:reward"):  # import_module raised ValueError and TypeError here
         with pytest.raises(EvalError, match=f"eval reward '{re.escape(spec)}' cannot be imported"):
             load_reward_fn(spec)
+
+
+async def async_reward(row: dict[str, Any], completion: str) -> float:
+    """An `async def` reward (`tests.trainer_service.test_promotion:async_reward`): its coroutine is no number."""
+    return 1.0
+
+
+def test_an_eval_file_not_utf8_or_not_chat_messages_and_an_async_reward_are_refused_at_start(tmp_path: Path) -> None:
+    bad = tmp_path / "eval.jsonl"
+    bad.write_bytes('{"messages": [{"role": "user", "content": "café"}]}\n'.encode("latin-1"))
+    with pytest.raises(EvalError, match=r"eval.jsonl cannot be read: 'utf-8' codec"):  # was a UnicodeDecodeError
+        load_eval_file(bad)
+    for messages in (["hi"], [{"content": "hi"}]):  # were accepted: every eval then failed at the engine
+        bad.write_text(json.dumps({"messages": messages}))
+        with pytest.raises(EvalError, match=r"eval.jsonl:1 needs a non-empty `messages` list of chat messages"):
+            load_eval_file(bad)
+    # was accepted: every eval then failed with "the eval reward function raised TypeError: float() argument ..."
+    with pytest.raises(EvalError, match="is an async function; give a plain `def function"):
+        load_reward_fn("tests.trainer_service.test_promotion:async_reward")
 
 
 async def test_full_disk_for_the_promotion_state_keeps_latest_where_it_is_saved(tmp_path: Path,
