@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
@@ -63,21 +64,64 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
+_CRON_DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
+"""Crontab's day-of-week numbers 0-6 (7 is Sunday too); APScheduler 3 numbers them from Monday = 0, so
+`parse_cron` hands it names."""
+_CRON_DAY = f"({'|'.join(_CRON_DAYS)}|[0-7])"
+_CRON_DAY_PART = re.compile(rf"^(?:\*|{_CRON_DAY}(?:-{_CRON_DAY})?)(?:/([1-9]\d*))?$")
+"""One part of a day-of-week list: `*`, a day or a range of days, each with an optional `/step`."""
+
+
+def _cron_day(token: str) -> int:
+    return int(token) if token.isdigit() else _CRON_DAYS.index(token)
+
+
+def _cron_weekdays(field: str) -> str:
+    """A crontab day-of-week field as APScheduler day names: `1-5` → `mon,tue,wed,thu,fri`, `*/2` → `sun,tue,thu,sat`.
+
+    Raises:
+        ValueError: a part is not `*`, a day (0-7, sun-sat) or an ascending range of days, with an optional
+            `/step`.
+    """
+    if field == "*":
+        return field
+    days: set[int] = set()
+    for part in field.lower().split(","):
+        match = _CRON_DAY_PART.match(part)
+        if match is None:
+            raise ValueError(f"day of week {part!r} is not `*`, a day (0-7, sun-sat) or a range of days, with an "
+                             "optional /step")
+        first, last, step = match.groups()
+        low = 0 if first is None else _cron_day(first)
+        high = 7 if first is None or (last is None and step) else _cron_day(last or first)
+        if high < low:
+            raise ValueError(f"day of week {part!r} is a range that runs backwards")
+        days.update(day % 7 for day in range(low, high + 1, int(step or 1)))
+    return ",".join(_CRON_DAYS[day] for day in sorted(days))
+
+
 def parse_cron(text: str) -> CronTrigger:
     """Return the trigger of a five-field crontab line such as `*/15 * * * *` (server local time).
 
+    Day-of-week numbers read as in crontab (0 and 7: Sunday), not as APScheduler 3's (0: Monday).
+
     Raises:
-        ValueError: the line does not have five fields, or a field is out of range or unknown.
+        ValueError: the line does not have five fields, a field is out of range or unknown, or the line never
+            fires (`0 0 30 2 *`).
     """
-    count = len(text.split())
-    if count != 5:
-        raise ValueError(f"cron={text!r} has {count} fields; write five (minute hour day-of-month month "
+    fields = text.split()
+    if len(fields) != 5:
+        raise ValueError(f"cron={text!r} has {len(fields)} fields; write five (minute hour day-of-month month "
                          "day-of-week), e.g. `*/15 * * * *`.")
+    minute, hour, day, month, weekday = fields
     try:
-        return CronTrigger.from_crontab(text)
+        trigger = CronTrigger(minute=minute, hour=hour, day=day, month=month, day_of_week=_cron_weekdays(weekday))
     except ValueError as exc:
         raise ValueError(f"cron={text!r} has a bad field: {exc}. Ranges: minute 0-59, hour 0-23, day of month "
-                         "1-31, month 1-12 or jan-dec, day of week mon-sun.") from exc
+                         "1-31, month 1-12 or jan-dec, day of week 0-7 or sun-sat (0 and 7: Sunday).") from exc
+    if trigger.get_next_fire_time(None, datetime.now(trigger.timezone)) is None:
+        raise ValueError(f"cron={text!r} never fires: no date has that day of month in those months.")
+    return trigger
 
 
 _COVERS_VLLM = ("127.0.0.1", "localhost", "0.0.0.0", "::", "")

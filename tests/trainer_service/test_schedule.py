@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
 from collector.protocol import Batch
 from tests.trainer_service.builders import group, make_service
-from trainer_service.config import TrainerSettings, parse_duration
+from trainer_service.config import TrainerSettings, parse_cron, parse_duration
 from trainer_service.schedule import TrainingSchedule
 
 
@@ -111,3 +113,28 @@ def test_bad_schedules_are_rejected_with_the_fix() -> None:
     with pytest.raises(ValueError, match=r"min_groups=9 exceeds batch_groups=8: .*ART_TRAINER_MIN_GROUPS"):
         TrainerSettings(min_groups=9)
     assert TrainerSettings(min_groups=4, batch_groups=4).min_groups == 4
+
+
+@pytest.mark.parametrize(("line", "days"), [("0 9 * * 1", ["Mon"]), ("0 9 * * 0", ["Sun"]), ("0 9 * * 7", ["Sun"]),
+                                            ("0 9 * * 1-5", ["Mon", "Tue", "Wed", "Thu", "Fri"]),
+                                            ("0 9 * * */2", ["Sun", "Tue", "Thu", "Sat"]),
+                                            ("0 9 * * 5-7", ["Sun", "Fri", "Sat"]),
+                                            ("0 9 * * sat,SUN", ["Sun", "Sat"])])
+def test_cron_days_of_week_count_from_sunday_as_in_crontab(line: str, days: list[str]) -> None:
+    trigger = parse_cron(line)  # APScheduler 3's own numbers start at Monday: `1-5` fired Tuesday to Saturday
+    trigger.timezone = UTC
+    fired: list[str] = []
+    at, end = datetime(2026, 1, 4, tzinfo=UTC), datetime(2026, 1, 11, tzinfo=UTC)
+    while (at := trigger.get_next_fire_time(None, at)) < end:  # one week from a Sunday
+        fired.append(at.strftime("%a"))
+        at += timedelta(minutes=1)
+    assert fired == days
+
+
+def test_a_cron_line_that_never_fires_or_names_no_weekday_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"cron='0 0 30 2 \*' never fires"):
+        TrainerSettings(cron="0 0 30 2 *")  # was accepted: no next run, the trigger silently idle
+    assert TrainerSettings(cron="0 0 29 2 *").cron == "0 0 29 2 *"  # a leap day fires
+    for bad in ("8", "sat-sun", "*/0", "monday"):
+        with pytest.raises(ValueError, match=rf"day of week '{re.escape(bad.lower())}' .*\(0 and 7: Sunday\)"):
+            TrainerSettings(cron=f"0 9 * * {bad}")
