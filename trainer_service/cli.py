@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from collector.config import settings_error
 from trainer_service.allocator import preload_allocator
 from trainer_service.config import TrainerSettings
-from trainer_service.grpo_config import GRPOConfig
+from trainer_service.grpo_config import GRPOConfig, split_modules
 from trainer_service.huge_pages import enable_huge_pages
 
 __all__ = ["build_parser", "main", "settings_from_args"]
@@ -32,7 +32,7 @@ _SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
     "--vllm-port": ("vllm_port", int),
     "--vllm-dtype": ("vllm_dtype", str),
     "--vllm-matmul-dtype": ("vllm_matmul_dtype", str),
-    "--kv-cache-gib": ("kv_cache_gib", float),
+    "--kv-cache-gib": ("kv_cache_gib", int),
     "--kv-block-size": ("kv_block_size", int),
     "--max-model-len": ("max_model_len", int),
     "--max-lora-rank": ("max_lora_rank", int),
@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
         "[env ART_TRAINER_WARM_UP=false]")
     service.add_argument(
         "--vllm-arg", dest="vllm_args", action="append", default=argparse.SUPPRESS, metavar="ARG",
-        help="Extra argument passed to vLLM as is; repeat for several (e.g. --vllm-arg=--enforce-eager).",
+        help="Extra argument passed to vLLM as is; repeat for several (e.g. --vllm-arg=--enforce-eager). "
+        "[env ART_TRAINER_VLLM_ARGS, a JSON list]",
     )
     grpo = serve.add_argument_group("GRPO (env ART_TRAINER_<FIELD>)")
     defaults = {f.name: f.default for f in fields(GRPOConfig)}
@@ -136,13 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
         env = f"ART_TRAINER_{name.upper()}"
         grpo.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS, choices=_CHOICES.get(name),
                           help=f"{GRPOConfig.help(name)} [env {env}, default: {defaults[name]}]")
-    grpo.add_argument("--target-modules", dest="target_modules", type=lambda text: [m for m in text.split(",") if m],
+    grpo.add_argument("--target-modules", dest="target_modules", type=split_modules,
                       default=argparse.SUPPRESS, help=f"{GRPOConfig.help('target_modules')} Comma-separated. "
                       "[env ART_TRAINER_TARGET_MODULES]")
     grpo.add_argument("--no-scale-rewards", dest="scale_rewards", action="store_false", default=argparse.SUPPRESS,
                       help="Do not divide advantages by the group's reward standard deviation. "
                       "[env ART_TRAINER_SCALE_REWARDS=false]")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="Log level of the service and uvicorn; a flag only, with no environment variable.")
     return parser
 
 

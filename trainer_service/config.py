@@ -17,7 +17,7 @@ from apscheduler.triggers.cron import CronTrigger
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from collector.protocol import MAX_LEASE_SECONDS
+from collector.protocol import MAX_LEASE_SECONDS, BatchRequest
 from trainer_service.base_model import BUNDLED_MODEL
 
 CPU_KV_BLOCK_SIZE = 32
@@ -25,6 +25,10 @@ CPU_KV_BLOCK_SIZE = 32
 multiples of 32, and a smaller block lets the prefix cache reuse a shorter prompt."""
 
 __all__ = ["LEASE_MARGIN_S", "LONGEST_INTERVAL_S", "TrainerSettings", "parse_cron", "parse_duration"]
+
+_MOST_LEASED_GROUPS: int = BatchRequest.model_json_schema()["properties"]["max_groups"]["maximum"]
+"""The most groups the collector leases at once (`BatchRequest.max_groups`), the bound of `batch_groups`: a larger
+one was accepted at start and then every step's lease was refused."""
 
 LEASE_MARGIN_S = 300.0
 """Seconds a batch's lease lasts beyond `train_step_timeout`: the checkpoint's save, its hot-load into vLLM (whose
@@ -148,7 +152,9 @@ class TrainerSettings(BaseSettings):
     name: str = Field(
         default="agent",
         pattern=r"^[A-Za-z0-9_.\-]+$",
-        description="Name of the trained model: checkpoints are served as `name@1`, `name@2`, ... and `name@latest`.",
+        max_length=255,
+        description="Name of the trained model: checkpoints are served as `name@1`, `name@2`, ... and `name@latest`. "
+        "At most 255 characters: a file name's limit (`runs/<name>`), within the collector's for a trainer (256).",
     )
     collector: str = Field(default="http://localhost:4318", description="Base address of the collector service.")
     output_dir: Path | None = Field(
@@ -169,8 +175,11 @@ class TrainerSettings(BaseSettings):
         "bf16 units (AMX or AVX512-BF16), the products back in float32; the residual stream, attention, LoRA and "
         "logits stay float32. `auto`: bfloat16 on a CPU with AMX or AVX512-BF16, float32 elsewhere.",
     )
-    kv_cache_gib: float = Field(default=2, gt=0,
-                                description="KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE` on a CPU).")
+    kv_cache_gib: int = Field(
+        default=2, ge=1,
+        description="KV cache size in whole GiB (`VLLM_CPU_KVCACHE_SPACE` on a CPU, which vLLM-cpu reads as an "
+        "integer: a fraction stopped its start).",
+    )
     kv_block_size: int | None = Field(
         default=None, ge=1,
         description="Tokens per vLLM KV-cache block (`--block-size`), the unit of its prefix cache: only whole blocks "
@@ -206,7 +215,11 @@ class TrainerSettings(BaseSettings):
         description="At start, run dummy forwards and backwards as large as a step's largest passes "
         "(`LoRATrainer.warm_up`), so that steps find their memory touched and kernels loaded. Off: `--no-warm-up`.",
     )
-    batch_groups: int = Field(default=8, ge=1, description="Most groups leased from the collector per training step.")
+    batch_groups: int = Field(
+        default=8, ge=1, le=_MOST_LEASED_GROUPS,
+        description="Most groups leased from the collector per training step; at most the collector's limit of a "
+        "lease, 1024.",
+    )
     train_threads: int | None = Field(
         default=None, ge=1,
         description="CPU threads of the training step (no effect with CUDA). Default: the cores vLLM-cpu leaves free "

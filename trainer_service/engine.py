@@ -61,7 +61,7 @@ class VLLMEngine:
         port: port vLLM listens on (on `host`).
         host: interface vLLM binds.
         dtype: weight dtype (`float32` keeps logprobs equal to the trainer's on a CPU).
-        kv_cache_gib: KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`).
+        kv_cache_gib: KV cache size in whole GiB (`VLLM_CPU_KVCACHE_SPACE`, an integer to vLLM-cpu).
         block_size: tokens per KV-cache block (`--block-size`); None: vLLM's default.
         max_model_len: longest sequence.
         max_lora_rank: largest adapter rank.
@@ -83,7 +83,7 @@ class VLLMEngine:
         *,
         host: str = "127.0.0.1",
         dtype: str = "float32",
-        kv_cache_gib: float = 2,
+        kv_cache_gib: int = 2,
         block_size: int | None = None,
         max_model_len: int = 2048,
         max_lora_rank: int = 8,
@@ -181,7 +181,7 @@ class VLLMEngine:
         env[MATMUL_DTYPE_ENV] = self.cpu_matmul_dtype
         if self.threads is not None:
             env.update(self.threads.environment())
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.kv_cache_gib:g}")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         return env
 
     def is_alive(self) -> bool:

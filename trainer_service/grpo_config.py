@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from trainer_service.config import TrainerSettings
 
-__all__ = ["DEFAULT_TARGET_MODULES", "GRPOConfig"]
+__all__ = ["DEFAULT_TARGET_MODULES", "GRPOConfig", "split_modules"]
 
 DEFAULT_TARGET_MODULES: tuple[str, ...] = (
     "q_proj",
@@ -267,12 +267,19 @@ class GRPOConfig:
         raise KeyError(name)
 
 
+def split_modules(text: str) -> list[str]:
+    """`target_modules` from its comma-separated form (`--target-modules`, `ART_TRAINER_TARGET_MODULES`): each name
+    stripped, empty ones dropped. A name kept with its space (`"q_proj, v_proj"`) matched no module, and PEFT left
+    that projection without an adapter, silently."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def _parse_env_value(name: str, raw: str, default: Any) -> Any:
     """Parse one `ART_TRAINER_<FIELD>` value by the type of the field's default."""
     text = raw.strip()
     try:
         if name == "target_modules":
-            return [part.strip() for part in text.split(",") if part.strip()]
+            return split_modules(text)
         if text.lower() == "none" and name in _OPTIONAL_FIELDS:
             return None
         if isinstance(default, bool) or name in ("scale_rewards", "gradient_checkpointing"):

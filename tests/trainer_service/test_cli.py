@@ -110,6 +110,10 @@ def test_help_lists_env_and_defaults(capsys: pytest.CaptureFixture[str]) -> None
     text = capsys.readouterr().out
     for flag in ("--base-model", "--collector", "--vllm-port", "--learning-rate", "ART_TRAINER_VLLM_PORT"):
         assert flag in text
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    unnamed = [action.option_strings[-1] for action in serve._actions
+               if action.option_strings and "ART_TRAINER_" not in (action.help or "")]
+    assert unnamed == ["--help", "--log-level"]  # --vllm-arg's variable was missing
 
 
 def test_grpo_fields_come_from_env_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -265,3 +269,42 @@ def test_warm_up_is_on_unless_a_flag_or_env_turns_it_off(monkeypatch: pytest.Mon
     assert parse("--no-warm-up")[0].warm_up is False
     monkeypatch.setenv("ART_TRAINER_WARM_UP", "false")
     assert parse()[0].warm_up is False
+
+
+def test_the_kv_cache_takes_whole_gib_as_vllm_cpu_reads_it(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from trainer_service.engine import VLLMEngine
+
+    # vLLM-cpu reads VLLM_CPU_KVCACHE_SPACE with int(): a fraction was passed on and stopped vLLM's start
+    with pytest.raises(SystemExit):
+        main(["serve", "--kv-cache-gib", "1.5", "--base-model", "/no/such/folder"])
+    assert "argument --kv-cache-gib: invalid int value: '1.5'" in capsys.readouterr().err
+    monkeypatch.setenv("ART_TRAINER_KV_CACHE_GIB", "1.5")
+    with pytest.raises(ValueError, match="kv_cache_gib"):
+        parse()
+    monkeypatch.setenv("ART_TRAINER_KV_CACHE_GIB", "3")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    space = VLLMEngine("m", "m", 8001, kv_cache_gib=parse()[0].kv_cache_gib).environment()["VLLM_CPU_KVCACHE_SPACE"]
+    assert int(space) == 3
+
+
+def test_settings_every_lease_would_carry_are_ones_the_collector_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    from collector.protocol import BatchRequest
+
+    # were accepted at start, then the collector's request model refused every step's lease (500 training_failed)
+    longest = BatchRequest.model_json_schema()["properties"]["max_groups"]["maximum"]
+    for flag, value in (("--batch-groups", str(longest + 1)), ("--name", "a" * 256)):
+        with pytest.raises(SystemExit) as info:
+            main(["serve", flag, value, "--base-model", "/no/such/folder"])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"error: {flag[2:].replace('-', '_')}=" in err and "Traceback" not in err
+    settings, _ = parse("--batch-groups", str(longest), "--name", "a" * 255)
+    BatchRequest(max_groups=settings.batch_groups, trainer=settings.name, lease_seconds=settings.lease_seconds())
+
+
+def test_target_modules_from_the_flag_are_stripped_as_from_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    # " v_proj" matched no module: PEFT left v_proj without an adapter and said nothing
+    assert parse("--target-modules", "q_proj, v_proj,")[1].target_modules == ["q_proj", "v_proj"]  # type: ignore[attr-defined]
+    monkeypatch.setenv("ART_TRAINER_TARGET_MODULES", " q_proj , v_proj")
+    assert parse()[1].target_modules == ["q_proj", "v_proj"]  # type: ignore[attr-defined]
