@@ -13,9 +13,9 @@ sync nodes, `Send` fan-out and subgraphs.
   the run's `run_id` in hex, task/group/split from `config["metadata"]` (`art.task`, ...) or
   the run's name. It ends when the run ends.
 * A LangGraph node run (`name == metadata["langgraph_node"]`, tagged `graph:step:N`, not
-  LangGraph's internal `__start__`) gets a `node` span; a tool run gets a `tool` span. Other runs
-  (sequences, lambdas, channel writes) get no span; their children hang under their nearest spanned
-  ancestor.
+  LangGraph's internal `__start__`) gets a `node` span; a tool run gets a `tool` span (a tool called
+  on its own, not by a run, only inside `rollout(...)`). Other runs (sequences, lambdas, channel
+  writes) get no span; their children hang under their nearest spanned ancestor.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from langchain_core.callbacks import BaseCallbackHandler, BaseCallbackManager
 from langchain_core.messages import ToolMessage
 from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tracers.context import register_configure_hook
-from langgraph.errors import GraphBubbleUp
+from langgraph.errors import GraphBubbleUp, ParentCommand
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
@@ -106,11 +106,14 @@ def _json(value: Any) -> str:
 
 
 def _implicit_rollout(run_id: UUID, name: str | None, metadata: dict[str, Any]) -> Rollout:
-    size = metadata.get(semconv.GROUP_SIZE)
+    size, extra = metadata.get(semconv.GROUP_SIZE), metadata.get(semconv.METADATA)
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"config metadata {semconv.METADATA!r} must be a dict, got {type(extra).__name__}")
     return Rollout(
         str(metadata.get(semconv.TASK) or name or "graph"),
         group=str(metadata[semconv.GROUP]) if metadata.get(semconv.GROUP) else None,
         split=str(metadata.get(semconv.SPLIT) or "train"),
+        metadata=extra,
         group_size=int(size) if size else None,
         _id=run_id.hex,
         _source="graph",
@@ -208,8 +211,11 @@ class GraphTracer(BaseCallbackHandler):
         inputs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """Open a `tool` span under the run that called the tool."""
-        parent = placement_of(parent_run_id)
+        """Open a `tool` span under the run that called the tool, or under the rollout of a tool called on its own."""
+        if parent_run_id is None:
+            parent = _active_placement() if get_settings().trace_graphs else None
+        else:
+            parent = placement_of(parent_run_id)
         if parent is None:
             return
         name = kwargs.get("name") or (serialized or {}).get("name") or "tool"
@@ -250,8 +256,9 @@ class GraphTracer(BaseCallbackHandler):
             placement.rollout._finish(None if isinstance(error, GraphBubbleUp) else error)
             return
         span = placement.own_span
-        if isinstance(error, GraphBubbleUp):
-            span.add_event(semconv.INTERRUPT_EVENT, {"exception.type": type(error).__name__})
+        if isinstance(error, GraphBubbleUp):  # neither kind is an error
+            if not isinstance(error, ParentCommand):  # a pause; `Command(graph=Command.PARENT)` only routes the parent
+                span.add_event(semconv.INTERRUPT_EVENT, {"exception.type": type(error).__name__})
         else:
             mark_ended_by(span, error)
         span.end()

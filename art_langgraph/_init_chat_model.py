@@ -9,6 +9,7 @@ OpenAI API, so the provider must be `openai` or `art` (or absent). `configurable
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Literal
 
@@ -79,7 +80,8 @@ def init_chat_model(
         configurable_fields: Fields settable per call through `config["configurable"]`:
             `"any"` or a list such as `["model", "temperature"]`. With it, a
             `ConfigurableARTChatModel` is returned.
-        config_prefix: Prefix of the configurable keys (`{prefix}_model`), as in LangChain.
+        config_prefix: Prefix of the configurable keys (`{prefix}_model`), as in LangChain; without
+            `configurable_fields` it makes nothing configurable (a warning says so).
         **kwargs: `ARTChatModel` / `ChatOpenAI` arguments (`temperature`, `max_tokens`, `n`,
             `timeout`, `max_retries`, `base_url`, `api_key`, ...).
 
@@ -87,12 +89,16 @@ def init_chat_model(
         UnsupportedOption: A provider other than `openai`/`art`, `use_responses_api=True`, or
             `logprobs=False` (each needs what this model cannot do; the message says why).
     """
-    if configurable_fields is None and not config_prefix:
+    if not configurable_fields:
+        if config_prefix:  # LangChain's warning: a prefix alone makes nothing configurable
+            warnings.warn(
+                f"config_prefix={config_prefix!r} is set but no field is configurable; "
+                "set configurable_fields=(...) to name the fields configurable under it",
+                stacklevel=2,
+            )
         return _build(model, model_provider, kwargs)
     defaults = {**kwargs, "model": model, "model_provider": model_provider}
-    fields: Literal["any"] | tuple[str, ...] = (
-        "any" if configurable_fields in (None, "any") else tuple(configurable_fields)  # type: ignore[arg-type]
-    )
+    fields: Literal["any"] | tuple[str, ...] = "any" if configurable_fields == "any" else tuple(configurable_fields)
     _build(model, model_provider, kwargs)  # refuse what can never work now, not at the first call
     return ConfigurableARTChatModel(defaults, fields, config_prefix or "")
 
@@ -102,7 +108,8 @@ class ConfigurableARTChatModel(Runnable[LanguageModelInput, Any]):
 
     `bind_tools` and `with_structured_output` are recorded and replayed on the model built for each
     call (`bind(...)` is `Runnable.bind`: its arguments reach each call); `with_config(configurable=...)`
-    fixes values for later calls.
+    fixes values for later calls. Any other public attribute (`model_name`, `get_num_tokens`, ...) is the
+    default model's, as in LangChain.
     """
 
     def __init__(
@@ -139,6 +146,8 @@ class ConfigurableARTChatModel(Runnable[LanguageModelInput, Any]):
                 return ConfigurableARTChatModel(self._defaults, self._fields, self._prefix, operations)
 
             return record
+        if not name.startswith("_") and hasattr(default := self._model(), name):
+            return getattr(default, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def with_config(self, config: RunnableConfig | None = None, **kwargs: Any) -> ConfigurableARTChatModel:

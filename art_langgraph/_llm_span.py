@@ -151,7 +151,10 @@ def _set_result(span: Span, generation: ChatGeneration, art: ArtTokenData | None
         if usage := message.usage_metadata:
             attrs[semconv.GEN_AI_USAGE_INPUT_TOKENS] = usage["input_tokens"]
             attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = usage["output_tokens"]
-        out = _convert_message_to_dict(AIMessage(content=message.content, tool_calls=message.tool_calls))
+        # Invalid tool calls were sampled too (arguments that do not parse): the next prompt carries them.
+        out = _convert_message_to_dict(AIMessage(
+            content=message.content, tool_calls=message.tool_calls, invalid_tool_calls=message.invalid_tool_calls
+        ))
         attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = _json([out])
     if art is not None:
         attrs[semconv.PROMPT_TOKEN_IDS] = list(art["prompt_token_ids"])

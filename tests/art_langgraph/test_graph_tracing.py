@@ -7,6 +7,7 @@ and in the real collector where a test says so.
 from __future__ import annotations
 
 import asyncio
+import json
 import operator
 import time
 import uuid
@@ -382,3 +383,39 @@ def test_llm_span_outside_any_graph_has_no_rollout(chat_model: ARTChatModel, spa
     assert kinds(spans, semconv.SPAN_KIND_ROLLOUT) == []
     (llm,) = kinds(spans, semconv.SPAN_KIND_LLM)
     assert llm.parent is None and semconv.ROLLOUT_ID not in llm.attributes
+
+
+def test_a_graph_runs_rollout_takes_art_metadata_from_its_config(spans) -> None:
+    steps_graph().invoke({}, config={"metadata": {"art.task": "steps", "art.metadata": {"user": "u1"}}})
+    (root,) = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert json.loads(root.attributes[semconv.METADATA]) == {"user": "u1"}
+
+
+def test_a_command_to_the_parent_graph_is_no_interrupt(spans) -> None:
+    """A subgraph node that routes its parent (`Command(graph=Command.PARENT)`) did not pause the graph."""
+    inner = StateGraph(Steps)
+    inner.add_node("route", lambda state: Command(graph=Command.PARENT, goto="after", update={"done": ["route"]}))
+    inner.add_edge(START, "route")
+    builder = StateGraph(Steps)
+    builder.add_node("sub", inner.compile(), destinations=("after",))
+    builder.add_node("after", lambda state: {"done": ["after"]})
+    builder.add_edge(START, "sub")
+    assert builder.compile().invoke({})["done"] == ["route", "after"]
+    nodes = kinds(spans, semconv.SPAN_KIND_NODE)
+    assert sorted(s.attributes[semconv.NODE_NAME] for s in nodes) == ["after", "route", "sub"]
+    for node in nodes:
+        assert node.events == ()
+        assert node.status.status_code is StatusCode.UNSET
+
+
+def test_a_tool_called_on_its_own_in_a_rollout_gets_a_tool_span(add_tool, spans) -> None:
+    """An agent loop written by hand (model, then tool, inside `rollout(...)`) records its tool calls too."""
+    with rollout("by-hand") as run:
+        add_tool.invoke({"name": "add", "args": {"a": 1, "b": 2}, "id": "call_1", "type": "tool_call"})
+    add_tool.invoke({"a": 3, "b": 4})  # outside any rollout: no trajectory to belong to
+    (tool,) = kinds(spans, semconv.SPAN_KIND_TOOL)
+    (root,) = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert tool.parent.span_id == root.context.span_id
+    assert tool.attributes[semconv.ROLLOUT_ID] == run.id
+    assert tool.attributes[semconv.GEN_AI_TOOL_CALL_ID] == "call_1"
+    assert tool.attributes[semconv.GEN_AI_TOOL_CALL_RESULT] == "3"

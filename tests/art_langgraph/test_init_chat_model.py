@@ -118,3 +118,21 @@ def test_configurable_model_replays_bind_tools(openai_url: str, served_model: st
     built = bound._model()
     assert built.kwargs["tools"][0]["function"]["name"] == "add"
     assert built.bound.temperature == 0.5
+
+
+def test_a_configurable_model_shows_the_default_models_attributes() -> None:
+    """As LangChain's configurable model does: code that reads `model_name` or counts tokens keeps working."""
+    model = init_chat_model("agent@3", configurable_fields=["temperature"], base_url="http://127.0.0.1:9/v1")
+    assert model.model_name == "agent@3"
+    assert model.bind_tools([]).model_name == "agent@3"
+    assert callable(model.get_num_tokens_from_messages)
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        _ = model.no_such_attribute
+
+
+def test_a_prefix_without_configurable_fields_makes_nothing_configurable() -> None:
+    """As in LangChain (which warns too): a prefix alone used to make every field, `base_url` too, settable per call."""
+    with pytest.warns(UserWarning, match="config_prefix='agent'"):
+        model = init_chat_model("agent@3", config_prefix="agent", base_url="http://127.0.0.1:9/v1")
+    assert isinstance(model, ARTChatModel)
+    assert isinstance(init_chat_model("agent@3", configurable_fields=[]), ARTChatModel)

@@ -188,6 +188,43 @@ async def test_a_stream_with_n_that_fails_midway_marks_every_choice(spans) -> No
     assert sorted(len(s.attributes[semconv.COMPLETION_TOKEN_IDS]) for s in got) == [2, 2, 2, 2]
 
 
+BROKEN_CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "a=1, b=2"}}
+"""A sampled tool call whose arguments are not JSON: LangChain makes it an invalid tool call."""
+
+
+class BrokenToolCallEngine(FakeEngine):
+    """The fake engine whose every reply is `BROKEN_CALL` (the tokens stay those of `completion_ids`)."""
+
+    def _completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        response = super()._completion(body)
+        for choice in response["choices"]:
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": [BROKEN_CALL]}
+        return response
+
+    def _stream(self, body: dict[str, Any]) -> list[str]:
+        events = []
+        for event in super()._stream(body):
+            chunk = json.loads(event.removeprefix("data: ")) if event != "data: [DONE]\n\n" else None
+            for choice in (chunk or {}).get("choices", []):
+                if "role" not in choice["delta"]:  # the call goes out whole with the first token
+                    first = choice["token_ids"] == completion_ids(choice["index"])[:1]
+                    choice["delta"] = {"tool_calls": [{"index": 0, **BROKEN_CALL}]} if first else {}
+            events.append(event if chunk is None else f"data: {json.dumps(chunk)}\n\n")
+        return events
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_invalid_tool_call_stays_in_the_output_message(spans, stream: bool) -> None:
+    """A sampled call whose arguments do not parse is part of the reply (and of the next prompt): the span keeps it."""
+    model = BrokenToolCallEngine().chat_model()
+    reply = merged(list(model.stream("Add 1 and 2."))) if stream else model.invoke("Add 1 and 2.")
+    assert [call["args"] for call in reply.invalid_tool_calls] == [BROKEN_CALL["function"]["arguments"]]
+    (span,) = llm_spans(spans)
+    (out,) = json.loads(span.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])
+    assert out["tool_calls"] == [BROKEN_CALL]
+    assert_choice(span, 0)
+
+
 @pytest.mark.asyncio(loop_scope="session")
 async def test_engine_without_token_ids_records_none_and_warns_once(spans, caplog) -> None:
     """An OpenAI-compatible engine that ignores `return_token_ids`: no token attributes, one warning per model."""
