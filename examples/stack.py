@@ -80,7 +80,8 @@ def start_service(
     timeout: float,
     env: dict[str, str] | None = None,
 ) -> Service:
-    """Start `name serve ARGS` and wait until `health_url` answers 200."""
+    """Start `name serve ARGS` and wait until `health_url` answers 200; stop it again when the wait fails or is
+    interrupted (Ctrl-C)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as sink:
         process = subprocess.Popen(
@@ -92,17 +93,20 @@ def start_service(
         )
     service = Service(name, url, process, log)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{name} exited with {process.returncode} while starting:\n{service.log_tail()}")
-        try:
-            if httpx.get(health_url, timeout=2.0).status_code == 200:
-                return service
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    service.stop()
-    raise TimeoutError(f"{name} did not answer {health_url} within {timeout:.0f} s:\n{service.log_tail()}")
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode} while starting:\n{service.log_tail()}")
+            try:
+                if httpx.get(health_url, timeout=2.0).status_code == 200:
+                    return service
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{name} did not answer {health_url} within {timeout:.0f} s:\n{service.log_tail()}")
+    except BaseException:  # also Ctrl-C: the child runs in its own session, so nothing else would stop it
+        service.stop()
+        raise
 
 
 @contextmanager
