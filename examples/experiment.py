@@ -315,7 +315,26 @@ def parse_args(example: Example, argv: Sequence[str] | None, doc: str | None) ->
         help=f"logs, checkpoints, results.json and PNGs; each seed-K folder in it is emptied at start "
         f"(default: runs/{example.name})",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # Checked here: a bad value would otherwise fail only after the services started (vLLM: a minute) and an earlier
+    # run's seed folders were emptied.
+    for flag, value, least in (
+        ("--steps", args.steps, 0),
+        ("--sft-steps", args.sft_steps, 0),
+        ("--groups", args.groups, 1),
+        ("--n", args.n, 1),
+        ("--eval-size", args.eval_size, 1),
+    ):
+        if value < least:
+            parser.error(f"{flag} must be at least {least}, got {value}")
+    if not args.learning_rate > 0:
+        parser.error(f"--learning-rate must be positive, got {args.learning_rate}")
+    if len(set(args.seeds)) < len(args.seeds):
+        seeds = " ".join(map(str, args.seeds))
+        parser.error(f"--seeds names a seed twice ({seeds}): its second run would replace the first")
+    if args.workdir.exists() and not args.workdir.is_dir():
+        parser.error(f"--workdir {args.workdir} is a file, not a folder")
+    return args
 
 
 def main(example: Example, argv: Sequence[str] | None = None, doc: str | None = None) -> dict[str, Any]:
