@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from art_langgraph import semconv as sc  # noqa: E402  (after the path set-up)
+from bench.options import positive_int  # noqa: E402
 from examples.stack import free_port  # noqa: E402
 
 PHOENIX_VENV = ROOT / "bench" / ".phoenix-venv"
@@ -231,10 +232,10 @@ def bench_phoenix(bodies: list[bytes], expected: int, concurrency: int, workdir:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--traces", type=int, default=1000, help="traces to send (7 spans each)")
-    parser.add_argument("--traces-per-export", type=int, default=64,
+    parser.add_argument("--traces", type=positive_int, default=1000, help="traces to send (7 spans each)")
+    parser.add_argument("--traces-per-export", type=positive_int, default=64,
                         help="traces per OTLP export request (64 = 448 spans)")
-    parser.add_argument("--concurrency", type=int, default=4, help="exports in flight at once")
+    parser.add_argument("--concurrency", type=positive_int, default=4, help="exports in flight at once")
     parser.add_argument("--postgres", help="also measure the collector on this PostgreSQL URL (an empty database)")
     parser.add_argument("--skip-phoenix", action="store_true", help="measure only the collector")
     args = parser.parse_args()

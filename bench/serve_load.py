@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.options import positive_int
 from examples.stack import start_service
 
 
@@ -78,8 +79,8 @@ def report(name: str, r: dict[str, float]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trainer", help="a running art-trainer (default: start one on ports 28110-28111)")
-    parser.add_argument("--requests", type=int, default=2000, help="chat requests, all sent at once")
-    parser.add_argument("--max-tokens", type=int, default=4, help="completion tokens per request")
+    parser.add_argument("--requests", type=positive_int, default=2000, help="chat requests, all sent at once")
+    parser.add_argument("--max-tokens", type=positive_int, default=4, help="completion tokens per request")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp, trainer(args.trainer, Path(tmp)) as url:
         status = httpx.get(f"{url}/v1/status", timeout=30).raise_for_status().json()

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from bench.grpo_batch import question
+from bench.options import positive_int
 from bench.train_throughput import StepClock, run_side
 from collector.protocol import Group, Sequence, Trajectory
 from trainer_service.allocator import allocator_library, loaded_allocator
@@ -137,11 +138,12 @@ def report(ours: list[dict[str, Any]], trl: list[dict[str, Any]], tokens: int, t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sequences", type=int, default=32,
+    parser.add_argument("--sequences", type=positive_int, default=32,
                         help="sequences a step trains (the best trajectory of as many groups)")
-    parser.add_argument("--completion-tokens", type=int, default=64, help="completion tokens of each sequence")
-    parser.add_argument("--steps", type=int, default=3, help="steps timed on each side: the first, then warm ones")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--completion-tokens", type=positive_int, default=64, help="completion tokens of each sequence")
+    parser.add_argument("--steps", type=positive_int, default=3,
+                        help="steps timed on each side: the first, then warm ones")
+    parser.add_argument("--rounds", type=positive_int, default=3,
                         help="alternating rounds of art and TRL, each side in a fresh process; figures are medians")
     parser.add_argument("--precision", choices=["default", "float32"], default="default",
                         help="default: each side's default here (TRL bf16 autocast; art bf16 base weights where the "
@@ -152,9 +154,6 @@ def main() -> None:
     parser.add_argument("--worker", choices=["art", "trl"], help=argparse.SUPPRESS)  # one side, in a child process
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    for name in ("sequences", "completion_tokens", "steps", "rounds"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.worker:
         from transformers import AutoTokenizer
 

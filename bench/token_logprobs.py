@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from trl.trainer.utils import selective_log_softmax
 
+from bench.options import positive_int
 from trainer_service.logprobs import token_logprobs
 
 Fn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -44,10 +45,10 @@ def forward_backward(fn: Fn, logits: torch.Tensor, targets: torch.Tensor,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=576, help="trained positions in one pass")
-    parser.add_argument("--vocab", type=int, default=49152, help="vocabulary size (49152: SmolLM2's)")
+    parser.add_argument("--rows", type=positive_int, default=576, help="trained positions in one pass")
+    parser.add_argument("--vocab", type=positive_int, default=49152, help="vocabulary size (49152: SmolLM2's)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the logits' dtype")
-    parser.add_argument("--rounds", type=int, default=7,
+    parser.add_argument("--rounds", type=positive_int, default=7,
                         help="timed forward+backward runs per variant and thread count")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)

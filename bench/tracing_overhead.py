@@ -33,6 +33,7 @@ from langgraph.graph import START, MessagesState, StateGraph
 
 import art_langgraph
 from art_langgraph import ARTChatModel, chat_node
+from bench.options import positive_int
 from examples.stack import running_stack
 
 PROMPTS = [f"Reply with one word about the number {i}." for i in range(16)]
@@ -89,8 +90,8 @@ def main() -> None:
     parser.add_argument("--trainer", help="trainer service base URL (default: start a collector and a trainer)")
     parser.add_argument("--collector", help="collector base URL, where spans go (with --trainer)")
     parser.add_argument("--model", default="agent@latest", help="model name the chat calls ask for")
-    parser.add_argument("--rounds", type=int, default=40, help="calls per variant, interleaved")
-    parser.add_argument("--max-tokens", type=int, default=8, help="completion tokens per call")
+    parser.add_argument("--rounds", type=positive_int, default=40, help="calls per variant, interleaved")
+    parser.add_argument("--max-tokens", type=positive_int, default=8, help="completion tokens per call")
     args = parser.parse_args()
     if (args.trainer is None) != (args.collector is None):
         parser.error("give both --trainer and --collector, or neither (then both are started here)")

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
 
+from bench.options import positive_int
 from collector.config import art_home
 from collector.protocol import Group, Sequence, Trajectory
 from trainer_service.base_model import BUNDLED_MODEL
@@ -189,9 +190,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=art_home() / "models" / BUNDLED_MODEL,
                         help="folder with config.json and tokenizer files of the model to shape (weights not read)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per side, after one warm-up step")
+    parser.add_argument("--steps", type=positive_int, default=3, help="timed steps per side, after one warm-up step")
     parser.add_argument("--skip-trl", action="store_true", help="only time art's trainer")
-    parser.add_argument("--micro-batch-sizes", type=int, nargs="*", default=[4, 1],
+    parser.add_argument("--micro-batch-sizes", type=positive_int, nargs="*", default=[4, 1],
                         help="art's micro-batch sizes to time besides the default, with checkpointing on; "
                         "1 is one sequence per pass, the trainer before packing")
     parser.add_argument("--gradient-checkpointing", choices=["on", "off", "both"], default="both",

@@ -59,6 +59,7 @@ import torch
 from transformers import TrainerCallback
 
 from bench.grpo_batch import COMPLETION_TOKENS, PROMPTS, SAMPLES, problems, question, sample_batch, score, to_groups
+from bench.options import positive_int
 from collector.protocol import Group
 from trainer_service.allocator import allocator_library, loaded_allocator, with_preload
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
@@ -246,14 +247,12 @@ def main() -> None:
                         help="memory allocator of art's process and vLLM, as `art-trainer serve --allocator` (auto: "
                         "TCMalloc where installed); TRL runs on it too and, when it is not the system allocator, "
                         "once more on the system allocator, as a plain `python` runs it")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=positive_int, default=3,
                         help="alternating rounds of art-trainer and TRL (each side in a fresh process); the figures "
                         "are medians over them: this machine's speed drifts by up to 2x over minutes")
     parser.add_argument("--worker", choices=["art", "trl"], help=argparse.SUPPRESS)  # one side, in a child process
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
     art_dtype = "auto" if args.precision == "default" else "float32"
     trl_bf16 = args.precision == "default"
     if args.worker:
