@@ -67,8 +67,8 @@ def is_correct(problem: Problem, reply: str) -> bool:
 
 
 def score(problem: Problem, output: State) -> float:
-    """Reward in [0, 1]: 0.6 for the right number, up to 0.4 for a short reply."""
+    """Reward in [0, 1]: 0.6 for the right number, up to 0.4 for a short reply (none for an empty one)."""
     reply = output.get("reply", "").strip()
     span = LONG_REPLY_CHARS - SHORT_REPLY_CHARS
-    brevity = min(1.0, max(0.0, (LONG_REPLY_CHARS - len(reply)) / span))
+    brevity = min(1.0, max(0.0, (LONG_REPLY_CHARS - len(reply)) / span)) if reply else 0.0
     return 0.6 * is_correct(problem, reply) + 0.4 * brevity

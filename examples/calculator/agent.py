@@ -65,7 +65,7 @@ class State(MessagesState):
 
 
 def evaluate(expression: str) -> int | float:
-    """Evaluate `+ - * /` and parentheses over numbers; anything else raises ValueError."""
+    """Evaluate `+ - * /` and parentheses over numbers; anything else (or nesting too deep) raises ValueError."""
 
     def walk(node: ast.AST) -> int | float:
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
@@ -78,7 +78,7 @@ def evaluate(expression: str) -> int | float:
 
     try:
         return walk(ast.parse(expression.replace("x", "*").replace("×", "*"), mode="eval").body)
-    except (SyntaxError, ZeroDivisionError) as error:
+    except (SyntaxError, ZeroDivisionError, RecursionError) as error:  # `-` * 1000: 16 tokens of 64 dashes
         raise ValueError(f"cannot evaluate {expression!r}: {error}") from error
 
 

@@ -141,6 +141,8 @@ class Mailbox:
 
     def read(self, email_id: int) -> Email | None:
         """The email with this id, or None."""
+        if not 0 < email_id < 2**63:  # no such rowid; SQLite would raise OverflowError past 2**63 - 1
+            return None
         with self._lock:
             row = self._db.execute(
                 "SELECT rowid, sender, date, subject, body FROM emails WHERE rowid = ?", (email_id,)
