@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from trainer_service.parent_death import launch_command
+
 
 def free_port() -> int:
     """Return a TCP port on localhost that nothing listens on right now."""
@@ -81,11 +83,13 @@ def start_service(
     env: dict[str, str] | None = None,
 ) -> Service:
     """Start `name serve ARGS` and wait until `health_url` answers 200; stop it again when the wait fails or is
-    interrupted (Ctrl-C)."""
+    interrupted (Ctrl-C). The service runs in its own session (`Service.stop` signals its group) and gets SIGTERM
+    when this process dies, however it dies (`parent_death`: a `timeout`/`kill` of the script, whose `finally`
+    blocks never run, left the trainer and its vLLM running)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            [_console_script(name), "serve", *args],
+            launch_command([_console_script(name), "serve", *args]),
             stdout=sink,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},

@@ -1,9 +1,14 @@
-"""examples/stack.py: the ports a stack's services are given, and that a service is stopped when its start fails."""
+"""examples/stack.py: the ports a stack's services are given, and that a service is stopped when its start fails or
+the script that started it dies."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -43,3 +48,40 @@ def test_a_service_interrupted_while_starting_is_stopped(tmp_path: Path, monkeyp
     with pytest.raises(KeyboardInterrupt):
         stack.start_service("art-trainer", [], "http://127.0.0.1:9/health", "http://127.0.0.1:9", tmp_path / "log", 60)
     assert started and started[0].poll() is not None, "the child runs in its own session: Ctrl-C does not reach it"
+
+
+def test_a_service_stops_when_the_script_that_started_it_is_killed(tmp_path: Path) -> None:
+    """The services run in their own sessions, so a `timeout` or `kill -9` of the example reached none of them."""
+    port = free_ports(1)[0]
+    serve = tmp_path / "fake-art-service"  # found on PATH, like an installed console script
+    serve.write_text(f"#!/bin/sh\nexec {sys.executable} -m http.server --bind 127.0.0.1 {port}\n")
+    serve.chmod(0o755)
+    script = (
+        "import sys; from pathlib import Path; from examples import stack\n"
+        f"service = stack.start_service('fake-art-service', [], 'http://127.0.0.1:{port}/', '', Path(sys.argv[1]),"
+        " 30)\n"
+        "print(service.process.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(Path.cwd())}
+    example = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "log")], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, env=env)
+    assert example.stdout is not None
+    service_pid = int(example.stdout.readline())
+    example.kill()
+    example.wait()
+    deadline = time.monotonic() + 10
+    while _running(service_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _running(service_pid):
+        os.kill(service_pid, signal.SIGKILL)
+        pytest.fail("the service outlived the script that started it")
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (an exited one whose parent is gone is reaped by init)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
