@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import httpx
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import make_url
@@ -20,7 +21,10 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from collector.groups import TrainingReward
 
-__all__ = ["CollectorSettings", "art_home", "default_db_url", "hide_password", "settings_error", "validation_problem"]
+__all__ = [
+    "CollectorSettings", "art_home", "check_http_url", "default_db_url", "hide_password", "settings_error",
+    "validation_problem",
+]
 
 
 def hide_password(value: str) -> str:
@@ -31,6 +35,22 @@ def hide_password(value: str) -> str:
     except (ArgumentError, ValueError):  # not a URL (a path, a number): nothing to hide
         return value
     return url.render_as_string(hide_password=True) if url.password else value
+
+
+def check_http_url(value: str, example: str) -> str:
+    """`value` when it is an http(s) URL with a host (`example` shows one in the error): a service address that is
+    not fails every call to it, later and over and over (or, one httpx cannot parse, with a traceback).
+
+    Raises:
+        ValueError: not a URL, or one without `http://`/`https://` or a host.
+    """
+    try:
+        url = httpx.URL(value)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"not a URL ({exc}); write e.g. {example}") from exc
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"needs http:// or https:// and a host, e.g. {example}")
+    return value
 
 
 def validation_problem(error: Mapping[str, Any]) -> str:

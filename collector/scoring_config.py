@@ -12,8 +12,10 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from collector.config import check_http_url
 
 __all__ = ["DEFAULT_RUBRIC", "JudgeSettings", "LangfuseSettings"]
 
@@ -97,6 +99,11 @@ class JudgeSettings(BaseSettings):
     )
     timeout_seconds: float = Field(default=300.0, gt=0, description="HTTP timeout of one judge call.")
 
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        return check_http_url(value, "http://localhost:8000/v1")
+
     @model_validator(mode="after")
     def _load_rubric(self) -> JudgeSettings:
         if self.rubric_file is not None:
@@ -148,6 +155,11 @@ class LangfuseSettings(BaseSettings):
         description="Pull scores whose timestamp is at most this old (at most 100 years: further back is no date).",
     )
     timeout_seconds: float = Field(default=30.0, gt=0, description="HTTP timeout of one Langfuse call.")
+
+    @field_validator("host")
+    @classmethod
+    def _check_host(cls, value: str | None) -> str | None:
+        return value if value is None else check_http_url(value, "https://cloud.langfuse.com")
 
     @model_validator(mode="before")
     @classmethod

@@ -12,11 +12,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
-import httpx
 from apscheduler.triggers.cron import CronTrigger
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from collector.config import check_http_url
 from collector.protocol import MAX_LEASE_SECONDS, BatchRequest
 from trainer_service.base_model import BUNDLED_MODEL
 
@@ -348,15 +348,8 @@ class TrainerSettings(BaseSettings):
     @field_validator("collector")
     @classmethod
     def _check_collector(cls, value: str) -> str:
-        """The collector's address must be an http(s) URL with a host: anything else fails every step (or, for one
-        httpx cannot parse, the start with a traceback)."""
-        try:
-            url = httpx.URL(value)
-        except httpx.InvalidURL as exc:
-            raise ValueError(f"not a URL ({exc}); write e.g. http://localhost:4318") from exc
-        if url.scheme not in ("http", "https") or not url.host:
-            raise ValueError("needs http:// or https:// and a host, e.g. http://localhost:4318")
-        return value
+        """The collector's address must be an http(s) URL with a host: anything else fails every step."""
+        return check_http_url(value, "http://localhost:4318")
 
     def check_effective(self) -> None:
         """Refuse settings given (flag or environment) that nothing would read, so none is accepted and ignored: the

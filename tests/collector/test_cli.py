@@ -110,6 +110,30 @@ def test_non_finite_settings_exit_naming_them(monkeypatch: pytest.MonkeyPatch, t
     assert "Traceback" not in err
 
 
+
+@pytest.mark.parametrize(
+    ("variables", "says"),
+    [
+        ({"ART_COLLECTOR_JUDGE_URL": "localhost:8000/v1"},
+         "JudgeSettings: url='localhost:8000/v1': needs http:// or https:// and a host, e.g. http://localhost:8000/v1"),
+        ({"ART_TRAINER_URL": "http://"}, "JudgeSettings: url='http://': needs http:// or https:// and a host"),
+        ({"LANGFUSE_HOST": "cloud.langfuse.com", "LANGFUSE_PUBLIC_KEY": "pk", "LANGFUSE_SECRET_KEY": "sk"},
+         "LangfuseSettings: ART_COLLECTOR_LANGFUSE_HOST='cloud.langfuse.com': needs http:// or https:// and a host"),
+    ],
+)
+def test_a_service_address_that_is_no_http_url_exits_naming_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str], variables: dict[str, str],
+    says: str
+) -> None:
+    """They were accepted, and then every judge run or Langfuse sync failed, long after the start."""
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served with bad settings"))
+    for variable, value in variables.items():
+        monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--db", f"sqlite:///{tmp_path / 'x.db'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"art-collector: error: {says}" in err, err
+
 @pytest.mark.parametrize(
     ("url", "says"),
     [
