@@ -14,7 +14,9 @@ from collector.engine import chunks
 from collector.groups import Decision, Member, decide, merge_rewards
 from collector.schema import batches, groups, rewards, trajectories
 
-__all__ = ["LEASE_EXPIRED", "decisions", "expected_size", "give_back", "group_members", "maintain", "rewards_of"]
+__all__ = [
+    "LEASE_EXPIRED", "decisions", "expected_size", "give_back", "group_members", "maintain", "rewarded", "rewards_of"
+]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,25 @@ def rewards_of(conn: Connection, rows: list[Any], *, until: float | None = None)
                 if owner in by_id:
                     by_id[owner].append((order, r["source"], r["name"], r["value"]))
     return {tid: merge_rewards(found) for tid, found in by_id.items()}
+
+
+def rewarded(conn: Connection, rollout_ids: list[str], trace_ids: list[str], now: float) -> None:
+    """New rewards arrived for the trajectories of `rollout_ids`, and of `trace_ids` (rewards without a rollout id).
+
+    Activity for their open groups; a group skipped for its rewards goes back to the pool, since a new reward may
+    give it its spread back (not one skipped after failed trainings, which keeps the batch that gave up on it).
+    Called for rewards by API and from spans alike.
+    """
+    group_ids: set[str] = set()
+    for column, values in ((trajectories.c.id, rollout_ids), (trajectories.c.trace_id, trace_ids)):
+        for chunk in chunks(sorted(set(values))):
+            query = select(trajectories.c.group_id).where(column.in_(chunk), trajectories.c.group_id.is_not(None))
+            group_ids.update(conn.execute(query).scalars())
+    reopened = or_(groups.c.state == "open", and_(groups.c.state == "skipped", groups.c.batch_id.is_(None)))
+    for chunk in chunks(sorted(group_ids)):
+        conn.execute(
+            groups.update().where(groups.c.id.in_(chunk), reopened).values(state="open", reason=None, updated_at=now)
+        )
 
 
 def group_members(conn: Connection, group_ids: list[str]) -> dict[str, list[Any]]:

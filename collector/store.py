@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from sqlalchemy import Connection, Select, and_, func, or_, select
+from sqlalchemy import Connection, Select, func, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from collector import assembly, leases, placement, pool
@@ -165,6 +165,8 @@ class SqlStore(Store):
         placement.write_trajectories(
             conn, found, digests, existing, min_group_size=self.settings.min_group_size, now=now
         )
+        by_rollout = [r["rollout_id"] for r in reward_rows if r["rollout_id"]]
+        pool.rewarded(conn, by_rollout, [r["trace_id"] for r in reward_rows if not r["rollout_id"]], now)
         return len(new)
 
     def _trajectory_rows(self, conn: Connection, ids: list[str]) -> dict[str, Any]:
@@ -201,15 +203,8 @@ class SqlStore(Store):
         match = (
             trajectories.c.id == reward.rollout_id if reward.rollout_id else trajectories.c.trace_id == reward.trace_id
         )
-        group_ids = set(conn.execute(select(trajectories.c.group_id).where(match)).scalars()) - {None}
-        if group_ids:  # a new reward may give a skipped group its spread back; it is activity too
-            # (not to a group skipped after failed trainings, which keeps the batch that gave up on it)
-            reopened = or_(groups.c.state == "open", and_(groups.c.state == "skipped", groups.c.batch_id.is_(None)))
-            conn.execute(
-                groups.update()
-                .where(groups.c.id.in_(group_ids), reopened)
-                .values(state="open", reason=None, updated_at=now)
-            )
+        by_trace = [] if reward.rollout_id else [reward.trace_id or ""]
+        pool.rewarded(conn, [reward.rollout_id] if reward.rollout_id else [], by_trace, now)
         return conn.execute(select(func.count()).where(match)).scalar_one() > 0
 
     # --- reading ------------------------------------------------------------------------

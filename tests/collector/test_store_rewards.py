@@ -66,3 +66,26 @@ def test_reward_spans_attach_by_rollout_or_trace(make_store) -> None:
                      {"art.span.kind": "reward", "art.rollout.id": "a", "art.reward.value": "high"})
     with pytest.raises(InvalidRequest, match="finite number"):
         store.add_spans([bad])
+
+
+def test_a_reward_span_reopens_a_group_skipped_for_its_rewards_and_is_activity(make_store, clock) -> None:
+    from collector.otlp import SpanRecord
+
+    def judged(n: int, value: float, **attrs: str) -> SpanRecord:
+        return SpanRecord(f"{20:032x}", sid(n), None, "judge", 500, 600,
+                          {"art.span.kind": "reward", "art.reward.value": value, **attrs})
+
+    for owner in ({"art.rollout.id": "b"}, {}):  # by rollout id, or by the rollout's trace
+        store = make_store()
+        store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=1.0))
+        assert store.lease(BatchRequest()).groups == []
+        assert [(g.state, g.reason) for g in store.groups()] == [("skipped", "no reward spread")]
+        store.add_spans([judged(900, 0.0, **owner)])  # as a new reward by API does
+        assert [g.id for g in store.lease(BatchRequest()).groups] == ["g"]
+
+    store = make_store(group_timeout_seconds=100)
+    store.add_spans(trajectory(10, "a", reward=1.0, size=3) + trajectory(20, "b", reward=None, size=3))
+    clock.now += 90
+    store.add_spans([judged(900, 0.0)])  # b's reward, by trace: activity that keeps the group from expiring
+    clock.now += 20
+    assert [(g.state, g.rewarded) for g in store.groups()] == [("open", 2)]
