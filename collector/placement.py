@@ -43,18 +43,35 @@ def _counts(conn: Connection, column: Any, values: list[str]) -> Counter[str]:
     return counts
 
 
+def _members(conn: Connection, group_ids: list[str]) -> tuple[Counter[str], dict[str, set[str]]]:
+    """Trajectories in each group of `group_ids`, and their splits (for the groups that have any)."""
+    counts: Counter[str] = Counter()
+    splits: dict[str, set[str]] = {}
+    for chunk in chunks(group_ids):
+        query = (
+            select(trajectories.c.group_id, trajectories.c.split, func.count())
+            .where(trajectories.c.group_id.in_(chunk)).group_by(trajectories.c.group_id, trajectories.c.split)
+        )
+        for group_id, split, n in conn.execute(query):
+            counts[group_id] += n
+            splits.setdefault(group_id, set()).add(split)
+    return counts, splits
+
+
 def place(
     conn: Connection, wanted: list[tuple[str, TrajectoryFacts]], *, min_group_size: int, now: float
 ) -> dict[str, str]:
     """The group instance of each trajectory in `wanted` (id, facts), by trajectory id.
 
     Each goes to the oldest open instance of its group key with room left (see
-    `groups.capacity`), else to a new instance: the key, then `key#2`, `key#3` ... A trajectory
-    here is in no instance of its key yet (it has no group, or one of another key).
+    `groups.capacity`), else to a new instance: the key, then `key#2`, `key#3` ... An instance
+    the collector formed (by task or trace, not `art.group`) holds trajectories of one split, so
+    evaluation runs of a task never hold up its training. A trajectory here is in no instance of
+    its key yet (it has no group, or one of another key).
     """
     keys = sorted({facts.group_key for _, facts in wanted})
     instances = _open_instances(conn, keys)
-    members = _counts(conn, trajectories.c.group_id, [g["id"] for found in instances.values() for g in found])
+    members, splits = _members(conn, [g["id"] for found in instances.values() for g in found])
     taken = _counts(conn, groups.c.key, keys)
     placed: dict[str, str] = {}
     hints: dict[str, int] = {}
@@ -62,7 +79,8 @@ def place(
     for trajectory_id, facts in wanted:
         for group in instances[facts.group_key]:
             cap = capacity(group["explicit"], group["size_hint"] or facts.group_size, min_group_size)
-            if cap is None or members[group["id"]] < cap:
+            other_split = not group["explicit"] and splits.get(group["id"], {facts.split}) != {facts.split}
+            if (cap is None or members[group["id"]] < cap) and not other_split:
                 if group["size_hint"] is None and facts.group_size is not None:
                     group["size_hint"] = hints[group["id"]] = facts.group_size
                 break
@@ -74,6 +92,7 @@ def place(
                 [*instances[facts.group_key], group], key=lambda g: (g["created_at"], g["id"])
             )
         members[group["id"]] += 1
+        splits.setdefault(group["id"], set()).add(facts.split)
         placed[trajectory_id] = group["id"]
     if created:
         conn.execute(groups.insert(), created)

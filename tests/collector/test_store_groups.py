@@ -138,3 +138,23 @@ def test_an_attempt_without_a_model_call_stays_in_the_group_the_app_named(make_s
     store.add_spans([failed, *answered])
     assert [(t.id, t.group_id) for t in store.trajectories()] == [("try-0", "q1"), ("try-1", "q1")]
     assert [g.id for g in store.lease(BatchRequest()).groups] == ["q1"]
+
+
+def test_evaluation_runs_of_a_task_form_groups_of_their_own(make_store) -> None:
+    def run(n: int, rollout_id: str, reward: float, split: str) -> list:
+        trace = f"{n:032x}"
+        return [llm(n + 1, rollout=rollout_id, trace=trace, start=10, prompt=[1, 2], completion=[n]),
+                rollout(n, rollout_id, trace=trace, task="arith", split=split, rewards={"reward": reward})]
+
+    store = make_store()
+    for spans in (run(10, "t1", 1.0, "train"), run(20, "v1", 0.0, "val"), run(30, "t2", 0.0, "train"),
+                  run(40, "v2", 1.0, "val")):
+        store.add_spans(spans)
+    assert [(t.id, t.group_id) for t in store.trajectories()] == [
+        ("t1", "arith"), ("t2", "arith"), ("v1", "arith#2"), ("v2", "arith#2")]
+    assert [(g.id, [t.id for t in g.trajectories]) for g in store.lease(BatchRequest()).groups] == [
+        ("arith", ["t1", "t2"])]
+    # a group the app names holds what the app put in it
+    named = make_store()
+    named.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0, split="val"))
+    assert [(g.id, g.size, g.reason) for g in named.groups()] == [("g", 2, "split val: only train groups are leased")]
