@@ -5,8 +5,10 @@ instrumentation, a foreign span) still carry their messages. They are rendered w
 template as vLLM renders them (a tool call's `arguments` JSON string parsed into an object first);
 a token is an assistant token when the text it comes from was added by an assistant message. The
 spans are found by rendering growing prefixes of the conversation, so any template that renders a
-conversation as the concatenation of its turns works, tool calls included. Trailing template text
-after the end-of-turn token (a newline) is not sampled by the model and is left out of the mask.
+conversation as the concatenation of its turns works, tool calls included. A template that leaves an
+assistant message's tool calls out (no tool support) is refused: that turn would train as an empty one.
+Trailing template text after the end-of-turn token (a newline) is not sampled by the model and
+is left out of the mask.
 The end-of-turn token is the tokenizer's eos, or the special token the template writes right after
 an assistant message where that is another one (Gemma's `<end_of_turn>`, whose eos is `<eos>`).
 """
@@ -112,8 +114,8 @@ def render_with_assistant_mask(
 
     Raises:
         RetokenizeError: no assistant message, no chat template, a template that fails on the
-            conversation, or one whose rendering of a longer conversation does not extend the
-            rendering of a shorter one.
+            conversation, one that leaves an assistant message's tool calls out (no tool support), or
+            one whose rendering of a longer conversation does not extend the rendering of a shorter one.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise RetokenizeError("the tokenizer has no chat template; set one (or serve a model that ships one)")
@@ -131,6 +133,12 @@ def render_with_assistant_mask(
             raise RetokenizeError(
                 f"the chat template does not render message {index} as an extension of the ones before it; "
                 "such trajectories cannot be re-tokenized (record them with engine token ids instead)"
+            )
+        callless = [*messages[:index], {key: value for key, value in message.items() if key != "tool_calls"}]
+        if message.get("tool_calls") and upto == _render(tokenizer, callless, tools, generation_prompt=False):
+            raise RetokenizeError(
+                f"the chat template does not render the tool calls of message {index} (it has no tool support), so "
+                "they cannot be trained; serve a template that renders them (--chat-template)"
             )
         spans.append((len(before), len(upto)))
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)

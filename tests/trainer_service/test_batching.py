@@ -280,6 +280,25 @@ def test_a_conversation_the_template_cannot_render_is_skipped_and_counted(
         render_with_assistant_mask(strict, hello)
 
 
+def test_tool_calls_a_template_leaves_out_are_not_trained_as_an_empty_turn(
+        tokenizer: PreTrainedTokenizerBase, caplog: pytest.LogCaptureFixture) -> None:
+    # SmolLM2's own template (`--chat-template model`) has no tool section: it drops an assistant message's calls,
+    # and the tool-calling turn would train as a bare <|im_end|>
+    toolless = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    assert "tool_calls" not in toolless.chat_template
+    with pytest.raises(RetokenizeError, match="does not render the tool calls of message 2"):
+        render_with_assistant_mask(toolless, CONVERSATION, TOOLS)
+    hello = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    render_with_assistant_mask(toolless, hello)  # conversations without tool calls still re-tokenize
+    groups = [Group(id="g", trajectories=[
+        Trajectory(id=tid, trace_id="1" * 32, group_id="g", token_exact=False, messages=messages, tools=TOOLS,
+                   reward=reward)
+        for tid, messages, reward in (("a", hello, 1.0), ("b", hello, 0.0), ("c", CONVERSATION, 0.5))])]
+    batch = prepare_grpo(groups, GRPOConfig(), CPU, toolless)
+    assert batch.stats["data/skipped/retokenize_failed"] == 1 and batch.stats["data/trajectories"] == 2
+    assert "trajectory c of group g is skipped (retokenize_failed)" in caplog.text
+
+
 def item(trajectory: int, tokens: int) -> TrainItem:
     return TrainItem(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens - 1), torch.ones(tokens - 1),
                      advantage=0.0, weight=0.1, trajectory=trajectory)
