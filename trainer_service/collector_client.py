@@ -11,7 +11,15 @@ from typing import Any
 import httpx
 from pydantic import TypeAdapter
 
-from collector.protocol import AckRequest, Batch, BatchRequest, GroupStatus, ReleaseRequest, ReleaseResponse
+from collector.protocol import (
+    AckRequest,
+    AckResponse,
+    Batch,
+    BatchRequest,
+    GroupStatus,
+    ReleaseRequest,
+    ReleaseResponse,
+)
 from trainer_service.config import TrainerSettings
 from trainer_service.protocol import ServiceError
 
@@ -82,7 +90,8 @@ class CollectorClient:
         """Mark batch `batch_id` trained by `step` (None: acked without a step) (`POST /v1/batches/{id}/ack`).
 
         Raises:
-            ServiceError: 502 `ack_failed` when the collector does not answer or refuses.
+            ServiceError: 502 `ack_failed` when the collector does not answer, refuses, or answers with something
+                that is not an ack.
         """
         done = "nothing in it can train, no step was taken" if step is None else f"step {step} is saved and served"
         try:
@@ -94,6 +103,11 @@ class CollectorClient:
         if response.status_code != 200:
             raise ServiceError(502, "ack_failed", f"The collector refused the ack of batch {batch_id} ({done}): "
                                f"HTTP {response.status_code}: {response.text[:300]}", type="server_error")
+        try:
+            AckResponse.model_validate_json(response.content)
+        except ValueError as exc:
+            raise ServiceError(502, "ack_failed", f"The collector answered the ack of batch {batch_id} ({done}) with "
+                               f"something that is not an ack: {str(exc)[:300]}", type="server_error") from exc
 
     async def release(self, batch_id: str, reason: str, failed: bool) -> ReleaseResponse:
         """Give batch `batch_id` back untrained (`POST /v1/batches/{id}/release`): its groups can be leased again now.

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from collector.protocol import Batch, Group, ReleaseResponse, Sequence, Trajectory
+from collector.protocol import AckResponse, Batch, Group, ReleaseResponse, Sequence, Trajectory
 from trainer_service.config import TrainerSettings
 from trainer_service.distributed import TrainLauncher
 from trainer_service.evaluation import Evaluator
@@ -179,8 +179,10 @@ def make_service(tmp_path: Path, batches: list[Batch], acks: list[tuple[str, dic
                       "state": "ready"}
                      for b in batches for g in b.groups]
             return httpx.Response(200, json=ready)
-        acks.append((request.url.path.split("/")[3], json.loads(request.content)))
-        return httpx.Response(ack_status, json={})
+        batch_id, body = request.url.path.split("/")[3], json.loads(request.content)
+        acks.append((batch_id, body))
+        acked = AckResponse(batch_id=batch_id, groups=["g"], policy_step=body["policy_step"])
+        return httpx.Response(ack_status, json=acked.model_dump())
 
     settings = TrainerSettings(**{"output_dir": tmp_path, "name": "agent", "wandb": "off", "base_model": "tiny-llama",
                                   **settings_overrides})

@@ -46,3 +46,19 @@ async def test_a_refused_ack_says_what_was_done_with_the_batch(step: int | None,
     assert info.value.body.error.code == "ack_failed" and f"batch b1 {said}: HTTP 409" in message
     assert "step None" not in message
     await collector.aclose()
+
+
+@pytest.mark.parametrize("answer", [httpx.Response(200, text="<html>login</html>"), httpx.Response(200, json={}),
+                                    httpx.Response(200, json=[{"batch_id": "b1"}])])
+async def test_an_ack_answered_with_something_that_is_not_an_ack_fails(answer: httpx.Response) -> None:
+    # a proxy's page or another service at --collector: the batch is not acked, its groups come back after the lease
+    collector = client(httpx.MockTransport(lambda request: answer))
+    with pytest.raises(ServiceError) as info:
+        await collector.ack("b1", 3)
+    assert info.value.body.error.code == "ack_failed"
+    assert "ack of batch b1 (step 3 is saved and served) with something that is not an ack" in (
+        info.value.body.error.message)
+    acked = {"batch_id": "b1", "groups": ["g"], "policy_step": 3}  # what the collector publishes is taken
+    collector = client(httpx.MockTransport(lambda request: httpx.Response(200, json=acked)))
+    await collector.ack("b1", 3)
+    await collector.aclose()
