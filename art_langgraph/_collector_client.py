@@ -24,6 +24,17 @@ def _request(
     return f"{settings.collector_base_url}/v1/rewards", headers, body
 
 
+def _raise_for_status(response: httpx.Response) -> None:
+    """`raise_for_status`, with the collector's answer (its error envelope names what it refused) in the message."""
+    if not response.is_success:
+        raise httpx.HTTPStatusError(
+            f"the collector answered {response.status_code} {response.reason_phrase} to POST {response.url}: "
+            f"{response.text[:1000]}",
+            request=response.request,
+            response=response,
+        )
+
+
 def post_reward(rollout_id: str | None, name: str, value: float, trace_id: str | None = None) -> None:
     """Send one reward for a finished rollout (by rollout id or trace id) to `POST {collector}/v1/rewards`.
 
@@ -31,7 +42,7 @@ def post_reward(rollout_id: str | None, name: str, value: float, trace_id: str |
         httpx.HTTPError: The collector is unreachable or answered with an error status.
     """
     url, headers, body = _request(rollout_id, name, value, trace_id)
-    httpx.post(url, json=body, headers=headers, timeout=_TIMEOUT).raise_for_status()
+    _raise_for_status(httpx.post(url, json=body, headers=headers, timeout=_TIMEOUT))
 
 
 async def apost_reward(rollout_id: str | None, name: str, value: float, trace_id: str | None = None) -> None:
@@ -42,4 +53,4 @@ async def apost_reward(rollout_id: str | None, name: str, value: float, trace_id
     """
     url, headers, body = _request(rollout_id, name, value, trace_id)
     async with httpx.AsyncClient(timeout=_TIMEOUT) as client:
-        (await client.post(url, json=body, headers=headers)).raise_for_status()
+        _raise_for_status(await client.post(url, json=body, headers=headers))

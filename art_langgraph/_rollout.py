@@ -34,8 +34,15 @@ _warned_stepped_apart = False
 """Whether `Rollout._leave` has logged, once per process, a block stepped through several contexts."""
 
 
+def _check_name(value: str, what: str, limit: int = semconv.MAX_NAME_LENGTH) -> None:
+    """Refuse a name the collector would reject with its whole span: longer than `limit` or holding a NUL."""
+    if len(value) > limit or "\x00" in value:
+        raise ValueError(f"{what} must be at most {limit} characters, without NUL; got {value[:40]!r} "
+                         f"({len(value)} characters)")
+
+
 def _check_reward(value: float, name: str) -> float:
-    """`value` as a float: any real number (NumPy's too), not a bool, finite; `name` non-empty."""
+    """`value` as a float: any real number (NumPy's too), not a bool, finite; `name` non-empty and storable."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"reward {name!r} must be a number, got {type(value).__name__}")
     value = float(value)
@@ -43,7 +50,19 @@ def _check_reward(value: float, name: str) -> float:
         raise ValueError(f"reward {name!r} must be finite, got {value}")
     if not name:
         raise ValueError("reward name must be a non-empty string")
+    _check_name(name, "reward name")
     return value
+
+
+def _check_group_size(size: int | None) -> int | None:
+    """`size` as an int (NumPy's too), a whole number from 1 to `semconv.MAX_COUNT`, or None."""
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+        raise TypeError(f"group_size must be an integer, got {type(size).__name__}")
+    if not 1 <= size <= semconv.MAX_COUNT:
+        raise ValueError(f"group_size must be from 1 to {semconv.MAX_COUNT}, got {size}")
+    return int(size)
 
 
 class Rollout:
@@ -71,15 +90,17 @@ class Rollout:
     ) -> None:
         if not task:
             raise ValueError("rollout(task) needs a non-empty task name")
-        if group_size is not None and group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        _check_name(task, "task")
+        if group is not None:
+            _check_name(group, "group")
+        _check_name(split, "split", semconv.MAX_SPLIT_LENGTH)
         self.id = _id or uuid.uuid4().hex
         self._source = _source
         self.task = task
         self.group = group
         self.split = split
         self.metadata = dict(metadata or {})
-        self.group_size = group_size
+        self.group_size = _check_group_size(group_size)
         self._span: Span | None = None
         self._ended = False
         self._tokens: tuple[Token[Rollout | None], object] | None = None
@@ -224,6 +245,11 @@ def rollout(
 
     Returns:
         The rollout handle (`.id`, `.trace_id`, `.reward(...)`).
+
+    Raises:
+        ValueError: What the collector would reject with every span of the rollout: an empty task, a task or group
+            over 256 characters, a split over 64, a NUL in any, a `group_size` out of 1 to 2**31 - 1.
+        TypeError: `group_size` is not an integer.
     """
     return Rollout(task, group=group, split=split, metadata=metadata, group_size=group_size)
 

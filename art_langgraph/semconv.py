@@ -132,3 +132,11 @@ REWARD_EVENT: Final = "art.reward"
 """Span event on the rollout span: one named reward."""
 REWARD_NAME: Final = "art.reward.name"
 REWARD_VALUE: Final = "art.reward.value"
+
+MAX_NAME_LENGTH: Final = 256
+"""Most characters of an `art.rollout.id`, `art.task`, `art.group` or reward name (none may hold a NUL): the
+collector rejects a span with a longer one, rollout span and rewards included."""
+MAX_SPLIT_LENGTH: Final = 64
+"""Most characters of an `art.split`."""
+MAX_COUNT: Final = 2**31 - 1
+"""Largest `art.group.size` or `art.policy.step` the collector stores."""

@@ -46,7 +46,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_MAX_SPLIT_LENGTH = 64
 _MAX_NS = 2**63 - 1
 
 
@@ -143,7 +142,7 @@ def span_problem(span: SpanRecord) -> str | None:
         sc.ROLLOUT_ID: MAX_ID_LENGTH,
         sc.GROUP: MAX_ID_LENGTH,
         sc.TASK: MAX_ID_LENGTH,
-        sc.SPLIT: _MAX_SPLIT_LENGTH,
+        sc.SPLIT: sc.MAX_SPLIT_LENGTH,
     }
     for key, limit in limits.items():
         value = span.attributes.get(key)

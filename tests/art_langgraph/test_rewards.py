@@ -10,12 +10,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
+import httpx
 import numpy as np
 import pytest
 
 import art_langgraph
 from art_langgraph import reward, rollout, semconv
 from tests.art_langgraph.span_reading import spans_of
+from tests.collector.seeding import make_app
+from tests.served import served
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
@@ -42,6 +45,19 @@ def test_reward_validation_misc(spans) -> None:
         with r:
             with r:
                 pass
+
+
+@pytest.mark.parametrize("name", ["n" * 257, "a\x00b"])
+def test_a_reward_name_the_collector_would_reject_is_refused(name: str, spans) -> None:
+    """The collector rejects a rollout span with such a reward event, so one bad name lost the whole trajectory."""
+    with rollout("r") as r:
+        with pytest.raises(ValueError, match="reward name must be at most 256 characters, without NUL"):
+            r.reward(1.0, name=name)
+        with pytest.raises(ValueError, match="reward name must be at most 256"):
+            reward(1.0, name=name)
+        r.reward(1.0, name="n" * 256)
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert [e.attributes[semconv.REWARD_NAME] for e in root.events] == ["n" * 256]
 
 
 def test_numpy_rewards_are_numbers(spans) -> None:
@@ -142,3 +158,18 @@ async def test_areward_after_the_fact(reward_server: list) -> None:
         pass
     await art_langgraph.areward(0.5, rollout_id=r.id)
     assert reward_server == [("/v1/rewards", {"rollout_id": r.id, "name": "reward", "value": 0.5}, "Bearer sekret")]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_reward_the_collector_refuses_raises_with_its_reason(memory_tracing, tmp_path, monkeypatch) -> None:
+    """The error said only "400 Bad Request": not which field the real collector refused, nor why."""
+    app = make_app(tmp_path, monkeypatch)
+    try:
+        with served(app) as url:
+            art_langgraph.configure(collector_url=url)
+            with pytest.raises(httpx.HTTPStatusError, match=r"400 Bad Request .*body\.trace_id: String should match"):
+                reward(1.0, trace_id="not-a-trace-id")
+            with pytest.raises(httpx.HTTPStatusError, match=r"400 Bad Request .*body\.rollout_id: String should have"):
+                await art_langgraph.areward(1.0, rollout_id="r" * 300)
+    finally:
+        memory_tracing.install()

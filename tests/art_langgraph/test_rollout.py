@@ -10,12 +10,14 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import TypedDict
 
+import numpy as np
 import pytest
 from langgraph.graph import END, START, StateGraph
 from starlette.responses import StreamingResponse
 
 import art_langgraph
 from art_langgraph import ARTChatModel, _rollout, reward, rollout, semconv
+from collector import protocol
 from tests.art_langgraph.fake_engine import FakeEngine
 from tests.art_langgraph.span_reading import spans_of
 
@@ -139,6 +141,40 @@ async def test_concurrent_rollouts_never_mix_ids(chat_model: ARTChatModel, spans
         per_rollout[rid] = per_rollout.get(rid, 0) + 1
     assert per_rollout == {rid: 2 for rid, _ in ids}
 
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"task": "t" * 257}, ValueError, "task must be at most 256"),
+        ({"task": "a\x00b"}, ValueError, "without NUL"),
+        ({"task": "t", "group": "g" * 257}, ValueError, "group must be at most 256"),
+        ({"task": "t", "split": "s" * 65}, ValueError, "split must be at most 64"),
+        ({"task": "t", "group_size": 2.5}, TypeError, "group_size must be an integer"),
+        ({"task": "t", "group_size": True}, TypeError, "group_size must be an integer"),
+        ({"task": "t", "group_size": 2**31}, ValueError, "group_size must be from 1"),
+        ({"task": "t", "group_size": 0}, ValueError, "group_size must be from 1"),
+    ],
+)
+def test_rollout_refuses_what_the_collector_would_reject(kwargs: dict, error: type, match: str, spans) -> None:
+    """The collector rejects every span of such a rollout (a partial success the exporter cannot see): the whole
+    trajectory was lost, uncounted, with no error in the app."""
+    with pytest.raises(error, match=match):
+        rollout(**kwargs)
+
+
+def test_rollout_takes_the_largest_names_the_collector_stores(spans) -> None:
+    with rollout("t" * 256, group="g" * 256, split="s" * 64, group_size=np.int64(2**31 - 1)) as r:
+        pass
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert root.attributes[semconv.GROUP_SIZE] == 2**31 - 1
+    assert r.group_size == 2**31 - 1
+
+
+
+def test_the_plugins_limits_are_the_collectors() -> None:
+    """The plugin refuses what the collector would reject. `collector.protocol` keeps its own copy of the limits: the
+    trainer imports it, and importing the plugin would add LangChain's 2.5 s to the trainer's start."""
+    assert (semconv.MAX_NAME_LENGTH, semconv.MAX_COUNT) == (protocol.MAX_ID_LENGTH, protocol.MAX_COUNT)
 
 def test_rollout_error_marks_span_and_propagates(spans) -> None:
     with pytest.raises(KeyError):
