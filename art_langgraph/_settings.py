@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import threading
+from urllib.parse import urlsplit
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings", "get_settings", "update_settings"]
@@ -20,6 +21,9 @@ DEFAULT_TRAINER_URL = "http://localhost:8000/v1"
 DEFAULT_MODEL = "agent@latest"
 TRACES_PATH = "/v1/traces"
 """Path of the OTLP/HTTP traces endpoint under the collector's base URL."""
+MAX_OTLP_REQUEST_BYTES = 64 * 1024 * 1024
+"""The OTLP/HTTP exporter's own limit (OpenTelemetry 1.45): it drops a larger request unsent, whatever the receiver
+takes, so `max_export_bytes` may not pass it."""
 
 
 class Settings(BaseSettings):
@@ -62,6 +66,7 @@ class Settings(BaseSettings):
     max_export_bytes: int = Field(
         default=8 * 1024 * 1024,
         ge=64 * 1024,
+        le=MAX_OTLP_REQUEST_BYTES,
         description=(
             "Largest OTLP request the exporters send, in bytes before compression: a batch past it goes out in "
             "several requests. Keep it under the collector's `ART_COLLECTOR_MAX_BODY_BYTES` (20 MiB), which "
@@ -80,6 +85,14 @@ class Settings(BaseSettings):
             "`rollout(...)` one trajectory (`ART_TRACE_GRAPHS=false` turns this off)."
         ),
     )
+
+    @field_validator("collector_url", "trainer_url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        """Refuse a URL that is not http(s), such as `localhost:4318` without its scheme: every request would fail."""
+        if url and urlsplit(url).scheme not in ("http", "https"):
+            raise ValueError(f"must be an http:// or https:// URL, got {url!r}")
+        return url
 
     @property
     def collector_base_url(self) -> str:

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 import art_langgraph
 from art_langgraph import ARTChatModel, _tracing, rollout, semconv
 from art_langgraph._export_queue import CountingExporter
-from art_langgraph._settings import update_settings
+from art_langgraph._settings import MAX_OTLP_REQUEST_BYTES, Settings, update_settings
 from tests.art_langgraph.fake_engine import FakeEngine, completion_ids
 
 
@@ -165,3 +165,24 @@ def test_a_non_finite_exit_flush_timeout_is_refused(monkeypatch, value: str) -> 
     monkeypatch.setenv("ART_EXIT_FLUSH_TIMEOUT", value)
     with pytest.raises(ValidationError, match="exit_flush_timeout\n  Input should be a finite number"):
         update_settings()
+
+
+def test_max_export_bytes_past_the_otlp_exporters_own_limit_is_refused(monkeypatch) -> None:
+    """The OTLP exporter drops a request over 64 MiB unsent: with ART_MAX_EXPORT_BYTES=100 MiB a batch of 80 MiB
+    was lost whole (counted, never sent), though the setting promised requests up to 100 MiB."""
+    monkeypatch.setenv("ART_MAX_EXPORT_BYTES", str(MAX_OTLP_REQUEST_BYTES + 1))
+    with pytest.raises(ValidationError, match="max_export_bytes\n  Input should be less than or equal to 67108864"):
+        update_settings()
+    monkeypatch.setenv("ART_MAX_EXPORT_BYTES", str(MAX_OTLP_REQUEST_BYTES))
+    assert Settings().max_export_bytes == MAX_OTLP_REQUEST_BYTES
+
+
+@pytest.mark.parametrize(("variable", "value"), [("ART_COLLECTOR_URL", "localhost:4318"), ("ART_TRAINER_URL", "ftp://x")])
+def test_a_url_that_is_not_http_is_refused(monkeypatch, variable: str, value: str) -> None:
+    """`ART_COLLECTOR_URL=localhost:4318` (no scheme) was taken: every export failed ("No connection adapters"), each
+    span dropped, and every late reward raised."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValidationError, match=f"must be an http:// or https:// URL, got '{value}'"):
+        update_settings()
+    monkeypatch.setenv(variable, "HTTPS://collector.example:4318")
+    assert Settings()
