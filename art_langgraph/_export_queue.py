@@ -85,6 +85,14 @@ class CountingExporter(SpanExporter):
             )
         return False
 
+    def drop_pending(self) -> None:
+        """Count the spans still queued as dropped, and log them: their processor stopped without exporting them."""
+        with self._lock:
+            lost, self.pending = self.pending, 0
+        if lost:
+            self._drop(lost)
+            _logger.warning("art_langgraph: %s export stopped with %d spans still queued; dropped", self._name, lost)
+
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         """Export `spans` in requests of at most `ART_MAX_EXPORT_BYTES` (`size_bounded`); FAILURE if any failed."""
         with self._lock:
@@ -143,6 +151,12 @@ class BoundedProcessor(BatchSpanProcessor):
     def on_end(self, span: ReadableSpan) -> None:
         if self.counting.admit(self._max):
             super().on_end(span)
+
+    def shutdown(self) -> None:
+        """Export what is queued, then count as dropped what is left: the SDK gives up after 30 s (a stalled
+        collector) and leaves the rest of its queue unexported."""
+        super().shutdown()
+        self.counting.drop_pending()
 
 
 class HeldProcessor(SpanProcessor):

@@ -9,12 +9,16 @@ and for a collector that fails or stalls.
 from __future__ import annotations
 
 import base64
+import threading
 import time
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 import art_langgraph
 from art_langgraph import _tracing, rollout, semconv
+from art_langgraph._export_queue import BoundedProcessor, CountingExporter
 from tests.collector.seeding import make_app
 from tests.served import served
 
@@ -168,3 +172,36 @@ def test_drops_stay_counted_after_shutdown_and_configure(memory_tracing, dead_ur
         assert _tracing.dropped_spans() == dropped + 2
     finally:
         memory_tracing.install()
+
+
+def test_spans_the_processor_leaves_queued_at_shutdown_are_counted() -> None:
+    """The SDK's processor waits 30 s for an export that stalls (a collector that does not answer), then stops with
+    the rest of its queue unexported: those spans were lost and `dropped_spans()` did not count them."""
+    started, release = threading.Event(), threading.Event()
+
+    class Stalled(SpanExporter):
+        def export(self, spans):  # type: ignore[no-untyped-def]
+            started.set()
+            release.wait(60)
+            return SpanExportResult.SUCCESS
+
+    counting = CountingExporter(Stalled(), "stalled", 1 << 20)
+    processor = BoundedProcessor(counting, max_queue_size=2)  # batches of 2
+    tracer = TracerProvider().get_tracer("test")
+
+    def end_span() -> None:
+        span = tracer.start_span("s")
+        span.end()
+        processor.on_end(span)  # type: ignore[arg-type]
+
+    dropped = art_langgraph.dropped_spans()
+    end_span()
+    end_span()
+    assert started.wait(10)  # the worker holds the first batch, stalled
+    end_span()  # queued behind it
+    try:
+        processor.shutdown()
+        assert counting.dropped == 1
+        assert art_langgraph.dropped_spans() == dropped + 1
+    finally:
+        release.set()
