@@ -40,7 +40,8 @@ MANIFEST = "manifest.json"
 _OPTIMIZER = "optimizer.pt"
 _ADAPTER = "adapter_model.safetensors"
 """The adapter's weights as PEFT's `save_pretrained` names them."""
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"^step-([1-9]\d*)$")
+"""A checkpoint folder's name: `step-N` as `CheckpointStore.path` writes it (no `step-02`; step 0 is the base model)."""
 _PROMOTION = "promotion.json"
 _FLAGS = {"base_model": "--base-model", "lora_r": "--lora-r", "lora_alpha": "--lora-alpha",
           "target_modules": "--target-modules"}
@@ -171,14 +172,18 @@ class CheckpointStore:
         for path in self.root.iterdir():
             if path.is_dir() and (path.name.startswith(".step-") or (_STEP_DIR.match(path.name)
                                                                      and not (path / MANIFEST).is_file())):
-                shutil.rmtree(path)
+                if path.is_symlink():  # the link only: what it points to was never written here
+                    path.unlink()
+                else:
+                    shutil.rmtree(path)
                 removed.append(path.name)
         if removed:
             logger.warning("removed %d half-written checkpoint folder(s): %s", len(removed), ", ".join(removed))
         return removed
 
     def check_compatible(self, base_model: str, lora_r: int, target_modules: Sequence[str], lora_alpha: int) -> None:
-        """Check that every kept checkpoint was trained on `base_model` with this LoRA rank, modules and alpha.
+        """Check that every kept checkpoint was trained on `base_model` with this LoRA rank, modules and alpha, and
+        that its manifest records the step its folder is named for.
 
         A resumed adapter trained with another alpha would be scaled by the new `lora_alpha / lora_r`: its
         next checkpoint would serve another policy than the one it was trained as.
@@ -189,12 +194,14 @@ class CheckpointStore:
         """
         wanted = {"base_model": base_model, "lora_r": lora_r, "lora_alpha": lora_alpha,
                   "target_modules": sorted(target_modules)}
-        for _, path in self.existing():
+        for step, path in self.existing():
             try:
                 manifest = json.loads((path / MANIFEST).read_text())
                 config = (manifest.get("config") or {}) if isinstance(manifest, dict) else None
                 if not isinstance(config, dict) or not isinstance(config.get("target_modules", []), list):
                     raise ValueError("not a JSON object whose `config` is an object with a `target_modules` list")
+                if manifest.get("step") != step:  # the trainer resumes its step counter from it
+                    raise ValueError(f"its `step` is {manifest.get('step')!r}, not {step} as its folder is named")
             except (OSError, ValueError) as exc:
                 raise CheckpointMismatchError(
                     f"{path / MANIFEST} cannot be read ({exc}). Move {path} out of {self.root} to resume from the "
@@ -211,15 +218,29 @@ class CheckpointStore:
                     f"--output-dir to start a new run, or start with {flags} to resume this one.")
 
     def metrics(self, step: int) -> dict[str, Any]:
-        """The metrics recorded in checkpoint `step`'s manifest."""
+        """The metrics recorded in checkpoint `step`'s manifest.
+
+        Raises:
+            OSError: the manifest cannot be read (its folder was deleted).
+            ValueError: it is not JSON, or not an object whose `metrics` is an object.
+        """
         manifest = json.loads((self.path(step) / MANIFEST).read_text())
-        return dict(manifest.get("metrics") or {})
+        metrics = manifest.get("metrics") if isinstance(manifest, dict) else []
+        if not isinstance(metrics, dict | None):
+            raise ValueError(f"{self.path(step) / MANIFEST} is not a JSON object whose `metrics` is an object")
+        return dict(metrics or {})
 
     def delete(self, step: int) -> None:
-        """Delete checkpoint `step` from disk (the manifest first, so a crash leaves no checkpoint)."""
+        """Delete checkpoint `step` from disk (the manifest first, so a crash leaves no checkpoint).
+
+        A `step-N` that is a symbolic link (a checkpoint moved to another disk) goes with the folder it points to.
+        """
         path = self.path(step)
+        folder = path.resolve()
         (path / MANIFEST).unlink(missing_ok=True)
-        shutil.rmtree(path)
+        shutil.rmtree(folder)
+        if path.is_symlink():
+            path.unlink()
 
     # --- promotion state ------------------------------------------------------------------
 

@@ -61,13 +61,23 @@ class Retention:
         steps.sort()
 
     def drops(self, steps: list[int]) -> list[int]:
-        """The steps of `steps` the policy drops (reads the manifests' metrics)."""
+        """The steps of `steps` the policy drops (reads the manifests' metrics).
+
+        A step whose manifest cannot be read (its folder deleted by hand) has no value of the metric: logged and
+        counted as `retention_errors`, it is kept or dropped as the newest steps are.
+        """
         s = self.settings
         values: dict[int, float] = {}
         if s.keep_best_metric is not None:
             for step in steps:
-                merged = {**self.store.metrics(step), **({"eval/reward": self.gate.evals[step]}
-                                                         if step in self.gate.evals else {})}
+                try:
+                    recorded = self.store.metrics(step)
+                except (OSError, ValueError):
+                    self.counters["retention_errors"] += 1
+                    logger.exception("the metrics of %s cannot be read; it cannot be the best by %s",
+                                     self.model_name(step), s.keep_best_metric)
+                    recorded = {}
+                merged = {**recorded, **({"eval/reward": self.gate.evals[step]} if step in self.gate.evals else {})}
                 if isinstance(merged.get(s.keep_best_metric), int | float):
                     values[step] = float(merged[s.keep_best_metric])
         protect = {step for step in (self.gate.latest, steps[-1] if steps else None) if step is not None}

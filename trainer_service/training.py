@@ -365,7 +365,8 @@ class LoRATrainer:
         """Load adapter weights, optimizer state and step from a checkpoint written by `save`.
 
         The optimizer's moments come from the checkpoint, its learning rate and weight decay from this trainer's
-        config (`_apply_config_to_optimizer`): a run restarted with new values trains with them.
+        config (`_apply_config_to_optimizer`): a run restarted with new values trains with them. A checkpoint without
+        optimizer state (not one `save` wrote) leaves the optimizer fresh, with a warning.
 
         Returns:
             The checkpoint's manifest.
@@ -375,6 +376,8 @@ class LoRATrainer:
         if optimizer_state is not None:
             self.optimizer.load_state_dict(optimizer_state)
             self._apply_config_to_optimizer(path)
+        else:
+            logger.warning("%s has no optimizer state (optimizer.pt): AdamW starts afresh from its adapter", path)
         self.step_count = int(manifest["step"])
         self.last_metrics = dict(manifest.get("metrics") or {})
         return manifest

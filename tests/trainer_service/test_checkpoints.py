@@ -171,6 +171,40 @@ def test_partial_folders_are_removed_at_start(tmp_path: Path) -> None:
     assert [step for step, _ in store.existing()] == [1]
 
 
+@pytest.mark.parametrize("manifest", [{"base_model": "m"}, {"step": 2, "base_model": "m"}])
+def test_a_manifest_without_its_folders_step_stops_the_start(tmp_path: Path, manifest: dict) -> None:
+    (tmp_path / "step-7").mkdir()  # no step (the trainer's step counter comes from it), or a copy of step-2
+    (tmp_path / "step-7" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointMismatchError, match=r"step-7/manifest.json cannot be read \(its `step` is "
+                                                      r"(None|2), not 7 .*Move .*step-7 out of"):
+        CheckpointStore(tmp_path).check_compatible("m", 8, ["q_proj"], 16)
+
+
+def test_only_folders_named_as_the_store_names_them_are_checkpoints(tmp_path: Path) -> None:
+    for name, step in (("step-2", 2), ("step-02", 2), ("step-0", 0)):  # step 0 is the base model
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"step": step}))
+    store = CheckpointStore(tmp_path)
+    assert store.remove_partial() == [] and store.existing() == [(2, tmp_path / "step-2")]
+
+
+def test_a_symlinked_checkpoint_is_deleted_with_its_folder_and_a_dangling_one_is_unlinked(tmp_path: Path) -> None:
+    root, elsewhere = tmp_path / "checkpoints", tmp_path / "other-disk"
+    for step in (1, 2):
+        (elsewhere / f"step-{step}").mkdir(parents=True)
+        (elsewhere / f"step-{step}" / "adapter_model.safetensors").write_bytes(b"weights")
+        root.mkdir(exist_ok=True)
+        (root / f"step-{step}").symlink_to(elsewhere / f"step-{step}")
+    (elsewhere / "step-1" / "manifest.json").write_text(json.dumps({"step": 1}))
+    store = CheckpointStore(root)
+    assert store.remove_partial() == ["step-2"]  # no manifest: never a checkpoint; the link goes, not its folder
+    assert not (root / "step-2").is_symlink() and (elsewhere / "step-2" / "adapter_model.safetensors").is_file()
+    assert store.existing() == [(1, root / "step-1")]
+    store.delete(1)  # retention frees the disk the checkpoint is on
+    assert not (root / "step-1").is_symlink() and not (elsewhere / "step-1").exists()
+    assert store.remove_partial() == [] and store.existing() == []
+
+
 async def test_adapter_vllm_refuses_is_rolled_back_and_removed(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     from trainer_service.engine_errors import EngineError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import shutil
 from pathlib import Path
 
 import pytest
@@ -61,4 +62,19 @@ async def test_retention_stops_serving_before_it_deletes_and_counts_a_failed_del
     status = await service.status()
     assert status.counters["retention_errors"] == 1 and "checkpoints_deleted" not in status.counters
     assert status.last_error is None
+    await service.aclose()
+
+
+async def test_a_checkpoint_folder_deleted_by_hand_is_not_the_best_and_fails_no_step(tmp_path: Path) -> None:
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [], keep_last=2, keep_best_metric="reward/mean")
+    assert service.trainer is not None
+    for index, top in enumerate((1.0, 3.0, 0.2), 1):  # step 2 is the best
+        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (top, 0.0))], lease_expires_at=0))
+        await service.train_once()
+    shutil.rmtree(tmp_path / "checkpoints" / "step-2")  # disk space freed by hand while the service runs
+    batches.append(Batch(id="b4", groups=[group(service.trainer, (0.4, 0.0))], lease_expires_at=0))
+    result = await service.train_once()  # served, and reported as such
+    assert result.step == 4 and service.steps == [3, 4] and sorted(service.engine.adapters) == ["agent@3", "agent@4"]
+    assert service.counters["retention_errors"] >= 1
     await service.aclose()

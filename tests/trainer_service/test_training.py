@@ -255,6 +255,18 @@ def test_resume_trains_with_this_runs_learning_rate_and_weight_decay(tmp_path: P
     assert "resumed the optimizer state" not in caplog.text  # nothing changed, nothing said
 
 
+def test_resume_without_optimizer_state_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    first = make_trainer()
+    first.step([group(first, (1.0, 0.0))])
+    path = first.save(tmp_path / "step-1")
+    (path / "optimizer.pt").unlink()  # an adapter copied in by hand
+    resumed = make_trainer()
+    with caplog.at_level(logging.WARNING, logger="trainer_service.training"):
+        resumed.resume(path)
+    assert resumed.step_count == 1 and resumed.optimizer.state_dict()["state"] == {}
+    assert f"{path} has no optimizer state" in caplog.text
+
+
 def test_kl_to_the_base_is_zero_before_training_and_grows_after() -> None:
     trainer = make_trainer(kl_coef=0.5)
     first = trainer.step([group(trainer, (1.0, 0.0))])
