@@ -354,7 +354,8 @@ class TrainerSettings(BaseSettings):
     def check_effective(self) -> None:
         """Refuse settings given (flag or environment) that nothing would read, so none is accepted and ignored: the
         promotion gate's tuning without an eval set, `poll_seconds` without `min_groups`, `keep_best_mode` without
-        `keep_best_metric`. The command line checks this; a caller that injects an evaluator need not.
+        `keep_best_metric`, `keep_best_metric` without `keep_last` (or `eval/reward` without an eval set). The command
+        line checks this; a caller that injects an evaluator need not.
 
         Raises:
             ValueError: names each such setting with its flag and variable, and what it needs.
@@ -369,6 +370,11 @@ class TrainerSettings(BaseSettings):
             unused.append((["poll_seconds"], "is how often --min-groups asks the collector, and --min-groups is unset"))
         if "keep_best_mode" in given and self.keep_best_metric is None:
             unused.append((["keep_best_mode"], "orders --keep-best-metric, which is unset"))
+        if self.keep_best_metric is not None and self.keep_last is None:
+            unused.append((["keep_best_metric"], "spares a checkpoint from --keep-last, which is unset (all are kept)"))
+        if self.keep_best_metric == "eval/reward" and self.eval_reward is None:
+            unused.append((["keep_best_metric"], "eval/reward is measured only with an eval set (--eval-file or "
+                                                 "--eval-split, with --eval-reward)"))
         if unused:
             prefix = self.model_config.get("env_prefix", "")
             raise ValueError("; ".join(

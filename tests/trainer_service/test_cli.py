@@ -126,7 +126,7 @@ def test_grpo_fields_come_from_env_and_flags(monkeypatch: pytest.MonkeyPatch) ->
     assert parse()[1].micro_batch_size == 16  # type: ignore[attr-defined]
     monkeypatch.setenv("ART_TRAINER_MICRO_BATCH_TOKENS", "none")
     settings, grpo = parse("--importance-sampling", "sequence", "--kl-coef", "0.1", "--max-seq-len-policy", "skip",
-                           "--every", "10m", "--keep-last", "3", "--keep-best-metric", "eval/reward",
+                           "--every", "10m", "--keep-last", "3", "--keep-best-metric", "loss",
                            "--train-dtype", "bfloat16", "--delta", "3")
     assert grpo.learning_rate == 3e-4 and grpo.kl_coef == 0.1 and grpo.scale_rewards is False  # type: ignore[attr-defined]
     assert grpo.target_modules == ["q_proj", "v_proj"] and grpo.importance_sampling == "sequence"  # type: ignore[attr-defined]
@@ -210,6 +210,11 @@ def test_settings_nothing_would_read_exit_naming_them(capsys: pytest.CaptureFixt
     err = capsys.readouterr().err
     assert "--promotion-margin (ART_TRAINER_PROMOTION_MARGIN) tune the promotion gate, which is off" in err
     assert "--poll-seconds (ART_TRAINER_POLL_SECONDS) is how often --min-groups asks" in err
+    with pytest.raises(SystemExit):  # with nothing to spare it from, or a metric only an eval set measures
+        main(["serve", "--keep-best-metric", "eval/reward", *no_model])
+    err = capsys.readouterr().err
+    assert "--keep-best-metric (ART_TRAINER_KEEP_BEST_METRIC) spares a checkpoint from --keep-last, which is" in err
+    assert "--keep-best-metric (ART_TRAINER_KEEP_BEST_METRIC) eval/reward is measured only with an eval set" in err
     monkeypatch.setenv("ART_TRAINER_KEEP_BEST_MODE", "min")  # the environment counts as given too
     with pytest.raises(SystemExit):
         main(["serve", *no_model])
@@ -217,7 +222,7 @@ def test_settings_nothing_would_read_exit_naming_them(capsys: pytest.CaptureFixt
         capsys.readouterr().err)
     # with what they need, each is read
     settings, _ = parse("--eval-file", __file__, "--eval-reward", "m:f", "--eval-samples", "2", "--min-groups", "1",
-                        "--poll-seconds", "5", "--keep-best-metric", "eval/reward")
+                        "--poll-seconds", "5", "--keep-best-metric", "eval/reward", "--keep-last", "2")
     assert (settings.eval_samples, settings.poll_seconds, settings.keep_best_mode) == (2, 5.0, "min")
 
 
