@@ -117,7 +117,8 @@ class StatusResponse(BaseModel):
 
     name: str
     base_model: str
-    step: int = Field(description="Latest trained step (0: base model only).")
+    step: int = Field(description="Latest served step, `name@step` (0: base model only); a running step counts once "
+                      "its checkpoint is served.")
     latest_model: str = Field(description="What `name@latest` resolves to now.")
     models: list[str] = Field(description="Every served model name.")
     checkpoints: list[int] = Field(description="Steps kept on disk and served as `name@N`.")

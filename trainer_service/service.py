@@ -355,11 +355,13 @@ class TrainerService:
         except ServiceError as exc:
             queue_error = exc.body.error.message
         trainer = self.trainer
+        step = self.steps[-1] if self.steps else 0  # the newest served step: a running one counts once it is served
+        trained = dict(trainer.last_metrics) if trainer and trainer.step_count == step else {}
         next_run = self.schedule.next_run()
         return StatusResponse(
             name=self.settings.name,
             base_model=self.base_name,
-            step=trainer.step_count if trainer else 0,
+            step=step,
             latest_model=self.latest_model,
             models=self.served_models(),
             checkpoints=list(self.steps),
@@ -371,7 +373,7 @@ class TrainerService:
                                     counts=dict(self.schedule.counts), last_outcome=self.schedule.last_outcome),
             promotion=self.gate.decision,
             eval_rewards=dict(self.gate.evals),
-            last_metrics=self.metrics.last or (dict(trainer.last_metrics) if trainer else {}),
+            last_metrics=self.metrics.last or trained,
             counters={**self.counters, **self.lender.counters, "metrics_sink_errors": self.metrics.sink_errors},
             last_error=self.last_error,
             allocator=self.allocator,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,34 @@ async def test_one_step_at_a_time(tmp_path: Path) -> None:
         with pytest.raises(ServiceError) as info:
             await service.train_once()
     assert info.value.status == 409 and info.value.body.error.code == "training_in_progress"
+    await service.aclose()
+
+
+async def test_status_during_a_step_names_only_served_steps(tmp_path: Path) -> None:
+    """A running step is not the status's `step` (nor its metrics) before it is served: this one is rolled back."""
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    trainer = service.trainer
+    assert trainer is not None
+    batches.append(Batch(id="b1", groups=[group(trainer, (1.0, 0.0))], lease_expires_at=0))
+    saving, asked = asyncio.Event(), threading.Event()
+    loop = asyncio.get_running_loop()
+
+    def full_disk(path: Path, **kwargs: Any) -> Path:  # the optimizer has stepped; status is asked before the save
+        loop.call_soon_threadsafe(saving.set)
+        asked.wait(60)
+        raise OSError(28, "No space left on device")
+
+    trainer.save = full_disk  # type: ignore[method-assign]
+    step = asyncio.create_task(service.train_once())
+    await saving.wait()
+    status = await service.status()
+    asked.set()
+    assert status.training and trainer.step_count == 1
+    assert status.step == 0 and status.checkpoints == [] and status.last_metrics == {}
+    with pytest.raises(ServiceError) as info:
+        await step
+    assert info.value.body.error.code == "checkpoint_write_failed" and (await service.status()).step == 0
     await service.aclose()
 
 
