@@ -33,6 +33,9 @@ __all__ = ["HEALTH_FAILURES_BEFORE_RESTART", "VLLMEngine"]
 
 logger = logging.getLogger(__name__)
 
+_DEFAULT_KV_CACHE_GIB = 2
+"""KV cache size in GiB when neither the caller nor `VLLM_CPU_KVCACHE_SPACE` in our environment gives one."""
+
 HEALTH_FAILURES_BEFORE_RESTART = 3
 """Failed `/health` checks in a row after which `ensure_running` restarts a vLLM that still runs. One slow
 answer is not a hang (training and sampling can hold every core of a CPU machine for seconds), and a restart
@@ -61,7 +64,8 @@ class VLLMEngine:
         port: port vLLM listens on (on `host`).
         host: interface vLLM binds.
         dtype: weight dtype (`float32` keeps logprobs equal to the trainer's on a CPU).
-        kv_cache_gib: KV cache size in whole GiB (`VLLM_CPU_KVCACHE_SPACE`, an integer to vLLM-cpu).
+        kv_cache_gib: KV cache size in whole GiB (`VLLM_CPU_KVCACHE_SPACE`, an integer to vLLM-cpu), set over one in
+            our environment. None: the environment's `VLLM_CPU_KVCACHE_SPACE`, else `_DEFAULT_KV_CACHE_GIB`.
         block_size: tokens per KV-cache block (`--block-size`); None: vLLM's default.
         max_model_len: longest sequence.
         max_lora_rank: largest adapter rank.
@@ -83,7 +87,7 @@ class VLLMEngine:
         *,
         host: str = "127.0.0.1",
         dtype: str = "float32",
-        kv_cache_gib: int = 2,
+        kv_cache_gib: int | None = None,
         block_size: int | None = None,
         max_model_len: int = 2048,
         max_lora_rank: int = 8,
@@ -181,7 +185,10 @@ class VLLMEngine:
         env[MATMUL_DTYPE_ENV] = self.cpu_matmul_dtype
         if self.threads is not None:
             env.update(self.threads.environment())
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+        if self.kv_cache_gib is None:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_DEFAULT_KV_CACHE_GIB))
+        else:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
         return env
 
     def is_alive(self) -> bool:

@@ -19,8 +19,11 @@ import httpx
 import pytest
 
 from tests.trainer_service.test_process_group import running
+from trainer_service.config import TrainerSettings
 from trainer_service.engine import HEALTH_FAILURES_BEFORE_RESTART, VLLMEngine
 from trainer_service.engine_errors import EngineError
+from trainer_service.grpo_config import GRPOConfig
+from trainer_service.server import build_service
 
 
 def test_engine_death_reports_log_tail(tmp_path: Path) -> None:
@@ -33,6 +36,23 @@ def test_engine_death_reports_log_tail(tmp_path: Path) -> None:
         engine.start()
     engine.stop()  # idempotent
 
+
+
+async def test_a_given_kv_cache_size_wins_over_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an exported VLLM_CPU_KVCACHE_SPACE silently replaced --kv-cache-gib
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    spaces = []
+    for given in ({"kv_cache_gib": 4}, {}):  # the flag (or ART_TRAINER_KV_CACHE_GIB), then neither
+        settings = TrainerSettings(base_model=str(model), output_dir=tmp_path / "run", wandb="off", **given)
+        service = build_service(settings, GRPOConfig())
+        spaces.append(service.engine.environment()["VLLM_CPU_KVCACHE_SPACE"])
+        await service.aclose()
+    assert spaces == ["4", "8"]
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    assert VLLMEngine("m", "m", 8001).environment()["VLLM_CPU_KVCACHE_SPACE"] == "2"  # the README's default
 
 _FAKE_VLLM = """
 import http.server, json, os, subprocess, sys, time
