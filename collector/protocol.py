@@ -33,8 +33,9 @@ def has_reward_spread(rewards: list[float]) -> bool:
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_LENGTH, pattern=r"^[^\x00]*$")]
 """An id or a name as the store keeps it: 1 to 256 characters, no NUL."""
-TraceId = Annotated[str, StringConstraints(strip_whitespace=True, to_lower=True, pattern=r"^[0-9a-f]{32}$")]
-"""An OpenTelemetry trace id: 32 hex digits, kept in lower case as OTLP spans carry it."""
+TraceId = Annotated[str, StringConstraints(strip_whitespace=True, to_lower=True, pattern=r"^[0-9a-fA-F]{32}$")]
+"""An OpenTelemetry trace id: 32 hex digits of either case, kept in lower case as OTLP spans carry it (pydantic
+matches the pattern before it lowers the case)."""
 
 
 class ErrorResponse(BaseModel):

@@ -28,7 +28,7 @@ from collector.server import create_app
 from collector.store import SqlStore
 from tests.collector.server_helpers import JSON, PB, assert_error, collector_app
 from tests.collector.services import PostgresServer
-from tests.collector.span_builders import llm, rollout_group, to_otlp_json, to_request
+from tests.collector.span_builders import llm, rollout, rollout_group, to_otlp_json, to_request
 from tests.served import served as served_app
 
 
@@ -162,8 +162,10 @@ def test_a_reward_the_store_could_not_keep_or_match_is_refused(
 
 
 def test_a_reward_by_trace_id_in_upper_case_finds_its_trajectory(client: TestClient) -> None:
-    client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0})).SerializeToString(), headers=PB)
+    spans = [llm(1, rollout="a", start=5, prompt=[1], completion=[2]), rollout(2, "a", rewards={"reward": 1.0})]
+    client.post("/v1/traces", content=to_request(spans).SerializeToString(), headers=PB)
     trace = client.get("/v1/trajectories/a").json()["trace_id"]
+    assert trace.upper() != trace  # hex letters: the upper-case id differs from the stored one
     answer = client.post("/v1/rewards", json={"trace_id": trace.upper(), "name": "judge", "value": 0.5})
     assert (answer.status_code == 200 and answer.json()["trace_id"] == trace
             and answer.json()["trajectory_known"] is True)
