@@ -387,12 +387,18 @@ class TrainerSettings(BaseSettings):
             raise ValueError("ART_TRAINER_API_KEY is not read: the API key is ART_API_KEY, the one the plugin sends "
                              "to the trainer and the collector. Set ART_API_KEY and unset ART_TRAINER_API_KEY.")
         for arg in self.vllm_args:
-            flag = arg.split("=", 1)[0].replace("_", "-")
+            flag = arg.split("=", 1)[0].replace("_", "-").replace("--no-", "--", 1)  # --no-enable-lora
+            # vLLM takes a unique prefix of a flag (`--max-lora-r`), and no flag of its own is a prefix of one of ours
+            flag = next((own for own in _OWNED_VLLM_FLAGS if len(flag) > 2 and own.startswith(flag)), flag)
             if flag in _OWNED_VLLM_FLAGS:
                 own = _OWNED_VLLM_FLAGS[flag]
                 fix = f"use the service's {own} instead" if own else "the service fixes it"
                 raise ValueError(f"vllm_args sets {flag}, which the service sets itself (its checks and the trainer "
                                  f"rely on the value it passes): {fix}.")
+        cores = len(os.sched_getaffinity(0))
+        if self.idle_vllm_threads is not None and self.idle_vllm_threads > cores:  # found in build_service: a traceback
+            raise ValueError(f"idle_vllm_threads={self.idle_vllm_threads}: this process may use {cores} cores. Lower "
+                             "--idle-vllm-threads (ART_TRAINER_IDLE_VLLM_THREADS) or leave it out (every core).")
         if self.port == self.vllm_port and self.host in _COVERS_VLLM:
             raise ValueError(f"port={self.port} is also vllm_port, and vLLM listens on 127.0.0.1:{self.vllm_port}, "
                              f"which host={self.host!r} includes: the API could not bind once vLLM has started. "

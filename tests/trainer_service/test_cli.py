@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -171,6 +172,15 @@ def test_bad_schedule_and_eval_settings_exit_with_the_fix(capsys: pytest.Capture
     with pytest.raises(SystemExit):
         main(["serve", "--vllm-arg=--port", "--vllm-arg=9000", *no_model])
     assert "use the service's --vllm-port instead" in capsys.readouterr().err
+    for spelling in ("--max-lora-r=32", "--no-enable-lora", "--dtyp=bfloat16"):  # vLLM's parser takes all three
+        with pytest.raises(SystemExit):
+            main(["serve", f"--vllm-arg={spelling}", *no_model])
+        assert "which the service sets itself" in capsys.readouterr().err
+    assert parse("--vllm-arg=--no-enable-prefix-caching", "--vllm-arg=-tp")[0].vllm_args == [
+        "--no-enable-prefix-caching", "-tp"]
+    with pytest.raises(SystemExit):  # it was found only once the service was built: a traceback
+        main(["serve", "--idle-vllm-threads", str(len(os.sched_getaffinity(0)) + 1), *no_model])
+    assert "--idle-vllm-threads (ART_TRAINER_IDLE_VLLM_THREADS) or leave it out" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--eval-file", "eval.jsonl"])
     assert "needs both eval prompts" in capsys.readouterr().err
