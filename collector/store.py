@@ -165,7 +165,9 @@ class SqlStore(Store):
         placement.write_trajectories(
             conn, found, digests, existing, min_group_size=self.settings.min_group_size, now=now
         )
-        by_rollout = [r["rollout_id"] for r in reward_rows if r["rollout_id"]]
+        # a trajectory new in this export is in an open group, marked active above: only older ones' groups may need
+        # reopening (a reward per export's rollout would cost two statements for nothing)
+        by_rollout = [r["rollout_id"] for r in reward_rows if r["rollout_id"] in existing]
         pool.rewarded(conn, by_rollout, [r["trace_id"] for r in reward_rows if not r["rollout_id"]], now)
         return len(new)
 
