@@ -5,7 +5,8 @@ everything the previous sequence holds (prompt and completion, token for token) 
 sequence; any other turn starts a new one. Prompt tokens get mask 0 and no logprob, sampled
 tokens mask 1 and their logprob. A turn that starts a new sequence although its messages
 extend the previous turn's messages is recorded as retokenization drift. A turn without token
-ids (or with logprobs that do not match them) is left out, and the sequences are not token-exact.
+ids (or with ids that are not whole numbers from 0, or logprobs that do not match them) is left
+out, and the sequences are not token-exact.
 """
 
 from __future__ import annotations
@@ -26,16 +27,20 @@ __all__ = ["Sequences", "build_sequences"]
 log = logging.getLogger(__name__)
 
 
-def _int_list(value: Any) -> list[int] | None:
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+def _token_ids(span: SpanRecord, key: str) -> list[int] | None:
+    """The span's token ids under `key`: None when absent, or (logged) when not a list of whole numbers from 0."""
+    value = span.attributes.get(key)
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
         return value
+    if value is not None:  # a negative id would fail the trainer's embedding lookup for the whole batch
+        log.warning("span %s: %s is not a list of token ids (whole numbers from 0); turn dropped", span.span_id, key)
     return None
 
 
 def _turn(span: SpanRecord) -> tuple[list[int], list[int], list[float | None]] | None:
     """(prompt ids, completion ids, logprobs) of an LLM span, or None when not token-exact."""
-    prompt = _int_list(span.attributes.get(sc.PROMPT_TOKEN_IDS))
-    completion = _int_list(span.attributes.get(sc.COMPLETION_TOKEN_IDS))
+    prompt = _token_ids(span, sc.PROMPT_TOKEN_IDS)
+    completion = _token_ids(span, sc.COMPLETION_TOKEN_IDS)
     if prompt is None or completion is None:
         return None
     raw = span.attributes.get(sc.COMPLETION_LOGPROBS)

@@ -103,6 +103,15 @@ def test_logprob_count_mismatch_drops_the_turn() -> None:
     assert not traj.token_exact and traj.sequences == []
 
 
+@pytest.mark.parametrize("ids", [dict(prompt=[1, -7], completion=[2]), dict(prompt=[1], completion=[2, -1])])
+def test_a_negative_token_id_drops_the_turn(ids: dict[str, list[int]], caplog: pytest.LogCaptureFixture) -> None:
+    """No embedding has a negative row: such a turn would fail the trainer's whole step."""
+    traj = _assemble([llm(1, **TURN1), llm(2, start=20, **ids)])
+    assert not traj.token_exact
+    assert [s.token_ids for s in traj.sequences] == [[1, 2, 3, 4, 5]]
+    assert "span 0000000000000002: art." in caplog.text and "turn dropped" in caplog.text
+
+
 def test_messages_tools_model_metadata_and_rewards() -> None:
     tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
     first = llm(1, **TURN1, messages=[{"role": "user", "content": "old"}],
