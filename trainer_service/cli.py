@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
+from typing import Any
 
 from pydantic import ValidationError
 
 from collector.config import settings_error
 from trainer_service.allocator import preload_allocator
 from trainer_service.config import TrainerSettings
-from trainer_service.grpo_config import GRPOConfig, split_modules
+from trainer_service.grpo_config import OPTIONAL_FIELDS, GRPOConfig, split_modules
 from trainer_service.huge_pages import enable_huge_pages
 
 __all__ = ["build_parser", "main", "settings_from_args"]
@@ -99,6 +100,16 @@ _GRPO_FLAGS: dict[str, tuple[str, type]] = {
 }
 
 
+def _or_none(kind: type) -> Callable[[str], Any]:
+    """The argparse type of a GRPO flag that None turns off (`--max-grad-norm none`): `none`, or a `kind` value."""
+
+    def parse(text: str) -> Any:
+        return None if text.strip().lower() == "none" else kind(text)
+
+    parse.__name__ = kind.__name__  # argparse's "invalid float value" names it
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the `art-trainer` argument parser."""
     parser = argparse.ArgumentParser(
@@ -135,8 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = {f.name: f.default for f in fields(GRPOConfig)}
     for flag, (name, kind) in _GRPO_FLAGS.items():
         env = f"ART_TRAINER_{name.upper()}"
-        grpo.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS, choices=_CHOICES.get(name),
-                          help=f"{GRPOConfig.help(name)} [env {env}, default: {defaults[name]}]")
+        optional = name in OPTIONAL_FIELDS
+        grpo.add_argument(flag, dest=name, type=_or_none(kind) if optional else kind, default=argparse.SUPPRESS,
+                          choices=_CHOICES.get(name), help=f"{GRPOConfig.help(name)} [env {env}, default: "
+                          f"{defaults[name]}{'; none for None' if optional else ''}]")
     grpo.add_argument("--target-modules", dest="target_modules", type=split_modules,
                       default=argparse.SUPPRESS, help=f"{GRPOConfig.help('target_modules')} Comma-separated. "
                       "[env ART_TRAINER_TARGET_MODULES]")

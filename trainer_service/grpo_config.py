@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from trainer_service.config import TrainerSettings
 
-__all__ = ["DEFAULT_TARGET_MODULES", "GRPOConfig", "split_modules"]
+__all__ = ["DEFAULT_TARGET_MODULES", "OPTIONAL_FIELDS", "GRPOConfig", "split_modules"]
 
 DEFAULT_TARGET_MODULES: tuple[str, ...] = (
     "q_proj",
@@ -280,7 +280,7 @@ def _parse_env_value(name: str, raw: str, default: Any) -> Any:
     try:
         if name == "target_modules":
             return split_modules(text)
-        if text.lower() == "none" and name in _OPTIONAL_FIELDS:
+        if text.lower() == "none" and name in OPTIONAL_FIELDS:
             return None
         if isinstance(default, bool) or name in ("scale_rewards", "gradient_checkpointing"):
             if text.lower() in ("1", "true", "yes", "on"):
@@ -290,7 +290,7 @@ def _parse_env_value(name: str, raw: str, default: Any) -> Any:
             raise ValueError("expected true or false")
         if (isinstance(default, int) and not isinstance(default, bool)) or name in _OPTIONAL_INT_FIELDS:
             return int(text)
-        if isinstance(default, float) or name in _OPTIONAL_FIELDS:
+        if isinstance(default, float) or name in OPTIONAL_FIELDS:
             return float(text)
         return text
     except ValueError as exc:
@@ -298,4 +298,5 @@ def _parse_env_value(name: str, raw: str, default: Any) -> Any:
 
 
 _OPTIONAL_INT_FIELDS = {"micro_batch_tokens"}
-_OPTIONAL_FIELDS = {"epsilon_high", "delta", "max_grad_norm", "gradient_checkpointing", *_OPTIONAL_INT_FIELDS}
+OPTIONAL_FIELDS = {"epsilon_high", "delta", "max_grad_norm", "gradient_checkpointing", *_OPTIONAL_INT_FIELDS}
+"""Fields that None turns off or leaves to the device: `none` sets it from a flag or `ART_TRAINER_<FIELD>`."""

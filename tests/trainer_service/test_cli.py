@@ -19,6 +19,16 @@ def parse(*argv: str) -> tuple[TrainerSettings, object]:
     return settings_from_args(build_parser().parse_args(["serve", *argv]))
 
 
+def test_a_grpo_flag_that_none_turns_off_takes_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--max-grad-norm none` was "invalid float value" although its help says None disables clipping; only the
+    environment variable could, and then no flag could undo a `--delta` or `--micro-batch-tokens` it had set."""
+    monkeypatch.setenv("ART_TRAINER_DELTA", "3")
+    _, grpo = parse("--max-grad-norm", "none", "--delta", "None", "--micro-batch-tokens", "none", "--epsilon-high",
+                    "0.3")
+    assert (grpo.max_grad_norm, grpo.delta, grpo.micro_batch_tokens, grpo.epsilon_high) == (None, None, None, 0.3)  # type: ignore[attr-defined]
+    with pytest.raises(SystemExit):
+        parse("--learning-rate", "none")  # not a setting None turns off
+
 def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ART_TRAINER_PORT", "9100")
     monkeypatch.setenv("ART_TRAINER_NAME", "envname")
