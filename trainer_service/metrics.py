@@ -67,7 +67,8 @@ class MetricsSink:
 
     def _read_history(self) -> list[dict[str, Any]]:
         """The records of `metrics.jsonl`; a line that is not a JSON object with an integer `step` (cut short by a full
-        disk, or edited) is skipped: the plot places each record at its step."""
+        disk, or edited) is skipped: the plot places each record at its step. A whole float `step` (`1.0`, as lines
+        were written before) is read as that integer."""
         if not self.jsonl_path.is_file():
             return []
         history, skipped = [], 0
@@ -78,7 +79,10 @@ class MetricsSink:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 record = None
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
+            step = record.get("step") if isinstance(record, dict) else None
+            if isinstance(step, float) and step.is_integer():  # as `emit` wrote the trainer's float step before
+                record["step"] = step = int(step)
+            if isinstance(step, int):
                 history.append(record)
             else:
                 skipped += 1
@@ -110,6 +114,7 @@ class MetricsSink:
             OSError: the JSONL line could not be written (the disk is full or read-only).
         """
         line = {"step": step, "time": time.time(), **extra, **metrics}
+        line["step"] = step  # the trainer's metrics carry it as a float; the record's is the integer `step`
         self.run_dir.mkdir(parents=True, exist_ok=True)
         start = "\n" if self._ends_mid_line() else ""
         with self.jsonl_path.open("a") as handle:

@@ -94,3 +94,18 @@ def test_the_plot_shows_the_sft_loss(tmp_path: Path, monkeypatch: pytest.MonkeyP
     sink.emit(1, {"loss/sft": 0.7})
     sink.emit(2, {"reward/mean": 0.5, "loss/policy": 0.1})
     assert labels == [["SFT loss"], ["reward (mean)", "policy loss", "SFT loss"]] and sink.sink_errors == 0
+
+
+async def test_a_steps_record_survives_a_restart_with_its_kind(tmp_path: Path) -> None:
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    await service.train_once(kind="sft")  # the trainer's metrics carry `step` as a float: every line was skipped
+    await service.aclose()
+    line = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert line["step"] == 1 and isinstance(line["step"], int) and line["kind"] == "sft"
+    history = MetricsSink(tmp_path, wandb="off").history
+    assert [(h["step"], h["kind"], "loss/sft" in h) for h in history] == [(1, "sft", True)]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({**line, "step": 1.0}) + "\n")  # as written before
+    assert [h["step"] for h in MetricsSink(tmp_path, wandb="off").history] == [1]
