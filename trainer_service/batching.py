@@ -248,11 +248,12 @@ def prepare_sft(groups: list[Group], config: GRPOConfig, device: torch.device,
                 tokenizer: PreTrainedTokenizerBase | None = None) -> PreparedBatch:
     """Pick the best-rewarded trajectory of each group (ties: the first) as supervised targets.
 
-    Items carry advantage 1.0 and equal per-trajectory weights, so the SFT loss is the mean over
-    trajectories of each one's mean assistant-token negative log-likelihood.
+    A group whose best trajectory cannot train (counted under its reason, e.g. `no_assistant_tokens`) is left
+    out, not replaced by a worse-rewarded one. Items carry advantage 1.0 and equal per-trajectory weights, so
+    the SFT loss is the mean over trajectories of each one's mean assistant-token negative log-likelihood.
 
     Raises:
-        NothingTrainableError: no group has a rewarded trajectory with assistant tokens.
+        NothingTrainableError: no group's best-rewarded trajectory has assistant tokens.
     """
     counters = _Counters()
     per_traj: list[tuple[float, list[_Seq]]] = []
@@ -269,7 +270,7 @@ def prepare_sft(groups: list[Group], config: GRPOConfig, device: torch.device,
         per_traj.append((1.0, seqs))
         rewards_seen.append(float(best.reward))  # type: ignore[arg-type]
     if not per_traj:
-        raise _nothing(groups, counters, "SFT needs a rewarded trajectory with assistant tokens in some group.")
+        raise _nothing(groups, counters, "SFT needs a group whose best-rewarded trajectory has assistant tokens.")
     rewards_t = torch.tensor(rewards_seen, dtype=torch.float64)
     stats = {
         **_common_stats(groups, counters, len(per_traj), per_traj),

@@ -217,7 +217,7 @@ class LoRATrainer:
         assistant tokens; the optimizer, checkpoints and step counter are the GRPO ones.
 
         Raises:
-            NothingTrainableError: no group has a rewarded trajectory with assistant tokens.
+            NothingTrainableError: no group's best-rewarded trajectory has assistant tokens.
         """
         started = time.perf_counter()
         batch = self.prepare(groups, "sft")

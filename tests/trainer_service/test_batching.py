@@ -184,6 +184,16 @@ def test_sft_takes_the_best_of_each_group() -> None:
     assert batch.stats["reward/mean"] == pytest.approx(0.7)
 
 
+def test_sft_leaves_out_a_group_whose_best_cannot_train() -> None:
+    trainer = make_trainer()
+    g = group(trainer, (1.0, 0.0))
+    g.trajectories[0].sequences[0].assistant_mask = [0] * len(PROMPT + GOOD)  # the best; the other could train
+    # the message said a rewarded trajectory with assistant tokens was needed, which this group has
+    with pytest.raises(NothingTrainableError, match=r"no_assistant_tokens=1\. SFT needs a group whose "
+                       "best-rewarded trajectory has assistant tokens"):
+        prepare_sft([g], trainer.config, CPU)
+
+
 def test_retokenized_mask_covers_exactly_the_assistant_turns(tokenizer: PreTrainedTokenizerBase) -> None:
     ids, mask = render_with_assistant_mask(tokenizer, CONVERSATION, TOOLS)
     assert len(ids) == len(mask)
