@@ -86,19 +86,23 @@ class _Counters:
         self.retokenized = 0
 
 
-def _malformed(seq: Sequence) -> str | None:
-    """What breaks the protocol's shape of `seq` (its per-token lists of one length, a 0/1 mask), or None."""
+def _malformed(seq: Sequence, vocab_size: int | None) -> str | None:
+    """What breaks the protocol's shape of `seq` (its per-token lists of one length, a 0/1 mask) or the model (a
+    token id outside its vocabulary of `vocab_size`, which fails the embedding lookup of the whole step), or None."""
     n = len(seq.token_ids)
     if not len(seq.logprobs) == len(seq.assistant_mask) == n:
         return (f"has token_ids ({n}), logprobs ({len(seq.logprobs)}) and assistant_mask ({len(seq.assistant_mask)}) "
                 "of different lengths")
     if any(m not in (0, 1) for m in seq.assistant_mask):
         return f"has an assistant_mask value other than 0 and 1: {sorted(set(seq.assistant_mask) - {0, 1})[:5]}"
+    if vocab_size is not None and n and not 0 <= min(seq.token_ids) <= max(seq.token_ids) < vocab_size:
+        return (f"has token ids from {min(seq.token_ids)} to {max(seq.token_ids)}, outside the model's vocabulary "
+                f"(0 to {vocab_size - 1}): sampled by another model?")
     return None
 
 
 def _sequences(trajectory: Trajectory, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase | None,
-               counters: _Counters) -> list[_Seq]:
+               counters: _Counters, vocab_size: int | None) -> list[_Seq]:
     """Tensors `(ids, old_logprobs, mask)` of each trainable sequence of `trajectory`.
 
     Returns [] when it has none; the trajectory is then counted under exactly one reason.
@@ -106,7 +110,7 @@ def _sequences(trajectory: Trajectory, config: GRPOConfig, tokenizer: PreTrained
     raw: list[tuple[list[int], list[float | None], list[int]]] = []
     if trajectory.token_exact:
         for index, seq in enumerate(trajectory.sequences):
-            if problem := _malformed(seq):
+            if problem := _malformed(seq, vocab_size):
                 logger.warning("trajectory %s of group %s is skipped (malformed_trajectories): sequence %d %s",
                                trajectory.id, trajectory.group_id, index, problem)
                 counters.skipped["malformed_trajectories"] += 1
@@ -193,8 +197,9 @@ def _common_stats(groups: list[Group], counters: _Counters, trained_groups: int,
 
 
 def prepare_grpo(groups: list[Group], config: GRPOConfig, device: torch.device,
-                 tokenizer: PreTrainedTokenizerBase | None = None) -> PreparedBatch:
-    """Select trainable groups and turn their sequences into items with advantages and weights.
+                 tokenizer: PreTrainedTokenizerBase | None = None, *, vocab_size: int | None = None) -> PreparedBatch:
+    """Select trainable groups and turn their sequences into items with advantages and weights. With `vocab_size`
+    (the model's), a sequence with a token id outside it skips its trajectory as malformed.
 
     Raises:
         NothingTrainableError: no group has two trajectories with finite, different rewards and
@@ -211,7 +216,7 @@ def prepare_grpo(groups: list[Group], config: GRPOConfig, device: torch.device,
             counters.skipped["too_few_trajectories"] += 1
             continue
         kept = [(float(t.reward), seqs) for t in rewarded  # type: ignore[arg-type]
-                if (seqs := _sequences(t, config, tokenizer, counters))]
+                if (seqs := _sequences(t, config, tokenizer, counters, vocab_size))]
         if len(kept) < 2:
             counters.skipped["too_few_trajectories"] += 1
             continue
@@ -245,12 +250,13 @@ def prepare_grpo(groups: list[Group], config: GRPOConfig, device: torch.device,
 
 
 def prepare_sft(groups: list[Group], config: GRPOConfig, device: torch.device,
-                tokenizer: PreTrainedTokenizerBase | None = None) -> PreparedBatch:
+                tokenizer: PreTrainedTokenizerBase | None = None, *, vocab_size: int | None = None) -> PreparedBatch:
     """Pick the best-rewarded trajectory of each group (ties: the first) as supervised targets.
 
     A group whose best trajectory cannot train (counted under its reason, e.g. `no_assistant_tokens`) is left
-    out, not replaced by a worse-rewarded one. Items carry advantage 1.0 and equal per-trajectory weights, so
-    the SFT loss is the mean over trajectories of each one's mean assistant-token negative log-likelihood.
+    out, not replaced by a worse-rewarded one (`vocab_size` as in `prepare_grpo`). Items carry advantage 1.0 and
+    equal per-trajectory weights, so the SFT loss is the mean over trajectories of each one's mean assistant-token
+    negative log-likelihood.
 
     Raises:
         NothingTrainableError: no group's best-rewarded trajectory has assistant tokens.
@@ -264,7 +270,7 @@ def prepare_sft(groups: list[Group], config: GRPOConfig, device: torch.device,
             counters.skipped["no_rewarded_trajectory"] += 1
             continue
         best = max(rewarded, key=lambda t: float(t.reward))  # type: ignore[arg-type]
-        seqs = _sequences(best, config, tokenizer, counters)
+        seqs = _sequences(best, config, tokenizer, counters, vocab_size)
         if not seqs:
             continue
         per_traj.append((1.0, seqs))

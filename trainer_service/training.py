@@ -178,7 +178,8 @@ class LoRATrainer:
             prepare = _PREPARE[kind]
         except KeyError:
             raise ValueError(f"unknown step kind {kind!r}; choose one of {sorted(_PREPARE)}") from None
-        return prepare(list(groups), self.config, self.device, self.tokenizer)
+        vocab_size = self.model.get_input_embeddings().num_embeddings
+        return prepare(list(groups), self.config, self.device, self.tokenizer, vocab_size=vocab_size)
 
     def train(self, groups: Iterable[Group], kind: str = "grpo") -> dict[str, float]:
         """Run one step of `kind`: `grpo` (`step`) or `sft` (`sft_step`); return its metrics."""

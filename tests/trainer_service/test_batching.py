@@ -78,6 +78,17 @@ def test_malformed_sequences_skip_their_trajectory_not_the_batch(caplog: pytest.
         prepare_sft([short], trainer.config, CPU)
 
 
+def test_token_ids_outside_the_models_vocabulary_skip_their_trajectory(caplog: pytest.LogCaptureFixture) -> None:
+    """An app pointed at another model's engine: its ids failed the embedding lookup of the whole step, which
+    charged every group of the batch a failed attempt."""
+    trainer = make_trainer()
+    vocab = trainer.model.get_input_embeddings().num_embeddings
+    foreign = group(trainer, (1.0, 0.0), "foreign")
+    foreign.trajectories[0].sequences[0].token_ids[-1] = vocab  # one past the last embedding
+    metrics = trainer.step([group(trainer, (1.0, 0.0), "ok"), foreign])
+    assert metrics["data/skipped/malformed_trajectories"] == 1 and metrics["data/groups_trained"] == 1
+    assert f"outside the model's vocabulary (0 to {vocab - 1})" in caplog.text
+
 def test_rewards_equal_up_to_float_rounding_have_no_spread() -> None:
     trainer = make_trainer()
     for scale in (1.0, 1e10):  # 1e10: the rounding noise alone gave advantages of ±0.57
