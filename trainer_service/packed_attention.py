@@ -43,12 +43,20 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 __all__ = [
-    "PACKED_ATTENTION", "PackedRow", "pack_row", "packed_attention", "packing_keeps_sequences_apart",
-    "prefix_sharing_works",
+    "PACKED_ATTENTION", "PackedRow", "UnsupportedAttentionError", "pack_row", "packed_attention",
+    "packing_keeps_sequences_apart", "prefix_sharing_works",
 ]
 
 PACKED_ATTENTION = "art_packed"
 """The `attn_implementation` name under which `packed_attention` is registered."""
+
+_UNSUPPORTED = ("sliding_window", "softcap", "s_aux")
+"""Attention arguments `packed_attention` does not compute (a sliding window, a logit soft-cap, attention sinks):
+a model that passes one of them (Mistral, Gemma 2, gpt-oss) is refused, not given plain causal attention."""
+
+
+class UnsupportedAttentionError(ValueError):
+    """A model's attention asks `art_packed` for something it does not compute (`_UNSUPPORTED`)."""
 
 
 @dataclass(frozen=True)
@@ -211,7 +219,12 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
     Raises:
         ValueError: a batch of more than one row (padding would need a mask, which this never reads).
+        UnsupportedAttentionError: the model's attention has a sliding window, a logit soft-cap or sinks.
     """
+    asked = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
+    if asked:
+        raise UnsupportedAttentionError(f"attention {PACKED_ATTENTION!r} does not compute {', '.join(asked)} (asked "
+                                        f"by {type(module).__name__}); use the model's own attention implementation")
     if query.shape[0] != 1:
         raise ValueError(f"attention {PACKED_ATTENTION!r} takes one unpadded row, got a batch of {query.shape[0]}; "
                          "pack the sequences into one row (`pack_row`)")

@@ -41,7 +41,12 @@ from trainer_service.checkpoints import read_checkpoint, write_checkpoint
 from trainer_service.grpo import PolicyLossOutput
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.lora_forward import fuse_lora_forward
-from trainer_service.packed_attention import PACKED_ATTENTION, packing_keeps_sequences_apart, prefix_sharing_works
+from trainer_service.packed_attention import (
+    PACKED_ATTENTION,
+    UnsupportedAttentionError,
+    packing_keeps_sequences_apart,
+    prefix_sharing_works,
+)
 from trainer_service.packed_pass import grpo_pass_loss, pass_logprobs, sft_pass_loss
 
 __all__ = [
@@ -91,9 +96,13 @@ class LoRATrainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
         if self.device.type == "cpu":
+            own = model.config._attn_implementation
             try:
                 model.set_attn_implementation(PACKED_ATTENTION)  # per-sequence attention in a packed row
-            except ValueError as exc:  # a model without transformers' attention interface keeps its own
+                packing_keeps_sequences_apart(model)  # a forward: refused for a sliding window, soft-cap or sinks
+            except ValueError as exc:  # a model without transformers' attention interface, or one art_packed refuses
+                if isinstance(exc, UnsupportedAttentionError):
+                    model.set_attn_implementation(own)
                 logger.warning("%s keeps its own attention (%s): packed rows use its position_ids mask and "
                                "prompts are not shared", type(model).__name__, exc)
         self.model: PeftModel = get_peft_model(model, config.lora_config())

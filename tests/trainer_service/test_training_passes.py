@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import MistralConfig, MistralForCausalLM
 
 from tests.trainer_service.builders import (
     BAD,
@@ -18,7 +19,9 @@ from tests.trainer_service.builders import (
     tiny_model,
     uneven_groups,
 )
+from trainer_service.batching import TrainItem
 from trainer_service.grpo_config import GRPOConfig
+from trainer_service.packed_pass import pass_logprobs
 from trainer_service.training import (
     LoRATrainer,
 )
@@ -130,3 +133,24 @@ def test_a_model_without_the_attention_interface_keeps_its_own(caplog: pytest.Lo
     reference = make_trainer()
     groups = uneven_groups(reference)
     assert trainer.step(groups)["loss/policy"] == pytest.approx(reference.step(groups)["loss/policy"], abs=1e-6)
+
+
+def test_a_sliding_window_model_keeps_its_own_attention(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             sliding_window=4))
+    with caplog.at_level("WARNING", logger="trainer_service.training"):
+        trainer = LoRATrainer(model, GRPOConfig(train_dtype="float32"))
+    assert "does not compute sliding_window" in caplog.text
+    assert trainer.packs and not trainer.shares_prefixes  # its own attention packs by position_ids
+    trainer.model.eval()
+    first, second = torch.arange(1, 10), torch.arange(20, 32)  # both longer than the window
+    items = [TrainItem(ids, torch.zeros(ids.numel() - 1), torch.ones(ids.numel() - 1), 1.0, 1.0)
+             for ids in (first, second)]
+    with torch.no_grad():
+        got = pass_logprobs(trainer.model, items, packs=trainer.packs, shares_prefixes=trainer.shares_prefixes)
+        model.set_attn_implementation("eager")
+        logits = trainer.model(input_ids=second.unsqueeze(0)).logits[0, :-1]
+    want = torch.log_softmax(logits, -1).gather(-1, second[1:, None])[:, 0]
+    torch.testing.assert_close(got[first.numel() - 1 :], want, atol=1e-5, rtol=1e-5)
