@@ -151,6 +151,8 @@ class GroupJudge:
                 if attempt < tries:
                     time.sleep(min(2.0 ** (attempt - 1), _MAX_BACKOFF))
                 continue
+            if not self._holds(group_id, started, "ok"):
+                return run_view(self.scoring.run(group_id) or {})
             rows = self._store_scores(group_id, members, owner, scores)
             self._finish(group_id, started, state="ok", attempts=attempt, error=None, finished_at=self.clock(),
                          next_try_at=None)
@@ -160,6 +162,8 @@ class GroupJudge:
         message = f"{error.code}: {error}"
         now = self.clock()
         if s.on_failure == "zero":
+            if not self._holds(group_id, started, "zeroed"):
+                return run_view(self.scoring.run(group_id) or {})
             rows = self._store_zeros(group_id, members, message)
             self._finish(group_id, started, state="zeroed", attempts=tries, error=message, finished_at=now,
                          next_try_at=None)
@@ -169,14 +173,27 @@ class GroupJudge:
                      next_try_at=next_try)
         return run_view(self.scoring.run(group_id) or {})
 
+    def _holds(self, group_id: str, started: float, outcome: str) -> bool:
+        """Whether the run started at `started` still holds its group, checked before it writes scores: one that
+        outlived its claim writes none over those of the run that took the group over, and only logs."""
+        row = self.scoring.run(group_id) or {}
+        if row.get("state") == "running" and row.get("started_at") == started:
+            return True
+        self._outlived(group_id, started, outcome)
+        return False
+
     def _finish(self, group_id: str, started: float, **outcome: object) -> None:
         """Record the outcome of the run started at `started`; a run that outlived its claim only logs it."""
         if not self.scoring.finish_run(group_id, started, **outcome):
-            log.warning(
-                "judge run of group %s started at %s outlived its claim (%.0f s) and another run took the group over; "
-                "its outcome (%s) is not recorded as the group's run",
-                group_id, started, claim_seconds(self.settings), outcome["state"],
-            )
+            self._outlived(group_id, started, str(outcome["state"]))
+
+    def _outlived(self, group_id: str, started: float, outcome: str) -> None:
+        """Log that the run started at `started` lost its group to another run and leaves `outcome` unrecorded."""
+        log.warning(
+            "judge run of group %s started at %s outlived its claim (%.0f s) and another run took the group over; "
+            "its outcome (%s) and scores are not recorded",
+            group_id, started, claim_seconds(self.settings), outcome,
+        )
 
     def _store_scores(
         self, group_id: str, members: list[Trajectory], owner: list[int], scores: list[Score]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from collector.protocol import BatchStatus, GroupStatus
 
@@ -44,6 +44,13 @@ class JudgeRequest(BaseModel):
     rubric: str | None = Field(
         default=None, min_length=1, description="Rubric for this run (default: the configured one)."
     )
+
+    @field_validator("rubric")
+    @classmethod
+    def _not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("rubric is blank; send one, or leave it out for the configured rubric")
+        return value
 
 
 class JudgeRun(BaseModel):

@@ -116,9 +116,11 @@ def render_message(message: dict[str, Any]) -> str:
         lines.append(f"[tool result{' ' + str(message['tool_call_id']) if message.get('tool_call_id') else ''}] {text}")
     elif text:
         lines.append(f"[{role}] {text}")
-    for call in message.get("tool_calls") or []:
-        function = call.get("function", call) if isinstance(call, dict) else {}
-        lines.append(f"[{role} calls tool] {function.get('name', '?')}({_text(function.get('arguments'))})")
+    for call in message.get("tool_calls") or []:  # with its id, which the tool result names
+        call = call if isinstance(call, dict) else {}
+        function = call.get("function", call)
+        call_id = f" {call['id']}" if call.get("id") else ""
+        lines.append(f"[{role} calls tool{call_id}] {function.get('name', '?')}({_text(function.get('arguments'))})")
     return "\n".join(lines) or f"[{role}]"
 
 

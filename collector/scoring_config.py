@@ -16,6 +16,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from collector.config import check_http_url
+from collector.protocol import Name
 
 __all__ = ["DEFAULT_RUBRIC", "JudgeSettings", "LangfuseSettings"]
 
@@ -54,10 +55,9 @@ class JudgeSettings(BaseSettings):
         description="Base URL of any OpenAI-compatible API (ending in /v1). "
         "Default: `ART_TRAINER_URL` or http://localhost:8000/v1.",
     )
-    model: str = Field(
+    model: Name = Field(
         default="SmolLM2-135M-Instruct",
-        min_length=1,
-        description="Judge model name (default: the trainer's base model).",
+        description="Judge model name (default: the trainer's base model; 1 to 256 characters, no NUL).",
     )
     api_key: SecretStr | None = Field(
         default=None,
@@ -68,7 +68,9 @@ class JudgeSettings(BaseSettings):
         default=DEFAULT_RUBRIC, min_length=1, description="What makes a trajectory good (the default is generic)."
     )
     rubric_file: Path | None = Field(default=None, description="Read the rubric from this file (overrides `rubric`).")
-    reward_name: str = Field(default="ruler", min_length=1, description="Name of the reward the judge writes.")
+    reward_name: Name = Field(
+        default="ruler", description="Name of the reward the judge writes (1 to 256 characters, no NUL)."
+    )
     auto: bool = Field(
         default=False, description="Judge every group as soon as it is complete (all members ended, size reached)."
     )
@@ -106,6 +108,8 @@ class JudgeSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _load_rubric(self) -> JudgeSettings:
+        if self.rubric_file is None and not self.rubric.strip():
+            raise ValueError("rubric is blank; write one in ART_COLLECTOR_JUDGE_RUBRIC or unset it for the default")
         if self.rubric_file is not None:
             try:
                 text = self.rubric_file.expanduser().read_text().strip()

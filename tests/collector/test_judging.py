@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 from sqlalchemy import Engine
 
 from art_langgraph import semconv as sc
@@ -131,6 +132,31 @@ def test_judge_unknown_group_is_404(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert answer.status_code == 404 and answer.json()["error"] == "not_found"
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("reward_name", "r" * 257, "at most 256 characters"),  # every run failed after the judge call
+        ("reward_name", "a\x00b", "should match pattern"),
+        ("model", "m" * 257, "at most 256 characters"),  # PostgreSQL refused every run's claim
+        ("rubric", " \n ", "rubric is blank"),  # the judge was sent no rubric at all
+    ],
+)
+def test_judge_settings_the_store_cannot_hold_or_a_blank_rubric_are_refused(field: str, value: str, says: str) -> None:
+    with pytest.raises(ValidationError, match=says):
+        JudgeSettings(**{field: value})
+
+
+def test_a_blank_rubric_in_the_request_is_400_and_judges_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = make_app(tmp_path, monkeypatch, env=down_judge("skip"))
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    with TestClient(app) as client:
+        answer = client.post("/v1/groups/g/judge", json={"rubric": "  \n "})
+        assert answer.status_code == 400 and "rubric is blank" in answer.json()["message"]
+        assert client.get("/v1/groups/g/judge").status_code == 404
+
+
 def test_judge_run_needs_the_api_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     env = {**down_judge("skip"), "ART_API_KEY": "s3cret"}
     app = make_app(tmp_path, monkeypatch, env=env)
@@ -143,15 +169,30 @@ def test_judge_run_needs_the_api_key(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert client.get("/v1/view/groups").status_code == 200  # reads stay open
 
 
+def test_a_judge_reward_named_like_a_code_reward_overrides_it_as_an_api_reward_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = make_app(tmp_path, monkeypatch, env={**down_judge("skip"), "ART_COLLECTOR_JUDGE_REWARD_NAME": "reward"})
+    app.state.store.add_spans(group_spans("g", ["7", "8"], rewards=[1.0, 0.0]))  # the app's code rewards
+    app.state.scoring.judge.client = HeldJudge(released=True, scores=(0.25, 0.75))
+    with TestClient(app) as client:
+        assert client.post("/v1/groups/g/judge").json()["state"] == "ok"
+        rewards = [t["rewards"]["reward"] for t in client.get("/v1/trajectories", params={"group": "g"}).json()]
+        assert rewards == [0.25, 0.75]
+        client.post("/v1/rewards", json={"rollout_id": "g-0", "name": "reward", "value": 0.5})
+        assert client.get("/v1/view/trajectories/g-0").json()["rewards"]["reward"] == 0.5
+
+
 # --- one run per group across replicas ----------------------------------------------------
 WAIT = 10.0
 """Longest a test waits for a thread or an event."""
 
 
 class HeldJudge:
-    """A judge client that answers (two blocks, scores 1 and 0) only once `release` is set; counts its calls."""
+    """A judge client that answers (two blocks, `scores`, default 1 and 0) once `release` is set; counts its calls."""
 
-    def __init__(self, *, released: bool = False) -> None:
+    def __init__(self, *, released: bool = False, scores: tuple[float, float] = (1.0, 0.0)) -> None:
+        self.scores = scores
         self.calls = 0
         self.waiting = threading.Event()
         self.release = threading.Event()
@@ -166,8 +207,8 @@ class HeldJudge:
         self.waiting.set()
         if not self.release.wait(WAIT):
             raise AssertionError("the test never released the judge")
-        return json.dumps({"scores": {"1": {"explanation": "right", "score": 1.0},
-                                      "2": {"explanation": "wrong", "score": 0.0}}})
+        return json.dumps({"scores": {"1": {"explanation": "right", "score": self.scores[0]},
+                                      "2": {"explanation": "wrong", "score": self.scores[1]}}})
 
     def close(self) -> None:
         """Nothing to release."""
@@ -298,7 +339,7 @@ def test_the_judge_endpoint_answers_409_while_another_replica_judges(
 def test_a_run_that_outlives_its_claim_is_taken_over_and_records_nothing(
     replica_stores: list[SqlStore], clock: Clock
 ) -> None:
-    stuck, fresh = HeldJudge(), HeldJudge(released=True)
+    stuck, fresh = HeldJudge(), HeldJudge(released=True, scores=(0.0, 1.0))
     first, second = (
         GroupJudge(store, ScoringStore(store.engine), JudgeSettings(), client=client, clock=clock)
         for store, client in zip(replica_stores, [stuck, fresh], strict=True)
@@ -317,6 +358,10 @@ def test_a_run_that_outlives_its_claim_is_taken_over_and_records_nothing(
     threads[0].join(WAIT)
     run = second.scoring.run("g")
     assert (run["state"], run["started_at"]) == ("ok", clock.now)  # the stale run did not overwrite the new one
+    # nor its scores: the rewards and explanations are the new run's
+    assert [replica_stores[1].trajectory(f"g-{i}").rewards["ruler"] for i in range(2)] == [0.0, 1.0]
+    found = second.scoring.judgements(["g-0", "g-1"])
+    assert [row["score"] for tid in ("g-0", "g-1") for row in found[tid]] == [0.0, 1.0]
 
 
 def test_a_run_that_fails_unexpectedly_frees_its_group(replica_stores: list[SqlStore], clock: Clock) -> None:

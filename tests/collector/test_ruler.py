@@ -81,6 +81,9 @@ def test_prompt_needs_trajectories() -> None:
 def test_render_message_spells_out_tool_calls_and_results() -> None:
     call = {"role": "assistant", "content": None,
             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 3}'}}]}
+    # the call's id is shown, so that the judge can match each result to its call (parallel calls)
+    assert render_message(call) == '[assistant calls tool c1] add({"a": 3})'
+    del call["tool_calls"][0]["id"]
     assert render_message(call) == '[assistant calls tool] add({"a": 3})'
     assert render_message({"role": "tool", "tool_call_id": "c1", "content": "7"}) == "[tool result c1] 7"
     assert render_message({"role": "user", "content": [{"type": "text", "text": "hi"}]}) == "[user] hi"
