@@ -29,6 +29,7 @@ from tests.trainer_service.builders import (
     make_service,
     make_trainer,
     save_tiny_model,
+    tiny_model,
 )
 from trainer_service import durable
 from trainer_service.checkpoints import CheckpointWriteError
@@ -117,25 +118,30 @@ async def test_a_failing_worker_is_a_readable_500_and_nothing_is_served(tmp_path
     await service.aclose()
 
 
-async def test_a_worker_failing_inside_the_step_blames_the_batch(tmp_path: Path, base_dir: Path) -> None:
-    """A token id past the vocabulary passes the service's checks but fails both workers' forward
-    pass, as it would fail one process: the release counts a failed attempt against the groups."""
+async def test_a_worker_failing_inside_the_step_blames_the_batch(tmp_path: Path) -> None:
+    """Token ids inside the service's vocabulary but past the workers' (their base folder holds a model with a
+    smaller one) pass the service's checks and fail in both workers: the release counts a failed attempt against
+    the groups, and nothing is served."""
     acks: list[tuple[str, dict]] = []
     batches: list[Batch] = []
     releases: list[tuple[str, dict]] = []
-    launcher = TrainLauncher(2, str(base_dir), tmp_path / "train_workers.log", cpu_threads=1)
+    workers_base = save_tiny_model(tmp_path / "smaller-vocabulary")
+    smaller = tiny_model()
+    smaller.resize_token_embeddings(1000)
+    smaller.save_pretrained(workers_base)
+    launcher = TrainLauncher(2, str(workers_base), tmp_path / "train_workers.log", cpu_threads=1)
     service = make_service(tmp_path, batches, acks, launcher=launcher, releases=releases)
     assert service.trainer is not None
     groups = batch_groups(service.trainer)
     for trajectory in (t for g in groups for t in g.trajectories):
-        trajectory.sequences[0].token_ids[0] = service.trainer.model.config.vocab_size + 7
+        trajectory.sequences[0].token_ids[0] = 1000 + 7
     batches.append(Batch(id="b1", groups=groups, lease_expires_at=0))
 
     with pytest.raises(ServiceError) as info:
         await service.train_once()
 
     error = info.value.body.error
-    assert info.value.status == 500 and "of 2 failed training: IndexError" in error.message, error.message
+    assert info.value.status == 500 and "of 2 failed training: NothingTrainableError" in error.message, error.message
     assert [(batch_id, body["failed"]) for batch_id, body in releases] == [("b1", True)]
     assert service.engine.adapters == {} and acks == [] and service.trainer.step_count == 0
     await service.aclose()
