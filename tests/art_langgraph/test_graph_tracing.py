@@ -386,9 +386,16 @@ def test_llm_span_outside_any_graph_has_no_rollout(chat_model: ARTChatModel, spa
 
 
 def test_a_graph_runs_rollout_takes_art_metadata_from_its_config(spans) -> None:
-    steps_graph().invoke({}, config={"metadata": {"art.task": "steps", "art.metadata": {"user": "u1"}}})
-    (root,) = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
-    assert json.loads(root.attributes[semconv.METADATA]) == {"user": "u1"}
+    config = {"metadata": {semconv.TASK: "steps", semconv.GROUP: "g7", semconv.GROUP_SIZE: 3, semconv.SPLIT: "val",
+                           semconv.METADATA: {"user": "u1"}}}
+    steps_graph().invoke({}, config=config)
+    steps_graph().invoke({})  # no metadata: the task is the graph's name, the split train, no group
+    configured, bare = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert json.loads(configured.attributes[semconv.METADATA]) == {"user": "u1"}
+    assert ({k: configured.attributes[k] for k in (semconv.TASK, semconv.GROUP, semconv.GROUP_SIZE, semconv.SPLIT)}
+            == {semconv.TASK: "steps", semconv.GROUP: "g7", semconv.GROUP_SIZE: 3, semconv.SPLIT: "val"})
+    assert (bare.attributes[semconv.TASK], bare.attributes[semconv.SPLIT]) == ("LangGraph", "train")
+    assert semconv.GROUP not in bare.attributes and semconv.METADATA not in bare.attributes
 
 
 def test_a_command_to_the_parent_graph_is_no_interrupt(spans) -> None:

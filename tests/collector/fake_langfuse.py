@@ -10,8 +10,12 @@ so the Langfuse tests talk to this server instead. It follows Langfuse's publish
   `fromTimestamp` (inclusive) and `toTimestamp` (exclusive). Answers
   `{"data": [...], "meta": {"limit": n, "cursor": "..."}}`, the cursor left out on the last page.
 * `POST /api/public/scores`: Basic auth; a JSON list of scores; 202 `{"message": "Accepted"}`
-  when all are valid, else 207 `{"accepted", "rejected", "errors": [{"message"}]}`. A score sent
-  again with the same id replaces the stored one.
+  when all are valid, else 207 `{"accepted", "rejected", "errors": [{"message"}]}`.
+
+Where it does less than Langfuse: accepted scores are only appended to `created`, in the order
+they came (a resent score is a second entry), and the GET endpoint never lists them. Langfuse
+updates a score sent again with the same id and timestamp; the tests check those two fields on
+the resent entry instead.
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def test_rewards_endpoint(client: TestClient) -> None:
     ({"rollout_id": "a\x00b", "value": 1.0}, "rollout_id"),
     ({"rollout_id": "a", "name": "n" * 257, "value": 1.0}, "name"),
     ({"rollout_id": "a", "name": "", "value": 1.0}, "name"),
-    ({"trace_id": "NOT-HEX", "value": 1.0}, "trace_id"),
+    ({"trace_id": "0af7651916cd43dd8448eb211c80319g", "value": 1.0}, "trace_id"),  # 32 characters, the last not hex
     ({"trace_id": "ab" * 17, "value": 1.0}, "trace_id"),
 ])
 def test_a_reward_the_store_could_not_keep_or_match_is_refused(
