@@ -19,7 +19,8 @@ def parse(*argv: str) -> tuple[TrainerSettings, object]:
     return settings_from_args(build_parser().parse_args(["serve", *argv]))
 
 
-def test_a_grpo_flag_that_none_turns_off_takes_none(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_grpo_flag_that_none_turns_off_takes_none(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """`--max-grad-norm none` was "invalid float value" although its help says None disables clipping; only the
     environment variable could, and then no flag could undo a `--delta` or `--micro-batch-tokens` it had set."""
     monkeypatch.setenv("ART_TRAINER_DELTA", "3")
@@ -28,6 +29,7 @@ def test_a_grpo_flag_that_none_turns_off_takes_none(monkeypatch: pytest.MonkeyPa
     assert (grpo.max_grad_norm, grpo.delta, grpo.micro_batch_tokens, grpo.epsilon_high) == (None, None, None, 0.3)  # type: ignore[attr-defined]
     with pytest.raises(SystemExit):
         parse("--learning-rate", "none")  # not a setting None turns off
+    assert "argument --learning-rate: invalid float value: 'none'" in capsys.readouterr().err
 
 def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ART_TRAINER_PORT", "9100")

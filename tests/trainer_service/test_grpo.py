@@ -66,10 +66,10 @@ def test_ppo_clipping_engages() -> None:
     old = torch.zeros(4)
     new = torch.log(torch.tensor([1.5, 0.5, 1.5, 0.5])).requires_grad_()
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    out = ppo_loss(new, old, adv, 0.2, 0.2)
-    # ratio 1.5, A>0 → clipped at 1.2; ratio 0.5, A>0 → unclipped 0.5 (min picks it);
+    out = ppo_loss(new, old, adv, 0.2, 0.28)  # clip range [0.8, 1.28]: each bound from its own epsilon
+    # ratio 1.5, A>0 → clipped at 1.28; ratio 0.5, A>0 → unclipped 0.5 (min picks it);
     # ratio 1.5, A<0 → unclipped -1.5; ratio 0.5, A<0 → clipped at 0.8 → -0.8.
-    assert torch.allclose(out.loss, torch.tensor([-1.2, -0.5, 1.5, 0.8]), atol=1e-6)
+    assert torch.allclose(out.loss, torch.tensor([-1.28, -0.5, 1.5, 0.8]), atol=1e-6)
     assert out.clipped.tolist() == [True, False, False, True]
     out.loss.sum().backward()
     assert new.grad[0] == 0 and new.grad[3] == 0  # clipped tokens carry no gradient
@@ -107,14 +107,15 @@ def test_delta_is_ppo_only_and_above_the_clip() -> None:
 
 
 def test_cispo_keeps_gradient_of_clipped_tokens() -> None:
-    old = torch.zeros(2)
-    new = torch.log(torch.tensor([2.0, 0.5])).requires_grad_()
-    out = cispo_loss(new, old, torch.tensor(1.0), 0.2, 0.3)
-    # weight = min(ratio, 1.3), detached: [1.3, 0.5]; loss = -w * A * logp
-    assert torch.allclose(out.loss, torch.tensor([-1.3 * math.log(2.0), -0.5 * math.log(0.5)]), atol=1e-6)
-    assert out.clipped.tolist() == [True, False]
+    old = torch.zeros(3)
+    new = torch.log(torch.tensor([2.0, 0.5, 2.0])).requires_grad_()
+    out = cispo_loss(new, old, torch.tensor([1.0, -2.0, -1.0]), 0.2, 0.3)
+    # weight = min(ratio, 1.3), detached: [1.3, 0.5, 1.3]; loss = -w * A * logp
+    assert torch.allclose(out.loss, torch.tensor([-1.3 * math.log(2.0), 0.5 * 2.0 * math.log(0.5),
+                                                  1.3 * math.log(2.0)]), atol=1e-6)
+    assert out.clipped.tolist() == [True, False, True]
     out.loss.sum().backward()
-    assert torch.allclose(new.grad, torch.tensor([-1.3, -0.5]))
+    assert torch.allclose(new.grad, torch.tensor([-1.3, 1.0, 1.3]))  # -w * A: a negative advantage pushes down
 
 
 def test_policy_loss_masks_weights_and_metrics() -> None:
@@ -179,12 +180,12 @@ def test_sequence_level_clips_the_whole_sequence() -> None:
 
 
 def test_kl_k3_values_and_penalty() -> None:
-    new = torch.tensor([-1.0, -2.0], requires_grad=True)
-    ref = torch.tensor([-1.0, -1.0])
+    new = torch.tensor([-1.0, -2.0, -3.0], requires_grad=True)
+    ref = torch.tensor([-1.0, -1.0, -1.0])
     kl = kl_k3(new, ref)
-    # delta = ref - new = [0, 1]: k3 = e^delta - delta - 1 = [0, e - 2]
-    assert torch.allclose(kl.detach(), torch.tensor([0.0, math.e - 2.0]))
-    mask = torch.ones(2)
+    # delta = ref - new = [0, 1, 2]: k3 = e^delta - delta - 1 = [0, e - 2, e^2 - 3]
+    assert torch.allclose(kl.detach(), torch.tensor([0.0, math.e - 2.0, math.exp(2.0) - 3.0]))
+    mask = torch.tensor([1.0, 1.0, 0.0])  # the last is a prompt token: its KL is neither penalised nor reported
     plain = policy_loss("ppo", new, new.detach(), 0.0, mask, 0.5)  # advantage 0: only the KL remains
     with_kl = policy_loss("ppo", new, new.detach(), 0.0, mask, 0.5, ref_logprobs=ref, kl_coef=0.1)
     assert plain.loss.item() == 0.0

@@ -21,6 +21,20 @@ def item(ids: list[int], trained_from: int, advantage: float = 0.0, weight: floa
                      advantage=advantage, weight=weight)
 
 
+def turns(ids: list[int], assistant: list[int], advantage: float = 0.0, weight: float = 1.0,
+          old: float = float("nan")) -> TrainItem:
+    """An item whose tokens with `assistant` 1 carry loss (as `prepare_grpo` builds it: the mask of tokens 1..)."""
+    mask = torch.tensor(assistant[1:], dtype=torch.float32)
+    return TrainItem(token_ids=torch.tensor(ids), old_logprobs=torch.full((len(ids) - 1,), old), mask=mask,
+                     advantage=advantage, weight=weight)
+
+
+# a tool-calling trajectory: the prompt, the assistant's call, the tool's result (not sampled), the assistant's answer
+TOOL_CALL, TOOL_RESULT, ANSWER = [900, 901, 2], [1200, 1201, 1202], [902, 2]
+TOOL_TURNS = turns(PROMPT + TOOL_CALL + TOOL_RESULT + ANSWER,
+                   [0] * len(PROMPT) + [1] * len(TOOL_CALL) + [0] * len(TOOL_RESULT) + [1] * len(ANSWER))
+
+
 def alone(model: torch.nn.Module, one: TrainItem) -> torch.Tensor:
     """`one`'s log-probs of its tokens 1.. from a forward of its own."""
     with torch.no_grad():
@@ -33,32 +47,37 @@ def test_each_item_gets_its_own_log_probs_where_its_mask_is_on(packs: bool, shar
     trainer = make_trainer()
     trainer.model.eval()
     items = [item(PROMPT + [900, 901, 2], len(PROMPT)), item(PROMPT + [1500, 2], len(PROMPT)),
-             item([1, 77, 78, 79, 80], 2)]
+             item([1, 77, 78, 79, 80], 2), TOOL_TURNS]  # the last: assistant, tool, assistant
+    assert TOOL_TURNS.mask.tolist() == [0.0] * (len(PROMPT) - 1) + [1.0] * 3 + [0.0] * 3 + [1.0] * 2
     with torch.no_grad():
         got = pass_logprobs(trainer.model, items, packs=packs, shares_prefixes=shares_prefixes)
     assert got.shape == (sum(len(i.token_ids) - 1 for i in items),)
     for part, one in zip(got.split([len(i.token_ids) - 1 for i in items]), items, strict=True):
         on = one.mask.bool()
         assert torch.allclose(part[on], alone(trainer.model, one)[on], atol=1e-5)
+        assert not part[~on].any()  # not computed where no loss reads it
 
 
 def test_the_grpo_loss_repeats_each_items_advantage_and_weight_over_its_own_tokens() -> None:
-    config = GRPOConfig(loss="ppo", epsilon=0.2)
-    items = [item([1, 2, 3, 4], 2, advantage=1.5, weight=0.25, old=-1.0),
+    config = GRPOConfig(loss="ppo", epsilon=0.1, epsilon_high=0.3)  # clip range [0.9, 1.3]
+    # item 0: 4 entries, trained at 1 and 3 (2 is a tool's result); item 1: 2 entries, both trained
+    items = [turns([1, 2, 3, 4, 5], [0, 0, 1, 0, 1], advantage=1.5, weight=0.25, old=-1.0),
              item([1, 2, 3], 1, advantage=-0.5, weight=2.0, old=-2.0)]
-    new = torch.tensor([-9.0, -1.1, -0.9, -2.05, -1.95])  # item 0: 3 entries (first not trained), item 1: 2
+    # ratios where trained: e^0.2 = 1.22 (A > 0, inside the range), e^-0.1 = 0.90; e^-0.15 = 0.86 (A < 0: clipped), 1.05
+    new = torch.tensor([-9.0, -0.8, -7.0, -1.1, -2.15, -1.95])
     got = grpo_pass_loss(config, items, new)
-    want = policy_loss("ppo", new, torch.tensor([-1.0, -1.0, -1.0, -2.0, -2.0]),
-                       torch.tensor([1.5, 1.5, 1.5, -0.5, -0.5]), torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0]),
-                       torch.tensor([0.25, 0.25, 0.25, 2.0, 2.0]), epsilon=0.2,
-                       segments=torch.tensor([0, 0, 0, 1, 1]))
+    want = policy_loss("ppo", new, torch.tensor([-1.0, -1.0, -1.0, -1.0, -2.0, -2.0]),
+                       torch.tensor([1.5, 1.5, 1.5, 1.5, -0.5, -0.5]), torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0, 1.0]),
+                       torch.tensor([0.25, 0.25, 0.25, 0.25, 2.0, 2.0]), epsilon=0.1, epsilon_high=0.3,
+                       segments=torch.tensor([0, 0, 0, 0, 1, 1]))
+    assert want.tokens == 4 and want.clipped_tokens == 1
     assert float(got.loss) == pytest.approx(float(want.loss))
     assert (got.tokens, got.clipped_tokens, got.ratio_sum) == (want.tokens, want.clipped_tokens, want.ratio_sum)
 
 
 def test_the_sft_loss_is_the_weighted_negative_log_likelihood_of_the_trained_tokens() -> None:
-    items = [item([1, 2, 3, 4], 2, weight=0.5), item([1, 2, 3], 1, weight=2.0)]
-    new = torch.tensor([-9.0, -1.0, -2.0, -0.5, -0.25])
+    items = [turns([1, 2, 3, 4, 5], [0, 0, 1, 0, 1], weight=0.5), item([1, 2, 3], 1, weight=2.0)]
+    new = torch.tensor([-9.0, -1.0, -7.0, -2.0, -0.5, -0.25])  # -9 and -7: a prompt and a tool result token
     got = sft_pass_loss(items, new)
     assert float(got.loss) == pytest.approx(0.5 * (1.0 + 2.0) + 2.0 * (0.5 + 0.25))
     assert got.tokens == 4.0

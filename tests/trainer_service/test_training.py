@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from collector.protocol import Group, Sequence, Trajectory
 from tests.trainer_service.builders import (
     BAD,
     GOOD,
@@ -26,9 +27,22 @@ from tests.trainer_service.builders import (
 from trainer_service.batching import prepare_grpo
 from trainer_service.grpo import PolicyLossOutput
 from trainer_service.training import (
+    LoRATrainer,
     NonFiniteStepError,
     NothingTrainableError,
 )
+
+TOOL_RESULT = [1200, 1201, 1202]  # what a tool answered: in the context, never sampled by the model
+
+
+def tool_trajectory(trainer: LoRATrainer, call: list[int], answer: list[int], reward: float, tid: str) -> Trajectory:
+    """The prompt, an assistant turn calling a tool, the tool's result, the assistant's answer; the engine's
+    log-probs on the two assistant turns only (as the collector records them)."""
+    ids = PROMPT + call + TOOL_RESULT + answer
+    mask = [0] * len(PROMPT) + [1] * len(call) + [0] * len(TOOL_RESULT) + [1] * len(answer)
+    logprobs = [lp if m else None for lp, m in zip([None, *seq_logprobs(trainer, ids)], mask, strict=True)]
+    return Trajectory(id=tid, trace_id="0" * 32, group_id="g", reward=reward,
+                      sequences=[Sequence(token_ids=ids, logprobs=logprobs, assistant_mask=mask)])
 
 
 def test_logprob_gap_measures_how_far_the_engine_disagrees() -> None:
@@ -84,21 +98,27 @@ def test_warm_up_runs_the_largest_passes_and_changes_nothing(max_seq_len: int, w
 
 def test_only_assistant_tokens_count() -> None:
     trainer = make_trainer()
-    g = group(trainer, (1.0, 0.0))
-    # Garbage engine logprobs on prompt positions must not matter.
+    calls, answers = ([900, 901, 2], [1500, 2]), (GOOD, BAD)
+    g = Group(id="g", trajectories=[tool_trajectory(trainer, call, answer, reward, tid) for call, answer, reward, tid
+                                    in zip(calls, answers, (1.0, 0.0), ("g-a", "g-b"), strict=True)])
+    # Garbage engine logprobs on the prompt and the tool's result must not matter.
     g_noisy = g.model_copy(deep=True)
     for t in g_noisy.trajectories:
         seq = t.sequences[0]
         seq.logprobs = [-50.0 if m == 0 else lp for lp, m in zip(seq.logprobs, seq.assistant_mask, strict=True)]
     items_clean = prepare_grpo([g], trainer.config, trainer.device).items
     items_noisy = prepare_grpo([g_noisy], trainer.config, trainer.device).items
+    want = make_trainer().step([g])  # the same initial adapter, the clean logprobs
     metrics = trainer.step([g_noisy])
-    assert metrics["data/assistant_tokens"] == len(GOOD) + len(BAD)
-    assert metrics["data/tokens"] == 2 * len(PROMPT) + len(GOOD) + len(BAD)
-    for clean, noisy in zip(items_clean, items_noisy, strict=True):
+    assert metrics["data/assistant_tokens"] == sum(map(len, calls + answers))
+    assert metrics["data/tokens"] == 2 * (len(PROMPT) + len(TOOL_RESULT)) + sum(map(len, calls + answers))
+    for clean, noisy, call, answer in zip(items_clean, items_noisy, calls, answers, strict=True):
         assert torch.equal(clean.mask, noisy.mask)
-        assert clean.mask.tolist() == [0.0] * (len(PROMPT) - 1) + [1.0] * (len(clean.token_ids) - len(PROMPT))
+        assert clean.mask.tolist() == ([0.0] * (len(PROMPT) - 1) + [1.0] * len(call) + [0.0] * len(TOOL_RESULT)
+                                       + [1.0] * len(answer))
     assert metrics["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["loss/policy"] == pytest.approx(want["loss/policy"], abs=1e-7)
+    assert metrics["grad/norm"] == pytest.approx(want["grad/norm"], rel=1e-5)
 
 
 @pytest.mark.parametrize("loss", ["ppo", "cispo"])
@@ -208,10 +228,16 @@ def test_rewarded_completion_gains_probability() -> None:
 
 def test_cispo_learns_too() -> None:
     trainer = make_trainer(loss="cispo", learning_rate=2e-3)
-    before = sum(seq_logprobs(trainer, PROMPT + GOOD)[len(PROMPT) - 1 :])
+
+    def total(ids: list[int]) -> float:
+        return sum(seq_logprobs(trainer, PROMPT + ids)[len(PROMPT) - 1 :])
+
+    good0, bad0 = total(GOOD), total(BAD)
     for _ in range(3):
         trainer.step([group(trainer, (1.0, 0.0))])
-    assert sum(seq_logprobs(trainer, PROMPT + GOOD)[len(PROMPT) - 1 :]) > before
+    good1, bad1 = total(GOOD), total(BAD)
+    assert good1 > good0 + 0.25, (good0, good1)  # measured: +0.59
+    assert bad1 < bad0 - 0.5, (bad0, bad1)  # measured: -1.57; the negative advantage pushes it down
 
 
 def test_save_is_atomic_and_resumable(tmp_path: Path) -> None:
@@ -285,11 +311,17 @@ def test_kl_to_the_base_is_zero_before_training_and_grows_after() -> None:
 
 def test_sequence_level_importance_sampling_learns() -> None:
     trainer = make_trainer(importance_sampling="sequence", learning_rate=2e-3)
-    before = sum(seq_logprobs(trainer, PROMPT + GOOD)[len(PROMPT) - 1 :])
+
+    def total(ids: list[int]) -> float:
+        return sum(seq_logprobs(trainer, PROMPT + ids)[len(PROMPT) - 1 :])
+
+    good0, bad0 = total(GOOD), total(BAD)
     for _ in range(3):
         metrics = trainer.step([group(trainer, (1.0, 0.0))])
     assert metrics["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-    assert sum(seq_logprobs(trainer, PROMPT + GOOD)[len(PROMPT) - 1 :]) > before
+    good1, bad1 = total(GOOD), total(BAD)
+    assert good1 > good0 + 0.25, (good0, good1)  # measured: +0.59
+    assert bad1 < bad0 - 0.5, (bad0, bad1)  # measured: -1.57
 
 
 def test_sft_step_raises_the_best_completion() -> None:
