@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import gzip
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 from opentelemetry import trace
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
@@ -24,47 +20,18 @@ from art_langgraph._settings import MAX_OTLP_REQUEST_BYTES, Settings, update_set
 from tests.art_langgraph.fake_engine import FakeEngine, completion_ids
 
 
-class _OTLP(BaseHTTPRequestHandler):
-    received: list[tuple[str, dict[str, str], bytes]] = []
-
-    def do_POST(self) -> None:  # noqa: N802
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        self.received.append((self.path, dict(self.headers), body))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.end_headers()
-        self.wfile.write(b"")
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def otlp_server(memory_tracing) -> Iterator[tuple[str, list]]:
-    server = HTTPServer(("127.0.0.1", 0), _OTLP)
-    _OTLP.received = []
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}", _OTLP.received
-    finally:
-        server.shutdown()
-        memory_tracing.install()
-
-
-def test_spans_reach_collector_as_gzip_protobuf(otlp_server) -> None:
-    url, received = otlp_server
-    art_langgraph.configure(collector_url=url, api_key="k1")
+def test_spans_reach_collector_as_gzip_protobuf(receivers) -> None:
+    collector, _ = receivers
+    art_langgraph.configure(collector_url=collector.url, api_key="k1")
     with rollout("export") as r:
         r.reward(1.0)
     assert art_langgraph.flush(timeout=10)
-    path, headers, body = received[-1]
-    headers = {k.lower(): v for k, v in headers.items()}
+    path, headers, _ = collector.requests[-1]
     assert path == "/v1/traces"
     assert headers["content-type"] == "application/x-protobuf"
     assert headers["content-encoding"] == "gzip"
     assert headers["authorization"] == "Bearer k1"
-    request = ExportTraceServiceRequest.FromString(gzip.decompress(body))
-    (span,) = [s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    (span,) = collector.spans()
     attrs = {a.key: a.value for a in span.attributes}
     assert attrs[semconv.ROLLOUT_ID].string_value == r.id
     assert span.trace_id.hex() == r.trace_id
