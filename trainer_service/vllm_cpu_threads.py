@@ -150,9 +150,7 @@ class EngineThreads:
             return None
         cpus = sorted(os.sched_getaffinity(0))
         own = len(cpus) - settings.training_threads()
-        idle = settings.idle_vllm_threads or len(cpus)
-        if idle > len(cpus):
-            raise ValueError(f"idle_vllm_threads={idle}: this process may use {len(cpus)} cores")
+        idle = settings.idle_vllm_threads or len(cpus)  # at most the cores: `TrainerSettings` refuses more
         return cls(path, cpus, own, idle) if 1 <= own < idle else None
 
     @property
