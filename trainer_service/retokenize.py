@@ -134,12 +134,13 @@ def render_with_assistant_mask(
                 f"the chat template does not render message {index} as an extension of the ones before it; "
                 "such trajectories cannot be re-tokenized (record them with engine token ids instead)"
             )
-        callless = [*messages[:index], {key: value for key, value in message.items() if key != "tool_calls"}]
-        if message.get("tool_calls") and upto == _render(tokenizer, callless, tools, generation_prompt=False):
-            raise RetokenizeError(
-                f"the chat template does not render the tool calls of message {index} (it has no tool support), so "
-                "they cannot be trained; serve a template that renders them (--chat-template)"
-            )
+        if message.get("tool_calls"):  # rendered again without them: a template without tool support drops them
+            callless = {key: value for key, value in message.items() if key != "tool_calls"}
+            if upto == _render(tokenizer, [*messages[:index], callless], tools, generation_prompt=False):
+                raise RetokenizeError(
+                    f"the chat template does not render the tool calls of message {index} (it has no tool support), "
+                    "so they cannot be trained; serve a template that renders them (--chat-template)"
+                )
         spans.append((len(before), len(upto)))
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids: list[int] = list(encoded["input_ids"])
