@@ -11,7 +11,8 @@ the reason names:
   equal up to float rounding, `collector.protocol.has_reward_spread`), `nonfinite_advantages` (rewards so
   large the advantages do not fit float32), and for SFT `no_rewarded_trajectory`;
 * trajectories: `unrewarded_trajectories`, `nonfinite_rewards`, `malformed_trajectories` (a sequence whose
-  `token_ids`, `logprobs` and `assistant_mask` differ in length, or whose mask holds a value other than 0 and 1),
+  `token_ids`, `logprobs` and `assistant_mask` differ in length, whose mask holds a value other than 0 and 1, or
+  whose token ids fall outside the model's vocabulary),
   `not_token_exact_without_tokenizer`, `retokenize_failed`, `no_assistant_tokens` (no sequence has an assistant
   token, e.g. truncation cut them all);
 * sequences: `too_long_sequences` (left out by `max_seq_len_policy="skip"`; a trajectory that loses
