@@ -148,6 +148,8 @@ class GroupJudge:
             except JudgeError as exc:
                 error = exc
                 log.warning("judge of group %s failed (try %d/%d): %s", group_id, attempt, tries, exc)
+                if exc.code == "judge_rejected":  # the same request never succeeds
+                    break
                 if attempt < tries:
                     time.sleep(min(2.0 ** (attempt - 1), _MAX_BACKOFF))
                 continue
@@ -165,11 +167,13 @@ class GroupJudge:
             if not self._holds(group_id, started, "zeroed"):
                 return run_view(self.scoring.run(group_id) or {})
             rows = self._store_zeros(group_id, members, message)
-            self._finish(group_id, started, state="zeroed", attempts=tries, error=message, finished_at=now,
+            self._finish(group_id, started, state="zeroed", attempts=attempt, error=message, finished_at=now,
                          next_try_at=None)
             return run_view(self.scoring.run(group_id) or {}, rows)
         state, next_try = ("failed", now + s.retry_seconds) if s.on_failure == "retry" else ("skipped", None)
-        self._finish(group_id, started, state=state, attempts=tries, error=message, finished_at=now,
+        if state == "failed" and error.code == "judge_rejected":  # see `due_groups`
+            message, next_try = f"{message}; not retried until the group grows", None
+        self._finish(group_id, started, state=state, attempts=attempt, error=message, finished_at=now,
                      next_try_at=next_try)
         return run_view(self.scoring.run(group_id) or {})
 
@@ -237,8 +241,9 @@ class GroupJudge:
     def due_groups(self) -> list[str]:
         """Groups in the pool (open, ready or skipped) whose trajectories are all complete and that
         reached their expected size, not judged yet, grown since their last finished run (a group
-        without an announced size takes members as they come), `failed` and due for another try, or
-        `running` past `claim_seconds` (its judge died mid-run)."""
+        without an announced size takes members as they come), `failed` and due for another try (one the judge
+        rejected, `judge_rejected`, has no `next_try_at`: it is due once the group grows), or `running` past
+        `claim_seconds` (its judge died mid-run)."""
         complete = {
             g.id: g.size for g in self.store.groups(states=_IN_POOL)
             if g.size == g.complete and g.size >= g.expected
@@ -250,8 +255,8 @@ class GroupJudge:
             run = runs.get(group_id)
             if run is None:
                 return True
-            if run["state"] == "failed":
-                return (run["next_try_at"] or 0) <= now
+            if run["state"] == "failed" and run["next_try_at"] is not None:
+                return run["next_try_at"] <= now
             if run["state"] == "running":
                 return run["started_at"] < now - claim_seconds(self.settings)
             return run["trajectories"] < complete[group_id]

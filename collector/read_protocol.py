@@ -58,8 +58,8 @@ class JudgeRun(BaseModel):
 
     group_id: str
     state: Literal["running", "ok", "failed", "skipped", "zeroed"] = Field(
-        description="`ok`: scores stored; `failed`: retried later (retry policy); `skipped`: left unjudged; "
-        "`zeroed`: all 0."
+        description="`ok`: scores stored; `failed`: retried later (retry policy), or once the group grows if the judge "
+        "rejected the request (`next_try_at` empty); `skipped`: left unjudged; `zeroed`: all 0."
     )
     attempts: int
     error: str | None = None

@@ -243,6 +243,11 @@ def parse_scores(text: str, count: int) -> list[Score]:
     return found
 
 
+_REJECTED = frozenset({400, 413, 422})
+"""HTTP statuses by which a judge refuses the request itself (a group too long for its context, say): the same
+request never succeeds, so it is not sent again (`judge_rejected`). Other failures may pass (`judge_http_error`)."""
+
+
 class JudgeClient:
     """Calls one OpenAI-compatible chat endpoint (`{base_url}/chat/completions`)."""
 
@@ -256,7 +261,8 @@ class JudgeClient:
         """The judge's answer text.
 
         Raises:
-            JudgeError: `judge_unreachable`, `judge_http_error`, or `judge_truncated` (hit max_tokens).
+            JudgeError: `judge_unreachable`, `judge_rejected` (see `_REJECTED`), `judge_http_error`, or
+                `judge_truncated` (hit max_tokens).
         """
         body = {
             "model": self.model,
@@ -272,7 +278,8 @@ class JudgeClient:
             raise JudgeError(f"judge {url} unreachable: {type(exc).__name__}: {exc}", code="judge_unreachable") from exc
         if response.status_code != 200:
             raise JudgeError(
-                f"judge {url} answered {response.status_code}: {response.text[:300]}", code="judge_http_error"
+                f"judge {url} answered {response.status_code}: {response.text[:300]}",
+                code="judge_rejected" if response.status_code in _REJECTED else "judge_http_error",
             )
         try:
             choice = response.json()["choices"][0]

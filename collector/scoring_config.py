@@ -80,7 +80,8 @@ class JudgeSettings(BaseSettings):
     on_failure: Literal["retry", "skip", "zero"] = Field(
         default="retry",
         description=(
-            "`retry`: up to `attempts` tries, then the group shows `failed` and is tried again after `retry_seconds`; "
+            "`retry`: up to `attempts` tries, then the group shows `failed` and is tried again after `retry_seconds` "
+            "(a request the judge rejects with 400, 413 or 422 is not sent again: `failed` until the group grows); "
             "`skip`: one try, then the group stays unjudged (`skipped`); "
             "`zero`: one try, then every trajectory scores 0."
         ),

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
@@ -25,6 +26,7 @@ from art_langgraph import semconv as sc
 from collector.config import CollectorSettings
 from collector.errors import Conflict
 from collector.judging import GroupJudge, claim_seconds
+from collector.ruler import JudgeClient
 from collector.scoring_config import JudgeSettings
 from collector.scoring_store import ScoringStore
 from collector.store import SqlStore
@@ -124,6 +126,58 @@ def test_a_group_that_grew_after_its_run_is_due_again(tmp_path: Path, monkeypatc
     assert judge.due_groups() == ["g"]
     assert judge.judge("g").trajectories == 3
     assert judge.due_groups() == []
+
+
+def _answering(judge: GroupJudge, status: int) -> list[httpx.Request]:
+    """Make `judge`'s client talk to a judge that answers every call with HTTP `status`; the calls it gets."""
+    calls: list[httpx.Request] = []
+
+    def chat(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return httpx.Response(status, json={"object": "error", "message": "maximum context length is 2048 tokens"})
+
+    assert isinstance(judge.client, JudgeClient)
+    judge.client._http = httpx.Client(transport=httpx.MockTransport(chat))
+    return calls
+
+
+def test_a_request_the_judge_rejects_is_not_sent_again_until_the_group_grows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: Clock
+) -> None:
+    """A group too long for the judge's context never gets scores: asking again every `RETRY_SECONDS` only spends."""
+    app = make_app(tmp_path, monkeypatch, env=down_judge("retry"))
+    spans = group_spans("g", ["7", "8", "9"])
+    for span in spans:
+        span.attributes.pop(sc.GROUP_SIZE, None)
+    app.state.store.add_spans(spans[:4])
+    judge = app.state.scoring.judge
+    judge.clock = clock
+    calls = _answering(judge, 400)
+    [run] = judge.run_due()
+    assert (run.state, run.attempts, run.next_try_at, len(calls)) == ("failed", 1, None, 1)
+    assert run.error.startswith("judge_rejected") and "maximum context length" in run.error
+    assert run.error.endswith("not retried until the group grows")
+    clock.now += 100 * judge.settings.retry_seconds
+    assert judge.due_groups() == [] and judge.run_due() == [] and len(calls) == 1
+    app.state.store.add_spans(spans[4:])
+    assert judge.due_groups() == ["g"]
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_a_judge_error_that_may_pass_is_tried_again_after_retry_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: Clock, status: int
+) -> None:
+    app = make_app(tmp_path, monkeypatch, env=down_judge("retry", ART_COLLECTOR_JUDGE_ATTEMPTS="1"))
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    judge = app.state.scoring.judge
+    judge.clock = clock
+    calls = _answering(judge, status)
+    [run] = judge.run_due()
+    assert (run.state, run.next_try_at) == ("failed", clock.now + judge.settings.retry_seconds)
+    assert run.error.startswith("judge_http_error")
+    assert judge.due_groups() == []
+    clock.now += judge.settings.retry_seconds
+    assert [again.state for again in judge.run_due()] == ["failed"] and len(calls) == 2
 
 
 def test_judge_unknown_group_is_404(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

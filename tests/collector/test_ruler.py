@@ -169,3 +169,19 @@ def test_judge_content_that_is_not_text_is_a_judge_error(content: object) -> Non
     with pytest.raises(JudgeError, match="not text") as caught:
         client.complete([USER], response_format(1), temperature=0, max_tokens=64)
     assert caught.value.code == "judge_http_error"
+
+
+@pytest.mark.parametrize(
+    ("status", "code"),
+    [(400, "judge_rejected"), (413, "judge_rejected"), (422, "judge_rejected"), (401, "judge_http_error"),
+     (404, "judge_http_error"), (408, "judge_http_error"), (429, "judge_http_error"), (503, "judge_http_error")],
+)
+def test_a_request_the_judge_refuses_is_judge_rejected_other_errors_may_pass(status: int, code: str) -> None:
+    def chat(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, json={"object": "error", "message": "maximum context length is 2048 tokens"})
+
+    client = JudgeClient("http://judge/v1", "m")
+    client._http = httpx.Client(transport=httpx.MockTransport(chat))
+    with pytest.raises(JudgeError, match=f"answered {status}: .*maximum context length") as caught:
+        client.complete([USER], response_format(1), temperature=0, max_tokens=64)
+    assert caught.value.code == code
