@@ -6,6 +6,8 @@ Every failure (no answer, an HTTP error, an answer that is not what the API publ
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 import httpx
@@ -20,10 +22,27 @@ from collector.protocol import (
     ReleaseRequest,
     ReleaseResponse,
 )
+from trainer_service.backoff import Backoff
 from trainer_service.config import TrainerSettings
 from trainer_service.protocol import ServiceError
 
 __all__ = ["CollectorClient"]
+
+logger = logging.getLogger(__name__)
+
+_TIMEOUT_S = 60.0
+"""HTTP timeout of every call to the collector."""
+_ACK_TRIES = 4
+"""Tries of an ack that meets a transient failure: 4 tries that each time out and their waits (2 + 4 + 8 s) take
+254 s, less than the lease's margin (`LEASE_MARGIN_S`, 300 s)."""
+_ACK_RETRY_FIRST_S = 2.0
+"""Wait before an ack's second try, doubled before each further one (`Backoff`)."""
+_ACK_RETRY_LONGEST_S = 30.0
+"""Longest wait between two tries of an ack."""
+_TRANSIENT_STATUSES = frozenset({502, 503, 504})
+"""Answers to an ack that are tried again: a proxy without the collector behind it, the store busy or down."""
+_TRANSIENT_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+"""No answer to an ack that is tried again: timed out, refused, reset, dropped mid-answer."""
 
 _GROUPS = TypeAdapter(list[GroupStatus])
 """Reads `GET /v1/groups`."""
@@ -40,7 +59,8 @@ class CollectorClient:
     def __init__(self, settings: TrainerSettings, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.settings = settings
         headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-        self.http = httpx.AsyncClient(base_url=settings.collector, headers=headers, timeout=60.0, transport=transport)
+        self.http = httpx.AsyncClient(base_url=settings.collector, headers=headers, timeout=_TIMEOUT_S,
+                                      transport=transport)
         """The HTTP client (the evaluator reads an eval split through it too)."""
 
     async def ready_groups(self) -> int:
@@ -89,19 +109,37 @@ class CollectorClient:
     async def ack(self, batch_id: str, step: int | None) -> None:
         """Mark batch `batch_id` trained by `step` (None: acked without a step) (`POST /v1/batches/{id}/ack`).
 
+        An ack that gets no answer, or a 502, 503 or 504, is tried again (`_ACK_TRIES` in all, waits doubling
+        from `_ACK_RETRY_FIRST_S`, each logged): the collector takes the same ack twice, and one not taken
+        would let the lease expire and the batch train again.
+
         Raises:
-            ServiceError: 502 `ack_failed` when the collector does not answer, refuses, or answers with something
-                that is not an ack.
+            ServiceError: 502 `ack_failed` when the collector does not answer or answers 502, 503 or 504 to every
+                try, refuses (any other error status, at once), or answers with something that is not an ack.
         """
         done = "nothing in it can train, no step was taken" if step is None else f"step {step} is saved and served"
-        try:
-            body = AckRequest(policy_step=step).model_dump()
-            response = await self.http.post(f"/v1/batches/{batch_id}/ack", json=body)
-        except httpx.HTTPError as exc:
-            raise ServiceError(502, "ack_failed", f"Could not ack batch {batch_id} ({done}): {exc}. Its groups will "
-                               "be offered again after the lease.", type="server_error") from exc
+        body = AckRequest(policy_step=step).model_dump()
+        backoff = Backoff(_ACK_RETRY_FIRST_S, _ACK_RETRY_LONGEST_S)
+        for tries in range(1, _ACK_TRIES + 1):
+            tried = "" if tries == 1 else f" in {tries} tries"
+            try:
+                response = await self.http.post(f"/v1/batches/{batch_id}/ack", json=body)
+            except httpx.HTTPError as exc:
+                if not isinstance(exc, _TRANSIENT_ERRORS) or tries == _ACK_TRIES:
+                    raise ServiceError(502, "ack_failed", f"Could not ack batch {batch_id} ({done}){tried}: "
+                                       f"{type(exc).__name__}: {exc}. Its groups will be offered again after the "
+                                       "lease.", type="server_error") from exc
+                problem = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code not in _TRANSIENT_STATUSES or tries == _ACK_TRIES:
+                    break
+                problem = f"HTTP {response.status_code}"
+            delay = backoff.failed()
+            logger.warning("ack of batch %s failed (%s; try %d of %d); trying again in %.0f s", batch_id, problem,
+                           tries, _ACK_TRIES, delay)
+            await asyncio.sleep(delay)
         if response.status_code != 200:
-            raise ServiceError(502, "ack_failed", f"The collector refused the ack of batch {batch_id} ({done}): "
+            raise ServiceError(502, "ack_failed", f"The collector refused the ack of batch {batch_id} ({done}){tried}: "
                                f"HTTP {response.status_code}: {response.text[:300]}", type="server_error")
         try:
             AckResponse.model_validate_json(response.content)

@@ -1,19 +1,28 @@
-"""The trainer's collector client: what a lease asks for and what a failed ack says."""
+"""The trainer's collector client: what a lease asks for, which acks are tried again and what a failed ack says."""
 
 from __future__ import annotations
 
 import json
+import logging
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy.exc import OperationalError
 
 from collector.protocol import MAX_LEASE_SECONDS, BatchRequest
+from examples.stack import free_port
+from tests.collector.seeding import group_spans
+from tests.collector.server_helpers import collector_app
+from tests.served import served
+from trainer_service import collector_client
 from trainer_service.collector_client import CollectorClient
 from trainer_service.config import LEASE_MARGIN_S, TrainerSettings
 from trainer_service.protocol import ServiceError
 
 
-def client(handle: httpx.MockTransport, **settings: object) -> CollectorClient:
+def client(handle: httpx.MockTransport | None, **settings: object) -> CollectorClient:
     return CollectorClient(TrainerSettings(name="agent", wandb="off", **settings), handle)  # type: ignore[arg-type]
 
 
@@ -61,4 +70,69 @@ async def test_an_ack_answered_with_something_that_is_not_an_ack_fails(answer: h
     acked = {"batch_id": "b1", "groups": ["g"], "policy_step": 3}  # what the collector publishes is taken
     collector = client(httpx.MockTransport(lambda request: httpx.Response(200, json=acked)))
     await collector.ack("b1", 3)
+    await collector.aclose()
+
+
+async def test_an_ack_meeting_a_dropped_connection_or_a_busy_store_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the real collector over real HTTP: its first ack answer is cut off, its second is the store's 503
+    monkeypatch.setattr(collector_client, "_ACK_RETRY_FIRST_S", 0.01)
+    app = collector_app(tmp_path)
+    store = app.state.store
+    store.add_spans(group_spans("sums", ["7", "8"], rewards=[1.0, 0.0]))
+    busy, drops, real_ack = [True], [True], store.ack
+
+    def ack(batch_id: str, policy_step: int | None) -> Any:
+        if busy and busy.pop():  # the store's first ack: the collector answers 503 store_unavailable
+            raise OperationalError("UPDATE batches", {}, Exception("database is locked"))
+        return real_ack(batch_id, policy_step)
+
+    monkeypatch.setattr(store, "ack", ack)
+
+    async def dropping(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].endswith("/ack") and drops and drops.pop():
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"99")]})
+            raise RuntimeError("the collector died mid-answer")  # uvicorn closes the connection
+        await app(scope, receive, send)
+
+    with served(dropping, lifespan="off") as url:
+        collector = client(None, collector=url)
+        batch = await collector.lease(1)
+        with caplog.at_level(logging.WARNING, logger=collector_client.__name__):
+            await collector.ack(batch.id, 1)
+        await collector.aclose()
+    assert [(g.id, g.state) for g in store.groups()] == [("sums", "trained")]  # not offered again: trained once
+    assert [b.policy_step for b in store.batches()] == [1]
+    tries = [r.getMessage() for r in caplog.records if r.name == collector_client.__name__]
+    assert len(tries) == 2 and "RemoteProtocolError" in tries[0] and "try 1 of 4" in tries[0]
+    assert "HTTP 503; try 2 of 4" in tries[1]
+
+
+async def test_an_ack_without_an_answer_is_tried_a_bounded_number_of_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(collector_client, "_ACK_RETRY_FIRST_S", 0.01)
+    collector = client(None, collector=f"http://127.0.0.1:{free_port()}")  # nothing listens: refused
+    with pytest.raises(ServiceError) as info:
+        await collector.ack("b1", 3)
+    assert info.value.body.error.code == "ack_failed"
+    assert "Could not ack batch b1 (step 3 is saved and served) in 4 tries: ConnectError" in (
+        info.value.body.error.message)
+    await collector.aclose()
+    sent: list[str] = []
+    collector = client(httpx.MockTransport(lambda request: sent.append(request.url.path) or httpx.Response(503)))
+    with pytest.raises(ServiceError) as info:
+        await collector.ack("b1", 3)
+    assert len(sent) == 4 and "refused the ack of batch b1 (step 3 is saved and served) in 4 tries: HTTP 503" in (
+        info.value.body.error.message)
+    await collector.aclose()
+
+
+@pytest.mark.parametrize("status", [400, 401, 404, 409, 500])
+async def test_an_ack_the_collector_refuses_is_not_tried_again(status: int) -> None:
+    sent: list[str] = []
+    collector = client(httpx.MockTransport(lambda request: sent.append(request.url.path) or httpx.Response(status)))
+    with pytest.raises(ServiceError) as info:
+        await collector.ack("b1", 3)
+    assert sent == ["/v1/batches/b1/ack"] and f"(step 3 is saved and served): HTTP {status}" in (
+        info.value.body.error.message)
     await collector.aclose()
