@@ -61,10 +61,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import uvicorn
     from pydantic import ValidationError
-    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.exc import DatabaseError
 
-    from collector.config import CollectorSettings, settings_error
+    from collector.config import CollectorSettings, hide_password, settings_error
     from collector.engine import driver_reason
+    from collector.schema import SchemaTooNew
     from collector.server import create_app
     from collector.store import SqlStore
 
@@ -81,8 +82,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         app = create_app(settings, store)  # migrates the store, then reads the judge's and Langfuse's settings
     except ValidationError as exc:  # ART_COLLECTOR_JUDGE_*, ART_COLLECTOR_LANGFUSE_*
         parser.error(f"{exc.title}: {settings_error(exc)}")
-    except OperationalError as exc:  # from the migration, the only database work here: down, refused, wrong login
-        parser.error(_store_refused(settings.db, driver_reason(exc)))
+    except DatabaseError as exc:  # from the migration, the only database work here: down, refused, wrong login,
+        parser.error(_store_refused(settings.db, driver_reason(exc)))  # not an SQLite file, another app's table
+    except SchemaTooNew as exc:
+        parser.error(f"db={hide_password(settings.db)!r}: {exc}")
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
 
 

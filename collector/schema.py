@@ -37,6 +37,7 @@ from collector.otlp import SpanRecord
 __all__ = [
     "MIGRATIONS",
     "SCHEMA_VERSION",
+    "SchemaTooNew",
     "batch_groups",
     "batches",
     "groups",
@@ -249,8 +250,10 @@ def _v1(conn: Connection) -> None:
         Column("acked_at", Float),
         Column("policy_step", Integer),
     )
-    old.create_all(conn, tables=[rewards_v1, trajectories_v1, groups_v1, batches_v1])  # before what refers to them
-    metadata.create_all(conn, tables=[spans, batch_groups])
+    # No collector ever made these tables without recording version 1: one that exists belongs to another
+    # application, whose database this is not (fail, change nothing, rather than alter its table or serve on it).
+    old.create_all(conn, tables=[rewards_v1, trajectories_v1, groups_v1, batches_v1], checkfirst=False)
+    metadata.create_all(conn, tables=[spans, batch_groups], checkfirst=False)
 
 
 _REWARDS_V2 = ("span_id", "time_ns")
@@ -303,12 +306,19 @@ _MIGRATION_LOCK = 0x617274
 """PostgreSQL advisory-lock key (single-key space) held by the transaction that checks or applies a migration."""
 
 
+class SchemaTooNew(RuntimeError):
+    """The database was migrated by a newer collector: this one does not know its tables, and leaves them alone."""
+
+
 def migrate(engine: Engine) -> int:
     """Bring the database to `SCHEMA_VERSION`; returns the version it was at before.
 
     Each migration runs in a transaction of its own that first takes the migration lock (PostgreSQL: an advisory
     lock; SQLite: the write lock of `BEGIN IMMEDIATE`) and reads the version again, so collectors that start at
     once on one database apply every migration once, and the others find it done.
+
+    Raises:
+        SchemaTooNew: the database is at a version above `SCHEMA_VERSION`.
     """
     before: int | None = None
     while True:
@@ -319,7 +329,7 @@ def migrate(engine: Engine) -> int:
             current = conn.execute(select(func.max(schema_version.c.version))).scalar() or 0
             before = current if before is None else before
             if current > SCHEMA_VERSION:
-                raise RuntimeError(
+                raise SchemaTooNew(
                     f"database schema is version {current}, newer than this collector ({SCHEMA_VERSION}); "
                     "upgrade art-langgraph"
                 )

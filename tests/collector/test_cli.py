@@ -209,6 +209,61 @@ def test_a_sqlite_file_that_cannot_be_made_exits_naming_it(
     assert line == f"art-collector: error: db={db!r}: cannot open the store ({reason.format(tmp=tmp_path)}); {FIX}"
 
 
+@pytest.mark.parametrize("through", ["flag", "env"])
+def test_a_file_that_is_not_a_database_exits_naming_it_and_is_left_as_it_was(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, through: str
+) -> None:
+    """sqlite3's DatabaseError (not an OperationalError) from `PRAGMA journal_mode=WAL` ended `serve` with a
+    traceback."""
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served without a store"))
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(b"my notes, not a database\n" * 200)
+    db = f"sqlite:///{notes}"
+    monkeypatch.setenv("ART_COLLECTOR_DB", db)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--db", db] if through == "flag" else ["serve"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err, err
+    said = f"art-collector: error: db={db!r}: cannot open the store (file is not a database); {FIX}"
+    assert err.splitlines()[-1] == said
+    assert notes.read_bytes() == b"my notes, not a database\n" * 200 and sorted(tmp_path.iterdir()) == [notes]
+
+
+def test_a_database_of_a_newer_collector_exits_naming_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`migrate`'s RuntimeError ended `serve` with a traceback."""
+    from collector.config import CollectorSettings
+    from collector.schema import SCHEMA_VERSION, schema_version
+    from collector.store import SqlStore
+
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served on a schema it does not know"))
+    db = f"sqlite:///{tmp_path / 'collector.db'}"
+    store = SqlStore(CollectorSettings(db=db))
+    store.setup()
+    with store.engine.begin() as conn:
+        conn.execute(schema_version.insert().values(version=SCHEMA_VERSION + 1, applied_at=0.0))
+    store.close()
+    assert _serve_refused(capsys, db) == (f"art-collector: error: db={db!r}: database schema is version "
+                                          f"{SCHEMA_VERSION + 1}, newer than this collector ({SCHEMA_VERSION}); "
+                                          "upgrade art-langgraph")
+
+
+def test_a_database_with_another_applications_table_exits_naming_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The collector altered the other application's `rewards` table and served on it (503 to every reward)."""
+    import sqlite3
+
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served on another application's table"))
+    path = tmp_path / "app.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE rewards (who TEXT, amount INTEGER)")
+    db = f"sqlite:///{path}"
+    line = _serve_refused(capsys, db)
+    assert line == f"art-collector: error: db={db!r}: cannot open the store (table rewards already exists); {FIX}"
+
+
 def test_a_bad_db_setting_is_reported_without_its_password(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -165,3 +165,26 @@ def test_collectors_starting_at_once_migrate_a_new_database_once(db_url, clock) 
                 == list(range(1, SCHEMA_VERSION + 1)))
     for store in stores:
         store.close()
+
+
+def test_a_database_with_another_applications_table_is_refused_and_left_as_it_was(db_url, clock) -> None:
+    """A table of the same name was kept as it was (`create_all` checks first), then altered by version 2: the
+    collector added columns to another application's `rewards` and started, answering 503 to every reward."""
+    from sqlalchemy import inspect
+    from sqlalchemy.exc import DatabaseError
+
+    from collector.config import CollectorSettings
+    from collector.store import SqlStore
+
+    store = SqlStore(CollectorSettings(db=db_url()), clock=clock)
+    with store.engine.begin() as conn:
+        conn.execute(text("CREATE TABLE rewards (who VARCHAR(20), amount INTEGER)"))
+        conn.execute(text("INSERT INTO rewards VALUES ('ann', 3)"))
+    with pytest.raises(DatabaseError, match="rewards"):
+        store.setup()
+    tables = inspect(store.engine)
+    assert tables.get_table_names() == ["rewards"]  # not even `schema_version`: the migration is rolled back
+    assert [c["name"] for c in tables.get_columns("rewards")] == ["who", "amount"]
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT who, amount FROM rewards")).all() == [("ann", 3)]
+    store.close()
