@@ -6,8 +6,10 @@ field group that carries the trace id) and written with `POST /api/public/scores
 A score becomes a reward of the same name on the trajectory of its trace (Langfuse's trace id
 is the OpenTelemetry trace id when the agent's spans fan out to Langfuse). Only numeric and
 boolean scores can be rewards; scores already pulled at the same `updatedAt` are not applied
-again. Pushed scores get a stable id per (trajectory, reward name), so a changed reward
-updates the same score in Langfuse.
+again. Langfuse lists no deletions: a score pulled within the lookback that the listing leaves
+out is asked for by id (the `id` filter of the same endpoint), and one that is gone has its
+rewards taken back unless its group is leased or trained. Pushed scores get a stable id per
+(trajectory, reward name), so a changed reward updates the same score in Langfuse.
 """
 
 from __future__ import annotations
@@ -133,7 +135,8 @@ class LangfuseSync:
     def pull(self) -> LangfuseSyncResult:
         """Read scores (configured sources and names, within the lookback) and store new or changed ones as rewards."""
         s = self.settings
-        since = dt.datetime.fromtimestamp(self.clock() - s.lookback_hours * 3600, tz=dt.UTC)
+        start = self.clock() - s.lookback_hours * 3600
+        since = dt.datetime.fromtimestamp(start, tz=dt.UTC)
         found, cursor = [], None
         while True:
             page = self._call(
@@ -170,12 +173,44 @@ class LangfuseSync:
         applied = unmatched = 0
         for score_id, reward in latest.values():
             if score_id in changed:
-                accepted = self.store.add_reward(reward)
+                accepted = self.store.add_reward(reward, score_id=score_id)
                 applied += 1
                 unmatched += not accepted.trajectory_known
         for mark in marks:
             self.scoring.mark_pulled(mark)
-        return LangfuseSyncResult(pulled=len(found), applied=applied, unmatched=unmatched, ignored=ignored, pushed=0)
+        withdrawn = self._withdraw(start, {score.id for score in found}, latest)
+        return LangfuseSyncResult(pulled=len(found), applied=applied, unmatched=unmatched, ignored=ignored,
+                                  withdrawn=withdrawn, pushed=0)
+
+    def _withdraw(
+        self, start: float, listed: set[str], latest: dict[tuple[str | None, str], tuple[str, RewardIn]]
+    ) -> int:
+        """Take back the rewards of pulled scores deleted in Langfuse; returns how many.
+
+        A score pulled within the lookback (from `start` on) that the listing left out is asked for by id: it may only
+        have aged out of the lookback, or have a name or source no longer pulled. One Langfuse does not return is
+        gone: its rewards are withdrawn and the latest remaining score of its trace and name (in `latest`) holds.
+        """
+        missing = {  # an id with a comma cannot be asked for (the `id` filter is comma-separated): never withdrawn
+            row["score_id"]: row for row in self.scoring.pulled_since(start)
+            if row["score_id"] not in listed and "," not in row["score_id"]
+        }
+        ids = sorted(missing)
+        for first in range(0, len(ids), PAGE):
+            chunk = ",".join(ids[first : first + PAGE])
+            page = self._call("GET /api/public/v3/scores",
+                              lambda chunk=chunk: self.client.scores.get_many(limit=PAGE, id=chunk))
+            for score in page.data:
+                missing.pop(score.id, None)
+        withdrawn = 0
+        for score_id, row in missing.items():
+            if self.store.withdraw_score(score_id, latest.get((row["trace_id"], row["name"]))):
+                self.scoring.forget_pulled(score_id)
+                withdrawn += 1
+            else:
+                log.info("Langfuse score %s was deleted, but trace %s is in a leased or trained group: its reward "
+                         "stays (tried again next sync while it is leased)", score_id, row["trace_id"])
+        return withdrawn
 
     def push(self) -> tuple[int, int]:
         """Send the configured rewards whose value changed since the last push; returns (sent, rejected)."""

@@ -79,6 +79,7 @@ class LangfuseSyncResult(BaseModel):
     applied: int = Field(description="New or changed scores stored as rewards.")
     unmatched: int = Field(description="Applied scores whose trace has no trajectory yet (they apply when it arrives).")
     ignored: int = Field(description="Scores that cannot be rewards (text/categorical, session or experiment scores).")
+    withdrawn: int = Field(default=0, description="Pulled scores deleted in Langfuse since: their rewards taken back.")
     pushed: int = Field(description="Rewards sent to Langfuse as scores.")
     push_rejected: int = Field(default=0, description="Scores Langfuse rejected (HTTP 207).")
 

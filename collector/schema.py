@@ -105,6 +105,8 @@ rewards = Table(
     # time, not by arrival, so assembly does not depend on the order spans arrive in)
     Column("span_id", String(16)),
     Column("time_ns", BigInteger),
+    # version 6: the Langfuse score a reward came from (a score deleted there takes its reward back)
+    Column("score_id", String(256), index=True),
 )
 
 groups = Table(
@@ -298,7 +300,14 @@ def _v5(conn: Connection) -> None:
     conn.execute(text(f"ALTER TABLE batches ADD COLUMN reason {reason_type}"))
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5]
+def _v6(conn: Connection) -> None:
+    """Version 6: `rewards.score_id` (rewards pulled from Langfuse before it have none)."""
+    column_type = rewards.c.score_id.type.compile(dialect=conn.dialect)
+    conn.execute(text(f"ALTER TABLE rewards ADD COLUMN score_id {column_type}"))
+    conn.execute(text("CREATE INDEX ix_rewards_score_id ON rewards (score_id)"))
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

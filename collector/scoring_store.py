@@ -110,6 +110,18 @@ class ScoringStore:
                 out.update({score_id: updated for score_id, updated in rows})
         return out
 
+    def pulled_since(self, since: float) -> list[dict[str, Any]]:
+        """The Langfuse scores pulled (new or changed) at `since` or later."""
+        with self.engine.connect() as conn:
+            return [dict(row) for row in conn.execute(
+                select(langfuse_pulled).where(langfuse_pulled.c.pulled_at >= since)
+            ).mappings()]
+
+    def forget_pulled(self, score_id: str) -> None:
+        """Drop a pulled Langfuse score's record (the score was deleted there and its reward taken back)."""
+        with self.engine.begin() as conn:
+            conn.execute(delete(langfuse_pulled).where(langfuse_pulled.c.score_id == score_id))
+
     def mark_pulled(self, row: dict[str, Any]) -> None:
         """Remember a pulled Langfuse score (score_id, updated_at, trace_id, name, value, pulled_at)."""
         with self.engine.begin() as conn:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from sqlalchemy import Connection, Select, func, or_, select
+from sqlalchemy import Connection, Select, delete, func, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from collector import assembly, leases, placement, pool
@@ -187,19 +187,20 @@ class SqlStore(Store):
         rows = conn.execute(select(spans.c.record).where(spans.c.trajectory_id == trajectory_id)).scalars()
         return [SpanRecord.from_dict(json.loads(row)) for row in rows]
 
-    def add_reward(self, reward: RewardIn) -> RewardAccepted:
-        """Store a reward posted by API; it applies now or when the trajectory's spans arrive."""
+    def add_reward(self, reward: RewardIn, *, score_id: str | None = None) -> RewardAccepted:
+        """Store a reward posted by API (`score_id`: the Langfuse score it comes from); it applies now or when the
+        trajectory's spans arrive."""
         if not reward.rollout_id and not reward.trace_id:
             raise InvalidRequest("a reward needs `rollout_id` or `trace_id`")
-        known = self._tx.run(lambda conn: self._add_reward(conn, reward))
+        known = self._tx.run(lambda conn: self._add_reward(conn, reward, score_id))
         return RewardAccepted(**reward.model_dump(), trajectory_known=known)
 
-    def _add_reward(self, conn: Connection, reward: RewardIn) -> bool:
+    def _add_reward(self, conn: Connection, reward: RewardIn, score_id: str | None = None) -> bool:
         now = self._now(conn)
         conn.execute(
             rewards.insert().values(
                 rollout_id=reward.rollout_id or None, trace_id=reward.trace_id or None,
-                name=reward.name, value=reward.value, source="api", created_at=now,
+                name=reward.name, value=reward.value, source="api", created_at=now, score_id=score_id,
             )
         )
         match = (
@@ -208,6 +209,24 @@ class SqlStore(Store):
         by_trace = [] if reward.rollout_id else [reward.trace_id or ""]
         pool.rewarded(conn, [reward.rollout_id] if reward.rollout_id else [], by_trace, now)
         return conn.execute(select(func.count()).where(match)).scalar_one() > 0
+
+    def withdraw_score(self, score_id: str, successor: tuple[str, RewardIn] | None) -> bool:
+        """Take back the rewards of a Langfuse score deleted there, then store `successor` (score id, reward: the
+        latest remaining score of its trace and name) unless that score has a reward already. False, changing
+        nothing, while a group holding a trajectory it rewards is leased or trained."""
+        return self._tx.run(lambda conn: self._withdraw_score(conn, score_id, successor))
+
+    def _withdraw_score(self, conn: Connection, score_id: str, successor: tuple[str, RewardIn] | None) -> bool:
+        traces = sorted(set(conn.execute(select(rewards.c.trace_id).where(rewards.c.score_id == score_id)).scalars()))
+        members = select(trajectories.c.group_id).where(trajectories.c.trace_id.in_(traces))
+        states = conn.execute(select(groups.c.state).where(groups.c.id.in_(members)).with_for_update()).scalars()
+        if any(state in ("leased", "trained") for state in states):
+            return False
+        conn.execute(delete(rewards).where(rewards.c.score_id == score_id))
+        pool.rewarded(conn, [], traces, self._now(conn))
+        if successor and conn.execute(select(rewards.c.id).where(rewards.c.score_id == successor[0])).first() is None:
+            self._add_reward(conn, successor[1], successor[0])
+        return True
 
     # --- reading ------------------------------------------------------------------------
     def _assemble(self, conn: Connection, rows: list[Any]) -> list[Trajectory]:

@@ -42,8 +42,15 @@ class Store(ABC):
         """Store spans (duplicates ignored) and update their trajectories; returns how many were new."""
 
     @abstractmethod
-    def add_reward(self, reward: RewardIn) -> RewardAccepted:
-        """Store a reward posted by API; it applies now or when the trajectory's spans arrive."""
+    def add_reward(self, reward: RewardIn, *, score_id: str | None = None) -> RewardAccepted:
+        """Store a reward posted by API (`score_id`: the Langfuse score it comes from); it applies now or when the
+        trajectory's spans arrive."""
+
+    @abstractmethod
+    def withdraw_score(self, score_id: str, successor: tuple[str, RewardIn] | None) -> bool:
+        """Take back the rewards of a Langfuse score deleted there, then store `successor` (score id, reward: the
+        latest remaining score of its trace and name) unless that score has a reward already. False, changing
+        nothing, while a group holding a trajectory it rewards is leased or trained."""
 
     @abstractmethod
     def lease(self, request: BatchRequest) -> Batch:

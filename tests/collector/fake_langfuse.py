@@ -1,21 +1,24 @@
-"""A local HTTP server for exactly the two Langfuse endpoints the collector uses.
+"""A local HTTP server for exactly the Langfuse endpoints the collector uses, and the one that deletes a score.
 
 A real Langfuse server needs ClickHouse, PostgreSQL and Redis, which this machine does not run,
 so the Langfuse tests talk to this server instead. It follows Langfuse's published public API
 (the Fern definition the `langfuse` SDK is generated from, as shipped in `langfuse/api/scores`):
 
 * `GET /api/public/v3/scores`: Basic auth; `limit` (default 50, above 100 → 400), opaque
-  base64url `cursor`, comma-separated `name` / `source` (case-insensitive) / `traceId`
+  base64url `cursor`, comma-separated `id` / `name` / `source` (case-insensitive) / `traceId`
   filters, `fields` (`details`, `subject`, `annotation`; anything else → 400),
   `fromTimestamp` (inclusive) and `toTimestamp` (exclusive). Answers
   `{"data": [...], "meta": {"limit": n, "cursor": "..."}}`, the cursor left out on the last page.
 * `POST /api/public/scores`: Basic auth; a JSON list of scores; 202 `{"message": "Accepted"}`
   when all are valid, else 207 `{"accepted", "rejected", "errors": [{"message"}]}`.
+* `DELETE /api/public/scores/{scoreId}`: Basic auth; 202 `{"message": "Score deletion queued
+  successfully"}`, for an unknown id too (Langfuse queues the deletion without looking the score
+  up: `web/src/pages/api/public/scores/[scoreId].ts` in github.com/langfuse/langfuse; the SDK's
+  `scores.delete`). This server deletes at once.
 
-Where it does less than Langfuse: accepted scores are only appended to `created`, in the order
-they came (a resent score is a second entry), and the GET endpoint never lists them. Langfuse
-updates a score sent again with the same id and timestamp; the tests check those two fields on
-the resent entry instead.
+Where it does less than Langfuse: accepted scores are kept in `created` by id (one sent again
+with the same id replaces the earlier one, as Langfuse updates it; one without an id gets a new
+one), and the GET endpoint never lists them.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import base64
 import datetime as dt
 import json
 import threading
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 PUBLIC, SECRET = "pk-lf-test", "sk-lf-test"
 _FIELD_GROUPS = {"details": ("comment", "configId", "metadata"), "subject": ("subject",),
@@ -49,7 +53,7 @@ class FakeLangfuse:
     def __init__(self) -> None:
         self.scores: dict[str, dict[str, Any]] = {}
         self.requests: list[tuple[str, str]] = []
-        self.created: list[dict[str, Any]] = []
+        self.created: dict[str, dict[str, Any]] = {}
 
     def add_score(
         self, score_id: str, name: str, value: Any, *, trace_id: str | None = None, observation_id: str | None = None,
@@ -88,7 +92,8 @@ class FakeLangfuse:
         if unknown:
             return 400, {"message": f"unknown field groups: {unknown}"}
         rows = sorted(self.scores.values(), key=lambda s: (s["timestamp"], s["id"]), reverse=True)
-        for key, field, fold in (("name", "name", False), ("source", "source", True), ("traceId", None, False)):
+        filters = (("id", "id", False), ("name", "name", False), ("source", "source", True), ("traceId", None, False))
+        for key, field, fold in filters:
             if key in one:
                 wanted = {v.upper() if fold else v for v in one[key].split(",")}
                 if field is None:
@@ -126,7 +131,7 @@ class FakeLangfuse:
             if problem:
                 errors.append({"message": problem})
             else:
-                self.created.append(score)
+                self.created[score.get("id") or str(uuid.uuid4())] = score
         if errors:
             return 207, {"accepted": len(body) - len(errors), "rejected": len(errors), "errors": errors}
         return 202, {"message": "Accepted"}
@@ -169,6 +174,18 @@ def _handler(state: FakeLangfuse) -> type[BaseHTTPRequestHandler]:
                 return
             length = int(self.headers.get("Content-Length", 0))
             self._answer(*state.create_scores(json.loads(self.rfile.read(length) or b"null")))
+
+        def do_DELETE(self) -> None:  # noqa: N802
+            state.requests.append(("DELETE", self.path))
+            if not self._authorized():
+                return
+            prefix = "/api/public/scores/"
+            path = urlparse(self.path).path
+            if not path.startswith(prefix) or "/" in path[len(prefix):] or path == prefix:
+                self._answer(404, {"message": "not found"})
+                return
+            state.scores.pop(unquote(path[len(prefix):]), None)
+            self._answer(202, {"message": "Score deletion queued successfully"})
 
         def log_message(self, *args: Any) -> None:
             return  # keep test output clean; requests are recorded in state.requests

@@ -1,10 +1,10 @@
 """Langfuse sync through the real `langfuse` SDK against a local server.
 
 No Langfuse server runs on this machine (it needs ClickHouse), so `fake_langfuse` serves
-exactly the two endpoints the sync uses — `GET /api/public/v3/scores` with cursor paging and
-`POST /api/public/scores` — following Langfuse's published API (the definition the SDK's
-client is generated from). Everything on the collector's side is real: the SDK's HTTP client,
-the store, the sync's paging, mapping and bookkeeping.
+exactly the endpoints the sync uses — `GET /api/public/v3/scores` with cursor paging and
+`POST /api/public/scores` — and `DELETE /api/public/scores/{scoreId}`, following Langfuse's
+published API (the definition the SDK's client is generated from). Everything on the collector's
+side is real: the SDK's HTTP client, the store, the sync's paging, mapping and bookkeeping.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def test_pull_maps_annotation_scores_to_trajectories_by_trace(
     with TestClient(app) as client:
         result = client.post("/v1/langfuse/sync").json()
         # 132 usable scores on 131 (trace, name) pairs: g-0's two scores give one reward, the later one
-        assert result == {"pulled": 135, "applied": 131, "unmatched": 1, "ignored": 3, "pushed": 0, "push_rejected": 0}
+        assert result == {"pulled": 135, "applied": 131, "unmatched": 1, "ignored": 3, "withdrawn": 0, "pushed": 0,
+                          "push_rejected": 0}
         gets = [path for method, path in server.requests if method == "GET"]
         assert (len(gets) == 2 and "cursor=" in gets[1] and "source=ANNOTATION" in gets[0]
                 and "fields=subject" in gets[0])
@@ -100,6 +101,61 @@ def test_an_edit_of_an_older_score_does_not_apply_the_unchanged_newer_one_again(
         assert client.get("/v1/trajectories/g-0").json()["rewards"]["human"] == 0.8
 
 
+def test_a_score_deleted_in_langfuse_takes_its_reward_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    url, server = langfuse
+    app = app_for(tmp_path, monkeypatch, url)
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    now = dt.datetime.now(dt.UTC)
+    server.add_score("a", "human", 1.0, trace_id=trace_id("g", 0))
+    server.add_score("b", "human", 0.0, trace_id=trace_id("g", 1))
+    server.add_score("older", "human", 0.3, trace_id=trace_id("g", 1), timestamp=now - dt.timedelta(hours=2))
+    with TestClient(app) as client:
+        assert client.post("/v1/langfuse/sync").json()["applied"] == 2
+        assert [g["state"] for g in client.get("/v1/groups").json()] == ["ready"]
+        app.state.scoring.langfuse.client.scores.delete("a")  # a person withdraws the score (SDK → DELETE)
+        server.scores["b"]["timestamp"] = "2000-01-01T00:00:00Z"  # b only left the lookback: it still holds
+        result = client.post("/v1/langfuse/sync").json()
+        assert (result["pulled"], result["withdrawn"]) == (1, 1)
+        assert client.get("/v1/trajectories/g-0").json()["rewards"] == {}
+        assert client.get("/v1/trajectories/g-1").json()["rewards"] == {"human": 0.0}
+        assert [g["state"] for g in client.get("/v1/groups").json()] == ["open"]  # not trained on a withdrawn score
+        assert client.post("/v1/langfuse/sync").json()["withdrawn"] == 0  # withdrawn once
+        server.scores["b"]["timestamp"] = fake_langfuse._iso(now)
+        app.state.scoring.langfuse.client.scores.delete("b")  # the older score of g-1 is the latest again
+        assert client.post("/v1/langfuse/sync").json()["withdrawn"] == 1
+        assert client.get("/v1/trajectories/g-1").json()["rewards"] == {"human": 0.3}
+        assert ("DELETE", "/api/public/scores/b") in server.requests
+
+
+def test_a_deleted_score_keeps_its_reward_while_its_group_is_leased_or_trained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    url, server = langfuse
+    app = app_for(tmp_path, monkeypatch, url)
+    app.state.store.add_spans(group_spans("g", ["7", "8"]) + group_spans("h", ["7", "8"], first_span=100))
+    for group in ("g", "h"):
+        server.add_score(f"{group}0", "human", 1.0, trace_id=trace_id(group, 0))
+        server.add_score(f"{group}1", "human", 0.0, trace_id=trace_id(group, 1))
+    with TestClient(app) as client:
+        client.post("/v1/langfuse/sync")
+        batch = client.post("/v1/batches", json={"max_groups": 2}).json()
+        assert sorted(g["id"] for g in batch["groups"]) == ["g", "h"]
+        del server.scores["g0"], server.scores["h0"]
+        assert client.post("/v1/langfuse/sync").json()["withdrawn"] == 0  # the trainer has them now
+        client.post(f"/v1/batches/{batch['id']}/release", json={"reason": "out of memory", "failed": False})
+        assert client.post("/v1/langfuse/sync").json()["withdrawn"] == 2  # back in the pool: taken back
+        assert client.get("/v1/trajectories/g-0").json()["rewards"] == {}
+        server.add_score("h0", "human", 1.0, trace_id=trace_id("h", 0))
+        client.post("/v1/langfuse/sync")
+        batch = client.post("/v1/batches", json={"max_groups": 2}).json()
+        client.post(f"/v1/batches/{batch['id']}/ack", json={"policy_step": 1})
+        del server.scores["h0"]
+        assert client.post("/v1/langfuse/sync").json()["withdrawn"] == 0  # trained: what it trained on stays
+        assert client.get("/v1/trajectories/h-0").json()["rewards"] == {"human": 1.0}
+
+
 def test_push_sends_rewards_once_and_updates_changed_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
 ) -> None:
@@ -108,7 +164,7 @@ def test_push_sends_rewards_once_and_updates_changed_ones(
     app.state.store.add_spans(group_spans("g", ["7", "8"], rewards=[1.0, 0.0]))
     with TestClient(app) as client:
         assert client.post("/v1/langfuse/sync").json()["pushed"] == 2
-        sent = {s["traceId"]: s for s in server.created}
+        sent = {s["traceId"]: s for s in server.created.values()}
         assert {trace_id("g", 0), trace_id("g", 1)} == set(sent)
         first = sent[trace_id("g", 0)]
         assert (first["name"], first["value"], first["dataType"], first["source"]) == ("reward", 1.0, "NUMERIC", "API")
@@ -116,8 +172,9 @@ def test_push_sends_rewards_once_and_updates_changed_ones(
         assert client.post("/v1/langfuse/sync").json()["pushed"] == 0
         client.post("/v1/rewards", json={"rollout_id": "g-0", "name": "reward", "value": 0.5})
         assert client.post("/v1/langfuse/sync").json()["pushed"] == 1
-        update = server.created[-1]
-        assert (update["id"], update["timestamp"], update["value"]) == (first["id"], first["timestamp"], 0.5)
+        assert len(server.created) == 2  # the same score, updated in place
+        update = server.created[first["id"]]
+        assert (update["timestamp"], update["value"]) == (first["timestamp"], 0.5)
 
 
 def test_scheduled_sync_runs_in_the_background(

@@ -89,3 +89,23 @@ def test_a_reward_span_reopens_a_group_skipped_for_its_rewards_and_is_activity(m
     store.add_spans([judged(900, 0.0)])  # b's reward, by trace: activity that keeps the group from expiring
     clock.now += 20
     assert [(g.state, g.rewarded) for g in store.groups()] == [("open", 2)]
+
+
+def test_a_withdrawn_score_takes_back_its_rewards_only_while_its_group_is_in_the_pool(make_store) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=None) + trajectory(20, "b", reward=None))
+    a, b = f"{10:032x}", f"{20:032x}"
+    store.add_reward(RewardIn(trace_id=a, value=0.2))  # by API
+    store.add_reward(RewardIn(trace_id=a, value=0.9), score_id="s1")  # from a Langfuse score, later
+    store.add_reward(RewardIn(trace_id=b, value=0.0), score_id="s2")
+    assert store.withdraw_score("s1", None)
+    assert store.trajectory("a").reward == 0.2  # the API reward holds again
+    assert store.withdraw_score("s2", ("s3", RewardIn(trace_id=b, value=0.5)))  # s3: the next latest score
+    assert store.trajectory("b").reward == 0.5
+    store.add_reward(RewardIn(trace_id=b, value=0.7))
+    assert store.withdraw_score("s4", ("s3", RewardIn(trace_id=b, value=0.5)))  # s3 has its reward: not again
+    assert store.trajectory("b").reward == 0.7
+    (group,) = store.lease(BatchRequest()).groups
+    store.add_reward(RewardIn(trace_id=a, value=1.0), score_id="s5")
+    assert not store.withdraw_score("s5", None)  # leased: the trainer may be training on it
+    assert store.trajectory("a").reward == 1.0
