@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
+from collector.auth import configured_key
 from collector.groups import TrainingReward
 
 __all__ = [
@@ -145,7 +146,7 @@ class CollectorSettings(BaseSettings):
         default=None,
         validation_alias="ART_API_KEY",
         description="When set, write endpoints need `Authorization: Bearer <key>` (env `ART_API_KEY`); "
-        "empty counts as unset, as in the plugin and the trainer.",
+        "surrounding whitespace is dropped and a blank key counts as unset, as in the trainer.",
     )
 
     @field_validator("db")
@@ -163,7 +164,7 @@ class CollectorSettings(BaseSettings):
     @field_validator("api_key", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
-        return None if isinstance(value, str) and not value.strip() else value
+        return configured_key(value)
 
     @model_validator(mode="after")
     def _check_reward(self) -> CollectorSettings:

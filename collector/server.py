@@ -146,7 +146,12 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
         return _error(_OTLP_STATUS.get(exc.code, 400), exc.code, str(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if request.method != "GET":  # FastAPI decodes a JSON body before `Auth` runs: without the key it is 401 still
+            try:
+                _authorize(request)
+            except _Rejected as rejected:
+                return await _collector_error(request, rejected)
         details = "; ".join(validation_problem(error) for error in exc.errors())
         return _error(400, "invalid_request", details or "invalid request")
 

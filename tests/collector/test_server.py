@@ -14,6 +14,7 @@ from unittest.mock import patch
 import httpx
 import pytest
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -199,6 +200,47 @@ def test_an_empty_api_key_means_none(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0})).SerializeToString(),
                        headers=PB).status_code == 200
     assert client.post("/v1/rewards", json={"rollout_id": "a", "value": 1.0}).status_code == 200
+
+
+def test_every_write_route_of_the_app_needs_the_key(tmp_path: Path) -> None:
+    """Read from the app itself (judge and Langfuse routes, `{id:path}` routes), so a new write route without the
+    key fails here; a body FastAPI cannot decode, which it reads before the key is checked, is 401 too."""
+    app = collector_app(tmp_path, api_key="sekret")
+    client = TestClient(app)
+    writes = [(method, route.path.replace("{group_id:path}", "g").replace("{batch_id}", "b"))
+              for route in app.routes if isinstance(route, APIRoute) for method in route.methods if method != "GET"]
+    assert {path for _, path in writes} >= {"/v1/traces", "/v1/rewards", "/v1/batches", "/v1/batches/b/ack",
+                                            "/v1/batches/b/release", "/v1/groups/g/reopen", "/v1/groups/g/judge",
+                                            "/v1/langfuse/sync"}
+    assert all("{" not in path for _, path in writes), writes
+    broken = {"content": b"{not json", "headers": JSON}
+    for method, path in writes:
+        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic sekret"}):
+            assert_error(client.request(method, path, headers=headers), 401, "unauthorized")
+            refused = client.request(method, path, content=broken["content"], headers={**JSON, **headers})
+            assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer", (path, refused.text)
+        assert client.request(method, path, headers={"authorization": "Bearer sekret"}).status_code != 401, path
+        answered = client.request(method, path, **{**broken, "headers": {**JSON, "authorization": "bearer  sekret"}})
+        assert answered.status_code != 401, (path, answered.text)
+    assert_error(client.post("/v1/rewards", **{**broken, "headers": {**JSON, "authorization": "Bearer sekret"}}),
+                 400, "invalid_request")
+
+
+@pytest.mark.parametrize("key", ["  ", "\t\n"])
+def test_a_blank_api_key_means_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key: str) -> None:
+    monkeypatch.setenv("ART_API_KEY", key)
+    assert CollectorSettings().api_key is None
+    client = TestClient(create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}")))
+    assert client.post("/v1/rewards", json={"rollout_id": "a", "value": 1.0}).status_code == 200
+
+
+def test_a_key_with_surrounding_whitespace_matches_the_header_that_carries_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HTTP drops a header value's surrounding whitespace, so the key `" sekret\\n"` arrives as `sekret`."""
+    monkeypatch.setenv("ART_API_KEY", " sekret\n")
+    client = TestClient(create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}")))
+    assert client.post("/v1/batches", headers={"authorization": "Bearer sekret"}).status_code == 200
+    assert_error(client.post("/v1/batches"), 401, "unauthorized")
 
 
 def test_a_full_disk_answers_503_stores_nothing_and_the_retry_succeeds(tmp_path: Path) -> None:
