@@ -52,7 +52,10 @@ class Settings(BaseSettings):
     )
     api_key: str | None = Field(
         default=None,
-        description="Bearer token for the trainer (as the OpenAI api key) and the collector.",
+        description=(
+            "Bearer token for the trainer (as the OpenAI api key) and the collector; surrounding whitespace is "
+            "dropped and a blank key counts as unset, as both services read `ART_API_KEY`."
+        ),
     )
     langfuse: bool = Field(
         default=False,
@@ -93,6 +96,13 @@ class Settings(BaseSettings):
         if url and urlsplit(url).scheme not in ("http", "https"):
             raise ValueError(f"must be an http:// or https:// URL, got {url!r}")
         return url
+
+    @field_validator("api_key")
+    @classmethod
+    def _bare_key(cls, key: str | None) -> str | None:
+        """A key with surrounding whitespace made an illegal `Authorization` header (httpx refused to send it, every
+        export failed); the services strip theirs, so the plugin sends the same stripped key."""
+        return (key.strip() or None) if key else key
 
     @property
     def collector_base_url(self) -> str:

@@ -38,6 +38,18 @@ def test_spans_reach_collector_as_gzip_protobuf(receivers) -> None:
     assert span.events[0].name == semconv.REWARD_EVENT
 
 
+@pytest.mark.parametrize(("given", "sent"), [(" k1\n", "Bearer k1"), ("  ", None)])
+def test_the_key_is_sent_without_surrounding_whitespace(receivers, given: str, sent: str | None) -> None:
+    """A key ending in a newline (`ART_API_KEY=$(cat key)`) made httpx refuse the header: every export failed."""
+    collector, _ = receivers
+    art_langgraph.configure(collector_url=collector.url, api_key=given)
+    with rollout("export") as r:
+        r.reward(1.0)
+    assert art_langgraph.flush(timeout=10)
+    path, headers, _ = collector.requests[-1]
+    assert path == "/v1/traces" and headers.get("authorization") == sent
+
+
 def test_global_tracer_provider_is_not_replaced(memory_tracing) -> None:
     before = trace.get_tracer_provider()
     memory_tracing.install()
