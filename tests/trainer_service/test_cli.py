@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,12 @@ from trainer_service.config import TrainerSettings
 
 def parse(*argv: str) -> tuple[TrainerSettings, object]:
     return settings_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+@pytest.fixture(autouse=True)
+def _run_folder_outside_the_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` locks its run folder (`runs/<name>` from the working folder by default) before the service starts."""
+    monkeypatch.chdir(tmp_path)
 
 
 def test_a_grpo_flag_that_none_turns_off_takes_none(monkeypatch: pytest.MonkeyPatch,
@@ -139,7 +147,7 @@ def test_grpo_fields_come_from_env_and_flags(monkeypatch: pytest.MonkeyPatch) ->
     assert parse()[1].micro_batch_size == 16  # type: ignore[attr-defined]
     monkeypatch.setenv("ART_TRAINER_MICRO_BATCH_TOKENS", "none")
     settings, grpo = parse("--importance-sampling", "sequence", "--kl-coef", "0.1", "--max-seq-len-policy", "skip",
-                           "--every", "10m", "--keep-last", "3", "--keep-best-metric", "loss",
+                           "--every", "10m", "--keep-last", "3", "--keep-best-metric", "loss/policy",
                            "--train-dtype", "bfloat16", "--delta", "3")
     assert grpo.learning_rate == 3e-4 and grpo.kl_coef == 0.1 and grpo.scale_rewards is False  # type: ignore[attr-defined]
     assert grpo.target_modules == ["q_proj", "v_proj"] and grpo.importance_sampling == "sequence"  # type: ignore[attr-defined]
@@ -246,6 +254,61 @@ def test_settings_nothing_would_read_exit_naming_them(capsys: pytest.CaptureFixt
     settings, _ = parse("--eval-file", __file__, "--eval-reward", "m:f", "--eval-samples", "2", "--min-groups", "1",
                         "--poll-seconds", "5", "--keep-best-metric", "eval/reward", "--keep-last", "2")
     assert (settings.eval_samples, settings.poll_seconds, settings.keep_best_mode) == (2, 5.0, "min")
+
+
+@pytest.mark.parametrize("metric", ["reward/maen", "loss", "time/publish_s", "promotion/promoted"])
+def test_a_keep_best_metric_no_checkpoint_records_exits_naming_it(metric: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A typo, or a metric the service adds after the checkpoint is written, was accepted and kept no best."""
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--keep-last", "1", "--keep-best-metric", metric, "--base-model", "/no/such/folder"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert f"--keep-best-metric (ART_TRAINER_KEEP_BEST_METRIC) {metric!r} is no metric a checkpoint records" in err
+    assert "reward/mean" in err  # the names it could be
+    for recorded in ("reward/mean", "loss/kl", "data/skipped/no_reward_spread"):
+        assert parse("--keep-last", "1", "--keep-best-metric", recorded)[0].keep_best_metric == recorded
+
+
+_SERVING = """
+import sys
+import trainer_service.server
+
+def serving(settings, grpo):  # stands in for the service's start: holds its run folder until killed
+    print("serving", flush=True)
+    sys.stdin.read()
+
+trainer_service.server.create_app = serving
+from trainer_service.cli import main
+main(["serve", "--output-dir", sys.argv[1], "--allocator", "system"])
+"""
+
+
+def test_a_second_trainer_on_one_output_dir_exits_naming_the_first(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Both started: they would write the same step-N and metrics.jsonl and delete each other's checkpoints."""
+    run = tmp_path / "run"
+    second = ["serve", "--output-dir", str(run), "--base-model", "/no/such/folder"]
+    first = subprocess.Popen([sys.executable, "-c", _SERVING, str(run)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout is not None and first.stdout.readline() == "serving\n"
+        with pytest.raises(SystemExit) as info:
+            main(second)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and "Traceback" not in err
+        assert f"art-trainer: error: the run folder {run} is in use by another trainer (process {first.pid})" in err
+    finally:
+        first.kill()  # SIGKILL: the lock goes with the process
+        first.wait()
+    for _ in range(2):  # free again, and released when `main` returns
+        with pytest.raises(SystemExit):
+            main(second)
+        assert "Base model folder /no/such/folder does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # was a traceback from mkdir
+        main(["serve", "--output-dir", "/proc/no-run-folder"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "the run folder /proc/no-run-folder cannot be written" in err
 
 
 def test_checkpoints_of_another_base_model_exit_with_the_fix_before_vllm(tmp_path: Path,

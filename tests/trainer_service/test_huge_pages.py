@@ -23,8 +23,9 @@ def test_it_is_set_unless_the_user_said_otherwise(monkeypatch: pytest.MonkeyPatc
     assert os.environ[THP_ENV] == "0"
 
 
-def test_serve_sets_it_before_the_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_sets_it_before_the_model_loads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv(THP_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)  # `serve` locks its run folder, `runs/agent` from here
     seen = []
 
     class Loaded(Exception):

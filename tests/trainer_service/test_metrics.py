@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from collector.protocol import Batch
-from tests.trainer_service.builders import group, make_service
-from trainer_service.metrics import PLOT_FILE, MetricsSink
+from tests.trainer_service.builders import group, make_service, make_trainer
+from trainer_service.metrics import CHECKPOINT_METRICS, PLOT_FILE, MetricsSink, is_checkpoint_metric
 
 
 def test_sink_writes_jsonl_plot_and_wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,3 +109,16 @@ async def test_a_steps_record_survives_a_restart_with_its_kind(tmp_path: Path) -
     assert [(h["step"], h["kind"], "loss/sft" in h) for h in history] == [(1, "sft", True)]
     (tmp_path / "metrics.jsonl").write_text(json.dumps({**line, "step": 1.0}) + "\n")  # as written before
     assert [h["step"] for h in MetricsSink(tmp_path, wandb="off").history] == [1]
+
+
+def test_checkpoint_metrics_are_the_ones_a_step_records() -> None:
+    """`--keep-best-metric` is checked against this list at start: a name no step records (a typo) kept no best."""
+    trainer = make_trainer(kl_coef=0.1)  # loss/kl and loss/total only with a KL penalty
+    grpo = trainer.train([group(trainer, (1.0, 0.0), "a"), group(trainer, (0.5, 0.5), "b")], "grpo")
+    sft = trainer.train([group(trainer, (1.0, 0.0), "a")], "sft")
+    recorded = grpo.keys() | sft.keys()
+    assert "data/skipped/no_reward_spread" in recorded and all(is_checkpoint_metric(name) for name in recorded)
+    assert {name for name in recorded if not name.startswith("data/skipped/")} == CHECKPOINT_METRICS
+    # added by the service after the checkpoint is written: never in a manifest, which retention reads
+    for name in ("time/publish_s", "promotion/promoted", "eval/reward", "reward/maen", "data/skipped/"):
+        assert not is_checkpoint_metric(name), name
