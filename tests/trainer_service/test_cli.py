@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from collector.config import settings_error
 from trainer_service.cli import build_parser, main, settings_from_args
-from trainer_service.config import TrainerSettings
+from trainer_service.config import TrainerSettings, vllm_lora_ranks
 
 
 def parse(*argv: str) -> tuple[TrainerSettings, object]:
@@ -72,6 +72,58 @@ def test_bad_values_exit_with_the_fix(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit):
         main(["serve", "--learning-rate", "-1"])
     assert "learning_rate=-1.0 must be positive" in capsys.readouterr().err
+
+
+def test_a_max_lora_rank_vllm_refuses_exits_at_once_naming_the_ones_it_takes(capsys: pytest.CaptureFixture[str],
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.32 takes only the ranks its config lists: `--max-lora-rank 4` passed the service's checks and vLLM
+    exited naming its choices only at the end of its slow start."""
+    ranks = vllm_lora_ranks()
+    if ranks is None:
+        pytest.skip("vLLM is not installed")
+    assert {1, 8, 16, 512} <= set(ranks) and 4 not in ranks
+    with pytest.raises(SystemExit):
+        main(["serve", "--max-lora-rank", "4", "--lora-r", "4", "--base-model", "/no/such/folder"])
+    err = capsys.readouterr().err
+    assert f"error: max_lora_rank=4: vLLM accepts only {', '.join(map(str, ranks))} as --max-lora-rank" in err
+    assert "Traceback" not in err
+    monkeypatch.setenv("ART_TRAINER_MAX_LORA_RANK", "4")
+    with pytest.raises(ValueError, match="vLLM accepts only"):
+        parse()
+    assert parse("--max-lora-rank", "16", "--lora-r", "16")[0].max_lora_rank == 16
+
+
+def test_a_reserved_core_count_that_is_no_number_exits_naming_it(capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU sizes the step without --train-threads: `two` was a bare int() traceback
+    once the service was being built."""
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "two")
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--base-model", "/no/such/folder"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert "error: VLLM_CPU_NUM_OF_RESERVED_CPU='two' is not a whole number of cores" in err
+    assert parse("--train-threads", "1")[0].training_threads() == 1
+
+
+def test_the_lora_ranks_come_from_the_installed_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.machinery
+    import importlib.util
+
+    spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    (tmp_path / "config").mkdir()
+    source = tmp_path / "config" / "lora.py"
+    try:
+        source.write_text("from typing import Literal\nMaxLoRARanks = Literal[1, 4, 8]\n")
+        vllm_lora_ranks.cache_clear()
+        assert vllm_lora_ranks() == (1, 4, 8) and parse("--max-lora-rank", "4", "--lora-r", "4")[0].max_lora_rank == 4
+        source.write_text("MaxLoRARanks = int\n")  # listed otherwise: vLLM checks at its start
+        vllm_lora_ranks.cache_clear()
+        assert vllm_lora_ranks() is None and parse("--max-lora-rank", "5", "--lora-r", "5")[0].max_lora_rank == 5
+    finally:
+        vllm_lora_ranks.cache_clear()
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--learning-rate", "inf"), ("--max-grad-norm", "nan"),

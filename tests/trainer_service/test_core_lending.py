@@ -138,10 +138,22 @@ def test_rejects_fewer_lent_threads_than_own() -> None:
 def test_from_settings_lends_only_to_an_in_process_cpu_step_with_more_lent_threads() -> None:
     lent = CoreLender.from_settings(TrainerSettings(train_threads=1, idle_train_threads=3))
     assert (lent.own_threads, lent.lends) == (1, not torch.cuda.is_available())
-    off = CoreLender.from_settings(TrainerSettings(train_threads=2, idle_train_threads=1))
+    off = CoreLender.from_settings(TrainerSettings(train_threads=2, idle_train_threads=2))  # README: never lend
     assert (off.own_threads, off.idle_threads, off.lends) == (2, 2, False)
     in_workers = CoreLender.from_settings(TrainerSettings(train_threads=1, idle_train_threads=3), can_lend=False)
     assert not in_workers.lends
+
+
+def test_idle_train_threads_below_the_steps_own_are_refused_naming_the_count_that_never_lends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """They were raised to the step's own count, silently: the step never lent, whatever the setting said."""
+    with pytest.raises(ValueError, match=r"idle_train_threads=1 is below the step's own 2 threads .* Set "
+                                         r"--idle-train-threads \(ART_TRAINER_IDLE_TRAIN_THREADS\) to 2 to never lend"):
+        TrainerSettings(train_threads=2, idle_train_threads=1)
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "3")  # the step's own threads unless --train-threads
+    with pytest.raises(ValueError, match="idle_train_threads=2 is below the step's own 3 threads"):
+        TrainerSettings(idle_train_threads=2)
+    assert CoreLender.from_settings(TrainerSettings(idle_train_threads=3)).idle_threads == 3
 
 
 def test_between_layers_is_called_before_each_layer_both_ways_and_threads_may_change_there() -> None:

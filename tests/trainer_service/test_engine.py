@@ -4,6 +4,7 @@ whole process group, also when the service itself is killed."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -53,6 +54,31 @@ async def test_a_given_kv_cache_size_wins_over_the_environment(tmp_path: Path, m
     assert spaces == ["4", "8"]
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     assert VLLMEngine("m", "m", 8001).environment()["VLLM_CPU_KVCACHE_SPACE"] == "2"  # the README's default
+
+
+async def test_a_given_kv_cache_size_is_warned_about_once_with_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Only vLLM-cpu reads VLLM_CPU_KVCACHE_SPACE: with CUDA `--kv-cache-gib` did nothing, and said nothing."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    warnings = []
+    for given in ({"kv_cache_gib": 4}, {}):  # the flag (or ART_TRAINER_KV_CACHE_GIB), then the default
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="trainer_service.engine"):
+            settings = TrainerSettings(base_model=str(model), output_dir=tmp_path / "run", wandb="off", **given)
+            await build_service(settings, GRPOConfig()).aclose()
+        warnings.append([record.getMessage() for record in caplog.records if "kv_cache_gib" in record.getMessage()])
+    assert len(warnings[0]) == 1 and "kv_cache_gib=4 (--kv-cache-gib" in warnings[0][0], warnings
+    assert "does nothing with CUDA" in warnings[0][0] and warnings[1] == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainer_service.engine"):
+        VLLMEngine("m", "m", 8001, kv_cache_gib=4)
+    assert caplog.records == []  # vLLM-cpu reads it
 
 _FAKE_VLLM = """
 import http.server, json, os, subprocess, sys, time

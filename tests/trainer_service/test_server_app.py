@@ -16,18 +16,28 @@ from tests.trainer_service.builders import group, make_service
 
 
 def test_api_key_guards_every_endpoint(tmp_path: Path) -> None:
+    """The routes are read from the app itself (its OpenAPI pages too), so a new one without the key fails here."""
     from fastapi.testclient import TestClient
+    from starlette.routing import Route
 
     from trainer_service.server import create_app
 
     service = make_service(tmp_path, [], [])
     service.settings.api_key = "sekret"
-    with TestClient(create_app(service=service)) as client:
-        for method, path in [("GET", "/v1/models"), ("GET", "/v1/status"), ("POST", "/v1/train"),
-                             ("POST", "/v1/chat/completions")]:
-            response = client.request(method, path)
-            assert response.status_code == 401, path
-            assert response.json()["error"]["code"] == "invalid_api_key"
+    app = create_app(service=service)
+    routes = [(method, route.path) for route in app.routes if isinstance(route, Route)
+              for method in sorted(route.methods or ()) if method != "HEAD"]
+    assert {("POST", "/v1/chat/completions"), ("POST", "/v1/train"), ("GET", "/docs"), ("GET", "/health")} <= set(
+        routes) and all("{" not in path for _, path in routes), routes
+    with TestClient(app) as client:
+        for method, path in [*routes, ("GET", "/v1/unknown")]:
+            for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic sekret"}):
+                response = client.request(method, path, headers=headers)
+                assert response.status_code == 401, (method, path, headers)
+                assert response.json()["error"]["code"] == "invalid_api_key"
+            if path != "/v1/unknown":
+                answered = client.request(method, path, headers={"Authorization": "Bearer sekret"})
+                assert answered.status_code != 401, (method, path)
         authorized = client.get("/v1/models", headers={"Authorization": "Bearer sekret"})
         assert authorized.status_code == 200
         assert [m["id"] for m in authorized.json()["data"]] == ["base-model", "agent@latest"]
@@ -103,6 +113,22 @@ def test_api_key_scheme_is_case_insensitive_and_the_key_compared_in_constant_tim
         for header in ("Bearer wrong", "Bearer Sekret", "Basic sekret", "Bearersekret", "sekret"):
             assert client.get("/health", headers={"Authorization": header}).status_code == 401, header
     assert (b"wrong", b"sekret") in compared and (b"sekret", b"sekret") in compared
+
+
+@pytest.mark.parametrize(("key", "needed"), [("  ", None), ("\n", None), (" sekret\n", "sekret")])
+def test_a_blank_key_is_none_and_a_padded_one_matches_the_header_that_carries_it(
+        tmp_path: Path, key: str, needed: str | None) -> None:
+    """HTTP drops a header value's surrounding whitespace (the plugin's `Bearer  sekret` arrives as that), so such a
+    key could never match, and a blank one would lock every route: as the collector does, they are read stripped."""
+    from fastapi.testclient import TestClient
+
+    from trainer_service.server import create_app
+
+    service = make_service(tmp_path, [], [], api_key=key)
+    assert service.settings.api_key == needed
+    with TestClient(create_app(service=service)) as client:
+        assert client.get("/v1/models", headers={"Authorization": f"Bearer {key}".strip()}).status_code == 200
+        assert client.get("/v1/models").status_code == (401 if needed else 200)
 
 
 def test_pause_resume_and_sft_endpoints(tmp_path: Path) -> None:

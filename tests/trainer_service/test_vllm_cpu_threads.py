@@ -114,6 +114,10 @@ def test_from_settings_leaves_vllm_its_binding_where_nothing_is_lent(
     assert EngineThreads.from_settings(TrainerSettings(train_threads=4), path) is None, "no core left to the engine"
     with pytest.raises(ValueError, match="idle_vllm_threads=5: this process may use 4 cores"):
         EngineThreads.from_settings(TrainerSettings(train_threads=1, idle_vllm_threads=5), path)
+    # below the engine's own share it turned lending off, silently
+    with pytest.raises(ValueError, match=r"idle_vllm_threads=2 is below vLLM's own 3 threads \(the 4 cores less "
+                                         r"the step's 1\).* \(ART_TRAINER_IDLE_VLLM_THREADS\) to 3 to never lend"):
+        TrainerSettings(train_threads=1, idle_vllm_threads=2)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "4-5")
     assert EngineThreads.from_settings(TrainerSettings(train_threads=1), path) is None, "the user's binding wins"
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
