@@ -5,6 +5,7 @@
 * `GET /v1/models`: the base model, every `name@N` and `name@latest`.
 * `POST /v1/train`: one GRPO step now; `POST /v1/sft`: one supervised warm-start step.
 * `POST /v1/pause`, `POST /v1/resume`: stop and restart training (scheduled and manual).
+  These four control routes take no parameters (no body, or `{}`): their settings are the trainer's flags.
 * `GET /v1/status`: step, queue depth, schedule, promotion, metrics, engine health.
 
 With an API key set, every route needs `Authorization: Bearer <key>`.
@@ -15,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
 import httpx
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -50,6 +52,8 @@ _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-en
 _RETRY_AFTER_S = 10
 """`Retry-After` of every 503: the engine's watchdog looks every 10 s, so a restart or an adapter re-load is under
 way by then (OpenAI clients wait what it says, up to 60 s, before they retry)."""
+_NO_PARAMETERS = re.compile(rb"[ \t\r\n]*(\{[ \t\r\n]*\})?[ \t\r\n]*")
+"""The bodies a control route (`/v1/train`, `/v1/pause`, ...) takes: none, or JSON's empty object."""
 
 
 def build_service(settings: TrainerSettings, grpo: GRPOConfig,
@@ -138,6 +142,14 @@ async def _send_unless_client_leaves(request: Request, client: httpx.AsyncClient
     return response
 
 
+async def _takes_no_parameters(request: Request) -> None:
+    """Refuse a control route's body unless it is empty or `{}`: its settings are the trainer's flags, not fields."""
+    if not _NO_PARAMETERS.fullmatch(await request.body()):
+        raise ServiceError(400, "unexpected_body", f"{request.method} {request.url.path} takes no parameters: send no "
+                           "body or `{}`. Training settings (`--min-groups`, `--batch-groups`, the GRPO flags, ...) "
+                           "are `art-trainer serve` flags; see `art-trainer serve --help`.")
+
+
 def _error(exc: ServiceError) -> JSONResponse:
     """`exc` as an answer: its envelope, with `Retry-After` on a 503 and `WWW-Authenticate` on a 401."""
     headers = {503: {"Retry-After": str(_RETRY_AFTER_S)}, 401: {"WWW-Authenticate": "Bearer"}}.get(exc.status)
@@ -201,6 +213,8 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
                                        type="not_found_error" if exc.status_code == 404 else "invalid_request_error"))
         response.headers.update(exc.headers or {})  # `Allow` of a 405
         return response
+
+    no_parameters = [Depends(_takes_no_parameters)]
 
     async def proxy(request: Request, route: str) -> Response:
         assert engine_client is not None
@@ -270,23 +284,23 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
             })
         return {"object": "list", "data": data}
 
-    @app.post("/v1/train")
+    @app.post("/v1/train", dependencies=no_parameters)
     async def train() -> TrainResponse:
         """Run one GRPO step now on a batch from the collector."""
         return await svc.train_once()
 
-    @app.post("/v1/sft")
+    @app.post("/v1/sft", dependencies=no_parameters)
     async def sft() -> TrainResponse:
         """Run one supervised step now on the best trajectory of each group of a batch (SFT warm start)."""
         return await svc.train_once(kind="sft")
 
-    @app.post("/v1/pause")
+    @app.post("/v1/pause", dependencies=no_parameters)
     async def pause() -> dict[str, bool]:
         """Stop steps (scheduled and manual) from starting; a running step finishes."""
         svc.pause()
         return {"paused": True}
 
-    @app.post("/v1/resume")
+    @app.post("/v1/resume", dependencies=no_parameters)
     async def resume() -> dict[str, bool]:
         """Allow steps again."""
         svc.resume()

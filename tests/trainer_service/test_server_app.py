@@ -157,6 +157,39 @@ def test_pause_resume_and_sft_endpoints(tmp_path: Path) -> None:
         assert status["step"] == 1 and status["queue_depth"] == 0 and status["checkpoints"] == [1]
 
 
+def test_control_routes_refuse_a_body_with_parameters_and_take_none_or_an_empty_object(tmp_path: Path) -> None:
+    """`{"min_groups": 9}` to `/v1/train` was accepted and ignored; now every control route refuses any body but
+    none or `{}` (what the repo's clients send) with a 400 that names the flags, and does nothing; the key comes
+    first."""
+    from fastapi.testclient import TestClient
+
+    from trainer_service.server import create_app
+
+    acks: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, acks)
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    with TestClient(create_app(service=service)) as client:
+        for path in ("/v1/train", "/v1/sft", "/v1/pause", "/v1/resume"):
+            for body in (b'{"min_groups": 9}', b'{"steps": 3}', b"not json", b"[]", b"null", b"{}{}"):
+                refused = client.post(path, content=body, headers={"Content-Type": "application/json"})
+                assert refused.status_code == 400, (path, body, refused.text)
+                error = refused.json()["error"]
+                assert error["code"] == "unexpected_body" and error["type"] == "invalid_request_error"
+                assert f"POST {path} takes no parameters" in error["message"] and "--min-groups" in error["message"]
+        status = client.get("/v1/status").json()
+        assert status["schedule"]["paused"] is False and status["step"] == 0 and len(batches) == 1 and acks == []
+        assert client.post("/v1/pause", json={}).json() == {"paused": True}
+        assert client.post("/v1/resume", content=b" { }\n").json() == {"paused": False}
+        trained = client.post("/v1/train", json={})
+        assert trained.status_code == 200 and trained.json()["model"] == "agent@1", trained.text
+        assert client.post("/v1/sft").json()["error"]["code"] == "no_batch_ready"
+        service.settings.api_key = "sekret"
+        keyless = client.post("/v1/train", content=b'{"steps": 3}')
+        assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "invalid_api_key"
+
+
 @pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400"])
 def test_a_body_with_a_number_json_has_not_is_400_invalid_json(tmp_path: Path, number: str) -> None:
     """Python's `json` reads these; sent on to vLLM they failed to encode (a 500 outside the envelope)."""
