@@ -10,7 +10,7 @@ Modules, by part (each module's docstring says more):
   `packed_attention`, `logprobs` (the step's fused ops), `distributed` (data-parallel steps under
   torchrun), `checkpoints` and `durable` (checkpoint folders), `metrics` (every metrics sink);
 * serving: `engine` (vLLM supervisor), `engine_errors`, `backoff` (its retry waits, and the
-  acks' to the collector), `vllm_lora_api` (vLLM's adapter endpoints), `process_group` and `parent_death`
+  acks' and releases' to the collector), `vllm_lora_api` (vLLM's adapter endpoints), `process_group` and `parent_death`
   (stopping it), the vLLM plugins `vllm_cpu_lora`, `vllm_cpu_matmul`, `vllm_cpu_norm`, `vllm_cpu_seeds`,
   `vllm_cpu_threads`, and the CPU's `core_lending`, `allocator`, `huge_pages`;
 * the service: `evaluation` and `promotion` (the promotion gate), `retention` (which checkpoints

@@ -32,17 +32,18 @@ logger = logging.getLogger(__name__)
 
 _TIMEOUT_S = 60.0
 """HTTP timeout of every call to the collector."""
-_ACK_TRIES = 4
-"""Tries of an ack that meets a transient failure: 4 tries that each time out and their waits (2 + 4 + 8 s) take
-254 s, less than the lease's margin (`LEASE_MARGIN_S`, 300 s)."""
-_ACK_RETRY_FIRST_S = 2.0
-"""Wait before an ack's second try, doubled before each further one (`Backoff`)."""
-_ACK_RETRY_LONGEST_S = 30.0
-"""Longest wait between two tries of an ack."""
+_RETRY_TRIES = 4
+"""Tries of an ack or a release that meets a transient failure: 4 tries that each time out and their waits
+(2 + 4 + 8 s) take 254 s, less than the lease's margin (`LEASE_MARGIN_S`, 300 s)."""
+_RETRY_FIRST_S = 2.0
+"""Wait before an ack's or a release's second try, doubled before each further one (`Backoff`)."""
+_RETRY_LONGEST_S = 30.0
+"""Longest wait between two tries of an ack or a release."""
 _TRANSIENT_STATUSES = frozenset({502, 503, 504})
-"""Answers to an ack that are tried again: a proxy without the collector behind it, the store busy or down."""
+"""Answers to an ack or a release that are tried again: a proxy without the collector behind it, the store busy
+or down."""
 _TRANSIENT_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
-"""No answer to an ack that is tried again: timed out, refused, reset, dropped mid-answer."""
+"""No answer to an ack or a release that is tried again: timed out, refused, reset, dropped mid-answer."""
 
 _GROUPS = TypeAdapter(list[GroupStatus])
 """Reads `GET /v1/groups`."""
@@ -109,8 +110,8 @@ class CollectorClient:
     async def ack(self, batch_id: str, step: int | None) -> None:
         """Mark batch `batch_id` trained by `step` (None: acked without a step) (`POST /v1/batches/{id}/ack`).
 
-        An ack that gets no answer, or a 502, 503 or 504, is tried again (`_ACK_TRIES` in all, waits doubling
-        from `_ACK_RETRY_FIRST_S`, each logged): the collector takes the same ack twice, and one not taken
+        An ack that gets no answer, or a 502, 503 or 504, is tried again (`_RETRY_TRIES` in all, waits doubling
+        from `_RETRY_FIRST_S`, each logged): the collector takes the same ack twice, and one not taken
         would let the lease expire and the batch train again.
 
         Raises:
@@ -119,25 +120,11 @@ class CollectorClient:
         """
         done = "nothing in it can train, no step was taken" if step is None else f"step {step} is saved and served"
         body = AckRequest(policy_step=step).model_dump()
-        backoff = Backoff(_ACK_RETRY_FIRST_S, _ACK_RETRY_LONGEST_S)
-        for tries in range(1, _ACK_TRIES + 1):
-            tried = "" if tries == 1 else f" in {tries} tries"
-            try:
-                response = await self.http.post(f"/v1/batches/{batch_id}/ack", json=body)
-            except httpx.HTTPError as exc:
-                if not isinstance(exc, _TRANSIENT_ERRORS) or tries == _ACK_TRIES:
-                    raise ServiceError(502, "ack_failed", f"Could not ack batch {batch_id} ({done}){tried}: "
-                                       f"{type(exc).__name__}: {exc}. Its groups will be offered again after the "
-                                       "lease.", type="server_error") from exc
-                problem = f"{type(exc).__name__}: {exc}"
-            else:
-                if response.status_code not in _TRANSIENT_STATUSES or tries == _ACK_TRIES:
-                    break
-                problem = f"HTTP {response.status_code}"
-            delay = backoff.failed()
-            logger.warning("ack of batch %s failed (%s; try %d of %d); trying again in %.0f s", batch_id, problem,
-                           tries, _ACK_TRIES, delay)
-            await asyncio.sleep(delay)
+        response, tried = await self._post_retried(f"/v1/batches/{batch_id}/ack", body, f"ack of batch {batch_id}")
+        if isinstance(response, httpx.HTTPError):
+            raise ServiceError(502, "ack_failed", f"Could not ack batch {batch_id} ({done}){tried}: "
+                               f"{type(response).__name__}: {response}. Its groups will be offered again after the "
+                               "lease.", type="server_error") from response
         if response.status_code != 200:
             raise ServiceError(502, "ack_failed", f"The collector refused the ack of batch {batch_id} ({done}){tried}: "
                                f"HTTP {response.status_code}: {response.text[:300]}", type="server_error")
@@ -150,6 +137,10 @@ class CollectorClient:
     async def release(self, batch_id: str, reason: str, failed: bool) -> ReleaseResponse:
         """Give batch `batch_id` back untrained (`POST /v1/batches/{id}/release`): its groups can be leased again now.
 
+        A release that gets no answer, or a 502, 503 or 504, is tried again as an ack is: the collector takes the
+        same release twice, and one not taken would let the lease expire, which counts a failed attempt for each
+        group even when `failed` is False.
+
         Args:
             batch_id: the leased batch.
             reason: what went wrong (the step's error; the collector keeps 2000 characters).
@@ -157,18 +148,19 @@ class CollectorClient:
                 group and skips a group at its limit); False when the trainer itself failed (disk, vLLM).
 
         Raises:
-            ServiceError: 502 `release_failed` when the collector does not answer, refuses, or answers with
-                something that is not a release.
+            ServiceError: 502 `release_failed` when the collector does not answer or answers 502, 503 or 504 to
+                every try, refuses (any other error status, at once), or answers with something that is not a
+                release.
         """
         body = ReleaseRequest(reason=reason, failed=failed).model_dump()
-        try:
-            response = await self.http.post(f"/v1/batches/{batch_id}/release", json=body)
-        except httpx.HTTPError as exc:
-            raise ServiceError(502, "release_failed", f"Could not release batch {batch_id}: {exc}",
-                               type="server_error") from exc
+        response, tried = await self._post_retried(f"/v1/batches/{batch_id}/release", body,
+                                                   f"release of batch {batch_id}")
+        if isinstance(response, httpx.HTTPError):
+            raise ServiceError(502, "release_failed", f"Could not release batch {batch_id}{tried}: "
+                               f"{type(response).__name__}: {response}", type="server_error") from response
         if response.status_code != 200:
-            raise ServiceError(502, "release_failed", f"The collector refused the release of batch {batch_id}: HTTP "
-                               f"{response.status_code}: {response.text[:300]}", type="server_error")
+            raise ServiceError(502, "release_failed", f"The collector refused the release of batch {batch_id}{tried}: "
+                               f"HTTP {response.status_code}: {response.text[:300]}", type="server_error")
         try:
             return ReleaseResponse.model_validate_json(response.content)
         except ValueError as exc:
@@ -178,6 +170,30 @@ class CollectorClient:
     async def aclose(self) -> None:
         """Close the HTTP client."""
         await self.http.aclose()
+
+    async def _post_retried(self, path: str, body: dict[str, Any],
+                            what: str) -> tuple[httpx.Response | httpx.HTTPError, str]:
+        """POST `body` to `path`, tried again on no answer or a 502, 503 or 504 (`_RETRY_TRIES` in all, waits
+        doubling from `_RETRY_FIRST_S`, each logged as `what` failing); return the last answer, or the error
+        that ended the tries (one not transient, or the last try's), and "" or " in N tries" for its message."""
+        backoff, tries = Backoff(_RETRY_FIRST_S, _RETRY_LONGEST_S), 1
+        while True:
+            tried = "" if tries == 1 else f" in {tries} tries"
+            try:
+                response = await self.http.post(path, json=body)
+            except httpx.HTTPError as exc:
+                if not isinstance(exc, _TRANSIENT_ERRORS) or tries == _RETRY_TRIES:
+                    return exc, tried
+                problem = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code not in _TRANSIENT_STATUSES or tries == _RETRY_TRIES:
+                    return response, tried
+                problem = f"HTTP {response.status_code}"
+            delay = backoff.failed()
+            logger.warning("%s failed (%s; try %d of %d); trying again in %.0f s", what, problem, tries, _RETRY_TRIES,
+                           delay)
+            await asyncio.sleep(delay)
+            tries += 1
 
     async def _send(self, method: str, path: str, *, params: dict[str, str] | None = None,
                     json: dict[str, Any] | None = None) -> httpx.Response:

@@ -1,4 +1,5 @@
-"""The trainer's collector client: what a lease asks for, which acks are tried again and what a failed ack says."""
+"""The trainer's collector client: what a lease asks for, which acks and releases are tried again and what a failed
+ack says."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import httpx
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from collector.protocol import MAX_LEASE_SECONDS, BatchRequest
+from collector.protocol import MAX_LEASE_SECONDS, BatchRequest, ReleaseRequest
 from examples.stack import free_port
 from tests.collector.seeding import group_spans
 from tests.collector.server_helpers import collector_app
@@ -77,7 +78,7 @@ async def test_an_ack_meeting_a_dropped_connection_or_a_busy_store_is_tried_agai
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # the real collector over real HTTP: its first ack answer is cut off, its second is the store's 503
-    monkeypatch.setattr(collector_client, "_ACK_RETRY_FIRST_S", 0.01)
+    monkeypatch.setattr(collector_client, "_RETRY_FIRST_S", 0.01)
     app = collector_app(tmp_path)
     store = app.state.store
     store.add_spans(group_spans("sums", ["7", "8"], rewards=[1.0, 0.0]))
@@ -110,7 +111,7 @@ async def test_an_ack_meeting_a_dropped_connection_or_a_busy_store_is_tried_agai
 
 
 async def test_an_ack_without_an_answer_is_tried_a_bounded_number_of_times(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(collector_client, "_ACK_RETRY_FIRST_S", 0.01)
+    monkeypatch.setattr(collector_client, "_RETRY_FIRST_S", 0.01)
     collector = client(None, collector=f"http://127.0.0.1:{free_port()}")  # nothing listens: refused
     with pytest.raises(ServiceError) as info:
         await collector.ack("b1", 3)
@@ -134,5 +135,73 @@ async def test_an_ack_the_collector_refuses_is_not_tried_again(status: int) -> N
     with pytest.raises(ServiceError) as info:
         await collector.ack("b1", 3)
     assert sent == ["/v1/batches/b1/ack"] and f"(step 3 is saved and served): HTTP {status}" in (
+        info.value.body.error.message)
+    await collector.aclose()
+
+
+async def test_a_release_meeting_a_dropped_connection_or_a_busy_store_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the real collector over real HTTP: its first release answer is cut off, its second is the store's 503
+    monkeypatch.setattr(collector_client, "_RETRY_FIRST_S", 0.01)
+    app = collector_app(tmp_path, max_failed_attempts=1)
+    store = app.state.store
+    store.add_spans(group_spans("sums", ["7", "8"], rewards=[1.0, 0.0]))
+    busy, drops, real_release = [True], [True], store.release
+
+    def release(batch_id: str, request: ReleaseRequest) -> Any:
+        if busy and busy.pop():  # the store's first release: the collector answers 503 store_unavailable
+            raise OperationalError("UPDATE batches", {}, Exception("database is locked"))
+        return real_release(batch_id, request)
+
+    monkeypatch.setattr(store, "release", release)
+
+    async def dropping(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].endswith("/release") and drops and drops.pop():
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"99")]})
+            raise RuntimeError("the collector died mid-answer")  # uvicorn closes the connection
+        await app(scope, receive, send)
+
+    with served(dropping, lifespan="off") as url:
+        collector = client(None, collector=url)
+        batch = await collector.lease(1)
+        with caplog.at_level(logging.WARNING, logger=collector_client.__name__):
+            released = await collector.release(batch.id, "OSError: disk full", False)
+        await collector.aclose()
+    assert released.returned == ["sums"] and released.skipped == []
+    # back in the pool now, no failed attempt: a lease left to expire would have counted one and skipped it
+    assert [(g.id, g.state, g.failed_attempts) for g in store.groups()] == [("sums", "ready", 0)]
+    assert [(b.state, b.reason) for b in store.batches()] == [("released", "OSError: disk full")]
+    tries = [r.getMessage() for r in caplog.records if r.name == collector_client.__name__]
+    assert len(tries) == 2 and "RemoteProtocolError" in tries[0] and "try 1 of 4" in tries[0]
+    assert f"release of batch {batch.id} failed (HTTP 503; try 2 of 4)" in tries[1]
+
+
+async def test_a_release_without_an_answer_is_tried_a_bounded_number_of_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(collector_client, "_RETRY_FIRST_S", 0.01)
+    collector = client(None, collector=f"http://127.0.0.1:{free_port()}")  # nothing listens: refused
+    with pytest.raises(ServiceError) as info:
+        await collector.release("b1", "OSError: disk full", False)
+    assert info.value.body.error.code == "release_failed"
+    assert "Could not release batch b1 in 4 tries: ConnectError" in info.value.body.error.message
+    await collector.aclose()
+    sent: list[str] = []
+    collector = client(httpx.MockTransport(lambda request: sent.append(request.url.path) or httpx.Response(503)))
+    with pytest.raises(ServiceError) as info:
+        await collector.release("b1", "OSError: disk full", False)
+    assert len(sent) == 4 and "refused the release of batch b1 in 4 tries: HTTP 503" in info.value.body.error.message
+    await collector.aclose()
+
+
+@pytest.mark.parametrize("status", [400, 401, 404, 409, 500])
+async def test_a_release_the_collector_refuses_is_not_tried_again(status: int) -> None:
+    sent: list[str] = []
+    collector = client(httpx.MockTransport(lambda request: sent.append(request.url.path) or httpx.Response(status)))
+    with pytest.raises(ServiceError) as info:
+        await collector.release("b1", "OSError: disk full", False)
+    assert info.value.body.error.code == "release_failed"
+    assert sent == ["/v1/batches/b1/release"] and f"the release of batch b1: HTTP {status}" in (
         info.value.body.error.message)
     await collector.aclose()

@@ -218,7 +218,7 @@ async def test_a_release_the_collector_refuses_is_counted_and_the_error_kept(
 ) -> None:
     releases: list[tuple[str, dict]] = []
     batches: list[Batch] = []
-    service = make_service(tmp_path, batches, [], releases=releases, release_status=503)
+    service = make_service(tmp_path, batches, [], releases=releases, release_status=500)
     assert service.trainer is not None
     batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
     monkeypatch.setattr(service.trainer, "train", _nan_step)
@@ -226,7 +226,7 @@ async def test_a_release_the_collector_refuses_is_counted_and_the_error_kept(
         await service.train_once()
     message = info.value.body.error.message
     assert info.value.status == 500 and info.value.body.error.code == "training_failed" and "loss is nan" in message
-    assert "refused the release of batch b1: HTTP 503" in message and "its lease will expire" in message
+    assert "refused the release of batch b1: HTTP 500" in message and "its lease will expire" in message
     assert releases == [("b1", {"reason": "NonFiniteStepError: loss is nan", "failed": True})]
     assert (await service.status()).counters["release_failures"] == 1
     await service.aclose()
