@@ -289,6 +289,22 @@ def _json_attr(span: SpanRecord, key: str, want: type) -> Any:
     return value
 
 
+def _length_cut(calls: list[SpanRecord], messages: list[dict[str, Any]]) -> list[int]:
+    """Indices in `messages` of the replies the token limit cut: those of the calls whose first finish reason
+    (`gen_ai.response.finish_reasons`) is `length` and whose prompt and reply begin `messages`."""
+    cut: set[int] = set()
+    for span in calls:
+        reasons = span.attributes.get(sc.GEN_AI_RESPONSE_FINISH_REASONS)
+        if (reasons[0] if isinstance(reasons, list) and reasons else reasons) != "length":
+            continue
+        talk = foreign.conversation(span.attributes, span_id=span.span_id)
+        turn = talk.input + talk.output[:1]
+        if talk.output and talk.output[0].get("role") == "assistant" and foreign.same_messages(
+                messages[: len(turn)], turn):
+            cut.add(len(talk.input))
+    return sorted(cut)
+
+
 def assemble(
     trajectory_id: str,
     spans: Iterable[SpanRecord],
@@ -316,6 +332,7 @@ def assemble(
 
     talk = foreign.conversation(llm[-1].attributes, span_id=llm[-1].span_id) if llm else foreign.Conversation()
     metadata = (_json_attr(rollout, sc.METADATA, dict) if rollout is not None else None) or {}
+    messages = talk.input + talk.output
     return Trajectory(
         id=trajectory_id,
         trace_id=summary.trace_id,
@@ -323,12 +340,13 @@ def assemble(
         task=summary.task,
         split=summary.split,
         model=talk.model,
-        messages=talk.input + talk.output,
+        messages=messages,
         tools=talk.tools,
         sequences=built.sequences,
         rewards=dict(rewards),
         reward=training.of(rewards),
         token_exact=built.token_exact,
+        length_cut=_length_cut(llm, messages),
         drift=built.drift,
         complete=complete,
         metadata=metadata,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StringConstraints, field_validator, model_validator
+from pydantic import BaseModel, Field, NonNegativeInt, StringConstraints, field_validator, model_validator
 
 MAX_ID_LENGTH = 256
 """Longest rollout id, group, task, reward name or trainer name (the store's column width)."""
@@ -90,6 +90,11 @@ class Trajectory(BaseModel):
         default=True,
         description="False when any turn lacks engine token ids (foreign GenAI spans): "
         "the trainer re-tokenizes `messages`.",
+    )
+    length_cut: list[NonNegativeInt] = Field(
+        default_factory=list,
+        description="Indices in `messages` of assistant replies cut by the token limit (finish reason `length`): "
+        "the model did not end them, so re-tokenized they train no end-of-turn token.",
     )
     drift: list[Drift] = Field(default_factory=list, description="Turns with retokenization drift (see `Drift`).")
     complete: bool = Field(default=False, description="The rollout span has ended.")

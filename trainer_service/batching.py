@@ -122,7 +122,8 @@ def _sequences(trajectory: Trajectory, config: GRPOConfig, tokenizer: PreTrained
             counters.skipped["not_token_exact_without_tokenizer"] += 1
             return []
         try:
-            ids, mask = render_with_assistant_mask(tokenizer, trajectory.messages, trajectory.tools)
+            ids, mask = render_with_assistant_mask(tokenizer, trajectory.messages, trajectory.tools,
+                                                   trajectory.length_cut)
         except RetokenizeError as exc:
             logger.warning("trajectory %s of group %s is skipped (retokenize_failed): %s", trajectory.id,
                            trajectory.group_id, exc)

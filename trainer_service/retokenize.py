@@ -11,11 +11,14 @@ Trailing template text after the end-of-turn token (a newline) is not sampled by
 is left out of the mask.
 The end-of-turn token is the tokenizer's eos, or the special token the template writes right after
 an assistant message where that is another one (Gemma's `<end_of_turn>`, whose eos is `<eos>`).
+A reply the token limit cut (finish reason `length`) was not ended by the model: its end-of-turn token stays in the
+sequence (later turns were sampled after it) but out of the mask.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 from jinja2 import TemplateError
@@ -99,6 +102,7 @@ def render_with_assistant_mask(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
+    length_cut: Collection[int] = (),
 ) -> tuple[list[int], list[int]]:
     """Return the token ids of `messages` rendered by the chat template and the assistant mask.
 
@@ -107,10 +111,11 @@ def render_with_assistant_mask(
         messages: OpenAI-format messages (assistant messages may carry `tool_calls`, whose `arguments` strings
             are rendered as vLLM renders them: parsed into objects).
         tools: OpenAI tool definitions passed to the template.
+        length_cut: indices in `messages` of assistant messages the token limit cut (`Trajectory.length_cut`).
 
     Returns:
         `(token_ids, mask)`: mask is 1 on tokens rendered from assistant messages (up to and
-        including the end-of-turn token), 0 elsewhere.
+        including the end-of-turn token, excluding it for a message in `length_cut`), 0 elsewhere.
 
     Raises:
         RetokenizeError: no assistant message, no chat template, a template that fails on the
@@ -123,7 +128,7 @@ def render_with_assistant_mask(
         raise RetokenizeError("the conversation has no assistant message: nothing to train on")
     messages = _as_served(messages)
     full = _render(tokenizer, messages, tools, generation_prompt=False)
-    spans: list[tuple[int, int]] = []
+    spans: list[tuple[int, int, bool]] = []
     for index, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
@@ -141,17 +146,17 @@ def render_with_assistant_mask(
                     f"the chat template does not render the tool calls of message {index} (it has no tool support), "
                     "so they cannot be trained; serve a template that renders them (--chat-template)"
                 )
-        spans.append((len(before), len(upto)))
+        spans.append((len(before), len(upto), index in length_cut))
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids: list[int] = list(encoded["input_ids"])
     offsets: list[tuple[int, int]] = [tuple(o) for o in encoded["offset_mapping"]]
     mask = [0] * len(ids)
     end_of_turn = _end_of_turn_ids(tokenizer, tools)
-    for start, end in spans:
+    for start, end, cut in spans:
         inside = [i for i, (s, e) in enumerate(offsets) if s >= start and e <= end and e > s]
         ends = [i for i in inside if ids[i] in end_of_turn]
         if ends:
-            inside = [i for i in inside if i <= ends[-1]]
+            inside = [i for i in inside if i < ends[-1] or (i == ends[-1] and not cut)]
         for i in inside:
             mask[i] = 1
     return ids, mask

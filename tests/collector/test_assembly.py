@@ -21,6 +21,7 @@ from collector.assembly import (
     trajectory_key,
 )
 from collector.groups import TrainingReward
+from collector.otlp import SpanRecord
 from collector.sequences import build_sequences
 from tests.collector.span_builders import TRACE, llm, rollout
 
@@ -96,6 +97,24 @@ def test_a_failed_attempt_is_no_turn() -> None:
     assert traj.token_exact
     assert [s.token_ids for s in traj.sequences] == [[1, 2, 3, 4, 5, 6, 7, 8]]
     assert model_calls([failed]) == []
+
+
+def test_replies_cut_by_length_are_listed_by_their_index_in_the_messages() -> None:
+    """The trainer re-tokenizes `messages`: it learns from `length_cut` which replies the model did not end."""
+    def call(n: int, history: list[str], reply: str, finish: str | list[str]) -> SpanRecord:
+        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(history)]
+        span = llm(n, start=10 * n, prompt=None, completion=None, messages=messages,
+                   output=[{"role": "assistant", "content": reply}])
+        span.attributes[sc.GEN_AI_RESPONSE_FINISH_REASONS] = finish
+        return span
+
+    cut, retried = call(1, ["count"], "1, 2", "length"), call(2, ["count"], "1, 2, 3", ["length"])  # not kept
+    spans = [cut, retried, call(3, ["count", "1, 2", "go on"], "3, 4", ["stop"]),
+             call(4, ["count", "1, 2", "go on", "3, 4", "more"], "5, 6", ["length"])]
+    traj = _assemble(spans)
+    assert [m["content"] for m in traj.messages] == ["count", "1, 2", "go on", "3, 4", "more", "5, 6"]
+    assert traj.length_cut == [1, 5]
+    assert _assemble(spans[2:]).length_cut == [5]  # the first reply came without a span: its reason is unknown
 
 
 def test_logprob_count_mismatch_drops_the_turn() -> None:

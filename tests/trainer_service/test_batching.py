@@ -274,6 +274,25 @@ def test_foreign_trajectories_are_retokenized_and_counted(tokenizer: PreTrainedT
         prepare_grpo([group_], GRPOConfig(), CPU, None)
 
 
+def test_a_reply_cut_by_length_trains_no_end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> None:
+    # the model hit max_tokens in "The sum" and did not end its turn; the next turn was sampled after <|im_end|>
+    cut = [*CONVERSATION[:4], {"role": "assistant", "content": "The sum"}, *CONVERSATION[5:]]
+    ids, mask = render_with_assistant_mask(tokenizer, cut, TOOLS, length_cut=[4])
+    assert ids == render_with_assistant_mask(tokenizer, cut, TOOLS)[0]  # the token stays in the sequence
+    assert tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == (
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>The sum2<|im_end|>')
+
+    def foreign(tid: str, reward: float, **fields: object) -> dict:
+        return {"id": tid, "trace_id": "1" * 32, "group_id": "c", "token_exact": False, "tools": TOOLS,
+                "reward": reward, "messages": cut, **fields}
+
+    groups = [Group(id="c", trajectories=[Trajectory.model_validate(foreign("x", 1.0, length_cut=[4])),
+                                          Trajectory.model_validate(foreign("y", 0.0))])]  # an older collector's
+    x, y = prepare_grpo(groups, GRPOConfig(), CPU, tokenizer).items
+    assert x.token_ids.tolist() == ids and x.mask.tolist() == mask[1:]
+    assert int(y.mask.sum()) == int(x.mask.sum()) + 1  # without the field: trained as before
+
+
 def test_retokenize_refuses_what_it_cannot_mask(tokenizer: PreTrainedTokenizerBase) -> None:
     with pytest.raises(RetokenizeError, match="no assistant message"):
         render_with_assistant_mask(tokenizer, CONVERSATION[:2])
