@@ -12,7 +12,7 @@ import httpx
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from collector.protocol import MAX_LEASE_SECONDS, BatchRequest, ReleaseRequest
+from collector.protocol import MAX_LEASE_SECONDS, BatchRequest
 from examples.stack import free_port
 from tests.collector.seeding import group_spans
 from tests.collector.server_helpers import collector_app
@@ -74,6 +74,34 @@ async def test_an_ack_answered_with_something_that_is_not_an_ack_fails(answer: h
     await collector.aclose()
 
 
+def _failing_first(monkeypatch: pytest.MonkeyPatch, app: Any, call: str) -> Any:
+    """The collector `app` (ASGI) whose first answer to `/{call}` is cut off mid-way and whose store's first `call`
+    (`ack` or `release`) finds the database locked, which the collector answers 503 store_unavailable."""
+    store = app.state.store
+    busy, drops, real = [True], [True], getattr(store, call)
+
+    def locked_once(*args: Any) -> Any:
+        if busy and busy.pop():
+            raise OperationalError("UPDATE batches", {}, Exception("database is locked"))
+        return real(*args)
+
+    monkeypatch.setattr(store, call, locked_once)
+
+    async def dropping(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].endswith(f"/{call}") and drops and drops.pop():
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"99")]})
+            raise RuntimeError("the collector died mid-answer")  # uvicorn closes the connection
+        await app(scope, receive, send)
+
+    return dropping
+
+
+def _tries_logged(caplog: pytest.LogCaptureFixture, what: str) -> None:
+    tries = [r.getMessage() for r in caplog.records if r.name == collector_client.__name__]
+    assert len(tries) == 2 and "RemoteProtocolError" in tries[0] and "try 1 of 4" in tries[0]
+    assert f"{what} failed (HTTP 503; try 2 of 4)" in tries[1]
+
+
 async def test_an_ack_meeting_a_dropped_connection_or_a_busy_store_is_tried_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -82,22 +110,7 @@ async def test_an_ack_meeting_a_dropped_connection_or_a_busy_store_is_tried_agai
     app = collector_app(tmp_path)
     store = app.state.store
     store.add_spans(group_spans("sums", ["7", "8"], rewards=[1.0, 0.0]))
-    busy, drops, real_ack = [True], [True], store.ack
-
-    def ack(batch_id: str, policy_step: int | None) -> Any:
-        if busy and busy.pop():  # the store's first ack: the collector answers 503 store_unavailable
-            raise OperationalError("UPDATE batches", {}, Exception("database is locked"))
-        return real_ack(batch_id, policy_step)
-
-    monkeypatch.setattr(store, "ack", ack)
-
-    async def dropping(scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].endswith("/ack") and drops and drops.pop():
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"99")]})
-            raise RuntimeError("the collector died mid-answer")  # uvicorn closes the connection
-        await app(scope, receive, send)
-
-    with served(dropping, lifespan="off") as url:
+    with served(_failing_first(monkeypatch, app, "ack"), lifespan="off") as url:
         collector = client(None, collector=url)
         batch = await collector.lease(1)
         with caplog.at_level(logging.WARNING, logger=collector_client.__name__):
@@ -105,103 +118,65 @@ async def test_an_ack_meeting_a_dropped_connection_or_a_busy_store_is_tried_agai
         await collector.aclose()
     assert [(g.id, g.state) for g in store.groups()] == [("sums", "trained")]  # not offered again: trained once
     assert [b.policy_step for b in store.batches()] == [1]
-    tries = [r.getMessage() for r in caplog.records if r.name == collector_client.__name__]
-    assert len(tries) == 2 and "RemoteProtocolError" in tries[0] and "try 1 of 4" in tries[0]
-    assert "HTTP 503; try 2 of 4" in tries[1]
-
-
-async def test_an_ack_without_an_answer_is_tried_a_bounded_number_of_times(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(collector_client, "_RETRY_FIRST_S", 0.01)
-    collector = client(None, collector=f"http://127.0.0.1:{free_port()}")  # nothing listens: refused
-    with pytest.raises(ServiceError) as info:
-        await collector.ack("b1", 3)
-    assert info.value.body.error.code == "ack_failed"
-    assert "Could not ack batch b1 (step 3 is saved and served) in 4 tries: ConnectError" in (
-        info.value.body.error.message)
-    await collector.aclose()
-    sent: list[str] = []
-    collector = client(httpx.MockTransport(lambda request: sent.append(request.url.path) or httpx.Response(503)))
-    with pytest.raises(ServiceError) as info:
-        await collector.ack("b1", 3)
-    assert len(sent) == 4 and "refused the ack of batch b1 (step 3 is saved and served) in 4 tries: HTTP 503" in (
-        info.value.body.error.message)
-    await collector.aclose()
-
-
-@pytest.mark.parametrize("status", [400, 401, 404, 409, 500])
-async def test_an_ack_the_collector_refuses_is_not_tried_again(status: int) -> None:
-    sent: list[str] = []
-    collector = client(httpx.MockTransport(lambda request: sent.append(request.url.path) or httpx.Response(status)))
-    with pytest.raises(ServiceError) as info:
-        await collector.ack("b1", 3)
-    assert sent == ["/v1/batches/b1/ack"] and f"(step 3 is saved and served): HTTP {status}" in (
-        info.value.body.error.message)
-    await collector.aclose()
+    _tries_logged(caplog, f"ack of batch {batch.id}")
 
 
 async def test_a_release_meeting_a_dropped_connection_or_a_busy_store_is_tried_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # the real collector over real HTTP: its first release answer is cut off, its second is the store's 503
+    # as the ack: a release left to its lease's expiry would have counted a failed attempt and skipped the group
     monkeypatch.setattr(collector_client, "_RETRY_FIRST_S", 0.01)
     app = collector_app(tmp_path, max_failed_attempts=1)
     store = app.state.store
     store.add_spans(group_spans("sums", ["7", "8"], rewards=[1.0, 0.0]))
-    busy, drops, real_release = [True], [True], store.release
-
-    def release(batch_id: str, request: ReleaseRequest) -> Any:
-        if busy and busy.pop():  # the store's first release: the collector answers 503 store_unavailable
-            raise OperationalError("UPDATE batches", {}, Exception("database is locked"))
-        return real_release(batch_id, request)
-
-    monkeypatch.setattr(store, "release", release)
-
-    async def dropping(scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].endswith("/release") and drops and drops.pop():
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"99")]})
-            raise RuntimeError("the collector died mid-answer")  # uvicorn closes the connection
-        await app(scope, receive, send)
-
-    with served(dropping, lifespan="off") as url:
+    with served(_failing_first(monkeypatch, app, "release"), lifespan="off") as url:
         collector = client(None, collector=url)
         batch = await collector.lease(1)
         with caplog.at_level(logging.WARNING, logger=collector_client.__name__):
             released = await collector.release(batch.id, "OSError: disk full", False)
         await collector.aclose()
     assert released.returned == ["sums"] and released.skipped == []
-    # back in the pool now, no failed attempt: a lease left to expire would have counted one and skipped it
     assert [(g.id, g.state, g.failed_attempts) for g in store.groups()] == [("sums", "ready", 0)]
     assert [(b.state, b.reason) for b in store.batches()] == [("released", "OSError: disk full")]
-    tries = [r.getMessage() for r in caplog.records if r.name == collector_client.__name__]
-    assert len(tries) == 2 and "RemoteProtocolError" in tries[0] and "try 1 of 4" in tries[0]
-    assert f"release of batch {batch.id} failed (HTTP 503; try 2 of 4)" in tries[1]
+    _tries_logged(caplog, f"release of batch {batch.id}")
 
 
-async def test_a_release_without_an_answer_is_tried_a_bounded_number_of_times(
-    monkeypatch: pytest.MonkeyPatch,
+_CALLS = {  # what each call sends, its error code and how its messages name the batch
+    "ack": (lambda c: c.ack("b1", 3), "ack_failed", "ack batch b1 (step 3 is saved and served)",
+            "the ack of batch b1 (step 3 is saved and served)"),
+    "release": (lambda c: c.release("b1", "OSError: disk full", False), "release_failed", "release batch b1",
+                "the release of batch b1"),
+}
+
+
+@pytest.mark.parametrize("call", _CALLS)
+async def test_a_call_without_an_answer_is_tried_a_bounded_number_of_times(
+    call: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    send, code, unanswered, refused = _CALLS[call]
     monkeypatch.setattr(collector_client, "_RETRY_FIRST_S", 0.01)
     collector = client(None, collector=f"http://127.0.0.1:{free_port()}")  # nothing listens: refused
     with pytest.raises(ServiceError) as info:
-        await collector.release("b1", "OSError: disk full", False)
-    assert info.value.body.error.code == "release_failed"
-    assert "Could not release batch b1 in 4 tries: ConnectError" in info.value.body.error.message
+        await send(collector)
+    assert info.value.body.error.code == code
+    assert f"Could not {unanswered} in 4 tries: ConnectError" in info.value.body.error.message
     await collector.aclose()
     sent: list[str] = []
     collector = client(httpx.MockTransport(lambda request: sent.append(request.url.path) or httpx.Response(503)))
     with pytest.raises(ServiceError) as info:
-        await collector.release("b1", "OSError: disk full", False)
-    assert len(sent) == 4 and "refused the release of batch b1 in 4 tries: HTTP 503" in info.value.body.error.message
+        await send(collector)
+    assert len(sent) == 4 and f"refused {refused} in 4 tries: HTTP 503" in info.value.body.error.message
     await collector.aclose()
 
 
+@pytest.mark.parametrize("call", _CALLS)
 @pytest.mark.parametrize("status", [400, 401, 404, 409, 500])
-async def test_a_release_the_collector_refuses_is_not_tried_again(status: int) -> None:
+async def test_a_call_the_collector_refuses_is_not_tried_again(call: str, status: int) -> None:
+    send, code, _, refused = _CALLS[call]
     sent: list[str] = []
     collector = client(httpx.MockTransport(lambda request: sent.append(request.url.path) or httpx.Response(status)))
     with pytest.raises(ServiceError) as info:
-        await collector.release("b1", "OSError: disk full", False)
-    assert info.value.body.error.code == "release_failed"
-    assert sent == ["/v1/batches/b1/release"] and f"the release of batch b1: HTTP {status}" in (
-        info.value.body.error.message)
+        await send(collector)
+    assert info.value.body.error.code == code
+    assert sent == [f"/v1/batches/b1/{call}"] and f"{refused}: HTTP {status}" in info.value.body.error.message
     await collector.aclose()
