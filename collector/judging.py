@@ -265,9 +265,18 @@ class GroupJudge:
 
     def run_due(self) -> list[JudgeRun]:
         """Judge every due group (see `due_groups`), one after the other; a group another run claimed first is
-        left to it."""
-        runs = (self._try(group_id, self.settings.rubric) for group_id in self.due_groups())
-        return [run for run in runs if run is not None]
+        left to it. A run that fails unexpectedly (not a `JudgeError`: a store error, a bug) is logged with its
+        traceback, shows `failed` on its group (see `_try`) and is left out of the result; the others still run."""
+        runs = []
+        for group_id in self.due_groups():
+            try:
+                run = self._try(group_id, self.settings.rubric)
+            except Exception:  # one group's failure must not starve the groups due after it, poll after poll
+                log.exception("judge run of group %s failed unexpectedly; judging the other due groups", group_id)
+                continue
+            if run is not None:
+                runs.append(run)
+        return runs
 
     def close(self) -> None:
         """Release the judge client."""

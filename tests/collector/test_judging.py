@@ -9,6 +9,7 @@ when the test releases it; scoring with a real model is in `test_ruler_vllm.py`.
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 import time
@@ -432,6 +433,35 @@ def test_a_run_that_fails_unexpectedly_frees_its_group(replica_stores: list[SqlS
     assert run["next_try_at"] == clock.now + judge.settings.retry_seconds
     judge.client = HeldJudge(released=True)
     assert judge.judge("g").state == "ok"  # no 409: the failed run holds the group no longer
+
+
+def test_a_group_whose_run_fails_unexpectedly_does_not_hold_up_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One group's bug or store error is logged and shows on that group; the groups due after it are still judged,
+    even when it is due again on every poll (`RETRY_SECONDS` shorter than `POLL_SECONDS`)."""
+
+    class BrokenOnBad(HeldJudge):
+        def complete(self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> str:
+            if "BAD" in json.dumps(messages):
+                raise KeyError("content")
+            return super().complete(messages, *args, **kwargs)
+
+    app = make_app(tmp_path, monkeypatch, env=down_judge("retry", ART_COLLECTOR_JUDGE_RETRY_SECONDS="1"))
+    app.state.store.add_spans(group_spans("a", ["BAD", "BAD!"]))
+    app.state.store.add_spans(group_spans("b", ["7", "8"], first_span=100))
+    judge = app.state.scoring.judge
+    judge.clock = clock
+    judge.client = BrokenOnBad(released=True)
+    assert judge.due_groups() == ["a", "b"]  # the broken group comes first
+    with caplog.at_level(logging.ERROR, logger="collector.judging"):
+        assert [(run.group_id, run.state) for run in judge.run_due()] == [("b", "ok")]
+    [record] = caplog.records
+    assert "group a" in record.getMessage() and record.exc_info is not None and record.exc_info[0] is KeyError
+    failed = judge.scoring.run("a")
+    assert (failed["state"], failed["error"]) == ("failed", "KeyError: 'content'")
+    clock.now += judge.settings.retry_seconds
+    assert judge.due_groups() == ["a"] and judge.run_due() == []  # due again, failing again, raising nothing
 
 
 def test_an_answer_python_cannot_read_as_a_number_follows_the_failure_policy(
