@@ -290,12 +290,11 @@ def _json_attr(span: SpanRecord, key: str, want: type) -> Any:
 
 
 def _length_cut(calls: list[SpanRecord], messages: list[dict[str, Any]]) -> list[int]:
-    """Indices in `messages` of the replies the token limit cut: those of the calls whose first finish reason
-    (`gen_ai.response.finish_reasons`) is `length` and whose prompt and reply begin `messages`."""
+    """Indices in `messages` of the replies the token limit cut: those of the calls whose first reply's finish
+    reason (`foreign.finish_reason`, in any convention) is `length` and whose prompt and reply begin `messages`."""
     cut: set[int] = set()
     for span in calls:
-        reasons = span.attributes.get(sc.GEN_AI_RESPONSE_FINISH_REASONS)
-        if (reasons[0] if isinstance(reasons, list) and reasons else reasons) != "length":
+        if foreign.finish_reason(span.attributes) != "length":
             continue
         talk = foreign.conversation(span.attributes, span_id=span.span_id)
         turn = talk.input + talk.output[:1]

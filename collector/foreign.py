@@ -18,6 +18,11 @@ trajectories that the trainer re-tokenizes:
 
 Every result is in OpenAI chat format (`role`, `content`, `tool_calls`, `tool_call_id`).
 
+`finish_reason` reads why a call's first reply ended wherever its convention records it:
+`gen_ai.response.finish_reasons`, the `finish_reason` of each structured `gen_ai.output.messages` entry,
+OpenLLMetry's `gen_ai.completion.N.finish_reason` and OpenInference's `llm.finish_reason`. The Langfuse SDK
+records none.
+
 `describes_art_call` recognises a foreign span of a call that `art_langgraph.ARTChatModel`
 made (and so recorded exactly in its own `llm` span): the LangChain run metadata these
 instrumentations copy onto their spans holds `art.traced = true` (`semconv.TRACED_RUN`).
@@ -27,13 +32,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from art_langgraph import semconv as sc
 
-__all__ = ["Conversation", "conversation", "describes_art_call", "is_generation", "same_messages"]
+__all__ = ["Conversation", "conversation", "describes_art_call", "finish_reason", "is_generation", "same_messages"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,8 @@ OPENINFERENCE_MODEL = "llm.model_name"
 OPENINFERENCE_TOOLS = "llm.tools."
 OPENINFERENCE_METADATA = "metadata"
 """OpenInference: JSON object of the LangChain run's metadata."""
+OPENINFERENCE_FINISH_REASON = "llm.finish_reason"
+"""OpenInference: why the model stopped (`SpanAttributes.LLM_FINISH_REASON`, e.g. `stop` or `length`)."""
 LANGFUSE_TYPE = "langfuse.observation.type"
 LANGFUSE_INPUT = "langfuse.observation.input"
 LANGFUSE_OUTPUT = "langfuse.observation.output"
@@ -121,6 +128,30 @@ def conversation(attributes: Mapping[str, Any], *, span_id: str = "?") -> Conver
         returned, _ = _langfuse_messages(attributes.get(LANGFUSE_OUTPUT), "assistant", span_id)
         return Conversation(sent, returned, tools or offered, model)
     return Conversation(tools=tools, model=model)
+
+
+def finish_reason(attributes: Mapping[str, Any]) -> str | None:
+    """Why a model call's first reply ended, lower-case (`stop`, `length`, ...); None where the span does not say.
+
+    Read from the first of `gen_ai.response.finish_reasons`, else the first `gen_ai.output.messages` entry's
+    `finish_reason` (required by the GenAI output-messages schema), OpenLLMetry's `gen_ai.completion.0.finish_reason`
+    (its `_set_completions`), OpenInference's `llm.finish_reason`. Instrumentations that pass the provider's own
+    value on (OpenLLMetry's Anthropic one) say `max_tokens` for a reply the token limit cut, as Anthropic, Bedrock
+    and Gemini (`MAX_TOKENS`) do: read as `length`.
+    """
+    reason = next((value.lower() for value in _finish_reasons(attributes) if isinstance(value, str) and value), None)
+    return "length" if reason == "max_tokens" else reason
+
+
+def _finish_reasons(attributes: Mapping[str, Any]) -> Iterator[object]:
+    """The places `finish_reason` reads, in its order, each read only when the ones before said nothing (the output
+    messages are JSON to decode)."""
+    reasons = attributes.get(sc.GEN_AI_RESPONSE_FINISH_REASONS)
+    yield reasons[0] if isinstance(reasons, list) and reasons else reasons
+    output = _decoded(attributes.get(sc.GEN_AI_OUTPUT_MESSAGES))
+    yield _dict(output[0]).get("finish_reason") if isinstance(output, list) and output else None
+    yield attributes.get(f"{GEN_AI_COMPLETION}0.finish_reason")
+    yield attributes.get(OPENINFERENCE_FINISH_REASON)
 
 
 def same_messages(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:

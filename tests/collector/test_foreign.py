@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from art_langgraph import semconv as sc
-from collector.foreign import conversation, describes_art_call, same_messages
+from collector.foreign import conversation, describes_art_call, finish_reason, same_messages
 from collector.otlp import SpanRecord
 from tests.collector.server_helpers import collector_app
 from tests.collector.span_builders import llm, rollout, sid, to_request
@@ -195,6 +195,42 @@ def test_langfuse_generation(export) -> None:
     })
     assert text is not None and text["messages"] == [{"role": "user", "content": "What is 2+3?"},
                                                      {"role": "assistant", "content": "5"}]
+
+
+def _structured(reason: str) -> dict[str, Any]:
+    return {"gen_ai.operation.name": "chat",
+            "gen_ai.input.messages": json.dumps([{"role": "user", "parts": [{"type": "text", "content": "count"}]}]),
+            "gen_ai.output.messages": json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": "1, 2"}],
+                                                   "finish_reason": reason}])}
+
+
+def _openllmetry(reason: str) -> dict[str, Any]:
+    return {"llm.request.type": "chat", "gen_ai.prompt.0.role": "user", "gen_ai.prompt.0.content": "count",
+            "gen_ai.completion.0.role": "assistant", "gen_ai.completion.0.content": "1, 2",
+            "gen_ai.completion.0.finish_reason": reason}
+
+
+def _openinference(reason: str) -> dict[str, Any]:
+    return {"openinference.span.kind": "LLM", "llm.finish_reason": reason,
+            "llm.input_messages.0.message.role": "user", "llm.input_messages.0.message.content": "count",
+            "llm.output_messages.0.message.role": "assistant", "llm.output_messages.0.message.content": "1, 2"}
+
+
+@pytest.mark.parametrize(("convention", "cut"), [
+    (_structured, "length"),  # GenAI semconv: each output message's `finish_reason`
+    (_openllmetry, "length"),  # OpenLLMetry's OpenAI instrumentation: the choice's `finish_reason`
+    (_openllmetry, "max_tokens"),  # OpenLLMetry's Anthropic instrumentation: the response's `stop_reason`
+    (_openinference, "length"),  # OpenInference: `llm.finish_reason`
+])
+def test_a_reply_the_token_limit_cut_is_listed_whichever_convention_says_so(export, convention, cut) -> None:
+    """Foreign replies are re-tokenized, so `length_cut` is what keeps the trainer from training an end-of-turn
+    token the model never sampled; it read only `gen_ai.response.finish_reasons`, which these spans lack."""
+    for reason, listed in ((cut, [1]), ("stop", [])):
+        trajectory = export(convention(reason))
+        assert trajectory is not None and [m["content"] for m in trajectory["messages"]] == ["count", "1, 2"]
+        assert trajectory["length_cut"] == listed, reason
+    assert finish_reason({"gen_ai.completion.0.finish_reason": "MAX_TOKENS"}) == "length"  # Gemini's
+    assert finish_reason({"gen_ai.operation.name": "chat", "gen_ai.output.messages": "{not json"}) is None
 
 
 @pytest.mark.parametrize(
