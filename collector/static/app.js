@@ -68,25 +68,21 @@ async function trajectoriesView(params) {
       <td class="muted">${esc(t.last_message)}</td></tr>`,
     )
     .join("");
-  app.innerHTML = `<h2>Reward curve</h2>${curveSvg(curve)}
+  return `<h2>Reward curve</h2>${curveSvg(curve)}
     <h2>Trajectories <span class="muted" id="total">${page.total}</span></h2>
     <form class="filters" id="filters">${field("task", "task")}${field("group", "group")}${field("split", "split")}
       ${field("policy_step", "policy step")}${field("reward_min", "reward ≥")}${field("reward_max", "reward ≤")}
       <button>Filter</button></form>
     <table id="trajectories"><thead><tr><th>id</th><th>task</th><th>group</th><th>step</th><th>reward</th><th>rewards</th>
       <th>msgs</th><th>tokens</th><th>complete</th><th>last message</th></tr></thead><tbody>${rows}</tbody></table>`;
-  document.getElementById("filters").addEventListener("submit", (event) => {
-    event.preventDefault();
-    const data = new URLSearchParams(new FormData(event.target));
-    location.hash = `#/?${data}`;
-  });
 }
 
 function messageHtml(message) {
   const role = message.role || "?";
   let content = message.content;
-  if (Array.isArray(content)) content = content.map((part) => part.text ?? JSON.stringify(part)).join("\n");
-  else if (content !== null && typeof content === "object") content = JSON.stringify(content, null, 2);
+  if (Array.isArray(content)) {
+    content = content.map((part) => (typeof part === "string" ? part : part?.text ?? JSON.stringify(part))).join("\n");
+  } else if (content !== null && typeof content === "object") content = JSON.stringify(content, null, 2);
   const calls = (message.tool_calls || [])
     .map((call) => {
       const fn = call.function || call;
@@ -106,7 +102,7 @@ async function trajectoryView(id) {
   const judgements = t.judgements
     .map((j) => `<div class="judgement"><strong>${esc(j.name)} ${num(j.score)}</strong>${j.duplicate_of ? ` <span class="muted">(identical to ${esc(j.duplicate_of)}, judged once)</span>` : ""}<div>${esc(j.explanation)}</div></div>`)
     .join("");
-  app.innerHTML = `<h2>Trajectory <code>${esc(t.id)}</code></h2>
+  return `<h2>Trajectory <code>${esc(t.id)}</code></h2>
     <div class="kv"><span>trace</span><code>${esc(t.trace_id)}</code><span>group</span><span>${groupLink(t)}</span>
       <span>task / split</span><span>${esc(t.task)} / ${esc(t.split)}</span><span>model</span><span>${esc(t.model)}</span>
       <span>policy step</span><span>${t.policy_step ?? "–"}</span><span>training reward</span><span>${num(t.reward)}</span>
@@ -129,7 +125,7 @@ async function groupsView() {
         <td class="num">${g.complete}</td><td class="num">${g.rewarded}</td><td>${esc(g.state)}</td><td class="muted">${esc(g.reason)}</td><td>${judge}</td></tr>`;
     })
     .join("");
-  app.innerHTML = `<h2>Groups</h2><table id="groups"><thead><tr><th>id</th><th>task</th><th>size</th><th>complete</th><th>rewarded</th>
+  return `<h2>Groups</h2><table id="groups"><thead><tr><th>id</th><th>task</th><th>size</th><th>complete</th><th>rewarded</th>
     <th>state</th><th>reason</th><th>judge</th></tr></thead><tbody>${rows}</tbody></table>`;
 }
 
@@ -139,22 +135,32 @@ async function batchesView() {
     .map((b) => `<tr><td><code>${esc(b.id.slice(0, 12))}</code></td><td>${esc(b.trainer)}</td><td>${esc(b.state)}</td><td>${when(b.created_at)}</td>
       <td>${when(b.acked_at)}</td><td class="num">${b.policy_step ?? "–"}</td><td>${b.groups.map(esc).join(", ")}</td><td class="muted">${esc(b.reason)}</td></tr>`)
     .join("");
-  app.innerHTML = `<h2>Batches</h2><table id="batches"><thead><tr><th>id</th><th>trainer</th><th>state</th><th>leased</th><th>acked</th>
+  return `<h2>Batches</h2><table id="batches"><thead><tr><th>id</th><th>trainer</th><th>state</th><th>leased</th><th>acked</th>
     <th>step</th><th>groups</th><th>reason</th></tr></thead><tbody>${rows}</tbody></table>`;
 }
 
+let routed = 0; // how many routes have started: a view whose reads finish after a later route's start is not drawn
+
 async function route() {
+  const ticket = ++routed;
   const hash = location.hash || "#/";
   const [path, search] = hash.slice(1).split("?");
+  let html;
   try {
-    if (path.startsWith("/t/")) await trajectoryView(decodeURIComponent(path.slice(3)));
-    else if (path === "/groups") await groupsView();
-    else if (path === "/batches") await batchesView();
-    else await trajectoriesView(new URLSearchParams(search || ""));
+    if (path.startsWith("/t/")) html = await trajectoryView(decodeURIComponent(path.slice(3)));
+    else if (path === "/groups") html = await groupsView();
+    else if (path === "/batches") html = await batchesView();
+    else html = await trajectoriesView(new URLSearchParams(search || ""));
   } catch (error) {
-    app.innerHTML = `<p class="error">${esc(error.message)}</p>`;
+    html = `<p class="error">${esc(error.message)}</p>`;
   }
+  if (ticket === routed) app.innerHTML = html;
 }
 
+app.addEventListener("submit", (event) => {
+  if (event.target.id !== "filters") return;
+  event.preventDefault();
+  location.hash = `#/?${new URLSearchParams(new FormData(event.target))}`;
+});
 window.addEventListener("hashchange", route);
 route();

@@ -7,14 +7,19 @@ and, on a trajectory's page, show its messages and judge explanation.
 
 from __future__ import annotations
 
+import asyncio
 import html
+import re
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from fastapi import Request, Response
+from fastapi.responses import HTMLResponse
 
+from tests.collector import span_builders as sb
 from tests.collector.seeding import group_spans, make_app
 from tests.served import served as served_app
 
@@ -71,3 +76,54 @@ def test_batches_page_shows_a_released_batch_and_its_reason(served: str, tmp_pat
     page = html.unescape(chromium(f"{served}/ui/#/batches", tmp_path / "profile", "--dump-dom"))
     assert 'id="batches"' in page and "<td>released</td>" in page
     assert "NonFiniteStepError: loss is nan" in page and batch["id"][:12] in page
+
+
+def test_trajectory_page_shows_messages_whose_content_list_holds_odd_parts(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # OpenAI-format messages are kept as recorded: a content list may hold a null or a plain string
+    app = make_app(tmp_path, monkeypatch)
+    asked = [{"role": "user", "content": [None, "Plain part.", {"type": "text", "text": "What is 3 + 4?"}]}]
+    app.state.store.add_spans([
+        sb.llm(1, rollout="odd", start=10, prompt=[1, 2], completion=[3], messages=asked,
+               output=[{"role": "assistant", "content": "7"}]),
+        sb.rollout(2, "odd", group="g", size=1),
+    ])
+    with served_app(app) as url:
+        page = html.unescape(chromium(f"{url}/ui/#/t/odd", tmp_path / "profile", "--dump-dom"))
+    assert 'class="error"' not in page
+    assert "null\nPlain part.\nWhat is 3 + 4?" in page
+
+
+NAVIGATE_WHILE_LOADING = """<!doctype html><body><pre id="shown"></pre><iframe id="page" src="/ui/#/"></iframe><script>
+const page = document.getElementById("page");
+page.addEventListener("load", () => { page.contentWindow.location.hash = "#/groups"; });
+setInterval(() => {
+  const app = page.contentDocument && page.contentDocument.getElementById("app");
+  if (app) document.getElementById("shown").textContent = page.contentWindow.location.hash + " " + app.innerHTML;
+}, 20);
+</script></body>"""
+"""Opens the trajectory list, whose reward curve is slow, and goes to the groups before it has loaded."""
+
+
+def test_a_view_still_loading_does_not_replace_the_one_navigated_to(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    app = make_app(tmp_path, monkeypatch)
+    app.state.store.add_spans(group_spans("sums", ["7", "8"], rewards=[1.0, 0.0], steps=[0, 1]))
+
+    @app.middleware("http")
+    async def slow_curve(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if request.url.path == "/v1/view/reward-curve":
+            await asyncio.sleep(1.5)
+        return await call_next(request)
+
+    @app.get("/navigate.html")
+    def navigate() -> HTMLResponse:
+        return HTMLResponse(NAVIGATE_WHILE_LOADING)
+
+    with served_app(app) as url:
+        dom = chromium(f"{url}/navigate.html", tmp_path / "profile", "--dump-dom")
+    match = re.search(r'<pre id="shown">(.*?)</pre>', dom, re.S)
+    assert match is not None
+    shown = html.unescape(match.group(1))
+    assert shown.startswith("#/groups ")
+    assert 'id="groups"' in shown and 'id="trajectories"' not in shown
