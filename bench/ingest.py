@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from art_langgraph import semconv as sc  # noqa: E402  (after the path set-up)
-from bench.options import positive_int  # noqa: E402
+from bench.options import database_url, positive_int  # noqa: E402
 from examples.stack import free_port  # noqa: E402
 
 PHOENIX_VENV = ROOT / "bench" / ".phoenix-venv"
@@ -236,7 +236,8 @@ def main() -> None:
     parser.add_argument("--traces-per-export", type=positive_int, default=64,
                         help="traces per OTLP export request (64 = 448 spans)")
     parser.add_argument("--concurrency", type=positive_int, default=4, help="exports in flight at once")
-    parser.add_argument("--postgres", help="also measure the collector on this PostgreSQL URL (an empty database)")
+    parser.add_argument("--postgres", type=database_url,
+                        help="also measure the collector on this PostgreSQL URL (an empty database)")
     parser.add_argument("--skip-phoenix", action="store_true", help="measure only the collector")
     args = parser.parse_args()
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from bench.options import database_url
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "RESULTS.md"
 RUNS = ROOT / "runs" / "bench"
@@ -196,7 +198,7 @@ def main() -> None:
                         help=f"sections to run (default: all); names: {' '.join(s.name for s in sections([0], None))}")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="seeds of each learning run (default: 0 1 2)")
-    parser.add_argument("--postgres", default=os.environ.get("ART_BENCH_POSTGRES"),
+    parser.add_argument("--postgres", type=database_url, default=os.environ.get("ART_BENCH_POSTGRES"),
                         help="also measure ingest on this empty PostgreSQL database (env ART_BENCH_POSTGRES)")
     args = parser.parse_args()
     chosen = sections(args.seeds, args.postgres)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.options import positive_int
+from bench.options import http_url, positive_int
 from examples.stack import start_service
 
 
@@ -78,7 +78,8 @@ def report(name: str, r: dict[str, float]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trainer", help="a running art-trainer (default: start one on ports 28110-28111)")
+    parser.add_argument("--trainer", type=http_url,
+                        help="a running art-trainer (default: start one on ports 28110-28111)")
     parser.add_argument("--requests", type=positive_int, default=2000, help="chat requests, all sent at once")
     parser.add_argument("--max-tokens", type=positive_int, default=4, help="completion tokens per request")
     args = parser.parse_args()

@@ -33,7 +33,7 @@ from langgraph.graph import START, MessagesState, StateGraph
 
 import art_langgraph
 from art_langgraph import ARTChatModel, chat_node
-from bench.options import positive_int
+from bench.options import http_url, positive_int
 from examples.stack import running_stack
 
 PROMPTS = [f"Reply with one word about the number {i}." for i in range(16)]
@@ -87,8 +87,9 @@ def report(title: str, samples: dict[str, tuple[list[float], list[float]]], base
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trainer", help="trainer service base URL (default: start a collector and a trainer)")
-    parser.add_argument("--collector", help="collector base URL, where spans go (with --trainer)")
+    parser.add_argument("--trainer", type=http_url,
+                        help="trainer service base URL (default: start a collector and a trainer)")
+    parser.add_argument("--collector", type=http_url, help="collector base URL, where spans go (with --trainer)")
     parser.add_argument("--model", default="agent@latest", help="model name the chat calls ask for")
     parser.add_argument("--rounds", type=positive_int, default=40, help="calls per variant, interleaved")
     parser.add_argument("--max-tokens", type=positive_int, default=8, help="completion tokens per call")
@@ -125,9 +126,9 @@ def measure(args: argparse.Namespace) -> None:
     }
     report("model call", run(calls, args.rounds), "openai+ids")
 
-    graphs = {"openai": graph_of(extras), "art": graph_of(art)}
+    graphs = {"openai+ids": graph_of(extras), "art": graph_of(art)}  # the node asks for the same extras as art
     steps = {name: (lambda p, g=g: g.invoke({"messages": [HumanMessage(p)]})) for name, g in graphs.items()}
-    report("agent step (one-node graph; art adds node + rollout spans)", run(steps, args.rounds), "openai")
+    report("agent step (one-node graph; art adds node + rollout spans)", run(steps, args.rounds), "openai+ids")
     dropped = art_langgraph.dropped_spans()
     ok = art_langgraph.flush(timeout=10)
     print(f"\nspans flushed: {ok}; dropped: {dropped}")

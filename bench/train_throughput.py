@@ -56,10 +56,12 @@ from typing import Any
 
 import httpx
 import torch
+from pydantic import ValidationError
 from transformers import TrainerCallback
 
 from bench.grpo_batch import COMPLETION_TOKENS, PROMPTS, SAMPLES, problems, question, sample_batch, score, to_groups
-from bench.options import positive_int
+from bench.options import non_negative_int, positive_int
+from collector.config import settings_error
 from collector.protocol import Group
 from trainer_service.allocator import allocator_library, loaded_allocator, with_preload
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
@@ -232,7 +234,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-port", type=int, default=28101, help="port of the vLLM engine art samples from")
     parser.add_argument("--skip-trl", action="store_true", help="only time art-trainer")
-    parser.add_argument("--overlapped-steps", type=int, default=3,
+    parser.add_argument("--overlapped-steps", type=non_negative_int, default=3,
                         help="steps timed with the next batch's sampling overlapping training (0: skip)")
     parser.add_argument("--precision", choices=["default", "float32"], default="default",
                         help="default: each side's default here (TRL bf16 autocast; art bf16 base weights where the "
@@ -267,6 +269,9 @@ def main() -> None:
         return
     try:
         library = allocator_library(args.allocator)
+        TrainerSettings(idle_train_threads=args.idle_train_threads, idle_vllm_threads=args.idle_vllm_threads)
+    except ValidationError as exc:  # as the art worker builds them (`run_ours`), refused before any round starts
+        parser.error(settings_error(exc))
     except ValueError as exc:
         parser.error(str(exc))
     trl_allocators = [library] + ([None] if library is not None else [])
