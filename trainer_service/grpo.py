@@ -48,8 +48,9 @@ __all__ = [
 def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """Return GRPO advantages of one group: `(r - mean(r)) / (std(r) + eps)`.
 
-    Computed in float64, so rewards beyond float32's range (about 3.4e38) still give finite
-    advantages when scaled.
+    Computed in float64 on the rewards divided by the largest `|r|` (the result is the same), so
+    rewards beyond float32's range (about 3.4e38), or whose squares overflow float64 (beyond about
+    1e154), still give finite advantages when scaled.
 
     Args:
         rewards: 1-D tensor, one reward per trajectory of the group.
@@ -63,10 +64,12 @@ def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-
     rewards = rewards.to(torch.float64)
     if rewards.ndim != 1 or rewards.numel() == 0:
         raise ValueError(f"rewards must be a non-empty 1-D tensor, got shape {tuple(rewards.shape)}")
-    centred = rewards - rewards.mean()
-    if scale:
-        centred = centred / (rewards.std(correction=0) + eps)
-    return centred.to(torch.float32)
+    size = float(rewards.abs().max()) or 1.0
+    unit = rewards / size  # |unit| <= 1: its mean and std cannot overflow
+    centred = unit - unit.mean()
+    if scale:  # (r - mean) / (std + eps) == (unit - mean(unit)) / (std(unit) + eps / size)
+        return (centred / (unit.std(correction=0) + eps / size)).to(torch.float32)
+    return (centred * size).to(torch.float32)
 
 
 def kept_token_logprobs(kept_logits: torch.Tensor, token_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

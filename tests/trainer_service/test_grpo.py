@@ -257,6 +257,13 @@ def test_group_advantages_of_rewards_beyond_float32() -> None:
     assert group_advantages(torch.tensor([1e39, 0.0], dtype=torch.float64)).dtype == torch.float32
 
 
+@pytest.mark.parametrize("rewards", [[1e300, 0.0], [1.7e308, -1.7e308], [-1e200, 1.0]])
+def test_group_advantages_of_rewards_whose_squares_overflow(rewards: list[float]) -> None:
+    # the std's squares overflowed float64 to inf, which scaled every advantage of the group to 0
+    got = group_advantages(torch.tensor(rewards, dtype=torch.float64)).tolist()
+    assert got == ([1.0, -1.0] if rewards[0] > rewards[1] else [-1.0, 1.0])
+
+
 def test_cispo_bounds_its_weight_from_above_only_as_documented() -> None:
     new, old = torch.log(torch.tensor([2.0, 0.1])), torch.zeros(2)  # ratios 2 and 0.1
 
