@@ -7,6 +7,8 @@ a token is an assistant token when the text it comes from was added by an assist
 spans are found by rendering growing prefixes of the conversation, so any template that renders a
 conversation as the concatenation of its turns works, tool calls included. A template that leaves an
 assistant message's tool calls out (no tool support) is refused: that turn would train as an empty one.
+An assistant message that opens the conversation had no prompt, so the model did not sample it (a canned greeting):
+it stays out of the mask.
 Trailing template text after the end-of-turn token (a newline) is not sampled by the model and
 is left out of the mask.
 The end-of-turn token is the tokenizer's eos, or the special token the template writes right after
@@ -114,25 +116,26 @@ def render_with_assistant_mask(
         length_cut: indices in `messages` of assistant messages the token limit cut (`Trajectory.length_cut`).
 
     Returns:
-        `(token_ids, mask)`: mask is 1 on tokens rendered from assistant messages (up to and
+        `(token_ids, mask)`: mask is 1 on tokens rendered from assistant messages but the first message (up to and
         including the end-of-turn token, excluding it for a message in `length_cut`), 0 elsewhere.
 
     Raises:
-        RetokenizeError: no assistant message, no chat template, a template that fails on the
+        RetokenizeError: no assistant message after the first message, no chat template, a template that fails on the
             conversation, one that leaves an assistant message's tool calls out (no tool support), or
             one whose rendering of a longer conversation does not extend the rendering of a shorter one.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise RetokenizeError("the tokenizer has no chat template; set one (or serve a model that ships one)")
-    if not any(m.get("role") == "assistant" for m in messages):
-        raise RetokenizeError("the conversation has no assistant message: nothing to train on")
+    if not any(m.get("role") == "assistant" for m in messages[1:]):
+        raise RetokenizeError("the conversation has no assistant message after its first message: nothing the model "
+                              "sampled to train on")
     messages = _as_served(messages)
     full = _render(tokenizer, messages, tools, generation_prompt=False)
     spans: list[tuple[int, int, bool]] = []
     for index, message in enumerate(messages):
-        if message.get("role") != "assistant":
+        if message.get("role") != "assistant" or not index:  # message 0 had no prompt: the model did not sample it
             continue
-        before = _render(tokenizer, messages[:index], tools, generation_prompt=True) if index else ""
+        before = _render(tokenizer, messages[:index], tools, generation_prompt=True)
         upto = _render(tokenizer, messages[: index + 1], tools, generation_prompt=False)
         if not (upto.startswith(before) and full.startswith(upto)):
             raise RetokenizeError(

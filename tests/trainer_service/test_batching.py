@@ -229,6 +229,16 @@ def test_retokenized_mask_covers_exactly_the_assistant_turns(tokenizer: PreTrain
         assert text in unmasked  # prompts, tool definitions and tool results carry no loss
 
 
+def test_an_assistant_message_that_opens_the_conversation_is_not_trained(tokenizer: PreTrainedTokenizerBase) -> None:
+    # it was masked from the text's start: the template's default system prompt and role header trained with it
+    greeting = [{"role": "assistant", "content": "Hi, how can I help?"}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4"}]
+    ids, mask = render_with_assistant_mask(tokenizer, greeting)
+    assert tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == "4<|im_end|>"
+    with pytest.raises(RetokenizeError, match="no assistant message after its first message"):
+        render_with_assistant_mask(tokenizer, greeting[:2])
+
+
 def test_retokenized_tool_calls_render_their_arguments_as_vllm_does(tokenizer: PreTrainedTokenizerBase) -> None:
     # vLLM parses an `arguments` string into an object before the template renders it with `tojson`
     def conversation(arguments: str | dict) -> list[dict]:
