@@ -10,11 +10,14 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 import zlib
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -188,12 +191,13 @@ def encode_response(content_type: str | None, rejected: list[str] | None = None)
 
 
 def _parse_json(body: bytes) -> tuple[ExportTraceServiceRequest, list[str]]:
-    """Parse OTLP/JSON, converting its hex ids to the base64 that `json_format` expects.
+    """Parse OTLP/JSON (UTF-8), converting its hex ids to the base64 that `json_format` expects.
 
     Returns the request without the spans whose ids are not hex strings, and why each was left out.
     """
     try:
-        data = json.loads(body)
+        text = body.decode("utf-8-sig")  # strict: `json.loads` of bytes would let encoded surrogates through
+        data = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise OtlpError("malformed_body", f"body is not valid JSON: {exc}") from exc
     except RecursionError as exc:
@@ -216,12 +220,62 @@ def _parse_json(body: bytes) -> tuple[ExportTraceServiceRequest, list[str]]:
             scope_spans["spans"] = kept
     request = ExportTraceServiceRequest()
     try:
+        if _SURROGATE_ESCAPE.search(text):
+            _refuse_lone_surrogates(data)
+        _require_objects(data, request.DESCRIPTOR, "")
         json_format.ParseDict(data, request, ignore_unknown_fields=True)
     except json_format.ParseError as exc:
         raise OtlpError("malformed_body", f"body is not a valid OTLP/JSON ExportTraceServiceRequest: {exc}") from exc
     except RecursionError as exc:
         raise OtlpError("malformed_body", "body is JSON nested too deeply") from exc
     return request, rejected
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+"""A JSON escape of a UTF-16 surrogate: two in a row make one character, one alone is no text (protobuf fails on it
+deep inside, with a `SystemError` or an error message that cannot be encoded)."""
+
+
+def _refuse_lone_surrogates(data: Any) -> None:
+    """Refuse parsed JSON in which a string holds a surrogate that no second one paired into a character.
+
+    Raises:
+        OtlpError: `malformed_body`, naming the surrogate.
+    """
+    try:
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:
+        lone = exc.object[exc.start : exc.end]
+        raise OtlpError("malformed_body", f"body holds a lone UTF-16 surrogate {lone!r}: not valid Unicode") from exc
+
+
+@cache
+def _message_fields(descriptor: Descriptor) -> tuple[tuple[str, str, Descriptor, bool], ...]:
+    """(JSON name, name, message type, repeated) of each field of `descriptor` whose type is a message."""
+    return tuple((f.json_name, f.name, f.message_type, f.is_repeated) for f in descriptor.fields if f.message_type)
+
+
+def _require_objects(value: Any, descriptor: Descriptor, path: str) -> None:
+    """Check that every message in parsed OTLP/JSON is an object (or null): `json_format`, told to ignore unknown
+    fields, reads a string there as an empty message (its characters as unknown field names), so a plain
+    `"value": "r1"` would be stored as no value at all.
+
+    Raises:
+        OtlpError: `malformed_body`, naming the first place where something else stands.
+    """
+    if not isinstance(value, dict):
+        raise OtlpError("malformed_body", f"{path or 'body'} must be an object, not {str(value)[:40]!r}")
+    for json_name, name, message, repeated in _message_fields(descriptor):
+        key = json_name if json_name in value else name
+        child = value.get(key)
+        if child is None:
+            continue
+        if not repeated:
+            _require_objects(child, message, f"{path}.{key}" if path else key)
+        elif isinstance(child, list):  # anything else `json_format` refuses, naming it
+            for i, item in enumerate(child):
+                if item is not None:  # a null element `json_format` refuses, naming it
+                    _require_objects(item, message, f"{path}.{key}[{i}]" if path else f"{key}[{i}]")
 
 
 def _list(parent: Any, key: str, path: str) -> list[Any]:

@@ -86,6 +86,17 @@ def test_records_round_trip_through_dict() -> None:
         assert SpanRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
 
 
+def _span_json(**fields: object) -> bytes:
+    """OTLP/JSON of one span with `fields` (json.dumps escapes a lone surrogate as `\\ud800`)."""
+    span = {"traceId": TRACE, "spanId": sid(1), "name": "x", **fields}
+    return json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [span]}]}]}).encode()
+
+
+def test_json_surrogate_pairs_and_bom_decode() -> None:
+    (span,) = decode_request(b"\xef\xbb\xbf" + _span_json(name="\U0001f600"), JSON).spans
+    assert span.name == "\U0001f600"
+
+
 @pytest.mark.parametrize(
     ("body", "content_type", "fragment"),
     [
@@ -102,6 +113,17 @@ def test_records_round_trip_through_dict() -> None:
         (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": TRACE, "spanId": sid(1),
                                                                    "links": [[]]}]}]}]}).encode(),
          JSON, "resourceSpans[0].scopeSpans[0].spans[0].links[0] must be an object"),
+        # a string where a message belongs was read as an empty one: the value, the status, the event lost
+        (_span_json(attributes=[{"key": "art.rollout.id", "value": "r1"}]), JSON,
+         "spans[0].attributes[0].value must be an object, not 'r1'"),
+        (_span_json(status="ERROR"), JSON, "spans[0].status must be an object, not 'ERROR'"),
+        (_span_json(events=["art.reward"]), JSON, "spans[0].events[0] must be an object"),
+        (_span_json(attributes=[{"key": "ids", "value": {"arrayValue": {"values": ["1"]}}}]), JSON,
+         "spans[0].attributes[0].value.arrayValue.values[0] must be an object"),
+        # lone UTF-16 surrogates failed deep in protobuf: a SystemError, or an error message no response could encode
+        (_span_json(attributes=["\ud800"]), JSON, "lone UTF-16 surrogate '\\ud800'"),
+        (_span_json(attributes="\udc00"), JSON, "lone UTF-16 surrogate '\\udc00'"),
+        (_span_json(name="\ud800").replace(b"\\ud800", b"\xed\xa0\x80"), JSON, "not valid JSON"),
     ],
 )
 def test_malformed_bodies_name_the_fault(body: bytes, content_type: str, fragment: str) -> None:

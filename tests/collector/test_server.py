@@ -57,6 +57,10 @@ def test_export_errors(tmp_path: Path) -> None:
     client = TestClient(collector_app(tmp_path, max_body_bytes=2048))
     assert_error(client.post("/v1/traces", content=b"\xff\xff", headers=PB), 400, "malformed_body")
     assert_error(client.post("/v1/traces", content=b"{", headers=JSON), 400, "malformed_body")
+    for spans in (b'[{"attributes": ["\\ud800"]}]', b'[{"attributes": "\\ud800"}]'):  # were 500
+        body = b'{"resourceSpans": [{"scopeSpans": [{"spans": %s}]}]}' % spans
+        assert "surrogate" in assert_error(client.post("/v1/traces", content=body, headers=JSON),
+                                           400, "malformed_body")["message"]
     assert_error(client.post("/v1/traces", content=b"x" * 4096, headers=PB), 413, "body_too_large")
     bomb = gzip.compress(b"\0" * 100_000)
     assert_error(client.post("/v1/traces", content=bomb, headers={**PB, "content-encoding": "gzip"}),
