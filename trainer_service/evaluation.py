@@ -39,13 +39,14 @@ def load_reward_fn(spec: str) -> RewardFn:
     """Import `module:function`.
 
     Raises:
-        EvalError: the module or attribute does not exist (or the module name is empty or relative), or is not
-            callable, or is an `async def` (its coroutine is no reward).
+        EvalError: the module or attribute does not exist (or the module name is empty or relative, or the module
+            is no valid Python), or is not callable, or is an `async def` (its coroutine is no reward).
     """
     module_name, _, attr = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError, TypeError) as exc:  # ValueError, TypeError: `:f`, `.mod:f`
+    # ValueError, TypeError: `:f`, `.mod:f`; SyntaxError: a module that is no valid Python (was a traceback)
+    except (ImportError, AttributeError, ValueError, TypeError, SyntaxError) as exc:
         raise EvalError(f"eval reward {spec!r} cannot be imported: {exc}. Give `module:function` on the "
                         "Python path of the trainer.") from exc
     if not callable(fn):

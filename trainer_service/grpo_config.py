@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from trainer_service.metrics import KL_METRICS
+
 if TYPE_CHECKING:
     import torch
     from peft import LoraConfig
@@ -247,15 +249,23 @@ class GRPOConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def check_against(self, settings: TrainerSettings) -> None:
-        """Check that the engine settings can serve adapters this config trains.
+        """Check that the engine settings can serve adapters this config trains, and that its steps record the
+        metric retention ranks checkpoints by.
 
         Raises:
-            ValueError: the LoRA rank exceeds vLLM's `max_lora_rank`.
+            ValueError: the LoRA rank exceeds vLLM's `max_lora_rank`, or `keep_best_metric` is a KL metric
+                (`metrics.KL_METRICS`) without a KL penalty.
         """
         if self.lora_r > settings.max_lora_rank:
             raise ValueError(
                 f"lora_r={self.lora_r} exceeds max_lora_rank={settings.max_lora_rank}: vLLM could not load the "
                 f"adapter. Raise --max-lora-rank to {self.lora_r} or lower --lora-r."
+            )
+        if settings.keep_best_metric in KL_METRICS and self.kl_coef == 0:  # no step records it: no best was kept
+            raise ValueError(
+                f"keep_best_metric={settings.keep_best_metric!r} is recorded only with a KL penalty, and kl_coef=0. "
+                "Set --kl-coef (ART_TRAINER_KL_COEF) above 0 or choose another --keep-best-metric "
+                "(ART_TRAINER_KEEP_BEST_METRIC)."
             )
 
     @staticmethod

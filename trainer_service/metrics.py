@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHECKPOINT_METRICS", "MetricsSink", "PLOT_FILE", "is_checkpoint_metric"]
+__all__ = ["CHECKPOINT_METRICS", "KL_METRICS", "MetricsSink", "PLOT_FILE", "is_checkpoint_metric"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,8 @@ CHECKPOINT_METRICS = frozenset({
 (`TrainerSettings.keep_best_metric`). The service adds `time/publish_s`, `time/workers_s`, `eval/reward`,
 `promotion/promoted` and `collector/ack_failed` once the checkpoint is written; retention reads `eval/reward` from
 the promotion gate."""
+KL_METRICS = frozenset({"loss/kl", "loss/total"})
+"""The `CHECKPOINT_METRICS` a GRPO step records only with a KL penalty (`GRPOConfig.kl_coef` > 0)."""
 _SKIPPED = "data/skipped/"
 """Prefix of the counts of what a step left out (`batching`), one metric per reason."""
 _PLOTTED = (("reward/mean", "reward (mean)"), ("loss/policy", "policy loss"), ("loss/sft", "SFT loss"),

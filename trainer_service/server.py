@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from collector.auth import bearer_matches
-from trainer_service.base_model import resolve_base_model, served_base_name
+from trainer_service.base_model import check_base_model, resolve_base_model, served_base_name
 from trainer_service.config import TrainerSettings
 from trainer_service.core_lending import CoreLender, EngineRequest
 from trainer_service.distributed import TrainLauncher
@@ -58,8 +58,13 @@ _NO_PARAMETERS = re.compile(rb"[ \t\r\n]*(\{[ \t\r\n]*\})?[ \t\r\n]*")
 
 def build_service(settings: TrainerSettings, grpo: GRPOConfig,
                   collector_transport: httpx.AsyncBaseTransport | None = None) -> TrainerService:
-    """Wire a `TrainerService` from settings: the base model, the vLLM engine and the trainer."""
+    """Wire a `TrainerService` from settings: the base model, the vLLM engine and the trainer.
+
+    Raises:
+        BaseModelError: the base model, its chat template or the LoRA target modules (`check_base_model`).
+    """
     model_path = resolve_base_model(settings.base_model)
+    check_base_model(model_path, settings.served_chat_template(), grpo.target_modules)
     engine_threads = EngineThreads.from_settings(settings, settings.run_dir / "vllm-threads")
     engine = VLLMEngine(
         model_path,

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.trainer_service.builders import tiny_model
 from trainer_service import base_model
-from trainer_service.base_model import BaseModelError, find_bundled_gguf, resolve_base_model
+from trainer_service.base_model import BaseModelError, check_base_model, find_bundled_gguf, resolve_base_model
+from trainer_service.grpo_config import DEFAULT_TARGET_MODULES
 
 
 def test_bundled_model_is_prepared_once_and_reused() -> None:
@@ -55,3 +57,20 @@ def test_unknown_hub_name_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_
     (tmp_path / "hub" / "models--some-org--cached" / "refs").mkdir()
     (tmp_path / "hub" / "models--some-org--cached" / "refs" / "main").write_text("abc")
     assert resolve_base_model("some-org/cached") == "some-org/cached"
+    with pytest.raises(BaseModelError, match=r"'a/b/c' is not a local folder, nor a hub name"):  # was a traceback
+        resolve_base_model("a/b/c")
+
+
+def test_a_template_and_target_modules_that_fit_the_model_pass_and_others_name_the_setting(tmp_path: Path) -> None:
+    """What the trainer reads only after vLLM's start is checked before it (`check_base_model`)."""
+    tiny_model().config.save_pretrained(tmp_path)
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}")
+    check_base_model(str(tmp_path), str(template), ["self_attn.q_proj", "v_proj"])  # as PEFT matches them
+    check_base_model(str(tmp_path), None, list(DEFAULT_TARGET_MODULES))
+    with pytest.raises(BaseModelError, match=r"--target-modules \(ART_TRAINER_TARGET_MODULES\) qproj, mlp.q_proj: no "
+                                             r"module of .* Its modules: .*down_proj.*q_proj"):
+        check_base_model(str(tmp_path), None, ["q_proj", "qproj", "mlp.q_proj"])
+    template.write_bytes(b"\xff{{ messages }}")
+    with pytest.raises(BaseModelError, match=r"--chat-template \(ART_TRAINER_CHAT_TEMPLATE\) .* cannot be read"):
+        check_base_model(str(tmp_path), str(template), ["q_proj"])

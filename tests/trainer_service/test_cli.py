@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from collector.config import settings_error
+from tests.trainer_service.builders import tiny_model
 from trainer_service.cli import build_parser, main, settings_from_args
 from trainer_service.config import TrainerSettings, vllm_lora_ranks
 
@@ -253,6 +254,11 @@ def test_bad_schedule_and_eval_settings_exit_with_the_fix(capsys: pytest.Capture
     with pytest.raises(SystemExit):  # it was found only once the service was built: a traceback
         main(["serve", "--idle-vllm-threads", str(len(os.sched_getaffinity(0)) + 1), *no_model])
     assert "--idle-vllm-threads (ART_TRAINER_IDLE_VLLM_THREADS) or leave it out" in capsys.readouterr().err
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(SystemExit):  # was accepted: the step ran more threads than cores while vLLM idled
+        main(["serve", "--train-threads", "1", "--idle-train-threads", str(cores + 1), *no_model])
+    assert f"idle_train_threads={cores + 1}: this process may use {cores} cores. Lower --idle-train-threads " \
+           "(ART_TRAINER_IDLE_TRAIN_THREADS) or leave it out" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--eval-file", "eval.jsonl"])
     assert "needs both eval prompts" in capsys.readouterr().err
@@ -319,7 +325,20 @@ def test_a_keep_best_metric_no_checkpoint_records_exits_naming_it(metric: str,
     assert f"--keep-best-metric (ART_TRAINER_KEEP_BEST_METRIC) {metric!r} is no metric a checkpoint records" in err
     assert "reward/mean" in err  # the names it could be
     for recorded in ("reward/mean", "loss/kl", "data/skipped/no_reward_spread"):
-        assert parse("--keep-last", "1", "--keep-best-metric", recorded)[0].keep_best_metric == recorded
+        settings = parse("--keep-last", "1", "--keep-best-metric", recorded, "--kl-coef", "0.1")[0]
+        assert settings.keep_best_metric == recorded
+
+
+@pytest.mark.parametrize("metric", ["loss/kl", "loss/total"])
+def test_a_kl_keep_best_metric_without_a_kl_penalty_exits_naming_the_flag(metric: str,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """No step records it with --kl-coef 0: it was accepted and no best was ever kept."""
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--keep-last", "1", "--keep-best-metric", metric, "--base-model", "/no/such/folder"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert f"keep_best_metric={metric!r} is recorded only with a KL penalty, and kl_coef=0. Set --kl-coef" in err
+    assert parse("--keep-last", "1", "--keep-best-metric", metric, "--kl-coef", "0.1")[0].keep_best_metric == metric
 
 
 _SERVING = """
@@ -366,8 +385,7 @@ def test_a_second_trainer_on_one_output_dir_exits_naming_the_first(tmp_path: Pat
 def test_checkpoints_of_another_base_model_exit_with_the_fix_before_vllm(tmp_path: Path,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
+    tiny_model().config.save_pretrained(model)
     kept = tmp_path / "run" / "checkpoints" / "step-1"
     kept.mkdir(parents=True)
     config = {"lora_r": 16, "target_modules": ["q_proj"]}
@@ -377,6 +395,34 @@ def test_checkpoints_of_another_base_model_exit_with_the_fix_before_vllm(tmp_pat
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "art-trainer: error:" in err and str(kept) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("given", "config", "says"), [
+    (["--chat-template", "missing.jinja"], None, "--chat-template (ART_TRAINER_CHAT_TEMPLATE) missing.jinja cannot be "
+                                                 "read"),
+    (["--chat-template", "bad.jinja"], None, "--chat-template (ART_TRAINER_CHAT_TEMPLATE) bad.jinja is not a valid "
+                                             "Jinja template: line 1: "),
+    (["--target-modules", "q_proj,qproj"], None, "--target-modules (ART_TRAINER_TARGET_MODULES) qproj: no module of"),
+    ([], "{}", "cannot be loaded as a causal language model: Unrecognized model"),
+    ([], "{not json", "cannot be loaded as a causal language model: It looks like the config file"),
+])
+def test_a_template_model_or_target_module_that_does_not_fit_exits_before_vllm(
+        given: list[str], config: str | None, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each was read only once vLLM had started: a traceback then, or (`q_proj,qproj`) q_proj trained alone."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: pytest.fail("vLLM would start"))
+    model = tmp_path / "model"
+    tiny_model().config.save_pretrained(model)
+    if config is not None:
+        (model / "config.json").write_text(config)
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m.content }}")
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--base-model", str(model), "--allocator", "system", *given])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.startswith("art-trainer: error: ") and says in err
 
 
 def test_train_processes_from_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:

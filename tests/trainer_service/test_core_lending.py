@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterator
 
@@ -135,7 +136,9 @@ def test_rejects_fewer_lent_threads_than_own() -> None:
 
 
 
-def test_from_settings_lends_only_to_an_in_process_cpu_step_with_more_lent_threads() -> None:
+def test_from_settings_lends_only_to_an_in_process_cpu_step_with_more_lent_threads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})  # more idle threads than cores: refused
     lent = CoreLender.from_settings(TrainerSettings(train_threads=1, idle_train_threads=3))
     assert (lent.own_threads, lent.lends) == (1, not torch.cuda.is_available())
     off = CoreLender.from_settings(TrainerSettings(train_threads=2, idle_train_threads=2))  # README: never lend
@@ -153,6 +156,7 @@ def test_idle_train_threads_below_the_steps_own_are_refused_naming_the_count_tha
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "3")  # the step's own threads unless --train-threads
     with pytest.raises(ValueError, match="idle_train_threads=2 is below the step's own 3 threads"):
         TrainerSettings(idle_train_threads=2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
     assert CoreLender.from_settings(TrainerSettings(idle_train_threads=3)).idle_threads == 3
 
 

@@ -143,7 +143,7 @@ async def test_a_grown_eval_split_measures_the_baseline_again_on_the_same_prompt
     await service.aclose()
 
 
-def test_eval_file_errors_name_the_line(tmp_path: Path) -> None:
+def test_eval_file_errors_name_the_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bad = tmp_path / "eval.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"prompt": "no messages"}\n')
     with pytest.raises(EvalError, match=r"eval.jsonl:2 needs a non-empty `messages`"):
@@ -153,6 +153,10 @@ def test_eval_file_errors_name_the_line(tmp_path: Path) -> None:
     for spec in (":reward", ".test_promotion:reward"):  # import_module raised ValueError and TypeError here
         with pytest.raises(EvalError, match=f"eval reward '{re.escape(spec)}' cannot be imported"):
             load_reward_fn(spec)
+    (tmp_path / "reward_with_a_typo.py").write_text("def reward(row, completion) return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(EvalError, match="eval reward 'reward_with_a_typo:reward' cannot be imported: expected ':'"):
+        load_reward_fn("reward_with_a_typo:reward")  # was a SyntaxError's traceback at start
 
 
 async def async_reward(row: dict[str, Any], completion: str) -> float:
