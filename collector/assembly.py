@@ -304,6 +304,29 @@ def _length_cut(calls: list[SpanRecord], messages: list[dict[str, Any]]) -> list
     return sorted(cut)
 
 
+MAX_NESTING = 200
+"""Deepest nesting of lists and objects a trajectory's messages, tools or metadata may hold: no convention writes
+near as much, and a response cannot encode much more (pydantic stops at about 255 levels, a batch included), so
+deeper ones read as absent."""
+
+
+def _nesting(value: Any) -> int:
+    """How many levels of lists and objects nest in `value` (0: a scalar); iterative, for any depth."""
+    depth, level = 0, [value]
+    while containers := [item for item in level if isinstance(item, (list, dict))]:
+        depth += 1
+        level = [child for item in containers for child in (item.values() if isinstance(item, dict) else item)]
+    return depth
+
+
+def _bounded(value: Any, empty: Any, what: str, trajectory_id: str) -> Any:
+    """`value`, or `empty` with a warning when it nests deeper than `MAX_NESTING`."""
+    if _nesting(value) <= MAX_NESTING:
+        return value
+    log.warning("trajectory %s: its %s nest deeper than %d levels; read as absent", trajectory_id, what, MAX_NESTING)
+    return empty
+
+
 def assemble(
     trajectory_id: str,
     spans: Iterable[SpanRecord],
@@ -331,7 +354,8 @@ def assemble(
 
     talk = foreign.conversation(llm[-1].attributes, span_id=llm[-1].span_id) if llm else foreign.Conversation()
     metadata = (_json_attr(rollout, sc.METADATA, dict) if rollout is not None else None) or {}
-    messages = talk.input + talk.output
+    metadata = _bounded(metadata, {}, "metadata", trajectory_id)
+    messages = _bounded(talk.input + talk.output, [], "messages", trajectory_id)
     return Trajectory(
         id=trajectory_id,
         trace_id=summary.trace_id,
@@ -340,7 +364,7 @@ def assemble(
         split=summary.split,
         model=talk.model,
         messages=messages,
-        tools=talk.tools,
+        tools=_bounded(talk.tools, [], "tools", trajectory_id),
         sequences=built.sequences,
         rewards=dict(rewards),
         reward=training.of(rewards),

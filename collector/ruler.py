@@ -102,7 +102,7 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = [part.get("text", "") if isinstance(part, dict) else str(part) for part in content]
+        parts = [_text(part.get("text", "")) if isinstance(part, dict) else str(part) for part in content]
         return "\n".join(part for part in parts if part)
     return json.dumps(content, ensure_ascii=False)
 

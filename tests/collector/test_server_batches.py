@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.collector.server_helpers import JSON, PB, assert_error, collector_app
-from tests.collector.span_builders import rollout_group, to_request
+from tests.collector.span_builders import llm, rollout, rollout_group, to_request
 
 
 def test_batches_groups_and_acks(client: TestClient) -> None:
@@ -103,3 +103,24 @@ def test_batch_and_ack_without_body(client: TestClient) -> None:
     ack = client.post(f"/v1/batches/{batch.json()['id']}/ack")
     assert ack.status_code == 200 and ack.json() == {"batch_id": batch.json()["id"], "groups": ["g"],
                                                      "policy_step": None}
+
+
+def test_a_reply_nested_past_what_a_response_can_encode_is_read_as_absent(client: TestClient) -> None:
+    """Content nested 300 levels deep was stored, then every read of it and the lease of its group were a 500 (pydantic
+    stops encoding at 255 levels), the lease committed all the same: the groups stayed leased to no trainer."""
+    deep: Any = "7"
+    for _ in range(300):
+        deep = [deep]
+    spans = []
+    for i, content in enumerate([deep, "8"]):
+        trace = f"{i + 1:032x}"
+        reply = [{"role": "assistant", "content": content}]
+        spans += [llm(10 * i + 1, rollout=f"r{i}", trace=trace, start=5, prompt=[1], completion=[2], output=reply),
+                  rollout(10 * i + 2, f"r{i}", trace=trace, group="g", size=2, rewards={"reward": float(i)})]
+    client.post("/v1/traces", content=to_request(spans).SerializeToString(), headers=PB)
+    assert client.get("/v1/trajectories/r0").json()["messages"] == []
+    assert client.get("/v1/view/trajectories").status_code == 200
+    batch = client.post("/v1/batches")
+    assert batch.status_code == 200
+    messages = {t["id"]: t["messages"] for t in batch.json()["groups"][0]["trajectories"]}
+    assert messages == {"r0": [], "r1": [{"role": "assistant", "content": "8"}]}

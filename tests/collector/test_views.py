@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from collector.views import NO_MODEL_CALL
 from tests.collector import span_builders as sb
-from tests.collector.seeding import group_spans, make_app
+from tests.collector.seeding import QUESTION, group_spans, make_app
 from tests.collector.server_helpers import assert_error
 
 
@@ -128,3 +128,17 @@ def test_a_trajectory_id_with_a_slash_is_found_by_both_read_routes(
         assert client.get("/v1/trajectories/math%2Fadd-0").json()["id"] == "math/add-0"
         assert client.get("/v1/trajectories/math/add-1").json()["id"] == "math/add-1"
         assert client.get("/v1/view/trajectories/math%2Fadd-0").json()["id"] == "math/add-0"
+
+
+def test_a_content_part_whose_text_is_not_a_string_is_shown_not_a_500(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stored reply with content `[{"type": "text", "text": 7}]` made the list, the detail and the judge a 500
+    (`TypeError` joining the parts): one accepted span broke the web page for every trajectory."""
+    app = make_app(tmp_path, monkeypatch)
+    reply = [{"role": "assistant", "content": [{"type": "text", "text": 7}, {"type": "text", "text": {"n": 1}}]}]
+    app.state.store.add_spans([sb.llm(1, start=10, prompt=[1], completion=[2], messages=QUESTION, output=reply)])
+    with TestClient(app) as client:
+        [row] = client.get("/v1/view/trajectories").json()["items"]
+        assert row["last_message"] == '[assistant] 7\n{"n": 1}'
+        assert client.get("/v1/view/trajectories/r1").json()["last_message"] == row["last_message"]
