@@ -227,15 +227,22 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
             body: dict[str, Any] = await request.json()
         except ValueError as exc:
             raise ServiceError(400, "invalid_json", f"The request body is not JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise ServiceError(400, "invalid_json", "The request body is JSON nested too deeply.") from exc
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
             raise ServiceError(400, "missing_model", "The request needs a `model` string.", param="model")
+        try:
+            body["model"].encode()  # a lone surrogate could not even be shown in the 404 of an unknown name
+        except UnicodeEncodeError as exc:
+            raise ServiceError(400, "invalid_json", f"The `model` string is not valid Unicode: {exc}.",
+                               param="model") from exc
         body["model"] = svc.resolve(body["model"])
         stream = bool(body.get("stream"))
         try:
             upstream = engine_client.build_request("POST", route, json=body)
-        except ValueError as exc:  # NaN, Infinity or 1e400: Python's `json` reads them, JSON has no such number
-            raise ServiceError(400, "invalid_json", f"The request body is not valid JSON: {exc} (NaN, Infinity "
-                               "or a number out of float range).") from exc
+        except ValueError as exc:  # NaN, Infinity, 1e400, "\ud800": Python's `json` reads them, JSON text has none
+            raise ServiceError(400, "invalid_json", f"The request body is not valid JSON: {exc} (NaN, Infinity, "
+                               "a number out of float range or a lone UTF-16 surrogate).") from exc
         request_ticket = await svc.lender.engine_request()  # counted until vLLM's answer is through
         streaming = False
         try:

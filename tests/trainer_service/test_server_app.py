@@ -205,6 +205,29 @@ def test_a_body_with_a_number_json_has_not_is_400_invalid_json(tmp_path: Path, n
         assert response.json()["error"]["code"] == "invalid_json"
 
 
+@pytest.mark.parametrize(("body", "param", "says"), [
+    (b'{"model": "base-model", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", None, "nested too deeply"),
+    (b"[" * 100_000, None, "nested too deeply"),
+    (b'{"model": "agent@\\ud800", "messages": []}', "model", "surrogates not allowed"),
+    (b'{"model": "base-model", "messages": "\\udc80"}', None, "lone UTF-16 surrogate"),
+])
+def test_deep_nesting_and_lone_surrogates_are_400_invalid_json(
+        tmp_path: Path, body: bytes, param: str | None, says: str) -> None:
+    """Nesting past Python's recursion limit, and a lone surrogate in the model name (echoed by the 404 of an unknown
+    name, which could then not be encoded), were a plain-text 500 outside the envelope."""
+    from fastapi.testclient import TestClient
+
+    from trainer_service.server import create_app
+
+    service = make_service(tmp_path, [], [])
+    with TestClient(create_app(service=service), raise_server_exceptions=False) as client:
+        for route in ("/v1/chat/completions", "/v1/completions"):
+            response = client.post(route, content=body, headers={"Content-Type": "application/json"})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["code"] == "invalid_json" and error["param"] == param and says in error["message"], error
+
+
 def test_errors_carry_their_headers_and_starlettes_own_use_the_envelope(tmp_path: Path) -> None:
     """A 503 says when to retry (vLLM restarting: nothing listens), a 401 which scheme to use; an unknown route and
     a method a route does not take answer in OpenAI's envelope too, the 405 with `Allow`."""
