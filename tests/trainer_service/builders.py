@@ -144,6 +144,9 @@ class FakeEngine:
     def healthy(self) -> bool:
         return True
 
+    def ensure_running(self) -> bool:  # the service's watchdog calls it every 10 s
+        return False
+
     def load_adapter(self, name: str, path: str | Path) -> None:
         self.adapters[name] = str(path)
 
