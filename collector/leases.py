@@ -153,7 +153,7 @@ def release(
 
     Only the groups the batch still holds go back and count: after its lease expired (which counted them) none
     do, and a group leased again since is not touched. Releasing a released batch changes nothing and answers
-    the same.
+    the same, unless a group was reopened or leased since: the answer reads the groups as they are now.
 
     Raises:
         NotFound: no such batch.
