@@ -7,10 +7,22 @@ produces them. Every list that runs along a sequence (`token_ids`, `logprobs`,
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Annotated, Any, Literal
+from contextvars import ContextVar
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, Field, NonNegativeInt, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    ModelWrapValidatorHandler,
+    NonNegativeInt,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
+
+log = logging.getLogger(__name__)
 
 MAX_ID_LENGTH = 256
 """Longest rollout id, group, task, reward name or trainer name (the store's column width)."""
@@ -36,6 +48,27 @@ Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_LENGTH, 
 TraceId = Annotated[str, StringConstraints(strip_whitespace=True, to_lower=True, pattern=r"^[0-9a-fA-F]{32}$")]
 """An OpenTelemetry trace id: 32 hex digits of either case, kept in lower case as OTLP spans carry it (pydantic
 matches the pattern before it lowers the case)."""
+
+
+request_route: ContextVar[str] = ContextVar("request_route", default="(no request)")
+"""The HTTP request being served, `POST /v1/batches` (the collector's app sets it), named by the warning of
+`RequestBody`."""
+
+
+class RequestBody(BaseModel):
+    """A request body. Fields it does not know are ignored, as a newer client may send them, and logged once per
+    request at WARNING with `request_route`: their names only, never their values."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
+        body = handler(data)
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {field.alias for field in cls.model_fields.values() if field.alias}
+            if unknown := sorted(set(data) - known):
+                log.warning("%s: request fields %s were present but ignored (unknown to %s)",
+                            request_route.get(), unknown, cls.__name__)
+        return body
 
 
 class ErrorResponse(BaseModel):
@@ -109,7 +142,7 @@ class Group(BaseModel):
     trajectories: list[Trajectory]
 
 
-class BatchRequest(BaseModel):
+class BatchRequest(RequestBody):
     """Body of `POST /v1/batches`."""
 
     max_groups: int = Field(default=8, ge=1, le=1024, description="Most groups to lease.")
@@ -141,7 +174,7 @@ class Batch(BaseModel):
     lease_expires_at: float = Field(description="Unix time when the lease runs out.")
 
 
-class AckRequest(BaseModel):
+class AckRequest(RequestBody):
     """Body of `POST /v1/batches/{id}/ack`."""
 
     policy_step: int | None = Field(
@@ -153,7 +186,7 @@ MAX_REASON_CHARS = 2000
 """Longest `ReleaseRequest.reason` the collector keeps; a longer one is cut to this length, ending in `…`."""
 
 
-class ReleaseRequest(BaseModel):
+class ReleaseRequest(RequestBody):
     """Body of `POST /v1/batches/{id}/release`: the batch was not trained, and why."""
 
     reason: str = Field(
@@ -174,7 +207,7 @@ class ReleaseRequest(BaseModel):
         return reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 1] + "…"
 
 
-class RewardIn(BaseModel):
+class RewardIn(RequestBody):
     """Body of `POST /v1/rewards`: one named reward for one trajectory."""
 
     rollout_id: Name | None = Field(default=None, description="Trajectory id; or give trace_id.")

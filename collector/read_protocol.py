@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from collector.protocol import BatchStatus, GroupStatus
+from collector.protocol import BatchStatus, GroupStatus, RequestBody
 
 __all__ = [
     "BatchView",
@@ -38,7 +38,7 @@ class Judgement(BaseModel):
     )
 
 
-class JudgeRequest(BaseModel):
+class JudgeRequest(RequestBody):
     """Body of `POST /v1/groups/{id}/judge` (optional)."""
 
     rubric: str | None = Field(

@@ -37,6 +37,7 @@ from collector.protocol import (
     RewardAccepted,
     RewardIn,
     Trajectory,
+    request_route,
 )
 from collector.scoring_api import install as install_scoring
 from collector.store import SqlStore
@@ -98,6 +99,24 @@ class _BodyLimit:
         await self.app(scope, bounded, send)
 
 
+class _RequestRoute:
+    """ASGI middleware: sets `request_route` (`POST /v1/batches`) while a request is served, for the warning that
+    names a body's unknown fields (`RequestBody`)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        token = request_route.set(f"{scope['method']} {scope['path']}")
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            request_route.reset(token)
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     """The request body (`_BodyLimit` bounds it as sent), refused with 413 past `limit` bytes after gunzip."""
     body = await request.body()
@@ -136,6 +155,7 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
     app = FastAPI(title="art-langgraph collector", version="0.1.0", responses=_ERRORS)
     app.state.settings, app.state.store = settings, store
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(_RequestRoute)
     @app.exception_handler(CollectorError)
     async def _collector_error(_: Request, exc: CollectorError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None

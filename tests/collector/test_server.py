@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,6 +176,37 @@ def test_a_reward_by_trace_id_in_upper_case_finds_its_trajectory(client: TestCli
     assert (answer.status_code == 200 and answer.json()["trace_id"] == trace
             and answer.json()["trajectory_known"] is True)
     assert client.get("/v1/trajectories/a").json()["rewards"] == {"reward": 1.0, "judge": 0.5}
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/rewards", {"rollout_id": "a", "value": 0.5}),
+    ("/v1/batches", {"max_groups": 2}),
+    ("/v1/batches/b/ack", {"policy_step": 1}),
+    ("/v1/batches/b/release", {"reason": "RuntimeError: x"}),
+    ("/v1/groups/g/judge", {"rubric": "be fair"}),
+])
+def test_every_request_body_logs_its_unknown_fields_by_name_and_serves_the_request(
+    client: TestClient, caplog: pytest.LogCaptureFixture, path: str, body: dict[str, Any]
+) -> None:
+    """A typo (`vaule`) or a newer client's field was dropped without a trace; it is still ignored, not refused, and
+    one warning names the route and the field, never its value."""
+    with caplog.at_level(logging.WARNING):
+        plain = client.post(path, json=body)
+        assert plain.status_code in (200, 404) and _warnings(caplog) == []
+        extra = client.post(path, json={**body, "vaule": "sekret-value", "max_group": 1})
+    assert extra.status_code == plain.status_code
+    [warning] = _warnings(caplog)
+    assert f"POST {path}:" in warning and "'max_group', 'vaule'" in warning and "sekret" not in warning
+
+
+def test_an_unknown_otlp_json_field_is_no_request_field(client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert client.post("/v1/traces", json={"resourceSpans": [], "vaule": 1}).status_code == 200
+    assert _warnings(caplog) == []
 
 
 def test_api_key_guards_writes_only(tmp_path: Path) -> None:
