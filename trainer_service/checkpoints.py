@@ -16,6 +16,7 @@ import math
 import re
 import shutil
 import uuid
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from peft import PeftModel, set_peft_model_state_dict
 from pydantic import ValidationError
+from safetensors import SafetensorError, safe_open
 
 from collector.config import validation_problem
 from trainer_service.durable import durable_rename
@@ -40,6 +42,7 @@ MANIFEST = "manifest.json"
 _OPTIMIZER = "optimizer.pt"
 _ADAPTER = "adapter_model.safetensors"
 """The adapter's weights as PEFT's `save_pretrained` names them."""
+_ADAPTER_CONFIG = "adapter_config.json"
 _STEP_DIR = re.compile(r"^step-([1-9]\d*)$")
 """A checkpoint folder's name: `step-N` as `CheckpointStore.path` writes it (no `step-02`; step 0 is the base model)."""
 _PROMOTION = "promotion.json"
@@ -50,7 +53,8 @@ _FLAGS = {"base_model": "--base-model", "lora_r": "--lora-r", "lora_alpha": "--l
 
 class CheckpointMismatchError(ValueError):
     """A kept checkpoint was trained on another base model, LoRA shape or LoRA scale (alpha) than the service now has,
-    or its manifest or the promotion state (`promotion.json`) cannot be read."""
+    or one of its files (manifest, adapter, optimizer state) or the promotion state (`promotion.json`) cannot be
+    read."""
 
 
 class CheckpointWriteError(OSError):
@@ -154,13 +158,13 @@ class CheckpointStore:
         return self.root / f"step-{step}"
 
     def existing(self) -> list[tuple[int, Path]]:
-        """Complete checkpoints (with a manifest), oldest first."""
+        """Complete checkpoints (with a manifest, readable or not: `check_compatible` reads it), oldest first."""
         if not self.root.is_dir():
             return []
         found = []
         for path in self.root.iterdir():
             match = _STEP_DIR.match(path.name)
-            if match and (path / MANIFEST).is_file():
+            if match and _has_manifest(path):
                 found.append((int(match.group(1)), path))
         return sorted(found)
 
@@ -171,7 +175,7 @@ class CheckpointStore:
         removed = []
         for path in self.root.iterdir():
             if path.is_dir() and (path.name.startswith(".step-") or (_STEP_DIR.match(path.name)
-                                                                     and not (path / MANIFEST).is_file())):
+                                                                     and not _has_manifest(path))):
                 if path.is_symlink():  # the link only: what it points to was never written here
                     path.unlink()
                 else:
@@ -182,14 +186,14 @@ class CheckpointStore:
         return removed
 
     def check_compatible(self, base_model: str, lora_r: int, target_modules: Sequence[str], lora_alpha: int) -> None:
-        """Check that every kept checkpoint was trained on `base_model` with this LoRA rank, modules and alpha, and
-        that its manifest records the step its folder is named for.
+        """Check that every kept checkpoint was trained on `base_model` with this LoRA rank, modules and alpha, that
+        its manifest records the step its folder is named for, and that its files can be read (`_check_files`).
 
         A resumed adapter trained with another alpha would be scaled by the new `lora_alpha / lora_r`: its
         next checkpoint would serve another policy than the one it was trained as.
 
         Raises:
-            CheckpointMismatchError: names the first checkpoint that differs (or whose manifest cannot be
+            CheckpointMismatchError: names the first checkpoint that differs (or the file of it that cannot be
                 read), what differs, and the fix.
         """
         wanted = {"base_model": base_model, "lora_r": lora_r, "lora_alpha": lora_alpha,
@@ -198,14 +202,16 @@ class CheckpointStore:
             try:
                 manifest = json.loads((path / MANIFEST).read_text())
                 config = (manifest.get("config") or {}) if isinstance(manifest, dict) else None
-                if not isinstance(config, dict) or not isinstance(config.get("target_modules", []), list):
-                    raise ValueError("not a JSON object whose `config` is an object with a `target_modules` list")
+                modules = config.get("target_modules", []) if isinstance(config, dict) else None
+                if not isinstance(modules, list) or not all(isinstance(name, str) for name in modules):
+                    raise ValueError("not a JSON object whose `config` is an object with a `target_modules` list of "
+                                     "names")
                 if manifest.get("step") != step:  # the trainer resumes its step counter from it
                     raise ValueError(f"its `step` is {manifest.get('step')!r}, not {step} as its folder is named")
+                if not isinstance(manifest.get("metrics"), dict | None):  # and its last metrics
+                    raise ValueError("its `metrics` is not an object")
             except (OSError, ValueError) as exc:
-                raise CheckpointMismatchError(
-                    f"{path / MANIFEST} cannot be read ({exc}). Move {path} out of {self.root} to resume from the "
-                    "checkpoints before it, or give another --output-dir to start a new run.") from exc
+                raise self._unreadable(path / MANIFEST, exc) from exc
             recorded = {"base_model": manifest.get("base_model"), "lora_r": config.get("lora_r"),
                         "lora_alpha": config.get("lora_alpha"),
                         "target_modules": sorted(config["target_modules"]) if "target_modules" in config else None}
@@ -216,6 +222,33 @@ class CheckpointStore:
                 raise CheckpointMismatchError(
                     f"{path} was trained with {found}: its adapter does not fit these settings. Give another "
                     f"--output-dir to start a new run, or start with {flags} to resume this one.")
+            self._check_files(path)
+
+    def _check_files(self, path: Path) -> None:
+        """Check from their headers that checkpoint `path`'s adapter, adapter config and optimizer state (when it has
+        one) can be read: vLLM would refuse a damaged one, and the resume would stop once vLLM runs.
+
+        Raises:
+            CheckpointMismatchError: names the file and the fix.
+        """
+        file = path / _ADAPTER
+        try:
+            with safe_open(str(file), framework="pt"):  # parses and checks the header; loads no weights
+                pass
+            file = path / _ADAPTER_CONFIG
+            if not isinstance(json.loads(file.read_text()), dict):
+                raise ValueError("not a JSON object")
+            file = path / _OPTIMIZER
+            if file.exists():  # none: the resume starts AdamW afresh
+                zipfile.ZipFile(file).close()  # `torch.save`'s format: one cut short has no central directory
+        except (OSError, ValueError, SafetensorError, zipfile.BadZipFile) as exc:
+            raise self._unreadable(file, exc) from exc
+
+    def _unreadable(self, file: Path, exc: Exception) -> CheckpointMismatchError:
+        """The error for a checkpoint file that cannot be read: names it, why, and the folder to move out."""
+        return CheckpointMismatchError(
+            f"{file} cannot be read ({exc}). Move {file.parent} out of {self.root} to resume from the "
+            "checkpoints before it, or give another --output-dir to start a new run.")
 
     def metrics(self, step: int) -> dict[str, Any]:
         """The metrics recorded in checkpoint `step`'s manifest.
@@ -252,12 +285,15 @@ class CheckpointStore:
             CheckpointMismatchError: `promotion.json` cannot be read, or is not such a state; names it and the fix.
         """
         path = self.root / _PROMOTION
-        if not path.is_file():
+        if not path.exists():  # one that is there but not a file cannot be read: named below, not ignored
             return {"latest": None, "evals": {}, "decision": None}
         try:
             state = json.loads(path.read_text())
             if not isinstance(state, dict) or not isinstance(state.get("evals") or {}, dict):
                 raise ValueError("not a JSON object whose `evals` is an object")
+            latest = state.get("latest")
+            if latest is not None and (isinstance(latest, bool) or not isinstance(latest, int)):
+                raise ValueError(f"its `latest` is {latest!r}, not a step number or null")
             state["evals"] = {int(k): float(v) for k, v in (state.get("evals") or {}).items()}
             decision = state.get("decision")
             state["decision"] = PromotionDecision.model_validate(decision) if decision else None
@@ -277,6 +313,12 @@ class CheckpointStore:
         body = {**state, "evals": {str(k): v for k, v in (state.get("evals") or {}).items()}}
         tmp.write_text(json.dumps(body, indent=2))
         durable_rename(tmp, self.root / _PROMOTION)
+
+
+def _has_manifest(path: Path) -> bool:
+    """Whether checkpoint folder `path` has a manifest, readable or not: one that cannot be read stops the start
+    (`check_compatible`); its folder is never removed as a leftover."""
+    return (path / MANIFEST).exists() or (path / MANIFEST).is_symlink()
 
 
 def _flag_value(value: Any) -> str:

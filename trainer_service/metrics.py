@@ -89,22 +89,22 @@ class MetricsSink:
 
     def _read_history(self) -> list[dict[str, Any]]:
         """The records of `metrics.jsonl`; a line that is not a JSON object with an integer `step` (cut short by a full
-        disk, or edited) is skipped: the plot places each record at its step. A whole float `step` (`1.0`, as lines
-        were written before) is read as that integer."""
+        disk, or edited, also to bytes that are not UTF-8) is skipped: the plot places each record at its step. A whole
+        float `step` (`1.0`, as lines were written before) is read as that integer."""
         if not self.jsonl_path.is_file():
             return []
         history, skipped = [], 0
-        for line in self.jsonl_path.read_text().splitlines():
+        for line in self.jsonl_path.read_bytes().splitlines():  # bytes: one line that is not UTF-8 is one skipped
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, UnicodeDecodeError):
                 record = None
             step = record.get("step") if isinstance(record, dict) else None
             if isinstance(step, float) and step.is_integer():  # as `emit` wrote the trainer's float step before
                 record["step"] = step = int(step)
-            if isinstance(step, int):
+            if isinstance(step, int) and not isinstance(step, bool):
                 history.append(record)
             else:
                 skipped += 1

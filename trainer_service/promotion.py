@@ -61,8 +61,8 @@ class PromotionGate:
         """Reload the saved state for the kept `steps` (after a restart).
 
         Without an evaluator the newest kept step is latest (every step is promoted, also one whose
-        gate a crash cut short); with one, the saved latest if it is kept, else the base model: a
-        step is never promoted unevaluated.
+        gate a crash cut short); with one, the saved latest if it is kept, else the base model (with a
+        warning when a saved latest is no longer kept): a step is never promoted unevaluated.
         """
         saved = self._saved
         self.evals = {s: r for s, r in saved["evals"].items() if s == 0 or s in steps}
@@ -71,6 +71,9 @@ class PromotionGate:
             self.latest = steps[-1] if steps else None
         else:
             self.latest = saved["latest"] if saved["latest"] in steps else None
+            if saved["latest"] is not None and self.latest is None:
+                logger.warning("the promoted step %s (%s) is no longer kept: `latest` serves %s until a step is "
+                               "promoted", saved["latest"], self.store.root / "promotion.json", self._base_name())
         self.decision = saved["decision"]
 
     def _name(self, step: int) -> str:

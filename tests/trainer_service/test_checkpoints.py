@@ -7,13 +7,15 @@ import json
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from collector.protocol import Batch
-from tests.trainer_service.builders import group, lora_params, make_service
+from tests.trainer_service.builders import group, lora_params, make_service, make_trainer
 from trainer_service.checkpoints import CheckpointMismatchError, CheckpointStore, select_kept
 from trainer_service.protocol import ServiceError
 
@@ -134,6 +136,8 @@ def test_lora_shape_mismatch_names_the_checkpoint_and_the_flags(tmp_path: Path) 
     (tmp_path / "step-3").mkdir()
     config = {"lora_r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
     (tmp_path / "step-3" / "manifest.json").write_text(json.dumps({"step": 3, "base_model": "m", "config": config}))
+    save_file({}, tmp_path / "step-3" / "adapter_model.safetensors")  # files that can be read: only the fit counts
+    (tmp_path / "step-3" / "adapter_config.json").write_text("{}")
     store.check_compatible("m", 8, ["v_proj", "q_proj"], 16)  # the same modules in another order fit
     with pytest.raises(CheckpointMismatchError, match=r"step-3 was trained with lora_r 8 \(now 16\).*--lora-r 8"):
         store.check_compatible("m", 16, ["q_proj", "v_proj"], 16)
@@ -152,13 +156,54 @@ def test_an_unreadable_manifest_names_the_folder_and_the_fix(tmp_path: Path) -> 
         CheckpointStore(tmp_path).check_compatible("m", 8, ["q_proj"], 16)
 
 
-@pytest.mark.parametrize("manifest", ["[]", '{"step": 2, "config": [8]}', '{"config": {"target_modules": 7}}'])
+@pytest.mark.parametrize("manifest", ["[]", '{"step": 2, "config": [8]}', '{"config": {"target_modules": 7}}',
+                                      '{"step": 2, "config": {"target_modules": [7]}}', '{"step": 2, "metrics": [1]}'])
 def test_a_manifest_that_is_json_of_another_shape_is_unreadable_not_a_traceback(tmp_path: Path,
                                                                                  manifest: str) -> None:
     (tmp_path / "step-2").mkdir()
     (tmp_path / "step-2" / "manifest.json").write_text(manifest)
     with pytest.raises(CheckpointMismatchError, match=r"step-2/manifest.json cannot be read .*Move .*step-2 out of"):
         CheckpointStore(tmp_path).check_compatible("m", 8, ["q_proj"], 16)
+
+
+def test_a_manifest_that_is_not_a_file_stops_the_start_and_its_checkpoint_is_kept(tmp_path: Path) -> None:
+    """Its folder was removed as a half-written one (the adapter and optimizer state with it) and the run resumed from
+    the step before."""
+    trainer = make_trainer()
+    for step in (1, 2):
+        trainer.step_count = step
+        trainer.save(tmp_path / "checkpoints" / f"step-{step}")
+    manifest = tmp_path / "checkpoints" / "step-2" / "manifest.json"
+    manifest.unlink()
+    manifest.mkdir()  # cannot be read, as a file without read permission for a user who is not root
+    with pytest.raises(CheckpointMismatchError, match=r"step-2/manifest.json cannot be read .*Move .*step-2 out of"):
+        make_service(tmp_path, [], [])
+    assert CheckpointStore(tmp_path / "checkpoints").remove_partial() == []
+    assert (tmp_path / "checkpoints" / "step-2" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(("name", "damage"), [
+    ("adapter_model.safetensors", lambda path: path.write_bytes(path.read_bytes()[:1000])),
+    ("adapter_model.safetensors", lambda path: path.write_bytes(b"")),
+    ("adapter_model.safetensors", lambda path: path.unlink()),
+    ("adapter_config.json", lambda path: path.write_text("garbage")),
+    ("optimizer.pt", lambda path: path.write_bytes(path.read_bytes()[:1000])),
+    ("optimizer.pt", lambda path: path.write_bytes(b"")),
+])
+def test_a_damaged_checkpoint_file_stops_the_start_before_vllm_naming_it(tmp_path: Path, name: str,
+                                                                          damage: Callable[[Path], object]) -> None:
+    """Each was found only once vLLM ran: a traceback of the resume (the newest step), or vLLM refusing the adapter
+    (an older one; the stand-in engine registered it)."""
+    trainer = make_trainer()
+    for step in (1, 2):
+        trainer.step_count = step
+        trainer.save(tmp_path / "checkpoints" / f"step-{step}")
+    damage(tmp_path / "checkpoints" / "step-1" / name)
+    with pytest.raises(CheckpointMismatchError, match=rf"step-1/{name} cannot be read \(.+\)\. Move .*step-1 out of"):
+        make_service(tmp_path, [], [])  # the constructor: `art-trainer serve` exits with status 2 before vLLM starts
+    (tmp_path / "checkpoints" / "step-1").rename(tmp_path / "step-1")  # the fix the message gives
+    service = make_service(tmp_path, [], [])
+    assert service.steps == [2] and service.trainer is not None and service.trainer.step_count == 2
 
 
 def test_partial_folders_are_removed_at_start(tmp_path: Path) -> None:

@@ -79,6 +79,16 @@ def test_a_line_of_json_that_is_no_record_is_skipped(tmp_path: Path, caplog: pyt
     assert sink.sink_errors == 0 and (tmp_path / PLOT_FILE).is_file()
 
 
+def test_a_line_that_is_not_utf8_or_has_a_boolean_step_is_skipped(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "metrics.jsonl"
+    # one byte that is not UTF-8 was a UnicodeDecodeError: the service did not start; `true` was read as step 1
+    path.write_bytes(b'{"step": 1}\n{"step": 3, "x": "\xff"}\n{"step": true}\n' + '{"step": 2, "note": "é"}\n'.encode())
+    sink = MetricsSink(tmp_path, wandb="off")
+    assert sink.history == [{"step": 1}, {"step": 2, "note": "é"}]
+    assert f"{path}: skipped 2 line(s) that are not JSON objects with a `step`" in caplog.text
+
+
 def test_the_plot_shows_the_sft_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from matplotlib.figure import Figure
 

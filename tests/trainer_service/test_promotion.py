@@ -273,13 +273,36 @@ def test_restore_promotes_no_unevaluated_step_and_without_eval_serves_the_newest
     assert restored(never, [1, 2]) == 1  # with an eval set the saved decision holds
 
 
+def test_a_promoted_step_no_longer_kept_serves_the_base_model_with_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """E.g. moved out of the run folder as a damaged checkpoint's error says: latest went back to the base model
+    silently."""
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.write_promotion({"latest": 3, "evals": {}, "decision": None})
+    async def no_rows() -> list[dict[str, Any]]:
+        raise AssertionError("restore evaluated a step")
+
+    evaluator = Evaluator(no_rows, reward, "http://engine")
+    gate = PromotionGate(TrainerSettings(output_dir=tmp_path, wandb="off"), store, evaluator,
+                         lambda step: f"agent@{step}", lambda: "base-model")
+    gate.restore([1, 2])
+    assert gate.latest is None
+    assert f"the promoted step 3 ({store.root / 'promotion.json'}) is no longer kept: `latest` serves base-model " \
+           "until a step is promoted" in caplog.text
+
+
 @pytest.mark.parametrize("saved", ['{"latest": 1, "ev', "[]", '{"evals": {"1": "high"}}',
                                    '{"latest": 1, "evals": {}, "decision": {"step": 1}}',
-                                   '{"latest": 1, "evals": {}, "decision": 5}'])
+                                   '{"latest": 1, "evals": {}, "decision": 5}',
+                                   # were `agent@True` and the base model (silently) as latest; a folder was ignored
+                                   '{"latest": true, "evals": {}}', '{"latest": "1", "evals": {}}', "folder"])
 def test_a_damaged_promotion_state_stops_the_start_naming_the_file(tmp_path: Path, saved: str) -> None:
     store = CheckpointStore(tmp_path / "checkpoints")
     store.root.mkdir()
-    (store.root / "promotion.json").write_text(saved)
+    if saved == "folder":
+        (store.root / "promotion.json").mkdir()  # cannot be read, as a file without read permission (not as root)
+    else:
+        (store.root / "promotion.json").write_text(saved)
     settings = TrainerSettings(output_dir=tmp_path, wandb="off")
     # raised when the gate is built, in the service's constructor: before vLLM starts, and the CLI reports it
     with pytest.raises(CheckpointMismatchError, match=r"promotion.json .*Move .* afresh"):
