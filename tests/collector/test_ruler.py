@@ -87,7 +87,8 @@ def test_render_message_spells_out_tool_calls_and_results() -> None:
     assert render_message(call) == '[assistant calls tool] add({"a": 3})'
     assert render_message({"role": "tool", "tool_call_id": "c1", "content": "7"}) == "[tool result c1] 7"
     assert render_message({"role": "user", "content": [{"type": "text", "text": "hi"}]}) == "[user] hi"
-    parts = [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": 7}, {"type": "text", "text": "a"}]
+    parts = [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": 7},
+             {"type": "text", "text": "a"}]
     assert render_message({"role": "user", "content": parts}) == "[user] 7\na"  # a part without text shows nothing
 
 
