@@ -21,8 +21,10 @@ __all__ = [
     "StreamPiece",
     "StreamTokens",
     "choice_token_data",
+    "chunk_index",
     "policy_step",
     "stream_piece",
+    "unreadable_piece",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -60,6 +62,14 @@ class StreamPiece(TypedDict):
     """The ids sampled in this chunk; None when the chunk has no `token_ids`."""
     logprobs: list[float]
     """The sampled logprobs of this chunk's tokens."""
+    readable: bool
+    """False for a chunk whose token data could not be read (`unreadable_piece`): its call then records none."""
+
+
+def unreadable_piece(index: int | None) -> StreamPiece:
+    """The piece of a chunk of choice `index` whose token data could not be read (logged): its call records none."""
+    return StreamPiece(index=index, model=None, prompt_token_ids=None, completion_token_ids=None, logprobs=[],
+                       readable=False)
 
 
 def policy_step(model_name: str | None) -> int:
@@ -132,20 +142,27 @@ def _unwrap(event: dict[str, Any]) -> dict[str, Any] | None:
     return inner if event["type"] == "chunk" and isinstance(inner, dict) else None
 
 
+def chunk_index(event: dict[str, Any]) -> int | None:
+    """The choice a stream event's chunk belongs to; None for a chunk of no choice or an event that is not a chunk."""
+    choices = (_unwrap(event) or {}).get("choices") or []
+    return int(choices[0].get("index") or 0) if choices else None  # one choice per chunk; LangChain reads the first
+
+
 def stream_piece(event: dict[str, Any]) -> StreamPiece | None:
     """The token data one stream event carries; None for an event that is not a chunk."""
     chunk = _unwrap(event)
     if chunk is None:
         return None
     choices = chunk.get("choices") or []
-    choice = choices[0] if choices else {}  # one choice per chunk; LangChain reads the first too
+    choice = choices[0] if choices else {}
     prompt, completion = chunk.get("prompt_token_ids"), choice.get("token_ids")
     return StreamPiece(
-        index=int(choice.get("index") or 0) if choices else None,
+        index=chunk_index(chunk),
         model=chunk.get("model"),
         prompt_token_ids=list(prompt) if prompt is not None else None,
         completion_token_ids=list(completion) if completion is not None else None,
         logprobs=_logprobs(choice),
+        readable=True,
     )
 
 
@@ -158,6 +175,7 @@ class StreamTokens:
         self._completion: dict[int, list[int]] = {}
         self._logprobs: dict[int, list[float]] = {}
         self._step_given = False
+        self._unreadable = False
 
     def add(self, piece: StreamPiece) -> dict[str, Any]:
         """Take in one chunk's piece; return what goes on that chunk's `response_metadata["art"]`.
@@ -166,6 +184,9 @@ class StreamTokens:
         (sent again with each choice) and the policy step go on one chunk only: the aggregated
         message then holds each once, and its completion ids and logprobs in stream order.
         """
+        if not piece["readable"]:
+            self._unreadable = True
+            return {}
         self._model = self._model or piece["model"]
         part: dict[str, Any] = {}
         if piece["prompt_token_ids"] is not None and self._prompt is None:
@@ -180,5 +201,7 @@ class StreamTokens:
         return part
 
     def token_data(self, index: int) -> ArtTokenData | None:
-        """Choice `index`'s token data; None when the engine sent no ids for it."""
+        """Choice `index`'s token data; None when the engine sent no ids for it, or a chunk's could not be read."""
+        if self._unreadable:
+            return None
         return _build_token_data(self._model, self._prompt, self._completion.get(index), self._logprobs.get(index, []))

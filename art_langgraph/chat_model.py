@@ -26,7 +26,15 @@ from art_langgraph import semconv
 from art_langgraph._graph_tracing import current_run_id
 from art_langgraph._llm_span import llm_span, recording_guard
 from art_langgraph._settings import get_settings
-from art_langgraph._token_data import ART_METADATA_KEY, STREAM_PIECE_KEY, StreamPiece, choice_token_data, stream_piece
+from art_langgraph._token_data import (
+    ART_METADATA_KEY,
+    STREAM_PIECE_KEY,
+    StreamPiece,
+    choice_token_data,
+    chunk_index,
+    stream_piece,
+    unreadable_piece,
+)
 from art_langgraph.errors import UnsupportedOption
 
 __all__ = ["ARTChatModel", "check_options"]
@@ -163,13 +171,15 @@ class ARTChatModel(ChatOpenAI):
     ) -> ChatGenerationChunk | None:
         """LangChain's chunk, carrying the event's `StreamPiece` to the stream wrapper (`LLMSpan.add_chunk`)."""
         generation_chunk = super()._convert_chunk_to_generation_chunk(chunk, default_chunk_class, base_generation_info)
-        piece: StreamPiece | None = None
+        # What is left when reading fails: the call's token data is incomplete, the chunk keeps its choice.
+        piece: StreamPiece | None = unreadable_piece(None)
         with recording_guard("a stream chunk's token data"):
+            piece = unreadable_piece(chunk_index(chunk))
             piece = stream_piece(chunk)
         if piece is None:
             return generation_chunk
         if generation_chunk is None:
-            if piece["prompt_token_ids"] is None and piece["completion_token_ids"] is None:
+            if piece["readable"] and piece["prompt_token_ids"] is None and piece["completion_token_ids"] is None:
                 return None
             generation_chunk = ChatGenerationChunk(message=default_chunk_class(content=""))
         generation_chunk.message.response_metadata[STREAM_PIECE_KEY] = piece
@@ -233,11 +243,12 @@ def _set_aside_non_object_arguments(
 ) -> tuple[dict[str, Any], dict[int, list[InvalidToolCall]]]:
     """Take out the tool calls whose arguments are JSON but not an object (a sampled `[253]`).
 
-    LangChain turns arguments that do not parse into `invalid_tool_calls`, but valid JSON that is
-    not an object makes `AIMessage` itself fail to build, which would end the whole graph run on
-    one bad sample. Such calls become invalid tool calls of their choice's message instead (the
-    token data, and so the trajectory, keep exactly what was sampled). Returns a copy of the
-    response without them and, per choice index, the invalid calls.
+    LangChain turns arguments that do not parse into `invalid_tool_calls` and reads falsy JSON
+    (`null`, `[]`, `0`) as `{}`, but other valid JSON that is not an object makes `AIMessage` itself
+    fail to build, which would end the whole graph run on one bad sample. Such calls become invalid
+    tool calls of their choice's message instead (the token data, and so the trajectory, keep exactly
+    what was sampled). Returns a copy of the response without them and, per choice index, the
+    invalid calls.
     """
     set_aside: dict[int, list[InvalidToolCall]] = {}
     choices = []
@@ -248,9 +259,9 @@ def _set_aside_non_object_arguments(
             function = call.get("function") or {}
             try:
                 arguments = json.loads(function.get("arguments") or "{}", strict=False)
-            except json.JSONDecodeError:
-                arguments = {}  # LangChain reports unparsable arguments itself
-            if isinstance(arguments, dict):
+            except (json.JSONDecodeError, TypeError):
+                arguments = {}  # LangChain reports arguments that do not parse (or are no string) itself
+            if isinstance(arguments or {}, dict):
                 kept.append(call)
                 continue
             error = f"arguments of {function.get('name')!r} are JSON but not an object: {function.get('arguments')}"

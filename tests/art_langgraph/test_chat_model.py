@@ -6,10 +6,11 @@ import json
 
 import pytest
 from langchain_core.messages import AIMessageChunk, HumanMessage
+from langchain_core.outputs import ChatResult
 from langchain_core.tools import tool
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from art_langgraph import ARTChatModel, semconv
 from art_langgraph._token_data import policy_step
@@ -229,3 +230,29 @@ def test_tool_call_arguments_that_are_not_an_object_become_invalid_tool_calls() 
     assert "not an object" in invalid["error"]
     art = message.response_metadata["art"]
     assert art["completion_token_ids"] == [5, 6] and art["prompt_token_ids"] == [1, 2]
+
+
+def _one_tool_call_result(arguments: object) -> ChatResult:
+    """`ARTChatModel`'s result for a response whose one choice calls `ping` with `arguments`."""
+    model = ARTChatModel(model="agent@latest", base_url="http://127.0.0.1:9/v1", api_key="EMPTY")
+    call = {"id": "call-1", "type": "function", "function": {"name": "ping", "arguments": arguments}}
+    return model._create_chat_result({
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "agent@3",
+        "choices": [{"index": 0, "finish_reason": "tool_calls",
+                     "message": {"role": "assistant", "content": None, "tool_calls": [call]}}],
+    })
+
+
+@pytest.mark.parametrize("arguments", ["null", "[]", "0", "false"])
+def test_tool_call_arguments_chat_openai_reads_as_empty_stay_a_tool_call(arguments: str) -> None:
+    """Falsy JSON arguments are `{}` to `ChatOpenAI` (a tool without parameters): the same call here."""
+    (generation,) = _one_tool_call_result(arguments).generations
+
+    assert [(c["name"], c["args"]) for c in generation.message.tool_calls] == [("ping", {})]
+    assert generation.message.invalid_tool_calls == []
+
+
+def test_tool_call_arguments_that_are_no_string_fail_as_in_chat_openai() -> None:
+    """Arguments sent as an object, not a JSON string: `ChatOpenAI`'s `ValidationError`, not a `TypeError` of ours."""
+    with pytest.raises(ValidationError, match="invalid_tool_calls"):
+        _one_tool_call_result({"a": 1})

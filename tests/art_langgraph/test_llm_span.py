@@ -256,3 +256,17 @@ def test_a_result_that_cannot_be_recorded_does_not_fail_the_call(spans, monkeypa
     (span,) = llm_spans(spans)
     assert span.status.status_code is StatusCode.UNSET
     assert semconv.COMPLETION_TOKEN_IDS not in span.attributes
+
+
+def test_a_stream_chunk_whose_token_data_cannot_be_read_leaves_the_call_without_token_data(spans, monkeypatch) -> None:
+    """One unreadable chunk (a null logprob mid-stream): no token data (the rest would look exact), text in order."""
+    monkeypatch.setattr(fake_engine, "logprobs", lambda choice: [-0.5, None, -1.5])
+    before = _llm_span.recording_errors()
+
+    reply = merged(list(FakeEngine().chat_model().stream("hi")))
+
+    assert reply.content == reply_text(0)
+    assert _llm_span.recording_errors() > before
+    (span,) = llm_spans(spans)
+    assert TOKEN_ATTRIBUTES.isdisjoint(span.attributes)
+    assert json.loads(span.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])[0]["content"] == reply_text(0)  # in order
