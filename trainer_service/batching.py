@@ -253,7 +253,7 @@ def prepare_grpo(groups: list[Group], config: GRPOConfig, device: torch.device,
 
 def prepare_sft(groups: list[Group], config: GRPOConfig, device: torch.device,
                 tokenizer: PreTrainedTokenizerBase | None = None, *, vocab_size: int | None = None) -> PreparedBatch:
-    """Pick the best-rewarded trajectory of each group (ties: the first) as supervised targets.
+    """Pick the best-rewarded trajectory of each group (ties, up to float rounding: the first) as supervised targets.
 
     A group whose best trajectory cannot train (counted under its reason, e.g. `no_assistant_tokens`) is left
     out, not replaced by a worse-rewarded one (`vocab_size` as in `prepare_grpo`). Items carry advantage 1.0 and
@@ -271,7 +271,9 @@ def prepare_sft(groups: list[Group], config: GRPOConfig, device: torch.device,
         if not rewarded:
             counters.skipped["no_rewarded_trajectory"] += 1
             continue
-        best = max(rewarded, key=lambda t: float(t.reward))  # type: ignore[arg-type]
+        top = max(float(t.reward) for t in rewarded)  # type: ignore[arg-type]
+        # a tie is rewards equal up to float rounding, as for `no_reward_spread`: the first recorded of them wins
+        best = next(t for t in rewarded if not has_reward_spread([float(t.reward), top]))  # type: ignore[arg-type]
         seqs = _sequences(best, config, tokenizer, counters, vocab_size)
         if not seqs:
             continue

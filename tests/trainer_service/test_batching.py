@@ -195,6 +195,17 @@ def test_sft_takes_the_best_of_each_group() -> None:
     assert batch.stats["reward/mean"] == pytest.approx(0.7)
 
 
+def test_sft_ties_up_to_float_rounding_keep_the_first() -> None:
+    """0.3 + 0.2 + 0.1 and 0.1 + 0.2 + 0.3 are one reward by `has_reward_spread`'s rule: the first recorded trains,
+    not the later one rounding made larger by 1e-16."""
+    trainer = make_trainer()
+    first, later = 0.3 + 0.2 + 0.1, 0.1 + 0.2 + 0.3
+    assert later > first
+    batch = prepare_sft([group(trainer, (first, later))], trainer.config, CPU)
+    assert [i.token_ids.tolist()[len(PROMPT):] for i in batch.items] == [GOOD]
+    assert batch.stats["reward/mean"] == first
+
+
 def test_sft_leaves_out_a_group_whose_best_cannot_train() -> None:
     trainer = make_trainer()
     g = group(trainer, (1.0, 0.0))
