@@ -34,16 +34,18 @@ def take(
     PostgreSQL never lease a group twice."""
     pool.maintain(conn, settings, now)
     open_groups = list(conn.execute(select(groups).where(groups.c.state == "open")).mappings())
-    ready = []
-    for group_id, decision in pool.decisions(conn, settings, open_groups).items():
-        if decision.state == "skipped":
-            conn.execute(
-                groups.update()
-                .where(groups.c.id == group_id, groups.c.state == "open")
-                .values(state="skipped", reason=decision.reason, updated_at=now)
-            )
-        elif decision.state == "ready":
-            ready.append(group_id)
+    decided = pool.decisions(conn, settings, open_groups)
+    for chunk in chunks(sorted(group_id for group_id, decision in decided.items() if decision.state == "skipped")):
+        # decided before their rows were locked, as the ready ones below: decide again under the lock, lest a
+        # reward another replica committed since (one that gives the group its spread) be overwritten
+        query = select(groups).where(groups.c.id.in_(chunk), groups.c.state == "open").with_for_update(skip_locked=True)
+        for group_id, decision in pool.decisions(conn, settings, list(conn.execute(query).mappings())).items():
+            if decision.state == "skipped":
+                conn.execute(
+                    groups.update().where(groups.c.id == group_id)
+                    .values(state="skipped", reason=decision.reason, updated_at=now)
+                )
+    ready = [group_id for group_id, decision in decided.items() if decision.state == "ready"]
     taken: list[Any] = []
     for chunk in chunks(ready):  # lock what is still open; rows another lease holds are skipped
         query = (
@@ -181,20 +183,26 @@ def release(
 
 
 REOPENABLE = ("skipped", "expired")
-"""Stored states a group can be reopened from: the pool gave up on it (failed trainings, no reward spread, no
-activity); from the others (`open`, `leased`, `trained`) it is in the pool or done."""
+"""Stored states a group can be reopened from: the pool gave up on it (failed trainings, no activity, no reward
+spread by the rules of earlier settings); from the others (`open`, `leased`, `trained`) it is in the pool or done."""
 
 
-def _not_reopenable(conn: Connection, settings: CollectorSettings, row: Any) -> str:
-    """Why a group in the pool or done cannot be reopened, in the state `GET /v1/groups` shows it in."""
+def _not_reopenable(conn: Connection, settings: CollectorSettings, row: Any) -> str | None:
+    """Why a group in the pool or done cannot be reopened, in the state `GET /v1/groups` shows it in; None for one
+    the pool gave up on. A group skipped for its rewards (no batch gave up on it) is in the pool, whether a lease
+    stored it skipped or not: a new reward puts it back."""
     group_id, shown = row["id"], row["state"]
-    if shown == "open":  # shown as decided now: open, ready, or skipped for its rewards
+    if shown == "expired" or (shown == "skipped" and row["batch_id"] is not None):
+        return None
+    if shown in ("open", "skipped"):  # shown as decided now: open, ready, or skipped for its rewards
         decision = pool.decisions(conn, settings, [row])[group_id]
         if decision.state == "skipped":
             return (
                 f"group {group_id} is skipped ({decision.reason}) but still in the pool: a new or changed reward "
                 "puts it back by itself, ready once its rewards differ; reopen is for groups the pool gave up on"
             )
+        if shown == "skipped":  # its rewards have a spread by today's settings: given up on by earlier ones
+            return None
         shown = decision.state
     return f"group {group_id} is {shown}; only a group in {' or '.join(REOPENABLE)} can be reopened"
 
@@ -211,8 +219,8 @@ def reopen(conn: Connection, settings: CollectorSettings, group_id: str, now: fl
     row = conn.execute(select(groups).where(groups.c.id == group_id).with_for_update()).mappings().first()
     if row is None:
         raise NotFound(f"no group {group_id!r}; GET /v1/groups lists them")
-    if row["state"] not in REOPENABLE:
-        raise Conflict(_not_reopenable(conn, settings, row), code="group_not_reopenable")
+    if (refused := _not_reopenable(conn, settings, row)) is not None:
+        raise Conflict(refused, code="group_not_reopenable")
     conn.execute(
         groups.update().where(groups.c.id == group_id)
         .values(state="open", reason=None, batch_id=None, failed_attempts=0, updated_at=now)

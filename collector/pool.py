@@ -170,9 +170,10 @@ def maintain(conn: Connection, settings: CollectorSettings, now: float) -> None:
         for group_id, decision in decisions(conn, settings, stale).items():
             if decision.state == "open":
                 reason = f"expired: no new span or reward for {timeout:g} s while {decision.reason}"
-                conn.execute(
+                stored = conn.execute(  # still stale: a span or reward another replica committed since keeps it open
                     groups.update()
-                    .where(groups.c.id == group_id, groups.c.state == "open")
+                    .where(groups.c.id == group_id, groups.c.state == "open", groups.c.updated_at <= now - timeout)
                     .values(state="expired", reason=reason, updated_at=now)
                 )
-                log.info("group %s %s", group_id, reason)
+                if stored.rowcount:
+                    log.info("group %s %s", group_id, reason)

@@ -330,8 +330,56 @@ def test_reopen_of_a_group_skipped_for_its_rewards_says_so_and_a_new_reward_puts
         "group g is skipped (no reward spread) but still in the pool: a new or changed reward puts it back by itself, "
         "ready once its rewards differ; reopen is for groups the pool gave up on"
     )
+    assert store.lease(BatchRequest()).groups == []  # stores it skipped: still in the pool, still refused
+    assert _state(store) == ("skipped", "no reward spread", 0)
+    with pytest.raises(Conflict) as stored:
+        store.reopen("g")
+    assert (stored.value.code, stored.value.message) == (refused.value.code, refused.value.message)
     store.add_reward(RewardIn(rollout_id="g-b", value=0.0))
     assert _state(store) == ("ready", None, 0)
     with pytest.raises(Conflict) as ready:
         store.reopen("g")
     assert ready.value.message == "group g is ready; only a group in skipped or expired can be reopened"
+
+
+def test_a_reward_from_another_replica_before_the_lease_stores_a_skip_keeps_the_group_in_the_pool(
+    db_url, clock, monkeypatch
+) -> None:
+    """A reward that gives a group its spread is committed by another replica after the lease decided the group
+    skipped for no spread but before it stored that: the lease decides again under the row lock and leaves it in
+    the pool, to be leased next."""
+    from collector import pool
+    from collector.config import CollectorSettings
+    from collector.store import SqlStore
+
+    url = db_url()
+    if not url.startswith("postgresql"):
+        pytest.skip("SQLite has one writer at a time: no other store commits inside a lease")
+    store, replica = (SqlStore(CollectorSettings(db=url), clock=clock) for _ in range(2))
+    store.setup()
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=1.0))
+    decided = pool.decisions
+
+    def decisions_then_a_reward_elsewhere(conn, settings, open_groups):
+        out = decided(conn, settings, open_groups)
+        if open_groups:
+            monkeypatch.setattr(pool, "decisions", decided)
+            replica.add_reward(RewardIn(rollout_id="b", value=0.0))
+        return out
+
+    monkeypatch.setattr(pool, "decisions", decisions_then_a_reward_elsewhere)
+    assert store.lease(BatchRequest()).groups == []
+    assert _state(store) == ("ready", None, 0)
+    assert [g.id for g in store.lease(BatchRequest()).groups] == ["g"]
+    for each in (store, replica):
+        each.close()
+
+
+def test_a_group_skipped_for_its_rewards_by_earlier_settings_can_be_reopened(make_store) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "g-a", reward=1.0) + trajectory(20, "g-b", reward=1.0))
+    assert store.lease(BatchRequest()).groups == []  # stores it skipped
+    store.settings = store.settings.model_copy(update={"keep_zero_spread": True})  # restarted with it
+    assert _state(store)[:2] == ("skipped", "no reward spread")  # the lease reads open groups only
+    assert store.reopen("g").previous_reason == "no reward spread"
+    assert [g.id for g in store.lease(BatchRequest()).groups] == ["g"]

@@ -3,6 +3,8 @@ upkeep of the pool (`collector/pool.py`: idle trajectories, stale groups), read 
 
 from __future__ import annotations
 
+import pytest
+
 from collector.protocol import BatchRequest, RewardIn
 from tests.collector.span_builders import TRACE, llm, rollout, trajectory
 
@@ -158,3 +160,36 @@ def test_evaluation_runs_of_a_task_form_groups_of_their_own(make_store) -> None:
     named = make_store()
     named.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0, split="val"))
     assert [(g.id, g.size, g.reason) for g in named.groups()] == [("g", 2, "split val: only train groups are leased")]
+
+
+def test_a_span_from_another_replica_before_the_upkeep_stores_an_expiry_keeps_the_group_open(
+    db_url, clock, monkeypatch
+) -> None:
+    """The member a stale group waited for is committed by another replica after the upkeep decided the group
+    expired but before it stored that: the group got a span, so it does not expire, and
+    the lease takes it."""
+    from collector import pool
+    from collector.config import CollectorSettings
+    from collector.store import SqlStore
+
+    url = db_url()
+    if not url.startswith("postgresql"):
+        pytest.skip("SQLite has one writer at a time: no other store commits inside the upkeep")
+    settings = CollectorSettings(db=url, group_timeout_seconds=60)
+    store, replica = (SqlStore(settings, clock=clock) for _ in range(2))
+    store.setup()
+    store.add_spans(trajectory(10, "a", reward=1.0))  # waits for its second member
+    clock.now += 61
+    decided = pool.decisions
+
+    def decisions_then_a_span_elsewhere(conn, settings, open_groups):
+        out = decided(conn, settings, open_groups)
+        if open_groups:
+            monkeypatch.setattr(pool, "decisions", decided)
+            replica.add_spans(trajectory(20, "b", reward=0.0))
+        return out
+
+    monkeypatch.setattr(pool, "decisions", decisions_then_a_span_elsewhere)
+    assert [[t.id for t in g.trajectories] for g in store.lease(BatchRequest()).groups] == [["a", "b"]]
+    for each in (store, replica):
+        each.close()
