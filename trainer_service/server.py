@@ -219,6 +219,12 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
         response.headers.update(exc.headers or {})  # `Allow` of a 405
         return response
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """An error no route expected: in the envelope too (it was a plain-text 500), the traceback in the log."""
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error(ServiceError(500, "internal_error", f"{type(exc).__name__}: {exc}", type="server_error"))
+
     no_parameters = [Depends(_takes_no_parameters)]
 
     async def proxy(request: Request, route: str) -> Response:

@@ -131,6 +131,27 @@ def test_a_blank_key_is_none_and_a_padded_one_matches_the_header_that_carries_it
         assert client.get("/v1/models").status_code == (401 if needed else 200)
 
 
+def test_an_unexpected_error_is_answered_in_the_envelope(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A route's unexpected exception was Starlette's plain-text 500, outside OpenAI's error envelope."""
+    from fastapi.testclient import TestClient
+
+    from trainer_service.server import create_app
+
+    service = make_service(tmp_path, [], [])
+
+    async def broken() -> None:
+        raise KeyError("step")
+
+    monkeypatch.setattr(service, "status", broken)
+    with TestClient(create_app(service=service), raise_server_exceptions=False) as client:
+        answer = client.get("/v1/status")
+    assert answer.status_code == 500
+    assert answer.json()["error"] == {"message": "KeyError: 'step'", "type": "server_error", "param": None,
+                                      "code": "internal_error"}
+    assert any("unhandled error on GET /v1/status" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
 def test_pause_resume_and_sft_endpoints(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
