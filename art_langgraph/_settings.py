@@ -102,7 +102,10 @@ class Settings(BaseSettings):
     def _bare_key(cls, key: str | None) -> str | None:
         """A key with surrounding whitespace made an illegal `Authorization` header (httpx refused to send it, every
         export failed); the services strip theirs, so the plugin sends the same stripped key."""
-        return (key.strip() or None) if key else key
+        key = (key.strip() or None) if key else key
+        if key is not None and not key.isascii():  # httpx refuses such a header: every export would fail
+            raise ValueError("ART_API_KEY must be ASCII: HTTP clients send header values as ASCII")
+        return key
 
     @property
     def collector_base_url(self) -> str:

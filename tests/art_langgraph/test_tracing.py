@@ -50,6 +50,13 @@ def test_the_key_is_sent_without_surrounding_whitespace(receivers, given: str, s
     assert path == "/v1/traces" and headers.get("authorization") == sent
 
 
+def test_a_key_that_is_not_ascii_is_refused(monkeypatch) -> None:
+    """httpx refuses to send a header value that is not ASCII: every export and reward would have failed."""
+    monkeypatch.setenv("ART_API_KEY", "clé")
+    with pytest.raises(ValidationError, match="ART_API_KEY must be ASCII"):
+        update_settings()
+
+
 def test_global_tracer_provider_is_not_replaced(memory_tracing) -> None:
     before = trace.get_tracer_provider()
     memory_tracing.install()

@@ -22,6 +22,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from pydantic import ValidationError
 from sqlalchemy import event
 
 from art_langgraph import semconv as sc
@@ -268,6 +269,13 @@ def test_a_blank_api_key_means_none(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert CollectorSettings().api_key is None
     client = TestClient(create_app(CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}")))
     assert client.post("/v1/rewards", json={"rollout_id": "a", "value": 1.0}).status_code == 200
+
+
+def test_a_key_that_is_not_ascii_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No HTTP client sends it (httpx refuses, Starlette reads headers as Latin-1): every write would be 401."""
+    monkeypatch.setenv("ART_API_KEY", "clé")
+    with pytest.raises(ValidationError, match="ART_API_KEY must be ASCII"):
+        CollectorSettings()
 
 
 def test_a_key_with_surrounding_whitespace_matches_the_header_that_carries_it(

@@ -152,6 +152,17 @@ def test_an_unexpected_error_is_answered_in_the_envelope(tmp_path: Path, monkeyp
     assert any("unhandled error on GET /v1/status" in r.getMessage() and r.exc_info for r in caplog.records)
 
 
+def test_a_key_that_is_not_ascii_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No HTTP client sends it (httpx refuses, Starlette reads headers as Latin-1): every route would be 401."""
+    from pydantic import ValidationError
+
+    from trainer_service.config import TrainerSettings
+
+    monkeypatch.setenv("ART_API_KEY", "clé")
+    with pytest.raises(ValidationError, match="ART_API_KEY must be ASCII"):
+        TrainerSettings()
+
+
 def test_pause_resume_and_sft_endpoints(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
