@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 
 from collector.protocol import (
     AckRequest,
@@ -44,6 +44,8 @@ _TRANSIENT_STATUSES = frozenset({502, 503, 504})
 or down."""
 _TRANSIENT_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 """No answer to an ack or a release that is tried again: timed out, refused, reset, dropped mid-answer."""
+
+_Answer = TypeVar("_Answer", bound=BaseModel)
 
 _GROUPS = TypeAdapter(list[GroupStatus])
 """Reads `GET /v1/groups`."""
@@ -119,20 +121,8 @@ class CollectorClient:
                 try, refuses (any other error status, at once), or answers with something that is not an ack.
         """
         done = "nothing in it can train, no step was taken" if step is None else f"step {step} is saved and served"
-        body = AckRequest(policy_step=step).model_dump()
-        response, tried = await self._post_retried(f"/v1/batches/{batch_id}/ack", body, f"ack of batch {batch_id}")
-        if isinstance(response, httpx.HTTPError):
-            raise ServiceError(502, "ack_failed", f"Could not ack batch {batch_id} ({done}){tried}: "
-                               f"{type(response).__name__}: {response}. Its groups will be offered again after the "
-                               "lease.", type="server_error") from response
-        if response.status_code != 200:
-            raise ServiceError(502, "ack_failed", f"The collector refused the ack of batch {batch_id} ({done}){tried}: "
-                               f"HTTP {response.status_code}: {response.text[:300]}", type="server_error")
-        try:
-            AckResponse.model_validate_json(response.content)
-        except ValueError as exc:
-            raise ServiceError(502, "ack_failed", f"The collector answered the ack of batch {batch_id} ({done}) with "
-                               f"something that is not an ack: {str(exc)[:300]}", type="server_error") from exc
+        await self._post_to_batch(batch_id, "ack", AckRequest(policy_step=step), AckResponse, "an ack",
+                                  f" ({done})", ". Its groups will be offered again after the lease.")
 
     async def release(self, batch_id: str, reason: str, failed: bool) -> ReleaseResponse:
         """Give batch `batch_id` back untrained (`POST /v1/batches/{id}/release`): its groups can be leased again now.
@@ -152,24 +142,36 @@ class CollectorClient:
                 every try, refuses (any other error status, at once), or answers with something that is not a
                 release.
         """
-        body = ReleaseRequest(reason=reason, failed=failed).model_dump()
-        response, tried = await self._post_retried(f"/v1/batches/{batch_id}/release", body,
-                                                   f"release of batch {batch_id}")
-        if isinstance(response, httpx.HTTPError):
-            raise ServiceError(502, "release_failed", f"Could not release batch {batch_id}{tried}: "
-                               f"{type(response).__name__}: {response}", type="server_error") from response
-        if response.status_code != 200:
-            raise ServiceError(502, "release_failed", f"The collector refused the release of batch {batch_id}{tried}: "
-                               f"HTTP {response.status_code}: {response.text[:300]}", type="server_error")
-        try:
-            return ReleaseResponse.model_validate_json(response.content)
-        except ValueError as exc:
-            raise ServiceError(502, "release_failed", f"The collector answered the release of batch {batch_id} with "
-                               f"something that is not a release: {str(exc)[:300]}", type="server_error") from exc
+        return await self._post_to_batch(batch_id, "release", ReleaseRequest(reason=reason, failed=failed),
+                                         ReleaseResponse, "a release")
 
     async def aclose(self) -> None:
         """Close the HTTP client."""
         await self.http.aclose()
+
+    async def _post_to_batch(self, batch_id: str, call: str, body: BaseModel, answer: type[_Answer], named: str,
+                             said: str = "", unanswered: str = "") -> _Answer:
+        """`POST /v1/batches/{batch_id}/{call}` (`_post_retried`) and its `answer`; `named` is that answer with its
+        article, `said` what the messages add after the batch, `unanswered` what they add when it got no answer.
+
+        Raises:
+            ServiceError: 502 `{call}_failed` when the collector does not answer or answers 502, 503 or 504 to every
+                try, refuses (any other error status, at once), or answers with something that is not `answer`.
+        """
+        code = f"{call}_failed"
+        response, tried = await self._post_retried(f"/v1/batches/{batch_id}/{call}", body.model_dump(),
+                                                   f"{call} of batch {batch_id}")
+        if isinstance(response, httpx.HTTPError):
+            raise ServiceError(502, code, f"Could not {call} batch {batch_id}{said}{tried}: {type(response).__name__}: "
+                               f"{response}{unanswered}", type="server_error") from response
+        if response.status_code != 200:
+            raise ServiceError(502, code, f"The collector refused the {call} of batch {batch_id}{said}{tried}: HTTP "
+                               f"{response.status_code}: {response.text[:300]}", type="server_error")
+        try:
+            return answer.model_validate_json(response.content)
+        except ValueError as exc:
+            raise ServiceError(502, code, f"The collector answered the {call} of batch {batch_id}{said} with something "
+                               f"that is not {named}: {str(exc)[:300]}", type="server_error") from exc
 
     async def _post_retried(self, path: str, body: dict[str, Any],
                             what: str) -> tuple[httpx.Response | httpx.HTTPError, str]:
