@@ -458,14 +458,7 @@ class TrainerSettings(BaseSettings):
                 fix = f"use the service's {own} instead" if own else "the service fixes it"
                 raise ValueError(f"vllm_args sets {flag}, which the service sets itself (its checks and the trainer "
                                  f"rely on the value it passes): {fix}.")
-        cores = len(os.sched_getaffinity(0))
-        for name in ("idle_train_threads", "idle_vllm_threads"):  # more than the cores: oversubscribed, or a traceback
-            threads = getattr(self, name)
-            if threads is not None and threads > cores:
-                raise ValueError(f"{name}={threads}: this process may use {cores} cores. Lower "
-                                 f"--{name.replace('_', '-')} (ART_TRAINER_{name.upper()}) or leave it out (every "
-                                 "core).")
-        self._check_idle_threads(cores)
+        self._check_idle_threads(len(os.sched_getaffinity(0)))
         if self.port == self.vllm_port and self.host in _COVERS_VLLM:
             raise ValueError(f"port={self.port} is also vllm_port, and vLLM listens on 127.0.0.1:{self.vllm_port}, "
                              f"which host={self.host!r} includes: the API could not bind once vLLM has started. "
@@ -490,7 +483,14 @@ class TrainerSettings(BaseSettings):
         return self
 
     def _check_idle_threads(self, cores: int) -> None:
-        """Refuse an idle thread count below its side's own: it was raised to it, or turned lending off, silently."""
+        """Refuse an idle thread count above the `cores` (oversubscribed, or a traceback at start) or below its side's
+        own (it was raised to it, or turned lending off, silently)."""
+        for name in ("idle_train_threads", "idle_vllm_threads"):
+            threads = getattr(self, name)
+            if threads is not None and threads > cores:
+                raise ValueError(f"{name}={threads}: this process may use {cores} cores. Lower "
+                                 f"--{name.replace('_', '-')} (ART_TRAINER_{name.upper()}) or leave it out (every "
+                                 "core).")
         own = self.training_threads()
         if self.idle_train_threads is not None and self.idle_train_threads < own:
             raise ValueError(f"idle_train_threads={self.idle_train_threads} is below the step's own {own} threads "
