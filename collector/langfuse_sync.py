@@ -1,11 +1,12 @@
 """Langfuse sync: human scores in as rewards, computed rewards out as scores.
 
 Uses the `langfuse` SDK's REST client (`LangfuseAPI`): scores are read with
-`GET /api/public/v3/scores` (cursor paging, filtered by source and name, with the `subject`
-field group that carries the trace id) and written with `POST /api/public/scores` (a list).
-A score becomes a reward of the same name on the trajectory of its trace (Langfuse's trace id
-is the OpenTelemetry trace id when the agent's spans fan out to Langfuse). Only numeric and
-boolean scores can be rewards; scores already pulled at the same `updatedAt` are not applied
+`GET /api/public/v3/scores` (cursor paging, filtered by source, name and data type, with the
+`subject` field group that carries the trace id) and written with `POST /api/public/scores` (a
+list). A score becomes a reward of the same name on the trajectory of its trace (Langfuse's
+trace id is the OpenTelemetry trace id when the agent's spans fan out to Langfuse). Only numeric
+and boolean scores can be rewards, and only they are read (a score of a type this SDK does not
+know would fail the whole page); scores already pulled at the same `updatedAt` are not applied
 again. Langfuse lists no deletions: a score pulled within the lookback that the listing leaves
 out is asked for by id (the `id` filter of the same endpoint), and one that is gone has its
 rewards taken back unless its group is leased or trained. Pushed scores get a stable id per
@@ -39,6 +40,18 @@ log = logging.getLogger(__name__)
 
 PAGE = 100
 """Scores per page (Langfuse's maximum)."""
+
+REWARD_TYPES = "NUMERIC,BOOLEAN"
+"""The score data types that can be rewards (the listing's `dataType` filter)."""
+
+_KEYS = "check ART_COLLECTOR_LANGFUSE_PUBLIC_KEY and ART_COLLECTOR_LANGFUSE_SECRET_KEY (or LANGFUSE_*):"
+_HINTS = {
+    401: f"{_KEYS} a key pair of a project on this host",
+    403: f"{_KEYS} a key pair of a project on this host, allowed to read and write scores",
+    404: "is the host Langfuse's base URL? A self-hosted Langfuse serves GET /api/public/v3/scores only when started "
+    "with LANGFUSE_ENABLE_SCORES_V3_API=true (Langfuse Cloud always does)",
+}
+"""What to check when Langfuse answers a status that a configuration mistake gives."""
 
 
 class LangfuseSyncError(CollectorError):
@@ -89,8 +102,8 @@ def _numeric(score: object) -> float | None:
 
 
 def _reward_of(score: object) -> RewardIn | None:
-    """The reward a score gives its trace, or None: text and categorical scores, session scores, and scores on a
-    trace id that is no OpenTelemetry one (logged) give none."""
+    """The reward a score gives its trace, or None: session and experiment scores, and scores on a trace id that is
+    no OpenTelemetry one (logged), give none."""
     trace_id, value = _trace_of(score), _numeric(score)
     if trace_id is None or value is None:
         return None
@@ -124,8 +137,9 @@ class LangfuseSync:
         try:
             return fn()
         except ApiError as exc:
-            raise LangfuseSyncError(f"Langfuse {what} answered {exc.status_code}: {exc.body!r}") from exc
-        except ValidationError as exc:  # a 2xx body the SDK cannot read: a proxy's page, a newer Langfuse's score type
+            hint = f"; {_HINTS[exc.status_code]}" if exc.status_code in _HINTS else ""
+            raise LangfuseSyncError(f"Langfuse {what} answered {exc.status_code}: {exc.body!r}{hint}") from exc
+        except ValidationError as exc:  # a 2xx body the SDK cannot read: a proxy's page, a score its model rejects
             raise LangfuseSyncError(f"Langfuse {what} answered something its API does not define: {exc}") from exc
         except httpx.HTTPError as exc:
             raise LangfuseSyncError(
@@ -143,7 +157,7 @@ class LangfuseSync:
                 "GET /api/public/v3/scores",
                 lambda: self.client.scores.get_many(
                     limit=PAGE, cursor=cursor, fields="subject", source=",".join(s.sources) or None,
-                    name=",".join(s.score_names) or None, from_timestamp=since,
+                    name=",".join(s.score_names) or None, data_type=REWARD_TYPES, from_timestamp=since,
                 ),
             )
             found += page.data

@@ -75,10 +75,10 @@ class JudgeRun(BaseModel):
 class LangfuseSyncResult(BaseModel):
     """What one Langfuse sync did."""
 
-    pulled: int = Field(description="Scores read from Langfuse.")
+    pulled: int = Field(description="Numeric and boolean scores read from Langfuse.")
     applied: int = Field(description="New or changed scores stored as rewards.")
     unmatched: int = Field(description="Applied scores whose trace has no trajectory yet (they apply when it arrives).")
-    ignored: int = Field(description="Scores that cannot be rewards (text/categorical, session or experiment scores).")
+    ignored: int = Field(description="Scores that cannot be rewards (on a session, an experiment, a non-OTel trace).")
     withdrawn: int = Field(default=0, description="Pulled scores deleted in Langfuse since: their rewards taken back.")
     pushed: int = Field(description="Rewards sent to Langfuse as scores.")
     push_rejected: int = Field(default=0, description="Scores Langfuse rejected (HTTP 207).")

@@ -5,10 +5,16 @@ so the Langfuse tests talk to this server instead. It follows Langfuse's publish
 (the Fern definition the `langfuse` SDK is generated from, as shipped in `langfuse/api/scores`):
 
 * `GET /api/public/v3/scores`: Basic auth; `limit` (default 50, above 100 → 400), opaque
-  base64url `cursor`, comma-separated `id` / `name` / `source` (case-insensitive) / `traceId`
-  filters, `fields` (`details`, `subject`, `annotation`; anything else → 400),
-  `fromTimestamp` (inclusive) and `toTimestamp` (exclusive). Answers
-  `{"data": [...], "meta": {"limit": n, "cursor": "..."}}`, the cursor left out on the last page.
+  base64url `cursor`, comma-separated `id` / `name` / `source` and `dataType` (both
+  case-insensitive) / `traceId` filters, `fields` (`details`, `subject`, `annotation`; anything
+  else → 400), `fromTimestamp` (inclusive) and `toTimestamp` (exclusive). Answers
+  `{"data": [...], "meta": {"limit": n, "cursor": "..."}}`, newest `timestamp` first, the cursor
+  left out on the last page (a full last page too). Times are ISO 8601 in UTC with milliseconds
+  (`2026-01-02T03:04:05.678Z`), as Langfuse writes them. A self-hosted Langfuse serves this
+  endpoint only when started with `LANGFUSE_ENABLE_SCORES_V3_API=true` (Langfuse Cloud has it
+  on); set `v3_enabled = False` for one without it: after auth it answers 404
+  `{"message": "Not Found", "error": "LangfuseNotFoundError"}`
+  (`web/src/pages/api/public/v3/scores/index.ts` in github.com/langfuse/langfuse).
 * `POST /api/public/scores`: Basic auth; a JSON list of scores; 202 `{"message": "Accepted"}`
   when all are valid, else 207 `{"accepted", "rejected", "errors": [{"message"}]}`.
 * `DELETE /api/public/scores/{scoreId}`: Basic auth; 202 `{"message": "Score deletion queued
@@ -18,7 +24,10 @@ so the Langfuse tests talk to this server instead. It follows Langfuse's publish
 
 Where it does less than Langfuse: accepted scores are kept in `created` by id (one sent again
 with the same id replaces the earlier one, as Langfuse updates it; one without an id gets a new
-one), and the GET endpoint never lists them.
+one), and the GET endpoint never lists them; the GET endpoint's other filters (`environment`,
+`configId`, `queueId`, `authorUserId`, `value`, `valueMin`, `valueMax`, `sessionId`,
+`observationId`, `experimentId`) are not applied, and a bad query's 400 body is a plain
+`{"message"}` where Langfuse sends `{"message": "Invalid request data", "error": [...]}`.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
@@ -40,11 +50,16 @@ _FIELD_GROUPS = {"details": ("comment", "configId", "metadata"), "subject": ("su
 
 
 def _iso(value: dt.datetime) -> str:
-    return value.astimezone(dt.UTC).isoformat().replace("+00:00", "Z")
+    return value.astimezone(dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _parse_time(value: str) -> dt.datetime:
     return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def _trace(subject: dict[str, Any]) -> str | None:
+    """The trace id of a score's subject (None for session scores), as the `traceId` filter matches it."""
+    return subject["id"] if subject["kind"] == "trace" else subject.get("traceId")
 
 
 class FakeLangfuse:
@@ -54,6 +69,10 @@ class FakeLangfuse:
         self.scores: dict[str, dict[str, Any]] = {}
         self.requests: list[tuple[str, str]] = []
         self.created: dict[str, dict[str, Any]] = {}
+        self.v3_enabled = True
+        self.failures: list[int | None] = []
+        """Statuses the next authorized GET requests answer instead, one each (a 429, an outage's 503; None: the
+        request is answered as usual)."""
 
     def add_score(
         self, score_id: str, name: str, value: Any, *, trace_id: str | None = None, observation_id: str | None = None,
@@ -63,7 +82,7 @@ class FakeLangfuse:
         """Store a score as if a person had made it in the Langfuse UI."""
         now = timestamp or dt.datetime.now(dt.UTC)
         if observation_id:
-            subject = {"kind": "observation", "id": observation_id, "traceId": trace_id}
+            subject = {"kind": "observation", "id": observation_id, **({"traceId": trace_id} if trace_id else {})}
         elif session_id:
             subject = {"kind": "session", "id": session_id}
         else:
@@ -91,13 +110,14 @@ class FakeLangfuse:
         unknown = [g for g in groups if g not in _FIELD_GROUPS]
         if unknown:
             return 400, {"message": f"unknown field groups: {unknown}"}
-        rows = sorted(self.scores.values(), key=lambda s: (s["timestamp"], s["id"]), reverse=True)
-        filters = (("id", "id", False), ("name", "name", False), ("source", "source", True), ("traceId", None, False))
+        rows = sorted(self.scores.values(), key=lambda s: (_parse_time(s["timestamp"]), s["id"]), reverse=True)
+        filters = (("id", "id", False), ("name", "name", False), ("source", "source", True),
+                   ("dataType", "dataType", True), ("traceId", None, False))
         for key, field, fold in filters:
             if key in one:
                 wanted = {v.upper() if fold else v for v in one[key].split(",")}
                 if field is None:
-                    rows = [s for s in rows if (s["subject"].get("traceId") or s["subject"]["id"]) in wanted]
+                    rows = [s for s in rows if _trace(s["subject"]) in wanted]
                 else:
                     rows = [s for s in rows if (s[field].upper() if fold else s[field]) in wanted]
         if "fromTimestamp" in one:
@@ -162,6 +182,13 @@ def _handler(state: FakeLangfuse) -> type[BaseHTTPRequestHandler]:
                 return
             if url.path != "/api/public/v3/scores":
                 self._answer(404, {"message": "not found"})
+                return
+            if not state.v3_enabled:
+                self._answer(404, {"message": "Not Found", "error": "LangfuseNotFoundError"})
+                return
+            status = state.failures.pop(0) if state.failures else None
+            if status is not None:
+                self._answer(status, {"message": HTTPStatus(status).phrase})
                 return
             self._answer(*state.list_scores(parse_qs(url.query)))
 

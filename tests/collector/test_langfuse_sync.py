@@ -51,7 +51,7 @@ def test_pull_maps_annotation_scores_to_trajectories_by_trace(
     server.add_score("obs", "human", True, trace_id=trace_id("g", 0), observation_id="o1", data_type="BOOLEAN")
     server.add_score("api", "human", 0.3, trace_id=trace_id("g", 1), source="API")  # not a human score
     server.add_score("other", "helpfulness", 0.3, trace_id=trace_id("g", 1))  # not a chosen name
-    server.add_score("text", "human", "great", trace_id=trace_id("g", 2), data_type="TEXT")
+    server.add_score("text", "human", "great", trace_id=trace_id("g", 2), data_type="TEXT")  # not read: no reward
     server.add_score("session", "human", 0.9, session_id="sess-1")
     server.add_score("old", "human", 0.9, trace_id=trace_id("g", 3),
                      timestamp=dt.datetime.now(dt.UTC) - dt.timedelta(days=30))
@@ -60,11 +60,11 @@ def test_pull_maps_annotation_scores_to_trajectories_by_trace(
     with TestClient(app) as client:
         result = client.post("/v1/langfuse/sync").json()
         # 132 usable scores on 131 (trace, name) pairs: g-0's two scores give one reward, the later one
-        assert result == {"pulled": 135, "applied": 131, "unmatched": 1, "ignored": 3, "withdrawn": 0, "pushed": 0,
+        assert result == {"pulled": 134, "applied": 131, "unmatched": 1, "ignored": 2, "withdrawn": 0, "pushed": 0,
                           "push_rejected": 0}
         gets = [path for method, path in server.requests if method == "GET"]
         assert (len(gets) == 2 and "cursor=" in gets[1] and "source=ANNOTATION" in gets[0]
-                and "fields=subject" in gets[0])
+                and "fields=subject" in gets[0] and "dataType=NUMERIC%2CBOOLEAN" in gets[0])
         rewards = {t["id"]: t["rewards"] for t in client.get("/v1/trajectories", params={"group": "g"}).json()}
         assert rewards["g-0"]["human"] == 1.0  # the later observation-level boolean score
         assert rewards["g-1"] == {"human": 1 / 200}
@@ -72,7 +72,7 @@ def test_pull_maps_annotation_scores_to_trajectories_by_trace(
         assert "helpfulness" not in rewards["g-1"]
 
         again = client.post("/v1/langfuse/sync").json()
-        assert (again["pulled"], again["applied"]) == (135, 0)  # nothing new: nothing applied twice
+        assert (again["pulled"], again["applied"]) == (134, 0)  # nothing new: nothing applied twice
         server.touch("s5", 0.99)  # a person corrects a score
         assert client.post("/v1/langfuse/sync").json()["applied"] == 1
         assert client.get("/v1/trajectories/g-5").json()["rewards"]["human"] == 0.99
@@ -156,6 +156,24 @@ def test_a_deleted_score_keeps_its_reward_while_its_group_is_leased_or_trained(
         assert client.get("/v1/trajectories/h-0").json()["rewards"] == {"human": 1.0}
 
 
+def test_a_failed_page_applies_nothing_and_the_next_sync_applies_everything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    url, server = langfuse
+    monkeypatch.setattr("langfuse.api.core.http_client._retry_timeout", lambda response, retries: 0.0)  # no waits
+    app = app_for(tmp_path, monkeypatch, url)
+    app.state.store.add_spans(group_spans("g", [str(n) for n in range(130)]))
+    for n in range(130):
+        server.add_score(f"s{n}", "human", n / 200, trace_id=trace_id("g", n))
+    server.failures = [429, None, 503, 503, 503]  # page 1 after one retry; page 2 fails all three tries of the SDK
+    with TestClient(app) as client:
+        answer = client.post("/v1/langfuse/sync")
+        assert answer.status_code == 502 and "503" in answer.json()["message"]
+        assert client.get("/v1/trajectories/g-0").json()["rewards"] == {}  # nothing half-applied, nothing marked
+        assert server.failures == [] and client.post("/v1/langfuse/sync").json()["applied"] == 130
+        assert client.get("/v1/trajectories/g-129").json()["rewards"] == {"human": 129 / 200}
+
+
 def test_push_sends_rewards_once_and_updates_changed_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
 ) -> None:
@@ -190,28 +208,72 @@ def test_scheduled_sync_runs_in_the_background(
         assert app.state.scoring.last_sync is not None and app.state.scoring.last_sync.applied == 1
 
 
-def test_wrong_keys_answer_502_naming_langfuse(
+def test_wrong_keys_answer_502_naming_langfuse_and_the_key_settings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
 ) -> None:
-    url, _ = langfuse
+    url, server = langfuse
     app = app_for(tmp_path, monkeypatch, url, LANGFUSE_SECRET_KEY="wrong")
     with TestClient(app) as client:
         answer = client.post("/v1/langfuse/sync")
         assert answer.status_code == 502
-        assert answer.json()["error"] == "langfuse_error" and "401" in answer.json()["message"]
+        message = answer.json()["message"]
+        assert answer.json()["error"] == "langfuse_error" and "401" in message
+        assert "ART_COLLECTOR_LANGFUSE_SECRET_KEY" in message
+        assert len(server.requests) == 1  # a refused key is not asked again within the sync
+
+
+def test_a_self_hosted_langfuse_without_the_v3_scores_api_is_named_in_the_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    url, server = langfuse
+    server.v3_enabled = False  # self-hosted Langfuse started without LANGFUSE_ENABLE_SCORES_V3_API=true
+    app = app_for(tmp_path, monkeypatch, url)
+    with TestClient(app) as client:
+        answer = client.post("/v1/langfuse/sync")
+        assert answer.status_code == 502 and answer.json()["error"] == "langfuse_error"
+        assert "404" in answer.json()["message"] and "LANGFUSE_ENABLE_SCORES_V3_API=true" in answer.json()["message"]
+
+
+def test_only_numeric_and_boolean_scores_are_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    url, server = langfuse
+    app = app_for(tmp_path, monkeypatch, url)
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    server.add_score("n", "human", 0.5, trace_id=trace_id("g", 0))
+    server.add_score("b", "human", False, trace_id=trace_id("g", 1), data_type="BOOLEAN")
+    server.add_score("c", "human", "good", trace_id=trace_id("g", 1), data_type="CATEGORICAL")
+    server.add_score("r", "human", "x", trace_id=trace_id("g", 0), data_type="RANKING")  # a type this SDK predates
+    with TestClient(app) as client:
+        result = client.post("/v1/langfuse/sync").json()  # the other types cannot hold up the sync
+        assert (result["pulled"], result["applied"], result["ignored"]) == (2, 2, 0)
+        assert client.get("/v1/trajectories/g-0").json()["rewards"] == {"human": 0.5}
+        assert client.get("/v1/trajectories/g-1").json()["rewards"] == {"human": 0.0}
 
 
 def test_an_answer_the_sdk_cannot_read_is_502_naming_langfuse(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
 ) -> None:
     url, server = langfuse
-    server.add_score("s", "human", "x", trace_id=trace_id("g", 0), data_type="RANKING")  # a type this SDK predates
+    server.add_score("s", "human", "x", trace_id=trace_id("g", 0))  # a numeric score with no number: no valid answer
     app = app_for(tmp_path, monkeypatch, url)
     with TestClient(app) as client:
         answer = client.post("/v1/langfuse/sync")
         assert answer.status_code == 502, answer.text
-        assert answer.json()["error"] == "langfuse_error" and "RANKING" in answer.json()["message"]
+        assert answer.json()["error"] == "langfuse_error" and "does not define" in answer.json()["message"]
         assert app.state.scoring.last_sync_error.startswith("LangfuseSyncError")
+
+
+def test_the_stand_in_lists_newest_first_with_langfuse_time_format(
+    langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    _, server = langfuse
+    start = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
+    server.add_score("whole", "human", 1.0, trace_id="a" * 32, timestamp=start)
+    server.add_score("later", "human", 1.0, trace_id="a" * 32, timestamp=start + dt.timedelta(microseconds=678_901))
+    status, body = server.list_scores({})
+    assert status == 200 and [s["id"] for s in body["data"]] == ["later", "whole"]
+    assert [s["timestamp"] for s in body["data"]] == ["2026-01-02T03:04:05.678Z", "2026-01-02T03:04:05.000Z"]
 
 
 def test_sync_without_langfuse_configured_is_404(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
