@@ -16,6 +16,8 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
+import os
 import shutil
 import statistics
 import time
@@ -30,6 +32,8 @@ from examples.training_loop import plot_curve, score_attempts, train_steps
 
 EVAL_ATTEMPTS = 4
 """Attempts per held-out input; the held-out score is their mean."""
+HELD_OUT_SEED = 10_000
+"""Seed s is measured on `inputs(eval_size, HELD_OUT_SEED + s)`."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,8 @@ class Example:
     """`inputs(count, seed)`: `count` inputs drawn reproducibly from `seed`.
 
     Step k of seed s trains on `inputs(groups, 1000 * s + k + 1)`, one group each; the
-    held-out inputs are `inputs(eval_size, 10_000 + s)`, never trained on."""
+    held-out inputs are `inputs(eval_size, HELD_OUT_SEED + s)`, never trained on (`parse_args` refuses a seed
+    whose steps would reach them)."""
     score: Callable[[Any, Any], float]
     """`score(input, output)` in [0, 1]: the training reward, the curve and the held-out measure."""
     judged_by_collector: bool = False
@@ -101,16 +106,25 @@ async def held_out_score(example: Example, inputs: Sequence[Any]) -> tuple[float
     return statistics.fmean(scores), [example.describe(item, attempts[0]) for item, attempts in zip(inputs, outputs)]
 
 
+def input_seeds(seed: int, steps: int, sft_steps: int) -> tuple[range, range]:
+    """The `inputs` seeds of a seed's GRPO steps and of its SFT steps, one per step (see `Example.inputs`)."""
+    return (
+        range(1000 * seed + 1, 1000 * seed + steps + 1),
+        range(100_000 + 1000 * seed, 100_000 + 1000 * seed + sft_steps),
+    )
+
+
 async def train_seed(example: Example, seed: int, trainer_url: str, collector_url: str) -> SeedResult:
     """Score, warm up, train and score again against running services."""
     started = time.monotonic()
-    held_out = example.inputs(example.eval_size, 10_000 + seed)
+    held_out = example.inputs(example.eval_size, HELD_OUT_SEED + seed)
+    grpo_seeds, sft_seeds = input_seeds(seed, example.steps, example.sft_steps)
     before, before_samples = await held_out_score(example, held_out)
     print(f"[{example.name} seed {seed}] held-out before training: {before:.3f}", flush=True)
     train_started = time.monotonic()
     sft = await train_steps(
         example.build_agent(),
-        lambda step: example.inputs(example.groups, 100_000 + 1000 * seed + step),
+        lambda step: example.inputs(example.groups, sft_seeds[step]),
         example.score,
         steps=example.sft_steps,
         n=example.n,
@@ -120,7 +134,7 @@ async def train_seed(example: Example, seed: int, trainer_url: str, collector_ur
     )
     reports = await train_steps(
         example.build_agent(),
-        lambda step: example.inputs(example.groups, 1000 * seed + step + 1),
+        lambda step: example.inputs(example.groups, grpo_seeds[step]),
         example.score,
         steps=example.steps,
         n=example.n,
@@ -230,9 +244,8 @@ def plot_seeds(results: Sequence[SeedResult], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def measure(example: Example, seeds: Sequence[int], workdir: Path) -> dict[str, Any]:
-    """Train every seed from the base model; write results.json and reward_curves.png; return the results."""
-    results = [run_seed(example, seed, workdir / f"seed-{seed}") for seed in seeds]
+def write_results(example: Example, results: Sequence[SeedResult], workdir: Path) -> dict[str, Any]:
+    """Write results.json (every figure, per seed and summed up) and reward_curves.png; return the summary."""
     summary = {
         "example": example.name,
         "steps": example.steps,
@@ -246,6 +259,21 @@ def measure(example: Example, seeds: Sequence[int], workdir: Path) -> dict[str, 
     }
     (workdir / "results.json").write_text(json.dumps(summary, indent=2))
     plot_seeds(results, workdir / "reward_curves.png", example.title)
+    return summary
+
+
+def measure(example: Example, seeds: Sequence[int], workdir: Path) -> dict[str, Any]:
+    """Train every seed from the base model; return the summary `write_results` wrote.
+
+    The results are written again after each seed, so a run that fails or is stopped at a later seed keeps the figures
+    of the seeds it finished.
+    """
+    if not seeds:
+        raise ValueError("measure needs at least one seed")
+    results: list[SeedResult] = []
+    for seed in seeds:
+        results.append(run_seed(example, seed, workdir / f"seed-{seed}"))
+        summary = write_results(example, results, workdir)
     return summary
 
 
@@ -287,7 +315,11 @@ def parse_args(example: Example, argv: Sequence[str] | None, doc: str | None) ->
         help=f"supervised warm-start steps before GRPO (default: {example.sft_steps})",
     )
     parser.add_argument(
-        "--n", type=int, default=example.n, help=f"attempts per input, the group size (default: {example.n})"
+        "--n",
+        type=int,
+        default=example.n,
+        help=f"attempts per input, the group size; at least 2: GRPO learns from their differences "
+        f"(default: {example.n})",
     )
     parser.add_argument(
         "--eval-size",
@@ -322,19 +354,34 @@ def parse_args(example: Example, argv: Sequence[str] | None, doc: str | None) ->
         ("--steps", args.steps, 0),
         ("--sft-steps", args.sft_steps, 0),
         ("--groups", args.groups, 1),
-        ("--n", args.n, 1),
+        ("--n", args.n, 2),  # a group of one has no reward spread: no GRPO step would train
         ("--eval-size", args.eval_size, 1),
     ):
         if value < least:
             parser.error(f"{flag} must be at least {least}, got {value}")
-    if not args.learning_rate > 0:
-        parser.error(f"--learning-rate must be positive, got {args.learning_rate}")
+    if not (args.learning_rate > 0 and math.isfinite(args.learning_rate)):
+        parser.error(f"--learning-rate must be a positive finite number, got {args.learning_rate}")
     if len(set(args.seeds)) < len(args.seeds):
         seeds = " ".join(map(str, args.seeds))
         parser.error(f"--seeds names a seed twice ({seeds}): its second run would replace the first")
-    if args.workdir.exists() and not args.workdir.is_dir():
-        parser.error(f"--workdir {args.workdir} is a file, not a folder")
+    for seed in args.seeds:
+        if any(HELD_OUT_SEED + seed in drawn for drawn in input_seeds(seed, args.steps, args.sft_steps)):
+            parser.error(f"--seeds {seed}: its training steps would reach its held-out inputs; pick another seed")
+    problem = workdir_problem(args.workdir)
+    if problem:
+        parser.error(problem)
     return args
+
+
+def workdir_problem(workdir: Path) -> str | None:
+    """Why the run could not create its seed folders in `--workdir`, as a one-line error; None when it can."""
+    existing = next(folder for folder in (workdir, *workdir.parents) if folder.exists())
+    subject = f"--workdir {workdir}" if existing == workdir else f"--workdir {workdir} cannot be created: {existing}"
+    if not existing.is_dir():
+        return f"{subject} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{subject} is not writable"
+    return None
 
 
 def main(example: Example, argv: Sequence[str] | None = None, doc: str | None = None) -> dict[str, Any]:

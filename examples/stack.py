@@ -100,14 +100,18 @@ def start_service(
     try:
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with {process.returncode} while starting:\n{service.log_tail()}")
+                raise RuntimeError(
+                    f"{name} exited with {process.returncode} while starting (log: {log}):\n{service.log_tail()}"
+                )
             try:
                 if httpx.get(health_url, timeout=2.0).status_code == 200:
                     return service
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        raise TimeoutError(f"{name} did not answer {health_url} within {timeout:.0f} s:\n{service.log_tail()}")
+        raise TimeoutError(
+            f"{name} did not answer {health_url} within {timeout:.0f} s (log: {log}):\n{service.log_tail()}"
+        )
     except BaseException:  # also Ctrl-C: the child runs in its own session, so nothing else would stop it
         service.stop()
         raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import operator
 import random
 import re
@@ -65,7 +66,8 @@ class State(MessagesState):
 
 
 def evaluate(expression: str) -> int | float:
-    """Evaluate `+ - * /` and parentheses over numbers; anything else (or nesting too deep) raises ValueError."""
+    """Evaluate `+ - * /` and parentheses over numbers; anything else, nesting too deep or a result too large for a
+    float (inf, nan) raises ValueError."""
 
     def walk(node: ast.AST) -> int | float:
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
@@ -77,16 +79,19 @@ def evaluate(expression: str) -> int | float:
         raise ValueError(f"unsupported element {ast.dump(node)[:40]!r}: use numbers, + - * / and parentheses")
 
     try:
-        return walk(ast.parse(expression.replace("x", "*").replace("×", "*"), mode="eval").body)
-    except (SyntaxError, ZeroDivisionError, RecursionError) as error:  # `-` * 1000: 16 tokens of 64 dashes
+        value = walk(ast.parse(expression.replace("x", "*").replace("×", "*"), mode="eval").body)
+    except (SyntaxError, ZeroDivisionError, RecursionError, OverflowError) as error:  # `-` * 1000: 16 dash tokens
         raise ValueError(f"cannot evaluate {expression!r}: {error}") from error
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"cannot evaluate {expression!r}: the result is too large")
+    return value
 
 
 @tool
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression such as 347*29 and return the result."""
     value = evaluate(expression)
-    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+    return str(int(value)) if isinstance(value, int) or value.is_integer() else f"{value:.6g}"
 
 
 def worked_example(a: int, b: int, index: int) -> list[AnyMessage]:

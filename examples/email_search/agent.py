@@ -108,10 +108,12 @@ def final_answer(output: dict[str, Any]) -> str:
     return str(last.content) if isinstance(last, AIMessage) and not last.tool_calls else ""
 
 
-def _normal(text: str) -> str:
-    return re.sub(r"[^a-z0-9:]", "", text.lower())
+def _words(text: str) -> str:
+    """The text's words (letters and digits, a time such as 9:15 one word), lowercase, one space apart."""
+    return " ".join(re.findall(r"[a-z0-9]+(?::[0-9]+)?", text.lower()))
 
 
 def score(task: Task, output: dict[str, Any]) -> float:
-    """1.0 when the final answer contains the fact (case, spaces and punctuation ignored), else 0.0."""
-    return float(_normal(task["answer"]) in _normal(final_answer(output)))
+    """1.0 when the final answer states the fact as a whole word (case and punctuation ignored: `$450.00` states
+    `$450`, `19:15` does not state `9:15`, nor `123456` the order `12345`), else 0.0."""
+    return float(f" {_words(task['answer'])} " in f" {_words(final_answer(output))} ")

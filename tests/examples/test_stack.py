@@ -50,6 +50,31 @@ def test_a_service_interrupted_while_starting_is_stopped(tmp_path: Path, monkeyp
     assert started and started[0].poll() is not None, "the child runs in its own session: Ctrl-C does not reach it"
 
 
+@pytest.mark.parametrize(
+    ("body", "timeout", "error", "message"),
+    [
+        ("echo 'port 8000 already in use' >&2; exit 3", 30, RuntimeError, "art-trainer exited with 3 while starting"),
+        ("exec sleep 30", 2, TimeoutError, "art-trainer did not answer"),
+    ],
+    ids=["exits", "never-answers"],
+)
+def test_a_failed_start_names_the_log_to_read(
+    body: str, timeout: float, error: type[Exception], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    serve = tmp_path / "serve"
+    serve.write_text(f"#!/bin/sh\necho starting\n{body}\n")
+    serve.chmod(0o755)
+    monkeypatch.setattr(stack, "_console_script", lambda name: str(serve))
+    log = tmp_path / "logs" / "trainer.log"
+
+    with pytest.raises(error) as failed:
+        stack.start_service("art-trainer", [], f"http://127.0.0.1:{free_ports(1)[0]}/", "", log, timeout)
+
+    first_line = str(failed.value).splitlines()[0]
+    assert first_line.startswith(message) and f"(log: {log})" in first_line
+    assert "starting" in str(failed.value)  # and shows the log's tail
+
+
 def test_a_service_stops_when_the_script_that_started_it_is_killed(tmp_path: Path) -> None:
     """The services run in their own sessions, so a `timeout` or `kill -9` of the example reached none of them."""
     port = free_ports(1)[0]
