@@ -41,8 +41,9 @@ class _Job:
         self._done.set()
 
     def wait(self, timeout: float) -> bool:
-        """Wait at most `timeout` seconds; True if the call finished in time and succeeded."""
-        return self._done.wait(timeout) and self._ok
+        """Wait at most `timeout` seconds (or `threading.TIMEOUT_MAX`, the longest a thread can wait, where that is
+        less); True if the call finished in time and succeeded."""
+        return self._done.wait(min(timeout, threading.TIMEOUT_MAX)) and self._ok
 
 
 class _SpareThread:

@@ -1,7 +1,7 @@
 """The export side of the plugin's pipeline: bounded queues and an exporter that counts its losses.
 
 `CountingExporter` wraps an OTLP exporter: it never raises, cuts requests under
-`ART_MAX_EXPORT_BYTES`, and counts what it failed to deliver. Its processor is a
+`ART_MAX_EXPORT_BYTES`, and counts what it failed to deliver, spans the receiver rejected included. Its processor is a
 `BoundedProcessor` (a batch queue with a cap) or, where no thread can start, a `HeldProcessor`.
 """
 
@@ -10,11 +10,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from art_langgraph._export_size import REQUEST_BYTES, size_bound, size_bounded
+
+if TYPE_CHECKING:
+    import requests
 
 __all__ = [
     "BoundedProcessor",
@@ -61,11 +67,46 @@ class CountingExporter(SpanExporter):
         self.dropped = 0
         self.pending = 0
         """Spans queued for this exporter and not yet handed to it (kept by its processor)."""
+        self._redirect = threading.local()
+        """`status`: a 3xx the calling thread's last request got (`watch`), which the inner exporter takes for a
+        delivery."""
 
     def _drop(self, n: int) -> None:
         with self._lock:
             self.dropped += n
         _add_to_total(n)
+
+    def watch(self, session: requests.Session) -> None:
+        """Read the answers the inner exporter gets on `session`, which it leaves unread: the spans a 200 reports
+        rejected (an OTLP partial success, not to be retried) or a 3xx leaves undelivered (it follows no redirect,
+        yet takes one for a delivery) are counted as dropped and logged, and a 413 is logged with the setting that
+        avoids it."""
+        session.hooks["response"].append(self._read_answer)
+
+    def _read_answer(self, response: requests.Response, *args: object, **kwargs: object) -> None:
+        if 300 <= response.status_code < 400:
+            self._redirect.status = response.status_code
+        elif response.status_code == 413:
+            _logger.warning(
+                "art_langgraph: %s refused a request as too large (413); lower ART_MAX_EXPORT_BYTES (now %d) under "
+                "its body limit (the collector's: ART_COLLECTOR_MAX_BODY_BYTES)", self._name, self._max_request_bytes,
+            )
+        elif response.status_code == 200 and "protobuf" in response.headers.get("Content-Type", ""):
+            self._count_rejected(response.content)
+
+    def _count_rejected(self, answer: bytes) -> None:
+        """Count and log the spans an OTLP answer reports rejected."""
+        try:
+            partial = ExportTraceServiceResponse.FromString(answer).partial_success
+        except DecodeError as exc:  # a hook must not raise: the exporter would take the delivered spans as failed
+            _logger.warning("art_langgraph: %s answered 200 with an unreadable OTLP body (%s)", self._name, exc)
+            return
+        if partial.rejected_spans:
+            self._drop(partial.rejected_spans)
+            _logger.warning(
+                "art_langgraph: %s rejected %d spans: %s (%d dropped so far)",
+                self._name, partial.rejected_spans, partial.error_message or "no reason given", self.dropped,
+            )
 
     def admit(self, max_queue_size: int) -> bool:
         """Count one span queued for export, or, with `max_queue_size` already queued, dropped.
@@ -110,19 +151,28 @@ class CountingExporter(SpanExporter):
 
     def _export_request(self, spans: Sequence[ReadableSpan]) -> bool:
         """Send one request; True when it was delivered, else its spans are counted and logged as dropped."""
+        self._redirect.status = None
         try:
             result = self._inner.export(spans)
         except Exception:  # an exporter must not raise; log with traceback and count
             _logger.exception("art_langgraph: %s exporter raised; dropped %d spans", self._name, len(spans))
             self._drop(len(spans))
             return False
-        if result is SpanExportResult.SUCCESS:
-            return True
-        self._drop(len(spans))
-        _logger.warning(
-            "art_langgraph: could not export %d spans to %s (%d dropped so far)", len(spans), self._name, self.dropped
-        )
-        return False
+        if result is not SpanExportResult.SUCCESS:
+            self._drop(len(spans))
+            _logger.warning(
+                "art_langgraph: could not export %d spans to %s (%d dropped so far)", len(spans), self._name,
+                self.dropped,
+            )
+            return False
+        if self._redirect.status is not None:
+            self._drop(len(spans))
+            _logger.warning(
+                "art_langgraph: %s answered %d, a redirect, which is not followed; dropped %d spans: set its URL to "
+                "the one it redirects to", self._name, self._redirect.status, len(spans),
+            )
+            return False
+        return True
 
     def shutdown(self) -> None:
         try:

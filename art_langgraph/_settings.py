@@ -2,16 +2,18 @@
 
 The standard `OTEL_EXPORTER_OTLP_*` variables are read by the OTLP exporter itself; this module
 only uses `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` and `OTEL_EXPORTER_OTLP_ENDPOINT` as fallbacks for
-the collector's base URL (where late rewards go).
+the collector's base URL (where late rewards go), and refuses an endpoint or timeout among them
+with which every export would fail.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings", "get_settings", "update_settings"]
@@ -21,6 +23,10 @@ DEFAULT_TRAINER_URL = "http://localhost:8000/v1"
 DEFAULT_MODEL = "agent@latest"
 TRACES_PATH = "/v1/traces"
 """Path of the OTLP/HTTP traces endpoint under the collector's base URL."""
+ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+"""Where the OTLP exporter sends spans when `ART_COLLECTOR_URL` is unset: the first of these that is set."""
+TIMEOUT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
+"""The OTLP exporter's budget for a request and its retries, in seconds: the first of these that is set."""
 MAX_OTLP_REQUEST_BYTES = 64 * 1024 * 1024
 """The OTLP/HTTP exporter's own limit (OpenTelemetry 1.45): it drops a larger request unsent, whatever the receiver
 takes, so `max_export_bytes` may not pass it."""
@@ -97,6 +103,20 @@ class Settings(BaseSettings):
             raise ValueError(f"must be an http:// or https:// URL, got {url!r}")
         return url
 
+    @model_validator(mode="after")
+    def _usable_otlp_variables(self) -> Settings:
+        """Refuse the OTLP exporter's endpoint without its scheme (`localhost:4318`: no request could be made) and a
+        timeout that is no positive number (0 or less failed every request at once)."""
+        if self.collector_url is None and (endpoint := _first_set(ENDPOINT_ENV)):
+            name, url = endpoint
+            if urlsplit(url).scheme not in ("http", "https"):
+                raise ValueError(f"{name} must be an http:// or https:// URL, got {url!r}")
+        if timeout := _first_set(TIMEOUT_ENV):
+            name, value = timeout
+            if not _positive_number(value):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        return self
+
     @field_validator("api_key")
     @classmethod
     def _bare_key(cls, key: str | None) -> str | None:
@@ -117,6 +137,19 @@ class Settings(BaseSettings):
         traces = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").rstrip("/").removesuffix(TRACES_PATH)
         url = self.collector_url or traces or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or DEFAULT_COLLECTOR_URL
         return url.rstrip("/")
+
+
+def _first_set(names: tuple[str, ...]) -> tuple[str, str] | None:
+    """The first of the environment variables `names` set to a non-empty value, with its value."""
+    return next(((name, value) for name in names if (value := os.environ.get(name))), None)
+
+
+def _positive_number(value: str) -> bool:
+    try:
+        number = float(value)
+    except ValueError:
+        return False
+    return math.isfinite(number) and number > 0
 
 
 _lock = threading.Lock()

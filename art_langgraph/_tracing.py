@@ -14,7 +14,9 @@ import base64
 import logging
 import os
 import threading
+from collections.abc import Callable
 
+import requests
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -47,12 +49,29 @@ _INSTRUMENTATION_NAME = "art_langgraph"
 _COMPRESSION_ENV = ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "OTEL_EXPORTER_OTLP_COMPRESSION")
 
 
-def _otlp_exporter(settings: Settings) -> OTLPSpanExporter:
+_CREDENTIAL_PROVIDER_ENV = (
+    "OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER",
+    "OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER",
+)
+_MakeExporter = Callable[[requests.Session | None], OTLPSpanExporter]
+
+
+def _counting(name: str, make: _MakeExporter, settings: Settings) -> CountingExporter:
+    """`make(session)`'s exporter, counted, its answers read (`CountingExporter.watch`) on a session of ours, except
+    where a credential provider variable gives the exporter a session of its own, which ours would replace."""
+    session = None if any(os.environ.get(v) for v in _CREDENTIAL_PROVIDER_ENV) else requests.Session()
+    counting = CountingExporter(make(session), name, settings.max_export_bytes)
+    if session is not None:
+        counting.watch(session)
+    return counting
+
+
+def _otlp_exporter(settings: Settings, session: requests.Session | None) -> OTLPSpanExporter:
     endpoint = f"{settings.collector_url.rstrip('/')}{TRACES_PATH}" if settings.collector_url else None
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else None
     compression = None if any(os.environ.get(v) for v in _COMPRESSION_ENV) else Compression.Gzip
     # endpoint=None lets OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT decide (default localhost:4318).
-    return OTLPSpanExporter(endpoint=endpoint, headers=headers, compression=compression)
+    return OTLPSpanExporter(endpoint=endpoint, headers=headers, compression=compression, session=session)
 
 
 LANGFUSE_DEFAULT_URL = "https://cloud.langfuse.com"
@@ -60,7 +79,7 @@ LANGFUSE_OTLP_PATH = "/api/public/otel/v1/traces"
 """Langfuse's OTLP/HTTP traces endpoint under its base URL."""
 
 
-def _langfuse_exporter() -> OTLPSpanExporter:
+def _langfuse_exporter(session: requests.Session | None) -> OTLPSpanExporter:
     public, secret = os.environ.get("LANGFUSE_PUBLIC_KEY"), os.environ.get("LANGFUSE_SECRET_KEY")
     if not public or not secret:
         raise ValueError(
@@ -73,6 +92,7 @@ def _langfuse_exporter() -> OTLPSpanExporter:
         endpoint=f"{base.rstrip('/')}{LANGFUSE_OTLP_PATH}",
         headers={"Authorization": f"Basic {token}"},
         compression=Compression.Gzip,
+        session=session,
     )
 
 
@@ -193,9 +213,9 @@ def configure(
         langfuse=langfuse,
         max_queue_size=max_queue_size,
     )
-    exporters = [CountingExporter(_otlp_exporter(settings), "collector", settings.max_export_bytes)]
+    exporters = [_counting("collector", lambda session: _otlp_exporter(settings, session), settings)]
     if settings.langfuse:
-        exporters.append(CountingExporter(_langfuse_exporter(), "langfuse", settings.max_export_bytes))
+        exporters.append(_counting("langfuse", _langfuse_exporter, settings))
     provider = TracerProvider(
         resource=_resource(),
         # Every span is training data: neither OTEL_TRACES_SAMPLER nor a parent the app sampled out drops one.

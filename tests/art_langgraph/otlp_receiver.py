@@ -19,13 +19,16 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 
 class Receiver:
-    """Records every request; `fail_next` answers 503 that many times; `delay` stalls each answer."""
+    """Records every request; `fail_next` answers `fail_status` (503) that many times; `delay` stalls each answer;
+    `reject` makes each 200 a partial success that reports that many spans rejected."""
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, dict[str, str], ExportTraceServiceRequest]] = []
         self.fail_next = 0
+        self.fail_status = 503
         self.failures = 0
         self.delay = 0.0
+        self.reject = 0
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -35,14 +38,18 @@ class Receiver:
                 if receiver.fail_next > 0:
                     receiver.fail_next -= 1
                     receiver.failures += 1
-                    self.send_response(503)
+                    self.send_response(receiver.fail_status)
                     self.end_headers()
                     return
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 if headers.get("content-encoding") == "gzip":
                     body = gzip.decompress(body)
                 receiver.requests.append((self.path, headers, ExportTraceServiceRequest.FromString(body)))
-                payload = ExportTraceServiceResponse().SerializeToString()
+                answer = ExportTraceServiceResponse()
+                if receiver.reject:
+                    answer.partial_success.rejected_spans = receiver.reject
+                    answer.partial_success.error_message = f"{receiver.reject} spans rejected: no rollout id"
+                payload = answer.SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", str(len(payload)))

@@ -9,6 +9,7 @@ and for a collector that fails or stalls.
 from __future__ import annotations
 
 import base64
+import logging
 import threading
 import time
 
@@ -99,6 +100,58 @@ def test_failed_exports_are_retried_with_backoff(receivers, monkeypatch) -> None
     assert collector.failures == 2
     assert len(collector.spans()) == 1
     assert _tracing.dropped_spans() == before
+
+
+def test_spans_a_partial_success_rejects_are_counted_and_logged(receivers, monkeypatch, caplog) -> None:
+    """A 200 whose OTLP `partial_success` reports spans rejected (the collector does, for spans it cannot read):
+    those spans are lost, not to be retried (OTLP/HTTP spec); they went uncounted in `dropped_spans()` and unlogged."""
+    collector, langfuse = receivers
+    monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", "pk-lf-test")
+    monkeypatch.setenv("LANGFUSE_SECRET_KEY", "sk-lf-test")
+    monkeypatch.setenv("LANGFUSE_BASE_URL", langfuse.url)
+    collector.reject = langfuse.reject = 1
+    art_langgraph.configure(collector_url=collector.url, langfuse=True)
+    dropped = art_langgraph.dropped_spans()
+    with rollout("partly-rejected"):
+        pass
+    with caplog.at_level(logging.WARNING, logger="art_langgraph"):
+        assert art_langgraph.flush(timeout=10)
+    assert art_langgraph.dropped_spans() == dropped + 2
+    assert len(collector.requests) == len(langfuse.requests) == 1  # not retried
+    assert "collector rejected 1 spans: 1 spans rejected: no rollout id" in caplog.text
+    assert "langfuse rejected 1 spans: 1 spans rejected: no rollout id" in caplog.text
+
+
+def test_a_request_refused_as_too_large_is_logged_with_its_fix(receivers, caplog) -> None:
+    """A 413 (a proxy's body limit under `ART_MAX_EXPORT_BYTES`) is not retried (OTLP/HTTP spec): its spans are lost,
+    and the log said only "Request Entity Too Large", not which setting avoids it."""
+    collector, _ = receivers
+    collector.fail_next, collector.fail_status = 1, 413
+    art_langgraph.configure(collector_url=collector.url)
+    dropped = art_langgraph.dropped_spans()
+    with rollout("too-large"):
+        pass
+    with caplog.at_level(logging.WARNING, logger="art_langgraph"):
+        assert art_langgraph.flush(timeout=10)
+    assert collector.failures == 1 and collector.requests == []  # not retried
+    assert art_langgraph.dropped_spans() == dropped + 1
+    assert "collector refused a request as too large (413); lower ART_MAX_EXPORT_BYTES" in caplog.text
+
+
+def test_spans_answered_with_a_redirect_are_counted_and_logged(receivers, caplog) -> None:
+    """The OTLP exporter follows no redirect (an ingress sending http:// on to https://) yet takes a 3xx for a
+    delivery: every span was lost, uncounted and unlogged."""
+    collector, _ = receivers
+    collector.fail_next, collector.fail_status = 1, 308
+    art_langgraph.configure(collector_url=collector.url)
+    dropped = art_langgraph.dropped_spans()
+    with rollout("redirected"):
+        pass
+    with caplog.at_level(logging.WARNING, logger="art_langgraph"):
+        assert art_langgraph.flush(timeout=10)
+    assert collector.failures == 1 and collector.requests == []
+    assert art_langgraph.dropped_spans() == dropped + 1
+    assert "collector answered 308, a redirect, which is not followed; dropped 1 spans" in caplog.text
 
 
 def test_configure_again_exports_spans_in_flight(receivers) -> None:

@@ -222,6 +222,28 @@ def test_exit_with_collector_down_is_bounded(dead_url) -> None:
     assert exit_seconds < 5  # at most ~1 s of flushing, plus interpreter teardown
 
 
+def test_a_wait_longer_than_a_thread_can_wait_still_flushes(receivers) -> None:
+    """`flush(timeout=1e10)` and `ART_EXIT_FLUSH_TIMEOUT=1e10` are past `threading.TIMEOUT_MAX`: both raised
+    `OverflowError` (the exit hook with a traceback, its spans unexported) instead of waiting as long as they may."""
+    collector, _ = receivers
+    script = textwrap.dedent(
+        f"""
+        import art_langgraph
+        art_langgraph.configure(collector_url={collector.url!r})
+        with art_langgraph.rollout("flushed"):
+            pass
+        print(art_langgraph.flush(timeout=1e10), flush=True)
+        with art_langgraph.rollout("at-exit"):
+            pass
+        """
+    )
+    env = {**os.environ, "ART_EXIT_FLUSH_TIMEOUT": "1e10"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.stdout.split() == ["True"]
+    assert len(collector.spans()) == 2
+
+
 @pytest.mark.parametrize(("call", "returns"), [("flush", "True"), ("shutdown", "None")])
 def test_flush_and_shutdown_from_an_atexit_handler(receivers, call: str, returns: str) -> None:
     """An application's own atexit handler may flush or shut down while threads are refused.
