@@ -198,6 +198,22 @@ def _common_stats(groups: list[Group], counters: _Counters, trained_groups: int,
     }
 
 
+def _reward_stats(rewards: list[float]) -> dict[str, float]:
+    """`reward/mean` and `reward/std` (population) of finite `rewards`, finite however large they are.
+
+    The rewards are first multiplied by a power of two (exactly) that brings them below 1 in magnitude, so that
+    neither their sum nor their squares overflow near float64's limit (1.8e308), and the results scaled back.
+    Rounding is held to what the true values obey: the mean within the rewards' range, the std within their
+    largest magnitude (it could otherwise round past float64's limit).
+    """
+    values = torch.tensor(rewards, dtype=torch.float64)
+    exponent = max(0, math.frexp(float(values.abs().max()))[1])
+    scaled = values * math.ldexp(1.0, -exponent)
+    mean = float(scaled.mean().clamp(scaled.min(), scaled.max()))
+    std = float(scaled.std(correction=0).clamp(max=scaled.abs().max()))
+    return {"reward/mean": math.ldexp(mean, exponent), "reward/std": math.ldexp(std, exponent)}
+
+
 def prepare_grpo(groups: list[Group], config: GRPOConfig, device: torch.device,
                  tokenizer: PreTrainedTokenizerBase | None = None, *, vocab_size: int | None = None) -> PreparedBatch:
     """Select trainable groups and turn their sequences into items with advantages and weights. With `vocab_size`
@@ -238,11 +254,10 @@ def prepare_grpo(groups: list[Group], config: GRPOConfig, device: torch.device,
     if not per_traj:
         raise _nothing(groups, counters, "A group needs at least two trajectories with finite, different rewards "
                        "and assistant tokens.")
-    rewards_t, adv_t = torch.tensor(rewards_seen, dtype=torch.float64), torch.tensor(advantages_seen)
+    adv_t = torch.tensor(advantages_seen)
     stats = {
         **_common_stats(groups, counters, trained_groups, per_traj),
-        "reward/mean": float(rewards_t.mean()),
-        "reward/std": float(rewards_t.std(correction=0)),
+        **_reward_stats(rewards_seen),
         "advantage/mean": float(adv_t.mean()),
         "advantage/std": float(adv_t.std(correction=0)),
         "advantage/min": float(adv_t.min()),
@@ -281,12 +296,7 @@ def prepare_sft(groups: list[Group], config: GRPOConfig, device: torch.device,
         rewards_seen.append(float(best.reward))  # type: ignore[arg-type]
     if not per_traj:
         raise _nothing(groups, counters, "SFT needs a group whose best-rewarded trajectory has assistant tokens.")
-    rewards_t = torch.tensor(rewards_seen, dtype=torch.float64)
-    stats = {
-        **_common_stats(groups, counters, len(per_traj), per_traj),
-        "reward/mean": float(rewards_t.mean()),
-        "reward/std": float(rewards_t.std(correction=0)),
-    }
+    stats = {**_common_stats(groups, counters, len(per_traj), per_traj), **_reward_stats(rewards_seen)}
     return PreparedBatch(_items(per_traj, device), stats)
 
 

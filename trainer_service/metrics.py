@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -40,6 +41,11 @@ _SKIPPED = "data/skipped/"
 """Prefix of the counts of what a step left out (`batching`), one metric per reason."""
 _PLOTTED = (("reward/mean", "reward (mean)"), ("loss/policy", "policy loss"), ("loss/sft", "SFT loss"),
             ("eval/reward", "eval reward"))
+
+
+def _finite_or_null(metrics: dict[str, float]) -> dict[str, float | None]:
+    """`metrics` with NaN and ±inf as None: JSON has no such numbers, so the JSONL line says `null` instead."""
+    return {key: value if math.isfinite(value) else None for key, value in metrics.items()}
 
 
 def is_checkpoint_metric(name: str) -> bool:
@@ -125,7 +131,8 @@ class MetricsSink:
             return False
 
     def emit(self, step: int, metrics: dict[str, float], **extra: Any) -> None:
-        """Record one step: JSONL line, status history, plot, W&B.
+        """Record one step: JSONL line, status history, plot, W&B. A NaN or infinite metric is `null` in the JSONL
+        line and the history (JSON has no such numbers; `last` leaves it out), and goes to W&B as it is.
 
         Args:
             step: policy step.
@@ -135,7 +142,11 @@ class MetricsSink:
         Raises:
             OSError: the JSONL line could not be written (the disk is full or read-only).
         """
-        line = {"step": step, "time": time.time(), **extra, **metrics}
+        recorded = _finite_or_null(metrics)
+        if nonfinite := sorted(key for key, value in recorded.items() if value is None):
+            logger.warning("step %s: metrics %s are not finite numbers (%s); recorded as null", step,
+                           ", ".join(nonfinite), ", ".join(str(metrics[key]) for key in nonfinite))
+        line = {"step": step, "time": time.time(), **extra, **recorded}
         line["step"] = step  # the trainer's metrics carry it as a float; the record's is the integer `step`
         self.run_dir.mkdir(parents=True, exist_ok=True)
         start = "\n" if self._ends_mid_line() else ""

@@ -25,6 +25,7 @@ import anyio
 import httpx
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException
 
 from collector.auth import bearer_matches
@@ -48,12 +49,17 @@ _ENGINE_CONNECTIONS = 128
 """Most concurrent requests the proxy sends to vLLM; the rest wait in the proxy's pool (queued, not failed)."""
 _CLIENT_CLOSED_REQUEST = 499
 """Status logged for a request whose client disconnected before vLLM answered (nginx's convention)."""
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
+_DROPPED_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive", "date",
+                    "server"}
+"""vLLM's answer headers the proxy does not pass on: those of vLLM's connection, and `date` and `server`, which the
+proxy's own server sets on every answer (passed on, each came twice)."""
 _RETRY_AFTER_S = 10
 """`Retry-After` of every 503: the engine's watchdog looks every 10 s, so a restart or an adapter re-load is under
 way by then (OpenAI clients wait what it says, up to 60 s, before they retry)."""
 _NO_PARAMETERS = re.compile(rb"[ \t\r\n]*(\{[ \t\r\n]*\})?[ \t\r\n]*")
 """The bodies a control route (`/v1/train`, `/v1/pause`, ...) takes: none, or JSON's empty object."""
+_STREAM = TypeAdapter(bool | None)
+"""The type of `stream` in vLLM's request models (pydantic's lax mode: `"false"`, `"no"`, `"0"` and `0` are false)."""
 
 
 def build_service(settings: TrainerSettings, grpo: GRPOConfig,
@@ -155,6 +161,17 @@ async def _takes_no_parameters(request: Request) -> None:
                            "are `art-trainer serve` flags; see `art-trainer serve --help`.")
 
 
+def _streams(body: dict[str, Any]) -> bool:
+    """Whether vLLM answers `body` with a stream: its `stream` as vLLM's request models read it.
+
+    A value they refuse (`2`, `"maybe"`, `[]`) is no stream: vLLM answers it with its own 400, in one piece.
+    """
+    try:
+        return bool(_STREAM.validate_python(body.get("stream")))
+    except ValidationError:
+        return False
+
+
 def _error(exc: ServiceError) -> JSONResponse:
     """`exc` as an answer: its envelope, with `Retry-After` on a 503 and `WWW-Authenticate` on a 401."""
     headers = {503: {"Retry-After": str(_RETRY_AFTER_S)}, 401: {"WWW-Authenticate": "Bearer"}}.get(exc.status)
@@ -243,7 +260,7 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
             raise ServiceError(400, "invalid_json", f"The `model` string is not valid Unicode: {exc}.",
                                param="model") from exc
         body["model"] = svc.resolve(body["model"])
-        stream = bool(body.get("stream"))
+        stream = _streams(body)
         try:
             upstream = engine_client.build_request("POST", route, json=body)
         except ValueError as exc:  # NaN, Infinity, 1e400, "\ud800": Python's `json` reads them, JSON text has none
@@ -255,7 +272,7 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
             response = await _send_unless_client_leaves(request, engine_client, upstream, stream=stream)
             if response is None:  # nobody reads this answer (nginx's "client closed request")
                 return Response(status_code=_CLIENT_CLOSED_REQUEST)
-            headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
+            headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROPPED_HEADERS}
             if stream:
                 streaming = True
                 return StreamingResponse(_relay(response, request_ticket), status_code=response.status_code,

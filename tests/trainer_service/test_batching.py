@@ -156,6 +156,20 @@ def test_rewards_beyond_float32_scale_to_finite_advantages_or_are_counted() -> N
         prepare_grpo([huge], GRPOConfig(scale_rewards=False), CPU)
 
 
+@pytest.mark.parametrize(("rewards", "mean", "std"), [((1e308, 1.7e308), 1.35e308, 3.5e307),
+                                                     ((-1.7e308, 1.7e308), 0.0, 1.7e308),
+                                                     ((1.5e308, 0.0), 7.5e307, 7.5e307)])
+def test_reward_stats_of_rewards_near_float64s_limit_are_their_true_values(
+        rewards: tuple[float, float], mean: float, std: float) -> None:
+    """Summing or squaring them overflows; the stats themselves fit in float64, and training takes the group."""
+    trainer = make_trainer()
+    stats = prepare_grpo([group(trainer, rewards)], trainer.config, CPU).stats
+    assert stats["reward/mean"] == pytest.approx(mean) and stats["reward/std"] == pytest.approx(std)
+    best = [group(trainer, (reward, reward), f"g{i}") for i, reward in enumerate(rewards)]  # SFT: one per group
+    stats = prepare_sft(best, trainer.config, CPU).stats
+    assert stats["reward/mean"] == pytest.approx(mean) and stats["reward/std"] == pytest.approx(std)
+
+
 @pytest.mark.parametrize("placeholder", [-math.inf, VLLM_LOGPROB_FLOOR])
 def test_infinite_engine_logprobs_are_missing(placeholder: float) -> None:
     trainer = make_trainer()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,21 @@ def test_sink_writes_jsonl_plot_and_wandb_offline(tmp_path: Path, monkeypatch: p
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     assert sink.last["reward/mean"] == 0.4 and sink.sink_errors == 0
     assert MetricsSink(tmp_path, wandb="off").last["loss/policy"] == 0.3  # history survives a restart
+
+
+def test_a_nonfinite_metric_is_null_in_the_jsonl_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """JSON has no NaN or Infinity: a line holding them is refused by strict readers (jq, JavaScript, pandas)."""
+    sink = MetricsSink(tmp_path, wandb="off")
+    sink.emit(1, {"reward/mean": math.inf, "loss/policy": math.nan, "grad/norm": 0.5})
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    line = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse)
+    assert (line["reward/mean"], line["loss/policy"], line["grad/norm"]) == (None, None, 0.5)
+    assert "loss/policy, reward/mean are not finite" in caplog.text
+    assert sink.last == MetricsSink(tmp_path, wandb="off").last == {"step": 1.0, "grad/norm": 0.5}
+    assert (tmp_path / PLOT_FILE).is_file()
 
 
 def test_a_failing_secondary_sink_is_counted_not_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

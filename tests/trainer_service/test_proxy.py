@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, ConfigDict
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -28,14 +29,23 @@ from tests.trainer_service.builders import make_service
 from trainer_service.server import create_app
 from trainer_service.service import TrainerService
 
+
+class VLLMRequest(BaseModel):
+    """The part of vLLM's request models that decides streaming (`stream: bool | None = False`, pydantic, lax)."""
+
+    model_config = ConfigDict(extra="allow")
+    stream: bool | None = False
+
+
 _CHUNK = b'data: {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "base-model", ' \
          b'"choices": [{"index": 0, "delta": {"content": "5"}}]}\n\n'
 
 
 class FakeVLLM:
     """A chat endpoint that answers (headers included) only once `answer` is set, and records whether its client
-    (the proxy) left while it waited or streamed. `mode` `dies` breaks a stream off after one event (the
-    connection drops, as when vLLM dies); `gzip` sends one event and `[DONE]` gzip-encoded."""
+    (the proxy) left while it waited or streamed. It reads `stream` as vLLM does (`VLLMRequest`). `mode` `dies`
+    breaks an answer off after its first bytes (the connection drops, as when vLLM dies); `gzip` sends one event
+    and `[DONE]` gzip-encoded."""
 
     def __init__(self) -> None:
         self.arrived = threading.Event()
@@ -52,16 +62,19 @@ class FakeVLLM:
                 self.client_left.set()
                 return Response(status_code=499)
             await asyncio.sleep(0.01)
-        if not body.get("stream"):
+        if not VLLMRequest.model_validate(body).stream:
+            if self.mode == "dies":
+                return StreamingResponse(self.dying(b'{"choices": [{"message": '), media_type="application/json")
             return JSONResponse({"choices": [{"message": {"content": "5"}}]})
         if self.mode == "gzip":
             return Response(gzip.compress(_CHUNK + b"data: [DONE]\n\n"), media_type="text/event-stream",
                             headers={"Content-Encoding": "gzip"})
-        return StreamingResponse(self.dying() if self.mode == "dies" else self.tokens(), media_type="text/event-stream")
+        events = self.dying(_CHUNK) if self.mode == "dies" else self.tokens()
+        return StreamingResponse(events, media_type="text/event-stream")
 
-    async def dying(self) -> AsyncIterator[bytes]:
-        """One event, then the connection drops mid-answer."""
-        yield _CHUNK
+    async def dying(self, first: bytes) -> AsyncIterator[bytes]:
+        """`first`, then the connection drops mid-answer."""
+        yield first
         await asyncio.sleep(0.05)
         raise RuntimeError("vLLM died (a fake's death: uvicorn logs it and drops the connection)")
 
@@ -145,6 +158,33 @@ def test_a_stream_vllm_breaks_off_ends_with_an_error_event_the_openai_client_rai
     assert failed.value.body == {"message": failed.value.message, "type": "server_error", "param": None,
                                  "code": "engine_unavailable"}
     assert wait_until(lambda: service.lender.in_flight == 0)
+
+
+@pytest.mark.parametrize("stream", ["false", "no", "0", 0, None])
+def test_a_stream_value_vllm_reads_as_false_gets_an_answer_in_one_piece(
+        stack: tuple[FakeVLLM, TrainerService, str], stream: object) -> None:
+    """vLLM reads `"false"` as false and answers in one piece: one vLLM breaks off is a 503, not a cut 200."""
+    vllm, service, url = stack
+    vllm.answer.set()
+    vllm.mode = "dies"
+    body = {"model": "base-model", "messages": [{"role": "user", "content": "2+3?"}], "stream": stream}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10)
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "engine_unavailable"
+    assert service.lender.in_flight == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_answer_carries_one_date_and_one_server_header(stack: tuple[FakeVLLM, TrainerService, str],
+                                                           stream: bool) -> None:
+    """vLLM's server and the proxy's each set `date` and `server`; a client gets one of each (`date` is single)."""
+    vllm, _, url = stack
+    vllm.answer.set()
+    vllm.mode = "gzip"  # a stream that ends
+    body = {"model": "base-model", "messages": [{"role": "user", "content": "2+3?"}], "stream": stream}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10)
+    assert response.status_code == 200
+    assert len(response.headers.get_list("date")) == len(response.headers.get_list("server")) == 1
 
 
 def test_a_compressed_stream_reaches_the_client_decoded(stack: tuple[FakeVLLM, TrainerService, str]) -> None:
