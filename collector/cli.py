@@ -81,12 +81,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         app = create_app(settings, store)  # migrates the store, then reads the judge's and Langfuse's settings
     except ValidationError as exc:  # ART_COLLECTOR_JUDGE_*, ART_COLLECTOR_LANGFUSE_*
-        parser.error(f"{exc.title}: {settings_error(exc)}")
+        refusal = f"{exc.title}: {settings_error(exc)}"
     except DatabaseError as exc:  # from the migration, the only database work here: down, refused, wrong login,
-        parser.error(_store_refused(settings.db, driver_reason(exc)))  # not an SQLite file, another app's table
+        refusal = _store_refused(settings.db, driver_reason(exc))  # not an SQLite file, another app's table
     except SchemaTooNew as exc:
-        parser.error(f"db={hide_password(settings.db)!r}: {exc}")
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+        refusal = f"db={hide_password(settings.db)!r}: {exc}"
+    else:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+        return
+    store.close()  # no connection left open on a file it refused (nor, on a WAL file, the -wal and -shm beside it)
+    parser.error(refusal)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,9 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import StaticPool
 
-__all__ = ["READ_ONLY", "chunks", "driver_reason", "make_engine"]
+__all__ = ["READ_ONLY", "chunks", "driver_reason", "make_engine", "use_wal"]
+
+log = logging.getLogger(__name__)
 
 CHUNK = 500
 """Most values in one `IN (...)` list."""
@@ -21,12 +24,12 @@ in WAL mode such a reader neither waits for the writer nor holds it up."""
 
 
 def make_engine(url: str) -> Engine:
-    """An engine for `url`; SQLite gets WAL, `synchronous=FULL` and `BEGIN IMMEDIATE` transactions (`BEGIN` with
-    `READ_ONLY`)."""
+    """An engine for `url`; SQLite gets `synchronous=FULL` and `BEGIN IMMEDIATE` transactions (`BEGIN` with
+    `READ_ONLY`), and WAL from `use_wal`."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         return create_engine(parsed, pool_pre_ping=True)
-    memory = parsed.database in (None, "", ":memory:")
+    memory = _in_memory(parsed.database)
     kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": 30.0}}
     if memory:
         kwargs["poolclass"] = StaticPool
@@ -37,9 +40,7 @@ def make_engine(url: str) -> Engine:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.isolation_level = None  # we emit BEGIN ourselves (see _on_begin)
-        cursor = dbapi_conn.cursor()
-        if not memory:
-            cursor.execute("PRAGMA journal_mode=WAL")
+        cursor = dbapi_conn.cursor()  # per-connection settings only: nothing here changes the file
         cursor.execute("PRAGMA synchronous=FULL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
@@ -49,6 +50,30 @@ def make_engine(url: str) -> Engine:
         conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
 
     return engine
+
+
+def use_wal(engine: Engine) -> None:
+    """Put a SQLite file in WAL mode; nothing on other engines or in memory.
+
+    WAL is a lasting change to the file, so call this once the file is known to be the collector's (after
+    `schema.migrate`): a file refused as another application's, or a newer collector's, keeps its journal mode.
+    """
+    if engine.dialect.name != "sqlite" or _in_memory(engine.url.database):
+        return
+    dbapi_conn = engine.raw_connection()  # outside a transaction: SQLite cannot change into WAL within one
+    try:
+        cursor = dbapi_conn.cursor()
+        mode = cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        cursor.close()
+    finally:
+        dbapi_conn.close()
+    if mode != "wal":
+        log.warning("SQLite kept %s in journal mode %s, not WAL: reads wait for writes", engine.url.database, mode)
+
+
+def _in_memory(database: str | None) -> bool:
+    """Whether a SQLite URL's database part names an in-memory database."""
+    return database in (None, "", ":memory:")
 
 
 def driver_reason(exc: DBAPIError) -> str:

@@ -26,7 +26,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from collector import assembly, leases, placement, pool
 from collector.config import CollectorSettings
-from collector.engine import chunks, make_engine
+from collector.engine import chunks, make_engine, use_wal
 from collector.errors import InvalidRequest
 from collector.groups import Decision
 from collector.otlp import SpanRecord
@@ -89,6 +89,7 @@ class SqlStore(Store):
     def setup(self) -> None:
         """Create or migrate the schema. Idempotent."""
         before = migrate(self.engine)
+        use_wal(self.engine)  # only now: a file `migrate` refused keeps its journal mode
         log.info("collector store %s ready (schema was version %d)", self.engine.url.render_as_string(), before)
 
     def close(self) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from collector import cli
+from collector.schema import SCHEMA_VERSION
 from examples.stack import free_port
 from tests.collector.services import PostgresServer
 
@@ -262,6 +265,29 @@ def test_a_database_with_another_applications_table_exits_naming_it(
     db = f"sqlite:///{path}"
     line = _serve_refused(capsys, db)
     assert line == f"art-collector: error: db={db!r}: cannot open the store (table rewards already exists); {FIX}"
+
+
+@pytest.mark.parametrize("journal", ["delete", "wal"])
+@pytest.mark.parametrize("made_by", ["another application", "a newer collector"])
+def test_a_refused_sqlite_file_keeps_its_bytes_and_journal_mode(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, made_by: str, journal: str
+) -> None:
+    """The engine ran `PRAGMA journal_mode=WAL` on connect, before `migrate` refused the file: a lasting change to a
+    file that is not the collector's, though its tables and rows were left as they were."""
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served on a database it refused"))
+    path = tmp_path / "app.db"
+    with closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute(f"PRAGMA journal_mode={journal}")
+        if made_by == "another application":
+            conn.execute("CREATE TABLE rewards (who TEXT, amount INTEGER)")
+        else:
+            conn.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at FLOAT NOT NULL)")
+            conn.execute("INSERT INTO schema_version VALUES (?, 0.0)", (SCHEMA_VERSION + 1,))
+    before = path.read_bytes()
+    _serve_refused(capsys, f"sqlite:///{path}")
+    assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]  # no -wal, -shm or -journal left
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == journal
 
 
 def test_a_bad_db_setting_is_reported_without_its_password(
