@@ -15,7 +15,8 @@ from collector.groups import Decision, Member, decide, merge_rewards
 from collector.schema import batches, groups, rewards, trajectories
 
 __all__ = [
-    "LEASE_EXPIRED", "decisions", "expected_size", "give_back", "group_members", "maintain", "rewarded", "rewards_of"
+    "LEASE_EXPIRED", "decisions", "expected_size", "give_back", "group_members", "groups_of", "maintain", "rewarded",
+    "rewards_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -54,16 +55,21 @@ def rewarded(conn: Connection, rollout_ids: list[str], trace_ids: list[str], now
     give it its spread back (not one skipped after failed trainings, which keeps the batch that gave up on it).
     Called for rewards by API and from spans alike.
     """
+    reopened = or_(groups.c.state == "open", and_(groups.c.state == "skipped", groups.c.batch_id.is_(None)))
+    for chunk in chunks(sorted(groups_of(conn, rollout_ids, trace_ids))):
+        conn.execute(
+            groups.update().where(groups.c.id.in_(chunk), reopened).values(state="open", reason=None, updated_at=now)
+        )
+
+
+def groups_of(conn: Connection, rollout_ids: list[str], trace_ids: list[str]) -> set[str]:
+    """Ids of the groups that hold the trajectories of `rollout_ids`, and of `trace_ids`."""
     group_ids: set[str] = set()
     for column, values in ((trajectories.c.id, rollout_ids), (trajectories.c.trace_id, trace_ids)):
         for chunk in chunks(sorted(set(values))):
             query = select(trajectories.c.group_id).where(column.in_(chunk), trajectories.c.group_id.is_not(None))
             group_ids.update(conn.execute(query).scalars())
-    reopened = or_(groups.c.state == "open", and_(groups.c.state == "skipped", groups.c.batch_id.is_(None)))
-    for chunk in chunks(sorted(group_ids)):
-        conn.execute(
-            groups.update().where(groups.c.id.in_(chunk), reopened).values(state="open", reason=None, updated_at=now)
-        )
+    return group_ids
 
 
 def group_members(conn: Connection, group_ids: list[str]) -> dict[str, list[Any]]:

@@ -111,9 +111,9 @@ class SqlStore(Store):
 
     def _add_spans(self, conn: Connection, unique: list[SpanRecord]) -> int:
         """Insert the spans in one statement, then update each touched trajectory from its new spans only."""
-        now = self._now(conn)
         keys = {r.span_id: assembly.trajectory_key(r) for r in unique}
         self._tx.lock(conn, TRAJECTORY_LOCKS, [key for key, _ in keys.values()])
+        received = self._now(conn)
         rows = [
             {
                 "span_id": r.span_id,
@@ -123,7 +123,7 @@ class SqlStore(Store):
                 "start_ns": r.start_ns,
                 "end_ns": r.end_ns,
                 "record": json.dumps(r.to_dict(), separators=(",", ":")),
-                "received_at": now,
+                "received_at": received,
             }
             for r in unique
         ]
@@ -135,15 +135,12 @@ class SqlStore(Store):
         reward_rows = [
             {
                 "rollout_id": key if by_rollout else None, "trace_id": record.trace_id, "name": reward.name,
-                "value": reward.value, "source": "span", "created_at": now, "span_id": record.span_id,
-                "time_ns": reward.time_ns,
+                "value": reward.value, "source": "span", "span_id": record.span_id, "time_ns": reward.time_ns,
             }
             for record in new
             for key, by_rollout in [keys[record.span_id]]
             for reward in assembly.span_rewards(record)
         ]
-        if reward_rows:
-            conn.execute(rewards.insert(), reward_rows)
         added: dict[tuple[str, bool], list[SpanRecord]] = {}
         for record in new:
             added.setdefault(keys[record.span_id], []).append(record)
@@ -163,14 +160,32 @@ class SqlStore(Store):
             digests[key, by_rollout] = digest
         found = {trajectory: digest.facts(trajectory[0]) for trajectory, digest in digests.items()}
         self._tx.lock(conn, GROUP_LOCKS, [f.group_key for f in found.values()])
+        by_trace = [r["trace_id"] for r in reward_rows if not r["rollout_id"]]
+        held = {row["group_id"] for row in existing.values()} | pool.groups_of(conn, [], by_trace)
+        now = self._changing_groups(conn, held)
+        if reward_rows:
+            conn.execute(rewards.insert(), [{**row, "created_at": now} for row in reward_rows])
         placement.write_trajectories(
             conn, found, digests, existing, min_group_size=self.settings.min_group_size, now=now
         )
         # a trajectory new in this export is in an open group, marked active above: only older ones' groups may need
         # reopening (a reward per export's rollout would cost two statements for nothing)
         by_rollout = [r["rollout_id"] for r in reward_rows if r["rollout_id"] in existing]
-        pool.rewarded(conn, by_rollout, [r["trace_id"] for r in reward_rows if not r["rollout_id"]], now)
+        pool.rewarded(conn, by_rollout, by_trace, now)
         return len(new)
+
+    def _changing_groups(self, conn: Connection, group_ids: Collection[str | None]) -> float:
+        """The store's time (`_now`) for a transaction about to change the members or rewards of `group_ids`, taken
+        once it holds their rows (PostgreSQL: `FOR UPDATE`, in id order).
+
+        A lease that holds one of them commits first, so the change is dated after the lease took the group and a late
+        ack sees it (`leases._changed_since`); a lease that comes while they are held passes them over. Taken before,
+        across a wait for a lock, the time can be older than a lease that never saw the change.
+        """
+        if self._tx.postgres:
+            for chunk in chunks(sorted({group_id for group_id in group_ids if group_id is not None})):
+                conn.execute(select(groups.c.id).where(groups.c.id.in_(chunk)).order_by(groups.c.id).with_for_update())
+        return self._now(conn)
 
     def _trajectory_rows(self, conn: Connection, ids: list[str]) -> dict[str, Any]:
         """Trajectory rows by id, of those of `ids` that exist."""
@@ -197,7 +212,9 @@ class SqlStore(Store):
         return RewardAccepted(**reward.model_dump(), trajectory_known=known)
 
     def _add_reward(self, conn: Connection, reward: RewardIn, score_id: str | None = None) -> bool:
-        now = self._now(conn)
+        by_rollout = [reward.rollout_id] if reward.rollout_id else []
+        by_trace = [] if reward.rollout_id else [reward.trace_id or ""]
+        now = self._changing_groups(conn, pool.groups_of(conn, by_rollout, by_trace))
         conn.execute(
             rewards.insert().values(
                 rollout_id=reward.rollout_id or None, trace_id=reward.trace_id or None,
@@ -207,8 +224,7 @@ class SqlStore(Store):
         match = (
             trajectories.c.id == reward.rollout_id if reward.rollout_id else trajectories.c.trace_id == reward.trace_id
         )
-        by_trace = [] if reward.rollout_id else [reward.trace_id or ""]
-        pool.rewarded(conn, [reward.rollout_id] if reward.rollout_id else [], by_trace, now)
+        pool.rewarded(conn, by_rollout, by_trace, now)
         return conn.execute(select(func.count()).where(match)).scalar_one() > 0
 
     def withdraw_score(self, score_id: str, successor: tuple[str, RewardIn] | None) -> bool:
@@ -224,7 +240,11 @@ class SqlStore(Store):
         if any(state in ("leased", "trained") for state in states):
             return False
         conn.execute(delete(rewards).where(rewards.c.score_id == score_id))
-        pool.rewarded(conn, [], traces, self._now(conn))
+        now = self._now(conn)
+        # a deleted reward leaves no row dated after a lease: mark its trajectories changed instead, lest the late ack
+        # of a lease that held it find them as they were (`leases._changed_since`)
+        conn.execute(trajectories.update().where(trajectories.c.trace_id.in_(traces)).values(updated_at=now))
+        pool.rewarded(conn, [], traces, now)
         if successor and conn.execute(select(rewards.c.id).where(rewards.c.score_id == successor[0])).first() is None:
             self._add_reward(conn, successor[1], successor[0])
         return True

@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
+from collector.config import CollectorSettings
 from collector.errors import Conflict, NotFound
 from collector.protocol import BatchRequest, ReleaseRequest, ReleaseResponse, ReopenResponse, RewardIn
-from tests.collector.span_builders import trajectory
+from collector.store import SqlStore
+from tests.collector.span_builders import llm, trajectory
 
 FAILED = ReleaseRequest(reason="NonFiniteStepError: loss is nan")
 
@@ -85,6 +90,23 @@ def test_late_ack_conflicts_when_the_group_changed_in_the_pool_since(make_store,
     assert store.ack(again.id, policy_step=2).groups == ["g", "h"]
 
 
+def test_late_ack_conflicts_when_a_reward_it_held_was_withdrawn_in_the_pool_since(make_store, clock) -> None:
+    """A Langfuse score deleted after the lease expired took its reward back without a row dated after the lease: the
+    late ack found the rewards "as they were" and marked the group trained on a reward that no longer exists."""
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0))
+    store.add_reward(RewardIn(trace_id=f"{10:032x}", name="judge", value=0.5), score_id="s1")
+    batch = store.lease(BatchRequest(lease_seconds=10))
+    clock.now += 11
+    assert [g.state for g in store.groups()] == ["ready"]
+    assert store.withdraw_score("s1", None)  # back in the pool: the withdrawal is taken
+    with pytest.raises(Conflict, match="groups g changed in the pool") as raised:
+        store.ack(batch.id, policy_step=1)
+    assert raised.value.code == "lease_expired"
+    assert [t.rewards for g in store.lease(BatchRequest()).groups for t in g.trajectories] == [{"reward": 1.0},
+                                                                                             {"reward": 0.0}]
+
+
 def test_batches_list_leases_newest_first(make_store, clock) -> None:
     store = make_store()
     store.add_spans(trajectory(10, "a", reward=1.0, group="g1") + trajectory(20, "b", reward=0.0, group="g1"))
@@ -114,11 +136,6 @@ def test_min_and_max_groups(make_store) -> None:
 
 def test_concurrent_leases_from_two_stores_never_share_a_group(db_url, clock) -> None:
     """Two stores on one database (as two collector processes would be) lease disjoint groups."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from collector.config import CollectorSettings
-    from collector.store import SqlStore
-
     url = db_url()
     if url == "sqlite://":
         pytest.skip("an in-memory SQLite database cannot be shared by two stores")
@@ -144,9 +161,6 @@ def test_a_group_changed_by_another_replica_before_the_lease_locks_it_is_not_lea
     """A trajectory without reward joins a ready group after the lease decided it ready but before it locked its
     row: the lease decides again under the lock and leaves the group in the pool."""
     from collector import pool
-    from collector.config import CollectorSettings
-    from collector.store import SqlStore
-
     url = db_url()
     if not url.startswith("postgresql"):
         pytest.skip("SQLite has one writer at a time: no other store commits inside a lease")
@@ -349,9 +363,6 @@ def test_a_reward_from_another_replica_before_the_lease_stores_a_skip_keeps_the_
     skipped for no spread but before it stored that: the lease decides again under the row lock and leaves it in
     the pool, to be leased next."""
     from collector import pool
-    from collector.config import CollectorSettings
-    from collector.store import SqlStore
-
     url = db_url()
     if not url.startswith("postgresql"):
         pytest.skip("SQLite has one writer at a time: no other store commits inside a lease")
@@ -371,6 +382,76 @@ def test_a_reward_from_another_replica_before_the_lease_stores_a_skip_keeps_the_
     assert store.lease(BatchRequest()).groups == []
     assert _state(store) == ("ready", None, 0)
     assert [g.id for g in store.lease(BatchRequest()).groups] == ["g"]
+    for each in (store, replica):
+        each.close()
+
+
+class _PausedClock:
+    """The clock of a replica that pauses right after its first reading of the time (as a process does for a lock
+    wait, or a GC), until the test resumes it."""
+
+    def __init__(self, clock) -> None:
+        self.clock, self.read, self.resume = clock, threading.Event(), threading.Event()
+
+    def __call__(self) -> float:
+        now = self.clock()
+        if not self.read.is_set():
+            self.read.set()
+            assert self.resume.wait(30)
+        return now
+
+
+def _paused_replica(db_url, clock):
+    """A store on a fresh PostgreSQL database, set up, with a ready group `g`, and a replica on it with a
+    `_PausedClock`."""
+    url = db_url()
+    if not url.startswith("postgresql"):
+        pytest.skip("SQLite has one writer at a time: no other store commits inside a lease")
+    store = SqlStore(CollectorSettings(db=url), clock=clock)
+    store.setup()
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0))
+    paused = _PausedClock(clock)
+    return store, SqlStore(CollectorSettings(db=url), clock=paused), paused
+
+
+def test_a_late_ack_sees_an_export_dated_before_the_lease_but_committed_after_it(db_url, clock) -> None:
+    """An export read the store's time first and then waited (for the trajectory's lock): the lease in between took
+    the group without its spans, the export was dated before the lease, and the ack after the lease expired found the
+    group unchanged and marked it trained."""
+    store, replica, paused = _paused_replica(db_url, clock)
+    late = [llm(30, rollout="a", trace=f"{10:032x}", start=20, prompt=[1, 2, 10], completion=[7], logprobs=[-1.0])]
+    with ThreadPoolExecutor(1) as executor:
+        export = executor.submit(replica.add_spans, late)
+        assert paused.read.wait(30)
+        clock.now += 1
+        batch = store.lease(BatchRequest(lease_seconds=10))
+        clock.now += 1
+        paused.resume.set()
+        assert export.result() == 1
+    assert [g.id for g in batch.groups] == ["g"]
+    clock.now += 20
+    with pytest.raises(Conflict, match="groups g changed in the pool") as raised:
+        store.ack(batch.id, policy_step=1)
+    assert raised.value.code == "lease_expired"
+    for each in (store, replica):
+        each.close()
+
+
+def test_a_lease_passes_over_a_group_whose_reward_another_replica_is_storing(db_url, clock) -> None:
+    """A reward by API read the store's time before it locked anything: a lease in between took the group without
+    the reward, which was then stored dated before the lease, so an ack after the lease expired marked the group
+    trained on rewards it never had."""
+    store, replica, paused = _paused_replica(db_url, clock)
+    with ThreadPoolExecutor(1) as executor:
+        posted = executor.submit(replica.add_reward, RewardIn(rollout_id="b", name="judge", value=0.5))
+        assert paused.read.wait(30)
+        clock.now += 1
+        batch = store.lease(BatchRequest(lease_seconds=10))
+        paused.resume.set()
+        posted.result()
+    assert batch.groups == []  # held by the replica: passed over, not taken without the reward
+    (group,) = store.lease(BatchRequest()).groups
+    assert [t.rewards for t in group.trajectories] == [{"reward": 1.0}, {"reward": 0.0, "judge": 0.5}]
     for each in (store, replica):
         each.close()
 
