@@ -24,9 +24,10 @@ A failing worker leaves no checkpoint: `DistributedStepError` names its rank and
 whether the batch's data is to blame (`data_fault`: the error came from the step itself, as it
 would have in one process, not from starting, loading, saving or the collectives), and the
 job folder (named `.step-N.dist-*`, so a crash's leftover is removed at start) is deleted. So
-does a step that outlives `timeout` (a collective that never completes waits forever): torchrun
-is sent SIGTERM, on which it stops every worker. torchrun dies with the service (`parent_death`)
-and each worker with torchrun (SIGKILL), so a killed service or torchrun leaves no worker behind.
+does a step that outlives `timeout` (the workers' collectives wait as long, since a rank waits in
+the all-reduce for the slowest one): torchrun is sent SIGTERM, on which it stops every worker.
+torchrun dies with the service (`parent_death`) and each worker with torchrun (SIGKILL), so a
+killed service or torchrun leaves no worker behind.
 Rank 0 failing to write the checkpoint (a full disk) is a `CheckpointWriteError`, as in one process.
 """
 
@@ -43,6 +44,7 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +93,8 @@ class TrainLauncher:
         log_path: file the workers' output is appended to.
         chat_template: chat template file for re-tokenization (see `LoRATrainer.load`).
         cpu_threads: torch threads of each worker on a CPU.
-        timeout: seconds one step's workers may run (start, load, step, save); None waits forever.
+        timeout: seconds one step's workers may run (start, load, step, save), and their collectives' timeout;
+            None waits forever (the collectives keep torch's: 30 min with gloo, 10 with NCCL).
     """
 
     processes: int
@@ -136,7 +139,7 @@ class TrainLauncher:
             (job / _JOB).write_text(json.dumps({
                 "model_path": self.model_path, "base_model": trainer.base_model, "chat_template": self.chat_template,
                 "cpu_threads": self.cpu_threads, "config": trainer.config.to_dict(), "kind": kind,
-                "batch_id": batch.id,
+                "batch_id": batch.id, "timeout": self.timeout,
             }))
             started = time.perf_counter()
             self._launch(job)
@@ -227,24 +230,27 @@ def _run_worker(job: Path) -> None:
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl" if cuda else "gloo")
-        try:
-            phase = "loading"
-            trainer = LoRATrainer.load(spec["model_path"], GRPOConfig(**spec["config"]), base_model=spec["base_model"],
-                                       chat_template=spec["chat_template"], cpu_threads=spec["cpu_threads"],
-                                       device=f"cuda:{local_rank}" if cuda else "cpu")
-            trainer.resume(job / _STATE)
-            groups = Batch.model_validate_json((job / _BATCH).read_text()).groups
-            phase = "training"
-            metrics = trainer.train(groups, spec["kind"])
-            phase = "saving"
-            if rank == 0:
-                trainer.save(job / _OUTPUT, batch_id=spec["batch_id"], metrics=metrics)
-        finally:
-            dist.destroy_process_group()
+        timeout = None if spec["timeout"] is None else timedelta(seconds=spec["timeout"])
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)  # collectives wait as long as the step
+        phase = "loading"
+        trainer = LoRATrainer.load(spec["model_path"], GRPOConfig(**spec["config"]), base_model=spec["base_model"],
+                                   chat_template=spec["chat_template"], cpu_threads=spec["cpu_threads"],
+                                   device=f"cuda:{local_rank}" if cuda else "cpu")
+        trainer.resume(job / _STATE)
+        groups = Batch.model_validate_json((job / _BATCH).read_text()).groups
+        phase = "training"
+        metrics = trainer.train(groups, spec["kind"])
+        phase = "saving"
+        if rank == 0:
+            trainer.save(job / _OUTPUT, batch_id=spec["batch_id"], metrics=metrics)
     except Exception as exc:
+        # Written before the group is torn down: its peers see the teardown as their collective failing, and the
+        # launcher takes the earliest report for the step's error.
         (job / _ERROR.format(rank=rank)).write_text(json.dumps(_error_report(rank, phase, exc)))
         raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

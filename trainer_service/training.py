@@ -317,12 +317,12 @@ class LoRATrainer:
         """
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
+        _all_reduce(flat)
         for param, grad in zip(params, flat.split([p.numel() for p in params]), strict=True):
             param.grad = grad.view_as(param)
         keys = list(sums)
         totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=flat.device)
-        dist.all_reduce(totals)
+        _all_reduce(totals)
         sums.update(zip(keys, totals.tolist(), strict=True))
 
     def _finish(self, started: float, batch: PreparedBatch, sums: dict[str, float]) -> dict[str, float]:
@@ -408,6 +408,20 @@ class LoRATrainer:
         if changed:
             logger.info("resumed the optimizer state of %s with this run's settings: %s", source,
                         ", ".join(f"{name} {saved:g} -> {value:g}" for name, (saved, value) in changed.items()))
+
+
+def _all_reduce(tensor: torch.Tensor) -> None:
+    """Sum `tensor` over the ranks in place; any failure is a `torch.distributed.DistError`.
+
+    gloo raises a plain `RuntimeError` when a peer died or the collective timed out: raised as `DistError`, the
+    launcher blames the workers, not the batch (`distributed._error_report`).
+    """
+    try:
+        dist.all_reduce(tensor)
+    except dist.DistError:
+        raise
+    except RuntimeError as exc:
+        raise dist.DistError(f"all-reduce over the ranks failed: {exc}") from exc
 
 
 def _all_finite(params: list[torch.nn.Parameter]) -> bool:

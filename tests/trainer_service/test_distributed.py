@@ -16,13 +16,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from collector.protocol import Batch, Group
 from tests.trainer_service.builders import (
+    BAD,
+    GOOD,
     adapter_gap,
     adapter_weights,
     group,
@@ -30,11 +35,18 @@ from tests.trainer_service.builders import (
     make_trainer,
     save_tiny_model,
     tiny_model,
+    trajectory,
 )
-from trainer_service import durable
+from trainer_service import distributed, durable
 from trainer_service.checkpoints import CheckpointWriteError
 from trainer_service.config import TrainerSettings
-from trainer_service.distributed import DistributedStepError, TrainLauncher, _error_report, _worker_error
+from trainer_service.distributed import (
+    DistributedStepError,
+    TrainLauncher,
+    _error_report,
+    _run_worker,
+    _worker_error,
+)
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.protocol import ServiceError
 from trainer_service.server import build_service
@@ -52,10 +64,21 @@ def batch_groups(trainer: LoRATrainer) -> list[Group]:
     return [group(trainer, (1.0, 0.0), "g1"), group(trainer, (0.2, 0.9), "g2"), group(trainer, (0.0, 0.5), "g3")]
 
 
+def three_trajectories(trainer: LoRATrainer) -> list[Group]:
+    """One group of three trajectories of 14, 10 and 9 tokens: rank 0 trains the longest, rank 1 the other two, each
+    trajectory weighing a third of the step (not a half of its rank's). Its SFT step trains one trajectory only,
+    leaving rank 1 nothing."""
+    return [Group(id="g", trajectories=[trajectory(trainer, GOOD + [903, 904, 905, 906], 0.5, "g-long"),
+                                        trajectory(trainer, GOOD, 1.0, "g-a"), trajectory(trainer, BAD, 0.0, "g-b")])]
 
-@pytest.mark.parametrize(("kind", "overrides"), [("grpo", {"kl_coef": 0.05, "micro_batch_size": 2}), ("sft", {})])
+
+@pytest.mark.parametrize(("kind", "overrides", "make_groups"), [
+    ("grpo", {"kl_coef": 0.05, "micro_batch_size": 2}, batch_groups), ("sft", {}, batch_groups),
+    ("grpo", {}, three_trajectories), ("sft", {}, three_trajectories)],
+    ids=["grpo-even", "sft-even", "grpo-uneven", "sft-fewer-than-ranks"])
 async def test_two_processes_take_the_one_process_step(tmp_path: Path, base_dir: Path, kind: str,
-                                                       overrides: dict[str, object]) -> None:
+                                                       overrides: dict[str, object],
+                                                       make_groups: Callable[[LoRATrainer], list[Group]]) -> None:
     acks: list[tuple[str, dict]] = []
     batches: list[Batch] = []
     launcher = TrainLauncher(2, str(base_dir), tmp_path / "train_workers.log", cpu_threads=1)
@@ -63,7 +86,7 @@ async def test_two_processes_take_the_one_process_step(tmp_path: Path, base_dir:
                            trainer_factory=lambda: make_trainer(**overrides))
     trainer = service.trainer
     assert trainer is not None
-    groups = batch_groups(trainer)
+    groups = make_groups(trainer)
     trainer.step(groups)  # in process first: the workers must start from a trained adapter and AdamW state
     before = adapter_weights(trainer)
     reference = make_trainer(**overrides)
@@ -133,8 +156,8 @@ async def test_a_worker_failing_inside_the_step_blames_the_batch(tmp_path: Path)
     service = make_service(tmp_path, batches, acks, launcher=launcher, releases=releases)
     assert service.trainer is not None
     groups = batch_groups(service.trainer)
-    for trajectory in (t for g in groups for t in g.trajectories):
-        trajectory.sequences[0].token_ids[0] = 1000 + 7
+    for sampled in (t for g in groups for t in g.trajectories):
+        sampled.sequences[0].token_ids[0] = 1000 + 7
     batches.append(Batch(id="b1", groups=groups, lease_expires_at=0))
 
     with pytest.raises(ServiceError) as info:
@@ -326,3 +349,90 @@ def test_a_report_cut_short_leaves_the_readable_one(tmp_path: Path, monkeypatch:
     with pytest.raises(DistributedStepError, match="rank 0 of 2 failed training: IndexError: bad id") as info:
         TrainLauncher(2, "unused", tmp_path / "train_workers.log")._launch(tmp_path)
     assert info.value.data_fault
+
+
+_RANK_1_FAILS = """
+import os, signal, time
+from pathlib import Path
+
+def all_reduce(*args, **kwargs):
+    reducing.touch()
+    return real_all_reduce(*args, **kwargs)
+
+def fail(self, items, loss_fn):
+    while not reducing.exists():
+        time.sleep(0.1)
+    time.sleep(1)  # rank 0 waits in the all-reduce
+    if os.environ["TEST_RANK_1_FAILS"] == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does: no report
+    raise IndexError("bad token id in rank 1's share")
+
+if "RANK" in os.environ:  # a worker, not torchrun
+    import torch.distributed as dist
+    import trainer_service.training as training
+    reducing = Path(os.environ["TEST_RANK_0_REDUCING"])
+    if os.environ["RANK"] == "0":
+        real_all_reduce = dist.all_reduce
+        dist.all_reduce = all_reduce
+    else:
+        training.LoRATrainer._accumulate = fail
+"""
+
+
+@pytest.mark.parametrize("how", ["raises", "killed"])
+def test_one_rank_failing_while_the_other_waits_in_the_all_reduce(tmp_path: Path, base_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Rank 1 fails in its share of the step while rank 0 waits for it in the all-reduce (a `sitecustomize` the
+    workers import makes it so). Raising, rank 1's error is the step's, blamed on the batch, not rank 0's broken
+    collective; killed without a report, rank 0's broken collective blames the workers, not the batch."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(_RANK_1_FAILS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("TEST_RANK_0_REDUCING", str(tmp_path / "rank-0-reducing"))
+    monkeypatch.setenv("TEST_RANK_1_FAILS", how)
+    trainer = make_trainer()
+    launcher = TrainLauncher(2, str(base_dir), tmp_path / "train_workers.log", cpu_threads=1, timeout=300)
+    batch = Batch(id="b1", groups=batch_groups(trainer), lease_expires_at=0)
+
+    with pytest.raises(DistributedStepError) as info:
+        launcher.step(trainer, batch, "grpo", tmp_path / "checkpoints" / "step-1")
+
+    assert (tmp_path / "rank-0-reducing").exists()
+    if how == "raises":
+        assert "rank 1 of 2 failed training: IndexError: bad token id" in str(info.value), str(info.value)
+        assert info.value.data_fault
+    else:
+        assert not info.value.data_fault, str(info.value)
+    assert not (tmp_path / "checkpoints").exists() or list((tmp_path / "checkpoints").iterdir()) == []
+
+
+@pytest.mark.parametrize(("timeout", "collectives"), [(7200.0, timedelta(hours=2)), (None, None)])
+def test_the_workers_collectives_wait_as_long_as_the_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          timeout: float | None, collectives: timedelta | None) -> None:
+    """A rank waits in the all-reduce for the slowest one (a lopsided split: one long trajectory), so its process
+    group waits as long as the step may run, not torch's default (30 min with gloo, 10 with NCCL); None keeps the
+    default."""
+    asked: list[timedelta | None] = []
+
+    class Started(Exception):
+        pass
+
+    def init_process_group(backend: str, **kwargs: object) -> None:
+        asked.append(kwargs.get("timeout"))  # type: ignore[arg-type]
+        raise Started
+
+    def rank_0(self: TrainLauncher, job: Path) -> None:  # the worker, in this process, up to its process group
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        _run_worker(job)
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(distributed, "die_with_parent", lambda parent, sig: True)
+    monkeypatch.setattr(TrainLauncher, "_launch", rank_0)
+    trainer = make_trainer()
+    launcher = TrainLauncher(2, "unused", tmp_path / "train_workers.log", timeout=timeout)
+    with pytest.raises(Started):
+        launcher.step(trainer, Batch(id="b1", groups=batch_groups(trainer), lease_expires_at=0), "grpo",
+                      tmp_path / "checkpoints" / "step-1")
+    assert asked == [collectives]
