@@ -12,10 +12,16 @@ import importlib.util
 import logging
 import shutil
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from collector.config import art_home
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -96,16 +102,17 @@ def resolve_base_model(name: str) -> str:
 
 def check_base_model(path: str, chat_template: str | None, target_modules: Sequence[str]) -> None:
     """Check, before vLLM starts, what the trainer reads only after: the chat template file compiles (transformers'
-    own compile, the one vLLM's rendering runs), the model's config loads, and each LoRA target module names a
-    module of the model (built on the meta device: no weights). A name that matched none was dropped silently by
-    PEFT, leaving that projection untrained; with none matching, the start failed after vLLM's.
+    own compile, the one vLLM's rendering runs), the model's config and tokenizer load, and each LoRA target module
+    names modules of the model (built on the meta device: no weights) that PEFT can put a LoRA adapter on. A name
+    that matched none was dropped silently by PEFT, leaving that projection untrained; with none matching, or one
+    matching a module PEFT refuses (a norm, a whole block), the start failed after vLLM's.
 
     Raises:
         BaseModelError: names the setting (`--chat-template`, `--base-model`, `--target-modules`) and the fix.
     """
     import jinja2
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     if chat_template is not None:
@@ -120,17 +127,72 @@ def check_base_model(path: str, chat_template: str | None, target_modules: Seque
                                  f"{exc.message}. Fix the template, or give `model` for the model's own.") from exc
     try:
         config = AutoConfig.from_pretrained(path)
-        with torch.device("meta"):
-            names = [name for name, _ in AutoModelForCausalLM.from_config(config).named_modules()]
+        modules = dict(_meta_model(config).named_modules())
     except (OSError, ValueError) as exc:  # a config.json that is no JSON, has no or an unknown model_type
         raise BaseModelError(f"--base-model (ART_TRAINER_BASE_MODEL) {path} cannot be loaded as a causal language "
                              f"model: {exc}") from exc
-    missing = [target for target in target_modules  # PEFT's match of a list: the whole name or its last parts
-               if not any(name == target or name.endswith(f".{target}") for name in names)]
+    _check_tokenizer(path)
+    flag = "--target-modules (ART_TRAINER_TARGET_MODULES)"
+    missing = [target for target in target_modules if not _matches(modules, target)]
     if missing:
-        leaves = sorted({leaf for leaf in (name.rsplit(".", 1)[-1] for name in names) if leaf and not leaf.isdigit()})
-        raise BaseModelError(f"--target-modules (ART_TRAINER_TARGET_MODULES) {', '.join(missing)}: no module of "
-                             f"{path} has that name. Its modules: {', '.join(leaves)}.")
+        leaves = sorted({leaf for leaf in (name.rsplit(".", 1)[-1] for name in modules) if leaf and not leaf.isdigit()})
+        raise BaseModelError(f"{flag} {', '.join(missing)}: no module of {path} has that name. Its modules: "
+                             f"{', '.join(leaves)}.")
+    refused = [] if _peft_adapts(config, target_modules) else [
+        target for target in target_modules if not _peft_adapts(config, [target])]
+    if refused:
+        kinds = sorted({type(module).__name__ for target in refused for module in _matches(modules, target)})
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in modules.items()
+                         if isinstance(module, torch.nn.Linear)})
+        raise BaseModelError(f"{flag} {', '.join(refused)}: PEFT cannot put a LoRA adapter on these modules of "
+                             f"{path} ({', '.join(kinds)}). Name linear layers, such as: {', '.join(linear)}.")
+
+
+def _meta_model(config: PretrainedConfig) -> torch.nn.Module:
+    """The causal language model of `config` on the meta device: its modules, no weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _matches(modules: dict[str, torch.nn.Module], target: str) -> list[torch.nn.Module]:
+    """The modules a LoRA target name selects, as PEFT matches a list of names: the whole name or its last parts."""
+    return [module for name, module in modules.items() if name == target or name.endswith(f".{target}")]
+
+
+def _peft_adapts(config: PretrainedConfig, target_modules: Sequence[str]) -> bool:
+    """Whether PEFT puts a LoRA adapter on the `target_modules` of a meta-device model of `config` (its own check:
+    it refuses a module of a kind it has no LoRA layer for)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    try:
+        with warnings.catch_warnings():  # the trainer's own injection gives PEFT's warnings (tied embeddings)
+            warnings.simplefilter("ignore")
+            inject_adapter_in_model(LoraConfig(target_modules=list(target_modules)), _meta_model(config))
+    except ValueError:
+        return False
+    return True
+
+
+def _check_tokenizer(path: str) -> None:
+    """Load the tokenizer of `path` as the trainer does (vLLM loads it too).
+
+    Raises:
+        BaseModelError: it cannot be loaded (a damaged or missing tokenizer file); names the error in one line.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(path)
+    # transformers raises OSError, ValueError (JSON), KeyError or TypeError (JSON of another shape), and the
+    # `tokenizers` library a bare Exception: each is named in the message, with its traceback chained
+    except Exception as exc:
+        detail = " ".join(str(exc).split())
+        raise BaseModelError(f"--base-model (ART_TRAINER_BASE_MODEL) {path}: its tokenizer cannot be loaded "
+                             f"({type(exc).__name__}: {detail}). Restore its tokenizer files (tokenizer.json, "
+                             "tokenizer_config.json) from where the model came from.") from exc
 
 
 def _check_hub_name(name: str, timeout: float = 5.0) -> None:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import pickle
 import re
 import shutil
 import uuid
 import zipfile
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -198,7 +200,8 @@ class CheckpointStore:
         """
         wanted = {"base_model": base_model, "lora_r": lora_r, "lora_alpha": lora_alpha,
                   "target_modules": sorted(target_modules)}
-        for step, path in self.existing():
+        existing = self.existing()
+        for step, path in existing:
             try:
                 manifest = json.loads((path / MANIFEST).read_text())
                 config = (manifest.get("config") or {}) if isinstance(manifest, dict) else None
@@ -223,6 +226,8 @@ class CheckpointStore:
                     f"{path} was trained with {found}: its adapter does not fit these settings. Give another "
                     f"--output-dir to start a new run, or start with {flags} to resume this one.")
             self._check_files(path)
+        if existing:
+            self._check_optimizer_fits(existing[-1][1])
 
     def _check_files(self, path: Path) -> None:
         """Check from their headers that checkpoint `path`'s adapter, adapter config and optimizer state (when it has
@@ -243,6 +248,33 @@ class CheckpointStore:
                 zipfile.ZipFile(file).close()  # `torch.save`'s format: one cut short has no central directory
         except (OSError, ValueError, SafetensorError, zipfile.BadZipFile) as exc:
             raise self._unreadable(file, exc) from exc
+
+    def _check_optimizer_fits(self, path: Path) -> None:
+        """Check that the optimizer state of checkpoint `path` (the newest: the one the trainer resumes), when it has
+        one, holds a moment for each weight of its adapter, shaped as that weight (read from the headers: the file
+        is memory-mapped, no moment is read). One saved for another LoRA rank loaded silently and failed every
+        step; one for other target modules failed the resume, once vLLM ran.
+
+        Raises:
+            CheckpointMismatchError: names the file, how it differs from the adapter and the fixes.
+        """
+        file = path / _OPTIMIZER
+        if not file.exists():
+            return
+        with safe_open(str(path / _ADAPTER), framework="pt") as adapter:
+            weights = Counter(tuple(adapter.get_slice(key).get_shape()) for key in adapter.keys())
+        try:
+            state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            count = sum(len(group["params"]) for group in state["param_groups"])
+            moments = Counter(tuple(entry["exp_avg"].shape) for entry in state["state"].values() if "exp_avg" in entry)
+        except (OSError, RuntimeError, pickle.UnpicklingError, KeyError, TypeError, AttributeError) as exc:
+            raise self._unreadable(file, exc) from exc  # not an optimizer's `state_dict`: the resume would fail
+        if count != weights.total() or moments - weights:
+            raise CheckpointMismatchError(
+                f"{file} does not fit the adapter next to it: it holds the state of {count} weights shaped "
+                f"{_shapes(moments)}, the adapter has {weights.total()} shaped {_shapes(weights)} (saved for another "
+                f"--lora-r or --target-modules?). Delete it to resume {path.name} with a fresh AdamW, move {path} out "
+                f"of {self.root} to resume from the checkpoints before it, or give another --output-dir.")
 
     def _unreadable(self, file: Path, exc: Exception) -> CheckpointMismatchError:
         """The error for a checkpoint file that cannot be read: names it, why, and the folder to move out."""
@@ -319,6 +351,11 @@ def _has_manifest(path: Path) -> bool:
     """Whether checkpoint folder `path` has a manifest, readable or not: one that cannot be read stops the start
     (`check_compatible`); its folder is never removed as a leftover."""
     return (path / MANIFEST).exists() or (path / MANIFEST).is_symlink()
+
+
+def _shapes(counts: Counter[tuple[int, ...]]) -> str:
+    """Tensor shapes and how many have each, as `8x64 (x14)`."""
+    return ", ".join(f"{'x'.join(map(str, shape))} (x{n})" for shape, n in sorted(counts.items())) or "none"
 
 
 def _flag_value(value: Any) -> str:

@@ -7,11 +7,14 @@ API. Flags override `ART_TRAINER_*` environment variables, which override the de
 from __future__ import annotations
 
 import argparse
+import ast
+import difflib
 import fcntl
 import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import fields
+from functools import cache
 from pathlib import Path
 from typing import IO, Any
 
@@ -19,11 +22,11 @@ from pydantic import ValidationError
 
 from collector.config import settings_error
 from trainer_service.allocator import preload_allocator
-from trainer_service.config import TrainerSettings
+from trainer_service.config import TrainerSettings, vllm_source
 from trainer_service.grpo_config import OPTIONAL_FIELDS, GRPOConfig, split_modules
 from trainer_service.huge_pages import enable_huge_pages
 
-__all__ = ["build_parser", "main", "settings_from_args"]
+__all__ = ["build_parser", "check_vllm_args", "main", "settings_from_args", "vllm_serve_flags"]
 
 # flag → TrainerSettings field (help text comes from the field's description)
 _SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
@@ -103,6 +106,18 @@ _GRPO_FLAGS: dict[str, tuple[str, type]] = {
 }
 
 
+_VLLM_SERVE_ARGS = (("engine", "arg_utils.py"), ("entrypoints", "launchers", "cli_args.py"))
+"""vLLM (0.32) source files that make its OpenAI server's flags: literal `add_argument` names, and `--<field>` for each
+field of the `FrontendArgs` classes."""
+_VLLM_SERVE_ARGS_RELEASE = "0.32."
+"""The vLLM release whose sources `_VLLM_SERVE_ARGS` was checked against (every flag of its parser read, none more):
+another release may make a flag otherwise, and a flag it has must never be refused, so it is left to vLLM."""
+_VLLM_FLAGS_WE_PASS = ("--model", "--host", "--max-lora-rank", "--chat-template", "--tool-call-parser",
+                       "--structured-outputs-config")
+"""Flags the service passes vLLM (`VLLMEngine.command`, `TrainerSettings.tool_calling_args`, `structured_output_args`),
+literal names and `FrontendArgs` fields both: reading the sources without finding them all means vLLM makes its flags
+otherwise."""
+
 _LOCK_FILE = "trainer.lock"
 """The run folder's lock (`_lock_run_dir`), holding the process id of the trainer that runs there."""
 
@@ -136,6 +151,50 @@ def _lock_run_dir(run_dir: Path) -> IO[str]:
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     return handle
+
+
+@cache
+def vllm_serve_flags() -> frozenset[str] | None:
+    """The long flags of vLLM's OpenAI server, read from its source (`_VLLM_SERVE_ARGS`) without importing it (vLLM
+    built its parser after a ~10 s import), each with its `--no-` form. None where vLLM is not installed, is another
+    release than `_VLLM_SERVE_ARGS_RELEASE` or makes them otherwise (it checks them at its start)."""
+    version = vllm_source("_version.py")
+    if version is None or f"version = '{_VLLM_SERVE_ARGS_RELEASE}" not in version.read_text():
+        return None
+    flags = {"--help"}
+    for parts in _VLLM_SERVE_ARGS:
+        source = vllm_source(*parts)
+        if source is None:
+            return None
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+                flags.update(arg.value for arg in node.args
+                             if isinstance(arg, ast.Constant) and str(arg.value).startswith("--"))
+            elif isinstance(node, ast.ClassDef) and node.name.endswith("FrontendArgs"):
+                flags.update(f"--{item.target.id.replace('_', '-')}" for item in node.body
+                             if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name))
+    if not flags.issuperset(_VLLM_FLAGS_WE_PASS):
+        return None
+    return frozenset(flags | {f"--no-{flag[2:]}" for flag in flags})
+
+
+def check_vllm_args(args: Sequence[str]) -> None:
+    """Refuse a `--vllm-arg` flag the installed vLLM does not have (`vllm_serve_flags`), as vLLM's parser reads it:
+    `_` as `-`, a `--flag.key` of a JSON flag by its `--flag`, and a unique prefix of a flag. Values and short flags
+    (`-tp`) are left to vLLM. Such a flag stopped vLLM ~10 s into its start, in a traceback ending its usage text.
+
+    Raises:
+        ValueError: names the flag and the closest flags vLLM has.
+    """
+    known = vllm_serve_flags() if any(arg.startswith("--") for arg in args) else None
+    for arg in args if known else []:
+        flag = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+        if flag.startswith("--") and flag != "--" and not any(own.startswith(flag) for own in known):
+            negated = flag.startswith("--no-")  # a `--no-` form is suggested for one only
+            near = difflib.get_close_matches(flag, sorted(own for own in known if own.startswith("--no-") == negated))
+            hint = f"Did you mean {' or '.join(near)}? " if near else ""
+            raise ValueError(f"--vllm-arg {arg}: the installed vLLM has no flag {flag}. {hint}It lists its flags with "
+                             "`python -m vllm.entrypoints.openai.api_server --help`.")
 
 
 def _or_none(kind: type) -> Callable[[str], Any]:
@@ -208,6 +267,7 @@ def settings_from_args(args: argparse.Namespace) -> tuple[TrainerSettings, GRPOC
             overrides[name] = getattr(args, name)
     settings = TrainerSettings(**overrides)
     settings.check_effective()
+    check_vllm_args(settings.vllm_args)
     grpo_names = [name for name, _ in _GRPO_FLAGS.values()] + ["target_modules", "scale_rewards"]
     grpo = GRPOConfig.from_env(**{name: getattr(args, name) for name in grpo_names if hasattr(args, name)})
     grpo.check_against(settings)

@@ -53,16 +53,24 @@ _VLLM_LORA_RANKS = ("config", "lora.py"), "MaxLoRARanks"
 """Where vLLM (0.32) lists the `--max-lora-rank` values it accepts: a `Literal` of its LoRA config module."""
 
 
+def vllm_source(*parts: str) -> Path | None:
+    """The source file `parts` of the installed vLLM, found without importing vLLM; None where vLLM is not installed
+    or has no such file."""
+    spec = importlib.util.find_spec("vllm")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        source = Path(folder).joinpath(*parts)
+        if source.is_file():
+            return source
+    return None
+
+
 @cache
 def vllm_lora_ranks() -> tuple[int, ...] | None:
     """The `--max-lora-rank` values the installed vLLM accepts, read from its source without importing it (importing
     `vllm.config.lora` took ~4 s); None where vLLM is not installed or lists them otherwise (vLLM checks at start)."""
-    spec = importlib.util.find_spec("vllm")
     parts, name = _VLLM_LORA_RANKS
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        source = Path(folder).joinpath(*parts)
-        if not source.is_file():
-            continue
+    source = vllm_source(*parts)
+    if source is not None:
         for node in ast.parse(source.read_text()).body:
             if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript)
                     and [getattr(target, "id", None) for target in node.targets] == [name]):

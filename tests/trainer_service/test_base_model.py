@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer_service.builders import tiny_model
+from tests.trainer_service.builders import save_tiny_model
 from trainer_service import base_model
 from trainer_service.base_model import BaseModelError, check_base_model, find_bundled_gguf, resolve_base_model
 from trainer_service.grpo_config import DEFAULT_TARGET_MODULES
@@ -63,7 +63,7 @@ def test_unknown_hub_name_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_
 
 def test_a_template_and_target_modules_that_fit_the_model_pass_and_others_name_the_setting(tmp_path: Path) -> None:
     """What the trainer reads only after vLLM's start is checked before it (`check_base_model`)."""
-    tiny_model().config.save_pretrained(tmp_path)
+    save_tiny_model(tmp_path)
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}")
     check_base_model(str(tmp_path), str(template), ["self_attn.q_proj", "v_proj"])  # as PEFT matches them
@@ -74,3 +74,28 @@ def test_a_template_and_target_modules_that_fit_the_model_pass_and_others_name_t
     template.write_bytes(b"\xff{{ messages }}")
     with pytest.raises(BaseModelError, match=r"--chat-template \(ART_TRAINER_CHAT_TEMPLATE\) .* cannot be read"):
         check_base_model(str(tmp_path), str(template), ["q_proj"])
+
+
+@pytest.mark.parametrize(("targets", "refused"), [
+    (["q_proj", "input_layernorm"], r"input_layernorm: .*\(LlamaRMSNorm\)"),
+    (["mlp", "norm"], r"mlp, norm: .*\(LlamaMLP, LlamaRMSNorm\)"),
+])
+def test_target_modules_peft_cannot_adapt_stop_the_start_naming_them(tmp_path: Path, targets: list[str],
+                                                                     refused: str) -> None:
+    """PEFT refused them only when the trainer was built, after vLLM's start: a traceback of its ValueError."""
+    save_tiny_model(tmp_path)
+    with pytest.raises(BaseModelError, match=rf"--target-modules \(ART_TRAINER_TARGET_MODULES\) {refused}\. Name "
+                                             r"linear layers, such as: down_proj, .*q_proj"):
+        check_base_model(str(tmp_path), None, targets)
+    check_base_model(str(tmp_path), None, ["q_proj", "embed_tokens", "lm_head"])  # PEFT adapts embeddings too
+
+
+@pytest.mark.parametrize("damage", ['{"version": "1.0", "model": ', '{"model": 3}', "[]"])
+def test_a_tokenizer_that_cannot_be_loaded_stops_the_start_in_one_line(tmp_path: Path, damage: str) -> None:
+    """The trainer loaded it only after vLLM's start: a traceback (JSONDecodeError, KeyError, TypeError)."""
+    save_tiny_model(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(damage)
+    with pytest.raises(BaseModelError, match=r"--base-model \(ART_TRAINER_BASE_MODEL\) .*: its tokenizer cannot be "
+                                             r"loaded \(\w+: .*\)\. Restore its tokenizer files") as info:
+        check_base_model(str(tmp_path), None, ["q_proj"])
+    assert "\n" not in str(info.value)

@@ -206,6 +206,27 @@ def test_a_damaged_checkpoint_file_stops_the_start_before_vllm_naming_it(tmp_pat
     assert service.steps == [2] and service.trainer is not None and service.trainer.step_count == 2
 
 
+@pytest.mark.parametrize("other", [{"lora_r": 16}, {"target_modules": ["q_proj", "v_proj"]}])
+def test_an_optimizer_state_saved_for_another_adapter_stops_the_start_before_vllm(tmp_path: Path,
+                                                                                  other: dict[str, object]) -> None:
+    """A readable optimizer.pt of another LoRA rank was loaded silently and every step failed after (AdamW's moments
+    of another shape); one of other target modules failed the resume, once vLLM ran."""
+    ours, theirs = make_trainer(), make_trainer(**other)
+    for trainer, where in ((ours, tmp_path / "checkpoints" / "step-1"), (theirs, tmp_path / "other")):
+        trainer.train([group(trainer, (1.0, 0.0))])  # a moment for every weight
+        trainer.step_count = 1
+        trainer.save(where)
+    newest = tmp_path / "checkpoints" / "step-1"
+    (tmp_path / "other" / "optimizer.pt").replace(newest / "optimizer.pt")
+    with pytest.raises(CheckpointMismatchError, match=r"step-1/optimizer.pt does not fit the adapter next to it: it "
+                                                      r"holds the state of \d+ weights shaped .*Delete it to resume "
+                                                      r"step-1 with a fresh AdamW, move .*step-1 out of"):
+        make_service(tmp_path, [], [])  # the constructor: `art-trainer serve` exits with status 2 before vLLM starts
+    (newest / "optimizer.pt").unlink()  # the first fix the message gives
+    service = make_service(tmp_path, [], [])
+    assert service.trainer is not None and service.trainer.step_count == 1
+
+
 def test_partial_folders_are_removed_at_start(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     (tmp_path / ".step-3.tmp-abcd").mkdir(parents=True)

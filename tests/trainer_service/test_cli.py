@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
 import os
 import re
@@ -13,8 +15,8 @@ import pytest
 from pydantic import ValidationError
 
 from collector.config import settings_error
-from tests.trainer_service.builders import tiny_model
-from trainer_service.cli import build_parser, main, settings_from_args
+from tests.trainer_service.builders import save_tiny_model
+from trainer_service.cli import build_parser, main, settings_from_args, vllm_serve_flags
 from trainer_service.config import TrainerSettings, vllm_lora_ranks
 
 
@@ -108,9 +110,6 @@ def test_a_reserved_core_count_that_is_no_number_exits_naming_it(capsys: pytest.
 
 
 def test_the_lora_ranks_come_from_the_installed_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib.machinery
-    import importlib.util
-
     spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
     spec.submodule_search_locations = [str(tmp_path)]
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
@@ -125,6 +124,51 @@ def test_the_lora_ranks_come_from_the_installed_vllm(tmp_path: Path, monkeypatch
         assert vllm_lora_ranks() is None and parse("--max-lora-rank", "5", "--lora-r", "5")[0].max_lora_rank == 5
     finally:
         vllm_lora_ranks.cache_clear()
+
+
+def test_a_vllm_flag_the_installed_vllm_lacks_stops_the_start_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's parser refused it ~10 s into vLLM's start: a traceback ending in ~40 lines of vLLM's usage text."""
+    if vllm_serve_flags() is None:
+        pytest.skip("vLLM is not installed")
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--vllm-arg=--gpu-memory-utilisation=0.5", "--base-model", "/no/such/folder"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert "error: --vllm-arg --gpu-memory-utilisation=0.5: the installed vLLM has no flag --gpu-memory-utilisation. " \
+           "Did you mean --gpu-memory-utilization" in err
+    spellings = ["--enforce-eager", "--no-enable-prefix-caching", "--max_num_seqs=4", "--max-num-seq", "8",
+                 "--speculative-config.method=ngram", "-tp", "2", "--chat-template-content-format=string"]
+    assert parse(*(f"--vllm-arg={arg}" for arg in spellings))[0].vllm_args == spellings  # as vLLM's parser reads them
+
+
+def test_the_vllm_flags_come_from_the_installed_vllms_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "entrypoints" / "launchers").mkdir(parents=True)
+    engine = tmp_path / "engine" / "arg_utils.py"
+    engine.write_text("def add_cli_args(group):\n" + "".join(
+        f"    group.add_argument({flag!r})\n" for flag in ("--model", "--max-lora-rank", "--structured-outputs-config",
+                                                         "--seed")))
+    frontend = "class FrontendArgs:\n    host: str = None\n    chat_template: str = None\n    tool_call_parser: str\n"
+    (tmp_path / "entrypoints" / "launchers" / "cli_args.py").write_text(frontend)
+    (tmp_path / "_version.py").write_text("__version__ = version = '0.32.0'\n")
+    try:
+        vllm_serve_flags.cache_clear()
+        assert parse("--vllm-arg=--seed=1", "--vllm-arg=--no-seed", "--vllm-arg=--chat_template=t")[0].vllm_args
+        with pytest.raises(ValueError, match=r"--vllm-arg --sed=1: the installed vLLM has no flag --sed\. Did you "
+                                             r"mean --seed\?"):
+            parse("--vllm-arg=--sed=1")
+        (tmp_path / "_version.py").write_text("__version__ = version = '0.33.0'\n")  # not the release read
+        vllm_serve_flags.cache_clear()
+        assert vllm_serve_flags() is None and parse("--vllm-arg=--sed=1")[0].vllm_args == ["--sed=1"]  # vLLM checks
+        (tmp_path / "_version.py").write_text("__version__ = version = '0.32.1'\n")
+        engine.write_text('def add_cli_args(group):\n    group.add_argument("--seed")\n')  # made otherwise
+        vllm_serve_flags.cache_clear()
+        assert vllm_serve_flags() is None and parse("--vllm-arg=--sed=1")[0].vllm_args == ["--sed=1"]  # vLLM checks
+    finally:
+        vllm_serve_flags.cache_clear()
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--learning-rate", "inf"), ("--max-grad-norm", "nan"),
@@ -385,7 +429,7 @@ def test_a_second_trainer_on_one_output_dir_exits_naming_the_first(tmp_path: Pat
 def test_checkpoints_of_another_base_model_exit_with_the_fix_before_vllm(tmp_path: Path,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "model"
-    tiny_model().config.save_pretrained(model)
+    save_tiny_model(model)
     kept = tmp_path / "run" / "checkpoints" / "step-1"
     kept.mkdir(parents=True)
     config = {"lora_r": 16, "target_modules": ["q_proj"]}
@@ -403,6 +447,8 @@ def test_checkpoints_of_another_base_model_exit_with_the_fix_before_vllm(tmp_pat
     (["--chat-template", "bad.jinja"], None, "--chat-template (ART_TRAINER_CHAT_TEMPLATE) bad.jinja is not a valid "
                                              "Jinja template: line 1: "),
     (["--target-modules", "q_proj,qproj"], None, "--target-modules (ART_TRAINER_TARGET_MODULES) qproj: no module of"),
+    (["--target-modules", "q_proj,input_layernorm"], None, "--target-modules (ART_TRAINER_TARGET_MODULES) "
+                                                           "input_layernorm: PEFT cannot put a LoRA adapter on"),
     ([], "{}", "cannot be loaded as a causal language model: Unrecognized model"),
     ([], "{not json", "cannot be loaded as a causal language model: It looks like the config file"),
 ])
@@ -414,7 +460,8 @@ def test_a_template_model_or_target_module_that_does_not_fit_exits_before_vllm(
 
     monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: pytest.fail("vLLM would start"))
     model = tmp_path / "model"
-    tiny_model().config.save_pretrained(model)
+    save_tiny_model(model)
+    capsys.readouterr()  # the save's progress bar
     if config is not None:
         (model / "config.json").write_text(config)
     (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m.content }}")

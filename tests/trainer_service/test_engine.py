@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.trainer_service.builders import tiny_model
+from tests.trainer_service.builders import save_tiny_model
 from tests.trainer_service.test_process_group import running
 from trainer_service.config import TrainerSettings
 from trainer_service.engine import HEALTH_FAILURES_BEFORE_RESTART, VLLMEngine
@@ -44,7 +44,7 @@ async def test_a_given_kv_cache_size_wins_over_the_environment(tmp_path: Path, m
     # an exported VLLM_CPU_KVCACHE_SPACE silently replaced --kv-cache-gib
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
     model = tmp_path / "model"
-    tiny_model().config.save_pretrained(model)  # `build_service` checks the model's config and modules
+    save_tiny_model(model)  # `build_service` checks the model's config, tokenizer and modules
     spaces = []
     for given in ({"kv_cache_gib": 4}, {}):  # the flag (or ART_TRAINER_KV_CACHE_GIB), then neither
         settings = TrainerSettings(base_model=str(model), output_dir=tmp_path / "run", wandb="off", **given)
@@ -63,7 +63,7 @@ async def test_a_given_kv_cache_size_is_warned_about_once_with_cuda(tmp_path: Pa
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     model = tmp_path / "model"
-    tiny_model().config.save_pretrained(model)  # `build_service` checks the model's config and modules
+    save_tiny_model(model)  # `build_service` checks the model's config, tokenizer and modules
     warnings = []
     for given in ({"kv_cache_gib": 4}, {}):  # the flag (or ART_TRAINER_KV_CACHE_GIB), then the default
         caplog.clear()
