@@ -4,7 +4,8 @@ Eval prompts come from a JSONL file (`{"messages": [...], ...}` a line; the othe
 the reward function) or from the collector's trajectories of one split (their conversation up
 to the last assistant message). The reward is a user function `module:function(row,
 completion) -> float`. Answers are sampled from vLLM with a fixed seed per prompt, so two
-checkpoints are compared on the same prompts with the same sampling noise.
+checkpoints are compared on the same prompts with the same sampling noise; rewards compare only
+when measured on the same prompts with the same reward function and sampling (`Evaluator.key`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ import hashlib
 import importlib
 import inspect
 import json
+import logging
 import math
+import numbers
+import time
+import traceback
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +30,9 @@ from collector.protocol import Trajectory
 from trainer_service.config import TrainerSettings
 
 __all__ = ["EvalError", "Evaluator", "RewardFn", "build_evaluator", "load_eval_file", "load_reward_fn",
-           "prompt_set_key", "prompts_from_trajectories"]
+           "prompts_from_trajectories"]
+
+logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[dict[str, Any], str], float]
 """`(row, completion_text) -> reward`: `row` is the eval line (with `messages`)."""
@@ -40,7 +47,8 @@ def load_reward_fn(spec: str) -> RewardFn:
 
     Raises:
         EvalError: the module or attribute does not exist (or the module name is empty or relative, or the module
-            is no valid Python), or is not callable, or is an `async def` (its coroutine is no reward).
+            is no valid Python, or its code raised as it was imported), or is not callable, or is an `async def`
+            (its coroutine is no reward), or cannot be called with two arguments `(row, completion)`.
     """
     module_name, _, attr = spec.partition(":")
     try:
@@ -49,11 +57,23 @@ def load_reward_fn(spec: str) -> RewardFn:
     except (ImportError, AttributeError, ValueError, TypeError, SyntaxError) as exc:
         raise EvalError(f"eval reward {spec!r} cannot be imported: {exc}. Give `module:function` on the "
                         "Python path of the trainer.") from exc
+    except Exception as exc:  # the module's own code failed as it was imported, e.g. on a missing environment variable
+        frames = traceback.extract_tb(exc.__traceback__)
+        # the module's own line that raised or led to it (not importlib's, not the innermost library frame)
+        frame = next((f for f in frames[1:] if "importlib" not in f.filename), frames[-1])
+        raise EvalError(f"eval reward {spec!r}: importing its module raised {type(exc).__name__}: {exc} "
+                        f"({frame.filename}:{frame.lineno})") from exc
     if not callable(fn):
         raise EvalError(f"eval reward {spec!r} is not callable")
     if inspect.iscoroutinefunction(fn):
         raise EvalError(f"eval reward {spec!r} is an async function; give a plain `def function(row, completion) "
                         "-> float`.")
+    try:
+        inspect.signature(fn).bind({}, "")
+    except TypeError as exc:  # every eval then failed with "the eval reward function raised TypeError"
+        raise EvalError(f"eval reward {spec!r} cannot be called as function(row, completion): {exc}") from exc
+    except ValueError:  # no signature to read (some builtins): checked when it is called
+        pass
     return fn  # type: ignore[no-any-return]
 
 
@@ -140,12 +160,32 @@ class Evaluator:
 
         Raises:
             EvalError: no prompts, the engine failed or answered something other than a chat
-                completion, or the reward function raised or returned a non-finite value.
+                completion, or the reward function raised or returned no finite number (prompt and model named);
+                the other prompts' requests are cancelled.
         """
         rows = await self.prompts() if rows is None else rows
-        rewards = await asyncio.gather(*(self._score(model, index, row) for index, row in enumerate(rows)))
+        started = time.perf_counter()
+        tasks = [asyncio.ensure_future(self._score(model, index, row)) for index, row in enumerate(rows)]
+        try:
+            rewards = await asyncio.gather(*tasks)
+        except BaseException:  # one prompt failed: the others stop, not left running past the gate's decision
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         flat = [r for per_row in rewards for r in per_row]
-        return sum(flat) / len(flat)
+        mean = sum(flat) / len(flat)
+        logger.info("eval of %s: mean reward %.4f on %d prompts x %d samples in %.1f s", model, mean, len(rows),
+                    self.samples, time.perf_counter() - started)
+        return mean
+
+    def key(self, rows: list[dict[str, Any]]) -> str:
+        """A short fingerprint of `rows` and of how they are scored (reward function, samples, max_tokens,
+        temperature): mean rewards measured with the same key compare."""
+        fn = self.reward_fn
+        scoring = [f"{getattr(fn, '__module__', '')}:{getattr(fn, '__qualname__', repr(fn))}", self.samples,
+                   self.max_tokens, self.temperature]
+        return hashlib.sha256(json.dumps([rows, scoring], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     async def _score(self, model: str, index: int, row: dict[str, Any]) -> list[float]:
         body: dict[str, Any] = {"model": model, "messages": row["messages"], "n": self.samples,
@@ -166,25 +206,31 @@ class Evaluator:
                             f"({type(exc).__name__}: {exc}): {response.text[:300]}") from exc
         if not texts:  # the mean reward would divide by zero
             raise EvalError(f"the engine answered an eval prompt for {model} without choices: {response.text[:300]}")
-        scores = []
-        for text in texts:
-            try:
-                value = float(self.reward_fn(row, text))
-            except Exception as exc:  # a user function: any failure is reported with its type
-                raise EvalError(f"the eval reward function raised {type(exc).__name__}: {exc}") from exc
-            if not math.isfinite(value):
-                raise EvalError(f"the eval reward function returned {value} for prompt {index}; rewards must be finite")
-            scores.append(value)
-        return scores
+        return [self._reward(model, index, row, text) for text in texts]
+
+    def _reward(self, model: str, index: int, row: dict[str, Any], text: str) -> float:
+        """The reward function's value for one answer of `model` to prompt `index` (`row`).
+
+        Raises:
+            EvalError: it raised (logged with its traceback and the row), or returned no finite number.
+        """
+        where = f"prompt {index} of the eval set, answered by {model}"
+        try:
+            value = self.reward_fn(row, text)
+        except Exception as exc:  # a user function: any failure is reported with its type, logged with its traceback
+            row_text = json.dumps(row, default=str)
+            logger.exception("the eval reward function raised on %s; the row: %.300s", where, row_text)
+            raise EvalError(f"the eval reward function raised {type(exc).__name__} on {where}: {exc}") from exc
+        if not isinstance(value, numbers.Real):  # `float()` took "0.9" as a reward and called "abc" or None a raise
+            raise EvalError(f"the eval reward function returned {value!r} ({type(value).__name__}) on {where}; "
+                            "return a float")
+        if not math.isfinite(value):
+            raise EvalError(f"the eval reward function returned {value} on {where}; rewards must be finite")
+        return float(value)
 
     async def aclose(self) -> None:
         """Close the engine client."""
         await self._client.aclose()
-
-
-def prompt_set_key(rows: list[dict[str, Any]]) -> str:
-    """A short fingerprint of eval prompts: rewards measured on prompts with the same key are comparable."""
-    return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def build_evaluator(settings: TrainerSettings, collector: httpx.AsyncClient, engine_url: str) -> Evaluator | None:

@@ -2,10 +2,11 @@
 
 Without an eval set every new checkpoint is promoted. With one, the new checkpoint's mean eval
 reward is compared with the promoted checkpoint's (the base model's, key 0, before any
-promotion) on the same prompts: measured once and cached while the prompts stay the same, again
-when they change (a collector split grows). Promoted when `new >= current - margin`, equal up to
-float rounding included, else kept and served as `name@N` but not as
-`name@latest`, with the reason recorded. A failed evaluation promotes nothing. The state survives
+promotion) on the same prompts: measured once and cached while the prompts, the reward function and
+the sampling stay the same, again when they change (a collector split grows, a restart with another
+`--eval-reward` or `--eval-samples`, `--eval-max-tokens`, `--eval-temperature`). Promoted when
+`new >= current - margin`, equal up to float rounding included, else kept and served as `name@N`
+but not as `name@latest`, with the reason recorded. A failed evaluation promotes nothing. The state survives
 restarts in `checkpoints/promotion.json`; without an eval set, a restart serves the newest kept
 step as latest.
 """
@@ -18,7 +19,7 @@ from collections.abc import Callable
 
 from trainer_service.checkpoints import CheckpointStore
 from trainer_service.config import TrainerSettings
-from trainer_service.evaluation import EvalError, Evaluator, prompt_set_key
+from trainer_service.evaluation import EvalError, Evaluator
 from trainer_service.protocol import PromotionDecision, ServiceError
 
 __all__ = ["PromotionGate"]
@@ -53,7 +54,7 @@ class PromotionGate:
         self.evals: dict[int, float] = {}
         """Mean eval reward per step on the prompts of `prompt_set`; 0 is the base model."""
         self.prompt_set: str | None = None
-        """`prompt_set_key` of the prompts `evals` were measured on."""
+        """`Evaluator.key` of the prompts (and reward function and sampling) `evals` were measured with."""
         self.decision: PromotionDecision | None = None
         self._saved = store.read_promotion()
 
@@ -112,8 +113,9 @@ class PromotionGate:
         current = self.latest or 0
         try:
             rows = await evaluator.prompts()
-            if prompt_set_key(rows) != self.prompt_set:  # other prompts: rewards measured before do not compare
-                self.evals, self.prompt_set = {}, prompt_set_key(rows)
+            key = evaluator.key(rows)
+            if key != self.prompt_set:  # other prompts or scoring: rewards measured before do not compare
+                self.evals, self.prompt_set = {}, key
             new = await evaluator.evaluate(self._model_name(step), rows)
             self.evals[step] = new
             if current not in self.evals:

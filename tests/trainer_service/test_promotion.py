@@ -7,6 +7,7 @@ test controls each checkpoint's eval reward through the reward function.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import math
@@ -307,3 +308,114 @@ def test_a_damaged_promotion_state_stops_the_start_naming_the_file(tmp_path: Pat
     # raised when the gate is built, in the service's constructor: before vLLM starts, and the CLI reports it
     with pytest.raises(CheckpointMismatchError, match=r"promotion.json .*Move .* afresh"):
         PromotionGate(settings, store, None, lambda step: f"agent@{step}", lambda: "base-model")
+
+
+@pytest.mark.parametrize("returned", ["0.9", "abc", None, [1.0]])
+async def test_a_reward_that_is_no_number_fails_the_eval_naming_the_prompt_and_model(returned: object) -> None:
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": "1+1?"}]}]
+
+    # "0.9" was taken as a reward; "abc" and None were "the eval reward function raised ValueError/TypeError"
+    evaluator = Evaluator(source, lambda row, text: returned, "http://engine", transport=httpx.MockTransport(engine))
+    with pytest.raises(EvalError, match=rf"returned {re.escape(repr(returned))} \(\w+\) on prompt 0 of the eval set, "
+                                        r"answered by agent@1; return a float"):
+        await evaluator.evaluate("agent@1")
+    await evaluator.aclose()
+
+
+async def test_a_reward_that_raises_names_the_prompt_and_logs_the_row(caplog: pytest.LogCaptureFixture) -> None:
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": "1+1?"}], "answer": "2"},
+                {"messages": [{"role": "user", "content": "2+2?"}]}]
+
+    def exact(row: dict[str, Any], completion: str) -> float:
+        return float(completion == row["answer"])
+
+    evaluator = Evaluator(source, exact, "http://engine", transport=httpx.MockTransport(engine))
+    with pytest.raises(EvalError, match="raised KeyError on prompt 1 of the eval set, answered by agent@1: 'answer'"):
+        await evaluator.evaluate("agent@1")
+    assert '"content": "2+2?"' in caplog.text and "Traceback" in caplog.text  # which row, and where in the function
+    await evaluator.aclose()
+
+
+def one_argument_reward(completion: str) -> float:
+    """A reward that forgot the row (`tests.trainer_service.test_promotion:one_argument_reward`)."""
+    return float(bool(completion))
+
+
+def test_a_reward_function_that_cannot_take_row_and_completion_is_refused_at_start() -> None:
+    # was accepted: every eval then failed with "the eval reward function raised TypeError"
+    with pytest.raises(EvalError, match=r"'tests.trainer_service.test_promotion:one_argument_reward' cannot be "
+                                        r"called as function\(row, completion\): too many positional arguments"):
+        load_reward_fn("tests.trainer_service.test_promotion:one_argument_reward")
+
+
+async def test_a_failed_eval_prompt_stops_the_other_requests() -> None:
+    cancelled: list[int] = []
+
+    class Engine(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            index = int(json.loads(request.content)["messages"][0]["content"])
+            if index == 0:
+                return httpx.Response(500, text="engine died")
+            try:
+                await asyncio.sleep(60)  # a slow answer
+            except asyncio.CancelledError:
+                cancelled.append(index)
+                raise
+            return engine(request)
+
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": str(index)}]} for index in range(4)]
+
+    evaluator = Evaluator(source, lambda row, text: 1.0, "http://engine", transport=Engine())
+    with pytest.raises(EvalError, match="HTTP 500: engine died"):
+        await evaluator.evaluate("agent@1")
+    assert sorted(cancelled) == [1, 2, 3]  # were left running (into the next step) after the gate's decision
+    await evaluator.aclose()
+
+
+@pytest.mark.parametrize("change", ["reward", "samples"])
+async def test_a_restart_with_other_scoring_measures_the_promoted_step_again(tmp_path: Path, change: str) -> None:
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": "1+1?"}]}]
+
+    scale = {"base-model": 0.5, "agent@1": 0.6}  # rewards on a 0..1 scale
+
+    def reward_v1(row: dict[str, Any], completion: str) -> float:
+        return scale[completion.removeprefix("answer from ")]
+
+    def reward_v2(row: dict[str, Any], completion: str) -> float:
+        return scale[completion.removeprefix("answer from ")]
+
+    def gate(reward_fn: Any, samples: int, steps: list[int]) -> PromotionGate:
+        evaluator = Evaluator(source, reward_fn, "http://engine", samples=samples,
+                              transport=httpx.MockTransport(engine))
+        settings = TrainerSettings(output_dir=tmp_path, wandb="off", eval_split="val",
+                                   eval_reward="tests.trainer_service.test_promotion:reward")
+        restored = PromotionGate(settings, CheckpointStore(tmp_path / "checkpoints"), evaluator,
+                                 lambda step: f"agent@{step}", lambda: "base-model")
+        restored.restore(steps)
+        return restored
+
+    first = gate(reward_v1, 1, [])
+    assert (await first.judge(1, [1])).promoted
+    await first.aclose()
+    scale.update({"agent@1": 0.06, "agent@2": 0.07})  # measured otherwise, the same checkpoints score otherwise
+    second = gate(reward_v2, 1, [1]) if change == "reward" else gate(reward_v1, 2, [1])
+    decision = await second.judge(2, [1, 2])
+    # was compared with agent@1's 0.6 measured the other way: "0.0700 is below agent@1's 0.6000"
+    assert decision.promoted and decision.baseline_reward == pytest.approx(0.06), decision.reason
+    await second.aclose()
+
+
+def test_a_reward_module_that_raises_on_import_is_one_error_naming_its_line(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "reward_needing_env.py").write_text('import os\nTOKEN = os.environ["JUDGE_TOKEN_NOT_SET"]\n\n\n'
+                                                   "def reward(row, completion):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("JUDGE_TOKEN_NOT_SET", raising=False)
+    # was the KeyError's traceback at start: the CLI reports only an EvalError as one line
+    with pytest.raises(EvalError, match=r"eval reward 'reward_needing_env:reward': importing its module raised "
+                                        r"KeyError: 'JUDGE_TOKEN_NOT_SET' \(.*reward_needing_env.py:2\)"):
+        load_reward_fn("reward_needing_env:reward")
