@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable
 
-from trainer_service.checkpoints import CheckpointStore, select_kept
+from trainer_service.checkpoints import MANIFEST, CheckpointStore, select_kept
 from trainer_service.config import TrainerSettings
 from trainer_service.engine import VLLMEngine
 from trainer_service.engine_errors import EngineError
@@ -99,9 +100,17 @@ class Retention:
                 self.store.delete(step)
             except OSError:
                 self.counters["retention_errors"] += 1
-                logger.exception("%s is no longer served but its folder %s could not be deleted (it is served "
-                                 "again after a restart)", self.model_name(step), self.store.path(step))
+                logger.exception("%s is no longer served; its folder %s %s", self.model_name(step),
+                                 self.store.path(step), self._left_behind(step))
                 continue
             self.counters["checkpoints_deleted"] += 1
             logger.info("retention: deleted checkpoint step %s", step)
         return still_loaded
+
+    def _left_behind(self, step: int) -> str:
+        """What a failed delete of `step` left, as the next start sees it: a checkpoint still (its manifest is
+        there, as `CheckpointStore.existing` checks: a link counts), or a leftover it removes (`remove_partial`).
+        Raises nothing: it runs in the handler of the failed delete."""
+        if os.path.lexists(self.store.path(step) / MANIFEST):
+            return "could not be deleted: it is served again after a restart"
+        return "was deleted in part: the rest is removed at the next start"

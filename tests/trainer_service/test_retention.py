@@ -78,3 +78,58 @@ async def test_a_checkpoint_folder_deleted_by_hand_is_not_the_best_and_fails_no_
     assert result.step == 4 and service.steps == [3, 4] and sorted(service.engine.adapters) == ["agent@3", "agent@4"]
     assert service.counters["retention_errors"] >= 1
     await service.aclose()
+
+
+async def test_a_delete_that_fails_halfway_says_what_is_left_and_the_next_start_removes_the_rest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [], keep_last=1)
+    assert service.trainer is not None
+
+    def rmtree_fails_halfway(path: Path) -> None:  # the manifest is gone already; one file will not go
+        (path / "adapter_config.json").unlink()
+        raise PermissionError(errno.EACCES, "Permission denied", str(path / "adapter_model.safetensors"))
+
+    monkeypatch.setattr("trainer_service.checkpoints.shutil.rmtree", rmtree_fails_halfway)
+    for index in (1, 2):
+        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+        await service.train_once()
+    assert service.steps == [2] and service.counters["retention_errors"] == 1
+    assert "served again after a restart" not in caplog.text  # its manifest is gone: it never is
+    assert "agent@1 is no longer served; its folder" in caplog.text
+    assert "was deleted in part: the rest is removed at the next start" in caplog.text
+    await service.aclose()
+    monkeypatch.undo()  # the permission problem is fixed before the restart
+
+    restarted = make_service(tmp_path, [], [], keep_last=1)
+    assert restarted.steps == [2] and sorted(restarted.engine.adapters) == ["agent@2"]
+    assert not (tmp_path / "checkpoints" / "step-1").exists()
+    await restarted.aclose()
+
+
+async def test_a_delete_that_removes_nothing_says_the_checkpoint_is_served_again_after_a_restart(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [], keep_last=1)
+    assert service.trainer is not None
+
+    unlink = Path.unlink
+
+    def unlink_fails(self: Path, missing_ok: bool = False) -> None:
+        if self == tmp_path / "checkpoints" / "step-1" / "manifest.json":  # it stays: step-1 is still a checkpoint
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        unlink(self, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink_fails)
+    for index in (1, 2):
+        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+        await service.train_once()
+    monkeypatch.undo()
+    assert service.steps == [2] and (tmp_path / "checkpoints" / "step-1" / "manifest.json").exists()
+    assert "agent@1 is no longer served; its folder" in caplog.text
+    assert "could not be deleted: it is served again after a restart" in caplog.text
+    await service.aclose()
+
+    restarted = make_service(tmp_path, [], [], keep_last=1)
+    assert restarted.steps == [1, 2]  # served again until the next step's retention
+    await restarted.aclose()
