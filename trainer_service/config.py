@@ -14,8 +14,10 @@ from datetime import datetime
 from functools import cache
 from pathlib import Path
 from typing import Literal
+from zoneinfo import ZoneInfoNotFoundError
 
 from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.interval import IntervalTrigger
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -139,8 +141,31 @@ def _cron_weekdays(field: str) -> str:
     return ",".join(_CRON_DAYS[day] for day in sorted(days))
 
 
+def _check_schedule_timezone() -> None:
+    """Refuse a server time zone the scheduler cannot read, which it looks up (`TZ`, else `/etc/localtime`) only once
+    the service has started.
+
+    Raises:
+        ValueError: names `TZ` (or `/etc/localtime`) and the fix.
+    """
+    try:
+        IntervalTrigger(weeks=1)  # resolves the local zone as the scheduler does
+    except ZoneInfoNotFoundError as exc:
+        zone = os.environ.get("TZ")
+        where = f"TZ={zone!r}" if zone is not None else "/etc/localtime"
+        raise ValueError(f"{where} is no time zone the schedule can use (--min-groups, --every and --cron run on "
+                         "server local time, and APScheduler reads only zone names): set TZ to a name such as UTC or "
+                         "Europe/Berlin, or unset it.") from exc
+
+
+_CRON_NICKNAMES = {"@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *", "@monthly": "0 0 1 * *", "@weekly": "0 0 * * 0",
+                   "@daily": "0 0 * * *", "@midnight": "0 0 * * *", "@hourly": "0 * * * *"}
+"""Crontab's nicknames and the lines they stand for (`@reboot` names no time: refused)."""
+
+
 def parse_cron(text: str) -> CronTrigger:
-    """Return the trigger of a five-field crontab line such as `*/15 * * * *` (server local time).
+    """Return the trigger of a five-field crontab line such as `*/15 * * * *`, or a nickname such as `@hourly`
+    (server local time).
 
     Day-of-week numbers read as in crontab (0 and 7: Sunday), not as APScheduler 3's (0: Monday).
 
@@ -148,10 +173,10 @@ def parse_cron(text: str) -> CronTrigger:
         ValueError: the line does not have five fields, a field is out of range or unknown, or the line never
             fires (`0 0 30 2 *`).
     """
-    fields = text.split()
+    fields = _CRON_NICKNAMES.get(text.strip().lower(), text).split()
     if len(fields) != 5:
         raise ValueError(f"cron={text!r} has {len(fields)} fields; write five (minute hour day-of-month month "
-                         "day-of-week), e.g. `*/15 * * * *`.")
+                         f"day-of-week), e.g. `*/15 * * * *`, or one of {', '.join(_CRON_NICKNAMES)}.")
     minute, hour, day, month, weekday = fields
     try:
         trigger = CronTrigger(minute=minute, hour=hour, day=day, month=month, day_of_week=_cron_weekdays(weekday))
@@ -352,7 +377,8 @@ class TrainerSettings(BaseSettings):
         default=None, description="Train on an interval, e.g. `30s`, `10m`, `2h` (a step when groups are ready)."
     )
     cron: str | None = Field(
-        default=None, description="Train on a cron schedule (5 fields, e.g. `*/15 * * * *`), server local time."
+        default=None, description="Train on a cron schedule (5 fields, e.g. `*/15 * * * *`, or `@hourly`, `@daily`, "
+        "`@weekly`, ...), server local time (`TZ`, else /etc/localtime)."
     )
     poll_seconds: float = Field(
         default=15.0, gt=0, le=LONGEST_INTERVAL_S, description="How often `min_groups` asks the collector."
@@ -471,6 +497,8 @@ class TrainerSettings(BaseSettings):
             raise ValueError(f"port={self.port} is also vllm_port, and vLLM listens on 127.0.0.1:{self.vllm_port}, "
                              f"which host={self.host!r} includes: the API could not bind once vLLM has started. "
                              "Give --port and --vllm-port different numbers.")
+        if self.min_groups is not None or self.every is not None or self.cron is not None:
+            _check_schedule_timezone()
         if self.every is not None:
             parse_duration(self.every)
         if self.cron is not None:

@@ -3,7 +3,8 @@
 APScheduler's `AsyncIOScheduler` fires the jobs; each job calls `TrainerService.train_once`,
 which runs one step at a time: a job starts the step in its own task and returns, and a job that
 finds a step running is skipped and counted (`busy`), never queued behind it. Pausing stops every
-automatic and manual step until resumed.
+automatic and manual step until resumed. A poll that finds the collector failing waits twice as long after
+each further failure in a row (`Backoff`), at most 10 minutes.
 """
 
 from __future__ import annotations
@@ -12,17 +13,21 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
+from trainer_service.backoff import Backoff
 from trainer_service.config import TrainerSettings, parse_cron, parse_duration
 from trainer_service.protocol import ServiceError
 
 __all__ = ["TrainingSchedule", "describe"]
 
 logger = logging.getLogger(__name__)
+
+_LONGEST_POLL_BACKOFF_S = 600.0
+"""Longest wait between two polls of a collector that keeps failing (`poll_seconds` when that is longer)."""
 
 TrainFn = Callable[[str, int], Awaitable[object]]
 """`(source, min_groups) -> result`: runs one step (raises `ServiceError` when it cannot; any other
@@ -57,10 +62,12 @@ class TrainingSchedule:
         self._train = train
         self._queue_depth = queue_depth
         self.counts: Counter[str] = Counter()
-        """Outcome of each fired job: `trained`, `no_batch_ready`, `busy`, `paused`, `below_min_groups`, `failed`."""
+        """Outcome of each fired job: `trained`, `no_batch_ready`, `busy`, `paused`, `below_min_groups`, `failed`, or
+        the error code of a step or of a poll the collector failed (`collector_unavailable`, ...)."""
         self.last_outcome: str | None = None
         self._scheduler: AsyncIOScheduler | None = None
         self._running: asyncio.Task[None] | None = None
+        self._poll_backoff = Backoff(settings.poll_seconds, max(settings.poll_seconds, _LONGEST_POLL_BACKOFF_S))
 
     @property
     def active(self) -> bool:
@@ -105,12 +112,22 @@ class TrainingSchedule:
         try:
             ready = await self._queue_depth()
         except ServiceError as exc:
-            self._note("collector_unavailable", exc.body.error.message)
+            delay = self._poll_backoff.failed()
+            self._defer_poll(delay)
+            self._note(exc.body.error.code or "collector_unavailable", f"{exc.body.error.message}; next poll in "
+                       f"{delay:g}s")
             return
+        self._poll_backoff.reset()
         if ready < wanted:
             self._note("below_min_groups", f"{ready} of {wanted} groups ready")
             return
         await self._fire("min_groups")
+
+    def _defer_poll(self, delay: float) -> None:
+        """Move the `min_groups` job's next run to `delay` seconds from now (then every `poll_seconds` again)."""
+        if self._scheduler is not None:
+            at = datetime.now(self._scheduler.timezone) + timedelta(seconds=delay)
+            self._scheduler.modify_job("min_groups", next_run_time=at)
 
     async def _fire(self, source: str) -> None:
         """Start a step in its own task, so the job returns at once and the next one can report `busy`."""
@@ -133,8 +150,10 @@ class TrainingSchedule:
         self._note("trained", source)
 
     def _note(self, outcome: str, detail: str, exc: BaseException | None = None) -> None:
+        """Count and log an outcome; a `busy` right after another warns only once (one step outlasting the period)."""
+        again = outcome == "busy" and (self.last_outcome or "").startswith("busy:")
         self.counts[outcome] += 1
         self.last_outcome = f"{outcome}: {detail}"
         quiet = ("trained", "below_min_groups", "no_batch_ready", "paused")
-        level = logging.INFO if outcome in quiet else logging.WARNING
+        level = logging.INFO if outcome in quiet or again else logging.WARNING
         logger.log(level, "scheduled training: %s (%s)", outcome, detail, exc_info=exc)

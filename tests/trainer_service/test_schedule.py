@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+import tzlocal.unix
 
 from collector.protocol import Batch
 from tests.trainer_service.builders import group, make_service
 from trainer_service.config import TrainerSettings, parse_cron, parse_duration
+from trainer_service.protocol import ServiceError
 from trainer_service.schedule import TrainingSchedule
 
 
@@ -66,6 +69,35 @@ async def test_every_skips_when_busy_and_counts_empty_queues(tmp_path: Path) -> 
         await service.aclose()
 
 
+async def test_a_step_longer_than_the_period_warns_once_not_every_tick(caplog: pytest.LogCaptureFixture) -> None:
+    """Each tick that found the step still running logged a warning: with `every 30s` and a 10-minute step, 20 per
+    step (at `0.0001s`, 1,480 a second). Now the first skip in a row warns, the rest are counted and logged at INFO."""
+    release = asyncio.Event()
+    steps: list[str] = []
+
+    async def slow(source: str, min_groups: int) -> None:
+        steps.append(source)
+        await release.wait()
+
+    async def ready() -> int:
+        return 1
+
+    schedule = TrainingSchedule(TrainerSettings(every="1h"), slow, ready)  # the test fires the job itself
+    caplog.set_level(logging.INFO, logger="trainer_service.schedule")
+    for _ in range(4):
+        await schedule._fire("every")
+        await asyncio.sleep(0)
+    busy = [r.levelno for r in caplog.records if "scheduled training: busy" in r.getMessage()]
+    assert steps == ["every"] and schedule.counts["busy"] == 3  # one step, never two at once
+    assert busy == [logging.WARNING, logging.INFO, logging.INFO]
+    release.set()
+    await wait_for(lambda: schedule.counts["trained"] == 1)
+    await schedule._fire("every")  # a busy after another outcome warns again
+    await schedule._fire("every")
+    assert [r.levelno for r in caplog.records if "scheduled training: busy" in r.getMessage()][-1] == logging.WARNING
+    await wait_for(lambda: schedule.counts["trained"] == 2)
+
+
 async def test_any_failure_of_a_scheduled_step_is_counted(tmp_path: Path) -> None:
     async def broken(source: str, min_groups: int) -> None:
         raise RuntimeError("a bug in the step")
@@ -78,6 +110,42 @@ async def test_any_failure_of_a_scheduled_step_is_counted(tmp_path: Path) -> Non
     try:
         await wait_for(lambda: schedule.counts["failed"] >= 1)
         assert schedule.last_outcome is not None and "RuntimeError: a bug in the step" in schedule.last_outcome
+    finally:
+        schedule.shutdown()
+
+
+async def test_a_failing_collector_is_polled_less_often_and_next_run_says_when(tmp_path: Path) -> None:
+    """A collector that did not answer was asked again every `poll_seconds`, a warning each time; now each failure in
+    a row doubles the wait (at most 10 minutes), the job is moved so `next_run` shows it, and an answer ends it."""
+    answers: list[int | None] = [None, None, None, 0, None]  # None: the collector does not answer
+    asked: list[datetime] = []
+    trained: list[str] = []
+
+    async def ready() -> int:
+        asked.append(datetime.now(UTC))
+        answer = answers.pop(0)
+        if answer is None:
+            raise ServiceError(502, "collector_unavailable", "connection refused", type="server_error")
+        return answer
+
+    async def train(source: str, min_groups: int) -> None:
+        trained.append(source)
+
+    schedule = TrainingSchedule(TrainerSettings(output_dir=tmp_path, min_groups=1, poll_seconds=60), train, ready)
+    schedule.start()  # the first poll runs at once, the next ones here
+    try:
+        await wait_for(lambda: len(asked) == 1)
+        for failures, wait in enumerate((60, 120, 240), start=1):
+            if failures > 1:
+                await schedule._poll()
+            await wait_for(lambda failures=failures: schedule.counts["collector_unavailable"] == failures)
+            next_run = schedule.next_run()
+            assert next_run is not None and next_run >= asked[-1] + timedelta(seconds=wait)
+            assert schedule.last_outcome == f"collector_unavailable: connection refused; next poll in {wait}s"
+        await schedule._poll()  # an answer (nothing ready) ends the streak
+        await schedule._poll()
+        assert schedule.last_outcome == "collector_unavailable: connection refused; next poll in 60s"
+        assert schedule.counts["below_min_groups"] == 1 and trained == []
     finally:
         schedule.shutdown()
 
@@ -138,3 +206,32 @@ def test_a_cron_line_that_never_fires_or_names_no_weekday_is_refused() -> None:
     for bad in ("8", "sat-sun", "*/0", "monday"):
         with pytest.raises(ValueError, match=rf"day of week '{re.escape(bad.lower())}' .*\(0 and 7: Sunday\)"):
             TrainerSettings(cron=f"0 9 * * {bad}")
+
+
+@pytest.mark.parametrize(("nickname", "line"), [("@hourly", "0 * * * *"), ("@daily", "0 0 * * *"),
+                                                ("@midnight", "0 0 * * *"), ("@weekly", "0 0 * * 0"),
+                                                ("@monthly", "0 0 1 * *"), ("@yearly", "0 0 1 1 *"),
+                                                ("@ANNUALLY", "0 0 1 1 *")])
+def test_crontab_nicknames_fire_as_the_lines_they_stand_for(nickname: str, line: str) -> None:
+    at = datetime(2026, 1, 4, 10, 7, tzinfo=UTC)  # was refused: "has 1 fields; write five"
+    nick, full = parse_cron(nickname), parse_cron(line)
+    nick.timezone = full.timezone = UTC
+    assert nick.get_next_fire_time(None, at) == full.get_next_fire_time(None, at)
+    assert TrainerSettings(cron=nickname).cron == nickname
+
+
+def test_a_nickname_without_a_time_is_refused_with_the_ones_read() -> None:
+    with pytest.raises(ValueError, match=r"cron='@reboot' has 1 fields; write five .* or one of @yearly, "):
+        TrainerSettings(cron="@reboot")
+
+
+@pytest.mark.parametrize("trigger", [{"cron": "0 * * * *"}, {"every": "10m"}, {"min_groups": 1}])
+def test_a_time_zone_the_schedule_cannot_use_is_refused_at_parse(trigger: dict,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--cron` with a bad `TZ` ended in a ZoneInfoNotFoundError traceback; `--every` and `--min-groups` were accepted
+    and the scheduler failed only once vLLM had started."""
+    monkeypatch.setenv("TZ", "Nowhere/Bogus")
+    monkeypatch.setattr(tzlocal.unix, "_cache_tz", None)  # tzlocal reads TZ once per process
+    with pytest.raises(ValueError, match=r"TZ='Nowhere/Bogus' is no time zone .* such as UTC or Europe/Berlin"):
+        TrainerSettings(**trigger)
+    assert TrainerSettings().every is None  # without a schedule the time zone is not read
