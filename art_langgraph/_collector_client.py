@@ -35,6 +35,11 @@ def _raise_for_status(response: httpx.Response) -> None:
         )
 
 
+def _naming_the_collector(exc: httpx.TransportError, url: str) -> httpx.TransportError:
+    """`exc` as its own type, its message naming the URL it could not reach (httpx's says only `Connection refused`)."""
+    return type(exc)(f"could not POST to the collector at {url}: {exc}", request=exc.request)
+
+
 def post_reward(rollout_id: str | None, name: str, value: float, trace_id: str | None = None) -> None:
     """Send one reward for a finished rollout (by rollout id or trace id) to `POST {collector}/v1/rewards`.
 
@@ -42,7 +47,11 @@ def post_reward(rollout_id: str | None, name: str, value: float, trace_id: str |
         httpx.HTTPError: The collector is unreachable or answered with an error status.
     """
     url, headers, body = _request(rollout_id, name, value, trace_id)
-    _raise_for_status(httpx.post(url, json=body, headers=headers, timeout=_TIMEOUT))
+    try:
+        response = httpx.post(url, json=body, headers=headers, timeout=_TIMEOUT)
+    except httpx.TransportError as exc:
+        raise _naming_the_collector(exc, url) from exc
+    _raise_for_status(response)
 
 
 async def apost_reward(rollout_id: str | None, name: str, value: float, trace_id: str | None = None) -> None:
@@ -53,4 +62,8 @@ async def apost_reward(rollout_id: str | None, name: str, value: float, trace_id
     """
     url, headers, body = _request(rollout_id, name, value, trace_id)
     async with httpx.AsyncClient(timeout=_TIMEOUT) as client:
-        _raise_for_status(await client.post(url, json=body, headers=headers))
+        try:
+            response = await client.post(url, json=body, headers=headers)
+        except httpx.TransportError as exc:
+            raise _naming_the_collector(exc, url) from exc
+    _raise_for_status(response)

@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from art_langgraph._rollout import rollout
+from art_langgraph._rollout import _check_group_size, rollout
 
 __all__ = ["RewardFn", "gather", "gather_sync"]
 
@@ -48,12 +48,14 @@ async def gather(
         The outputs, one list of n per input, in input order.
 
     Raises:
-        ValueError: `n` or `concurrency` below 1.
+        ValueError: `n` out of 1 to 2**31 - 1, `concurrency` below 1.
+        TypeError: `n` is not an integer.
         Exception: The first error a run or the reward function raised (that rollout's span
             is marked ERROR); the other runs are cancelled and have ended when it is raised.
     """
-    if n < 1 or concurrency < 1:
-        raise ValueError(f"gather needs n >= 1 and concurrency >= 1, got n={n}, concurrency={concurrency}")
+    _check_group_size(n, "gather's n")  # each run's group_size; checked before len(inputs) * n tasks exist
+    if concurrency < 1:
+        raise ValueError(f"gather needs concurrency >= 1, got {concurrency}")
     task_name = task or getattr(graph, "name", None) or "default"
     semaphore = asyncio.Semaphore(concurrency)
     bar = tqdm(total=len(inputs) * n, desc=f"gather {task_name}", disable=not progress)

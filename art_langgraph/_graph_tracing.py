@@ -36,7 +36,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from art_langgraph import semconv
-from art_langgraph._rollout import Rollout, current_rollout
+from art_langgraph._rollout import Rollout, _check_group_size, current_rollout
 from art_langgraph._settings import get_settings
 from art_langgraph._span_status import mark_ended_by
 from art_langgraph._tracing import get_tracer
@@ -105,8 +105,15 @@ def _json(value: Any) -> str:
     return json.dumps(value, default=str, ensure_ascii=False)
 
 
+def _config_group_size(size: Any) -> int | None:
+    """The config's `art.group.size`: an integer from 1 to 2**31 - 1, or its decimal string; None when absent."""
+    if isinstance(size, str) and size.strip().isdecimal():
+        size = int(size)
+    return _check_group_size(size, f"config metadata {semconv.GROUP_SIZE!r}")
+
+
 def _implicit_rollout(run_id: UUID, name: str | None, metadata: dict[str, Any]) -> Rollout:
-    size, extra = metadata.get(semconv.GROUP_SIZE), metadata.get(semconv.METADATA)
+    extra = metadata.get(semconv.METADATA)
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"config metadata {semconv.METADATA!r} must be a dict, got {type(extra).__name__}")
     return Rollout(
@@ -114,7 +121,7 @@ def _implicit_rollout(run_id: UUID, name: str | None, metadata: dict[str, Any]) 
         group=str(metadata[semconv.GROUP]) if metadata.get(semconv.GROUP) else None,
         split=str(metadata.get(semconv.SPLIT) or "train"),
         metadata=extra,
-        group_size=int(size) if size else None,
+        group_size=_config_group_size(metadata.get(semconv.GROUP_SIZE)),
         _id=run_id.hex,
         _source="graph",
     )

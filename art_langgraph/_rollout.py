@@ -12,6 +12,7 @@ import logging
 import math
 import numbers
 import uuid
+from collections.abc import Mapping
 from contextvars import ContextVar, Token
 from types import TracebackType
 from typing import Any
@@ -35,7 +36,9 @@ _warned_stepped_apart = False
 
 
 def _check_name(value: str, what: str, limit: int = semconv.MAX_NAME_LENGTH) -> None:
-    """Refuse a name the collector would reject with its whole span: longer than `limit` or holding a NUL."""
+    """Refuse a name the collector would reject with its whole span: not a string, longer than `limit`, with a NUL."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string, got {type(value).__name__}")
     if len(value) > limit or "\x00" in value:
         raise ValueError(f"{what} must be at most {limit} characters, without NUL; got {value[:40]!r} "
                          f"({len(value)} characters)")
@@ -45,23 +48,43 @@ def _check_reward(value: float, name: str) -> float:
     """`value` as a float: any real number (NumPy's too), not a bool, finite; `name` non-empty and storable."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"reward {name!r} must be a number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int (or Fraction) beyond float's range
+        raise ValueError(f"reward {name!r} must be finite, got a number beyond float's range") from None
     if not math.isfinite(value):
         raise ValueError(f"reward {name!r} must be finite, got {value}")
+    _check_name(name, "reward name")
     if not name:
         raise ValueError("reward name must be a non-empty string")
-    _check_name(name, "reward name")
     return value
 
 
-def _check_group_size(size: int | None) -> int | None:
+def _metadata_json(metadata: Mapping[str, Any] | None) -> str | None:
+    """`metadata` as the JSON the rollout span carries (a value JSON has no type for becomes its `str`); None if empty.
+
+    Raises:
+        TypeError: `metadata` is not a mapping, or JSON cannot take it (a key that is no string or number).
+        ValueError: JSON cannot take it (a circular reference).
+    """
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"rollout metadata must be a dict, got {type(metadata).__name__}")
+    try:
+        return json.dumps(metadata, default=str) if metadata else None
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"rollout metadata cannot be exported as JSON: {exc}") from exc
+
+
+def _check_group_size(size: int | None, what: str = "group_size") -> int | None:
     """`size` as an int (NumPy's too), a whole number from 1 to `semconv.MAX_COUNT`, or None."""
     if size is None:
         return None
     if isinstance(size, bool) or not isinstance(size, numbers.Integral):
-        raise TypeError(f"group_size must be an integer, got {type(size).__name__}")
+        raise TypeError(f"{what} must be an integer, got {type(size).__name__}")
     if not 1 <= size <= semconv.MAX_COUNT:
-        raise ValueError(f"group_size must be from 1 to {semconv.MAX_COUNT}, got {size}")
+        raise ValueError(f"{what} must be from 1 to {semconv.MAX_COUNT}, got {size}")
     return int(size)
 
 
@@ -73,7 +96,7 @@ class Rollout:
         task: Task name (default grouping key).
         group: GRPO group id, if given.
         split: `train` or `val` (any string).
-        metadata: Free-form metadata, exported as JSON.
+        metadata: Free-form metadata, exported as JSON as it was when the rollout was created.
         group_size: Expected number of rollouts in the group, if known.
     """
 
@@ -99,6 +122,7 @@ class Rollout:
         self.task = task
         self.group = group
         self.split = split
+        self._metadata_json = _metadata_json(metadata)
         self.metadata = dict(metadata or {})
         self.group_size = _check_group_size(group_size)
         self._span: Span | None = None
@@ -131,9 +155,10 @@ class Rollout:
         Raises:
             ValueError: `value` is NaN or infinite, or `name` is empty.
             TypeError: `value` is not a number.
+            RuntimeError: The rollout has not been entered (no trajectory would ever take the reward).
             httpx.HTTPError: After the rollout ended, the collector could not be reached.
         """
-        value = _check_reward(value, name)
+        value = self._checked(value, name)
         if self._span is not None and not self._ended:
             self._span.add_event(semconv.REWARD_EVENT, {semconv.REWARD_NAME: name, semconv.REWARD_VALUE: value})
         else:
@@ -141,11 +166,18 @@ class Rollout:
 
     async def areward(self, value: float, name: str = "reward") -> None:
         """Async `reward`: same checks; after the rollout ended, the POST does not block."""
-        value = _check_reward(value, name)
+        value = self._checked(value, name)
         if self._span is not None and not self._ended:
             self.reward(value, name)
         else:
             await apost_reward(self.id, name, value)
+
+    def _checked(self, value: float, name: str) -> float:
+        """`_check_reward`, and refuse a rollout not entered yet: its id would never name a trajectory."""
+        value = _check_reward(value, name)
+        if self._span is None:
+            raise RuntimeError(f"rollout({self.task!r}) has not started; give its reward inside `with rollout(...)`")
+        return value
 
     def _begin(self) -> Span:
         """Start the rollout span as a fresh root, without touching any context variable."""
@@ -156,8 +188,8 @@ class Rollout:
             semconv.ROLLOUT_SOURCE: self._source,
             **self.span_attributes(),
         }
-        if self.metadata:
-            attrs[semconv.METADATA] = json.dumps(self.metadata, default=str)
+        if self._metadata_json is not None:
+            attrs[semconv.METADATA] = self._metadata_json
         # A fresh root: each rollout is its own trace, whatever span the app has open.
         self._span = get_tracer().start_span(f"rollout {self.task}", context=otel_context.Context(), attributes=attrs)
         return self._span
@@ -248,8 +280,10 @@ def rollout(
 
     Raises:
         ValueError: What the collector would reject with every span of the rollout: an empty task, a task or group
-            over 256 characters, a split over 64, a NUL in any, a `group_size` out of 1 to 2**31 - 1.
-        TypeError: `group_size` is not an integer.
+            over 256 characters, a split over 64, a NUL in any, a `group_size` out of 1 to 2**31 - 1; `metadata` that
+            JSON cannot take (a circular reference).
+        TypeError: A task, group or split that is not a string, a `group_size` that is not an integer, `metadata`
+            that is not a dict or has a key JSON cannot take.
     """
     return Rollout(task, group=group, split=split, metadata=metadata, group_size=group_size)
 

@@ -79,8 +79,26 @@ async def test_gather_propagates_errors_and_validates(spans) -> None:
 
     with pytest.raises(RuntimeError, match="graph failed"):
         await gather(Boom(), [1], n=2, progress=False)
-    with pytest.raises(ValueError, match="n >= 1"):
+    with pytest.raises(ValueError, match="gather's n must be from 1 to 2147483647, got 0"):
         await gather(Boom(), [1], n=0)
+    with pytest.raises(ValueError, match="concurrency >= 1"):
+        await gather(Boom(), [1], concurrency=0)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_gather_checks_n_before_making_its_runs(spans) -> None:
+    """`n` is every run's group size: a float n failed in `range`, one no group can hold made len(inputs) * n tasks
+    first (2**31 per input) and only then failed in each."""
+
+    class Echo:
+        async def ainvoke(self, inp: int) -> int:
+            return inp
+
+    with pytest.raises(TypeError, match="gather's n must be an integer, got float"):
+        await gather(Echo(), [1], n=2.5, progress=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="gather's n must be from 1 to 2147483647, got 2147483648"):
+        await gather(Echo(), [], n=2**31, progress=False)
+    assert spans.get_finished_spans() == ()
 
 
 @pytest.mark.asyncio(loop_scope="session")

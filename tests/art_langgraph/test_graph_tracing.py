@@ -398,6 +398,19 @@ def test_a_graph_runs_rollout_takes_art_metadata_from_its_config(spans) -> None:
     assert semconv.GROUP not in bare.attributes and semconv.METADATA not in bare.attributes
 
 
+def test_a_graph_runs_group_size_from_its_config_is_checked_not_truncated(spans, caplog) -> None:
+    """`int()` made 2.7 a group of 2 and True a group of 1, and dropped 0; the run is now refused, logged by
+    LangChain as every callback error is, as `rollout(group_size=...)` refuses it."""
+    for size in (2.7, True, 0):
+        steps_graph().invoke({}, config={"metadata": {semconv.GROUP_SIZE: size}})
+    assert kinds(spans, semconv.SPAN_KIND_ROLLOUT) == []
+    assert "config metadata 'art.group.size' must be an integer, got float" in caplog.text
+    assert "config metadata 'art.group.size' must be from 1 to 2147483647, got 0" in caplog.text
+    steps_graph().invoke({}, config={"metadata": {semconv.GROUP_SIZE: "4"}})  # a string of digits, as configs hold
+    (root,) = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert root.attributes[semconv.GROUP_SIZE] == 4
+
+
 def test_a_command_to_the_parent_graph_is_no_interrupt(spans) -> None:
     """A subgraph node that routes its parent (`Command(graph=Command.PARENT)`) did not pause the graph."""
     inner = StateGraph(Steps)

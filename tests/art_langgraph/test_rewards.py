@@ -76,6 +76,29 @@ def test_numpy_rewards_are_numbers(spans) -> None:
     ]
 
 
+def test_a_reward_out_of_floats_range_or_under_a_name_that_is_no_string_is_refused_clearly(spans) -> None:
+    """An int too large for a float raised a bare `OverflowError`; a name that is no string, `len()`'s TypeError."""
+    with rollout("r") as r:
+        with pytest.raises(ValueError, match="reward 'big' must be finite, got a number beyond float's range"):
+            r.reward(10**400, name="big")
+        with pytest.raises(TypeError, match="reward name must be a string, got int"):
+            reward(1.0, name=5)  # type: ignore[arg-type]
+        r.reward(10**20, name="big")
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert [e.attributes[semconv.REWARD_VALUE] for e in root.events] == [1e20]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_reward_on_a_rollout_never_entered_is_refused(reward_server: list) -> None:
+    """It was POSTed under the id of a rollout that never ran: a reward no trajectory would ever take."""
+    never = rollout("never")
+    with pytest.raises(RuntimeError, match=r"rollout\('never'\) has not started"):
+        never.reward(1.0)
+    with pytest.raises(RuntimeError, match="has not started"):
+        await never.areward(1.0)
+    assert reward_server == []
+
+
 def test_module_reward_inside_rollout_is_an_event(spans) -> None:
     with rollout("r") as r:
         reward(0.25, name="judge")
@@ -123,6 +146,19 @@ def reward_server(memory_tracing) -> Iterator[list]:
             yield received
         finally:
             memory_tracing.install()
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_late_reward_to_a_collector_down_names_its_url(memory_tracing, dead_url: str) -> None:
+    """httpx's `ConnectError` said only `Connection refused`: not where the reward was going (`ART_COLLECTOR_URL`)."""
+    art_langgraph.configure(collector_url=dead_url)
+    try:
+        with pytest.raises(httpx.ConnectError, match=f"could not POST to the collector at {dead_url}/v1/rewards: "):
+            reward(1.0, rollout_id="r1")
+        with pytest.raises(httpx.ConnectError, match=f"could not POST to the collector at {dead_url}/v1/rewards: "):
+            await art_langgraph.areward(1.0, rollout_id="r1")
+    finally:
+        memory_tracing.install()
 
 
 def test_late_reward_follows_the_otlp_traces_endpoint(memory_tracing, monkeypatch) -> None:

@@ -153,6 +153,11 @@ async def test_concurrent_rollouts_never_mix_ids(chat_model: ARTChatModel, spans
         ({"task": "t", "group_size": True}, TypeError, "group_size must be an integer"),
         ({"task": "t", "group_size": 2**31}, ValueError, "group_size must be from 1"),
         ({"task": "t", "group_size": 0}, ValueError, "group_size must be from 1"),
+        ({"task": 5}, TypeError, "task must be a string, got int"),
+        ({"task": "t", "group": 7}, TypeError, "group must be a string, got int"),
+        ({"task": "t", "split": None}, TypeError, "split must be a string, got NoneType"),
+        ({"task": "t", "metadata": "user=u1"}, TypeError, "rollout metadata must be a dict, got str"),
+        ({"task": "t", "metadata": {(1, 2): "pair"}}, TypeError, "metadata cannot be exported as JSON: keys must be"),
     ],
 )
 def test_rollout_refuses_what_the_collector_would_reject(kwargs: dict, error: type, match: str, spans) -> None:
@@ -160,6 +165,19 @@ def test_rollout_refuses_what_the_collector_would_reject(kwargs: dict, error: ty
     trajectory was lost, uncounted, with no error in the app."""
     with pytest.raises(error, match=match):
         rollout(**kwargs)
+
+
+def test_rollout_metadata_is_checked_when_the_rollout_is_made(spans) -> None:
+    """JSON that cannot take the metadata failed only at `with`, with json's bare message; a value JSON has no type
+    for is exported as its `str`, not dropped."""
+    circular: dict = {}
+    circular["self"] = circular
+    with pytest.raises(ValueError, match="rollout metadata cannot be exported as JSON: Circular reference"):
+        rollout("t", metadata=circular)
+    with rollout("t", metadata={"tags": {"a"}, "n": 1}):
+        pass
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert json.loads(root.attributes[semconv.METADATA]) == {"tags": "{'a'}", "n": 1}
 
 
 def test_rollout_takes_the_largest_names_the_collector_stores(spans) -> None:
