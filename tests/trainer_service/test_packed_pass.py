@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.trainer_service.builders import PROMPT, make_trainer
-from trainer_service.batching import TrainItem
+from trainer_service.batching import TrainItem, micro_batches
 from trainer_service.grpo import policy_loss
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.packed_pass import grpo_pass_loss, pass_logprobs, sft_pass_loss
@@ -81,3 +81,50 @@ def test_the_sft_loss_is_the_weighted_negative_log_likelihood_of_the_trained_tok
     got = sft_pass_loss(items, new)
     assert float(got.loss) == pytest.approx(0.5 * (1.0 + 2.0) + 2.0 * (0.5 + 0.25))
     assert got.tokens == 4.0
+
+
+def edge_items() -> list[TrainItem]:
+    """Edge shapes: one token, two, only the last token trained, trained from token 1, around the batched
+    attention's `_SHORT_KEYS` (192), a prompt of 150 shared by the next two, and nothing trained."""
+    generator = torch.Generator().manual_seed(3)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, 49152, (n,), generator=generator).tolist()
+
+    prompt = ids(150)
+    return [item(ids(1), 1), item(ids(2), 1), turns(ids(193), [0] * 192 + [1]), item(ids(192), 1),
+            item(prompt + ids(42), 150), item(prompt + ids(43), 151), item(ids(2), 2)]
+
+
+@pytest.mark.parametrize("shares_prefixes,pass_tokens", [(True, 4096), (False, 4096), (True, 2)],
+                         ids=["one-pass-shared", "one-pass", "one-item-per-pass"])
+def test_edge_shapes_get_the_log_probs_and_lora_gradients_of_each_item_alone(shares_prefixes: bool,
+                                                                             pass_tokens: int) -> None:
+    trainer = make_trainer()
+    trainer.model.eval()
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # a trained adapter: every LoRA weight gets a gradient
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05, generator=generator)
+    items, lora = edge_items(), [p for p in trainer.model.parameters() if p.requires_grad]
+    got, base = [], []
+    for chunk in micro_batches(items, 8, pass_tokens):  # 2 tokens: each item in a pass of its own
+        new = pass_logprobs(trainer.model, chunk, packs=True, shares_prefixes=shares_prefixes)
+        sft_pass_loss(chunk, new).loss.backward()
+        got.append(new.detach())
+        with torch.no_grad(), trainer.model.disable_adapter():  # the KL reference's pass
+            base.append(pass_logprobs(trainer.model, chunk, packs=True, shares_prefixes=shares_prefixes))
+    packed_grads = [p.grad.clone() for p in lora]
+    trainer.model.zero_grad()
+    sizes = [len(i.token_ids) - 1 for i in items]
+    for part, base_part, one in zip(torch.cat(got).split(sizes), torch.cat(base).split(sizes), items, strict=True):
+        torch.testing.assert_close(part, alone(trainer.model, one) * one.mask, atol=1e-5, rtol=1e-5)  # 0 off-mask
+        with trainer.model.disable_adapter():
+            torch.testing.assert_close(base_part, alone(trainer.model, one) * one.mask, atol=1e-5, rtol=1e-5)
+        if one.mask.any():
+            logits = trainer.model(input_ids=one.token_ids.unsqueeze(0)).logits[0, :-1]
+            nll = torch.log_softmax(logits.float(), -1).gather(-1, one.token_ids[1:, None])[:, 0]
+            sft_pass_loss([one], nll).loss.backward()
+    for param, packed in zip(lora, packed_grads, strict=True):
+        torch.testing.assert_close(packed, param.grad, atol=1e-5, rtol=1e-4)
