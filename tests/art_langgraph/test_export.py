@@ -122,36 +122,27 @@ def test_spans_a_partial_success_rejects_are_counted_and_logged(receivers, monke
     assert "langfuse rejected 1 spans: 1 spans rejected: no rollout id" in caplog.text
 
 
-def test_a_request_refused_as_too_large_is_logged_with_its_fix(receivers, caplog) -> None:
-    """A 413 (a proxy's body limit under `ART_MAX_EXPORT_BYTES`) is not retried (OTLP/HTTP spec): its spans are lost,
-    and the log said only "Request Entity Too Large", not which setting avoids it."""
+@pytest.mark.parametrize(("status", "logged"), [
+    # a proxy's body limit under `ART_MAX_EXPORT_BYTES`: the log said only "Request Entity Too Large"
+    (413, "collector refused a request as too large (413); lower ART_MAX_EXPORT_BYTES"),
+    # an ingress sending http:// on to https://: the exporter follows no redirect yet took it for a delivery, so every
+    # span was lost, uncounted and unlogged
+    (308, "collector answered 308, a redirect, which is not followed; dropped 1 spans"),
+])
+def test_spans_refused_as_too_large_or_redirected_are_counted_and_logged_with_the_fix(
+        receivers, caplog, status: int, logged: str) -> None:
+    """Neither answer is retried (OTLP/HTTP spec): the spans are counted dropped, the log names the setting to fix."""
     collector, _ = receivers
-    collector.fail_next, collector.fail_status = 1, 413
+    collector.fail_next, collector.fail_status = 1, status
     art_langgraph.configure(collector_url=collector.url)
     dropped = art_langgraph.dropped_spans()
-    with rollout("too-large"):
+    with rollout(f"answered-{status}"):
         pass
     with caplog.at_level(logging.WARNING, logger="art_langgraph"):
         assert art_langgraph.flush(timeout=10)
     assert collector.failures == 1 and collector.requests == []  # not retried
     assert art_langgraph.dropped_spans() == dropped + 1
-    assert "collector refused a request as too large (413); lower ART_MAX_EXPORT_BYTES" in caplog.text
-
-
-def test_spans_answered_with_a_redirect_are_counted_and_logged(receivers, caplog) -> None:
-    """The OTLP exporter follows no redirect (an ingress sending http:// on to https://) yet takes a 3xx for a
-    delivery: every span was lost, uncounted and unlogged."""
-    collector, _ = receivers
-    collector.fail_next, collector.fail_status = 1, 308
-    art_langgraph.configure(collector_url=collector.url)
-    dropped = art_langgraph.dropped_spans()
-    with rollout("redirected"):
-        pass
-    with caplog.at_level(logging.WARNING, logger="art_langgraph"):
-        assert art_langgraph.flush(timeout=10)
-    assert collector.failures == 1 and collector.requests == []
-    assert art_langgraph.dropped_spans() == dropped + 1
-    assert "collector answered 308, a redirect, which is not followed; dropped 1 spans" in caplog.text
+    assert logged in caplog.text
 
 
 def test_configure_again_exports_spans_in_flight(receivers) -> None:
