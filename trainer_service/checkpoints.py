@@ -131,7 +131,7 @@ def select_kept(
         steps: existing checkpoint steps.
         values: the named metric per step (steps without a finite value cannot be the best).
         keep_last: how many newest steps to keep; None keeps all.
-        best_mode: `max` or `min`: which value is best.
+        best_mode: `max` or `min`: which value is best; of equal best values the newest step is kept, in both modes.
         protect: steps always kept (the promoted one).
     """
     if keep_last is None:
@@ -140,8 +140,8 @@ def select_kept(
     kept = set(ordered[-keep_last:]) | (set(protect) & set(steps))
     candidates = [s for s in ordered if s in values and math.isfinite(values[s])]
     if candidates:
-        pick = max if best_mode == "max" else min
-        kept.add(pick(candidates, key=lambda s: (values[s], s)))
+        sign = 1 if best_mode == "max" else -1
+        kept.add(max(candidates, key=lambda s: (sign * values[s], s)))
     return kept
 
 
@@ -171,17 +171,26 @@ class CheckpointStore:
         return sorted(found)
 
     def remove_partial(self) -> list[str]:
-        """Delete temporary folders a crashed save left behind; return their names."""
+        """Delete temporary folders a crashed save (or a failed delete) left behind; return their names.
+
+        Such a folder has no manifest, so it is never a checkpoint: one that cannot be removed (e.g. a file in it is
+        not ours to delete) is logged as an error naming it, and stays.
+        """
         if not self.root.is_dir():
             return []
         removed = []
         for path in self.root.iterdir():
             if path.is_dir() and (path.name.startswith(".step-") or (_STEP_DIR.match(path.name)
                                                                      and not _has_manifest(path))):
-                if path.is_symlink():  # the link only: what it points to was never written here
-                    path.unlink()
-                else:
-                    shutil.rmtree(path)
+                try:
+                    if path.is_symlink():  # the link only: what it points to was never written here
+                        path.unlink()
+                    else:
+                        shutil.rmtree(path)
+                except OSError as exc:
+                    logger.error("could not remove the half-written checkpoint folder %s (%s); it is no checkpoint "
+                                 "and stays: remove it by hand", path, exc)
+                    continue
                 removed.append(path.name)
         if removed:
             logger.warning("removed %d half-written checkpoint folder(s): %s", len(removed), ", ".join(removed))

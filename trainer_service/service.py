@@ -118,9 +118,10 @@ class TrainerService:
     def start(self) -> None:
         """Start vLLM, build the trainer and resume from kept checkpoints (blocking).
 
-        Every kept checkpoint is re-registered as `name@N`; the trainer resumes the newest
-        (step counter, adapter, optimizer); `name@latest` returns to the promoted step. With
-        `settings.warm_up`, the trainer first runs `LoRATrainer.warm_up`, lent the idle engine's cores.
+        `name@latest` returns to the promoted step; retention drops the checkpoints the policy (perhaps changed
+        since) no longer keeps (`Retention.prune`); every other one is re-registered as `name@N`; the trainer resumes
+        the newest (step counter, adapter, optimizer). With `settings.warm_up`, the trainer first runs
+        `LoRATrainer.warm_up`, lent the idle engine's cores.
         When anything after vLLM's start fails, vLLM is stopped before the error is raised: no engine is left
         running (with its memory and port) behind a service that did not start.
         """
@@ -131,14 +132,15 @@ class TrainerService:
                 with self.lender.lending():
                     logger.info("trainer warmed up in %.1f s", self.trainer.warm_up())
             self.store.remove_partial()
-            existing = self.store.existing()
-            for step, path in existing:
-                self.engine.load_adapter(self.model_name(step), path)
+            existing = [step for step, _ in self.store.existing()]
+            self.gate.restore(existing)
+            for step in self.retention.prune(existing):  # the promoted step is kept; a dropped one is never loaded
+                self.engine.load_adapter(self.model_name(step), self.store.path(step))
                 self.steps.append(step)
-            if existing:
-                manifest = self.trainer.resume(existing[-1][1])
-                logger.info("resumed from %s (step %s)", existing[-1][1], manifest["step"])
-            self.gate.restore(self.steps)
+            if self.steps:
+                newest = self.store.path(self.steps[-1])
+                manifest = self.trainer.resume(newest)
+                logger.info("resumed from %s (step %s)", newest, manifest["step"])
         except BaseException:
             self.engine.stop()
             raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +29,14 @@ def test_select_kept_last_best_and_protected() -> None:
     assert select_kept(steps, values, keep_last=2, best_mode="min") == {3, 4, 5}
     assert select_kept(steps, values, keep_last=1, protect={1}) == {1, 2, 5}
     assert select_kept(steps, {}, keep_last=1) == {5}
+
+
+@pytest.mark.parametrize("mode", ["max", "min"])
+def test_of_equal_best_values_the_newest_step_is_kept_in_both_modes(mode: str) -> None:
+    flat = {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0}  # a metric that does not move: no old step is kept forever
+    assert select_kept([1, 2, 3, 4], flat, keep_last=1, best_mode=mode) == {4}
+    tied = {1: 5.0, 2: 5.0, 3: 1.0 if mode == "max" else 9.0, 4: 1.0 if mode == "max" else 9.0}
+    assert select_kept([1, 2, 3, 4], tied, keep_last=1, best_mode=mode) == {2, 4}
 
 
 async def test_full_disk_serves_nothing_and_rolls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,6 +244,31 @@ def test_partial_folders_are_removed_at_start(tmp_path: Path) -> None:
     (tmp_path / "step-1" / "manifest.json").write_text(json.dumps({"step": 1}))
     assert sorted(store.remove_partial()) == [".step-3.tmp-abcd", "step-2"]
     assert [step for step, _ in store.existing()] == [1]
+
+
+async def test_a_leftover_that_cannot_be_removed_is_logged_and_the_start_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    leftover = tmp_path / "checkpoints" / "step-4"
+    leftover.mkdir(parents=True)  # a delete that failed halfway: no manifest, never a checkpoint
+    (tmp_path / "checkpoints" / ".step-5.tmp-abcd").mkdir()
+    rmtree = shutil.rmtree
+
+    def rmtree_refuses_the_leftover(path: Path) -> None:
+        if Path(path) == leftover:
+            raise PermissionError(errno.EACCES, "Permission denied", str(leftover / "held"))
+        rmtree(path)
+
+    monkeypatch.setattr("trainer_service.checkpoints.shutil.rmtree", rmtree_refuses_the_leftover)
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    assert service.steps == [] and leftover.is_dir() and not (tmp_path / "checkpoints" / ".step-5.tmp-abcd").exists()
+    errors = [record for record in caplog.records if record.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].exc_info is None
+    assert f"{leftover} ([Errno 13] Permission denied" in errors[0].getMessage()
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    assert (await service.train_once()).step == 1 and service.steps == [1]  # it trains on as usual
+    await service.aclose()
 
 
 @pytest.mark.parametrize("manifest", [{"base_model": "m"}, {"step": 2, "base_model": "m"}])

@@ -358,6 +358,26 @@ def test_settings_nothing_would_read_exit_naming_them(capsys: pytest.CaptureFixt
     assert (settings.eval_samples, settings.poll_seconds, settings.keep_best_mode) == (2, 5.0, "min")
 
 
+@pytest.mark.parametrize(("argv", "mode"), [
+    (["--keep-best-metric", "loss/policy"], "min"),  # a loss is best at its smallest
+    (["--keep-best-metric", "loss/total", "--kl-coef", "0.1"], "min"),
+    (["--keep-best-metric", "reward/mean"], "max"),
+    (["--keep-best-metric", "loss/clip_fraction"], "max"),  # no loss: no direction of its own, the plain default
+    (["--keep-best-metric", "loss/policy", "--keep-best-mode", "max"], "max"),  # given, it wins
+    (["--keep-best-metric", "reward/mean", "--keep-best-mode", "min"], "min"),
+])
+def test_the_keep_best_mode_follows_the_metric_unless_given(argv: list[str], mode: str) -> None:
+    settings, _ = parse("--keep-last", "1", *argv)
+    assert settings.keep_best_mode == mode and settings.model_dump()["keep_best_mode"] == mode
+
+
+def test_the_keep_best_mode_follows_a_metric_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ART_TRAINER_KEEP_BEST_METRIC", "loss/policy")
+    assert parse("--keep-last", "1")[0].keep_best_mode == "min"
+    monkeypatch.setenv("ART_TRAINER_KEEP_BEST_MODE", "max")
+    assert parse("--keep-last", "1")[0].keep_best_mode == "max"
+
+
 @pytest.mark.parametrize("metric", ["reward/maen", "loss", "time/publish_s", "promotion/promoted"])
 def test_a_keep_best_metric_no_checkpoint_records_exits_naming_it(metric: str,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:

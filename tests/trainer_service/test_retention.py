@@ -5,12 +5,14 @@ from __future__ import annotations
 import errno
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from collector.protocol import Batch
-from tests.trainer_service.builders import group, lora_params, make_service
+from tests.trainer_service.builders import FakeEngine, group, lora_params, make_service
+from trainer_service.evaluation import Evaluator
 
 
 async def test_retention_deletes_unloads_and_restart_restores(tmp_path: Path) -> None:
@@ -95,7 +97,7 @@ async def test_a_delete_that_fails_halfway_says_what_is_left_and_the_next_start_
         batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
         await service.train_once()
     assert service.steps == [2] and service.counters["retention_errors"] == 1
-    assert "served again after a restart" not in caplog.text  # its manifest is gone: it never is
+    assert "the next start tries again" not in caplog.text  # its manifest is gone: no checkpoint
     assert "agent@1 is no longer served; its folder" in caplog.text
     assert "was deleted in part: the rest is removed at the next start" in caplog.text
     await service.aclose()
@@ -107,7 +109,7 @@ async def test_a_delete_that_fails_halfway_says_what_is_left_and_the_next_start_
     await restarted.aclose()
 
 
-async def test_a_delete_that_removes_nothing_says_the_checkpoint_is_served_again_after_a_restart(
+async def test_a_delete_that_removes_nothing_says_the_next_start_deletes_the_checkpoint_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     batches: list[Batch] = []
     service = make_service(tmp_path, batches, [], keep_last=1)
@@ -127,9 +129,41 @@ async def test_a_delete_that_removes_nothing_says_the_checkpoint_is_served_again
     monkeypatch.undo()
     assert service.steps == [2] and (tmp_path / "checkpoints" / "step-1" / "manifest.json").exists()
     assert "agent@1 is no longer served; its folder" in caplog.text
-    assert "could not be deleted: it is served again after a restart" in caplog.text
+    assert "could not be deleted: the next start tries again" in caplog.text
     await service.aclose()
 
     restarted = make_service(tmp_path, [], [], keep_last=1)
-    assert restarted.steps == [1, 2]  # served again until the next step's retention
+    assert restarted.steps == [2] and not (tmp_path / "checkpoints" / "step-1").exists()  # never served again
+    await restarted.aclose()
+
+
+async def test_a_restart_with_a_smaller_keep_last_drops_the_old_steps_before_loading_them_but_the_promoted_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])  # every checkpoint kept
+    assert service.trainer is not None
+    for index in (1, 2, 3, 4):
+        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+        await service.train_once()
+    await service.aclose()
+    service.store.write_promotion({"latest": 2, "evals": {2: 0.9, 3: 0.1}, "prompt_set": None, "decision": None})
+    loaded: list[str] = []
+    load_adapter = FakeEngine.load_adapter
+
+    def recorded_load(engine: FakeEngine, name: str, path: str | Path) -> None:
+        loaded.append(name)
+        load_adapter(engine, name, path)
+
+    async def no_rows() -> list[dict[str, Any]]:
+        return []
+
+    monkeypatch.setattr(FakeEngine, "load_adapter", recorded_load)
+    gated = Evaluator(no_rows, lambda row, completion: 0.0, "http://engine")  # the saved promoted step counts
+    restarted = make_service(tmp_path, [], [], evaluator=gated, keep_last=1)
+    assert loaded == ["agent@2", "agent@4"] and restarted.steps == [2, 4]  # steps 1 and 3 were never loaded
+    assert restarted.served_models() == ["base-model", "agent@2", "agent@4", "agent@latest"]
+    assert restarted.resolve("agent@latest") == "agent@2"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()) == ["step-2", "step-4"]
+    assert restarted.counters["checkpoints_deleted"] == 2
+    assert restarted.trainer is not None and restarted.trainer.step_count == 4  # resumed from the newest
     await restarted.aclose()
