@@ -10,7 +10,7 @@ from langchain_core.messages import AnyMessage, BaseMessage, SystemMessage
 from langchain_core.runnables import Runnable, RunnableBinding, RunnableConfig, RunnableLambda
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from art_langgraph._init_chat_model import init_chat_model
+from art_langgraph._init_chat_model import ConfigurableARTChatModel, init_chat_model
 
 __all__ = ["chat_node"]
 
@@ -27,6 +27,15 @@ def _tool_name(tool: Any) -> str:
     return str(convert_to_openai_tool(tool)["function"]["name"])
 
 
+def _tools_bound(llm: Runnable[Any, BaseMessage]) -> list[Any] | None:
+    """The tools `llm` has bound already (a configurable model's: those its default model gets), or None."""
+    if isinstance(llm, RunnableBinding):
+        return llm.kwargs["tools"] if "tools" in llm.kwargs else _tools_bound(llm.bound)
+    if isinstance(llm, ConfigurableARTChatModel):
+        return _tools_bound(llm._model())
+    return None
+
+
 def _bind_tools(llm: Runnable[Any, BaseMessage], tools: list[Any]) -> Runnable[Any, BaseMessage]:
     """`bind_tools` that keeps arguments bound before (LangChain's drops them on a binding).
 
@@ -35,10 +44,14 @@ def _bind_tools(llm: Runnable[Any, BaseMessage], tools: list[Any]) -> Runnable[A
 
     Raises:
         ValueError: `llm` has other tools bound than `tools`.
+        TypeError: `llm` cannot bind tools (a wrapper such as `with_retry()` around the model).
     """
-    if not isinstance(llm, RunnableBinding) or not hasattr(llm.bound, "bind_tools"):
-        return llm.bind_tools(tools)  # type: ignore[attr-defined,no-any-return]
-    if (bound := llm.kwargs.get("tools")) is not None:
+    if not hasattr(llm, "bind_tools"):
+        raise TypeError(
+            f"chat_node: tools= needs a model with bind_tools, and a {type(llm).__name__} has none; bind the tools "
+            "before wrapping the model (chat_node(model.bind_tools([...]).with_retry())) and leave tools= out"
+        )
+    if (bound := _tools_bound(llm)) is not None:
         have, want = sorted(map(_tool_name, bound)), sorted(map(_tool_name, tools))
         if have != want:
             raise ValueError(
@@ -47,6 +60,8 @@ def _bind_tools(llm: Runnable[Any, BaseMessage], tools: list[Any]) -> Runnable[A
                 "chat_node(model.bind_tools([...]))"
             )
         return llm
+    if not isinstance(llm, RunnableBinding) or not hasattr(llm.bound, "bind_tools"):
+        return llm.bind_tools(tools)  # type: ignore[attr-defined,no-any-return]
     return llm.bound.bind_tools(tools).bind(**llm.kwargs).with_config(llm.config)  # type: ignore[no-any-return]
 
 
@@ -67,7 +82,9 @@ def chat_node(
         tools: Tools to bind (`bind_tools`): LangChain tools, functions, or OpenAI tool dicts.
             Arguments already bound to `model` (`model.bind(max_tokens=...)`) are kept. A model
             with tools bound already (`model.bind_tools(...)`) is used as it is when they are the
-            same tools, and refused (`ValueError`) when they differ, as in `create_react_agent`.
+            same tools, and refused (`ValueError`) when they differ, as in `create_react_agent`
+            (a configurable model's recorded `bind_tools` counts too). A wrapper that cannot bind
+            tools (`model.with_retry()`) is refused (`TypeError`): bind the tools before wrapping.
         system: System prompt put first when the messages do not start with one.
 
     Returns:
@@ -75,6 +92,7 @@ def chat_node(
 
     Raises:
         ValueError: `model` has other tools bound than `tools`.
+        TypeError: `tools` given with a model that cannot bind tools (`model.with_retry()`).
     """
     llm: Runnable[Any, BaseMessage]
     llm = init_chat_model(model) if model is None or isinstance(model, str) else model  # type: ignore[assignment]

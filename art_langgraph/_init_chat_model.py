@@ -46,6 +46,8 @@ def _split_provider(model: str, model_provider: str | None) -> tuple[str, str | 
 
 
 def _build(model: str | None, model_provider: str | None, kwargs: dict[str, Any]) -> ARTChatModel:
+    # As LangChain spells providers: lower-cased, `-` read as `_`, an empty one is none.
+    model_provider = model_provider.replace("-", "_").lower() if model_provider else None
     if model:
         model, model_provider = _split_provider(model, model_provider)
     if model_provider not in _PROVIDERS:
@@ -76,7 +78,8 @@ def init_chat_model(
             LangChain knows (`anthropic:claude`) is refused; any other colon is part of the name
             (`mymodel:v2`), as in LangChain. Unlike LangChain, no model is not an error: the
             default model is used (and nothing is configurable unless `configurable_fields` says so).
-        model_provider: `openai`, `art` or None; any other provider is refused.
+        model_provider: `openai`, `art` or None (spelt as LangChain allows: `OpenAI`, or `""` for
+            none); any other provider is refused.
         configurable_fields: Fields settable per call through `config["configurable"]`:
             `"any"` or a list such as `["model", "temperature"]`. With it, a
             `ConfigurableARTChatModel` is returned.
@@ -88,7 +91,13 @@ def init_chat_model(
     Raises:
         UnsupportedOption: A provider other than `openai`/`art`, `use_responses_api=True`, or
             `logprobs=False` (each needs what this model cannot do; the message says why).
+        TypeError: `model` is not a string (a model object is used directly, not passed here).
     """
+    if model is not None and not isinstance(model, str):
+        raise TypeError(
+            f"init_chat_model takes the served model's name (such as 'agent@latest'), not a "
+            f"{type(model).__name__}; use a model object you built directly instead"
+        )
     if not configurable_fields:
         if config_prefix:  # LangChain's warning: a prefix alone makes nothing configurable
             warnings.warn(

@@ -136,3 +136,19 @@ def test_a_prefix_without_configurable_fields_makes_nothing_configurable() -> No
         model = init_chat_model("agent@3", config_prefix="agent", base_url="http://127.0.0.1:9/v1")
     assert isinstance(model, ARTChatModel)
     assert isinstance(init_chat_model("agent@3", configurable_fields=[]), ARTChatModel)
+
+
+@pytest.mark.parametrize("model_provider", ["OpenAI", "", "ART"])
+def test_a_provider_spelt_as_langchain_allows_is_taken(model_provider: str) -> None:
+    """LangChain lower-cases the provider (`-` read as `_`) and reads an empty one as none."""
+    built = init_chat_model("agent@3", model_provider=model_provider, base_url="http://127.0.0.1:9/v1")
+    assert built.model_name == "agent@3"
+    configurable = init_chat_model("agent@3", model_provider=model_provider, configurable_fields=["temperature"])
+    assert configurable._model().model_name == "agent@3"
+
+
+def test_a_model_object_is_refused_with_a_type_error() -> None:
+    """As in LangChain: `init_chat_model(llm)` says to use the model directly (not an `AttributeError`)."""
+    with pytest.raises(TypeError, match="not a ARTChatModel; use a model object you built directly"):
+        init_chat_model(ARTChatModel(model="agent@3"))  # type: ignore[arg-type]
+
