@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -40,10 +41,15 @@ _DEFAULT_KV_CACHE_GIB = 2
 HEALTH_FAILURES_BEFORE_RESTART = 3
 """Failed `/health` checks in a row after which `ensure_running` restarts a vLLM that still runs. One slow
 answer is not a hang (training and sampling can hold every core of a CPU machine for seconds), and a restart
-drops every request in flight, so it takes three: at the service's watchdog interval of 10 s, about 30 s."""
+drops every request in flight, so it takes three: at the service's watchdog interval of 10 s, about 30 s, and
+up to about 60 s when each check waits out `_HEALTH_CHECK_TIMEOUT` (a vLLM that accepts but never answers)."""
 
 _HEALTH_CHECK_TIMEOUT = 10.0
 """Seconds `ensure_running` waits for one `/health` answer (longer than `healthy`'s default, for a busy engine)."""
+
+_LOG_ROTATE_BYTES = 64 * 2**20
+"""A vLLM log larger than this at a (re)start is moved to `<log>.1` (replacing it): a crash loop, or restarts
+over a long run, keep at most about twice this on disk (one vLLM's own output is not cut while it runs)."""
 
 _KILL_WAIT = 10.0
 """Seconds to wait for vLLM's process group to end after SIGKILL."""
@@ -236,16 +242,19 @@ class VLLMEngine:
             self._wait_healthy()
 
     def _launch(self) -> None:
-        """Start vLLM's process, in its own session and process group, appending its output to the log.
+        """Start vLLM's process, in its own session and process group, appending its output to the log (rotated
+        first when it is over `_LOG_ROTATE_BYTES`).
 
         Raises:
-            EngineError: the process could not be started (the log could not be opened, no memory or file
-                handle was left); the `OSError` is its cause.
+            EngineError: another process holds vLLM's port, or the process could not be started (the log could not
+                be opened, no memory or file handle was left); the `OSError` is its cause.
         """
         self._failed_health_checks = 0
+        self._check_port_free()
         logger.info("starting vLLM: %s (log: %s)", " ".join(self.command()), self.log_path)
         try:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._rotate_log()
             with self.log_path.open("ab") as log:
                 self._proc = subprocess.Popen(
                     launch_command(self.command()),
@@ -253,6 +262,25 @@ class VLLMEngine:
                 )
         except OSError as exc:
             raise EngineError(f"vLLM could not be started: {exc!r} (log: {self.log_path})") from exc
+
+    def _rotate_log(self) -> None:
+        """Move the log to `<log>.1` (replacing it) when it is over `_LOG_ROTATE_BYTES`, before a start appends."""
+        if self.log_path.is_file() and self.log_path.stat().st_size > _LOG_ROTATE_BYTES:
+            self.log_path.replace(self.log_path.with_name(f"{self.log_path.name}.1"))
+
+    def _check_port_free(self) -> None:
+        """Bind vLLM's port for a moment, as vLLM's server will (`SO_REUSEADDR`): another server there would answer
+        our `/health` checks while vLLM loads the model, and vLLM would then fail to bind it.
+
+        Raises:
+            EngineError: naming the port another process holds.
+        """
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        try:
+            socket.create_server((self.host, self.port), family=family).close()
+        except OSError as exc:
+            raise EngineError(f"vLLM's port {self.port} on {self.host} is in use by another process "
+                              f"({os.strerror(exc.errno or 0)}); stop it, or give vLLM another --vllm-port") from exc
 
     def _wait_healthy(self, *, with_log: bool = True) -> None:
         """Wait until the started vLLM answers `/health`.

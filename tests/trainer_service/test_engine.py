@@ -313,6 +313,47 @@ def test_engine_backs_off_a_restart_whose_process_cannot_start(tmp_path: Path) -
         engine.stop()
 
 
+def test_engine_refuses_a_port_another_process_holds(tmp_path: Path) -> None:
+    """Another server on vLLM's port answered our `/health` checks while vLLM loaded (a start that "succeeded"
+    before vLLM failed to bind); the start, and a restart (backed off), now name the port instead."""
+    port = _free_port()
+    engine = FakeVLLM("model", "base", port, log_path=tmp_path / "vllm.log", startup_timeout=30)
+    with socket.create_server(("127.0.0.1", port)):
+        with pytest.raises(EngineError, match=f"^vLLM's port {port} on 127.0.0.1 is in use by another process"):
+            engine.start()
+        assert engine.pid is None
+    engine.start()
+    try:
+        os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        engine._proc.wait()  # type: ignore[union-attr]
+        engine._stop_group()
+        with socket.create_server(("127.0.0.1", port)):  # taken while vLLM was down
+            with pytest.raises(EngineError, match=f"(?s)port {port} on 127.0.0.1 is in use.*Next restart in 10 s"):
+                engine.ensure_running()
+        engine._restart_retry.not_before = 0.0  # its back-off is over
+        assert engine.ensure_running() is True and engine.healthy()
+    finally:
+        engine.stop()
+
+
+def test_engine_log_is_rotated_at_a_restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each (re)start appended to `vllm.log` for good: a crash loop over days grew it without end."""
+    monkeypatch.setattr("trainer_service.engine._LOG_ROTATE_BYTES", 100)
+    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.start()
+    try:
+        for restart in (1, 2):
+            engine.load_adapter(f"agent@{restart}", tmp_path)  # its POST is logged: over 100 bytes
+            os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            engine._proc.wait()  # type: ignore[union-attr]
+            assert engine.ensure_running() is True
+            assert f'"lora_name":"agent@{restart}"' in (tmp_path / "vllm.log.1").read_text()
+        assert sorted(path.name for path in tmp_path.glob("vllm.log*")) == ["vllm.log", "vllm.log.1"]
+        assert (tmp_path / "vllm.log.1").read_text().count('"lora_name":"agent@1"') == 1  # the second run's re-load
+    finally:
+        engine.stop()
+
+
 def test_engine_stop_interrupts_a_restart(tmp_path: Path) -> None:
     engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=60)
     engine.start()
