@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import difflib
 import fcntl
 import logging
@@ -146,10 +147,16 @@ def _lock_run_dir(run_dir: Path) -> IO[str]:
         raise OSError(f"the run folder {run_dir} is in use by another trainer (process {holder}): both would write "
                       "its checkpoints and metrics.jsonl and delete each other's checkpoints. Stop that one, or give "
                       "this one another --output-dir (or --name).") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+    except OSError as exc:  # a full disk: the lock is taken, its process id does not fit
+        with contextlib.suppress(OSError):  # the same failure again: closing flushes what is still buffered
+            handle.close()
+        raise OSError(f"the run folder {run_dir} cannot be written ({exc}); free disk space or give another "
+                      "--output-dir.") from exc
     return handle
 
 

@@ -1,8 +1,9 @@
 """One place every step's metrics go: `metrics.jsonl`, the status endpoint, a PNG plot and W&B.
 
-`MetricsSink.emit` is the only writer. The JSONL line is written first (it is the record);
-the plot and Weights & Biases follow, and a failure there is logged with its traceback and
-counted (`sink_errors`), never raised into the training step. W&B is used when the `wandb`
+`MetricsSink.emit` is the only writer. The JSONL line is written first (it is the record): one a
+full disk refuses is kept and written, before the new one, by the next `emit` (or by `close`). The
+plot and Weights & Biases follow, and a failure there is logged with its traceback and counted
+(`sink_errors`), never raised into the training step. W&B is used when the `wandb`
 package is installed and not turned off; it runs offline unless `WANDB_MODE` says otherwise.
 """
 
@@ -72,6 +73,8 @@ class MetricsSink:
         self.run_dir = run_dir
         self.history: list[dict[str, Any]] = self._read_history()
         self.sink_errors = 0
+        self._unwritten: list[tuple[int, str]] = []
+        """(step, JSONL line) of the records of `history` not yet in `metrics.jsonl` (a write failed), oldest first."""
         self._wandb_wanted = wandb == "auto" and importlib.util.find_spec("wandb") is not None
         self._wandb_run: Any = None
         self._project = project
@@ -142,7 +145,8 @@ class MetricsSink:
             extra: non-numeric fields for the JSONL line (batch id, model name, kind).
 
         Raises:
-            OSError: the JSONL line could not be written (the disk is full or read-only).
+            OSError: the JSONL line could not be written (the disk is full or read-only); it is kept, in the
+                history too, and written by the next `emit` or `close`. The other sinks have the step.
         """
         recorded = _finite_or_null(metrics)
         if nonfinite := sorted(key for key, value in recorded.items() if value is None):
@@ -150,17 +154,39 @@ class MetricsSink:
                            ", ".join(nonfinite), ", ".join(str(metrics[key]) for key in nonfinite))
         line = {"step": step, "time": time.time(), **extra, **recorded}
         line["step"] = step  # the trainer's metrics carry it as a float; the record's is the integer `step`
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        start = "\n" if self._ends_mid_line() else ""
-        with self.jsonl_path.open("a") as handle:
-            handle.write(start + json.dumps(line) + "\n")
         self.history.append(line)
-        for sink in (self._plot, self._wandb):
-            try:
-                sink(step, metrics)
-            except Exception:  # a secondary sink never fails the step; logged and counted
-                self.sink_errors += 1
-                logger.exception("metrics sink %s failed at step %s", sink.__name__, step)
+        self._unwritten.append((step, json.dumps(line)))
+        try:
+            self._write_unwritten()
+        finally:  # the plot and W&B have the step also when its line must wait for room on the disk
+            for sink in (self._plot, self._wandb):
+                try:
+                    sink(step, metrics)
+                except Exception:  # a secondary sink never fails the step; logged and counted
+                    self.sink_errors += 1
+                    logger.exception("metrics sink %s failed at step %s", sink.__name__, step)
+
+    def _write_unwritten(self) -> None:
+        """Append the lines of `_unwritten` to `metrics.jsonl`, one at a time, each dropped from it once written.
+
+        Raises:
+            OSError: a line could not be written; it and those after it stay in `_unwritten`, and the message
+                names the file and their steps.
+        """
+        if not self._unwritten:
+            return
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            while self._unwritten:
+                start = "\n" if self._ends_mid_line() else ""  # after a line a full disk cut short
+                with self.jsonl_path.open("a") as handle:
+                    handle.write(start + self._unwritten[0][1] + "\n")
+                self._unwritten.pop(0)
+        except OSError as exc:
+            held = f"the record of step {self._unwritten[0][0]} is" if len(self._unwritten) == 1 else \
+                f"the records of steps {', '.join(str(step) for step, _ in self._unwritten)} are"
+            raise OSError(exc.errno, f"{self.jsonl_path} could not be written ({exc.strerror or exc}): {held} kept "
+                          "and written with the next step; free disk space") from exc
 
     def _plot(self, step: int, metrics: dict[str, float]) -> None:
         import matplotlib
@@ -181,9 +207,14 @@ class MetricsSink:
         figure.suptitle(f"{self._run_name}: step {step}")
         figure.tight_layout()
         tmp = self.run_dir / f".{PLOT_FILE}.tmp.png"
-        figure.savefig(tmp, dpi=80)
-        plt.close(figure)
-        os.replace(tmp, self.run_dir / PLOT_FILE)
+        try:
+            figure.savefig(tmp, dpi=80)
+            os.replace(tmp, self.run_dir / PLOT_FILE)
+        except OSError:  # a full disk: the partial file goes, not to hold the space until the next plot
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:  # pyplot holds every figure until closed
+            plt.close(figure)
 
     def _wandb(self, step: int, metrics: dict[str, float]) -> None:
         if not self._wandb_wanted:
@@ -198,7 +229,12 @@ class MetricsSink:
         self._wandb_run.log(metrics, step=step)
 
     def close(self) -> None:
-        """Finish the W&B run, if one was started. Idempotent."""
+        """Write the JSONL lines a full disk held back (logged when it still cannot) and finish the W&B run, if one
+        was started. Idempotent."""
+        try:
+            self._write_unwritten()
+        except OSError:
+            logger.exception("metrics not written at close")
         run, self._wandb_run = self._wandb_run, None
         if run is not None:
             run.finish()

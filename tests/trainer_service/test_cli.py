@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.machinery
 import importlib.util
 import json
@@ -10,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -444,6 +446,52 @@ def test_a_second_trainer_on_one_output_dir_exits_naming_the_first(tmp_path: Pat
         main(["serve", "--output-dir", "/proc/no-run-folder"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "the run folder /proc/no-run-folder cannot be written" in err
+
+
+class _LockOnAFullDisk:
+    """`trainer.lock` on a full disk: it opens and locks (an empty file fits), its process id does not."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "a+")
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def seek(self, offset: int) -> int:
+        return self.file.seek(offset)
+
+    def truncate(self) -> int:
+        return self.file.truncate()
+
+    def write(self, text: str) -> int:
+        return len(text)  # buffered: the disk refuses it at `flush`
+
+    def flush(self) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def test_a_run_folder_on_a_full_disk_exits_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The lock's process id did not fit: `art-trainer: error: [Errno 28] No space left on device`, no folder."""
+    run = tmp_path / "run"
+    real_open = Path.open
+
+    def full_disk(path: Path, *args: Any, **kwargs: Any) -> Any:
+        return _LockOnAFullDisk(path) if path.name == "trainer.lock" else real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", full_disk)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--output-dir", str(run)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert f"art-trainer: error: the run folder {run} cannot be written ([Errno 28] No space left on device)" in err
+    monkeypatch.setattr(Path, "open", real_open)  # space freed: the lock was let go
+    with pytest.raises(SystemExit):
+        main(["serve", "--output-dir", str(run), "--base-model", "/no/such/folder"])
+    assert "Base model folder /no/such/folder does not exist" in capsys.readouterr().err
 
 
 def test_checkpoints_of_another_base_model_exit_with_the_fix_before_vllm(tmp_path: Path,

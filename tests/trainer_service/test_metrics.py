@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 from pathlib import Path
+from typing import IO, Any
 
 import pytest
 
@@ -82,6 +84,72 @@ def test_a_line_cut_short_is_skipped_and_the_next_record_gets_its_own_line(
     caplog.clear()
     assert [h["step"] for h in MetricsSink(tmp_path, wandb="off").history] == [1, 3]  # step 3 survives a restart
     assert f"{path}: skipped 1 line(s)" in caplog.text
+
+
+class _FillingFile:
+    """A file on a disk that fills up as it is written: half of what is written reaches it, then ENOSPC."""
+
+    def __init__(self, handle: IO[str]) -> None:
+        self.handle = handle
+
+    def __enter__(self) -> _FillingFile:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.handle.close()
+
+    def write(self, text: str) -> int:
+        self.handle.write(text[: len(text) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_record_a_full_disk_refused_is_written_once_there_is_room(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's line cut short by a full disk was lost for good (`metrics.jsonl`, status, plot): it is kept and
+    written, whole and in order, by the next step or `close` once the disk has room."""
+    sink = MetricsSink(tmp_path, wandb="off")
+    sink.emit(1, {"loss/policy": 0.5})
+    real_open, full = Path.open, {"disk": True}
+
+    def filling(path: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        handle = real_open(path, mode, *args, **kwargs)
+        return _FillingFile(handle) if full["disk"] and path == sink.jsonl_path and "a" in mode else handle
+
+    monkeypatch.setattr(Path, "open", filling)
+    with pytest.raises(OSError) as info:
+        sink.emit(2, {"loss/policy": 0.4})
+    assert info.value.errno == errno.ENOSPC and str(sink.jsonl_path) in str(info.value)
+    assert "step 2" in str(info.value) and "written with the next step" in str(info.value)
+    assert [h["step"] for h in sink.history] == [1, 2]  # the status endpoint and the plot have it
+    full["disk"] = False
+    sink.emit(3, {"loss/policy": 0.3})
+    assert [h["step"] for h in MetricsSink(tmp_path, wandb="off").history] == [1, 2, 3]
+    full["disk"] = True
+    with pytest.raises(OSError):
+        sink.emit(4, {"loss/policy": 0.2})
+    full["disk"] = False
+    sink.close()
+    assert [h["step"] for h in MetricsSink(tmp_path, wandb="off").history] == [1, 2, 3, 4]
+
+
+def test_a_plot_a_full_disk_refuses_leaves_no_figure_open_and_no_file(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each refused plot kept its figure open in pyplot (memory, step after step) and its partial file on the
+    full disk."""
+    from matplotlib import pyplot as plt
+    from matplotlib.figure import Figure
+
+    def full_disk(figure: Figure, path: Path, **kwargs: object) -> None:
+        Path(path).write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    sink = MetricsSink(tmp_path, wandb="off")
+    opened = set(plt.get_fignums())
+    for step in (1, 2):
+        sink.emit(step, {"loss/policy": 0.5})
+    assert sink.sink_errors == 2 and set(plt.get_fignums()) == opened
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
 def test_a_line_of_json_that_is_no_record_is_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
