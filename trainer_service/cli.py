@@ -13,6 +13,7 @@ import difflib
 import fcntl
 import logging
 import os
+import signal
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from functools import cache
@@ -309,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from trainer_service.base_model import BaseModelError
     from trainer_service.checkpoints import CheckpointMismatchError
+    from trainer_service.engine_errors import EngineError
     from trainer_service.evaluation import EvalError
     from trainer_service.server import create_app
 
@@ -321,6 +323,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             app = create_app(settings, grpo)
         except (BaseModelError, CheckpointMismatchError, EvalError) as exc:
             parser.exit(2, f"art-trainer: error: {exc}\n")
+        service = app.state.service
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C until uvicorn's handlers
+        try:  # vLLM and the trainer, before the port opens; in the app's lifespan uvicorn showed a traceback
+            service.start()
+        except BaseException as exc:
+            service.engine.stop()  # also after Ctrl-C while vLLM starts, which `start` leaves to its caller
+            if isinstance(exc, (BaseModelError, CheckpointMismatchError, EngineError, EvalError, OSError)):
+                parser.exit(2, f"art-trainer: error: {exc}\n")
+            raise  # a bug keeps its traceback
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
 
 

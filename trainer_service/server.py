@@ -194,7 +194,8 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal engine_client
-        await asyncio.to_thread(svc.start)
+        if svc.trainer is None:  # not started yet: `art-trainer serve` starts it before serving, to report its errors
+            await asyncio.to_thread(svc.start)
         # Every pooled connection stays open (keep-alive = max): under 2,000 queued requests, re-opening
         # connections to a saturated vLLM timed out on connect (101 of 2,000 got 503 with the defaults).
         # A failed connect is retried (nothing was sent yet).

@@ -8,8 +8,10 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +20,10 @@ from pydantic import ValidationError
 
 from collector.config import settings_error
 from tests.trainer_service.builders import save_tiny_model
+from trainer_service.checkpoints import CheckpointMismatchError
 from trainer_service.cli import build_parser, main, settings_from_args, vllm_serve_flags
 from trainer_service.config import TrainerSettings, vllm_lora_ranks
+from trainer_service.engine_errors import EngineError
 
 
 def parse(*argv: str) -> tuple[TrainerSettings, object]:
@@ -538,6 +542,102 @@ def test_a_template_model_or_target_module_that_does_not_fit_exits_before_vllm(
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err
     assert err.startswith("art-trainer: error: ") and says in err
+
+
+def _serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, events: list[str], *,
+           start_error: BaseException | None = None, load_error: BaseException | None = None,
+           on_start: Callable[[], None] = lambda: None) -> None:
+    """`main` on the tiny model with vLLM's start and stop stood in for (recorded in `events`); once vLLM "started",
+    `on_start` runs and `start_error` is raised; `load_error` is raised by the trainer's load."""
+    from trainer_service.engine import VLLMEngine
+    from trainer_service.training import LoRATrainer
+
+    def start(engine: VLLMEngine) -> None:
+        events.append("started")
+        on_start()
+        if start_error is not None:
+            raise start_error
+
+    def load(*args: Any, **kwargs: Any) -> None:
+        assert load_error is not None
+        raise load_error
+
+    monkeypatch.setattr(VLLMEngine, "start", start)
+    monkeypatch.setattr(VLLMEngine, "stop", lambda engine, timeout=30.0: events.append("stopped"))
+    if load_error is not None:
+        monkeypatch.setattr(LoRATrainer, "load", load)
+    save_tiny_model(tmp_path / "model")
+    main(["serve", "--base-model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "run"), "--allocator",
+          "system", "--wandb", "off", "--no-warm-up", "--port", "1"])  # port 1: never bound here
+
+
+@pytest.mark.parametrize(("start_error", "load_error", "says"), [
+    (EngineError("vLLM exited with code 1 while starting. Last lines of vllm.log:\nValueError: no GPU"), None,
+     "vLLM exited with code 1 while starting. Last lines of vllm.log:\nValueError: no GPU\n"),
+    (EngineError("vLLM's port 8001 on 127.0.0.1 is in use by another process"), None,
+     "vLLM's port 8001 on 127.0.0.1 is in use by another process\n"),
+    (None, CheckpointMismatchError("step-3/optimizer.pt holds state for another adapter"),
+     "step-3/optimizer.pt holds state for another adapter\n"),
+])
+def test_a_start_error_once_vllm_starts_is_one_line_and_stops_vllm(
+        start_error: BaseException | None, load_error: BaseException | None, says: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was uvicorn's "Waiting for application startup", a traceback and "Application startup failed", status 3."""
+    events: list[str] = []
+    with pytest.raises(SystemExit) as info:
+        _serve(tmp_path, monkeypatch, events, start_error=start_error, load_error=load_error)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err and "startup" not in err
+    assert err.endswith(f"art-trainer: error: {says}")
+    assert events[0] == "started" and events[-1] == "stopped"
+
+
+@pytest.mark.parametrize(("start_error", "load_error"), [
+    (None, ZeroDivisionError("a bug")),  # a bug keeps its traceback
+    (KeyboardInterrupt(), None),  # Ctrl-C while vLLM starts
+])
+def test_an_unexpected_start_error_or_ctrl_c_is_raised_and_stops_vllm(
+        start_error: BaseException | None, load_error: BaseException | None, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[str] = []
+    with pytest.raises(type(start_error or load_error)):  # type: ignore[arg-type]
+        _serve(tmp_path, monkeypatch, events, start_error=start_error, load_error=load_error)
+    assert events[0] == "started" and events[-1] == "stopped"
+
+
+def test_sigterm_while_starting_stops_vllm_as_ctrl_c_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvicorn's handlers, which stop vLLM on SIGTERM, come only once serving; before, SIGTERM ended the process."""
+    import uvicorn
+
+    events: list[str] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: events.append("serving"))
+    before = signal.signal(signal.SIGTERM, lambda *args: events.append("ended"))  # SIG_DFL would end pytest
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _serve(tmp_path, monkeypatch, events, start_error=None, load_error=None,
+                   on_start=lambda: os.kill(os.getpid(), signal.SIGTERM))
+        assert signal.getsignal(signal.SIGTERM) is not signal.default_int_handler  # the caller's again
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert events == ["started", "stopped"]
+
+def test_the_service_starts_once_before_the_port_opens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` starts vLLM and the trainer before serving, so a start error is its own one line; the app's lifespan
+    then serves that service without starting it again."""
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    events: list[str] = []
+
+    def run(app: FastAPI, **kwargs: Any) -> None:
+        events.append("serving")
+        with TestClient(app) as client:
+            assert client.get("/v1/models").status_code == 200
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    _serve(tmp_path, monkeypatch, events)
+    assert events == ["started", "serving", "stopped"]
 
 
 def test_train_processes_from_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
