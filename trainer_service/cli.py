@@ -327,11 +327,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C until uvicorn's handlers
         try:  # vLLM and the trainer, before the port opens; in the app's lifespan uvicorn showed a traceback
             service.start()
-        except BaseException as exc:
-            service.engine.stop()  # also after Ctrl-C while vLLM starts, which `start` leaves to its caller
-            if isinstance(exc, (BaseModelError, CheckpointMismatchError, EngineError, EvalError, OSError)):
-                parser.exit(2, f"art-trainer: error: {exc}\n")
-            raise  # a bug keeps its traceback
+        except (BaseModelError, CheckpointMismatchError, EngineError, EvalError, OSError) as exc:  # vLLM stopped
+            parser.exit(2, f"art-trainer: error: {exc}\n")  # anything else (a bug) keeps its traceback
         finally:
             signal.signal(signal.SIGTERM, previous)
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)

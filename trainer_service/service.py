@@ -122,11 +122,11 @@ class TrainerService:
         since) no longer keeps (`Retention.prune`); every other one is re-registered as `name@N`; the trainer resumes
         the newest (step counter, adapter, optimizer). With `settings.warm_up`, the trainer first runs
         `LoRATrainer.warm_up`, lent the idle engine's cores.
-        When anything after vLLM's start fails, vLLM is stopped before the error is raised: no engine is left
-        running (with its memory and port) behind a service that did not start.
+        When anything fails, vLLM's start included (Ctrl-C while it loads), vLLM is stopped before the error is
+        raised: no engine is left running (with its memory and port) behind a service that did not start.
         """
-        self.engine.start()
         try:
+            self.engine.start()
             self.trainer = self._trainer_factory()
             if self.settings.warm_up and self.launcher is None:  # worker processes hold their own memory
                 with self.lender.lending():
