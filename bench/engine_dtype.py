@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.grpo_batch import COMPLETION_TOKENS, PROMPTS, SAMPLES, sample_batch, to_groups
-from bench.options import positive_int
+from bench.options import port, positive_int
 from collector.protocol import Group
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
 from trainer_service.config import TrainerSettings
@@ -96,7 +96,7 @@ def run_engine(name: str, trainer: LoRATrainer, states: list[tuple[Path, dict[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=positive_int, default=3, help="GRPO steps; every engine samples before each")
-    parser.add_argument("--vllm-port", type=int, default=28151, help="port of the vLLM engine under test")
+    parser.add_argument("--vllm-port", type=port, default=28151, help="port of the vLLM engine under test")
     args = parser.parse_args()
     settings = TrainerSettings()
     default = next(name for name, pair in ENGINES.items()

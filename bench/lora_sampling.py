@@ -34,7 +34,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from bench.grpo_batch import COMPLETION_TOKENS, PROMPTS, SAMPLES, sample_batch
-from bench.options import positive_int
+from bench.options import port, positive_int
 from trainer_service.base_model import BUNDLED_MODEL, resolve_base_model
 from trainer_service.engine import VLLMEngine
 from trainer_service.grpo_config import DEFAULT_TARGET_MODULES
@@ -106,7 +106,7 @@ def run_variant(variant: str, model_path: str, adapter: Path, port: int, workdir
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-port", type=int, default=28121, help="port of the vLLM engine under test")
+    parser.add_argument("--vllm-port", type=port, default=28121, help="port of the vLLM engine under test")
     parser.add_argument("--rounds", type=positive_int, default=2, help="times each variant runs, alternating")
     args = parser.parse_args()
     model_path = resolve_base_model(BUNDLED_MODEL)

@@ -26,6 +26,15 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def port(text: str) -> int:
+    """An argparse type: a TCP port from 1 to 65535 (`--vllm-port`), refused at parse time rather than once the
+    engine starts."""
+    value = int(text)  # a ValueError here: argparse prints "invalid port value"
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 1 to 65535, got {value}")
+    return value
+
+
 def http_url(text: str) -> str:
     """An argparse type: a running service's address (`--trainer`, `--collector`), an http(s) URL with a host."""
     try:

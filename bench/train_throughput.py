@@ -60,7 +60,7 @@ from pydantic import ValidationError
 from transformers import TrainerCallback
 
 from bench.grpo_batch import COMPLETION_TOKENS, PROMPTS, SAMPLES, problems, question, sample_batch, score, to_groups
-from bench.options import non_negative_int, positive_int
+from bench.options import non_negative_int, port, positive_int
 from collector.config import settings_error
 from collector.protocol import Group
 from trainer_service.allocator import allocator_library, loaded_allocator, with_preload
@@ -232,7 +232,7 @@ class StepClock(TrainerCallback):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-port", type=int, default=28101, help="port of the vLLM engine art samples from")
+    parser.add_argument("--vllm-port", type=port, default=28101, help="port of the vLLM engine art samples from")
     parser.add_argument("--skip-trl", action="store_true", help="only time art-trainer")
     parser.add_argument("--overlapped-steps", type=non_negative_int, default=3,
                         help="steps timed with the next batch's sampling overlapping training (0: skip)")

@@ -100,3 +100,15 @@ def test_a_postgres_url_the_collector_cannot_open_is_refused_before_the_sqlite_r
 ) -> None:
     line = _refusal(script, ["--postgres", "postgres-at-localhost"], monkeypatch, capsys, work)
     assert line.startswith(f"{script}.py: error: argument --postgres: db='postgres-at-localhost': not a database URL")
+
+
+@pytest.mark.parametrize(("script", "work"), [
+    ("engine_dtype", "resolve_base_model"), ("lora_sampling", "resolve_base_model"), ("train_throughput", "run_side"),
+])
+@pytest.mark.parametrize("value", ["0", "70000"])
+def test_a_vllm_port_out_of_range_is_refused_before_any_work(
+    script: str, work: str, value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was a plain int: 70000 failed once the engine started (an OverflowError from its port check)."""
+    line = _refusal(script, ["--vllm-port", value], monkeypatch, capsys, work)
+    assert line == f"{script}.py: error: argument --vllm-port: must be a port from 1 to 65535, got {value}"
