@@ -5,6 +5,7 @@ Pure functions; the store feeds them rows and acts on the answers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -71,8 +72,8 @@ def decide(members: list[Member], expected: int, *, reward_label: str, keep_zero
     """Readiness of an open group.
 
     Ready when every member is in the train split, complete and rewarded, there are at least
-    `expected` members, and the rewards are not all equal up to float rounding (`has_reward_spread`; unless
-    `keep_zero_spread`).
+    `expected` members, every reward is finite (else skipped), and the rewards are not all equal up to float
+    rounding (`has_reward_spread`; unless `keep_zero_spread`).
     """
     not_train = sorted({m.split for m in members if m.split != "train"})
     if not_train:
@@ -85,6 +86,9 @@ def decide(members: list[Member], expected: int, *, reward_label: str, keep_zero
     unrewarded = sum(m.reward is None for m in members)
     if unrewarded:
         return Decision("open", f"{unrewarded} trajectories without reward {reward_label}")
+    not_finite = sum(m.reward is not None and not math.isfinite(m.reward) for m in members)
+    if not_finite:  # a weighted sum of finite rewards can overflow; a new reward may repair it
+        return Decision("skipped", f"{not_finite} trajectories with reward {reward_label} not finite")
     if not keep_zero_spread and not has_reward_spread([m.reward for m in members if m.reward is not None]):
         return Decision("skipped", "no reward spread")
     return Decision("ready")

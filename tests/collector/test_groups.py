@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from collector.groups import Member, TrainingReward, capacity, decide, merge_rewards
 
 
@@ -43,3 +45,12 @@ def test_training_reward_one_name_or_weighted_sum() -> None:
     assert mix.of({"correct": 1.0, "short": 0.4, "other": 9.0}) == 1.2
     assert mix.of({"correct": 1.0}) is None  # waits for every name
     assert mix.label == "1*'correct' + 0.5*'short'"
+
+
+def test_a_training_reward_that_is_not_finite_skips_the_group() -> None:
+    kw = {"reward_label": "'reward'", "keep_zero_spread": True}
+    overflow = TrainingReward(weights={"a": 10.0, "b": -10.0}).of({"a": 1e308, "b": 1e308})  # inf - inf
+    assert overflow is not None and math.isnan(overflow)
+    for bad in (overflow, math.inf, -math.inf):
+        decision = decide([_m(bad), _m(0.0)], 2, **kw)
+        assert (decision.state, decision.reason) == ("skipped", "1 trajectories with reward 'reward' not finite")

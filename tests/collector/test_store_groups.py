@@ -44,6 +44,20 @@ def test_zero_spread_is_skipped_unless_kept(make_store) -> None:
     assert [g.id for g in keep.lease(BatchRequest()).groups] == ["g"]
 
 
+def test_a_weighted_training_reward_that_overflows_is_never_leased(make_store) -> None:
+    store = make_store(reward_weights={"a": 10.0, "b": -10.0})
+    store.add_spans(trajectory(10, "x", reward=None) + trajectory(20, "y", reward=None))
+    for rollout_id, value in (("x", 1e308), ("y", 0.0)):  # x: 10 * 1e308 - 10 * 1e308 is inf - inf, NaN
+        for name in ("a", "b"):
+            store.add_reward(RewardIn(rollout_id=rollout_id, name=name, value=value))
+    assert store.lease(BatchRequest()).groups == []
+    (group,) = store.groups()
+    assert (group.state, group.reason) == ("skipped", "1 trajectories with reward 10*'a' + -10*'b' not finite")
+    for name, value in (("a", 1.0), ("b", 0.0)):  # new rewards reopen the group
+        store.add_reward(RewardIn(rollout_id="x", name=name, value=value))
+    assert [[t.reward for t in g.trajectories] for g in store.lease(BatchRequest()).groups] == [[10.0, 0.0]]
+
+
 def test_group_waits_for_size_rewards_and_train_split(make_store) -> None:
     store = make_store()
     store.add_spans(trajectory(10, "a", reward=1.0, size=3) + trajectory(20, "b", reward=0.0, size=3))
