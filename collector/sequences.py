@@ -47,7 +47,7 @@ def _turn(span: SpanRecord) -> tuple[list[int], list[int], list[float | None]] |
     if raw is None:
         logprobs: list[float | None] = [None] * len(completion)
     elif isinstance(raw, list) and len(raw) == len(completion):
-        logprobs = [float(v) if isinstance(v, int | float) else None for v in raw]
+        logprobs = [float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None for v in raw]
     else:
         log.warning(
             "span %s: %s has %s entries for %d completion tokens; turn dropped",
@@ -69,9 +69,18 @@ class Sequences:
     drift: list[Drift] = field(default_factory=list)
 
 
-def _extends(messages: list[dict[str, Any]], previous: list[dict[str, Any]]) -> bool:
+def _extends(messages: list[dict[str, Any]], previous: foreign.Conversation) -> bool:
+    """Whether `messages` start with the previous turn's input and output and hold more than its input.
+
+    A turn sent right after the previous reply, with no new message (its input is that turn's input and output),
+    extends it too.
+    """
+    said = previous.input + previous.output
     return (
-        bool(previous) and len(messages) > len(previous) and foreign.same_messages(messages[: len(previous)], previous)
+        bool(said)
+        and len(messages) >= len(said)
+        and len(messages) > len(previous.input)
+        and foreign.same_messages(messages[: len(said)], said)
     )
 
 
@@ -89,7 +98,7 @@ def _drift(span: SpanRecord, turn: int, prompt: list[int], previous: list[int]) 
 def build_sequences(llm_spans: Iterable[SpanRecord]) -> Sequences:
     """Turn LLM spans into token sequences, noting turns without token ids and drifting turns."""
     out = Sequences()
-    previous_messages: list[dict[str, Any]] = []
+    previous = foreign.Conversation()
     for turn_index, span in enumerate(unique_sorted(llm_spans)):
         turn = _turn(span)
         if turn is None:
@@ -106,7 +115,7 @@ def build_sequences(llm_spans: Iterable[SpanRecord]) -> Sequences:
             last.assistant_mask += [0] * len(tail) + [1] * len(completion)
             last.policy_step = step
         else:
-            if last is not None and _extends(talk.input, previous_messages):
+            if last is not None and _extends(talk.input, previous):
                 out.drift.append(_drift(span, turn_index, prompt, last.token_ids))
             out.sequences.append(
                 Sequence(
@@ -116,7 +125,7 @@ def build_sequences(llm_spans: Iterable[SpanRecord]) -> Sequences:
                     policy_step=step,
                 )
             )
-        previous_messages = talk.input + talk.output
+        previous = talk
     if out.drift:
         log.info("retokenization drift in %d turns (first at span %s)", len(out.drift), out.drift[0].span_id)
     return out

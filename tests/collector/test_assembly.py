@@ -117,9 +117,38 @@ def test_replies_cut_by_length_are_listed_by_their_index_in_the_messages() -> No
     assert _assemble(spans[2:]).length_cut == [5]  # the first reply came without a span: its reason is unknown
 
 
+@pytest.mark.parametrize("more", [[{"role": "user", "content": "go on"}], []], ids=["new message", "no new message"])
+def test_a_re_rendered_prompt_after_a_reply_is_drift(more: list[dict[str, str]]) -> None:
+    """The second turn sends the first turn's messages and reply (and maybe more), but its prompt re-renders token 3."""
+    question, reply = [{"role": "user", "content": "count"}], [{"role": "assistant", "content": "1, 2"}]
+    spans = [
+        llm(1, start=10, prompt=[1, 2, 3], completion=[4, 5], messages=question, output=reply),
+        llm(2, start=20, prompt=[1, 2, 9, 4, 5, 6], completion=[7], messages=question + reply + more, output=reply),
+    ]
+    built = build_sequences(spans)
+    assert [s.token_ids for s in built.sequences] == [[1, 2, 3, 4, 5], [1, 2, 9, 4, 5, 6, 7]]
+    assert [(d.span_id, d.turn, d.position, d.expected, d.got) for d in built.drift] == [
+        (spans[1].span_id, 1, 2, [3, 4, 5], [9, 4, 5, 6])
+    ]
+
+
+def test_a_retry_of_the_same_messages_is_no_drift() -> None:
+    question, reply = [{"role": "user", "content": "count"}], [{"role": "assistant", "content": "1, 2"}]
+    spans = [llm(n, start=10 * n, prompt=[1, 2, 3], completion=[3 + n], messages=question, output=reply)
+             for n in (1, 2)]
+    built = build_sequences(spans)
+    assert len(built.sequences) == 2 and built.drift == []
+
+
 def test_logprob_count_mismatch_drops_the_turn() -> None:
     traj = _assemble([llm(1, start=1, prompt=[1], completion=[2, 3], logprobs=[-0.1])])
     assert not traj.token_exact and traj.sequences == []
+
+
+def test_a_logprob_that_is_no_number_is_unknown() -> None:
+    """A mixed-type OTLP array may carry a bool or text; neither is a log-probability (True is no 1.0)."""
+    sequences, exact = _sequences([llm(1, start=1, prompt=[1], completion=[2, 3, 4], logprobs=[True, "x", -0.5])])
+    assert exact and sequences[0].logprobs == [None, None, None, -0.5]
 
 
 @pytest.mark.parametrize("ids", [dict(prompt=[1, -7], completion=[2]), dict(prompt=[1], completion=[2, -1])])
