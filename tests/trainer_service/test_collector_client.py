@@ -98,7 +98,9 @@ def _failing_first(monkeypatch: pytest.MonkeyPatch, app: Any, call: str) -> Any:
 
 def _tries_logged(caplog: pytest.LogCaptureFixture, what: str) -> None:
     tries = [r.getMessage() for r in caplog.records if r.name == collector_client.__name__]
-    assert len(tries) == 2 and "RemoteProtocolError" in tries[0] and "try 1 of 4" in tries[0]
+    # the cut-off answer reads as an incomplete body or as a reset connection, as the close and the read meet
+    assert len(tries) == 2 and ("RemoteProtocolError" in tries[0] or "ReadError" in tries[0])
+    assert "try 1 of 4" in tries[0]
     assert f"{what} failed (HTTP 503; try 2 of 4)" in tries[1]
 
 
