@@ -20,6 +20,9 @@ from collector.protocol import Name
 
 __all__ = ["DEFAULT_RUBRIC", "JudgeSettings", "LangfuseSettings"]
 
+_SCORE_SOURCES = ("ANNOTATION", "API", "EVAL")
+"""The sources of a Langfuse score (its API's `ScoreSource`): a person in the UI, the API or SDK, an evaluator."""
+
 DEFAULT_RUBRIC = """\
 - A trajectory that reaches the user's goal scores higher than one that does not.
 - Among trajectories that reach the goal, shorter, clearer and more correct ones score higher.
@@ -165,6 +168,15 @@ class LangfuseSettings(BaseSettings):
     @classmethod
     def _check_host(cls, value: str | None) -> str | None:
         return value if value is None else check_http_url(value, "https://cloud.langfuse.com")
+
+    @field_validator("sources")
+    @classmethod
+    def _check_sources(cls, value: list[str]) -> list[str]:
+        """Langfuse's score sources, upper-cased as it names them; another name pulled nothing, silently."""
+        sources = [source.upper() for source in value]
+        if unknown := [name for name, source in zip(value, sources, strict=True) if source not in _SCORE_SOURCES]:
+            raise ValueError(f"unknown score source {', '.join(unknown)}: Langfuse's are {', '.join(_SCORE_SOURCES)}")
+        return sources
 
     @model_validator(mode="before")
     @classmethod

@@ -305,3 +305,18 @@ def test_a_lookback_past_any_date_is_refused_when_the_settings_are_read() -> Non
     assert LangfuseSettings(lookback_hours=24 * 365 * 100).lookback_hours == 876_000  # a century back still syncs
     with pytest.raises(ValidationError, match="lookback_hours"):
         LangfuseSettings(lookback_hours=1e8)  # 11,000 years: year -9382, every sync would fail with a 500
+
+
+def test_a_score_source_langfuse_does_not_have_is_refused_when_the_settings_are_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`HUMAN` (for `ANNOTATION`) pulled nothing, silently: the listing's `source` filter matched no score."""
+    from pydantic import ValidationError
+
+    from collector.scoring_config import LangfuseSettings
+
+    monkeypatch.setenv("ART_COLLECTOR_LANGFUSE_SOURCES", "annotation,eval")
+    assert LangfuseSettings().sources == ["ANNOTATION", "EVAL"]  # as Langfuse names them
+    monkeypatch.setenv("ART_COLLECTOR_LANGFUSE_SOURCES", "ANNOTATION,HUMAN")
+    with pytest.raises(ValidationError, match="unknown score source HUMAN: Langfuse's are ANNOTATION, API, EVAL"):
+        LangfuseSettings()
