@@ -49,10 +49,9 @@ def _store_refused(url: str, reason: str) -> str:
     """The `error:` line of a store `serve` cannot open: the URL (its password hidden), the reason and the fix."""
     from collector.config import hide_password
 
-    return (
-        f"db={hide_password(url)!r}: cannot open the store ({reason}); "
-        "start the database or correct --db (env ART_COLLECTOR_DB)"
-    )
+    full = any(sign in reason.lower() for sign in ("disk is full", "no space left"))  # SQLite's, PostgreSQL's words
+    fix = "free disk space" if full else "start the database or correct --db (env ART_COLLECTOR_DB)"
+    return f"db={hide_password(url)!r}: cannot open the store ({reason}); {fix}"
 
 
 def main(argv: Sequence[str] | None = None) -> None:

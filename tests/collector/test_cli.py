@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy.exc import OperationalError
 
 from collector import cli
 from collector.schema import SCHEMA_VERSION
+from collector.store import SqlStore
 from examples.stack import free_port
 from tests.collector.services import PostgresServer
 
@@ -167,6 +169,20 @@ def _serve_refused(capsys: pytest.CaptureFixture[str], db: str) -> str:
 
 
 FIX = "start the database or correct --db (env ART_COLLECTOR_DB)"
+
+
+def test_a_store_on_a_full_disk_exits_saying_to_free_space(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """It said to start the database or correct --db, neither of which helps."""
+
+    def full(self: SqlStore) -> None:
+        raise OperationalError("CREATE TABLE groups", {}, sqlite3.OperationalError("database or disk is full"))
+
+    monkeypatch.setattr(SqlStore, "setup", full)
+    db = f"sqlite:///{tmp_path / 'c.db'}"
+    line = _serve_refused(capsys, db)
+    assert line == f"art-collector: error: db={db!r}: cannot open the store (database or disk is full); free disk space"
 
 
 def test_a_database_that_refuses_the_connection_exits_naming_it_without_its_password(
