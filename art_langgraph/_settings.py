@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from collector.auth import configured_key
+
 __all__ = ["Settings", "get_settings", "update_settings"]
 
 DEFAULT_COLLECTOR_URL = "http://localhost:4318"
@@ -119,13 +121,10 @@ class Settings(BaseSettings):
 
     @field_validator("api_key")
     @classmethod
-    def _bare_key(cls, key: str | None) -> str | None:
-        """A key with surrounding whitespace made an illegal `Authorization` header (httpx refused to send it, every
-        export failed); the services strip theirs, so the plugin sends the same stripped key."""
-        key = (key.strip() or None) if key else key
-        if key is not None and not key.isascii():  # httpx refuses such a header: every export would fail
-            raise ValueError("ART_API_KEY must be ASCII: HTTP clients send header values as ASCII")
-        return key
+    def _bare_key(cls, key: str | None) -> object:
+        """The key as both services read theirs (`configured_key`): one with surrounding whitespace made an illegal
+        `Authorization` header, and one that is not ASCII a header httpx refuses (every export failed)."""
+        return configured_key(key)
 
     @property
     def collector_base_url(self) -> str:
