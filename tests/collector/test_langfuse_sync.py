@@ -48,7 +48,10 @@ def test_pull_maps_annotation_scores_to_trajectories_by_trace(
     app.state.store.add_spans(group_spans("g", [str(n) for n in range(130)]))
     for n in range(130):  # more than one page of 100
         server.add_score(f"s{n}", "human", n / 200, trace_id=trace_id("g", n))
-    server.add_score("obs", "human", True, trace_id=trace_id("g", 0), observation_id="o1", data_type="BOOLEAN")
+    # a second later than g-0's first score: Langfuse keeps timestamps to the millisecond, so two scores made in the
+    # same millisecond tie, and the one edited last would win
+    server.add_score("obs", "human", True, trace_id=trace_id("g", 0), observation_id="o1", data_type="BOOLEAN",
+                     timestamp=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1))
     server.add_score("api", "human", 0.3, trace_id=trace_id("g", 1), source="API")  # not a human score
     server.add_score("other", "helpfulness", 0.3, trace_id=trace_id("g", 1))  # not a chosen name
     server.add_score("text", "human", "great", trace_id=trace_id("g", 2), data_type="TEXT")  # not read: no reward
