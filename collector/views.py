@@ -6,6 +6,8 @@ Built on `Store.trajectories` / `Store.groups` / `Store.batches` plus the judges
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import defaultdict
 from typing import Any
 
@@ -143,15 +145,19 @@ def batch_list(store: Store, *, limit: int = 100) -> list[BatchView]:
 
 
 def reward_curve(store: Store, *, name: str | None = None, split: str | None = None) -> list[CurvePoint]:
-    """Mean reward (the training reward, or reward `name`) of the trajectories each policy step sampled."""
+    """Mean reward (the training reward, or reward `name`) of the trajectories each policy step sampled.
+
+    A training reward that is not finite (a weighted sum that overflowed: its group is skipped) is left out; the mean
+    is exact, so finite rewards near the float limit do not overflow it.
+    """
     by_step: dict[int, list[float]] = defaultdict(list)
     for t in store.trajectories(split=split):
         value = t.reward if name is None else t.rewards.get(name)
         step = policy_step(t)
-        if value is not None and step is not None:
+        if value is not None and math.isfinite(value) and step is not None:
             by_step[step].append(value)
     return [
-        CurvePoint(policy_step=step, mean=sum(v) / len(v), count=len(v), min=min(v), max=max(v))
+        CurvePoint(policy_step=step, mean=statistics.mean(v), count=len(v), min=min(v), max=max(v))
         for step, v in sorted(by_step.items())
     ]
 

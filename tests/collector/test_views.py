@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from collector.protocol import RewardIn
 from collector.views import NO_MODEL_CALL
 from tests.collector import span_builders as sb
 from tests.collector.seeding import QUESTION, group_spans, make_app
@@ -142,3 +143,33 @@ def test_a_content_part_whose_text_is_not_a_string_is_shown_not_a_500(
         [row] = client.get("/v1/view/trajectories").json()["items"]
         assert row["last_message"] == '[assistant] 7\n{"n": 1}'
         assert client.get("/v1/view/trajectories/r1").json()["last_message"] == row["last_message"]
+
+
+def test_the_reward_curve_leaves_out_a_training_reward_that_is_not_finite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weighted training reward that overflowed to inf made its step's mean and max null (the page drew the step
+    at 0), and finite rewards near the float limit overflowed the mean the same way."""
+    app = make_app(tmp_path, monkeypatch, reward_weights={"a": 1.0, "b": 1.0})
+    store = app.state.store
+    store.add_spans(group_spans("g", ["7", "8", "9"], steps=[1, 1, 1]))
+    for i, (a, b) in enumerate([(1e308, 1e308), (0.25, 0.5), (1e308, -1e308)]):
+        store.add_reward(RewardIn(rollout_id=f"g-{i}", name="a", value=a))
+        store.add_reward(RewardIn(rollout_id=f"g-{i}", name="b", value=b))
+    with TestClient(app) as client:
+        assert client.get("/v1/view/reward-curve").json() == [
+            {"policy_step": 1, "mean": 0.375, "count": 2, "min": 0.0, "max": 0.75}
+        ]
+        [named] = client.get("/v1/view/reward-curve", params={"name": "a"}).json()
+        assert named["mean"] == pytest.approx(1e308 / 3 * 2) and named["count"] == 3
+
+
+def test_the_page_and_its_reads_need_no_api_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `ART_API_KEY` set, writes need it (`test_server.py`); the page only reads, and reads are open."""
+    app = make_app(tmp_path, monkeypatch, api_key="sekret")
+    app.state.store.add_spans(group_spans("a", ["7", "8"], rewards=[1.0, 0.0]))
+    with TestClient(app) as client:
+        for path in ["/ui/", "/ui/app.js", "/ui/style.css", "/v1/view/trajectories", "/v1/view/trajectories/a-0",
+                     "/v1/view/groups", "/v1/view/batches", "/v1/view/reward-curve"]:
+            assert client.get(path).status_code == 200, path
+        assert_error(client.post("/v1/batches", json={}), 401, "unauthorized")
