@@ -51,8 +51,25 @@ function groupLink(t) {
   return `<a href="#/?group=${encodeURIComponent(t.group_id)}">${esc(t.group_id)}</a>`;
 }
 
+const PAGE_SIZE = 100; // trajectories per page of the list
+
+// Where this page of the list lies, with links to the pages before and after it (the list's own filters kept).
+function pageLinks(query, shown, total) {
+  if (!total) return "";
+  const offset = Number(query.get("offset")), limit = Number(query.get("limit"));
+  const at = (start) => {
+    const moved = new URLSearchParams(query);
+    moved.set("offset", start);
+    return `#/?${moved}`;
+  };
+  const newer = offset > 0 ? ` <a id="newer" href="${esc(at(Math.max(0, offset - limit)))}">← newer</a>` : "";
+  const older = offset + shown < total ? ` <a id="older" href="${esc(at(offset + limit))}">older →</a>` : "";
+  const range = shown ? `${offset + 1}–${offset + shown} of ${total}` : `none past ${offset} of ${total}`;
+  return `<p id="pages">${range}${newer}${older}</p>`;
+}
+
 async function trajectoriesView(params) {
-  const query = new URLSearchParams();
+  const query = new URLSearchParams({ limit: PAGE_SIZE, offset: 0 });
   for (const [key, value] of params) if (value !== "") query.set(key, value);
   const [page, curve] = await Promise.all([api(`/v1/view/trajectories?${query}`), api("/v1/view/reward-curve")]);
   const field = (name, label) => `<label>${label} <input name="${name}" value="${esc(params.get(name) || "")}"></label>`;
@@ -74,14 +91,21 @@ async function trajectoriesView(params) {
       ${field("policy_step", "policy step")}${field("reward_min", "reward ≥")}${field("reward_max", "reward ≤")}
       <button>Filter</button></form>
     <table id="trajectories"><thead><tr><th>id</th><th>task</th><th>group</th><th>step</th><th>reward</th><th>rewards</th>
-      <th>msgs</th><th>tokens</th><th>complete</th><th>last message</th></tr></thead><tbody>${rows}</tbody></table>`;
+      <th>msgs</th><th>tokens</th><th>complete</th><th>last message</th></tr></thead><tbody>${rows}</tbody></table>
+    ${pageLinks(query, page.items.length, page.total)}`;
+}
+
+// One part of a content list as text: its `text` when a string, else the part (or its `text`) as JSON.
+function partText(part) {
+  if (typeof part === "string") return part;
+  return typeof part?.text === "string" ? part.text : JSON.stringify(part?.text ?? part);
 }
 
 function messageHtml(message) {
   const role = message.role || "?";
   let content = message.content;
   if (Array.isArray(content)) {
-    content = content.map((part) => (typeof part === "string" ? part : part?.text ?? JSON.stringify(part))).join("\n");
+    content = content.map(partText).join("\n");
   } else if (content !== null && typeof content === "object") content = JSON.stringify(content, null, 2);
   const calls = (message.tool_calls || [])
     .map((call) => {

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import html
+import json
 import re
 import subprocess
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import pytest
 from fastapi import Request, Response
 from fastapi.responses import HTMLResponse
 
+from art_langgraph import semconv as sc
+from collector.otlp import SpanEvent
 from tests.collector import span_builders as sb
 from tests.collector.seeding import group_spans, make_app
 from tests.served import served as served_app
@@ -80,9 +84,11 @@ def test_batches_page_shows_a_released_batch_and_its_reason(served: str, tmp_pat
 
 def test_trajectory_page_shows_messages_whose_content_list_holds_odd_parts(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    # OpenAI-format messages are kept as recorded: a content list may hold a null or a plain string
+    # OpenAI-format messages are kept as recorded: a content list may hold a null, a plain string, or a part whose
+    # text is no string (an object in one was shown as "[object Object]")
     app = make_app(tmp_path, monkeypatch)
-    asked = [{"role": "user", "content": [None, "Plain part.", {"type": "text", "text": "What is 3 + 4?"}]}]
+    asked = [{"role": "user", "content": [None, "Plain part.", {"type": "text", "text": "What is 3 + 4?"},
+                                          {"type": "text", "text": 7}, {"type": "text", "text": {"n": 1}}]}]
     app.state.store.add_spans([
         sb.llm(1, rollout="odd", start=10, prompt=[1, 2], completion=[3], messages=asked,
                output=[{"role": "assistant", "content": "7"}]),
@@ -91,7 +97,7 @@ def test_trajectory_page_shows_messages_whose_content_list_holds_odd_parts(tmp_p
     with served_app(app) as url:
         page = html.unescape(chromium(f"{url}/ui/#/t/odd", tmp_path / "profile", "--dump-dom"))
     assert 'class="error"' not in page
-    assert "null\nPlain part.\nWhat is 3 + 4?" in page
+    assert 'null\nPlain part.\nWhat is 3 + 4?\n7\n{"n":1}' in page
 
 
 NAVIGATE_WHILE_LOADING = """<!doctype html><body><pre id="shown"></pre><iframe id="page" src="/ui/#/"></iframe><script>
@@ -127,3 +133,99 @@ def test_a_view_still_loading_does_not_replace_the_one_navigated_to(tmp_path: Pa
     shown = html.unescape(match.group(1))
     assert shown.startswith("#/groups ")
     assert 'id="groups"' in shown and 'id="trajectories"' not in shown
+
+
+MEASURE_WIDTH = """<!doctype html><body><pre id="shown"></pre>
+<iframe id="page" style="width: 900px; height: 600px; border: 0"></iframe><script>
+const page = document.getElementById("page");
+page.src = "/ui/" + location.hash;
+setInterval(() => {
+  const doc = page.contentDocument, app = doc && doc.getElementById("app");
+  if (app && app.querySelector("table")) {
+    const root = doc.documentElement;
+    document.getElementById("shown").textContent = root.scrollWidth + " " + root.clientWidth;
+  }
+}, 20);
+</script></body>"""
+"""Shows `/ui/` + its own hash in a 900-pixel frame, and the frame's document width against the frame's."""
+
+
+@pytest.mark.parametrize("view", ["#/", "#/t/long-0"])
+def test_long_unbroken_text_wraps_instead_of_widening_the_page(view: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply, tool schema or task with no space in it (a URL, base64) made the page wider than the window."""
+    app = make_app(tmp_path, monkeypatch)
+    spans = group_spans("long", ["W" * 3000, "7"], rewards=[1.0, 0.0], task="T" * 200)
+    spans[0].attributes[sc.GEN_AI_TOOL_DEFINITIONS] = json.dumps([{"name": "add", "description": "D" * 3000}])
+    app.state.store.add_spans(spans)
+
+    @app.get("/measure.html")
+    def measure() -> HTMLResponse:
+        return HTMLResponse(MEASURE_WIDTH)
+
+    with served_app(app) as url:
+        dom = chromium(f"{url}/measure.html{view}", tmp_path / "profile", "--dump-dom")
+    match = re.search(r'<pre id="shown">(\d+) (\d+)</pre>', dom)
+    assert match is not None, dom
+    document_width, frame_width = int(match.group(1)), int(match.group(2))
+    assert document_width <= frame_width
+
+
+def test_the_list_links_to_the_older_trajectories_past_its_first_page(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The list showed the newest 100 trajectories and their total, with no way to reach the others."""
+    app = make_app(tmp_path, monkeypatch)
+    app.state.store.add_spans(group_spans("sums", ["7", "8", "9"], rewards=[1.0, 0.0, 0.5]))
+
+    def shown(url: str) -> tuple[list[str], dict[str, str]]:
+        dom = html.unescape(chromium(url, tmp_path / "profile", "--dump-dom"))
+        return re.findall(r'data-id="([^"]+)"', dom), dict(re.findall(r'<a id="(newer|older)" href="([^"]+)"', dom))
+
+    with served_app(app) as url:
+        first, links = shown(f"{url}/ui/#/?limit=2&task=add")
+        assert first == ["sums-2", "sums-1"] and set(links) == {"older"}
+        rest, links = shown(f"{url}/ui/{links['older']}")
+        assert rest == ["sums-0"] and set(links) == {"newer"}
+        again, _ = shown(f"{url}/ui/{links['newer']}")
+    assert again == first
+
+
+MARKUP = '<b class="injected">"\'</script>'
+"""Recorded text that would add an element to the page, or leave an attribute, if it were not escaped."""
+
+
+def test_recorded_text_is_shown_as_text_on_every_view(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    app = make_app(tmp_path, monkeypatch)
+    group = f"g{MARKUP}"
+    spans = group_spans(group, ["7", "8"], rewards=[1.0, 0.0], task=f"t{MARKUP}")
+    for span in spans:
+        if span.events:  # the rollout span: one more reward, under a name with markup
+            span.events.append(SpanEvent(sc.REWARD_EVENT, 50, {sc.REWARD_NAME: f"r{MARKUP}", sc.REWARD_VALUE: 0.5}))
+            span.attributes[sc.METADATA] = json.dumps({"note": MARKUP})
+        else:
+            span.attributes[sc.GEN_AI_RESPONSE_MODEL] = f"m{MARKUP}"
+            span.attributes[sc.GEN_AI_OUTPUT_MESSAGES] = json.dumps([
+                {"role": f"assistant{MARKUP}", "content": MARKUP, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": f"add{MARKUP}", "arguments": MARKUP}}]},
+                {"role": "tool", "tool_call_id": f"c1{MARKUP}", "content": MARKUP},
+            ])
+    app.state.store.add_spans([*spans, *group_spans("plain", ["7", "8"], rewards=[1.0, 0.0], first_span=100)])
+    app.state.scoring.scoring.save_judgements(
+        f"ruler{MARKUP}", group, [{"trajectory_id": f"{group}-0", "score": 0.9, "explanation": MARKUP, "block": 1,
+                                   "duplicate_of": f"{group}-1", "created_at": 0.0}]
+    )
+    with served_app(app) as url:
+        batch = httpx.post(f"{url}/v1/batches", json={"trainer": f"tr{MARKUP}", "max_groups": 2}).json()
+        httpx.post(f"{url}/v1/batches/{batch['id']}/release", json={"reason": MARKUP}).raise_for_status()
+        views = ["#/", f"#/t/{quote(f'{group}-0', safe='')}", "#/groups", "#/batches"]
+        doms = {view: chromium(f"{url}/ui/{view}", tmp_path / "profile", "--dump-dom") for view in views}
+        group_link = re.search(r'<a href="(#/\?group=g[^"]+)"', doms["#/"])
+        assert group_link is not None
+        members = chromium(f"{url}/ui/{html.unescape(group_link.group(1))}", tmp_path / "profile", "--dump-dom")
+    for view, dom in doms.items():
+        assert '<b class="injected">' not in dom and MARKUP in html.unescape(dom), view
+    detail = html.unescape(doms[views[1]])
+    assert all(f"{name}{MARKUP}" in detail for name in ("t", "m", "r", "add", "c1", "ruler"))
+    assert f"tr{MARKUP}" in html.unescape(doms["#/batches"])
+    listed = sorted(html.unescape(tid) for tid in re.findall(r'data-id="([^"]+)"', members))
+    assert listed == [f"{group}-0", f"{group}-1"]  # the group's link, built from an id with markup, filters by it
