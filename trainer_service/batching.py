@@ -102,6 +102,12 @@ def _malformed(seq: Sequence, vocab_size: int | None) -> str | None:
     return None
 
 
+def _engine_logprob(value: float | None) -> float:
+    """`value` where it is a log-prob the ratio can use, else NaN (unknown: the token trains on-policy): None, NaN,
+    a value at or below vLLM's placeholder for `-inf`, and one above 0, which no probability has."""
+    return value if value is not None and VLLM_LOGPROB_FLOOR < value <= 0.0 else float("nan")
+
+
 def _sequences(trajectory: Trajectory, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase | None,
                counters: _Counters, vocab_size: int | None) -> list[_Seq]:
     """Tensors `(ids, old_logprobs, mask)` of each trainable sequence of `trajectory`.
@@ -142,11 +148,7 @@ def _sequences(trajectory: Trajectory, config: GRPOConfig, tokenizer: PreTrained
             counters.truncated += 1
             n = config.max_seq_len
         mask = torch.tensor(assistant_mask[1:n], dtype=torch.float32)
-        # Without a finite engine logprob (or with vLLM's placeholder for -inf) the ratio is unknown (NaN);
-        # those tokens train on-policy.
-        old_values = [lp if lp is not None and math.isfinite(lp) and lp > VLLM_LOGPROB_FLOOR else float("nan")
-                      for lp in logprobs[1:n]]
-        old = torch.tensor(old_values, dtype=torch.float32)
+        old = torch.tensor([_engine_logprob(lp) for lp in logprobs[1:n]], dtype=torch.float32)
         if int(mask.sum()) > 0:
             out.append((torch.tensor(token_ids[:n], dtype=torch.long), old, mask))
     if too_long:

@@ -2,7 +2,9 @@
 
 Trajectories whose spans came without engine token ids (`token_exact=False`: another
 instrumentation, a foreign span) still carry their messages. They are rendered with the chat
-template as vLLM renders them (a tool call's `arguments` JSON string parsed into an object first);
+template as vLLM renders them (a tool call's `arguments` JSON string parsed into an object first, empty
+`arguments` rendered as `{}`; content given as text parts handed to a template that renders parts, their texts
+joined by newlines for one that does not; a part that is not text, such as an image, is refused);
 a token is an assistant token when the text it comes from was added by an assistant message. The
 spans are found by rendering growing prefixes of the conversation, so any template that renders a
 conversation as the concatenation of its turns works, tool calls included. A template that leaves an
@@ -57,12 +59,21 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], 
     return text
 
 
-def _as_served(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`messages` as vLLM hands them to the chat template: a tool call's `arguments` that is a JSON string of an
-    object becomes that object, which templates render with `tojson` (`{"a": 2}` where the string may have been
-    `{"a":2}`). Other arguments stay as they are."""
+def _as_served(messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase,
+               tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """`messages` as vLLM hands them to the chat template: content given as parts as `_served_content` says, and a
+    tool call's `arguments` that is a JSON string of an object becomes that object, which templates render with
+    `tojson` (`{"a": 2}` where the string may have been `{"a":2}`), and empty or absent `arguments` (`""`, None)
+    become `{}`. Other arguments stay as they are.
+
+    Raises:
+        RetokenizeError: a content part is not text.
+    """
+    as_parts = any(isinstance(m.get("content"), list) for m in messages) and _renders_content_parts(tokenizer, tools)
     served = []
-    for message in messages:
+    for index, message in enumerate(messages):
+        if isinstance(message.get("content"), list):
+            message = {**message, "content": _served_content(message["content"], index, as_parts)}
         calls = message.get("tool_calls")
         if message.get("role") == "assistant" and isinstance(calls, list):
             message = {**message, "tool_calls": [_parsed_arguments(call) for call in calls]}
@@ -70,10 +81,58 @@ def _as_served(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return served
 
 
+_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+"""The content part types vLLM reads as text, and the key of each that holds the text."""
+
+
+def _renders_content_parts(tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None) -> bool:
+    """Whether the chat template renders content given as a text part as it renders the same text given as a string.
+
+    vLLM then hands it content parts as they are (its `openai` content format); otherwise (`string`) it joins their
+    texts with newlines first, as such a template would render the parts' Python text or fail on them.
+    """
+    as_text = [{"role": "user", "content": _PROBE}]
+    as_parts = [{"role": "user", "content": [{"type": "text", "text": _PROBE}]}]
+    try:
+        rendered = _render(tokenizer, as_parts, tools, generation_prompt=True)
+        return rendered == _render(tokenizer, as_text, tools, generation_prompt=True)
+    except RetokenizeError:  # it fails on parts (or on the probe: the conversation's own rendering then says why)
+        return False
+
+
+def _served_content(parts: list[Any], index: int, as_parts: bool) -> str | list[dict[str, str]]:
+    """Message `index`'s content `parts` as vLLM hands them to the template: text parts (`as_parts`), or their
+    texts joined by newlines.
+
+    Raises:
+        RetokenizeError: a part is not text (an image or other media, which re-tokenizing cannot reproduce).
+    """
+    texts = [_part_text(part, index) for part in parts]
+    return [{"type": "text", "text": text} for text in texts] if as_parts else "\n".join(texts)
+
+
+def _part_text(part: Any, index: int) -> str:
+    """The text of content part `part` of message `index` (a string, or a text-like part as vLLM reads one)."""
+    if isinstance(part, str):
+        return part
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    key = _TEXT_PART_KEYS.get(kind) if isinstance(part, dict) and isinstance(kind, str) else None
+    text = part.get(key) if key else None
+    if not isinstance(text, str):
+        raise RetokenizeError(f"message {index} has a content part of type {kind!r} without text; only text parts "
+                              "can be re-tokenized")
+    return text
+
+
 def _parsed_arguments(call: Any) -> Any:
-    """`call` with its `function.arguments` parsed when that is a JSON string of an object; else `call` itself."""
+    """`call` with its `function.arguments` parsed when that is a JSON string of an object, `{}` when it is empty
+    or absent; else `call` itself."""
     function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+    if not isinstance(function, dict):
+        return call
+    if not function.get("arguments"):  # vLLM renders a call without arguments as one with no parameters
+        return {**call, "function": {**function, "arguments": {}}}
+    if not isinstance(function["arguments"], str):
         return call
     try:
         arguments = json.loads(function["arguments"])
@@ -110,8 +169,8 @@ def render_with_assistant_mask(
 
     Args:
         tokenizer: a fast tokenizer with a chat template.
-        messages: OpenAI-format messages (assistant messages may carry `tool_calls`, whose `arguments` strings
-            are rendered as vLLM renders them: parsed into objects).
+        messages: OpenAI-format messages, rendered as vLLM renders them (`_as_served`): content may be a list of
+            text parts; assistant messages may carry `tool_calls`, whose `arguments` strings are parsed into objects.
         tools: OpenAI tool definitions passed to the template.
         length_cut: indices in `messages` of assistant messages the token limit cut (`Trajectory.length_cut`).
 
@@ -120,16 +179,17 @@ def render_with_assistant_mask(
         including the end-of-turn token, excluding it for a message in `length_cut`), 0 elsewhere.
 
     Raises:
-        RetokenizeError: no assistant message after the first message, no chat template, a template that fails on the
-            conversation, one that leaves an assistant message's tool calls out (no tool support), or
-            one whose rendering of a longer conversation does not extend the rendering of a shorter one.
+        RetokenizeError: no assistant message after the first message, no chat template, a content part that is not
+            text, a template that fails on the conversation, one that leaves an assistant message's tool calls out
+            (no tool support), or one whose rendering of a longer conversation does not extend the rendering of a
+            shorter one.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise RetokenizeError("the tokenizer has no chat template; set one (or serve a model that ships one)")
     if not any(m.get("role") == "assistant" for m in messages[1:]):
         raise RetokenizeError("the conversation has no assistant message after its first message: nothing the model "
                               "sampled to train on")
-    messages = _as_served(messages)
+    messages = _as_served(messages, tokenizer, tools)
     full = _render(tokenizer, messages, tools, generation_prompt=False)
     spans: list[tuple[int, int, bool]] = []
     for index, message in enumerate(messages):

@@ -182,6 +182,19 @@ def test_infinite_engine_logprobs_are_missing(placeholder: float) -> None:
     assert prepare_grpo([g], trainer.config, CPU).stats["data/missing_logprobs"] == 1
 
 
+def test_positive_engine_logprobs_are_missing() -> None:
+    """A log-prob above 0 is no probability: kept, its ratio exp(new - old) shrank the token's gradient to nothing,
+    unreported."""
+    trainer = make_trainer()
+    g = group(trainer, (1.0, 0.0))
+    seq = g.trajectories[0].sequences[0]
+    seq.logprobs = [*seq.logprobs[:-3], 0.0, 3.5, seq.logprobs[-1]]
+    batch = prepare_grpo([g], trainer.config, CPU)
+    old = batch.items[0].old_logprobs
+    assert math.isnan(float(old[-2])) and float(old[-3]) == 0.0  # certainty (log 1) is still a log-prob
+    assert batch.stats["data/missing_logprobs"] == 1
+
+
 def test_missing_logprobs_count_only_the_tokens_that_train() -> None:
     trainer = make_trainer()
     flat = group(trainer, (0.5, 0.5), "flat")  # no reward spread: left out
@@ -278,6 +291,48 @@ def test_retokenized_tool_calls_render_their_arguments_as_vllm_does(tokenizer: P
     assert compact[1]["tool_calls"][0]["function"]["arguments"] == '{"a":2,"b":3}'  # the caller's messages are kept
     odd, _ = render_with_assistant_mask(tokenizer, conversation("not json"), TOOLS)  # rendered as it is
     assert '"arguments": not json}' in tokenizer.decode(odd)
+
+
+@pytest.mark.parametrize("arguments", ["", None])
+def test_retokenized_tool_calls_without_arguments_render_an_empty_object_as_vllm_does(
+        tokenizer: PreTrainedTokenizerBase, arguments: str | None) -> None:
+    # vLLM renders a call with no arguments as `{}`; the text itself trained `"arguments": }` or `"arguments": null`
+    def conversation(value: str | dict | None) -> list[dict]:
+        return [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": value}}]}]
+
+    ids, mask = render_with_assistant_mask(tokenizer, conversation(arguments), TOOLS)
+    assert (ids, mask) == render_with_assistant_mask(tokenizer, conversation({}), TOOLS)
+    assert tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == (
+        '<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call><|im_end|>')
+
+
+def test_retokenized_content_parts_render_as_vllm_hands_them_to_the_template(
+        tokenizer: PreTrainedTokenizerBase) -> None:
+    # a template that does not loop over content parts gets their texts joined by newlines from vLLM; a Llama-3-like
+    # `| trim` rendered (and trained) the parts' Python text, SmolLM2's own template failed on them
+    trim = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    trim.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    own = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "2+3?"}, "Reply briefly."]},
+             {"role": "assistant", "content": [{"type": "text", "text": "5"}, {"type": "refusal", "refusal": "no"}]}]
+    joined = [{"role": "user", "content": "2+3?\nReply briefly."}, {"role": "assistant", "content": "5\nno"}]
+    for template in (trim, own):
+        ids, mask = render_with_assistant_mask(template, parts)
+        assert (ids, mask) == render_with_assistant_mask(template, joined)
+        assert template.decode([t for t, m in zip(ids, mask, strict=True) if m]) == "5\nno<|im_end|>"
+    # the bundled template renders parts itself (vLLM passes them on, each a text part): it joins them without newlines
+    ids, mask = render_with_assistant_mask(tokenizer, parts)
+    assert tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == "5no<|im_end|>"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]},
+             {"role": "assistant", "content": "a cat"}]
+    for template in (trim, tokenizer):  # the image was silently left out of the bundled template's rendering
+        with pytest.raises(RetokenizeError, match="message 0 has a content part of type 'image_url'"):
+            render_with_assistant_mask(template, image)
+    odd = [{"role": "user", "content": [{"type": ["text"], "text": "hi"}]}, {"role": "assistant", "content": "a"}]
+    with pytest.raises(RetokenizeError, match=r"content part of type \['text'\] without text"):  # foreign data
+        render_with_assistant_mask(tokenizer, odd)
 
 
 def test_retokenized_mask_ends_at_an_end_of_turn_token_that_is_not_eos(tokenizer: PreTrainedTokenizerBase) -> None:
