@@ -167,6 +167,13 @@ class CollectorSettings(BaseSettings):
         return configured_key(value)
 
     @model_validator(mode="after")
+    def _check_key_name(self) -> CollectorSettings:
+        if "ART_COLLECTOR_API_KEY" in os.environ:  # read as the key by field name: a second, undocumented name
+            raise ValueError("ART_COLLECTOR_API_KEY is not read: the API key is ART_API_KEY, the one the plugin sends "
+                             "to the trainer and the collector. Set ART_API_KEY and unset ART_COLLECTOR_API_KEY.")
+        return self
+
+    @model_validator(mode="after")
     def _check_reward(self) -> CollectorSettings:
         if self.reward_weights is None:
             return self

@@ -6,6 +6,11 @@ pyproject.toml, and the routes of the two FastAPI apps. The README is organised 
 must appear in its component's section. The trainer's section states that each `--flag` overrides
 `ART_TRAINER_<FLAG>`; a variable named that way counts as documented with its flag. The trainer package's
 docstring, its map of modules, names each module that exists and no other.
+
+The other way round, the README names nothing that is gone, and its values are the code's: each endpoint of its
+endpoint tables is served (with the query parameters it names, and naming every one the route takes), each default
+its tables give as a literal is the flag's or variable's default, each `make` target it names exists, and each step
+metric a checkpoint records and each span attribute of the plugin's contract is listed.
 """
 
 from __future__ import annotations
@@ -17,15 +22,16 @@ import os
 import re
 import tomllib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
-from pydantic import AliasChoices
+from pydantic import AliasChoices, ValidationError
 from pydantic_settings import BaseSettings
+from starlette.routing import Mount, Route
 
 from tests.collector.server_helpers import collector_app
 from trainer_service.grpo_config import GRPOConfig
@@ -49,8 +55,13 @@ DOC_ENV_NAME = re.compile(r"(?<!\w)ART_[A-Z0-9_]*[A-Z0-9](?![\w<*])")
 """A whole `ART_…` name in prose; `ART_TRAINER_<FLAG>` and `ART_*` are patterns, not names."""
 DOC_ROUTE = re.compile(r"`(GET|POST|PUT|PATCH|DELETE) (/[^`?\s]*)")
 """An endpoint as the README writes it, `` `GET /v1/groups?state=` ``: method and path, without the query."""
+DOC_ENDPOINT = re.compile(DOC_ROUTE.pattern + r"(\?[^`\s]*)?`")
+"""An endpoint as the README writes it, with its query: `` `GET /v1/view/batches?limit=` ``."""
 PATH_CONVERTER = re.compile(r"\{(\w+):\w+\}")
 """A path parameter with a converter, `{group_id:path}`; the docs write it `{group_id}`."""
+DOC_DEFAULT = re.compile(r"`([^`$]+)`(?=$|[\s;(])")
+"""A value a README table's `default` cell begins with, `` `4318` (OTLP/HTTP) ``; `` `$ART_HOME/…` `` names a
+variable, not a value."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,8 @@ class Option:
     """The attribute it sets (the settings field for the trainer's flags)."""
     prog: str
     """The (sub)command it belongs to, e.g. `art-trainer serve`."""
+    default: object
+    """The parser's default: None or `argparse.SUPPRESS` where the settings give it."""
 
 
 @cache
@@ -156,7 +169,7 @@ def options(parser: argparse.ArgumentParser) -> Iterator[Option]:
             for sub in action.choices.values():
                 yield from options(sub)
         elif not isinstance(action, argparse._HelpAction) and action.help is not argparse.SUPPRESS:
-            yield from (Option(flag, action.dest, parser.prog) for flag in action.option_strings)
+            yield from (Option(flag, action.dest, parser.prog, action.default) for flag in action.option_strings)
 
 
 def commands(parser: argparse.ArgumentParser) -> Iterator[str]:
@@ -178,6 +191,32 @@ def routes(app: FastAPI) -> set[str]:
         if isinstance(route, APIRoute):
             path = PATH_CONVERTER.sub(r"{\1}", route.path)
             found.update(f"{method} {path}" for method in route.methods)
+    return found
+
+
+def fastapi_pages(app: FastAPI) -> set[str]:
+    """`GET /path` of the pages FastAPI makes for the app: the OpenAPI schema, Swagger UI and ReDoc."""
+    return {f"GET {url}" for url in (app.openapi_url, app.docs_url, app.redoc_url) if url}
+
+
+def served(app: FastAPI) -> set[str]:
+    """`METHOD /path` of all the app answers: its routes, FastAPI's pages, `GET` of each static mount's folder."""
+    found = routes(app)
+    for route in app.routes:
+        if isinstance(route, Mount):
+            found.add(f"GET {route.path}/")
+        elif isinstance(route, Route) and not isinstance(route, APIRoute):
+            found.update(f"{method} {route.path}" for method in route.methods or ())
+    return found
+
+
+def query_parameters(app: FastAPI) -> dict[str, set[str]]:
+    """The query parameters of each `METHOD /path` of the app that takes some."""
+    found: dict[str, set[str]] = {}
+    for route in app.routes:
+        if isinstance(route, APIRoute) and (names := {param.alias for param in route.dependant.query_params}):
+            path = PATH_CONVERTER.sub(r"{\1}", route.path)
+            found.update({f"{method} {path}": names for method in route.methods})
     return found
 
 
@@ -207,19 +246,119 @@ def code_env_names() -> set[str]:
     return names
 
 
+def table_rows(text: str) -> Iterator[tuple[list[str], list[str]]]:
+    """Each body row of the Markdown tables in `text`, as (the table's header cells, the row's cells).
+
+    Cells are split at `|` but not at an escaped `\\|`; the `| --- |` line under a header is no row.
+    """
+    header: list[str] | None = None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        if header is None:
+            header = cells
+        elif not all(set(cell) <= set("-: ") for cell in cells):
+            yield header, cells
+
+
 def flag_table_flags(text: str) -> set[str]:
     """The flags in the first column of the tables headed `| flag | …`."""
-    found: set[str] = set()
-    in_table = False
-    for line in text.splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if not line.startswith("|"):
-            in_table = False
-        elif cells[0] == "flag":
-            in_table = True
-        elif in_table:
-            found.update(re.findall(r"(?<![\w-])--[a-z0-9][a-z0-9-]*", cells[0]))
+    return {flag for header, cells in table_rows(text) if header[0] == "flag"
+            for flag in re.findall(r"(?<![\w-])--[a-z0-9][a-z0-9-]*", cells[0])}
+
+
+def endpoint_rows(package: str) -> list[tuple[str, str]]:
+    """(first cell, whole row) of each row of the tables headed `| endpoint |` in a package's README section."""
+    return [(cells[0], " | ".join(cells)) for header, cells in table_rows(section(package)) if header[0] == "endpoint"]
+
+
+def top_level_items(cell: str) -> list[str]:
+    """`cell` split at its commas outside backticks and parentheses: `` `8`, `16`, all (q, v) `` is three items."""
+    items: list[str] = []
+    depth, quoted, start = 0, False, 0
+    for at, char in enumerate(cell):
+        if char == "`":
+            quoted = not quoted
+        elif not quoted and char in "()":
+            depth += 1 if char == "(" else -1
+        elif char == "," and not quoted and depth == 0:
+            items.append(cell[start:at].strip())
+            start = at + 1
+    return [*items, cell[start:].strip()]
+
+
+def documented_defaults(package: str) -> Iterator[tuple[str, str]]:
+    """(flag or variable, the value its table row gives as default) in a package's README section.
+
+    A row names its flags (else its variables) in the columns before `default`, asides in parentheses aside; with
+    several names the cell lists their defaults in order, comma-separated (`` `8001`, `float32`, … ``), and a row whose
+    count differs is not read. Only a default the cell begins with as one literal (`DOC_DEFAULT`) is a value.
+    """
+    for header, cells in table_rows(section(package)):
+        if "default" not in header:
+            continue
+        at = header.index("default")
+        named = re.sub(r"\([^)]*\)", "", " ".join(cells[:at]))
+        names = re.findall(r"`(--[a-z0-9-]+)[^`]*`", named) or re.findall(r"`([A-Z][A-Z0-9_]*)`", named)
+        items = [cells[at]] if len(names) == 1 else top_level_items(cells[at])
+        if len(items) == len(names):
+            yield from ((name, value[1]) for name, item in zip(names, items, strict=True)
+                        if (value := DOC_DEFAULT.match(item)))
+
+
+def field_default(cls: type, name: str) -> object:
+    """The default of a field of a pydantic-settings class or a dataclass, its factory called."""
+    if issubclass(cls, BaseSettings):
+        return cls.model_fields[name].get_default(call_default_factory=True)
+    field = next(field for field in fields(cls) if field.name == name)
+    return field.default_factory() if field.default is MISSING else field.default
+
+
+def variable_defaults() -> dict[str, object]:
+    """The default of each variable of every settings class and settings dataclass."""
+    found = {var.name: field_default(cls, var.field) for cls in settings_classes() for var in settings_env_vars(cls)}
+    for cls, prefix in DATACLASS_SETTINGS.items():
+        found.update({prefix + field.name.upper(): field_default(cls, field.name) for field in fields(cls)})
     return found
+
+
+def flag_defaults(package: str) -> dict[str, object]:
+    """The default of each flag of a package's console script: the parser's, else that of the settings field it sets."""
+    from collector.config import CollectorSettings
+    from trainer_service.config import TrainerSettings
+
+    settings: dict[str, tuple[type, ...]] = {"collector": (CollectorSettings,),
+                                             "trainer_service": (TrainerSettings, GRPOConfig)}
+    parsers = console_parsers()
+    found: dict[str, object] = {}
+    for opt in options(parsers[package]) if package in parsers else ():
+        if opt.default not in (None, argparse.SUPPRESS):
+            found[opt.flag] = opt.default
+        elif owner := next((cls for cls in settings[package] if opt.dest in field_names(cls)), None):
+            found[opt.flag] = field_default(owner, opt.dest)
+    return found
+
+
+def field_names(cls: type) -> set[str]:
+    """The field names of a pydantic-settings class or a dataclass."""
+    return set(cls.model_fields) if issubclass(cls, BaseSettings) else {field.name for field in fields(cls)}
+
+
+def same_default(documented: str, value: object) -> bool:
+    """Whether the README's `documented` default is `value`: `true`/`false` for a bool, any spelling of a number
+    (`1e-4`, `600` for 600.0), a list comma-separated."""
+    if isinstance(value, bool):
+        return documented == str(value).lower()
+    if isinstance(value, int | float):
+        try:
+            return float(documented) == value
+        except ValueError:
+            return False
+    if isinstance(value, list | tuple):
+        return documented == ",".join(map(str, value))
+    return documented == str(value)
 
 
 def section_report(title: str, names_by_package: dict[str, list[str]]) -> str:
@@ -283,7 +422,8 @@ def test_every_route_is_documented_in_its_section(tmp_path: Path, clean_env: Non
     missing: dict[str, list[str]] = {}
     for package, build in APPS.items():
         documented = {f"{method} {path}" for method, path in DOC_ROUTE.findall(section(package))}
-        undocumented = sorted(routes(build(tmp_path / package)) - documented)
+        app = build(tmp_path / package)
+        undocumented = sorted((routes(app) | fastapi_pages(app)) - documented)
         if undocumented:
             missing[package] = [f"`{route}`" for route in undocumented]
     assert not missing, section_report("Endpoints missing from the README (add each to its section's endpoint table, "
@@ -317,3 +457,106 @@ def test_the_trainer_package_docstring_names_every_module() -> None:
     assert not modules - named, f"trainer_service/__init__.py's module map leaves out {sorted(modules - named)}"
     gone = {name for name in named if name.islower() and name not in modules}  # class names are capitalised
     assert not gone, f"trainer_service/__init__.py names modules that do not exist: {sorted(gone)}"
+
+
+def test_every_checkpoint_metric_is_documented() -> None:
+    """`--keep-best-metric` takes any metric a checkpoint records, and the README says it refuses every name it does
+    not list: so each is listed (`advantage/mean|std|min|max` names four)."""
+    from trainer_service.metrics import CHECKPOINT_METRICS
+
+    text = re.sub(r"`(\w+/)(\w+(?:\|\w+)+)`", lambda m: " ".join(f"`{m[1]}{name}`" for name in m[2].split("|")),
+                  section("trainer_service"))
+    missing = sorted(name for name in CHECKPOINT_METRICS if "/" in name and not mentions(text, name))
+    assert not missing, section_report("Step metrics missing from the README (add each to the metrics paragraph):",
+                                       {"trainer_service": missing})
+
+
+def test_documented_routes_exist(tmp_path: Path, clean_env: None) -> None:
+    stale: dict[str, list[str]] = {}
+    for package, build in APPS.items():
+        named = {f"{method} {path}" for cell, _ in endpoint_rows(package)
+                 for method, path, _ in DOC_ENDPOINT.findall(cell)}
+        if gone := sorted(named - served(build(tmp_path / package))):
+            stale[package] = [f"`{route}`" for route in gone]
+    assert not stale, section_report("Endpoints in the README's endpoint tables that the app does not serve (renamed, "
+                                     "removed, or another method?):", stale)
+
+
+def test_every_query_parameter_is_documented_and_exists(tmp_path: Path, clean_env: None) -> None:
+    wrong: dict[str, list[str]] = {}
+    for package, build in APPS.items():
+        taken = query_parameters(build(tmp_path / package))
+        rows: dict[str, str] = {}
+        wrong_here: list[str] = []
+        for cell, row in endpoint_rows(package):
+            for method, path, query in DOC_ENDPOINT.findall(cell):
+                route = f"{method} {path}"
+                rows[route] = rows.get(route, "") + row
+                wrong_here += [f"`{route}` names `{name}=`, which it does not take"
+                               for name in re.findall(r"[?&](\w+)=", query) if name not in taken.get(route, set())]
+        wrong_here += [f"`{route}` takes `{name}=`, which no endpoint row of it names"
+                       for route, names in sorted(taken.items()) for name in sorted(names)
+                       if not re.search(rf"[?&]{name}=", rows.get(route, ""))]
+        if wrong_here:
+            wrong[package] = wrong_here
+    assert not wrong, section_report("Query parameters the README's endpoint rows get wrong:", wrong)
+
+
+def test_documented_defaults_match_the_code(clean_env: None) -> None:
+    variables = variable_defaults()
+    wrong: dict[str, list[str]] = {}
+    for package in SECTIONS:
+        code = {**variables, **flag_defaults(package)}
+        wrong_here = [f"{name}: README `{documented}`, code {code[name]!r}"
+                      for name, documented in documented_defaults(package)
+                      if code.get(name) is not None and not same_default(documented, code[name])]
+        if wrong_here:
+            wrong[package] = wrong_here
+    assert not wrong, section_report("Defaults in the README's tables that differ from the code's:", wrong)
+
+
+def test_documented_make_targets_exist() -> None:
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.MULTILINE))
+    named = set(re.findall(r"(?:`|\$ )make ([\w-]+)", README.read_text()))
+    assert not named - targets, f"README.md names make targets the Makefile lacks: {sorted(named - targets)}"
+
+
+def test_every_span_attribute_is_documented() -> None:
+    """The span contract (`art_langgraph/semconv.py`) is a wire format: each attribute and event name it declares is in
+    the plugin's section (`gen_ai.usage.*` names every `gen_ai.usage.…`)."""
+    import art_langgraph.semconv as semconv
+
+    text = section("art_langgraph")
+    prefixes = tuple(re.findall(r"`([\w.]+\.)\*`", text))
+    names = {value for name, value in vars(semconv).items()
+             if name.isupper() and isinstance(value, str) and "." in value}  # not the kinds' values, `llm`, `node`…
+    missing = sorted(name for name in names if not mentions(text, name) and not name.startswith(prefixes))
+    assert not missing, section_report("Span attributes and events missing from the README (add each to the span "
+                                       "contract):", {"art_langgraph": missing})
+
+
+def sets_field(monkeypatch: pytest.MonkeyPatch, cls: type[BaseSettings], field: str, name: str) -> bool:
+    """Whether the variable `name`, set, gives `cls`'s `field` a value (False when the class refuses it)."""
+    monkeypatch.setenv(name, "read-me")
+    try:
+        return getattr(cls(), field) is not None
+    except ValidationError:  # refused with the fix, as TrainerSettings refuses ART_TRAINER_API_KEY
+        return False
+    finally:
+        monkeypatch.delenv(name)
+
+
+def test_no_aliased_field_also_reads_its_prefixed_name(monkeypatch: pytest.MonkeyPatch, clean_env: None) -> None:
+    """With `populate_by_name`, pydantic-settings reads an aliased field from env prefix + field name as well as from
+    its alias; `settings_env_vars` lists the aliases only, so such a second name must be refused, not read."""
+    read: list[str] = []
+    for cls in settings_classes():
+        documented = {var.name for var in settings_env_vars(cls)}
+        prefix = cls.model_config.get("env_prefix", "")
+        for field, info in cls.model_fields.items():
+            name = (prefix + field).upper()
+            if cls.model_config.get("populate_by_name") and (info.validation_alias or info.alias) \
+                    and name not in documented and sets_field(monkeypatch, cls, field, name):
+                read.append(f"{name} (sets {cls.__module__}.{cls.__qualname__}.{field})")
+    assert not read, "Settings read variables besides their documented alias (refuse each, as TrainerSettings " \
+        "refuses ART_TRAINER_API_KEY):\n" + "\n".join(f"  {line}" for line in read)

@@ -40,6 +40,9 @@ def test_default_db_lives_in_art_home(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert settings.api_key is None
     monkeypatch.setenv("ART_API_KEY", "k")
     assert CollectorSettings().api_key.get_secret_value() == "k"
+    monkeypatch.setenv("ART_COLLECTOR_API_KEY", "collector-only")  # one shared key, as for the trainer
+    with pytest.raises(ValueError, match="ART_COLLECTOR_API_KEY is not read: the API key is ART_API_KEY"):
+        CollectorSettings()
 
 
 def test_bad_settings_exit_with_one_line_each(monkeypatch: pytest.MonkeyPatch,
