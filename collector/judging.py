@@ -6,7 +6,8 @@ and writes each score as a reward (`JudgeSettings.reward_name`, default `ruler`)
 configured policy (`retry`, `skip`, `zero`) and its state and error show on the group.
 
 A run claims its group in the `judge_runs` table before it calls the judge, so two collector
-replicas on one database (or two requests to one collector) never judge a group at once.
+replicas on one database (or two requests to one collector) never judge a group at once, and an
+automatic run leaves a group that another run took up since it was found due.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collector.ruler import (
     response_format,
 )
 from collector.scoring_config import JudgeSettings
-from collector.scoring_store import ScoringStore
+from collector.scoring_store import ScoringStore, SeenRun
 from collector.store_base import Store
 
 __all__ = ["GroupJudge", "claim_seconds", "run_view"]
@@ -104,8 +105,9 @@ class GroupJudge:
             )
         return run
 
-    def _try(self, group_id: str, rubric: str) -> JudgeRun | None:
-        """Judge the group if its claim is won; None, with no judge call, when another run holds it.
+    def _try(self, group_id: str, rubric: str, seen: SeenRun | None = None) -> JudgeRun | None:
+        """Judge the group if its claim is won; None, with no judge call, when another run holds it or, with `seen`
+        (the group's last run when it was found due), started since.
 
         Raises:
             NotFound: the group does not exist or has no trajectories.
@@ -120,8 +122,8 @@ class GroupJudge:
             "distinct_count": len(distinct), "started_at": started, "state": "running", "attempts": 0, "error": None,
             "finished_at": None, "next_try_at": None,
         }
-        if not self.scoring.claim_run(claim, stale_before=started - claim_seconds(self.settings)):
-            log.info("group %s is being judged by another run; left to it", group_id)
+        if not self.scoring.claim_run(claim, stale_before=started - claim_seconds(self.settings), seen=seen):
+            log.info("group %s is being judged, or was since it was found due, by another run; left to it", group_id)
             return None
         try:
             return self._judge(group_id, members, distinct, owner, rubric, started)
@@ -244,6 +246,10 @@ class GroupJudge:
         without an announced size takes members as they come), `failed` and due for another try (one the judge
         rejected, `judge_rejected`, has no `next_try_at`: it is due once the group grows), or `running` past
         `claim_seconds` (its judge died mid-run)."""
+        return list(self._due())
+
+    def _due(self) -> dict[str, SeenRun]:
+        """The groups of `due_groups`, each with its last run as seen here (for `ScoringStore.claim_run`)."""
         complete = {
             g.id: g.size for g in self.store.groups(states=_IN_POOL)
             if g.size == g.complete and g.size >= g.expected
@@ -261,16 +267,20 @@ class GroupJudge:
                 return run["started_at"] < now - claim_seconds(self.settings)
             return run["trajectories"] < complete[group_id]
 
-        return [group_id for group_id in complete if due(group_id)]
+        return {
+            group_id: SeenRun(runs[group_id]["started_at"] if group_id in runs else None)
+            for group_id in complete if due(group_id)
+        }
 
     def run_due(self) -> list[JudgeRun]:
-        """Judge every due group (see `due_groups`), one after the other; a group another run claimed first is
-        left to it. A run that fails unexpectedly (not a `JudgeError`: a store error, a bug) is logged with its
-        traceback, shows `failed` on its group (see `_try`) and is left out of the result; the others still run."""
+        """Judge every due group (see `due_groups`), one after the other; a group another run claimed first, or
+        took up since it was found due (another replica, a request), is left to it. A run that fails unexpectedly
+        (not a `JudgeError`: a store error, a bug) is logged with its traceback, shows `failed` on its group (see
+        `_try`) and is left out of the result; the others still run."""
         runs = []
-        for group_id in self.due_groups():
+        for group_id, seen in self._due().items():
             try:
-                run = self._try(group_id, self.settings.rubric)
+                run = self._try(group_id, self.settings.rubric, seen)
             except Exception:  # one group's failure must not starve the groups due after it, poll after poll
                 log.exception("judge run of group %s failed unexpectedly; judging the other due groups", group_id)
                 continue

@@ -210,6 +210,8 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def parse_scores(text: str, count: int) -> list[Score]:
     """Check the judge's answer: JSON with one finite score in [0, 1] for each block `"1"`..`"count"`.
 
+    Explanations lose their NUL characters, which JSON lets a judge write (`\\u0000`) and PostgreSQL text cannot hold.
+
     Raises:
         JudgeError: `judge_bad_json` or `judge_bad_scores`, naming what is wrong.
     """
@@ -239,7 +241,8 @@ def parse_scores(text: str, count: int) -> list[Score]:
             raise JudgeError(
                 f"score {repr(value)[:50]} of trajectory {block} is not a number in [0, 1]", code="judge_bad_scores"
             )
-        found.append(Score(int(block), float(value), str(entry.get("explanation") or "").strip()))
+        explanation = str(entry.get("explanation") or "").replace("\x00", "").strip()
+        found.append(Score(int(block), float(value), explanation))
     return found
 
 
@@ -261,8 +264,9 @@ class JudgeClient:
         """The judge's answer text.
 
         Raises:
-            JudgeError: `judge_unreachable`, `judge_rejected` (see `_REJECTED`), `judge_http_error`, or
-                `judge_truncated` (hit max_tokens).
+            JudgeError: `judge_unreachable`, `judge_rejected` (see `_REJECTED`), `judge_http_error`,
+                `judge_refused` (OpenAI's `message.refusal`), or `judge_truncated` (hit max_tokens). Every message
+                is one line: a body the judge sent is quoted with its line breaks escaped.
         """
         body = {
             "model": self.model,
@@ -278,7 +282,7 @@ class JudgeClient:
             raise JudgeError(f"judge {url} unreachable: {type(exc).__name__}: {exc}", code="judge_unreachable") from exc
         if response.status_code != 200:
             raise JudgeError(
-                f"judge {url} answered {response.status_code}: {response.text[:300]}",
+                f"judge {url} answered {response.status_code}: {response.text[:300]!r}",
                 code="judge_rejected" if response.status_code in _REJECTED else "judge_http_error",
             )
         try:
@@ -286,12 +290,15 @@ class JudgeClient:
             text = choice["message"]["content"] or ""
         except (ValueError, KeyError, IndexError, TypeError, RecursionError) as exc:
             raise JudgeError(
-                f"judge {url} sent no chat completion: {response.text[:300]}", code="judge_http_error"
+                f"judge {url} sent no chat completion: {response.text[:300]!r}", code="judge_http_error"
             ) from exc
         if not isinstance(text, str):
             raise JudgeError(
-                f"judge {url} sent a message content that is not text: {response.text[:300]}", code="judge_http_error"
+                f"judge {url} sent a message content that is not text: {response.text[:300]!r}",
+                code="judge_http_error",
             )
+        if refusal := choice["message"].get("refusal"):  # a dict: its `content` was read above
+            raise JudgeError(f"judge {url} refused to score: {str(refusal)[:300]!r}", code="judge_refused")
         if choice.get("finish_reason") == "length":
             raise JudgeError(
                 f"judge answer was cut at max_tokens={max_tokens} (it ended {text[-80:]!r}); "

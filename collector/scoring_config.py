@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from collector.auth import configured_key
 from collector.config import check_http_url
 from collector.protocol import Name
 
@@ -109,6 +110,17 @@ class JudgeSettings(BaseSettings):
     @classmethod
     def _check_url(cls, value: str) -> str:
         return check_http_url(value, "http://localhost:8000/v1")
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _bare_key(cls, value: object) -> object:
+        """The key as the services read `ART_API_KEY` (`configured_key`): with surrounding whitespace it made an
+        illegal `Authorization` header (every judge call failed), blank it was sent as `Bearer `, and one that is not
+        ASCII stopped the app with an error from inside httpx."""
+        try:
+            return configured_key(value)
+        except ValueError as exc:
+            raise ValueError(f"the judge's key (ART_COLLECTOR_JUDGE_API_KEY, else ART_API_KEY): {exc}") from exc
 
     @model_validator(mode="after")
     def _load_rubric(self) -> JudgeSettings:

@@ -9,7 +9,7 @@ run's outcome, and which Langfuse scores were already pulled or pushed.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Engine, delete, or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -17,7 +17,14 @@ from sqlalchemy.exc import IntegrityError
 from collector.engine import chunks
 from collector.schema import judge_runs, judgements, langfuse_pulled, langfuse_pushed
 
-__all__ = ["ScoringStore"]
+__all__ = ["ScoringStore", "SeenRun"]
+
+
+class SeenRun(NamedTuple):
+    """A group's last judge run as a judge saw it when it found the group due (see `ScoringStore.claim_run`)."""
+
+    started_at: float | None
+    """When that run started; None when the group had no run."""
 
 
 class ScoringStore:
@@ -44,19 +51,24 @@ class ScoringStore:
                     rows += conn.execute(select(judge_runs).where(judge_runs.c.group_id.in_(chunk))).mappings()
         return {row["group_id"]: dict(row) for row in rows}
 
-    def claim_run(self, run: dict[str, Any], *, stale_before: float) -> bool:
+    def claim_run(self, run: dict[str, Any], *, stale_before: float, seen: SeenRun | None = None) -> bool:
         """Start the judge run `run` (a `running` row) of `run["group_id"]`, unless another run holds the group.
 
         The row is taken when the group has none, when its last run finished, or when its `running` run
         started before `stale_before` (its judge died mid-run). The database decides between judges racing
         for the group, on one collector or on replicas sharing the database: exactly one gets True.
+        With `seen`, the group's last run when the caller found it due, it is refused too once another run
+        started since: a group another judge took up (and may have finished) meanwhile is not judged twice.
         """
         group = judge_runs.c.group_id == run["group_id"]
         takeover = update(judge_runs).where(
             group, or_(judge_runs.c.state != "running", judge_runs.c.started_at < stale_before)
         )
+        if seen is not None and seen.started_at is not None:
+            takeover = takeover.where(judge_runs.c.started_at == seen.started_at)
+        first_only = seen is not None and seen.started_at is None  # the caller saw no run: any row is another's
         with self.engine.begin() as conn:
-            if conn.execute(takeover.values(**run)).rowcount:
+            if not first_only and conn.execute(takeover.values(**run)).rowcount:
                 return True
             if conn.execute(select(judge_runs.c.group_id).where(group)).first() is not None:
                 return False

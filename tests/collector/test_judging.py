@@ -224,6 +224,29 @@ def test_judge_run_needs_the_api_key(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert client.get("/v1/view/groups").status_code == 200  # reads stay open
 
 
+@pytest.mark.parametrize(
+    ("env", "sent"),
+    [
+        ({"ART_API_KEY": " k3y\n"}, "Bearer k3y"),  # an illegal header value: every judge call failed
+        ({"ART_COLLECTOR_JUDGE_API_KEY": "\tj-k3y ", "ART_API_KEY": "other"}, "Bearer j-k3y"),
+        ({"ART_COLLECTOR_JUDGE_API_KEY": "  "}, None),  # blank is none, as the services read `ART_API_KEY`
+    ],
+)
+def test_the_judge_key_is_read_as_the_services_read_art_api_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], sent: str | None
+) -> None:
+    app = make_app(tmp_path, monkeypatch, env={**down_judge("skip"), **env})
+    client = app.state.scoring.judge.client
+    assert isinstance(client, JudgeClient)
+    assert client._http.headers.get("authorization") == sent
+
+
+def test_a_judge_key_that_is_not_ascii_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No HTTP client sends it: the app failed to build with a bare `UnicodeEncodeError` from inside httpx."""
+    with pytest.raises(ValidationError, match="ART_COLLECTOR_JUDGE_API_KEY.*must be ASCII"):
+        make_app(tmp_path, monkeypatch, env={**down_judge("skip"), "ART_COLLECTOR_JUDGE_API_KEY": "cl\u00e9"})
+
+
 def test_a_judge_reward_named_like_a_code_reward_overrides_it_as_an_api_reward_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -351,6 +374,50 @@ def test_replicas_judging_automatically_call_the_judge_once(replica_stores: list
     after = GroupJudge(replica_stores[1], ScoringStore(replica_stores[1].engine), JudgeSettings(auto=True),
                        client=client, clock=clock)
     assert after.scoring.run("g")["state"] == "ok" and after.due_groups() == []
+
+
+@pytest.mark.parametrize("judged_before", [False, True])
+def test_a_group_another_replica_judged_since_it_was_found_due_is_not_judged_again(
+    replica_stores: list[SqlStore], clock: Clock, judged_before: bool
+) -> None:
+    """Replica B finds g and h due and is held judging g; meanwhile A judges h. B then leaves h alone: it judged h a
+    second time (a second judge call, its scores over A's), whether h had no run before or was due again."""
+    replica_stores[0].add_spans(group_spans("h", ["7", "8"], first_span=100))
+    late, quick = HeldJudge(), HeldJudge(released=True, scores=(0.25, 0.75))
+    a, b = (
+        GroupJudge(store, ScoringStore(store.engine), JudgeSettings(auto=True, attempts=1), client=client, clock=clock)
+        for store, client in zip(replica_stores, [quick, late], strict=True)
+    )
+    if judged_before:  # h's last run failed and is due again
+        a.client = HeldJudge(released=True, scores=(2.0, 0.0))
+        assert a.judge("h").state == "failed"
+        a.client, clock.now = quick, clock.now + a.settings.retry_seconds
+    assert b.due_groups() == ["g", "h"]
+    try:
+        results, threads = _race([b.run_due])
+        assert late.waiting.wait(WAIT)  # b holds g, h is next on its list
+        clock.now += 1
+        assert [(run.group_id, run.state) for run in a.run_due()] == [("h", "ok")]
+    finally:
+        late.release.set()
+    assert [(run.group_id, run.state) for run in results.get(timeout=WAIT)] == [("g", "ok")]
+    threads[0].join(WAIT)
+    assert (late.calls, quick.calls) == (1, 1)
+    assert [replica_stores[1].trajectory(f"h-{i}").rewards["ruler"] for i in range(2)] == [0.25, 0.75]
+
+
+def test_an_explanation_with_a_nul_character_is_stored(replica_stores: list[SqlStore], clock: Clock) -> None:
+    """PostgreSQL text holds no NUL: storing the judge's `\\u0000` failed the run, on every retry alike."""
+
+    class Nul(HeldJudge):
+        def complete(self, *args: Any, **kwargs: Any) -> str:
+            return super().complete(*args, **kwargs).replace("right", "ri\\u0000ght")
+
+    judge = GroupJudge(replica_stores[0], ScoringStore(replica_stores[0].engine), JudgeSettings(),
+                       client=Nul(released=True), clock=clock)
+    run = judge.judge("g")
+    assert (run.state, [j.explanation for j in run.judgements]) == ("ok", ["right", "wrong"])
+    assert judge.scoring.judgements(["g-0"])["g-0"][0]["explanation"] == "right"
 
 
 def test_a_judge_request_racing_another_replica_gets_409_not_a_second_run(

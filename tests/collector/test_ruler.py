@@ -137,6 +137,12 @@ def test_parse_scores_in_block_order() -> None:
     assert [(s.block, s.score, s.explanation) for s in scores] == [(1, 0.9, "right"), (2, 0.1, "wrong")]
 
 
+def test_parse_scores_drops_nul_characters_from_explanations() -> None:
+    """JSON lets a judge write `\\u0000`; PostgreSQL text cannot hold it, and the run failed on storing it."""
+    scores = parse_scores(answer((1, "ri\x00ght\x00", 0.9), (2, "\x00", 0.1)), 2)
+    assert [(s.score, s.explanation) for s in scores] == [(0.9, "right"), (0.1, "")]
+
+
 @pytest.mark.parametrize(
     ("text", "code", "match"),
     [
@@ -162,13 +168,22 @@ def test_parse_scores_rejects_bad_answers(text: str, code: str, match: str) -> N
     assert caught.value.code == code
 
 
-@pytest.mark.parametrize("content", [[{"type": "text", "text": "{}"}], {"scores": {}}, 7])
-def test_judge_content_that_is_not_text_is_a_judge_error(content: object) -> None:
+def _client_answering(status: int, body: object) -> JudgeClient:
+    """A `JudgeClient` whose endpoint answers every call with HTTP `status` and `body` (JSON, or text as it is)."""
+
     def chat(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"choices": [{"message": {"content": content}, "finish_reason": "stop"}]})
+        if isinstance(body, str):
+            return httpx.Response(status, text=body)
+        return httpx.Response(status, json=body)
 
     client = JudgeClient("http://judge/v1", "m")
     client._http = httpx.Client(transport=httpx.MockTransport(chat))
+    return client
+
+
+@pytest.mark.parametrize("content", [[{"type": "text", "text": "{}"}], {"scores": {}}, 7])
+def test_judge_content_that_is_not_text_is_a_judge_error(content: object) -> None:
+    client = _client_answering(200, {"choices": [{"message": {"content": content}, "finish_reason": "stop"}]})
     with pytest.raises(JudgeError, match="not text") as caught:
         client.complete([USER], response_format(1), temperature=0, max_tokens=64)
     assert caught.value.code == "judge_http_error"
@@ -180,11 +195,32 @@ def test_judge_content_that_is_not_text_is_a_judge_error(content: object) -> Non
      (404, "judge_http_error"), (408, "judge_http_error"), (429, "judge_http_error"), (503, "judge_http_error")],
 )
 def test_a_request_the_judge_refuses_is_judge_rejected_other_errors_may_pass(status: int, code: str) -> None:
-    def chat(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(status, json={"object": "error", "message": "maximum context length is 2048 tokens"})
-
-    client = JudgeClient("http://judge/v1", "m")
-    client._http = httpx.Client(transport=httpx.MockTransport(chat))
+    client = _client_answering(status, {"object": "error", "message": "maximum context length is 2048 tokens"})
     with pytest.raises(JudgeError, match=f"answered {status}: .*maximum context length") as caught:
         client.complete([USER], response_format(1), temperature=0, max_tokens=64)
     assert caught.value.code == code
+
+
+def test_a_refusal_is_judge_refused_and_quotes_the_judge() -> None:
+    """OpenAI's structured outputs answer a refusal as `message.refusal`, no content: it showed as `not JSON: ''`."""
+    refusal = {"role": "assistant", "content": None, "refusal": "I can't help with that."}
+    client = _client_answering(200, {"choices": [{"message": refusal, "finish_reason": "stop"}]})
+    with pytest.raises(JudgeError, match="refused to score: \"I can't help with that.\"") as caught:
+        client.complete([USER], response_format(1), temperature=0, max_tokens=64)
+    assert caught.value.code == "judge_refused"
+
+
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [(500, "<html>\n<body>Internal\nError</body>\n</html>"), (429, "rate\r\nlimited"),
+     (200, "<html>\n<body>proxy login</body>\n</html>"), (500, "oops\x00")],
+)
+def test_a_judge_error_is_one_line_whatever_the_body(status: int, body: str) -> None:
+    """The error is logged once per try and shown on the group: a body's line breaks must not split it, and a NUL
+    (which PostgreSQL text cannot hold) made the run's outcome a database error."""
+    with pytest.raises(JudgeError) as caught:
+        _client_answering(status, body).complete([USER], response_format(1), temperature=0, max_tokens=64)
+    assert caught.value.code == "judge_http_error"
+    message = str(caught.value)
+    assert "\n" not in message and "\r" not in message and "\x00" not in message
+    assert repr(body) in message  # the body is still all there, escaped
