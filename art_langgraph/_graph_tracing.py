@@ -100,9 +100,14 @@ def rollout_of_current_run() -> Rollout | None:
 
 
 def _json(value: Any) -> str:
+    """`value` as attribute text: a string as it is, else JSON (`str` of what JSON has no type for), or `repr` where
+    JSON cannot hold it (a circular reference, a key that is not a string or number)."""
     if isinstance(value, str):
         return value
-    return json.dumps(value, default=str, ensure_ascii=False)
+    try:
+        return json.dumps(value, default=str, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def _config_group_size(size: Any) -> int | None:
@@ -243,10 +248,12 @@ class GraphTracer(BaseCallbackHandler):
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
         """Record the tool's result and end its span."""
         placement = _runs.get(run_id)
-        if placement is not None and placement.own_span is not None:
-            result = output.content if isinstance(output, ToolMessage) else output
-            placement.own_span.set_attribute(semconv.GEN_AI_TOOL_CALL_RESULT, _json(result))
-        self._end(run_id, None)
+        try:
+            if placement is not None and placement.own_span is not None:
+                result = output.content if isinstance(output, ToolMessage) else output
+                placement.own_span.set_attribute(semconv.GEN_AI_TOOL_CALL_RESULT, _json(result))
+        finally:  # a result that cannot be recorded still ends the span (LangChain logs the error)
+            self._end(run_id, None)
 
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         """End the tool span with ERROR status."""

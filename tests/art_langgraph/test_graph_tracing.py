@@ -439,3 +439,82 @@ def test_a_tool_called_on_its_own_in_a_rollout_gets_a_tool_span(add_tool, spans)
     assert tool.attributes[semconv.ROLLOUT_ID] == run.id
     assert tool.attributes[semconv.GEN_AI_TOOL_CALL_ID] == "call_1"
     assert tool.attributes[semconv.GEN_AI_TOOL_CALL_RESULT] == "3"
+
+
+class _Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text for this object")
+
+
+def _circular() -> dict:
+    loop: dict = {}
+    loop["self"] = loop
+    return loop
+
+
+@pytest.mark.parametrize("value", [_circular(), {(1, 2): "pair"}])
+def test_a_tool_whose_arguments_and_result_json_cannot_hold_gets_them_as_repr(spans, value) -> None:
+    """JSON's circular-reference error, or its error on a key that is not a string or number, left no tool span (in
+    the arguments) or a span never ended (in the result)."""
+    from langchain_core.tools import tool
+
+    @tool
+    def echo(x: object) -> object:
+        """Return x."""
+        return x
+
+    with rollout("odd-values"):
+        assert echo.invoke({"x": value}) is value
+    (span,) = kinds(spans, semconv.SPAN_KIND_TOOL)
+    assert span.attributes[semconv.GEN_AI_TOOL_CALL_ARGUMENTS] == repr({"x": value})
+    assert span.attributes[semconv.GEN_AI_TOOL_CALL_RESULT] == repr(value)
+
+
+def test_a_tool_result_that_cannot_be_recorded_still_ends_its_span(spans) -> None:
+    """The error is LangChain's to log (handlers do not raise into the app); the span ends without the result."""
+    from langchain_core.tools import tool
+
+    @tool
+    def unprintable(x: int) -> object:
+        """Return a value with no text."""
+        return _Unprintable()
+
+    with rollout("odd-result"):
+        unprintable.invoke({"x": 1})
+    (span,) = kinds(spans, semconv.SPAN_KIND_TOOL)
+    assert span.attributes[semconv.GEN_AI_TOOL_CALL_ARGUMENTS] == '{"x": 1}'
+    assert semconv.GEN_AI_TOOL_CALL_RESULT not in span.attributes
+
+
+class Asked(TypedDict, total=False):
+    question: str
+
+
+@pytest.mark.parametrize("way", ["config", "context_pool"])
+def test_a_model_call_on_a_nodes_own_thread_pool_stays_in_its_run_the_documented_ways(spans, way: str) -> None:
+    """A plain `ThreadPoolExecutor` carries neither the node's run nor its context (the README says so); passing the
+    node's `config`, or submitting through LangChain's `ContextThreadPoolExecutor`, keeps the call under the node."""
+    from langchain_core.runnables.config import ContextThreadPoolExecutor
+
+    from tests.art_langgraph.fake_engine import FakeEngine
+
+    model = FakeEngine().chat_model()
+
+    def ask(state: Asked, config) -> Asked:  # type: ignore[no-untyped-def]
+        if way == "config":
+            with ThreadPoolExecutor(1) as pool:
+                pool.submit(model.invoke, state["question"], config).result()
+        else:
+            with ContextThreadPoolExecutor(1) as pool:
+                pool.submit(model.invoke, state["question"]).result()
+        return {}
+
+    builder = StateGraph(Asked)
+    builder.add_node("ask", ask)
+    builder.add_edge(START, "ask")
+    builder.compile().invoke({"question": "1+2?"})
+    (llm,) = kinds(spans, semconv.SPAN_KIND_LLM)
+    (node,) = kinds(spans, semconv.SPAN_KIND_NODE)
+    (root,) = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert llm.parent.span_id == node.context.span_id
+    assert llm.attributes[semconv.ROLLOUT_ID] == root.attributes[semconv.ROLLOUT_ID]
