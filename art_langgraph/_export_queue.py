@@ -1,21 +1,25 @@
 """The export side of the plugin's pipeline: bounded queues and an exporter that counts its losses.
 
 `CountingExporter` wraps an OTLP exporter: it never raises, cuts requests under
-`ART_MAX_EXPORT_BYTES`, and counts what it failed to deliver, spans the receiver rejected included. Its processor is a
+`ART_MAX_EXPORT_BYTES`, sends text UTF-8 cannot encode with U+FFFD in its place (protobuf would refuse the whole
+request), and counts what it failed to deliver, spans the receiver rejected included. Its processor is a
 `BoundedProcessor` (a batch queue with a cap) or, where no thread can start, a `HeldProcessor`.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace import Link, Status
+from opentelemetry.util.types import Attributes, AttributeValue
 
 from art_langgraph._export_size import REQUEST_BYTES, size_bound, size_bounded
 
@@ -54,6 +58,48 @@ def _add_to_total(n: int) -> None:
     global _total_dropped
     with _total_lock:
         _total_dropped += n
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _utf8_text(text: str) -> str:
+    """`text` with each surrogate code point, which UTF-8 (so protobuf) cannot encode, replaced by U+FFFD."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def _utf8_value(value: AttributeValue) -> AttributeValue:
+    if isinstance(value, str):
+        return _utf8_text(value)
+    if isinstance(value, Sequence) and value and isinstance(value[0], str):
+        return tuple(_utf8_text(item) for item in value)  # type: ignore[arg-type]
+    return value
+
+
+def _utf8_attributes(attributes: Attributes) -> Mapping[str, AttributeValue]:
+    return {_utf8_text(key): _utf8_value(value) for key, value in (attributes or {}).items()}
+
+
+def _utf8_span(span: ReadableSpan) -> ReadableSpan:
+    """A copy of `span` whose text UTF-8 can encode: a lone surrogate (bytes decoded with `surrogateescape`, a JSON
+    `"\\udcff"`) in its name, attributes, events, links or status becomes U+FFFD."""
+    status = span.status
+    if status.description:
+        status = Status(status.status_code, _utf8_text(status.description))
+    return ReadableSpan(
+        name=_utf8_text(span.name),
+        context=span.context,
+        parent=span.parent,
+        resource=span.resource,
+        attributes=_utf8_attributes(span.attributes),
+        events=[Event(_utf8_text(e.name), _utf8_attributes(e.attributes), e.timestamp) for e in span.events],
+        links=[Link(link.context, _utf8_attributes(link.attributes)) for link in span.links],
+        kind=span.kind,
+        status=status,
+        start_time=span.start_time,
+        end_time=span.end_time,
+        instrumentation_scope=span.instrumentation_scope,
+    )
 
 
 class CountingExporter(SpanExporter):
@@ -139,7 +185,7 @@ class CountingExporter(SpanExporter):
         with self._lock:
             self.pending = max(0, self.pending - len(spans))
         results = []
-        for part in size_bounded(spans, self._max_request_bytes):
+        for part in self._requests(spans):
             if len(part) == 1 and (bound := size_bound(part[0]) + REQUEST_BYTES) > self._max_request_bytes:
                 _logger.warning(
                     "art_langgraph: a span of up to %d bytes is past ART_MAX_EXPORT_BYTES=%d; sent alone, %s may "
@@ -148,6 +194,21 @@ class CountingExporter(SpanExporter):
                 )
             results.append(self._export_request(part))
         return SpanExportResult.SUCCESS if all(results) else SpanExportResult.FAILURE
+
+    def _requests(self, spans: Sequence[ReadableSpan]) -> list[Sequence[ReadableSpan]]:
+        """`spans` cut into requests (`size_bounded`), any text UTF-8 cannot encode replaced first (`_utf8_span`).
+
+        Sizing encodes every string a request carries, so it finds such text before protobuf, which would refuse
+        the whole request.
+        """
+        try:
+            return list(size_bounded(spans, self._max_request_bytes))
+        except UnicodeEncodeError as exc:
+            _logger.warning(
+                "art_langgraph: spans for %s hold text that is not valid Unicode (%s); each such character is sent as "
+                "U+FFFD", self._name, exc.reason,
+            )
+            return list(size_bounded([_utf8_span(span) for span in spans], self._max_request_bytes))
 
     def _export_request(self, spans: Sequence[ReadableSpan]) -> bool:
         """Send one request; True when it was delivered, else its spans are counted and logged as dropped."""

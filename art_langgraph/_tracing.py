@@ -138,12 +138,14 @@ class _ToCurrentPipeline(SpanProcessor):
     A span started before `configure` was called again (a rollout in flight) ends after the
     pipeline it started on was shut down; the new pipeline exports it instead of it being lost.
     With no pipeline (a forked child, or after `shutdown()`), the span configures one, as a
-    first span would.
+    first span would. The hand-over holds the lock that replacing the pipeline takes: a span
+    handed to the old one is in its queue before it is shut down (which exports the queue).
     """
 
     def on_end(self, span: ReadableSpan) -> None:
-        for processor in (_state or _current()).processors:
-            processor.on_end(span)
+        with _lock:
+            for processor in (_state or _current()).processors:
+                processor.on_end(span)
 
 
 _TO_CURRENT = _ToCurrentPipeline()
@@ -316,9 +318,12 @@ def _after_fork_in_child() -> None:
     """Give a forked child its own spare thread now, and its own pipeline at its first span (or span end).
 
     The parent's exporters hold the parent's HTTP connections, on which the child would write
-    too, and count the spans queued in the parent, which the child's queues do not hold.
+    too, and count the spans queued in the parent, which the child's queues do not hold. The
+    lock is new too: a thread of the parent may have held it (configuring at a first span), and
+    in the child no thread would ever release it.
     """
-    global _state
+    global _state, _lock
+    _lock = threading.RLock()
     _state = None
     reset_dropped_total()
     spare_thread.after_fork()

@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 import art_langgraph
@@ -145,6 +145,35 @@ def test_spans_refused_as_too_large_or_redirected_are_counted_and_logged_with_th
     assert logged in caplog.text
 
 
+def test_text_that_utf8_cannot_encode_costs_no_span(receivers, caplog) -> None:
+    """A lone surrogate (bytes decoded with `surrogateescape`, e.g. a file a tool read) in any span's text made
+    protobuf refuse the whole batch: every span in it, the other rollouts' too, was lost, uncounted, and the exporter
+    raised. Each such character is now sent as U+FFFD, the rest of the text as it was."""
+    collector, _ = receivers
+    art_langgraph.configure(collector_url=collector.url)
+    dropped = art_langgraph.dropped_spans()
+    bad = "caf\udce9 \ud83d"
+    with rollout("clean"):
+        pass
+    with pytest.raises(ValueError), rollout("dirty"):
+        span = _tracing.get_tracer().start_span(f"tool {bad}", attributes={"text": bad, "texts": ["ok", bad]})
+        span.add_event(bad, {"text": bad})
+        span.end()
+        raise ValueError(bad)
+    with caplog.at_level(logging.WARNING, logger="art_langgraph"):
+        assert art_langgraph.flush(timeout=10)
+    by_name = {s.name: s for s in collector.spans()}
+    assert set(by_name) == {"rollout clean", "rollout dirty", "tool caf\ufffd \ufffd"}
+    tool = by_name["tool caf\ufffd \ufffd"]
+    attrs = {a.key: a.value for a in tool.attributes}
+    assert attrs["text"].string_value == "caf\ufffd \ufffd"
+    assert [v.string_value for v in attrs["texts"].array_value.values] == ["ok", "caf\ufffd \ufffd"]
+    assert [e.name for e in tool.events] == ["caf\ufffd \ufffd"]
+    assert by_name["rollout dirty"].status.message == "ValueError: caf\ufffd \ufffd"
+    assert art_langgraph.dropped_spans() == dropped
+    assert "not valid Unicode" in caplog.text
+
+
 def test_configure_again_exports_spans_in_flight(receivers) -> None:
     """A rollout still running when `configure` is called again goes out through the new pipeline."""
     first, second = receivers
@@ -157,6 +186,37 @@ def test_configure_again_exports_spans_in_flight(receivers) -> None:
     (span,) = second.spans()
     assert {a.key: a.value.string_value for a in span.attributes}[semconv.ROLLOUT_ID] == run.id
     assert [event.name for event in span.events] == [semconv.REWARD_EVENT]
+
+
+def test_a_span_ending_while_configure_replaces_the_pipeline_is_exported(receivers) -> None:
+    """A span that found the old pipeline current, and reached its queue only after `configure` had shut it down, was
+    lost, uncounted (the SDK's processor ignores a span after shutdown at INFO level)."""
+    first, second = receivers
+    art_langgraph.configure(collector_url=first.url)
+    dropped = art_langgraph.dropped_spans()
+    handing, release = threading.Event(), threading.Event()
+
+    class Pause(SpanProcessor):
+        """Runs before the old pipeline's own processor: the span has found that pipeline current."""
+
+        def on_end(self, span: ReadableSpan) -> None:
+            handing.set()
+            release.wait(10)
+
+    _tracing._state.processors.insert(0, Pause())  # type: ignore[union-attr]
+    span = _tracing.get_tracer().start_span("racing")
+    ending = threading.Thread(target=span.end)
+    ending.start()
+    assert handing.wait(10)
+    replacing = threading.Thread(target=art_langgraph.configure, kwargs={"collector_url": second.url})
+    replacing.start()
+    replacing.join(timeout=2)  # unchecked: with the hand-over under the lock, `configure` waits for the span
+    release.set()
+    ending.join()
+    replacing.join()
+    assert art_langgraph.flush(timeout=10)
+    assert [s.name for s in first.spans() + second.spans()] == ["racing"]
+    assert art_langgraph.dropped_spans() == dropped
 
 
 def test_a_batch_past_the_collectors_body_limit_goes_out_in_several_requests(

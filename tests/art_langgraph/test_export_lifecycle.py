@@ -199,6 +199,43 @@ def test_forked_child_exports_through_its_own_pipeline(receivers) -> None:
     assert tasks == ["child-0", "child-1", *(f"parent-{i}" for i in range(7))]
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_another_thread_holds_the_pipeline_lock_still_exports(receivers) -> None:
+    """A thread configuring the pipeline at its first span holds the plugin's lock; a fork then left the child a
+    lock no thread of its own would release, and its first span hung forever."""
+    collector, _ = receivers
+    script = textwrap.dedent(
+        f"""
+        import os, threading, time
+        import art_langgraph
+        from art_langgraph import _tracing
+        os.environ["ART_COLLECTOR_URL"] = {collector.url!r}
+        held, release = threading.Event(), threading.Event()
+        def configuring():
+            with _tracing._lock:
+                held.set()
+                release.wait()
+        threading.Thread(target=configuring).start()
+        held.wait()
+        pid = os.fork()
+        if pid == 0:
+            with art_langgraph.rollout("child"):
+                pass
+            os._exit(0 if art_langgraph.flush(timeout=10) else 1)
+        release.set()
+        deadline = time.monotonic() + 20
+        while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not done[0]:
+            os.kill(pid, 9)
+        assert done[0] and os.waitstatus_to_exitcode(done[1]) == 0, "the child hung or its flush failed"
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert [s.name for s in collector.spans()] == ["rollout child"]
+
+
 def test_exit_with_collector_down_is_bounded(dead_url) -> None:
     script = textwrap.dedent(
         f"""
