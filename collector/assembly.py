@@ -146,9 +146,13 @@ def span_problem(span: SpanRecord) -> str | None:
     }
     for key, limit in limits.items():
         value = span.attributes.get(key)
-        if value is not None and len(str(value)) > limit:
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            return f"attribute {key} is a {type(value).__name__}; it must be a string"
+        if len(value) > limit:
             return f"attribute {key} is longer than {limit} characters"
-        if value is not None and "\x00" in str(value):
+        if "\x00" in value:
             return f"attribute {key} contains a NUL character"
     if "\x00" in span.name:
         return "the span name contains a NUL character"
@@ -224,6 +228,17 @@ class FactsDigest:
                 if span.attributes.get(key) is not None and (key not in self.attrs or order < self.attrs[key][:3]):
                     self.attrs[key] = [*order, span.attributes[key]]
             self.llm = self.llm or is_llm(span)
+
+    def merge(self, other: FactsDigest) -> None:
+        """Take into account the spans `other` saw (as `add` of them would)."""
+        if other.first is not None and (self.first is None or other.first[:3] < self.first[:3]):
+            self.first = other.first
+        if other.rollout is not None and (self.rollout is None or other.rollout[:3] < self.rollout[:3]):
+            self.rollout = other.rollout
+        for key, part in other.attrs.items():
+            if key not in self.attrs or part[:3] < self.attrs[key][:3]:
+                self.attrs[key] = part
+        self.llm = self.llm or other.llm
 
     def to_json(self) -> str:
         """The digest as JSON (the store's `trajectories.digest` column)."""
@@ -355,7 +370,10 @@ def assemble(
     talk = foreign.conversation(llm[-1].attributes, span_id=llm[-1].span_id) if llm else foreign.Conversation()
     metadata = (_json_attr(rollout, sc.METADATA, dict) if rollout is not None else None) or {}
     metadata = _bounded(metadata, {}, "metadata", trajectory_id)
-    messages = _bounded(talk.input + talk.output, [], "messages", trajectory_id)
+    if len(talk.output) > 1:  # each returned message is one choice (a request's `n`), not a turn after the one before
+        log.warning("span %s: the call returned %d choices; the first ends the trajectory", llm[-1].span_id,
+                    len(talk.output))
+    messages = _bounded(talk.input + talk.output[:1], [], "messages", trajectory_id)
     return Trajectory(
         id=trajectory_id,
         trace_id=summary.trace_id,

@@ -16,7 +16,13 @@ trajectories that the trainer re-tokenizes:
   `langfuse.observation.input` / `.output` (JSON, or plain text) and
   `langfuse.observation.model.name`.
 
-Every result is in OpenAI chat format (`role`, `content`, `tool_calls`, `tool_call_id`).
+Every result is in OpenAI chat format (`role`, `content`, `tool_calls`, `tool_call_id`). A span that carries
+messages in more than one convention is read from the first of them, in the order above, that holds any (a warning
+says when another holds different ones). A flattened conversation (OpenLLMetry's, OpenInference's) that skips a
+number, such as `gen_ai.prompt.0` and `gen_ai.prompt.2` without `gen_ai.prompt.1`, misses a message (the SDK's
+attribute count limit drops a long conversation's oldest attributes): it reads as absent, with a warning. A call
+whose mark that limit dropped (`llm.request.type`, `openinference.span.kind`, set first) is still a model call by its
+reply (`gen_ai.completion.0.role`, `llm.output_messages.0.message.role`, set last).
 
 `finish_reason` reads why a call's first reply ended wherever its convention records it:
 `gen_ai.response.finish_reasons`, the `finish_reason` of each structured `gen_ai.output.messages` entry,
@@ -85,6 +91,9 @@ def is_generation(attributes: Mapping[str, Any]) -> bool:
         or attributes.get(LANGFUSE_TYPE) == "generation"
         or attributes.get(OPENLLMETRY_REQUEST_TYPE) in ("chat", "completion")
         or f"{GEN_AI_PROMPT}0.role" in attributes
+        # a reply, set last: the SDK's attribute count limit drops a long call's oldest attributes, its mark among them
+        or f"{GEN_AI_COMPLETION}0.role" in attributes
+        or (OPENINFERENCE_SPAN_KIND not in attributes and f"{OPENINFERENCE_OUTPUT}0.message.role" in attributes)
     )
 
 
@@ -98,36 +107,26 @@ def describes_art_call(attributes: Mapping[str, Any]) -> bool:
 
 
 def conversation(attributes: Mapping[str, Any], *, span_id: str = "?") -> Conversation:
-    """The conversation a model-call span carries; empty lists where it carries none."""
+    """The conversation a model-call span carries; empty lists where it carries none (or one missing a message)."""
     model = next(
         (
-            str(attributes[key])
+            attributes[key]
             for key in (sc.GEN_AI_RESPONSE_MODEL, sc.GEN_AI_REQUEST_MODEL, OPENINFERENCE_MODEL, LANGFUSE_MODEL)
-            if attributes.get(key)
+            if isinstance(attributes.get(key), str) and attributes[key]
         ),
         None,
     )
     tools = _gen_ai_tools(attributes, span_id) or _openinference_tools(attributes, span_id)
-    if sc.GEN_AI_INPUT_MESSAGES in attributes or sc.GEN_AI_OUTPUT_MESSAGES in attributes:
-        system = _json(attributes, GEN_AI_SYSTEM_INSTRUCTIONS, span_id)
-        sent = _semconv_messages(_json(attributes, sc.GEN_AI_INPUT_MESSAGES, span_id), span_id)
-        if isinstance(system, list) and not any(m.get("role") == "system" for m in sent):
-            sent = [{"role": "system", "content": _parts_text(system)}, *sent]
-        returned = _semconv_messages(_json(attributes, sc.GEN_AI_OUTPUT_MESSAGES, span_id), span_id)
-        return Conversation(sent, returned, tools, model)
-    if f"{GEN_AI_PROMPT}0.role" in attributes or f"{GEN_AI_COMPLETION}0.role" in attributes:
-        sent = [_flat_message(node) for node in _unflatten(attributes, GEN_AI_PROMPT)]
-        returned = [_flat_message(node, "assistant") for node in _unflatten(attributes, GEN_AI_COMPLETION)]
-        return Conversation(sent, returned, tools, model)
-    if any(key.startswith((OPENINFERENCE_INPUT, OPENINFERENCE_OUTPUT)) for key in attributes):
-        sent = [_openinference_message(node) for node in _unflatten(attributes, OPENINFERENCE_INPUT)]
-        returned = [_openinference_message(node, "assistant") for node in _unflatten(attributes, OPENINFERENCE_OUTPUT)]
-        return Conversation(sent, returned, tools, model)
-    if LANGFUSE_INPUT in attributes or LANGFUSE_OUTPUT in attributes:
-        sent, offered = _langfuse_messages(attributes.get(LANGFUSE_INPUT), "user", span_id)
-        returned, _ = _langfuse_messages(attributes.get(LANGFUSE_OUTPUT), "assistant", span_id)
-        return Conversation(sent, returned, tools or offered, model)
-    return Conversation(tools=tools, model=model)
+    read = [(name, found) for name, reader in _CONVENTIONS if (found := reader(attributes, span_id)) is not None]
+    if not read:
+        return Conversation(tools=tools, model=model)
+    name, (sent, returned, offered) = next(((n, found) for n, found in read if found[0] or found[1]), read[0])
+    for other, (other_sent, other_returned, _) in read:
+        if (other_sent or other_returned) and not (
+            same_messages(other_sent, sent) and same_messages(other_returned, returned)
+        ):
+            log.warning("span %s: its %s messages differ from its %s ones, which are read", span_id, other, name)
+    return Conversation(sent, returned, tools or offered, model)
 
 
 def finish_reason(attributes: Mapping[str, Any]) -> str | None:
@@ -157,6 +156,65 @@ def _finish_reasons(attributes: Mapping[str, Any]) -> Iterator[object]:
 def same_messages(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
     """Whether two message lists say the same (role, text, tool calls, tool call id), ignoring extras."""
     return len(a) == len(b) and all(_essence(x) == _essence(y) for x, y in zip(a, b, strict=True))
+
+
+# --- conventions -----------------------------------------------------------------------------
+
+_Messages = tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]
+"""What a convention's reader returns: the messages sent, the messages returned, the tools the messages offered."""
+
+
+def _read_gen_ai(attributes: Mapping[str, Any], span_id: str) -> _Messages | None:
+    """`gen_ai.input.messages` / `gen_ai.output.messages` (structured or OpenAI format); None where absent."""
+    if sc.GEN_AI_INPUT_MESSAGES not in attributes and sc.GEN_AI_OUTPUT_MESSAGES not in attributes:
+        return None
+    system = _json(attributes, GEN_AI_SYSTEM_INSTRUCTIONS, span_id)
+    sent = _semconv_messages(_json(attributes, sc.GEN_AI_INPUT_MESSAGES, span_id), span_id)
+    if isinstance(system, list) and not any(m.get("role") == "system" for m in sent):
+        sent = [{"role": "system", "content": _parts_text(system)}, *sent]
+    return sent, _semconv_messages(_json(attributes, sc.GEN_AI_OUTPUT_MESSAGES, span_id), span_id), []
+
+
+def _read_flattened(attributes: Mapping[str, Any], span_id: str) -> _Messages | None:
+    """`gen_ai.prompt.N.*` / `gen_ai.completion.N.*`; None where absent, nothing where a message is missing."""
+    if not any(key.startswith((GEN_AI_PROMPT, GEN_AI_COMPLETION)) for key in attributes):
+        return None
+    prompt, completion = _unflatten(attributes, GEN_AI_PROMPT, span_id), _unflatten(
+        attributes, GEN_AI_COMPLETION, span_id)
+    if prompt is None or completion is None:
+        return [], [], []
+    return [_flat_message(node) for node in prompt], [_flat_message(node, "assistant") for node in completion], []
+
+
+def _read_openinference(attributes: Mapping[str, Any], span_id: str) -> _Messages | None:
+    """`llm.input_messages.N.message.*` / `llm.output_messages.N.message.*`; None where absent, nothing where a
+    message is missing."""
+    if not any(key.startswith((OPENINFERENCE_INPUT, OPENINFERENCE_OUTPUT)) for key in attributes):
+        return None
+    prompt, completion = _unflatten(attributes, OPENINFERENCE_INPUT, span_id), _unflatten(
+        attributes, OPENINFERENCE_OUTPUT, span_id)
+    if prompt is None or completion is None:
+        return [], [], []
+    sent = [_openinference_message(node) for node in prompt]
+    return sent, [_openinference_message(node, "assistant") for node in completion], []
+
+
+def _read_langfuse(attributes: Mapping[str, Any], span_id: str) -> _Messages | None:
+    """`langfuse.observation.input` / `.output`; None where absent."""
+    if LANGFUSE_INPUT not in attributes and LANGFUSE_OUTPUT not in attributes:
+        return None
+    sent, offered = _langfuse_messages(attributes.get(LANGFUSE_INPUT), "user", span_id)
+    returned, _ = _langfuse_messages(attributes.get(LANGFUSE_OUTPUT), "assistant", span_id)
+    return sent, returned, offered
+
+
+_CONVENTIONS = (
+    ("OpenTelemetry GenAI gen_ai.input/output.messages", _read_gen_ai),
+    ("flattened gen_ai.prompt/completion", _read_flattened),
+    ("OpenInference", _read_openinference),
+    ("Langfuse", _read_langfuse),
+)
+"""Each convention's reader, in the order `conversation` tries them."""
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -270,8 +328,12 @@ def _semconv_messages(value: Any, span_id: str) -> list[dict[str, Any]]:
     return out
 
 
-def _unflatten(attributes: Mapping[str, Any], prefix: str) -> list[Any]:
-    """`prefix.0.a.b = x` style attributes as a nested structure; numbered levels become lists."""
+def _unflatten(attributes: Mapping[str, Any], prefix: str, span_id: str) -> list[Any] | None:
+    """`prefix.0.a.b = x` style attributes as a nested structure; numbered levels become lists.
+
+    None, with a warning, when a numbered level skips a number (`prefix.0` and `prefix.2`, or no `prefix.0`): an item
+    is missing, as when the SDK's attribute count limit (128 by default) dropped a long conversation's oldest ones.
+    """
     tree: dict[str, Any] = {}
     for key, value in attributes.items():
         if not key.startswith(prefix):
@@ -285,14 +347,38 @@ def _unflatten(attributes: Mapping[str, Any], prefix: str) -> list[Any]:
             node = child
         else:
             node[leaf] = value
+    if (missing := _missing_number(tree, prefix)) is not None:
+        log.warning("span %s: %s is missing (dropped by an attribute limit?); %s* read as absent", span_id, missing,
+                    prefix)
+        return None
     listed = _lists(tree)
     return listed if isinstance(listed, list) else []
+
+
+def _numbered(node: Any) -> bool:
+    """Whether `node` is a numbered level of `_unflatten`'s tree (read as a list)."""
+    # not isdigit: `int` refuses digits such as "²"
+    return isinstance(node, dict) and bool(node) and all(key.isdecimal() for key in node)
+
+
+def _missing_number(tree: dict[str, Any], prefix: str) -> str | None:
+    """The attribute name of the first item a numbered level of `tree` skips, or None when none skips one."""
+    pending = [(tree, prefix)]
+    while pending:
+        node, path = pending.pop()
+        if _numbered(node):
+            numbers = sorted(int(key) for key in node)
+            if numbers != list(range(len(numbers))):
+                return f"{path}{next(n for n, number in enumerate(numbers) if n != number)}"
+        if isinstance(node, dict):
+            pending.extend((child, f"{path}{key}.") for key, child in sorted(node.items(), reverse=True))
+    return None
 
 
 def _lists(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
-    if node and all(key.isdecimal() for key in node):  # not isdigit: `int` refuses digits such as "²"
+    if _numbered(node):
         return [_lists(node[key]) for key in sorted(node, key=int)]
     return {key: _lists(value) for key, value in node.items()}
 
@@ -317,14 +403,21 @@ def _flat_message(node: Any, default_role: str = "user") -> dict[str, Any]:
     return message
 
 
-def _flat_content(value: Any) -> Any:
+def _flat_content(value: Any) -> str:
     """A flattened message's content: OpenLLMetry writes a list of content parts as its JSON text, read as the
     parts' text."""
     if isinstance(value, str) and value.startswith("["):
         parts = _decoded(value)
         if isinstance(parts, list) and parts and all(isinstance(p, Mapping) and "type" in p for p in parts):
             return _parts_text(parts)
-    return value or ""
+    return _text(value)
+
+
+def _text(value: Any) -> str:
+    """A flattened content attribute as text: an array is a list of parts, another value its JSON ("" for none)."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    return _parts_text(value) if isinstance(value, list) else json.dumps(value)
 
 
 def _openinference_message(node: Any, default_role: str = "user") -> dict[str, Any]:
@@ -333,7 +426,7 @@ def _openinference_message(node: Any, default_role: str = "user") -> dict[str, A
     content = body.get("content")
     if content is None and isinstance(body.get("contents"), list):
         content = _parts_text([c.get("message_content", {}) for c in body["contents"] if isinstance(c, dict)])
-    message: dict[str, Any] = {"role": body.get("role", default_role), "content": content or ""}
+    message: dict[str, Any] = {"role": body.get("role", default_role), "content": _text(content)}
     calls = body.get("tool_calls")
     if isinstance(calls, list) and calls:
         message["tool_calls"] = []
@@ -382,7 +475,7 @@ def _gen_ai_tools(attributes: Mapping[str, Any], span_id: str) -> list[dict[str,
     value = _json(attributes, sc.GEN_AI_TOOL_DEFINITIONS, span_id)
     if isinstance(value, list):
         return [tool for tool in value if isinstance(tool, dict)]
-    functions = _unflatten(attributes, OPENLLMETRY_FUNCTIONS)
+    functions = _unflatten(attributes, OPENLLMETRY_FUNCTIONS, span_id) or []
     tools = []
     for function in functions:
         if isinstance(function, dict) and function.get("name"):
@@ -403,7 +496,7 @@ def _gen_ai_tools(attributes: Mapping[str, Any], span_id: str) -> list[dict[str,
 
 def _openinference_tools(attributes: Mapping[str, Any], span_id: str) -> list[dict[str, Any]]:
     tools = []
-    for node in _unflatten(attributes, OPENINFERENCE_TOOLS):
+    for node in _unflatten(attributes, OPENINFERENCE_TOOLS, span_id) or []:
         schema = _dict(_dict(node).get("tool")).get("json_schema")
         if isinstance(schema, str):
             try:

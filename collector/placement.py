@@ -116,6 +116,26 @@ def _new_instance(conn: Connection, facts: TrajectoryFacts, n: int, created: set
     }
 
 
+def _one_row_per_id(
+    found: dict[tuple[str, bool], TrajectoryFacts], digests: dict[tuple[str, bool], FactsDigest]
+) -> tuple[dict[tuple[str, bool], TrajectoryFacts], dict[tuple[str, bool], FactsDigest]]:
+    """`found` and `digests` with one entry per trajectory id.
+
+    A rollout id that is also the id of a trace of model calls outside any rollout names one row (and one set of
+    spans): the rollout's trajectory, from both digests.
+    """
+    shared = {key for key, by_rollout in found if by_rollout and (key, False) in found}
+    if not shared:
+        return found, digests
+    found, digests = dict(found), dict(digests)
+    for key in sorted(shared):
+        merged = FactsDigest.from_json(digests[key, True].to_json())  # a copy: the caller's digest stays as it was
+        merged.merge(digests.pop((key, False)))
+        del found[key, False]
+        digests[key, True], found[key, True] = merged, merged.facts(key)
+    return found, digests
+
+
 def write_trajectories(
     conn: Connection,
     found: dict[tuple[str, bool], TrajectoryFacts],
@@ -140,6 +160,7 @@ def write_trajectories(
         min_group_size: `CollectorSettings.min_group_size`.
         now: The export's time.
     """
+    found, digests = _one_row_per_id(found, digests)
     wanted = []
     for (key, by_rollout), facts in found.items():
         row = existing.get(key)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 
 from art_langgraph import semconv as sc
 from collector.assembly import (
@@ -23,7 +26,8 @@ from collector.assembly import (
 from collector.groups import TrainingReward
 from collector.otlp import SpanRecord
 from collector.sequences import build_sequences
-from tests.collector.span_builders import TRACE, llm, rollout
+from tests.collector.server_helpers import PB, collector_app
+from tests.collector.span_builders import TRACE, llm, rollout, sid, to_request
 
 
 def _assemble(spans, **kwargs):
@@ -219,6 +223,9 @@ def test_facts_digest_in_any_order_and_pieces_equals_facts_of_all() -> None:
             digest = FactsDigest.from_json(digest.to_json())  # as the store keeps it between exports
             digest.add(order[cut:] + order[:1])  # a duplicate changes nothing
             assert digest.facts("r1") == expected
+            merged = FactsDigest.of(order[:cut])
+            merged.merge(FactsDigest.of(order[max(cut - 1, 0):]))
+            assert json.loads(merged.to_json()) == json.loads(FactsDigest.of(spans).to_json())
     with pytest.raises(ValueError, match="no spans"):
         FactsDigest().facts("r1")
 
@@ -250,3 +257,34 @@ def test_reward_time_beyond_the_store_range_rejects_the_span() -> None:
     assert span_problem(span) is None
     span.events[0] = replace(span.events[0], time_ns=2**64 - 1)
     assert span_problem(span) == "reward 'reward' has a time beyond year 2262"
+
+
+def test_a_rollout_id_equal_to_a_trace_id_is_one_trajectory_in_any_export(tmp_path: Path) -> None:
+    """A rollout id that is also the id of a trace of foreign model calls (LangSmith's OTel export uses the root run's
+    id, which the plugin takes as a graph run's rollout id) names one trajectory row: in one export the two made the
+    row twice, the whole export a 500, retried for ever. The rollout's trajectory it is, from the spans of both."""
+    shared = "ab" * 16
+    ours = [rollout(1, shared, trace="cd" * 16, task="t"),
+            llm(2, rollout=shared, trace="cd" * 16, start=10, prompt=[1], completion=[2])]
+    foreign = SpanRecord(shared, sid(3), None, "chat", 5, 15, {
+        "gen_ai.operation.name": "chat", "gen_ai.input.messages": json.dumps([{"role": "user", "content": "hi"}])})
+    for n, exports in enumerate(([ours + [foreign]], [ours, [foreign]])):
+        client = TestClient(collector_app(tmp_path / str(n)))
+        for spans in exports:
+            response = client.post("/v1/traces", content=to_request(spans).SerializeToString(), headers=PB)
+            assert response.status_code == 200
+        found = client.get(f"/v1/trajectories/{shared}").json()
+        assert (found["trace_id"], found["group_id"], found["complete"]) == ("cd" * 16, "t", True)
+        assert found["token_exact"]
+        assert len(found["sequences"]) == 1
+
+
+@pytest.mark.parametrize("key", [sc.ROLLOUT_ID, sc.GROUP, sc.TASK, sc.SPLIT])
+@pytest.mark.parametrize("value", [5, 0, True, ["a", "b"], {"a": "b"}])
+def test_an_identity_attribute_that_is_no_string_rejects_the_span(key: str, value: object) -> None:
+    """The plugin writes these as strings; another value was read anyway: a rollout id of 5 left its rollout span
+    and every reward to rollout "5" out of the rollout (keyed by trace instead), a group of ["a", "b"] made a group
+    named "['a', 'b']", a group of 0 none at all."""
+    span = rollout(1)
+    span.attributes[key] = value
+    assert span_problem(span) == f"attribute {key} is a {type(value).__name__}; it must be a string"

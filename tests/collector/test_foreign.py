@@ -303,6 +303,129 @@ def test_openllmetry_content_parts_read_as_text() -> None:
     assert talk.output == [{"role": "assistant", "content": "5"}]
 
 
+
+def test_a_conversation_missing_a_numbered_message_is_read_as_absent(caplog: pytest.LogCaptureFixture) -> None:
+    """A flattened conversation that skips a number lacks a message: read as it is, it trained a reply on a prompt the
+    model never saw."""
+    flat = {"llm.request.type": "chat", "gen_ai.prompt.0.role": "user", "gen_ai.prompt.0.content": "a",
+            "gen_ai.prompt.2.role": "user", "gen_ai.prompt.2.content": "c",
+            "gen_ai.completion.0.role": "assistant", "gen_ai.completion.0.content": "x"}
+    talk = conversation(flat, span_id="s1")
+    assert (talk.input, talk.output) == ([], [])
+    assert "span s1: gen_ai.prompt.1 is missing" in caplog.text
+    huge = {**flat, "gen_ai.prompt.1.role": "user", "gen_ai.prompt.99999999999999999999.role": "user"}
+    assert conversation(huge).input == []
+    openinference = {"openinference.span.kind": "LLM", "llm.input_messages.0.message.role": "user",
+                     "llm.input_messages.0.message.content": "a",
+                     "llm.output_messages.0.message.role": "assistant",
+                     "llm.output_messages.0.message.tool_calls.1.tool_call.function.name": "add"}
+    assert conversation(openinference, span_id="s2").output == []
+    assert "span s2: llm.output_messages.0.message.tool_calls.0 is missing" in caplog.text
+    first_dropped = {"llm.request.type": "chat", "gen_ai.prompt.1.role": "user", "gen_ai.prompt.1.content": "b"}
+    assert conversation(first_dropped, span_id="s3").input == []
+    assert "span s3: gen_ai.prompt.0 is missing" in caplog.text
+    complete = {**flat, "gen_ai.prompt.1.role": "assistant", "gen_ai.prompt.1.content": "b"}
+    assert [m["content"] for m in conversation(complete).input] == ["a", "b", "c"]
+
+
+def _openllmetry_call(span: Any, turns: int) -> None:
+    """The attributes of a chat call in the order OpenLLMetry's OpenAI instrumentation sets them."""
+    span.set_attribute("llm.request.type", "chat")  # its `start_span` attributes
+    for i in range(turns):
+        span.set_attribute(f"gen_ai.prompt.{i}.role", "user")
+        span.set_attribute(f"gen_ai.prompt.{i}.content", f"message {i}")
+    span.set_attribute("gen_ai.completion.0.role", "assistant")
+    span.set_attribute("gen_ai.completion.0.content", "done")
+
+
+def _openinference_call(span: Any, turns: int) -> None:
+    """The attributes of a chat call in the order OpenInference's LangChain tracer sets them (its `_update_span`)."""
+    span.set_attribute("openinference.span.kind", "LLM")
+    span.set_attributes({"input.value": "{}", "output.value": "{}"})
+    for i in range(turns):
+        span.set_attributes({f"llm.input_messages.{i}.message.role": "user",
+                             f"llm.input_messages.{i}.message.content": f"message {i}"})
+    span.set_attributes({"llm.output_messages.0.message.role": "assistant",
+                         "llm.output_messages.0.message.content": "done", "llm.model_name": "gpt-4o-mini"})
+
+
+@pytest.mark.parametrize(("call", "missing"), [(_openllmetry_call, "gen_ai.prompt.0"),
+                                               (_openinference_call, "llm.input_messages.0")])
+def test_a_long_call_whose_first_attributes_the_sdk_dropped_is_a_turn_without_messages(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, call: Callable[[Any, int], None], missing: str
+) -> None:
+    """The SDK keeps 128 attributes a span, dropping the oldest: a long conversation loses the attribute that marks a
+    model call (`llm.request.type`, `openinference.span.kind`) and its first messages. The call is still the trace's
+    last turn, its conversation absent (a warning says why), not left out so that an earlier call's shorter
+    conversation stood for the run."""
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("instrumentation")
+    with tracer.start_as_current_span("agent run"):
+        for turns in (1, 70):
+            with tracer.start_as_current_span("chat") as span:
+                call(span, turns)
+    provider.shutdown()
+    spans = memory.get_finished_spans()
+    assert spans[1].dropped_attributes > 0
+    assert not {"llm.request.type", "openinference.span.kind"} & set(spans[1].attributes)
+    client = TestClient(collector_app(tmp_path))
+    assert client.post("/v1/traces", content=encode_spans(spans).SerializeToString(),
+                       headers={"content-type": "application/x-protobuf"}).status_code == 200
+    trajectory = client.get(f"/v1/trajectories/{spans[0].context.trace_id:032x}").json()
+    assert trajectory["messages"] == []
+    assert f"{missing} is missing" in caplog.text
+
+
+def test_flattened_values_of_another_type_read_as_text() -> None:
+    """A content that is an array or a number reached the trainer as it was (its chat template fails on a content that
+    is no text, and the trajectory was skipped); a model name that is an array became the list's Python text."""
+    flat = conversation({"gen_ai.request.model": ["gpt-4o", "x"], "gen_ai.response.model": 5,
+                         "gen_ai.prompt.0.role": "user", "gen_ai.prompt.0.content": ["What is ", "2+3?"],
+                         "gen_ai.completion.0.role": "assistant", "gen_ai.completion.0.content": 5})
+    assert flat.input == [{"role": "user", "content": "What is 2+3?"}]
+    assert flat.output == [{"role": "assistant", "content": "5"}]
+    assert flat.model is None
+    openinference = conversation({"openinference.span.kind": "LLM", "llm.model_name": "gpt-4o",
+                                  "llm.input_messages.0.message.role": "user",
+                                  "llm.input_messages.0.message.content": 2.5})
+    assert (openinference.input, openinference.model) == ([{"role": "user", "content": "2.5"}], "gpt-4o")
+
+
+def test_a_span_in_two_conventions_is_read_from_the_first_that_carries_messages(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The conventions are read in the order the module lists them; one present without messages (JSON that does not
+    parse, a numbered message missing) hid the conversation another one carried."""
+    flat = {"gen_ai.prompt.0.role": "user", "gen_ai.prompt.0.content": "What is 2+3?",
+            "gen_ai.completion.0.role": "assistant", "gen_ai.completion.0.content": "5"}
+    expected = [{"role": "user", "content": "What is 2+3?"}], [{"role": "assistant", "content": "5"}]
+    broken = conversation({"gen_ai.operation.name": "chat", "gen_ai.input.messages": "{not json", **flat})
+    assert (broken.input, broken.output) == expected
+    openinference = {"openinference.span.kind": "LLM", "llm.input_messages.0.message.role": "user",
+                     "llm.input_messages.0.message.content": "What is 2+3?",
+                     "llm.output_messages.0.message.role": "assistant", "llm.output_messages.0.message.content": "6"}
+    gap = {**flat, "gen_ai.prompt.2.role": "user"}
+    assert conversation({**openinference, **gap}).output == [{"role": "assistant", "content": "6"}]
+    caplog.clear()
+    both = conversation({**openinference, **flat}, span_id="s1")
+    assert (both.input, both.output) == expected
+    assert "span s1: its OpenInference messages differ from its flattened gen_ai.prompt/completion ones" in caplog.text
+    caplog.clear()
+    conversation({**openinference, **flat, "llm.output_messages.0.message.content": "5"})
+    assert "differ" not in caplog.text
+
+
+def test_a_call_with_several_choices_ends_its_trajectory_with_the_first(export) -> None:
+    """Each returned message of a call is one choice (a request's `n`): all of them followed the prompt as if the model
+    had replied several times in a row, so the trainer re-tokenized the second as a reply to the first."""
+    trajectory = export({"llm.request.type": "chat", "gen_ai.prompt.0.role": "user", "gen_ai.prompt.0.content": "hi",
+                         "gen_ai.completion.0.role": "assistant", "gen_ai.completion.0.content": "hello",
+                         "gen_ai.completion.1.role": "assistant", "gen_ai.completion.1.content": "hey"})
+    assert trajectory is not None
+    assert trajectory["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
 # --- the app sends another instrumentation's spans of the same calls too -------------------------
 #
 # Attribute sets as the real instrumentations write them for an `ARTChatModel` call (recorded
