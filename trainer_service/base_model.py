@@ -81,8 +81,11 @@ def resolve_base_model(name: str) -> str:
     accepted when it is in the local cache or the hub knows it.
 
     Raises:
-        BaseModelError: the model cannot be found; the message says what to do.
+        BaseModelError: the name is empty, or the model cannot be found; the message says what to do.
     """
+    if not name.strip():  # a set but empty ART_TRAINER_BASE_MODEL; as a path it would be `.`, the working folder
+        raise BaseModelError(f"--base-model (ART_TRAINER_BASE_MODEL) is empty: give the bundled {BUNDLED_MODEL}, a "
+                             "local model folder or a hub name, or leave it unset for the bundled one.")
     if name.lower() == BUNDLED_MODEL.lower():
         target = art_home() / "models" / BUNDLED_MODEL
         if not (target / "config.json").is_file():
@@ -98,6 +101,15 @@ def resolve_base_model(name: str) -> str:
         raise BaseModelError(f"Base model folder {name} does not exist.")
     _check_hub_name(name)
     return name
+
+
+def base_model_key(name: str) -> str:
+    """`name` as `resolve_base_model` tells models apart: the bundled model's name whatever its case, an existing
+    local folder by its absolute path (`./m`, `m/` and `/abs/m` are one model), anything else as given."""
+    if name.lower() == BUNDLED_MODEL.lower():
+        return BUNDLED_MODEL
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.exists() else name
 
 
 def check_base_model(path: str, chat_template: str | None, target_modules: Sequence[str]) -> None:

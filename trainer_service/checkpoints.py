@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 
 from collector.config import validation_problem
+from trainer_service.base_model import base_model_key
 from trainer_service.durable import durable_rename
 from trainer_service.protocol import PromotionDecision
 
@@ -180,8 +181,9 @@ class CheckpointStore:
             return []
         removed = []
         for path in self.root.iterdir():
-            if path.is_dir() and (path.name.startswith(".step-") or (_STEP_DIR.match(path.name)
-                                                                     and not _has_manifest(path))):
+            temporary = path.name.startswith(".step-") and path.is_dir()
+            unfinished = _STEP_DIR.match(path.name) and (path.is_dir() or path.is_symlink()) and not _has_manifest(path)
+            if temporary or unfinished:  # a dangling `step-N` link too: it would stop step N's save (not a directory)
                 try:
                     if path.is_symlink():  # the link only: what it points to was never written here
                         path.unlink()
@@ -197,8 +199,9 @@ class CheckpointStore:
         return removed
 
     def check_compatible(self, base_model: str, lora_r: int, target_modules: Sequence[str], lora_alpha: int) -> None:
-        """Check that every kept checkpoint was trained on `base_model` with this LoRA rank, modules and alpha, that
-        its manifest records the step its folder is named for, and that its files can be read (`_check_files`).
+        """Check that every kept checkpoint was trained on `base_model` (under any name of it: `base_model_key`) with
+        this LoRA rank, modules and alpha, that its manifest records the step its folder is named for, and that its
+        files can be read (`_check_files`).
 
         A resumed adapter trained with another alpha would be scaled by the new `lora_alpha / lora_r`: its
         next checkpoint would serve another policy than the one it was trained as.
@@ -207,27 +210,15 @@ class CheckpointStore:
             CheckpointMismatchError: names the first checkpoint that differs (or the file of it that cannot be
                 read), what differs, and the fix.
         """
-        wanted = {"base_model": base_model, "lora_r": lora_r, "lora_alpha": lora_alpha,
+        wanted = {"base_model": base_model_key(base_model), "lora_r": lora_r, "lora_alpha": lora_alpha,
                   "target_modules": sorted(target_modules)}
         existing = self.existing()
         for step, path in existing:
             try:
-                manifest = json.loads((path / MANIFEST).read_text())
-                config = (manifest.get("config") or {}) if isinstance(manifest, dict) else None
-                modules = config.get("target_modules", []) if isinstance(config, dict) else None
-                if not isinstance(modules, list) or not all(isinstance(name, str) for name in modules):
-                    raise ValueError("not a JSON object whose `config` is an object with a `target_modules` list of "
-                                     "names")
-                if manifest.get("step") != step:  # the trainer resumes its step counter from it
-                    raise ValueError(f"its `step` is {manifest.get('step')!r}, not {step} as its folder is named")
-                if not isinstance(manifest.get("metrics"), dict | None):  # and its last metrics
-                    raise ValueError("its `metrics` is not an object")
+                recorded = _recorded(json.loads((path / MANIFEST).read_text()), step)
             except (OSError, ValueError) as exc:
                 raise self._unreadable(path / MANIFEST, exc) from exc
-            recorded = {"base_model": manifest.get("base_model"), "lora_r": config.get("lora_r"),
-                        "lora_alpha": config.get("lora_alpha"),
-                        "target_modules": sorted(config["target_modules"]) if "target_modules" in config else None}
-            differ = [key for key in _FLAGS if recorded[key] is not None and recorded[key] != wanted[key]]
+            differ = [key for key in _FLAGS if recorded[key] != wanted[key]]
             if differ:
                 found = ", ".join(f"{key} {recorded[key]!r} (now {wanted[key]!r})" for key in differ)
                 flags = " ".join(f"{_FLAGS[key]} {_flag_value(recorded[key])}" for key in differ)
@@ -354,6 +345,34 @@ class CheckpointStore:
         body = {**state, "evals": {str(k): v for k, v in (state.get("evals") or {}).items()}}
         tmp.write_text(json.dumps(body, indent=2))
         durable_rename(tmp, self.root / _PROMOTION)
+
+
+def _recorded(manifest: Any, step: int) -> dict[str, Any]:
+    """The settings of `_FLAGS` that the manifest of checkpoint `step` records (`base_model` as `base_model_key`
+    names it, `target_modules` sorted).
+
+    Raises:
+        ValueError: it is not a JSON object whose `config` is an object with a `target_modules` list of names, or
+            its `step` is not `step` (the trainer resumes its step counter from it), its `metrics` (its last metrics)
+            not an object, or it leaves one of those settings out (its adapter's fit could not be checked).
+    """
+    config = (manifest.get("config") or {}) if isinstance(manifest, dict) else None
+    modules = config.get("target_modules", []) if isinstance(config, dict) else None
+    if not isinstance(modules, list) or not all(isinstance(name, str) for name in modules):
+        raise ValueError("not a JSON object whose `config` is an object with a `target_modules` list of names")
+    if manifest.get("step") != step:
+        raise ValueError(f"its `step` is {manifest.get('step')!r}, not {step} as its folder is named")
+    if not isinstance(manifest.get("metrics"), dict | None):
+        raise ValueError("its `metrics` is not an object")
+    base_model = manifest.get("base_model")
+    recorded = {"base_model": base_model_key(base_model) if isinstance(base_model, str) else base_model,
+                "lora_r": config.get("lora_r"),
+                "lora_alpha": config.get("lora_alpha"),
+                "target_modules": sorted(modules) if "target_modules" in config else None}
+    unrecorded = [key for key, value in recorded.items() if value is None]
+    if unrecorded:
+        raise ValueError(f"it records no {', '.join(unrecorded)}: whether its adapter fits cannot be checked")
+    return recorded
 
 
 def _has_manifest(path: Path) -> bool:

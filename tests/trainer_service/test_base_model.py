@@ -38,6 +38,17 @@ def test_local_folder_and_hub_names(tmp_path: Path) -> None:
         resolve_base_model(str(tmp_path / "missing"))
 
 
+@pytest.mark.parametrize("name", ["", " "])
+def test_an_empty_name_is_refused_not_read_as_the_working_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  name: str) -> None:
+    """`ART_TRAINER_BASE_MODEL=` (set, empty) gave the name '', which was the folder `.`: the working folder was the
+    base model when it held a config.json, else the error named a folder `.` nobody gave."""
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BaseModelError, match=r"^--base-model \(ART_TRAINER_BASE_MODEL\) is empty: give "):
+        resolve_base_model(name)
+
+
 def test_unknown_hub_name_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from huggingface_hub import constants
 

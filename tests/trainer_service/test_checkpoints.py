@@ -158,6 +158,27 @@ def test_lora_shape_mismatch_names_the_checkpoint_and_the_flags(tmp_path: Path) 
         store.check_compatible("m", 8, ["q_proj", "v_proj"], 32)
 
 
+def test_the_same_base_model_named_another_way_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--base-model` takes the bundled model's name in any case and a local folder by any path to it; a run trained
+    under one of these names was refused under another, as if trained on another model."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    root = tmp_path / "checkpoints"
+    (root / "step-1").mkdir(parents=True)
+    save_file({}, root / "step-1" / "adapter_model.safetensors")
+    (root / "step-1" / "adapter_config.json").write_text("{}")
+    config = {"lora_r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    store = CheckpointStore(root)
+    for recorded, now in (("smollm2-135m-instruct", "SmolLM2-135M-Instruct"), ("./model", str(tmp_path / "model")),
+                          ("model/", "model")):
+        manifest = {"step": 1, "base_model": recorded, "config": config}
+        (root / "step-1" / "manifest.json").write_text(json.dumps(manifest))
+        store.check_compatible(now, 8, ["q_proj"], 16)
+    with pytest.raises(CheckpointMismatchError, match=r"step-1 was trained with base_model '.*/model' \(now "
+                                                      r"'SmolLM2-360M-Instruct'\).*--base-model .*/model"):
+        store.check_compatible("SmolLM2-360M-Instruct", 8, ["q_proj"], 16)
+
+
 def test_an_unreadable_manifest_names_the_folder_and_the_fix(tmp_path: Path) -> None:
     (tmp_path / "step-2").mkdir()
     (tmp_path / "step-2" / "manifest.json").write_text('{"step": 2, "base_mo')  # damaged on disk
@@ -280,6 +301,26 @@ def test_a_manifest_without_its_folders_step_stops_the_start(tmp_path: Path, man
         CheckpointStore(tmp_path).check_compatible("m", 8, ["q_proj"], 16)
 
 
+@pytest.mark.parametrize(("unrecorded", "trained_with"), [
+    ("base_model", {}), ("lora_r", {"lora_r": 16}), ("lora_alpha", {"lora_alpha": 32}),
+    ("target_modules", {"target_modules": ["q_proj", "v_proj"]}),
+])
+def test_a_manifest_that_does_not_record_what_its_adapter_fits_stops_the_start(tmp_path: Path, unrecorded: str,
+                                                                              trained_with: dict) -> None:
+    """Such a manifest was let through unchecked: an adapter of another rank failed the resume with torch's
+    size-mismatch traceback once vLLM ran; one of another alpha, other modules or another base model was served."""
+    trainer = make_trainer(**trained_with)
+    trainer.step_count = 1
+    path = trainer.save(tmp_path / "checkpoints" / "step-1")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest.pop(unrecorded, None)
+    manifest["config"].pop(unrecorded, None)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointMismatchError, match=rf"step-1/manifest.json cannot be read \(it records no "
+                                                      rf"{unrecorded}\b.*\)\. Move .*step-1 out of"):
+        make_service(tmp_path, [], [])
+
+
 def test_only_folders_named_as_the_store_names_them_are_checkpoints(tmp_path: Path) -> None:
     for name, step in (("step-2", 2), ("step-02", 2), ("step-0", 0)):  # step 0 is the base model
         (tmp_path / name).mkdir()
@@ -303,6 +344,20 @@ def test_a_symlinked_checkpoint_is_deleted_with_its_folder_and_a_dangling_one_is
     store.delete(1)  # retention frees the disk the checkpoint is on
     assert not (root / "step-1").is_symlink() and not (elsewhere / "step-1").exists()
     assert store.remove_partial() == [] and store.existing() == []
+
+
+def test_a_dangling_step_link_is_removed_at_start_and_its_step_written_again(tmp_path: Path) -> None:
+    """A `step-N` link whose folder is gone (`delete` cut off after the folder, the other disk not mounted) has no
+    manifest, so it is no checkpoint; it was kept, and every later save of step N failed (507, `Not a directory`)."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / "step-1").symlink_to(tmp_path / "other-disk" / "step-1")
+    store = CheckpointStore(root)
+    assert store.remove_partial() == ["step-1"] and not (root / "step-1").is_symlink()
+    trainer = make_trainer()
+    trainer.step_count = 1
+    trainer.save(store.path(1))
+    assert store.existing() == [(1, root / "step-1")] and not (tmp_path / "other-disk").exists()
 
 
 async def test_adapter_vllm_refuses_is_rolled_back_and_removed(tmp_path: Path,
