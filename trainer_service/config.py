@@ -24,7 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from collector.auth import configured_key
 from collector.config import check_http_url
 from collector.protocol import MAX_LEASE_SECONDS, BatchRequest
-from trainer_service.base_model import BUNDLED_MODEL
+from trainer_service.base_model import BUNDLED_MODEL, served_base_name
 from trainer_service.metrics import CHECKPOINT_METRICS, LOSS_METRICS, is_checkpoint_metric
 
 CPU_KV_BLOCK_SIZE = 32
@@ -495,6 +495,9 @@ class TrainerSettings(BaseSettings):
         if "ART_TRAINER_API_KEY" in os.environ:  # read until it was dropped: ignoring it would open the API
             raise ValueError("ART_TRAINER_API_KEY is not read: the API key is ART_API_KEY, the one the plugin sends "
                              "to the trainer and the collector. Set ART_API_KEY and unset ART_TRAINER_API_KEY.")
+        if self.name == served_base_name(self.base_model):  # `name` resolves to name@latest: the base would be hidden
+            raise ValueError(f"--name (ART_TRAINER_NAME) {self.name!r} is the name the base model is served under; "
+                             "give the trained model another name")
         for arg in self.vllm_args:
             flag = arg.split("=", 1)[0].replace("_", "-").replace("--no-", "--", 1)  # --no-enable-lora
             # vLLM takes a unique prefix of a flag (`--max-lora-r`), and no flag of its own is a prefix of one of ours

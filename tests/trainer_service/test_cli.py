@@ -74,6 +74,15 @@ def test_the_api_key_comes_from_art_api_key_only(monkeypatch: pytest.MonkeyPatch
     assert TrainerSettings().api_key == "shared"
 
 
+@pytest.mark.parametrize(("name", "base_model"), [("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
+                                                  ("my-base", "./models/my-base")])
+def test_the_trained_model_cannot_take_the_base_models_name(name: str, base_model: str) -> None:
+    """`name` alone resolves to `name@latest`: under the base's served name it would hide the base model."""
+    with pytest.raises(ValueError, match="is the name the base model is served under"):
+        TrainerSettings(name=name, base_model=base_model)
+    assert TrainerSettings(name="agent", base_model=base_model).name == "agent"
+
+
 def test_bad_values_exit_with_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["serve", "--lora-r", "16"])
