@@ -22,7 +22,8 @@ says when another holds different ones). A flattened conversation (OpenLLMetry's
 number, such as `gen_ai.prompt.0` and `gen_ai.prompt.2` without `gen_ai.prompt.1`, misses a message (the SDK's
 attribute count limit drops a long conversation's oldest attributes): it reads as absent, with a warning. A call
 whose mark that limit dropped (`llm.request.type`, `openinference.span.kind`, set first) is still a model call by its
-reply (`gen_ai.completion.0.role`, `llm.output_messages.0.message.role`, set last).
+reply (`gen_ai.completion.0.role`, `llm.output_messages.0.message.role`, set last). The numbered items of the
+flattened conventions are read in `collector.flattened_messages`; this module picks the convention and reads the rest.
 
 `finish_reason` reads why a call's first reply ended wherever its convention records it:
 `gen_ai.response.finish_reasons`, the `finish_reason` of each structured `gen_ai.output.messages` entry,
@@ -43,6 +44,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from art_langgraph import semconv as sc
+from collector.flattened_messages import (
+    arguments_text,
+    as_dict,
+    decoded,
+    flat_message,
+    openinference_message,
+    openinference_tools,
+    parts_text,
+    unflatten,
+)
 
 __all__ = ["Conversation", "conversation", "describes_art_call", "finish_reason", "is_generation", "same_messages"]
 
@@ -57,7 +68,6 @@ OPENINFERENCE_SPAN_KIND = "openinference.span.kind"
 OPENINFERENCE_INPUT = "llm.input_messages."
 OPENINFERENCE_OUTPUT = "llm.output_messages."
 OPENINFERENCE_MODEL = "llm.model_name"
-OPENINFERENCE_TOOLS = "llm.tools."
 OPENINFERENCE_METADATA = "metadata"
 """OpenInference: JSON object of the LangChain run's metadata."""
 OPENINFERENCE_FINISH_REASON = "llm.finish_reason"
@@ -99,10 +109,10 @@ def is_generation(attributes: Mapping[str, Any]) -> bool:
 
 def describes_art_call(attributes: Mapping[str, Any]) -> bool:
     """True for another instrumentation's span of an `ARTChatModel` call (run metadata `art.traced = true`)."""
-    marked = _decoded(attributes.get(f"{LANGFUSE_METADATA}{sc.TRACED_RUN}"))
+    marked = decoded(attributes.get(f"{LANGFUSE_METADATA}{sc.TRACED_RUN}"))
     if marked is True:
         return True
-    metadata = _decoded(attributes.get(OPENINFERENCE_METADATA))
+    metadata = decoded(attributes.get(OPENINFERENCE_METADATA))
     return isinstance(metadata, Mapping) and metadata.get(sc.TRACED_RUN) is True
 
 
@@ -116,7 +126,7 @@ def conversation(attributes: Mapping[str, Any], *, span_id: str = "?") -> Conver
         ),
         None,
     )
-    tools = _gen_ai_tools(attributes, span_id) or _openinference_tools(attributes, span_id)
+    tools = _gen_ai_tools(attributes, span_id) or openinference_tools(attributes, span_id)
     read = [(name, found) for name, reader in _CONVENTIONS if (found := reader(attributes, span_id)) is not None]
     if not read:
         return Conversation(tools=tools, model=model)
@@ -147,8 +157,8 @@ def _finish_reasons(attributes: Mapping[str, Any]) -> Iterator[object]:
     messages are JSON to decode)."""
     reasons = attributes.get(sc.GEN_AI_RESPONSE_FINISH_REASONS)
     yield reasons[0] if isinstance(reasons, list) and reasons else reasons
-    output = _decoded(attributes.get(sc.GEN_AI_OUTPUT_MESSAGES))
-    yield _dict(output[0]).get("finish_reason") if isinstance(output, list) and output else None
+    output = decoded(attributes.get(sc.GEN_AI_OUTPUT_MESSAGES))
+    yield as_dict(output[0]).get("finish_reason") if isinstance(output, list) and output else None
     yield attributes.get(f"{GEN_AI_COMPLETION}0.finish_reason")
     yield attributes.get(OPENINFERENCE_FINISH_REASON)
 
@@ -171,7 +181,7 @@ def _read_gen_ai(attributes: Mapping[str, Any], span_id: str) -> _Messages | Non
     system = _json(attributes, GEN_AI_SYSTEM_INSTRUCTIONS, span_id)
     sent = _semconv_messages(_json(attributes, sc.GEN_AI_INPUT_MESSAGES, span_id), span_id)
     if isinstance(system, list) and not any(m.get("role") == "system" for m in sent):
-        sent = [{"role": "system", "content": _parts_text(system)}, *sent]
+        sent = [{"role": "system", "content": parts_text(system)}, *sent]
     return sent, _semconv_messages(_json(attributes, sc.GEN_AI_OUTPUT_MESSAGES, span_id), span_id), []
 
 
@@ -179,11 +189,11 @@ def _read_flattened(attributes: Mapping[str, Any], span_id: str) -> _Messages | 
     """`gen_ai.prompt.N.*` / `gen_ai.completion.N.*`; None where absent, nothing where a message is missing."""
     if not any(key.startswith((GEN_AI_PROMPT, GEN_AI_COMPLETION)) for key in attributes):
         return None
-    prompt, completion = _unflatten(attributes, GEN_AI_PROMPT, span_id), _unflatten(
+    prompt, completion = unflatten(attributes, GEN_AI_PROMPT, span_id), unflatten(
         attributes, GEN_AI_COMPLETION, span_id)
     if prompt is None or completion is None:
         return [], [], []
-    return [_flat_message(node) for node in prompt], [_flat_message(node, "assistant") for node in completion], []
+    return [flat_message(node) for node in prompt], [flat_message(node, "assistant") for node in completion], []
 
 
 def _read_openinference(attributes: Mapping[str, Any], span_id: str) -> _Messages | None:
@@ -191,12 +201,12 @@ def _read_openinference(attributes: Mapping[str, Any], span_id: str) -> _Message
     message is missing."""
     if not any(key.startswith((OPENINFERENCE_INPUT, OPENINFERENCE_OUTPUT)) for key in attributes):
         return None
-    prompt, completion = _unflatten(attributes, OPENINFERENCE_INPUT, span_id), _unflatten(
+    prompt, completion = unflatten(attributes, OPENINFERENCE_INPUT, span_id), unflatten(
         attributes, OPENINFERENCE_OUTPUT, span_id)
     if prompt is None or completion is None:
         return [], [], []
-    sent = [_openinference_message(node) for node in prompt]
-    return sent, [_openinference_message(node, "assistant") for node in completion], []
+    sent = [openinference_message(node) for node in prompt]
+    return sent, [openinference_message(node, "assistant") for node in completion], []
 
 
 def _read_langfuse(attributes: Mapping[str, Any], span_id: str) -> _Messages | None:
@@ -222,7 +232,7 @@ _CONVENTIONS = (
 
 def _essence(message: Mapping[str, Any]) -> tuple[Any, ...]:
     content = message.get("content")
-    text = _parts_text(content) if isinstance(content, list) else (content or "")
+    text = parts_text(content) if isinstance(content, list) else (content or "")
     calls = []
     for call in message.get("tool_calls") or []:
         function = call.get("function", call) if isinstance(call, Mapping) else {}
@@ -236,16 +246,6 @@ def _essence(message: Mapping[str, Any]) -> tuple[Any, ...]:
     return message.get("role"), str(text).strip(), tuple(calls), message.get("tool_call_id")
 
 
-def _decoded(value: Any) -> Any:
-    """A JSON-encoded attribute value decoded; anything else (or text that is not JSON) as it is."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:
-        return value
-
-
 def _json(attributes: Mapping[str, Any], key: str, span_id: str) -> Any:
     raw = attributes.get(key)
     if not isinstance(raw, str):
@@ -255,26 +255,6 @@ def _json(attributes: Mapping[str, Any], key: str, span_id: str) -> Any:
     except json.JSONDecodeError as exc:
         log.warning("span %s: attribute %s is not valid JSON (%s); ignored", span_id, key, exc)
         return None
-
-
-def _parts_text(parts: list[Any]) -> str:
-    """Text of a list of content parts (`{"type": "text", "content"|"text": ...}` or plain strings)."""
-    texts = []
-    for part in parts:
-        if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, Mapping) and part.get("type", "text") == "text":
-            texts.append(str(part.get("content", part.get("text", ""))))
-    return "".join(texts)
-
-
-def _arguments(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
-
-
-def _dict(value: Any) -> dict[str, Any]:
-    """`value` when it is an object, else an empty one: a part of unexpected shape reads as absent."""
-    return value if isinstance(value, dict) else {}
 
 
 def _openai_message(message: Mapping[str, Any], span_id: str) -> dict[str, Any]:
@@ -312,7 +292,7 @@ def _semconv_messages(value: Any, span_id: str) -> list[dict[str, Any]]:
             result = response.get("response", response.get("result"))
             content = result if isinstance(result, str) else json.dumps(result)
             out.append({"role": "tool", "tool_call_id": response.get("id"), "content": content})
-        text = _parts_text(parts)
+        text = parts_text(parts)
         if text or calls or not responses:
             converted: dict[str, Any] = {"role": role, "content": text}
             if calls:
@@ -320,132 +300,12 @@ def _semconv_messages(value: Any, span_id: str) -> list[dict[str, Any]]:
                     {
                         "id": c.get("id"),
                         "type": "function",
-                        "function": {"name": c.get("name"), "arguments": _arguments(c.get("arguments", {}))},
+                        "function": {"name": c.get("name"), "arguments": arguments_text(c.get("arguments", {}))},
                     }
                     for c in calls
                 ]
             out.append(converted)
     return out
-
-
-def _unflatten(attributes: Mapping[str, Any], prefix: str, span_id: str) -> list[Any] | None:
-    """`prefix.0.a.b = x` style attributes as a nested structure; numbered levels become lists.
-
-    None, with a warning, when a numbered level skips a number (`prefix.0` and `prefix.2`, or no `prefix.0`): an item
-    is missing, as when the SDK's attribute count limit (128 by default) dropped a long conversation's oldest ones.
-    """
-    tree: dict[str, Any] = {}
-    for key, value in attributes.items():
-        if not key.startswith(prefix):
-            continue
-        node = tree
-        *path, leaf = key[len(prefix) :].split(".")
-        for segment in path:
-            child = node.setdefault(segment, {})
-            if not isinstance(child, dict):
-                break
-            node = child
-        else:
-            node[leaf] = value
-    if (missing := _missing_number(tree, prefix)) is not None:
-        log.warning("span %s: %s is missing (dropped by an attribute limit?); %s* read as absent", span_id, missing,
-                    prefix)
-        return None
-    listed = _lists(tree)
-    return listed if isinstance(listed, list) else []
-
-
-def _numbered(node: Any) -> bool:
-    """Whether `node` is a numbered level of `_unflatten`'s tree (read as a list)."""
-    # not isdigit: `int` refuses digits such as "²"
-    return isinstance(node, dict) and bool(node) and all(key.isdecimal() for key in node)
-
-
-def _missing_number(tree: dict[str, Any], prefix: str) -> str | None:
-    """The attribute name of the first item a numbered level of `tree` skips, or None when none skips one."""
-    pending = [(tree, prefix)]
-    while pending:
-        node, path = pending.pop()
-        if _numbered(node):
-            numbers = sorted(int(key) for key in node)
-            if numbers != list(range(len(numbers))):
-                return f"{path}{next(n for n, number in enumerate(numbers) if n != number)}"
-        if isinstance(node, dict):
-            pending.extend((child, f"{path}{key}.") for key, child in sorted(node.items(), reverse=True))
-    return None
-
-
-def _lists(node: Any) -> Any:
-    if not isinstance(node, dict):
-        return node
-    if _numbered(node):
-        return [_lists(node[key]) for key in sorted(node, key=int)]
-    return {key: _lists(value) for key, value in node.items()}
-
-
-def _flat_message(node: Any, default_role: str = "user") -> dict[str, Any]:
-    """One `gen_ai.prompt.N` / `gen_ai.completion.N` message (OpenLLMetry's flattened form)."""
-    node = node if isinstance(node, dict) else {}
-    message: dict[str, Any] = {"role": node.get("role", default_role), "content": _flat_content(node.get("content"))}
-    calls = node.get("tool_calls")
-    if isinstance(calls, list) and calls:
-        message["tool_calls"] = [
-            {
-                "id": c.get("id"),
-                "type": "function",
-                "function": {"name": c.get("name"), "arguments": _arguments(c.get("arguments", "{}"))},
-            }
-            for c in calls
-            if isinstance(c, dict)
-        ]
-    if node.get("tool_call_id"):
-        message["tool_call_id"] = node["tool_call_id"]
-    return message
-
-
-def _flat_content(value: Any) -> str:
-    """A flattened message's content: OpenLLMetry writes a list of content parts as its JSON text, read as the
-    parts' text."""
-    if isinstance(value, str) and value.startswith("["):
-        parts = _decoded(value)
-        if isinstance(parts, list) and parts and all(isinstance(p, Mapping) and "type" in p for p in parts):
-            return _parts_text(parts)
-    return _text(value)
-
-
-def _text(value: Any) -> str:
-    """A flattened content attribute as text: an array is a list of parts, another value its JSON ("" for none)."""
-    if value is None or isinstance(value, str):
-        return value or ""
-    return _parts_text(value) if isinstance(value, list) else json.dumps(value)
-
-
-def _openinference_message(node: Any, default_role: str = "user") -> dict[str, Any]:
-    """One `llm.*_messages.N.message` (OpenInference)."""
-    body = _dict(_dict(node).get("message"))
-    content = body.get("content")
-    if content is None and isinstance(body.get("contents"), list):
-        content = _parts_text([c.get("message_content", {}) for c in body["contents"] if isinstance(c, dict)])
-    message: dict[str, Any] = {"role": body.get("role", default_role), "content": _text(content)}
-    calls = body.get("tool_calls")
-    if isinstance(calls, list) and calls:
-        message["tool_calls"] = []
-        for call in calls:
-            inner = _dict(_dict(call).get("tool_call"))
-            function = _dict(inner.get("function"))
-            message["tool_calls"].append(
-                {
-                    "id": inner.get("id"),
-                    "type": "function",
-                    "function": {
-                        "name": function.get("name"),
-                        "arguments": _arguments(function.get("arguments", "{}")),
-                    },
-                }
-            )
-    if body.get("tool_call_id"):
-        message["tool_call_id"] = body["tool_call_id"]
-    return message
 
 
 def _langfuse_messages(raw: Any, role: str, span_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -475,7 +335,7 @@ def _gen_ai_tools(attributes: Mapping[str, Any], span_id: str) -> list[dict[str,
     value = _json(attributes, sc.GEN_AI_TOOL_DEFINITIONS, span_id)
     if isinstance(value, list):
         return [tool for tool in value if isinstance(tool, dict)]
-    functions = _unflatten(attributes, OPENLLMETRY_FUNCTIONS, span_id) or []
+    functions = unflatten(attributes, OPENLLMETRY_FUNCTIONS, span_id) or []
     tools = []
     for function in functions:
         if isinstance(function, dict) and function.get("name"):
@@ -491,19 +351,4 @@ def _gen_ai_tools(attributes: Mapping[str, Any], span_id: str) -> list[dict[str,
                 "parameters": parameters or {},
             }
             tools.append({"type": "function", "function": spec})
-    return tools
-
-
-def _openinference_tools(attributes: Mapping[str, Any], span_id: str) -> list[dict[str, Any]]:
-    tools = []
-    for node in _unflatten(attributes, OPENINFERENCE_TOOLS, span_id) or []:
-        schema = _dict(_dict(node).get("tool")).get("json_schema")
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                log.warning("span %s: OpenInference tool schema is not JSON (%s); ignored", span_id, exc)
-                continue
-        if isinstance(schema, dict):
-            tools.append(schema)
     return tools
