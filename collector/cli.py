@@ -14,7 +14,8 @@ environment (flags override):
   ART_COLLECTOR_REWARD_NAME, ART_COLLECTOR_REWARD_WEIGHTS (JSON, e.g. '{"correct":1,"short":0.5}'),
   ART_COLLECTOR_GROUP_TIMEOUT_SECONDS, ART_COLLECTOR_KEEP_ZERO_SPREAD, ART_COLLECTOR_MAX_FAILED_ATTEMPTS,
   ART_COLLECTOR_IDLE_SECONDS, ART_COLLECTOR_MAX_BODY_BYTES, ART_API_KEY (write endpoints then need a Bearer token),
-  ART_HOME (folder of the default SQLite file, default ~/.cache/art-langgraph)
+  ART_HOME (folder of the default SQLite file, default ~/.cache/art-langgraph),
+  ART_COLLECTOR_JUDGE_* (the RULER judge) and ART_COLLECTOR_LANGFUSE_* (the Langfuse sync): see the README
 """
 
 
@@ -41,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
             "(default sqlite:///$ART_HOME/collector.db; env ART_COLLECTOR_DB)"
         ),
     )
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="log level of the collector and uvicorn (default %(default)s; a flag only, with no "
+                       "environment variable)")
     return parser
 
 

@@ -215,6 +215,16 @@ def _or_none(kind: type) -> Callable[[str], Any]:
     return parse
 
 
+def _flag_help(description: str, name: str, default: Any, takes_none: bool = False) -> str:
+    """The help of the flag of setting `name`: its description, then its variable and its default. A None default
+    is shown only for a flag that takes `none` (`takes_none`): no value of another flag gives None, and its
+    description says what leaving it unset does (e.g. `Default: 32 without CUDA, ...`)."""
+    said = [f"env ART_TRAINER_{name.upper()}"]
+    if default is not None or takes_none:
+        said.append(f"default: {default}{'; none for None' if takes_none else ''}")
+    return f"{description} [{', '.join(said)}]"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the `art-trainer` argument parser."""
     parser = argparse.ArgumentParser(
@@ -228,16 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve the base model and its checkpoints (`NAME@N`, `NAME@latest`) through an "
         "OpenAI-compatible API, and train on batches from the collector on `POST /v1/train`. Every flag "
         "overrides its ART_TRAINER_* environment variable; ART_API_KEY sets the API key.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     service = serve.add_argument_group("service (env ART_TRAINER_<FIELD>)")
     for flag, (name, kind) in _SETTINGS_FLAGS.items():
         info = TrainerSettings.model_fields[name]
-        default = "runs/<name>" if name == "output_dir" else info.default
-        env = f"ART_TRAINER_{name.upper()}"
         # SUPPRESS: an absent flag leaves the attribute unset, so the environment decides.
         service.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS, choices=_CHOICES.get(name),
-                             help=f"{info.description} [env {env}, default: {default}]")
+                             help=_flag_help(str(info.description), name, info.default))
     service.add_argument(
         "--no-warm-up", dest="warm_up", action="store_false", default=argparse.SUPPRESS,
         help="Start without the trainer's warm-up passes; the first steps then pay for fresh memory. "
@@ -250,11 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     grpo = serve.add_argument_group("GRPO (env ART_TRAINER_<FIELD>)")
     defaults = {f.name: f.default for f in fields(GRPOConfig)}
     for flag, (name, kind) in _GRPO_FLAGS.items():
-        env = f"ART_TRAINER_{name.upper()}"
         optional = name in OPTIONAL_FIELDS
         grpo.add_argument(flag, dest=name, type=_or_none(kind) if optional else kind, default=argparse.SUPPRESS,
-                          choices=_CHOICES.get(name), help=f"{GRPOConfig.help(name)} [env {env}, default: "
-                          f"{defaults[name]}{'; none for None' if optional else ''}]")
+                          choices=_CHOICES.get(name), help=_flag_help(GRPOConfig.help(name), name, defaults[name],
+                                                                      takes_none=optional))
     grpo.add_argument("--target-modules", dest="target_modules", type=split_modules,
                       default=argparse.SUPPRESS, help=f"{GRPOConfig.help('target_modules')} Comma-separated. "
                       "[env ART_TRAINER_TARGET_MODULES]")
@@ -262,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Do not divide advantages by the group's reward standard deviation. "
                       "[env ART_TRAINER_SCALE_REWARDS=false]")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                       help="Log level of the service and uvicorn; a flag only, with no environment variable.")
+                       help="Log level of the service and uvicorn; a flag only, with no environment variable. "
+                       "[default: %(default)s]")
     return parser
 
 

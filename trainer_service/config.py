@@ -224,7 +224,7 @@ class TrainerSettings(BaseSettings):
     vllm_dtype: str = Field(
         default="float32",
         description="vLLM weight dtype (`--dtype`). float32 keeps small LoRA updates in the served policy; bfloat16 "
-        "sampled 1.6x faster through an adapter on a 2-core AMX CPU but rounds them away: the arithmetic example "
+        "sampled 1.44x faster through an adapter on a 2-core AMX CPU but rounds them away: the arithmetic example "
         "gained +0.105 ± 0.030 with it against +0.256 ± 0.081 in float32 (3 seeds each; README, vLLM's precision). "
         "`--vllm-matmul-dtype` gets most of the speed without the loss.",
     )
@@ -324,8 +324,8 @@ class TrainerSettings(BaseSettings):
         default=3600.0, gt=0, le=MAX_LEASE_SECONDS - LEASE_MARGIN_S,
         description="With train_processes > 1: seconds one step's `torchrun` workers may take before all of them are "
         "killed and the step fails (a stuck rank or collective otherwise blocks training for good). Also sizes the "
-        "collector lease of every step, in one process too (`lease_seconds`), so a batch is not offered again while "
-        "its step runs; at most the collector's longest lease (a week) less `LEASE_MARGIN_S`.",
+        f"collector lease of every step, in one process too (this + {LEASE_MARGIN_S:g} s), so a batch is not offered "
+        f"again while its step runs; at most the collector's longest lease (a week) less {LEASE_MARGIN_S:g} s.",
     )
 
     def lease_seconds(self) -> float:
@@ -386,7 +386,7 @@ class TrainerSettings(BaseSettings):
     # --- checkpoints
     keep_last: int | None = Field(
         default=None, ge=1, description="Keep this many newest checkpoints (plus the best and the promoted one); "
-        "older ones are deleted and unloaded from vLLM. None keeps every checkpoint.",
+        "older ones are deleted and unloaded from vLLM. Default: every checkpoint is kept.",
     )
     keep_best_metric: str | None = Field(
         default=None, description="Also keep the checkpoint with the best value of this metric, e.g. `eval/reward`."

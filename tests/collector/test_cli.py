@@ -334,3 +334,18 @@ def test_hide_password_hides_only_a_url_password(value: str, shown: str) -> None
     from collector.config import hide_password
 
     assert hide_password(value) == shown
+
+
+def test_serve_help_names_every_variable_serve_reads_and_the_log_levels_default(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from collector.config import CollectorSettings
+    from collector.scoring_config import JudgeSettings, LangfuseSettings
+
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = capsys.readouterr().out
+    own = [f"ART_COLLECTOR_{name.upper()}" for name, info in CollectorSettings.model_fields.items()
+           if info.validation_alias is None]
+    prefixes = [f"{settings.model_config['env_prefix']}*" for settings in (JudgeSettings, LangfuseSettings)]
+    assert [name for name in [*own, "ART_API_KEY", *prefixes] if name not in text] == []  # the judge's were missing
+    assert "log level of the collector and uvicorn (default info;" in " ".join(text.split())

@@ -249,6 +249,26 @@ def test_help_lists_env_and_defaults(capsys: pytest.CaptureFixture[str]) -> None
     assert unnamed == ["--help", "--log-level"]  # --vllm-arg's variable was missing
 
 
+def test_help_states_each_default_once_and_no_none_a_flag_cannot_take() -> None:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    helps = {action.option_strings[-1]: serve._get_formatter()._expand_help(action)
+             for action in serve._actions if action.option_strings}
+    twice = [flag for flag, text in helps.items() if len(re.findall(r"(?i)\bdefault(?:: | `)", text)) > 1]
+    assert twice == []  # `Default: 32 without CUDA, ...` then `default: None`
+    untakeable = [flag for flag, text in helps.items() if "default: None" in text and "none for None" not in text]
+    assert untakeable == []
+    assert "default: None; none for None" in helps["--epsilon-high"]  # `--epsilon-high none` gives it
+    assert "[default: info]" in helps["--log-level"]
+
+
+def test_the_vllm_dtype_help_quotes_the_measured_bf16_speed_up() -> None:
+    results = (Path(__file__).parents[2] / "bench" / "RESULTS.md").read_text()
+    measured = re.search(r"ratio bfloat16 / float32 \(speed\): through the adapter (\S+x)", results)
+    assert measured is not None
+    help_text = TrainerSettings.model_fields["vllm_dtype"].description or ""
+    assert f"sampled {measured.group(1)} faster through an adapter" in help_text  # it said 1.6x
+
+
 def test_grpo_fields_come_from_env_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ART_TRAINER_LEARNING_RATE", "3e-4")
     monkeypatch.setenv("ART_TRAINER_KL_COEF", "0.05")
