@@ -7,12 +7,14 @@ Every failure (no answer, an HTTP error, an answer that is not what the API publ
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any, TypeVar
 
 import httpx
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from collector.config import validation_problem
 from collector.protocol import (
     AckRequest,
     AckResponse,
@@ -65,6 +67,8 @@ class CollectorClient:
         self.http = httpx.AsyncClient(base_url=settings.collector, headers=headers, timeout=_TIMEOUT_S,
                                       transport=transport)
         """The HTTP client (the evaluator reads an eval split through it too)."""
+        self.shown_url = str(httpx.URL(settings.collector).copy_with(userinfo=b""))
+        """The collector's URL as messages show it: without the user and password it may hold."""
 
     async def ready_groups(self) -> int:
         """Groups ready for training (`GET /v1/groups?state=ready`).
@@ -74,13 +78,13 @@ class CollectorClient:
         """
         response = await self._send("GET", "/v1/groups", params={"state": "ready"})
         if response.status_code != 200:
-            raise ServiceError(502, "collector_error", f"GET /v1/groups?state=ready: HTTP {response.status_code}",
+            raise ServiceError(502, "collector_error", f"GET /v1/groups?state=ready: {self._refusal(response)}",
                                type="server_error")
         try:
             listed = _GROUPS.validate_json(response.content)
-        except ValueError as exc:
-            raise ServiceError(502, "collector_error", f"GET /v1/groups?state=ready did not answer with groups: {exc}",
-                               type="server_error") from exc
+        except ValidationError as exc:
+            raise ServiceError(502, "collector_error", "GET /v1/groups?state=ready did not answer with groups: "
+                               f"{_problems(exc)}", type="server_error") from exc
         return sum(1 for group in listed if group.state == "ready")  # a collector without the filter lists all
 
     async def lease(self, min_groups: int) -> Batch:
@@ -90,20 +94,21 @@ class CollectorClient:
         (900 s) would offer a batch to another trainer, and count a failed attempt, while a long step still trains.
 
         Raises:
-            ServiceError: 502 when the collector does not answer or not with a batch; 409 `no_batch_ready`
-                when it has nothing ready.
+            ServiceError: 502 when the collector does not answer or not with a batch (one whose answer names its
+                batch and holds groups is released, not as failed); 409 `no_batch_ready` when it has nothing ready.
         """
         request = BatchRequest(max_groups=self.settings.batch_groups, min_groups=min_groups, trainer=self.settings.name,
                                lease_seconds=self.settings.lease_seconds())
         response = await self._send("POST", "/v1/batches", json=request.model_dump())
         if response.status_code != 200:
-            raise ServiceError(502, "collector_error", f"The collector refused a batch lease: HTTP "
-                               f"{response.status_code}: {response.text[:500]}", type="server_error")
+            raise ServiceError(502, "collector_error", f"The collector refused a batch lease: "
+                               f"{self._refusal(response)}", type="server_error")
         try:
             batch = Batch.model_validate_json(response.content)
-        except ValueError as exc:
+        except ValidationError as exc:
+            fate = await self._release_unread(response, exc)
             raise ServiceError(502, "collector_error", f"The collector answered a batch lease with something that "
-                               f"is not a batch: {str(exc)[:500]}", type="server_error") from exc
+                               f"is not a batch: {_problems(exc)}{fate}", type="server_error") from exc
         if not batch.groups:
             raise ServiceError(409, "no_batch_ready", "The collector has no rewarded group ready for training yet; "
                                "record more rollouts with rewards and try again.")
@@ -145,6 +150,23 @@ class CollectorClient:
         return await self._post_to_batch(batch_id, "release", ReleaseRequest(reason=reason, failed=failed),
                                          ReleaseResponse, "a release")
 
+    async def _release_unread(self, response: httpx.Response, error: ValidationError) -> str:
+        """Give back a lease whose answer names its batch but is not one (a collector of another version): left
+        leased, its groups would wait for the lease to expire and count a failed attempt. Returns what the
+        lease's error message adds: the release, or why there was none."""
+        try:
+            answer = json.loads(response.content)
+        except ValueError:
+            return ""
+        batch_id, groups = (answer.get("id"), answer.get("groups")) if isinstance(answer, dict) else (None, None)
+        if not isinstance(batch_id, str) or not isinstance(groups, list) or not groups:
+            return ""  # no batch to release: a lease of no group stores none
+        try:
+            await self.release(batch_id, f"the trainer could not read the lease: {_problems(error)}", False)
+        except ServiceError as exc:
+            return f"; {exc.body.error.message}; its groups come back when the lease expires"
+        return f"; batch {batch_id} was released (not as failed), its groups are back in the collector's pool"
+
     async def aclose(self) -> None:
         """Close the HTTP client."""
         await self.http.aclose()
@@ -162,16 +184,16 @@ class CollectorClient:
         response, tried = await self._post_retried(f"/v1/batches/{batch_id}/{call}", body.model_dump(),
                                                    f"{call} of batch {batch_id}")
         if isinstance(response, httpx.HTTPError):
-            raise ServiceError(502, code, f"Could not {call} batch {batch_id}{said}{tried}: {type(response).__name__}: "
-                               f"{response}{unanswered}", type="server_error") from response
+            raise ServiceError(502, code, f"Could not {call} batch {batch_id}{said}{tried}: {_unanswered(response)}"
+                               f"{unanswered}", type="server_error") from response
         if response.status_code != 200:
-            raise ServiceError(502, code, f"The collector refused the {call} of batch {batch_id}{said}{tried}: HTTP "
-                               f"{response.status_code}: {response.text[:300]}", type="server_error")
+            raise ServiceError(502, code, f"The collector refused the {call} of batch {batch_id}{said}{tried}: "
+                               f"{self._refusal(response)}", type="server_error")
         try:
             return answer.model_validate_json(response.content)
-        except ValueError as exc:
+        except ValidationError as exc:
             raise ServiceError(502, code, f"The collector answered the {call} of batch {batch_id}{said} with something "
-                               f"that is not {named}: {str(exc)[:300]}", type="server_error") from exc
+                               f"that is not {named}: {_problems(exc)}", type="server_error") from exc
 
     async def _post_retried(self, path: str, body: dict[str, Any],
                             what: str) -> tuple[httpx.Response | httpx.HTTPError, str]:
@@ -186,7 +208,7 @@ class CollectorClient:
             except httpx.HTTPError as exc:
                 if not isinstance(exc, _TRANSIENT_ERRORS) or tries == _RETRY_TRIES:
                     return exc, tried
-                problem = f"{type(exc).__name__}: {exc}"
+                problem = _unanswered(exc)
             else:
                 if response.status_code not in _TRANSIENT_STATUSES or tries == _RETRY_TRIES:
                     return response, tried
@@ -203,6 +225,34 @@ class CollectorClient:
             return await self.http.request(method, path, params=params, json=json)
         except httpx.HTTPError as exc:
             raise ServiceError(502, "collector_unavailable",
-                               f"The collector at {self.settings.collector} did not answer: {exc}. "
+                               f"The collector at {self.shown_url} did not answer ({_unanswered(exc)}). "
                                "Start it (`art-collector serve`) or point --collector at it.",
                                type="server_error") from exc
+
+    def _refusal(self, response: httpx.Response) -> str:
+        """An error answer as messages show it: its status and the start of its body, and for a 401 what to do
+        about `ART_API_KEY`."""
+        body = response.text[:300]
+        shown = f"HTTP {response.status_code}: {body}" if body else f"HTTP {response.status_code}"
+        if response.status_code != 401:
+            return shown
+        if self.http.base_url.userinfo:  # httpx sends them as Basic auth, in place of the Bearer key
+            return (f"{shown} (the user and password in --collector's URL are sent in place of ART_API_KEY: "
+                    "take them out of the URL)")
+        key = ("ART_API_KEY is not the collector's key" if self.settings.api_key
+               else "ART_API_KEY is not set and the collector requires one")
+        return f"{shown} ({key}: set ART_API_KEY to the collector's ART_API_KEY and restart the trainer)"
+
+
+def _unanswered(error: httpx.HTTPError) -> str:
+    """Why a call got no answer, as `ReadTimeout: no answer within 60 s`: httpx's timeouts, and some
+    connections that broke, carry no message of their own."""
+    if isinstance(error, httpx.TimeoutException):
+        return f"{type(error).__name__}: no answer within {_TIMEOUT_S:g} s"
+    return f"{type(error).__name__}: {str(error) or 'the connection ended without an answer'}"
+
+
+def _problems(error: ValidationError) -> str:
+    """What an answer lacks, on one line (`groups: Field required; id: Input should be a valid string`), at most
+    500 characters: pydantic's own text spans lines and links its docs."""
+    return "; ".join(validation_problem(problem) for problem in error.errors())[:500]

@@ -3,6 +3,7 @@ ack says."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -182,3 +183,114 @@ async def test_a_call_the_collector_refuses_is_not_tried_again(call: str, status
     assert info.value.body.error.code == code
     assert sent == [f"/v1/batches/b1/{call}"] and f"{refused}: HTTP {status}" in info.value.body.error.message
     await collector.aclose()
+
+
+async def test_a_call_that_times_out_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    # httpx's timeouts carry no message: "did not answer: ." told nothing of the wait
+    monkeypatch.setattr(collector_client, "_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(collector_client, "_RETRY_FIRST_S", 0.01)
+
+    async def slow(scope: dict, receive: Any, send: Any) -> None:
+        await asyncio.sleep(2)
+
+    with served(slow, lifespan="off") as url:
+        collector = client(None, collector=url)
+        with pytest.raises(ServiceError) as leased:
+            await collector.lease(1)
+        with pytest.raises(ServiceError) as acked:
+            await collector.ack("b1", 3)
+        await collector.aclose()
+    assert f"at {url} did not answer (ReadTimeout: no answer within 0.2 s)" in leased.value.body.error.message
+    assert "in 4 tries: ReadTimeout: no answer within 0.2 s." in acked.value.body.error.message
+
+
+async def test_the_collector_url_s_credentials_are_not_shown() -> None:
+    # the message reaches the log and `GET /v1/status`'s queue_error
+    port = free_port()  # nothing listens: refused
+    collector = client(None, collector=f"http://trainer:topsecret@127.0.0.1:{port}/prefix")
+    for call in (collector.ready_groups(), collector.lease(1)):
+        with pytest.raises(ServiceError) as info:
+            await call
+        message = info.value.body.error.message
+        assert f"The collector at http://127.0.0.1:{port}/prefix did not answer (ConnectError: " in message
+        assert "topsecret" not in message and "trainer" not in message
+    await collector.aclose()
+
+
+_FIX_THE_KEY = ": set ART_API_KEY to the collector's ART_API_KEY and restart the trainer)"
+
+
+@pytest.mark.parametrize(("key", "user", "said"), [
+    (None, "", "(ART_API_KEY is not set and the collector requires one" + _FIX_THE_KEY),
+    ("wrong", "", "(ART_API_KEY is not the collector's key" + _FIX_THE_KEY),
+    ("sekret", "trainer:pw@", "(the user and password in --collector's URL are sent in place of ART_API_KEY: take "
+     "them out of the URL)"),
+])
+async def test_a_refused_key_names_art_api_key(tmp_path: Path, key: str | None, user: str, said: str) -> None:
+    app = collector_app(tmp_path, api_key="sekret")
+    app.state.store.add_spans(group_spans("sums", ["7", "8"], rewards=[1.0, 0.0]))
+    with served(app, lifespan="off") as url:
+        collector = client(None, collector=url.replace("//", f"//{user}"), **({"api_key": key} if key else {}))
+        for call in (collector.lease(1), collector.ack("b1", 3), collector.release("b1", "OSError", False)):
+            with pytest.raises(ServiceError) as info:
+                await call
+            assert "HTTP 401: " in info.value.body.error.message and said in info.value.body.error.message
+        await collector.aclose()
+    assert [(g.id, g.state) for g in app.state.store.groups()] == [("sums", "ready")]
+
+
+_ANOTHER_VERSION = {"id": 3, "groups": "none", "lease_expires_at": "soon"}
+"""What no version of the collector answers: every field of a batch, an ack and a list of groups is wrong."""
+
+
+@pytest.mark.parametrize(("call", "said"), [
+    (lambda c: c.lease(1), "is not a batch: id: Input should be a valid string; groups: Input should be a valid "
+     "array; lease_expires_at: Input should be a valid number"),
+    (lambda c: c.ack("b1", 3), "is not an ack: batch_id: Field required; groups: Input should be a valid array"),
+    (lambda c: c.ready_groups(), "did not answer with groups: Input should be a valid array"),
+])
+async def test_an_answer_of_another_version_is_told_on_one_line(call: Any, said: str) -> None:
+    collector = client(httpx.MockTransport(lambda request: httpx.Response(200, json=_ANOTHER_VERSION)))
+    with pytest.raises(ServiceError) as info:
+        await call(collector)
+    message = info.value.body.error.message
+    assert said in message and "\n" not in message and "pydantic.dev" not in message
+    await collector.aclose()
+
+
+def _renaming_the_lease_s_expiry(app: Any) -> Any:
+    """The collector `app` (ASGI) answering leases as another version might: `lease_expires_at` named `expires`."""
+
+    async def renaming(scope: dict, receive: Any, send: Any) -> None:
+        async def renamed(message: dict) -> None:
+            if scope["path"] == "/v1/batches" and message["type"] == "http.response.start":
+                message = {**message, "headers": [h for h in message["headers"] if h[0] != b"content-length"]}
+            elif scope["path"] == "/v1/batches" and message.get("body"):
+                body = json.loads(message["body"])
+                body["expires"] = body.pop("lease_expires_at")
+                message = {**message, "body": json.dumps(body).encode()}
+            await send(message)
+
+        await app(scope, receive, renamed)
+
+    return renaming
+
+
+async def test_a_lease_answered_with_something_that_is_not_a_batch_is_released(tmp_path: Path) -> None:
+    # left leased, the groups would wait for the lease (the step's timeout and 300 s) and count a failed attempt
+    app = collector_app(tmp_path)
+    store = app.state.store
+    store.add_spans(group_spans("sums", ["7", "8"], rewards=[1.0, 0.0]))
+    with served(_renaming_the_lease_s_expiry(app), lifespan="off") as url:
+        collector = client(None, collector=url)
+        with pytest.raises(ServiceError) as info:
+            await collector.lease(1)
+        await collector.aclose()
+    [batch] = store.batches()
+    assert info.value.body.error.code == "collector_error"
+    assert info.value.body.error.message.endswith(f"is not a batch: lease_expires_at: Field required; batch {batch.id} "
+                                                  "was released (not as failed), its groups are back in the "
+                                                  "collector's pool")
+    assert (batch.state, batch.reason) == ("released", "the trainer could not read the lease: lease_expires_at: "
+                                           "Field required")
+    assert [(g.id, g.state, g.failed_attempts) for g in store.groups()] == [("sums", "ready", 0)]
