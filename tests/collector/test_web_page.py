@@ -204,11 +204,13 @@ def test_recorded_text_is_shown_as_text_on_every_view(tmp_path: Path, monkeypatc
             span.attributes[sc.METADATA] = json.dumps({"note": MARKUP})
         else:
             span.attributes[sc.GEN_AI_RESPONSE_MODEL] = f"m{MARKUP}"
-            span.attributes[sc.GEN_AI_OUTPUT_MESSAGES] = json.dumps([
+            span.attributes[sc.GEN_AI_INPUT_MESSAGES] = json.dumps([
+                {"role": "user", "content": MARKUP},
                 {"role": f"assistant{MARKUP}", "content": MARKUP, "tool_calls": [
                     {"id": "c1", "type": "function", "function": {"name": f"add{MARKUP}", "arguments": MARKUP}}]},
                 {"role": "tool", "tool_call_id": f"c1{MARKUP}", "content": MARKUP},
             ])
+            span.attributes[sc.GEN_AI_OUTPUT_MESSAGES] = json.dumps([{"role": "assistant", "content": MARKUP}])
     app.state.store.add_spans([*spans, *group_spans("plain", ["7", "8"], rewards=[1.0, 0.0], first_span=100)])
     app.state.scoring.scoring.save_judgements(
         f"ruler{MARKUP}", group, [{"trajectory_id": f"{group}-0", "score": 0.9, "explanation": MARKUP, "block": 1,
