@@ -1,9 +1,10 @@
 """Run the RULER judge on groups: on request, or automatically once a group is complete.
 
 A run reads the group's trajectories from the store, sends the distinct ones to the judge,
-and writes each score as a reward (`JudgeSettings.reward_name`, default `ruler`) through
-`Store.add_reward`, with the explanation kept in `ScoringStore`. A failed run follows the
-configured policy (`retry`, `skip`, `zero`) and its state and error show on the group.
+and writes the scores as rewards (`JudgeSettings.reward_name`, default `ruler`) through
+`Store.add_rewards`, all of a run's in one transaction, then the explanations and the run's outcome
+in `ScoringStore` (see `GroupJudge._record`). A failed run follows the configured policy (`retry`,
+`skip`, `zero`) and its state and error show on the group.
 
 A run claims its group in the `judge_runs` table before it calls the judge, so two collector
 replicas on one database (or two requests to one collector) never judge a group at once, and an
@@ -157,9 +158,8 @@ class GroupJudge:
                 continue
             if not self._holds(group_id, started, "ok"):
                 return run_view(self.scoring.run(group_id) or {})
-            rows = self._store_scores(group_id, members, owner, scores)
-            self._finish(group_id, started, state="ok", attempts=attempt, error=None, finished_at=self.clock(),
-                         next_try_at=None)
+            rows = self._scored(members, owner, scores)
+            self._record(group_id, started, rows, state="ok", attempts=attempt, error=None, next_try_at=None)
             log.info("judged group %s: %d trajectories, %d distinct", group_id, len(members), len(distinct))
             return run_view(self.scoring.run(group_id) or {}, rows)
         assert error is not None
@@ -168,9 +168,8 @@ class GroupJudge:
         if s.on_failure == "zero":
             if not self._holds(group_id, started, "zeroed"):
                 return run_view(self.scoring.run(group_id) or {})
-            rows = self._store_zeros(group_id, members, message)
-            self._finish(group_id, started, state="zeroed", attempts=attempt, error=message, finished_at=now,
-                         next_try_at=None)
+            rows = self._zeros(members, message)
+            self._record(group_id, started, rows, state="zeroed", attempts=attempt, error=message, next_try_at=None)
             return run_view(self.scoring.run(group_id) or {}, rows)
         state, next_try = ("failed", now + s.retry_seconds) if s.on_failure == "retry" else ("skipped", None)
         if state == "failed" and error.code == "judge_rejected":  # see `due_groups`
@@ -188,9 +187,13 @@ class GroupJudge:
         self._outlived(group_id, started, outcome)
         return False
 
-    def _finish(self, group_id: str, started: float, **outcome: object) -> None:
-        """Record the outcome of the run started at `started`; a run that outlived its claim only logs it."""
-        if not self.scoring.finish_run(group_id, started, **outcome):
+    def _finish(
+        self, group_id: str, started: float, *, judgements: tuple[str, list[dict[str, Any]]] | None = None,
+        **outcome: object
+    ) -> None:
+        """Record the outcome of the run started at `started`, with its `judgements` if any; a run that outlived its
+        claim only logs it."""
+        if not self.scoring.finish_run(group_id, started, judgements=judgements, **outcome):
             self._outlived(group_id, started, str(outcome["state"]))
 
     def _outlived(self, group_id: str, started: float, outcome: str) -> None:
@@ -201,9 +204,8 @@ class GroupJudge:
             group_id, started, claim_seconds(self.settings), outcome,
         )
 
-    def _store_scores(
-        self, group_id: str, members: list[Trajectory], owner: list[int], scores: list[Score]
-    ) -> list[Judgement]:
+    def _scored(self, members: list[Trajectory], owner: list[int], scores: list[Score]) -> list[Judgement]:
+        """The judgement of each member: the score of its distinct block (`owner`)."""
         first: dict[int, str] = {}
         rows = []
         for trajectory, index in zip(members, owner, strict=True):
@@ -216,28 +218,31 @@ class GroupJudge:
                     duplicate_of=None if duplicate_of == trajectory.id else duplicate_of,
                 )
             )
-        self._write(group_id, rows)
         return rows
 
-    def _store_zeros(self, group_id: str, members: list[Trajectory], message: str) -> list[Judgement]:
-        rows = [
+    def _zeros(self, members: list[Trajectory], message: str) -> list[Judgement]:
+        """A judgement of 0 for each member, by the `zero` policy after the judge failed with `message`."""
+        return [
             Judgement(
                 trajectory_id=t.id, name=self.settings.reward_name, score=0.0,
                 explanation=f"judge failed, scored 0 by policy: {message}",
             )
             for t in members
         ]
-        self._write(group_id, rows)
-        return rows
 
-    def _write(self, group_id: str, rows: list[Judgement]) -> None:
+    def _record(self, group_id: str, started: float, rows: list[Judgement], **outcome: object) -> None:
+        """Store the scores `rows` of the run started at `started`, then its explanations and `outcome`.
+
+        The rewards are the run's single commit point: all of them go in one transaction (`Store.add_rewards`) or
+        none. The explanations and the outcome follow in one transaction of the judges' tables
+        (`ScoringStore.finish_run`): the `Store` interface does not share its transactions. So a store error on the
+        rewards leaves the group's rewards and explanations as they were, the run `failed` (`_try`); one after them
+        leaves every new reward, the former explanations, and the run `failed`, due again.
+        """
+        self.store.add_rewards([RewardIn(rollout_id=row.trajectory_id, name=row.name, value=row.score) for row in rows])
         now = self.clock()
-        self.scoring.save_judgements(
-            self.settings.reward_name, group_id,
-            [{**row.model_dump(exclude={"name"}), "created_at": now} for row in rows],
-        )
-        for row in rows:
-            self.store.add_reward(RewardIn(rollout_id=row.trajectory_id, name=row.name, value=row.score))
+        explained = [{**row.model_dump(exclude={"name"}), "created_at": now} for row in rows]
+        self._finish(group_id, started, judgements=(self.settings.reward_name, explained), finished_at=now, **outcome)
 
     # --- automatic runs -----------------------------------------------------------------
     def due_groups(self) -> list[str]:

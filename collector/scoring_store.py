@@ -2,7 +2,7 @@
 
 They live in the store's database (same engine); `collector.schema` defines them, and the
 store's versioned migrations create them (version 3). The rewards themselves go through
-`Store.add_reward`; these tables keep what a reward row cannot: the explanation, the judge
+`Store.add_rewards`; these tables keep what a reward row cannot: the explanation, the judge
 run's outcome, and which Langfuse scores were already pulled or pushed.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from sqlalchemy import Engine, delete, or_, select, update
+from sqlalchemy import Connection, Engine, delete, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from collector.engine import chunks
@@ -81,8 +81,12 @@ class ScoringStore:
             return False  # another judge inserted the group's first run since the check above
         return True
 
-    def finish_run(self, group_id: str, started_at: float, **values: Any) -> bool:
-        """Record the outcome (`values`) of the group's run that `claim_run` started at `started_at`.
+    def finish_run(
+        self, group_id: str, started_at: float, *, judgements: tuple[str, list[dict[str, Any]]] | None = None,
+        **values: Any
+    ) -> bool:
+        """Record the outcome (`values`) of the group's run that `claim_run` started at `started_at`, and with
+        `judgements` (reward name, rows as `save_judgements` takes them) its judgements, in one transaction.
 
         Returns False, writing nothing, when that run no longer holds the group (another judge took over
         its claim as stale).
@@ -91,14 +95,22 @@ class ScoringStore:
             judge_runs.c.group_id == group_id, judge_runs.c.state == "running", judge_runs.c.started_at == started_at
         )
         with self.engine.begin() as conn:
-            return conn.execute(update(judge_runs).where(*ours).values(**values)).rowcount == 1
+            if conn.execute(update(judge_runs).where(*ours).values(**values)).rowcount != 1:
+                return False
+            if judgements is not None:
+                self._replace_judgements(conn, group_id, *judgements)
+            return True
 
     def save_judgements(self, name: str, group_id: str, rows: list[dict[str, Any]]) -> None:
         """Replace the group's judgements under reward `name` with `rows` (trajectory_id, score, explanation, ...)."""
         with self.engine.begin() as conn:
-            conn.execute(delete(judgements).where(judgements.c.group_id == group_id, judgements.c.name == name))
-            if rows:
-                conn.execute(judgements.insert(), [{"name": name, "group_id": group_id, **row} for row in rows])
+            self._replace_judgements(conn, group_id, name, rows)
+
+    @staticmethod
+    def _replace_judgements(conn: Connection, group_id: str, name: str, rows: list[dict[str, Any]]) -> None:
+        conn.execute(delete(judgements).where(judgements.c.group_id == group_id, judgements.c.name == name))
+        if rows:
+            conn.execute(judgements.insert(), [{"name": name, "group_id": group_id, **row} for row in rows])
 
     def judgements(self, trajectory_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
         """Judgements by trajectory id."""

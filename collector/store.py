@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from sqlalchemy import Connection, Select, delete, func, or_, select
@@ -203,29 +203,56 @@ class SqlStore(Store):
         rows = conn.execute(select(spans.c.record).where(spans.c.trajectory_id == trajectory_id)).scalars()
         return [SpanRecord.from_dict(json.loads(row)) for row in rows]
 
-    def add_reward(self, reward: RewardIn, *, score_id: str | None = None) -> RewardAccepted:
-        """Store a reward posted by API (`score_id`: the Langfuse score it comes from); it applies now or when the
-        trajectory's spans arrive."""
-        if not reward.rollout_id and not reward.trace_id:
-            raise InvalidRequest("a reward needs `rollout_id` or `trace_id`")
-        known = self._tx.run(lambda conn: self._add_reward(conn, reward, score_id))
-        return RewardAccepted(**reward.model_dump(), trajectory_known=known)
+    def add_rewards(
+        self, rewards: Sequence[RewardIn], *, score_ids: Sequence[str | None] | None = None
+    ) -> list[RewardAccepted]:
+        """Store rewards posted by API in one transaction: all of them, or none when one fails (`score_ids`: the
+        Langfuse score each comes from, in order); each applies now or when its trajectory's spans arrive.
 
-    def _add_reward(self, conn: Connection, reward: RewardIn, score_id: str | None = None) -> bool:
-        by_rollout = [reward.rollout_id] if reward.rollout_id else []
-        by_trace = [] if reward.rollout_id else [reward.trace_id or ""]
+        Raises:
+            InvalidRequest: a reward has neither `rollout_id` nor `trace_id`; nothing is stored.
+        """
+        if score_ids is not None and len(score_ids) != len(rewards):
+            raise ValueError(f"{len(score_ids)} score ids for {len(rewards)} rewards: give one per reward")
+        if any(not reward.rollout_id and not reward.trace_id for reward in rewards):
+            raise InvalidRequest("a reward needs `rollout_id` or `trace_id`")
+        if not rewards:
+            return []
+        items = list(zip(rewards, score_ids or [None] * len(rewards), strict=True))
+        known = self._tx.run(lambda conn: self._add_rewards(conn, items))
+        return [
+            RewardAccepted(**reward.model_dump(), trajectory_known=found)
+            for reward, found in zip(rewards, known, strict=True)
+        ]
+
+    def _add_rewards(self, conn: Connection, items: list[tuple[RewardIn, str | None]]) -> list[bool]:
+        """Insert the rewards (each with its score id) in one statement, their groups held and marked rewarded;
+        whether each one's trajectory is known."""
+        by_rollout = [reward.rollout_id for reward, _ in items if reward.rollout_id]
+        by_trace = [reward.trace_id or "" for reward, _ in items if not reward.rollout_id]
         now = self._changing_groups(conn, pool.groups_of(conn, by_rollout, by_trace))
-        conn.execute(
-            rewards.insert().values(
-                rollout_id=reward.rollout_id or None, trace_id=reward.trace_id or None,
-                name=reward.name, value=reward.value, source="api", created_at=now, score_id=score_id,
-            )
-        )
-        match = (
-            trajectories.c.id == reward.rollout_id if reward.rollout_id else trajectories.c.trace_id == reward.trace_id
-        )
+        rows = [
+            {
+                "rollout_id": reward.rollout_id or None, "trace_id": reward.trace_id or None, "name": reward.name,
+                "value": reward.value, "source": "api", "created_at": now, "score_id": score_id,
+            }
+            for reward, score_id in items
+        ]
+        conn.execute(rewards.insert(), rows)  # in order: of two rewards of one name, the later one wins
         pool.rewarded(conn, by_rollout, by_trace, now)
-        return conn.execute(select(func.count()).where(match)).scalar_one() > 0
+        rollouts = self._existing(conn, trajectories.c.id, by_rollout)
+        traces = self._existing(conn, trajectories.c.trace_id, by_trace)
+        return [
+            reward.rollout_id in rollouts if reward.rollout_id else reward.trace_id in traces for reward, _ in items
+        ]
+
+    @staticmethod
+    def _existing(conn: Connection, column: Any, values: list[str]) -> set[str]:
+        """The `values` that some trajectory has in `column`."""
+        found: set[str] = set()
+        for chunk in chunks(sorted(set(values))):
+            found.update(conn.execute(select(column).where(column.in_(chunk)).distinct()).scalars())
+        return found
 
     def withdraw_score(self, score_id: str, successor: tuple[str, RewardIn] | None) -> bool:
         """Take back the rewards of a Langfuse score deleted there, then store `successor` (score id, reward: the
@@ -246,7 +273,7 @@ class SqlStore(Store):
         conn.execute(trajectories.update().where(trajectories.c.trace_id.in_(traces)).values(updated_at=now))
         pool.rewarded(conn, [], traces, now)
         if successor and conn.execute(select(rewards.c.id).where(rewards.c.score_id == successor[0])).first() is None:
-            self._add_reward(conn, successor[1], successor[0])
+            self._add_rewards(conn, [(successor[1], successor[0])])
         return True
 
     # --- reading ------------------------------------------------------------------------

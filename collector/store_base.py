@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from collector.otlp import SpanRecord
 from collector.protocol import (
@@ -42,9 +42,20 @@ class Store(ABC):
         """Store spans (duplicates ignored) and update their trajectories; returns how many were new."""
 
     @abstractmethod
+    def add_rewards(
+        self, rewards: Sequence[RewardIn], *, score_ids: Sequence[str | None] | None = None
+    ) -> list[RewardAccepted]:
+        """Store rewards posted by API in one transaction: all of them, or none when one fails (`score_ids`: the
+        Langfuse score each comes from, in order); each applies now or when its trajectory's spans arrive.
+
+        Raises:
+            InvalidRequest: a reward has neither `rollout_id` nor `trace_id`; nothing is stored.
+        """
+
     def add_reward(self, reward: RewardIn, *, score_id: str | None = None) -> RewardAccepted:
         """Store a reward posted by API (`score_id`: the Langfuse score it comes from); it applies now or when the
-        trajectory's spans arrive."""
+        trajectory's spans arrive. `add_rewards` of one reward."""
+        return self.add_rewards([reward], score_ids=[score_id])[0]
 
     @abstractmethod
     def withdraw_score(self, score_id: str, successor: tuple[str, RewardIn] | None) -> bool:

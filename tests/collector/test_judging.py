@@ -22,6 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
 
 from art_langgraph import semconv as sc
 from collector.config import CollectorSettings
@@ -34,6 +35,7 @@ from collector.store import SqlStore
 from examples.stack import free_port
 from tests.collector.conftest import Clock
 from tests.collector.seeding import group_spans, make_app
+from tests.collector.test_store_rewards import refuse_reward
 
 
 def down_judge(policy: str, **extra: str) -> dict[str, str]:
@@ -500,6 +502,28 @@ def test_a_run_that_fails_unexpectedly_frees_its_group(replica_stores: list[SqlS
     assert run["next_try_at"] == clock.now + judge.settings.retry_seconds
     judge.client = HeldJudge(released=True)
     assert judge.judge("g").state == "ok"  # no 409: the failed run holds the group no longer
+
+
+def test_a_store_error_on_a_reward_leaves_the_former_scores_and_the_run_failed(
+    replica_stores: list[SqlStore], clock: Clock
+) -> None:
+    """A store error on the second reward (a full disk, a lost connection) left the first new reward beside the
+    former second one, with the new explanations of both, until the retry: a trainer could lease the mix."""
+    store = replica_stores[0]
+    judge = GroupJudge(store, ScoringStore(store.engine), JudgeSettings(), client=HeldJudge(released=True),
+                       clock=clock)
+    assert judge.judge("g").state == "ok"
+    refuse_reward(store.engine, 0.75)
+    judge.client = HeldJudge(released=True, scores=(0.25, 0.75))
+    with pytest.raises(DBAPIError, match="disk full"):
+        judge.judge("g")
+    run = judge.scoring.run("g")
+    assert run["state"] == "failed" and "disk full" in run["error"]
+    assert [store.trajectory(f"g-{i}").rewards["ruler"] for i in range(2)] == [1.0, 0.0]
+    found = judge.scoring.judgements(["g-0", "g-1"])
+    assert [(row["score"], row["explanation"]) for tid in ("g-0", "g-1") for row in found[tid]] == [
+        (1.0, "right"), (0.0, "wrong")
+    ]
 
 
 def test_a_group_whose_run_fails_unexpectedly_does_not_hold_up_the_others(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import DBAPIError
 
 from collector.errors import InvalidRequest
 from collector.protocol import BatchRequest, RewardIn
@@ -17,6 +19,66 @@ def test_reward_before_spans_applies_when_they_arrive(make_store) -> None:
     assert store.trajectory("r1").rewards == {"reward": 1.0, "judge": 0.25}
     assert store.add_reward(RewardIn(rollout_id="r1", value=0.0)).trajectory_known
     assert store.trajectory("r1").reward == 0.0  # API overrides the span event
+
+
+def refuse_reward(engine: Engine, value: float) -> None:
+    """Make the database refuse to store a reward of `value` ("disk full"), as a full disk or a lost connection
+    fails a write."""
+    if engine.dialect.name == "postgresql":
+        statements = [
+            "CREATE FUNCTION refuse_reward() RETURNS trigger AS $$ BEGIN IF NEW.value = "
+            f"{value!r} THEN RAISE EXCEPTION 'disk full'; END IF; RETURN NEW; END $$ LANGUAGE plpgsql",
+            "CREATE TRIGGER refuse_reward BEFORE INSERT ON rewards FOR EACH ROW EXECUTE FUNCTION refuse_reward()",
+        ]
+    else:
+        statements = [f"CREATE TRIGGER refuse_reward BEFORE INSERT ON rewards WHEN NEW.value = {value!r} "
+                      "BEGIN SELECT RAISE(ABORT, 'disk full'); END"]
+    with engine.begin() as conn:
+        for statement in statements:
+            conn.execute(text(statement))
+
+
+def test_rewards_stored_together_apply_each_as_one_stored_alone(make_store) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=None))
+    b_trace = f"{20:032x}"
+    accepted = store.add_rewards(
+        [RewardIn(rollout_id="a", name="judge", value=0.1), RewardIn(trace_id=b_trace, value=0.5),
+         RewardIn(rollout_id="b", name="judge", value=0.2), RewardIn(rollout_id="a", name="judge", value=0.3)],
+        score_ids=[None, "s1", None, None],
+    )
+    assert [(r.rollout_id, r.value, r.trajectory_known) for r in accepted] == [
+        ("a", 0.1, True), (None, 0.5, False), ("b", 0.2, False), ("a", 0.3, True)
+    ]
+    assert store.trajectory("a").rewards == {"judge": 0.3}  # of two of one name, the later one
+    store.add_spans(trajectory(20, "b", reward=None))  # b's rewards, by trace and by rollout id, wait for its spans
+    assert store.trajectory("b").rewards == {"reward": 0.5, "judge": 0.2}
+    assert store.withdraw_score("s1", None)  # the score id came with its reward
+    assert store.trajectory("b").rewards == {"judge": 0.2}
+    assert store.add_rewards([]) == []
+    with pytest.raises(ValueError, match="1 score ids for 2 rewards"):
+        store.add_rewards([RewardIn(rollout_id="a", value=1.0)] * 2, score_ids=["s2"])
+
+
+def test_rewards_stored_together_reopen_a_group_skipped_for_its_rewards(make_store) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=1.0))
+    assert [(g.state, g.reason) for g in store.groups()] == [("skipped", "no reward spread")]
+    store.add_rewards([RewardIn(rollout_id="a", value=1.0), RewardIn(rollout_id="b", value=0.0)])
+    assert [g.id for g in store.lease(BatchRequest()).groups] == ["g"]
+
+
+def test_rewards_stored_together_are_stored_all_or_none(make_store) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=None) + trajectory(20, "b", reward=None))
+    both = [RewardIn(rollout_id="a", value=0.25), RewardIn(rollout_id="b", value=0.75)]
+    with pytest.raises(InvalidRequest, match="needs `rollout_id` or `trace_id`"):
+        store.add_rewards([both[0], RewardIn(value=1.0)])
+    refuse_reward(store.engine, 0.75)
+    with pytest.raises(DBAPIError, match="disk full"):  # a store error on the second reward
+        store.add_rewards(both)
+    assert [store.trajectory(rollout_id).rewards for rollout_id in "ab"] == [{}, {}]
+    assert [(g.state, g.rewarded) for g in store.groups()] == [("open", 0)]
 
 
 def test_reward_needs_an_id(make_store) -> None:
