@@ -3,11 +3,13 @@
 The standard `OTEL_EXPORTER_OTLP_*` variables are read by the OTLP exporter itself; this module
 only uses `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` and `OTEL_EXPORTER_OTLP_ENDPOINT` as fallbacks for
 the collector's base URL (where late rewards go), and refuses an endpoint or timeout among them
-with which every export would fail.
+with which every export would fail. A set `ART_*` variable that no component reads (a misspelling) is logged once
+with the closest names (`collector.env_names`): the app's environment is not the plugin's to refuse.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -17,6 +19,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from collector.auth import configured_key
+from collector.env_names import PREFIX, settings_env_names, unknown_env_problem
 
 __all__ = ["Settings", "get_settings", "update_settings"]
 
@@ -151,8 +154,22 @@ def _positive_number(value: str) -> bool:
     return math.isfinite(number) and number > 0
 
 
+_logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _settings: Settings | None = None
+_checked: set[str] = set()
+"""The `ART_*` variables `_warn_unknown_variables` has seen: an unknown one is logged once per process."""
+
+
+def _warn_unknown_variables() -> None:
+    """Log each newly set `ART_*` variable that no component reads, with the closest known names. The plugin's own
+    variables are left out first, so an app that sets only those never loads the services' settings modules."""
+    own = {var.name for var in settings_env_names(Settings)}
+    new = {name: value for name, value in os.environ.items()
+           if name.startswith(PREFIX) and name not in own and name not in _checked}
+    _checked.update(new)
+    if problem := unknown_env_problem(new):
+        _logger.warning("art_langgraph: %s", problem)
 
 
 def get_settings() -> Settings:
@@ -161,6 +178,7 @@ def get_settings() -> Settings:
     with _lock:
         if _settings is None:
             _settings = Settings()
+            _warn_unknown_variables()
         return _settings
 
 
@@ -178,4 +196,5 @@ def update_settings(**overrides: str | bool | int | None) -> Settings:
     new = Settings(**values)  # type: ignore[arg-type]
     with _lock:
         _settings = new
+        _warn_unknown_variables()
     return new

@@ -67,10 +67,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from collector.config import CollectorSettings, hide_password, settings_error
     from collector.engine import driver_reason
+    from collector.env_names import exit_on_unknown_env
     from collector.schema import SchemaTooNew
     from collector.server import create_app
     from collector.store import SqlStore
 
+    exit_on_unknown_env(parser)  # a misspelled ART_* variable, which the settings would ignore
     overrides = {name: getattr(args, name) for name in ("host", "port", "db") if getattr(args, name) is not None}
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -29,10 +29,11 @@ from pathlib import Path
 import pytest
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
-from pydantic import AliasChoices, ValidationError
+from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 from starlette.routing import Mount, Route
 
+from collector import env_names
 from tests.collector.server_helpers import collector_app
 from trainer_service.grpo_config import GRPOConfig
 
@@ -47,7 +48,7 @@ SECTIONS = {
     "trainer_service": "## The trainer: `art-trainer serve`",
 }
 """The README section that documents each package's variables, flags and endpoints."""
-DATACLASS_SETTINGS: dict[type, str] = {GRPOConfig: "ART_TRAINER_"}
+DATACLASS_SETTINGS: dict[type, str] = env_names.dataclass_settings()
 """Settings dataclasses and the prefix their `from_env` puts before the upper-cased field name."""
 ENV_NAME = re.compile(r"ART_[A-Z0-9_]*[A-Z0-9]")
 """A project variable's name, matched whole against string constants of the code."""
@@ -128,18 +129,9 @@ def settings_classes() -> list[type[BaseSettings]]:
 
 
 def settings_env_vars(cls: type[BaseSettings]) -> Iterator[EnvVar]:
-    """The variables each field of a pydantic-settings class reads: its aliases, else env prefix + field name."""
-    prefix = cls.model_config.get("env_prefix", "")
-    upper = not cls.model_config.get("case_sensitive", False)
-    for field, info in cls.model_fields.items():
-        alias = info.validation_alias or info.alias
-        if isinstance(alias, AliasChoices):
-            names = [choice for choice in alias.choices if isinstance(choice, str)]
-        else:
-            names = [alias] if isinstance(alias, str) else [prefix + field]
-        for name in names:
-            yield EnvVar(name.upper() if upper else name, f"{cls.__module__}.{cls.__qualname__}.{field}",
-                         None if alias else prefix)
+    """The variables each field of a pydantic-settings class reads (`collector.env_names.settings_env_names`)."""
+    for var in env_names.settings_env_names(cls):
+        yield EnvVar(var.name, f"{cls.__module__}.{cls.__qualname__}.{var.field}", var.prefix)
 
 
 def env_vars() -> list[EnvVar]:
@@ -560,3 +552,19 @@ def test_no_aliased_field_also_reads_its_prefixed_name(monkeypatch: pytest.Monke
                 read.append(f"{name} (sets {cls.__module__}.{cls.__qualname__}.{field})")
     assert not read, "Settings read variables besides their documented alias (refuse each, as TrainerSettings " \
         "refuses ART_TRAINER_API_KEY):\n" + "\n".join(f"  {line}" for line in read)
+
+
+def test_the_unknown_variable_check_takes_the_names_of_every_settings_class() -> None:
+    """`collector.env_names` names the settings classes whose variables are known; a class added since is found here."""
+    assert set(env_names.settings_classes()) == set(settings_classes())
+
+
+def test_no_variable_the_docs_or_the_code_name_counts_as_unknown(monkeypatch: pytest.MonkeyPatch,
+                                                                  clean_env: None) -> None:
+    """Each `ART_*` variable of the docs, the settings and the code, all set at once: the services start with them
+    (`exit_on_unknown_env`) and the plugin names none of them."""
+    named = {name for doc in DOCS for name in DOC_ENV_NAME.findall(doc.read_text())}
+    for name in named | code_env_names() | {var.name for var in env_vars()}:
+        monkeypatch.setenv(name, "1")
+    assert env_names.unknown_env_names(os.environ) == []
+    env_names.exit_on_unknown_env(argparse.ArgumentParser(prog="art-collector"))

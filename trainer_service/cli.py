@@ -23,6 +23,7 @@ from typing import IO, Any
 from pydantic import ValidationError
 
 from collector.config import settings_error
+from collector.env_names import exit_on_unknown_env
 from trainer_service.allocator import preload_allocator
 from trainer_service.config import TrainerSettings, vllm_source
 from trainer_service.grpo_config import OPTIONAL_FIELDS, GRPOConfig, split_modules
@@ -298,6 +299,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    exit_on_unknown_env(parser)  # a misspelled ART_* variable, which the settings would ignore
     try:
         settings, grpo = settings_from_args(args)
     except ValidationError as exc:

@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from collector import cli
+from collector.env_names import exit_on_unknown_env
 from collector.schema import SCHEMA_VERSION
 from collector.store import SqlStore
 from examples.stack import free_port
@@ -349,3 +350,34 @@ def test_serve_help_names_every_variable_serve_reads_and_the_log_levels_default(
     prefixes = [f"{settings.model_config['env_prefix']}*" for settings in (JudgeSettings, LangfuseSettings)]
     assert [name for name in [*own, "ART_API_KEY", *prefixes] if name not in text] == []  # the judge's were missing
     assert "log level of the collector and uvicorn (default info;" in " ".join(text.split())
+
+
+def test_a_variable_no_setting_reads_stops_serve_naming_the_closest(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """pydantic-settings ignores a variable under a settings prefix that names no field: the judge kept its 3 tries
+    and the store its default file, silently. Another component's variables, the test suite's too, are no error."""
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served with a misspelled variable"))
+    monkeypatch.setattr("collector.store.SqlStore", lambda settings: pytest.fail("opened the store"))
+    monkeypatch.setenv("ART_COLLECTOR_JUDGE_ATTEMPT", "5")
+    monkeypatch.setenv("ART_COLLECTOR_DB_URL", "sqlite:///elsewhere.db")
+    monkeypatch.setenv("ART_BUILD_ID", "42")  # another tool's: warned about, no error
+    for name, value in [("ART_COLLECTOR_URL", "http://localhost:4318"), ("ART_TRAINER_LORA_R", "16"),
+                        ("ART_TEST_STACK", "http://localhost:4318,http://localhost:8000/v1")]:
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert "art-collector: warning: ART_BUILD_ID is set, but no setting reads it" in err
+    assert err.splitlines()[-1] == (
+        "art-collector: error: ART_COLLECTOR_DB_URL (did you mean ART_COLLECTOR_URL or ART_COLLECTOR_DB?), "
+        "ART_COLLECTOR_JUDGE_ATTEMPT (did you mean ART_COLLECTOR_JUDGE_ATTEMPTS or ART_COLLECTOR_JUDGE_AUTO?) are set, "
+        "but no setting reads them: rename or unset them (the README lists every ART_* variable)")
+
+
+def test_an_unknown_variable_outside_the_services_prefixes_is_only_warned_about(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Another tool's `ART_BUILD_ID` must not stop a service; a misspelled plugin variable is told, not refused."""
+    exit_on_unknown_env(cli.build_parser(), {"ART_BUILD_ID": "42", "ART_MODLE": "agent@latest", "ART_HOME": "/tmp"})
+    err = capsys.readouterr().err
+    assert err.startswith("art-collector: warning: ART_BUILD_ID, ART_MODLE (did you mean ART_MODEL?) are set")

@@ -740,3 +740,20 @@ def test_target_modules_from_the_flag_are_stripped_as_from_the_variable(monkeypa
     assert parse("--target-modules", "q_proj, v_proj,")[1].target_modules == ["q_proj", "v_proj"]  # type: ignore[attr-defined]
     monkeypatch.setenv("ART_TRAINER_TARGET_MODULES", " q_proj , v_proj")
     assert parse()[1].target_modules == ["q_proj", "v_proj"]  # type: ignore[attr-defined]
+
+
+def test_a_variable_no_setting_reads_stops_serve_before_anything_starts(monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """`ART_TRAINER_LORA_RANK=16` trained with rank 8: pydantic-settings and `GRPOConfig.from_env` ignore a variable
+    that names no field. The plugin's and the collector's variables, set in a shared environment, are no error."""
+    monkeypatch.setattr("trainer_service.server.create_app", lambda *a, **kw: pytest.fail("started the service"))
+    monkeypatch.setenv("ART_TRAINER_LORA_RANK", "16")
+    monkeypatch.setenv("ART_COLLECTOR_URL", "http://localhost:4318")
+    monkeypatch.setenv("ART_COLLECTOR_JUDGE_ATTEMPTS", "5")
+    with pytest.raises(SystemExit) as info:
+        main(["serve"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        "art-trainer: error: ART_TRAINER_LORA_RANK (did you mean ART_TRAINER_LORA_R or ART_TRAINER_MAX_LORA_RANK?) is "
+        "set, but no setting reads it: rename or unset it (the README lists every ART_* variable)")

@@ -1,0 +1,29 @@
+"""The plugin's settings (`art_langgraph/_settings.py`): a set `ART_*` variable that no component reads is logged."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from art_langgraph import _settings
+from art_langgraph._settings import get_settings, update_settings
+
+
+def test_a_variable_no_setting_reads_is_logged_once(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """pydantic-settings ignores `ART_MODLE`: the agent asked for the default model, and nothing said so. The app's
+    environment is not the plugin's to refuse, so it warns, once however often the settings are read again; the
+    services' variables, set where the app runs too, are no mistake."""
+    monkeypatch.setattr(_settings, "_settings", None)
+    monkeypatch.setattr(_settings, "_checked", set(), raising=False)  # no variable seen yet
+    monkeypatch.setenv("ART_MODLE", "agent@3")
+    monkeypatch.setenv("ART_COLLECTOR_JUDGE_ATTEMPTS", "5")
+    monkeypatch.setenv("ART_TRAINER_LORA_R", "16")
+    with caplog.at_level(logging.WARNING, logger=_settings.__name__):
+        assert get_settings().model == "agent@latest"
+        update_settings(model="agent@2")
+        update_settings()
+    assert [record.getMessage() for record in caplog.records] == [
+        "art_langgraph: ART_MODLE (did you mean ART_MODEL?) is set, but no setting reads it: rename or unset it (the "
+        "README lists every ART_* variable)"]
