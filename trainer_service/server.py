@@ -5,7 +5,8 @@
 * `GET /v1/models`: the base model, every `name@N` and `name@latest`.
 * `POST /v1/train`: one GRPO step now; `POST /v1/sft`: one supervised warm-start step.
 * `POST /v1/pause`, `POST /v1/resume`: stop and restart training (scheduled and manual).
-  These four control routes take no parameters (no body, or `{}`): their settings are the trainer's flags.
+  These four control routes take no parameters (no query string; no body, or `{}`): their settings are the
+  trainer's flags.
 * `GET /v1/status`: step, queue depth, schedule, promotion, metrics, engine health.
 
 With an API key set, every route needs `Authorization: Bearer <key>`.
@@ -154,11 +155,12 @@ async def _send_unless_client_leaves(request: Request, client: httpx.AsyncClient
 
 
 async def _takes_no_parameters(request: Request) -> None:
-    """Refuse a control route's body unless it is empty or `{}`: its settings are the trainer's flags, not fields."""
-    if not _NO_PARAMETERS.fullmatch(await request.body()):
+    """Refuse a control route's query string, and its body unless it is empty or `{}`: its settings are the trainer's
+    flags, not parameters."""
+    if request.url.query or not _NO_PARAMETERS.fullmatch(await request.body()):
         raise ServiceError(400, "unexpected_body", f"{request.method} {request.url.path} takes no parameters: send no "
-                           "body or `{}`. Training settings (`--min-groups`, `--batch-groups`, the GRPO flags, ...) "
-                           "are `art-trainer serve` flags; see `art-trainer serve --help`.")
+                           "query string, and no body or `{}`. Training settings (`--min-groups`, `--batch-groups`, "
+                           "the GRPO flags, ...) are `art-trainer serve` flags; see `art-trainer serve --help`.")
 
 
 def _streams(body: dict[str, Any]) -> bool:

@@ -49,6 +49,10 @@ __all__ = ["TrainerService"]
 
 logger = logging.getLogger(__name__)
 
+_STATUS_QUEUE_WAIT_S = 5.0
+"""Longest `status` waits for the collector's queue depth: a collector that takes connections but does not answer
+would hold `GET /v1/status` for the collector's whole timeout (60 s)."""
+
 
 class TrainerService:
     """Serving and training state of one trainer service.
@@ -353,9 +357,12 @@ class TrainerService:
         queue_depth: int | None = None
         queue_error: str | None = None
         try:
-            queue_depth = await self.queue_depth()
+            queue_depth = await asyncio.wait_for(self.queue_depth(), _STATUS_QUEUE_WAIT_S)
         except ServiceError as exc:
             queue_error = exc.body.error.message
+        except TimeoutError:
+            queue_error = (f"The collector at {self.collector.shown_url} did not answer GET /v1/groups?state=ready "
+                           f"within {_STATUS_QUEUE_WAIT_S:g} s; the queue depth is unknown.")
         trainer = self.trainer
         step = self.steps[-1] if self.steps else 0  # the newest served step: a running one counts once it is served
         trained = dict(trainer.last_metrics) if trainer and trainer.step_count == step else {}

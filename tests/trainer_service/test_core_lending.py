@@ -32,6 +32,20 @@ def test_lends_only_inside_a_step_with_no_request() -> None:
     assert lender.counters == {"core_lends": 1, "core_handbacks": 1}
 
 
+def test_a_step_that_raises_while_lent_hands_the_cores_back() -> None:
+    """A failed step must not keep the engine's cores: the next request would wait for a hand-back that never comes."""
+    async def scenario() -> None:
+        lender = CoreLender(1, 2, settle_s=0.0, handback_timeout_s=5.0)
+        with pytest.raises(RuntimeError, match="the step failed"), lender.lending():
+            assert lender.threads == torch.get_num_threads() == 2
+            raise RuntimeError("the step failed")
+        assert lender.threads == torch.get_num_threads() == 1
+        (await asyncio.wait_for(lender.engine_request(), 1.0)).close()
+        assert lender.counters == {"core_lends": 1, "core_handbacks": 1}
+
+    asyncio.run(scenario())
+
+
 def test_a_step_on_an_idle_engine_takes_the_cores_at_once() -> None:
     async def scenario() -> None:
         lender = CoreLender(1, 2, settle_s=60.0)

@@ -222,6 +222,30 @@ def test_control_routes_refuse_a_body_with_parameters_and_take_none_or_an_empty_
         assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "invalid_api_key"
 
 
+def test_control_routes_refuse_parameters_in_the_query_string_too(tmp_path: Path) -> None:
+    """`POST /v1/train?min_groups=9` trained on the one ready group and `POST /v1/pause?paused=false` paused: the
+    query string was ignored. It is refused as a body with fields is, and nothing runs."""
+    from fastapi.testclient import TestClient
+
+    from trainer_service.server import create_app
+
+    acks: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, acks)
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    with TestClient(create_app(service=service)) as client:
+        for path in ("/v1/train", "/v1/sft", "/v1/pause", "/v1/resume"):
+            for query in ("min_groups=9", "paused=false", "x"):
+                refused = client.post(f"{path}?{query}")
+                assert refused.status_code == 400, (path, query, refused.text)
+                error = refused.json()["error"]
+                assert error["code"] == "unexpected_body" and f"POST {path} takes no parameters" in error["message"]
+        status = client.get("/v1/status").json()
+        assert status["schedule"]["paused"] is False and status["step"] == 0 and len(batches) == 1 and acks == []
+        assert client.post("/v1/train?").status_code == 200  # an empty query string is no parameter
+
+
 @pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400"])
 def test_a_body_with_a_number_json_has_not_is_400_invalid_json(tmp_path: Path, number: str) -> None:
     """Python's `json` reads these; sent on to vLLM they failed to encode (a 500 outside the envelope)."""

@@ -328,6 +328,26 @@ async def test_queue_depth_reads_only_ready_groups_and_names_a_malformed_answer(
     await service.aclose()
 
 
+async def test_status_does_not_wait_for_a_collector_that_is_slow_to_answer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collector that took connections but did not answer held `GET /v1/status` for the collector's whole timeout
+    (60 s); status now gives up on the queue depth and says why, as when the collector is down."""
+    import trainer_service.service as service_module
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(1.0)
+        return httpx.Response(200, json=[])
+
+    monkeypatch.setattr(service_module, "_STATUS_QUEUE_WAIT_S", 0.05, raising=False)
+    service = make_service(tmp_path, [], [])
+    service.collector.http = httpx.AsyncClient(base_url="http://collector", transport=httpx.MockTransport(slow))
+    status = await service.status()
+    assert status.queue_depth is None
+    assert status.queue_error == (f"The collector at {service.collector.shown_url} did not answer "
+                                  "GET /v1/groups?state=ready within 0.05 s; the queue depth is unknown.")
+    await service.aclose()
+
+
 async def test_shutdown_lets_a_running_step_finish_and_starts_no_new_one(tmp_path: Path) -> None:
     acks: list[tuple[str, dict]] = []
     batches: list[Batch] = []
