@@ -25,6 +25,11 @@ __all__ = ["REOPENABLE", "ack", "release", "reopen", "take"]
 log = logging.getLogger(__name__)
 
 
+def _age(group: Any) -> tuple[float, str]:
+    """The order groups are leased in: oldest first, then by id."""
+    return group["created_at"], group["id"]
+
+
 def take(
     conn: Connection, settings: CollectorSettings, request: BatchRequest, now: float
 ) -> tuple[str, float, list[Any]]:
@@ -45,7 +50,9 @@ def take(
                     groups.update().where(groups.c.id == group_id)
                     .values(state="skipped", reason=decision.reason, updated_at=now)
                 )
-    ready = [group_id for group_id, decision in decided.items() if decision.state == "ready"]
+    # oldest first across chunks too: rows come back in storage order, which on PostgreSQL puts a group last
+    # once it is updated (back from an expired lease), so the first chunk need not hold the oldest
+    ready = [g["id"] for g in sorted(open_groups, key=_age) if decided[g["id"]].state == "ready"]
     taken: list[Any] = []
     for chunk in chunks(ready):  # lock what is still open; rows another lease holds are skipped
         query = (
@@ -56,7 +63,7 @@ def take(
         taken += conn.execute(query).mappings().all()
         if len(taken) >= request.max_groups:
             break
-    taken = sorted(taken, key=lambda g: (g["created_at"], g["id"]))[: request.max_groups]
+    taken = sorted(taken, key=_age)[: request.max_groups]
     # decided before their rows were locked: another replica may have committed a trajectory or a reward to one
     # since, so decide again now that the locks keep them as they are
     again = pool.decisions(conn, settings, taken)
@@ -121,18 +128,21 @@ def ack(
             code="batch_released",
         )
     rows = list(conn.execute(select(groups).where(groups.c.id.in_(ids)).with_for_update()).mappings()) if ids else []
-    lost = [g["id"] for g in rows if not (g["state"] == "open" or g["batch_id"] == batch_id)]
+    lost = [g["id"] for g in rows if g["batch_id"] not in (None, batch_id)]  # leased or trained by another batch
     if lost:
         raise Conflict(
             f"the lease of batch {batch_id} expired and groups {', '.join(sorted(lost))} were leased again; "
             "discard this batch's update or lease with a longer lease_seconds",
             code="lease_expired",
         )
-    changed = _changed_since(conn, [g["id"] for g in rows if g["state"] == "open"], batch["created_at"])
+    # back in the pool since its lease expired (open, or skipped since: at the failed-attempts limit, or for its
+    # rewards): the trainer saw them as they were when leased
+    back = [g["id"] for g in rows if g["state"] != "leased"]
+    changed = _changed_since(conn, back, batch["created_at"])
     if changed:
         raise Conflict(
             f"the lease of batch {batch_id} expired and groups {', '.join(changed)} changed in the pool since it was "
-            "taken (a trajectory or a reward arrived): the next lease gets them as they are now; discard this "
+            "taken (a trajectory or a reward arrived): the pool keeps them as they are now; discard this "
             "batch's update or lease with a longer lease_seconds",
             code="lease_expired",
         )

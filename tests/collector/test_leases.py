@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from collector import engine
 from collector.config import CollectorSettings
 from collector.errors import Conflict, NotFound
 from collector.protocol import BatchRequest, ReleaseRequest, ReleaseResponse, ReopenResponse, RewardIn
@@ -107,6 +108,36 @@ def test_late_ack_conflicts_when_a_reward_it_held_was_withdrawn_in_the_pool_sinc
                                                                                              {"reward": 0.0}]
 
 
+def test_late_ack_conflicts_when_a_group_its_expiry_skipped_changed_since(make_store, clock) -> None:
+    """The expiry that skipped a group at the failed-attempts limit left it out of the pool; a reward it gained then
+    was never seen by the trainer, yet the late ack marked it trained."""
+    store = make_store(max_failed_attempts=1)
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0))
+    batch = store.lease(BatchRequest(lease_seconds=10))
+    clock.now += 11
+    assert _state(store)[0] == "skipped"
+    store.add_reward(RewardIn(rollout_id="b", value=0.5))
+    with pytest.raises(Conflict, match="groups g changed in the pool") as raised:
+        store.ack(batch.id, policy_step=1)
+    assert raised.value.code == "lease_expired"
+    assert _state(store) == ("skipped", "training failed 1 times; last: lease expired", 1)
+
+
+def test_late_ack_of_a_group_skipped_for_its_rewards_since_says_it_changed_not_that_it_was_leased_again(
+    make_store, clock
+) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0))
+    batch = store.lease(BatchRequest(lease_seconds=10))
+    clock.now += 11
+    store.add_reward(RewardIn(rollout_id="b", value=1.0))  # no spread: the next lease stores it skipped
+    assert store.lease(BatchRequest()).groups == []
+    assert _state(store)[:2] == ("skipped", "no reward spread")
+    with pytest.raises(Conflict, match="groups g changed in the pool") as raised:
+        store.ack(batch.id, policy_step=1)
+    assert raised.value.code == "lease_expired"
+
+
 def test_batches_list_leases_newest_first(make_store, clock) -> None:
     store = make_store()
     store.add_spans(trajectory(10, "a", reward=1.0, group="g1") + trajectory(20, "b", reward=0.0, group="g1"))
@@ -132,6 +163,24 @@ def test_min_and_max_groups(make_store) -> None:
     assert store.lease(BatchRequest(min_groups=4)).groups == []
     assert [g.id for g in store.lease(BatchRequest(max_groups=2)).groups] == ["g1", "g2"]
     assert [g.id for g in store.lease(BatchRequest(max_groups=2)).groups] == ["g3"]
+
+
+def test_the_oldest_group_is_leased_first_when_more_are_ready_than_one_query_holds(
+    make_store, clock, monkeypatch
+) -> None:
+    """PostgreSQL returns a group updated since (back from an expired lease) after the others: when more groups are
+    ready than one `IN` list takes, the first list held younger groups and the oldest waited."""
+    monkeypatch.setattr(engine, "CHUNK", 2)
+    store = make_store()
+    for i, group in enumerate(["g1", "g2", "g3"]):
+        n = 100 * (i + 1)
+        store.add_spans(trajectory(n, f"{group}a", reward=1.0, group=group)
+                        + trajectory(n + 50, f"{group}b", reward=0.0, group=group))
+        clock.now += 1
+    assert [g.id for g in store.lease(BatchRequest(max_groups=1, lease_seconds=10)).groups] == ["g1"]
+    clock.now += 11
+    assert [g.id for g in store.lease(BatchRequest(max_groups=1)).groups] == ["g1"]
+    assert [g.id for g in store.lease(BatchRequest(max_groups=2)).groups] == ["g2", "g3"]
 
 
 def test_concurrent_leases_from_two_stores_never_share_a_group(db_url, clock) -> None:
