@@ -3,7 +3,8 @@
 Eval prompts come from a JSONL file (`{"messages": [...], ...}` a line; the other keys reach
 the reward function) or from the collector's trajectories of one split (their conversation up
 to the last assistant message). The reward is a user function `module:function(row,
-completion) -> float`. Answers are sampled from vLLM with a fixed seed per prompt, so two
+completion) -> float`, called in a worker thread, one call at a time, so a slow one does not hold up the
+service's event loop (its proxy and status). Answers are sampled from vLLM with a fixed seed per prompt, so two
 checkpoints are compared on the same prompts with the same sampling noise; rewards compare only
 when measured on the same prompts with the same reward function and sampling (`Evaluator.key`).
 """
@@ -143,6 +144,8 @@ class Evaluator:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self._client = httpx.AsyncClient(base_url=engine_url, timeout=600.0, transport=transport)
+        self._reward_lock = asyncio.Lock()
+        """Held while the reward function runs in its worker thread: a user function need not be thread-safe."""
 
     async def prompts(self) -> list[dict[str, Any]]:
         """The eval prompts as of now, at most `max_prompts` (a collector split grows between calls).
@@ -165,7 +168,9 @@ class Evaluator:
         """
         rows = await self.prompts() if rows is None else rows
         started = time.perf_counter()
-        tasks = [asyncio.ensure_future(self._score(model, index, row)) for index, row in enumerate(rows)]
+        logger.info("eval of %s: %d prompts x %d samples", model, len(rows), self.samples)
+        progress = _Progress(model, len(rows), started)
+        tasks = [asyncio.ensure_future(self._score(model, index, row, progress)) for index, row in enumerate(rows)]
         try:
             rewards = await asyncio.gather(*tasks)
         except BaseException:  # one prompt failed: the others stop, not left running past the gate's decision
@@ -187,7 +192,7 @@ class Evaluator:
                    self.max_tokens, self.temperature]
         return hashlib.sha256(json.dumps([rows, scoring], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-    async def _score(self, model: str, index: int, row: dict[str, Any]) -> list[float]:
+    async def _score(self, model: str, index: int, row: dict[str, Any], progress: _Progress) -> list[float]:
         body: dict[str, Any] = {"model": model, "messages": row["messages"], "n": self.samples,
                                 "max_tokens": self.max_tokens, "temperature": self.temperature, "seed": index}
         if row.get("tools"):
@@ -206,6 +211,13 @@ class Evaluator:
                             f"({type(exc).__name__}: {exc}): {response.text[:300]}") from exc
         if not texts:  # the mean reward would divide by zero
             raise EvalError(f"the engine answered an eval prompt for {model} without choices: {response.text[:300]}")
+        async with self._reward_lock:
+            rewards = await asyncio.to_thread(self._rewards, model, index, row, texts)
+        progress.done()
+        return rewards
+
+    def _rewards(self, model: str, index: int, row: dict[str, Any], texts: list[str]) -> list[float]:
+        """The rewards of `texts`, the answers of `model` to prompt `index` (`row`), in the calling (worker) thread."""
         return [self._reward(model, index, row, text) for text in texts]
 
     def _reward(self, model: str, index: int, row: dict[str, Any], text: str) -> float:
@@ -231,6 +243,24 @@ class Evaluator:
     async def aclose(self) -> None:
         """Close the engine client."""
         await self._client.aclose()
+
+
+class _Progress:
+    """Logs how many prompts of an eval are scored, at each quarter of them (the last is the eval's own line)."""
+
+    def __init__(self, model: str, total: int, started: float) -> None:
+        self._model = model
+        self._total = total
+        self._started = started
+        self._every = math.ceil(total / 4)
+        self._scored = 0
+
+    def done(self) -> None:
+        """Count one scored prompt."""
+        self._scored += 1
+        if self._scored % self._every == 0 and self._scored < self._total:
+            logger.info("eval of %s: %d of %d prompts scored in %.1f s", self._model, self._scored, self._total,
+                        time.perf_counter() - self._started)
 
 
 def build_evaluator(settings: TrainerSettings, collector: httpx.AsyncClient, engine_url: str) -> Evaluator | None:

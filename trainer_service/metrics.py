@@ -51,6 +51,12 @@ def _finite_or_null(metrics: dict[str, float]) -> dict[str, float | None]:
     return {key: value if math.isfinite(value) else None for key, value in metrics.items()}
 
 
+def _plottable(value: object) -> bool:
+    """True for a number of the plot, or None (a gap: a NaN or infinite metric); not for a value a hand-edited
+    `metrics.jsonl` line may hold instead (a string, a list, a boolean), on which every plot failed."""
+    return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
+
+
 def is_checkpoint_metric(name: str) -> bool:
     """True when a checkpoint's manifest can record metric `name`: one of `CHECKPOINT_METRICS`, or
     `data/skipped/<reason>`."""
@@ -193,17 +199,19 @@ class MetricsSink:
 
         matplotlib.use("Agg")
         from matplotlib import pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
         series = [(key, label) for key, label in _PLOTTED if any(key in h for h in self.history)]
         if not series:
             return
         figure, axes = plt.subplots(len(series), 1, figsize=(6, 2.2 * len(series)), sharex=True, squeeze=False)
         for axis, (key, label) in zip(axes[:, 0], series, strict=True):
-            points = [(h["step"], h[key]) for h in self.history if key in h]
+            points = [(h["step"], h[key]) for h in self.history if key in h and _plottable(h[key])]
             axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3)
             axis.set_ylabel(label)
             axis.grid(alpha=0.3)
         axes[-1, 0].set_xlabel("step")
+        axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # no tick at 1.5
         figure.suptitle(f"{self._run_name}: step {step}")
         figure.tight_layout()
         tmp = self.run_dir / f".{PLOT_FILE}.tmp.png"

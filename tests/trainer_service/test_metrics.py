@@ -216,3 +216,45 @@ def test_checkpoint_metrics_are_the_ones_a_step_records() -> None:
     # added by the service after the checkpoint is written: never in a manifest, which retention reads
     for name in ("time/publish_s", "promotion/promoted", "eval/reward", "reward/maen", "data/skipped/"):
         assert not is_checkpoint_metric(name), name
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_the_plot_marks_whole_steps_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int) -> None:
+    from matplotlib.figure import Figure
+
+    ticks: list[float] = []
+    savefig = Figure.savefig
+
+    def record(figure: Figure, *args: object, **kwargs: object) -> None:
+        axis = figure.axes[-1]
+        low, high = axis.get_xlim()
+        ticks[:] = [tick for tick in axis.get_xticks() if low <= tick <= high]
+        savefig(figure, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    sink = MetricsSink(tmp_path, wandb="off")
+    for step in range(1, steps + 1):
+        sink.emit(step, {"reward/mean": 0.1 * step})
+    # were 0.96, 0.98, ... for one step and 1.25, 1.5, ... for three: no step is there
+    assert ticks and all(float(tick).is_integer() for tick in ticks) and sink.sink_errors == 0
+
+
+def test_a_hand_edited_value_that_is_no_number_is_left_out_of_the_plot(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib.axes import Axes
+
+    plotted: list[list[float | None]] = []
+    plot = Axes.plot
+
+    def record(axis: Axes, x: list[int], y: list[float | None], **kwargs: object) -> object:
+        plotted.append(list(y))
+        return plot(axis, x, y, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", record)
+    edited = [{"step": 1, "reward/mean": "abc"}, {"step": 2, "reward/mean": [0.5]}, {"step": 3, "reward/mean": True},
+              {"step": 4, "reward/mean": None}, {"step": 5, "reward/mean": 0.25}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in edited))
+    sink = MetricsSink(tmp_path, wandb="off")
+    sink.emit(6, {"reward/mean": 0.5})
+    # the plot raised at every step on such a value: never redrawn; a null stays, as a gap
+    assert sink.sink_errors == 0 and plotted == [[None, 0.25, 0.5]]

@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import logging
 import math
 import re
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -419,3 +422,49 @@ def test_a_reward_module_that_raises_on_import_is_one_error_naming_its_line(tmp_
     with pytest.raises(EvalError, match=r"eval reward 'reward_needing_env:reward': importing its module raised "
                                         r"KeyError: 'JUDGE_TOKEN_NOT_SET' \(.*reward_needing_env.py:2\)"):
         load_reward_fn("reward_needing_env:reward")
+
+
+async def test_the_reward_function_runs_off_the_event_loop_one_call_at_a_time() -> None:
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": str(index)}]} for index in range(6)]
+
+    on_loop: list[bool] = []
+    running: list[int] = [0, 0]  # now, most at once
+    guard = threading.Lock()
+
+    def slow(row: dict[str, Any], completion: str) -> float:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # a worker thread: the service's proxy and status go on meanwhile
+            on_loop.append(False)
+        with guard:
+            running[0] += 1
+            running[1] = max(running)
+        time.sleep(0.01)  # e.g. runs the answer's code
+        with guard:
+            running[0] -= 1
+        return 1.0
+
+    evaluator = Evaluator(source, slow, "http://engine", samples=2, transport=httpx.MockTransport(engine))
+    assert await evaluator.evaluate("agent@1") == 1.0
+    # was called on the event loop: a slow reward held up every proxied request and GET /v1/status
+    assert on_loop == [False] * 12 and running[1] == 1  # a user function need not be thread-safe
+    await evaluator.aclose()
+
+
+async def test_an_eval_logs_its_progress(caplog: pytest.LogCaptureFixture) -> None:
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": str(index)}]} for index in range(8)]
+
+    evaluator = Evaluator(source, lambda row, text: 0.5, "http://engine", samples=2,
+                          transport=httpx.MockTransport(engine))
+    with caplog.at_level(logging.INFO, logger="trainer_service.evaluation"):
+        await evaluator.evaluate("agent@1")
+    lines = [record.getMessage() for record in caplog.records if record.name == "trainer_service.evaluation"]
+    # was one line once the whole eval had ended: a long one showed nothing for minutes
+    assert [line.split(" in ")[0] for line in lines] == [
+        "eval of agent@1: 8 prompts x 2 samples", "eval of agent@1: 2 of 8 prompts scored",
+        "eval of agent@1: 4 of 8 prompts scored", "eval of agent@1: 6 of 8 prompts scored",
+        "eval of agent@1: mean reward 0.5000 on 8 prompts x 2 samples"]
+    await evaluator.aclose()
