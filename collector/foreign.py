@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,28 +185,27 @@ def _read_gen_ai(attributes: Mapping[str, Any], span_id: str) -> _Messages | Non
     return sent, _semconv_messages(_json(attributes, sc.GEN_AI_OUTPUT_MESSAGES, span_id), span_id), []
 
 
-def _read_flattened(attributes: Mapping[str, Any], span_id: str) -> _Messages | None:
-    """`gen_ai.prompt.N.*` / `gen_ai.completion.N.*`; None where absent, nothing where a message is missing."""
-    if not any(key.startswith((GEN_AI_PROMPT, GEN_AI_COMPLETION)) for key in attributes):
+def _read_numbered(
+    attributes: Mapping[str, Any], span_id: str, prefixes: tuple[str, str], read: Callable[..., dict[str, Any]]
+) -> _Messages | None:
+    """The messages numbered under `prefixes` (sent, returned), each read by `read`; None where absent, nothing where
+    a message is missing (`unflatten`)."""
+    if not any(key.startswith(prefixes) for key in attributes):
         return None
-    prompt, completion = unflatten(attributes, GEN_AI_PROMPT, span_id), unflatten(
-        attributes, GEN_AI_COMPLETION, span_id)
+    prompt, completion = (unflatten(attributes, prefix, span_id) for prefix in prefixes)
     if prompt is None or completion is None:
         return [], [], []
-    return [flat_message(node) for node in prompt], [flat_message(node, "assistant") for node in completion], []
+    return [read(node) for node in prompt], [read(node, "assistant") for node in completion], []
+
+
+def _read_flattened(attributes: Mapping[str, Any], span_id: str) -> _Messages | None:
+    """`gen_ai.prompt.N.*` / `gen_ai.completion.N.*` (`_read_numbered`)."""
+    return _read_numbered(attributes, span_id, (GEN_AI_PROMPT, GEN_AI_COMPLETION), flat_message)
 
 
 def _read_openinference(attributes: Mapping[str, Any], span_id: str) -> _Messages | None:
-    """`llm.input_messages.N.message.*` / `llm.output_messages.N.message.*`; None where absent, nothing where a
-    message is missing."""
-    if not any(key.startswith((OPENINFERENCE_INPUT, OPENINFERENCE_OUTPUT)) for key in attributes):
-        return None
-    prompt, completion = unflatten(attributes, OPENINFERENCE_INPUT, span_id), unflatten(
-        attributes, OPENINFERENCE_OUTPUT, span_id)
-    if prompt is None or completion is None:
-        return [], [], []
-    sent = [openinference_message(node) for node in prompt]
-    return sent, [openinference_message(node, "assistant") for node in completion], []
+    """`llm.input_messages.N.message.*` / `llm.output_messages.N.message.*` (`_read_numbered`)."""
+    return _read_numbered(attributes, span_id, (OPENINFERENCE_INPUT, OPENINFERENCE_OUTPUT), openinference_message)
 
 
 def _read_langfuse(attributes: Mapping[str, Any], span_id: str) -> _Messages | None:
