@@ -204,10 +204,16 @@ class SqlStore(Store):
         return [SpanRecord.from_dict(json.loads(row)) for row in rows]
 
     def add_rewards(
-        self, rewards: Sequence[RewardIn], *, score_ids: Sequence[str | None] | None = None
+        self,
+        rewards: Sequence[RewardIn],
+        *,
+        score_ids: Sequence[str | None] | None = None,
+        also: Callable[[Connection], None] | None = None,
     ) -> list[RewardAccepted]:
         """Store rewards posted by API in one transaction: all of them, or none when one fails (`score_ids`: the
         Langfuse score each comes from, in order); each applies now or when its trajectory's spans arrive.
+        `also(conn)` runs in that transaction after the rewards (a caller's own rows, or a check that raises to
+        store nothing).
 
         Raises:
             InvalidRequest: a reward has neither `rollout_id` nor `trace_id`; nothing is stored.
@@ -216,10 +222,15 @@ class SqlStore(Store):
             raise ValueError(f"{len(score_ids)} score ids for {len(rewards)} rewards: give one per reward")
         if any(not reward.rollout_id and not reward.trace_id for reward in rewards):
             raise InvalidRequest("a reward needs `rollout_id` or `trace_id`")
-        if not rewards:
-            return []
         items = list(zip(rewards, score_ids or [None] * len(rewards), strict=True))
-        known = self._tx.run(lambda conn: self._add_rewards(conn, items))
+
+        def work(conn: Connection) -> list[bool]:
+            known = self._add_rewards(conn, items) if items else []
+            if also is not None:
+                also(conn)
+            return known
+
+        known = self._tx.run(work)
         return [
             RewardAccepted(**reward.model_dump(), trajectory_known=found)
             for reward, found in zip(rewards, known, strict=True)
@@ -254,13 +265,26 @@ class SqlStore(Store):
             found.update(conn.execute(select(column).where(column.in_(chunk)).distinct()).scalars())
         return found
 
-    def withdraw_score(self, score_id: str, successor: tuple[str, RewardIn] | None) -> bool:
+    def withdraw_score(
+        self,
+        score_id: str,
+        successor: tuple[str, RewardIn] | None,
+        *,
+        also: Callable[[Connection], None] | None = None,
+    ) -> bool:
         """Take back the rewards of a Langfuse score deleted there, then store `successor` (score id, reward: the
-        latest remaining score of its trace and name) unless that score has a reward already. False, changing
-        nothing, while a group holding a trajectory it rewards is leased or trained."""
-        return self._tx.run(lambda conn: self._withdraw_score(conn, score_id, successor))
+        latest remaining score of its trace and name) unless that score has a reward already; `also(conn)` runs in
+        that transaction after them. False, changing nothing (`also` not run), while a group holding a trajectory
+        it rewards is leased or trained."""
+        return self._tx.run(lambda conn: self._withdraw_score(conn, score_id, successor, also))
 
-    def _withdraw_score(self, conn: Connection, score_id: str, successor: tuple[str, RewardIn] | None) -> bool:
+    def _withdraw_score(
+        self,
+        conn: Connection,
+        score_id: str,
+        successor: tuple[str, RewardIn] | None,
+        also: Callable[[Connection], None] | None,
+    ) -> bool:
         traces = sorted(set(conn.execute(select(rewards.c.trace_id).where(rewards.c.score_id == score_id)).scalars()))
         members = select(trajectories.c.group_id).where(trajectories.c.trace_id.in_(traces))
         states = conn.execute(select(groups.c.state).where(groups.c.id.in_(members)).with_for_update()).scalars()
@@ -274,6 +298,8 @@ class SqlStore(Store):
         pool.rewarded(conn, [], traces, now)
         if successor and conn.execute(select(rewards.c.id).where(rewards.c.score_id == successor[0])).first() is None:
             self._add_rewards(conn, [(successor[1], successor[0])])
+        if also is not None:
+            also(conn)
         return True
 
     # --- reading ------------------------------------------------------------------------

@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+
+from sqlalchemy import Connection
 
 from collector.otlp import SpanRecord
 from collector.protocol import (
@@ -43,10 +45,16 @@ class Store(ABC):
 
     @abstractmethod
     def add_rewards(
-        self, rewards: Sequence[RewardIn], *, score_ids: Sequence[str | None] | None = None
+        self,
+        rewards: Sequence[RewardIn],
+        *,
+        score_ids: Sequence[str | None] | None = None,
+        also: Callable[[Connection], None] | None = None,
     ) -> list[RewardAccepted]:
         """Store rewards posted by API in one transaction: all of them, or none when one fails (`score_ids`: the
         Langfuse score each comes from, in order); each applies now or when its trajectory's spans arrive.
+        `also(conn)` runs in that transaction after the rewards (a caller's own rows, or a check that raises to
+        store nothing).
 
         Raises:
             InvalidRequest: a reward has neither `rollout_id` nor `trace_id`; nothing is stored.
@@ -58,10 +66,17 @@ class Store(ABC):
         return self.add_rewards([reward], score_ids=[score_id])[0]
 
     @abstractmethod
-    def withdraw_score(self, score_id: str, successor: tuple[str, RewardIn] | None) -> bool:
+    def withdraw_score(
+        self,
+        score_id: str,
+        successor: tuple[str, RewardIn] | None,
+        *,
+        also: Callable[[Connection], None] | None = None,
+    ) -> bool:
         """Take back the rewards of a Langfuse score deleted there, then store `successor` (score id, reward: the
-        latest remaining score of its trace and name) unless that score has a reward already. False, changing
-        nothing, while a group holding a trajectory it rewards is leased or trained."""
+        latest remaining score of its trace and name) unless that score has a reward already; `also(conn)` runs in
+        that transaction after them. False, changing nothing (`also` not run), while a group holding a trajectory
+        it rewards is leased or trained."""
 
     @abstractmethod
     def lease(self, request: BatchRequest) -> Batch:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, func, select, text
 from sqlalchemy.exc import DBAPIError
 
 from collector.errors import InvalidRequest
 from collector.protocol import BatchRequest, RewardIn
+from collector.schema import rewards
 from tests.collector.span_builders import sid, trajectory
 
 
@@ -171,3 +172,23 @@ def test_a_withdrawn_score_takes_back_its_rewards_only_while_its_group_is_in_the
     store.add_reward(RewardIn(trace_id=a, value=1.0), score_id="s5")
     assert not store.withdraw_score("s5", None)  # leased: the trainer may be training on it
     assert store.trajectory("a").reward == 1.0
+
+
+def test_rewards_stored_together_share_their_transaction_with_the_callers_work(make_store) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=None))
+    seen: list[int] = []
+
+    def count_then_refuse(conn: Connection) -> None:
+        seen.append(conn.execute(select(func.count()).select_from(rewards)).scalar_one())
+        raise RuntimeError("claim lost")
+
+    with pytest.raises(RuntimeError, match="claim lost"):
+        store.add_rewards([RewardIn(rollout_id="a", value=0.5)], also=count_then_refuse)
+    assert seen == [1]  # `also` ran after the reward was written, in its transaction ...
+    assert store.trajectory("a").rewards == {}  # ... whose failure stored nothing
+    store.add_rewards([RewardIn(trace_id=f"{10:032x}", value=0.5)], score_ids=["s1"])
+    with pytest.raises(RuntimeError, match="claim lost"):
+        store.withdraw_score("s1", None, also=count_then_refuse)
+    assert seen == [1, 0]
+    assert store.trajectory("a").rewards == {"reward": 0.5}  # the withdrawal was rolled back with it
