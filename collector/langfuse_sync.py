@@ -7,20 +7,23 @@ list). A score becomes a reward of the same name on the trajectory of its trace 
 trace id is the OpenTelemetry trace id when the agent's spans fan out to Langfuse). Only numeric
 and boolean scores can be rewards, and only they are read (a score of a type this SDK does not
 know would fail the whole page); scores already pulled at the same `updatedAt` are not applied
-again. Langfuse lists no deletions: a score pulled within the lookback that the listing leaves
-out is asked for by id (the `id` filter of the same endpoint), and one that is gone has its
-rewards taken back unless its group is leased or trained. Pushed scores get a stable id per
+again (a reward and the record of its score's pull are stored in one transaction). Langfuse
+lists no deletions: a score pulled within the lookback that the listing leaves out is asked for
+by id (the `id` filter of the same endpoint), and one that is gone has its rewards taken back
+(with its record, in one transaction) unless its group is leased or trained. Pushed scores get a stable id per
 (trajectory, reward name), so a changed reward updates the same score in Langfuse.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 from langfuse.api import CreateScoreBatchResults, CreateScoreRequest, CreateScoreSource, LangfuseAPI, ScoreDataType
@@ -167,8 +170,7 @@ class LangfuseSync:
         found.sort(key=lambda score: (score.timestamp, score.updated_at))  # the latest score of a name wins
         seen = self.scoring.pulled_versions([score.id for score in found])
         latest: dict[tuple[str | None, str], tuple[str, RewardIn]] = {}
-        changed: set[str] = set()
-        marks = []
+        marks: dict[str, dict[str, Any]] = {}  # the new or changed scores, by id
         ignored = 0
         for score in found:
             reward = _reward_of(score)
@@ -178,23 +180,35 @@ class LangfuseSync:
             latest[(reward.trace_id, reward.name)] = (score.id, reward)
             version = score.updated_at.isoformat()
             if seen.get(score.id) != version:
-                changed.add(score.id)
-                marks.append({"score_id": score.id, "updated_at": version, "trace_id": reward.trace_id,
-                              "name": reward.name, "value": reward.value, "pulled_at": self.clock()})
+                marks[score.id] = {"score_id": score.id, "updated_at": version, "trace_id": reward.trace_id,
+                                   "name": reward.name, "value": reward.value, "pulled_at": self.clock()}
         # only a new or edited latest score of its trace and name is applied: an edit to an older score changes
         # nothing (the newer one holds, applied when it came), and applying the unchanged newer one again would
         # override a reward given since (the store's newest API reward of a name wins)
-        applied = unmatched = 0
-        for score_id, reward in latest.values():
-            if score_id in changed:
-                accepted = self.store.add_reward(reward, score_id=score_id)
-                applied += 1
-                unmatched += not accepted.trajectory_known
-        for mark in marks:
-            self.scoring.mark_pulled(mark)
+        due = [(score_id, reward) for score_id, reward in latest.values() if score_id in marks]
+        unmatched = self._apply(due, marks) if marks else 0
         withdrawn = self._withdraw(start, {score.id for score in found}, latest)
-        return LangfuseSyncResult(pulled=len(found), applied=applied, unmatched=unmatched, ignored=ignored,
+        return LangfuseSyncResult(pulled=len(found), applied=len(due), unmatched=unmatched, ignored=ignored,
                                   withdrawn=withdrawn, pushed=0)
+
+    def _apply(self, due: list[tuple[str, RewardIn]], marks: dict[str, dict[str, Any]]) -> int:
+        """Store the `due` rewards (score id, reward), `PAGE` at a time, each transaction with the marks (`marks`, by
+        score id) of its scores, so that a score is marked pulled exactly when its reward is stored: after a store
+        error the next sync applies what was not stored, and nothing twice. The marks of the other new or changed
+        scores (none of them the latest of its trace and name: nothing to apply) go with the first. Returns how many
+        rewards found no trajectory."""
+        applied = {score_id for score_id, _ in due}
+        others = [mark for score_id, mark in marks.items() if score_id not in applied]
+        unmatched = 0
+        for first in range(0, max(len(due), 1), PAGE):
+            chunk = due[first : first + PAGE]
+            rows = [marks[score_id] for score_id, _ in chunk] + (others if first == 0 else [])
+            accepted = self.store.add_rewards(
+                [reward for _, reward in chunk], score_ids=[score_id for score_id, _ in chunk],
+                also=functools.partial(self.scoring.mark_pulled, rows=rows),
+            )
+            unmatched += sum(not reward.trajectory_known for reward in accepted)
+        return unmatched
 
     def _withdraw(
         self, start: float, listed: set[str], latest: dict[tuple[str | None, str], tuple[str, RewardIn]]
@@ -218,8 +232,9 @@ class LangfuseSync:
                 missing.pop(score.id, None)
         withdrawn = 0
         for score_id, row in missing.items():
-            if self.store.withdraw_score(score_id, latest.get((row["trace_id"], row["name"]))):
-                self.scoring.forget_pulled(score_id)
+            # the score's record goes in the transaction that takes its rewards back: both, or neither
+            forget = functools.partial(self.scoring.forget_pulled, score_id=score_id)
+            if self.store.withdraw_score(score_id, latest.get((row["trace_id"], row["name"])), also=forget):
                 withdrawn += 1
             else:
                 log.info("Langfuse score %s was deleted, but trace %s is in a leased or trained group: its reward "

@@ -141,16 +141,21 @@ class ScoringStore:
                 select(langfuse_pulled).where(langfuse_pulled.c.pulled_at >= since)
             ).mappings()]
 
-    def forget_pulled(self, score_id: str) -> None:
-        """Drop a pulled Langfuse score's record (the score was deleted there and its reward taken back)."""
-        with self.engine.begin() as conn:
-            conn.execute(delete(langfuse_pulled).where(langfuse_pulled.c.score_id == score_id))
+    @staticmethod
+    def forget_pulled(conn: Connection, score_id: str) -> None:
+        """Drop a pulled Langfuse score's record (the score was deleted there), on `conn`: the transaction that takes
+        its rewards back (`Store.withdraw_score`'s `also`), so the record goes if and only if they do."""
+        conn.execute(delete(langfuse_pulled).where(langfuse_pulled.c.score_id == score_id))
 
-    def mark_pulled(self, row: dict[str, Any]) -> None:
-        """Remember a pulled Langfuse score (score_id, updated_at, trace_id, name, value, pulled_at)."""
-        with self.engine.begin() as conn:
-            conn.execute(delete(langfuse_pulled).where(langfuse_pulled.c.score_id == row["score_id"]))
-            conn.execute(langfuse_pulled.insert().values(**row))
+    @staticmethod
+    def mark_pulled(conn: Connection, rows: list[dict[str, Any]]) -> None:
+        """Remember pulled Langfuse scores (score_id, updated_at, trace_id, name, value, pulled_at; one row per score),
+        on `conn`: the transaction that stores their rewards (`Store.add_rewards`'s `also`), so a score is marked if
+        and only if its reward is stored."""
+        for chunk in chunks([row["score_id"] for row in rows]):
+            conn.execute(delete(langfuse_pulled).where(langfuse_pulled.c.score_id.in_(chunk)))
+        if rows:
+            conn.execute(langfuse_pulled.insert(), rows)
 
     def pushed(self) -> dict[tuple[str, str], tuple[float, float]]:
         """(value, first push time) of what was pushed to Langfuse, by (trajectory id, reward name)."""

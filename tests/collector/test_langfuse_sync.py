@@ -17,16 +17,53 @@ from pathlib import Path
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import DBAPIError
 
+from collector.langfuse_sync import LangfuseSync
+from collector.protocol import RewardIn
+from collector.scoring_config import LangfuseSettings
+from collector.scoring_store import ScoringStore
+from collector.store import SqlStore
 from examples.stack import free_port
 from tests.collector import fake_langfuse
 from tests.collector.seeding import group_spans, make_app, trace_id
+from tests.collector.test_store_rewards import refuse_reward
 
 
 @pytest.fixture
 def langfuse() -> Iterator[tuple[str, fake_langfuse.FakeLangfuse]]:
     with fake_langfuse.running(free_port()) as served:
         yield served
+
+
+def sync_for(store: SqlStore, url: str) -> LangfuseSync:
+    """The sync of `store` (any backend) with the stand-in at `url`, its settings given, not read from the env."""
+    settings = LangfuseSettings(host=url, public_key=fake_langfuse.PUBLIC, secret_key=fake_langfuse.SECRET)
+    return LangfuseSync(store, ScoringStore(store.engine), settings)
+
+
+def refuse_forgetting(engine: Engine) -> None:
+    """Make the database refuse to delete a pulled score's record ("disk full"), as a full disk fails a write."""
+    if engine.dialect.name == "postgresql":
+        statements = [
+            "CREATE FUNCTION refuse_forgetting() RETURNS trigger AS $$ BEGIN RAISE EXCEPTION 'disk full'; END $$ "
+            "LANGUAGE plpgsql",
+            "CREATE TRIGGER refuse_forgetting BEFORE DELETE ON langfuse_pulled FOR EACH ROW "
+            "EXECUTE FUNCTION refuse_forgetting()",
+        ]
+    else:
+        statements = ["CREATE TRIGGER refuse_forgetting BEFORE DELETE ON langfuse_pulled "
+                      "BEGIN SELECT RAISE(ABORT, 'disk full'); END"]
+    with engine.begin() as conn:
+        for statement in statements:
+            conn.execute(text(statement))
+
+
+def drop_trigger(engine: Engine, name: str, table: str) -> None:
+    """The store error is over: drop the trigger `name` on `table` that made it."""
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP TRIGGER {name}" + (f" ON {table}" if engine.dialect.name == "postgresql" else "")))
 
 
 def app_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str, **env: str) -> FastAPI:
@@ -175,6 +212,56 @@ def test_a_failed_page_applies_nothing_and_the_next_sync_applies_everything(
         assert client.get("/v1/trajectories/g-0").json()["rewards"] == {}  # nothing half-applied, nothing marked
         assert server.failures == [] and client.post("/v1/langfuse/sync").json()["applied"] == 130
         assert client.get("/v1/trajectories/g-129").json()["rewards"] == {"human": 129 / 200}
+
+
+def test_a_store_error_mid_pull_applies_no_score_twice(
+    make_store, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """A store error on the 111th reward left the 110 before it stored but not marked pulled: the next sync applied
+    them again, over the API rewards given since."""
+    url, server = langfuse
+    store = make_store()
+    store.add_spans(group_spans("g", [str(n) for n in range(130)]))
+    now = dt.datetime.now(dt.UTC)
+    for n in range(130):  # s0 the oldest: applied first
+        server.add_score(f"s{n}", "human", (n + 1) / 1000, trace_id=trace_id("g", n),
+                         timestamp=now - dt.timedelta(minutes=130 - n))
+    sync = sync_for(store, url)
+    refuse_reward(store.engine, 0.111)  # s110's
+    with pytest.raises(DBAPIError, match="disk full"):
+        sync.sync()
+    assert store.trajectory("g-0").rewards == {"human": 0.001} and store.trajectory("g-110").rewards == {}
+    for n in (0, 120):  # after s0 was applied; before s120 was
+        store.add_reward(RewardIn(rollout_id=f"g-{n}", name="human", value=0.5))
+    drop_trigger(store.engine, "refuse_reward", "rewards")
+    assert sync.sync().applied == 30  # what the failed sync did not store, once
+    assert store.trajectory("g-0").rewards == {"human": 0.5}  # newer than s0's reward: it holds
+    assert [store.trajectory(f"g-{n}").rewards for n in (110, 120)] == [{"human": 0.111}, {"human": 0.121}]
+    assert sync.sync().applied == 0
+
+
+def test_a_store_error_on_a_withdrawal_takes_nothing_back_until_a_sync_records_it(
+    make_store, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """A deleted score's rewards were taken back in one transaction and its record dropped in another: a store error
+    on the second left the score withdrawn but recorded as pulled, and a failed sync that had changed the rewards."""
+    url, server = langfuse
+    store = make_store()
+    store.add_spans(group_spans("g", ["7", "8"]))
+    server.add_score("a", "human", 1.0, trace_id=trace_id("g", 0))
+    server.add_score("b", "human", 0.0, trace_id=trace_id("g", 1))
+    sync = sync_for(store, url)
+    assert sync.sync().applied == 2
+    del server.scores["a"]
+    refuse_forgetting(store.engine)
+    with pytest.raises(DBAPIError, match="disk full"):
+        sync.sync()
+    assert store.trajectory("g-0").rewards == {"human": 1.0}  # neither its reward nor its record went
+    drop_trigger(store.engine, "refuse_forgetting", "langfuse_pulled")
+    assert sync.sync().withdrawn == 1
+    assert store.trajectory("g-0").rewards == {}
+    assert [row["score_id"] for row in sync.scoring.pulled_since(0)] == ["b"]  # and its record with them
+    assert sync.sync().withdrawn == 0
 
 
 def test_push_sends_rewards_once_and_updates_changed_ones(
