@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.trace import Link, Status
 from opentelemetry.util.types import Attributes, AttributeValue
 
+from art_langgraph._counts import DROPPED_SPANS
 from art_langgraph._export_size import REQUEST_BYTES, size_bound, size_bounded
 
 if TYPE_CHECKING:
@@ -31,34 +32,10 @@ __all__ = [
     "CountingExporter",
     "HeldProcessor",
     "Processor",
-    "dropped_total",
     "export_processors",
-    "reset_dropped_total",
 ]
 
 _logger = logging.getLogger(__name__)
-
-_total_lock = threading.Lock()
-_total_dropped = 0
-
-
-def dropped_total() -> int:
-    """Spans that every `CountingExporter` of this process failed to deliver, replaced or shut-down pipelines' too."""
-    return _total_dropped
-
-
-def reset_dropped_total() -> None:
-    """In a forked child: count its own losses from 0, under a new lock (a thread of the parent may have held it)."""
-    global _total_dropped, _total_lock
-    _total_lock = threading.Lock()
-    _total_dropped = 0
-
-
-def _add_to_total(n: int) -> None:
-    global _total_dropped
-    with _total_lock:
-        _total_dropped += n
-
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -113,6 +90,8 @@ class CountingExporter(SpanExporter):
         self.dropped = 0
         self.pending = 0
         """Spans queued for this exporter and not yet handed to it (kept by its processor)."""
+        self.sending = 0
+        """Spans handed to this exporter whose `export` has not returned yet."""
         self._redirect = threading.local()
         """`status`: a 3xx the calling thread's last request got (`watch`), which the inner exporter takes for a
         delivery."""
@@ -120,7 +99,7 @@ class CountingExporter(SpanExporter):
     def _drop(self, n: int) -> None:
         with self._lock:
             self.dropped += n
-        _add_to_total(n)
+        DROPPED_SPANS.add(n)
 
     def watch(self, session: requests.Session) -> None:
         """Read the answers the inner exporter gets on `session`, which it leaves unread: the spans a 200 reports
@@ -165,7 +144,7 @@ class CountingExporter(SpanExporter):
                 return True
             self.dropped += 1
             dropped = self.dropped
-        _add_to_total(1)
+        DROPPED_SPANS.add(1)
         if dropped == 1 or dropped % 1000 == 0:
             _logger.warning(
                 "art_langgraph: %s export queue full; dropping spans (%d dropped so far)", self._name, dropped
@@ -180,10 +159,23 @@ class CountingExporter(SpanExporter):
             self._drop(lost)
             _logger.warning("art_langgraph: %s export stopped with %d spans still queued; dropped", self._name, lost)
 
+    def unsent(self) -> int:
+        """Spans not sent yet: queued, or in an export that has not returned (what stopping now would lose)."""
+        with self._lock:
+            return self.pending + self.sending
+
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         """Export `spans` in requests of at most `ART_MAX_EXPORT_BYTES` (`size_bounded`); FAILURE if any failed."""
         with self._lock:
             self.pending = max(0, self.pending - len(spans))
+            self.sending += len(spans)
+        try:
+            return self._export_all(spans)
+        finally:
+            with self._lock:
+                self.sending -= len(spans)
+
+    def _export_all(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         results = []
         for part in self._requests(spans):
             if len(part) == 1 and (bound := size_bound(part[0]) + REQUEST_BYTES) > self._max_request_bytes:

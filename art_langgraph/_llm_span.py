@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from art_langgraph import semconv
+from art_langgraph._counts import RECORDING_ERRORS
 from art_langgraph._graph_tracing import placement_of
 from art_langgraph._rollout import current_rollout
 from art_langgraph._token_data import ART_METADATA_KEY, STREAM_PIECE_KEY, ArtTokenData, StreamTokens
@@ -31,24 +31,20 @@ from art_langgraph._tracing import get_tracer
 __all__ = ["LLMSpan", "llm_span", "recording_errors", "recording_guard"]
 
 _logger = logging.getLogger(__name__)
-_errors = 0
-_errors_lock = threading.Lock()
 
 
 def recording_errors() -> int:
     """Number of errors caught while recording model calls (each logged with its traceback)."""
-    return _errors
+    return RECORDING_ERRORS.value
 
 
 @contextmanager
 def recording_guard(what: str) -> Iterator[None]:
     """Log and count an error raised while recording `what`, instead of raising it into the app."""
-    global _errors
     try:
         yield
     except Exception:
-        with _errors_lock:
-            _errors += 1
+        RECORDING_ERRORS.add()
         _logger.exception("art_langgraph: could not record %s; the model call itself is unaffected", what)
 
 

@@ -19,7 +19,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from collector.auth import configured_key
-from collector.env_names import PREFIX, settings_env_names, unknown_env_problem
+from collector.env_names import PREFIX, settings_env_names, under_prefix, unknown_env_problem
 
 __all__ = ["Settings", "get_settings", "update_settings"]
 
@@ -162,11 +162,12 @@ _checked: set[str] = set()
 
 
 def _warn_unknown_variables() -> None:
-    """Log each newly set `ART_*` variable that no component reads, with the closest known names. The plugin's own
-    variables are left out first, so an app that sets only those never loads the services' settings modules."""
+    """Log each newly set `ART_*` variable (in any case, as pydantic-settings reads them) that no component reads, with
+    the closest known names. The plugin's own variables are left out first, so an app that sets only those never
+    loads the services' settings modules."""
     own = {var.name for var in settings_env_names(Settings)}
     new = {name: value for name, value in os.environ.items()
-           if name.startswith(PREFIX) and name not in own and name not in _checked}
+           if under_prefix(name, PREFIX) and name.upper() not in own and name not in _checked}
     _checked.update(new)
     if problem := unknown_env_problem(new):
         _logger.warning("art_langgraph: %s", problem)

@@ -25,13 +25,8 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Tracer
 
 from art_langgraph._bounded import run_bounded, spare_thread
-from art_langgraph._export_queue import (
-    CountingExporter,
-    Processor,
-    dropped_total,
-    export_processors,
-    reset_dropped_total,
-)
+from art_langgraph._counts import DROPPED_SPANS, renew_after_fork
+from art_langgraph._export_queue import CountingExporter, Processor, export_processors
 from art_langgraph._settings import TRACES_PATH, Settings, get_settings, update_settings
 
 __all__ = [
@@ -170,6 +165,10 @@ class _State:
         for processor in self.processors:
             processor.shutdown()
 
+    def unsent(self) -> int:
+        """Spans our exporters have not sent yet: queued, or in a request not answered."""
+        return sum(processor.counting.unsent() for processor in self.processors)
+
 
 _lock = threading.RLock()
 _state: _State | None = None
@@ -269,7 +268,7 @@ def get_tracer() -> Tracer:
 
 def dropped_spans() -> int:
     """Number of spans lost so far (queue full, export failed), by this pipeline and those replaced or shut down."""
-    return dropped_total()
+    return DROPPED_SPANS.value
 
 
 def flush(timeout: float = 5.0) -> bool:
@@ -305,13 +304,18 @@ def shutdown(timeout: float = 5.0) -> None:
 
 
 def _flush_at_exit() -> None:
-    """The exit hook: exports what is left, waiting at most `ART_EXIT_FLUSH_TIMEOUT` seconds."""
+    """The exit hook: exports what is left, waiting at most `ART_EXIT_FLUSH_TIMEOUT` seconds, and logs how many spans
+    were still unsent when it gave up (a failed shutdown is logged by `run_bounded`)."""
     global _exit_hook_ran
     _exit_hook_ran = True
     if (state := _take_state()) is None:
         return
-    if not run_bounded(state.shutdown, get_settings().exit_flush_timeout):
-        _logger.warning("art_langgraph: spans still queued at exit were not all exported in time")
+    timeout = get_settings().exit_flush_timeout
+    if not run_bounded(state.shutdown, timeout) and (unsent := state.unsent()):
+        _logger.warning(
+            "art_langgraph: %d spans were still unsent when ART_EXIT_FLUSH_TIMEOUT (%g s) ran out at exit; they are "
+            "lost: raise ART_EXIT_FLUSH_TIMEOUT if the collector is slow to answer", unsent, timeout,
+        )
 
 
 def _after_fork_in_child() -> None:
@@ -319,13 +323,13 @@ def _after_fork_in_child() -> None:
 
     The parent's exporters hold the parent's HTTP connections, on which the child would write
     too, and count the spans queued in the parent, which the child's queues do not hold. The
-    lock is new too: a thread of the parent may have held it (configuring at a first span), and
-    in the child no thread would ever release it.
+    locks are new too, the pipeline's and the counts' (`_counts`): a thread of the parent may have held one
+    (configuring at a first span, counting a loss), and in the child no thread would ever release it.
     """
     global _state, _lock
     _lock = threading.RLock()
     _state = None
-    reset_dropped_total()
+    renew_after_fork()
     spare_thread.after_fork()
 
 

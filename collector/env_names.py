@@ -6,6 +6,10 @@ start on such a variable (`exit_on_unknown_env`); the plugin, which does not own
 names are one set across the components (`known_env_names`): their prefixes overlap (`ART_COLLECTOR_URL` is the
 plugin's, under the collector's `ART_COLLECTOR_`), and one environment often serves several of them.
 
+pydantic-settings matches names in any case (`art_collector_url` sets the plugin's `collector_url`), so the check
+does too wherever it does (`_is_known_env_name`): `art_trainer_lora_rank` is as wrong as `ART_TRAINER_LORA_RANK`. A
+variable read as spelled (`READ_DIRECTLY`, `GRPOConfig.from_env`) is known only in that spelling.
+
 The settings classes are imported when the names are first needed, not with this module: the plugin imports it, and
 reading the plugin's own settings should not load the services' settings modules.
 """
@@ -26,7 +30,7 @@ from pydantic_settings import BaseSettings
 
 __all__ = [
     "PREFIX", "SERVICE_PREFIXES", "EnvName", "dataclass_settings", "exit_on_unknown_env", "known_env_names",
-    "settings_classes", "settings_env_names", "unknown_env_names", "unknown_env_problem",
+    "settings_classes", "settings_env_names", "under_prefix", "unknown_env_names", "unknown_env_problem",
 ]
 
 PREFIX = "ART_"
@@ -115,24 +119,45 @@ def known_env_names() -> frozenset[str]:
     return _meant_env_names().union(*(_read_by_field_name(cls) for cls in settings_classes()))
 
 
+@cache
+def _any_case_env_names() -> frozenset[str]:
+    """The upper-cased variables of the settings classes that pydantic-settings reads in any case (not
+    `case_sensitive`), those read to be refused (`_read_by_field_name`) included."""
+    classes = [cls for cls in settings_classes() if not cls.model_config.get("case_sensitive", False)]
+    return frozenset(var.name for cls in classes for var in settings_env_names(cls)).union(
+        *(_read_by_field_name(cls) for cls in classes))
+
+
+def _is_known_env_name(name: str) -> bool:
+    """Whether a component reads `name`: as spelled, or in any case where pydantic-settings reads it."""
+    return name in known_env_names() or name.upper() in _any_case_env_names()
+
+
+def under_prefix(name: str, prefixes: str | tuple[str, ...]) -> bool:
+    """Whether `name` is under one of `prefixes` (upper case) in any case, as pydantic-settings matches a prefix."""
+    return name.upper().startswith(prefixes)
+
+
 def unknown_env_names(environ: Mapping[str, str]) -> list[str]:
-    """The variables of `environ` under `PREFIX` that no component reads (`TOOL_PREFIXES` aside), sorted."""
-    candidates = sorted(name for name in environ if name.startswith(PREFIX) and not name.startswith(TOOL_PREFIXES))
-    return [name for name in candidates if name not in known_env_names()] if candidates else []
+    """The variables of `environ` under `PREFIX` (in any case) that no component reads (`TOOL_PREFIXES` aside),
+    sorted."""
+    candidates = sorted(name for name in environ
+                        if under_prefix(name, PREFIX) and not under_prefix(name, TOOL_PREFIXES))
+    return [name for name in candidates if not _is_known_env_name(name)] if candidates else []
 
 
 def _suggestion(name: str) -> str:
     """` (did you mean X or Y?)` with the variables meant to be set closest to `name`, or nothing when none is close.
     The cutoff is above difflib's 0.6, which the long prefix every name shares reaches on its own."""
     ours = sorted(known for known in _meant_env_names() if known.startswith(PREFIX))
-    near = difflib.get_close_matches(name, ours, n=2, cutoff=0.8)
+    near = difflib.get_close_matches(name.upper(), ours, n=2, cutoff=0.8)
     return f" (did you mean {' or '.join(near)}?)" if near else ""
 
 
 def unknown_env_problem(environ: Mapping[str, str], *, under: tuple[str, ...] = (PREFIX,)) -> str | None:
     """One line naming each variable of `environ` under a prefix of `under` that no component reads, with the
     closest known names and the fix, or None when there is none."""
-    unknown = [name for name in unknown_env_names(environ) if name.startswith(under)]
+    unknown = [name for name in unknown_env_names(environ) if under_prefix(name, under)]
     if not unknown:
         return None
     is_, them = ("is", "it") if len(unknown) == 1 else ("are", "them")
@@ -144,7 +169,7 @@ def exit_on_unknown_env(parser: argparse.ArgumentParser, environ: Mapping[str, s
     """Stop a service's command line as a bad setting does (`parser.error`: one line, exit status 2) when `environ`
     holds a variable under `SERVICE_PREFIXES` that no component reads (`unknown_env_problem`); warn on stderr first
     about another unknown `ART_*` one."""
-    others = {name: value for name, value in environ.items() if not name.startswith(SERVICE_PREFIXES)}
+    others = {name: value for name, value in environ.items() if not under_prefix(name, SERVICE_PREFIXES)}
     if notice := unknown_env_problem(others):
         print(f"{parser.prog}: warning: {notice}", file=sys.stderr)
     if problem := unknown_env_problem(environ, under=SERVICE_PREFIXES):

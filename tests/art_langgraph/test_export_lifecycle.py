@@ -259,6 +259,33 @@ def test_exit_with_collector_down_is_bounded(dead_url) -> None:
     assert exit_seconds < 5  # at most ~1 s of flushing, plus interpreter teardown
 
 
+def test_exit_that_runs_out_of_time_logs_how_many_spans_were_left_unsent(dead_url) -> None:
+    """A collector that never answers: the exit hook gave up after ART_EXIT_FLUSH_TIMEOUT with a line that named no
+    number. The 2 spans the stuck export holds and the 2 queued behind it are counted, with the setting to raise."""
+    script = textwrap.dedent(
+        f"""
+        import threading
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        import art_langgraph
+        OTLPSpanExporter.export = lambda self, spans: threading.Event().wait()  # blocks for good
+        art_langgraph.configure(collector_url={dead_url!r})
+        for i in range(2):
+            with art_langgraph.rollout(f"sending-{{i}}"):
+                pass
+        assert not art_langgraph.flush(timeout=0.5)  # the export of these 2 is now stuck
+        for i in range(2):
+            with art_langgraph.rollout(f"queued-{{i}}"):
+                pass
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "ART_EXIT_FLUSH_TIMEOUT": "1"})
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert [line for line in out.stderr.splitlines() if line.startswith("art_langgraph:")] == [
+        "art_langgraph: 4 spans were still unsent when ART_EXIT_FLUSH_TIMEOUT (1 s) ran out at exit; they are lost: "
+        "raise ART_EXIT_FLUSH_TIMEOUT if the collector is slow to answer"]
+
+
 def test_a_wait_longer_than_a_thread_can_wait_still_flushes(receivers) -> None:
     """`flush(timeout=1e10)` and `ART_EXIT_FLUSH_TIMEOUT=1e10` are past `threading.TIMEOUT_MAX`: both raised
     `OverflowError` (the exit hook with a traceback, its spans unexported) instead of waiting as long as they may."""

@@ -10,6 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import operator
+import os
+import subprocess
+import sys
+import textwrap
 import uuid
 from functools import reduce
 from typing import Any
@@ -270,3 +274,36 @@ def test_a_stream_chunk_whose_token_data_cannot_be_read_leaves_the_call_without_
     (span,) = llm_spans(spans)
     assert TOKEN_ATTRIBUTES.isdisjoint(span.attributes)
     assert json.loads(span.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])[0]["content"] == reply_text(0)  # in order
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_another_thread_counts_a_recording_error_can_count_its_own() -> None:
+    """A thread of the parent held the lock recording errors are counted under when the process forked: the child
+    inherited it held, with no thread to release it, and hung at its first recording error."""
+    script = textwrap.dedent(
+        """
+        import os, threading, time
+        from art_langgraph import _counts, _llm_span
+        held = threading.Event()
+        def counting():
+            with _counts.RECORDING_ERRORS._lock:
+                held.set()
+                threading.Event().wait()
+        threading.Thread(target=counting, daemon=True).start()
+        held.wait()
+        pid = os.fork()
+        if pid == 0:
+            with _llm_span.recording_guard("a child's call"):
+                raise ValueError("unreadable")
+            os._exit(0 if _llm_span.recording_errors() == 1 else 1)
+        deadline = time.monotonic() + 20
+        while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not done[0]:
+            os.kill(pid, 9)
+        assert done[0] and os.waitstatus_to_exitcode(done[1]) == 0, "the child hung or miscounted"
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "could not record a child's call" in out.stderr

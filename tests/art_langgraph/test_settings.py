@@ -27,3 +27,20 @@ def test_a_variable_no_setting_reads_is_logged_once(monkeypatch: pytest.MonkeyPa
     assert [record.getMessage() for record in caplog.records] == [
         "art_langgraph: ART_MODLE (did you mean ART_MODEL?) is set, but no setting reads it: rename or unset it (the "
         "README lists every ART_* variable)"]
+
+
+def test_a_variable_no_setting_reads_is_logged_in_lower_case_too(monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """pydantic-settings reads `art_trace_graphs` as `ART_TRACE_GRAPHS`, so `art_modle` was as much a misspelling as
+    `ART_MODLE`, yet only upper-case names were checked: it left the default model in force without a word."""
+    monkeypatch.setattr(_settings, "_settings", None)
+    monkeypatch.setattr(_settings, "_checked", set(), raising=False)
+    monkeypatch.setenv("art_modle", "agent@3")
+    monkeypatch.setenv("art_trace_graphs", "false")
+    monkeypatch.setenv("art_collector_judge_attempts", "5")
+    with caplog.at_level(logging.WARNING, logger=_settings.__name__):
+        settings = get_settings()
+    assert (settings.model, settings.trace_graphs) == ("agent@latest", False)
+    assert [record.getMessage() for record in caplog.records] == [
+        "art_langgraph: art_modle (did you mean ART_MODEL?) is set, but no setting reads it: rename or unset it (the "
+        "README lists every ART_* variable)"]

@@ -381,3 +381,19 @@ def test_an_unknown_variable_outside_the_services_prefixes_is_only_warned_about(
     exit_on_unknown_env(cli.build_parser(), {"ART_BUILD_ID": "42", "ART_MODLE": "agent@latest", "ART_HOME": "/tmp"})
     err = capsys.readouterr().err
     assert err.startswith("art-collector: warning: ART_BUILD_ID, ART_MODLE (did you mean ART_MODEL?) are set")
+
+
+def test_a_variable_no_setting_reads_stops_serve_in_lower_case_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """pydantic-settings reads `art_collector_port` as `ART_COLLECTOR_PORT`: a misspelling in lower case was ignored
+    as silently as one in upper case, and only upper-case names were checked."""
+    environ = {"art_collector_judge_attempt": "5", "art_collector_port": "4318", "art_model": "agent@latest",
+               "art_build_id": "42"}
+    with pytest.raises(SystemExit) as info:
+        exit_on_unknown_env(cli.build_parser(), environ)
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert "art-collector: warning: art_build_id is set, but no setting reads it" in err
+    assert err.splitlines()[-1] == (
+        "art-collector: error: art_collector_judge_attempt (did you mean ART_COLLECTOR_JUDGE_ATTEMPTS or "
+        "ART_COLLECTOR_JUDGE_AUTO?) is set, but no setting reads it: rename or unset it (the README lists every ART_* "
+        "variable)")

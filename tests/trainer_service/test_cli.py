@@ -757,3 +757,23 @@ def test_a_variable_no_setting_reads_stops_serve_before_anything_starts(monkeypa
     assert err.splitlines()[-1] == (
         "art-trainer: error: ART_TRAINER_LORA_RANK (did you mean ART_TRAINER_LORA_R or ART_TRAINER_MAX_LORA_RANK?) is "
         "set, but no setting reads it: rename or unset it (the README lists every ART_* variable)")
+
+
+def test_a_variable_no_setting_reads_stops_serve_in_lower_case_too(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """pydantic-settings reads `art_trainer_port` as `ART_TRAINER_PORT`, so `art_trainer_lora_rank` is as wrong as
+    `ART_TRAINER_LORA_RANK`; `GRPOConfig.from_env` reads `ART_TRAINER_LORA_R` only as spelled, so `art_trainer_lora_r`
+    changed nothing either. Only upper-case names were checked: both trained with rank 8."""
+    monkeypatch.setattr("trainer_service.server.create_app", lambda *a, **kw: pytest.fail("started the service"))
+    monkeypatch.setenv("art_trainer_lora_rank", "16")
+    monkeypatch.setenv("art_trainer_lora_r", "16")
+    monkeypatch.setenv("art_trainer_port", "8001")
+    monkeypatch.setenv("art_collector_url", "http://localhost:4318")
+    with pytest.raises(SystemExit) as info:
+        main(["serve"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        "art-trainer: error: art_trainer_lora_r (did you mean ART_TRAINER_LORA_R or ART_TRAINER_LORA_DROPOUT?), "
+        "art_trainer_lora_rank (did you mean ART_TRAINER_LORA_R or ART_TRAINER_MAX_LORA_RANK?) are set, but no setting "
+        "reads them: rename or unset them (the README lists every ART_* variable)")
