@@ -7,7 +7,9 @@ become token sequences (`collector.sequences`). Model calls of other instrumenta
 
 No model call counts twice when the app also sends another instrumentation's spans: a foreign
 span of an `ARTChatModel` call (`foreign.describes_art_call`) is no model call at all, and a
-trajectory that holds an `llm` span takes its turns from `llm` spans only (`model_calls`).
+trajectory that holds an `llm` span takes its turns from `llm` spans only (`model_calls`). Nor do another
+instrumentation's calls in the trace of a rollout (a tool calling another model) make a trajectory of that trace
+(`FactsDigest.foreign_only`; the store leaves them out in `collector.placement`).
 
 Rewards come from `art.reward` events on the rollout span and from reward spans
 (`art.span.kind = reward`, with `art.reward.name` / `art.reward.value` attributes, and events).
@@ -205,6 +207,8 @@ class FactsDigest:
     """Per grouping attribute, the first span that has it (not None): its order and the value."""
     llm: bool = False
     """Some span is a model call."""
+    ours: bool = False
+    """Some span is an `llm` span (a model call of ours; `llm` without it: only other instrumentations' calls)."""
 
     @classmethod
     def of(cls, spans: Iterable[SpanRecord]) -> FactsDigest:
@@ -228,6 +232,7 @@ class FactsDigest:
                 if span.attributes.get(key) is not None and (key not in self.attrs or order < self.attrs[key][:3]):
                     self.attrs[key] = [*order, span.attributes[key]]
             self.llm = self.llm or is_llm(span)
+            self.ours = self.ours or span.attributes.get(sc.SPAN_KIND) == sc.SPAN_KIND_LLM
 
     def merge(self, other: FactsDigest) -> None:
         """Take into account the spans `other` saw (as `add` of them would)."""
@@ -239,16 +244,24 @@ class FactsDigest:
             if key not in self.attrs or part[:3] < self.attrs[key][:3]:
                 self.attrs[key] = part
         self.llm = self.llm or other.llm
+        self.ours = self.ours or other.ours
+
+    @property
+    def foreign_only(self) -> bool:
+        """Its model calls are all other instrumentations' (it has some, none an `llm` span)."""
+        return self.llm and not self.ours
 
     def to_json(self) -> str:
         """The digest as JSON (the store's `trajectories.digest` column)."""
-        return json.dumps({"rollout": self.rollout, "first": self.first, "attrs": self.attrs, "llm": self.llm})
+        return json.dumps({"rollout": self.rollout, "first": self.first, "attrs": self.attrs, "llm": self.llm,
+                           "ours": self.ours})
 
     @classmethod
     def from_json(cls, text: str) -> FactsDigest:
-        """The inverse of `to_json`."""
+        """The inverse of `to_json`; a digest stored before `ours` was kept counts every model call as ours."""
         data = json.loads(text)
-        return cls(rollout=data["rollout"], first=data["first"], attrs=data["attrs"], llm=data["llm"])
+        return cls(rollout=data["rollout"], first=data["first"], attrs=data["attrs"], llm=data["llm"],
+                   ours=data.get("ours", data["llm"]))
 
     def _value(self, key: str) -> Any:
         """An attribute from the rollout span, else from the first span that has it."""

@@ -9,10 +9,11 @@ export, not with one round trip per trajectory.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, func, select
+from sqlalchemy import Connection, bindparam, delete, func, select
 
 from collector.assembly import FactsDigest, TrajectoryFacts
 from collector.engine import chunks
@@ -20,6 +21,11 @@ from collector.groups import capacity
 from collector.schema import groups, trajectories
 
 __all__ = ["place", "write_trajectories"]
+
+log = logging.getLogger(__name__)
+
+FOREIGN_IN_ROLLOUT = "model calls of another instrumentation in the trace of an ART rollout (not our policy's text)"
+"""Why a trace's trajectory is left out: its calls are another model's (a tool's client), traced beside a rollout."""
 
 
 def _open_instances(conn: Connection, keys: list[str]) -> dict[str, list[dict[str, Any]]]:
@@ -136,6 +142,79 @@ def _one_row_per_id(
     return found, digests
 
 
+def _trace_rows(conn: Connection, trace_ids: list[str]) -> dict[str, Any]:
+    """The stored trajectories keyed by trace id (outside any rollout) of `trace_ids`, by id."""
+    found: dict[str, Any] = {}
+    for chunk in chunks(sorted(trace_ids)):
+        query = select(trajectories).where(trajectories.c.id.in_(chunk), trajectories.c.by_rollout.is_(False))
+        found.update({row["id"]: row for row in conn.execute(query).mappings()})
+    return found
+
+
+def _rollout_traces(conn: Connection, found: dict[tuple[str, bool], TrajectoryFacts], trace_ids: set[str]) -> set[str]:
+    """Those of `trace_ids` that hold an ART rollout: one of the export (`found`) or one stored before."""
+    held = {facts.trace_id for (_, by_rollout), facts in found.items() if by_rollout} & trace_ids
+    for chunk in chunks(sorted(trace_ids - held)):
+        query = select(trajectories.c.trace_id).where(
+            trajectories.c.by_rollout.is_(True), trajectories.c.trace_id.in_(chunk)
+        )
+        held.update(conn.execute(query.distinct()).scalars())
+    return held
+
+
+def _delete_foreign(conn: Connection, row: Any, now: float) -> bool:
+    """Delete the stored trajectory `row` (`_without_foreign_calls_in_rollouts`) unless its group is leased or trained;
+    a group it leaves empty is skipped. Whether it was deleted."""
+    state = None
+    if row["group_id"] is not None:
+        state = conn.execute(select(groups.c.state).where(groups.c.id == row["group_id"]).with_for_update()).scalar()
+    if state in ("leased", "trained"):
+        log.warning("trajectory %s: %s, kept: its group %s is %s", row["id"], FOREIGN_IN_ROLLOUT, row["group_id"],
+                    state)
+        return False
+    conn.execute(delete(trajectories).where(trajectories.c.id == row["id"]))
+    log.info("trajectory %s deleted: %s", row["id"], FOREIGN_IN_ROLLOUT)
+    if state == "open" and not _counts(conn, trajectories.c.group_id, [row["group_id"]]):
+        conn.execute(
+            groups.update().where(groups.c.id == row["group_id"])
+            .values(state="skipped", reason=f"its trajectory was deleted: {FOREIGN_IN_ROLLOUT}", updated_at=now)
+        )
+    return True
+
+
+def _without_foreign_calls_in_rollouts(
+    conn: Connection,
+    found: dict[tuple[str, bool], TrajectoryFacts],
+    digests: dict[tuple[str, bool], FactsDigest],
+    existing: dict[str, Any],
+    now: float,
+) -> tuple[dict[tuple[str, bool], TrajectoryFacts], dict[tuple[str, bool], FactsDigest]]:
+    """`found` and `digests` without the trajectory of a trace that holds an ART rollout when its model calls are all
+    another instrumentation's (`FactsDigest.foreign_only`: a tool inside the rollout calling another model through a
+    traced client). Another model's text is no sample of our policy, and the trace's rewards (a Langfuse score) are the
+    rollout's. One stored before the rollout's spans came is deleted (`_delete_foreign`), in whichever export they come.
+    """
+    rollout_traces = {facts.trace_id for (_, by_rollout), facts in found.items() if by_rollout}
+    candidates = {
+        key: existing.get(key) for key, by_rollout in found if not by_rollout and digests[key, False].foreign_only
+    }
+    stored = _trace_rows(conn, sorted(rollout_traces - {key for key, _ in found}))
+    candidates.update(
+        {key: row for key, row in stored.items() if row["digest"] and FactsDigest.from_json(row["digest"]).foreign_only}
+    )
+    left_out = {
+        key for key in _rollout_traces(conn, found, set(candidates))
+        if candidates[key] is None or _delete_foreign(conn, candidates[key], now)
+    }
+    for key in sorted(left_out):
+        if candidates[key] is None:
+            log.info("trace %s: %s; left out", key, FOREIGN_IN_ROLLOUT)
+    if not left_out:
+        return found, digests
+    keep = [trajectory for trajectory in found if not (trajectory[0] in left_out and not trajectory[1])]
+    return {t: found[t] for t in keep}, {t: digests[t] for t in keep}
+
+
 def write_trajectories(
     conn: Connection,
     found: dict[tuple[str, bool], TrajectoryFacts],
@@ -151,6 +230,8 @@ def write_trajectories(
     template run on its own (the plugin gives every top-level run a rollout), has nothing to train on or judge
     and joins no group. One in a group the app named (`art.group`), e.g. an attempt that failed before calling the
     model, stays its member: the app counted it, and its reward belongs beside the others'.
+    Nor does another instrumentation's model calls in a rollout's trace make a trajectory
+    (`_without_foreign_calls_in_rollouts`).
 
     Args:
         conn: The export's transaction.
@@ -161,6 +242,7 @@ def write_trajectories(
         now: The export's time.
     """
     found, digests = _one_row_per_id(found, digests)
+    found, digests = _without_foreign_calls_in_rollouts(conn, found, digests, existing, now)
     wanted = []
     for (key, by_rollout), facts in found.items():
         row = existing.get(key)

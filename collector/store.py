@@ -112,7 +112,9 @@ class SqlStore(Store):
     def _add_spans(self, conn: Connection, unique: list[SpanRecord]) -> int:
         """Insert the spans in one statement, then update each touched trajectory from its new spans only."""
         keys = {r.span_id: assembly.trajectory_key(r) for r in unique}
-        self._tx.lock(conn, TRAJECTORY_LOCKS, [key for key, _ in keys.values()])
+        # the trace ids too: an export of a rollout and one of another instrumentation's calls in its trace lock
+        # different keys otherwise, and on PostgreSQL neither sees the other's rows (`placement`'s foreign calls)
+        self._tx.lock(conn, TRAJECTORY_LOCKS, [key for key, _ in keys.values()] + [r.trace_id for r in unique])
         received = self._now(conn)
         rows = [
             {

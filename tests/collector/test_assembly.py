@@ -230,6 +230,22 @@ def test_facts_digest_in_any_order_and_pieces_equals_facts_of_all() -> None:
         FactsDigest().facts("r1")
 
 
+def test_facts_digest_tells_calls_of_other_instrumentations_only() -> None:
+    """`foreign_only` survives storage and merges; a digest stored before it existed counts its calls as ours, so a
+    trajectory stored then is kept as it was."""
+    theirs = SpanRecord(TRACE, sid(3), None, "chat", 5, 15, {
+        "gen_ai.operation.name": "chat", "gen_ai.input.messages": json.dumps([{"role": "user", "content": "hi"}])})
+    ours = llm(2, rollout=None, start=10, prompt=[1], completion=[2])
+    stored = FactsDigest.from_json(FactsDigest.of([theirs]).to_json())
+    assert stored.foreign_only
+    assert not FactsDigest().foreign_only and not FactsDigest.of([rollout(1)]).foreign_only
+    stored.merge(FactsDigest.of([ours]))
+    assert not stored.foreign_only
+    older = json.loads(FactsDigest.of([theirs]).to_json())
+    del older["ours"]
+    assert not FactsDigest.from_json(json.dumps(older)).foreign_only
+
+
 def test_trajectory_key() -> None:
     assert trajectory_key(llm(1, start=1, prompt=[1], completion=[2])) == ("r1", True)
     assert trajectory_key(llm(1, rollout=None, start=1, prompt=[1], completion=[2])) == (TRACE, False)

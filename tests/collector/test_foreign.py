@@ -27,6 +27,7 @@ from opentelemetry.trace import StatusCode
 from art_langgraph import semconv as sc
 from collector.foreign import conversation, describes_art_call, finish_reason, same_messages
 from collector.otlp import SpanRecord
+from collector.protocol import BatchRequest, RewardIn
 from tests.collector.server_helpers import collector_app
 from tests.collector.span_builders import llm, rollout, sid, to_request
 
@@ -548,6 +549,50 @@ def test_a_trace_with_an_llm_span_takes_no_foreign_turns(tmp_path: Path, seed: i
     assert trajectory["token_exact"] is True
     assert [s["token_ids"] for s in trajectory["sequences"]] == [[1, 2, 3]]
     assert trajectory["messages"] == QUESTION + REPLY
+
+
+@pytest.mark.parametrize("order", ["foreign first", "ART first", "one export"])
+def test_foreign_calls_in_a_rollouts_trace_make_no_trajectory(tmp_path: Path, order: str) -> None:
+    """A tool inside a rollout calls another model through an instrumented OpenAI client: its spans, of the rollout's
+    trace, made a trajectory of that trace, which a trace reward (a Langfuse score) rewarded and a trainer could train
+    on, another model's text as our policy's. They are left out, in any order; the trace reward goes to the rollout."""
+    ours = _ours("r1", TRACE_A, 100)
+    theirs = [_openinference_chain(TRACE_A, 110, sid(101), "tool"), _openinference_llm(TRACE_A, 111, sid(110),
+                                                                                       marked=False)]
+    exports = {"foreign first": [theirs, ours], "ART first": [ours, theirs], "one export": [ours + theirs]}[order]
+    client = TestClient(collector_app(tmp_path))
+    for spans in exports:
+        assert client.post("/v1/traces", content=to_request(spans).SerializeToString(),
+                           headers={"content-type": "application/x-protobuf"}).status_code == 200
+    assert client.post("/v1/rewards", json={"trace_id": TRACE_A, "name": "score", "value": 0.5}).status_code == 200
+
+    (trajectory,) = client.get("/v1/trajectories").json()
+    assert trajectory["id"] == "r1" and trajectory["token_exact"] is True
+    assert trajectory["rewards"] == {"reward": 1.0, "score": 0.5}
+    assert [group["id"] for group in client.get("/v1/groups").json()] == ["chat"]
+
+
+@pytest.mark.parametrize("leased", [False, True])
+def test_foreign_calls_stored_before_their_rollout_came_are_deleted_unless_leased(make_store, clock,
+                                                                                    leased: bool) -> None:
+    """The foreign calls came first and made a trajectory and a group; the rollout's spans delete them, in the
+    rollout's first export or a later one. A group a trainer leased keeps its member, as any leased group does."""
+    store = make_store(min_group_size=1, keep_zero_spread=True)
+    store.add_spans([_openinference_chain(TRACE_A, 110, sid(101), "tool"),
+                     _openinference_llm(TRACE_A, 111, sid(110), marked=False)])
+    if leased:
+        store.add_rewards([RewardIn(trace_id=TRACE_A, value=0.5)])
+        clock.now += 1000  # idle past `idle_seconds`: the trace's trajectory is complete
+        assert [group.id for group in store.lease(BatchRequest()).groups] == [TRACE_A]
+    ours = _ours("r1", TRACE_A, 100)
+    store.add_spans(ours[1:])  # the rollout span comes later
+    store.add_spans(ours[:1])
+
+    assert sorted(t.id for t in store.trajectories()) == sorted(["r1", TRACE_A] if leased else ["r1"])
+    assert store.trajectory("r1").token_exact
+    assert {group.id for group in store.groups()} == ({"chat", TRACE_A} if leased else {"chat"})
+    assert {group.id for group in store.groups(["open", "ready", "leased"])} == {"chat"} | (
+        {TRACE_A} if leased else set())
 
 
 def test_describes_art_call_reads_each_convention() -> None:
