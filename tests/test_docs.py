@@ -228,6 +228,8 @@ def code_env_names() -> set[str]:
     names: set[str] = set()
     for folder in (*PACKAGES, "bench", "examples"):
         for path in (ROOT / folder).rglob("*.py"):
+            if any(part.startswith(".") for part in path.relative_to(ROOT).parts):
+                continue  # a hidden folder: e.g. the virtual environment `bench/ingest.py` makes for Phoenix
             tree = ast.parse(path.read_text())
             exported = {id(node) for stmt in tree.body if isinstance(stmt, ast.Assign)
                         and any(isinstance(target, ast.Name) and target.id == "__all__" for target in stmt.targets)
