@@ -2,13 +2,14 @@
 
 A run reads the group's trajectories from the store, sends the distinct ones to the judge,
 and writes the scores as rewards (`JudgeSettings.reward_name`, default `ruler`) through
-`Store.add_rewards`, all of a run's in one transaction, then the explanations and the run's outcome
-in `ScoringStore` (see `GroupJudge._record`). A failed run follows the configured policy (`retry`,
+`Store.add_rewards`, with the explanations and the run's outcome in `ScoringStore`, all in one
+transaction (see `GroupJudge._record`). A failed run follows the configured policy (`retry`,
 `skip`, `zero`) and its state and error show on the group.
 
 A run claims its group in the `judge_runs` table before it calls the judge, so two collector
 replicas on one database (or two requests to one collector) never judge a group at once, and an
-automatic run leaves a group that another run took up since it was found due.
+automatic run leaves a group that another run took up since it was found due. A run whose claim
+another run took over as stale (`claim_seconds`) stores nothing: its transaction checks the claim.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
+
+from sqlalchemy import Connection
 
 from collector.errors import Conflict, NotFound
 from collector.protocol import GroupState, RewardIn, Trajectory
@@ -59,6 +62,10 @@ _MAX_BACKOFF = 10.0
 def _tries(settings: JudgeSettings) -> int:
     """Judge calls one run makes at most."""
     return settings.attempts if settings.on_failure == "retry" else 1
+
+
+class _ClaimLost(Exception):
+    """Raised in the transaction of a run's scores when the run no longer holds its group: nothing is stored."""
 
 
 def claim_seconds(settings: JudgeSettings) -> float:
@@ -156,21 +163,15 @@ class GroupJudge:
                 if attempt < tries:
                     time.sleep(min(2.0 ** (attempt - 1), _MAX_BACKOFF))
                 continue
-            if not self._holds(group_id, started, "ok"):
-                return run_view(self.scoring.run(group_id) or {})
             rows = self._scored(members, owner, scores)
-            self._record(group_id, started, rows, state="ok", attempts=attempt, error=None, next_try_at=None)
-            log.info("judged group %s: %d trajectories, %d distinct", group_id, len(members), len(distinct))
-            return run_view(self.scoring.run(group_id) or {}, rows)
+            return self._record(group_id, started, rows, state="ok", attempts=attempt, error=None, next_try_at=None)
         assert error is not None
         message = f"{error.code}: {error}"
         now = self.clock()
         if s.on_failure == "zero":
-            if not self._holds(group_id, started, "zeroed"):
-                return run_view(self.scoring.run(group_id) or {})
             rows = self._zeros(members, message)
-            self._record(group_id, started, rows, state="zeroed", attempts=attempt, error=message, next_try_at=None)
-            return run_view(self.scoring.run(group_id) or {}, rows)
+            return self._record(group_id, started, rows, state="zeroed", attempts=attempt, error=message,
+                                next_try_at=None)
         state, next_try = ("failed", now + s.retry_seconds) if s.on_failure == "retry" else ("skipped", None)
         if state == "failed" and error.code == "judge_rejected":  # see `due_groups`
             message, next_try = f"{message}; not retried until the group grows", None
@@ -178,22 +179,10 @@ class GroupJudge:
                      next_try_at=next_try)
         return run_view(self.scoring.run(group_id) or {})
 
-    def _holds(self, group_id: str, started: float, outcome: str) -> bool:
-        """Whether the run started at `started` still holds its group, checked before it writes scores: one that
-        outlived its claim writes none over those of the run that took the group over, and only logs."""
-        row = self.scoring.run(group_id) or {}
-        if row.get("state") == "running" and row.get("started_at") == started:
-            return True
-        self._outlived(group_id, started, outcome)
-        return False
-
-    def _finish(
-        self, group_id: str, started: float, *, judgements: tuple[str, list[dict[str, Any]]] | None = None,
-        **outcome: object
-    ) -> None:
-        """Record the outcome of the run started at `started`, with its `judgements` if any; a run that outlived its
-        claim only logs it."""
-        if not self.scoring.finish_run(group_id, started, judgements=judgements, **outcome):
+    def _finish(self, group_id: str, started: float, **outcome: object) -> None:
+        """Record the outcome of the run started at `started`, which stores no scores; a run that outlived its claim
+        only logs it."""
+        if not self.scoring.finish_run(group_id, started, **outcome):
             self._outlived(group_id, started, str(outcome["state"]))
 
     def _outlived(self, group_id: str, started: float, outcome: str) -> None:
@@ -230,19 +219,35 @@ class GroupJudge:
             for t in members
         ]
 
-    def _record(self, group_id: str, started: float, rows: list[Judgement], **outcome: object) -> None:
-        """Store the scores `rows` of the run started at `started`, then its explanations and `outcome`.
+    def _record(self, group_id: str, started: float, rows: list[Judgement], **outcome: object) -> JudgeRun:
+        """Store the scores `rows` of the run started at `started` with their explanations and `outcome`; the group's
+        run as it stands then.
 
-        The rewards are the run's single commit point: all of them go in one transaction (`Store.add_rewards`) or
-        none. The explanations and the outcome follow in one transaction of the judges' tables
-        (`ScoringStore.finish_run`): the `Store` interface does not share its transactions. So a store error on the
-        rewards leaves the group's rewards and explanations as they were, the run `failed` (`_try`); one after them
-        leaves every new reward, the former explanations, and the run `failed`, due again.
+        All of it is one transaction, the rewards' (`Store.add_rewards`, the rest in its `also`), committed whole or
+        not at all. In it the run's outcome is written only while the run still holds its group
+        (`ScoringStore.finish_run_in`, which makes a concurrent `claim_run` wait for the commit): a run another run
+        took over as stale, at any moment before, stores nothing over the other run's scores and only logs. A store
+        error leaves the group's rewards and explanations as they were and the run `failed` (`_try`), due again.
         """
-        self.store.add_rewards([RewardIn(rollout_id=row.trajectory_id, name=row.name, value=row.score) for row in rows])
         now = self.clock()
         explained = [{**row.model_dump(exclude={"name"}), "created_at": now} for row in rows]
-        self._finish(group_id, started, judgements=(self.settings.reward_name, explained), finished_at=now, **outcome)
+        judgements = (self.settings.reward_name, explained)
+
+        def finish(conn: Connection) -> None:
+            if not self.scoring.finish_run_in(conn, group_id, started, judgements=judgements, finished_at=now,
+                                              **outcome):
+                raise _ClaimLost
+
+        rewards = [RewardIn(rollout_id=row.trajectory_id, name=row.name, value=row.score) for row in rows]
+        try:
+            self.store.add_rewards(rewards, also=finish)
+        except _ClaimLost:
+            self._outlived(group_id, started, str(outcome["state"]))
+            return run_view(self.scoring.run(group_id) or {})
+        run = run_view(self.scoring.run(group_id) or {}, rows)
+        log.info("judged group %s (%s): %d trajectories, %d distinct", group_id, run.state, run.trajectories,
+                 run.distinct)
+        return run
 
     # --- automatic runs -----------------------------------------------------------------
     def due_groups(self) -> list[str]:

@@ -81,25 +81,35 @@ class ScoringStore:
             return False  # another judge inserted the group's first run since the check above
         return True
 
-    def finish_run(
-        self, group_id: str, started_at: float, *, judgements: tuple[str, list[dict[str, Any]]] | None = None,
-        **values: Any
-    ) -> bool:
-        """Record the outcome (`values`) of the group's run that `claim_run` started at `started_at`, and with
-        `judgements` (reward name, rows as `save_judgements` takes them) its judgements, in one transaction.
+    def finish_run(self, group_id: str, started_at: float, **values: Any) -> bool:
+        """Record the outcome (`values`) of the group's run that `claim_run` started at `started_at`, a run that
+        stores no scores.
 
         Returns False, writing nothing, when that run no longer holds the group (another judge took over
         its claim as stale).
         """
+        with self.engine.begin() as conn:
+            return self.finish_run_in(conn, group_id, started_at, **values)
+
+    def finish_run_in(
+        self, conn: Connection, group_id: str, started_at: float, *,
+        judgements: tuple[str, list[dict[str, Any]]] | None = None, **values: Any
+    ) -> bool:
+        """`finish_run` in the caller's transaction `conn` (the run's rewards', see `Store.add_rewards`), with
+        `judgements` (reward name, rows as `save_judgements` takes them) the run's judgements too.
+
+        The claim check is the update of the run's row: it locks the row until `conn`'s transaction ends, so a
+        `claim_run` taking the run over meanwhile waits for that transaction and then sees the run finished. On
+        False nothing was written here; the caller rolls back what it wrote before.
+        """
         ours = (
             judge_runs.c.group_id == group_id, judge_runs.c.state == "running", judge_runs.c.started_at == started_at
         )
-        with self.engine.begin() as conn:
-            if conn.execute(update(judge_runs).where(*ours).values(**values)).rowcount != 1:
-                return False
-            if judgements is not None:
-                self._replace_judgements(conn, group_id, *judgements)
-            return True
+        if conn.execute(update(judge_runs).where(*ours).values(**values)).rowcount != 1:
+            return False
+        if judgements is not None:
+            self._replace_judgements(conn, group_id, *judgements)
+        return True
 
     def save_judgements(self, name: str, group_id: str, rows: list[dict[str, Any]]) -> None:
         """Replace the group's judgements under reward `name` with `rows` (trajectory_id, score, explanation, ...)."""

@@ -22,7 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from sqlalchemy import Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from art_langgraph import semconv as sc
 from collector.config import CollectorSettings
@@ -524,6 +524,57 @@ def test_a_store_error_on_a_reward_leaves_the_former_scores_and_the_run_failed(
     assert [(row["score"], row["explanation"]) for tid in ("g-0", "g-1") for row in found[tid]] == [
         (1.0, "right"), (0.0, "wrong")
     ]
+
+
+def test_a_run_taken_over_as_it_stores_its_scores_stores_none(
+    replica_stores: list[SqlStore], clock: Clock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The run checked its claim before it stored its scores, outside their transaction: taken over as stale in
+    between, it wrote its rewards over those of the run that took the group over."""
+    first, second = (
+        GroupJudge(store, ScoringStore(store.engine), JudgeSettings(), client=HeldJudge(released=True, scores=scores),
+                   clock=clock)
+        for store, scores in zip(replica_stores, [(1.0, 0.0), (0.0, 1.0)], strict=True)
+    )
+    store_rewards = first.store.add_rewards
+
+    def taken_over_first(*args: Any, **kwargs: Any) -> Any:
+        clock.now += claim_seconds(second.settings) + 1  # the first run's judge answered past its claim
+        assert second.judge("g").state == "ok"
+        return store_rewards(*args, **kwargs)
+
+    monkeypatch.setattr(first.store, "add_rewards", taken_over_first)
+    with caplog.at_level(logging.WARNING, logger="collector.judging"):
+        run = first.judge("g")
+    assert [replica_stores[1].trajectory(f"g-{i}").rewards["ruler"] for i in range(2)] == [0.0, 1.0]
+    assert (run.state, run.started_at, run.judgements) == ("ok", clock.now, [])  # the second run, none of the first's
+    assert "outlived its claim" in caplog.text
+    found = second.scoring.judgements(["g-0", "g-1"])
+    assert [row["score"] for tid in ("g-0", "g-1") for row in found[tid]] == [0.0, 1.0]
+
+
+def test_a_store_error_on_the_explanations_leaves_the_former_rewards(
+    replica_stores: list[SqlStore], clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The explanations and the outcome were written after the rewards' transaction: a store error there left every
+    new reward beside the former explanations."""
+    store = replica_stores[0]
+    judge = GroupJudge(store, ScoringStore(store.engine), JudgeSettings(), client=HeldJudge(released=True),
+                       clock=clock)
+    assert judge.judge("g").state == "ok"
+
+    def disk_full(*args: Any) -> None:
+        raise OperationalError("INSERT INTO judgements", {}, OSError("disk full"))
+
+    monkeypatch.setattr(judge.scoring, "_replace_judgements", disk_full)
+    judge.client = HeldJudge(released=True, scores=(0.25, 0.75))
+    with pytest.raises(OperationalError, match="disk full"):
+        judge.judge("g")
+    run = judge.scoring.run("g")
+    assert run["state"] == "failed" and "disk full" in run["error"]
+    assert [store.trajectory(f"g-{i}").rewards["ruler"] for i in range(2)] == [1.0, 0.0]
+    found = judge.scoring.judgements(["g-0", "g-1"])
+    assert [row["score"] for tid in ("g-0", "g-1") for row in found[tid]] == [1.0, 0.0]
 
 
 def test_a_group_whose_run_fails_unexpectedly_does_not_hold_up_the_others(
