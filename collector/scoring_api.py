@@ -159,9 +159,9 @@ def install(
         return views.trajectory_detail(store, scoring_store, trajectory_id)
 
     @router.get("/v1/view/groups")
-    def view_groups() -> list[GroupView]:
-        """Groups with state, reason and last judge run."""
-        return views.group_list(store, scoring_store)
+    def view_groups(limit: int = Query(default=100, ge=1, le=1000)) -> list[GroupView]:
+        """The latest groups, newest first, with state, reason and last judge run."""
+        return views.group_list(store, scoring_store, limit=limit)
 
     @router.get("/v1/view/batches")
     def view_batches(limit: int = Query(default=100, ge=1, le=1000)) -> list[BatchView]:

@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy import Connection, Select, delete, func, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from collector import assembly, leases, placement, pool
+from collector import assembly, curve, leases, placement, pool
 from collector.config import CollectorSettings
 from collector.engine import chunks, make_engine, use_wal
 from collector.errors import InvalidRequest
@@ -72,6 +72,7 @@ class SqlStore(Store):
         self.engine = make_engine(settings.db)
         self.training = settings.training_reward
         self._tx = Transactions(self.engine)
+        self._steps = curve.PolicySteps()
 
     # --- plumbing -----------------------------------------------------------------------
     def _now(self, conn: Connection) -> float:
@@ -358,10 +359,19 @@ class SqlStore(Store):
         query = self._filtered(select(func.count()).select_from(trajectories), group, task, split)
         return self._read(lambda conn: conn.execute(query).scalar_one())
 
-    def groups(self, states: Collection[GroupState] | None = None) -> list[GroupStatus]:
+    def curve_facts(self, *, split: str | None = None) -> list[curve.CurveFacts]:
+        """Policy step and rewards of every trajectory (in `split`), without assembling them (`collector.curve`)."""
+        rows = self._filtered(curve.ROWS, None, None, split)
+        return self._read(lambda conn: curve.curve_facts(conn, rows, self._steps, self.training))
+
+    def groups(self, states: Collection[GroupState] | None = None, *, limit: int | None = None) -> list[GroupStatus]:
         """Every non-empty group with its readiness (`ready` is computed, not stored); with `states`, only the
-        groups in one of them, read from the rows stored in a state they can show (not the whole history)."""
+        groups in one of them, read from the rows stored in a state they can show (not the whole history); with
+        `limit`, only the newest `limit` non-empty groups (of those rows), newest first."""
         query = select(groups).order_by(groups.c.created_at, groups.c.id)
+        if limit is not None:
+            members = select(trajectories.c.id).where(trajectories.c.group_id == groups.c.id).exists()
+            query = select(groups).where(members).order_by(groups.c.created_at.desc(), groups.c.id.desc()).limit(limit)
         if states is not None:
             query = query.where(groups.c.state.in_({stored for state in states for stored in _STORED_AS[state]}))
 

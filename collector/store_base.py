@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection
 
@@ -25,6 +26,9 @@ from collector.protocol import (
     RewardIn,
     Trajectory,
 )
+
+if TYPE_CHECKING:  # the interface does not load the implementation's modules
+    from collector.curve import CurveFacts
 
 __all__ = ["Store"]
 
@@ -113,8 +117,13 @@ class Store(ABC):
         """How many trajectories `trajectories` would return with the same filters and no limit."""
 
     @abstractmethod
-    def groups(self, states: Collection[GroupState] | None = None) -> list[GroupStatus]:
-        """Every non-empty group with its readiness; with `states`, only the groups in one of them."""
+    def curve_facts(self, *, split: str | None = None) -> list[CurveFacts]:
+        """Policy step and rewards of every trajectory (in `split`), as assembled, without assembling them."""
+
+    @abstractmethod
+    def groups(self, states: Collection[GroupState] | None = None, *, limit: int | None = None) -> list[GroupStatus]:
+        """Every non-empty group with its readiness; with `states`, only the groups in one of them; with `limit`,
+        only the newest `limit` non-empty groups (of those `states` reads), newest first."""
 
     @abstractmethod
     def batches(self, *, limit: int = 100) -> list[BatchStatus]:

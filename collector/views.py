@@ -11,6 +11,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+from collector.curve import highest_step
 from collector.errors import NotFound
 from collector.judging import run_view
 from collector.protocol import Trajectory
@@ -42,8 +43,7 @@ __all__ = [
 
 def policy_step(trajectory: Trajectory) -> int | None:
     """The highest checkpoint step that sampled any of the trajectory's turns (None: unknown)."""
-    steps = [s.policy_step for s in trajectory.sequences if s.policy_step is not None]
-    return max(steps) if steps else None
+    return highest_step(trajectory.sequences)
 
 
 NO_MODEL_CALL = "no model call: kept out of groups, leases and the judge"
@@ -130,9 +130,9 @@ def trajectory_detail(store: Store, scoring: ScoringStore, trajectory_id: str) -
     )
 
 
-def group_list(store: Store, scoring: ScoringStore) -> list[GroupView]:
-    """Every group with its state and its last judge run."""
-    statuses = store.groups()
+def group_list(store: Store, scoring: ScoringStore, *, limit: int = 100) -> list[GroupView]:
+    """The newest `limit` groups, newest first, with their state and their last judge run."""
+    statuses = store.groups(limit=limit)
     runs = scoring.runs([g.id for g in statuses])
     return [
         GroupView(**g.model_dump(), judge=run_view(runs[g.id]) if g.id in runs else None) for g in statuses
@@ -148,12 +148,13 @@ def reward_curve(store: Store, *, name: str | None = None, split: str | None = N
     """Mean reward (the training reward, or reward `name`) of the trajectories each policy step sampled.
 
     A training reward that is not finite (a weighted sum that overflowed: its group is skipped) is left out; the mean
-    is exact, so finite rewards near the float limit do not overflow it.
+    is exact, so finite rewards near the float limit do not overflow it. No trajectory is assembled
+    (`Store.curve_facts`).
     """
     by_step: dict[int, list[float]] = defaultdict(list)
-    for t in store.trajectories(split=split):
+    for t in store.curve_facts(split=split):
         value = t.reward if name is None else t.rewards.get(name)
-        step = policy_step(t)
+        step = t.policy_step
         if value is not None and math.isfinite(value) and step is not None:
             by_step[step].append(value)
     return [

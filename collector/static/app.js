@@ -51,7 +51,7 @@ function groupLink(t) {
   return `<a href="#/?group=${encodeURIComponent(t.group_id)}">${esc(t.group_id)}</a>`;
 }
 
-const PAGE_SIZE = 100; // trajectories per page of the list
+const PAGE_SIZE = 100; // trajectories per page of the list; newest groups on the groups page
 
 // Where this page of the list lies, with links to the pages before and after it (the list's own filters kept).
 function pageLinks(query, shown, total) {
@@ -140,7 +140,7 @@ async function trajectoryView(id) {
 }
 
 async function groupsView() {
-  const groups = await api("/v1/view/groups");
+  const groups = await api(`/v1/view/groups?limit=${PAGE_SIZE}`);
   const rows = groups
     .map((g) => {
       const j = g.judge;
@@ -149,7 +149,7 @@ async function groupsView() {
         <td class="num">${g.complete}</td><td class="num">${g.rewarded}</td><td>${esc(g.state)}</td><td class="muted">${esc(g.reason)}</td><td>${judge}</td></tr>`;
     })
     .join("");
-  return `<h2>Groups</h2><table id="groups"><thead><tr><th>id</th><th>task</th><th>size</th><th>complete</th><th>rewarded</th>
+  return `<h2>Groups <span class="muted">newest first, at most ${PAGE_SIZE}</span></h2><table id="groups"><thead><tr><th>id</th><th>task</th><th>size</th><th>complete</th><th>rewarded</th>
     <th>state</th><th>reason</th><th>judge</th></tr></thead><tbody>${rows}</tbody></table>`;
 }
 

@@ -82,6 +82,17 @@ def test_batches_page_shows_a_released_batch_and_its_reason(served: str, tmp_pat
     assert "NonFiniteStepError: loss is nan" in page and batch["id"][:12] in page
 
 
+def test_groups_page_shows_the_newest_hundred_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The groups page read every group of the store on each load; it asks for the newest 100 now."""
+    app = make_app(tmp_path, monkeypatch)
+    spans = [span for n in range(101) for span in group_spans(f"g{n:03d}", ["7"], rewards=[1.0], first_span=10 * n + 1)]
+    app.state.store.add_spans(spans)
+    with served_app(app) as url:
+        page = html.unescape(chromium(f"{url}/ui/#/groups", tmp_path / "profile", "--dump-dom"))
+    shown = re.findall(r'<a href="#/\?group=(g\d+)">', page)
+    assert shown == [f"g{n:03d}" for n in range(100, 0, -1)]
+
+
 def test_trajectory_page_shows_messages_whose_content_list_holds_odd_parts(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     # OpenAI-format messages are kept as recorded: a content list may hold a null, a plain string, or a part whose
