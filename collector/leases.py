@@ -17,7 +17,14 @@ from collector import pool
 from collector.config import CollectorSettings
 from collector.engine import chunks
 from collector.errors import Conflict, NotFound
-from collector.protocol import AckResponse, BatchRequest, ReleaseRequest, ReleaseResponse, ReopenResponse
+from collector.protocol import (
+    IDEMPOTENCY_KEY_HEADER,
+    AckResponse,
+    BatchRequest,
+    ReleaseRequest,
+    ReleaseResponse,
+    ReopenResponse,
+)
 from collector.schema import batch_groups, batches, groups
 
 __all__ = ["REOPENABLE", "ack", "release", "reopen", "take"]
@@ -30,14 +37,42 @@ def _age(group: Any) -> tuple[float, str]:
     return group["created_at"], group["id"]
 
 
+def _leased_before(conn: Connection, key: str) -> tuple[str, float, list[Any]] | None:
+    """The batch a request with idempotency key `key` leased, as `take` returns it; None when none did.
+
+    Raises:
+        Conflict: `idempotency_key_used`, that batch's lease ended (acked, released or expired).
+    """
+    batch = conn.execute(select(batches).where(batches.c.idempotency_key == key)).mappings().first()
+    if batch is None:
+        return None
+    if batch["state"] != "leased":
+        raise Conflict(
+            f"{IDEMPOTENCY_KEY_HEADER} {key!r} leased batch {batch['id']}, which is {batch['state']} now: its lease "
+            "ended; send a new key to lease again",
+            code="idempotency_key_used",
+        )
+    ids = list(conn.execute(select(batch_groups.c.group_id).where(batch_groups.c.batch_id == batch["id"])).scalars())
+    rows = list(conn.execute(select(groups).where(groups.c.id.in_(ids))).mappings()) if ids else []
+    return batch["id"], batch["lease_expires_at"], sorted(rows, key=_age)
+
+
 def take(
     conn: Connection, settings: CollectorSettings, request: BatchRequest, now: float
 ) -> tuple[str, float, list[Any]]:
     """Lease up to `request.max_groups` ready groups, oldest first: the batch id, when its lease expires, and the
     group rows taken (none, and no batch stored, when fewer than `request.min_groups` are ready). Open groups
     decided skipped on the way are stored so. Rows another transaction holds are passed over, so replicas on one
-    PostgreSQL never lease a group twice."""
+    PostgreSQL never lease a group twice. A request whose `idempotency_key` leased a batch before gets that batch
+    again while its lease lasts (`_leased_before`; the caller holds the key's lock, `IDEMPOTENCY_LOCKS`).
+
+    Raises:
+        Conflict: `idempotency_key_used`, the lease of the batch that key leased ended.
+    """
+    key = request.idempotency_key
     pool.maintain(conn, settings, now)
+    if key is not None and (before := _leased_before(conn, key)) is not None:
+        return before
     open_groups = list(conn.execute(select(groups).where(groups.c.state == "open")).mappings())
     decided = pool.decisions(conn, settings, open_groups)
     for chunk in chunks(sorted(group_id for group_id, decision in decided.items() if decision.state == "skipped")):
@@ -73,7 +108,8 @@ def take(
         return batch_id, expires, []
     conn.execute(
         batches.insert().values(
-            id=batch_id, trainer=request.trainer, state="leased", created_at=now, lease_expires_at=expires
+            id=batch_id, trainer=request.trainer, state="leased", created_at=now, lease_expires_at=expires,
+            idempotency_key=key,
         )
     )
     for group in taken:
@@ -110,7 +146,9 @@ def _changed_since(conn: Connection, group_ids: list[str], since: float) -> list
 def ack(
     conn: Connection, settings: CollectorSettings, batch_id: str, policy_step: int | None, now: float
 ) -> AckResponse:
-    """Mark a batch's groups trained; idempotent.
+    """Mark a batch's groups trained, recording `policy_step` as sent: steps need not grow from batch to batch (a
+    trainer resumed from an older checkpoint, a new run, several trainers). Idempotent: the first ack stands, and an
+    ack again answers it; one that claims another step is logged.
 
     Raises:
         NotFound: no such batch.
@@ -120,6 +158,9 @@ def ack(
     pool.maintain(conn, settings, now)
     batch, ids = _locked_batch(conn, batch_id)
     if batch["state"] == "acked":
+        if policy_step != batch["policy_step"]:
+            log.warning("batch %s acked again with policy step %s; it stays acked with step %s, its first ack's",
+                        batch_id, policy_step, batch["policy_step"])
         return AckResponse(batch_id=batch_id, groups=ids, policy_step=batch["policy_step"])
     if batch["state"] == "released":
         raise Conflict(

@@ -28,6 +28,11 @@ MAX_ID_LENGTH = 256
 """Longest rollout id, group, task, reward name or trainer name (the store's column width)."""
 MAX_COUNT = 2**31 - 1
 """Largest group size or policy step (the store's INTEGER columns)."""
+IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
+"""Header of `POST /v1/batches` that makes a retried lease request get the batch its first try leased."""
+MIN_LEASE_SECONDS = 1.0
+"""Shortest lease a trainer may take: a shorter one (`1e-300`) expires before its answer reaches the trainer, and
+each of its groups counts a failed attempt."""
 MAX_LEASE_SECONDS = 7 * 24 * 3600.0
 """Longest lease a trainer may take: a week."""
 
@@ -151,11 +156,17 @@ class BatchRequest(RequestBody):
     )
     lease_seconds: float = Field(
         default=900.0,
-        gt=0,
+        ge=MIN_LEASE_SECONDS,
         le=MAX_LEASE_SECONDS,
-        description="Lease length (at most a week); expired leases return groups to the pool.",
+        description="Lease length, from 1 s to a week; expired leases return groups to the pool.",
     )
     trainer: Name | None = Field(default=None, description="Name of the trainer taking the lease (shown in the UI).")
+    idempotency_key: Name | None = Field(
+        default=None,
+        exclude=True,
+        description=f"The `{IDEMPOTENCY_KEY_HEADER}` header (or this field): a request sent again with the same key "
+        "while its lease lasts gets the same batch, not a second lease; one key per lease, e.g. a random UUID.",
+    )
 
     @model_validator(mode="after")
     def _satisfiable(self) -> BatchRequest:

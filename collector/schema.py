@@ -139,6 +139,8 @@ batches = Table(
     Column("policy_step", Integer),
     # version 5: why the lease ended without an ack (the trainer's error when released, or "lease expired")
     Column("reason", Text),
+    # version 7: the `Idempotency-Key` of the lease request, when it sent one: its retry gets this batch again
+    Column("idempotency_key", String(256), index=True, unique=True),
 )
 
 batch_groups = Table(
@@ -307,7 +309,14 @@ def _v6(conn: Connection) -> None:
     conn.execute(text("CREATE INDEX ix_rewards_score_id ON rewards (score_id)"))
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6]
+def _v7(conn: Connection) -> None:
+    """Version 7: `batches.idempotency_key` (unique; leases before it have none)."""
+    column_type = batches.c.idempotency_key.type.compile(dialect=conn.dialect)
+    conn.execute(text(f"ALTER TABLE batches ADD COLUMN idempotency_key {column_type}"))
+    conn.execute(text("CREATE UNIQUE INDEX ix_batches_idempotency_key ON batches (idempotency_key)"))
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

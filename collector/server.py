@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import DataError, OperationalError
@@ -24,6 +24,7 @@ from collector.config import CollectorSettings, validation_problem
 from collector.engine import driver_reason
 from collector.errors import CollectorError, NotFound
 from collector.protocol import (
+    IDEMPOTENCY_KEY_HEADER,
     AckRequest,
     AckResponse,
     Batch,
@@ -31,6 +32,7 @@ from collector.protocol import (
     ErrorResponse,
     GroupState,
     GroupStatus,
+    Name,
     ReleaseRequest,
     ReleaseResponse,
     ReopenResponse,
@@ -233,9 +235,19 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
         return store.add_reward(reward)
 
     @app.post("/v1/batches")
-    def lease_batch(_: Auth, request: BatchRequest | None = None) -> Batch:
-        """Lease up to `max_groups` ready groups; `groups` is empty when none are ready."""
-        return store.lease(request or BatchRequest())
+    def lease_batch(
+        _: Auth, request: BatchRequest | None = None,
+        idempotency_key: Annotated[Name | None, Header(alias=IDEMPOTENCY_KEY_HEADER)] = None,
+    ) -> Batch:
+        """Lease up to `max_groups` ready groups; `groups` is empty when none are ready. Sent again with the same
+        `Idempotency-Key` while the lease lasts, the same batch (409 `idempotency_key_used` once it ended)."""
+        request = request or BatchRequest()
+        if idempotency_key is not None:
+            if request.idempotency_key not in (None, idempotency_key):
+                raise _Rejected(400, "invalid_request", f"the {IDEMPOTENCY_KEY_HEADER} header and the body's "
+                                "idempotency_key differ; send one of them")
+            request = request.model_copy(update={"idempotency_key": idempotency_key})
+        return store.lease(request)
 
     @app.post("/v1/batches/{batch_id}/ack")
     def ack_batch(batch_id: str, _: Auth, body: AckRequest | None = None) -> AckResponse:

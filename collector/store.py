@@ -47,7 +47,7 @@ from collector.protocol import (
 )
 from collector.schema import batch_groups, batches, groups, migrate, rewards, spans, trajectories
 from collector.store_base import Store
-from collector.transactions import GROUP_LOCKS, TRAJECTORY_LOCKS, Transactions
+from collector.transactions import GROUP_LOCKS, IDEMPOTENCY_LOCKS, TRAJECTORY_LOCKS, Transactions
 
 __all__ = ["SqlStore"]
 
@@ -444,6 +444,8 @@ class SqlStore(Store):
         return batch
 
     def _lease(self, conn: Connection, request: BatchRequest) -> Batch:
+        if request.idempotency_key is not None:
+            self._tx.lock(conn, IDEMPOTENCY_LOCKS, [request.idempotency_key])
         batch_id, expires, taken = leases.take(conn, self.settings, request, self._now(conn))
         members = pool.group_members(conn, [g["id"] for g in taken])
         out = [Group(id=g["id"], task=g["task"], trajectories=self._assemble(conn, members[g["id"]])) for g in taken]

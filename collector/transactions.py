@@ -23,12 +23,15 @@ from sqlalchemy.pool import StaticPool
 
 from collector.engine import READ_ONLY
 
-__all__ = ["GROUP_LOCKS", "TRAJECTORY_LOCKS", "Transactions"]
+__all__ = ["GROUP_LOCKS", "IDEMPOTENCY_LOCKS", "TRAJECTORY_LOCKS", "Transactions"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+IDEMPOTENCY_LOCKS = 0
+"""Advisory-lock namespace of lease requests' idempotency keys: a retry sent while its first try still runs waits
+for it and finds its batch (`leases.take`)."""
 TRAJECTORY_LOCKS = 1
 """Advisory-lock namespace of trajectory ids. Namespaces are taken in ascending order."""
 GROUP_LOCKS = 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from typing import Any, TypeVar
 
 import httpx
@@ -16,6 +17,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from collector.config import validation_problem
 from collector.protocol import (
+    IDEMPOTENCY_KEY_HEADER,
     AckRequest,
     AckResponse,
     Batch,
@@ -46,6 +48,10 @@ _TRANSIENT_STATUSES = frozenset({502, 503, 504})
 or down."""
 _TRANSIENT_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 """No answer to an ack or a release that is tried again: timed out, refused, reset, dropped mid-answer."""
+_ANSWER_LOST = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+"""No answer to a lease that is tried again, with the first try's `Idempotency-Key`: the request may have reached
+the collector and leased a batch (timed out or cut off once sent), which the retry then gets. One that never left
+(refused, no connection) is not tried again: the next step leases anew."""
 
 _Answer = TypeVar("_Answer", bound=BaseModel)
 
@@ -92,6 +98,9 @@ class CollectorClient:
 
         The lease lasts `settings.lease_seconds()`, the step's timeout and a margin: the collector's default
         (900 s) would offer a batch to another trainer, and count a failed attempt, while a long step still trains.
+        The request carries a fresh `Idempotency-Key`; one whose answer is lost (`_ANSWER_LOST`), or a 502, 503 or
+        504, is tried again with it as an ack is, and gets the batch the lost answer held rather than a second lease
+        while that one holds its groups.
 
         Raises:
             ServiceError: 502 when the collector does not answer or not with a batch (one whose answer names its
@@ -99,7 +108,11 @@ class CollectorClient:
         """
         request = BatchRequest(max_groups=self.settings.batch_groups, min_groups=min_groups, trainer=self.settings.name,
                                lease_seconds=self.settings.lease_seconds())
-        response = await self._send("POST", "/v1/batches", json=request.model_dump())
+        response, tried = await self._post_retried("/v1/batches", request.model_dump(), "lease",
+                                                   headers={IDEMPOTENCY_KEY_HEADER: uuid.uuid4().hex},
+                                                   retried=_ANSWER_LOST)
+        if isinstance(response, httpx.HTTPError):
+            raise self._unavailable(response, tried) from response
         if response.status_code != 200:
             raise ServiceError(502, "collector_error", f"The collector refused a batch lease: "
                                f"{self._refusal(response)}", type="server_error")
@@ -195,18 +208,21 @@ class CollectorClient:
             raise ServiceError(502, code, f"The collector answered the {call} of batch {batch_id}{said} with something "
                                f"that is not {named}: {_problems(exc)}", type="server_error") from exc
 
-    async def _post_retried(self, path: str, body: dict[str, Any],
-                            what: str) -> tuple[httpx.Response | httpx.HTTPError, str]:
-        """POST `body` to `path`, tried again on no answer or a 502, 503 or 504 (`_RETRY_TRIES` in all, waits
-        doubling from `_RETRY_FIRST_S`, each logged as `what` failing); return the last answer, or the error
-        that ended the tries (one not transient, or the last try's), and "" or " in N tries" for its message."""
+    async def _post_retried(self, path: str, body: dict[str, Any], what: str, *,
+                            headers: dict[str, str] | None = None,
+                            retried: tuple[type[httpx.HTTPError], ...] = _TRANSIENT_ERRORS,
+                            ) -> tuple[httpx.Response | httpx.HTTPError, str]:
+        """POST `body` (and `headers`) to `path`, tried again on no answer (the errors `retried`) or a 502, 503 or
+        504 (`_RETRY_TRIES` in all, waits doubling from `_RETRY_FIRST_S`, each logged as `what` failing); return
+        the last answer, or the error that ended the tries (one not retried, or the last try's), and "" or
+        " in N tries" for its message."""
         backoff, tries = Backoff(_RETRY_FIRST_S, _RETRY_LONGEST_S), 1
         while True:
             tried = "" if tries == 1 else f" in {tries} tries"
             try:
-                response = await self.http.post(path, json=body)
+                response = await self.http.post(path, json=body, headers=headers)
             except httpx.HTTPError as exc:
-                if not isinstance(exc, _TRANSIENT_ERRORS) or tries == _RETRY_TRIES:
+                if not isinstance(exc, retried) or tries == _RETRY_TRIES:
                     return exc, tried
                 problem = _unanswered(exc)
             else:
@@ -224,10 +240,13 @@ class CollectorClient:
         try:
             return await self.http.request(method, path, params=params, json=json)
         except httpx.HTTPError as exc:
-            raise ServiceError(502, "collector_unavailable",
-                               f"The collector at {self.shown_url} did not answer ({_unanswered(exc)}). "
-                               "Start it (`art-collector serve`) or point --collector at it.",
-                               type="server_error") from exc
+            raise self._unavailable(exc) from exc
+
+    def _unavailable(self, error: httpx.HTTPError, tried: str = "") -> ServiceError:
+        """The 502 `collector_unavailable` of a call that got no answer (`error`; `tried`: " in N tries" or "")."""
+        return ServiceError(502, "collector_unavailable",
+                            f"The collector at {self.shown_url} did not answer{tried} ({_unanswered(error)}). "
+                            "Start it (`art-collector serve`) or point --collector at it.", type="server_error")
 
     def _refusal(self, response: httpx.Response) -> str:
         """An error answer as messages show it: its status and the start of its body, and for a 401 what to do

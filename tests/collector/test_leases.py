@@ -154,6 +154,111 @@ def test_batches_list_leases_newest_first(make_store, clock) -> None:
     assert [b.id for b in store.batches(limit=1)] == [second.id]
 
 
+def test_acks_record_each_batch_s_policy_step_as_sent_lower_ones_and_none_included(make_store) -> None:
+    """Steps need not grow from batch to batch: a trainer resumed from an older checkpoint, a new run (a fresh
+    `--output-dir` counts from 1) and a second trainer on the same collector each count their own."""
+    store = make_store()
+    for i, group in enumerate(["g1", "g2", "g3"]):
+        _ready_group(store, group, first=100 * (i + 1))
+    steps = [10, 5, None]
+    leased = [store.lease(BatchRequest(max_groups=1)) for _ in steps]
+    assert [store.ack(batch.id, policy_step=step).policy_step for batch, step in zip(leased, steps)] == steps
+    assert {b.id: b.policy_step for b in store.batches()} == {b.id: step for b, step in zip(leased, steps)}
+
+
+def test_an_ack_again_with_another_step_answers_the_first_and_is_logged(make_store, caplog) -> None:
+    """The first ack of a batch stands: an ack again (the same trainer's retry of an ack whose answer was lost)
+    answers it; one that claims another step is logged, since another trainer process may have trained the batch."""
+    store = make_store()
+    _ready_group(store)
+    batch = store.lease(BatchRequest())
+    store.ack(batch.id, policy_step=10)
+    with caplog.at_level("WARNING", logger="collector.leases"):
+        assert store.ack(batch.id, policy_step=10).policy_step == 10
+        assert caplog.records == []
+        assert store.ack(batch.id, policy_step=3).policy_step == 10
+        assert store.ack(batch.id, policy_step=None).policy_step == 10
+    assert [r.getMessage() for r in caplog.records] == [
+        f"batch {batch.id} acked again with policy step {step}; it stays acked with step 10, its first ack's"
+        for step in (3, None)
+    ]
+    assert [b.policy_step for b in store.batches()] == [10]
+
+
+def test_a_lease_sent_again_with_its_idempotency_key_gets_the_same_batch(make_store, clock) -> None:
+    """A trainer whose lease answer was lost sends the request again with the same key: the batch it leased, not a
+    second lease of other groups while the first holds its groups until it expires."""
+    store = make_store()
+    for i, group in enumerate(["g1", "g2", "g3"]):
+        _ready_group(store, group, first=100 * (i + 1))
+    first = store.lease(BatchRequest(max_groups=2, lease_seconds=60, idempotency_key="k1"))
+    clock.now += 5
+    again = store.lease(BatchRequest(max_groups=2, lease_seconds=60, idempotency_key="k1"))
+    assert again == first and [g.id for g in again.groups] == ["g1", "g2"]
+    assert again.lease_expires_at == pytest.approx(1_000_060.0)
+    assert [(b.id, b.state) for b in store.batches()] == [(first.id, "leased")]
+    other = store.lease(BatchRequest(max_groups=2, idempotency_key="k2"))  # a new key: a new lease
+    assert [g.id for g in other.groups] == ["g3"]
+    assert store.lease(BatchRequest(max_groups=2, idempotency_key="k1")).id == first.id  # g3 leased meanwhile
+
+
+@pytest.mark.parametrize("end", ["ack", "release", "expiry"])
+def test_the_idempotency_key_of_a_lease_that_ended_is_refused(make_store, clock, end) -> None:
+    store = make_store()
+    _ready_group(store)
+    batch = store.lease(BatchRequest(lease_seconds=10, idempotency_key="k1"))
+    if end == "ack":
+        store.ack(batch.id, policy_step=1)
+    elif end == "release":
+        store.release(batch.id, FAILED)
+    else:
+        clock.now += 11
+    state = {"ack": "acked", "release": "released", "expiry": "expired"}[end]
+    with pytest.raises(Conflict, match=f"Idempotency-Key 'k1' leased batch {batch.id}, which is {state} now") as info:
+        store.lease(BatchRequest(idempotency_key="k1"))
+    assert info.value.code == "idempotency_key_used"
+    assert [b.id for b in store.batches()] == [batch.id]
+
+
+def test_an_idempotency_key_whose_request_leased_nothing_leases_when_sent_again(make_store) -> None:
+    """A lease of no group stores no batch, so its key is not spent: sent again, it leases what is ready now."""
+    store = make_store()
+    _ready_group(store, "g1")
+    assert store.lease(BatchRequest(min_groups=2, max_groups=2, idempotency_key="k1")).groups == []
+    _ready_group(store, "g2", first=100)
+    assert [g.id for g in store.lease(BatchRequest(min_groups=2, max_groups=2, idempotency_key="k1")).groups] == [
+        "g1", "g2"]
+
+
+def test_a_lease_retried_while_its_first_request_still_runs_gets_its_batch(db_url, clock, monkeypatch) -> None:
+    """The retry of a lease whose answer timed out can reach another replica while the first request still runs:
+    it waits for it (the key's lock) and answers its batch, instead of leasing the groups itself."""
+    from collector import pool
+    url = db_url()
+    if not url.startswith("postgresql"):
+        pytest.skip("SQLite has one writer at a time: a retry runs after the first request")
+    store, replica = (SqlStore(CollectorSettings(db=url), clock=clock) for _ in range(2))
+    store.setup()
+    _ready_group(store)
+    decided, retried, answers = pool.decisions, ThreadPoolExecutor(1), []
+
+    def decisions_while_a_retry_arrives(conn, settings, open_groups):
+        if open_groups:
+            monkeypatch.setattr(pool, "decisions", decided)
+            answers.append(retried.submit(replica.lease, BatchRequest(idempotency_key="k1")))
+            threading.Event().wait(0.5)  # time for the retry to lease the group itself, were it not held back
+        return decided(conn, settings, open_groups)
+
+    monkeypatch.setattr(pool, "decisions", decisions_while_a_retry_arrives)
+    first = store.lease(BatchRequest(idempotency_key="k1"))
+    again = answers[0].result(timeout=30)
+    retried.shutdown()
+    assert [g.id for g in first.groups] == ["g"] and again == first
+    assert [b.id for b in store.batches()] == [first.id]
+    for each in (store, replica):
+        each.close()
+
+
 def test_min_and_max_groups(make_store) -> None:
     store = make_store()
     for i, group in enumerate(["g1", "g2", "g3"]):
@@ -230,6 +335,35 @@ def test_a_group_changed_by_another_replica_before_the_lease_locks_it_is_not_lea
     assert _state(store)[:2] == ("open", "1 trajectories without reward 'reward'")
     store.add_reward(RewardIn(rollout_id="c", value=0.5))
     assert [[t.id for t in g.trajectories] for g in store.lease(BatchRequest()).groups] == [["a", "b", "c"]]
+    for each in (store, replica):
+        each.close()
+
+
+def test_a_lease_left_short_of_min_groups_by_the_check_under_the_lock_takes_nothing(db_url, clock, monkeypatch) -> None:
+    """Two groups are ready for `min_groups=2`, then one gains a trajectory without reward before the lease locks
+    it: deciding again under the lock leaves one, too few, so the lease takes none and stores no batch."""
+    from collector import pool
+    url = db_url()
+    if not url.startswith("postgresql"):
+        pytest.skip("SQLite has one writer at a time: no other store commits inside a lease")
+    store, replica = (SqlStore(CollectorSettings(db=url), clock=clock) for _ in range(2))
+    store.setup()
+    for i, group in enumerate(["g1", "g2"]):
+        store.add_spans(trajectory(100 * i + 10, f"{group}a", reward=1.0, group=group, size=None)
+                        + trajectory(100 * i + 20, f"{group}b", reward=0.0, group=group, size=None))
+    decided = pool.decisions
+
+    def decisions_then_a_commit_elsewhere(conn, settings, open_groups):
+        out = decided(conn, settings, open_groups)
+        if open_groups:
+            monkeypatch.setattr(pool, "decisions", decided)
+            replica.add_spans(trajectory(300, "g1c", reward=None, group="g1", size=None))
+        return out
+
+    monkeypatch.setattr(pool, "decisions", decisions_then_a_commit_elsewhere)
+    assert store.lease(BatchRequest(min_groups=2, max_groups=2)).groups == []
+    assert store.batches() == []
+    assert [_state(store, group)[0] for group in ("g1", "g2")] == ["open", "ready"]
     for each in (store, replica):
         each.close()
 

@@ -188,3 +188,38 @@ def test_a_database_with_another_applications_table_is_refused_and_left_as_it_wa
     with store.engine.connect() as conn:
         assert conn.execute(text("SELECT who, amount FROM rewards")).all() == [("ann", 3)]
     store.close()
+
+
+def test_migration_from_version_6_keeps_batches_and_takes_idempotency_keys(db_url, clock) -> None:
+    """Version 7 adds `batches.idempotency_key`, unique: a lease stored before it has none, and keyed leases work."""
+    from sqlalchemy import inspect
+    from sqlalchemy.exc import IntegrityError
+
+    from collector.config import CollectorSettings
+    from collector.engine import make_engine
+    from collector.schema import MIGRATIONS, schema_version
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database does not outlive its engine")
+    old = make_engine(url)
+    with old.begin() as conn:  # a database as version 6 left it, with a batch leased then
+        schema_version.create(conn)
+        for version in range(6):
+            MIGRATIONS[version](conn)
+            conn.execute(schema_version.insert().values(version=version + 1, applied_at=0.0))
+        conn.execute(text("INSERT INTO batches (id, trainer, state, created_at, lease_expires_at) "
+                          "VALUES ('old', 't', 'expired', 1.0, 2.0)"))
+    assert "idempotency_key" not in {c["name"] for c in inspect(old).get_columns("batches")}
+    old.dispose()
+    store = SqlStore(CollectorSettings(db=url), clock=clock)
+    store.setup()
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT idempotency_key FROM batches WHERE id = 'old'")).one() == (None,)
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0))
+    batch = store.lease(BatchRequest(idempotency_key="k1"))
+    assert store.lease(BatchRequest(idempotency_key="k1")).id == batch.id
+    with pytest.raises(IntegrityError), store.engine.begin() as conn:  # one batch per key, whatever the code does
+        conn.execute(text("UPDATE batches SET idempotency_key = 'k1' WHERE id = 'old'"))
+    store.close()

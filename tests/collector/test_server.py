@@ -399,9 +399,9 @@ def test_real_sdk_export_lease_ack_and_expiry(served: tuple[str, _RecordEncoding
     assert [g["id"] for g in first["groups"]] == ["g1"]
     assert http.post(f"/v1/batches/{first['id']}/ack", json={"policy_step": 1}).status_code == 200
 
-    short = http.post("/v1/batches", json={"max_groups": 8, "lease_seconds": 0.3}).json()
+    short = http.post("/v1/batches", json={"max_groups": 8, "lease_seconds": 1}).json()  # the shortest lease
     assert [g["id"] for g in short["groups"]] == ["g2"]  # g1 was acked: never again
-    time.sleep(0.5)
+    time.sleep(1.2)
     again = http.post("/v1/batches", json={"max_groups": 8}).json()
     assert [g["id"] for g in again["groups"]] == ["g2"]  # the expired lease came back
     assert http.post(f"/v1/batches/{short['id']}/ack", json={}).status_code == 409

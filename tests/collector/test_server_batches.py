@@ -35,7 +35,10 @@ def test_batches_groups_and_acks(client: TestClient) -> None:
 @pytest.mark.parametrize(("body", "fragment"), [
     ({"min_groups": 5, "max_groups": 4}, "min_groups=5 exceeds max_groups=4"),
     ({"lease_seconds": 1e309}, "lease_seconds"),
-    ({"lease_seconds": 8 * 24 * 3600}, "lease_seconds"),
+    ({"lease_seconds": 8 * 24 * 3600}, "body.lease_seconds: Input should be less than or equal to 604800"),
+    ({"lease_seconds": 1e-300}, "body.lease_seconds: Input should be greater than or equal to 1"),
+    ({"lease_seconds": 0.5}, "body.lease_seconds: Input should be greater than or equal to 1"),
+    ({"lease_seconds": 0}, "body.lease_seconds: Input should be greater than or equal to 1"),
     ({"trainer": "t" * 257}, "trainer"),
 ])
 def test_a_lease_request_that_could_never_be_met_or_kept_is_refused(
@@ -124,3 +127,29 @@ def test_a_reply_nested_past_what_a_response_can_encode_is_read_as_absent(client
     assert batch.status_code == 200
     messages = {t["id"]: t["messages"] for t in batch.json()["groups"][0]["trajectories"]}
     assert messages == {"r0": [], "r1": [{"role": "assistant", "content": "8"}]}
+
+
+def test_a_lease_sent_again_with_its_idempotency_key_answers_the_same_batch(client: TestClient) -> None:
+    client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
+    keyed = {"Idempotency-Key": "5f0c8e1d"}
+    first = client.post("/v1/batches", json={"lease_seconds": 60}, headers=keyed)
+    assert first.status_code == 200 and [g["id"] for g in first.json()["groups"]] == ["g"]
+    assert client.post("/v1/batches", json={"lease_seconds": 60}, headers=keyed).json() == first.json()
+    assert client.post("/v1/batches", json={"idempotency_key": "5f0c8e1d"}).json() == first.json()
+    assert client.post("/v1/batches", json={}).json()["groups"] == []  # no key: a lease of its own
+    assert [b["id"] for b in client.get("/v1/view/batches").json()] == [first.json()["id"]]
+    client.post(f"/v1/batches/{first.json()['id']}/ack", json={"policy_step": 1})
+    refused = assert_error(client.post("/v1/batches", json={}, headers=keyed), 409, "idempotency_key_used")
+    assert refused["message"].endswith("which is acked now: its lease ended; send a new key to lease again")
+
+
+@pytest.mark.parametrize(("body", "key", "fragment"), [
+    ({}, "k" * 257, "header.Idempotency-Key: String should have at most 256 characters"),
+    ({}, "", "header.Idempotency-Key: String should have at least 1 character"),
+    ({"idempotency_key": "a"}, "b", "the Idempotency-Key header and the body's idempotency_key differ"),
+])
+def test_an_idempotency_key_that_cannot_be_kept_is_refused(
+    client: TestClient, body: dict[str, Any], key: str, fragment: str
+) -> None:
+    answer = client.post("/v1/batches", json=body, headers={"Idempotency-Key": key})
+    assert fragment in assert_error(answer, 400, "invalid_request")["message"]

@@ -124,6 +124,45 @@ async def test_an_ack_meeting_a_dropped_connection_or_a_busy_store_is_tried_agai
     _tries_logged(caplog, f"ack of batch {batch.id}")
 
 
+def _lease_answer_lost_once(app: Any) -> Any:
+    """The collector `app` (ASGI) whose first lease is made and committed, then its answer cut off."""
+    lost = [True]
+
+    async def losing(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/batches" and lost and lost.pop():
+            async def unsent(message: dict) -> None:
+                pass
+
+            await app(scope, receive, unsent)
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"99")]})
+            raise RuntimeError("the collector died mid-answer")  # uvicorn closes the connection
+        await app(scope, receive, send)
+
+    return losing
+
+
+async def test_a_lease_whose_answer_is_lost_is_tried_again_and_gets_the_batch_it_leased(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a second lease would have taken other groups while the first held these until it expired (a failed attempt)
+    monkeypatch.setattr(collector_client, "_RETRY_FIRST_S", 0.01)
+    app = collector_app(tmp_path)
+    store = app.state.store
+    store.add_spans(group_spans("sums", ["7", "8"], rewards=[1.0, 0.0]))
+    with served(_lease_answer_lost_once(app), lifespan="off") as url:
+        collector = client(None, collector=url)
+        with caplog.at_level(logging.WARNING, logger=collector_client.__name__):
+            batch = await collector.lease(1)
+        assert [(b.id, b.state, b.groups) for b in store.batches()] == [(batch.id, "leased", ["sums"])]
+        await collector.ack(batch.id, 1)
+        store.add_spans(group_spans("products", ["6", "9"], rewards=[0.0, 1.0], first_span=100))
+        again = await collector.lease(1)  # a key of its own: the first's lease ended
+        await collector.aclose()
+    assert [g.id for g in batch.groups] == ["sums"] and [g.id for g in again.groups] == ["products"]
+    tries = [r.getMessage() for r in caplog.records if r.name == collector_client.__name__]
+    assert len(tries) == 1 and tries[0].startswith("lease failed (") and "try 1 of 4" in tries[0]
+
+
 async def test_a_release_meeting_a_dropped_connection_or_a_busy_store_is_tried_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -200,7 +239,8 @@ async def test_a_call_that_times_out_says_so(monkeypatch: pytest.MonkeyPatch) ->
         with pytest.raises(ServiceError) as acked:
             await collector.ack("b1", 3)
         await collector.aclose()
-    assert f"at {url} did not answer (ReadTimeout: no answer within 0.2 s)" in leased.value.body.error.message
+    leased_said = leased.value.body.error.message  # the lease is tried again too: its answer may hold a batch
+    assert f"at {url} did not answer in 4 tries (ReadTimeout: no answer within 0.2 s)" in leased_said
     assert "in 4 tries: ReadTimeout: no answer within 0.2 s." in acked.value.body.error.message
 
 
