@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy
 
 from collector.protocol import Trajectory
 from trainer_service.config import TrainerSettings
@@ -224,7 +225,8 @@ class Evaluator:
         """The reward function's value for one answer of `model` to prompt `index` (`row`).
 
         Raises:
-            EvalError: it raised (logged with its traceback and the row), or returned no finite number.
+            EvalError: it raised (logged with its traceback and the row), or returned no finite real number (a
+                `bool`, also numpy's, counts as 1 or 0).
         """
         where = f"prompt {index} of the eval set, answered by {model}"
         try:
@@ -233,7 +235,9 @@ class Evaluator:
             row_text = json.dumps(row, default=str)
             logger.exception("the eval reward function raised on %s; the row: %.300s", where, row_text)
             raise EvalError(f"the eval reward function raised {type(exc).__name__} on {where}: {exc}") from exc
-        if not isinstance(value, numbers.Real):  # `float()` took "0.9" as a reward and called "abc" or None a raise
+        # `float()` took "0.9" as a reward and called "abc" or None a raise; numpy's ints and floats are
+        # `numbers.Real`, its bool is not
+        if not isinstance(value, numbers.Real | numpy.bool_):
             raise EvalError(f"the eval reward function returned {value!r} ({type(value).__name__}) on {where}; "
                             "return a float")
         if not math.isfinite(value):

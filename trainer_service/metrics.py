@@ -3,8 +3,9 @@
 `MetricsSink.emit` is the only writer. The JSONL line is written first (it is the record): one a
 full disk refuses is kept and written, before the new one, by the next `emit` (or by `close`). The
 plot and Weights & Biases follow, and a failure there is logged with its traceback and counted
-(`sink_errors`), never raised into the training step. W&B is used when the `wandb`
-package is installed and not turned off; it runs offline unless `WANDB_MODE` says otherwise.
+(`sink_errors`), never raised into the training step. The plot is drawn in a thread of its own (`_Redraw`), so a
+step does not wait for a drawing (most of a second at thousands of steps); `flush` and `close` wait for it. W&B is
+used when the `wandb` package is installed and not turned off; it runs offline unless `WANDB_MODE` says otherwise.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import json
 import logging
 import math
 import os
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +45,17 @@ KL_METRICS = frozenset({"loss/kl", "loss/total"})
 """The `CHECKPOINT_METRICS` a GRPO step records only with a KL penalty (`GRPOConfig.kl_coef` > 0)."""
 _SKIPPED = "data/skipped/"
 """Prefix of the counts of what a step left out (`batching`), one metric per reason."""
+_PLOT_WAIT_S = 60.0
+"""Longest `close` waits for the plot of the last steps (a drawing takes well under a second)."""
 _PLOTTED = (("reward/mean", "reward (mean)"), ("loss/policy", "policy loss"), ("loss/sft", "SFT loss"),
             ("eval/reward", "eval reward"))
 
 
-def _finite_or_null(metrics: dict[str, float]) -> dict[str, float | None]:
-    """`metrics` with NaN and ±inf as None: JSON has no such numbers, so the JSONL line says `null` instead."""
-    return {key: value if math.isfinite(value) else None for key, value in metrics.items()}
+def _finite_or_null(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with NaN and ±inf as None: JSON has no such numbers, so the JSONL line says `null` instead (and a
+    line written before, which says `NaN`, reads back as `null` would); its other values as they are."""
+    return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in record.items()}
 
 
 def _plottable(value: object) -> bool:
@@ -61,6 +68,41 @@ def is_checkpoint_metric(name: str) -> bool:
     """True when a checkpoint's manifest can record metric `name`: one of `CHECKPOINT_METRICS`, or
     `data/skipped/<reason>`."""
     return name in CHECKPOINT_METRICS or (name.startswith(_SKIPPED) and name != _SKIPPED)
+
+
+class _Redraw:
+    """Calls `draw` in a thread of its own each time it is asked, the caller never waiting: a request made while it
+    draws is one more drawing once that one is done, however many were made (it draws the state as of then).
+    `draw` must not raise. The thread ends when nothing is asked, so an idle sink holds none."""
+
+    def __init__(self, draw: Callable[[], None]) -> None:
+        self._draw = draw
+        self._state = threading.Condition()
+        self._asked = False
+        self._running = False
+
+    def request(self) -> None:
+        """Ask for a drawing of the state as of now."""
+        with self._state:
+            self._asked = True
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._run, name="metrics-plot", daemon=True).start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every drawing asked for is done; False when `timeout` seconds passed first."""
+        with self._state:
+            return self._state.wait_for(lambda: not self._running, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._state:
+                if not self._asked:
+                    self._running = False
+                    self._state.notify_all()
+                    return
+                self._asked = False
+            self._draw()
 
 
 class MetricsSink:
@@ -78,7 +120,10 @@ class MetricsSink:
                  config: dict[str, Any] | None = None) -> None:
         self.run_dir = run_dir
         self.history: list[dict[str, Any]] = self._read_history()
-        self.sink_errors = 0
+        self._plot_errors = 0
+        """Failed drawings, counted by the plot's thread only (`_draw`)."""
+        self._wandb_errors = 0
+        self._redraw = _Redraw(self._draw)
         self._unwritten: list[tuple[int, str]] = []
         """(step, JSONL line) of the records of `history` not yet in `metrics.jsonl` (a write failed), oldest first."""
         self._wandb_wanted = wandb == "auto" and importlib.util.find_spec("wandb") is not None
@@ -91,6 +136,11 @@ class MetricsSink:
     def jsonl_path(self) -> Path:
         """`run_dir/metrics.jsonl`."""
         return self.run_dir / "metrics.jsonl"
+
+    @property
+    def sink_errors(self) -> int:
+        """Failures of the plot and of W&B since the start (logged with their tracebacks)."""
+        return self._plot_errors + self._wandb_errors
 
     @property
     def wandb_enabled(self) -> bool:
@@ -107,7 +157,8 @@ class MetricsSink:
     def _read_history(self) -> list[dict[str, Any]]:
         """The records of `metrics.jsonl`; a line that is not a JSON object with an integer `step` (cut short by a full
         disk, or edited, also to bytes that are not UTF-8) is skipped: the plot places each record at its step. A whole
-        float `step` (`1.0`, as lines were written before) is read as that integer."""
+        float `step` (`1.0`, as lines were written before) is read as that integer, a `NaN` or `Infinity` (written
+        before they became `null`) as None."""
         if not self.jsonl_path.is_file():
             return []
         history, skipped = [], 0
@@ -122,7 +173,7 @@ class MetricsSink:
             if isinstance(step, float) and step.is_integer():  # as `emit` wrote the trainer's float step before
                 record["step"] = step = int(step)
             if isinstance(step, int) and not isinstance(step, bool):
-                history.append(record)
+                history.append(_finite_or_null(record))  # as `emit` records it: a `NaN` of older lines is None
             else:
                 skipped += 1
         if skipped:
@@ -142,8 +193,9 @@ class MetricsSink:
             return False
 
     def emit(self, step: int, metrics: dict[str, float], **extra: Any) -> None:
-        """Record one step: JSONL line, status history, plot, W&B. A NaN or infinite metric is `null` in the JSONL
-        line and the history (JSON has no such numbers; `last` leaves it out), and goes to W&B as it is.
+        """Record one step: JSONL line, status history, plot (asked for here, drawn in its own thread: `flush`), W&B.
+        A NaN or infinite metric is `null` in the JSONL line and the history (JSON has no such numbers; `last` leaves
+        it out), and goes to W&B as it is.
 
         Args:
             step: policy step.
@@ -165,12 +217,20 @@ class MetricsSink:
         try:
             self._write_unwritten()
         finally:  # the plot and W&B have the step also when its line must wait for room on the disk
-            for sink in (self._plot, self._wandb):
-                try:
-                    sink(step, metrics)
-                except Exception:  # a secondary sink never fails the step; logged and counted
-                    self.sink_errors += 1
-                    logger.exception("metrics sink %s failed at step %s", sink.__name__, step)
+            self._redraw.request()
+            try:
+                self._wandb(step, metrics)
+            except Exception:  # a secondary sink never fails the step; logged and counted
+                self._wandb_errors += 1
+                logger.exception("metrics sink W&B failed at step %s", step)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until `metrics.png` shows every emitted step (or its drawing failed, counted in `sink_errors`).
+
+        Returns:
+            False when `timeout` seconds passed first.
+        """
+        return self._redraw.wait(timeout)
 
     def _write_unwritten(self) -> None:
         """Append the lines of `_unwritten` to `metrics.jsonl`, one at a time, each dropped from it once written.
@@ -194,25 +254,34 @@ class MetricsSink:
             raise OSError(exc.errno, f"{self.jsonl_path} could not be written ({exc.strerror or exc}): {held} kept "
                           "and written with the next step; free disk space") from exc
 
-    def _plot(self, step: int, metrics: dict[str, float]) -> None:
-        import matplotlib
+    def _draw(self) -> None:
+        """Plot the history as of now (in `_Redraw`'s thread); a failure is logged and counted, never raised."""
+        history = list(self.history)  # `emit` appends to it meanwhile
+        try:
+            self._plot(history)
+        except Exception:  # a secondary sink never fails the step; logged and counted
+            self._plot_errors += 1
+            logger.exception("metrics sink plot failed at step %s", history[-1]["step"] if history else None)
 
-        matplotlib.use("Agg")
-        from matplotlib import pyplot as plt
+    def _plot(self, history: list[dict[str, Any]]) -> None:
+        """Draw `history` to `metrics.png` (a `Figure` of its own, not pyplot's shared state: another thread may
+        plot meanwhile)."""
+        from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
 
-        series = [(key, label) for key, label in _PLOTTED if any(key in h for h in self.history)]
+        series = [(key, label) for key, label in _PLOTTED if any(key in h for h in history)]
         if not series:
             return
-        figure, axes = plt.subplots(len(series), 1, figsize=(6, 2.2 * len(series)), sharex=True, squeeze=False)
+        figure = Figure(figsize=(6, 2.2 * len(series)))
+        axes = figure.subplots(len(series), 1, sharex=True, squeeze=False)
         for axis, (key, label) in zip(axes[:, 0], series, strict=True):
-            points = [(h["step"], h[key]) for h in self.history if key in h and _plottable(h[key])]
+            points = [(h["step"], h[key]) for h in history if key in h and _plottable(h[key])]
             axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3)
             axis.set_ylabel(label)
             axis.grid(alpha=0.3)
         axes[-1, 0].set_xlabel("step")
         axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # no tick at 1.5
-        figure.suptitle(f"{self._run_name}: step {step}")
+        figure.suptitle(f"{self._run_name}: step {history[-1]['step']}")
         figure.tight_layout()
         tmp = self.run_dir / f".{PLOT_FILE}.tmp.png"
         try:
@@ -221,8 +290,6 @@ class MetricsSink:
         except OSError:  # a full disk: the partial file goes, not to hold the space until the next plot
             tmp.unlink(missing_ok=True)
             raise
-        finally:  # pyplot holds every figure until closed
-            plt.close(figure)
 
     def _wandb(self, step: int, metrics: dict[str, float]) -> None:
         if not self._wandb_wanted:
@@ -237,12 +304,15 @@ class MetricsSink:
         self._wandb_run.log(metrics, step=step)
 
     def close(self) -> None:
-        """Write the JSONL lines a full disk held back (logged when it still cannot) and finish the W&B run, if one
-        was started. Idempotent."""
+        """Write the JSONL lines a full disk held back (logged when it still cannot), wait (at most `_PLOT_WAIT_S`)
+        for the plot of the last steps and finish the W&B run, if one was started. Idempotent."""
         try:
             self._write_unwritten()
         except OSError:
             logger.exception("metrics not written at close")
+        if not self.flush(_PLOT_WAIT_S):
+            logger.warning("%s: the plot of the last steps was not drawn within %.0f s", self.run_dir / PLOT_FILE,
+                           _PLOT_WAIT_S)
         run, self._wandb_run = self._wandb_run, None
         if run is not None:
             run.finish()

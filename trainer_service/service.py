@@ -11,6 +11,7 @@ and never served.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import time
 from collections import Counter
@@ -52,6 +53,29 @@ logger = logging.getLogger(__name__)
 _STATUS_QUEUE_WAIT_S = 5.0
 """Longest `status` waits for the collector's queue depth: a collector that takes connections but does not answer
 would hold `GET /v1/status` for the collector's whole timeout (60 s)."""
+
+_NAMED_STEPS = 5
+"""How many of the newest `name@N` a 404 `model_not_found` names: a run keeping thousands of checkpoints would make
+its body huge; `GET /v1/models` lists them all."""
+
+_FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT})
+_NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+
+
+def _write_fix(exc: OSError, path: Path) -> str:
+    """The fix a 507 names for checkpoint folder `path` that could not be written, from `exc` or the writer's
+    `OSError` it chains (`CheckpointWriteError`): "; free disk space" only for a full disk or quota; "" for an
+    error without a known errno (the writer's message, kept in the 507, names the cause)."""
+    error = exc
+    while error.errno is None and isinstance(error.__cause__, OSError):
+        error = error.__cause__
+    if isinstance(error, FileExistsError):  # a half-written `step-N` start-up could not remove (the log says why)
+        return f"; remove {path} by hand"
+    if error.errno in _FULL_DISK:
+        return "; free disk space"
+    if error.errno in _NOT_WRITABLE:
+        return f"; let the service's user write to {path.parent}"
+    return ""
 
 
 class TrainerService:
@@ -181,6 +205,13 @@ class TrainerService:
         """Every model name clients may request, base first and `name@latest` last."""
         return [self.base_name, *(self.model_name(s) for s in self.steps), f"{self.settings.name}@latest"]
 
+    def _some_served_models(self) -> str:
+        """The base, `name@latest` and the newest `_NAMED_STEPS` steps, then how many more `GET /v1/models` lists."""
+        newest = [self.model_name(step) for step in self.steps[-_NAMED_STEPS:]]
+        named = ", ".join([self.base_name, f"{self.settings.name}@latest", *newest])
+        more = len(self.steps) - len(newest)
+        return f"{named}, ... ({more} more; GET /v1/models lists them)" if more else named
+
     def resolve(self, model: str) -> str:
         """Map a requested model name to the engine's name.
 
@@ -199,7 +230,7 @@ class TrainerService:
         raise ServiceError(
             404,
             "model_not_found",
-            f"The model `{model}` does not exist. Available: {', '.join(self.served_models())}.",
+            f"The model `{model}` does not exist. Available: {self._some_served_models()}.",
             type="not_found_error",
             param="model",
         )
@@ -282,7 +313,8 @@ class TrainerService:
             fate = await release_failed(self.collector, batch, exc, failed=False, counters=self.counters)
             raise ServiceError(507, "checkpoint_write_failed", f"Step {step} trained but its checkpoint could not "
                                f"be written to {self.checkpoint_dir}: {exc}. Nothing was served and the trainer was "
-                               f"rolled back; free disk space. {fate}", type="server_error") from exc
+                               f"rolled back{_write_fix(exc, self.store.path(step))}. {fate}",
+                               type="server_error") from exc
         except Exception as exc:
             logger.exception("training step %s failed", step)
             fate = await release_failed(self.collector, batch, exc, failed=blames_the_data(exc),

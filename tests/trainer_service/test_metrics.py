@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import threading
 from pathlib import Path
 from typing import IO, Any
 
@@ -44,18 +45,28 @@ def test_a_nonfinite_metric_is_null_in_the_jsonl_line(tmp_path: Path, caplog: py
     assert (line["reward/mean"], line["loss/policy"], line["grad/norm"]) == (None, None, 0.5)
     assert "loss/policy, reward/mean are not finite" in caplog.text
     assert sink.last == MetricsSink(tmp_path, wandb="off").last == {"step": 1.0, "grad/norm": 0.5}
-    assert (tmp_path / PLOT_FILE).is_file()
+    assert sink.flush() and (tmp_path / PLOT_FILE).is_file()
+
+
+def test_a_nonfinite_metric_of_an_older_line_is_null_once_read_back(tmp_path: Path) -> None:
+    """Lines written before NaN became `null` say `NaN` or `Infinity`: `last` (`GET /v1/status`) showed them."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "time": 1.0, "batch_id": "b1", "loss/policy": NaN, '
+                                            '"reward/mean": Infinity, "grad/norm": 0.5}\n')
+    sink = MetricsSink(tmp_path, wandb="off")
+    assert sink.history == [{"step": 1, "time": 1.0, "batch_id": "b1", "loss/policy": None, "reward/mean": None,
+                             "grad/norm": 0.5}]
+    assert sink.last == {"step": 1.0, "grad/norm": 0.5}
 
 
 def test_a_failing_secondary_sink_is_counted_not_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sink = MetricsSink(tmp_path, wandb="off")
 
-    def broken(step: int, metrics: dict[str, float]) -> None:
+    def broken(history: list[dict[str, Any]]) -> None:
         raise RuntimeError("no display")
 
     monkeypatch.setattr(sink, "_plot", broken)
     sink.emit(1, {"reward/mean": 1.0})
-    assert sink.sink_errors == 1 and (tmp_path / "metrics.jsonl").is_file()
+    assert sink.flush() and sink.sink_errors == 1 and (tmp_path / "metrics.jsonl").is_file()
 
 
 async def test_step_metrics_reach_status_and_plot(tmp_path: Path) -> None:
@@ -68,8 +79,8 @@ async def test_step_metrics_reach_status_and_plot(tmp_path: Path) -> None:
     for key in ("loss/policy", "reward/mean", "reward/std", "advantage/mean", "advantage/std", "grad/norm",
                 "loss/clip_fraction", "time/tokens_per_s", "time/step_s", "time/publish_s", "promotion/promoted"):
         assert key in result.metrics and status.last_metrics[key] == pytest.approx(result.metrics[key]), key
-    assert (tmp_path / PLOT_FILE).is_file()
     await service.aclose()
+    assert (tmp_path / PLOT_FILE).is_file()  # drawn in its own thread: `close` waits for it
 
 
 def test_a_line_cut_short_is_skipped_and_the_next_record_gets_its_own_line(
@@ -148,6 +159,7 @@ def test_a_plot_a_full_disk_refuses_leaves_no_figure_open_and_no_file(tmp_path: 
     opened = set(plt.get_fignums())
     for step in (1, 2):
         sink.emit(step, {"loss/policy": 0.5})
+        assert sink.flush()
     assert sink.sink_errors == 2 and set(plt.get_fignums()) == opened
     assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.jsonl"]
 
@@ -160,7 +172,7 @@ def test_a_line_of_json_that_is_no_record_is_skipped(tmp_path: Path, caplog: pyt
     assert [h["step"] for h in sink.history] == [1] and sink.last == {"step": 1.0, "loss/policy": 0.5}
     assert f"{path}: skipped 3 line(s) that are not JSON objects with a `step`" in caplog.text
     sink.emit(2, {"loss/policy": 0.25})
-    assert sink.sink_errors == 0 and (tmp_path / PLOT_FILE).is_file()
+    assert sink.flush() and sink.sink_errors == 0 and (tmp_path / PLOT_FILE).is_file()
 
 
 def test_a_line_that_is_not_utf8_or_has_a_boolean_step_is_skipped(tmp_path: Path,
@@ -186,8 +198,10 @@ def test_the_plot_shows_the_sft_loss(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(Figure, "savefig", record)
     sink = MetricsSink(tmp_path, wandb="off")
     sink.emit(1, {"loss/sft": 0.7})
+    assert sink.flush()
     sink.emit(2, {"reward/mean": 0.5, "loss/policy": 0.1})
-    assert labels == [["SFT loss"], ["reward (mean)", "policy loss", "SFT loss"]] and sink.sink_errors == 0
+    assert sink.flush() and sink.sink_errors == 0
+    assert labels == [["SFT loss"], ["reward (mean)", "policy loss", "SFT loss"]]
 
 
 async def test_a_steps_record_survives_a_restart_with_its_kind(tmp_path: Path) -> None:
@@ -235,6 +249,7 @@ def test_the_plot_marks_whole_steps_only(tmp_path: Path, monkeypatch: pytest.Mon
     sink = MetricsSink(tmp_path, wandb="off")
     for step in range(1, steps + 1):
         sink.emit(step, {"reward/mean": 0.1 * step})
+    assert sink.flush()
     # were 0.96, 0.98, ... for one step and 1.25, 1.5, ... for three: no step is there
     assert ticks and all(float(tick).is_integer() for tick in ticks) and sink.sink_errors == 0
 
@@ -256,5 +271,31 @@ def test_a_hand_edited_value_that_is_no_number_is_left_out_of_the_plot(tmp_path:
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in edited))
     sink = MetricsSink(tmp_path, wandb="off")
     sink.emit(6, {"reward/mean": 0.5})
+    assert sink.flush()
     # the plot raised at every step on such a value: never redrawn; a null stays, as a gap
     assert sink.sink_errors == 0 and plotted == [[None, 0.25, 0.5]]
+
+
+def test_a_step_does_not_wait_for_the_plot_and_the_last_state_is_drawn(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drawing took 0.4 to 1 s at every step, the step's lock held; it runs in a thread of its own, the steps
+    emitted while it draws are drawn once, together, after it."""
+    sink = MetricsSink(tmp_path, wandb="off")
+    drawn: list[list[int]] = []
+    drawing, release = threading.Event(), threading.Event()
+
+    def slow(history: list[dict[str, Any]]) -> None:
+        drawing.set()
+        assert release.wait(60)
+        drawn.append([h["step"] for h in history])
+
+    monkeypatch.setattr(sink, "_plot", slow)
+    sink.emit(1, {"loss/policy": 0.5})
+    assert drawing.wait(60)
+    for step in (2, 3, 4):
+        sink.emit(step, {"loss/policy": 0.5})  # return while step 1 is drawn
+    assert drawn == [] and [h["step"] for h in sink.history] == [1, 2, 3, 4]
+    assert not sink.flush(timeout=0)
+    release.set()
+    sink.close()  # waits for the last state
+    assert drawn == [[1], [1, 2, 3, 4]] and sink.sink_errors == 0

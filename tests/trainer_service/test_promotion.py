@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy
 import pytest
 
 from collector.protocol import Batch
@@ -313,7 +314,20 @@ def test_a_damaged_promotion_state_stops_the_start_naming_the_file(tmp_path: Pat
         PromotionGate(settings, store, None, lambda step: f"agent@{step}", lambda: "base-model")
 
 
-@pytest.mark.parametrize("returned", ["0.9", "abc", None, [1.0]])
+@pytest.mark.parametrize(("returned", "mean"), [(numpy.True_, 1.0), (numpy.False_, 0.0), (True, 1.0),
+                                                (numpy.float32(0.5), 0.5), (numpy.int64(2), 2.0), (3, 3.0)])
+async def test_a_reward_of_any_real_number_counts_numpys_too(returned: object, mean: float) -> None:
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": "1+1?"}]}]
+
+    # `numpy.bool_`, e.g. `(answer == expected).all()`, is no `numbers.Real`: it was refused ("return a float")
+    evaluator = Evaluator(source, lambda row, text: returned, "http://engine", transport=httpx.MockTransport(engine))
+    score = await evaluator.evaluate("agent@1")
+    assert score == mean and type(score) is float
+    await evaluator.aclose()
+
+
+@pytest.mark.parametrize("returned", ["0.9", "abc", None, [1.0], numpy.str_("0.9"), numpy.complex64(1)])
 async def test_a_reward_that_is_no_number_fails_the_eval_naming_the_prompt_and_model(returned: object) -> None:
     async def source() -> list[dict[str, Any]]:
         return [{"messages": [{"role": "user", "content": "1+1?"}]}]

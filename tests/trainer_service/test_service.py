@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import math
+import os
 import threading
 import time
 from pathlib import Path
@@ -54,6 +56,21 @@ async def test_train_once_publishes_and_names_models(tmp_path: Path) -> None:
     assert restarted.served_models() == ["base-model", "agent@1", "agent@latest"]
     assert restarted.trainer is not None and restarted.trainer.step_count == 1
     await restarted.aclose()
+
+
+async def test_an_unknown_model_names_the_newest_steps_not_thousands(tmp_path: Path) -> None:
+    service = make_service(tmp_path, [], [])
+    service.steps = [1, 2]
+    with pytest.raises(ServiceError) as info:
+        service.resolve("agent@0")
+    assert info.value.body.error.message.endswith("Available: base-model, agent@latest, agent@1, agent@2.")
+    service.steps = list(range(1, 3001))  # a run keeping every checkpoint
+    with pytest.raises(ServiceError) as info:
+        service.resolve("agent@0")
+    assert info.value.body.error.message.endswith(
+        "Available: base-model, agent@latest, agent@2996, agent@2997, agent@2998, agent@2999, agent@3000, "
+        "... (2995 more; GET /v1/models lists them).")
+    await service.aclose()
 
 
 async def test_a_checkpoint_being_reloaded_is_503_not_404(tmp_path: Path) -> None:
@@ -266,6 +283,46 @@ async def test_status_during_a_step_names_only_served_steps(tmp_path: Path) -> N
     with pytest.raises(ServiceError) as info:
         await step
     assert info.value.body.error.code == "checkpoint_write_failed" and (await service.status()).step == 0
+    await service.aclose()
+
+
+@pytest.mark.parametrize(("code", "fix"), [
+    (errno.ENOSPC, "; free disk space."),
+    (errno.EDQUOT, "; free disk space."),
+    (errno.EACCES, "; let the service's user write to {folder}."),
+    (errno.EROFS, "; let the service's user write to {folder}."),
+    (errno.EIO, "."),  # an error with no known fix: the writer's message names it
+])
+async def test_a_checkpoint_write_error_names_its_own_fix(tmp_path: Path, code: int, fix: str) -> None:
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    assert service.trainer is not None
+
+    def failing(path: Path, **kwargs: Any) -> Path:
+        raise OSError(code, os.strerror(code))
+
+    service.trainer.save = failing  # type: ignore[method-assign]
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    message = info.value.body.error.message
+    assert info.value.status == 507 and os.strerror(code) in message
+    assert f"and the trainer was rolled back{fix.format(folder=service.checkpoint_dir)} Batch b1" in message
+    await service.aclose()
+
+
+async def test_a_step_folder_left_behind_is_named_not_a_full_disk(tmp_path: Path) -> None:
+    """A half-written `step-1` start-up could not remove (e.g. not ours to delete) stops step 1's save."""
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    assert service.trainer is not None
+    (service.checkpoint_dir / "step-1").mkdir(parents=True)
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    message = info.value.body.error.message
+    assert info.value.status == 507 and "exists already" in message and "disk space" not in message
+    assert f"rolled back; remove {service.checkpoint_dir / 'step-1'} by hand." in message
     await service.aclose()
 
 
