@@ -1,21 +1,44 @@
-"""Process-wide counts of what the plugin lost, safe to add to from any thread and renewed in a forked child.
+"""Process-wide counts and locks of the plugin, safe to use from any thread and renewed in a forked child.
 
-A count's lock is a module-level lock: a thread of the parent may hold it when the process forks, and in the
-child no thread would ever release it. The plugin's one after-fork hook (`_tracing`) calls `renew_after_fork`.
+A module-level lock (a count's, the settings', a once-only warning's) may be held by a thread of the parent when the
+process forks, and in the child no thread would ever release it: the child would hang at its first use. Each is a
+`ProcessLock`, which the plugin's one after-fork hook (`_tracing`) renews through `renew_after_fork`.
 """
 
 from __future__ import annotations
 
 import threading
 
-__all__ = ["DROPPED_SPANS", "RECORDING_ERRORS", "ProcessCount", "renew_after_fork"]
+__all__ = ["DROPPED_SPANS", "RECORDING_ERRORS", "ProcessCount", "ProcessLock", "renew_after_fork"]
+
+_PROCESS_LOCKS: list[ProcessLock] = []
+"""Every `ProcessLock` made, in the order made: `renew_after_fork` renews each."""
+
+
+class ProcessLock:
+    """A module-level lock (`with lock:`) that a forked child gets anew; make each once, at import (it is kept for
+    the life of the process)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        _PROCESS_LOCKS.append(self)
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()
+
+    def after_fork(self) -> None:
+        """In a forked child: a new, free lock (a thread of the parent may have held the old one)."""
+        self._lock = threading.Lock()
 
 
 class ProcessCount:
     """A number that threads add to under a lock."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = ProcessLock()
         self._value = 0
 
     @property
@@ -29,8 +52,7 @@ class ProcessCount:
             self._value += n
 
     def after_fork(self) -> None:
-        """In a forked child: count from 0 under a new lock (a thread of the parent may have held the old one)."""
-        self._lock = threading.Lock()
+        """In a forked child: count from 0 (its lock is renewed with every `ProcessLock`)."""
         self._value = 0
 
 
@@ -41,6 +63,8 @@ RECORDING_ERRORS = ProcessCount()
 
 
 def renew_after_fork() -> None:
-    """In a forked child: every count starts from 0, under a lock of its own."""
+    """In a forked child: every `ProcessLock` is new and free, and every count starts from 0."""
+    for lock in _PROCESS_LOCKS:
+        lock.after_fork()
     for count in (DROPPED_SPANS, RECORDING_ERRORS):
         count.after_fork()

@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from art_langgraph._counts import ProcessLock
 from collector.auth import configured_key
 from collector.env_names import PREFIX, settings_env_names, under_prefix, unknown_env_problem
 
@@ -155,7 +155,8 @@ def _positive_number(value: str) -> bool:
 
 
 _logger = logging.getLogger(__name__)
-_lock = threading.Lock()
+_lock = ProcessLock()
+"""Held while the settings are built and made current; a forked child gets a new one (`_counts`)."""
 _settings: Settings | None = None
 _checked: set[str] = set()
 """The `ART_*` variables `_warn_unknown_variables` has seen: an unknown one is logged once per process."""

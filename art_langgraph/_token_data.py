@@ -11,8 +11,9 @@ model) says that those trajectories will be re-tokenized for training.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, TypedDict
+
+from art_langgraph._counts import ProcessLock
 
 __all__ = [
     "ART_METADATA_KEY",
@@ -81,7 +82,8 @@ def policy_step(model_name: str | None) -> int:
 
 
 _warned_models: set[str | None] = set()
-_warned_lock = threading.Lock()
+_warned_lock = ProcessLock()
+"""Guards `_warned_models`; a forked child gets a new one (`_counts`)."""
 
 
 def _warn_no_token_ids(model: str | None) -> None:

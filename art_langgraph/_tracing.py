@@ -323,8 +323,9 @@ def _after_fork_in_child() -> None:
 
     The parent's exporters hold the parent's HTTP connections, on which the child would write
     too, and count the spans queued in the parent, which the child's queues do not hold. The
-    locks are new too, the pipeline's and the counts' (`_counts`): a thread of the parent may have held one
-    (configuring at a first span, counting a loss), and in the child no thread would ever release it.
+    locks are new too, the pipeline's and every `_counts.ProcessLock` (the counts', the settings', the once-only
+    warnings'): a thread of the parent may have held one (configuring at a first span, counting a loss, reading the
+    settings), and in the child no thread would ever release it.
     """
     global _state, _lock
     _lock = threading.RLock()

@@ -1,10 +1,12 @@
-"""The API-key check both services apply to `Authorization` headers (the collector's writes, the trainer's routes)."""
+"""The API-key check both services apply to `Authorization` headers (the collector's writes, the trainer's routes),
+and how both read the key from the environment (`ART_API_KEY` only)."""
 
 from __future__ import annotations
 
 import hmac
+import os
 
-__all__ = ["bearer_matches", "configured_key"]
+__all__ = ["bearer_matches", "configured_key", "refuse_key_name"]
 
 
 def bearer_matches(authorization: str, key: str) -> bool:
@@ -28,3 +30,17 @@ def configured_key(value: object) -> object:
         raise ValueError("ART_API_KEY must be ASCII: HTTP clients send header values as ASCII, so no request could "
                          "carry this key and every one would be refused")
     return key
+
+
+def refuse_key_name(name: str) -> None:
+    """Refuse the variable `name` (a service's prefix + `API_KEY`) set in any case (a settings validator): with
+    `populate_by_name`, pydantic-settings reads the key under its field name too, in any case, a second name of
+    `ART_API_KEY` that the plugin never sends.
+
+    Raises:
+        ValueError: such a variable is set; the message names it as spelled.
+    """
+    for variable in sorted(os.environ):
+        if variable.upper() == name.upper():
+            raise ValueError(f"{variable} is not read: the API key is ART_API_KEY, the one the plugin sends to the "
+                             f"trainer and the collector. Set ART_API_KEY and unset {variable}.")

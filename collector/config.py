@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
-from collector.auth import configured_key
+from collector.auth import configured_key, refuse_key_name
 from collector.groups import TrainingReward
 
 __all__ = [
@@ -168,9 +168,7 @@ class CollectorSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_key_name(self) -> CollectorSettings:
-        if "ART_COLLECTOR_API_KEY" in os.environ:  # read as the key by field name: a second, undocumented name
-            raise ValueError("ART_COLLECTOR_API_KEY is not read: the API key is ART_API_KEY, the one the plugin sends "
-                             "to the trainer and the collector. Set ART_API_KEY and unset ART_COLLECTOR_API_KEY.")
+        refuse_key_name("ART_COLLECTOR_API_KEY")  # read as the key by field name: a second, undocumented name
         return self
 
     @model_validator(mode="after")

@@ -21,7 +21,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from collector.auth import configured_key
+from collector.auth import configured_key, refuse_key_name
 from collector.config import check_http_url
 from collector.protocol import MAX_LEASE_SECONDS, BatchRequest
 from trainer_service.base_model import BUNDLED_MODEL, served_base_name
@@ -492,9 +492,7 @@ class TrainerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSettings:
-        if "ART_TRAINER_API_KEY" in os.environ:  # read until it was dropped: ignoring it would open the API
-            raise ValueError("ART_TRAINER_API_KEY is not read: the API key is ART_API_KEY, the one the plugin sends "
-                             "to the trainer and the collector. Set ART_API_KEY and unset ART_TRAINER_API_KEY.")
+        refuse_key_name("ART_TRAINER_API_KEY")  # read until it was dropped: ignoring it would open the API
         if self.name == served_base_name(self.base_model):  # `name` resolves to name@latest: the base would be hidden
             raise ValueError(f"--name (ART_TRAINER_NAME) {self.name!r} is the name the base model is served under; "
                              "give the trained model another name")

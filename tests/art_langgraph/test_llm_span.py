@@ -11,9 +11,6 @@ import json
 import logging
 import operator
 import os
-import subprocess
-import sys
-import textwrap
 import uuid
 from functools import reduce
 from typing import Any
@@ -29,6 +26,7 @@ from pydantic import BaseModel
 from art_langgraph import _llm_span, semconv
 from tests.art_langgraph import fake_engine
 from tests.art_langgraph.fake_engine import PROMPT_IDS, FakeEngine, completion_ids, logprobs, reply_text
+from tests.art_langgraph.forking import run_child_of_held_lock
 
 TOKEN_ATTRIBUTES = {semconv.PROMPT_TOKEN_IDS, semconv.COMPLETION_TOKEN_IDS, semconv.COMPLETION_LOGPROBS,
                     semconv.POLICY_STEP}
@@ -280,30 +278,21 @@ def test_a_stream_chunk_whose_token_data_cannot_be_read_leaves_the_call_without_
 def test_a_child_forked_while_another_thread_counts_a_recording_error_can_count_its_own() -> None:
     """A thread of the parent held the lock recording errors are counted under when the process forked: the child
     inherited it held, with no thread to release it, and hung at its first recording error."""
-    script = textwrap.dedent(
-        """
-        import os, threading, time
-        from art_langgraph import _counts, _llm_span
-        held = threading.Event()
-        def counting():
-            with _counts.RECORDING_ERRORS._lock:
-                held.set()
-                threading.Event().wait()
-        threading.Thread(target=counting, daemon=True).start()
-        held.wait()
-        pid = os.fork()
-        if pid == 0:
-            with _llm_span.recording_guard("a child's call"):
-                raise ValueError("unreadable")
-            os._exit(0 if _llm_span.recording_errors() == 1 else 1)
-        deadline = time.monotonic() + 20
-        while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not done[0]:
-            os.kill(pid, 9)
-        assert done[0] and os.waitstatus_to_exitcode(done[1]) == 0, "the child hung or miscounted"
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    out = run_child_of_held_lock("from art_langgraph import _counts, _llm_span", "_counts.RECORDING_ERRORS._lock", """
+        with _llm_span.recording_guard("a child's call"):
+            raise ValueError("unreadable")
+        assert _llm_span.recording_errors() == 1
+        """)
     assert out.returncode == 0, out.stderr
     assert "could not record a child's call" in out.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_another_thread_warns_of_an_engine_without_ids_can_warn_of_its_own() -> None:
+    """A thread of the parent held the lock of the once-per-model warning (an engine sent no token ids) when the
+    process forked: the child inherited it held, and hung at the first call whose engine sent none."""
+    out = run_child_of_held_lock("from art_langgraph import _token_data", "_token_data._warned_lock", """
+        assert _token_data.choice_token_data({"model": "child-engine"}, {}) is None
+        """)
+    assert out.returncode == 0, out.stderr
+    assert "the engine serving 'child-engine' returned no token ids" in out.stderr

@@ -1,13 +1,16 @@
-"""The plugin's settings (`art_langgraph/_settings.py`): a set `ART_*` variable that no component reads is logged."""
+"""The plugin's settings (`art_langgraph/_settings.py`): a set `ART_*` variable that no component reads is logged, and
+a forked child reads its own."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
 from art_langgraph import _settings
 from art_langgraph._settings import get_settings, update_settings
+from tests.art_langgraph.forking import run_child_of_held_lock
 
 
 def test_a_variable_no_setting_reads_is_logged_once(monkeypatch: pytest.MonkeyPatch,
@@ -44,3 +47,14 @@ def test_a_variable_no_setting_reads_is_logged_in_lower_case_too(monkeypatch: py
     assert [record.getMessage() for record in caplog.records] == [
         "art_langgraph: art_modle (did you mean ART_MODEL?) is set, but no setting reads it: rename or unset it (the "
         "README lists every ART_* variable)"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_another_thread_reads_the_settings_can_read_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread of the parent held the lock the settings are read under (`get_settings`, `configure`) when the process
+    forked: the child inherited it held, with no thread to release it, and hung at its first span or model call."""
+    monkeypatch.setenv("ART_MODEL", "agent@child")
+    out = run_child_of_held_lock("from art_langgraph import _settings", "_settings._lock", """
+        assert _settings.get_settings().model == "agent@child"
+        """)
+    assert out.returncode == 0, out.stderr

@@ -46,6 +46,17 @@ def test_default_db_lives_in_art_home(monkeypatch: pytest.MonkeyPatch, tmp_path:
         CollectorSettings()
 
 
+@pytest.mark.parametrize("name", ["art_collector_api_key", "Art_Collector_Api_Key"])
+def test_the_collectors_prefixed_key_name_is_refused_in_any_case(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """pydantic-settings reads the key by its field name too, in any case: only the upper-case name was refused, so
+    `art_collector_api_key` silently became the key the collector demands, one the plugin and trainer do not send."""
+    from collector.config import CollectorSettings
+
+    monkeypatch.setenv(name, "collector-only")
+    with pytest.raises(ValueError, match=f"{name} is not read: the API key is ART_API_KEY.* unset {name}\\."):
+        CollectorSettings()
+
+
 def test_bad_settings_exit_with_one_line_each(monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served with bad settings"))

@@ -74,6 +74,15 @@ def test_the_api_key_comes_from_art_api_key_only(monkeypatch: pytest.MonkeyPatch
     assert TrainerSettings().api_key == "shared"
 
 
+@pytest.mark.parametrize("name", ["art_trainer_api_key", "Art_Trainer_Api_Key"])
+def test_the_trainers_prefixed_key_name_is_refused_in_any_case(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """pydantic-settings reads the key by its field name too, in any case: only `ART_TRAINER_API_KEY` was refused, so
+    `art_trainer_api_key` silently became the key every route demands, one the plugin does not send."""
+    monkeypatch.setenv(name, "trainer-only")
+    with pytest.raises(ValueError, match=f"{name} is not read: the API key is ART_API_KEY.* unset {name}\\."):
+        TrainerSettings()
+
+
 @pytest.mark.parametrize(("name", "base_model"), [("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
                                                   ("my-base", "./models/my-base")])
 def test_the_trained_model_cannot_take_the_base_models_name(name: str, base_model: str) -> None:
