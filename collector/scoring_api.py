@@ -1,9 +1,10 @@
 """HTTP layer of the judges and the web page: an `APIRouter`, the static page, background jobs.
 
 `install(app, store, auth)` is called by `create_app`. It adds the RULER routes
-(`POST/GET /v1/groups/{id}/judge`), the Langfuse sync route, the read API under `/v1/view/`,
-the web page under `/ui/`, and — in the app's lifespan — the automatic judge
-(`ART_COLLECTOR_JUDGE_AUTO`) and the scheduled Langfuse sync (`ART_COLLECTOR_LANGFUSE_HOST`).
+(`POST/GET /v1/groups/{id}/judge`), the Langfuse sync route, the read API under `/v1/view/` (never
+stored by a browser), the web page under `/ui/` (revalidated on each load), and — in the app's
+lifespan — the automatic judge (`ART_COLLECTOR_JUDGE_AUTO`) and the scheduled Langfuse sync
+(`ART_COLLECTOR_LANGFUSE_HOST`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Query
+from fastapi import APIRouter, Depends, FastAPI, Query, Response
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.types import Scope
 
 from collector import views
 from collector.errors import NotFound
@@ -45,6 +47,21 @@ __all__ = ["Scoring", "install"]
 log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).with_name("static")
+
+
+class _Revalidated(StaticFiles):
+    """The page's files, each answer marked `no-cache`: a browser asks again (with the ETag) on every load, so it
+    never runs an old app.js after an upgrade."""
+
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        response = await super().get_response(path, scope)
+        response.headers["Cache-Control"] = "no-cache"
+        return response
+
+
+def _no_store(response: Response) -> None:
+    """Mark a read of the page's API `no-store`: it changes as spans and rewards arrive."""
+    response.headers["Cache-Control"] = "no-store"
 
 
 @dataclass
@@ -112,6 +129,7 @@ def install(
 
     router = APIRouter()
     writes = [Depends(auth)]
+    reads = [Depends(_no_store)]
 
     @router.post("/v1/groups/{group_id:path}/judge", dependencies=writes)
     def judge_group(group_id: str, body: JudgeRequest | None = None) -> JudgeRun:
@@ -136,7 +154,7 @@ def install(
         """Pull Langfuse scores and push rewards now (502 when Langfuse fails, 404 when not configured)."""
         return run_sync()
 
-    @router.get("/v1/view/trajectories")
+    @router.get("/v1/view/trajectories", dependencies=reads)
     def view_trajectories(
         task: str | None = None,
         group: str | None = None,
@@ -153,22 +171,27 @@ def install(
             reward_min=reward_min, reward_max=reward_max, limit=limit, offset=offset,
         )
 
-    @router.get("/v1/view/trajectories/{trajectory_id:path}")
+    @router.get("/v1/view/trajectories/{trajectory_id:path}", dependencies=reads)
     def view_trajectory(trajectory_id: str) -> TrajectoryDetail:
         """One trajectory: messages, tool calls, token counts, rewards, judge explanations."""
         return views.trajectory_detail(store, scoring_store, trajectory_id)
 
-    @router.get("/v1/view/groups")
+    @router.get("/v1/view/trajectory", dependencies=reads)
+    def view_trajectory_by_query(trajectory_id: str = Query(alias="id", min_length=1)) -> TrajectoryDetail:
+        """One trajectory by `?id=`: any id, `.` and `..` too, which no client keeps as a path segment."""
+        return views.trajectory_detail(store, scoring_store, trajectory_id)
+
+    @router.get("/v1/view/groups", dependencies=reads)
     def view_groups(limit: int = Query(default=100, ge=1, le=1000)) -> list[GroupView]:
         """The latest groups, newest first, with state, reason and last judge run."""
         return views.group_list(store, scoring_store, limit=limit)
 
-    @router.get("/v1/view/batches")
+    @router.get("/v1/view/batches", dependencies=reads)
     def view_batches(limit: int = Query(default=100, ge=1, le=1000)) -> list[BatchView]:
         """The latest batch leases, newest first."""
         return views.batch_list(store, limit=limit)
 
-    @router.get("/v1/view/reward-curve")
+    @router.get("/v1/view/reward-curve", dependencies=reads)
     def view_reward_curve(name: str | None = None, split: str | None = None) -> list[CurvePoint]:
         """Mean reward per policy step (the training reward, or reward `name`)."""
         return views.reward_curve(store, name=name, split=split)
@@ -178,7 +201,7 @@ def install(
         return RedirectResponse("/ui/")
 
     app.include_router(router)
-    app.mount("/ui", StaticFiles(directory=STATIC, html=True), name="ui")
+    app.mount("/ui", _Revalidated(directory=STATIC, html=True), name="ui")
 
     previous = app.router.lifespan_context
 

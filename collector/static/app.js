@@ -24,6 +24,17 @@ async function api(path) {
   return response.json();
 }
 
+// The steps to label on an axis from x0 to x1 drawn `width` pixels wide: the multiples of the smallest stride of
+// 1, 2, 5, 10, 20, 50, … that leaves each label (`chars` digits at 11px) room before the next one.
+function stepTicks(x0, x1, width, chars) {
+  const room = chars * 11 * 0.7 + 8; // wider than any font's digits at 11px, and a gap
+  let stride = 1;
+  for (let k = 1; x1 > x0 && (stride * width) / (x1 - x0) < room; k += 1) stride = [1, 2, 5][k % 3] * 10 ** Math.floor(k / 3);
+  const ticks = [];
+  for (let s = Math.ceil(x0 / stride) * stride; s <= x1; s += stride) ticks.push(s);
+  return ticks;
+}
+
 function curveSvg(points) {
   if (!points.length) return '<p class="muted">No rewarded trajectories with a policy step yet.</p>';
   const w = 640, h = 220, pad = 36;
@@ -36,7 +47,10 @@ function curveSvg(points) {
   const dots = points
     .map((p) => `<circle cx="${x(p.policy_step)}" cy="${y(p.mean)}" r="3.5" fill="#3b82f6"><title>step ${p.policy_step}: mean ${num(p.mean)} (n=${p.count})</title></circle>`)
     .join("");
-  const ticks = points.map((p) => `<text x="${x(p.policy_step)}" y="${h - pad + 16}" font-size="11" text-anchor="middle">${p.policy_step}</text>`).join("");
+  const chars = Math.max(String(x0).length, String(x1).length);
+  const ticks = stepTicks(x0, x1, w - 2 * pad, chars)
+    .map((s) => `<text x="${x(s)}" y="${h - pad + 16}" font-size="11" text-anchor="middle">${s}</text>`)
+    .join("");
   return `<svg class="curve" id="reward-curve" width="${w}" height="${h}" viewBox="0 0 ${w} ${h}" role="img" aria-label="mean reward per policy step">
     <line x1="${pad}" y1="${h - pad}" x2="${w - pad}" y2="${h - pad}" stroke="#999"/>
     <line x1="${pad}" y1="${pad}" x2="${pad}" y2="${h - pad}" stroke="#999"/>
@@ -118,7 +132,7 @@ function messageHtml(message) {
 }
 
 async function trajectoryView(id) {
-  const t = await api(`/v1/view/trajectories/${encodeURIComponent(id)}`);
+  const t = await api(`/v1/view/trajectory?${new URLSearchParams({ id })}`); // a path loses an id `.` or `..`
   const rewards = Object.entries(t.rewards).map(([k, v]) => `<span class="badge">${esc(k)} ${num(v)}</span>`).join(" ") || "none";
   const sequences = t.sequences
     .map((s, i) => `<tr><td>${i}</td><td class="num">${s.prompt_tokens}</td><td class="num">${s.completion_tokens}</td><td class="num">${s.tokens}</td><td class="num">${s.policy_step ?? "–"}</td></tr>`)

@@ -160,6 +160,25 @@ def test_a_trajectory_id_with_a_slash_is_found_by_both_read_routes(
         assert client.get("/v1/view/trajectories/math%2Fadd-0").json()["id"] == "math/add-0"
 
 
+ODD_IDS = [".", "..", "a/../b", "./x", "q?x", "h#y", "p%2e%20c", "sp ace+plus&amp=1"]
+"""Legal trajectory ids a URL path mangles: `.` and `..` are dot segments browsers and httpx remove, the rest hold
+characters a URL gives a meaning to."""
+
+
+def test_a_trajectory_with_any_legal_id_is_found_by_the_query_form(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`GET /v1/view/trajectories/{id}` can never be reached for an id `.` or `..` (the client drops the segment)."""
+    app = make_app(tmp_path, monkeypatch)
+    app.state.store.add_spans(sb.rollout_group({tid: 0.5 for tid in ODD_IDS}))
+    with TestClient(app) as client:
+        for tid in ODD_IDS:
+            found = client.get("/v1/view/trajectory", params={"id": tid})
+            assert found.status_code == 200 and found.json()["id"] == tid, tid
+        assert_error(client.get("/v1/view/trajectory", params={"id": "nope"}), 404, "not_found")
+        assert_error(client.get("/v1/view/trajectory"), 400, "invalid_request")
+
+
 def test_a_content_part_whose_text_is_not_a_string_is_shown_not_a_500(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -301,3 +320,16 @@ def test_the_page_and_its_reads_need_no_api_key(tmp_path: Path, monkeypatch: pyt
                      "/v1/view/groups", "/v1/view/batches", "/v1/view/reward-curve"]:
             assert client.get(path).status_code == 200, path
         assert_error(client.post("/v1/batches", json={}), 401, "unauthorized")
+
+
+def test_the_page_revalidates_and_the_view_reads_are_never_stored(client: TestClient) -> None:
+    """Neither had a Cache-Control: a browser could keep showing an old app.js after an upgrade, or old reads."""
+    for path in ["/ui/", "/ui/app.js", "/ui/style.css"]:
+        answer = client.get(path)
+        assert answer.headers.get("cache-control") == "no-cache" and answer.headers.get("etag"), path
+        again = client.get(path, headers={"if-none-match": answer.headers["etag"]})
+        assert again.status_code == 304 and again.headers.get("cache-control") == "no-cache", path
+    for path in ["/v1/view/trajectories", "/v1/view/trajectories/a-0", "/v1/view/trajectory?id=a-0",
+                 "/v1/view/groups", "/v1/view/batches", "/v1/view/reward-curve"]:
+        answer = client.get(path)
+        assert answer.status_code == 200 and answer.headers.get("cache-control") == "no-store", path

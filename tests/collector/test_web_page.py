@@ -25,6 +25,7 @@ from art_langgraph import semconv as sc
 from collector.otlp import SpanEvent
 from tests.collector import span_builders as sb
 from tests.collector.seeding import group_spans, make_app
+from tests.collector.test_views import ODD_IDS
 from tests.served import served as served_app
 
 CHROMIUM = "/usr/bin/chromium"
@@ -199,6 +200,59 @@ def test_the_list_links_to_the_older_trajectories_past_its_first_page(tmp_path: 
         assert rest == ["sums-0"] and set(links) == {"newer"}
         again, _ = shown(f"{url}/ui/{links['newer']}")
     assert again == first
+
+
+def test_a_trajectory_with_any_legal_id_opens_from_the_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page read `/v1/view/trajectories/{id}`: for an id `.` or `..` the browser dropped the dot segment and
+    showed a 404 (`no trajectory ''`, `Not Found`)."""
+    app = make_app(tmp_path, monkeypatch)
+    app.state.store.add_spans(sb.rollout_group({tid: 0.5 for tid in ODD_IDS}))
+    with served_app(app) as url:
+        listing = chromium(f"{url}/ui/#/", tmp_path / "profile", "--dump-dom")
+        links = re.findall(r'<td><a href="(#/t/[^"]*)">', listing)
+        assert len(links) == len(ODD_IDS)
+        shown = []
+        for link in links:
+            page = html.unescape(chromium(f"{url}/ui/{html.unescape(link)}", tmp_path / "profile", "--dump-dom"))
+            assert 'class="error"' not in page, link
+            shown.extend(re.findall(r"<h2>Trajectory <code>(.*?)</code></h2>", page, re.S))
+    assert sorted(shown) == sorted(ODD_IDS)
+
+
+MEASURE_STEP_LABELS = """<!doctype html><body><pre id="shown"></pre>
+<iframe id="page" src="/ui/#/" style="width: 1000px; height: 600px; border: 0"></iframe><script>
+const page = document.getElementById("page");
+setInterval(() => {
+  const doc = page.contentDocument, curve = doc && doc.getElementById("reward-curve");
+  if (!curve) return;
+  const boxes = [...curve.querySelectorAll("text")].filter((t) => /^\\d+$/.test(t.textContent))
+    .map((t) => t.getBoundingClientRect());
+  let overlaps = 0;
+  boxes.forEach((a, i) => boxes.slice(i + 1).forEach((b) => {
+    if (a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom) overlaps += 1;
+  }));
+  document.getElementById("shown").textContent = boxes.length + " " + overlaps;
+}, 20);
+</script></body>"""
+"""Loads the list in a frame and shows how many step labels its reward curve has, and how many pairs overlap."""
+
+
+def test_the_reward_curve_step_labels_never_overlap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every policy step had its label: with hundreds of steps they were drawn over each other."""
+    app = make_app(tmp_path, monkeypatch)
+    steps = list(range(400))
+    app.state.store.add_spans(group_spans("long", ["7"] * len(steps), rewards=[0.5] * len(steps), steps=steps))
+
+    @app.get("/measure.html")
+    def measure() -> HTMLResponse:
+        return HTMLResponse(MEASURE_STEP_LABELS)
+
+    with served_app(app) as url:
+        dom = chromium(f"{url}/measure.html", tmp_path / "profile", "--dump-dom")
+    match = re.search(r'<pre id="shown">(\d+) (\d+)</pre>', dom)
+    assert match is not None, dom
+    labels, overlaps = int(match.group(1)), int(match.group(2))
+    assert labels >= 4 and overlaps == 0
 
 
 MARKUP = '<b class="injected">"\'</script>'
