@@ -7,7 +7,8 @@ list). A score becomes a reward of the same name on the trajectory of its trace 
 trace id is the OpenTelemetry trace id when the agent's spans fan out to Langfuse). Only numeric
 and boolean scores can be rewards, and only they are read (a score of a type this SDK does not
 know would fail the whole page); scores already pulled at the same `updatedAt` are not applied
-again (a reward and the record of its score's pull are stored in one transaction). Langfuse
+again (a reward and the record of its score's pull are stored in one transaction, which claims the score: a replica
+on the same database that pulled that version or a later one first keeps its reward from being stored). Langfuse
 lists no deletions: a score pulled within the lookback that the listing leaves out is asked for
 by id (the `id` filter of the same endpoint), and one that is gone has its rewards taken back
 (with its record, in one transaction) unless its group is leased or trained. Pushed scores get a stable id per
@@ -29,9 +30,10 @@ import httpx
 from langfuse.api import CreateScoreBatchResults, CreateScoreRequest, CreateScoreSource, LangfuseAPI, ScoreDataType
 from langfuse.api.core.api_error import ApiError
 from pydantic import ValidationError
+from sqlalchemy import Connection
 
 from collector.errors import CollectorError
-from collector.protocol import RewardIn
+from collector.protocol import RewardAccepted, RewardIn
 from collector.read_protocol import LangfuseSyncResult
 from collector.scoring_config import LangfuseSettings
 from collector.scoring_store import ScoringStore
@@ -117,6 +119,14 @@ def _reward_of(score: object) -> RewardIn | None:
         return None
 
 
+class _Claimed(Exception):
+    """Scores of a page that another sync marked pulled first (`LangfuseSync._claim`); rolls the page back."""
+
+    def __init__(self, score_ids: set[str]) -> None:
+        super().__init__(f"pulled by another sync: {sorted(score_ids)}")
+        self.score_ids = score_ids
+
+
 class LangfuseSync:
     """Pulls scores into the store and pushes rewards to Langfuse; `sync()` does both."""
 
@@ -186,29 +196,52 @@ class LangfuseSync:
         # nothing (the newer one holds, applied when it came), and applying the unchanged newer one again would
         # override a reward given since (the store's newest API reward of a name wins)
         due = [(score_id, reward) for score_id, reward in latest.values() if score_id in marks]
-        unmatched = self._apply(due, marks) if marks else 0
+        applied, unmatched = self._apply(due, marks) if marks else (0, 0)
         withdrawn = self._withdraw(start, {score.id for score in found}, latest)
-        return LangfuseSyncResult(pulled=len(found), applied=len(due), unmatched=unmatched, ignored=ignored,
+        return LangfuseSyncResult(pulled=len(found), applied=applied, unmatched=unmatched, ignored=ignored,
                                   withdrawn=withdrawn, pushed=0)
 
-    def _apply(self, due: list[tuple[str, RewardIn]], marks: dict[str, dict[str, Any]]) -> int:
+    def _apply(self, due: list[tuple[str, RewardIn]], marks: dict[str, dict[str, Any]]) -> tuple[int, int]:
         """Store the `due` rewards (score id, reward), `PAGE` at a time, each transaction with the marks (`marks`, by
         score id) of its scores, so that a score is marked pulled exactly when its reward is stored: after a store
         error the next sync applies what was not stored, and nothing twice. The marks of the other new or changed
         scores (none of them the latest of its trace and name: nothing to apply) go with the first. Returns how many
-        rewards found no trajectory."""
+        rewards were stored, and how many of them found no trajectory."""
         applied = {score_id for score_id, _ in due}
         others = [mark for score_id, mark in marks.items() if score_id not in applied]
-        unmatched = 0
+        stored = unmatched = 0
         for first in range(0, max(len(due), 1), PAGE):
             chunk = due[first : first + PAGE]
             rows = [marks[score_id] for score_id, _ in chunk] + (others if first == 0 else [])
-            accepted = self.store.add_rewards(
-                [reward for _, reward in chunk], score_ids=[score_id for score_id, _ in chunk],
-                also=functools.partial(self.scoring.mark_pulled, rows=rows),
-            )
+            accepted = self._apply_page(chunk, rows)
+            stored += len(accepted)
             unmatched += sum(not reward.trajectory_known for reward in accepted)
-        return unmatched
+        return stored, unmatched
+
+    def _apply_page(self, chunk: list[tuple[str, RewardIn]], rows: list[dict[str, Any]]) -> list[RewardAccepted]:
+        """Store a page's rewards (score id, reward) with the marks `rows` in one transaction, but not the rewards of
+        scores that another sync (a replica's on the same database) marked pulled at the same or a later version
+        since this one read the marks: it applied them, and storing them (again, or an older version) would override
+        the rewards given since. Such a page's transaction is rolled back and run again without them."""
+        while True:
+            due = {score_id for score_id, _ in chunk}
+            try:
+                return self.store.add_rewards(
+                    [reward for _, reward in chunk], score_ids=[score_id for score_id, _ in chunk],
+                    also=functools.partial(self._claim, rows=rows, due=due),
+                )
+            except _Claimed as claimed:
+                log.info("Langfuse scores %s were pulled at this or a later version by another sync meanwhile: "
+                         "not applied", sorted(claimed.score_ids))
+                chunk = [(score_id, reward) for score_id, reward in chunk if score_id not in claimed.score_ids]
+                rows = [row for row in rows if row["score_id"] not in claimed.score_ids]
+
+    def _claim(self, conn: Connection, rows: list[dict[str, Any]], due: set[str]) -> None:
+        """Mark the scores of `rows` pulled, on `conn` (`Store.add_rewards`'s `also`); raises `_Claimed`, rolling
+        the transaction back, when another sync marked one of the `due` scores (those whose rewards it stores)."""
+        claimed = due - self.scoring.mark_pulled(conn, rows)
+        if claimed:
+            raise _Claimed(claimed)
 
     def _withdraw(
         self, start: float, listed: set[str], latest: dict[tuple[str | None, str], tuple[str, RewardIn]]

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Engine, delete, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from collector.engine import chunks
@@ -158,14 +159,27 @@ class ScoringStore:
         conn.execute(delete(langfuse_pulled).where(langfuse_pulled.c.score_id == score_id))
 
     @staticmethod
-    def mark_pulled(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    def mark_pulled(conn: Connection, rows: list[dict[str, Any]]) -> set[str]:
         """Remember pulled Langfuse scores (score_id, updated_at, trace_id, name, value, pulled_at; one row per score),
         on `conn`: the transaction that stores their rewards (`Store.add_rewards`'s `also`), so a score is marked if
-        and only if its reward is stored."""
-        for chunk in chunks([row["score_id"] for row in rows]):
-            conn.execute(delete(langfuse_pulled).where(langfuse_pulled.c.score_id.in_(chunk)))
-        if rows:
-            conn.execute(langfuse_pulled.insert(), rows)
+        and only if its reward is stored.
+
+        Returns the ids of the scores marked here. A score already marked at the same or a later `updated_at` is not:
+        another sync (a replica's on the same database) pulled that version or a newer one since this sync read the
+        marks (on PostgreSQL, one still in its transaction is waited for); the caller rolls back the rewards of such
+        scores. `updated_at` is an ISO 8601 time in UTC as `datetime.isoformat` writes it, which sorts as a string
+        as the times do.
+        """
+        marked: set[str] = set()
+        for chunk in chunks(rows):
+            insert = (postgresql if conn.dialect.name == "postgresql" else sqlite).insert(langfuse_pulled).values(chunk)
+            claim = insert.on_conflict_do_update(
+                index_elements=[langfuse_pulled.c.score_id],
+                set_={column: insert.excluded[column] for column in chunk[0] if column != "score_id"},
+                where=langfuse_pulled.c.updated_at < insert.excluded.updated_at,
+            )
+            marked.update(conn.execute(claim.returning(langfuse_pulled.c.score_id)).scalars())
+        return marked
 
     def pushed(self) -> dict[tuple[str, str], tuple[float, float]]:
         """(value, first push time) of what was pushed to Langfuse, by (trajectory id, reward name)."""

@@ -10,16 +10,19 @@ side is real: the SDK's HTTP client, the store, the sync's paging, mapping and b
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
+from collector.config import CollectorSettings
 from collector.langfuse_sync import LangfuseSync
 from collector.protocol import RewardIn
 from collector.scoring_config import LangfuseSettings
@@ -262,6 +265,116 @@ def test_a_store_error_on_a_withdrawal_takes_nothing_back_until_a_sync_records_i
     assert store.trajectory("g-0").rewards == {}
     assert [row["score_id"] for row in sync.scoring.pulled_since(0)] == ["b"]  # and its record with them
     assert sync.sync().withdrawn == 0
+
+
+def replicas(db_url, clock, url: str) -> tuple[LangfuseSync, LangfuseSync]:
+    """The syncs of two collector replicas on one fresh database (skips an in-memory one: it cannot be shared)."""
+    db = db_url()
+    if db == "sqlite://":
+        pytest.skip("an in-memory SQLite database cannot be shared by two stores")
+    stores = [SqlStore(CollectorSettings(db=db), clock=clock) for _ in range(2)]
+    stores[0].setup()
+    return sync_for(stores[0], url), sync_for(stores[1], url)
+
+
+def rewards_of_score(engine: Engine, score_id: str) -> int:
+    """How many reward rows a Langfuse score gave."""
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT count(*) FROM rewards WHERE score_id = :id"), {"id": score_id}).scalar_one()
+
+
+def test_a_score_two_replicas_pull_at_once_is_applied_once(
+    db_url, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """Both replicas read the pulled versions before either stored its rewards: the second applied the score again,
+    over the API reward given between their syncs."""
+    url, server = langfuse
+    first, second = replicas(db_url, clock, url)
+    first.store.add_spans(group_spans("g", ["7", "8"]))
+    server.add_score("s", "human", 0.9, trace_id=trace_id("g", 0))
+    server.add_score("t", "human", 0.1, trace_id=trace_id("g", 1))  # the first replica does not see it
+    read = second.scoring.pulled_versions
+
+    def the_other_replica_syncs_meanwhile(score_ids: list[str]) -> dict[str, str]:
+        seen = read(score_ids)
+        hidden = server.scores.pop("t")
+        assert first.sync().applied == 1
+        server.scores["t"] = hidden
+        clock.now += 1
+        first.store.add_reward(RewardIn(rollout_id="g-0", name="human", value=0.5))  # given since
+        clock.now += 1
+        return seen
+
+    second.scoring.pulled_versions = the_other_replica_syncs_meanwhile
+    result = second.sync()
+    assert first.store.trajectory("g-0").rewards == {"human": 0.5}
+    assert first.store.trajectory("g-1").rewards == {"human": 0.1}
+    assert result.applied == 1  # t only: s was applied by the other replica
+    assert rewards_of_score(first.store.engine, "s") == 1
+    del second.scoring.pulled_versions
+    assert [sync.sync().applied for sync in (first, second)] == [0, 0]
+    for sync in (first, second):
+        sync.store.close()
+
+
+def test_a_replica_that_listed_a_score_before_its_edit_does_not_store_the_older_version(
+    db_url, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """A replica's listing older than another's sync: its version of the score differed from the one marked, so it
+    was stored, over the edit and over the API reward given since."""
+    url, server = langfuse
+    first, second = replicas(db_url, clock, url)
+    first.store.add_spans(group_spans("g", ["7", "8"]))
+    server.add_score("s", "human", 0.9, trace_id=trace_id("g", 0))
+    read = second.scoring.pulled_versions
+
+    def the_score_is_edited_and_the_other_replica_syncs(score_ids: list[str]) -> dict[str, str]:
+        seen = read(score_ids)
+        server.touch("s", 0.7)
+        assert first.sync().applied == 1
+        clock.now += 1
+        first.store.add_reward(RewardIn(rollout_id="g-0", name="human", value=0.5))  # given since
+        clock.now += 1
+        return seen
+
+    second.scoring.pulled_versions = the_score_is_edited_and_the_other_replica_syncs
+    result = second.sync()
+    assert first.store.trajectory("g-0").rewards == {"human": 0.5}
+    assert result.applied == 0
+    assert [row["value"] for row in first.scoring.pulled_since(0)] == [0.7]
+    del second.scoring.pulled_versions
+    assert [sync.sync().applied for sync in (first, second)] == [0, 0]  # both now list the edit, applied once
+    for sync in (first, second):
+        sync.store.close()
+
+
+def test_a_score_a_replica_is_storing_is_not_applied_again_by_another(
+    db_url, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """A replica syncing while another's transaction (the score's reward and mark) was still open stored the score's
+    reward a second time."""
+    url, server = langfuse
+    first, second = replicas(db_url, clock, url)
+    if first.store.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has one writer at a time: the second sync runs after the first")
+    first.store.add_spans(group_spans("g", ["7", "8"]))
+    server.add_score("s", "human", 0.9, trace_id=trace_id("g", 0))
+    mark, other, answers = first.scoring.mark_pulled, ThreadPoolExecutor(1), []
+
+    def the_other_replica_syncs_meanwhile(conn: Connection, rows: list[dict]) -> set[str]:
+        marked = mark(conn, rows)
+        answers.append(other.submit(second.sync))
+        threading.Event().wait(0.5)  # time for the other sync to store the score too, were it not held back
+        return marked
+
+    first.scoring.mark_pulled = the_other_replica_syncs_meanwhile
+    assert first.sync().applied == 1
+    assert answers[0].result(timeout=30).applied == 0
+    other.shutdown()
+    assert rewards_of_score(first.store.engine, "s") == 1
+    assert first.store.trajectory("g-0").rewards == {"human": 0.9}
+    for sync in (first, second):
+        sync.store.close()
 
 
 def test_push_sends_rewards_once_and_updates_changed_ones(
