@@ -5,7 +5,16 @@ instrumentation, a foreign span) still carry their messages. They are rendered w
 template as vLLM renders them (a tool call's `arguments` JSON string parsed into an object first, empty
 `arguments` rendered as `{}`; content given as text parts handed to a template that renders parts, their texts
 joined by newlines for one that does not; a part that is not text, such as an image, is refused);
-a token is an assistant token when the text it comes from was added by an assistant message. The
+a token is an assistant token when the text it comes from was added by an assistant message.
+A tool call whose `arguments` string is not JSON is refused: vLLM (0.32) renders it as `{}` in later prompts, and
+its own parser (`hermes`) never returns such a call (the model's text stays content), so the tokens sampled for
+it are unknown and neither rendering reproduces them.
+The text is tokenized as one piece, except where a token would straddle the start or end of an assistant message's
+text (a reply beginning with whitespace, whose first character SmolLM2's tokenizer merges with the header's newline
+into one token, such as two newlines): the text is then tokenized apart at that point, so the prompt ends with the
+header's own tokens, as the engine tokenized the prompt, and the reply's tokens are those of its text alone, the
+tokens the model sampled after the header. Each such cut is logged. (A later turn's prompt, which the engine
+tokenized whole, held the merged token there instead: one sequence cannot hold both, and the sampled tokens win.) The
 spans are found by rendering growing prefixes of the conversation, so any template that renders a
 conversation as the concatenation of its turns works, tool calls included. A template that leaves an
 assistant message's tool calls out (no tool support) is refused: that turn would train as an empty one.
@@ -21,7 +30,9 @@ sequence (later turns were sampled after it) but out of the mask.
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 from collections.abc import Collection
 from typing import Any
 
@@ -29,6 +40,8 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 __all__ = ["RetokenizeError", "render_with_assistant_mask"]
+
+logger = logging.getLogger(__name__)
 
 
 class RetokenizeError(ValueError):
@@ -67,7 +80,7 @@ def _as_served(messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBas
     become `{}`. Other arguments stay as they are.
 
     Raises:
-        RetokenizeError: a content part is not text.
+        RetokenizeError: a content part is not text, or a tool call's `arguments` string is not JSON.
     """
     as_parts = any(isinstance(m.get("content"), list) for m in messages) and _renders_content_parts(tokenizer, tools)
     served = []
@@ -76,7 +89,7 @@ def _as_served(messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBas
             message = {**message, "content": _served_content(message["content"], index, as_parts)}
         calls = message.get("tool_calls")
         if message.get("role") == "assistant" and isinstance(calls, list):
-            message = {**message, "tool_calls": [_parsed_arguments(call) for call in calls]}
+            message = {**message, "tool_calls": [_parsed_arguments(call, index) for call in calls]}
         served.append(message)
     return served
 
@@ -124,9 +137,13 @@ def _part_text(part: Any, index: int) -> str:
     return text
 
 
-def _parsed_arguments(call: Any) -> Any:
-    """`call` with its `function.arguments` parsed when that is a JSON string of an object, `{}` when it is empty
-    or absent; else `call` itself."""
+def _parsed_arguments(call: Any, index: int) -> Any:
+    """`call` of message `index` with its `function.arguments` parsed when that is a JSON string of an object, `{}`
+    when it is empty or absent; else `call` itself.
+
+    Raises:
+        RetokenizeError: `arguments` is a string that is not JSON.
+    """
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict):
         return call
@@ -136,9 +153,33 @@ def _parsed_arguments(call: Any) -> Any:
         return call
     try:
         arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:  # not JSON: the template renders the string as it is
-        return call
+    except json.JSONDecodeError as exc:
+        raise RetokenizeError(
+            f"message {index} has a tool call {function.get('name')!r} whose arguments are not JSON ({exc}): the "
+            "tokens sampled for it are unknown (vLLM renders them as {} in later prompts)"
+        ) from exc
     return {**call, "function": {**function, "arguments": arguments}} if isinstance(arguments, dict) else call
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str,
+            edges: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of `text` and the character span of each, tokenized apart at each of `edges` (where assistant
+    messages' texts start and end) a token would straddle, so that no token holds text of both sides."""
+    cuts: list[int] = []
+    while True:
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        for start, end in itertools.pairwise([0, *cuts, len(text)]):
+            encoded = tokenizer(text[start:end], add_special_tokens=False, return_offsets_mapping=True)
+            ids += encoded["input_ids"]
+            offsets += [(s + start, e + start) for s, e in encoded["offset_mapping"]]
+        straddled = [edge for edge in edges if any(s < edge < e for s, e in offsets)]
+        if not straddled:
+            if cuts:
+                logger.info("re-tokenized apart at %d assistant message edge(s) a token straddled (characters %s)",
+                            len(cuts), cuts)
+            return ids, offsets
+        cuts = sorted({*cuts, *straddled})
 
 
 _PROBE = "art-retokenize-probe"
@@ -210,9 +251,7 @@ def render_with_assistant_mask(
                     "so they cannot be trained; serve a template that renders them (--chat-template)"
                 )
         spans.append((len(before), len(upto), index in length_cut))
-    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids: list[int] = list(encoded["input_ids"])
-    offsets: list[tuple[int, int]] = [tuple(o) for o in encoded["offset_mapping"]]
+    ids, offsets = _encode(tokenizer, full, sorted({edge for start, end, _ in spans for edge in (start, end)}))
     mask = [0] * len(ids)
     end_of_turn = _end_of_turn_ids(tokenizer, tools)
     for start, end, cut in spans:
