@@ -30,7 +30,7 @@ from collector.groups import TrainingReward
 from collector.otlp import SpanRecord
 from collector.protocol import MAX_COUNT, MAX_ID_LENGTH, Trajectory
 from collector.sequences import build_sequences
-from collector.spans import COUNTS, unique_sorted, whole_number
+from collector.spans import COUNTS, unique_sorted, warn_once, whole_number
 
 __all__ = [
     "FactsDigest",
@@ -303,16 +303,11 @@ def _json_attr(span: SpanRecord, key: str, want: type) -> Any:
     try:
         value = json.loads(raw) if isinstance(raw, str) else raw
     except json.JSONDecodeError as exc:
-        log.warning("span %s: attribute %s is not valid JSON (%s); ignored", span.span_id, key, exc)
+        warn_once(log, "span %s: attribute %s is not valid JSON (%s); ignored", span.span_id, key, exc)
         return None
     if not isinstance(value, want):
-        log.warning(
-            "span %s: attribute %s is a %s, expected %s; ignored",
-            span.span_id,
-            key,
-            type(value).__name__,
-            want.__name__,
-        )
+        warn_once(log, "span %s: attribute %s is a %s, expected %s; ignored", span.span_id, key,
+                  type(value).__name__, want.__name__)
         return None
     return value
 
@@ -351,7 +346,7 @@ def _bounded(value: Any, empty: Any, what: str, trajectory_id: str) -> Any:
     """`value`, or `empty` with a warning when it nests deeper than `MAX_NESTING`."""
     if _nesting(value) <= MAX_NESTING:
         return value
-    log.warning("trajectory %s: its %s nest deeper than %d levels; read as absent", trajectory_id, what, MAX_NESTING)
+    warn_once(log, "trajectory %s: its %s nest deeper than %d levels; read as absent", trajectory_id, what, MAX_NESTING)
     return empty
 
 
@@ -384,7 +379,7 @@ def assemble(
     metadata = (_json_attr(rollout, sc.METADATA, dict) if rollout is not None else None) or {}
     metadata = _bounded(metadata, {}, "metadata", trajectory_id)
     if len(talk.output) > 1:  # each returned message is one choice (a request's `n`), not a turn after the one before
-        log.warning("span %s: the call returned %d choices; the first ends the trajectory", llm[-1].span_id,
+        warn_once(log, "span %s: the call returned %d choices; the first ends the trajectory", llm[-1].span_id,
                     len(talk.output))
     messages = _bounded(talk.input + talk.output[:1], [], "messages", trajectory_id)
     return Trajectory(

@@ -21,6 +21,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from collector.spans import warn_once
+
 __all__ = [
     "arguments_text",
     "as_dict",
@@ -89,8 +91,8 @@ def unflatten(attributes: Mapping[str, Any], prefix: str, span_id: str) -> list[
         else:
             node[leaf] = value
     if (missing := _missing_number(tree, prefix)) is not None:
-        log.warning("span %s: %s is missing (dropped by an attribute limit?); %s* read as absent", span_id, missing,
-                    prefix)
+        warn_once(log, "span %s: %s is missing (dropped by an attribute limit?); %s* read as absent", span_id, missing,
+                  prefix)
         return None
     listed = _lists(tree)
     return listed if isinstance(listed, list) else []
@@ -199,7 +201,7 @@ def openinference_tools(attributes: Mapping[str, Any], span_id: str) -> list[dic
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
-                log.warning("span %s: OpenInference tool schema is not JSON (%s); ignored", span_id, exc)
+                warn_once(log, "span %s: OpenInference tool schema is not JSON (%s); ignored", span_id, exc)
                 continue
         if isinstance(schema, dict):
             tools.append(schema)

@@ -54,6 +54,7 @@ from collector.flattened_messages import (
     parts_text,
     unflatten,
 )
+from collector.spans import warn_once
 
 __all__ = ["Conversation", "conversation", "describes_art_call", "finish_reason", "is_generation", "same_messages"]
 
@@ -135,7 +136,7 @@ def conversation(attributes: Mapping[str, Any], *, span_id: str = "?") -> Conver
         if (other_sent or other_returned) and not (
             same_messages(other_sent, sent) and same_messages(other_returned, returned)
         ):
-            log.warning("span %s: its %s messages differ from its %s ones, which are read", span_id, other, name)
+            warn_once(log, "span %s: its %s messages differ from its %s ones, which are read", span_id, other, name)
     return Conversation(sent, returned, tools or offered, model)
 
 
@@ -252,7 +253,7 @@ def _json(attributes: Mapping[str, Any], key: str, span_id: str) -> Any:
     try:
         return json.loads(raw)
     except json.JSONDecodeError as exc:
-        log.warning("span %s: attribute %s is not valid JSON (%s); ignored", span_id, key, exc)
+        warn_once(log, "span %s: attribute %s is not valid JSON (%s); ignored", span_id, key, exc)
         return None
 
 
@@ -267,8 +268,8 @@ def _openai_message(message: Mapping[str, Any], span_id: str) -> dict[str, Any]:
         call for call in listed if isinstance(call, Mapping) and isinstance(call.get("function"), Mapping)
     ]
     if len(out["tool_calls"]) < len(listed):
-        log.warning("span %s: %d of a message's tool calls are not OpenAI tool calls; left out",
-                    span_id, len(listed) - len(out["tool_calls"]))
+        warn_once(log, "span %s: %d of a message's tool calls are not OpenAI tool calls; left out",
+                  span_id, len(listed) - len(out["tool_calls"]))
     return out
 
 

@@ -57,6 +57,42 @@ def _leased_before(conn: Connection, key: str) -> tuple[str, float, list[Any]] |
     return batch["id"], batch["lease_expires_at"], sorted(rows, key=_age)
 
 
+def _lock_oldest(conn: Connection, ids: list[str], limit: int) -> list[Any]:
+    """Up to `limit` rows of the groups `ids` (oldest first) that are still open, oldest first, locked until the
+    transaction ends; rows another transaction holds are skipped."""
+    locked: list[Any] = []
+    for chunk in chunks(ids):
+        query = (
+            select(groups).where(groups.c.id.in_(chunk), groups.c.state == "open")
+            .order_by(groups.c.created_at, groups.c.id).limit(limit - len(locked))
+            .with_for_update(skip_locked=True)
+        )
+        locked += conn.execute(query).mappings().all()
+        if len(locked) >= limit:
+            break
+    return sorted(locked, key=_age)[:limit]
+
+
+def _still_ready(conn: Connection, settings: CollectorSettings, ready: list[str], wanted: int) -> list[Any]:
+    """Up to `wanted` of the groups `ready` (ids, oldest first), locked and still ready, oldest first.
+
+    They were decided ready before their rows were locked: another replica may have committed a trajectory or a
+    reward to one since, so each is decided again under its lock, and one no longer ready makes room for the next
+    of `ready` (another read, only then).
+    """
+    taken: list[Any] = []
+    left = ready
+    while left and len(taken) < wanted:
+        locked = _lock_oldest(conn, left, wanted - len(taken))
+        if not locked:
+            break
+        again = pool.decisions(conn, settings, locked)
+        taken += [g for g in locked if again[g["id"]].state == "ready"]
+        tried = {g["id"] for g in locked}
+        left = [group_id for group_id in left if group_id not in tried]
+    return sorted(taken, key=_age)
+
+
 def take(
     conn: Connection, settings: CollectorSettings, request: BatchRequest, now: float
 ) -> tuple[str, float, list[Any]]:
@@ -88,21 +124,7 @@ def take(
     # oldest first across chunks too: rows come back in storage order, which on PostgreSQL puts a group last
     # once it is updated (back from an expired lease), so the first chunk need not hold the oldest
     ready = [g["id"] for g in sorted(open_groups, key=_age) if decided[g["id"]].state == "ready"]
-    taken: list[Any] = []
-    for chunk in chunks(ready):  # lock what is still open; rows another lease holds are skipped
-        query = (
-            select(groups).where(groups.c.id.in_(chunk), groups.c.state == "open")
-            .order_by(groups.c.created_at, groups.c.id).limit(request.max_groups - len(taken))
-            .with_for_update(skip_locked=True)
-        )
-        taken += conn.execute(query).mappings().all()
-        if len(taken) >= request.max_groups:
-            break
-    taken = sorted(taken, key=_age)[: request.max_groups]
-    # decided before their rows were locked: another replica may have committed a trajectory or a reward to one
-    # since, so decide again now that the locks keep them as they are
-    again = pool.decisions(conn, settings, taken)
-    taken = [g for g in taken if again[g["id"]].state == "ready"]
+    taken = _still_ready(conn, settings, ready, request.max_groups)
     batch_id, expires = uuid.uuid4().hex, now + request.lease_seconds
     if len(taken) < request.min_groups:  # nothing leased: no batch to store, none to expire later
         return batch_id, expires, []

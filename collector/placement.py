@@ -18,7 +18,7 @@ from sqlalchemy import Connection, bindparam, delete, func, select
 from collector.assembly import FactsDigest, TrajectoryFacts
 from collector.engine import chunks
 from collector.groups import capacity
-from collector.schema import groups, trajectories
+from collector.schema import groups, judge_runs, judgements, rewards, trajectories
 
 __all__ = ["place", "write_trajectories"]
 
@@ -162,9 +162,26 @@ def _rollout_traces(conn: Connection, found: dict[tuple[str, bool], TrajectoryFa
     return held
 
 
+def _forget_trajectory(conn: Connection, row: Any) -> None:
+    """Delete the trajectory `row` and what was scored of it: the rewards given to its id (a judge's, the API's),
+    which a later trajectory of the same id would take as its own, the judge's explanations of it, and the judge run
+    of its group, so the members left are judged again without it (a run in flight loses its claim and stores
+    nothing).
+
+    Its spans stay, as the spans of a trace left out on arrival do: they are read only through a trajectory row,
+    and a later export of that trace sees them and leaves it out again. So do the records of its scores pushed to
+    Langfuse (`langfuse_pushed`), which the collector does not delete there; nothing reads them without the row.
+    """
+    conn.execute(delete(trajectories).where(trajectories.c.id == row["id"]))
+    conn.execute(delete(rewards).where(rewards.c.rollout_id == row["id"]))
+    conn.execute(delete(judgements).where(judgements.c.trajectory_id == row["id"]))
+    if row["group_id"] is not None:
+        conn.execute(delete(judge_runs).where(judge_runs.c.group_id == row["group_id"]))
+
+
 def _delete_foreign(conn: Connection, row: Any, now: float) -> bool:
-    """Delete the stored trajectory `row` (`_without_foreign_calls_in_rollouts`) unless its group is leased or trained;
-    a group it leaves empty is skipped. Whether it was deleted."""
+    """Delete the stored trajectory `row` (`_without_foreign_calls_in_rollouts`, `_forget_trajectory`) unless its group
+    is leased or trained; a group it leaves empty is skipped. Whether it was deleted."""
     state = None
     if row["group_id"] is not None:
         state = conn.execute(select(groups.c.state).where(groups.c.id == row["group_id"]).with_for_update()).scalar()
@@ -172,7 +189,7 @@ def _delete_foreign(conn: Connection, row: Any, now: float) -> bool:
         log.warning("trajectory %s: %s, kept: its group %s is %s", row["id"], FOREIGN_IN_ROLLOUT, row["group_id"],
                     state)
         return False
-    conn.execute(delete(trajectories).where(trajectories.c.id == row["id"]))
+    _forget_trajectory(conn, row)
     log.info("trajectory %s deleted: %s", row["id"], FOREIGN_IN_ROLLOUT)
     if state == "open" and not _counts(conn, trajectories.c.group_id, [row["group_id"]]):
         conn.execute(

@@ -20,7 +20,7 @@ from art_langgraph import semconv as sc
 from collector import foreign
 from collector.otlp import SpanRecord
 from collector.protocol import Drift, Sequence
-from collector.spans import COUNTS, unique_sorted, whole_number
+from collector.spans import COUNTS, unique_sorted, warn_once, whole_number
 
 __all__ = ["Sequences", "build_sequences"]
 
@@ -33,7 +33,7 @@ def _token_ids(span: SpanRecord, key: str) -> list[int] | None:
     if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
         return value
     if value is not None:  # a negative id would fail the trainer's embedding lookup for the whole batch
-        log.warning("span %s: %s is not a list of token ids (whole numbers from 0); turn dropped", span.span_id, key)
+        warn_once(log, "span %s: %s is not a list of token ids (whole numbers from 0); turn dropped", span.span_id, key)
     return None
 
 
@@ -49,7 +49,8 @@ def _turn(span: SpanRecord) -> tuple[list[int], list[int], list[float | None]] |
     elif isinstance(raw, list) and len(raw) == len(completion):
         logprobs = [float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None for v in raw]
     else:
-        log.warning(
+        warn_once(
+            log,
             "span %s: %s has %s entries for %d completion tokens; turn dropped",
             span.span_id,
             sc.COMPLETION_LOGPROBS,

@@ -1,7 +1,11 @@
-"""Readers of span records that assembly and sequence building share: trajectory order and whole numbers."""
+"""Readers of span records that assembly and sequence building share: trajectory order, whole numbers, and the
+warnings about a span's values, logged once."""
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -9,7 +13,7 @@ from art_langgraph import semconv as sc
 from collector.otlp import SpanRecord
 from collector.protocol import MAX_COUNT
 
-__all__ = ["COUNTS", "unique_sorted", "whole_number"]
+__all__ = ["COUNTS", "WARNINGS_KEPT", "forget_warnings", "unique_sorted", "warn_once", "whole_number"]
 
 COUNTS = {sc.GROUP_SIZE: 1, sc.POLICY_STEP: 0}
 """Whole-number attributes and the least value each may take."""
@@ -30,3 +34,31 @@ def whole_number(value: Any, low: int) -> int | None:
     if isinstance(value, float) and not value.is_integer():  # also NaN and the infinities
         return None
     return int(value) if low <= value <= MAX_COUNT else None
+
+
+WARNINGS_KEPT = 4096
+"""How many distinct warnings `warn_once` remembers (the least recently logged are forgotten first)."""
+
+_warned: OrderedDict[tuple[str, ...], None] = OrderedDict()
+_warned_lock = threading.Lock()
+
+
+def warn_once(logger: logging.Logger, message: str, *args: Any) -> None:
+    """`logger.warning(message, *args)`, unless this process logged the same warning (message and arguments: the span
+    or trajectory it names and what is wrong) among its last `WARNINGS_KEPT`: a trajectory is assembled on every read
+    (the web page, `GET /v1/trajectories`, a lease), and one bad span would log its warning each time."""
+    key = (logger.name, message, *map(str, args))
+    with _warned_lock:
+        if key in _warned:
+            _warned.move_to_end(key)
+            return
+        _warned[key] = None
+        if len(_warned) > WARNINGS_KEPT:
+            _warned.popitem(last=False)
+    logger.warning(message, *args)
+
+
+def forget_warnings() -> None:
+    """Forget the warnings `warn_once` logged, so each is logged again (tests that look for one)."""
+    with _warned_lock:
+        _warned.clear()

@@ -13,6 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from collector.config import CollectorSettings
+from collector.spans import forget_warnings
 from collector.store import SqlStore
 from tests.collector.server_helpers import collector_app
 from tests.collector.services import PostgresServer
@@ -26,6 +27,12 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+@pytest.fixture(autouse=True)
+def _warnings_logged_again() -> None:
+    """Each test sees the assembly warnings it causes, whatever an earlier test logged (`spans.warn_once`)."""
+    forget_warnings()
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from art_langgraph import semconv as sc
+from collector import spans as span_readers
 from collector.assembly import (
     FactsDigest,
     InvalidReward,
@@ -162,6 +164,27 @@ def test_a_negative_token_id_drops_the_turn(ids: dict[str, list[int]], caplog: p
     assert not traj.token_exact
     assert [s.token_ids for s in traj.sequences] == [[1, 2, 3, 4, 5]]
     assert "span 0000000000000002: art." in caplog.text and "turn dropped" in caplog.text
+
+
+def test_a_bad_span_is_logged_once_however_often_its_trajectory_is_read(caplog: pytest.LogCaptureFixture) -> None:
+    """Each read assembles the trajectory again (the web page, `GET /v1/trajectories`, a lease): a bad span's warning
+    is logged at the first only, while another span's still is."""
+    for _ in range(3):
+        _assemble([llm(1, **TURN1), llm(2, start=20, prompt=[1, -7], completion=[2])])
+    _assemble([llm(1, **TURN1), llm(3, start=20, prompt=[1, -7], completion=[2])])
+    dropped = [r.getMessage() for r in caplog.records if "turn dropped" in r.getMessage()]
+    assert [message.split(":")[0] for message in dropped] == ["span 0000000000000002", "span 0000000000000003"]
+
+
+def test_warnings_logged_once_are_forgotten_oldest_first(monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(span_readers, "WARNINGS_KEPT", 2)
+    logger = logging.getLogger("tests.warn_once")
+    for span_id in ["a", "b", "a", "c", "a", "b"]:  # "b" is forgotten once "c" comes; "a", logged since, is kept
+        span_readers.warn_once(logger, "span %s: bad", span_id)
+    assert [r.getMessage() for r in caplog.records if r.name == logger.name] == [
+        "span a: bad", "span b: bad", "span c: bad", "span b: bad"
+    ]
 
 
 def test_messages_tools_model_metadata_and_rewards() -> None:

@@ -28,6 +28,7 @@ from art_langgraph import semconv as sc
 from collector.foreign import conversation, describes_art_call, finish_reason, same_messages
 from collector.otlp import SpanRecord
 from collector.protocol import BatchRequest, RewardIn
+from collector.scoring_store import ScoringStore
 from tests.collector.server_helpers import collector_app
 from tests.collector.span_builders import llm, rollout, sid, to_request
 
@@ -593,6 +594,30 @@ def test_foreign_calls_stored_before_their_rollout_came_are_deleted_unless_lease
     assert {group.id for group in store.groups()} == ({"chat", TRACE_A} if leased else {"chat"})
     assert {group.id for group in store.groups(["open", "ready", "leased"])} == {"chat"} | (
         {TRACE_A} if leased else set())
+
+
+def test_a_deleted_foreign_trajectory_takes_its_scores_along(make_store, clock) -> None:
+    """A judge scored the foreign calls' trajectory before the rollout came: its reward, explanation and run go with
+    it, and neither its spans nor its reward come back as a trajectory's."""
+    store = make_store(min_group_size=1, keep_zero_spread=True)
+    scoring = ScoringStore(store.engine)
+    store.add_spans([_openinference_chain(TRACE_A, 110, sid(101), "tool"),
+                     _openinference_llm(TRACE_A, 111, sid(110), marked=False)])
+    run = {"group_id": TRACE_A, "model": "judge", "trajectories": 1, "distinct_count": 1, "started_at": clock.now,
+           "state": "running", "attempts": 0, "error": None, "finished_at": None, "next_try_at": None}
+    assert scoring.claim_run(run, stale_before=0)
+    scoring.save_judgements("ruler", TRACE_A, [{"trajectory_id": TRACE_A, "score": 0.3, "explanation": "meh",
+                                                "block": 1, "duplicate_of": None, "created_at": clock.now}])
+    store.add_rewards([RewardIn(rollout_id=TRACE_A, name="ruler", value=0.3)])
+    store.add_spans(_ours("r1", TRACE_A, 100))
+
+    assert scoring.run(TRACE_A) is None and scoring.judgements([TRACE_A]) == {TRACE_A: []}
+    store.add_spans([_openinference_llm(TRACE_A, 112, sid(110), marked=False)])  # more of the tool's calls
+    assert [t.id for t in store.trajectories()] == ["r1"] and len(store.curve_facts()) == 1
+    # a call of ours outside the rollout, in its trace: a new trajectory of the trace id, with no reward of the old
+    store.add_spans([llm(120, rollout=None, trace=TRACE_A, start=60, prompt=[1], completion=[2], messages=QUESTION,
+                         output=REPLY)])
+    assert store.trajectory(TRACE_A).rewards == {}
 
 
 def test_describes_art_call_reads_each_convention() -> None:
