@@ -1,8 +1,8 @@
 """Process-wide counts and locks of the plugin, safe to use from any thread and renewed in a forked child.
 
-A module-level lock (a count's, the settings', a once-only warning's) may be held by a thread of the parent when the
-process forks, and in the child no thread would ever release it: the child would hang at its first use. Each is a
-`ProcessLock`, which the plugin's one after-fork hook (`_tracing`) renews through `renew_after_fork`.
+A module-level lock (a count's, the settings', a once-only warning's, the pipeline's) may be held by a thread of the
+parent when the process forks, and in the child no thread would ever release it: the child would hang at its first
+use. Each is a `ProcessLock`, which the plugin's one after-fork hook (`_tracing`) renews through `renew_after_fork`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,16 @@ _PROCESS_LOCKS: list[ProcessLock] = []
 
 class ProcessLock:
     """A module-level lock (`with lock:`) that a forked child gets anew; make each once, at import (it is kept for
-    the life of the process)."""
+    the life of the process).
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
+    Args:
+        reentrant: A thread that holds the lock may take it again (an `RLock`), e.g. to configure the pipeline it
+            is about to use.
+    """
+
+    def __init__(self, *, reentrant: bool = False) -> None:
+        self._new = threading.RLock if reentrant else threading.Lock
+        self._lock = self._new()
         _PROCESS_LOCKS.append(self)
 
     def __enter__(self) -> None:
@@ -30,8 +36,8 @@ class ProcessLock:
         self._lock.release()
 
     def after_fork(self) -> None:
-        """In a forked child: a new, free lock (a thread of the parent may have held the old one)."""
-        self._lock = threading.Lock()
+        """In a forked child: a new, free lock of the same kind (a thread of the parent may have held the old one)."""
+        self._lock = self._new()
 
 
 class ProcessCount:

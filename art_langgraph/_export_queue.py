@@ -15,7 +15,10 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTracePartialSuccess,
+    ExportTraceServiceResponse,
+)
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import Link, Status
@@ -91,47 +94,60 @@ class CountingExporter(SpanExporter):
         self.pending = 0
         """Spans queued for this exporter and not yet handed to it (kept by its processor)."""
         self.sending = 0
-        """Spans handed to this exporter whose `export` has not returned yet."""
-        self._redirect = threading.local()
-        """`status`: a 3xx the calling thread's last request got (`watch`), which the inner exporter takes for a
-        delivery."""
+        """Spans handed to this exporter whose request has not been answered yet."""
+        self._gave_up = False
+        """Set by `give_up`, which counted every unsent span as dropped: no later loss is counted again."""
+        self._answer = threading.local()
+        """What the calling thread's last request got (`watch`) that the inner exporter does not read: `redirect`, a
+        3xx (which it takes for a delivery); `rejected`, an OTLP partial success."""
 
-    def _drop(self, n: int) -> None:
+    def _drop(self, n: int, answered: int = 0) -> int:
+        """Count `n` spans as dropped and `answered` spans as no longer sending, at once (so `give_up`, which counts
+        what is queued or sending, never counts a span twice); after `give_up`, count nothing. Returns the drops so
+        far."""
         with self._lock:
-            self.dropped += n
-        DROPPED_SPANS.add(n)
+            self.sending -= answered
+            counted = 0 if self._gave_up else n
+            self.dropped += counted
+            dropped = self.dropped
+        DROPPED_SPANS.add(counted)
+        return dropped
+
+    def give_up(self) -> int:
+        """Count every span not sent yet (queued, or in a request not answered) as dropped, now: the exit hook's bound
+        ran out. An export that ends later counts none of them again. Returns how many were counted."""
+        with self._lock:
+            lost = 0 if self._gave_up else self.pending + self.sending
+            self._gave_up = True
+            self.dropped += lost
+        DROPPED_SPANS.add(lost)
+        return lost
 
     def watch(self, session: requests.Session) -> None:
         """Read the answers the inner exporter gets on `session`, which it leaves unread: the spans a 200 reports
         rejected (an OTLP partial success, not to be retried) or a 3xx leaves undelivered (it follows no redirect,
-        yet takes one for a delivery) are counted as dropped and logged, and a 413 is logged with the setting that
-        avoids it."""
+        yet takes one for a delivery) are counted as dropped and logged (by `_export_request`), and a 413 is logged
+        with the setting that avoids it."""
         session.hooks["response"].append(self._read_answer)
 
     def _read_answer(self, response: requests.Response, *args: object, **kwargs: object) -> None:
         if 300 <= response.status_code < 400:
-            self._redirect.status = response.status_code
+            self._answer.redirect = response.status_code
         elif response.status_code == 413:
             _logger.warning(
                 "art_langgraph: %s refused a request as too large (413); lower ART_MAX_EXPORT_BYTES (now %d) under "
                 "its body limit (the collector's: ART_COLLECTOR_MAX_BODY_BYTES)", self._name, self._max_request_bytes,
             )
         elif response.status_code == 200 and "protobuf" in response.headers.get("Content-Type", ""):
-            self._count_rejected(response.content)
+            self._answer.rejected = self._partial_success(response.content)
 
-    def _count_rejected(self, answer: bytes) -> None:
-        """Count and log the spans an OTLP answer reports rejected."""
+    def _partial_success(self, answer: bytes) -> ExportTracePartialSuccess | None:
+        """What an OTLP answer reports rejected; None, logged, when it cannot be read."""
         try:
-            partial = ExportTraceServiceResponse.FromString(answer).partial_success
+            return ExportTraceServiceResponse.FromString(answer).partial_success
         except DecodeError as exc:  # a hook must not raise: the exporter would take the delivered spans as failed
             _logger.warning("art_langgraph: %s answered 200 with an unreadable OTLP body (%s)", self._name, exc)
-            return
-        if partial.rejected_spans:
-            self._drop(partial.rejected_spans)
-            _logger.warning(
-                "art_langgraph: %s rejected %d spans: %s (%d dropped so far)",
-                self._name, partial.rejected_spans, partial.error_message or "no reason given", self.dropped,
-            )
+            return None
 
     def admit(self, max_queue_size: int) -> bool:
         """Count one span queued for export, or, with `max_queue_size` already queued, dropped.
@@ -159,33 +175,30 @@ class CountingExporter(SpanExporter):
             self._drop(lost)
             _logger.warning("art_langgraph: %s export stopped with %d spans still queued; dropped", self._name, lost)
 
-    def unsent(self) -> int:
-        """Spans not sent yet: queued, or in an export that has not returned (what stopping now would lose)."""
-        with self._lock:
-            return self.pending + self.sending
-
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         """Export `spans` in requests of at most `ART_MAX_EXPORT_BYTES` (`size_bounded`); FAILURE if any failed."""
         with self._lock:
             self.pending = max(0, self.pending - len(spans))
             self.sending += len(spans)
+        unanswered = len(spans)
         try:
-            return self._export_all(spans)
+            results = []
+            for part in self._requests(spans):
+                self._warn_if_past_bound(part)
+                results.append(self._export_request(part))
+                unanswered -= len(part)
+            return SpanExportResult.SUCCESS if all(results) else SpanExportResult.FAILURE
         finally:
-            with self._lock:
-                self.sending -= len(spans)
+            if unanswered:  # cutting the requests raised
+                self._drop(0, answered=unanswered)
 
-    def _export_all(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        results = []
-        for part in self._requests(spans):
-            if len(part) == 1 and (bound := size_bound(part[0]) + REQUEST_BYTES) > self._max_request_bytes:
-                _logger.warning(
-                    "art_langgraph: a span of up to %d bytes is past ART_MAX_EXPORT_BYTES=%d; sent alone, %s may "
-                    "refuse it (raise its body limit, e.g. ART_COLLECTOR_MAX_BODY_BYTES, and this one)",
-                    bound, self._max_request_bytes, self._name,
-                )
-            results.append(self._export_request(part))
-        return SpanExportResult.SUCCESS if all(results) else SpanExportResult.FAILURE
+    def _warn_if_past_bound(self, part: Sequence[ReadableSpan]) -> None:
+        if len(part) == 1 and (bound := size_bound(part[0]) + REQUEST_BYTES) > self._max_request_bytes:
+            _logger.warning(
+                "art_langgraph: a span of up to %d bytes is past ART_MAX_EXPORT_BYTES=%d; sent alone, %s may "
+                "refuse it (raise its body limit, e.g. ART_COLLECTOR_MAX_BODY_BYTES, and this one)",
+                bound, self._max_request_bytes, self._name,
+            )
 
     def _requests(self, spans: Sequence[ReadableSpan]) -> list[Sequence[ReadableSpan]]:
         """`spans` cut into requests (`size_bounded`), any text UTF-8 cannot encode replaced first (`_utf8_span`).
@@ -203,28 +216,35 @@ class CountingExporter(SpanExporter):
             return list(size_bounded([_utf8_span(span) for span in spans], self._max_request_bytes))
 
     def _export_request(self, spans: Sequence[ReadableSpan]) -> bool:
-        """Send one request; True when it was delivered, else its spans are counted and logged as dropped."""
-        self._redirect.status = None
+        """Send one request; True when it was delivered (spans the receiver reports rejected are counted and logged
+        as dropped), else its spans are counted and logged as dropped."""
+        self._answer.redirect = self._answer.rejected = None
         try:
             result = self._inner.export(spans)
         except Exception:  # an exporter must not raise; log with traceback and count
             _logger.exception("art_langgraph: %s exporter raised; dropped %d spans", self._name, len(spans))
-            self._drop(len(spans))
+            self._drop(len(spans), answered=len(spans))
             return False
         if result is not SpanExportResult.SUCCESS:
-            self._drop(len(spans))
+            dropped = self._drop(len(spans), answered=len(spans))
             _logger.warning(
-                "art_langgraph: could not export %d spans to %s (%d dropped so far)", len(spans), self._name,
-                self.dropped,
+                "art_langgraph: could not export %d spans to %s (%d dropped so far)", len(spans), self._name, dropped,
             )
             return False
-        if self._redirect.status is not None:
-            self._drop(len(spans))
+        if self._answer.redirect is not None:
+            self._drop(len(spans), answered=len(spans))
             _logger.warning(
                 "art_langgraph: %s answered %d, a redirect, which is not followed; dropped %d spans: set its URL to "
-                "the one it redirects to", self._name, self._redirect.status, len(spans),
+                "the one it redirects to", self._name, self._answer.redirect, len(spans),
             )
             return False
+        rejected = self._answer.rejected
+        dropped = self._drop(rejected.rejected_spans if rejected else 0, answered=len(spans))
+        if rejected and rejected.rejected_spans:
+            _logger.warning(
+                "art_langgraph: %s rejected %d spans: %s (%d dropped so far)",
+                self._name, rejected.rejected_spans, rejected.error_message or "no reason given", dropped,
+            )
         return True
 
     def shutdown(self) -> None:

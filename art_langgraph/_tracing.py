@@ -13,7 +13,6 @@ import atexit
 import base64
 import logging
 import os
-import threading
 from collections.abc import Callable
 
 import requests
@@ -25,7 +24,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Tracer
 
 from art_langgraph._bounded import run_bounded, spare_thread
-from art_langgraph._counts import DROPPED_SPANS, renew_after_fork
+from art_langgraph._counts import DROPPED_SPANS, ProcessLock, renew_after_fork
 from art_langgraph._export_queue import CountingExporter, Processor, export_processors
 from art_langgraph._settings import TRACES_PATH, Settings, get_settings, update_settings
 
@@ -165,12 +164,14 @@ class _State:
         for processor in self.processors:
             processor.shutdown()
 
-    def unsent(self) -> int:
-        """Spans our exporters have not sent yet: queued, or in a request not answered."""
-        return sum(processor.counting.unsent() for processor in self.processors)
+    def give_up(self) -> int:
+        """Count the spans our exporters have not sent yet (queued, or in a request not answered) as dropped, now;
+        how many."""
+        return sum(processor.counting.give_up() for processor in self.processors)
 
 
-_lock = threading.RLock()
+_lock = ProcessLock(reentrant=True)
+"""Guards `_state`; reentrant, as `_current` configures a pipeline under it."""
 _state: _State | None = None
 _exit_hook_ran = False
 
@@ -304,17 +305,21 @@ def shutdown(timeout: float = 5.0) -> None:
 
 
 def _flush_at_exit() -> None:
-    """The exit hook: exports what is left, waiting at most `ART_EXIT_FLUSH_TIMEOUT` seconds, and logs how many spans
-    were still unsent when it gave up (a failed shutdown is logged by `run_bounded`)."""
+    """The exit hook: exports what is left, waiting at most `ART_EXIT_FLUSH_TIMEOUT` seconds, and counts as dropped
+    and logs the spans still unsent when it gave up (a failed shutdown is logged by `run_bounded`).
+
+    The shutdown it gave up on may still end while the process exits; it counts none of those spans again, and one
+    it delivers then stays counted.
+    """
     global _exit_hook_ran
     _exit_hook_ran = True
     if (state := _take_state()) is None:
         return
     timeout = get_settings().exit_flush_timeout
-    if not run_bounded(state.shutdown, timeout) and (unsent := state.unsent()):
+    if not run_bounded(state.shutdown, timeout) and (lost := state.give_up()):
         _logger.warning(
             "art_langgraph: %d spans were still unsent when ART_EXIT_FLUSH_TIMEOUT (%g s) ran out at exit; they are "
-            "lost: raise ART_EXIT_FLUSH_TIMEOUT if the collector is slow to answer", unsent, timeout,
+            "lost: raise ART_EXIT_FLUSH_TIMEOUT if the collector is slow to answer", lost, timeout,
         )
 
 
@@ -323,12 +328,11 @@ def _after_fork_in_child() -> None:
 
     The parent's exporters hold the parent's HTTP connections, on which the child would write
     too, and count the spans queued in the parent, which the child's queues do not hold. The
-    locks are new too, the pipeline's and every `_counts.ProcessLock` (the counts', the settings', the once-only
+    locks are new too, every `_counts.ProcessLock` (the pipeline's, the counts', the settings', the once-only
     warnings'): a thread of the parent may have held one (configuring at a first span, counting a loss, reading the
     settings), and in the child no thread would ever release it.
     """
-    global _state, _lock
-    _lock = threading.RLock()
+    global _state
     _state = None
     renew_after_fork()
     spare_thread.after_fork()

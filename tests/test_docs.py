@@ -541,8 +541,9 @@ def sets_field(monkeypatch: pytest.MonkeyPatch, cls: type[BaseSettings], field: 
 
 
 def test_no_aliased_field_also_reads_its_prefixed_name(monkeypatch: pytest.MonkeyPatch, clean_env: None) -> None:
-    """With `populate_by_name`, pydantic-settings reads an aliased field from env prefix + field name as well as from
-    its alias; `settings_env_vars` lists the aliases only, so such a second name must be refused, not read."""
+    """With `populate_by_name`, pydantic-settings reads an aliased field from env prefix + field name, in any case, as
+    well as from its alias; `settings_env_vars` lists the aliases only, so such a second name must be refused, not
+    read, whether spelled upper- or lower-case."""
     read: list[str] = []
     for cls in settings_classes():
         documented = {var.name for var in settings_env_vars(cls)}
@@ -550,8 +551,9 @@ def test_no_aliased_field_also_reads_its_prefixed_name(monkeypatch: pytest.Monke
         for field, info in cls.model_fields.items():
             name = (prefix + field).upper()
             if cls.model_config.get("populate_by_name") and (info.validation_alias or info.alias) \
-                    and name not in documented and sets_field(monkeypatch, cls, field, name):
-                read.append(f"{name} (sets {cls.__module__}.{cls.__qualname__}.{field})")
+                    and name not in documented:
+                read.extend(f"{spelling} (sets {cls.__module__}.{cls.__qualname__}.{field})"
+                            for spelling in (name, name.lower()) if sets_field(monkeypatch, cls, field, spelling))
     assert not read, "Settings read variables besides their documented alias (refuse each, as TrainerSettings " \
         "refuses ART_TRAINER_API_KEY):\n" + "\n".join(f"  {line}" for line in read)
 

@@ -14,12 +14,17 @@ import threading
 import time
 
 import pytest
+import requests
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTracePartialSuccess,
+    ExportTraceServiceResponse,
+)
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 import art_langgraph
 from art_langgraph import _tracing, rollout, semconv
-from art_langgraph._export_queue import BoundedProcessor, CountingExporter
+from art_langgraph._export_queue import BoundedProcessor, CountingExporter, HeldProcessor
 from tests.collector.seeding import make_app
 from tests.served import served
 
@@ -309,3 +314,56 @@ def test_spans_the_processor_leaves_queued_at_shutdown_are_counted() -> None:
         assert art_langgraph.dropped_spans() == dropped + 1
     finally:
         release.set()
+
+
+def partial_success(rejected: int) -> requests.Response:
+    """A 200 whose OTLP body reports `rejected` spans rejected, as `CountingExporter.watch` reads it."""
+    response = requests.Response()
+    response.status_code = 200
+    response.headers["Content-Type"] = "application/x-protobuf"
+    body = ExportTraceServiceResponse(partial_success=ExportTracePartialSuccess(rejected_spans=rejected))
+    response._content = body.SerializeToString()
+    return response
+
+
+@pytest.mark.parametrize("late", ["fails", "raises", "rejects", "delivers"])
+def test_spans_given_up_on_at_exit_are_counted_once_whatever_the_late_export_does(late: str) -> None:
+    """The exit hook gave up (`give_up`) on 2 spans in a request not answered and 1 queued; they were logged, never
+    counted in `dropped_spans()`. Counted then, the export that ends after (a failure, an exception, a partial
+    success already read, or a delivery) and the shutdown that exports the queued one count none again."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Stuck(SpanExporter):
+        def export(self, spans):  # type: ignore[no-untyped-def]
+            if late == "rejects":  # the answer came, and was read, before the exit hook gave up
+                counting._read_answer(partial_success(len(spans)))
+            entered.set()
+            release.wait(60)
+            if late == "raises":
+                raise ConnectionError("reset")
+            return SpanExportResult.FAILURE if late == "fails" else SpanExportResult.SUCCESS
+
+    counting = CountingExporter(Stuck(), "stuck", 1 << 20)
+    processor = HeldProcessor(counting, max_queue_size=10)
+    tracer = TracerProvider().get_tracer("test")
+
+    def end_span() -> None:
+        span = tracer.start_span("s")
+        span.end()
+        processor.on_end(span)  # type: ignore[arg-type]
+
+    dropped = art_langgraph.dropped_spans()
+    end_span()
+    end_span()
+    sending = threading.Thread(target=processor.force_flush)
+    sending.start()
+    try:
+        assert entered.wait(10)  # the 2 spans' request is not answered
+        end_span()  # queued
+        assert counting.give_up() == 3
+    finally:
+        release.set()
+        sending.join()
+    processor.shutdown()  # exports the queued span, as the shutdown given up on would
+    assert counting.dropped == 3
+    assert art_langgraph.dropped_spans() == dropped + 3

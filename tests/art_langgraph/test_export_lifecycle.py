@@ -261,10 +261,12 @@ def test_exit_with_collector_down_is_bounded(dead_url) -> None:
 
 def test_exit_that_runs_out_of_time_logs_how_many_spans_were_left_unsent(dead_url) -> None:
     """A collector that never answers: the exit hook gave up after ART_EXIT_FLUSH_TIMEOUT with a line that named no
-    number. The 2 spans the stuck export holds and the 2 queued behind it are counted, with the setting to raise."""
+    number. The 2 spans the stuck export holds and the 2 queued behind it are counted, with the setting to raise, and
+    are in `dropped_spans()` for an atexit handler that runs after the hook (they were only logged)."""
     script = textwrap.dedent(
         f"""
-        import threading
+        import atexit, threading
+        atexit.register(lambda: print(art_langgraph.dropped_spans()))  # registered first: runs after the exit hook
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         import art_langgraph
         OTLPSpanExporter.export = lambda self, spans: threading.Event().wait()  # blocks for good
@@ -284,6 +286,7 @@ def test_exit_that_runs_out_of_time_logs_how_many_spans_were_left_unsent(dead_ur
     assert [line for line in out.stderr.splitlines() if line.startswith("art_langgraph:")] == [
         "art_langgraph: 4 spans were still unsent when ART_EXIT_FLUSH_TIMEOUT (1 s) ran out at exit; they are lost: "
         "raise ART_EXIT_FLUSH_TIMEOUT if the collector is slow to answer"]
+    assert out.stdout.split() == ["4"]
 
 
 def test_a_wait_longer_than_a_thread_can_wait_still_flushes(receivers) -> None:
