@@ -85,6 +85,7 @@ class _Counters:
         self.skipped: Counter[str] = Counter()
         self.truncated = 0
         self.retokenized = 0
+        self.split_edges = 0
 
 
 def _malformed(seq: Sequence, vocab_size: int | None) -> str | None:
@@ -128,14 +129,15 @@ def _sequences(trajectory: Trajectory, config: GRPOConfig, tokenizer: PreTrained
             counters.skipped["not_token_exact_without_tokenizer"] += 1
             return []
         try:
-            ids, mask = render_with_assistant_mask(tokenizer, trajectory.messages, trajectory.tools,
-                                                   trajectory.length_cut)
+            ids, mask, split_edges = render_with_assistant_mask(tokenizer, trajectory.messages, trajectory.tools,
+                                                                trajectory.length_cut)
         except RetokenizeError as exc:
             logger.warning("trajectory %s of group %s is skipped (retokenize_failed): %s", trajectory.id,
                            trajectory.group_id, exc)
             counters.skipped["retokenize_failed"] += 1
             return []
         counters.retokenized += 1
+        counters.split_edges += split_edges
         raw.append((ids, [None] * len(ids), mask))
     out: list[_Seq] = []
     too_long = 0
@@ -196,6 +198,7 @@ def _common_stats(groups: list[Group], counters: _Counters, trained_groups: int,
         "data/truncated_sequences": float(counters.truncated),
         "data/missing_logprobs": float(missing),
         "data/retokenized_trajectories": float(counters.retokenized),
+        "data/retokenize_split_edges": float(counters.split_edges),
         **{f"data/skipped/{k}": float(v) for k, v in sorted(counters.skipped.items())},
     }
 

@@ -31,8 +31,8 @@ CHECKPOINT_METRICS = frozenset({
     "step", "grad/norm", "optim/lr", "time/step_s", "time/tokens_per_s", "reward/mean", "reward/std",
     "advantage/mean", "advantage/std", "advantage/min", "advantage/max", "data/sequences", "data/tokens",
     "data/assistant_tokens", "data/groups", "data/groups_trained", "data/trajectories", "data/truncated_sequences",
-    "data/missing_logprobs", "data/retokenized_trajectories", "loss/policy", "loss/clip_fraction", "loss/ratio_mean",
-    "loss/logprob_gap", "loss/kl", "loss/total", "loss/sft", "kind/sft",
+    "data/missing_logprobs", "data/retokenized_trajectories", "data/retokenize_split_edges", "loss/policy",
+    "loss/clip_fraction", "loss/ratio_mean", "loss/logprob_gap", "loss/kl", "loss/total", "loss/sft", "kind/sft",
 })
 """The metrics of `LoRATrainer.train`, which a checkpoint's manifest records (some only on GRPO or SFT steps, with
 `--kl-coef` > 0 or engine log-probs), besides `data/skipped/<reason>`: what retention can rank checkpoints by

@@ -8,16 +8,21 @@ joined by newlines for one that does not; a part that is not text, such as an im
 a token is an assistant token when the text it comes from was added by an assistant message.
 A tool call whose `arguments` string is not JSON is refused: vLLM (0.32) renders it as `{}` in later prompts, and
 its own parser (`hermes`) never returns such a call (the model's text stays content), so the tokens sampled for
-it are unknown and neither rendering reproduces them.
+it are unknown and neither rendering reproduces them. Arguments that are JSON but no object (`[1, 2]`, `3`, a JSON
+string) are what that parser returns for the value the model sampled there (dumped as JSON): the template gets the
+value, so that it writes that JSON text as the model sampled it, though vLLM renders `{}` in later prompts (the
+sampled tokens win); a JSON string's own text where the template writes a string as it is (the bundled template).
+Arguments that are neither a string nor an object (a list, a number) are refused: that parser never returns them,
+vLLM's API refuses them and renders them as `{}`, so the tokens sampled for them are unknown.
 The text is tokenized as one piece, except where a token would straddle the start or end of an assistant message's
 text (a reply beginning with whitespace, whose first character SmolLM2's tokenizer merges with the header's newline
 into one token, such as two newlines): the text is then tokenized apart at that point, so the prompt ends with the
 header's own tokens, as the engine tokenized the prompt, and the reply's tokens are those of its text alone, the
-tokens the model sampled after the header. Each such cut is logged. (A later turn's prompt, which the engine
-tokenized whole, held the merged token there instead: one sequence cannot hold both, and the sampled tokens win.) The
-spans are found by rendering growing prefixes of the conversation, so any template that renders a
-conversation as the concatenation of its turns works, tool calls included. A template that leaves an
-assistant message's tool calls out (no tool support) is refused: that turn would train as an empty one.
+tokens the model sampled after the header. Each such cut is logged and counted (`Retokenized.split_edges`). (A
+later turn's prompt, which the engine tokenized whole, held the merged token there instead: one sequence cannot hold
+both, and the sampled tokens win.) The spans are found by rendering growing prefixes of the conversation, so any
+template that renders a conversation as the concatenation of its turns works, tool calls included. A template that
+leaves an assistant message's tool calls out (no tool support) is refused: that turn would train as an empty one.
 An assistant message that opens the conversation had no prompt, so the model did not sample it (a canned greeting):
 it stays out of the mask.
 Trailing template text after the end-of-turn token (a newline) is not sampled by the model and
@@ -34,18 +39,28 @@ import itertools
 import json
 import logging
 from collections.abc import Collection
-from typing import Any
+from typing import Any, NamedTuple
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-__all__ = ["RetokenizeError", "render_with_assistant_mask"]
+__all__ = ["RetokenizeError", "Retokenized", "render_with_assistant_mask"]
 
 logger = logging.getLogger(__name__)
 
 
 class RetokenizeError(ValueError):
     """The chat template cannot render this conversation, or not as a growing sequence of turns."""
+
+
+class Retokenized(NamedTuple):
+    """A re-tokenized conversation."""
+
+    token_ids: list[int]
+    mask: list[int]
+    """1 on the tokens trained (`render_with_assistant_mask`), 0 elsewhere."""
+    split_edges: int
+    """How many edges of assistant messages' texts a token straddled, where the text was tokenized apart."""
 
 
 _TEMPLATE_ERRORS = (TemplateError, TypeError, KeyError, ValueError)
@@ -75,12 +90,10 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], 
 def _as_served(messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase,
                tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """`messages` as vLLM hands them to the chat template: content given as parts as `_served_content` says, and a
-    tool call's `arguments` that is a JSON string of an object becomes that object, which templates render with
-    `tojson` (`{"a": 2}` where the string may have been `{"a":2}`), and empty or absent `arguments` (`""`, None)
-    become `{}`. Other arguments stay as they are.
+    tool call's `arguments` as `_parsed_arguments` says.
 
     Raises:
-        RetokenizeError: a content part is not text, or a tool call's `arguments` string is not JSON.
+        RetokenizeError: a content part is not text, or a tool call's `arguments` are neither JSON text nor an object.
     """
     as_parts = any(isinstance(m.get("content"), list) for m in messages) and _renders_content_parts(tokenizer, tools)
     served = []
@@ -89,7 +102,7 @@ def _as_served(messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBas
             message = {**message, "content": _served_content(message["content"], index, as_parts)}
         calls = message.get("tool_calls")
         if message.get("role") == "assistant" and isinstance(calls, list):
-            message = {**message, "tool_calls": [_parsed_arguments(call, index) for call in calls]}
+            message = {**message, "tool_calls": [_parsed_arguments(call, index, tokenizer, tools) for call in calls]}
         served.append(message)
     return served
 
@@ -137,34 +150,57 @@ def _part_text(part: Any, index: int) -> str:
     return text
 
 
-def _parsed_arguments(call: Any, index: int) -> Any:
-    """`call` of message `index` with its `function.arguments` parsed when that is a JSON string of an object, `{}`
-    when it is empty or absent; else `call` itself.
+def _parsed_arguments(call: Any, index: int, tokenizer: PreTrainedTokenizerBase,
+                      tools: list[dict[str, Any]] | None) -> Any:
+    """`call` of message `index` with its `function.arguments` as the template gets them: a JSON string parsed into
+    its value (an object, as vLLM hands it over, which templates write with `tojson`, `{"a": 2}` where the string
+    may have been `{"a":2}`; or any other value the model sampled there), but a JSON string whose value is a string
+    kept as it is where the template writes such a string as it is; `{}` when empty or absent. `call` itself when
+    its arguments are an object or it has no `function` object.
 
     Raises:
-        RetokenizeError: `arguments` is a string that is not JSON.
+        RetokenizeError: `arguments` is a string that is not JSON, or neither a string nor an object.
     """
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict):
         return call
-    if not function.get("arguments"):  # vLLM renders a call without arguments as one with no parameters
+    arguments = function.get("arguments")
+    if arguments is None or arguments == "":  # vLLM renders a call without arguments as one with no parameters
         return {**call, "function": {**function, "arguments": {}}}
-    if not isinstance(function["arguments"], str):
+    if isinstance(arguments, dict):
         return call
+    if not isinstance(arguments, str):
+        raise RetokenizeError(
+            f"message {index} has a tool call {function.get('name')!r} whose arguments are of type "
+            f"{type(arguments).__name__}, neither JSON text nor an object: the tokens sampled for it are unknown "
+            "(vLLM's parser returns JSON text; vLLM renders them as {} in later prompts)"
+        )
     try:
-        arguments = json.loads(function["arguments"])
+        value = json.loads(arguments)
     except json.JSONDecodeError as exc:
         raise RetokenizeError(
             f"message {index} has a tool call {function.get('name')!r} whose arguments are not JSON ({exc}): the "
             "tokens sampled for it are unknown (vLLM renders them as {} in later prompts)"
         ) from exc
-    return {**call, "function": {**function, "arguments": arguments}} if isinstance(arguments, dict) else call
+    if isinstance(value, str) and _writes_argument_strings_verbatim(tokenizer, tools, call):
+        return call
+    return {**call, "function": {**function, "arguments": value}}
+
+
+def _writes_argument_strings_verbatim(tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None,
+                                      call: dict[str, Any]) -> bool:
+    """Whether the chat template writes tool call `call` with an `arguments` string as it is (the bundled template),
+    not as a JSON string (`tojson`, as templates write the object vLLM hands them)."""
+    probed = {**call, "function": {**call["function"], "arguments": _PROBE_ARGUMENTS}}
+    probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": None, "tool_calls": [probed]}]
+    return _PROBE_ARGUMENTS in _render(tokenizer, probe, tools, generation_prompt=False)
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str,
-            edges: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids of `text` and the character span of each, tokenized apart at each of `edges` (where assistant
-    messages' texts start and end) a token would straddle, so that no token holds text of both sides."""
+            edges: list[int]) -> tuple[list[int], list[tuple[int, int]], int]:
+    """Token ids of `text`, the character span of each, and the number of cuts: `text` is tokenized apart at each
+    of `edges` (where assistant messages' texts start and end) a token would straddle, so that no token holds text
+    of both sides."""
     cuts: list[int] = []
     while True:
         ids: list[int] = []
@@ -178,12 +214,15 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str,
             if cuts:
                 logger.info("re-tokenized apart at %d assistant message edge(s) a token straddled (characters %s)",
                             len(cuts), cuts)
-            return ids, offsets
+            return ids, offsets, len(cuts)
         cuts = sorted({*cuts, *straddled})
 
 
 _PROBE = "art-retokenize-probe"
 """The content of the assistant message `_end_of_turn_ids` renders to find what the template writes after one."""
+_PROBE_ARGUMENTS = json.dumps(_PROBE)
+"""The `arguments` (a JSON string) `_writes_argument_strings_verbatim` renders a tool call with: `tojson` escapes
+its quotes."""
 
 
 def _end_of_turn_ids(tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None) -> set[int]:
@@ -205,7 +244,7 @@ def render_with_assistant_mask(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     length_cut: Collection[int] = (),
-) -> tuple[list[int], list[int]]:
+) -> Retokenized:
     """Return the token ids of `messages` rendered by the chat template and the assistant mask.
 
     Args:
@@ -216,8 +255,9 @@ def render_with_assistant_mask(
         length_cut: indices in `messages` of assistant messages the token limit cut (`Trajectory.length_cut`).
 
     Returns:
-        `(token_ids, mask)`: mask is 1 on tokens rendered from assistant messages but the first message (up to and
-        including the end-of-turn token, excluding it for a message in `length_cut`), 0 elsewhere.
+        `(token_ids, mask, split_edges)`: mask is 1 on tokens rendered from assistant messages but the first message
+        (up to and including the end-of-turn token, excluding it for a message in `length_cut`), 0 elsewhere;
+        `split_edges` counts the edges of assistant messages' texts where the text was tokenized apart.
 
     Raises:
         RetokenizeError: no assistant message after the first message, no chat template, a content part that is not
@@ -251,7 +291,8 @@ def render_with_assistant_mask(
                     "so they cannot be trained; serve a template that renders them (--chat-template)"
                 )
         spans.append((len(before), len(upto), index in length_cut))
-    ids, offsets = _encode(tokenizer, full, sorted({edge for start, end, _ in spans for edge in (start, end)}))
+    edges = sorted({edge for start, end, _ in spans for edge in (start, end)})
+    ids, offsets, split_edges = _encode(tokenizer, full, edges)
     mask = [0] * len(ids)
     end_of_turn = _end_of_turn_ids(tokenizer, tools)
     for start, end, cut in spans:
@@ -261,4 +302,4 @@ def render_with_assistant_mask(
             inside = [i for i in inside if i < ends[-1] or (i == ends[-1] and not cut)]
         for i in inside:
             mask[i] = 1
-    return ids, mask
+    return Retokenized(ids, mask, split_edges)
