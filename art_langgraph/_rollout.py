@@ -25,6 +25,7 @@ from art_langgraph import semconv
 from art_langgraph._collector_client import apost_reward, post_reward
 from art_langgraph._span_status import mark_ended_by
 from art_langgraph._tracing import get_tracer
+from collector.protocol import DOT_SEGMENT_PROBLEM, has_dot_segment
 
 __all__ = ["Rollout", "areward", "current_rollout", "reward", "rollout"]
 
@@ -117,6 +118,9 @@ class Rollout:
         if group is not None:
             _check_name(group, "group")
         _check_name(split, "split", semconv.MAX_SPLIT_LENGTH)
+        key, what = (group, "group") if group else (task, "task (the group id without a group)")
+        if has_dot_segment(key):
+            raise ValueError(f"{what} {key[:40]!r} {DOT_SEGMENT_PROBLEM}")
         self.id = _id or uuid.uuid4().hex
         self._source = _source
         self.task = task

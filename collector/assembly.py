@@ -28,7 +28,7 @@ from art_langgraph import semconv as sc
 from collector import foreign
 from collector.groups import TrainingReward
 from collector.otlp import SpanRecord
-from collector.protocol import MAX_COUNT, MAX_ID_LENGTH, Trajectory
+from collector.protocol import DOT_SEGMENT_PROBLEM, MAX_COUNT, MAX_ID_LENGTH, Trajectory, has_dot_segment
 from collector.sequences import build_sequences
 from collector.spans import COUNTS, unique_sorted, warn_once, whole_number
 
@@ -156,6 +156,12 @@ def span_problem(span: SpanRecord) -> str | None:
             return f"attribute {key} is longer than {limit} characters"
         if "\x00" in value:
             return f"attribute {key} contains a NUL character"
+    # the ids the API's paths carry; without art.group, the task is the group id
+    for key in (sc.ROLLOUT_ID, sc.GROUP) if span.attributes.get(sc.GROUP) else (sc.ROLLOUT_ID, sc.TASK):
+        value = span.attributes.get(key)
+        if value is not None and has_dot_segment(value):
+            why = " (the group id, as the span has no art.group)" if key == sc.TASK else ""
+            return f"attribute {key} {value[:40]!r}{why} {DOT_SEGMENT_PROBLEM}"
     if "\x00" in span.name:
         return "the span name contains a NUL character"
     for key, low in COUNTS.items():

@@ -154,14 +154,15 @@ def _locked_batch(conn: Connection, batch_id: str) -> tuple[Any, list[str]]:
 
 
 def _changed_since(conn: Connection, group_ids: list[str], since: float) -> list[str]:
-    """Groups of `group_ids`, sorted, that differ from what a lease taken at `since` held: a trajectory joined or
-    changed after it, or a reward stored after it changed a member's rewards."""
+    """Groups of `group_ids`, sorted, that differ from what a lease taken at `since` held: a trajectory joined,
+    changed or was deleted after it (`placement._delete_foreign` dates the members it leaves; a group it empties has
+    none, and a leased group had some), or a reward stored after it changed a member's rewards."""
     members = pool.group_members(conn, group_ids)
     rows = [row for found in members.values() for row in found]
     now, then = pool.rewards_of(conn, rows), pool.rewards_of(conn, rows, until=since)
     return sorted(
         group_id for group_id, found in members.items()
-        if any(row["updated_at"] > since or now[row["id"]] != then[row["id"]] for row in found)
+        if not found or any(row["updated_at"] > since or now[row["id"]] != then[row["id"]] for row in found)
     )
 
 
@@ -205,8 +206,8 @@ def ack(
     if changed:
         raise Conflict(
             f"the lease of batch {batch_id} expired and groups {', '.join(changed)} changed in the pool since it was "
-            "taken (a trajectory or a reward arrived): the pool keeps them as they are now; discard this "
-            "batch's update or lease with a longer lease_seconds",
+            "taken (a trajectory or a reward arrived, or a trajectory was deleted): the pool keeps them as they are "
+            "now; discard this batch's update or lease with a longer lease_seconds",
             code="lease_expired",
         )
     if ids:

@@ -181,7 +181,8 @@ def _forget_trajectory(conn: Connection, row: Any) -> None:
 
 def _delete_foreign(conn: Connection, row: Any, now: float) -> bool:
     """Delete the stored trajectory `row` (`_without_foreign_calls_in_rollouts`, `_forget_trajectory`) unless its group
-    is leased or trained; a group it leaves empty is skipped. Whether it was deleted."""
+    is leased or trained; a group it leaves empty is skipped. The members it leaves are dated `now`, so a late ack of
+    a lease that held the group sees it changed (`leases._changed_since`). Whether it was deleted."""
     state = None
     if row["group_id"] is not None:
         state = conn.execute(select(groups.c.state).where(groups.c.id == row["group_id"]).with_for_update()).scalar()
@@ -191,6 +192,8 @@ def _delete_foreign(conn: Connection, row: Any, now: float) -> bool:
         return False
     _forget_trajectory(conn, row)
     log.info("trajectory %s deleted: %s", row["id"], FOREIGN_IN_ROLLOUT)
+    if row["group_id"] is not None:
+        conn.execute(trajectories.update().where(trajectories.c.group_id == row["group_id"]).values(updated_at=now))
     if state == "open" and not _counts(conn, trajectories.c.group_id, [row["group_id"]]):
         conn.execute(
             groups.update().where(groups.c.id == row["group_id"])

@@ -50,6 +50,17 @@ def has_reward_spread(rewards: list[float]) -> bool:
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_LENGTH, pattern=r"^[^\x00]*$")]
 """An id or a name as the store keeps it: 1 to 256 characters, no NUL."""
+
+
+def has_dot_segment(value: str) -> bool:
+    """Whether `value` has a `/`-separated part `.` or `..`: browsers and HTTP clients (httpx, requests) drop such a
+    segment from a URL path, so no path route (`GET /v1/trajectories/{id}`) could reach an id holding one."""
+    return any(part in (".", "..") for part in value.split("/"))
+
+
+DOT_SEGMENT_PROBLEM = "has a path segment '.' or '..', which HTTP clients drop from a URL"
+"""Why a span may not carry the id of a trajectory or a group with a `.` or `..` segment (`has_dot_segment`)."""
+
 TraceId = Annotated[str, StringConstraints(strip_whitespace=True, to_lower=True, pattern=r"^[0-9a-fA-F]{32}$")]
 """An OpenTelemetry trace id: 32 hex digits of either case, kept in lower case as OTLP spans carry it (pydantic
 matches the pattern before it lowers the case)."""

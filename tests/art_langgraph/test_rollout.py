@@ -149,6 +149,8 @@ async def test_concurrent_rollouts_never_mix_ids(chat_model: ARTChatModel, spans
         ({"task": "a\x00b"}, ValueError, "without NUL"),
         ({"task": "t", "group": "g" * 257}, ValueError, "group must be at most 256"),
         ({"task": "t", "split": "s" * 65}, ValueError, "split must be at most 64"),
+        ({"task": "t", "group": ".."}, ValueError, "group '..' has a path segment '.' or '..'"),
+        ({"task": "runs/./a"}, ValueError, r"task \(the group id without a group\) 'runs/./a' has a path segment"),
         ({"task": "t", "group_size": 2.5}, TypeError, "group_size must be an integer"),
         ({"task": "t", "group_size": True}, TypeError, "group_size must be an integer"),
         ({"task": "t", "group_size": 2**31}, ValueError, "group_size must be from 1"),
@@ -165,6 +167,13 @@ def test_rollout_refuses_what_the_collector_would_reject(kwargs: dict, error: ty
     trajectory was lost, uncounted, with no error in the app."""
     with pytest.raises(error, match=match):
         rollout(**kwargs)
+
+
+def test_rollout_takes_a_task_with_dot_segments_when_a_group_is_given(spans) -> None:
+    """Only the group id travels in API paths: a task is checked for `.`/`..` segments only when it is the group id,
+    and dots that are no whole segment are fine."""
+    assert rollout("runs/../a", group="g").group == "g"
+    assert rollout("v1.0/.hidden").task == "v1.0/.hidden"
 
 
 def test_rollout_metadata_is_checked_when_the_rollout_is_made(spans) -> None:

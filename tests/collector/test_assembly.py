@@ -327,3 +327,25 @@ def test_an_identity_attribute_that_is_no_string_rejects_the_span(key: str, valu
     span = rollout(1)
     span.attributes[key] = value
     assert span_problem(span) == f"attribute {key} is a {type(value).__name__}; it must be a string"
+
+
+@pytest.mark.parametrize(("attributes", "problem"), [
+    ({"rollout_id": "."}, "attribute art.rollout.id '.' has a path segment"),
+    ({"rollout_id": "runs/../r2"}, "attribute art.rollout.id 'runs/../r2' has a path segment"),
+    ({"group": ".."}, "attribute art.group '..' has a path segment"),
+    ({"group": "a/./b", "task": "t"}, "attribute art.group 'a/./b' has a path segment"),
+    ({"task": "./tasks/a.json"}, "attribute art.task './tasks/a.json' (the group id, as the span has no art.group)"),
+])
+def test_an_id_with_a_dot_segment_rejects_the_span(attributes: dict[str, str], problem: str) -> None:
+    """HTTP clients drop a path segment `.` or `..`: a trajectory or group with one in its id could never be reached
+    by `GET /v1/trajectories/{id}` or `/v1/groups/{id}/judge`, and `a/../b` reached `b` instead."""
+    found = span_problem(rollout(1, **attributes))
+    assert found is not None and found.startswith(problem) and found.endswith("which HTTP clients drop from a URL")
+
+
+@pytest.mark.parametrize("attributes", [
+    {"rollout_id": "..."}, {"rollout_id": "v1.0/.hidden"}, {"group": "g.", "task": "."}, {"task": ".x"},
+])
+def test_dots_that_are_no_path_segment_are_fine(attributes: dict[str, str]) -> None:
+    """Only a whole segment `.` or `..` is dropped; a task is no path id when art.group names the group."""
+    assert span_problem(rollout(1, **attributes)) is None

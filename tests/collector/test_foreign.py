@@ -25,6 +25,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from art_langgraph import semconv as sc
+from collector.errors import Conflict
 from collector.foreign import conversation, describes_art_call, finish_reason, same_messages
 from collector.otlp import SpanRecord
 from collector.protocol import BatchRequest, RewardIn
@@ -626,3 +627,27 @@ def test_describes_art_call_reads_each_convention() -> None:
     assert describes_art_call(_langfuse_generation(TRACE_A, 1, None).attributes)
     assert not describes_art_call({"metadata": "not json", f"langfuse.observation.metadata.{sc.TRACED_RUN}": "false"})
     assert not describes_art_call({"metadata": json.dumps({sc.TRACED_RUN: "yes"})})
+
+
+@pytest.mark.parametrize("members", [1, 2])
+def test_a_late_ack_conflicts_when_a_member_was_deleted_since(make_store, clock, members: int) -> None:
+    """The lease of a group expired; the rollout's spans then came and deleted a member made of foreign calls in its
+    trace. The late ack looked only at the members left, found them as leased and marked the group trained: the
+    trainer's update came from a trajectory the pool no longer has (another model's calls)."""
+    store = make_store(min_group_size=members, keep_zero_spread=True)
+    for n, trace in enumerate((TRACE_A, TRACE_B)[:members]):
+        call = _openinference_llm(trace, 111 + 10 * n, None, marked=False)
+        store.add_spans([replace(call, attributes=call.attributes | {sc.GROUP: "g"})])
+        store.add_rewards([RewardIn(trace_id=trace, value=0.5)])
+    clock.now += 1000  # idle past `idle_seconds`: the traces' trajectories are complete
+    batch = store.lease(BatchRequest(lease_seconds=10))
+    assert [group.id for group in batch.groups] == ["g"]
+    clock.now += 11
+    assert [group.state for group in store.groups()] == ["ready"]  # the lease expired: back in the pool
+    store.add_spans(_ours("r1", TRACE_A, 100))
+    assert TRACE_A not in {t.id for t in store.trajectories()}
+    with pytest.raises(Conflict, match="groups g changed in the pool") as raised:
+        store.ack(batch.id, policy_step=1)
+    assert raised.value.code == "lease_expired"
+    states = {group.id: group.state for group in store.groups()}
+    assert states.get("g") == ("open" if members == 2 else None)  # the member left waits for a second one

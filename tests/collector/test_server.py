@@ -409,3 +409,19 @@ def test_real_sdk_export_lease_ack_and_expiry(served: tuple[str, _RecordEncoding
     assert http.post("/v1/batches", json={"max_groups": 8}).json()["groups"] == []
     states = {g["id"]: g["state"] for g in http.get("/v1/groups").json()}
     assert states == {"g1": "trained", "g2": "trained"}
+
+
+def test_an_id_no_client_keeps_in_a_path_is_refused_where_it_enters(served: tuple[str, _RecordEncodings]) -> None:
+    """httpx (as browsers and requests) drops a path segment `.` or `..`: a trajectory `.` was stored, yet
+    `GET /v1/trajectories/.` answered the list of all, and a group `a/../b` could only be judged as group `b`."""
+    base, _ = served
+    http = httpx.Client(base_url=base, headers={"authorization": "Bearer k"}, timeout=10)
+    assert http.build_request("GET", "/v1/trajectories/.").url.path == "/v1/trajectories"  # why it is refused
+    spans = rollout_group({".": 1.0, "x": 0.0}, group="a/../b")
+    answer = http.post("/v1/traces", content=to_request(spans).SerializeToString(), headers=PB)
+    partial = ExportTraceServiceResponse.FromString(answer.content).partial_success
+    assert answer.status_code == 200 and partial.rejected_spans == 3  # the two spans of `.`, the rollout span of x
+    assert "attribute art.rollout.id '.' has a path segment '.' or '..'" in partial.error_message
+    assert "attribute art.group 'a/../b' has a path segment '.' or '..'" in partial.error_message
+    assert_error(http.get("/v1/view/trajectory", params={"id": "."}), 404, "not_found")
+    assert http.get("/v1/groups").json() == []  # x, its rollout span refused, is in no group yet
