@@ -49,6 +49,9 @@ _ADAPTER_CONFIG = "adapter_config.json"
 _STEP_DIR = re.compile(r"^step-([1-9]\d*)$")
 """A checkpoint folder's name: `step-N` as `CheckpointStore.path` writes it (no `step-02`; step 0 is the base model)."""
 _PROMOTION = "promotion.json"
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+"""How a Rust `std::io::Error` names its errno in a message, e.g. safetensors' `SafetensorError` on a full disk:
+"Error while serializing: I/O error: No space left on device (os error 28)"."""
 _FLAGS = {"base_model": "--base-model", "lora_r": "--lora-r", "lora_alpha": "--lora-alpha",
           "target_modules": "--target-modules"}
 """Manifest fields a resumed checkpoint must match, and the flag that sets each."""
@@ -64,8 +67,23 @@ class CheckpointWriteError(OSError):
     """A checkpoint folder could not be written (e.g. a full disk); nothing was left of it.
 
     Whatever the writer raised (an `OSError`, safetensors' `SafetensorError`, the `RuntimeError` of `torch.save`)
-    is chained as `__cause__`; the message is its type and message.
+    is chained as `__cause__`; the message is its type and message. `errno` is the writer's where it names one
+    (`_writer_errno`), so it survives the trip from a `--train-processes` rank as a number; else None.
     """
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = code
+
+
+def _writer_errno(exc: BaseException) -> int | None:
+    """The errno of checkpoint writer error `exc`: an `OSError`'s own, or the one a Rust writer's message names
+    (safetensors' `SafetensorError`); None where there is none (`torch.save`'s `RuntimeError` on a full disk says
+    only "unexpected pos ...")."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return exc.errno
+    named = _RUST_OS_ERROR.search(str(exc))
+    return int(named.group(1)) if named else None
 
 
 def write_checkpoint(path: Path, model: PeftModel, optimizer: torch.optim.Optimizer,
@@ -92,7 +110,7 @@ def write_checkpoint(path: Path, model: PeftModel, optimizer: torch.optim.Optimi
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, Exception):
-            raise CheckpointWriteError(f"{type(exc).__name__}: {exc}") from exc
+            raise CheckpointWriteError(f"{type(exc).__name__}: {exc}", _writer_errno(exc)) from exc
         raise
     return path
 

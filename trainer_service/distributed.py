@@ -204,16 +204,17 @@ def _worker_error(reports: list[dict[str, Any]], processes: int,
     message = (f"training worker rank {first['rank']} of {processes} failed {first['phase']}: {first['error']} "
                f"(traceback in {log_path})")
     if first["write_failed"]:
-        return CheckpointWriteError(message)
+        return CheckpointWriteError(message, first["errno"])
     return DistributedStepError(message, data_fault=first["data_fault"])
 
 
 def _error_report(rank: int, phase: str, error: Exception) -> dict[str, Any]:
     """What a failing worker writes for the launcher: its rank and phase, the error, whether the batch's data is to
-    blame (it failed training, not in a collective) and whether a checkpoint write failed."""
+    blame (it failed training, not in a collective) and whether a checkpoint write failed (and its errno)."""
     return {"rank": rank, "time": time.time(), "phase": phase, "error": f"{type(error).__name__}: {error}",
             "data_fault": phase == "training" and not isinstance(error, dist.DistError),
             "write_failed": isinstance(error, CheckpointWriteError),
+            "errno": error.errno if isinstance(error, CheckpointWriteError) else None,
             "traceback": "".join(traceback.format_exception(error))}
 
 

@@ -240,9 +240,14 @@ class Evaluator:
         if not isinstance(value, numbers.Real | numpy.bool_):
             raise EvalError(f"the eval reward function returned {value!r} ({type(value).__name__}) on {where}; "
                             "return a float")
-        if not math.isfinite(value):
+        try:
+            reward = float(value)
+        except OverflowError as exc:  # an int beyond a float's range (printing it may fail too: past 4300 digits)
+            raise EvalError(f"the eval reward function returned a number too large for a float "
+                            f"({type(value).__name__}) on {where}; rewards must be finite") from exc
+        if not math.isfinite(reward):
             raise EvalError(f"the eval reward function returned {value} on {where}; rewards must be finite")
-        return float(value)
+        return reward
 
     async def aclose(self) -> None:
         """Close the engine client."""

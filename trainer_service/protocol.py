@@ -120,8 +120,11 @@ class StatusResponse(BaseModel):
     step: int = Field(description="Latest served step, `name@step` (0: base model only); a running step counts once "
                       "its checkpoint is served.")
     latest_model: str = Field(description="What `name@latest` resolves to now.")
-    models: list[str] = Field(description="Every served model name.")
-    checkpoints: list[int] = Field(description="Steps kept on disk and served as `name@N`.")
+    models: list[str] = Field(description="The base, the newest few `name@N` and `name@latest` (`GET /v1/models` "
+                              "lists every served name).")
+    checkpoints: list[int] = Field(description="The newest few steps kept on disk and served as `name@N`, oldest "
+                                   "first.")
+    checkpoint_count: int = Field(description="How many steps are kept on disk and served as `name@N`, all of them.")
     training: bool = Field(description="A step is running now.")
     queue_depth: int | None = Field(description="Groups ready at the collector (None: the collector did not answer).")
     queue_error: str | None = Field(default=None, description="Why queue_depth is unknown.")

@@ -55,17 +55,18 @@ _STATUS_QUEUE_WAIT_S = 5.0
 would hold `GET /v1/status` for the collector's whole timeout (60 s)."""
 
 _NAMED_STEPS = 5
-"""How many of the newest `name@N` a 404 `model_not_found` names: a run keeping thousands of checkpoints would make
-its body huge; `GET /v1/models` lists them all."""
+"""How many of the newest `name@N` a 404 `model_not_found` and `GET /v1/status` (`models`, `checkpoints`) name: a run
+keeping thousands of checkpoints would make their bodies huge; `GET /v1/models` lists them all."""
 
 _FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT})
 _NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 
 
 def _write_fix(exc: OSError, path: Path) -> str:
-    """The fix a 507 names for checkpoint folder `path` that could not be written, from `exc` or the writer's
-    `OSError` it chains (`CheckpointWriteError`): "; free disk space" only for a full disk or quota; "" for an
-    error without a known errno (the writer's message, kept in the 507, names the cause)."""
+    """The fix a 507 names for checkpoint folder `path` that could not be written, from the errno of `exc` (a
+    `CheckpointWriteError` carries its writer's, safetensors' and a `--train-processes` rank's too) or of the `OSError`
+    it chains: "; free disk space" only for a full disk or quota; "" for an error without a known errno (`torch.save`
+    on a full disk: the writer's message, kept in the 507, names the cause)."""
     error = exc
     while error.errno is None and isinstance(error.__cause__, OSError):
         error = error.__cause__
@@ -205,9 +206,13 @@ class TrainerService:
         """Every model name clients may request, base first and `name@latest` last."""
         return [self.base_name, *(self.model_name(s) for s in self.steps), f"{self.settings.name}@latest"]
 
+    def _newest_models(self) -> list[str]:
+        """`name@N` of the newest `_NAMED_STEPS` steps, oldest first."""
+        return [self.model_name(step) for step in self.steps[-_NAMED_STEPS:]]
+
     def _some_served_models(self) -> str:
         """The base, `name@latest` and the newest `_NAMED_STEPS` steps, then how many more `GET /v1/models` lists."""
-        newest = [self.model_name(step) for step in self.steps[-_NAMED_STEPS:]]
+        newest = self._newest_models()
         named = ", ".join([self.base_name, f"{self.settings.name}@latest", *newest])
         more = len(self.steps) - len(newest)
         return f"{named}, ... ({more} more; GET /v1/models lists them)" if more else named
@@ -376,10 +381,19 @@ class TrainerService:
             self.engine.load_adapter(self.model_name(step), path)
         except EngineError:
             trainer.restore(snapshot)
-            self.store.delete(step)
+            self._discard(step)
             raise
         metrics["time/publish_s"] = time.perf_counter() - started
         return metrics, path
+
+    def _discard(self, step: int) -> None:
+        """Delete the checkpoint of `step`, which vLLM could not load; a failure is logged with its path, so the
+        engine's error stays the step's answer (a left `step-N` stops the next step's save, which names it)."""
+        try:
+            self.store.delete(step)
+        except OSError:
+            logger.exception("step %s: vLLM could not load it and its checkpoint %s could not be deleted; remove it "
+                             "by hand", step, self.store.path(step))
 
     # --- status -------------------------------------------------------------------------
 
@@ -404,8 +418,9 @@ class TrainerService:
             base_model=self.base_name,
             step=step,
             latest_model=self.latest_model,
-            models=self.served_models(),
-            checkpoints=list(self.steps),
+            models=[self.base_name, *self._newest_models(), f"{self.settings.name}@latest"],
+            checkpoints=self.steps[-_NAMED_STEPS:],
+            checkpoint_count=len(self.steps),
             training=self._lock.locked(),
             queue_depth=queue_depth,
             queue_error=queue_error,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from collector.protocol import Batch
@@ -75,6 +77,28 @@ async def test_full_disk_serves_nothing_and_rolls_back(tmp_path: Path, monkeypat
     await service.aclose()
 
 
+async def test_a_full_disk_safetensors_reports_without_an_errno_still_names_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    trainer = service.trainer
+    assert trainer is not None
+    full = f"Error while serializing: I/O error: {os.strerror(errno.ENOSPC)} (os error {errno.ENOSPC})"
+
+    def disk_full(path: str | Path, **kwargs: object) -> None:  # safetensors' own words (see the real limit below)
+        raise SafetensorError(full)
+
+    monkeypatch.setattr(trainer.model, "save_pretrained", disk_full)
+    batches.append(Batch(id="b1", groups=[group(trainer, (1.0, 0.0))], lease_expires_at=0))
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    # the 507 named no fix: a `SafetensorError` is no `OSError`
+    assert info.value.status == 507 and f"SafetensorError: {full}" in info.value.body.error.message
+    assert "rolled back; free disk space. Batch b1" in info.value.body.error.message
+    await service.aclose()
+
+
 _WRITE_LIMITED_STEPS = """
 import asyncio, json, resource, signal, sys, tempfile
 from pathlib import Path
@@ -100,7 +124,7 @@ async def main(root):
             outcomes.append({"status": 200})
         except ServiceError as exc:
             outcomes.append({"status": exc.status, "code": exc.body.error.code, "message": exc.body.error.message,
-                             "cause": type(exc.__cause__.__cause__).__name__})
+                             "cause": type(exc.__cause__.__cause__).__name__, "errno": exc.__cause__.errno})
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     print(json.dumps({"outcomes": outcomes, "releases": releases, "step": service.trainer.step_count,
@@ -122,6 +146,8 @@ def test_a_real_write_limit_is_507_and_not_the_datas_fault(tmp_path: Path) -> No
     assert [(o["status"], o.get("code"), o.get("cause")) for o in result["outcomes"]] == [
         (507, "checkpoint_write_failed", "SafetensorError"), (507, "checkpoint_write_failed", "RuntimeError")]
     assert "SafetensorError: " in result["outcomes"][0]["message"]  # the writer's own message is kept
+    # safetensors names the errno in its message ("(os error 27)"), `torch.save` none ("unexpected pos ...")
+    assert [o["errno"] for o in result["outcomes"]] == [errno.EFBIG, None]
     assert [(batch_id, body["failed"]) for batch_id, body in result["releases"]] == [("b0", False), ("b1", False)]
     assert result["step"] == 0 and result["left"] == []  # rolled back, nothing half-written left
 

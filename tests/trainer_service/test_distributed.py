@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -263,6 +264,26 @@ async def test_rank_0_unable_to_write_the_checkpoint_is_507_and_not_the_datas_fa
     assert "rank 0 of 2 failed saving" in info.value.body.error.message
     assert [(batch_id, body["failed"]) for batch_id, body in releases] == [("b1", False)]
     assert service.steps == [] and sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == []
+    await service.aclose()
+
+
+async def test_rank_0_on_a_full_disk_names_the_fix_as_one_process_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full_disk(self: TrainLauncher, job: Path) -> None:  # the report reaches the launcher as JSON
+        error = CheckpointWriteError("SafetensorError: ... No space left on device (os error 28)", errno.ENOSPC)
+        report = json.loads(json.dumps(_error_report(0, "saving", error)))
+        raise _worker_error([report], self.processes, self.log_path)
+
+    monkeypatch.setattr(TrainLauncher, "_launch", full_disk)
+    batches: list[Batch] = []
+    launcher = TrainLauncher(2, "unused", tmp_path / "train_workers.log")
+    service = make_service(tmp_path, batches, [], launcher=launcher)
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=batch_groups(service.trainer), lease_expires_at=0))
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    # the errno stayed in rank 0: the 507 named no fix
+    assert info.value.status == 507 and "rolled back; free disk space. Batch b1" in info.value.body.error.message
     await service.aclose()
 
 

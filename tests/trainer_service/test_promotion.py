@@ -340,6 +340,19 @@ async def test_a_reward_that_is_no_number_fails_the_eval_naming_the_prompt_and_m
     await evaluator.aclose()
 
 
+@pytest.mark.parametrize("returned", [10**400, 10**5000], ids=["1e400", "1e5000"])  # 1e5000 cannot be printed
+async def test_a_reward_too_large_for_a_float_fails_the_eval_naming_the_prompt_and_model(returned: int) -> None:
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": "1+1?"}]}]
+
+    # was a bare OverflowError from `math.isfinite`, naming neither
+    evaluator = Evaluator(source, lambda row, text: returned, "http://engine", transport=httpx.MockTransport(engine))
+    with pytest.raises(EvalError, match=r"returned a number too large for a float \(int\) on prompt 0 of the eval "
+                                        r"set, answered by agent@1; rewards must be finite"):
+        await evaluator.evaluate("agent@1")
+    await evaluator.aclose()
+
+
 async def test_a_reward_that_raises_names_the_prompt_and_logs_the_row(caplog: pytest.LogCaptureFixture) -> None:
     async def source() -> list[dict[str, Any]]:
         return [{"messages": [{"role": "user", "content": "1+1?"}], "answer": "2"},

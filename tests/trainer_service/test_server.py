@@ -93,7 +93,9 @@ def test_status_reports_a_healthy_engine(client: httpx.Client) -> None:
     # the session's engine: float32, its linear layers in bf16 where the CPU multiplies bf16 (the defaults)
     assert status["engine"]["dtype"] == "float32"
     assert status["engine"]["cpu_matmul_dtype"] == matmul_dtype("auto")
-    assert status["models"] == [m["id"] for m in client.get("/v1/models").json()["data"]]
+    models = [m["id"] for m in client.get("/v1/models").json()["data"]]  # the base, every `agent@N`, `agent@latest`
+    assert status["models"] == [*models[:1], *models[1:-1][-5:], *models[-1:]]  # the status names the newest 5
+    assert status["checkpoint_count"] == len(models) - 2
     assert status["latest_model"] == (f"agent@{status['step']}" if status["step"] else BASE)
 
 

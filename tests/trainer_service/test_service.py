@@ -73,6 +73,18 @@ async def test_an_unknown_model_names_the_newest_steps_not_thousands(tmp_path: P
     await service.aclose()
 
 
+async def test_status_names_the_newest_steps_and_counts_them_all(tmp_path: Path) -> None:
+    service = make_service(tmp_path, [], [])
+    service.steps = list(range(1, 3001))  # a run keeping every checkpoint: its status named all 3002 models
+    status = await service.status()
+    assert status.models == ["base-model", *(f"agent@{step}" for step in range(2996, 3001)), "agent@latest"]
+    assert status.checkpoints == list(range(2996, 3001)) and status.checkpoint_count == 3000
+    service.steps = [1, 2]
+    status = await service.status()
+    assert status.models == service.served_models() and status.checkpoints == [1, 2] and status.checkpoint_count == 2
+    await service.aclose()
+
+
 async def test_a_checkpoint_being_reloaded_is_503_not_404(tmp_path: Path) -> None:
     batches: list[Batch] = []
     service = make_service(tmp_path, batches, [])
@@ -205,6 +217,31 @@ async def test_a_failed_load_into_vllm_releases_without_counting(
     assert info.value.status == 500 and "Batch b1 was released" in info.value.body.error.message
     assert releases == [("b1", {"reason": "EngineError: vLLM refused /v1/load_lora_adapter", "failed": False})]
     assert service.steps == [] and list((tmp_path / "checkpoints").iterdir()) == []
+    await service.aclose()
+
+
+async def test_a_failed_load_whose_checkpoint_cannot_be_deleted_still_answers_the_engine_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+
+    def refuse(name: str, path: str | Path) -> None:
+        raise EngineError("vLLM refused /v1/load_lora_adapter")
+
+    def cannot_delete(step: int) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", str(service.store.path(step)))
+
+    monkeypatch.setattr(service.engine, "load_adapter", refuse)
+    monkeypatch.setattr(service.store, "delete", cannot_delete)
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    # was a 507 saying the checkpoint "could not be written", from the cleanup's PermissionError
+    assert info.value.status == 500 and "EngineError: vLLM refused" in info.value.body.error.message
+    assert service.steps == [] and service.trainer.step_count == 0
+    assert any(str(service.store.path(1)) in r.getMessage() and r.exc_info for r in caplog.records)
     await service.aclose()
 
 
