@@ -1,5 +1,9 @@
 """The collector's store: spans in, trajectories, groups and batch leases out.
 
+This module holds the writes (spans, rewards, score withdrawals, leases, acks, releases, reopens) and the store's
+plumbing; the reads are functions in `collector.store_reads`, which `SqlStore`'s read methods run in a read-only
+transaction after due maintenance (`SqlStore._read`).
+
 `SqlStore` implements the `Store` interface (`collector.store_base`) with SQLAlchemy Core,
 portable SQL with dialect-specific locking (see `collector.transactions`): on SQLite (WAL,
 `synchronous=FULL`) one writer at a time; on PostgreSQL concurrent transactions, advisory locks
@@ -10,7 +14,8 @@ returns only after its transaction committed.
 Ingest costs work for the export's own spans, not for what is stored: the spans go in one
 multi-row insert, each trajectory's grouping facts are updated from its digest
 (`assembly.FactsDigest`, kept on its row) and the new spans, and `collector.placement` writes
-the rows and places them in groups for the whole export; sequences are assembled on reading.
+the rows and places them in groups for the whole export; sequences are assembled on reading
+(`store_reads.assemble`).
 """
 
 from __future__ import annotations
@@ -21,14 +26,13 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Select, delete, func, or_, select
+from sqlalchemy import Connection, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from collector import assembly, curve, leases, placement, pool
+from collector import assembly, curve, leases, placement, pool, store_reads
 from collector.config import CollectorSettings
 from collector.engine import chunks, make_engine, use_wal
 from collector.errors import InvalidRequest
-from collector.groups import Decision
 from collector.otlp import SpanRecord
 from collector.protocol import (
     AckResponse,
@@ -45,21 +49,13 @@ from collector.protocol import (
     RewardIn,
     Trajectory,
 )
-from collector.schema import batch_groups, batches, groups, migrate, rewards, spans, trajectories
+from collector.schema import groups, migrate, rewards, spans, trajectories
 from collector.store_base import Store
 from collector.transactions import GROUP_LOCKS, IDEMPOTENCY_LOCKS, TRAJECTORY_LOCKS, Transactions
 
 __all__ = ["SqlStore"]
 
 log = logging.getLogger(__name__)
-
-_STORED_AS: dict[GroupState, frozenset[str]] = {
-    "open": frozenset({"open"}), "ready": frozenset({"open"}), "skipped": frozenset({"open", "skipped"}),
-    "leased": frozenset({"leased"}), "trained": frozenset({"trained"}), "expired": frozenset({"expired"}),
-}
-"""The stored states a group shown in each state can have: `ready`, `open` and `skipped` are decided for open
-groups (`pool.decisions`), the others are stored as they are shown."""
-
 
 class SqlStore(Store):
     """`Store` on SQLAlchemy Core. `clock` returns Unix time (injectable for tests); without one, the store's time is
@@ -157,7 +153,7 @@ class SqlStore(Store):
             elif by_rollout:  # a rollout's row is made with its first spans: there are no earlier ones
                 digest = assembly.FactsDigest.of(records)
             elif any(assembly.is_llm(r) for r in records):  # the trace's earlier spans held no model call
-                digest = assembly.FactsDigest.of(self._spans_of(conn, key))
+                digest = assembly.FactsDigest.of(store_reads.spans_of(conn, key))
             else:
                 continue  # spans outside any rollout become a trajectory only with a model call
             digests[key, by_rollout] = digest
@@ -201,10 +197,6 @@ class SqlStore(Store):
                 }
             )
         return found
-
-    def _spans_of(self, conn: Connection, trajectory_id: str) -> list[SpanRecord]:
-        rows = conn.execute(select(spans.c.record).where(spans.c.trajectory_id == trajectory_id)).scalars()
-        return [SpanRecord.from_dict(json.loads(row)) for row in rows]
 
     def add_rewards(
         self,
@@ -305,17 +297,7 @@ class SqlStore(Store):
             also(conn)
         return True
 
-    # --- reading ------------------------------------------------------------------------
-    def _assemble(self, conn: Connection, rows: list[Any]) -> list[Trajectory]:
-        named = pool.rewards_of(conn, rows)
-        return [
-            assembly.assemble(
-                row["id"], self._spans_of(conn, row["id"]), group_id=row["group_id"] or "",
-                complete=bool(row["complete"]), rewards=named[row["id"]], training=self.training,
-            )
-            for row in rows
-        ]
-
+    # --- reading (`collector.store_reads`) -------------------------------------------------
     def _read(self, work: Callable[[Connection], Any]) -> Any:
         """`work(conn)` on the store as of now: due maintenance (expired leases, stale groups) first, in a short write
         transaction of its own, then `work` in a read-only one, which on SQLite does not hold up writers."""
@@ -324,115 +306,34 @@ class SqlStore(Store):
 
     def trajectory(self, trajectory_id: str) -> Trajectory | None:
         """One assembled trajectory, or None."""
-
-        def work(conn: Connection) -> Trajectory | None:
-            row = conn.execute(select(trajectories).where(trajectories.c.id == trajectory_id)).mappings().first()
-            return self._assemble(conn, [row])[0] if row else None
-
-        return self._read(work)
-
-    @staticmethod
-    def _filtered(query: Select[Any], group: str | None, task: str | None, split: str | None) -> Select[Any]:
-        if group is not None:
-            query = query.where(or_(trajectories.c.group_id == group, trajectories.c.group_key == group))
-        if task is not None:
-            query = query.where(trajectories.c.task == task)
-        if split is not None:
-            query = query.where(trajectories.c.split == split)
-        return query
+        return self._read(lambda conn: store_reads.trajectory(conn, trajectory_id, self.training))
 
     def trajectories(self, *, group: str | None = None, task: str | None = None, split: str | None = None,
                      newest_first: bool = False, limit: int | None = None, offset: int = 0) -> list[Trajectory]:
         """Assembled trajectories matching every filter given (`group`: group id or group key), oldest first
         (`newest_first`: the reverse); with `limit`, that many from `offset` on, the others not assembled."""
-        order = (trajectories.c.created_at, trajectories.c.id)
-        query = self._filtered(select(trajectories), group, task, split)
-        query = (
-            query.order_by(*(column.desc() for column in order) if newest_first else order)
-            .offset(offset)
-            .limit(limit)
-        )
-        return self._read(lambda conn: self._assemble(conn, list(conn.execute(query).mappings())))
+        return self._read(lambda conn: store_reads.trajectories_matching(
+            conn, self.training, group=group, task=task, split=split, newest_first=newest_first, limit=limit,
+            offset=offset,
+        ))
 
     def count_trajectories(self, *, group: str | None = None, task: str | None = None, split: str | None = None) -> int:
         """How many trajectories `trajectories` would return with the same filters and no limit."""
-        query = self._filtered(select(func.count()).select_from(trajectories), group, task, split)
-        return self._read(lambda conn: conn.execute(query).scalar_one())
+        return self._read(lambda conn: store_reads.count_trajectories(conn, group=group, task=task, split=split))
 
     def curve_facts(self, *, split: str | None = None) -> list[curve.CurveFacts]:
         """Policy step and rewards of every trajectory (in `split`), without assembling them (`collector.curve`)."""
-        rows = self._filtered(curve.ROWS, None, None, split)
-        return self._read(lambda conn: curve.curve_facts(conn, rows, self._steps, self.training))
+        return self._read(lambda conn: store_reads.curve_facts(conn, self._steps, self.training, split=split))
 
     def groups(self, states: Collection[GroupState] | None = None, *, limit: int | None = None) -> list[GroupStatus]:
         """Every non-empty group with its readiness (`ready` is computed, not stored); with `states`, only the
         groups in one of them, read from the rows stored in a state they can show (not the whole history); with
         `limit`, only the newest `limit` non-empty groups (of those rows), newest first."""
-        query = select(groups).order_by(groups.c.created_at, groups.c.id)
-        if limit is not None:
-            members = select(trajectories.c.id).where(trajectories.c.group_id == groups.c.id).exists()
-            query = select(groups).where(members).order_by(groups.c.created_at.desc(), groups.c.id.desc()).limit(limit)
-        if states is not None:
-            query = query.where(groups.c.state.in_({stored for state in states for stored in _STORED_AS[state]}))
-
-        def work(
-            conn: Connection,
-        ) -> tuple[list[Any], dict[str, list[Any]], dict[str, dict[str, float]], dict[str, Decision]]:
-            every = list(conn.execute(query).mappings())
-            members = pool.group_members(conn, [g["id"] for g in every])
-            named = pool.rewards_of(conn, [row for rows in members.values() for row in rows])
-            return (
-                every, members, named, pool.decisions(conn, self.settings, [g for g in every if g["state"] == "open"])
-            )
-
-        every, members, named, decisions = self._read(work)
-        out = []
-        for group in every:
-            rows = members[group["id"]]
-            if not rows:
-                continue
-            state, reason = group["state"], group["reason"]
-            if group["id"] in decisions:
-                state, reason = decisions[group["id"]].state, decisions[group["id"]].reason
-            out.append(
-                GroupStatus(
-                    id=group["id"], task=group["task"], size=len(rows),
-                    expected=pool.expected_size(group, self.settings),
-                    complete=sum(bool(r["complete"]) for r in rows),
-                    rewarded=sum(self.training.of(named[r["id"]]) is not None for r in rows),
-                    state=state, reason=reason,
-                    failed_attempts=group["failed_attempts"],
-                )
-            )
-        return out if states is None else [status for status in out if status.state in states]
+        return self._read(lambda conn: store_reads.group_statuses(conn, self.settings, self.training, states, limit))
 
     def batches(self, *, limit: int = 100) -> list[BatchStatus]:
         """The latest `limit` batches (leases), newest first, with their group ids."""
-
-        def work(conn: Connection) -> list[BatchStatus]:
-            rows = list(
-                conn.execute(
-                    select(batches).order_by(batches.c.created_at.desc(), batches.c.id).limit(limit)
-                ).mappings()
-            )
-            members: dict[str, list[str]] = {row["id"]: [] for row in rows}
-            for chunk in chunks(list(members)):
-                query = (
-                    select(batch_groups.c.batch_id, batch_groups.c.group_id)
-                    .where(batch_groups.c.batch_id.in_(chunk))
-                )
-                for batch_id, group_id in conn.execute(query):
-                    members[batch_id].append(group_id)
-            return [
-                BatchStatus(
-                    id=row["id"], trainer=row["trainer"], state=row["state"], created_at=row["created_at"],
-                    lease_expires_at=row["lease_expires_at"], acked_at=row["acked_at"], policy_step=row["policy_step"],
-                    groups=sorted(members[row["id"]]), reason=row["reason"],
-                )
-                for row in rows
-            ]
-
-        return self._read(work)
+        return self._read(lambda conn: store_reads.batch_statuses(conn, limit))
 
     # --- leases -------------------------------------------------------------------------
     def lease(self, request: BatchRequest) -> Batch:
@@ -448,7 +349,10 @@ class SqlStore(Store):
             self._tx.lock(conn, IDEMPOTENCY_LOCKS, [request.idempotency_key])
         batch_id, expires, taken = leases.take(conn, self.settings, request, self._now(conn))
         members = pool.group_members(conn, [g["id"] for g in taken])
-        out = [Group(id=g["id"], task=g["task"], trajectories=self._assemble(conn, members[g["id"]])) for g in taken]
+        out = [
+            Group(id=g["id"], task=g["task"], trajectories=store_reads.assemble(conn, members[g["id"]], self.training))
+            for g in taken
+        ]
         return Batch(id=batch_id, groups=out, lease_expires_at=expires)
 
     def ack(self, batch_id: str, policy_step: int | None) -> AckResponse:

@@ -1,6 +1,7 @@
 """The collector's storage interface: what the HTTP layer, the judges and the read views need from a store.
 
-`Store` is the interface; `collector.store.SqlStore` implements it on SQLite and PostgreSQL.
+`Store` is the interface; `collector.store.SqlStore` implements it on SQLite and PostgreSQL, its reads in
+`collector.store_reads`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,152 @@
+"""The collector store's reads: trajectories, groups, batches and curve facts out of the tables.
+
+Functions over an open connection; `SqlStore`'s read methods run each in `SqlStore._read` (due maintenance first,
+then a read-only transaction), and its lease assembles the trajectories it hands out with `assemble`. Sequences are
+assembled here, on reading, from the stored spans (`collector.assembly`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from typing import Any
+
+from sqlalchemy import Connection, Select, func, or_, select
+
+from collector import assembly, curve, pool
+from collector.config import CollectorSettings
+from collector.engine import chunks
+from collector.groups import Decision, TrainingReward
+from collector.otlp import SpanRecord
+from collector.protocol import BatchStatus, GroupState, GroupStatus, Trajectory
+from collector.schema import batch_groups, batches, groups, spans, trajectories
+
+__all__ = [
+    "assemble", "batch_statuses", "count_trajectories", "curve_facts", "group_statuses", "spans_of", "trajectory",
+    "trajectories_matching",
+]
+
+_STORED_AS: dict[GroupState, frozenset[str]] = {
+    "open": frozenset({"open"}), "ready": frozenset({"open"}), "skipped": frozenset({"open", "skipped"}),
+    "leased": frozenset({"leased"}), "trained": frozenset({"trained"}), "expired": frozenset({"expired"}),
+}
+"""The stored states a group shown in each state can have: `ready`, `open` and `skipped` are decided for open
+groups (`pool.decisions`), the others are stored as they are shown."""
+
+
+def spans_of(conn: Connection, trajectory_id: str) -> list[SpanRecord]:
+    """Every stored span of a trajectory, in no particular order."""
+    rows = conn.execute(select(spans.c.record).where(spans.c.trajectory_id == trajectory_id)).scalars()
+    return [SpanRecord.from_dict(json.loads(row)) for row in rows]
+
+
+def assemble(conn: Connection, rows: list[Any], training: TrainingReward) -> list[Trajectory]:
+    """The trajectories of trajectory `rows`, assembled from their spans and named rewards."""
+    named = pool.rewards_of(conn, rows)
+    return [
+        assembly.assemble(
+            row["id"], spans_of(conn, row["id"]), group_id=row["group_id"] or "",
+            complete=bool(row["complete"]), rewards=named[row["id"]], training=training,
+        )
+        for row in rows
+    ]
+
+
+def trajectory(conn: Connection, trajectory_id: str, training: TrainingReward) -> Trajectory | None:
+    """One assembled trajectory, or None."""
+    row = conn.execute(select(trajectories).where(trajectories.c.id == trajectory_id)).mappings().first()
+    return assemble(conn, [row], training)[0] if row else None
+
+
+def _filtered(query: Select[Any], group: str | None, task: str | None, split: str | None) -> Select[Any]:
+    """`query` kept to the trajectories matching every filter given (`group`: group id or group key)."""
+    if group is not None:
+        query = query.where(or_(trajectories.c.group_id == group, trajectories.c.group_key == group))
+    if task is not None:
+        query = query.where(trajectories.c.task == task)
+    if split is not None:
+        query = query.where(trajectories.c.split == split)
+    return query
+
+
+def trajectories_matching(
+    conn: Connection, training: TrainingReward, *, group: str | None, task: str | None, split: str | None,
+    newest_first: bool, limit: int | None, offset: int,
+) -> list[Trajectory]:
+    """`Store.trajectories`: the trajectories matching every filter given, oldest first (`newest_first`: the
+    reverse); with `limit`, that many from `offset` on, the others not assembled."""
+    order = (trajectories.c.created_at, trajectories.c.id)
+    query = _filtered(select(trajectories), group, task, split)
+    query = query.order_by(*(column.desc() for column in order) if newest_first else order).offset(offset).limit(limit)
+    return assemble(conn, list(conn.execute(query).mappings()), training)
+
+
+def count_trajectories(conn: Connection, *, group: str | None, task: str | None, split: str | None) -> int:
+    """How many trajectories `trajectories_matching` would return with the same filters and no limit."""
+    return conn.execute(_filtered(select(func.count()).select_from(trajectories), group, task, split)).scalar_one()
+
+
+def curve_facts(
+    conn: Connection, steps: curve.PolicySteps, training: TrainingReward, *, split: str | None
+) -> list[curve.CurveFacts]:
+    """Policy step and rewards of every trajectory (in `split`), without assembling them (`collector.curve`)."""
+    return curve.curve_facts(conn, _filtered(curve.ROWS, None, None, split), steps, training)
+
+
+def group_statuses(
+    conn: Connection, settings: CollectorSettings, training: TrainingReward, states: Collection[GroupState] | None,
+    limit: int | None,
+) -> list[GroupStatus]:
+    """`Store.groups`: every non-empty group with its readiness (`ready` is computed, not stored); with `states`,
+    only the groups in one of them, read from the rows stored in a state they can show (not the whole history);
+    with `limit`, only the newest `limit` non-empty groups (of those rows), newest first."""
+    query = select(groups).order_by(groups.c.created_at, groups.c.id)
+    if limit is not None:
+        has_members = select(trajectories.c.id).where(trajectories.c.group_id == groups.c.id).exists()
+        query = select(groups).where(has_members).order_by(groups.c.created_at.desc(), groups.c.id.desc()).limit(limit)
+    if states is not None:
+        query = query.where(groups.c.state.in_({stored for state in states for stored in _STORED_AS[state]}))
+    every = list(conn.execute(query).mappings())
+    members = pool.group_members(conn, [g["id"] for g in every])
+    named = pool.rewards_of(conn, [row for rows in members.values() for row in rows])
+    decisions = pool.decisions(conn, settings, [g for g in every if g["state"] == "open"])
+    out = [
+        _status(group, members[group["id"]], named, decisions.get(group["id"]), settings, training)
+        for group in every
+        if members[group["id"]]
+    ]
+    return out if states is None else [status for status in out if status.state in states]
+
+
+def _status(
+    group: Any, rows: list[Any], named: dict[str, dict[str, float]], decision: Decision | None,
+    settings: CollectorSettings, training: TrainingReward,
+) -> GroupStatus:
+    """A group's status from its row, its members' rows and their named rewards; `decision`: an open one's."""
+    state, reason = (decision.state, decision.reason) if decision is not None else (group["state"], group["reason"])
+    return GroupStatus(
+        id=group["id"], task=group["task"], size=len(rows), expected=pool.expected_size(group, settings),
+        complete=sum(bool(r["complete"]) for r in rows),
+        rewarded=sum(training.of(named[r["id"]]) is not None for r in rows),
+        state=state, reason=reason, failed_attempts=group["failed_attempts"],
+    )
+
+
+def batch_statuses(conn: Connection, limit: int) -> list[BatchStatus]:
+    """The latest `limit` batches (leases), newest first, with their group ids."""
+    rows = list(
+        conn.execute(select(batches).order_by(batches.c.created_at.desc(), batches.c.id).limit(limit)).mappings()
+    )
+    members: dict[str, list[str]] = {row["id"]: [] for row in rows}
+    for chunk in chunks(list(members)):
+        query = select(batch_groups.c.batch_id, batch_groups.c.group_id).where(batch_groups.c.batch_id.in_(chunk))
+        for batch_id, group_id in conn.execute(query):
+            members[batch_id].append(group_id)
+    return [
+        BatchStatus(
+            id=row["id"], trainer=row["trainer"], state=row["state"], created_at=row["created_at"],
+            lease_expires_at=row["lease_expires_at"], acked_at=row["acked_at"], policy_step=row["policy_step"],
+            groups=sorted(members[row["id"]]), reason=row["reason"],
+        )
+        for row in rows
+    ]
