@@ -339,16 +339,20 @@ def test_a_group_changed_by_another_replica_before_the_lease_locks_it_is_not_lea
         each.close()
 
 
-def test_a_lease_left_short_of_min_groups_by_the_check_under_the_lock_takes_nothing(db_url, clock, monkeypatch) -> None:
-    """Two groups are ready for `min_groups=2`, then one gains a trajectory without reward before the lease locks
-    it: deciding again under the lock leaves one, too few, so the lease takes none and stores no batch."""
+@pytest.mark.parametrize(("ready", "leased"), [(["g1", "g2"], []), (["g1", "g2", "g3"], ["g2", "g3"])])
+def test_a_group_the_check_under_the_lock_drops_leaves_the_lease_to_the_next_ready_ones(
+    db_url, clock, monkeypatch, ready: list[str], leased: list[str]
+) -> None:
+    """Groups are ready for `min_groups = max_groups = 2`; the oldest gains a trajectory without reward before the
+    lease locks it. Deciding again under the lock drops it, and the lease takes the next ready group instead: with
+    none left, too few for `min_groups`, it takes none and stores no batch."""
     from collector import pool
     url = db_url()
     if not url.startswith("postgresql"):
         pytest.skip("SQLite has one writer at a time: no other store commits inside a lease")
     store, replica = (SqlStore(CollectorSettings(db=url), clock=clock) for _ in range(2))
     store.setup()
-    for i, group in enumerate(["g1", "g2"]):
+    for i, group in enumerate(ready):
         store.add_spans(trajectory(100 * i + 10, f"{group}a", reward=1.0, group=group, size=None)
                         + trajectory(100 * i + 20, f"{group}b", reward=0.0, group=group, size=None))
     decided = pool.decisions
@@ -357,41 +361,14 @@ def test_a_lease_left_short_of_min_groups_by_the_check_under_the_lock_takes_noth
         out = decided(conn, settings, open_groups)
         if open_groups:
             monkeypatch.setattr(pool, "decisions", decided)
-            replica.add_spans(trajectory(300, "g1c", reward=None, group="g1", size=None))
+            replica.add_spans(trajectory(900, "g1c", reward=None, group="g1", size=None))
         return out
 
     monkeypatch.setattr(pool, "decisions", decisions_then_a_commit_elsewhere)
-    assert store.lease(BatchRequest(min_groups=2, max_groups=2)).groups == []
-    assert store.batches() == []
-    assert [_state(store, group)[0] for group in ("g1", "g2")] == ["open", "ready"]
-    for each in (store, replica):
-        each.close()
-
-
-def test_a_group_the_check_under_the_lock_drops_makes_room_for_the_next_ready_one(db_url, clock, monkeypatch) -> None:
-    """Three groups are ready for `min_groups = max_groups = 2`; the oldest gains a trajectory without reward before
-    the lease locks it: the lease takes the other two, not nothing."""
-    from collector import pool
-    url = db_url()
-    if not url.startswith("postgresql"):
-        pytest.skip("SQLite has one writer at a time: no other store commits inside a lease")
-    store, replica = (SqlStore(CollectorSettings(db=url), clock=clock) for _ in range(2))
-    store.setup()
-    for i, group in enumerate(["g1", "g2", "g3"]):
-        store.add_spans(trajectory(100 * i + 10, f"{group}a", reward=1.0, group=group, size=None)
-                        + trajectory(100 * i + 20, f"{group}b", reward=0.0, group=group, size=None))
-    decided = pool.decisions
-
-    def decisions_then_a_commit_elsewhere(conn, settings, open_groups):
-        out = decided(conn, settings, open_groups)
-        if open_groups:
-            monkeypatch.setattr(pool, "decisions", decided)
-            replica.add_spans(trajectory(400, "g1c", reward=None, group="g1", size=None))
-        return out
-
-    monkeypatch.setattr(pool, "decisions", decisions_then_a_commit_elsewhere)
-    assert [g.id for g in store.lease(BatchRequest(min_groups=2, max_groups=2)).groups] == ["g2", "g3"]
-    assert [_state(store, group)[0] for group in ("g1", "g2", "g3")] == ["open", "leased", "leased"]
+    assert [g.id for g in store.lease(BatchRequest(min_groups=2, max_groups=2)).groups] == leased
+    assert len(store.batches()) == (1 if leased else 0)
+    assert [_state(store, group)[0] for group in ready] == ["open", *("leased" if leased else "ready"
+                                                                      for _ in ready[1:])]
     for each in (store, replica):
         each.close()
 
