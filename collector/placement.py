@@ -18,7 +18,8 @@ from sqlalchemy import Connection, bindparam, delete, func, select
 from collector.assembly import FactsDigest, TrajectoryFacts
 from collector.engine import chunks
 from collector.groups import capacity
-from collector.schema import groups, judge_runs, judgements, rewards, trajectories
+from collector.schema import groups, rewards, trajectories
+from collector.scoring_store import ScoringStore
 
 __all__ = ["place", "write_trajectories"]
 
@@ -165,8 +166,8 @@ def _rollout_traces(conn: Connection, found: dict[tuple[str, bool], TrajectoryFa
 def _forget_trajectory(conn: Connection, row: Any) -> None:
     """Delete the trajectory `row` and what was scored of it: the rewards given to its id (a judge's, the API's),
     which a later trajectory of the same id would take as its own, the judge's explanations of it, and the judge run
-    of its group, so the members left are judged again without it (a run in flight loses its claim and stores
-    nothing).
+    of its group (`ScoringStore.forget_trajectory`), so the members left are judged again without it (a run in flight
+    loses its claim and stores nothing).
 
     Its spans stay, as the spans of a trace left out on arrival do: they are read only through a trajectory row,
     and a later export of that trace sees them and leaves it out again. So do the records of its scores pushed to
@@ -174,9 +175,7 @@ def _forget_trajectory(conn: Connection, row: Any) -> None:
     """
     conn.execute(delete(trajectories).where(trajectories.c.id == row["id"]))
     conn.execute(delete(rewards).where(rewards.c.rollout_id == row["id"]))
-    conn.execute(delete(judgements).where(judgements.c.trajectory_id == row["id"]))
-    if row["group_id"] is not None:
-        conn.execute(delete(judge_runs).where(judge_runs.c.group_id == row["group_id"]))
+    ScoringStore.forget_trajectory(conn, row["id"], row["group_id"])
 
 
 def _delete_foreign(conn: Connection, row: Any, now: float) -> bool:

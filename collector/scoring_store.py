@@ -123,6 +123,15 @@ class ScoringStore:
         if rows:
             conn.execute(judgements.insert(), [{"name": name, "group_id": group_id, **row} for row in rows])
 
+    @staticmethod
+    def forget_trajectory(conn: Connection, trajectory_id: str, group_id: str | None) -> None:
+        """Drop the judgements of a deleted trajectory and the judge run of its group `group_id` (if any), on `conn`:
+        the transaction that deletes the trajectory (`placement._forget_trajectory`), so the members left are judged
+        again without it (a run in flight loses its claim and stores nothing)."""
+        conn.execute(delete(judgements).where(judgements.c.trajectory_id == trajectory_id))
+        if group_id is not None:
+            conn.execute(delete(judge_runs).where(judge_runs.c.group_id == group_id))
+
     def judgements(self, trajectory_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
         """Judgements by trajectory id."""
         out: dict[str, list[dict[str, Any]]] = {tid: [] for tid in trajectory_ids}

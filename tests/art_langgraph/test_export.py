@@ -21,6 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.trace import Tracer
 
 import art_langgraph
 from art_langgraph import _tracing, rollout, semconv
@@ -283,6 +284,13 @@ def test_drops_stay_counted_after_shutdown_and_configure(memory_tracing, dead_ur
         memory_tracing.install()
 
 
+def end_span(tracer: Tracer, processor: SpanProcessor) -> None:
+    """Start and end a span of `tracer` and hand it to `processor`, as its provider would when the span ends."""
+    span = tracer.start_span("s")
+    span.end()
+    processor.on_end(span)  # type: ignore[arg-type]
+
+
 def test_spans_the_processor_leaves_queued_at_shutdown_are_counted() -> None:
     """The SDK's processor waits 30 s for an export that stalls (a collector that does not answer), then stops with
     the rest of its queue unexported: those spans were lost and `dropped_spans()` did not count them."""
@@ -298,16 +306,11 @@ def test_spans_the_processor_leaves_queued_at_shutdown_are_counted() -> None:
     processor = BoundedProcessor(counting, max_queue_size=2)  # batches of 2
     tracer = TracerProvider().get_tracer("test")
 
-    def end_span() -> None:
-        span = tracer.start_span("s")
-        span.end()
-        processor.on_end(span)  # type: ignore[arg-type]
-
     dropped = art_langgraph.dropped_spans()
-    end_span()
-    end_span()
+    end_span(tracer, processor)
+    end_span(tracer, processor)
     assert started.wait(10)  # the worker holds the first batch, stalled
-    end_span()  # queued behind it
+    end_span(tracer, processor)  # queued behind it
     try:
         processor.shutdown()
         assert counting.dropped == 1
@@ -347,19 +350,14 @@ def test_spans_given_up_on_at_exit_are_counted_once_whatever_the_late_export_doe
     processor = HeldProcessor(counting, max_queue_size=10)
     tracer = TracerProvider().get_tracer("test")
 
-    def end_span() -> None:
-        span = tracer.start_span("s")
-        span.end()
-        processor.on_end(span)  # type: ignore[arg-type]
-
     dropped = art_langgraph.dropped_spans()
-    end_span()
-    end_span()
+    end_span(tracer, processor)
+    end_span(tracer, processor)
     sending = threading.Thread(target=processor.force_flush)
     sending.start()
     try:
         assert entered.wait(10)  # the 2 spans' request is not answered
-        end_span()  # queued
+        end_span(tracer, processor)  # queued
         assert counting.give_up() == 3
     finally:
         release.set()
