@@ -57,14 +57,16 @@ class CurveFacts:
 
 
 class PolicySteps:
-    """The policy step of each trajectory read so far, with the number of spans it was computed from."""
+    """The policy step of each trajectory read so far (and, since the last read of every one, still stored), with
+    the number of spans it was computed from."""
 
     def __init__(self) -> None:
         self._known: dict[str, tuple[int, int | None]] = {}
 
-    def of(self, conn: Connection, counts: Mapping[str, int]) -> dict[str, int | None]:
+    def of(self, conn: Connection, counts: Mapping[str, int], *, every: bool) -> dict[str, int | None]:
         """The policy step of each trajectory, by id, from `counts` (its number of spans stored); those whose
-        number changed since they were last read are computed from their spans."""
+        number changed since they were last read are computed from their spans. `every`: `counts` holds every
+        trajectory stored, so the steps of the others (deleted since) are forgotten."""
         known = {tid: self._known.get(tid, (-1, None)) for tid in counts}  # a concurrent read may replace entries
         stale = [tid for tid, count in counts.items() if known[tid][0] != count]
         found: dict[str, list[SpanRecord]] = {tid: [] for tid in stale}
@@ -74,12 +76,17 @@ class PolicySteps:
                 found[trajectory_id].append(SpanRecord.from_dict(json.loads(record)))
         for tid, records in found.items():  # the spans read, not `counts`: a span stored in between counts too
             known[tid] = self._known[tid] = (len(records), step_of(records))
+        if every:
+            self._known = dict(known)  # a new dict: a concurrent read's entries go (computed again), none is torn
         return {tid: step for tid, (_, step) in known.items()}
 
 
-def curve_facts(conn: Connection, rows: Select[Any], steps: PolicySteps, training: TrainingReward) -> list[CurveFacts]:
-    """`CurveFacts` of the trajectories `rows` (`ROWS`, filtered) selects, `training` their training reward."""
+def curve_facts(
+    conn: Connection, rows: Select[Any], steps: PolicySteps, training: TrainingReward, *, every: bool
+) -> list[CurveFacts]:
+    """`CurveFacts` of the trajectories `rows` (`ROWS`, filtered) selects, `training` their training reward;
+    `every`: `rows` is not filtered (`PolicySteps.of`)."""
     found = [dict(row) for row in conn.execute(rows).mappings()]  # a plain dict: `RowMapping` lookups are slow
     named = pool.rewards_of(conn, found)
-    step = steps.of(conn, {row["id"]: row["spans"] for row in found})
+    step = steps.of(conn, {row["id"]: row["spans"] for row in found}, every=every)
     return [CurveFacts(step[row["id"]], training.of(named[row["id"]]), named[row["id"]]) for row in found]

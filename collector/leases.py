@@ -8,6 +8,7 @@ Functions over an open transaction; `SqlStore` calls them. An expired lease ends
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from typing import Any
 
@@ -31,18 +32,40 @@ __all__ = ["REOPENABLE", "ack", "release", "reopen", "take"]
 
 log = logging.getLogger(__name__)
 
+_LEASE_SECONDS_TOLERANCE = 1e-3
+"""Seconds a retry's `lease_seconds` may differ from the stored lease's length (`lease_expires_at - created_at`,
+rounded as Unix times are)."""
+
 
 def _age(group: Any) -> tuple[float, str]:
     """The order groups are leased in: oldest first, then by id."""
     return group["created_at"], group["id"]
 
 
-def _leased_before(conn: Connection, key: str) -> tuple[str, float, list[Any]] | None:
-    """The batch a request with idempotency key `key` leased, as `take` returns it; None when none did.
+def _differences(batch: Any, leased: int, request: BatchRequest) -> list[str]:
+    """How `request` differs from the one that leased `batch` (`leased` groups), as far as the batch row tells:
+    its `trainer` and `lease_seconds`; of `max_groups` and `min_groups`, only a bound the batch's size breaks."""
+    found = []
+    if batch["trainer"] != request.trainer:
+        found.append(f"trainer {batch['trainer']!r}, not {request.trainer!r}")
+    leased_for = batch["lease_expires_at"] - batch["created_at"]
+    if not math.isclose(leased_for, request.lease_seconds, abs_tol=_LEASE_SECONDS_TOLERANCE):
+        found.append(f"lease_seconds {leased_for:g}, not {request.lease_seconds:g}")
+    if leased > request.max_groups:
+        found.append(f"{leased} groups, more than max_groups {request.max_groups}")
+    if leased < request.min_groups:
+        found.append(f"{leased} groups, fewer than min_groups {request.min_groups}")
+    return found
+
+
+def _leased_before(conn: Connection, request: BatchRequest) -> tuple[str, float, list[Any]] | None:
+    """The batch a request with `request`'s idempotency key leased, as `take` returns it; None when none did.
 
     Raises:
-        Conflict: `idempotency_key_used`, that batch's lease ended (acked, released or expired).
+        Conflict: `idempotency_key_used`, that batch's lease ended (acked, released or expired);
+            `idempotency_key_mismatch`, `request` differs from the one that leased it (`_differences`).
     """
+    key = request.idempotency_key
     batch = conn.execute(select(batches).where(batches.c.idempotency_key == key)).mappings().first()
     if batch is None:
         return None
@@ -53,6 +76,12 @@ def _leased_before(conn: Connection, key: str) -> tuple[str, float, list[Any]] |
             code="idempotency_key_used",
         )
     ids = list(conn.execute(select(batch_groups.c.group_id).where(batch_groups.c.batch_id == batch["id"])).scalars())
+    if differences := _differences(batch, len(ids), request):
+        raise Conflict(
+            f"{IDEMPOTENCY_KEY_HEADER} {key!r} leased batch {batch['id']} for another request "
+            f"({'; '.join(differences)}): send the same request again to get that batch, or a new key to lease again",
+            code="idempotency_key_mismatch",
+        )
     rows = list(conn.execute(select(groups).where(groups.c.id.in_(ids))).mappings()) if ids else []
     return batch["id"], batch["lease_expires_at"], sorted(rows, key=_age)
 
@@ -103,11 +132,12 @@ def take(
     again while its lease lasts (`_leased_before`; the caller holds the key's lock, `IDEMPOTENCY_LOCKS`).
 
     Raises:
-        Conflict: `idempotency_key_used`, the lease of the batch that key leased ended.
+        Conflict: `idempotency_key_used`, the lease of the batch that key leased ended; `idempotency_key_mismatch`,
+            that batch was leased for a request with other parameters.
     """
     key = request.idempotency_key
     pool.maintain(conn, settings, now)
-    if key is not None and (before := _leased_before(conn, key)) is not None:
+    if key is not None and (before := _leased_before(conn, request)) is not None:
         return before
     open_groups = list(conn.execute(select(groups).where(groups.c.state == "open")).mappings())
     decided = pool.decisions(conn, settings, open_groups)

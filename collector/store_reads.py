@@ -90,7 +90,7 @@ def curve_facts(
     conn: Connection, steps: curve.PolicySteps, training: TrainingReward, *, split: str | None
 ) -> list[curve.CurveFacts]:
     """Policy step and rewards of every trajectory (in `split`), without assembling them (`collector.curve`)."""
-    return curve.curve_facts(conn, _filtered(curve.ROWS, None, None, split), steps, training)
+    return curve.curve_facts(conn, _filtered(curve.ROWS, None, None, split), steps, training, every=split is None)
 
 
 def group_statuses(

@@ -130,7 +130,9 @@ class StatusResponse(BaseModel):
     queue_error: str | None = Field(default=None, description="Why queue_depth is unknown.")
     schedule: ScheduleStatus
     promotion: PromotionDecision | None = Field(description="The promotion gate's last decision.")
-    eval_rewards: dict[int, float] = Field(description="Mean eval reward per step (0: the base model).")
+    eval_rewards: dict[int, float] = Field(description="Mean eval reward of the newest few evaluated steps and of "
+                                           "the promoted one, the gate's baseline (0: the base model).")
+    eval_reward_count: int = Field(description="How many steps have a mean eval reward, all of them.")
     last_metrics: dict[str, float]
     counters: dict[str, int] = Field(description="Service counters: `retention_errors`, `metrics_sink_errors`, ...")
     last_error: str | None = Field(description="Message of the last failed training step, if any; cleared by a "

@@ -397,6 +397,13 @@ class TrainerService:
 
     # --- status -------------------------------------------------------------------------
 
+    def _newest_evals(self) -> dict[int, float]:
+        """Mean eval reward of the newest `_NAMED_STEPS` evaluated steps and of the promoted one (the gate's
+        baseline; 0: the base model), by step."""
+        evals = self.gate.evals
+        shown = set(sorted(evals)[-_NAMED_STEPS:]) | ({self.gate.latest or 0} & evals.keys())
+        return {step: evals[step] for step in sorted(shown)}
+
     async def status(self) -> StatusResponse:
         """Step, models, queue depth, schedule, promotion, last metrics and engine health."""
         healthy = await asyncio.to_thread(self.engine.healthy)
@@ -428,7 +435,8 @@ class TrainerService:
                                     next_run=next_run.isoformat() if next_run else None,
                                     counts=dict(self.schedule.counts), last_outcome=self.schedule.last_outcome),
             promotion=self.gate.decision,
-            eval_rewards=dict(self.gate.evals),
+            eval_rewards=self._newest_evals(),
+            eval_reward_count=len(self.gate.evals),
             last_metrics=self.metrics.last or trained,
             counters={**self.counters, **self.lender.counters, "metrics_sink_errors": self.metrics.sink_errors},
             last_error=self.last_error,

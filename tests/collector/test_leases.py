@@ -199,7 +199,31 @@ def test_a_lease_sent_again_with_its_idempotency_key_gets_the_same_batch(make_st
     assert [(b.id, b.state) for b in store.batches()] == [(first.id, "leased")]
     other = store.lease(BatchRequest(max_groups=2, idempotency_key="k2"))  # a new key: a new lease
     assert [g.id for g in other.groups] == ["g3"]
-    assert store.lease(BatchRequest(max_groups=2, idempotency_key="k1")).id == first.id  # g3 leased meanwhile
+    assert store.lease(BatchRequest(max_groups=2, lease_seconds=60, idempotency_key="k1")).id == first.id  # g3 leased
+
+
+@pytest.mark.parametrize(("changed", "difference"), [
+    ({"trainer": "b"}, "trainer 'a', not 'b'"),
+    ({"lease_seconds": 900}, "lease_seconds 60, not 900"),
+    ({"max_groups": 1}, "2 groups, more than max_groups 1"),
+    ({"min_groups": 3, "max_groups": 3}, "2 groups, fewer than min_groups 3"),
+])
+def test_an_idempotency_key_sent_with_other_parameters_is_refused(
+    make_store, clock, changed: dict[str, object], difference: str
+) -> None:
+    """A key reused for another request is a client bug: it got the first request's batch, whatever it asked."""
+    store = make_store()
+    for i, group in enumerate(["g1", "g2", "g3"]):
+        _ready_group(store, group, first=100 * (i + 1))
+    asked: dict[str, object] = {"max_groups": 2, "lease_seconds": 60, "trainer": "a"}
+    first = store.lease(BatchRequest(**asked, idempotency_key="k1"))
+    clock.now += 5
+    with pytest.raises(Conflict, match=f"Idempotency-Key 'k1' leased batch {first.id} for another request "
+                       f"\\({difference}\\): send the same request again") as info:
+        store.lease(BatchRequest(**{**asked, **changed}, idempotency_key="k1"))
+    assert info.value.code == "idempotency_key_mismatch"
+    assert store.lease(BatchRequest(**asked, idempotency_key="k1")) == first
+    assert [(b.id, b.state) for b in store.batches()] == [(first.id, "leased")]
 
 
 @pytest.mark.parametrize("end", ["ack", "release", "expiry"])

@@ -135,7 +135,10 @@ def test_a_lease_sent_again_with_its_idempotency_key_answers_the_same_batch(clie
     first = client.post("/v1/batches", json={"lease_seconds": 60}, headers=keyed)
     assert first.status_code == 200 and [g["id"] for g in first.json()["groups"]] == ["g"]
     assert client.post("/v1/batches", json={"lease_seconds": 60}, headers=keyed).json() == first.json()
-    assert client.post("/v1/batches", json={"idempotency_key": "5f0c8e1d"}).json() == first.json()
+    assert client.post("/v1/batches", json={"idempotency_key": "5f0c8e1d", "lease_seconds": 60}).json() == first.json()
+    other = assert_error(client.post("/v1/batches", json={"lease_seconds": 90}, headers=keyed), 409,
+                         "idempotency_key_mismatch")  # a key reused for another request: a client bug
+    assert "for another request (lease_seconds 60, not 90)" in other["message"]
     assert client.post("/v1/batches", json={}).json()["groups"] == []  # no key: a lease of its own
     assert [b["id"] for b in client.get("/v1/view/batches").json()] == [first.json()["id"]]
     client.post(f"/v1/batches/{first.json()['id']}/ack", json={"policy_step": 1})

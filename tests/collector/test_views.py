@@ -12,12 +12,14 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import delete
 
 from art_langgraph import semconv as sc
 from collector import assembly, curve
 from collector.otlp import SpanRecord
 from collector.protocol import RewardIn
 from collector.read_protocol import CurvePoint
+from collector.schema import spans, trajectories
 from collector.store_base import Store
 from collector.views import NO_MODEL_CALL, policy_step, reward_curve
 from tests.collector import span_builders as sb
@@ -246,6 +248,24 @@ def test_the_reward_curve_assembles_no_trajectory_and_reads_the_spans_of_changed
     store.add_spans([sb.llm(900, rollout="a-0", trace=trace_id("a", 0), start=20, prompt=[9], completion=[9], step=5)])
     store.add_reward(RewardIn(rollout_id="b-1", value=0.0))
     assert points() == [(0, 0.0, 1), (1, 0.5, 2), (5, 1.0, 1)] and read == ["a-0"]
+
+
+def test_the_reward_curve_forgets_the_steps_of_deleted_trajectories_once_it_reads_every_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`PolicySteps` kept the step of every trajectory it ever read, also of those deleted since (a foreign
+    trajectory `placement` deletes), so without bound."""
+    store = make_app(tmp_path, monkeypatch).state.store
+    store.add_spans(group_spans("a", ["7", "8"], rewards=[1.0, 0.0], steps=[0, 0]))
+    store.add_spans(group_spans("b", ["7", "7"], rewards=[1.0, 0.5], steps=[1, 1], first_span=100))
+    assert len(store.curve_facts()) == 4
+    everyone = set(store._steps._known)
+    gone = sorted(everyone)[:2]
+    with store.engine.begin() as conn:
+        conn.execute(delete(spans).where(spans.c.trajectory_id.in_(gone)))
+        conn.execute(delete(trajectories).where(trajectories.c.id.in_(gone)))
+    assert store.curve_facts(split="test") == [] and set(store._steps._known) == everyone  # a split: others stay
+    assert len(store.curve_facts()) == 2 and set(store._steps._known) == everyone - set(gone)
 
 
 def assembled_curve(store: Store, name: str | None, split: str | None) -> list[CurvePoint]:

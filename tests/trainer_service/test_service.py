@@ -85,6 +85,20 @@ async def test_status_names_the_newest_steps_and_counts_them_all(tmp_path: Path)
     await service.aclose()
 
 
+async def test_status_shows_the_newest_eval_rewards_and_the_baseline_and_counts_them_all(tmp_path: Path) -> None:
+    service = make_service(tmp_path, [], [])
+    service.steps = list(range(1, 3001))
+    service.gate.evals = {0: 0.5, **{step: step / 3000 for step in service.steps}}  # one per evaluated step
+    service.gate.latest = 7  # the promoted step: later ones were kept but not promoted
+    status = await service.status()
+    assert status.eval_rewards == {step: step / 3000 for step in (7, 2996, 2997, 2998, 2999, 3000)}
+    assert status.eval_reward_count == 3001
+    service.gate.evals, service.gate.latest = {0: 0.5, 1: 0.6}, None
+    status = await service.status()
+    assert status.eval_rewards == {0: 0.5, 1: 0.6} and status.eval_reward_count == 2
+    await service.aclose()
+
+
 async def test_a_checkpoint_being_reloaded_is_503_not_404(tmp_path: Path) -> None:
     batches: list[Batch] = []
     service = make_service(tmp_path, batches, [])
