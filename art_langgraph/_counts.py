@@ -11,8 +11,8 @@ import threading
 
 __all__ = ["DROPPED_SPANS", "RECORDING_ERRORS", "ProcessCount", "ProcessLock", "renew_after_fork"]
 
-_PROCESS_LOCKS: list[ProcessLock] = []
-"""Every `ProcessLock` made, in the order made: `renew_after_fork` renews each."""
+_RENEWED: list[ProcessLock | ProcessCount] = []
+"""Every `ProcessLock` and `ProcessCount` made, in the order made: `renew_after_fork` renews each."""
 
 
 class ProcessLock:
@@ -27,7 +27,7 @@ class ProcessLock:
     def __init__(self, *, reentrant: bool = False) -> None:
         self._new = threading.RLock if reentrant else threading.Lock
         self._lock = self._new()
-        _PROCESS_LOCKS.append(self)
+        _RENEWED.append(self)
 
     def __enter__(self) -> None:
         self._lock.acquire()
@@ -41,11 +41,12 @@ class ProcessLock:
 
 
 class ProcessCount:
-    """A number that threads add to under a lock."""
+    """A number that threads add to under a lock; a forked child counts its own from 0. Make each once, at import."""
 
     def __init__(self) -> None:
         self._lock = ProcessLock()
         self._value = 0
+        _RENEWED.append(self)
 
     @property
     def value(self) -> int:
@@ -70,7 +71,5 @@ RECORDING_ERRORS = ProcessCount()
 
 def renew_after_fork() -> None:
     """In a forked child: every `ProcessLock` is new and free, and every count starts from 0."""
-    for lock in _PROCESS_LOCKS:
-        lock.after_fork()
-    for count in (DROPPED_SPANS, RECORDING_ERRORS):
-        count.after_fork()
+    for renewed in _RENEWED:
+        renewed.after_fork()
