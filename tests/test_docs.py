@@ -366,9 +366,9 @@ def section_report(title: str, names_by_package: dict[str, list[str]]) -> str:
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No ART_* or LANGFUSE_* variable of the machine reaches the settings the apps are built with."""
+    """No ART_* or LANGFUSE_* variable of the machine, in any case, reaches the settings the apps are built with."""
     for name in list(os.environ):
-        if name.startswith(("ART_", "LANGFUSE_")):
+        if name.upper().startswith(("ART_", "LANGFUSE_")):
             monkeypatch.delenv(name)
 
 
