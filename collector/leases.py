@@ -7,6 +7,7 @@ Functions over an open transaction; `SqlStore` calls them. An expired lease ends
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import uuid
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 _LEASE_SECONDS_TOLERANCE = 1e-3
 """Seconds a retry's `lease_seconds` may differ from the stored lease's length (`lease_expires_at - created_at`,
 rounded as Unix times are)."""
+_BOUNDS = ("max_groups", "min_groups")
+"""The request's bounds on the groups leased, stored with the batch since schema version 8."""
 
 
 def _age(group: Any) -> tuple[float, str]:
@@ -43,18 +46,23 @@ def _age(group: Any) -> tuple[float, str]:
 
 
 def _differences(batch: Any, leased: int, request: BatchRequest) -> list[str]:
-    """How `request` differs from the one that leased `batch` (`leased` groups), as far as the batch row tells:
-    its `trainer` and `lease_seconds`; of `max_groups` and `min_groups`, only a bound the batch's size breaks."""
+    """How `request` differs from the one that leased `batch` (`leased` groups): its `trainer`, `lease_seconds`,
+    `max_groups` and `min_groups`; of a batch leased before schema version 8 (no bounds stored), only a bound the
+    batch's size breaks."""
     found = []
     if batch["trainer"] != request.trainer:
         found.append(f"trainer {batch['trainer']!r}, not {request.trainer!r}")
     leased_for = batch["lease_expires_at"] - batch["created_at"]
     if not math.isclose(leased_for, request.lease_seconds, abs_tol=_LEASE_SECONDS_TOLERANCE):
         found.append(f"lease_seconds {leased_for:g}, not {request.lease_seconds:g}")
-    if leased > request.max_groups:
-        found.append(f"{leased} groups, more than max_groups {request.max_groups}")
-    if leased < request.min_groups:
-        found.append(f"{leased} groups, fewer than min_groups {request.min_groups}")
+    if batch["max_groups"] is not None:
+        found += [f"{bound} {batch[bound]}, not {getattr(request, bound)}" for bound in _BOUNDS
+                  if batch[bound] != getattr(request, bound)]
+    else:  # leased before schema version 8: only a bound the batch's size breaks shows
+        if leased > request.max_groups:
+            found.append(f"{leased} groups, more than max_groups {request.max_groups}")
+        if leased < request.min_groups:
+            found.append(f"{leased} groups, fewer than min_groups {request.min_groups}")
     return found
 
 
@@ -122,6 +130,12 @@ def _still_ready(conn: Connection, settings: CollectorSettings, ready: list[str]
     return sorted(taken, key=_age)
 
 
+def _member_ids(conn: Connection, group_ids: list[str]) -> dict[str, list[str]]:
+    """The ids of each group's trajectories, sorted, by group id."""
+    members = pool.group_members(conn, group_ids)
+    return {group_id: sorted(row["id"] for row in rows) for group_id, rows in members.items()}
+
+
 def take(
     conn: Connection, settings: CollectorSettings, request: BatchRequest, now: float
 ) -> tuple[str, float, list[Any]]:
@@ -158,10 +172,12 @@ def take(
     batch_id, expires = uuid.uuid4().hex, now + request.lease_seconds
     if len(taken) < request.min_groups:  # nothing leased: no batch to store, none to expire later
         return batch_id, expires, []
+    members = _member_ids(conn, [g["id"] for g in taken])
     conn.execute(
         batches.insert().values(
             id=batch_id, trainer=request.trainer, state="leased", created_at=now, lease_expires_at=expires,
-            idempotency_key=key,
+            idempotency_key=key, max_groups=request.max_groups, min_groups=request.min_groups,
+            members=json.dumps(members, sort_keys=True),
         )
     )
     for group in taken:
@@ -183,16 +199,21 @@ def _locked_batch(conn: Connection, batch_id: str) -> tuple[Any, list[str]]:
     return batch, ids
 
 
-def _changed_since(conn: Connection, group_ids: list[str], since: float) -> list[str]:
-    """Groups of `group_ids`, sorted, that differ from what a lease taken at `since` held: a trajectory joined,
+def _changed_since(conn: Connection, group_ids: list[str], batch: Any) -> list[str]:
+    """Groups of `group_ids`, sorted, that differ from what the lease `batch` held when taken: a trajectory joined,
     changed or was deleted after it (`placement._delete_foreign` dates the members it leaves; a group it empties has
-    none, and a leased group had some), or a reward stored after it changed a member's rewards."""
+    none, and a leased group had some), left it for another group (its members are not those the batch recorded; a
+    batch leased before schema version 8 recorded none), or a reward stored after it changed a member's rewards."""
+    since = batch["created_at"]
+    recorded = json.loads(batch["members"]) if batch["members"] is not None else None
     members = pool.group_members(conn, group_ids)
     rows = [row for found in members.values() for row in found]
     now, then = pool.rewards_of(conn, rows), pool.rewards_of(conn, rows, until=since)
     return sorted(
         group_id for group_id, found in members.items()
-        if not found or any(row["updated_at"] > since or now[row["id"]] != then[row["id"]] for row in found)
+        if not found
+        or (recorded is not None and sorted(row["id"] for row in found) != recorded.get(group_id))
+        or any(row["updated_at"] > since or now[row["id"]] != then[row["id"]] for row in found)
     )
 
 
@@ -232,12 +253,12 @@ def ack(
     # back in the pool since its lease expired (open, or skipped since: at the failed-attempts limit, or for its
     # rewards): the trainer saw them as they were when leased
     back = [g["id"] for g in rows if g["state"] != "leased"]
-    changed = _changed_since(conn, back, batch["created_at"])
+    changed = _changed_since(conn, back, batch)
     if changed:
         raise Conflict(
             f"the lease of batch {batch_id} expired and groups {', '.join(changed)} changed in the pool since it was "
-            "taken (a trajectory or a reward arrived, or a trajectory was deleted): the pool keeps them as they are "
-            "now; discard this batch's update or lease with a longer lease_seconds",
+            "taken (a trajectory or a reward arrived, a trajectory left for another group or was deleted): the pool "
+            "keeps them as they are now; discard this batch's update or lease with a longer lease_seconds",
             code="lease_expired",
         )
     if ids:

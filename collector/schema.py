@@ -141,6 +141,12 @@ batches = Table(
     Column("reason", Text),
     # version 7: the `Idempotency-Key` of the lease request, when it sent one: its retry gets this batch again
     Column("idempotency_key", String(256), index=True, unique=True),
+    # version 8: the lease request's bounds (a retry with its key must send the same) and the members of each group
+    # when leased, JSON `{group_id: [trajectory ids, sorted]}` (a late ack compares them with the members now);
+    # leases before it have none
+    Column("max_groups", Integer),
+    Column("min_groups", Integer),
+    Column("members", Text),
 )
 
 batch_groups = Table(
@@ -263,11 +269,16 @@ def _v1(conn: Connection) -> None:
 _REWARDS_V2 = ("span_id", "time_ns")
 
 
+def _add_columns(conn: Connection, table: Table, names: tuple[str, ...]) -> None:
+    """Add the nullable columns `names` of `table`, typed as this module defines them."""
+    for name in names:
+        column_type = table.c[name].type.compile(dialect=conn.dialect)
+        conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {name} {column_type}"))
+
+
 def _v2(conn: Connection) -> None:
     """Version 2: `rewards.span_id` and `rewards.time_ns`."""
-    for name in _REWARDS_V2:
-        column_type = rewards.c[name].type.compile(dialect=conn.dialect)
-        conn.execute(text(f"ALTER TABLE rewards ADD COLUMN {name} {column_type}"))
+    _add_columns(conn, rewards, _REWARDS_V2)
 
 
 def _v3(conn: Connection) -> None:
@@ -298,25 +309,30 @@ def _v5(conn: Connection) -> None:
     """Version 5: `groups.failed_attempts` (0 for the groups already stored) and `batches.reason`."""
     attempts_type = groups.c.failed_attempts.type.compile(dialect=conn.dialect)
     conn.execute(text(f"ALTER TABLE groups ADD COLUMN failed_attempts {attempts_type} NOT NULL DEFAULT 0"))
-    reason_type = batches.c.reason.type.compile(dialect=conn.dialect)
-    conn.execute(text(f"ALTER TABLE batches ADD COLUMN reason {reason_type}"))
+    _add_columns(conn, batches, ("reason",))
 
 
 def _v6(conn: Connection) -> None:
     """Version 6: `rewards.score_id` (rewards pulled from Langfuse before it have none)."""
-    column_type = rewards.c.score_id.type.compile(dialect=conn.dialect)
-    conn.execute(text(f"ALTER TABLE rewards ADD COLUMN score_id {column_type}"))
+    _add_columns(conn, rewards, ("score_id",))
     conn.execute(text("CREATE INDEX ix_rewards_score_id ON rewards (score_id)"))
 
 
 def _v7(conn: Connection) -> None:
     """Version 7: `batches.idempotency_key` (unique; leases before it have none)."""
-    column_type = batches.c.idempotency_key.type.compile(dialect=conn.dialect)
-    conn.execute(text(f"ALTER TABLE batches ADD COLUMN idempotency_key {column_type}"))
+    _add_columns(conn, batches, ("idempotency_key",))
     conn.execute(text("CREATE UNIQUE INDEX ix_batches_idempotency_key ON batches (idempotency_key)"))
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7]
+_BATCHES_V8 = ("max_groups", "min_groups", "members")
+
+
+def _v8(conn: Connection) -> None:
+    """Version 8: `batches.max_groups`, `batches.min_groups` and `batches.members` (leases before it have none)."""
+    _add_columns(conn, batches, _BATCHES_V8)
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -132,11 +132,17 @@ def _status(
     )
 
 
+_BATCH_STATUS_COLUMNS = [
+    batches.c[name] for name in ("id", "trainer", "state", "created_at", "lease_expires_at", "acked_at", "policy_step",
+                                 "reason")
+]
+"""The columns of `batches` a `BatchStatus` shows (not the lease's recorded members and bounds)."""
+
+
 def batch_statuses(conn: Connection, limit: int) -> list[BatchStatus]:
     """The latest `limit` batches (leases), newest first, with their group ids."""
-    rows = list(
-        conn.execute(select(batches).order_by(batches.c.created_at.desc(), batches.c.id).limit(limit)).mappings()
-    )
+    newest = select(*_BATCH_STATUS_COLUMNS).order_by(batches.c.created_at.desc(), batches.c.id).limit(limit)
+    rows = list(conn.execute(newest).mappings())
     members: dict[str, list[str]] = {row["id"]: [] for row in rows}
     for chunk in chunks(list(members)):
         query = select(batch_groups.c.batch_id, batch_groups.c.group_id).where(batch_groups.c.batch_id.in_(chunk))

@@ -13,7 +13,7 @@ from collector.config import CollectorSettings
 from collector.errors import Conflict, NotFound
 from collector.protocol import BatchRequest, ReleaseRequest, ReleaseResponse, ReopenResponse, RewardIn
 from collector.store import SqlStore
-from tests.collector.span_builders import llm, trajectory
+from tests.collector.span_builders import llm, rollout, trajectory
 
 FAILED = ReleaseRequest(reason="NonFiniteStepError: loss is nan")
 
@@ -89,6 +89,25 @@ def test_late_ack_conflicts_when_the_group_changed_in_the_pool_since(make_store,
     again = store.lease(BatchRequest())
     assert [[t.id for t in g.trajectories] for g in again.groups] == [["a", "b", "c"], ["h-a", "h-b"]]
     assert store.ack(again.id, policy_step=2).groups == ["g", "h"]
+
+
+def test_late_ack_conflicts_when_a_member_left_the_group_for_another_since(make_store, clock) -> None:
+    """Back in the pool after its lease expired, a group lost a member to another group (a rollout span that comes
+    first in its trajectory names another `art.group`), its other members unchanged: the late ack marked it trained
+    without the member the trainer trained on."""
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0, size=3) + trajectory(20, "b", reward=0.0, size=3)
+                    + trajectory(30, "c", reward=0.5, size=3))
+    batch = store.lease(BatchRequest(lease_seconds=10))
+    assert [[t.id for t in g.trajectories] for g in batch.groups] == [["a", "b", "c"]]
+    clock.now += 11
+    assert _state(store)[0] == "ready"  # back in the pool: its members can be placed again
+    store.add_spans([rollout(5, "c", trace=f"{30:032x}", group="h", size=3)])
+    assert {g.id: (g.state, g.size) for g in store.groups()} == {"g": ("open", 2), "h": ("open", 1)}
+    with pytest.raises(Conflict, match="groups g changed in the pool") as raised:
+        store.ack(batch.id, policy_step=1)
+    assert raised.value.code == "lease_expired"
+    assert {g.id: g.state for g in store.groups()} == {"g": "open", "h": "open"}
 
 
 def test_late_ack_conflicts_when_a_reward_it_held_was_withdrawn_in_the_pool_since(make_store, clock) -> None:
@@ -205,8 +224,10 @@ def test_a_lease_sent_again_with_its_idempotency_key_gets_the_same_batch(make_st
 @pytest.mark.parametrize(("changed", "difference"), [
     ({"trainer": "b"}, "trainer 'a', not 'b'"),
     ({"lease_seconds": 900}, "lease_seconds 60, not 900"),
-    ({"max_groups": 1}, "2 groups, more than max_groups 1"),
-    ({"min_groups": 3, "max_groups": 3}, "2 groups, fewer than min_groups 3"),
+    ({"max_groups": 1}, "max_groups 2, not 1"),
+    ({"min_groups": 3, "max_groups": 3}, "max_groups 2, not 3; min_groups 1, not 3"),
+    ({"max_groups": 5}, "max_groups 2, not 5"),  # bounds the batch still meets
+    ({"min_groups": 2}, "min_groups 1, not 2"),
 ])
 def test_an_idempotency_key_sent_with_other_parameters_is_refused(
     make_store, clock, changed: dict[str, object], difference: str
@@ -224,6 +245,33 @@ def test_an_idempotency_key_sent_with_other_parameters_is_refused(
     assert info.value.code == "idempotency_key_mismatch"
     assert store.lease(BatchRequest(**asked, idempotency_key="k1")) == first
     assert [(b.id, b.state) for b in store.batches()] == [(first.id, "leased")]
+
+
+@pytest.mark.parametrize(("changed", "difference"), [
+    ({"max_groups": 5, "min_groups": 2}, None),
+    ({"max_groups": 1}, "2 groups, more than max_groups 1"),
+    ({"min_groups": 3, "max_groups": 3}, "2 groups, fewer than min_groups 3"),
+])
+def test_an_idempotency_key_of_a_batch_leased_before_its_bounds_were_stored_is_checked_by_its_size(
+    make_store, changed: dict[str, object], difference: str | None
+) -> None:
+    """A batch leased before schema version 8 has no bounds stored: a retry is told apart only by a bound the
+    batch's size breaks."""
+    from sqlalchemy import text
+
+    store = make_store()
+    for i, group in enumerate(["g1", "g2", "g3"]):
+        _ready_group(store, group, first=100 * (i + 1))
+    first = store.lease(BatchRequest(max_groups=2, idempotency_key="k1"))
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE batches SET max_groups = NULL, min_groups = NULL, members = NULL"))
+    retry = BatchRequest(**{"max_groups": 2, **changed}, idempotency_key="k1")
+    if difference is None:
+        assert store.lease(retry) == first
+        return
+    with pytest.raises(Conflict, match=f"for another request \\({difference}\\)") as info:
+        store.lease(retry)
+    assert info.value.code == "idempotency_key_mismatch"
 
 
 @pytest.mark.parametrize("end", ["ack", "release", "expiry"])

@@ -223,3 +223,53 @@ def test_migration_from_version_6_keeps_batches_and_takes_idempotency_keys(db_ur
     with pytest.raises(IntegrityError), store.engine.begin() as conn:  # one batch per key, whatever the code does
         conn.execute(text("UPDATE batches SET idempotency_key = 'k1' WHERE id = 'old'"))
     store.close()
+
+
+def test_migration_from_version_7_keeps_leased_batches_and_their_acks(db_url, clock) -> None:
+    """Version 8 adds the lease request's bounds and each group's members to `batches`: a batch leased before it has
+    none, and its ack (on time, or late with its group unchanged) still works; a lease after it records them."""
+    import json
+
+    from collector.config import CollectorSettings
+    from collector.engine import make_engine
+    from collector.schema import MIGRATIONS, schema_version
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database does not outlive its engine")
+    old = make_engine(url)
+    with old.begin() as conn:  # a database as version 7 left it: groups g (on time) and h (late) leased, 2 members
+        schema_version.create(conn)
+        for version in range(7):
+            MIGRATIONS[version](conn)
+            conn.execute(schema_version.insert().values(version=version + 1, applied_at=0.0))
+        for batch, group, expires in (("on-time", "g", 1000100.0), ("late", "h", 999990.0)):
+            conn.execute(text("INSERT INTO batches (id, trainer, state, created_at, lease_expires_at, idempotency_key) "
+                              f"VALUES ('{batch}', 't', 'leased', 999980.0, {expires}, 'k-{batch}')"))
+            conn.execute(text("INSERT INTO groups (id, key, task, explicit, size_hint, state, reason, batch_id, "
+                              f"created_at, updated_at) VALUES ('{group}', '{group}', NULL, TRUE, 2, 'leased', NULL, "
+                              f"'{batch}', 999970.0, 999980.0)"))
+            conn.execute(text(f"INSERT INTO batch_groups (batch_id, group_id) VALUES ('{batch}', '{group}')"))
+            for i, reward in enumerate((1.0, 0.0)):
+                conn.execute(text("INSERT INTO trajectories (id, trace_id, by_rollout, group_key, group_id, task, "
+                                  f"split, complete, created_at, updated_at) VALUES ('{group}{i}', '{i:032x}', TRUE, "
+                                  f"'{group}', '{group}', NULL, 'train', TRUE, 999970.0, 999970.0)"))
+                conn.execute(text("INSERT INTO rewards (rollout_id, name, value, source, created_at) "
+                                  f"VALUES ('{group}{i}', 'reward', {reward}, 'api', 999970.0)"))
+    old.dispose()
+    store = SqlStore(CollectorSettings(db=url), clock=clock)
+    store.setup()
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT max_groups, min_groups, members FROM batches")).all() == [(None,) * 3] * 2
+    assert store.ack("on-time", policy_step=1).groups == ["g"]
+    assert store.ack("late", policy_step=2).groups == ["h"]  # expired (by the ack above), unchanged since
+    assert {b.id: b.state for b in store.batches()} == {"on-time": "acked", "late": "acked"}
+    assert {g.id: g.state for g in store.groups()} == {"g": "trained", "h": "trained"}
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0))
+    batch = store.lease(BatchRequest(max_groups=4))
+    with store.engine.connect() as conn:
+        stored = conn.execute(text(f"SELECT max_groups, min_groups, members FROM batches WHERE id = '{batch.id}'"))
+        max_groups, min_groups, members = stored.one()
+    assert (max_groups, min_groups, json.loads(members)) == (4, 1, {"g#2": ["a", "b"]})
+    store.close()

@@ -139,6 +139,9 @@ def test_a_lease_sent_again_with_its_idempotency_key_answers_the_same_batch(clie
     other = assert_error(client.post("/v1/batches", json={"lease_seconds": 90}, headers=keyed), 409,
                          "idempotency_key_mismatch")  # a key reused for another request: a client bug
     assert "for another request (lease_seconds 60, not 90)" in other["message"]
+    bounds = assert_error(client.post("/v1/batches", json={"lease_seconds": 60, "max_groups": 9}, headers=keyed),
+                          409, "idempotency_key_mismatch")  # bounds the batch still meets: still another request
+    assert "for another request (max_groups 8, not 9)" in bounds["message"]
     assert client.post("/v1/batches", json={}).json()["groups"] == []  # no key: a lease of its own
     assert [b["id"] for b in client.get("/v1/view/batches").json()] == [first.json()["id"]]
     client.post(f"/v1/batches/{first.json()['id']}/ack", json={"policy_step": 1})
