@@ -12,7 +12,9 @@ on the same database that pulled that version or a later one first keeps its rew
 lists no deletions: a score pulled within the lookback that the listing leaves out is asked for
 by id (the `id` filter of the same endpoint), and one that is gone has its rewards taken back
 (with its record, in one transaction) unless its group is leased or trained. Pushed scores get a stable id per
-(trajectory, reward name), so a changed reward updates the same score in Langfuse.
+(trajectory, reward name), so a changed reward updates the same score in Langfuse; the scores pushed for a
+trajectory the store deleted since (another instrumentation's calls in a rollout's trace) are deleted there
+(`DELETE /api/public/scores/{scoreId}`) by the next sync.
 """
 
 from __future__ import annotations
@@ -106,6 +108,15 @@ def _numeric(score: object) -> float | None:
     return None
 
 
+def _version(updated_at: dt.datetime) -> str:
+    """A score's `updatedAt` as stored in `langfuse_pulled`: ISO 8601 in UTC with microseconds
+    (`2026-01-01T09:00:00.500000+00:00`), whose string order is time order whatever offset and precision Langfuse
+    wrote. A time without an offset is UTC, as Langfuse's times are. It is `isoformat()` of the UTC time, as stored
+    before, except that a whole second keeps its `.000000`: such a stored value still sorts before every later one."""
+    utc = updated_at.replace(tzinfo=dt.UTC) if updated_at.tzinfo is None else updated_at.astimezone(dt.UTC)
+    return utc.isoformat(timespec="microseconds")
+
+
 def _reward_of(score: object) -> RewardIn | None:
     """The reward a score gives its trace, or None: session and experiment scores, and scores on a trace id that is
     no OpenTelemetry one (logged), give none."""
@@ -178,7 +189,10 @@ class LangfuseSync:
             if not cursor:
                 break
         found.sort(key=lambda score: (score.timestamp, score.updated_at))  # the latest score of a name wins
-        seen = self.scoring.pulled_versions([score.id for score in found])
+        seen = {  # a version stored before `_version` (a whole second without `.000000`) is the same version
+            score_id: _version(dt.datetime.fromisoformat(stored))
+            for score_id, stored in self.scoring.pulled_versions([score.id for score in found]).items()
+        }
         latest: dict[tuple[str | None, str], tuple[str, RewardIn]] = {}
         marks: dict[str, dict[str, Any]] = {}  # the new or changed scores, by id
         ignored = 0
@@ -188,7 +202,7 @@ class LangfuseSync:
                 ignored += 1
                 continue
             latest[(reward.trace_id, reward.name)] = (score.id, reward)
-            version = score.updated_at.isoformat()
+            version = _version(score.updated_at)
             if seen.get(score.id) != version:
                 marks[score.id] = {"score_id": score.id, "updated_at": version, "trace_id": reward.trace_id,
                                    "name": reward.name, "value": reward.value, "pulled_at": self.clock()}
@@ -274,8 +288,23 @@ class LangfuseSync:
                          "stays (tried again next sync while it is leased)", score_id, row["trace_id"])
         return withdrawn
 
+    def _retract(self) -> None:
+        """Delete in Langfuse the scores pushed for trajectories the store no longer has, then their records
+        (`ScoringStore.pushed_orphans`), one at a time. Langfuse answers the deletion of a score it no longer has
+        (a person deleted it) as any other."""
+        orphans = self.scoring.pushed_orphans()
+        for row in orphans:
+            score_id = row["score_id"]
+            self._call(f"DELETE /api/public/scores/{score_id}",
+                       lambda score_id=score_id: self.client.scores.delete(score_id))
+            self.scoring.forget_pushed([row])
+        if orphans:
+            log.info("Langfuse: deleted %d scores pushed for trajectories deleted since", len(orphans))
+
     def push(self) -> tuple[int, int]:
-        """Send the configured rewards whose value changed since the last push; returns (sent, rejected)."""
+        """Delete the scores pushed for trajectories deleted since (`_retract`), then send the configured rewards
+        whose value changed since the last push; returns (sent, rejected)."""
+        self._retract()
         names = self.settings.push_names
         if not names:
             return 0, 0

@@ -18,7 +18,7 @@ from sqlalchemy import Connection, bindparam, delete, func, select
 from collector.assembly import FactsDigest, TrajectoryFacts
 from collector.engine import chunks
 from collector.groups import capacity
-from collector.schema import groups, rewards, trajectories
+from collector.schema import groups, rewards, spans, trajectories
 from collector.scoring_store import ScoringStore
 
 __all__ = ["place", "write_trajectories"]
@@ -164,16 +164,19 @@ def _rollout_traces(conn: Connection, found: dict[tuple[str, bool], TrajectoryFa
 
 
 def _forget_trajectory(conn: Connection, row: Any) -> None:
-    """Delete the trajectory `row` and what was scored of it: the rewards given to its id (a judge's, the API's),
-    which a later trajectory of the same id would take as its own, the judge's explanations of it, and the judge run
-    of its group (`ScoringStore.forget_trajectory`), so the members left are judged again without it (a run in flight
-    loses its claim and stores nothing).
+    """Delete the trajectory `row`, its spans and what was scored of it: the rewards given to its id (a judge's, the
+    API's), which a later trajectory of the same id would take as its own, the judge's explanations of it, and the
+    judge run of its group (`ScoringStore.forget_trajectory`), so the members left are judged again without it (a run
+    in flight loses its claim and stores nothing).
 
-    Its spans stay, as the spans of a trace left out on arrival do: they are read only through a trajectory row,
-    and a later export of that trace sees them and leaves it out again. So do the records of its scores pushed to
-    Langfuse (`langfuse_pushed`), which the collector does not delete there; nothing reads them without the row.
+    Its spans are those stored under its id (`spans.trajectory_id`, the trace id): the rollout's spans of the same
+    trace are stored under the rollout id, and a rollout whose id is the trace id shares this row, not only its spans.
+    More of the trace's foreign calls make no trajectory again: they are left out on arrival. The records of its
+    scores pushed to Langfuse (`langfuse_pushed`) stay: they name the scores that the next Langfuse sync deletes
+    there (`LangfuseSync.push`), and go then.
     """
     conn.execute(delete(trajectories).where(trajectories.c.id == row["id"]))
+    conn.execute(delete(spans).where(spans.c.trajectory_id == row["id"]))
     conn.execute(delete(rewards).where(rewards.c.rollout_id == row["id"]))
     ScoringStore.forget_trajectory(conn, row["id"], row["group_id"])
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Engine, delete, or_, select, update
+from sqlalchemy import Connection, Engine, delete, exists, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from collector.engine import chunks
-from collector.schema import judge_runs, judgements, langfuse_pulled, langfuse_pushed
+from collector.schema import judge_runs, judgements, langfuse_pulled, langfuse_pushed, trajectories
 
 __all__ = ["ScoringStore", "SeenRun"]
 
@@ -176,8 +176,8 @@ class ScoringStore:
         Returns the ids of the scores marked here. A score already marked at the same or a later `updated_at` is not:
         another sync (a replica's on the same database) pulled that version or a newer one since this sync read the
         marks (on PostgreSQL, one still in its transaction is waited for); the caller rolls back the rewards of such
-        scores. `updated_at` is an ISO 8601 time in UTC as `datetime.isoformat` writes it, which sorts as a string
-        as the times do.
+        scores. `updated_at` is an ISO 8601 time in UTC with microseconds (`langfuse_sync._version`), which sorts as
+        a string as the times do; one stored before without `.000000` on a whole second sorts before every later one.
         """
         marked: set[str] = set()
         for chunk in chunks(rows):
@@ -202,6 +202,21 @@ class ScoringStore:
                 )
             )
             return {(tid, name): (value, at) for tid, name, value, at in rows}
+
+    def pushed_orphans(self) -> list[dict[str, Any]]:
+        """The records of scores pushed to Langfuse for trajectories the store no longer has (deleted as another
+        instrumentation's calls, `placement._forget_trajectory`): the scores to delete there."""
+        gone = ~exists().where(trajectories.c.id == langfuse_pushed.c.trajectory_id)
+        with self.engine.connect() as conn:
+            return [dict(row) for row in conn.execute(select(langfuse_pushed).where(gone)).mappings()]
+
+    def forget_pushed(self, rows: list[dict[str, Any]]) -> None:
+        """Drop the records `rows` (trajectory_id, name) of pushed scores, once deleted in Langfuse."""
+        with self.engine.begin() as conn:
+            for row in rows:
+                conn.execute(delete(langfuse_pushed).where(
+                    langfuse_pushed.c.trajectory_id == row["trajectory_id"], langfuse_pushed.c.name == row["name"]
+                ))
 
     def mark_pushed(self, rows: list[dict[str, Any]]) -> None:
         """Remember pushed scores (trajectory_id, name, value, score_id, pushed_at: the first push's time)."""

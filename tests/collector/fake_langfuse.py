@@ -20,7 +20,7 @@ so the Langfuse tests talk to this server instead. It follows Langfuse's publish
 * `DELETE /api/public/scores/{scoreId}`: Basic auth; 202 `{"message": "Score deletion queued
   successfully"}`, for an unknown id too (Langfuse queues the deletion without looking the score
   up: `web/src/pages/api/public/scores/[scoreId].ts` in github.com/langfuse/langfuse; the SDK's
-  `scores.delete`). This server deletes at once.
+  `scores.delete`). This server deletes at once, a score in `created` too.
 
 Where it does less than Langfuse: accepted scores are kept in `created` by id (one sent again
 with the same id replaces the earlier one, as Langfuse updates it; one without an id gets a new
@@ -211,7 +211,9 @@ def _handler(state: FakeLangfuse) -> type[BaseHTTPRequestHandler]:
             if not path.startswith(prefix) or "/" in path[len(prefix):] or path == prefix:
                 self._answer(404, {"message": "not found"})
                 return
-            state.scores.pop(unquote(path[len(prefix):]), None)
+            score_id = unquote(path[len(prefix):])
+            state.scores.pop(score_id, None)
+            state.created.pop(score_id, None)
             self._answer(202, {"message": "Score deletion queued successfully"})
 
         def log_message(self, *args: Any) -> None:

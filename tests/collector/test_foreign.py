@@ -23,12 +23,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
+from sqlalchemy import select
 
 from art_langgraph import semconv as sc
 from collector.errors import Conflict
 from collector.foreign import conversation, describes_art_call, finish_reason, same_messages
 from collector.otlp import SpanRecord
 from collector.protocol import BatchRequest, RewardIn
+from collector.schema import spans as span_rows
 from collector.scoring_store import ScoringStore
 from tests.collector.server_helpers import collector_app
 from tests.collector.span_builders import llm, rollout, sid, to_request
@@ -619,6 +621,25 @@ def test_a_deleted_foreign_trajectory_takes_its_scores_along(make_store, clock) 
     store.add_spans([llm(120, rollout=None, trace=TRACE_A, start=60, prompt=[1], completion=[2], messages=QUESTION,
                          output=REPLY)])
     assert store.trajectory(TRACE_A).rewards == {}
+
+
+def test_a_deleted_foreign_trajectory_takes_its_spans_along_but_not_the_rollouts(make_store, clock) -> None:
+    """The spans of a deleted foreign trajectory stayed in the store, read by nothing; the rollout's spans of the same
+    trace (stored under the rollout id) stay."""
+    store = make_store(min_group_size=1, keep_zero_spread=True)
+    store.add_spans([_openinference_chain(TRACE_A, 110, sid(101), "tool"),
+                     _openinference_llm(TRACE_A, 111, sid(110), marked=False)])
+    store.add_spans([_openinference_chain(TRACE_B, 210, None, "tool"),
+                     _openinference_llm(TRACE_B, 211, sid(210), marked=False)])  # a trace with no rollout: kept
+    ours = _ours("r1", TRACE_A, 100)
+    store.add_spans(ours)
+
+    with store.engine.connect() as conn:
+        stored = conn.execute(select(span_rows.c.trajectory_id, span_rows.c.span_id)).all()
+    kept = [("r1", span.span_id) for span in ours] + [(TRACE_B, sid(210)), (TRACE_B, sid(211))]
+    assert sorted(stored) == sorted(kept)
+    assert sorted(t.id for t in store.trajectories()) == sorted(["r1", TRACE_B])
+    assert store.trajectory("r1").token_exact
 
 
 def test_describes_art_call_reads_each_convention() -> None:

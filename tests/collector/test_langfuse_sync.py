@@ -31,6 +31,8 @@ from collector.store import SqlStore
 from examples.stack import free_port
 from tests.collector import fake_langfuse
 from tests.collector.seeding import group_spans, make_app, trace_id
+from tests.collector.span_builders import sid
+from tests.collector.test_foreign import TRACE_A, _openinference_chain, _openinference_llm, _ours
 from tests.collector.test_store_rewards import refuse_reward
 
 
@@ -40,9 +42,10 @@ def langfuse() -> Iterator[tuple[str, fake_langfuse.FakeLangfuse]]:
         yield served
 
 
-def sync_for(store: SqlStore, url: str) -> LangfuseSync:
-    """The sync of `store` (any backend) with the stand-in at `url`, its settings given, not read from the env."""
-    settings = LangfuseSettings(host=url, public_key=fake_langfuse.PUBLIC, secret_key=fake_langfuse.SECRET)
+def sync_for(store: SqlStore, url: str, **fields: object) -> LangfuseSync:
+    """The sync of `store` (any backend) with the stand-in at `url`, its settings given (other `LangfuseSettings`
+    fields as keyword arguments), not read from the env."""
+    settings = LangfuseSettings(host=url, public_key=fake_langfuse.PUBLIC, secret_key=fake_langfuse.SECRET, **fields)
     return LangfuseSync(store, ScoringStore(store.engine), settings)
 
 
@@ -396,6 +399,66 @@ def test_push_sends_rewards_once_and_updates_changed_ones(
         assert len(server.created) == 2  # the same score, updated in place
         update = server.created[first["id"]]
         assert (update["timestamp"], update["value"]) == (first["timestamp"], 0.5)
+
+
+def test_a_score_pushed_for_a_trajectory_deleted_since_is_deleted_in_langfuse(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """A judge's reward of another instrumentation's calls was pushed; the rollout of their trace came and deleted
+    their trajectory. Its score stayed in Langfuse, on the rollout's trace, and its push record in the store."""
+    url, server = langfuse
+    store = make_store(min_group_size=1)
+    sync = sync_for(store, url, push_names="ruler")
+    store.add_spans([_openinference_chain(TRACE_A, 110, sid(101), "tool"),
+                     _openinference_llm(TRACE_A, 111, sid(110), marked=False)])
+    store.add_spans(group_spans("g", ["7"]))  # a trajectory that stays: its score too
+    store.add_rewards([RewardIn(rollout_id=TRACE_A, name="ruler", value=0.3),
+                       RewardIn(rollout_id="g-0", name="ruler", value=0.6)])
+    assert sync.sync().pushed == 2
+    foreign = {s["metadata"]["art.rollout.id"]: score_id for score_id, s in server.created.items()}[TRACE_A]
+
+    store.add_spans(_ours("r1", TRACE_A, 100))  # deletes the foreign calls' trajectory
+    assert [t.id for t in store.trajectories() if t.trace_id == TRACE_A] == ["r1"]
+    assert sync.sync().pushed == 0
+    assert ("DELETE", f"/api/public/scores/{foreign}") in server.requests
+    assert [s["metadata"]["art.rollout.id"] for s in server.created.values()] == ["g-0"]
+    assert set(sync.scoring.pushed()) == {("g-0", "ruler")}
+    server.requests.clear()
+    sync.sync()
+    assert [method for method, _ in server.requests] == ["GET"]  # deleted once
+
+
+@pytest.mark.parametrize(("listed", "applied"), [
+    ("2026-01-01T11:00:00+02:00", False),  # the same version (09:00 UTC), at another offset
+    ("2026-01-01T10:00:00.5+02:00", False),  # an older version (08:00:00.5 UTC)
+    ("2026-01-01T08:00:00.5-01:00", True),  # a newer one (09:00:00.5 UTC)
+    ("2026-01-01T08:59:59.999Z", False),
+    ("2026-01-01T09:00:00.001Z", True),
+])
+@pytest.mark.parametrize("marked_before", [False, True])
+def test_score_versions_are_ordered_by_time_whatever_offset_and_precision_langfuse_writes(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], listed: str, applied: bool,
+    marked_before: bool,
+) -> None:
+    """Versions (`updatedAt`) were compared as they were written: one at another UTC offset sorted by its local time,
+    so the same or an older version of a pulled score was applied again, over the reward given since. `marked_before`:
+    the pull was recorded by a collector before the fix, as `isoformat()` wrote it."""
+    url, server = langfuse
+    store = make_store()
+    sync = sync_for(store, url)
+    store.add_spans(group_spans("g", ["7"]))
+    server.add_score("s", "human", 0.9, trace_id=trace_id("g", 0))
+    server.scores["s"]["updatedAt"] = "2026-01-01T09:00:00.000Z"
+    assert sync.sync().applied == 1
+    if marked_before:
+        with store.engine.begin() as conn:
+            conn.execute(text("UPDATE langfuse_pulled SET updated_at = '2026-01-01T09:00:00+00:00'"))
+    clock.now += 1
+    store.add_reward(RewardIn(rollout_id="g-0", name="human", value=0.5))  # given since: only an edit overrides it
+    clock.now += 1
+    server.scores["s"]["updatedAt"] = listed
+    assert sync.sync().applied == int(applied)
+    assert store.trajectory("g-0").rewards == {"human": 0.9 if applied else 0.5}
 
 
 def test_scheduled_sync_runs_in_the_background(
