@@ -135,7 +135,9 @@ class TrainLauncher:
         job.mkdir(parents=True)
         try:
             trainer.save(job / _STATE)
-            (job / _BATCH).write_text(batch.model_dump_json())
+            # Python's `json` keeps a NaN or infinite reward or log-prob (`NaN`, `Infinity`, read back as the
+            # collector's answer was); `model_dump_json` wrote `null`, which failed the workers' read of `rewards`
+            (job / _BATCH).write_text(json.dumps(batch.model_dump(mode="json")))
             (job / _JOB).write_text(json.dumps({
                 "model_path": self.model_path, "base_model": trainer.base_model, "chat_template": self.chat_template,
                 "cpu_threads": self.cpu_threads, "config": trainer.config.to_dict(), "kind": kind,

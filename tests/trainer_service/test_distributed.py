@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import errno
 import json
+import math
 import os
 import shutil
 import signal
@@ -457,3 +458,41 @@ def test_the_workers_collectives_wait_as_long_as_the_step(tmp_path: Path, monkey
         launcher.step(trainer, Batch(id="b1", groups=batch_groups(trainer), lease_expires_at=0), "grpo",
                       tmp_path / "checkpoints" / "step-1")
     assert asked == [collectives]
+
+
+def test_the_workers_read_a_nan_or_infinite_reward_as_the_service_did(tmp_path: Path, base_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch reaches the workers with its NaN and infinite values: a NaN in `rewards` (written `null`) failed
+    every worker's read of the batch, and a NaN training reward read as none counted it `unrewarded_trajectories`."""
+    read: list[list[Group]] = []
+
+    class Trained(Exception):
+        pass
+
+    def train(self: LoRATrainer, groups: list[Group], kind: str = "grpo") -> dict[str, float]:
+        read.append(groups)
+        raise Trained
+
+    def rank_0(self: TrainLauncher, job: Path) -> None:  # the worker, in this process, up to its training
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        _run_worker(job)
+
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: None)
+    monkeypatch.setattr(distributed, "die_with_parent", lambda parent, sig: True)
+    monkeypatch.setattr(TrainLauncher, "_launch", rank_0)
+    monkeypatch.setattr(LoRATrainer, "train", train)
+    trainer = make_trainer()
+    groups = batch_groups(trainer)
+    groups[0].trajectories[0].rewards = {"judge": float("nan")}
+    groups[0].trajectories.append(trajectory(trainer, GOOD, float("inf"), "g1-inf"))
+    groups[1].trajectories[0].reward = float("nan")
+    launcher = TrainLauncher(2, str(base_dir), tmp_path / "train_workers.log")
+    with pytest.raises(Trained):
+        launcher.step(trainer, Batch(id="b1", groups=groups, lease_expires_at=0), "grpo",
+                      tmp_path / "checkpoints" / "step-1")
+    [got] = read
+    assert math.isnan(got[0].trajectories[0].rewards["judge"])
+    assert got[0].trajectories[2].reward == float("inf")
+    assert got[1].trajectories[0].reward is not None and math.isnan(got[1].trajectories[0].reward)
+    assert [t.reward for t in got[2].trajectories] == [t.reward for t in groups[2].trajectories]
