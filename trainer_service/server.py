@@ -59,6 +59,9 @@ _RETRY_AFTER_S = 10
 way by then (OpenAI clients wait what it says, up to 60 s, before they retry)."""
 _NO_PARAMETERS = re.compile(rb"[ \t\r\n]*(\{[ \t\r\n]*\})?[ \t\r\n]*")
 """The bodies a control route (`/v1/train`, `/v1/pause`, ...) takes: none, or JSON's empty object."""
+_NO_PARAMETERS_READ = 4096
+"""Bytes of a control route's body read at most: any it takes fits (`{}` amid whitespace); a longer one is refused
+without reading the rest."""
 _STREAM = TypeAdapter(bool | None)
 """The type of `stream` in vLLM's request models (pydantic's lax mode: `"false"`, `"no"`, `"0"` and `0` are false)."""
 
@@ -154,10 +157,21 @@ async def _send_unless_client_leaves(request: Request, client: httpx.AsyncClient
     return response
 
 
+async def _body_head(request: Request) -> bytes:
+    """The request's body, or its first chunks once they pass `_NO_PARAMETERS_READ` bytes (the rest left unread)."""
+    head = b""
+    async for chunk in request.stream():
+        head += chunk
+        if len(head) > _NO_PARAMETERS_READ:
+            break
+    return head
+
+
 async def _takes_no_parameters(request: Request) -> None:
     """Refuse a control route's query string, and its body unless it is empty or `{}`: its settings are the trainer's
     flags, not parameters."""
-    if request.url.query or not _NO_PARAMETERS.fullmatch(await request.body()):
+    body = await _body_head(request)
+    if request.url.query or len(body) > _NO_PARAMETERS_READ or not _NO_PARAMETERS.fullmatch(body):
         raise ServiceError(400, "unexpected_body", f"{request.method} {request.url.path} takes no parameters: send no "
                            "query string, and no body or `{}`. Training settings (`--min-groups`, `--batch-groups`, "
                            "the GRPO flags, ...) are `art-trainer serve` flags; see `art-trainer serve --help`.")

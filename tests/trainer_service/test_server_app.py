@@ -246,6 +246,29 @@ def test_control_routes_refuse_parameters_in_the_query_string_too(tmp_path: Path
         assert client.post("/v1/train?").status_code == 200  # an empty query string is no parameter
 
 
+def test_a_control_route_refuses_a_long_body_without_reading_it_all() -> None:
+    """A control route read a body of any length whole before refusing it (memory on the service); it reads no more
+    than it could take, and refuses the rest unread."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from trainer_service.protocol import ServiceError
+    from trainer_service.server import _takes_no_parameters
+
+    sent: list[int] = []
+
+    async def receive() -> dict[str, Any]:
+        sent.append(1)
+        return {"type": "http.request", "body": b" " * 1024, "more_body": len(sent) < 10_000}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/train", "query_string": b"", "headers": []}
+    with pytest.raises(ServiceError) as refused:
+        asyncio.run(_takes_no_parameters(Request(scope, receive)))
+    assert refused.value.status == 400 and refused.value.body.error.code == "unexpected_body"
+    assert len(sent) < 10
+
+
 @pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400"])
 def test_a_body_with_a_number_json_has_not_is_400_invalid_json(tmp_path: Path, number: str) -> None:
     """Python's `json` reads these; sent on to vLLM they failed to encode (a 500 outside the envelope)."""
