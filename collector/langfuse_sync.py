@@ -288,23 +288,20 @@ class LangfuseSync:
                          "stays (tried again next sync while it is leased)", score_id, row["trace_id"])
         return withdrawn
 
-    def _retract(self) -> None:
+    def _retract(self) -> int:
         """Delete in Langfuse the scores pushed for trajectories the store no longer has, then their records
-        (`ScoringStore.pushed_orphans`), one at a time. Langfuse answers the deletion of a score it no longer has
-        (a person deleted it) as any other."""
+        (`ScoringStore.pushed_orphans`), one at a time; returns how many. Langfuse answers the deletion of a score it
+        no longer has (a person deleted it) as any other."""
         orphans = self.scoring.pushed_orphans()
         for row in orphans:
             score_id = row["score_id"]
             self._call(f"DELETE /api/public/scores/{score_id}",
                        lambda score_id=score_id: self.client.scores.delete(score_id))
             self.scoring.forget_pushed([row])
-        if orphans:
-            log.info("Langfuse: deleted %d scores pushed for trajectories deleted since", len(orphans))
+        return len(orphans)
 
     def push(self) -> tuple[int, int]:
-        """Delete the scores pushed for trajectories deleted since (`_retract`), then send the configured rewards
-        whose value changed since the last push; returns (sent, rejected)."""
-        self._retract()
+        """Send the configured rewards whose value changed since the last push; returns (sent, rejected)."""
         names = self.settings.push_names
         if not names:
             return 0, 0
@@ -344,9 +341,11 @@ class LangfuseSync:
         return len(requests), rejected
 
     def sync(self) -> LangfuseSyncResult:
-        """Pull, then push; one sync at a time (the schedule and `POST /v1/langfuse/sync` may overlap)."""
+        """Pull, delete the scores pushed for trajectories deleted since (`_retract`), then push; one sync at a time
+        (the schedule and `POST /v1/langfuse/sync` may overlap)."""
         with self._lock:
             result = self.pull()
+            result.retracted = self._retract()
             result.pushed, result.push_rejected = self.push()
         log.info("Langfuse sync: %s", result.model_dump())
         return result

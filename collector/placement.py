@@ -171,9 +171,9 @@ def _forget_trajectory(conn: Connection, row: Any) -> None:
 
     Its spans are those stored under its id (`spans.trajectory_id`, the trace id): the rollout's spans of the same
     trace are stored under the rollout id, and a rollout whose id is the trace id shares this row, not only its spans.
-    More of the trace's foreign calls make no trajectory again: they are left out on arrival. The records of its
-    scores pushed to Langfuse (`langfuse_pushed`) stay: they name the scores that the next Langfuse sync deletes
-    there (`LangfuseSync.push`), and go then.
+    More of the trace's foreign calls make no trajectory again: they are left out on arrival, their spans deleted
+    (`_without_foreign_calls_in_rollouts`). The records of its scores pushed to Langfuse (`langfuse_pushed`) stay:
+    they name the scores that the next Langfuse sync deletes there (`LangfuseSync.sync`), and go then.
     """
     conn.execute(delete(trajectories).where(trajectories.c.id == row["id"]))
     conn.execute(delete(spans).where(spans.c.trajectory_id == row["id"]))
@@ -215,6 +215,12 @@ def _without_foreign_calls_in_rollouts(
     another instrumentation's (`FactsDigest.foreign_only`: a tool inside the rollout calling another model through a
     traced client). Another model's text is no sample of our policy, and the trace's rewards (a Langfuse score) are the
     rollout's. One stored before the rollout's spans came is deleted (`_delete_foreign`), in whichever export they come.
+
+    The spans of calls left out on arrival (with or after the rollout's) are deleted in the export's transaction, as a
+    deleted trajectory's are, with the trace's earlier spans outside any rollout (e.g. the tool's span, stored for a
+    model call to come): such spans are read only for their trace's own trajectory, which a later call of ours outside
+    the rollout may still make (without them, as after a deleted one); a later export of the trace is left out again
+    by its rollout's row (`_rollout_traces`), not by these spans.
     """
     rollout_traces = {facts.trace_id for (_, by_rollout), facts in found.items() if by_rollout}
     candidates = {
@@ -230,7 +236,8 @@ def _without_foreign_calls_in_rollouts(
     }
     for key in sorted(left_out):
         if candidates[key] is None:
-            log.info("trace %s: %s; left out", key, FOREIGN_IN_ROLLOUT)
+            conn.execute(delete(spans).where(spans.c.trajectory_id == key))
+            log.info("trace %s: %s; left out, its spans deleted", key, FOREIGN_IN_ROLLOUT)
     if not left_out:
         return found, digests
     keep = [trajectory for trajectory in found if not (trajectory[0] in left_out and not trajectory[1])]

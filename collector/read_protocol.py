@@ -82,6 +82,8 @@ class LangfuseSyncResult(BaseModel):
     withdrawn: int = Field(default=0, description="Pulled scores deleted in Langfuse since: their rewards taken back.")
     pushed: int = Field(description="Rewards sent to Langfuse as scores.")
     push_rejected: int = Field(default=0, description="Scores Langfuse rejected (HTTP 207).")
+    retracted: int = Field(default=0, description="Scores pushed for trajectories deleted since (another "
+                           "instrumentation's calls in a rollout's trace), deleted in Langfuse.")
 
 
 class TrajectorySummary(BaseModel):

@@ -642,6 +642,29 @@ def test_a_deleted_foreign_trajectory_takes_its_spans_along_but_not_the_rollouts
     assert store.trajectory("r1").token_exact
 
 
+@pytest.mark.parametrize("order", ["ART first", "one export"])
+def test_foreign_calls_that_come_with_or_after_their_rollout_leave_no_spans(make_store, clock, order: str) -> None:
+    """Another instrumentation's calls in a rollout's trace that came with or after the rollout's spans made no
+    trajectory, but their spans (and the tool's span before them, stored for a model call to come) stayed under the
+    trace id, read by nothing. A later call of theirs is left out as well; a trace of foreign calls only keeps its."""
+    store = make_store(min_group_size=1, keep_zero_spread=True)
+    ours = _ours("r1", TRACE_A, 100)
+    tool = _openinference_chain(TRACE_A, 110, sid(101), "tool")
+    theirs = _openinference_llm(TRACE_A, 111, sid(110), marked=False)
+    for spans in {"ART first": [ours, [tool], [theirs]], "one export": [ours + [tool, theirs]]}[order]:
+        store.add_spans(spans)
+    store.add_spans([_openinference_chain(TRACE_B, 210, None, "tool"),
+                     _openinference_llm(TRACE_B, 211, sid(210), marked=False)])  # a trace with no rollout: kept
+    store.add_spans([_openinference_llm(TRACE_A, 112, sid(110), marked=False)])  # more of the tool's calls
+
+    with store.engine.connect() as conn:
+        stored = conn.execute(select(span_rows.c.trajectory_id, span_rows.c.span_id)).all()
+    kept = [("r1", span.span_id) for span in ours] + [(TRACE_B, sid(210)), (TRACE_B, sid(211))]
+    assert sorted(stored) == sorted(kept)
+    assert sorted(t.id for t in store.trajectories()) == sorted(["r1", TRACE_B]) and len(store.curve_facts()) == 2
+    assert store.trajectory("r1").token_exact
+
+
 def test_describes_art_call_reads_each_convention() -> None:
     assert describes_art_call(_openinference_llm(TRACE_A, 1, None, marked=True).attributes)
     assert not describes_art_call(_openinference_llm(TRACE_A, 1, None, marked=False).attributes)

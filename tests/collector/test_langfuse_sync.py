@@ -107,7 +107,7 @@ def test_pull_maps_annotation_scores_to_trajectories_by_trace(
         result = client.post("/v1/langfuse/sync").json()
         # 132 usable scores on 131 (trace, name) pairs: g-0's two scores give one reward, the later one
         assert result == {"pulled": 134, "applied": 131, "unmatched": 1, "ignored": 2, "withdrawn": 0, "pushed": 0,
-                          "push_rejected": 0}
+                          "push_rejected": 0, "retracted": 0}
         gets = [path for method, path in server.requests if method == "GET"]
         assert (len(gets) == 2 and "cursor=" in gets[1] and "source=ANNOTATION" in gets[0]
                 and "fields=subject" in gets[0] and "dataType=NUMERIC%2CBOOLEAN" in gets[0])
@@ -405,7 +405,8 @@ def test_a_score_pushed_for_a_trajectory_deleted_since_is_deleted_in_langfuse(
     make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
 ) -> None:
     """A judge's reward of another instrumentation's calls was pushed; the rollout of their trace came and deleted
-    their trajectory. Its score stayed in Langfuse, on the rollout's trace, and its push record in the store."""
+    their trajectory. Its score stayed in Langfuse, on the rollout's trace, and its push record in the store; the sync
+    that deleted it there said so only in its log, not in its result (`retracted`)."""
     url, server = langfuse
     store = make_store(min_group_size=1)
     sync = sync_for(store, url, push_names="ruler")
@@ -414,17 +415,19 @@ def test_a_score_pushed_for_a_trajectory_deleted_since_is_deleted_in_langfuse(
     store.add_spans(group_spans("g", ["7"]))  # a trajectory that stays: its score too
     store.add_rewards([RewardIn(rollout_id=TRACE_A, name="ruler", value=0.3),
                        RewardIn(rollout_id="g-0", name="ruler", value=0.6)])
-    assert sync.sync().pushed == 2
+    first = sync.sync()
+    assert (first.pushed, first.retracted) == (2, 0)
     foreign = {s["metadata"]["art.rollout.id"]: score_id for score_id, s in server.created.items()}[TRACE_A]
 
     store.add_spans(_ours("r1", TRACE_A, 100))  # deletes the foreign calls' trajectory
     assert [t.id for t in store.trajectories() if t.trace_id == TRACE_A] == ["r1"]
-    assert sync.sync().pushed == 0
+    second = sync.sync()
+    assert (second.pushed, second.retracted) == (0, 1)
     assert ("DELETE", f"/api/public/scores/{foreign}") in server.requests
     assert [s["metadata"]["art.rollout.id"] for s in server.created.values()] == ["g-0"]
     assert set(sync.scoring.pushed()) == {("g-0", "ruler")}
     server.requests.clear()
-    sync.sync()
+    assert sync.sync().retracted == 0
     assert [method for method, _ in server.requests] == ["GET"]  # deleted once
 
 
