@@ -86,6 +86,7 @@ class _Counters:
         self.truncated = 0
         self.retokenized = 0
         self.split_edges = 0
+        self.non_object_arguments = 0
 
 
 def _malformed(seq: Sequence, vocab_size: int | None) -> str | None:
@@ -129,8 +130,8 @@ def _sequences(trajectory: Trajectory, config: GRPOConfig, tokenizer: PreTrained
             counters.skipped["not_token_exact_without_tokenizer"] += 1
             return []
         try:
-            ids, mask, split_edges = render_with_assistant_mask(tokenizer, trajectory.messages, trajectory.tools,
-                                                                trajectory.length_cut)
+            ids, mask, split_edges, non_object = render_with_assistant_mask(
+                tokenizer, trajectory.messages, trajectory.tools, trajectory.length_cut)
         except RetokenizeError as exc:
             logger.warning("trajectory %s of group %s is skipped (retokenize_failed): %s", trajectory.id,
                            trajectory.group_id, exc)
@@ -138,6 +139,7 @@ def _sequences(trajectory: Trajectory, config: GRPOConfig, tokenizer: PreTrained
             return []
         counters.retokenized += 1
         counters.split_edges += split_edges
+        counters.non_object_arguments += non_object
         raw.append((ids, [None] * len(ids), mask))
     out: list[_Seq] = []
     too_long = 0
@@ -199,6 +201,7 @@ def _common_stats(groups: list[Group], counters: _Counters, trained_groups: int,
         "data/missing_logprobs": float(missing),
         "data/retokenized_trajectories": float(counters.retokenized),
         "data/retokenize_split_edges": float(counters.split_edges),
+        "data/retokenize_non_object_arguments": float(counters.non_object_arguments),
         **{f"data/skipped/{k}": float(v) for k, v in sorted(counters.skipped.items())},
     }
 

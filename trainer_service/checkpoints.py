@@ -10,9 +10,11 @@ atomically.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
+import os
 import pickle
 import re
 import shutil
@@ -52,6 +54,9 @@ _PROMOTION = "promotion.json"
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 """How a Rust `std::io::Error` names its errno in a message, e.g. safetensors' `SafetensorError` on a full disk:
 "Error while serializing: I/O error: No space left on device (os error 28)"."""
+_NEARLY_FULL_BYTES = 1 << 20
+"""Free space (bytes an unprivileged user may still write) below which a file system counts as full when `torch.save`
+fails on it: its `RuntimeError` names no errno ("unexpected pos ...")."""
 _FLAGS = {"base_model": "--base-model", "lora_r": "--lora-r", "lora_alpha": "--lora-alpha",
           "target_modules": "--target-modules"}
 """Manifest fields a resumed checkpoint must match, and the flag that sets each."""
@@ -66,9 +71,10 @@ class CheckpointMismatchError(ValueError):
 class CheckpointWriteError(OSError):
     """A checkpoint folder could not be written (e.g. a full disk); nothing was left of it.
 
-    Whatever the writer raised (an `OSError`, safetensors' `SafetensorError`, the `RuntimeError` of `torch.save`)
-    is chained as `__cause__`; the message is its type and message. `errno` is the writer's where it names one
-    (`_writer_errno`), so it survives the trip from a `--train-processes` rank as a number; else None.
+    Whatever the writer raised (an `OSError`, safetensors' `SafetensorError`, the `RuntimeError` of `torch.save`, or
+    the ENOSPC `OSError` `_save_optimizer` makes of that on a full file system) is chained as `__cause__`; the message
+    is its type and message. `errno` is the writer's where it names one (`_writer_errno`), so it survives the trip
+    from a `--train-processes` rank as a number; else None.
     """
 
     def __init__(self, message: str, code: int | None = None) -> None:
@@ -78,8 +84,8 @@ class CheckpointWriteError(OSError):
 
 def _writer_errno(exc: BaseException) -> int | None:
     """The errno of checkpoint writer error `exc`: an `OSError`'s own, or the one a Rust writer's message names
-    (safetensors' `SafetensorError`); None where there is none (`torch.save`'s `RuntimeError` on a full disk says
-    only "unexpected pos ...")."""
+    (safetensors' `SafetensorError`); None where there is none (`torch.save`'s `RuntimeError` on a file system with
+    room left, see `_save_optimizer`)."""
     if isinstance(exc, OSError) and exc.errno is not None:
         return exc.errno
     named = _RUST_OS_ERROR.search(str(exc))
@@ -104,7 +110,7 @@ def write_checkpoint(path: Path, model: PeftModel, optimizer: torch.optim.Optimi
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(tmp)
-        torch.save(optimizer.state_dict(), tmp / _OPTIMIZER)
+        _save_optimizer(optimizer, tmp / _OPTIMIZER)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         durable_rename(tmp, path)
     except BaseException as exc:
@@ -113,6 +119,32 @@ def write_checkpoint(path: Path, model: PeftModel, optimizer: torch.optim.Optimi
             raise CheckpointWriteError(f"{type(exc).__name__}: {exc}", _writer_errno(exc)) from exc
         raise
     return path
+
+
+def _save_optimizer(optimizer: torch.optim.Optimizer, file: Path) -> None:
+    """`torch.save` `optimizer`'s state to `file`.
+
+    Raises:
+        OSError: ENOSPC: `torch.save` failed on a file system with less than `_NEARLY_FULL_BYTES` free (its
+            `RuntimeError`, which names no errno, chained and its message kept).
+        RuntimeError: `torch.save` failed on a file system with room left, or whose free space cannot be read.
+    """
+    try:
+        torch.save(optimizer.state_dict(), file)
+    except RuntimeError as exc:
+        free = _free_bytes(file.parent)
+        if free is None or free >= _NEARLY_FULL_BYTES:
+            raise
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({free} bytes free): torch.save: {exc}") from exc
+
+
+def _free_bytes(folder: Path) -> int | None:
+    """Bytes an unprivileged user may still write to `folder`'s file system; None (logged) when that cannot be read."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        logger.warning("cannot read the free space of %s", folder, exc_info=True)
+        return None
 
 
 def read_checkpoint(path: Path, model: PeftModel) -> tuple[dict[str, Any], dict[str, Any] | None]:

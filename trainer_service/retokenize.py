@@ -12,6 +12,7 @@ it are unknown and neither rendering reproduces them. Arguments that are JSON bu
 string) are what that parser returns for the value the model sampled there (dumped as JSON): the template gets the
 value, so that it writes that JSON text as the model sampled it, though vLLM renders `{}` in later prompts (the
 sampled tokens win); a JSON string's own text where the template writes a string as it is (the bundled template).
+Such calls of the assistant messages trained are counted (`Retokenized.non_object_arguments`).
 Arguments that are neither a string nor an object (a list, a number) are refused: that parser never returns them,
 vLLM's API refuses them and renders them as `{}`, so the tokens sampled for them are unknown.
 The text is tokenized as one piece, except where a token would straddle the start or end of an assistant message's
@@ -61,6 +62,9 @@ class Retokenized(NamedTuple):
     """1 on the tokens trained (`render_with_assistant_mask`), 0 elsewhere."""
     split_edges: int
     """How many edges of assistant messages' texts a token straddled, where the text was tokenized apart."""
+    non_object_arguments: int
+    """How many tool calls of the assistant messages trained have `arguments` that are JSON but no object (`[1, 2]`,
+    `3`, `null`, a JSON string), trained as vLLM's parser returns them (`_parsed_arguments`)."""
 
 
 _TEMPLATE_ERRORS = (TemplateError, TypeError, KeyError, ValueError)
@@ -187,6 +191,15 @@ def _parsed_arguments(call: Any, index: int, tokenizer: PreTrainedTokenizerBase,
     return {**call, "function": {**function, "arguments": value}}
 
 
+def _non_object_arguments(message: dict[str, Any]) -> int:
+    """How many tool calls of served assistant `message` (`_as_served`) have `arguments` that are not an object: JSON
+    that is no object, as `_parsed_arguments` hands it to the template."""
+    calls = message.get("tool_calls")
+    return sum(isinstance(call, dict) and isinstance(call.get("function"), dict)
+               and not isinstance(call["function"].get("arguments"), dict)
+               for call in calls) if isinstance(calls, list) else 0
+
+
 def _writes_argument_strings_verbatim(tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None,
                                       call: dict[str, Any]) -> bool:
     """Whether the chat template writes tool call `call` with an `arguments` string as it is (the bundled template),
@@ -255,9 +268,11 @@ def render_with_assistant_mask(
         length_cut: indices in `messages` of assistant messages the token limit cut (`Trajectory.length_cut`).
 
     Returns:
-        `(token_ids, mask, split_edges)`: mask is 1 on tokens rendered from assistant messages but the first message
-        (up to and including the end-of-turn token, excluding it for a message in `length_cut`), 0 elsewhere;
-        `split_edges` counts the edges of assistant messages' texts where the text was tokenized apart.
+        `(token_ids, mask, split_edges, non_object_arguments)`: mask is 1 on tokens rendered from assistant messages
+        but the first message (up to and including the end-of-turn token, excluding it for a message in
+        `length_cut`), 0 elsewhere; `split_edges` counts the edges of assistant messages' texts where the text was
+        tokenized apart; `non_object_arguments` the tool calls of those messages whose `arguments` are JSON but no
+        object.
 
     Raises:
         RetokenizeError: no assistant message after the first message, no chat template, a content part that is not
@@ -273,6 +288,7 @@ def render_with_assistant_mask(
     messages = _as_served(messages, tokenizer, tools)
     full = _render(tokenizer, messages, tools, generation_prompt=False)
     spans: list[tuple[int, int, bool]] = []
+    non_object = 0
     for index, message in enumerate(messages):
         if message.get("role") != "assistant" or not index:  # message 0 had no prompt: the model did not sample it
             continue
@@ -291,6 +307,7 @@ def render_with_assistant_mask(
                     "so they cannot be trained; serve a template that renders them (--chat-template)"
                 )
         spans.append((len(before), len(upto), index in length_cut))
+        non_object += _non_object_arguments(message)
     edges = sorted({edge for start, end, _ in spans for edge in (start, end)})
     ids, offsets, split_edges = _encode(tokenizer, full, edges)
     mask = [0] * len(ids)
@@ -302,4 +319,4 @@ def render_with_assistant_mask(
             inside = [i for i in inside if i < ends[-1] or (i == ends[-1] and not cut)]
         for i in inside:
             mask[i] = 1
-    return Retokenized(ids, mask, split_edges)
+    return Retokenized(ids, mask, split_edges, non_object)

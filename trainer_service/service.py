@@ -65,8 +65,9 @@ _NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 def _write_fix(exc: OSError, path: Path) -> str:
     """The fix a 507 names for checkpoint folder `path` that could not be written, from the errno of `exc` (a
     `CheckpointWriteError` carries its writer's, safetensors' and a `--train-processes` rank's too) or of the `OSError`
-    it chains: "; free disk space" only for a full disk or quota; "" for an error without a known errno (`torch.save`
-    on a full disk: the writer's message, kept in the 507, names the cause)."""
+    it chains: "; free disk space" only for a full disk or quota (also `torch.save` failing on a full file system,
+    see `checkpoints._save_optimizer`); "" for an error without a known errno (the writer's message, kept in the 507,
+    names the cause)."""
     error = exc
     while error.errno is None and isinstance(error.__cause__, OSError):
         error = error.__cause__

@@ -244,7 +244,7 @@ def test_sft_leaves_out_a_group_whose_best_cannot_train() -> None:
 
 
 def test_retokenized_mask_covers_exactly_the_assistant_turns(tokenizer: PreTrainedTokenizerBase) -> None:
-    ids, mask, _ = render_with_assistant_mask(tokenizer, CONVERSATION, TOOLS)
+    ids, mask, *_ = render_with_assistant_mask(tokenizer, CONVERSATION, TOOLS)
     assert len(ids) == len(mask)
     # the masked tokens, run by run, are exactly the three assistant turns as the template renders them
     runs, current = [], []
@@ -271,7 +271,7 @@ def test_an_assistant_message_that_opens_the_conversation_is_not_trained(tokeniz
     # it was masked from the text's start: the template's default system prompt and role header trained with it
     greeting = [{"role": "assistant", "content": "Hi, how can I help?"}, {"role": "user", "content": "2+2?"},
                 {"role": "assistant", "content": "4"}]
-    ids, mask, _ = render_with_assistant_mask(tokenizer, greeting)
+    ids, mask, *_ = render_with_assistant_mask(tokenizer, greeting)
     assert tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == "4<|im_end|>"
     with pytest.raises(RetokenizeError, match="no assistant message after its first message"):
         render_with_assistant_mask(tokenizer, greeting[:2])
@@ -284,7 +284,7 @@ def test_retokenized_tool_calls_render_their_arguments_as_vllm_does(tokenizer: P
             {"id": "c1", "type": "function", "function": {"name": "add", "arguments": arguments}}]}]
 
     compact, served = conversation('{"a":2,"b":3}'), conversation({"a": 2, "b": 3})
-    ids, mask, _ = render_with_assistant_mask(tokenizer, compact, TOOLS)
+    ids, mask, *_ = render_with_assistant_mask(tokenizer, compact, TOOLS)
     assert (ids, mask) == render_with_assistant_mask(tokenizer, served, TOOLS)[:2]
     assert tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == (
         '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>')
@@ -324,7 +324,7 @@ def test_retokenized_tool_call_arguments_that_are_json_but_no_object_train_as_sa
         template.chat_template = template.chat_template.replace(written, "fn['arguments'] | tojson")
     call = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "add", "arguments": arguments}}]}]
-    ids, mask, _ = render_with_assistant_mask(template, call, TOOLS)
+    ids, mask, *_ = render_with_assistant_mask(template, call, TOOLS)
     assert template.decode([t for t, m in zip(ids, mask, strict=True) if m]) == (
         '<tool_call>\n{"name": "add", "arguments": ' + arguments + '}\n</tool_call><|im_end|>')
 
@@ -349,7 +349,7 @@ def test_a_reply_opening_with_whitespace_trains_the_tokens_sampled_after_the_hea
     caplog.set_level("INFO", logger="trainer_service.retokenize")
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": reply},
                 {"role": "user", "content": "again"}, {"role": "assistant", "content": reply}]
-    ids, mask, _ = render_with_assistant_mask(tokenizer, messages)
+    ids, mask, *_ = render_with_assistant_mask(tokenizer, messages)
     sampled = tokenizer(reply + "<|im_end|>", add_special_tokens=False)["input_ids"]  # the engine's, after the header
     assert [t for t, m in zip(ids, mask, strict=True) if m] == sampled * 2
     prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
@@ -377,6 +377,28 @@ def test_the_edges_a_reply_is_tokenized_apart_at_are_counted_per_step(tokenizer:
     assert prepare_sft(groups, GRPOConfig(), CPU, tokenizer).stats["data/retokenize_split_edges"] == 0  # `hello` only
 
 
+def test_tool_call_arguments_that_are_json_but_no_object_are_counted_per_step(
+        tokenizer: PreTrainedTokenizerBase) -> None:
+    # they train as vLLM's parser returns them, where vLLM writes `{}` in later prompts: no step's metrics said so
+    def calls(*arguments: str) -> dict:
+        return {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"c{i}", "type": "function", "function": {"name": "add", "arguments": value}}
+            for i, value in enumerate(arguments)]}
+
+    question = {"role": "user", "content": "2+3?"}
+    plain = [question, calls('{"a": 2}', "")]
+    odd = [calls("[0]"), question, calls("[1, 2]", '{"b": 3}', "null"), {"role": "tool", "tool_call_id": "c0",
+                                                                          "content": "5"}, calls('"3"')]
+    assert render_with_assistant_mask(tokenizer, plain, TOOLS).non_object_arguments == 0
+    assert render_with_assistant_mask(tokenizer, odd, TOOLS).non_object_arguments == 3  # not message 0's: untrained
+    groups = [Group(id="g", trajectories=[
+        Trajectory(id=tid, trace_id="1" * 32, group_id="g", token_exact=False, messages=messages, tools=TOOLS,
+                   reward=reward)
+        for tid, messages, reward in (("a", plain, 1.0), ("b", odd, 0.0))])]
+    assert prepare_grpo(groups, GRPOConfig(), CPU, tokenizer).stats["data/retokenize_non_object_arguments"] == 3
+    assert prepare_sft(groups, GRPOConfig(), CPU, tokenizer).stats["data/retokenize_non_object_arguments"] == 0
+
+
 @pytest.mark.parametrize("arguments", ["", None])
 def test_retokenized_tool_calls_without_arguments_render_an_empty_object_as_vllm_does(
         tokenizer: PreTrainedTokenizerBase, arguments: str | None) -> None:
@@ -385,7 +407,7 @@ def test_retokenized_tool_calls_without_arguments_render_an_empty_object_as_vllm
         return [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "add", "arguments": value}}]}]
 
-    ids, mask, _ = render_with_assistant_mask(tokenizer, conversation(arguments), TOOLS)
+    ids, mask, *_ = render_with_assistant_mask(tokenizer, conversation(arguments), TOOLS)
     assert (ids, mask) == render_with_assistant_mask(tokenizer, conversation({}), TOOLS)[:2]
     assert tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == (
         '<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call><|im_end|>')
@@ -403,11 +425,11 @@ def test_retokenized_content_parts_render_as_vllm_hands_them_to_the_template(
              {"role": "assistant", "content": [{"type": "text", "text": "5"}, {"type": "refusal", "refusal": "no"}]}]
     joined = [{"role": "user", "content": "2+3?\nReply briefly."}, {"role": "assistant", "content": "5\nno"}]
     for template in (trim, own):
-        ids, mask, _ = render_with_assistant_mask(template, parts)
+        ids, mask, *_ = render_with_assistant_mask(template, parts)
         assert (ids, mask) == render_with_assistant_mask(template, joined)[:2]
         assert template.decode([t for t, m in zip(ids, mask, strict=True) if m]) == "5\nno<|im_end|>"
     # the bundled template renders parts itself (vLLM passes them on, each a text part): it joins them without newlines
-    ids, mask, _ = render_with_assistant_mask(tokenizer, parts)
+    ids, mask, *_ = render_with_assistant_mask(tokenizer, parts)
     assert tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == "5no<|im_end|>"
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]},
              {"role": "assistant", "content": "a cat"}]
@@ -426,7 +448,7 @@ def test_retokenized_mask_ends_at_an_end_of_turn_token_that_is_not_eos(tokenizer
     gemma_like.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|endoftext|>\n"
                                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     messages = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"}]
-    ids, mask, _ = render_with_assistant_mask(gemma_like, messages)
+    ids, mask, *_ = render_with_assistant_mask(gemma_like, messages)
     masked = [token for token, m in zip(ids, mask, strict=True) if m]
     assert gemma_like.decode(masked) == "5<|endoftext|>"
     assert gemma_like.decode(ids[len(ids) - 1:]) == "\n" and mask[-1] == 0
@@ -442,7 +464,7 @@ def test_foreign_trajectories_are_retokenized_and_counted(tokenizer: PreTrainedT
     batch = prepare_grpo([group_], GRPOConfig(), CPU, tokenizer)
     assert batch.stats["data/retokenized_trajectories"] == 2
     assert all(bool(torch.isnan(item.old_logprobs).all()) for item in batch.items)  # trained on-policy
-    expected_ids, expected_mask, _ = render_with_assistant_mask(tokenizer, group_.trajectories[0].messages, TOOLS)
+    expected_ids, expected_mask, *_ = render_with_assistant_mask(tokenizer, group_.trajectories[0].messages, TOOLS)
     assert batch.items[0].token_ids.tolist() == expected_ids and batch.items[0].mask.tolist() == expected_mask[1:]
     with pytest.raises(NothingTrainableError, match="not_token_exact_without_tokenizer=2"):
         prepare_grpo([group_], GRPOConfig(), CPU, None)
@@ -451,7 +473,7 @@ def test_foreign_trajectories_are_retokenized_and_counted(tokenizer: PreTrainedT
 def test_a_reply_cut_by_length_trains_no_end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> None:
     # the model hit max_tokens in "The sum" and did not end its turn; the next turn was sampled after <|im_end|>
     cut = [*CONVERSATION[:4], {"role": "assistant", "content": "The sum"}, *CONVERSATION[5:]]
-    ids, mask, _ = render_with_assistant_mask(tokenizer, cut, TOOLS, length_cut=[4])
+    ids, mask, *_ = render_with_assistant_mask(tokenizer, cut, TOOLS, length_cut=[4])
     assert ids == render_with_assistant_mask(tokenizer, cut, TOOLS)[0]  # the token stays in the sequence
     assert tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == (
         '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>The sum2<|im_end|>')

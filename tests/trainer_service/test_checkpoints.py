@@ -99,6 +99,41 @@ async def test_a_full_disk_safetensors_reports_without_an_errno_still_names_the_
     await service.aclose()
 
 
+_TORCH_FULL = "[enforce fail at inline_container.cc:672] . unexpected pos 47232 vs 47120"
+"""What `torch.save` raised when a real full file system (a 128 KiB tmpfs) cut off the optimizer state."""
+
+
+@pytest.mark.parametrize(("free", "fix", "code"), [(4096, "; free disk space", errno.ENOSPC), (1 << 30, "", None)])
+async def test_torch_save_on_a_full_disk_names_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, free: int, fix: str, code: int | None
+) -> None:
+    """`torch.save` names no errno: a full file system (what is left free) makes its failure ENOSPC, not room left."""
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    trainer = service.trainer
+    assert trainer is not None
+    real_usage = shutil.disk_usage
+
+    def disk_full(obj: object, file: Path) -> None:
+        file.write_bytes(b"PK half")  # a partial write, then the zip writer's check
+        raise RuntimeError(_TORCH_FULL)
+
+    def usage(path: str | Path) -> tuple[int, int, int]:  # what is left of the checkpoint folder's file system
+        total, used, _ = real_usage(path)
+        return type(real_usage(path))(total, used, free)
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    batches.append(Batch(id="b1", groups=[group(trainer, (1.0, 0.0))], lease_expires_at=0))
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    message = info.value.body.error.message
+    assert info.value.status == 507 and _TORCH_FULL in message  # the writer's own message is kept
+    assert f"rolled back{fix}. Batch b1" in message and info.value.__cause__.errno == code
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+    await service.aclose()
+
+
 _WRITE_LIMITED_STEPS = """
 import asyncio, json, resource, signal, sys, tempfile
 from pathlib import Path
@@ -146,7 +181,8 @@ def test_a_real_write_limit_is_507_and_not_the_datas_fault(tmp_path: Path) -> No
     assert [(o["status"], o.get("code"), o.get("cause")) for o in result["outcomes"]] == [
         (507, "checkpoint_write_failed", "SafetensorError"), (507, "checkpoint_write_failed", "RuntimeError")]
     assert "SafetensorError: " in result["outcomes"][0]["message"]  # the writer's own message is kept
-    # safetensors names the errno in its message ("(os error 27)"), `torch.save` none ("unexpected pos ...")
+    # safetensors names the errno in its message ("(os error 27)"), `torch.save` none ("unexpected pos ..."), and the
+    # disk has room: no ENOSPC is made of it (`test_torch_save_on_a_full_disk_names_the_fix`)
     assert [o["errno"] for o in result["outcomes"]] == [errno.EFBIG, None]
     assert [(batch_id, body["failed"]) for batch_id, body in result["releases"]] == [("b0", False), ("b1", False)]
     assert result["step"] == 0 and result["left"] == []  # rolled back, nothing half-written left

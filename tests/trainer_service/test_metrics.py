@@ -13,6 +13,7 @@ import pytest
 
 from collector.protocol import Batch
 from tests.trainer_service.builders import group, make_service, make_trainer
+from trainer_service import metrics
 from trainer_service.metrics import CHECKPOINT_METRICS, PLOT_FILE, MetricsSink, is_checkpoint_metric
 
 
@@ -299,3 +300,45 @@ def test_a_step_does_not_wait_for_the_plot_and_the_last_state_is_drawn(tmp_path:
     release.set()
     sink.close()  # waits for the last state
     assert drawn == [[1], [1, 2, 3, 4]] and sink.sink_errors == 0
+
+
+def test_steps_emitted_soon_after_a_drawing_are_drawn_once_later_or_at_flush(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drawing at every step, each holding the GIL, made quick steps 5 to 9 times slower: those emitted within
+    `_PLOT_INTERVAL_S` of the last drawing are drawn together, once that time has passed or at once for `flush`."""
+    monkeypatch.setattr(metrics, "_PLOT_INTERVAL_S", 3600.0)
+    sink = MetricsSink(tmp_path, wandb="off")
+    drawn: list[list[int]] = []
+    drawing = threading.Event()
+
+    def record(history: list[dict[str, Any]]) -> None:
+        drawn.append([h["step"] for h in history])
+        drawing.set()
+
+    monkeypatch.setattr(sink, "_plot", record)
+    sink.emit(1, {"loss/policy": 0.5})
+    assert drawing.wait(60)  # the first step is drawn at once, unasked
+    drawing.clear()
+    for step in (2, 3, 4):
+        sink.emit(step, {"loss/policy": 0.5})
+    assert not drawing.wait(1)  # held back for the interval: each was drawn at once after the one before
+    assert sink.flush(60) and drawn == [[1], [1, 2, 3, 4]] and sink.sink_errors == 0
+
+
+def test_steps_held_back_are_drawn_once_the_interval_has_passed(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(metrics, "_PLOT_INTERVAL_S", 0.05)
+    sink = MetricsSink(tmp_path, wandb="off")
+    drawn: list[list[int]] = []
+    last = threading.Event()
+
+    def record(history: list[dict[str, Any]]) -> None:
+        drawn.append([h["step"] for h in history])
+        if history[-1]["step"] == 3:
+            last.set()
+
+    monkeypatch.setattr(sink, "_plot", record)
+    for step in (1, 2, 3):
+        sink.emit(step, {"loss/policy": 0.5})
+    assert last.wait(60)  # nobody waits (`flush`): drawn when the interval has passed, not lost
+    assert drawn[-1] == [1, 2, 3] and sink.flush(60) and sink.sink_errors == 0
