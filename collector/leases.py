@@ -27,7 +27,7 @@ from collector.protocol import (
     ReleaseResponse,
     ReopenResponse,
 )
-from collector.schema import batch_groups, batches, groups
+from collector.schema import batch_groups, batches, groups, trajectories
 
 __all__ = ["REOPENABLE", "ack", "release", "reopen", "take"]
 
@@ -131,9 +131,13 @@ def _still_ready(conn: Connection, settings: CollectorSettings, ready: list[str]
 
 
 def _member_ids(conn: Connection, group_ids: list[str]) -> dict[str, list[str]]:
-    """The ids of each group's trajectories, sorted, by group id."""
-    members = pool.group_members(conn, group_ids)
-    return {group_id: sorted(row["id"] for row in rows) for group_id, rows in members.items()}
+    """The ids of each group's trajectories, sorted, by group id (ids only: no digests read)."""
+    members: dict[str, list[str]] = {group_id: [] for group_id in group_ids}
+    for chunk in chunks(group_ids):
+        query = select(trajectories.c.group_id, trajectories.c.id).where(trajectories.c.group_id.in_(chunk))
+        for group_id, trajectory_id in conn.execute(query):
+            members[group_id].append(trajectory_id)
+    return {group_id: sorted(ids) for group_id, ids in members.items()}
 
 
 def take(
