@@ -30,7 +30,7 @@ from collector.groups import TrainingReward
 from collector.otlp import SpanRecord
 from collector.protocol import DOT_SEGMENT_PROBLEM, MAX_COUNT, MAX_ID_LENGTH, Trajectory, has_dot_segment
 from collector.sequences import build_sequences
-from collector.spans import COUNTS, unique_sorted, warn_once, whole_number
+from collector.spans import COUNTS, read_json, unique_sorted, warn_once, whole_number
 
 __all__ = [
     "FactsDigest",
@@ -307,8 +307,8 @@ def _json_attr(span: SpanRecord, key: str, want: type) -> Any:
     if raw is None:
         return None
     try:
-        value = json.loads(raw) if isinstance(raw, str) else raw
-    except json.JSONDecodeError as exc:
+        value = read_json(raw) if isinstance(raw, str) else raw
+    except ValueError as exc:
         warn_once(log, "span %s: attribute %s is not valid JSON (%s); ignored", span.span_id, key, exc)
         return None
     if not isinstance(value, want):

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from collector.spans import warn_once
+from collector.spans import read_json, warn_once
 
 __all__ = [
     "arguments_text",
@@ -45,8 +45,8 @@ def decoded(value: Any) -> Any:
     if not isinstance(value, str):
         return value
     try:
-        return json.loads(value)
-    except json.JSONDecodeError:
+        return read_json(value)
+    except ValueError:
         return value
 
 
@@ -199,8 +199,8 @@ def openinference_tools(attributes: Mapping[str, Any], span_id: str) -> list[dic
         schema = as_dict(as_dict(node).get("tool")).get("json_schema")
         if isinstance(schema, str):
             try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
+                schema = read_json(schema)
+            except ValueError as exc:
                 warn_once(log, "span %s: OpenInference tool schema is not JSON (%s); ignored", span_id, exc)
                 continue
         if isinstance(schema, dict):

@@ -54,7 +54,7 @@ from collector.flattened_messages import (
     parts_text,
     unflatten,
 )
-from collector.spans import warn_once
+from collector.spans import read_json, warn_once
 
 __all__ = ["Conversation", "conversation", "describes_art_call", "finish_reason", "is_generation", "same_messages"]
 
@@ -239,8 +239,8 @@ def _essence(message: Mapping[str, Any]) -> tuple[Any, ...]:
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+                arguments = read_json(arguments)
+            except ValueError:
                 pass
         calls.append((function.get("name"), json.dumps(arguments, sort_keys=True)))
     return message.get("role"), str(text).strip(), tuple(calls), message.get("tool_call_id")
@@ -251,8 +251,8 @@ def _json(attributes: Mapping[str, Any], key: str, span_id: str) -> Any:
     if not isinstance(raw, str):
         return raw
     try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
+        return read_json(raw)
+    except ValueError as exc:
         warn_once(log, "span %s: attribute %s is not valid JSON (%s); ignored", span_id, key, exc)
         return None
 
@@ -315,8 +315,8 @@ def _langfuse_messages(raw: Any, role: str, span_id: str) -> tuple[list[dict[str
     value = raw
     if isinstance(raw, str):
         try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
+            value = read_json(raw)
+        except ValueError:
             return [{"role": role, "content": raw}], []
     tools: list[dict[str, Any]] = []
     if isinstance(value, Mapping) and isinstance(value.get("messages"), list):
@@ -342,8 +342,8 @@ def _gen_ai_tools(attributes: Mapping[str, Any], span_id: str) -> list[dict[str,
             parameters = function.get("parameters")
             if isinstance(parameters, str):
                 try:
-                    parameters = json.loads(parameters)
-                except json.JSONDecodeError:
+                    parameters = read_json(parameters)
+                except ValueError:
                     parameters = {}
             spec = {
                 "name": function["name"],

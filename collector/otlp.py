@@ -198,7 +198,7 @@ def _parse_json(body: bytes) -> tuple[ExportTraceServiceRequest, list[str]]:
     try:
         text = body.decode("utf-8-sig")  # strict: `json.loads` of bytes would let encoded surrogates through
         data = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # also not UTF-8, and an integer past Python's 4300 digits
         raise OtlpError("malformed_body", f"body is not valid JSON: {exc}") from exc
     except RecursionError as exc:
         raise OtlpError("malformed_body", "body is JSON nested too deeply") from exc

@@ -144,6 +144,16 @@ def _authorize(request: Request) -> None:
 Auth = Annotated[None, Depends(_authorize)]
 
 
+def _unreadable(request: Request, cause: ValueError | RecursionError) -> str:
+    """Why a JSON request body could not be read, for its 400."""
+    why = "it nests too deeply" if isinstance(cause, RecursionError) else str(cause)
+    message = f"the body is not JSON that can be read: {why}"
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        message += f"; Content-Encoding {encoding!r} is read on POST /v1/traces only"
+    return message
+
+
 STORE_RETRY_AFTER_S = 5
 """`Retry-After` of a 503 `store_unavailable` answer."""
 
@@ -167,18 +177,30 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
     async def _otlp_error(_: Request, exc: otlp.OtlpError) -> JSONResponse:
         return _error(_OTLP_STATUS.get(exc.code, 400), exc.code, str(exc))
 
+    async def _unauthorized(request: Request) -> JSONResponse | None:
+        """The 401 of a write without the key, which FastAPI's reading of a JSON body comes before (`Auth` runs
+        after it): a body that is not JSON answers 401 too without the key."""
+        if request.method == "GET":
+            return None
+        try:
+            _authorize(request)
+        except _Rejected as rejected:
+            return await _collector_error(request, rejected)
+        return None
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        if request.method != "GET":  # FastAPI decodes a JSON body before `Auth` runs: without the key it is 401 still
-            try:
-                _authorize(request)
-            except _Rejected as rejected:
-                return await _collector_error(request, rejected)
+        if unauthorized := await _unauthorized(request):
+            return unauthorized
         details = "; ".join(validation_problem(error) for error in exc.errors())
         return _error(400, "invalid_request", details or "invalid request")
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and isinstance(exc.__cause__, ValueError | RecursionError):
+            # FastAPI could not read the JSON body (not UTF-8, say gzip, an integer past Python's 4300 digits,
+            # nesting past the recursion limit) and said only "There was an error parsing the body"
+            return await _unauthorized(request) or _error(400, "invalid_request", _unreadable(request, exc.__cause__))
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status_code, "http_error")
         return _error(exc.status_code, code, str(exc.detail))
 

@@ -3,6 +3,7 @@ warnings about a span's values, logged once."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -13,7 +14,7 @@ from art_langgraph import semconv as sc
 from collector.otlp import SpanRecord
 from collector.protocol import MAX_COUNT
 
-__all__ = ["COUNTS", "WARNINGS_KEPT", "forget_warnings", "unique_sorted", "warn_once", "whole_number"]
+__all__ = ["COUNTS", "WARNINGS_KEPT", "forget_warnings", "read_json", "unique_sorted", "warn_once", "whole_number"]
 
 COUNTS = {sc.GROUP_SIZE: 1, sc.POLICY_STEP: 0}
 """Whole-number attributes and the least value each may take."""
@@ -34,6 +35,16 @@ def whole_number(value: Any, low: int) -> int | None:
     if isinstance(value, float) and not value.is_integer():  # also NaN and the infinities
         return None
     return int(value) if low <= value <= MAX_COUNT else None
+
+
+def read_json(text: str) -> Any:
+    """`json.loads(text)` for a span's JSON-text attribute, raising `ValueError` for any text it cannot read: not JSON
+    (`json.JSONDecodeError`), an integer past Python's 4300 digits, or nesting past the recursion limit (which
+    `json.loads` raises as `RecursionError`). The span was stored as sent, so every read must survive such text."""
+    try:
+        return json.loads(text)
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deeply to read") from exc
 
 
 WARNINGS_KEPT = 4096

@@ -95,12 +95,16 @@ class SqlStore(Store):
 
     # --- ingest -------------------------------------------------------------------------
     def add_spans(self, records: list[SpanRecord]) -> int:
-        """Store spans (duplicates ignored) and update their trajectories; returns how many were new.
+        """Store spans (duplicates ignored: of one span id the first sent, in this export or an earlier one) and
+        update their trajectories; returns how many were new.
 
         Raises:
             InvalidRequest: a span has a problem (`assembly.span_problem`); nothing is stored.
         """
-        unique = list({r.span_id: r for r in records}.values())
+        first: dict[str, SpanRecord] = {}
+        for record in records:
+            first.setdefault(record.span_id, record)
+        unique = list(first.values())
         for record in unique:
             if problem := assembly.span_problem(record):
                 raise InvalidRequest(f"span {record.span_id}: {problem}", code="invalid_span")

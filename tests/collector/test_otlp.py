@@ -105,6 +105,8 @@ def test_json_surrogate_pairs_and_bom_decode() -> None:
         (b"[1, 2]", JSON, "must be an object"),
         (b'{"resourceSpans": {}}', JSON, "resourceSpans must be an array"),
         (b"[" * 100_000 + b"]" * 100_000, JSON, "nested too deeply"),
+        # an integer past Python's 4300 digits is a ValueError, not a JSONDecodeError: it was a 500
+        (_span_json(startTimeUnixNano="N").replace(b'"N"', b"1" * 5000), JSON, "not valid JSON: Exceeds the limit"),
         (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": TRACE, "spanId": sid(1),
                                                                    "startTimeUnixNano": "x"}]}]}]}).encode(),
          JSON, "not a valid OTLP/JSON"),

@@ -124,6 +124,48 @@ def test_a_count_that_is_no_whole_number_rejects_its_span_alone(client: TestClie
     assert client.get("/v1/trajectories/b").json()["reward"] == 0.0
 
 
+def test_a_span_id_sent_twice_keeps_its_first_copy_in_one_export_as_in_two(tmp_path: Path) -> None:
+    """Of two spans with one id the first sent is kept: two exports kept the first, one export kept the last."""
+    turn = llm(1, start=5, prompt=[1], completion=[2])
+    first, second = (rollout(2, group="g", rewards={"reward": value}) for value in (1.0, 0.0))  # one span id
+    for exports in ([[turn, first, second]], [[turn, first], [second]]):
+        (tmp_path / str(len(exports))).mkdir()
+        client = TestClient(collector_app(tmp_path / str(len(exports))))
+        for spans in exports:
+            answer = client.post("/v1/traces", content=to_request(spans).SerializeToString(), headers=PB)
+            assert answer.status_code == 200
+        assert client.get("/v1/trajectories/r1").json()["rewards"] == {"reward": 1.0}
+
+
+_BIG_INT, _TOO_DEEP = "1" * 5000, "[" * 100_000  # Python's json reads neither: past 4300 digits, past recursion
+
+
+@pytest.mark.parametrize(("span", "key", "value"), [
+    (0, sc.GEN_AI_INPUT_MESSAGES, f'[{{"role": "user", "content": {_BIG_INT}}}]'),
+    (0, sc.GEN_AI_OUTPUT_MESSAGES, _TOO_DEEP),
+    (0, sc.GEN_AI_TOOL_DEFINITIONS, _BIG_INT),
+    (0, "gen_ai.prompt.0.content", _TOO_DEEP),
+    (0, "gen_ai.completion.0.tool_calls.0.arguments", _BIG_INT),
+    (0, "langfuse.observation.input", _TOO_DEEP),
+    (0, "llm.tools.0.tool.json_schema", _BIG_INT),
+    (1, sc.METADATA, f'{{"n": {_BIG_INT}}}'),
+])
+def test_json_text_python_cannot_read_is_read_as_absent_not_a_500(
+    client: TestClient, span: int, key: str, value: str
+) -> None:
+    """Such an attribute was stored (200), then every read that assembled its trajectory was a 500 (`ValueError` or
+    `RecursionError` from `json.loads`): one span broke the trajectory list, the web page and every lease."""
+    spans = rollout_group({"a": 1.0, "b": 0.0})
+    spans[span].attributes[key] = value  # the llm span of a, its rollout span
+    assert client.post("/v1/traces", content=to_request(spans).SerializeToString(), headers=PB).status_code == 200
+    assert sorted(t["id"] for t in client.get("/v1/trajectories").json()) == ["a", "b"]
+    assert client.get("/v1/trajectories/a").json()["sequences"][0]["token_ids"] == [1, 2]
+    assert client.get("/v1/view/trajectory", params={"id": "a"}).status_code == 200
+    assert client.get("/v1/view/trajectories").json()["total"] == 2
+    leased = client.post("/v1/batches", json={"max_groups": 4})
+    assert leased.status_code == 200 and [g["id"] for g in leased.json()["groups"]] == ["g"]
+
+
 def test_counts_stored_before_they_were_checked_neither_fail_a_lease_nor_count(tmp_path: Path) -> None:
     """Spans stored by a collector that did not check their counts yet assemble, those counts read as absent."""
     settings = CollectorSettings(db=f"sqlite:///{tmp_path / 'c.db'}")
@@ -228,6 +270,25 @@ def test_api_key_guards_writes_only(tmp_path: Path) -> None:
     assert client.post("/v1/traces", content=body, headers=good).status_code == 200
     assert client.get("/v1/trajectories").status_code == 200
     assert client.get("/v1/groups").status_code == 200
+
+
+@pytest.mark.parametrize(("body", "headers", "fragment"), [
+    (b'{"value": "\xff"}', {}, "'utf-8' codec can't decode byte 0xff"),
+    (gzip.compress(b'{"value": 1}'), {"content-encoding": "gzip"}, "'gzip' is read on POST /v1/traces only"),
+    (b'{"value": ' + b"1" * 5000 + b"}", {}, "Exceeds the limit (4300 digits)"),
+    (b"[" * 100_000 + b"]" * 100_000, {}, "it nests too deeply"),
+], ids=["not-utf-8", "gzip", "big-int", "too-deep"])
+def test_a_json_body_that_cannot_be_read_is_401_without_the_key_else_400_naming_why(
+    tmp_path: Path, body: bytes, headers: dict[str, str], fragment: str
+) -> None:
+    """FastAPI answered such a body 400 `http_error` "There was an error parsing the body" before `Auth` ran: no 401
+    without the key, as for a body that is not JSON, and no word of what was wrong."""
+    client = TestClient(collector_app(tmp_path, api_key="sekret"))
+    sent = {**JSON, **headers}
+    for path in ("/v1/rewards", "/v1/batches", "/v1/batches/x/release", "/v1/groups/g/judge"):
+        assert_error(client.post(path, content=body, headers=sent), 401, "unauthorized")
+        answer = client.post(path, content=body, headers={**sent, "authorization": "Bearer sekret"})
+        assert fragment in assert_error(answer, 400, "invalid_request")["message"]
 
 
 def test_an_empty_api_key_means_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
