@@ -13,6 +13,7 @@ import atexit
 import base64
 import logging
 import os
+import secrets
 from collections.abc import Callable
 
 import requests
@@ -20,6 +21,7 @@ from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Tracer
 
@@ -126,6 +128,26 @@ _SPAN_LIMITS = SpanLimits(
 messages' JSON (the collector could no longer read it), evict attributes and drop reward events."""
 
 
+class _UnseededIds(IdGenerator):
+    """Trace and span ids from the operating system's randomness, not Python's `random` (the SDK's default): an app
+    that seeds `random` alike for each rollout (to replay a task) gave its rollouts the same ids, and the collector
+    keeps one span per id."""
+
+    def generate_span_id(self) -> int:
+        return _nonzero(64)
+
+    def generate_trace_id(self) -> int:
+        return _nonzero(128)
+
+
+def _nonzero(bits: int) -> int:
+    """A random nonzero integer of `bits` bits (zero is OpenTelemetry's invalid id)."""
+    value = 0
+    while value == 0:
+        value = secrets.randbits(bits)
+    return value
+
+
 class _ToCurrentPipeline(SpanProcessor):
     """Every provider's way out: an ended span goes to the export processors current when it ends.
 
@@ -223,6 +245,7 @@ def configure(
         # Every span is training data: neither OTEL_TRACES_SAMPLER nor a parent the app sampled out drops one.
         sampler=ALWAYS_ON,
         span_limits=_SPAN_LIMITS,
+        id_generator=_UnseededIds(),
         shutdown_on_exit=False,  # our own exit hook (`_flush_at_exit`) flushes with a bound
     )
     provider.add_span_processor(_TO_CURRENT)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import Iterator
 
@@ -88,6 +89,19 @@ def test_the_apps_sampling_drops_no_span(memory_tracing, app_environment) -> Non
             pass
     kinds = sorted(s.attributes[semconv.SPAN_KIND] for s in memory_tracing.exporter.get_finished_spans())
     assert kinds == [semconv.SPAN_KIND_LLM, semconv.SPAN_KIND_ROLLOUT]
+
+
+def test_rollouts_of_an_app_that_seeds_random_alike_get_their_own_ids(memory_tracing) -> None:
+    """The SDK draws ids from `random`: an app seeding it alike per rollout (to replay a task) gave every rollout the
+    same trace and span ids, and the collector keeps one span per id, so all but one rollout were lost."""
+    memory_tracing.exporter.clear()
+    for name in ("first", "second"):
+        random.seed(7)
+        with rollout(name):
+            FakeEngine().chat_model().invoke("hi")
+    finished = memory_tracing.exporter.get_finished_spans()
+    assert len(finished) == 4
+    assert len({s.context.span_id for s in finished}) == 4 and len({s.context.trace_id for s in finished}) == 2
 
 
 def test_the_apps_span_limits_cut_nothing(memory_tracing, app_environment) -> None:
