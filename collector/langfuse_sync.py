@@ -14,7 +14,8 @@ by id (the `id` filter of the same endpoint), and one that is gone has its rewar
 (with its record, in one transaction) unless its group is leased or trained. Pushed scores get a stable id per
 (trajectory, reward name), so a changed reward updates the same score in Langfuse; the scores pushed for a
 trajectory the store deleted since (another instrumentation's calls in a rollout's trace) are deleted there
-(`DELETE /api/public/scores/{scoreId}`) by the next sync.
+(`DELETE /api/public/scores/{scoreId}`) by the next sync; one Langfuse fails to delete is tried again by the sync
+after it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from sqlalchemy import Connection
 from collector.errors import CollectorError
 from collector.protocol import RewardAccepted, RewardIn
 from collector.read_protocol import LangfuseSyncResult
+from collector.schema import score_version
 from collector.scoring_config import LangfuseSettings
 from collector.scoring_store import ScoringStore
 from collector.store_base import Store
@@ -59,6 +61,13 @@ _HINTS = {
     "with LANGFUSE_ENABLE_SCORES_V3_API=true (Langfuse Cloud always does)",
 }
 """What to check when Langfuse answers a status that a configuration mistake gives."""
+
+_DELETE_HINTS = {
+    **_HINTS,
+    404: "is the host Langfuse's base URL? Langfuse answers 202 to the deletion of any score id, one it does not have "
+    "too: a 404 says this server has no DELETE /api/public/scores/{scoreId}",
+}
+"""`_HINTS` for the deletion of a score."""
 
 
 class LangfuseSyncError(CollectorError):
@@ -108,15 +117,6 @@ def _numeric(score: object) -> float | None:
     return None
 
 
-def _version(updated_at: dt.datetime) -> str:
-    """A score's `updatedAt` as stored in `langfuse_pulled`: ISO 8601 in UTC with microseconds
-    (`2026-01-01T09:00:00.500000+00:00`), whose string order is time order whatever offset and precision Langfuse
-    wrote. A time without an offset is UTC, as Langfuse's times are. It is `isoformat()` of the UTC time, as stored
-    before, except that a whole second keeps its `.000000`: such a stored value still sorts before every later one."""
-    utc = updated_at.replace(tzinfo=dt.UTC) if updated_at.tzinfo is None else updated_at.astimezone(dt.UTC)
-    return utc.isoformat(timespec="microseconds")
-
-
 def _reward_of(score: object) -> RewardIn | None:
     """The reward a score gives its trace, or None: session and experiment scores, and scores on a trace id that is
     no OpenTelemetry one (logged), give none."""
@@ -155,13 +155,13 @@ class LangfuseSync:
         self.clock = clock
         self._lock = threading.Lock()
 
-    def _call(self, what: str, fn: Callable[[], object]) -> object:
+    def _call(self, what: str, fn: Callable[[], object], hints: dict[int, str] = _HINTS) -> object:
         """`fn()`, a call of Langfuse's API; any way Langfuse fails, a malformed answer too, raises
-        `LangfuseSyncError` (502)."""
+        `LangfuseSyncError` (502), with the hint of `hints` for its status, if any."""
         try:
             return fn()
         except ApiError as exc:
-            hint = f"; {_HINTS[exc.status_code]}" if exc.status_code in _HINTS else ""
+            hint = f"; {hints[exc.status_code]}" if exc.status_code in hints else ""
             raise LangfuseSyncError(f"Langfuse {what} answered {exc.status_code}: {exc.body!r}{hint}") from exc
         except ValidationError as exc:  # a 2xx body the SDK cannot read: a proxy's page, a score its model rejects
             raise LangfuseSyncError(f"Langfuse {what} answered something its API does not define: {exc}") from exc
@@ -189,10 +189,7 @@ class LangfuseSync:
             if not cursor:
                 break
         found.sort(key=lambda score: (score.timestamp, score.updated_at))  # the latest score of a name wins
-        seen = {  # a version stored before `_version` (a whole second without `.000000`) is the same version
-            score_id: _version(dt.datetime.fromisoformat(stored))
-            for score_id, stored in self.scoring.pulled_versions([score.id for score in found]).items()
-        }
+        seen = self.scoring.pulled_versions([score.id for score in found])
         latest: dict[tuple[str | None, str], tuple[str, RewardIn]] = {}
         marks: dict[str, dict[str, Any]] = {}  # the new or changed scores, by id
         ignored = 0
@@ -202,7 +199,7 @@ class LangfuseSync:
                 ignored += 1
                 continue
             latest[(reward.trace_id, reward.name)] = (score.id, reward)
-            version = _version(score.updated_at)
+            version = score_version(score.updated_at)
             if seen.get(score.id) != version:
                 marks[score.id] = {"score_id": score.id, "updated_at": version, "trace_id": reward.trace_id,
                                    "name": reward.name, "value": reward.value, "pulled_at": self.clock()}
@@ -288,17 +285,25 @@ class LangfuseSync:
                          "stays (tried again next sync while it is leased)", score_id, row["trace_id"])
         return withdrawn
 
-    def _retract(self) -> int:
-        """Delete in Langfuse the scores pushed for trajectories the store no longer has, then their records
-        (`ScoringStore.pushed_orphans`), one at a time; returns how many. Langfuse answers the deletion of a score it
-        no longer has (a person deleted it) as any other."""
-        orphans = self.scoring.pushed_orphans()
-        for row in orphans:
+    def _retract(self) -> tuple[int, int]:
+        """Delete in Langfuse the pushed scores marked for it (their trajectories were deleted,
+        `ScoringStore.retract_pushed`), then each one's record, one at a time; returns (deleted, failed). A deletion
+        that fails is logged and its record kept, so the next sync tries it again; the others go on. Langfuse answers
+        the deletion of a score it no longer has (a person deleted it) as any other."""
+        deleted = failed = 0
+        for row in self.scoring.to_retract():
             score_id = row["score_id"]
-            self._call(f"DELETE /api/public/scores/{score_id}",
-                       lambda score_id=score_id: self.client.scores.delete(score_id))
-            self.scoring.forget_pushed([row])
-        return len(orphans)
+            try:
+                self._call(f"DELETE /api/public/scores/{score_id}",
+                           lambda score_id=score_id: self.client.scores.delete(score_id), _DELETE_HINTS)
+            except LangfuseSyncError as exc:
+                log.warning("Langfuse score %s of deleted trajectory %s not deleted (tried again next sync): %s",
+                            score_id, row["trajectory_id"], exc)
+                failed += 1
+                continue
+            self.scoring.forget_pushed(row)
+            deleted += 1
+        return deleted, failed
 
     def push(self) -> tuple[int, int]:
         """Send the configured rewards whose value changed since the last push; returns (sent, rejected)."""
@@ -337,15 +342,19 @@ class LangfuseSync:
                 rejected += answer.rejected
                 log.warning("Langfuse rejected %d of %d scores: %s", answer.rejected, len(chunk),
                             [e.message for e in answer.errors])
-            self.scoring.mark_pushed(marks[start : start + PAGE])
+            self.scoring.mark_pushed(marks[start : start + PAGE], now)
         return len(requests), rejected
 
     def sync(self) -> LangfuseSyncResult:
-        """Pull, delete the scores pushed for trajectories deleted since (`_retract`), then push; one sync at a time
-        (the schedule and `POST /v1/langfuse/sync` may overlap)."""
+        """Pull, push, then delete the scores pushed for trajectories deleted since (`_retract`); one sync at a time
+        (the schedule and `POST /v1/langfuse/sync` may overlap).
+
+        The deletions come after the push: a later trajectory of a deleted one's id has the same score ids, and its
+        push (as new, `ScoringStore.pushed`) takes such a score over and clears its mark, so it is not deleted. Deleted
+        first, then sent again, it might be lost: Langfuse queues both, and may apply the deletion last."""
         with self._lock:
             result = self.pull()
-            result.retracted = self._retract()
             result.pushed, result.push_rejected = self.push()
+            result.retracted, result.retract_failed = self._retract()
         log.info("Langfuse sync: %s", result.model_dump())
         return result

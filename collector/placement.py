@@ -163,7 +163,7 @@ def _rollout_traces(conn: Connection, found: dict[tuple[str, bool], TrajectoryFa
     return held
 
 
-def _forget_trajectory(conn: Connection, row: Any) -> None:
+def _forget_trajectory(conn: Connection, row: Any, now: float) -> None:
     """Delete the trajectory `row`, its spans and what was scored of it: the rewards given to its id (a judge's, the
     API's), which a later trajectory of the same id would take as its own, the judge's explanations of it, and the
     judge run of its group (`ScoringStore.forget_trajectory`), so the members left are judged again without it (a run
@@ -172,13 +172,15 @@ def _forget_trajectory(conn: Connection, row: Any) -> None:
     Its spans are those stored under its id (`spans.trajectory_id`, the trace id): the rollout's spans of the same
     trace are stored under the rollout id, and a rollout whose id is the trace id shares this row, not only its spans.
     More of the trace's foreign calls make no trajectory again: they are left out on arrival, their spans deleted
-    (`_without_foreign_calls_in_rollouts`). The records of its scores pushed to Langfuse (`langfuse_pushed`) stay:
-    they name the scores that the next Langfuse sync deletes there (`LangfuseSync.sync`), and go then.
+    (`_without_foreign_calls_in_rollouts`). The records of its scores pushed to Langfuse (`langfuse_pushed`) stay,
+    marked at `now` (`ScoringStore.retract_pushed`): they name the scores that the next Langfuse sync deletes there
+    (`LangfuseSync.sync`), and go then.
     """
     conn.execute(delete(trajectories).where(trajectories.c.id == row["id"]))
     conn.execute(delete(spans).where(spans.c.trajectory_id == row["id"]))
     conn.execute(delete(rewards).where(rewards.c.rollout_id == row["id"]))
     ScoringStore.forget_trajectory(conn, row["id"], row["group_id"])
+    ScoringStore.retract_pushed(conn, row["id"], now)
 
 
 def _delete_foreign(conn: Connection, row: Any, now: float) -> bool:
@@ -192,7 +194,7 @@ def _delete_foreign(conn: Connection, row: Any, now: float) -> bool:
         log.warning("trajectory %s: %s, kept: its group %s is %s", row["id"], FOREIGN_IN_ROLLOUT, row["group_id"],
                     state)
         return False
-    _forget_trajectory(conn, row)
+    _forget_trajectory(conn, row, now)
     log.info("trajectory %s deleted: %s", row["id"], FOREIGN_IN_ROLLOUT)
     if row["group_id"] is not None:
         conn.execute(trajectories.update().where(trajectories.c.group_id == row["group_id"]).values(updated_at=now))

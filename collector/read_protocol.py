@@ -84,6 +84,8 @@ class LangfuseSyncResult(BaseModel):
     push_rejected: int = Field(default=0, description="Scores Langfuse rejected (HTTP 207).")
     retracted: int = Field(default=0, description="Scores pushed for trajectories deleted since (another "
                            "instrumentation's calls in a rollout's trace), deleted in Langfuse.")
+    retract_failed: int = Field(default=0, description="Such scores Langfuse failed to delete (logged): tried again "
+                                "next sync.")
 
 
 class TrajectorySummary(BaseModel):

@@ -7,6 +7,7 @@ transaction, and records the version reached in `schema_version`.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from sqlalchemy import (
     Table,
     Text,
     bindparam,
+    exists,
     func,
     select,
     text,
@@ -47,6 +49,7 @@ __all__ = [
     "langfuse_pushed",
     "migrate",
     "rewards",
+    "score_version",
     "spans",
     "trajectories",
 ]
@@ -204,7 +207,18 @@ langfuse_pushed = Table(
     Column("value", Float, nullable=False),
     Column("score_id", String(64), nullable=False),
     Column("pushed_at", Float, nullable=False),
+    # version 9: when the trajectory was deleted (`ScoringStore.retract_pushed`): the score is to be deleted in Langfuse
+    Column("retract_at", Float, index=True),
 )
+
+
+def score_version(updated_at: dt.datetime) -> str:
+    """A Langfuse score's `updatedAt` as stored in `langfuse_pulled.updated_at`: ISO 8601 in UTC with microseconds
+    (`2026-01-01T09:00:00.500000+00:00`), whose string order is time order whatever offset and precision Langfuse
+    wrote (version 9 rewrote the versions stored before in this form). A time without an offset is UTC, as Langfuse's
+    times are."""
+    utc = updated_at.replace(tzinfo=dt.UTC) if updated_at.tzinfo is None else updated_at.astimezone(dt.UTC)
+    return utc.isoformat(timespec="microseconds")
 
 
 def _v1(conn: Connection) -> None:
@@ -283,7 +297,17 @@ def _v2(conn: Connection) -> None:
 
 def _v3(conn: Connection) -> None:
     """Version 3: the judges' tables (collectors before it created them on start, when missing)."""
-    metadata.create_all(conn, tables=[judge_runs, judgements, langfuse_pulled, langfuse_pushed], checkfirst=True)
+    langfuse_pushed_v3 = Table(  # as version 3 defined it, before version 9 added `retract_at`
+        "langfuse_pushed",
+        MetaData(),
+        Column("trajectory_id", String(256), primary_key=True),
+        Column("name", String(256), primary_key=True),
+        Column("value", Float, nullable=False),
+        Column("score_id", String(64), nullable=False),
+        Column("pushed_at", Float, nullable=False),
+    )
+    metadata.create_all(conn, tables=[judge_runs, judgements, langfuse_pulled], checkfirst=True)
+    langfuse_pushed_v3.create(conn, checkfirst=True)
 
 
 def _v4(conn: Connection) -> None:
@@ -332,7 +356,29 @@ def _v8(conn: Connection) -> None:
     _add_columns(conn, batches, _BATCHES_V8)
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8]
+def _v9(conn: Connection) -> None:
+    """Version 9: `langfuse_pushed.retract_at` (indexed), set on the records of scores pushed for trajectories deleted
+    before it, so the next Langfuse sync deletes those scores there; and every `langfuse_pulled.updated_at` rewritten
+    as `score_version` writes it (versions stored at another UTC offset, or a whole second without `.000000`, compared
+    as text out of time order)."""
+    _add_columns(conn, langfuse_pushed, ("retract_at",))
+    conn.execute(text("CREATE INDEX ix_langfuse_pushed_retract_at ON langfuse_pushed (retract_at)"))
+    gone = ~exists().where(trajectories.c.id == langfuse_pushed.c.trajectory_id)
+    conn.execute(langfuse_pushed.update().where(gone).values(retract_at=time.time()))
+    stored = conn.execute(select(langfuse_pulled.c.score_id, langfuse_pulled.c.updated_at)).all()
+    changed = [
+        {"score": score_id, "version": version} for score_id, updated_at in stored
+        if (version := score_version(dt.datetime.fromisoformat(updated_at))) != updated_at
+    ]
+    for chunk in chunks(changed):
+        conn.execute(
+            langfuse_pulled.update().where(langfuse_pulled.c.score_id == bindparam("score"))
+            .values(updated_at=bindparam("version")),
+            chunk,
+        )
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Engine, delete, exists, or_, select, update
+from sqlalchemy import Connection, Engine, Table, delete, exists, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
@@ -19,6 +19,11 @@ from collector.engine import chunks
 from collector.schema import judge_runs, judgements, langfuse_pulled, langfuse_pushed, trajectories
 
 __all__ = ["ScoringStore", "SeenRun"]
+
+
+def _insert(conn: Connection, table: Table) -> postgresql.Insert | sqlite.Insert:
+    """An insert into `table` in `conn`'s dialect, which can upsert (`on_conflict_do_update`)."""
+    return (postgresql if conn.dialect.name == "postgresql" else sqlite).insert(table)
 
 
 class SeenRun(NamedTuple):
@@ -176,12 +181,12 @@ class ScoringStore:
         Returns the ids of the scores marked here. A score already marked at the same or a later `updated_at` is not:
         another sync (a replica's on the same database) pulled that version or a newer one since this sync read the
         marks (on PostgreSQL, one still in its transaction is waited for); the caller rolls back the rewards of such
-        scores. `updated_at` is an ISO 8601 time in UTC with microseconds (`langfuse_sync._version`), which sorts as
-        a string as the times do; one stored before without `.000000` on a whole second sorts before every later one.
+        scores. `updated_at` is an ISO 8601 time in UTC with microseconds (`schema.score_version`; schema version 9
+        rewrote the versions stored before so), which sorts as a string as the times do.
         """
         marked: set[str] = set()
         for chunk in chunks(rows):
-            insert = (postgresql if conn.dialect.name == "postgresql" else sqlite).insert(langfuse_pulled).values(chunk)
+            insert = _insert(conn, langfuse_pulled).values(chunk)
             claim = insert.on_conflict_do_update(
                 index_elements=[langfuse_pulled.c.score_id],
                 set_={column: insert.excluded[column] for column in chunk[0] if column != "score_id"},
@@ -191,7 +196,9 @@ class ScoringStore:
         return marked
 
     def pushed(self) -> dict[tuple[str, str], tuple[float, float]]:
-        """(value, first push time) of what was pushed to Langfuse, by (trajectory id, reward name)."""
+        """(value, first push time) of what was pushed to Langfuse, by (trajectory id, reward name); not the scores
+        marked to delete there (`retract_pushed`): they are a deleted trajectory's, and a later one of the same id
+        pushes its own as new."""
         with self.engine.connect() as conn:
             rows = conn.execute(
                 select(
@@ -199,34 +206,52 @@ class ScoringStore:
                     langfuse_pushed.c.name,
                     langfuse_pushed.c.value,
                     langfuse_pushed.c.pushed_at,
-                )
+                ).where(langfuse_pushed.c.retract_at.is_(None))
             )
             return {(tid, name): (value, at) for tid, name, value, at in rows}
 
-    def pushed_orphans(self) -> list[dict[str, Any]]:
-        """The records of scores pushed to Langfuse for trajectories the store no longer has (deleted as another
-        instrumentation's calls, `placement._forget_trajectory`): the scores to delete there."""
-        gone = ~exists().where(trajectories.c.id == langfuse_pushed.c.trajectory_id)
+    @staticmethod
+    def retract_pushed(conn: Connection, trajectory_id: str, at: float) -> None:
+        """Mark the records of the scores pushed to Langfuse for a deleted trajectory as to be deleted there (at `at`),
+        on `conn`: the transaction that deletes the trajectory (`placement._forget_trajectory`). The next sync deletes
+        them (`LangfuseSync.sync`) unless its push of a later trajectory of the same id (the same score ids) clears
+        the mark first (`mark_pushed`)."""
+        conn.execute(
+            update(langfuse_pushed).where(langfuse_pushed.c.trajectory_id == trajectory_id).values(retract_at=at)
+        )
+
+    def to_retract(self) -> list[dict[str, Any]]:
+        """The records of pushed scores marked to be deleted in Langfuse (`retract_pushed`), oldest mark first."""
         with self.engine.connect() as conn:
-            return [dict(row) for row in conn.execute(select(langfuse_pushed).where(gone)).mappings()]
+            return [dict(row) for row in conn.execute(
+                select(langfuse_pushed).where(langfuse_pushed.c.retract_at.is_not(None))
+                .order_by(langfuse_pushed.c.retract_at)
+            ).mappings()]
 
-    def forget_pushed(self, rows: list[dict[str, Any]]) -> None:
-        """Drop the records `rows` (trajectory_id, name) of pushed scores, once deleted in Langfuse."""
+    def forget_pushed(self, row: dict[str, Any]) -> None:
+        """Drop the record `row` (trajectory_id, name) of a pushed score, once deleted in Langfuse: whether still
+        marked or pushed again since (a replica's push of a later trajectory of the same id, whose score the deletion
+        may have deleted), so the next push sends whatever reward of that name the store has again."""
         with self.engine.begin() as conn:
-            for row in rows:
-                conn.execute(delete(langfuse_pushed).where(
-                    langfuse_pushed.c.trajectory_id == row["trajectory_id"], langfuse_pushed.c.name == row["name"]
-                ))
+            conn.execute(delete(langfuse_pushed).where(
+                langfuse_pushed.c.trajectory_id == row["trajectory_id"], langfuse_pushed.c.name == row["name"]
+            ))
 
-    def mark_pushed(self, rows: list[dict[str, Any]]) -> None:
-        """Remember pushed scores (trajectory_id, name, value, score_id, pushed_at: the first push's time)."""
+    def mark_pushed(self, rows: list[dict[str, Any]], now: float) -> None:
+        """Remember pushed scores (trajectory_id, name, value, score_id, pushed_at: the first push's time), clearing
+        a mark to delete them (`retract_pushed`): the score is a later trajectory's of the same id. Except where the
+        trajectory is gone by now: deleted while its score was pushed, it is marked at `now`, as the score sent may
+        be the deleted one's."""
         if not rows:
             return
         with self.engine.begin() as conn:
-            for row in rows:
-                conn.execute(
-                    delete(langfuse_pushed).where(
-                        langfuse_pushed.c.trajectory_id == row["trajectory_id"], langfuse_pushed.c.name == row["name"]
-                    )
-                )
-            conn.execute(langfuse_pushed.insert(), rows)
+            for chunk in chunks(rows):
+                insert = _insert(conn, langfuse_pushed).values([{**row, "retract_at": None} for row in chunk])
+                conn.execute(insert.on_conflict_do_update(
+                    index_elements=[langfuse_pushed.c.trajectory_id, langfuse_pushed.c.name],
+                    set_={column: insert.excluded[column] for column in ("value", "score_id", "pushed_at",
+                                                                         "retract_at")},
+                ))
+                gone = ~exists().where(trajectories.c.id == langfuse_pushed.c.trajectory_id)
+                ids = langfuse_pushed.c.trajectory_id.in_(sorted({row["trajectory_id"] for row in chunk}))
+                conn.execute(update(langfuse_pushed).where(ids, gone).values(retract_at=now))

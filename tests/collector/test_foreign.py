@@ -588,11 +588,18 @@ def test_foreign_calls_stored_before_their_rollout_came_are_deleted_unless_lease
         store.add_rewards([RewardIn(trace_id=TRACE_A, value=0.5)])
         clock.now += 1000  # idle past `idle_seconds`: the trace's trajectory is complete
         assert [group.id for group in store.lease(BatchRequest()).groups] == [TRACE_A]
+    scoring = ScoringStore(store.engine)
+    scoring.mark_pushed([{"trajectory_id": TRACE_A, "name": "ruler", "value": 0.5, "score_id": "s",
+                          "pushed_at": clock.now}], clock.now)  # its score pushed to Langfuse
     ours = _ours("r1", TRACE_A, 100)
+    clock.now += 1
     store.add_spans(ours[1:])  # the rollout span comes later
     store.add_spans(ours[:1])
 
     assert sorted(t.id for t in store.trajectories()) == sorted(["r1", TRACE_A] if leased else ["r1"])
+    # the score of a deleted trajectory is marked to delete in Langfuse, when it is deleted (not the leased one's)
+    assert [(row["score_id"], row["retract_at"]) for row in scoring.to_retract()] == ([] if leased else
+                                                                                       [("s", clock.now)])
     assert store.trajectory("r1").token_exact
     assert {group.id for group in store.groups()} == ({"chat", TRACE_A} if leased else {"chat"})
     assert {group.id for group in store.groups(["open", "ready", "leased"])} == {"chat"} | (

@@ -273,3 +273,55 @@ def test_migration_from_version_7_keeps_leased_batches_and_their_acks(db_url, cl
         max_groups, min_groups, members = stored.one()
     assert (max_groups, min_groups, json.loads(members)) == (4, 1, {"g#2": ["a", "b"]})
     store.close()
+
+
+def test_migration_from_version_8_marks_orphaned_pushes_and_rewrites_score_versions(db_url, clock) -> None:
+    """Version 9 marks the scores to delete in Langfuse (`langfuse_pushed.retract_at`): those pushed for trajectories
+    deleted before it are marked, or they stayed there for good. It rewrites the pulled score versions as
+    `score_version` does: one stored at another UTC offset compared as text out of time order (an edit an hour later
+    sorted before it, never applied; an older version after it, applied over it), and one of a whole second without
+    `.000000` before the same version rewritten (applied again)."""
+    from collector.config import CollectorSettings
+    from collector.engine import make_engine
+    from collector.schema import MIGRATIONS, schema_version
+    from collector.scoring_store import ScoringStore
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database does not outlive its engine")
+    old = make_engine(url)
+    with old.begin() as conn:  # a database as version 8 left it: "gone" was deleted after its score was pushed
+        schema_version.create(conn)
+        for version in range(8):
+            MIGRATIONS[version](conn)
+            conn.execute(schema_version.insert().values(version=version + 1, applied_at=0.0))
+        conn.execute(text("INSERT INTO trajectories (id, trace_id, by_rollout, group_key, group_id, task, split, "
+                          f"complete, created_at, updated_at) VALUES ('kept', '{1:032x}', TRUE, 'g', 'g', NULL, "
+                          "'train', TRUE, 1.0, 1.0)"))
+        for trajectory_id in ("kept", "gone"):
+            conn.execute(text("INSERT INTO langfuse_pushed (trajectory_id, name, value, score_id, pushed_at) "
+                              f"VALUES ('{trajectory_id}', 'ruler', 0.5, 'score-{trajectory_id}', 1.0)"))
+        for score_id, updated_at in (
+            ("offset", "2026-01-01T11:00:00+02:00"), ("behind", "2026-01-01T08:00:00-01:00"),
+            ("whole", "2026-01-01T09:00:00+00:00"), ("new", "2026-01-01T09:00:00.500000+00:00"),
+        ):
+            conn.execute(text("INSERT INTO langfuse_pulled (score_id, updated_at, trace_id, name, value, pulled_at) "
+                              f"VALUES ('{score_id}', '{updated_at}', '{1:032x}', 'human', 0.5, 1.0)"))
+    old.dispose()
+    store = SqlStore(CollectorSettings(db=url), clock=clock)
+    store.setup()
+    scoring = ScoringStore(store.engine)
+    assert [(row["trajectory_id"], row["score_id"]) for row in scoring.to_retract()] == [("gone", "score-gone")]
+    assert scoring.pulled_versions(["offset", "behind", "whole", "new"]) == {
+        "offset": "2026-01-01T09:00:00.000000+00:00", "behind": "2026-01-01T09:00:00.000000+00:00",
+        "whole": "2026-01-01T09:00:00.000000+00:00", "new": "2026-01-01T09:00:00.500000+00:00",
+    }
+    pulled = [  # an edit an hour later claims its score; an older version, and the same one, claim none
+        {"score_id": score_id, "updated_at": f"2026-01-01T{at}.000000+00:00", "trace_id": f"{1:032x}", "name": "human",
+         "value": 0.1, "pulled_at": 2.0}
+        for score_id, at in (("offset", "10:00:00"), ("behind", "08:30:00"), ("whole", "09:00:00"))
+    ]
+    with store.engine.begin() as conn:
+        assert ScoringStore.mark_pulled(conn, pulled) == {"offset"}
+    store.close()
