@@ -32,7 +32,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from collector import assembly, curve, leases, placement, pool, store_reads
 from collector.config import CollectorSettings
 from collector.engine import chunks, make_engine, use_wal
-from collector.errors import InvalidRequest
+from collector.errors import InvalidRequest, SpanIdsTaken
 from collector.otlp import SpanRecord
 from collector.protocol import (
     AckResponse,
@@ -56,6 +56,13 @@ from collector.transactions import GROUP_LOCKS, IDEMPOTENCY_LOCKS, TRAJECTORY_LO
 __all__ = ["SqlStore"]
 
 log = logging.getLogger(__name__)
+
+
+def _id_taken(span: SpanRecord, other_trace: str, where: str) -> str:
+    """Why `span` is refused: its id is `where` ("stored", "sent earlier in this export") for `other_trace`."""
+    return (f"span id already {where} for trace {other_trace}, this span is of trace {span.trace_id}: the collector "
+            "needs span ids unique across traces (an id generator seeded alike?)")
+
 
 class SqlStore(Store):
     """`Store` on SQLAlchemy Core. `clock` returns Unix time (injectable for tests); without one, the store's time is
@@ -95,15 +102,21 @@ class SqlStore(Store):
 
     # --- ingest -------------------------------------------------------------------------
     def add_spans(self, records: list[SpanRecord]) -> int:
-        """Store spans (duplicates ignored: of one span id the first sent, in this export or an earlier one) and
-        update their trajectories; returns how many were new.
+        """Store spans (duplicates ignored: of one span id and trace id the first sent, in this export or an earlier
+        one) and update their trajectories; returns how many were new.
 
         Raises:
             InvalidRequest: a span has a problem (`assembly.span_problem`); nothing is stored.
+            SpanIdsTaken: a span's id is stored, or sent earlier in `records`, for another trace; nothing is stored.
         """
         first: dict[str, SpanRecord] = {}
+        taken: dict[tuple[str, str], str] = {}
         for record in records:
-            first.setdefault(record.span_id, record)
+            kept = first.setdefault(record.span_id, record)
+            if kept.trace_id != record.trace_id:
+                taken[record.span_id, record.trace_id] = _id_taken(record, kept.trace_id, "sent earlier in this export")
+        if taken:
+            raise SpanIdsTaken(taken)
         unique = list(first.values())
         for record in unique:
             if problem := assembly.span_problem(record):
@@ -132,6 +145,7 @@ class SqlStore(Store):
         ]
         insert = self._insert(spans).on_conflict_do_nothing(index_elements=["span_id"]).returning(spans.c.span_id)
         inserted = set(conn.execute(insert, rows).scalars())
+        self._refuse_taken_ids(conn, [r for r in unique if r.span_id not in inserted])
         new = [r for r in unique if r.span_id in inserted]
         if not new:
             return 0
@@ -176,6 +190,24 @@ class SqlStore(Store):
         by_rollout = [r["rollout_id"] for r in reward_rows if r["rollout_id"] in existing]
         pool.rewarded(conn, by_rollout, by_trace, now)
         return len(new)
+
+    @staticmethod
+    def _refuse_taken_ids(conn: Connection, known: list[SpanRecord]) -> None:
+        """Raise `SpanIdsTaken` when a span of `known` (not inserted: its id is stored) has its id stored for another
+        trace; a span of the trace stored is an ignored duplicate (an exporter's retry).
+
+        Read after the insert, not before: on PostgreSQL the insert waited for an export that was storing the id and
+        then did nothing, and only a statement after it sees that export's row.
+        """
+        stored: dict[str, str] = {}
+        for chunk in chunks(sorted({record.span_id for record in known})):
+            rows = conn.execute(select(spans.c.span_id, spans.c.trace_id).where(spans.c.span_id.in_(chunk)))
+            stored.update({span_id: trace_id for span_id, trace_id in rows})
+        # an id gone since (the foreign calls of a rollout's trace are deleted) is no other trace's
+        taken = {(r.span_id, r.trace_id): _id_taken(r, stored[r.span_id], "stored")
+                 for r in known if stored.get(r.span_id, r.trace_id) != r.trace_id}
+        if taken:
+            raise SpanIdsTaken(taken)
 
     def _changing_groups(self, conn: Connection, group_ids: Collection[str | None]) -> float:
         """The store's time (`_now`) for a transaction about to change the members or rewards of `group_ids`, taken

@@ -46,7 +46,11 @@ class Store(ABC):
 
     @abstractmethod
     def add_spans(self, records: list[SpanRecord]) -> int:
-        """Store spans (duplicates ignored) and update their trajectories; returns how many were new."""
+        """Store spans (duplicates ignored) and update their trajectories; returns how many were new.
+
+        Raises:
+            InvalidRequest: a span cannot be stored; `SpanIdsTaken` when its id is another trace's. Nothing is stored.
+        """
 
     @abstractmethod
     def add_rewards(

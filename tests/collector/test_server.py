@@ -27,11 +27,12 @@ from sqlalchemy import event
 
 from art_langgraph import semconv as sc
 from collector.config import CollectorSettings
+from collector.otlp import SpanRecord
 from collector.server import create_app
 from collector.store import SqlStore
 from tests.collector.server_helpers import JSON, PB, assert_error, collector_app
 from tests.collector.services import PostgresServer
-from tests.collector.span_builders import llm, rollout, rollout_group, to_otlp_json, to_request
+from tests.collector.span_builders import llm, rollout, rollout_group, sid, to_otlp_json, to_request
 from tests.served import served as served_app
 
 
@@ -135,6 +136,34 @@ def test_a_span_id_sent_twice_keeps_its_first_copy_in_one_export_as_in_two(tmp_p
             answer = client.post("/v1/traces", content=to_request(spans).SerializeToString(), headers=PB)
             assert answer.status_code == 200
         assert client.get("/v1/trajectories/r1").json()["rewards"] == {"reward": 1.0}
+
+
+def test_a_span_whose_id_another_trace_holds_is_rejected_alone(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An app that reseeds `random` per rollout repeats the OTel SDK's span ids in every trace: the second trace's
+    spans were dropped as duplicates of the first's, and the export answered full success."""
+    first, second = "1" * 32, "2" * 32
+
+    def export(rollout_id: str, trace: str, *more: SpanRecord) -> ExportTraceServiceResponse:
+        spans = [llm(1, rollout=rollout_id, trace=trace, start=5, prompt=[1], completion=[2]),
+                 rollout(2, rollout_id, trace=trace, group="g", size=2, rewards={"reward": 1.0}), *more]
+        answer = client.post("/v1/traces", content=to_request(spans).SerializeToString(), headers=PB)
+        assert answer.status_code == 200
+        return ExportTraceServiceResponse.FromString(answer.content)
+
+    assert not export("a", first).HasField("partial_success")
+    turn = llm(3, rollout="b", trace=second, start=20, prompt=[1, 2, 4], completion=[5])
+    with caplog.at_level(logging.WARNING, logger="collector.server"):
+        partial = export("b", second, turn).partial_success
+    assert partial.rejected_spans == 2
+    assert f"({sid(1)}): span id already stored for trace {first}" in partial.error_message
+    assert second in partial.error_message and "seeded alike" in partial.error_message
+    assert len([message for message in _warnings(caplog) if sid(1) in message]) == 1  # logged once
+    b = client.get("/v1/trajectories/b").json()
+    assert (b["complete"], [s["token_ids"] for s in b["sequences"]]) == (False, [[1, 2, 4, 5]])  # its own span stored
+    assert client.get("/v1/trajectories/a").json()["reward"] == 1.0
+    assert not export("a", first).HasField("partial_success")  # a retry of the first trace: duplicates, ignored
 
 
 _BIG_INT, _TOO_DEEP = "1" * 5000, "[" * 100_000  # Python's json reads neither: past 4300 digits, past recursion

@@ -7,10 +7,17 @@ Rewards, groups, leases and migrations have modules of their own: `test_store_re
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from sqlalchemy import event, text
 
 from collector import assembly
+from collector.config import CollectorSettings
+from collector.errors import SpanIdsTaken
+from collector.otlp import SpanRecord
+from collector.store import SqlStore
 from tests.collector.span_builders import llm, rollout, sid, trajectory
 
 
@@ -22,6 +29,83 @@ def test_duplicate_spans_are_ignored(make_store) -> None:
     traj = store.trajectory("r1")
     assert traj is not None and traj.rewards == {"reward": 1.0}
     assert [s.token_ids for s in traj.sequences] == [[1, 2, 10]]
+
+
+_A, _B = "a" * 32, "b" * 32
+
+
+def _reseeded(rollout_id: str, trace: str, *, extra: bool = False) -> list[SpanRecord]:
+    """A rollout of an app that reseeds its span id generator alike for every rollout: the same span ids in every
+    trace (`extra`: one more turn, of an id of its own)."""
+    spans = [llm(1, rollout=rollout_id, trace=trace, start=5, prompt=[1], completion=[2]),
+             rollout(2, rollout_id, trace=trace, group="g", size=2, rewards={"reward": 1.0})]
+    more = [llm(3, rollout=rollout_id, trace=trace, start=20, prompt=[1, 2, 4], completion=[5])]
+    return spans + more if extra else spans
+
+
+def test_a_span_id_another_trace_holds_is_refused_and_its_export_stores_nothing(make_store) -> None:
+    """OpenTelemetry span ids are unique within a trace only; the store keys spans by id alone, and a second trace's
+    spans with ids already stored were dropped as duplicates while the export succeeded."""
+    store = make_store()
+    assert store.add_spans(_reseeded("a", _A)) == 2
+    with pytest.raises(SpanIdsTaken) as raised:
+        store.add_spans(_reseeded("b", _B, extra=True))
+    assert set(raised.value.problems) == {(sid(1), _B), (sid(2), _B)}
+    problem = raised.value.problems[sid(1), _B]
+    assert f"already stored for trace {_A}" in problem and _B in problem and "seeded alike" in problem
+    assert store.trajectory("b") is None  # nothing stored, its new span neither
+    assert store.add_spans(_reseeded("a", _A)) == 0  # a retry of the first export: duplicates, ignored
+    assert store.add_spans(_reseeded("b", _B, extra=True)[2:]) == 1
+
+
+def test_a_span_id_sent_earlier_in_the_export_for_another_trace_is_refused(make_store) -> None:
+    store = make_store()
+    with pytest.raises(SpanIdsTaken) as raised:
+        store.add_spans(_reseeded("a", _A) + _reseeded("a", _A) + _reseeded("b", _B))
+    assert set(raised.value.problems) == {(sid(1), _B), (sid(2), _B)}
+    assert f"already sent earlier in this export for trace {_A}" in raised.value.problems[sid(2), _B]
+    assert store.trajectories() == []
+
+
+def test_of_two_racing_exports_of_one_span_id_the_later_trace_is_refused(db_url, clock) -> None:
+    """On PostgreSQL the second export's insert waits for the first's uncommitted row, then does nothing: the span
+    was dropped unless the store reads back whose the id is."""
+    url = db_url()
+    if not url.startswith("postgresql"):
+        pytest.skip("SQLite has one writer at a time: exports do not race")
+    first, second = (SqlStore(CollectorSettings(db=url), clock=clock) for _ in range(2))
+    first.setup()
+    inserted, resume = threading.Event(), threading.Event()
+
+    @event.listens_for(first.engine, "after_cursor_execute")
+    def pause_after_the_insert(_conn, _cursor, statement, *_args) -> None:  # noqa: ANN001
+        if statement.startswith("INSERT INTO spans") and not inserted.is_set():
+            inserted.set()
+            assert resume.wait(30)
+
+    with ThreadPoolExecutor(2) as executor:
+        stored = executor.submit(first.add_spans, _reseeded("a", _A))
+        assert inserted.wait(30)
+        refused = executor.submit(second.add_spans, _reseeded("b", _B))
+        assert _waits_for_a_lock(first), "the second export never waited for the first one's row"
+        resume.set()
+        assert stored.result() == 2
+        with pytest.raises(SpanIdsTaken, match=f"already stored for trace {_A}"):
+            refused.result()
+    assert [t.id for t in second.trajectories()] == ["a"]
+    for store in (first, second):
+        store.close()
+
+
+def _waits_for_a_lock(store: SqlStore) -> bool:
+    """Whether a transaction on the store's PostgreSQL database comes to wait for a lock within 30 s."""
+    with store.engine.connect() as conn:
+        for _ in range(3000):
+            if conn.execute(text("SELECT count(*) FROM pg_locks WHERE NOT granted")).scalar_one():
+                return True
+            conn.rollback()
+            time.sleep(0.01)
+    return False
 
 
 def test_children_before_rollout_span(make_store) -> None:
