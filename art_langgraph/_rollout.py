@@ -64,6 +64,10 @@ def _check_reward(value: float, name: str) -> float:
 def _metadata_json(metadata: Mapping[str, Any] | None) -> str | None:
     """`metadata` as the JSON the rollout span carries (a value JSON has no type for becomes its `str`); None if empty.
 
+    Text is kept as it is, not escaped: a lone surrogate (bytes decoded with `surrogateescape`) stays one, so export
+    sends it as U+FFFD as in every other attribute. Escaped (`"\\udcff"`), it passed export and reached the collector
+    as a lone surrogate again once parsed, where no answer holding the trajectory could be encoded.
+
     Raises:
         TypeError: `metadata` is not a mapping, or JSON cannot take it (a key that is no string or number).
         ValueError: JSON cannot take it (a circular reference).
@@ -73,7 +77,7 @@ def _metadata_json(metadata: Mapping[str, Any] | None) -> str | None:
     if not isinstance(metadata, Mapping):
         raise TypeError(f"rollout metadata must be a dict, got {type(metadata).__name__}")
     try:
-        return json.dumps(metadata, default=str) if metadata else None
+        return json.dumps(metadata, default=str, ensure_ascii=False) if metadata else None
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"rollout metadata cannot be exported as JSON: {exc}") from exc
 

@@ -74,11 +74,15 @@ def unreadable_piece(index: int | None) -> StreamPiece:
 
 
 def policy_step(model_name: str | None) -> int:
-    """Parse the checkpoint step from a served model name (`agent@12` → 12, else 0)."""
+    """Parse the checkpoint step from a served model name (`agent@12` → 12, else 0).
+
+    Only ASCII digits make a step, as the trainer names its checkpoints: `str.isdigit` also takes digits that `int`
+    refuses (`agent@²`), which lost every call's token data.
+    """
     if not model_name or "@" not in model_name:
         return 0
     suffix = model_name.rsplit("@", 1)[1]
-    return int(suffix) if suffix.isdigit() else 0
+    return int(suffix) if suffix.isascii() and suffix.isdigit() else 0
 
 
 _warned_models: set[str | None] = set()

@@ -196,7 +196,8 @@ def test_error_marks_span_and_reraises(spans, served_model, dead_url) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "step"), [("agent@12", 12), ("agent@latest", 0), ("agent", 0), (None, 0), ("a@b@3", 3)]
+    ("name", "step"), [("agent@12", 12), ("agent@latest", 0), ("agent", 0), (None, 0), ("a@b@3", 3), ("agent@²", 0),
+     ("agent@١٢", 0)]
 )
 def test_policy_step(name: str | None, step: int) -> None:
     assert policy_step(name) == step

@@ -9,6 +9,7 @@ and for a collector that fails or stalls.
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import threading
 import time
@@ -178,6 +179,20 @@ def test_text_that_utf8_cannot_encode_costs_no_span(receivers, caplog) -> None:
     assert by_name["rollout dirty"].status.message == "ValueError: caf\ufffd \ufffd"
     assert art_langgraph.dropped_spans() == dropped
     assert "not valid Unicode" in caplog.text
+
+
+def test_a_lone_surrogate_in_rollout_metadata_is_sent_as_u_fffd_too(receivers) -> None:
+    """Metadata was exported as ASCII JSON, a lone surrogate escaped (`"\\udcff"`): it passed the export's check and
+    the collector parsed it back into one, after which no answer holding the trajectory (`POST /v1/batches`
+    included) could be encoded. It now goes as U+FFFD, as in any other attribute."""
+    collector, _ = receivers
+    art_langgraph.configure(collector_url=collector.url)
+    with rollout("t", metadata={"file": "caf\udce9", "caf\udce9": ["\ud83d"]}):
+        pass
+    assert art_langgraph.flush(timeout=10)
+    (root,) = collector.spans()
+    attrs = {a.key: a.value.string_value for a in root.attributes}
+    assert json.loads(attrs[semconv.METADATA]) == {"file": "caf\ufffd", "caf\ufffd": ["\ufffd"]}
 
 
 def test_configure_again_exports_spans_in_flight(receivers) -> None:

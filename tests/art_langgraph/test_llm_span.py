@@ -245,6 +245,19 @@ async def test_engine_without_token_ids_records_none_and_warns_once(spans, caplo
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_a_model_name_with_digits_int_refuses_keeps_the_token_data(spans, stream: bool) -> None:
+    """`agent@²` passed `str.isdigit` and made `int` raise while reading the step: the call lost its token data, a
+    streamed one its output messages too. It is a name of no checkpoint, so step 0."""
+    model = FakeEngine(model="agent@²").chat_model()
+    reply = merged(list(model.stream("hi"))) if stream else model.invoke("hi")
+    assert reply.response_metadata["art"]["policy_step"] == 0
+    (span,) = llm_spans(spans)
+    assert list(span.attributes[semconv.COMPLETION_TOKEN_IDS]) == completion_ids(0)
+    assert span.attributes[semconv.POLICY_STEP] == 0
+    assert json.loads(span.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])[0]["content"] == reply_text(0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_result_that_cannot_be_recorded_does_not_fail_the_call(spans, monkeypatch, caplog, stream: bool) -> None:
     """Engine data the recorder cannot read (a null logprob) is logged and counted; the app gets its reply."""
     monkeypatch.setattr(fake_engine, "logprobs", lambda choice: [None, None, None])
