@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -40,11 +41,33 @@ def whole_number(value: Any, low: int) -> int | None:
 def read_json(text: str) -> Any:
     """`json.loads(text)` for a span's JSON-text attribute, raising `ValueError` for any text it cannot read: not JSON
     (`json.JSONDecodeError`), an integer past Python's 4300 digits, or nesting past the recursion limit (which
-    `json.loads` raises as `RecursionError`). The span was stored as sent, so every read must survive such text."""
+    `json.loads` raises as `RecursionError`). The span was stored as sent, so every read must survive such text.
+
+    An escaped lone surrogate (`"\\udcff"`: plain ASCII, which OTLP carries) reads as U+FFFD, as export writes one
+    in any other text: decoded as a surrogate, no answer holding it could be encoded (reads, and a lease whose groups
+    stayed leased)."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
+        return _without_surrogates(value) if _ESCAPED_SURROGATE.search(text) else value
     except RecursionError as exc:
         raise ValueError("JSON nested too deeply to read") from exc
+
+
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+"""A JSON escape of a UTF-16 surrogate (`\\ud83d`): only text with one can read as a lone surrogate."""
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+"""A UTF-16 surrogate: in text `json.loads` made, one without its pair (it joins a pair into one character)."""
+
+
+def _without_surrogates(value: Any) -> Any:
+    """`value` (as `json.loads` makes it) with each lone surrogate in its strings, keys too, as U+FFFD."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_without_surrogates(item) for item in value]
+    if isinstance(value, dict):
+        return {_without_surrogates(key): _without_surrogates(item) for key, item in value.items()}
+    return value
 
 
 WARNINGS_KEPT = 4096

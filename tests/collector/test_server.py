@@ -7,7 +7,7 @@ import gzip
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest.mock import patch
@@ -191,6 +191,27 @@ def test_json_text_python_cannot_read_is_read_as_absent_not_a_500(
     assert client.get("/v1/trajectories/a").json()["sequences"][0]["token_ids"] == [1, 2]
     assert client.get("/v1/view/trajectory", params={"id": "a"}).status_code == 200
     assert client.get("/v1/view/trajectories").json()["total"] == 2
+    leased = client.post("/v1/batches", json={"max_groups": 4})
+    assert leased.status_code == 200 and [g["id"] for g in leased.json()["groups"]] == ["g"]
+
+
+@pytest.mark.parametrize(("span", "key", "value", "read"), [
+    (1, sc.METADATA, '{"note": "bad \\udcff byte", "\\ud800": 1}', lambda t: t["metadata"]),
+    (0, sc.GEN_AI_OUTPUT_MESSAGES, '[{"role": "assistant", "content": "yo \\udcff"}]',
+     lambda t: t["messages"][-1]["content"]),
+])
+def test_an_escaped_lone_surrogate_in_json_text_reads_as_u_fffd(
+    client: TestClient, span: int, key: str, value: str, read: Callable[[dict], object]
+) -> None:
+    """JSON text may escape a lone surrogate (`"\\udcff"`, plain ASCII): read as one, no answer holding it could be
+    encoded, so every read of its trajectory was a 500, and a lease was stored before its answer failed, leaving the
+    group leased and the trainer without it."""
+    spans = rollout_group({"a": 1.0, "b": 0.0})
+    spans[span].attributes[key] = value  # the llm span of a, its rollout span
+    assert client.post("/v1/traces", content=to_request(spans).SerializeToString(), headers=PB).status_code == 200
+    got = client.get("/v1/trajectories/a")
+    assert got.status_code == 200 and "\ufffd" in str(read(got.json()))
+    assert client.get("/v1/view/trajectory", params={"id": "a"}).status_code == 200
     leased = client.post("/v1/batches", json={"max_groups": 4})
     assert leased.status_code == 200 and [g["id"] for g in leased.json()["groups"]] == ["g"]
 
