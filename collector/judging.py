@@ -9,7 +9,8 @@ transaction (see `GroupJudge._record`). A failed run follows the configured poli
 A run claims its group in the `judge_runs` table before it calls the judge, so two collector
 replicas on one database (or two requests to one collector) never judge a group at once, and an
 automatic run leaves a group that another run took up since it was found due. A run whose claim
-another run took over as stale (`claim_seconds`) stores nothing: its transaction checks the claim.
+another run took over as stale (`claim_seconds`) stores nothing: its transaction checks the claim. Nor does a run
+whose group changed while the judge answered (`judge_stale`): the group is read again before the scores are stored.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collector.ruler import (
     build_messages,
     dedupe,
     explanation_limit,
+    fingerprint,
     parse_scores,
     response_format,
 )
@@ -100,7 +102,8 @@ class GroupJudge:
         """Judge one group now and store the scores; failures follow the configured policy.
 
         Raises:
-            NotFound: the group does not exist or has no trajectories.
+            NotFound: the group does not exist or has no trajectories, or was deleted while it was judged
+                (`group_deleted`).
             Conflict: `judge_running`, another run of the group has not finished (here or on another replica).
         """
         run = self._try(group_id, rubric or self.settings.rubric)
@@ -118,9 +121,9 @@ class GroupJudge:
         (the group's last run when it was found due), started since.
 
         Raises:
-            NotFound: the group does not exist or has no trajectories.
+            NotFound: the group does not exist or has no trajectories, or was deleted while it was judged.
         """
-        members = [t for t in self.store.trajectories(group=group_id) if t.group_id == group_id]
+        members = self._members(group_id)
         if not members:
             raise NotFound(f"no group {group_id!r} with trajectories; see GET /v1/groups")
         distinct, owner = dedupe([t.messages for t in members])
@@ -135,6 +138,8 @@ class GroupJudge:
             return None
         try:
             return self._judge(group_id, members, distinct, owner, rubric, started)
+        except NotFound:  # the group was deleted mid-run, its run with it: nothing to free
+            raise
         except Exception as exc:  # e.g. the store failed mid-run: free the group now, not after claim_seconds
             now = self.clock()
             self._finish(group_id, started, state="failed", attempts=0, error=f"{type(exc).__name__}: {exc}",
@@ -163,6 +168,8 @@ class GroupJudge:
                 if attempt < tries:
                     time.sleep(min(2.0 ** (attempt - 1), _MAX_BACKOFF))
                 continue
+            if self._changed(group_id, members):
+                return self._stale(group_id, started, attempt)
             rows = self._scored(members, owner, scores)
             return self._record(group_id, started, rows, state="ok", attempts=attempt, error=None, next_try_at=None)
         assert error is not None
@@ -175,23 +182,59 @@ class GroupJudge:
         state, next_try = ("failed", now + s.retry_seconds) if s.on_failure == "retry" else ("skipped", None)
         if state == "failed" and error.code == "judge_rejected":  # see `due_groups`
             message, next_try = f"{message}; not retried until the group grows", None
-        self._finish(group_id, started, state=state, attempts=attempt, error=message, finished_at=now,
-                     next_try_at=next_try)
-        return run_view(self.scoring.run(group_id) or {})
+        return self._finish(group_id, started, state=state, attempts=attempt, error=message, finished_at=now,
+                            next_try_at=next_try)
 
-    def _finish(self, group_id: str, started: float, **outcome: object) -> None:
+    def _members(self, group_id: str) -> list[Trajectory]:
+        """The group's trajectories as the store holds them now."""
+        return [t for t in self.store.trajectories(group=group_id) if t.group_id == group_id]
+
+    def _changed(self, group_id: str, members: list[Trajectory]) -> bool:
+        """Whether the group's trajectories, or their messages, are no longer `members`, which the judge was shown."""
+        def contents(trajectories: list[Trajectory]) -> dict[str, str]:
+            return {t.id: fingerprint(t.messages) for t in trajectories}
+
+        return contents(self._members(group_id)) != contents(members)
+
+    def _stale(self, group_id: str, started: float, attempts: int) -> JudgeRun:
+        """Record the run started at `started` as `failed`, its answer unstored, due again now: its group changed
+        while the judge answered (a member came, left or got more messages), so the scores judged what is gone."""
+        now = self.clock()
+        log.warning("group %s changed while the judge answered; its scores are not stored", group_id)
+        return self._finish(group_id, started, state="failed", attempts=attempts, finished_at=now, next_try_at=now,
+                            error="judge_stale: the group's trajectories changed while the judge answered; its scores "
+                                  "are not stored and the group is judged again")
+
+    def _finish(self, group_id: str, started: float, **outcome: object) -> JudgeRun:
         """Record the outcome of the run started at `started`, which stores no scores; a run that outlived its claim
-        only logs it."""
+        only logs it. The group's run as it stands then (see `_current`)."""
         if not self.scoring.finish_run(group_id, started, **outcome):
-            self._outlived(group_id, started, str(outcome["state"]))
+            return self._outlived(group_id, started, str(outcome["state"]))
+        return self._current(group_id)
 
-    def _outlived(self, group_id: str, started: float, outcome: str) -> None:
-        """Log that the run started at `started` lost its group to another run and leaves `outcome` unrecorded."""
+    def _current(self, group_id: str, judgements: list[Judgement] | None = None) -> JudgeRun:
+        """The group's run as the store holds it now, with `judgements`.
+
+        Raises:
+            NotFound: the run is gone: the group was deleted while it was judged (a trajectory of another
+                instrumentation's calls whose rollout came, see README), its run with it.
+        """
+        row = self.scoring.run(group_id)
+        if row is None:
+            raise NotFound(f"group {group_id!r} was deleted while it was judged; nothing is stored",
+                           code="group_deleted")
+        return run_view(row, judgements)
+
+    def _outlived(self, group_id: str, started: float, outcome: str) -> JudgeRun:
+        """Log that the run started at `started` lost its group to another run and leaves `outcome` unrecorded; the
+        group's run, the other run's (see `_current`)."""
+        run = self._current(group_id)
         log.warning(
             "judge run of group %s started at %s outlived its claim (%.0f s) and another run took the group over; "
             "its outcome (%s) and scores are not recorded",
             group_id, started, claim_seconds(self.settings), outcome,
         )
+        return run
 
     def _scored(self, members: list[Trajectory], owner: list[int], scores: list[Score]) -> list[Judgement]:
         """The judgement of each member: the score of its distinct block (`owner`)."""
@@ -242,9 +285,8 @@ class GroupJudge:
         try:
             self.store.add_rewards(rewards, also=finish)
         except _ClaimLost:
-            self._outlived(group_id, started, str(outcome["state"]))
-            return run_view(self.scoring.run(group_id) or {})
-        run = run_view(self.scoring.run(group_id) or {}, rows)
+            return self._outlived(group_id, started, str(outcome["state"]))
+        run = self._current(group_id, rows)
         log.info("judged group %s (%s): %d trajectories, %d distinct", group_id, run.state, run.trajectories,
                  run.distinct)
         return run
@@ -291,6 +333,9 @@ class GroupJudge:
         for group_id, seen in self._due().items():
             try:
                 run = self._try(group_id, self.settings.rubric, seen)
+            except NotFound as exc:  # emptied or deleted since it was found due: nothing left to judge
+                log.info("group %s left unjudged: %s", group_id, exc)
+                continue
             except Exception:  # one group's failure must not starve the groups due after it, poll after poll
                 log.exception("judge run of group %s failed unexpectedly; judging the other due groups", group_id)
                 continue

@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from collector.spans import without_surrogates
+
 __all__ = [
     "JudgeClient",
     "JudgeError",
@@ -26,6 +28,7 @@ __all__ = [
     "build_messages",
     "dedupe",
     "explanation_limit",
+    "fingerprint",
     "parse_scores",
     "render_message",
     "response_format",
@@ -210,7 +213,8 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def parse_scores(text: str, count: int) -> list[Score]:
     """Check the judge's answer: JSON with one finite score in [0, 1] for each block `"1"`..`"count"`.
 
-    Explanations lose their NUL characters, which JSON lets a judge write (`\\u0000`) and PostgreSQL text cannot hold.
+    Explanations lose their NUL characters and read a lone surrogate as U+FFFD: JSON lets a judge write either
+    (`\\u0000`, `\\ud800`), and no database text can hold it (a surrogate no UTF-8 codec encodes).
 
     Raises:
         JudgeError: `judge_bad_json` or `judge_bad_scores`, naming what is wrong.
@@ -241,7 +245,7 @@ def parse_scores(text: str, count: int) -> list[Score]:
             raise JudgeError(
                 f"score {repr(value)[:50]} of trajectory {block} is not a number in [0, 1]", code="judge_bad_scores"
             )
-        explanation = str(entry.get("explanation") or "").replace("\x00", "").strip()
+        explanation = without_surrogates(str(entry.get("explanation") or "").replace("\x00", "").strip())
         found.append(Score(int(block), float(value), explanation))
     return found
 

@@ -19,7 +19,7 @@ from collector.auth import configured_key
 from collector.config import check_http_url
 from collector.protocol import Name
 
-__all__ = ["DEFAULT_RUBRIC", "JudgeSettings", "LangfuseSettings"]
+__all__ = ["DEFAULT_RUBRIC", "MAX_TIMEOUT_SECONDS", "JudgeSettings", "LangfuseSettings"]
 
 _SCORE_SOURCES = ("ANNOTATION", "API", "EVAL")
 """The sources of a Langfuse score (its API's `ScoreSource`): a person in the UI, the API or SDK, an evaluator."""
@@ -45,6 +45,11 @@ def _split_names(value: object) -> object:
     if isinstance(value, str):
         return [name.strip() for name in value.split(",") if name.strip()]
     return value
+
+
+MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
+"""Longest HTTP timeout of one judge call: a week. Past about 9.2e9 s httpx cannot compute the call's deadline, and
+every call raised `OverflowError`."""
 
 
 class JudgeSettings(BaseSettings):
@@ -104,7 +109,9 @@ class JudgeSettings(BaseSettings):
             "fits in `max_tokens` (OpenAI ignores it)."
         ),
     )
-    timeout_seconds: float = Field(default=300.0, gt=0, description="HTTP timeout of one judge call.")
+    timeout_seconds: float = Field(
+        default=300.0, gt=0, le=MAX_TIMEOUT_SECONDS, description="HTTP timeout of one judge call (at most a week)."
+    )
 
     @field_validator("url")
     @classmethod

@@ -15,7 +15,10 @@ from art_langgraph import semconv as sc
 from collector.otlp import SpanRecord
 from collector.protocol import MAX_COUNT
 
-__all__ = ["COUNTS", "WARNINGS_KEPT", "forget_warnings", "read_json", "unique_sorted", "warn_once", "whole_number"]
+__all__ = [
+    "COUNTS", "WARNINGS_KEPT", "forget_warnings", "read_json", "unique_sorted", "warn_once", "whole_number",
+    "without_surrogates",
+]
 
 COUNTS = {sc.GROUP_SIZE: 1, sc.POLICY_STEP: 0}
 """Whole-number attributes and the least value each may take."""
@@ -48,7 +51,7 @@ def read_json(text: str) -> Any:
     stayed leased)."""
     try:
         value = json.loads(text)
-        return _without_surrogates(value) if _ESCAPED_SURROGATE.search(text) else value
+        return without_surrogates(value) if _ESCAPED_SURROGATE.search(text) else value
     except RecursionError as exc:
         raise ValueError("JSON nested too deeply to read") from exc
 
@@ -59,14 +62,14 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")
 """A UTF-16 surrogate: in text `json.loads` made, one without its pair (it joins a pair into one character)."""
 
 
-def _without_surrogates(value: Any) -> Any:
+def without_surrogates(value: Any) -> Any:
     """`value` (as `json.loads` makes it) with each lone surrogate in its strings, keys too, as U+FFFD."""
     if isinstance(value, str):
         return _SURROGATE.sub("\ufffd", value)
     if isinstance(value, list):
-        return [_without_surrogates(item) for item in value]
+        return [without_surrogates(item) for item in value]
     if isinstance(value, dict):
-        return {_without_surrogates(key): _without_surrogates(item) for key, item in value.items()}
+        return {without_surrogates(key): without_surrogates(item) for key, item in value.items()}
     return value
 
 

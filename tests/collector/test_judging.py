@@ -28,13 +28,15 @@ from art_langgraph import semconv as sc
 from collector.config import CollectorSettings
 from collector.errors import Conflict
 from collector.judging import GroupJudge, claim_seconds
-from collector.ruler import JudgeClient
+from collector.ruler import JudgeClient, JudgeError, response_format
 from collector.scoring_config import JudgeSettings
 from collector.scoring_store import ScoringStore
 from collector.store import SqlStore
 from examples.stack import free_port
+from tests.collector import span_builders as sb
 from tests.collector.conftest import Clock
-from tests.collector.seeding import group_spans, make_app
+from tests.collector.seeding import group_spans, make_app, trace_id
+from tests.collector.test_foreign import TRACE_A, _openinference_chain, _openinference_llm, _ours
 from tests.collector.test_store_rewards import refuse_reward
 
 
@@ -201,6 +203,18 @@ def test_judge_unknown_group_is_404(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_judge_settings_the_store_cannot_hold_or_a_blank_rubric_are_refused(field: str, value: str, says: str) -> None:
     with pytest.raises(ValidationError, match=says):
         JudgeSettings(**{field: value})
+
+
+def test_a_judge_timeout_past_a_week_is_refused_and_a_week_works() -> None:
+    """A timeout of 1e10 s (for "none") made every judge call an OverflowError inside httpx: each run failed
+    unexpectedly, a 500 on request."""
+    with pytest.raises(ValidationError, match="less than or equal to 604800"):
+        JudgeSettings(timeout_seconds=1e10)
+    week = JudgeSettings(timeout_seconds=7 * 24 * 3600)
+    client = JudgeClient(f"http://127.0.0.1:{free_port()}/v1", week.model, timeout=week.timeout_seconds)
+    with pytest.raises(JudgeError) as caught:
+        client.complete([{"role": "user", "content": "q"}], response_format(1), temperature=0, max_tokens=64)
+    assert caught.value.code == "judge_unreachable"
 
 
 def test_a_blank_rubric_in_the_request_is_400_and_judges_nothing(
@@ -623,3 +637,87 @@ def test_an_answer_python_cannot_read_as_a_number_follows_the_failure_policy(
     [run] = judge.run_due()
     assert (run.state, run.attempts) == ("zeroed", 1) and run.error.startswith("judge_bad_scores")
     assert [j.score for j in run.judgements] == [0.0, 0.0]
+
+
+def _late_turn(spans: list[Any]) -> list[Any]:
+    """A model call of member 0 that arrives late: its messages end with another answer."""
+    return [sb.llm(5, rollout="g-0", trace=trace_id("g", 0), start=20, prompt=[1, 2, 3, 4, 5, 6, 7, 8], completion=[9],
+                   output=[{"role": "assistant", "content": "99"}])]
+
+
+@pytest.mark.parametrize(("change", "members"), [(_late_turn, 3), (lambda spans: spans[4:], 3)],
+                         ids=["a member got more messages", "a member came"])
+def test_an_answer_to_a_group_that_changed_meanwhile_is_not_stored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: Any, members: int
+) -> None:
+    """The judge scored the trajectories it was shown; stored on the group as it became, the scores judged content
+    gone, and the group was never judged again."""
+    app = make_app(tmp_path, monkeypatch, env=down_judge("retry"))
+    spans = group_spans("g", ["7", "8", "9"])
+    for span in spans:
+        span.attributes.pop(sc.GROUP_SIZE, None)
+    app.state.store.add_spans(spans[:4])
+    judge = app.state.scoring.judge
+    judge.client = client = HeldJudge()
+    try:
+        results, _ = _race([lambda: judge.judge("g")])
+        assert client.waiting.wait(WAIT)
+        app.state.store.add_spans(change(spans))
+    finally:
+        client.release.set()
+    run = results.get(timeout=WAIT)
+    assert (run.state, run.judgements) == ("failed", []) and run.error.startswith("judge_stale")
+    assert all("ruler" not in t.rewards for t in app.state.store.trajectories(group="g"))
+    assert run.next_try_at == run.finished_at and judge.due_groups() == ["g"]
+
+
+def _foreign_calls() -> list[Any]:
+    """Another instrumentation's model call in trace `TRACE_A`: a trajectory and group `TRACE_A` until its rollout
+    comes."""
+    return [_openinference_chain(TRACE_A, 110, sb.sid(101), "tool"),
+            _openinference_llm(TRACE_A, 111, sb.sid(110), marked=False)]
+
+
+class RolloutComes(HeldJudge):
+    """A judge client during whose call the rollout of `_foreign_calls` comes: their trajectory is deleted, and with it
+    its group and the group's run; it scores the one trajectory it was shown."""
+
+    def __init__(self, store: SqlStore) -> None:
+        super().__init__(released=True)
+        self.store = store
+
+    def complete(self, *args: Any, **kwargs: Any) -> str:
+        self.store.add_spans(_ours("r1", TRACE_A, 100))
+        return json.dumps({"scores": {"1": {"explanation": "x", "score": 0.5}}})
+
+
+def test_a_group_deleted_while_it_is_judged_is_404_and_stores_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trajectory of another instrumentation's calls is deleted, its group's run with it, when its rollout's spans
+    come: judged meanwhile, the run failed reading its own outcome back (KeyError, a 500)."""
+    app = make_app(tmp_path, monkeypatch, env=down_judge("retry"), min_group_size=1, keep_zero_spread=True)
+    store = app.state.store
+    store.add_spans(_foreign_calls())
+    app.state.scoring.judge.client = RolloutComes(store)
+    with TestClient(app) as client:
+        answer = client.post(f"/v1/groups/{TRACE_A}/judge")
+        assert answer.status_code == 404 and answer.json()["error"] == "group_deleted", answer.text
+        assert client.get(f"/v1/groups/{TRACE_A}/judge").status_code == 404
+    assert [t.id for t in store.trajectories()] == ["r1"] and store.trajectory("r1").rewards == {"reward": 1.0}
+
+
+def test_the_automatic_judge_leaves_a_group_deleted_mid_run_without_a_failure(
+    make_store: Any, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The run's KeyError was logged as an unexpected failure, with its traceback."""
+    store = make_store(min_group_size=1, keep_zero_spread=True)
+    store.add_spans(_foreign_calls())
+    clock.now += 1000  # idle: the trajectory is complete, its group due
+    judge = GroupJudge(store, ScoringStore(store.engine), JudgeSettings(), client=RolloutComes(store), clock=clock)
+    assert judge.due_groups() == [TRACE_A]
+    with caplog.at_level(logging.INFO, logger="collector.judging"):
+        assert judge.run_due() == []
+    assert "was deleted while it was judged" in caplog.text
+    assert all(record.exc_info is None for record in caplog.records)
+    assert judge.scoring.run(TRACE_A) is None and TRACE_A not in judge.due_groups()

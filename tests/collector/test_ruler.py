@@ -143,6 +143,14 @@ def test_parse_scores_drops_nul_characters_from_explanations() -> None:
     assert [(s.score, s.explanation) for s in scores] == [(0.9, "right"), (0.1, "")]
 
 
+def test_parse_scores_reads_a_lone_surrogate_in_an_explanation_as_a_replacement_character() -> None:
+    """JSON lets a judge write `\\ud800` alone; no database encodes it, and the run failed on storing it (a 500)."""
+    text = answer((1, "a\ud800b", 1), (2, "\U0001f600", 0))  # JSON escapes: `"a\\ud800b"`, `"\\ud83d\\ude00"`
+    scores = parse_scores(text, 2)
+    assert [s.explanation for s in scores] == ["a\ufffdb", "\U0001f600"]  # a pair is one character, kept
+    assert all(s.explanation.encode("utf-8") for s in scores)
+
+
 @pytest.mark.parametrize(
     ("text", "code", "match"),
     [
