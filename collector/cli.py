@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from pydantic import ValidationError
     from sqlalchemy.exc import DatabaseError
 
-    from collector.config import CollectorSettings, hide_password, settings_error
+    from collector.config import CollectorSettings, check_listen_address, hide_password, settings_error
     from collector.engine import driver_reason
     from collector.env_names import exit_on_unknown_env
     from collector.schema import SchemaTooNew
@@ -77,9 +77,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = CollectorSettings(**overrides)
+        check_listen_address(settings.host, settings.port, "free that port, or give another --port "
+                             "(ART_COLLECTOR_PORT) or --host (ART_COLLECTOR_HOST)")
         store = SqlStore(settings)  # makes the folder of a SQLite file
     except ValidationError as exc:
         parser.error(settings_error(exc))
+    except ValueError as exc:  # the address cannot be listened on
+        parser.error(str(exc))
     except OSError as exc:  # that folder cannot be made (a file is in the way, no permission)
         parser.error(_store_refused(settings.db, str(exc)))
     try:

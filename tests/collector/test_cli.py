@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sqlite3
 from contextlib import closing
 from pathlib import Path
@@ -18,14 +19,21 @@ from examples.stack import free_port
 from tests.collector.services import PostgresServer
 
 
+@pytest.fixture(autouse=True)
+def _port_nothing_listens_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` refuses a port it cannot listen on (4318 may be taken where the tests run); a flag overrides."""
+    monkeypatch.setenv("ART_COLLECTOR_PORT", str(free_port()))
+
+
 def test_serve_flags_override_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     calls: dict[str, Any] = {}
+    port = free_port()
     monkeypatch.setattr("uvicorn.run", lambda app, **kw: calls.update(app=app, **kw))
     monkeypatch.setenv("ART_COLLECTOR_PORT", "5000")
     monkeypatch.setenv("ART_COLLECTOR_HOST", "0.0.0.0")
     monkeypatch.setenv("ART_COLLECTOR_MIN_GROUP_SIZE", "4")
-    cli.main(["serve", "--port", "5001", "--db", f"sqlite:///{tmp_path / 'x.db'}"])
-    assert (calls["host"], calls["port"]) == ("0.0.0.0", 5001)
+    cli.main(["serve", "--port", str(port), "--db", f"sqlite:///{tmp_path / 'x.db'}"])
+    assert (calls["host"], calls["port"]) == ("0.0.0.0", port)
     settings = calls["app"].state.settings
     assert settings.min_group_size == 4 and settings.db.endswith("x.db")
     assert (tmp_path / "x.db").exists()
@@ -77,6 +85,24 @@ def test_bad_judge_settings_exit_naming_them(monkeypatch: pytest.MonkeyPatch, tm
     err = capsys.readouterr().err
     assert info.value.code == 2 and "art-collector: error: JudgeSettings: on_failure='bogus': Input should be" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("host", "says"), [
+    ("127.0.0.1", "Address already in use"),
+    ("192.0.2.1", "Cannot assign requested address"),  # TEST-NET-1: no interface of this machine
+])
+def test_an_address_that_cannot_be_listened_on_exits_naming_it(host: str, says: str, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Was uvicorn's "address already in use" (no flag named, status 3) once the store was migrated and the app up."""
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served on an address it cannot listen on"))
+    with socket.create_server(("127.0.0.1", 0)) as held, pytest.raises(SystemExit) as info:
+        port = held.getsockname()[1]
+        cli.main(["serve", "--host", host, "--port", str(port), "--db", f"sqlite:///{tmp_path / 'x.db'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert f"art-collector: error: host={host!r} port={port}: cannot listen there ({says}); " in err
+    assert "--port (ART_COLLECTOR_PORT) or --host (ART_COLLECTOR_HOST)" in err
 
 
 def test_serve_needs_a_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -19,10 +20,11 @@ import pytest
 from pydantic import ValidationError
 
 from collector.config import settings_error
+from examples.stack import free_port
 from tests.trainer_service.builders import save_tiny_model
 from trainer_service.checkpoints import CheckpointMismatchError
 from trainer_service.cli import build_parser, main, settings_from_args, vllm_serve_flags
-from trainer_service.config import TrainerSettings, vllm_lora_ranks
+from trainer_service.config import TrainerSettings, vllm_dtypes, vllm_lora_ranks
 from trainer_service.engine_errors import EngineError
 
 
@@ -34,6 +36,12 @@ def parse(*argv: str) -> tuple[TrainerSettings, object]:
 def _run_folder_outside_the_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`serve` locks its run folder (`runs/<name>` from the working folder by default) before the service starts."""
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _api_port_nothing_listens_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` refuses an API port it cannot listen on (8000 may be taken where the tests run); a flag overrides."""
+    monkeypatch.setenv("ART_TRAINER_PORT", str(free_port()))
 
 
 def test_a_grpo_flag_that_none_turns_off_takes_none(monkeypatch: pytest.MonkeyPatch,
@@ -92,6 +100,49 @@ def test_the_trained_model_cannot_take_the_base_models_name(name: str, base_mode
     assert TrainerSettings(name="agent", base_model=base_model).name == "agent"
 
 
+@pytest.mark.parametrize("name", [".", ".."])
+def test_a_name_that_makes_no_run_folder_of_its_own_exits_naming_it(name: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`runs/..` was the working folder: checkpoints, metrics.jsonl and vllm.log were written among its files."""
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--name", name, "--base-model", "/no/such/folder"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert f"name={name!r}: makes the run folder runs/{name}, which is no folder of its own; give another --name" in err
+    assert parse("--name", "...")[0].run_dir == Path("runs/...")  # a folder name like any other
+
+
+@pytest.mark.parametrize("value", ["--enforce-eager", ""])
+def test_vllm_args_in_the_environment_that_are_no_json_exit_naming_the_form(
+        value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was pydantic-settings' `error parsing value for field "vllm_args" from source "EnvSettingsSource"`."""
+    monkeypatch.setenv("ART_TRAINER_VLLM_ARGS", value)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--base-model", "/no/such/folder"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert f"art-trainer: error: vllm_args={value!r}: is not JSON (" in err
+    assert "ART_TRAINER_VLLM_ARGS is a JSON list of strings, e.g. '[\"--enforce-eager\"]', or repeat --vllm-arg" in err
+    monkeypatch.setenv("ART_TRAINER_VLLM_ARGS", '["--enforce-eager"]')
+    assert parse()[0].vllm_args == ["--enforce-eager"]
+    assert parse("--vllm-arg=--seed=1")[0].vllm_args == ["--seed=1"]  # the flag overrides the variable
+
+
+@pytest.mark.parametrize("through", ["flag", "env"])
+def test_an_empty_output_dir_exits_instead_of_writing_into_the_working_folder(
+        through: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`ART_TRAINER_OUTPUT_DIR=` was read as `.`: checkpoints and logs went among the working folder's files."""
+    if through == "env":
+        monkeypatch.setenv("ART_TRAINER_OUTPUT_DIR", "")
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--base-model", "/no/such/folder", *(["--output-dir", ""] if through == "flag" else [])])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert "output_dir='': is empty, which reads as the working folder; give a folder, or leave --output-dir" in err
+    assert not Path("trainer.lock").exists()  # the run folder was not taken
+    assert parse("--output-dir", ".")[0].run_dir == Path(".")  # the working folder when named
+
+
 def test_bad_values_exit_with_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["serve", "--lora-r", "16"])
@@ -118,6 +169,39 @@ def test_a_max_lora_rank_vllm_refuses_exits_at_once_naming_the_ones_it_takes(cap
     with pytest.raises(ValueError, match="vLLM accepts only"):
         parse()
     assert parse("--max-lora-rank", "16", "--lora-r", "16")[0].max_lora_rank == 16
+
+
+def test_a_vllm_dtype_vllm_refuses_exits_at_once_naming_the_ones_it_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--vllm-dtype fp32` passed the service's checks: vLLM refused it once started, after the trainer's load."""
+    dtypes = vllm_dtypes()
+    if dtypes is None:
+        pytest.skip("vLLM is not installed")
+    assert {"auto", "float32", "bfloat16"} <= set(dtypes) and "fp32" not in dtypes
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--vllm-dtype", "fp32", "--base-model", "/no/such/folder"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert f"error: vllm_dtype='fp32': vLLM takes only {', '.join(dtypes)} as --vllm-dtype (ART_TRAINER_VLLM" in err
+    assert parse("--vllm-dtype", "BFloat16")[0].vllm_dtype == "BFloat16"  # vLLM reads it in any case
+
+
+def test_the_vllm_dtypes_come_from_the_installed_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    (tmp_path / "config").mkdir()
+    source = tmp_path / "config" / "model.py"
+    try:
+        source.write_text('from typing import Literal\nModelDType = Literal["auto", "float32"]\n')
+        vllm_dtypes.cache_clear()
+        assert vllm_dtypes() == ("auto", "float32") and parse("--vllm-dtype", "auto")[0].vllm_dtype == "auto"
+        with pytest.raises(ValueError, match="vLLM takes only auto, float32 as --vllm-dtype"):
+            parse("--vllm-dtype", "half")
+        source.write_text("ModelDType = str\n")  # listed otherwise: vLLM checks at its start
+        vllm_dtypes.cache_clear()
+        assert vllm_dtypes() is None and parse("--vllm-dtype", "half")[0].vllm_dtype == "half"
+    finally:
+        vllm_dtypes.cache_clear()
 
 
 def test_a_reserved_core_count_that_is_no_number_exits_naming_it(capsys: pytest.CaptureFixture[str],
@@ -377,6 +461,25 @@ def test_the_apis_port_taken_by_vllm_exits_before_vllm_starts(capsys: pytest.Cap
     assert settings.port == settings.vllm_port == 8001
 
 
+@pytest.mark.parametrize(("host", "says"), [
+    ("127.0.0.1", "Address already in use"),
+    ("192.0.2.1", "Cannot assign requested address"),  # TEST-NET-1: no interface of this machine
+])
+def test_an_api_address_that_cannot_be_listened_on_exits_before_vllm_starts(
+        host: str, says: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was found only once vLLM had started and the trainer had loaded: uvicorn's "address already in use"."""
+    import trainer_service.server
+
+    monkeypatch.setattr(trainer_service.server, "create_app", lambda *args: pytest.fail("vLLM would start"))
+    with socket.create_server(("127.0.0.1", 0)) as held, pytest.raises(SystemExit) as info:
+        port = held.getsockname()[1]
+        main(["serve", "--host", host, "--port", str(port)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert f"art-trainer: error: host={host!r} port={port}: cannot listen there ({says}); " in err
+    assert "--port (ART_TRAINER_PORT) or --host (ART_TRAINER_HOST)" in err
+
+
 def test_settings_nothing_would_read_exit_naming_them(capsys: pytest.CaptureFixture[str],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     no_model = ["--base-model", "/no/such/folder"]  # were accepted and ignored; the start went on
@@ -606,7 +709,7 @@ def _serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, events: list[str], *
         monkeypatch.setattr(LoRATrainer, "load", load)
     save_tiny_model(tmp_path / "model")
     main(["serve", "--base-model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "run"), "--allocator",
-          "system", "--wandb", "off", "--no-warm-up", "--port", "1"])  # port 1: never bound here
+          "system", "--wandb", "off", "--no-warm-up"])
 
 
 @pytest.mark.parametrize(("start_error", "load_error", "says"), [

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from examples.stack import free_port
 from trainer_service import cli
 from trainer_service.huge_pages import THP_ENV, enable_huge_pages
 
@@ -37,7 +38,7 @@ def test_serve_sets_it_before_the_model_loads(monkeypatch: pytest.MonkeyPatch, t
 
     monkeypatch.setattr("trainer_service.server.create_app", create_app)
     with pytest.raises(Loaded):
-        cli.main(["serve"])
+        cli.main(["serve", "--port", str(free_port())])  # `serve` refuses a port it cannot listen on
     assert seen == ["1"]
 
 
