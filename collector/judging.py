@@ -35,6 +35,7 @@ from collector.ruler import (
     fingerprint,
     parse_scores,
     response_format,
+    scores_only_tokens,
 )
 from collector.scoring_config import JudgeSettings
 from collector.scoring_store import ScoringStore, SeenRun
@@ -76,6 +77,22 @@ def claim_seconds(settings: JudgeSettings) -> float:
     return _tries(settings) * (settings.timeout_seconds + _MAX_BACKOFF) + 60.0
 
 
+def _final(error: JudgeError, explanation_chars: int) -> bool:
+    """Whether the same request would fail again with `error`: the judge rejected it (`judge_rejected`), or cut an
+    answer that had room for no explanation (`explanation_chars` 0: the scores alone do not fit in `max_tokens`)."""
+    return error.code == "judge_rejected" or (error.code == "judge_truncated" and explanation_chars == 0)
+
+
+def _explained(error: JudgeError, count: int, explanation_chars: int) -> JudgeError:
+    """`error`, saying how many tokens the scores of `count` blocks take when they alone were cut (see `_final`)."""
+    if error.code != "judge_truncated" or explanation_chars:
+        return error
+    return JudgeError(
+        f"{error}; the scores alone of {count} trajectories take up to {scores_only_tokens(count)} tokens (one per "
+        "character), no room is left for explanations", code=error.code,
+    )
+
+
 class GroupJudge:
     """Judges groups with one `JudgeClient`; one run per group at a time, across every collector on the database.
 
@@ -99,7 +116,8 @@ class GroupJudge:
 
     # --- one run ------------------------------------------------------------------------
     def judge(self, group_id: str, *, rubric: str | None = None) -> JudgeRun:
-        """Judge one group now and store the scores; failures follow the configured policy.
+        """Judge one group now and store the scores; failures follow the configured policy, but for a `rubric` of the
+        request's own that the judge rejects (see `_rubric_rejected`).
 
         Raises:
             NotFound: the group does not exist or has no trajectories, or was deleted while it was judged
@@ -154,16 +172,17 @@ class GroupJudge:
         s = self.settings
         tries = _tries(s)
         messages = build_messages(rubric, distinct)
-        fmt = response_format(len(distinct), explanation_limit(len(distinct), s.max_tokens, s.explanation_max_chars))
+        limit = explanation_limit(len(distinct), s.max_tokens, s.explanation_max_chars)
+        fmt = response_format(len(distinct), limit)
         error: JudgeError | None = None
         for attempt in range(1, tries + 1):
             try:
                 text = self.client.complete(messages, fmt, temperature=s.temperature, max_tokens=s.max_tokens)
                 scores = parse_scores(text, len(distinct))
             except JudgeError as exc:
-                error = exc
-                log.warning("judge of group %s failed (try %d/%d): %s", group_id, attempt, tries, exc)
-                if exc.code == "judge_rejected":  # the same request never succeeds
+                error = _explained(exc, len(distinct), limit)
+                log.warning("judge of group %s failed (try %d/%d): %s", group_id, attempt, tries, error)
+                if _final(error, limit):  # the same request never succeeds
                     break
                 if attempt < tries:
                     time.sleep(min(2.0 ** (attempt - 1), _MAX_BACKOFF))
@@ -173,17 +192,35 @@ class GroupJudge:
             rows = self._scored(members, owner, scores)
             return self._record(group_id, started, rows, state="ok", attempts=attempt, error=None, next_try_at=None)
         assert error is not None
+        if error.code == "judge_rejected" and rubric.strip() != s.rubric.strip():
+            return self._rubric_rejected(group_id, started, attempt, error)
+        return self._failed(group_id, started, members, attempt, error, final=_final(error, limit))
+
+    def _failed(self, group_id: str, started: float, members: list[Trajectory], attempts: int, error: JudgeError,
+                *, final: bool) -> JudgeRun:
+        """Record the run started at `started`, whose judge failed with `error`, by the configured policy; a `final`
+        error (see `_final`) is not retried until the group grows (see `due_groups`)."""
+        s = self.settings
         message = f"{error.code}: {error}"
         now = self.clock()
         if s.on_failure == "zero":
             rows = self._zeros(members, message)
-            return self._record(group_id, started, rows, state="zeroed", attempts=attempt, error=message,
+            return self._record(group_id, started, rows, state="zeroed", attempts=attempts, error=message,
                                 next_try_at=None)
         state, next_try = ("failed", now + s.retry_seconds) if s.on_failure == "retry" else ("skipped", None)
-        if state == "failed" and error.code == "judge_rejected":  # see `due_groups`
+        if state == "failed" and final:
             message, next_try = f"{message}; not retried until the group grows", None
-        return self._finish(group_id, started, state=state, attempts=attempt, error=message, finished_at=now,
+        return self._finish(group_id, started, state=state, attempts=attempts, error=message, finished_at=now,
                             next_try_at=next_try)
+
+    def _rubric_rejected(self, group_id: str, started: float, attempts: int, error: JudgeError) -> JudgeRun:
+        """Record the run started at `started`, asked for with a rubric of its own that the judge rejected, as `failed`
+        and due again now, whatever `on_failure` says: the rejection may be the rubric's (too long, say), so it
+        must not keep the automatic judge, with the configured rubric, from the group."""
+        now = self.clock()
+        return self._finish(group_id, started, state="failed", attempts=attempts, finished_at=now, next_try_at=now,
+                            error=f"{error.code}: {error}; it judged with the request's rubric: the group is due again "
+                                  "for the automatic judge, with the configured rubric")
 
     def _members(self, group_id: str) -> list[Trajectory]:
         """The group's trajectories as the store holds them now."""
@@ -296,8 +333,8 @@ class GroupJudge:
         """Groups in the pool (open, ready or skipped) whose trajectories are all complete and that
         reached their expected size, not judged yet, grown since their last finished run (a group
         without an announced size takes members as they come), `failed` and due for another try (one the judge
-        rejected, `judge_rejected`, has no `next_try_at`: it is due once the group grows), or `running` past
-        `claim_seconds` (its judge died mid-run)."""
+        rejected, `judge_rejected`, or whose scores alone were cut at `max_tokens`, has no `next_try_at`: it is due
+        once the group grows), or `running` past `claim_seconds` (its judge died mid-run)."""
         return list(self._due())
 
     def _due(self) -> dict[str, SeenRun]:

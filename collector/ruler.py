@@ -32,6 +32,7 @@ __all__ = [
     "parse_scores",
     "render_message",
     "response_format",
+    "scores_only_tokens",
     "shared_prefix",
 ]
 
@@ -141,7 +142,8 @@ def build_messages(rubric: str, conversations: Sequence[Messages]) -> Messages:
     if n:
         context = "\n".join(render_message(m) for m in conversations[0][:n])
         parts.append(f"Every trajectory starts with this context:\n<context>\n{context}\n</context>")
-    parts.append(f"There are {len(conversations)} trajectories:")
+    count = len(conversations)
+    parts.append("There is 1 trajectory:" if count == 1 else f"There are {count} trajectories:")
     for number, messages in enumerate(conversations, start=1):
         body = "\n".join(render_message(m) for m in messages[n:]) or "(nothing beyond the context)"
         parts.append(f'<trajectory id="{number}">\n{body}\n</trajectory>')
@@ -160,6 +162,13 @@ _LONGEST_SCORE = "0.000001"
 """The longest number the schema's guided grammar lets a judge write for a score (xgrammar: 6 decimals)."""
 
 
+def scores_only_tokens(count: int) -> int:
+    """The most tokens an answer of `count` scores with empty explanations takes, end-of-text token included, at
+    one token per character (see `explanation_limit`): the least `max_tokens` in which scores alone surely fit."""
+    empty = {block: {"explanation": "", "score": 0} for block in _block_keys(count)}
+    return len(json.dumps({"scores": empty})) + count * (len(_LONGEST_SCORE) - 1) + 1
+
+
 def explanation_limit(count: int, max_tokens: int, configured: int = 0) -> int:
     """The `maxLength` of each explanation that lets the judge's whole answer fit in `max_tokens`.
 
@@ -169,9 +178,7 @@ def explanation_limit(count: int, max_tokens: int, configured: int = 0) -> int:
     this bound a guided judge that runs on inside an explanation is cut at `max_tokens` (the
     bundled 135M judge did, on 4 blocks of 300 characters against 1024 tokens).
     """
-    empty = {block: {"explanation": "", "score": 0} for block in _block_keys(count)}
-    fixed = len(json.dumps({"scores": empty})) + count * (len(_LONGEST_SCORE) - 1) + 1
-    fits = max(0, (max_tokens - fixed) // max(count, 1))
+    fits = max(0, (max_tokens - scores_only_tokens(count)) // max(count, 1))
     return min(fits, configured) if configured else fits
 
 
@@ -269,7 +276,8 @@ class JudgeClient:
 
         Raises:
             JudgeError: `judge_unreachable`, `judge_rejected` (see `_REJECTED`), `judge_http_error`,
-                `judge_refused` (OpenAI's `message.refusal`), or `judge_truncated` (hit max_tokens). Every message
+                `judge_refused` (OpenAI's `message.refusal`), `judge_bad_json` (tool calls and no content), or
+                `judge_truncated` (hit max_tokens). Every message
                 is one line: a body the judge sent is quoted with its line breaks escaped.
         """
         body = {
@@ -303,6 +311,12 @@ class JudgeClient:
             )
         if refusal := choice["message"].get("refusal"):  # a dict: its `content` was read above
             raise JudgeError(f"judge {url} refused to score: {str(refusal)[:300]!r}", code="judge_refused")
+        if not text and (calls := choice["message"].get("tool_calls")):
+            raise JudgeError(
+                f"judge {url} answered with tool calls, not JSON content: {json.dumps(calls)[:300]!r}; it must answer "
+                "in the message content (structured output, `response_format` json_schema)",
+                code="judge_bad_json",
+            )
         if choice.get("finish_reason") == "length":
             raise JudgeError(
                 f"judge answer was cut at max_tokens={max_tokens} (it ended {text[-80:]!r}); "

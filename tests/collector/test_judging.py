@@ -168,6 +168,107 @@ def test_a_request_the_judge_rejects_is_not_sent_again_until_the_group_grows(
     assert judge.due_groups() == ["g"]
 
 
+def _rejecting_the_rubric(judge: GroupJudge, rubric: str) -> list[dict[str, Any]]:
+    """Make `judge`'s client talk to a judge that rejects (400) every prompt with `rubric` and scores the others (two
+    blocks, 1 and 0); the request bodies it gets."""
+    bodies: list[dict[str, Any]] = []
+
+    def chat(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        if rubric in body["messages"][0]["content"]:
+            return httpx.Response(400, json={"object": "error", "message": "maximum context length is 2048 tokens"})
+        content = json.dumps({"scores": {"1": {"explanation": "x", "score": 1}, "2": {"explanation": "y", "score": 0}}})
+        return httpx.Response(200, json={"choices": [{"message": {"content": content}, "finish_reason": "stop"}]})
+
+    assert isinstance(judge.client, JudgeClient)
+    judge.client._http = httpx.Client(transport=httpx.MockTransport(chat))
+    return bodies
+
+
+@pytest.mark.parametrize("policy", ["retry", "skip", "zero"])
+def test_a_request_whose_rubric_the_judge_rejects_leaves_the_group_to_the_automatic_judge(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: Clock, policy: str
+) -> None:
+    """The rejected run was the group's last one, `failed` with no `next_try_at` (or `skipped`, or zeroed): the
+    automatic judge never judged the group with the configured rubric until it grew."""
+    app = make_app(tmp_path, monkeypatch, env=down_judge(policy))
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    judge = app.state.scoring.judge
+    judge.clock = clock
+    bodies = _rejecting_the_rubric(judge, "Only haikus win.")
+    run = judge.judge("g", rubric="Only haikus win.")
+    assert (run.state, run.judgements, run.next_try_at) == ("failed", [], run.finished_at)
+    assert run.error.startswith("judge_rejected") and "the request's rubric" in run.error
+    assert all("ruler" not in t.rewards for t in app.state.store.trajectories(group="g"))
+    assert judge.due_groups() == ["g"]
+    [again] = judge.run_due()
+    assert (again.state, [j.score for j in again.judgements], len(bodies)) == ("ok", [1.0, 0.0], 2)
+    assert judge.settings.rubric.strip() in bodies[1]["messages"][0]["content"]
+
+
+def test_a_request_with_the_configured_rubric_the_judge_rejects_waits_for_the_group_to_grow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = make_app(tmp_path, monkeypatch, env=down_judge("retry"))
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    judge = app.state.scoring.judge
+    _rejecting_the_rubric(judge, judge.settings.rubric.strip())
+    run = judge.judge("g", rubric=f"  {judge.settings.rubric}\n")
+    assert (run.state, run.next_try_at) == ("failed", None) and run.error.endswith("not retried until the group grows")
+    assert judge.due_groups() == []
+
+
+def _truncating(judge: GroupJudge) -> list[dict[str, Any]]:
+    """Make `judge`'s client talk to a judge whose every answer is cut at `max_tokens`; the request bodies it gets."""
+    bodies: list[dict[str, Any]] = []
+
+    def chat(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json={"choices": [{"message": {"content": '{"scores": {"1": {"expl'},
+                                                      "finish_reason": "length"}]})
+
+    assert isinstance(judge.client, JudgeClient)
+    judge.client._http = httpx.Client(transport=httpx.MockTransport(chat))
+    return bodies
+
+
+def test_a_group_whose_scores_alone_are_cut_at_max_tokens_is_not_judged_again_and_says_what_to_raise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: Clock
+) -> None:
+    """Past `scores_only_tokens` no explanation fits, and an answer of scores alone cut at `max_tokens` is cut again:
+    it was tried `ATTEMPTS` times and again every `RETRY_SECONDS`, for ever."""
+    app = make_app(tmp_path, monkeypatch, env=down_judge("retry", ART_COLLECTOR_JUDGE_MAX_TOKENS="32"))
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    judge = app.state.scoring.judge
+    judge.clock = clock
+    bodies = _truncating(judge)
+    [run] = judge.run_due()
+    explanation = bodies[0]["response_format"]["json_schema"]["schema"]["properties"]["scores"]["properties"]["1"]
+    assert explanation["properties"]["explanation"]["maxLength"] == 0  # scores alone
+    assert (run.state, run.attempts, run.next_try_at, len(bodies)) == ("failed", 1, None, 1)
+    assert run.error.startswith("judge_truncated")
+    assert "the scores alone of 2 trajectories take up to" in run.error
+    assert "raise ART_COLLECTOR_JUDGE_MAX_TOKENS" in run.error
+    clock.now += 100 * judge.settings.retry_seconds
+    assert judge.due_groups() == [] and len(bodies) == 1
+
+
+def test_an_answer_cut_with_room_for_explanations_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: Clock
+) -> None:
+    """A judge that wrote past the schema's explanation length (OpenAI ignores `maxLength`) may fit another time."""
+    app = make_app(tmp_path, monkeypatch, env=down_judge("retry", ART_COLLECTOR_JUDGE_ATTEMPTS="2"))
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    judge = app.state.scoring.judge
+    judge.clock = clock
+    bodies = _truncating(judge)
+    [run] = judge.run_due()
+    assert (run.state, run.attempts, len(bodies)) == ("failed", 2, 2)
+    assert run.next_try_at == clock.now + judge.settings.retry_seconds
+    assert run.error.startswith("judge_truncated") and "scores alone" not in run.error
+
+
 @pytest.mark.parametrize("status", [429, 503])
 def test_a_judge_error_that_may_pass_is_tried_again_after_retry_seconds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: Clock, status: int

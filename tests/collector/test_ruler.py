@@ -16,6 +16,7 @@ from collector.ruler import (
     parse_scores,
     render_message,
     response_format,
+    scores_only_tokens,
     shared_prefix,
 )
 
@@ -65,6 +66,12 @@ def test_prompt_sends_shared_prefix_once_and_numbers_each_trajectory() -> None:
         block = user.split(f'<trajectory id="{n}">\n', 1)[1].split("</trajectory>", 1)[0]
         assert block.strip() == f"[assistant] {answer}"
     assert '<trajectory id="4">' not in user
+
+
+@pytest.mark.parametrize(("count", "says"), [(1, "There is 1 trajectory:"), (2, "There are 2 trajectories:")])
+def test_prompt_counts_the_trajectories_in_words_that_agree(count: int, says: str) -> None:
+    user = build_messages("r", [convo(str(n)) for n in range(count)])[1]["content"]
+    assert says in user.splitlines()
 
 
 def test_prompt_without_shared_prefix_has_no_context() -> None:
@@ -126,6 +133,13 @@ def test_explanation_limit_fits_the_longest_answer_in_max_tokens(count: int, max
 
 def test_explanation_limit_is_zero_when_even_empty_explanations_do_not_fit() -> None:
     assert explanation_limit(60, 1024) == 0
+
+
+@pytest.mark.parametrize("count", [1, 4, 22, 23, 60, 150])
+def test_scores_only_tokens_is_the_longest_answer_without_explanations(count: int) -> None:
+    needed = scores_only_tokens(count)
+    assert needed == len(longest_answer(count, 0)) + 1  # with the end-of-text token
+    assert explanation_limit(count, needed) == 0 < explanation_limit(count, needed + count)
 
 
 def answer(*entries: tuple) -> str:
@@ -207,6 +221,16 @@ def test_a_request_the_judge_refuses_is_judge_rejected_other_errors_may_pass(sta
     with pytest.raises(JudgeError, match=f"answered {status}: .*maximum context length") as caught:
         client.complete([USER], response_format(1), temperature=0, max_tokens=64)
     assert caught.value.code == code
+
+
+def test_an_answer_of_tool_calls_without_content_says_so() -> None:
+    """A judge that answers with tool calls (a chat template or proxy that forces tools) showed `not JSON: ''`."""
+    calls = [{"id": "c", "type": "function", "function": {"name": "scores", "arguments": '{"scores": {}}'}}]
+    message = {"role": "assistant", "content": None, "tool_calls": calls}
+    client = _client_answering(200, {"choices": [{"message": message, "finish_reason": "tool_calls"}]})
+    with pytest.raises(JudgeError, match='answered with tool calls, not JSON content: .*"name": "scores"') as caught:
+        client.complete([USER], response_format(1), temperature=0, max_tokens=64)
+    assert caught.value.code == "judge_bad_json"
 
 
 def test_a_refusal_is_judge_refused_and_quotes_the_judge() -> None:
