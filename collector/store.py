@@ -141,7 +141,9 @@ class SqlStore(Store):
                 "record": json.dumps(r.to_dict(), separators=(",", ":")),
                 "received_at": received,
             }
-            for r in unique
+            # in span id order: two exports that share ids (another trace's, refused below) wait on each other's rows
+            # in one order on PostgreSQL, never in a cycle (a deadlock, then a retry)
+            for r in sorted(unique, key=lambda record: record.span_id)
         ]
         insert = self._insert(spans).on_conflict_do_nothing(index_elements=["span_id"]).returning(spans.c.span_id)
         inserted = set(conn.execute(insert, rows).scalars())
