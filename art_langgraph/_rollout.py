@@ -37,12 +37,19 @@ _warned_stepped_apart = False
 
 
 def _check_name(value: str, what: str, limit: int = semconv.MAX_NAME_LENGTH) -> None:
-    """Refuse a name the collector would reject with its whole span: not a string, longer than `limit`, with a NUL."""
+    """Refuse a name the collector would reject with its whole span: not a string, longer than `limit`, with a NUL;
+    or one it could not keep apart from others: with a surrogate (bytes decoded with `surrogateescape`), which UTF-8
+    cannot encode, so export sends it as U+FFFD (and `POST /v1/rewards` could not send it at all)."""
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a string, got {type(value).__name__}")
     if len(value) > limit or "\x00" in value:
         raise ValueError(f"{what} must be at most {limit} characters, without NUL; got {value[:40]!r} "
                          f"({len(value)} characters)")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} must be text UTF-8 can encode: {value[:40]!r} holds the surrogate "
+                         f"{value[exc.start]!r} (sent as U+FFFD, names that differ only there would be one)") from None
 
 
 def _check_reward(value: float, name: str) -> float:
@@ -289,7 +296,8 @@ def rollout(
     Raises:
         ValueError: What the collector would reject with every span of the rollout: an empty task, a task or group
             over 256 characters, a split over 64, a NUL in any, a `group_size` out of 1 to 2**31 - 1; `metadata` that
-            JSON cannot take (a circular reference).
+            JSON cannot take (a circular reference); a task, group or split holding a surrogate, which export would
+            send as U+FFFD, making names that differ only there one.
         TypeError: A task, group or split that is not a string, a `group_size` that is not an integer, `metadata`
             that is not a dict or has a key JSON cannot take.
     """
@@ -350,7 +358,7 @@ def reward(
         trace_id: Trace id (32 hex digits) of a finished rollout, when its id is unknown.
 
     Raises:
-        ValueError: `value` is NaN or infinite.
+        ValueError: `value` is NaN or infinite, or `name` is refused as `rollout(...)`'s names are.
         RuntimeError: No `rollout_id`/`trace_id` and no current rollout.
         httpx.HTTPError: The collector could not take the reward.
     """

@@ -237,7 +237,9 @@ class RewardIn(RequestBody):
         default=None, description="Trace id (32 hex digits, either case), when the rollout id is unknown."
     )
     name: Name = "reward"
-    value: float
+    value: float = Field(
+        strict=True, description="A JSON number (an integer too); a bool or a string is refused, as in a span reward."
+    )
 
     @field_validator("value")
     @classmethod

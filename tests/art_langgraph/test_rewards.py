@@ -197,6 +197,26 @@ async def test_areward_after_the_fact(reward_server: list) -> None:
 
 
 @pytest.mark.asyncio(loop_scope="session")
+async def test_a_reward_name_with_a_surrogate_is_refused_on_either_path(reward_server: list) -> None:
+    """Inside the rollout such a name was exported as U+FFFD, merging it with any name that differs only there; after
+    it, httpx raised a bare `UnicodeEncodeError` encoding the body."""
+    name = "x\udcff"
+    refused = r"reward name must be text UTF-8 can encode: 'x\\udcff' holds the surrogate '\\udcff'"
+    with rollout("r") as r:
+        with pytest.raises(ValueError, match=refused):
+            r.reward(1.0, name=name)
+        with pytest.raises(ValueError, match=refused):
+            reward(1.0, name=name)
+    with pytest.raises(ValueError, match=refused):
+        r.reward(1.0, name=name)
+    with pytest.raises(ValueError, match=refused):
+        reward(1.0, name=name, rollout_id=r.id)
+    with pytest.raises(ValueError, match=refused):
+        await art_langgraph.areward(1.0, name=name, rollout_id=r.id)
+    assert reward_server == []
+
+
+@pytest.mark.asyncio(loop_scope="session")
 async def test_a_reward_the_collector_refuses_raises_with_its_reason(memory_tracing, tmp_path, monkeypatch) -> None:
     """The error said only "400 Bad Request": not which field the real collector refused, nor why."""
     app = make_app(tmp_path, monkeypatch)

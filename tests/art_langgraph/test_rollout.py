@@ -169,6 +169,21 @@ def test_rollout_refuses_what_the_collector_would_reject(kwargs: dict, error: ty
         rollout(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("task", {"task": "caf\udce9"}),
+        ("group", {"task": "t", "group": "g\udcff"}),
+        ("split", {"task": "t", "split": "\ud83d"}),
+    ],
+)
+def test_rollout_refuses_a_name_with_a_surrogate(field: str, kwargs: dict, spans) -> None:
+    """Export sent each surrogate as U+FFFD, so groups (or tasks) that differ only there, `g\\udcff` and
+    `g\\udcfe` (bytes decoded with `surrogateescape`), reached the collector as one group."""
+    with pytest.raises(ValueError, match=rf"{field} must be text UTF-8 can encode: '.*' holds the surrogate '\\u"):
+        rollout(**kwargs)
+
+
 def test_rollout_takes_a_task_with_dot_segments_when_a_group_is_given(spans) -> None:
     """Only the group id travels in API paths: a task is checked for `.`/`..` segments only when it is the group id,
     and dots that are no whole segment are fine."""

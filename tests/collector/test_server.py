@@ -260,6 +260,15 @@ def test_a_reward_the_store_could_not_keep_or_match_is_refused(
     assert fragment in assert_error(client.post("/v1/rewards", json=body), 400, "invalid_request")["message"]
 
 
+@pytest.mark.parametrize("value", [True, False, "0.5", "1"])
+def test_a_reward_value_that_is_no_json_number_is_refused(client: TestClient, value: object) -> None:
+    """Pydantic's lax mode stored `true` as 1.0 and `"0.5"` as 0.5, where ingest rejects a span reward that is no
+    number; a JSON integer is a number and stays one."""
+    answer = client.post("/v1/rewards", json={"rollout_id": "a", "value": value})
+    assert assert_error(answer, 400, "invalid_request")["message"].startswith("body.value: ")
+    assert client.post("/v1/rewards", json={"rollout_id": "a", "value": 2}).json()["value"] == 2.0
+
+
 def test_a_reward_by_trace_id_in_upper_case_finds_its_trajectory(client: TestClient) -> None:
     spans = [llm(1, rollout="a", start=5, prompt=[1], completion=[2]), rollout(2, "a", rewards={"reward": 1.0})]
     client.post("/v1/traces", content=to_request(spans).SerializeToString(), headers=PB)
