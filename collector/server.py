@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import DataError, OperationalError
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import Headers
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -119,6 +119,35 @@ class _RequestRoute:
             request_route.reset(token)
 
 
+PAGE_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
+    "base-uri 'none'; form-action 'self'; frame-ancestors 'self'"
+)
+"""The web page's Content-Security-Policy: it runs only its own app.js and style.css and reads only this
+collector, so recorded text that ever got into its markup could neither run script nor load anything."""
+
+
+class _PageHeaders:
+    """ASGI middleware: every answer under `/ui` (the web page) carries `PAGE_POLICY` and `nosniff`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/ui"):
+            await self.app(scope, receive, send)
+            return
+
+        async def with_policy(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                headers["Content-Security-Policy"] = PAGE_POLICY
+                headers["X-Content-Type-Options"] = "nosniff"
+            await send(message)
+
+        await self.app(scope, receive, with_policy)
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     """The request body (`_BodyLimit` bounds it as sent), refused with 413 past `limit` bytes after gunzip."""
     body = await request.body()
@@ -185,6 +214,7 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
     app.state.settings, app.state.store = settings, store
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(_RequestRoute)
+    app.add_middleware(_PageHeaders)
     @app.exception_handler(CollectorError)
     async def _collector_error(_: Request, exc: CollectorError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None

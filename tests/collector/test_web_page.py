@@ -299,3 +299,35 @@ def test_recorded_text_is_shown_as_text_on_every_view(tmp_path: Path, monkeypatc
     assert f"tr{MARKUP}" in html.unescape(doms["#/batches"])
     listed = sorted(html.unescape(tid) for tid in re.findall(r'data-id="([^"]+)"', members))
     assert listed == [f"{group}-0", f"{group}-1"]  # the group's link, built from an id with markup, filters by it
+
+
+PLANT_A_HANDLER = """<!doctype html><body><pre id="shown">waiting</pre><iframe id="page" src="/ui/#/batches"></iframe>
+<script>
+const page = document.getElementById("page"), shown = document.getElementById("shown");
+page.addEventListener("load", () => {
+  page.contentDocument.body.insertAdjacentHTML("beforeend",
+    '<img src="/missing.png" onerror="parent.document.getElementById(\\'shown\\').textContent = \\'ran\\'">');
+  setTimeout(() => { if (shown.textContent === "waiting") shown.textContent = "blocked"; }, 1000);
+});
+</script></body>"""
+"""Frames the page and adds markup with an inline handler to it, as an escaping slip would: shows whether it ran."""
+
+
+def test_the_page_runs_only_its_own_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page was served with no Content-Security-Policy: one unescaped string would have run as script."""
+    app = make_app(tmp_path, monkeypatch)
+
+    @app.get("/plant.html")
+    def plant() -> HTMLResponse:
+        return HTMLResponse(PLANT_A_HANDLER)
+
+    with served_app(app) as url:
+        for path in ("/ui/", "/ui/app.js"):
+            headers = httpx.get(f"{url}{path}").headers
+            assert "script-src 'self'" in headers["content-security-policy"], path
+            assert headers["x-content-type-options"] == "nosniff"
+        assert "content-security-policy" not in httpx.get(f"{url}/docs").headers  # Swagger UI loads from a CDN
+        dom = chromium(f"{url}/plant.html", tmp_path / "profile", "--dump-dom")
+    match = re.search(r'<pre id="shown">(\w+)</pre>', dom)
+    assert match is not None, dom
+    assert match.group(1) == "blocked"
