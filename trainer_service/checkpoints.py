@@ -377,9 +377,13 @@ class CheckpointStore:
             if latest is not None and (isinstance(latest, bool) or not isinstance(latest, int)):
                 raise ValueError(f"its `latest` is {latest!r}, not a step number or null")
             state["evals"] = {int(k): float(v) for k, v in (state.get("evals") or {}).items()}
+            if not all(math.isfinite(reward) for reward in state["evals"].values()):  # a NaN baseline promoted nothing
+                raise ValueError("an eval reward in its `evals` is not a finite number")
             decision = state.get("decision")
             state["decision"] = PromotionDecision.model_validate(decision) if decision else None
-        except (OSError, ValueError, TypeError) as exc:  # TypeError: an eval reward that is not a number
+        # TypeError: an eval reward that is not a number; OverflowError: one too large for a float; RecursionError:
+        # JSON nested too deep (both were a traceback at start)
+        except (OSError, ValueError, TypeError, OverflowError, RecursionError) as exc:
             detail = (f"its decision is not one: {'; '.join(validation_problem(error) for error in exc.errors())}"
                       if isinstance(exc, ValidationError) else f"{type(exc).__name__}: {exc}")
             raise CheckpointMismatchError(

@@ -472,6 +472,17 @@ class TrainerSettings(BaseSettings):
                              "(ART_TRAINER_OUTPUT_DIR) out for runs/<name>")
         return value
 
+    @field_validator("eval_file", "eval_split", mode="before")
+    @classmethod
+    def _check_eval_source(cls, value: object, info: ValidationInfo) -> object:
+        """An empty `eval_split` (`ART_TRAINER_EVAL_SPLIT=`) turned the gate on for a split no trajectory has: every
+        eval failed, nothing was promoted; an empty `eval_file` read as `.`."""
+        if value == "":
+            name = str(info.field_name)
+            raise ValueError(f"is empty; give one, or leave --{name.replace('_', '-')} (ART_TRAINER_{name.upper()}) "
+                             "out")
+        return value
+
     @field_validator("name")
     @classmethod
     def _check_name(cls, value: str) -> str:

@@ -80,13 +80,16 @@ def load_reward_fn(spec: str) -> RewardFn:
 
 
 def load_eval_file(path: Path) -> list[dict[str, Any]]:
-    """Read a JSONL eval set (UTF-8); every line needs a non-empty `messages` list of objects with a `role`.
+    """Read a JSONL eval set (UTF-8, a byte order mark allowed); every line needs a non-empty `messages` list of
+    objects with a `role`. Lines end at a line feed only (`str.splitlines` also split at U+2028 or U+0085, which
+    JSON strings may hold).
 
     Raises:
-        EvalError: the file is missing or not UTF-8, a line is not JSON, or lacks `messages` of chat messages.
+        EvalError: the file is missing or not UTF-8, a line is not JSON, or lacks `messages` of chat messages, or
+            holds what cannot be sent to the engine as JSON (NaN, Infinity, a lone UTF-16 surrogate).
     """
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").split("\n")
     except (OSError, UnicodeDecodeError) as exc:
         raise EvalError(f"eval file {path} cannot be read: {exc}") from exc
     rows = []
@@ -95,17 +98,31 @@ def load_eval_file(path: Path) -> list[dict[str, Any]]:
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as exc:
+        # ValueError: also an int of more than 4300 digits; RecursionError: nesting too deep (both were a traceback)
+        except (ValueError, RecursionError) as exc:
             raise EvalError(f"{path}:{number} is not JSON: {exc}") from exc
         messages = row.get("messages") if isinstance(row, dict) else None
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise EvalError(f"{path}:{number} needs a non-empty `messages` list of chat messages (objects with a "
                             "`role`)")
+        try:
+            _check_sendable(row)
+        except ValueError as exc:
+            raise EvalError(f"{path}:{number} cannot be sent to the engine as JSON: {exc}") from exc
         rows.append(row)
     if not rows:
         raise EvalError(f"eval file {path} has no prompts")
     return rows
+
+
+def _check_sendable(row: dict[str, Any]) -> None:
+    """Check that `row` can be encoded as httpx encodes a JSON body (no NaN or Infinity, UTF-8).
+
+    Raises:
+        ValueError: it holds a NaN or an infinity, or a lone UTF-16 surrogate (`UnicodeEncodeError`).
+    """
+    json.dumps(row, ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
 def prompts_from_trajectories(trajectories: list[Trajectory]) -> list[dict[str, Any]]:
@@ -163,9 +180,9 @@ class Evaluator:
         """Sample `samples` answers per prompt of `rows` (default: `prompts()`) from `model`; the mean reward.
 
         Raises:
-            EvalError: no prompts, the engine failed or answered something other than a chat
-                completion, or the reward function raised or returned no finite number (prompt and model named);
-                the other prompts' requests are cancelled.
+            EvalError: no prompts, a prompt JSON cannot carry (NaN, a lone surrogate), the engine failed or
+                answered something other than a chat completion, or the reward function raised or returned no
+                finite number (prompt and model named); the other prompts' requests are cancelled.
         """
         rows = await self.prompts() if rows is None else rows
         started = time.perf_counter()
@@ -179,8 +196,7 @@ class Evaluator:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        flat = [r for per_row in rewards for r in per_row]
-        mean = sum(flat) / len(flat)
+        mean = _mean([r for per_row in rewards for r in per_row])
         logger.info("eval of %s: mean reward %.4f on %d prompts x %d samples in %.1f s", model, mean, len(rows),
                     self.samples, time.perf_counter() - started)
         return mean
@@ -202,6 +218,8 @@ class Evaluator:
             response = await self._client.post("/v1/chat/completions", json=body)
         except httpx.HTTPError as exc:
             raise EvalError(f"the engine did not answer an eval prompt for {model}: {exc}") from exc
+        except ValueError as exc:  # a collector row with a NaN or a lone surrogate, which httpx cannot encode (a 500)
+            raise EvalError(f"prompt {index} of the eval set cannot be sent to the engine as JSON: {exc}") from exc
         if response.status_code != 200:
             raise EvalError(f"the engine refused an eval prompt for {model}: HTTP {response.status_code}: "
                             f"{response.text[:300]}")
@@ -231,7 +249,10 @@ class Evaluator:
         where = f"prompt {index} of the eval set, answered by {model}"
         try:
             value = self.reward_fn(row, text)
-        except Exception as exc:  # a user function: any failure is reported with its type, logged with its traceback
+        # a user function: any failure is reported with its type, logged with its traceback; also a SystemExit (e.g.
+        # argparse's) or KeyboardInterrupt, its own here in a worker thread, which was raised again in the event loop
+        # and stopped the service
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:
             row_text = json.dumps(row, default=str)
             logger.exception("the eval reward function raised on %s; the row: %.300s", where, row_text)
             raise EvalError(f"the eval reward function raised {type(exc).__name__} on {where}: {exc}") from exc
@@ -252,6 +273,13 @@ class Evaluator:
     async def aclose(self) -> None:
         """Close the engine client."""
         await self._client.aclose()
+
+
+def _mean(rewards: list[float]) -> float:
+    """The mean of finite `rewards`, finite also where their sum is not (each is divided first then: 4 rewards of
+    1e308 had the mean `inf`, which `promotion.json` cannot hold)."""
+    total = sum(rewards)
+    return total / len(rewards) if math.isfinite(total) else sum(r / len(rewards) for r in rewards)
 
 
 class _Progress:
@@ -299,7 +327,8 @@ def build_evaluator(settings: TrainerSettings, collector: httpx.AsyncClient, eng
                                 f"{response.text[:300]}")
             try:
                 return prompts_from_trajectories([Trajectory.model_validate(t) for t in response.json()])
-            except (ValueError, TypeError) as exc:  # not JSON, not a list, or rows that are not trajectories
+            # not JSON (or nested too deep to read), not a list, or rows that are not trajectories
+            except (ValueError, TypeError, RecursionError) as exc:
                 raise EvalError(f"the collector's trajectories of the eval split {split!r} are malformed "
                                 f"({type(exc).__name__}: {exc})") from exc
     return Evaluator(source, reward_fn, engine_url, samples=settings.eval_samples,

@@ -183,6 +183,63 @@ def test_an_eval_file_not_utf8_or_not_chat_messages_and_an_async_reward_are_refu
         load_reward_fn("tests.trainer_service.test_promotion:async_reward")
 
 
+def test_an_eval_file_line_ends_at_newline_only_and_may_start_with_a_byte_order_mark(tmp_path: Path) -> None:
+    eval_file = tmp_path / "eval.jsonl"
+    row = {"messages": [{"role": "user", "content": "a\u2028b\x85c\u2029d"}]}
+    line = json.dumps(row, ensure_ascii=False).encode() + b"\r\n\r\n"
+    eval_file.write_bytes(line)
+    # `splitlines` cut the line at U+2028, U+0085 and U+2029, which JSON strings hold unescaped: "is not JSON"
+    assert load_eval_file(eval_file) == [row]
+    eval_file.write_bytes(b"\xef\xbb\xbf" + line)
+    assert load_eval_file(eval_file) == [row]  # was "eval.jsonl:1 is not JSON: Unexpected UTF-8 BOM"
+
+
+@pytest.mark.parametrize(("line", "problem"), [('{"messages": [{"role": "user", "content": NaN}]}', "Out of range"),
+                                               ('{"messages": [{"role": "user", "content": "\\ud800"}]}',
+                                                "surrogates not allowed")])
+def test_an_eval_row_json_cannot_carry_is_refused_at_start(tmp_path: Path, line: str, problem: str) -> None:
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text(line + "\n")
+    # was loaded; each eval then raised httpx's ValueError, a 500 `training_failed` for a step already served
+    with pytest.raises(EvalError, match=f"eval.jsonl:1 cannot be sent to the engine as JSON: .*{problem}"):
+        load_eval_file(eval_file)
+
+
+@pytest.mark.parametrize("line", ["[" * 100_000, '{"messages": [{"role": "user", "content": ' + "9" * 5000 + "}]}"],
+                         ids=["deep", "long-int"])
+def test_an_eval_line_python_cannot_read_is_refused_naming_the_line(tmp_path: Path, line: str) -> None:
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n' + line + "\n")
+    with pytest.raises(EvalError, match="eval.jsonl:2 is not JSON: "):  # was a RecursionError or ValueError traceback
+        load_eval_file(eval_file)
+
+
+@pytest.mark.parametrize("content", [math.nan, "\ud800"])
+async def test_an_eval_row_json_cannot_carry_fails_the_eval_not_the_step(tmp_path: Path, content: object) -> None:
+    async def source() -> list[dict[str, Any]]:  # e.g. a collector split: not read through `load_eval_file`
+        return [{"messages": [{"role": "user", "content": content}]}]
+
+    evaluator = Evaluator(source, lambda row, text: 1.0, "http://engine", transport=httpx.MockTransport(engine))
+    settings = TrainerSettings(output_dir=tmp_path, wandb="off")
+    gate = PromotionGate(settings, CheckpointStore(tmp_path / "checkpoints"), evaluator, lambda step: f"agent@{step}",
+                         lambda: "base-model")
+    decision = await gate.judge(1, [1])  # raised ValueError or UnicodeEncodeError
+    assert not decision.promoted and gate.latest is None
+    assert decision.reason.startswith("eval failed, not promoted: prompt 0 of the eval set cannot be sent to the "
+                                      "engine as JSON")
+    await gate.aclose()
+
+
+@pytest.mark.parametrize("field", ["eval_split", "eval_file"])
+def test_an_empty_eval_source_is_refused_at_start(tmp_path: Path, field: str) -> None:
+    # `ART_TRAINER_EVAL_SPLIT=` turned the gate on for a split no trajectory has: nothing was ever promoted
+    flag = field.replace("_", "-")
+    with pytest.raises(ValueError, match=f"{field}\n.*is empty; give one, or leave --{flag} "
+                                         f"\\(ART_TRAINER_{field.upper()}\\) out"):
+        TrainerSettings(output_dir=tmp_path, wandb="off", eval_reward="tests.trainer_service.test_promotion:reward",
+                        **{field: ""})
+
+
 async def test_full_disk_for_the_promotion_state_keeps_latest_where_it_is_saved(tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     batches: list[Batch] = []
@@ -245,14 +302,16 @@ async def test_an_engine_answer_without_choices_fails_the_eval_not_the_step(tmp_
     await service.aclose()
 
 
-async def test_malformed_collector_trajectories_are_an_eval_error(tmp_path: Path) -> None:
-    trajectories = httpx.MockTransport(lambda request: httpx.Response(200, json=[{"not": "a trajectory"}]))
+@pytest.mark.parametrize(("body", "problem"), [(b'[{"not": "a trajectory"}]', "ValidationError"),
+                                               (b"[" * 100_000, "RecursionError")])  # the latter escaped: a 500
+async def test_malformed_collector_trajectories_are_an_eval_error(tmp_path: Path, body: bytes, problem: str) -> None:
+    trajectories = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
     settings = TrainerSettings(output_dir=tmp_path, wandb="off", eval_split="val",
                                eval_reward="tests.trainer_service.test_promotion:reward")
     async with httpx.AsyncClient(base_url="http://collector", transport=trajectories) as collector:
         evaluator = build_evaluator(settings, collector, "http://engine")
         assert evaluator is not None
-        with pytest.raises(EvalError, match=r"trajectories of the eval split 'val' are malformed.*ValidationError"):
+        with pytest.raises(EvalError, match=f"trajectories of the eval split 'val' are malformed.*{problem}"):
             await evaluator.evaluate("agent@1")
         await evaluator.aclose()
 
@@ -300,7 +359,11 @@ def test_a_promoted_step_no_longer_kept_serves_the_base_model_with_a_warning(
                                    '{"latest": 1, "evals": {}, "decision": {"step": 1}}',
                                    '{"latest": 1, "evals": {}, "decision": 5}',
                                    # were `agent@True` and the base model (silently) as latest; a folder was ignored
-                                   '{"latest": true, "evals": {}}', '{"latest": "1", "evals": {}}', "folder"])
+                                   '{"latest": true, "evals": {}}', '{"latest": "1", "evals": {}}', "folder",
+                                   # were read: a NaN or infinite baseline promoted nothing, silently
+                                   '{"latest": null, "evals": {"0": NaN}}', '{"latest": null, "evals": {"0": 1e999}}',
+                                   # were a traceback at start (OverflowError, RecursionError)
+                                   '{"latest": null, "evals": {"0": 1' + "0" * 400 + '}}', "[" * 100_000])
 def test_a_damaged_promotion_state_stops_the_start_naming_the_file(tmp_path: Path, saved: str) -> None:
     store = CheckpointStore(tmp_path / "checkpoints")
     store.root.mkdir()
@@ -353,6 +416,17 @@ async def test_a_reward_too_large_for_a_float_fails_the_eval_naming_the_prompt_a
     await evaluator.aclose()
 
 
+@pytest.mark.parametrize("returned", [10**308, -1.5e308])
+async def test_rewards_whose_sum_is_too_large_for_a_float_have_their_finite_mean(returned: float) -> None:
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": "1+1?"}]}]
+
+    # 4 samples: the mean was `inf`, promoted and saved as `Infinity`, which `promotion.json` then refused at start
+    evaluator = Evaluator(source, lambda row, text: returned, "http://engine", transport=httpx.MockTransport(engine))
+    assert await evaluator.evaluate("agent@1") == float(returned)
+    await evaluator.aclose()
+
+
 async def test_a_reward_that_raises_names_the_prompt_and_logs_the_row(caplog: pytest.LogCaptureFixture) -> None:
     async def source() -> list[dict[str, Any]]:
         return [{"messages": [{"role": "user", "content": "1+1?"}], "answer": "2"},
@@ -366,6 +440,26 @@ async def test_a_reward_that_raises_names_the_prompt_and_logs_the_row(caplog: py
         await evaluator.evaluate("agent@1")
     assert '"content": "2+2?"' in caplog.text and "Traceback" in caplog.text  # which row, and where in the function
     await evaluator.aclose()
+
+
+def exiting_reward(row: dict[str, Any], completion: str) -> float:
+    """A reward that exits, as argparse does on arguments it cannot parse."""
+    raise SystemExit(2)
+
+
+async def test_a_reward_that_exits_fails_the_eval_not_the_service(tmp_path: Path) -> None:
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": "1+1?"}]}]
+
+    evaluator = Evaluator(source, exiting_reward, "http://engine", transport=httpx.MockTransport(engine))
+    settings = TrainerSettings(output_dir=tmp_path, wandb="off")
+    gate = PromotionGate(settings, CheckpointStore(tmp_path / "checkpoints"), evaluator, lambda step: f"agent@{step}",
+                         lambda: "base-model")
+    decision = await gate.judge(1, [1])  # the SystemExit was raised again in the event loop: the service stopped
+    assert not decision.promoted and gate.latest is None
+    assert decision.reason == ("eval failed, not promoted: the eval reward function raised SystemExit on prompt 0 of "
+                               "the eval set, answered by agent@1: 2")
+    await gate.aclose()
 
 
 def one_argument_reward(completion: str) -> float:
