@@ -85,6 +85,8 @@ def settings_error(exc: ValidationError) -> str:
     for error in exc.errors():
         where = ".".join(str(part) for part in error["loc"])
         message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "dict_type" and isinstance(error["input"], str):  # text a JSON decode did not take
+            message += ": the text is not JSON; give a JSON object, e.g. '{\"name\": 1}'"
         value = hide_password(error["input"]) if isinstance(error["input"], str) else error["input"]
         problems.append(f"{where}={value!r}: {message}" if where else message)
     return "\n".join(problems)

@@ -112,6 +112,18 @@ def test_serve_needs_a_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "COMMAND" in capsys.readouterr().err
 
 
+def test_reward_weights_that_are_not_json_exit_naming_the_form(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Said only "Input should be a valid dictionary" for `correct=1`, not that the variable takes JSON."""
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: pytest.fail("served with bad settings"))
+    monkeypatch.setenv("ART_COLLECTOR_REWARD_WEIGHTS", "correct=1")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--db", f"sqlite:///{tmp_path / 'x.db'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert "reward_weights='correct=1': Input should be a valid dictionary: the text is not JSON; give a JSON" in err
+
+
 def test_reward_weights_from_env_and_conflicts(monkeypatch: pytest.MonkeyPatch) -> None:
     from pydantic import ValidationError
 
