@@ -226,6 +226,10 @@ def _parse_json(body: bytes) -> tuple[ExportTraceServiceRequest, list[str]]:
         json_format.ParseDict(data, request, ignore_unknown_fields=True)
     except json_format.ParseError as exc:
         raise OtlpError("malformed_body", f"body is not a valid OTLP/JSON ExportTraceServiceRequest: {exc}") from exc
+    except OverflowError as exc:  # `json_format` lets it out: 400 digits for a double, 1e400 for an enum
+        raise OtlpError(
+            "malformed_body", f"body is not a valid OTLP/JSON ExportTraceServiceRequest: a number out of range ({exc})"
+        ) from exc
     except RecursionError as exc:
         raise OtlpError("malformed_body", "body is JSON nested too deeply") from exc
     return request, rejected

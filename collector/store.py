@@ -110,21 +110,17 @@ class SqlStore(Store):
             SpanIdsTaken: a span's id is stored, or sent earlier in `records`, for another trace; nothing is stored.
         """
         first: dict[str, SpanRecord] = {}
-        taken: dict[tuple[str, str], str] = {}
         for record in records:
-            kept = first.setdefault(record.span_id, record)
-            if kept.trace_id != record.trace_id:
-                taken[record.span_id, record.trace_id] = _id_taken(record, kept.trace_id, "sent earlier in this export")
-        if taken:
-            raise SpanIdsTaken(taken)
+            first.setdefault(record.span_id, record)
         unique = list(first.values())
         for record in unique:
             if problem := assembly.span_problem(record):
                 raise InvalidRequest(f"span {record.span_id}: {problem}", code="invalid_span")
-        return self._tx.run(lambda conn: self._add_spans(conn, unique)) if unique else 0
+        return self._tx.run(lambda conn: self._add_spans(conn, unique, records)) if unique else 0
 
-    def _add_spans(self, conn: Connection, unique: list[SpanRecord]) -> int:
-        """Insert the spans in one statement, then update each touched trajectory from its new spans only."""
+    def _add_spans(self, conn: Connection, unique: list[SpanRecord], records: list[SpanRecord]) -> int:
+        """Insert the spans in one statement, then update each touched trajectory from its new spans only (`unique`:
+        the first of `records` of each span id)."""
         keys = {r.span_id: assembly.trajectory_key(r) for r in unique}
         # the trace ids too: an export of a rollout and one of another instrumentation's calls in its trace lock
         # different keys otherwise, and on PostgreSQL neither sees the other's rows (`placement`'s foreign calls)
@@ -147,7 +143,7 @@ class SqlStore(Store):
         ]
         insert = self._insert(spans).on_conflict_do_nothing(index_elements=["span_id"]).returning(spans.c.span_id)
         inserted = set(conn.execute(insert, rows).scalars())
-        self._refuse_taken_ids(conn, [r for r in unique if r.span_id not in inserted])
+        self._refuse_taken_ids(conn, records, {r.span_id: r.trace_id for r in unique if r.span_id in inserted})
         new = [r for r in unique if r.span_id in inserted]
         if not new:
             return 0
@@ -194,20 +190,21 @@ class SqlStore(Store):
         return len(new)
 
     @staticmethod
-    def _refuse_taken_ids(conn: Connection, known: list[SpanRecord]) -> None:
-        """Raise `SpanIdsTaken` when a span of `known` (not inserted: its id is stored) has its id stored for another
-        trace; a span of the trace stored is an ignored duplicate (an exporter's retry).
+    def _refuse_taken_ids(conn: Connection, records: list[SpanRecord], inserted: dict[str, str]) -> None:
+        """Raise `SpanIdsTaken` when a span of `records` has its id held by another trace: stored before, or
+        `inserted` (span id: trace id) from an earlier span of `records`. A span of the trace that holds its id is an
+        ignored duplicate (an exporter's retry), wherever it comes in `records`.
 
         Read after the insert, not before: on PostgreSQL the insert waited for an export that was storing the id and
         then did nothing, and only a statement after it sees that export's row.
         """
-        stored: dict[str, str] = {}
-        for chunk in chunks(sorted({record.span_id for record in known})):
+        owners = {span_id: (trace_id, "sent earlier in this export") for span_id, trace_id in inserted.items()}
+        for chunk in chunks(sorted({record.span_id for record in records} - inserted.keys())):
             rows = conn.execute(select(spans.c.span_id, spans.c.trace_id).where(spans.c.span_id.in_(chunk)))
-            stored.update({span_id: trace_id for span_id, trace_id in rows})
+            owners.update({span_id: (trace_id, "stored") for span_id, trace_id in rows})
         # an id gone since (the foreign calls of a rollout's trace are deleted) is no other trace's
-        taken = {(r.span_id, r.trace_id): _id_taken(r, stored[r.span_id], "stored")
-                 for r in known if stored.get(r.span_id, r.trace_id) != r.trace_id}
+        taken = {(r.span_id, r.trace_id): _id_taken(r, *owners[r.span_id])
+                 for r in records if r.span_id in owners and owners[r.span_id][0] != r.trace_id}
         if taken:
             raise SpanIdsTaken(taken)
 

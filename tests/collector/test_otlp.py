@@ -110,6 +110,11 @@ def test_json_surrogate_pairs_and_bom_decode() -> None:
         (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": TRACE, "spanId": sid(1),
                                                                    "startTimeUnixNano": "x"}]}]}]}).encode(),
          JSON, "not a valid OTLP/JSON"),
+        # numbers past a float's range where protobuf wants a double or an enum: an OverflowError, a 500
+        (_span_json(attributes=[{"key": "a", "value": {"doubleValue": "N"}}]).replace(b'"N"', b"9" * 400), JSON,
+         "not a valid OTLP/JSON ExportTraceServiceRequest: a number out of range"),
+        (_span_json(kind="N").replace(b'"N"', b"1e400"), JSON,
+         "not a valid OTLP/JSON ExportTraceServiceRequest: a number out of range"),
         (b'{"resourceSpans": [{"scopeSpans": [{"spans": [1]}]}]}', JSON,
          "resourceSpans[0].scopeSpans[0].spans[0] must be an object"),
         (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": TRACE, "spanId": sid(1),

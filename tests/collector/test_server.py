@@ -166,6 +166,27 @@ def test_a_span_whose_id_another_trace_holds_is_rejected_alone(
     assert not export("a", first).HasField("partial_success")  # a retry of the first trace: duplicates, ignored
 
 
+def test_an_export_that_sends_a_stored_span_after_another_trace_s_copy_rejects_only_that_copy(
+    client: TestClient,
+) -> None:
+    """Four spans were rejected: the stored trace's own copies too, as ids "sent earlier in this export"."""
+    first, second = "1" * 32, "2" * 32
+
+    def spans(rollout_id: str, trace: str) -> list[SpanRecord]:
+        return [llm(1, rollout=rollout_id, trace=trace, start=5, prompt=[1], completion=[2]),
+                rollout(2, rollout_id, trace=trace, group="g", size=2, rewards={"reward": 1.0})]
+
+    assert client.post("/v1/traces", content=to_request(spans("a", first)).SerializeToString(), headers=PB).is_success
+    turn = llm(3, rollout="b", trace=second, start=20, prompt=[1, 2, 4], completion=[5])
+    body = to_request([*spans("b", second), turn, *spans("a", first)]).SerializeToString()
+    answer = client.post("/v1/traces", content=body, headers=PB)
+    partial = ExportTraceServiceResponse.FromString(answer.content).partial_success
+    assert partial.rejected_spans == 2 and "sent earlier" not in partial.error_message
+    assert f"({sid(1)}): span id already stored for trace {first}, this span is of trace {second}" in (
+        partial.error_message)
+    assert [s["token_ids"] for s in client.get("/v1/trajectories/b").json()["sequences"]] == [[1, 2, 4, 5]]
+
+
 _BIG_INT, _TOO_DEEP = "1" * 5000, "[" * 100_000  # Python's json reads neither: past 4300 digits, past recursion
 
 

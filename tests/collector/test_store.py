@@ -67,6 +67,19 @@ def test_a_span_id_sent_earlier_in_the_export_for_another_trace_is_refused(make_
     assert store.trajectories() == []
 
 
+def test_the_stored_trace_keeps_its_span_id_wherever_its_copy_comes_in_an_export(make_store) -> None:
+    """An export that sends a stored span again after another trace's copy of its id: the stored trace's copy was
+    refused as "sent earlier in this export" for the other trace, which the store refused in turn."""
+    store = make_store()
+    assert store.add_spans(_reseeded("a", _A)) == 2
+    with pytest.raises(SpanIdsTaken) as raised:
+        store.add_spans(_reseeded("b", _B) + _reseeded("a", _A))
+    assert set(raised.value.problems) == {(sid(1), _B), (sid(2), _B)}
+    assert f"already stored for trace {_A}" in raised.value.problems[sid(1), _B]
+    assert store.add_spans(_reseeded("a", _A)) == 0  # the stored trace's copies: duplicates
+    assert [t.id for t in store.trajectories()] == ["a"]
+
+
 def test_of_two_racing_exports_of_one_span_id_the_later_trace_is_refused(db_url, clock) -> None:
     """On PostgreSQL the second export's insert waits for the first's uncommitted row, then does nothing: the span
     was dropped unless the store reads back whose the id is."""
