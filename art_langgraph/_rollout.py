@@ -129,6 +129,10 @@ class Rollout:
         if group is not None:
             _check_name(group, "group")
         _check_name(split, "split", semconv.MAX_SPLIT_LENGTH)
+        if group == "":  # the collector reads it as no group: the rollout joined every rollout of its task
+            raise ValueError("rollout group must be a non-empty string; leave it out (None) to group by task")
+        if split == "":  # the collector reads it as `train`
+            raise ValueError("rollout split must be a non-empty string (an empty one would be stored as 'train')")
         key, what = (group, "group") if group else (task, "task (the group id without a group)")
         if has_dot_segment(key):
             raise ValueError(f"{what} {key[:40]!r} {DOT_SEGMENT_PROBLEM}")
@@ -297,7 +301,8 @@ def rollout(
         ValueError: What the collector would reject with every span of the rollout: an empty task, a task or group
             over 256 characters, a split over 64, a NUL in any, a `group_size` out of 1 to 2**31 - 1; `metadata` that
             JSON cannot take (a circular reference); a task, group or split holding a surrogate, which export would
-            send as U+FFFD, making names that differ only there one.
+            send as U+FFFD, making names that differ only there one; an empty group or split, which the collector
+            would read as no group, resp. as `train`.
         TypeError: A task, group or split that is not a string, a `group_size` that is not an integer, `metadata`
             that is not a dict or has a key JSON cannot take.
     """

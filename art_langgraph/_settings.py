@@ -32,6 +32,9 @@ ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOI
 """Where the OTLP exporter sends spans when `ART_COLLECTOR_URL` is unset: the first of these that is set."""
 TIMEOUT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
 """The OTLP exporter's budget for a request and its retries, in seconds: the first of these that is set."""
+MAX_EXPORT_TIMEOUT_SECONDS = 7 * 24 * 3600
+"""Longest OTLP exporter timeout taken: a week. Past about 9.2e9 s the exporter cannot compute a request's deadline
+(`timestamp out of range for platform time_t`), and every export failed."""
 MAX_OTLP_REQUEST_BYTES = 64 * 1024 * 1024
 """The OTLP/HTTP exporter's own limit (OpenTelemetry 1.45): it drops a larger request unsent, whatever the receiver
 takes, so `max_export_bytes` may not pass it."""
@@ -111,7 +114,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _usable_otlp_variables(self) -> Settings:
         """Refuse the OTLP exporter's endpoint without its scheme (`localhost:4318`: no request could be made) and a
-        timeout that is no positive number (0 or less failed every request at once)."""
+        timeout that is no positive number (0 or less failed every request at once) or is past a week."""
         if self.collector_url is None and (endpoint := _first_set(ENDPOINT_ENV)):
             name, url = endpoint
             if urlsplit(url).scheme not in ("http", "https"):
@@ -120,6 +123,8 @@ class Settings(BaseSettings):
             name, value = timeout
             if not _positive_number(value):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            if float(value) > MAX_EXPORT_TIMEOUT_SECONDS:
+                raise ValueError(f"{name} must be at most a week ({MAX_EXPORT_TIMEOUT_SECONDS} s), got {value!r}")
         return self
 
     @field_validator("api_key")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, TypedDict
 
+from art_langgraph import semconv
 from art_langgraph._counts import ProcessLock
 
 __all__ = [
@@ -77,12 +78,16 @@ def policy_step(model_name: str | None) -> int:
     """Parse the checkpoint step from a served model name (`agent@12` → 12, else 0).
 
     Only ASCII digits make a step, as the trainer names its checkpoints: `str.isdigit` also takes digits that `int`
-    refuses (`agent@²`), which lost every call's token data.
+    refuses (`agent@²`), which lost every call's token data. So does a number past `semconv.MAX_COUNT`, the largest
+    step the collector stores (a date-stamped name, `model@20250101120000`): it rejected every call's span.
     """
     if not model_name or "@" not in model_name:
         return 0
-    suffix = model_name.rsplit("@", 1)[1]
-    return int(suffix) if suffix.isascii() and suffix.isdigit() else 0
+    digits = model_name.rsplit("@", 1)[1].lstrip("0")  # `int` refuses more than 4300 digits, leading zeros too
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > len(str(semconv.MAX_COUNT)):
+        return 0  # `agent@0` too
+    step = int(digits)
+    return step if step <= semconv.MAX_COUNT else 0
 
 
 _warned_models: set[str | None] = set()

@@ -32,3 +32,16 @@ def test_otlp_timeout_that_is_no_positive_number_is_refused(monkeypatch, name: s
         Settings()
     monkeypatch.setenv(name, "2.5")
     assert Settings()
+
+
+@pytest.mark.parametrize("value", ["604801", "1e10", "1e300"])
+@pytest.mark.parametrize("name", ["OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"])
+def test_otlp_timeout_past_a_week_is_refused(monkeypatch, name: str, value: str) -> None:
+    """Past about 9.2e9 s the exporter could not compute a request's deadline: every export failed, every span lost."""
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TIMEOUT", raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError, match=f"{name} must be at most a week \\(604800 s\\), got '{value}'"):
+        Settings()
+    monkeypatch.setenv(name, "604800")
+    assert Settings()

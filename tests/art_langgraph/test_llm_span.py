@@ -258,6 +258,19 @@ def test_a_model_name_with_digits_int_refuses_keeps_the_token_data(spans, stream
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("suffix", [str(semconv.MAX_COUNT + 1), "20250101120000", "9" * 5000])
+def test_a_model_name_past_the_largest_step_is_step_zero(spans, stream: bool, suffix: str) -> None:
+    """`name@N` with N past the largest step the collector stores (a date-stamped served name) made it reject every
+    call's span, losing the turn; past 4300 digits, `int` raised and the call lost its token data. Step 0."""
+    model = FakeEngine(model=f"agent@{suffix}").chat_model()
+    reply = merged(list(model.stream("hi"))) if stream else model.invoke("hi")
+    assert reply.response_metadata["art"]["policy_step"] == 0
+    (span,) = llm_spans(spans)
+    assert span.attributes[semconv.POLICY_STEP] == 0
+    assert list(span.attributes[semconv.COMPLETION_TOKEN_IDS]) == completion_ids(0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_result_that_cannot_be_recorded_does_not_fail_the_call(spans, monkeypatch, caplog, stream: bool) -> None:
     """Engine data the recorder cannot read (a null logprob) is logged and counted; the app gets its reply."""
     monkeypatch.setattr(fake_engine, "logprobs", lambda choice: [None, None, None])

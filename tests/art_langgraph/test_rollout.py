@@ -170,6 +170,16 @@ def test_rollout_refuses_what_the_collector_would_reject(kwargs: dict, error: ty
 
 
 @pytest.mark.parametrize(
+    ("field", "kwargs"), [("group", {"task": "t", "group": ""}), ("split", {"task": "t", "split": ""})]
+)
+def test_rollout_refuses_an_empty_group_or_split(field: str, kwargs: dict, spans) -> None:
+    """The collector reads an empty `art.group` as none and an empty `art.split` as `train`: a rollout given
+    `group=""` joined one group with every rollout of its task, one given `split=""` was leased for training."""
+    with pytest.raises(ValueError, match=f"rollout {field} must be a non-empty string"):
+        rollout(**kwargs)
+
+
+@pytest.mark.parametrize(
     ("field", "kwargs"),
     [
         ("task", {"task": "caf\udce9"}),
