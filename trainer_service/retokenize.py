@@ -45,6 +45,8 @@ from typing import Any, NamedTuple
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from collector.spans import read_json
+
 __all__ = ["RetokenizeError", "Retokenized", "render_with_assistant_mask"]
 
 logger = logging.getLogger(__name__)
@@ -180,8 +182,8 @@ def _parsed_arguments(call: Any, index: int, tokenizer: PreTrainedTokenizerBase,
             "(vLLM's parser returns JSON text; vLLM renders them as {} in later prompts)"
         )
     try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError as exc:
+        value = read_json(arguments)
+    except ValueError as exc:
         raise RetokenizeError(
             f"message {index} has a tool call {function.get('name')!r} whose arguments are not JSON ({exc}): the "
             "tokens sampled for it are unknown (vLLM renders them as {} in later prompts)"

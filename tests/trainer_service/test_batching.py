@@ -291,7 +291,8 @@ def test_retokenized_tool_calls_render_their_arguments_as_vllm_does(tokenizer: P
     assert compact[1]["tool_calls"][0]["function"]["arguments"] == '{"a":2,"b":3}'  # the caller's messages are kept
 
 
-@pytest.mark.parametrize("arguments", ["not json", '{"a": 2, "b'])
+@pytest.mark.parametrize("arguments", ["not json", '{"a": 2, "b', "1" * 5000, "[" * 100_000])  # past 4300 digits
+# and nesting past the recursion limit: `json.loads` raises ValueError / RecursionError, which escaped the skip
 def test_retokenize_refuses_tool_call_arguments_that_are_not_json(
         tokenizer: PreTrainedTokenizerBase, arguments: str, caplog: pytest.LogCaptureFixture) -> None:
     # they trained as rendered raw (`"arguments": not json}`), which vLLM's parser never returns as a call and vLLM
