@@ -10,7 +10,8 @@ A run claims its group in the `judge_runs` table before it calls the judge, so t
 replicas on one database (or two requests to one collector) never judge a group at once, and an
 automatic run leaves a group that another run took up since it was found due. A run whose claim
 another run took over as stale (`claim_seconds`) stores nothing: its transaction checks the claim. Nor does a run
-whose group changed while the judge answered (`judge_stale`): the group is read again before the scores are stored.
+whose group changed while the judge answered (`judge_stale`): the same transaction reads the group again first,
+holding the locks an export changing it takes (`ScoringStore.members_held`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,16 @@ def _tries(settings: JudgeSettings) -> int:
 
 class _ClaimLost(Exception):
     """Raised in the transaction of a run's scores when the run no longer holds its group: nothing is stored."""
+
+
+class _Changed(Exception):
+    """Raised in the transaction of a run's scores when the group is no longer what the judge was shown: nothing is
+    stored."""
+
+
+def _contents(trajectories: list[Trajectory]) -> dict[str, str]:
+    """The fingerprint of each trajectory's messages, by id."""
+    return {t.id: fingerprint(t.messages) for t in trajectories}
 
 
 def claim_seconds(settings: JudgeSettings) -> float:
@@ -149,7 +160,7 @@ class GroupJudge:
         claim = {
             "group_id": group_id, "model": self.settings.model, "trajectories": len(members),
             "distinct_count": len(distinct), "started_at": started, "state": "running", "attempts": 0, "error": None,
-            "finished_at": None, "next_try_at": None,
+            "finished_at": None, "next_try_at": None, "max_tokens": self.settings.max_tokens,
         }
         if not self.scoring.claim_run(claim, stale_before=started - claim_seconds(self.settings), seen=seen):
             log.info("group %s is being judged, or was since it was found due, by another run; left to it", group_id)
@@ -178,7 +189,7 @@ class GroupJudge:
         for attempt in range(1, tries + 1):
             try:
                 text = self.client.complete(messages, fmt, temperature=s.temperature, max_tokens=s.max_tokens)
-                scores = parse_scores(text, len(distinct))
+                scores = parse_scores(text, len(distinct), limit)
             except JudgeError as exc:
                 error = _explained(exc, len(distinct), limit)
                 log.warning("judge of group %s failed (try %d/%d): %s", group_id, attempt, tries, error)
@@ -187,10 +198,9 @@ class GroupJudge:
                 if attempt < tries:
                     time.sleep(min(2.0 ** (attempt - 1), _MAX_BACKOFF))
                 continue
-            if self._changed(group_id, members):
-                return self._stale(group_id, started, attempt)
             rows = self._scored(members, owner, scores)
-            return self._record(group_id, started, rows, state="ok", attempts=attempt, error=None, next_try_at=None)
+            return self._record(group_id, started, rows, shown=members, state="ok", attempts=attempt, error=None,
+                                next_try_at=None)
         assert error is not None
         if error.code == "judge_rejected" and rubric.strip() != s.rubric.strip():
             return self._rubric_rejected(group_id, started, attempt, error)
@@ -199,7 +209,8 @@ class GroupJudge:
     def _failed(self, group_id: str, started: float, members: list[Trajectory], attempts: int, error: JudgeError,
                 *, final: bool) -> JudgeRun:
         """Record the run started at `started`, whose judge failed with `error`, by the configured policy; a `final`
-        error (see `_final`) is not retried until the group grows (see `due_groups`)."""
+        error (see `_final`) is not retried until the group grows, or for a cut answer `max_tokens` is raised (see
+        `due_groups`)."""
         s = self.settings
         message = f"{error.code}: {error}"
         now = self.clock()
@@ -209,7 +220,8 @@ class GroupJudge:
                                 next_try_at=None)
         state, next_try = ("failed", now + s.retry_seconds) if s.on_failure == "retry" else ("skipped", None)
         if state == "failed" and final:
-            message, next_try = f"{message}; not retried until the group grows", None
+            raised = " or the judge's max_tokens is raised" if error.code == "judge_truncated" else ""
+            message, next_try = f"{message}; not retried until the group grows{raised}", None
         return self._finish(group_id, started, state=state, attempts=attempts, error=message, finished_at=now,
                             next_try_at=next_try)
 
@@ -225,13 +237,6 @@ class GroupJudge:
     def _members(self, group_id: str) -> list[Trajectory]:
         """The group's trajectories as the store holds them now."""
         return [t for t in self.store.trajectories(group=group_id) if t.group_id == group_id]
-
-    def _changed(self, group_id: str, members: list[Trajectory]) -> bool:
-        """Whether the group's trajectories, or their messages, are no longer `members`, which the judge was shown."""
-        def contents(trajectories: list[Trajectory]) -> dict[str, str]:
-            return {t.id: fingerprint(t.messages) for t in trajectories}
-
-        return contents(self._members(group_id)) != contents(members)
 
     def _stale(self, group_id: str, started: float, attempts: int) -> JudgeRun:
         """Record the run started at `started` as `failed`, its answer unstored, due again now: its group changed
@@ -299,9 +304,12 @@ class GroupJudge:
             for t in members
         ]
 
-    def _record(self, group_id: str, started: float, rows: list[Judgement], **outcome: object) -> JudgeRun:
+    def _record(self, group_id: str, started: float, rows: list[Judgement], *, attempts: int,
+                shown: list[Trajectory] | None = None, **outcome: object) -> JudgeRun:
         """Store the scores `rows` of the run started at `started` with their explanations and `outcome`; the group's
-        run as it stands then.
+        run as it stands then. With `shown`, the members the judge scored, the run is `judge_stale` instead (see
+        `_stale`) when the group, read again first in the same transaction, is no longer them
+        (`ScoringStore.members_held`: a change committed before the scores is always seen).
 
         All of it is one transaction, the rewards' (`Store.add_rewards`, the rest in its `also`), committed whole or
         not at all. In it the run's outcome is written only while the run still holds its group
@@ -315,14 +323,20 @@ class GroupJudge:
 
         def finish(conn: Connection) -> None:
             if not self.scoring.finish_run_in(conn, group_id, started, judgements=judgements, finished_at=now,
-                                              **outcome):
+                                              attempts=attempts, **outcome):
                 raise _ClaimLost
+
+        def unchanged(conn: Connection) -> None:
+            if shown is not None and _contents(self.scoring.members_held(conn, group_id, shown)) != _contents(shown):
+                raise _Changed
 
         rewards = [RewardIn(rollout_id=row.trajectory_id, name=row.name, value=row.score) for row in rows]
         try:
-            self.store.add_rewards(rewards, also=finish)
+            self.store.add_rewards(rewards, before=unchanged, also=finish)
         except _ClaimLost:
             return self._outlived(group_id, started, str(outcome["state"]))
+        except _Changed:
+            return self._stale(group_id, started, attempts)
         run = self._current(group_id, rows)
         log.info("judged group %s (%s): %d trajectories, %d distinct", group_id, run.state, run.trajectories,
                  run.distinct)
@@ -334,7 +348,8 @@ class GroupJudge:
         reached their expected size, not judged yet, grown since their last finished run (a group
         without an announced size takes members as they come), `failed` and due for another try (one the judge
         rejected, `judge_rejected`, or whose scores alone were cut at `max_tokens`, has no `next_try_at`: it is due
-        once the group grows), or `running` past `claim_seconds` (its judge died mid-run)."""
+        once the group grows), finished with an answer cut at a `max_tokens` below the one set now (whatever the
+        policy: see `_cut_before_raise`), or `running` past `claim_seconds` (its judge died mid-run)."""
         return list(self._due())
 
     def _due(self) -> dict[str, SeenRun]:
@@ -354,12 +369,18 @@ class GroupJudge:
                 return run["next_try_at"] <= now
             if run["state"] == "running":
                 return run["started_at"] < now - claim_seconds(self.settings)
-            return run["trajectories"] < complete[group_id]
+            return run["trajectories"] < complete[group_id] or self._cut_before_raise(run)
 
         return {
             group_id: SeenRun(runs[group_id]["started_at"] if group_id in runs else None)
             for group_id in complete if due(group_id)
         }
+
+    def _cut_before_raise(self, run: dict[str, Any]) -> bool:
+        """Whether the finished `run` was cut at a `max_tokens` (`judge_truncated`) below the one set now: raised
+        since, the group may fit. A run from before schema version 10 has no `max_tokens` recorded: unknown, no."""
+        cut = (run["error"] or "").startswith("judge_truncated")
+        return cut and run["max_tokens"] is not None and run["max_tokens"] < self.settings.max_tokens
 
     def run_due(self) -> list[JudgeRun]:
         """Judge every due group (see `due_groups`), one after the other; a group another run claimed first, or

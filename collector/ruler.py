@@ -217,11 +217,24 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return data
 
 
-def parse_scores(text: str, count: int) -> list[Score]:
+_CUT = "\u2026"
+"""Ends an explanation cut to its `maxLength` (`parse_scores`)."""
+
+
+def _bounded(explanation: str, max_chars: int | None) -> str:
+    """`explanation` cut to `max_chars` characters (None: no bound), its last one `_CUT` when cut (none left at 0)."""
+    if max_chars is None or len(explanation) <= max_chars:
+        return explanation
+    return explanation[: max_chars - 1].rstrip() + _CUT if max_chars else ""
+
+
+def parse_scores(text: str, count: int, max_chars: int | None = None) -> list[Score]:
     """Check the judge's answer: JSON with one finite score in [0, 1] for each block `"1"`..`"count"`.
 
     Explanations lose their NUL characters and read a lone surrogate as U+FFFD: JSON lets a judge write either
-    (`\\u0000`, `\\ud800`), and no database text can hold it (a surrogate no UTF-8 codec encodes).
+    (`\\u0000`, `\\ud800`), and no database text can hold it (a surrogate no UTF-8 codec encodes). One longer than
+    `max_chars` (the schema's `maxLength`, see `explanation_limit`; None: no bound), which a judge that ignores the
+    schema writes, is cut to it and ends with `…` (U+2026).
 
     Raises:
         JudgeError: `judge_bad_json` or `judge_bad_scores`, naming what is wrong.
@@ -253,7 +266,7 @@ def parse_scores(text: str, count: int) -> list[Score]:
                 f"score {repr(value)[:50]} of trajectory {block} is not a number in [0, 1]", code="judge_bad_scores"
             )
         explanation = without_surrogates(str(entry.get("explanation") or "").replace("\x00", "").strip())
-        found.append(Score(int(block), float(value), explanation))
+        found.append(Score(int(block), float(value), _bounded(explanation, max_chars)))
     return found
 
 
@@ -311,7 +324,7 @@ class JudgeClient:
             )
         if refusal := choice["message"].get("refusal"):  # a dict: its `content` was read above
             raise JudgeError(f"judge {url} refused to score: {str(refusal)[:300]!r}", code="judge_refused")
-        if not text and (calls := choice["message"].get("tool_calls")):
+        if not text.strip() and (calls := choice["message"].get("tool_calls")):  # white space: no answer either
             raise JudgeError(
                 f"judge {url} answered with tool calls, not JSON content: {json.dumps(calls)[:300]!r}; it must answer "
                 "in the message content (structured output, `response_format` json_schema)",

@@ -173,6 +173,7 @@ judge_runs = Table(
     Column("started_at", Float, nullable=False),
     Column("finished_at", Float),
     Column("next_try_at", Float),  # `failed` under the retry policy: when to try again
+    Column("max_tokens", Integer),  # the judge's `max_tokens` in the run (version 10); None: before it, unknown
 )
 
 judgements = Table(
@@ -297,16 +298,32 @@ def _v2(conn: Connection) -> None:
 
 def _v3(conn: Connection) -> None:
     """Version 3: the judges' tables (collectors before it created them on start, when missing)."""
+    v3 = MetaData()
+    judge_runs_v3 = Table(  # as version 3 defined it, before version 10 added `max_tokens`
+        "judge_runs",
+        v3,
+        Column("group_id", String(300), primary_key=True),
+        Column("state", String(16), nullable=False),
+        Column("attempts", Integer, nullable=False),
+        Column("error", Text),
+        Column("model", String(256), nullable=False),
+        Column("trajectories", Integer, nullable=False),
+        Column("distinct_count", Integer, nullable=False),
+        Column("started_at", Float, nullable=False),
+        Column("finished_at", Float),
+        Column("next_try_at", Float),
+    )
     langfuse_pushed_v3 = Table(  # as version 3 defined it, before version 9 added `retract_at`
         "langfuse_pushed",
-        MetaData(),
+        v3,
         Column("trajectory_id", String(256), primary_key=True),
         Column("name", String(256), primary_key=True),
         Column("value", Float, nullable=False),
         Column("score_id", String(64), nullable=False),
         Column("pushed_at", Float, nullable=False),
     )
-    metadata.create_all(conn, tables=[judge_runs, judgements, langfuse_pulled], checkfirst=True)
+    metadata.create_all(conn, tables=[judgements, langfuse_pulled], checkfirst=True)
+    judge_runs_v3.create(conn, checkfirst=True)
     langfuse_pushed_v3.create(conn, checkfirst=True)
 
 
@@ -378,7 +395,13 @@ def _v9(conn: Connection) -> None:
         )
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9]
+def _v10(conn: Connection) -> None:
+    """Version 10: `judge_runs.max_tokens` (runs before it have none: unknown), so that a group refused as too large
+    for the judge's `max_tokens` is judged again once the setting is raised."""
+    _add_columns(conn, judge_runs, ("max_tokens",))
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -15,8 +15,12 @@ from sqlalchemy import Connection, Engine, Table, delete, exists, or_, select, u
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
+from collector import store_reads
 from collector.engine import chunks
-from collector.schema import judge_runs, judgements, langfuse_pulled, langfuse_pushed, trajectories
+from collector.groups import TrainingReward
+from collector.protocol import Trajectory
+from collector.schema import groups, judge_runs, judgements, langfuse_pulled, langfuse_pushed, trajectories
+from collector.transactions import GROUP_LOCKS, TRAJECTORY_LOCKS, Transactions
 
 __all__ = ["ScoringStore", "SeenRun"]
 
@@ -38,6 +42,7 @@ class ScoringStore:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._tx = Transactions(engine)
 
     # --- judge runs ---------------------------------------------------------------------
     def run(self, group_id: str) -> dict[str, Any] | None:
@@ -116,6 +121,20 @@ class ScoringStore:
         if judgements is not None:
             self._replace_judgements(conn, group_id, *judgements)
         return True
+
+    def members_held(self, conn: Connection, group_id: str, shown: list[Trajectory]) -> list[Trajectory]:
+        """The group's trajectories as committed, read in `conn`'s transaction (a run's scores', see
+        `Store.add_rewards`' `before`) once it holds the advisory locks an export changing them takes
+        (`Transactions.lock`, namespaces in ascending order): those of the `shown` members' ids and traces, then
+        the group's key. An export in flight commits first and is seen here; a later one waits for the commit.
+        Their messages only are meant: each one's `reward` is not the training reward's."""
+        self._tx.lock(conn, TRAJECTORY_LOCKS, [t.id for t in shown] + [t.trace_id for t in shown])
+        key = conn.execute(select(groups.c.key).where(groups.c.id == group_id)).scalar()
+        self._tx.lock(conn, GROUP_LOCKS, [key] if key is not None else [])
+        found = store_reads.trajectories_matching(
+            conn, TrainingReward(), group=group_id, task=None, split=None, newest_first=False, limit=None, offset=0
+        )
+        return [t for t in found if t.group_id == group_id]
 
     def save_judgements(self, name: str, group_id: str, rows: list[dict[str, Any]]) -> None:
         """Replace the group's judgements under reward `name` with `rows` (trajectory_id, score, explanation, ...)."""

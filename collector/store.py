@@ -238,12 +238,14 @@ class SqlStore(Store):
         rewards: Sequence[RewardIn],
         *,
         score_ids: Sequence[str | None] | None = None,
+        before: Callable[[Connection], None] | None = None,
         also: Callable[[Connection], None] | None = None,
     ) -> list[RewardAccepted]:
         """Store rewards posted by API in one transaction: all of them, or none when one fails (`score_ids`: the
         Langfuse score each comes from, in order); each applies now or when its trajectory's spans arrive.
-        `also(conn)` runs in that transaction after the rewards (a caller's own rows, or a check that raises to
-        store nothing).
+        `before(conn)` runs in that transaction first, before the rewards lock any row (a check that takes the
+        advisory locks of `Transactions.lock` and raises to store nothing); `also(conn)` after the rewards (a
+        caller's own rows, or a check that raises to store nothing).
 
         Raises:
             InvalidRequest: a reward has neither `rollout_id` nor `trace_id`; nothing is stored.
@@ -255,6 +257,8 @@ class SqlStore(Store):
         items = list(zip(rewards, score_ids or [None] * len(rewards), strict=True))
 
         def work(conn: Connection) -> list[bool]:
+            if before is not None:
+                before(conn)
             known = self._add_rewards(conn, items) if items else []
             if also is not None:
                 also(conn)

@@ -21,14 +21,16 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from art_langgraph import semconv as sc
+from collector import placement
 from collector.config import CollectorSettings
 from collector.errors import Conflict
 from collector.judging import GroupJudge, claim_seconds
 from collector.ruler import JudgeClient, JudgeError, response_format
+from collector.schema import judge_runs
 from collector.scoring_config import JudgeSettings
 from collector.scoring_store import ScoringStore
 from collector.store import SqlStore
@@ -252,6 +254,34 @@ def test_a_group_whose_scores_alone_are_cut_at_max_tokens_is_not_judged_again_an
     assert "raise ART_COLLECTOR_JUDGE_MAX_TOKENS" in run.error
     clock.now += 100 * judge.settings.retry_seconds
     assert judge.due_groups() == [] and len(bodies) == 1
+
+
+@pytest.mark.parametrize("policy", ["retry", "skip", "zero"])
+def test_a_group_cut_at_max_tokens_is_judged_again_once_they_are_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: Clock, policy: str
+) -> None:
+    """Raising `MAX_TOKENS` and restarting left a group refused as too large unjudged until it grew or a request
+    came: the run's `max_tokens` was not recorded. A run recorded before schema version 10 (none) stays as it was."""
+    app = make_app(tmp_path, monkeypatch, env=down_judge(policy, ART_COLLECTOR_JUDGE_MAX_TOKENS="32"))
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    judge = app.state.scoring.judge
+    judge.clock = clock
+    _truncating(judge)
+    [run] = judge.run_due()
+    assert run.error.startswith("judge_truncated") and judge.scoring.run("g")["max_tokens"] == 32
+    if policy == "retry":
+        assert run.error.endswith("not retried until the group grows or the judge's max_tokens is raised")
+    restarted = [GroupJudge(judge.store, judge.scoring, judge.settings.model_copy(update={"max_tokens": tokens}),
+                            clock=clock) for tokens in (32, 64)]
+    assert [j.due_groups() for j in restarted] == [[], ["g"]]
+    bodies = _truncating(restarted[1])
+    [run] = restarted[1].run_due()  # cut again at 64: due once they are raised again
+    assert [body["max_tokens"] for body in bodies] == [64] and run.error.startswith("judge_truncated")
+    assert restarted[1].due_groups() == [] and judge.scoring.run("g")["max_tokens"] == 64
+    with judge.store.engine.begin() as conn:
+        conn.execute(judge_runs.update().values(max_tokens=None))
+    unknown = GroupJudge(judge.store, judge.scoring, judge.settings.model_copy(update={"max_tokens": 128}), clock=clock)
+    assert unknown.due_groups() == []
 
 
 def test_an_answer_cut_with_room_for_explanations_is_tried_again(
@@ -822,3 +852,96 @@ def test_the_automatic_judge_leaves_a_group_deleted_mid_run_without_a_failure(
     assert "was deleted while it was judged" in caplog.text
     assert all(record.exc_info is None for record in caplog.records)
     assert judge.scoring.run(TRACE_A) is None and TRACE_A not in judge.due_groups()
+
+
+def test_a_group_that_changes_between_the_stale_check_and_the_scores_is_judge_stale(
+    replica_stores: list[SqlStore], clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The group was read again before the scores' transaction began: a member's late turn committed in between (by
+    another replica here) slipped through, and the scores of what the judge was shown were stored."""
+    judge = GroupJudge(replica_stores[0], ScoringStore(replica_stores[0].engine), JudgeSettings(),
+                       client=HeldJudge(released=True), clock=clock)
+    store_rewards = judge.store.add_rewards
+
+    def changed_first(*args: Any, **kwargs: Any) -> Any:
+        replica_stores[1].add_spans(_late_turn([]))
+        return store_rewards(*args, **kwargs)
+
+    monkeypatch.setattr(judge.store, "add_rewards", changed_first)
+    run = judge.judge("g")
+    assert (run.state, run.judgements) == ("failed", []) and run.error.startswith("judge_stale")
+    assert all("ruler" not in t.rewards for t in replica_stores[1].trajectories(group="g"))
+    assert judge.scoring.judgements(["g-0", "g-1"]) == {"g-0": [], "g-1": []}
+
+
+def test_an_explanation_past_the_schemas_max_length_is_stored_cut(replica_stores: list[SqlStore], clock: Clock) -> None:
+    """A judge that ignores `maxLength` (OpenAI does) had its explanations stored whole, however long."""
+    class Wordy(HeldJudge):
+        def complete(self, messages: list[dict[str, Any]], fmt: dict[str, Any], **kwargs: Any) -> str:
+            explanation = fmt["json_schema"]["schema"]["properties"]["scores"]["properties"]["1"]["properties"][
+                "explanation"]
+            assert explanation["maxLength"] == 12
+            return json.dumps({"scores": {"1": {"explanation": "right " * 100, "score": 1},
+                                          "2": {"explanation": "wrong", "score": 0}}})
+
+    store = replica_stores[0]
+    judge = GroupJudge(store, ScoringStore(store.engine), JudgeSettings(explanation_max_chars=12), client=Wordy(),
+                       clock=clock)
+    run = judge.judge("g")
+    assert [j.explanation for j in run.judgements] == ["right right\u2026", "wrong"]
+    found = judge.scoring.judgements(["g-0", "g-1"])
+    assert [row["explanation"] for tid in ("g-0", "g-1") for row in found[tid]] == ["right right\u2026", "wrong"]
+
+
+def _unsized(group: str) -> list[Any]:
+    """Spans of a group of three members without `art.group.size` (so a third may join it), apart from group `g`'s."""
+    spans = group_spans(group, ["7", "8", "9"], first_span=100)
+    for span in spans:
+        span.attributes.pop(sc.GROUP_SIZE, None)
+    return spans
+
+
+@pytest.mark.parametrize(("group", "change"), [("g", lambda: _late_turn([])), ("h", lambda: _unsized("h")[4:])],
+                         ids=["a member got more messages", "a member came"])
+def test_an_export_in_flight_as_the_scores_are_written_is_waited_for_and_seen(
+    replica_stores: list[SqlStore], clock: Clock, monkeypatch: pytest.MonkeyPatch, group: str, change: Any
+) -> None:
+    """Read again in the scores' transaction without the export's locks, the group missed an export of another replica
+    that had changed it and not committed yet: the scores were stored once it committed."""
+    if replica_stores[0].engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has one writer at a time: an export in flight holds up the scores' whole transaction")
+    replica_stores[0].add_spans(_unsized("h")[:4])
+    judge = GroupJudge(replica_stores[0], ScoringStore(replica_stores[0].engine), JudgeSettings(),
+                       client=HeldJudge(released=True), clock=clock)
+    written, resume = threading.Event(), threading.Event()
+    write = placement.write_trajectories
+
+    def paused(*args: Any, **kwargs: Any) -> None:
+        write(*args, **kwargs)
+        written.set()
+        assert resume.wait(WAIT)
+
+    def resume_once_waited_for() -> None:
+        deadline = time.monotonic() + WAIT
+        with replica_stores[1].engine.connect() as conn:
+            while time.monotonic() < deadline and not conn.execute(
+                text("SELECT count(*) FROM pg_locks WHERE NOT granted")
+            ).scalar():
+                time.sleep(0.01)
+        resume.set()
+
+    store_rewards = judge.store.add_rewards
+
+    def export_in_flight(*args: Any, **kwargs: Any) -> Any:
+        threading.Thread(target=replica_stores[1].add_spans, args=(change(),), daemon=True).start()
+        assert written.wait(WAIT)
+        threading.Thread(target=resume_once_waited_for, daemon=True).start()
+        return store_rewards(*args, **kwargs)
+
+    monkeypatch.setattr(placement, "write_trajectories", paused)
+    monkeypatch.setattr(judge.store, "add_rewards", export_in_flight)
+    run = judge.judge(group)
+    assert (run.state, run.judgements) == ("failed", []) and run.error.startswith("judge_stale")
+    members = replica_stores[1].trajectories(group=group)
+    assert all("ruler" not in t.rewards for t in members)
+    assert [t.messages[-1]["content"] for t in members] == (["99", "8"] if group == "g" else ["7", "8", "9"])

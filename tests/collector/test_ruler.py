@@ -166,6 +166,20 @@ def test_parse_scores_reads_a_lone_surrogate_in_an_explanation_as_a_replacement_
 
 
 @pytest.mark.parametrize(
+    ("max_chars", "explanations"),
+    [(None, ["right, and the shortest path", "wrong"]), (10, ["right, an\u2026", "wrong"]),
+     (5, ["righ\u2026", "wrong"]), (1, ["\u2026", "\u2026"]), (0, ["", ""])],
+)
+def test_parse_scores_cuts_an_explanation_past_its_max_length_with_a_marker(
+    max_chars: int | None, explanations: list[str]
+) -> None:
+    """A judge that ignores the schema's `maxLength` (OpenAI does) had its explanations stored whole, however long."""
+    scores = parse_scores(answer((1, " right, and the shortest path ", 1), (2, "wrong", 0)), 2, max_chars)
+    assert [s.explanation for s in scores] == explanations
+    assert max_chars is None or all(len(s.explanation) <= max_chars for s in scores)
+
+
+@pytest.mark.parametrize(
     ("text", "code", "match"),
     [
         ("not json", "judge_bad_json", "not JSON"),
@@ -223,10 +237,12 @@ def test_a_request_the_judge_refuses_is_judge_rejected_other_errors_may_pass(sta
     assert caught.value.code == code
 
 
-def test_an_answer_of_tool_calls_without_content_says_so() -> None:
-    """A judge that answers with tool calls (a chat template or proxy that forces tools) showed `not JSON: ''`."""
+@pytest.mark.parametrize("content", [None, "", "\n "])
+def test_an_answer_of_tool_calls_without_content_says_so(content: str | None) -> None:
+    """A judge that answers with tool calls (a chat template or proxy that forces tools) showed `not JSON: ''`; with
+    a content of white space only, still `not JSON: '\\n '`."""
     calls = [{"id": "c", "type": "function", "function": {"name": "scores", "arguments": '{"scores": {}}'}}]
-    message = {"role": "assistant", "content": None, "tool_calls": calls}
+    message = {"role": "assistant", "content": content, "tool_calls": calls}
     client = _client_answering(200, {"choices": [{"message": message, "finish_reason": "tool_calls"}]})
     with pytest.raises(JudgeError, match='answered with tool calls, not JSON content: .*"name": "scores"') as caught:
         client.complete([USER], response_format(1), temperature=0, max_tokens=64)

@@ -72,6 +72,7 @@ def test_migration_from_version_2_digests_stored_trajectories(db_url, clock) -> 
             MIGRATIONS[version](conn)
             conn.execute(schema_version.insert().values(version=version + 1, applied_at=0.0))
         judge_runs.create(conn)  # collectors before version 3 made the judges' tables on start
+        conn.execute(text("ALTER TABLE judge_runs DROP COLUMN max_tokens"))  # as they had it: version 10 adds it
         conn.execute(spans.insert().values(
             span_id=root.span_id, trace_id=root.trace_id, trajectory_id="a", name=root.name, start_ns=root.start_ns,
             end_ns=root.end_ns, record=json.dumps(root.to_dict()), received_at=0.0,
@@ -324,4 +325,37 @@ def test_migration_from_version_8_marks_orphaned_pushes_and_rewrites_score_versi
     ]
     with store.engine.begin() as conn:
         assert ScoringStore.mark_pulled(conn, pulled) == {"offset"}
+    store.close()
+
+
+def test_migration_from_version_9_keeps_judge_runs_with_max_tokens_unknown(db_url, clock) -> None:
+    """Version 10 records each judge run's `max_tokens` (`judge_runs.max_tokens`); the runs before it keep theirs
+    unknown (NULL), and a new run records its own."""
+    from collector.config import CollectorSettings
+    from collector.engine import make_engine
+    from collector.schema import MIGRATIONS, schema_version
+    from collector.scoring_store import ScoringStore
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database does not outlive its engine")
+    old = make_engine(url)
+    with old.begin() as conn:  # a database as version 9 left it, with a run the judge cut at max_tokens
+        schema_version.create(conn)
+        for version in range(9):
+            MIGRATIONS[version](conn)
+            conn.execute(schema_version.insert().values(version=version + 1, applied_at=0.0))
+        conn.execute(text("INSERT INTO judge_runs (group_id, state, attempts, error, model, trajectories, "
+                          "distinct_count, started_at, finished_at) VALUES ('g', 'failed', 1, 'judge_truncated: cut', "
+                          "'judge', 2, 2, 1.0, 2.0)"))
+    old.dispose()
+    store = SqlStore(CollectorSettings(db=url), clock=clock)
+    store.setup()
+    scoring = ScoringStore(store.engine)
+    assert scoring.run("g") == {"group_id": "g", "state": "failed", "attempts": 1, "error": "judge_truncated: cut",
+                                "model": "judge", "trajectories": 2, "distinct_count": 2, "started_at": 1.0,
+                                "finished_at": 2.0, "next_try_at": None, "max_tokens": None}
+    run = {**scoring.run("g"), "group_id": "h", "max_tokens": 64}
+    assert scoring.claim_run(run, stale_before=0.0) and scoring.run("h")["max_tokens"] == 64
     store.close()
