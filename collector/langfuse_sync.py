@@ -14,8 +14,9 @@ by id (the `id` filter of the same endpoint), and one that is gone has its rewar
 (with its record, in one transaction) unless its group is leased or trained. Pushed scores get a stable id per
 (trajectory, reward name), so a changed reward updates the same score in Langfuse; the scores pushed for a
 trajectory the store deleted since (another instrumentation's calls in a rollout's trace) are deleted there
-(`DELETE /api/public/scores/{scoreId}`) by the next sync; one Langfuse fails to delete is tried again by the sync
-after it.
+(`DELETE /api/public/scores/{scoreId}`) by the next sync (a 404: gone already); one Langfuse fails to delete for now
+is tried again after a growing delay, one it refuses (another 4xx) is given up. A later trajectory of the deleted
+one's id pushes its scores under other ids, once the deleted one's are deleted.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from sqlalchemy import Connection
 from collector.errors import CollectorError
 from collector.protocol import RewardAccepted, RewardIn
 from collector.read_protocol import LangfuseSyncResult
-from collector.schema import score_version
+from collector.schema import langfuse_pulled, score_version
 from collector.scoring_config import LangfuseSettings
 from collector.scoring_store import ScoringStore
 from collector.store_base import Store
@@ -62,12 +63,33 @@ _HINTS = {
 }
 """What to check when Langfuse answers a status that a configuration mistake gives."""
 
-_DELETE_HINTS = {
-    **_HINTS,
-    404: "is the host Langfuse's base URL? Langfuse answers 202 to the deletion of any score id, one it does not have "
-    "too: a 404 says this server has no DELETE /api/public/scores/{scoreId}",
-}
-"""`_HINTS` for the deletion of a score."""
+_DELETE_HINTS = {status: hint for status, hint in _HINTS.items() if status != 404}
+"""`_HINTS` for the deletion of a score, but a 404: there it says the score is gone (an older Langfuse looks the score
+up and answers 404 for one it does not have; a later one queues the deletion of any id, 202), and the sync, which
+pulls first, has found Langfuse's API on the host."""
+
+RETRY_DELAY = (60.0, 3600.0)
+"""The least and the most seconds before a deletion that failed for now (`_transient`) is tried again."""
+
+
+def _status(exc: LangfuseSyncError) -> int | None:
+    """The HTTP status Langfuse answered in `exc` (`LangfuseSync._call`'s error); None when it gave no answer."""
+    cause = exc.__cause__
+    return cause.status_code if isinstance(cause, ApiError) else None
+
+
+def _transient(exc: LangfuseSyncError) -> bool:
+    """Whether a request that failed with `exc` may succeed later: no answer (an outage, a timeout, a body the SDK
+    cannot read), a 5xx, 408 or 429; any other 4xx is final."""
+    status = _status(exc)
+    return status is None or not 400 <= status < 500 or status in (408, 429)
+
+
+def _retry_delay(age: float) -> float:
+    """Seconds before a failed deletion of a score pushed `age` seconds ago is tried again: as long as its age, within
+    `RETRY_DELAY`, so each failure of the same score (at least) doubles its age and the delay grows."""
+    least, most = RETRY_DELAY
+    return min(most, max(least, age))
 
 
 class LangfuseSyncError(CollectorError):
@@ -96,6 +118,14 @@ def make_client(settings: LangfuseSettings) -> LangfuseAPI:
     )
 
 
+def _score_id(trajectory_id: str, created_at: float, name: str) -> str:
+    """The id of the score pushed for the reward `name` of the trajectory `trajectory_id` that the store created at
+    `created_at`: the same on every push and replica, and another for a later trajectory of the same id (a deleted
+    one's), so that a deletion of the earlier one's score that Langfuse applies late cannot delete it. Scores pushed
+    before this derivation keep their recorded ids (`ScoringStore.pushed`)."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"art-langgraph:{trajectory_id}:{name}:{created_at!r}"))
+
+
 def _trace_of(score: object) -> str | None:
     """Trace id of a trace- or observation-level score; None for session and experiment scores."""
     subject = getattr(score, "subject", None)
@@ -117,11 +147,24 @@ def _numeric(score: object) -> float | None:
     return None
 
 
+def _storable(score_id: str) -> bool:
+    """Whether the store can hold `score_id` (`langfuse_pulled.score_id`): UTF-8, at most as long as the column."""
+    try:
+        score_id.encode()
+    except UnicodeEncodeError:  # a lone surrogate, which JSON's escapes can carry
+        return False
+    return len(score_id) <= langfuse_pulled.c.score_id.type.length
+
+
 def _reward_of(score: object) -> RewardIn | None:
     """The reward a score gives its trace, or None: session and experiment scores, and scores on a trace id that is
-    no OpenTelemetry one (logged), give none."""
+    no OpenTelemetry one or with an id the store cannot hold (logged), give none."""
     trace_id, value = _trace_of(score), _numeric(score)
     if trace_id is None or value is None:
+        return None
+    if not _storable(getattr(score, "id")):
+        log.warning("Langfuse score %r cannot be a reward: its id is no UTF-8 text of at most %d characters; ignored",
+                    getattr(score, "id"), langfuse_pulled.c.score_id.type.length)
         return None
     try:
         return RewardIn(trace_id=trace_id, name=getattr(score, "name"), value=value)
@@ -189,15 +232,11 @@ class LangfuseSync:
             if not cursor:
                 break
         found.sort(key=lambda score: (score.timestamp, score.updated_at))  # the latest score of a name wins
-        seen = self.scoring.pulled_versions([score.id for score in found])
+        usable = [(score, reward) for score in found if (reward := _reward_of(score)) is not None]
+        seen = self.scoring.pulled_versions([score.id for score, _ in usable])
         latest: dict[tuple[str | None, str], tuple[str, RewardIn]] = {}
         marks: dict[str, dict[str, Any]] = {}  # the new or changed scores, by id
-        ignored = 0
-        for score in found:
-            reward = _reward_of(score)
-            if reward is None:
-                ignored += 1
-                continue
+        for score, reward in usable:
             latest[(reward.trace_id, reward.name)] = (score.id, reward)
             version = score_version(score.updated_at)
             if seen.get(score.id) != version:
@@ -209,8 +248,8 @@ class LangfuseSync:
         due = [(score_id, reward) for score_id, reward in latest.values() if score_id in marks]
         applied, unmatched = self._apply(due, marks) if marks else (0, 0)
         withdrawn = self._withdraw(start, {score.id for score in found}, latest)
-        return LangfuseSyncResult(pulled=len(found), applied=applied, unmatched=unmatched, ignored=ignored,
-                                  withdrawn=withdrawn, pushed=0)
+        return LangfuseSyncResult(pulled=len(found), applied=applied, unmatched=unmatched,
+                                  ignored=len(found) - len(usable), withdrawn=withdrawn, pushed=0)
 
     def _apply(self, due: list[tuple[str, RewardIn]], marks: dict[str, dict[str, Any]]) -> tuple[int, int]:
         """Store the `due` rewards (score id, reward), `PAGE` at a time, each transaction with the marks (`marks`, by
@@ -285,44 +324,66 @@ class LangfuseSync:
                          "stays (tried again next sync while it is leased)", score_id, row["trace_id"])
         return withdrawn
 
-    def _retract(self) -> tuple[int, int]:
+    def _retract(self) -> tuple[int, int, int]:
         """Delete in Langfuse the pushed scores marked for it (their trajectories were deleted,
-        `ScoringStore.retract_pushed`), then each one's record, one at a time; returns (deleted, failed). A deletion
-        that fails is logged and its record kept, so the next sync tries it again; the others go on. Langfuse answers
-        the deletion of a score it no longer has (a person deleted it) as any other."""
-        deleted = failed = 0
-        for row in self.scoring.to_retract():
-            score_id = row["score_id"]
-            try:
-                self._call(f"DELETE /api/public/scores/{score_id}",
-                           lambda score_id=score_id: self.client.scores.delete(score_id), _DELETE_HINTS)
-            except LangfuseSyncError as exc:
-                log.warning("Langfuse score %s of deleted trajectory %s not deleted (tried again next sync): %s",
-                            score_id, row["trajectory_id"], exc)
-                failed += 1
-                continue
-            self.scoring.forget_pushed(row)
-            deleted += 1
-        return deleted, failed
+        `ScoringStore.retract_pushed`) whose try is due, `PAGE` records read at a time, then each one's record;
+        returns (deleted, refused, failed).
+
+        A 404 says the score is gone already: done. Any other 4xx but 408 and 429 (a server that refuses deletions,
+        a key not allowed to delete) is final: logged, the record dropped, the score left in Langfuse. A transient
+        failure (5xx, 408, 429, no answer) is logged and tried again after a growing delay (`_retry_delay`), and
+        stops this sync's deletions: the others wait for the next sync, not for Langfuse's timeout one by one."""
+        now = self.clock()
+        deleted = refused = 0
+        while rows := self.scoring.to_retract(now, limit=PAGE):
+            for row in rows:
+                failure = self._delete_score(row["score_id"])
+                if failure is not None and _transient(failure):
+                    delay = _retry_delay(now - row["pushed_at"])
+                    log.warning("Langfuse score %s of deleted trajectory %s not deleted (tried again in %.0f s): %s",
+                                row["score_id"], row["trajectory_id"], delay, failure)
+                    self.scoring.retract_later(row, now + delay)
+                    return deleted, refused, 1
+                if failure is not None:
+                    log.warning("Langfuse score %s of deleted trajectory %s not deleted, and not tried again: %s",
+                                row["score_id"], row["trajectory_id"], failure)
+                    refused += 1
+                else:
+                    deleted += 1
+                self.scoring.forget_pushed(row)
+        return deleted, refused, 0
+
+    def _delete_score(self, score_id: str) -> LangfuseSyncError | None:
+        """Delete the score `score_id` in Langfuse; None when done (a 404 too: it is gone), else the failure."""
+        try:
+            self._call(f"DELETE /api/public/scores/{score_id}",
+                       lambda: self.client.scores.delete(score_id), _DELETE_HINTS)
+        except LangfuseSyncError as exc:
+            return None if _status(exc) == 404 else exc
+        return None
 
     def push(self) -> tuple[int, int]:
-        """Send the configured rewards whose value changed since the last push; returns (sent, rejected)."""
+        """Send the configured rewards whose value changed since the last push; returns (sent, rejected). A score
+        keeps the id it was first pushed under; a trajectory's whose record is a deleted one's of the same id, still
+        to delete (`ScoringStore.retracting`), waits for the sync after that deletion (`_score_id`)."""
         names = self.settings.push_names
         if not names:
             return 0, 0
-        before = self.scoring.pushed()
+        before, waiting = self.scoring.pushed(), self.scoring.retracting()
         trajectories = self.store.trajectories()
+        created = self.scoring.created_at([t.id for t in trajectories])
         explanations = self.scoring.judgements([t.id for t in trajectories])
         now = self.clock()
         requests, marks = [], []
         for t in trajectories:
             notes = {row["name"]: row["explanation"] for row in explanations[t.id]}
             for name in names:
-                value = t.rewards.get(name)
-                if value is None or (t.id, name) in before and before[(t.id, name)][0] == value:
+                value, record = t.rewards.get(name), before.get((t.id, name))
+                unchanged = record is not None and record.value == value
+                if value is None or unchanged or (t.id, name) in waiting or t.id not in created:
                     continue
-                first = before[(t.id, name)][1] if (t.id, name) in before else now
-                score_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"art-langgraph:{t.id}:{name}"))
+                first = record.pushed_at if record else now
+                score_id = record.score_id if record else _score_id(t.id, created[t.id], name)
                 requests.append(
                     CreateScoreRequest(
                         id=score_id, trace_id=t.trace_id, name=name, value=value, data_type=ScoreDataType.NUMERIC,
@@ -349,12 +410,13 @@ class LangfuseSync:
         """Pull, push, then delete the scores pushed for trajectories deleted since (`_retract`); one sync at a time
         (the schedule and `POST /v1/langfuse/sync` may overlap).
 
-        The deletions come after the push: a later trajectory of a deleted one's id has the same score ids, and its
-        push (as new, `ScoringStore.pushed`) takes such a score over and clears its mark, so it is not deleted. Deleted
-        first, then sent again, it might be lost: Langfuse queues both, and may apply the deletion last."""
+        The deletions come after the push, so that a score pushed for a trajectory deleted meanwhile
+        (`ScoringStore.mark_pushed`) is deleted by the same sync. A later trajectory of a deleted one's id pushes its
+        scores in the sync after their deletion, under other ids (`_score_id`): Langfuse queues a deletion, and may
+        apply it after a later push of the same id."""
         with self._lock:
             result = self.pull()
             result.pushed, result.push_rejected = self.push()
-            result.retracted, result.retract_failed = self._retract()
+            result.retracted, result.retract_refused, result.retract_failed = self._retract()
         log.info("Langfuse sync: %s", result.model_dump())
         return result

@@ -78,14 +78,18 @@ class LangfuseSyncResult(BaseModel):
     pulled: int = Field(description="Numeric and boolean scores read from Langfuse.")
     applied: int = Field(description="New or changed scores stored as rewards.")
     unmatched: int = Field(description="Applied scores whose trace has no trajectory yet (they apply when it arrives).")
-    ignored: int = Field(description="Scores that cannot be rewards (on a session, an experiment, a non-OTel trace).")
+    ignored: int = Field(description="Scores that cannot be rewards (on a session, an experiment, a non-OTel trace; "
+                         "with an id the store cannot hold: not UTF-8, over 256 characters).")
     withdrawn: int = Field(default=0, description="Pulled scores deleted in Langfuse since: their rewards taken back.")
     pushed: int = Field(description="Rewards sent to Langfuse as scores.")
     push_rejected: int = Field(default=0, description="Scores Langfuse rejected (HTTP 207).")
     retracted: int = Field(default=0, description="Scores pushed for trajectories deleted since (another "
                            "instrumentation's calls in a rollout's trace), deleted in Langfuse.")
-    retract_failed: int = Field(default=0, description="Such scores Langfuse failed to delete (logged): tried again "
-                                "next sync.")
+    retract_refused: int = Field(default=0, description="Such scores Langfuse refused to delete for good (an HTTP 4xx "
+                                 "other than 404, 408 and 429; logged): their records dropped, not tried again.")
+    retract_failed: int = Field(default=0, description="Such scores Langfuse failed to delete for now (a 5xx, 408 or "
+                                "429, no answer; logged): tried again after a growing delay (one minute to an hour), "
+                                "the sync's other deletions left to the next sync.")
 
 
 class TrajectorySummary(BaseModel):

@@ -22,12 +22,23 @@ from collector.protocol import Trajectory
 from collector.schema import groups, judge_runs, judgements, langfuse_pulled, langfuse_pushed, trajectories
 from collector.transactions import GROUP_LOCKS, TRAJECTORY_LOCKS, Transactions
 
-__all__ = ["ScoringStore", "SeenRun"]
+__all__ = ["PushedScore", "ScoringStore", "SeenRun"]
 
 
 def _insert(conn: Connection, table: Table) -> postgresql.Insert | sqlite.Insert:
     """An insert into `table` in `conn`'s dialect, which can upsert (`on_conflict_do_update`)."""
     return (postgresql if conn.dialect.name == "postgresql" else sqlite).insert(table)
+
+
+class PushedScore(NamedTuple):
+    """The record of a reward pushed to Langfuse as a score (`ScoringStore.pushed`)."""
+
+    value: float
+    """The value last pushed."""
+    pushed_at: float
+    """When it was first pushed (the score's timestamp)."""
+    score_id: str
+    """The score's id in Langfuse."""
 
 
 class SeenRun(NamedTuple):
@@ -214,10 +225,10 @@ class ScoringStore:
             marked.update(conn.execute(claim.returning(langfuse_pulled.c.score_id)).scalars())
         return marked
 
-    def pushed(self) -> dict[tuple[str, str], tuple[float, float]]:
-        """(value, first push time) of what was pushed to Langfuse, by (trajectory id, reward name); not the scores
-        marked to delete there (`retract_pushed`): they are a deleted trajectory's, and a later one of the same id
-        pushes its own as new."""
+    def pushed(self) -> dict[tuple[str, str], PushedScore]:
+        """What was pushed to Langfuse, by (trajectory id, reward name); not the scores marked to delete there
+        (`retract_pushed`): they are a deleted trajectory's, and a later one of the same id pushes its own under
+        another score id once that one is deleted there (`retracting`)."""
         with self.engine.connect() as conn:
             rows = conn.execute(
                 select(
@@ -225,32 +236,67 @@ class ScoringStore:
                     langfuse_pushed.c.name,
                     langfuse_pushed.c.value,
                     langfuse_pushed.c.pushed_at,
+                    langfuse_pushed.c.score_id,
                 ).where(langfuse_pushed.c.retract_at.is_(None))
             )
-            return {(tid, name): (value, at) for tid, name, value, at in rows}
+            return {(tid, name): PushedScore(value, at, score_id) for tid, name, value, at, score_id in rows}
+
+    def retracting(self) -> set[tuple[str, str]]:
+        """(trajectory id, reward name) of the stored trajectories whose record of a pushed score is one marked to be
+        deleted in Langfuse (`retract_pushed`): a deleted trajectory's, of the same id. Until that score is deleted (or
+        the deletion given up) the record holds its id, and a push of the same name would overwrite it."""
+        live = exists().where(trajectories.c.id == langfuse_pushed.c.trajectory_id)
+        with self.engine.connect() as conn:
+            return {(tid, name) for tid, name in conn.execute(
+                select(langfuse_pushed.c.trajectory_id, langfuse_pushed.c.name)
+                .where(langfuse_pushed.c.retract_at.is_not(None), live)
+            )}
+
+    def created_at(self, trajectory_ids: list[str]) -> dict[str, float]:
+        """When each of the stored trajectories `trajectory_ids` was created (its row first written), by id; a deleted
+        one is left out."""
+        out: dict[str, float] = {}
+        with self.engine.connect() as conn:
+            for chunk in chunks(trajectory_ids):
+                query = select(trajectories.c.id, trajectories.c.created_at).where(trajectories.c.id.in_(chunk))
+                out.update({tid: created for tid, created in conn.execute(query)})
+        return out
 
     @staticmethod
     def retract_pushed(conn: Connection, trajectory_id: str, at: float) -> None:
         """Mark the records of the scores pushed to Langfuse for a deleted trajectory as to be deleted there (at `at`),
         on `conn`: the transaction that deletes the trajectory (`placement._forget_trajectory`). The next sync deletes
-        them (`LangfuseSync.sync`) unless its push of a later trajectory of the same id (the same score ids) clears
-        the mark first (`mark_pushed`)."""
+        them (`LangfuseSync.sync`); a later trajectory of the same id pushes its own scores, under other ids, once
+        they are (`retracting`)."""
         conn.execute(
             update(langfuse_pushed).where(langfuse_pushed.c.trajectory_id == trajectory_id).values(retract_at=at)
         )
 
-    def to_retract(self) -> list[dict[str, Any]]:
-        """The records of pushed scores marked to be deleted in Langfuse (`retract_pushed`), oldest mark first."""
+    def to_retract(self, due_at: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+        """The records of pushed scores marked to be deleted in Langfuse (`retract_pushed`) whose next try
+        (`retract_at`) is due at `due_at` (None: all of them), the earliest due first; at most `limit` of them."""
+        marked = langfuse_pushed.c.retract_at
         with self.engine.connect() as conn:
             return [dict(row) for row in conn.execute(
-                select(langfuse_pushed).where(langfuse_pushed.c.retract_at.is_not(None))
-                .order_by(langfuse_pushed.c.retract_at)
+                select(langfuse_pushed).where(marked.is_not(None) if due_at is None else marked <= due_at)
+                .order_by(langfuse_pushed.c.retract_at, langfuse_pushed.c.trajectory_id, langfuse_pushed.c.name)
+                .limit(limit)
             ).mappings()]
 
+    def retract_later(self, row: dict[str, Any], at: float) -> None:
+        """Try the deletion in Langfuse of the pushed score of the record `row` (a `to_retract` row) again at `at`
+        (`retract_at` is when to try next), unless its record was pushed again or dropped since."""
+        with self.engine.begin() as conn:
+            conn.execute(update(langfuse_pushed).where(
+                langfuse_pushed.c.trajectory_id == row["trajectory_id"], langfuse_pushed.c.name == row["name"],
+                langfuse_pushed.c.score_id == row["score_id"], langfuse_pushed.c.retract_at.is_not(None),
+            ).values(retract_at=at))
+
     def forget_pushed(self, row: dict[str, Any]) -> None:
-        """Drop the record `row` (trajectory_id, name) of a pushed score, once deleted in Langfuse: whether still
-        marked or pushed again since (a replica's push of a later trajectory of the same id, whose score the deletion
-        may have deleted), so the next push sends whatever reward of that name the store has again."""
+        """Drop the record `row` (trajectory_id, name) of a pushed score, once deleted in Langfuse (or refused for
+        good): whether still marked or pushed again since (a replica's push of a later trajectory of the same id,
+        whose score the deletion may have deleted), so the next push sends whatever reward of that name the store
+        has again."""
         with self.engine.begin() as conn:
             conn.execute(delete(langfuse_pushed).where(
                 langfuse_pushed.c.trajectory_id == row["trajectory_id"], langfuse_pushed.c.name == row["name"]
@@ -258,9 +304,9 @@ class ScoringStore:
 
     def mark_pushed(self, rows: list[dict[str, Any]], now: float) -> None:
         """Remember pushed scores (trajectory_id, name, value, score_id, pushed_at: the first push's time), clearing
-        a mark to delete them (`retract_pushed`): the score is a later trajectory's of the same id. Except where the
-        trajectory is gone by now: deleted while its score was pushed, it is marked at `now`, as the score sent may
-        be the deleted one's."""
+        a mark to delete them (`retract_pushed`) that a deletion set after the push read the records: the score sent
+        is the later value of the same one. Except where the trajectory is gone by now: deleted while its score was
+        pushed, it is marked at `now`, as the score sent may be the deleted one's."""
         if not rows:
             return
         with self.engine.begin() as conn:

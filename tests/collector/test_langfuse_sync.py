@@ -25,7 +25,7 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
 from collector.config import CollectorSettings
-from collector.langfuse_sync import LangfuseSync
+from collector.langfuse_sync import PAGE, LangfuseSync
 from collector.protocol import RewardIn
 from collector.scoring_config import LangfuseSettings
 from collector.scoring_store import ScoringStore
@@ -109,7 +109,7 @@ def test_pull_maps_annotation_scores_to_trajectories_by_trace(
         result = client.post("/v1/langfuse/sync").json()
         # 132 usable scores on 131 (trace, name) pairs: g-0's two scores give one reward, the later one
         assert result == {"pulled": 134, "applied": 131, "unmatched": 1, "ignored": 2, "withdrawn": 0, "pushed": 0,
-                          "push_rejected": 0, "retracted": 0, "retract_failed": 0}
+                          "push_rejected": 0, "retracted": 0, "retract_refused": 0, "retract_failed": 0}
         gets = [path for method, path in server.requests if method == "GET"]
         assert (len(gets) == 2 and "cursor=" in gets[1] and "source=ANNOTATION" in gets[0]
                 and "fields=subject" in gets[0] and "dataType=NUMERIC%2CBOOLEAN" in gets[0])
@@ -447,44 +447,142 @@ def _pushed_then_orphaned(store: SqlStore, sync: LangfuseSync, server: fake_lang
     return foreign
 
 
+def failing_deletions(sync: LangfuseSync, failure: Exception) -> list[str]:
+    """Make Langfuse fail every deletion of a score with `failure`; returns the list of the score ids asked for."""
+    asked: list[str] = []
+
+    def failing(score_id: str, **kwargs: object) -> object:
+        asked.append(score_id)
+        raise failure
+
+    sync.client.scores.delete = failing
+    return asked
+
+
 @pytest.mark.parametrize("failure", [
-    ApiError(status_code=404, body={"message": "not found"}),  # a Langfuse without the endpoint, a wrong host
     ApiError(status_code=500, body={"message": "Internal Server Error"}),
+    ApiError(status_code=429, body={"message": "Too Many Requests"}),
+    ApiError(status_code=408, body={"message": "Request Timeout"}),
     httpx.ConnectError("connection refused"),  # an outage
 ])
-def test_a_deletion_langfuse_fails_is_tried_again_and_blocks_no_push(
+def test_a_deletion_langfuse_fails_for_now_is_tried_again_later_and_blocks_no_push(
     make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], caplog: pytest.LogCaptureFixture,
     failure: Exception,
 ) -> None:
     """The failed deletion of a pushed score raised out of the sync: every later sync failed there (502), after the
-    pull, and pushed nothing again; a 404 said to enable the v3 GET endpoint."""
+    pull, and pushed nothing again. Then each sync asked again and warned, however long Langfuse kept failing: it is
+    tried again after a delay that grows with each failure."""
+    url, server = langfuse
+    store = make_store(min_group_size=1)
+    sync = sync_for(store, url, push_names="ruler")
+    sync.clock = clock
+    foreign = _pushed_then_orphaned(store, sync, server)
+    delete = sync.client.scores.delete
+    asked = failing_deletions(sync, failure)
+    store.add_reward(RewardIn(rollout_id="g-0", name="ruler", value=0.9))  # a changed reward to push
+    result = sync.sync()
+    assert (result.retracted, result.retract_refused, result.retract_failed) == (0, 0, 1)
+    assert [s["value"] for s in server.created.values()] == [0.3, 0.9]  # pushed all the same
+    assert f"Langfuse score {foreign} of deleted trajectory {TRACE_A} not deleted (tried again in 60 s)" in caplog.text
+    assert "LANGFUSE_ENABLE_SCORES_V3_API" not in caplog.text
+    tries = []
+    for _ in range(8):  # a sync a minute
+        clock.now += 60
+        tries.append(sync.sync().retract_failed)
+    assert tries == [1, 1, 0, 1, 0, 0, 0, 1]  # after 1 minute (the least), 1, 2 then 4 (the score's age)
+    assert asked == [foreign] * 5 and [row["score_id"] for row in sync.scoring.to_retract()] == [foreign]
+
+    sync.client.scores.delete = delete  # Langfuse deletes again
+    clock.now += 480
+    result = sync.sync()
+    assert (result.retracted, result.retract_failed) == (1, 0)
+    assert [s["metadata"]["art.rollout.id"] for s in server.created.values()] == ["g-0"]
+    assert set(sync.scoring.pushed()) == {("g-0", "ruler")} and sync.scoring.to_retract() == []
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 405])
+def test_a_deletion_langfuse_refuses_is_given_up_once(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], caplog: pytest.LogCaptureFixture,
+    status: int,
+) -> None:
+    """A server that refuses every deletion (a key not allowed to delete, a proxy without the method) was asked again,
+    with a warning, on every sync for good: the refusal is final, logged once and counted, and the record dropped."""
+    url, server = langfuse
+    store = make_store(min_group_size=1)
+    sync = sync_for(store, url, push_names="ruler")
+    sync.clock = clock
+    foreign = _pushed_then_orphaned(store, sync, server)
+    asked = failing_deletions(sync, ApiError(status_code=status, body={"message": "no"}))
+    result = sync.sync()
+    assert (result.retracted, result.retract_refused, result.retract_failed) == (0, 1, 0)
+    assert f"Langfuse score {foreign} of deleted trajectory {TRACE_A} not deleted, and not tried again" in caplog.text
+    for _ in range(3):
+        clock.now += 3600
+        result = sync.sync()
+        assert (result.retracted, result.retract_refused, result.retract_failed) == (0, 0, 0)
+    assert asked == [foreign] and sync.scoring.to_retract() == []
+    assert set(sync.scoring.pushed()) == {("g-0", "ruler")}
+
+
+def test_a_score_langfuse_no_longer_has_counts_as_deleted(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """Langfuse before version 3 answered 404 to the deletion of a score it did not have (a person deleted it): it
+    was taken for a failure and asked again on every sync."""
     url, server = langfuse
     store = make_store(min_group_size=1)
     sync = sync_for(store, url, push_names="ruler")
     foreign = _pushed_then_orphaned(store, sync, server)
+    asked = failing_deletions(sync, ApiError(status_code=404, body={"message": "Score not found within authorized "
+                                                                     "project"}))
+    assert (sync.sync().retracted, sync.sync().retracted) == (1, 0)
+    assert asked == [foreign] and sync.scoring.to_retract() == []
+
+
+def test_a_failure_for_now_leaves_the_other_deletions_to_the_next_sync(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """Langfuse down mid-retract: each marked score waited for its own timeout, one after another, in one sync. The
+    first failure ends the sync's deletions; the next sync goes on with the others, the failed one after its delay."""
+    url, server = langfuse
+    store = make_store(min_group_size=1)
+    sync = sync_for(store, url, push_names="ruler")
+    sync.clock = clock
+    store.add_spans(group_spans("g", ["7", "8", "9"]))
+    store.add_rewards([RewardIn(rollout_id=f"g-{n}", name="ruler", value=0.5) for n in range(3)])
+    assert sync.sync().pushed == 3
+    with store.engine.begin() as conn:  # their trajectories deleted, their scores marked at once
+        for n in range(3):
+            ScoringStore.retract_pushed(conn, f"g-{n}", clock.now)
+    sync = sync_for(store, url)  # pushing nothing (the trajectories are still there)
+    sync.clock = clock
     delete = sync.client.scores.delete
-
-    def failing(score_id: str, **kwargs: object) -> object:
-        raise failure
-
-    sync.client.scores.delete = failing
-    clock.now += 60
-    store.add_reward(RewardIn(rollout_id="g-0", name="ruler", value=0.9))  # a changed reward to push
-    for _ in range(2):
-        result = sync.sync()
-        assert (result.retracted, result.retract_failed) == (0, 1)
-    assert result.pushed == 0 and [s["value"] for s in server.created.values()] == [0.3, 0.9]  # pushed by the first
-    assert [row["score_id"] for row in sync.scoring.to_retract()] == [foreign]  # kept to try again
-    assert f"Langfuse score {foreign} of deleted trajectory {TRACE_A} not deleted" in caplog.text
-    assert "LANGFUSE_ENABLE_SCORES_V3_API" not in caplog.text
-    if isinstance(failure, ApiError) and failure.status_code == 404:
-        assert "no DELETE /api/public/scores/{scoreId}" in caplog.text
-
-    sync.client.scores.delete = delete  # Langfuse deletes again
+    asked = failing_deletions(sync, httpx.ConnectError("connection refused"))
     result = sync.sync()
-    assert (result.retracted, result.retract_failed) == (1, 0)
-    assert [s["metadata"]["art.rollout.id"] for s in server.created.values()] == ["g-0"]
-    assert set(sync.scoring.pushed()) == {("g-0", "ruler")}
+    assert (result.retracted, result.retract_failed) == (0, 1) and len(asked) == 1
+    sync.client.scores.delete = delete
+    result = sync.sync()
+    assert (result.retracted, result.retract_failed) == (2, 0)  # the failed one waits for its delay
+    assert [row["score_id"] for row in sync.scoring.to_retract()] == asked
+    clock.now += 60
+    assert sync.sync().retracted == 1 and server.created == {}
+
+
+def test_more_marked_scores_than_a_page_are_all_deleted_by_one_sync(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """The marked records are read a page at a time (not all at once); one sync goes through every page."""
+    url, server = langfuse
+    store = make_store()
+    sync = sync_for(store, url)
+    sync.clock = clock
+    rows = [{"trajectory_id": f"gone-{n}", "name": "ruler", "value": 0.5, "score_id": f"score-{n}",
+             "pushed_at": clock.now} for n in range(PAGE + 30)]
+    sync.scoring.mark_pushed(rows, clock.now)  # their trajectories are gone: marked
+    result = sync.sync()
+    assert (result.retracted, result.retract_failed) == (PAGE + 30, 0)
+    deleted = sorted(path.rsplit("/", 1)[1] for method, path in server.requests if method == "DELETE")
+    assert deleted == sorted(row["score_id"] for row in rows) and sync.scoring.to_retract() == []
 
 
 def test_a_deleted_trajectorys_score_is_deleted_though_its_id_is_written_again(
@@ -492,17 +590,18 @@ def test_a_deleted_trajectorys_score_is_deleted_though_its_id_is_written_again(
 ) -> None:
     """A call of ours outside the rollout, in the trace of the deleted foreign calls, made a trajectory of the same id
     (the trace id) before the next sync: the sync took the deleted one's score for the new one's, and it stayed in
-    Langfuse for good. The new trajectory's own score (the same score id) is pushed after the deletion, and kept."""
+    Langfuse for good. It is deleted; the new trajectory's own score, pushed later, had the same score id, so that
+    Langfuse, which queues deletions, could apply the deletion after the push and delete it: its id is another."""
     url, server = langfuse
     store = make_store(min_group_size=1)
     sync = sync_for(store, url, push_names="ruler")
     foreign = _pushed_then_orphaned(store, sync, server)
+    clock.now += 60  # a later export
     store.add_spans([llm(130, rollout=None, trace=TRACE_A, start=30, prompt=[1, 2], completion=[5])])
     assert store.trajectory(TRACE_A).rewards == {}
-    server.requests.clear()
-    assert sync.sync().retracted == 1
-    assert ("DELETE", f"/api/public/scores/{foreign}") in server.requests
-    assert [s["metadata"]["art.rollout.id"] for s in server.created.values()] == ["g-0"]
+    queued: list[str] = []
+    sync.client.scores.delete = lambda score_id, **kwargs: queued.append(score_id)  # accepted, applied later
+    assert sync.sync().retracted == 1 and queued == [foreign]
 
     clock.now += 60
     store.add_reward(RewardIn(rollout_id=TRACE_A, name="ruler", value=0.8))  # the new trajectory's own
@@ -510,17 +609,21 @@ def test_a_deleted_trajectorys_score_is_deleted_though_its_id_is_written_again(
     result = sync.sync()
     assert (result.retracted, result.pushed) == (0, 1)
     assert [method for method, _ in server.requests] == ["GET", "POST"]
-    assert server.created[foreign]["value"] == 0.8  # the same score id, now the new trajectory's
+    for score_id in queued:  # Langfuse applies the queued deletion after the push
+        server.created.pop(score_id, None)
+    assert [(s["metadata"]["art.rollout.id"], s["value"]) for s in server.created.values()] == [
+        ("g-0", 0.6), (TRACE_A, 0.8)
+    ]
     assert sync.scoring.to_retract() == []
 
 
 @pytest.mark.parametrize("value", [0.3, 0.8])
-def test_a_later_trajectory_of_a_deleted_ones_id_takes_its_score_over_undeleted(
+def test_a_later_trajectory_of_a_deleted_ones_id_pushes_its_score_once_the_deleted_ones_is_deleted(
     make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], value: float
 ) -> None:
-    """The new trajectory of the deleted one's id has a reward of the same name by the next sync (its score id is the
-    deleted one's): the sync sends it, as new (even at the same value), and deletes nothing. Deleting first and
-    sending it again could lose it: Langfuse queues both, and may apply the deletion last."""
+    """The new trajectory of the deleted one's id has a reward of the same name by the next sync: the sync deletes the
+    deleted one's score and sends the new one's, under another id, by the sync after (the record of the deleted one's
+    holds its id until then), as new (even at the same value)."""
     url, server = langfuse
     store = make_store(min_group_size=1)
     sync = sync_for(store, url, push_names="ruler")
@@ -530,10 +633,31 @@ def test_a_later_trajectory_of_a_deleted_ones_id_takes_its_score_over_undeleted(
     store.add_reward(RewardIn(rollout_id=TRACE_A, name="ruler", value=value))
     server.requests.clear()
     result = sync.sync()
+    assert (result.pushed, result.retracted) == (0, 1)
+    assert [method for method, _ in server.requests] == ["GET", "DELETE"] and foreign not in server.created
+    result = sync.sync()
     assert (result.pushed, result.retracted) == (1, 0)
-    assert [method for method, _ in server.requests] == ["GET", "POST"]
-    assert server.created[foreign]["value"] == value
-    assert sync.scoring.to_retract() == [] and sync.scoring.pushed()[(TRACE_A, "ruler")][0] == value
+    ours = {key: s["value"] for key, s in server.created.items() if s["metadata"]["art.rollout.id"] == TRACE_A}
+    assert list(ours.values()) == [value] and foreign not in ours
+    record = sync.scoring.pushed()[(TRACE_A, "ruler")]
+    assert sync.scoring.to_retract() == [] and (record.value, record.score_id) == (value, next(iter(ours)))
+
+
+def test_a_score_pushed_before_its_id_changed_keeps_it(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """A record of a score pushed under an id derived otherwise (an earlier collector's) keeps its id: a changed
+    reward updates that score in Langfuse, no second one."""
+    url, server = langfuse
+    store = make_store(min_group_size=1)
+    sync = sync_for(store, url, push_names="ruler")
+    store.add_spans(group_spans("g", ["7"]))
+    store.add_reward(RewardIn(rollout_id="g-0", name="ruler", value=0.5))
+    sync.scoring.mark_pushed([{"trajectory_id": "g-0", "name": "ruler", "value": 0.5, "score_id": "earlier",
+                               "pushed_at": clock.now}], clock.now)
+    store.add_reward(RewardIn(rollout_id="g-0", name="ruler", value=0.7))
+    assert sync.sync().pushed == 1
+    assert list(server.created) == ["earlier"] and server.created["earlier"]["value"] == 0.7
 
 
 def test_a_score_pushed_while_its_trajectory_is_deleted_is_deleted(
@@ -641,6 +765,26 @@ def test_only_numeric_and_boolean_scores_are_read(
         assert (result["pulled"], result["applied"], result["ignored"]) == (2, 2, 0)
         assert client.get("/v1/trajectories/g-0").json()["rewards"] == {"human": 0.5}
         assert client.get("/v1/trajectories/g-1").json()["rewards"] == {"human": 0.0}
+
+
+@pytest.mark.parametrize("odd", ["s" * 257, "score-\ud800"], ids=["too-long", "lone-surrogate"])
+def test_a_score_whose_id_the_store_cannot_hold_is_ignored(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], caplog: pytest.LogCaptureFixture, odd: str
+) -> None:
+    """Langfuse takes any score id a client sends, and JSON can carry a lone surrogate: the store's error on such a
+    score's record (longer than its column, not UTF-8) failed every pull while the score was in the lookback, and
+    applied no other score. It is ignored, as a score on a non-OpenTelemetry trace is."""
+    url, server = langfuse
+    store = make_store()
+    store.add_spans(group_spans("g", ["7", "8"]))
+    sync = sync_for(store, url)
+    server.add_score(odd, "human", 0.5, trace_id=trace_id("g", 0))
+    server.add_score("fine", "human", 0.25, trace_id=trace_id("g", 1))
+    result = sync.sync()
+    assert (result.pulled, result.applied, result.ignored) == (2, 1, 1)
+    assert store.trajectory("g-0").rewards == {} and store.trajectory("g-1").rewards == {"human": 0.25}
+    assert "its id is no UTF-8 text of at most 256 characters; ignored" in caplog.text
+    assert sync.sync().withdrawn == 0
 
 
 def test_an_answer_the_sdk_cannot_read_is_502_naming_langfuse(
