@@ -174,7 +174,8 @@ def _forget_trajectory(conn: Connection, row: Any, now: float) -> None:
     More of the trace's foreign calls make no trajectory again: they are left out on arrival, their spans deleted
     (`_without_foreign_calls_in_rollouts`). The records of its scores pushed to Langfuse (`langfuse_pushed`) stay,
     marked at `now` (`ScoringStore.retract_pushed`): they name the scores that the next Langfuse sync deletes there
-    (`LangfuseSync.sync`), and go then.
+    (`LangfuseSync.sync`), and go once each is deleted or its deletion refused for good (one failing for now is
+    tried again later).
     """
     conn.execute(delete(trajectories).where(trajectories.c.id == row["id"]))
     conn.execute(delete(spans).where(spans.c.trajectory_id == row["id"]))
