@@ -69,13 +69,13 @@ class PolicySteps:
         trajectory stored, so the steps of the others (deleted since) are forgotten."""
         known = {tid: self._known.get(tid, (-1, None)) for tid in counts}  # a concurrent read may replace entries
         stale = [tid for tid, count in counts.items() if known[tid][0] != count]
-        found: dict[str, list[SpanRecord]] = {tid: [] for tid in stale}
-        for chunk in chunks(stale):
+        for chunk in chunks(stale):  # a chunk's spans at a time: all of them at once took 0.9 GB at 50,000 spans
+            found: dict[str, list[SpanRecord]] = {tid: [] for tid in chunk}
             query = select(spans.c.trajectory_id, spans.c.record).where(spans.c.trajectory_id.in_(chunk))
             for trajectory_id, record in conn.execute(query):
                 found[trajectory_id].append(SpanRecord.from_dict(json.loads(record)))
-        for tid, records in found.items():  # the spans read, not `counts`: a span stored in between counts too
-            known[tid] = self._known[tid] = (len(records), step_of(records))
+            for tid, records in found.items():  # the spans read, not `counts`: a span stored in between counts too
+                known[tid] = self._known[tid] = (len(records), step_of(records))
         if every:
             self._known = dict(known)  # a new dict: a concurrent read's entries go (computed again), none is torn
         return {tid: step for tid, (_, step) in known.items()}

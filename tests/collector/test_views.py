@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import delete
 
 from art_langgraph import semconv as sc
-from collector import assembly, curve
+from collector import assembly, curve, engine
 from collector.otlp import SpanRecord
 from collector.protocol import RewardIn
 from collector.read_protocol import CurvePoint
@@ -266,6 +266,35 @@ def test_the_reward_curve_forgets_the_steps_of_deleted_trajectories_once_it_read
         conn.execute(delete(trajectories).where(trajectories.c.id.in_(gone)))
     assert store.curve_facts(split="test") == [] and set(store._steps._known) == everyone  # a split: others stay
     assert len(store.curve_facts()) == 2 and set(store._steps._known) == everyone - set(gone)
+
+
+def test_the_reward_curve_holds_the_spans_of_one_chunk_of_trajectories_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first read (a restart, another replica) parsed the spans of every trajectory before computing any step:
+    0.9 GB at 10,000 trajectories of 5 spans."""
+    store = make_app(tmp_path, monkeypatch).state.store
+    store.add_spans(group_spans("a", ["7", "8"], rewards=[1.0, 0.0], steps=[0, 0]))
+    store.add_spans(group_spans("b", ["7", "7"], rewards=[1.0, 0.5], steps=[1, 1], first_span=100))
+    monkeypatch.setattr(engine, "CHUNK", 2)
+    held, most = [0], [0]
+    parse, step_of = curve.SpanRecord.from_dict, curve.step_of
+
+    class Counted(SpanRecord):
+        @classmethod
+        def from_dict(cls, data: dict[str, Any]) -> SpanRecord:
+            held[0] += 1
+            most[0] = max(most[0], held[0])
+            return parse(data)
+
+    def counted(records: list[SpanRecord]) -> int | None:
+        held[0] -= len(records)
+        return step_of(records)
+
+    monkeypatch.setattr(curve, "SpanRecord", Counted)
+    monkeypatch.setattr(curve, "step_of", counted)
+    assert [(p.policy_step, p.count) for p in reward_curve(store)] == [(0, 2), (1, 2)]
+    assert held[0] == 0 and most[0] == 4  # two trajectories of two spans each
 
 
 def assembled_curve(store: Store, name: str | None, split: str | None) -> list[CurvePoint]:
