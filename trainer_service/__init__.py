@@ -8,12 +8,13 @@ Modules, by part (each module's docstring says more):
   (chat-template masks for foreign trajectories), `grpo` (pure GRPO maths), `training` (`LoRATrainer`:
   GRPO and SFT steps), `packed_pass` (a pass's log-probs and losses), `lora_forward`,
   `packed_attention`, `logprobs` (the step's fused ops), `distributed` (data-parallel steps under
-  torchrun), `checkpoints` and `durable` (checkpoint folders), `metrics` (every metrics sink);
+  torchrun), `checkpoints`, `checkpoint_folder`, `checkpoint_checks` and `durable` (checkpoint folders: the
+  run's, one written and read, whether the kept ones fit), `metrics` (every metrics sink);
 * serving: `engine` (vLLM supervisor), `engine_errors`, `backoff` (its retry waits, and the
   acks' and releases' to the collector), `vllm_lora_api` (vLLM's adapter endpoints), `process_group` and `parent_death`
   (stopping it), the vLLM plugins `vllm_cpu_lora`, `vllm_cpu_matmul`, `vllm_cpu_norm`, `vllm_cpu_seeds`,
   `vllm_cpu_threads`, and the CPU's `core_lending`, `allocator`, `huge_pages`;
-* the service: `evaluation` and `promotion` (the promotion gate), `retention` (which checkpoints
+* the service: `evaluation`, `promotion` and `promotion_state` (the promotion gate), `retention` (which checkpoints
   stay), `schedule` (min-groups / interval / cron triggers), `service` (train/serve logic),
   `failed_steps` (what becomes of a failed step's batch), `server` (HTTP layer), `protocol` (wire
   models), `cli` (`art-trainer`).

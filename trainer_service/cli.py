@@ -320,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn
 
     from trainer_service.base_model import BaseModelError
-    from trainer_service.checkpoints import CheckpointMismatchError
+    from trainer_service.checkpoint_checks import CheckpointMismatchError
     from trainer_service.engine_errors import EngineError
     from trainer_service.evaluation import EvalError
     from trainer_service.server import create_app

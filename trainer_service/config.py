@@ -55,6 +55,13 @@ _OWNED_VLLM_FLAGS = {
 }
 """vLLM flags the service sets itself (`VLLMEngine.command`), with the service's flag for each (None: fixed)."""
 
+_REFUSED_EMPTY = {
+    "output_dir": ("is empty, which reads as the working folder; give a folder", " for runs/<name>"),
+    "eval_file": ("is empty; give one", ""),
+    "eval_split": ("is empty; give one", ""),
+}
+"""Settings an empty value is refused for: what the error says of it, and what leaving the setting out gives."""
+
 _VLLM_LORA_RANKS = ("config", "lora.py"), "MaxLoRARanks"
 """Where vLLM (0.32) lists the `--max-lora-rank` values it accepts: a `Literal` of its LoRA config module."""
 _VLLM_DTYPES = ("config", "model.py"), "ModelDType"
@@ -458,30 +465,22 @@ class TrainerSettings(BaseSettings):
             return value
         try:
             return json.loads(value)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to read (was a traceback)
             raise ValueError(f"is not JSON ({exc}); ART_TRAINER_VLLM_ARGS is a JSON list of strings, e.g. "
                              "'[\"--enforce-eager\"]', or repeat --vllm-arg") from None
 
-    @field_validator("output_dir", mode="before")
+    @field_validator(*_REFUSED_EMPTY, mode="before")
     @classmethod
-    def _check_output_dir(cls, value: object) -> object:
-        """An empty `output_dir` (`ART_TRAINER_OUTPUT_DIR=`) read as `.`: checkpoints, metrics.jsonl and the vLLM log
-        landed in the working folder, among its files."""
-        if value == "":
-            raise ValueError("is empty, which reads as the working folder; give a folder, or leave --output-dir "
-                             "(ART_TRAINER_OUTPUT_DIR) out for runs/<name>")
-        return value
-
-    @field_validator("eval_file", "eval_split", mode="before")
-    @classmethod
-    def _check_eval_source(cls, value: object, info: ValidationInfo) -> object:
-        """An empty `eval_split` (`ART_TRAINER_EVAL_SPLIT=`) turned the gate on for a split no trajectory has: every
-        eval failed, nothing was promoted; an empty `eval_file` read as `.`."""
-        if value == "":
-            name = str(info.field_name)
-            raise ValueError(f"is empty; give one, or leave --{name.replace('_', '-')} (ART_TRAINER_{name.upper()}) "
-                             "out")
-        return value
+    def _refuse_empty(cls, value: object, info: ValidationInfo) -> object:
+        """Refuse an empty folder or eval source (e.g. `ART_TRAINER_OUTPUT_DIR=`), naming its flag and variable: an
+        empty `output_dir` read as `.` (checkpoints, metrics.jsonl and the vLLM log landed in the working folder,
+        among its files), an empty `eval_file` too, and an empty `eval_split` turned the gate on for a split no
+        trajectory has (every eval failed, nothing was promoted)."""
+        if value != "":
+            return value
+        name = str(info.field_name)
+        problem, unset = _REFUSED_EMPTY[name]
+        raise ValueError(f"{problem}, or leave --{name.replace('_', '-')} (ART_TRAINER_{name.upper()}) out{unset}")
 
     @field_validator("name")
     @classmethod

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from collector.protocol import Batch
-from trainer_service.checkpoints import CheckpointWriteError
+from trainer_service.checkpoint_folder import CheckpointWriteError
 from trainer_service.durable import durable_rename
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.parent_death import die_with_parent, launch_command

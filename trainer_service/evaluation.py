@@ -203,11 +203,19 @@ class Evaluator:
 
     def key(self, rows: list[dict[str, Any]]) -> str:
         """A short fingerprint of `rows` and of how they are scored (reward function, samples, max_tokens,
-        temperature): mean rewards measured with the same key compare."""
+        temperature): mean rewards measured with the same key compare.
+
+        Raises:
+            EvalError: a prompt is nested too deep to encode as JSON from here (`RecursionError`).
+        """
         fn = self.reward_fn
         scoring = [f"{getattr(fn, '__module__', '')}:{getattr(fn, '__qualname__', repr(fn))}", self.samples,
                    self.max_tokens, self.temperature]
-        return hashlib.sha256(json.dumps([rows, scoring], sort_keys=True, default=str).encode()).hexdigest()[:16]
+        try:
+            text = json.dumps([rows, scoring], sort_keys=True, default=str)
+        except RecursionError as exc:
+            raise EvalError(f"a prompt of the eval set cannot be encoded as JSON: {exc}") from exc
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     async def _score(self, model: str, index: int, row: dict[str, Any], progress: _Progress) -> list[float]:
         body: dict[str, Any] = {"model": model, "messages": row["messages"], "n": self.samples,
@@ -218,7 +226,9 @@ class Evaluator:
             response = await self._client.post("/v1/chat/completions", json=body)
         except httpx.HTTPError as exc:
             raise EvalError(f"the engine did not answer an eval prompt for {model}: {exc}") from exc
-        except ValueError as exc:  # a collector row with a NaN or a lone surrogate, which httpx cannot encode (a 500)
+        # a collector row with a NaN or a lone surrogate, which httpx cannot encode (a 500), or one nested too deep
+        # to encode from here (RecursionError; `load_eval_file` checks its rows with a shallower stack)
+        except (ValueError, RecursionError) as exc:
             raise EvalError(f"prompt {index} of the eval set cannot be sent to the engine as JSON: {exc}") from exc
         if response.status_code != 200:
             raise EvalError(f"the engine refused an eval prompt for {model}: HTTP {response.status_code}: "
@@ -276,10 +286,13 @@ class Evaluator:
 
 
 def _mean(rewards: list[float]) -> float:
-    """The mean of finite `rewards`, finite also where their sum is not (each is divided first then: 4 rewards of
-    1e308 had the mean `inf`, which `promotion.json` cannot hold)."""
+    """The mean of finite `rewards`, finite also where their sum is not (each is divided first then, and the sum of
+    those kept within the rewards' range, which its rounding could pass: 4 rewards of 1e308, or 3 of the largest
+    float, had the mean `inf`, which `promotion.json` cannot hold)."""
     total = sum(rewards)
-    return total / len(rewards) if math.isfinite(total) else sum(r / len(rewards) for r in rewards)
+    if math.isfinite(total):
+        return total / len(rewards)
+    return min(max(sum(r / len(rewards) for r in rewards), min(rewards)), max(rewards))
 
 
 class _Progress:

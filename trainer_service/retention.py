@@ -14,7 +14,8 @@ import os
 from collections import Counter
 from collections.abc import Callable
 
-from trainer_service.checkpoints import MANIFEST, CheckpointStore, select_kept
+from trainer_service.checkpoint_folder import MANIFEST
+from trainer_service.checkpoints import CheckpointStore, select_kept
 from trainer_service.config import TrainerSettings
 from trainer_service.engine import VLLMEngine
 from trainer_service.engine_errors import EngineError

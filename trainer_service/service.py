@@ -58,22 +58,23 @@ _NAMED_STEPS = 5
 """How many of the newest `name@N` a 404 `model_not_found` and `GET /v1/status` (`models`, `checkpoints`) name: a run
 keeping thousands of checkpoints would make their bodies huge; `GET /v1/models` lists them all."""
 
-_FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT})
 _NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 
 
 def _write_fix(exc: OSError, path: Path) -> str:
     """The fix a 507 names for checkpoint folder `path` that could not be written, from the errno of `exc` (a
     `CheckpointWriteError` carries its writer's, safetensors' and a `--train-processes` rank's too) or of the `OSError`
-    it chains: "; free disk space" only for a full disk or quota (also `torch.save` failing on a full file system,
-    see `checkpoints._save_optimizer`); "" for an error without a known errno (the writer's message, kept in the 507,
-    names the cause)."""
+    it chains: "; free disk space" only for a full disk (also `torch.save` failing on a nearly full file system,
+    see `checkpoint_folder._save_optimizer`), with "or raise the disk quota" for a quota; "" for an error without a
+    known errno (the writer's message, kept in the 507, names the cause)."""
     error = exc
     while error.errno is None and isinstance(error.__cause__, OSError):
         error = error.__cause__
     if isinstance(error, FileExistsError):  # a half-written `step-N` start-up could not remove (the log says why)
         return f"; remove {path} by hand"
-    if error.errno in _FULL_DISK:
+    if error.errno == errno.EDQUOT:
+        return "; free disk space or raise the disk quota of the service's user"
+    if error.errno == errno.ENOSPC:
         return "; free disk space"
     if error.errno in _NOT_WRITABLE:
         return f"; let the service's user write to {path.parent}"

@@ -37,7 +37,7 @@ from trainer_service.batching import (
     prepare_sft,
     shard_items,
 )
-from trainer_service.checkpoints import read_checkpoint, write_checkpoint
+from trainer_service.checkpoint_folder import read_checkpoint, write_checkpoint
 from trainer_service.grpo import PolicyLossOutput
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.lora_forward import fuse_lora_forward
@@ -360,7 +360,7 @@ class LoRATrainer:
 
     def save(self, path: str | Path, *, batch_id: str | None = None, metrics: dict[str, float] | None = None) -> Path:
         """Write the adapter, optimizer state and `manifest.json` (step, base model, config, metrics, batch id) to
-        `path`, atomically (`checkpoints.write_checkpoint`, whose errors it raises)."""
+        `path`, atomically (`checkpoint_folder.write_checkpoint`, whose errors it raises)."""
         manifest = {
             "step": self.step_count,
             "base_model": self.base_model,

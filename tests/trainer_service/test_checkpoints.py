@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import shutil
@@ -19,7 +20,8 @@ from safetensors.torch import save_file
 
 from collector.protocol import Batch
 from tests.trainer_service.builders import group, lora_params, make_service, make_trainer
-from trainer_service.checkpoints import CheckpointMismatchError, CheckpointStore, select_kept
+from trainer_service.checkpoint_checks import CheckpointMismatchError
+from trainer_service.checkpoints import CheckpointStore, select_kept
 from trainer_service.protocol import ServiceError
 
 
@@ -114,8 +116,8 @@ async def test_torch_save_on_a_full_disk_names_the_fix(
     assert trainer is not None
     real_usage = shutil.disk_usage
 
-    def disk_full(obj: object, file: Path) -> None:
-        file.write_bytes(b"PK half")  # a partial write, then the zip writer's check
+    def disk_full(obj: object, file: io.BufferedWriter) -> None:
+        file.write(b"PK half")  # a partial write, then the zip writer's check
         raise RuntimeError(_TORCH_FULL)
 
     def usage(path: str | Path) -> tuple[int, int, int]:  # what is left of the checkpoint folder's file system
@@ -131,6 +133,40 @@ async def test_torch_save_on_a_full_disk_names_the_fix(
     assert info.value.status == 507 and _TORCH_FULL in message  # the writer's own message is kept
     assert f"rolled back{fix}. Batch b1" in message and info.value.__cause__.errno == code
     assert list((tmp_path / "checkpoints").iterdir()) == []
+    await service.aclose()
+
+
+class _OverQuota(io.RawIOBase):
+    """A file the user's disk quota stops after `limit` bytes: a write past it fails with EDQUOT."""
+
+    def __init__(self, limit: int) -> None:
+        self.left = limit
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        self.left -= len(data)
+        if self.left < 0:
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+        return len(data)
+
+
+async def test_torch_save_over_a_disk_quota_names_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real `torch.save` past a quota, on a disk with room: its `RuntimeError` chains the EDQUOT of the write."""
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    trainer = service.trainer
+    assert trainer is not None
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, file: real_save(obj, _OverQuota(2048)))
+    batches.append(Batch(id="b1", groups=[group(trainer, (1.0, 0.0))], lease_expires_at=0))
+    with pytest.raises(ServiceError) as info:
+        await service.train_once()
+    message = info.value.body.error.message
+    assert info.value.status == 507 and f"{os.strerror(errno.EDQUOT)}: torch.save: " in message  # names the quota
+    assert "unexpected pos" in message and "rolled back; free disk space or raise the disk quota" in message
+    assert info.value.__cause__.errno == errno.EDQUOT and list((tmp_path / "checkpoints").iterdir()) == []
     await service.aclose()
 
 
@@ -173,17 +209,18 @@ asyncio.run(main(Path(sys.argv[1])))
 @pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs POSIX file-size limits")
 def test_a_real_write_limit_is_507_and_not_the_datas_fault(tmp_path: Path) -> None:
     """The real savers on a real write failure (a file-size limit in a child process): safetensors raises its
-    `SafetensorError`, `torch.save` a `RuntimeError`, neither an `OSError`; both are 507 and released not failed."""
+    `SafetensorError`, `torch.save` a `RuntimeError` chaining the file's `OSError`; both are 507 and released not
+    failed."""
     done = subprocess.run([sys.executable, "-c", _WRITE_LIMITED_STEPS, str(tmp_path)], capture_output=True,
                           text=True, cwd=Path(__file__).resolve().parents[2], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
     assert [(o["status"], o.get("code"), o.get("cause")) for o in result["outcomes"]] == [
-        (507, "checkpoint_write_failed", "SafetensorError"), (507, "checkpoint_write_failed", "RuntimeError")]
+        (507, "checkpoint_write_failed", "SafetensorError"), (507, "checkpoint_write_failed", "OSError")]
     assert "SafetensorError: " in result["outcomes"][0]["message"]  # the writer's own message is kept
-    # safetensors names the errno in its message ("(os error 27)"), `torch.save` none ("unexpected pos ..."), and the
-    # disk has room: no ENOSPC is made of it (`test_torch_save_on_a_full_disk_names_the_fix`)
-    assert [o["errno"] for o in result["outcomes"]] == [errno.EFBIG, None]
+    # safetensors names the errno in its message ("(os error 27)"), `torch.save`'s `RuntimeError` ("unexpected pos
+    # ...") chains the failed write's `OSError` (it named none when given a path, and the disk has room)
+    assert [o["errno"] for o in result["outcomes"]] == [errno.EFBIG, errno.EFBIG]
     assert [(batch_id, body["failed"]) for batch_id, body in result["releases"]] == [("b0", False), ("b1", False)]
     assert result["step"] == 0 and result["left"] == []  # rolled back, nothing half-written left
 

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from collector.config import settings_error
 from examples.stack import free_port
 from tests.trainer_service.builders import save_tiny_model
-from trainer_service.checkpoints import CheckpointMismatchError
+from trainer_service.checkpoint_checks import CheckpointMismatchError
 from trainer_service.cli import build_parser, main, settings_from_args, vllm_serve_flags
 from trainer_service.config import TrainerSettings, vllm_dtypes, vllm_lora_ranks
 from trainer_service.engine_errors import EngineError
@@ -112,7 +112,7 @@ def test_a_name_that_makes_no_run_folder_of_its_own_exits_naming_it(name: str,
     assert parse("--name", "...")[0].run_dir == Path("runs/...")  # a folder name like any other
 
 
-@pytest.mark.parametrize("value", ["--enforce-eager", ""])
+@pytest.mark.parametrize("value", ["--enforce-eager", "", "[" * 5000])  # nested too deep to read: was a traceback
 def test_vllm_args_in_the_environment_that_are_no_json_exit_naming_the_form(
         value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Was pydantic-settings' `error parsing value for field "vllm_args" from source "EnvSettingsSource"`."""

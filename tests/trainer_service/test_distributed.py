@@ -40,7 +40,7 @@ from tests.trainer_service.builders import (
     trajectory,
 )
 from trainer_service import distributed, durable
-from trainer_service.checkpoints import CheckpointWriteError
+from trainer_service.checkpoint_folder import CheckpointWriteError
 from trainer_service.config import TrainerSettings
 from trainer_service.distributed import (
     DistributedStepError,

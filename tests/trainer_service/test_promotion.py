@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,7 +25,8 @@ import pytest
 
 from collector.protocol import Batch
 from tests.trainer_service.builders import group, make_service
-from trainer_service.checkpoints import CheckpointMismatchError, CheckpointStore
+from trainer_service.checkpoint_checks import CheckpointMismatchError
+from trainer_service.checkpoints import CheckpointStore
 from trainer_service.config import TrainerSettings
 from trainer_service.evaluation import EvalError, Evaluator, build_evaluator, load_eval_file, load_reward_fn
 from trainer_service.promotion import PromotionGate
@@ -214,7 +216,17 @@ def test_an_eval_line_python_cannot_read_is_refused_naming_the_line(tmp_path: Pa
         load_eval_file(eval_file)
 
 
-@pytest.mark.parametrize("content", [math.nan, "\ud800"])
+def _nested(depth: int) -> list[Any]:
+    """A list nested `depth` deep (built without recursion)."""
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+# nested deeper than JSON can be encoded from the event loop (a RecursionError; an eval file line as deep is read at
+# start with a shallower stack): was raised out of the gate, not an eval failure
+@pytest.mark.parametrize("content", [math.nan, "\ud800", _nested(5000)], ids=["nan", "surrogate", "nested"])
 async def test_an_eval_row_json_cannot_carry_fails_the_eval_not_the_step(tmp_path: Path, content: object) -> None:
     async def source() -> list[dict[str, Any]]:  # e.g. a collector split: not read through `load_eval_file`
         return [{"messages": [{"role": "user", "content": content}]}]
@@ -223,11 +235,22 @@ async def test_an_eval_row_json_cannot_carry_fails_the_eval_not_the_step(tmp_pat
     settings = TrainerSettings(output_dir=tmp_path, wandb="off")
     gate = PromotionGate(settings, CheckpointStore(tmp_path / "checkpoints"), evaluator, lambda step: f"agent@{step}",
                          lambda: "base-model")
-    decision = await gate.judge(1, [1])  # raised ValueError or UnicodeEncodeError
+    decision = await gate.judge(1, [1])  # raised ValueError, UnicodeEncodeError or RecursionError
     assert not decision.promoted and gate.latest is None
-    assert decision.reason.startswith("eval failed, not promoted: prompt 0 of the eval set cannot be sent to the "
-                                      "engine as JSON")
+    assert re.match(r"eval failed, not promoted: (prompt 0|a prompt) of the eval set cannot be (sent to the engine|"
+                    r"encoded) as JSON: ", decision.reason)
     await gate.aclose()
+
+
+async def test_a_prompt_nested_too_deep_to_send_fails_the_eval() -> None:
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": _nested(5000)}]}]
+
+    evaluator = Evaluator(source, lambda row, text: 1.0, "http://engine", transport=httpx.MockTransport(engine))
+    with pytest.raises(EvalError, match=r"^prompt 0 of the eval set cannot be sent to the engine as JSON: maximum "
+                                        "recursion depth exceeded"):  # was a RecursionError
+        await evaluator.evaluate("agent@1")
+    await evaluator.aclose()
 
 
 @pytest.mark.parametrize("field", ["eval_split", "eval_file"])
@@ -377,6 +400,25 @@ def test_a_damaged_promotion_state_stops_the_start_naming_the_file(tmp_path: Pat
         PromotionGate(settings, store, None, lambda step: f"agent@{step}", lambda: "base-model")
 
 
+@pytest.mark.parametrize(("evals", "problem"), [
+    # were read as rewards 1.0 and 0.5: only a JSON number is a reward
+    ('{"0": true}', "its `evals` reward of step 0 is True, not a number"),
+    ('{"0": "0.5"}', "its `evals` reward of step 0 is '0.5', not a number"),
+    ('{"2": null}', "its `evals` reward of step 2 is None, not a number"),
+    ('{"0": 1, "3": NaN}', "its `evals` reward of step 3 is nan, not a finite number"),
+    ('{" 1": 0.5}', "its `evals` key ' 1' is not a step number"),  # was read as step 1
+])
+def test_an_eval_reward_that_is_no_json_number_stops_the_start_naming_the_field(
+    tmp_path: Path, evals: str, problem: str
+) -> None:
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.root.mkdir()
+    (store.root / "promotion.json").write_text(f'{{"latest": null, "evals": {evals}}}')
+    with pytest.raises(CheckpointMismatchError) as info:
+        store.read_promotion()
+    assert f"{store.root / 'promotion.json'} cannot be read (ValueError: {problem})" in str(info.value)
+
+
 @pytest.mark.parametrize(("returned", "mean"), [(numpy.True_, 1.0), (numpy.False_, 0.0), (True, 1.0),
                                                 (numpy.float32(0.5), 0.5), (numpy.int64(2), 2.0), (3, 3.0)])
 async def test_a_reward_of_any_real_number_counts_numpys_too(returned: object, mean: float) -> None:
@@ -416,13 +458,17 @@ async def test_a_reward_too_large_for_a_float_fails_the_eval_naming_the_prompt_a
     await evaluator.aclose()
 
 
-@pytest.mark.parametrize("returned", [10**308, -1.5e308])
-async def test_rewards_whose_sum_is_too_large_for_a_float_have_their_finite_mean(returned: float) -> None:
+@pytest.mark.parametrize(("returned", "samples"), [(10**308, 4), (-1.5e308, 4),
+                                                  # each divided by 3 first, the sum still rounded past the largest
+                                                  # float: the mean was `inf`
+                                                  (sys.float_info.max, 3), (-sys.float_info.max, 3)])
+async def test_rewards_whose_sum_is_too_large_for_a_float_have_their_finite_mean(returned: float, samples: int) -> None:
     async def source() -> list[dict[str, Any]]:
         return [{"messages": [{"role": "user", "content": "1+1?"}]}]
 
-    # 4 samples: the mean was `inf`, promoted and saved as `Infinity`, which `promotion.json` then refused at start
-    evaluator = Evaluator(source, lambda row, text: returned, "http://engine", transport=httpx.MockTransport(engine))
+    # the mean was `inf`, promoted and saved as `Infinity`, which `promotion.json` then refused at start
+    evaluator = Evaluator(source, lambda row, text: returned, "http://engine", samples=samples,
+                          transport=httpx.MockTransport(engine))
     assert await evaluator.evaluate("agent@1") == float(returned)
     await evaluator.aclose()
 

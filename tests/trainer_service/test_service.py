@@ -339,7 +339,7 @@ async def test_status_during_a_step_names_only_served_steps(tmp_path: Path) -> N
 
 @pytest.mark.parametrize(("code", "fix"), [
     (errno.ENOSPC, "; free disk space."),
-    (errno.EDQUOT, "; free disk space."),
+    (errno.EDQUOT, "; free disk space or raise the disk quota of the service's user."),
     (errno.EACCES, "; let the service's user write to {folder}."),
     (errno.EROFS, "; let the service's user write to {folder}."),
     (errno.EIO, "."),  # an error with no known fix: the writer's message names it
