@@ -200,6 +200,28 @@ def _unreadable(request: Request, cause: ValueError | RecursionError) -> str:
     return message
 
 
+def _lease_answer(batch: Batch) -> Response:
+    """The JSON answer of `POST /v1/batches`, encoded in the route (not by FastAPI once it returned), so that a
+    failure to encode it meets `_release_unsent`."""
+    return Response(batch.model_dump_json(), media_type="application/json")
+
+
+def _release_unsent(store: Store, batch: Batch, cause: Exception) -> None:
+    """Give back the groups of a committed lease whose answer could not be sent (`cause`): no trainer got its id to
+    ack or release it, so they would stay leased until it expires. As failed: a group whose stored data fails every
+    answer is skipped after `max_failed_attempts`, not leased and failed again forever. A release that fails is
+    logged; the caller answers `cause`."""
+    if not batch.groups:  # nothing leased: no batch stored
+        return
+    why = f"{type(cause).__name__}: {cause}"
+    log.error("the answer of lease %s could not be sent (%s): releasing its %d groups", batch.id, why,
+              len(batch.groups))
+    try:
+        store.release(batch.id, ReleaseRequest(reason=f"its answer could not be sent: {why}", failed=True))
+    except Exception:
+        log.exception("lease %s could not be released: its groups stay leased until it expires", batch.id)
+
+
 STORE_RETRY_AFTER_S = 5
 """`Retry-After` of a 503 `store_unavailable` answer."""
 
@@ -304,20 +326,26 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
         """Attach a named reward to a trajectory (by rollout id or trace id)."""
         return store.add_reward(reward)
 
-    @app.post("/v1/batches")
+    @app.post("/v1/batches", response_model=Batch)
     def lease_batch(
         _: Auth, request: BatchRequest | None = None,
         idempotency_key: Annotated[Name | None, Header(alias=IDEMPOTENCY_KEY_HEADER)] = None,
-    ) -> Batch:
+    ) -> Response:
         """Lease up to `max_groups` ready groups; `groups` is empty when none are ready. Sent again with the same
-        `Idempotency-Key` while the lease lasts, the same batch (409 `idempotency_key_used` once it ended)."""
+        `Idempotency-Key` while the lease lasts, the same batch (409 `idempotency_key_used` once it ended). A
+        lease whose answer cannot be encoded is released as failed before the 500."""
         request = request or BatchRequest()
         if idempotency_key is not None:
             if request.idempotency_key not in (None, idempotency_key):
                 raise _Rejected(400, "invalid_request", f"the {IDEMPOTENCY_KEY_HEADER} header and the body's "
                                 "idempotency_key differ; send one of them")
             request = request.model_copy(update={"idempotency_key": idempotency_key})
-        return store.lease(request)
+        batch = store.lease(request)
+        try:
+            return _lease_answer(batch)
+        except Exception as exc:
+            _release_unsent(store, batch, exc)
+            raise
 
     @app.post("/v1/batches/{batch_id}/ack")
     def ack_batch(batch_id: str, _: Auth, body: AckRequest | None = None) -> AckResponse:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from collector import store_reads
+from collector.server import create_app
+from collector.store import SqlStore
 from tests.collector.server_helpers import JSON, PB, assert_error, collector_app
 from tests.collector.span_builders import llm, rollout, rollout_group, to_request
 
@@ -159,3 +163,51 @@ def test_an_idempotency_key_that_cannot_be_kept_is_refused(
 ) -> None:
     answer = client.post("/v1/batches", json=body, headers={"Idempotency-Key": key})
     assert fragment in assert_error(answer, 400, "invalid_request")["message"]
+
+
+def _unencodable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Leased trajectories carry a value no JSON answer can hold: the lease commits, its answer then fails."""
+    assemble = store_reads.assemble
+    monkeypatch.setattr(store_reads, "assemble", lambda *args: [
+        t.model_copy(update={"messages": [{"content": object()}]}) for t in assemble(*args)
+    ])
+
+
+def test_a_lease_whose_answer_cannot_be_sent_is_released_at_once(
+    make_store: Callable[..., SqlStore], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lease committed, then encoding its answer failed: a 500 that no trainer could ack or release, its groups
+    leased until the lease expired. Released as failed before the 500 (a group whose data fails every answer is
+    skipped in the end, not leased again forever); its key's retry is refused."""
+    store = make_store()
+    client = TestClient(create_app(store.settings, store), raise_server_exceptions=False)
+    client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
+    _unencodable(monkeypatch)
+    keyed = {"Idempotency-Key": "k1"}
+    failed = assert_error(client.post("/v1/batches", json={}, headers=keyed), 500, "internal_error")
+    assert failed["message"].startswith("PydanticSerializationError")
+    monkeypatch.undo()
+    assert [(g.state, g.failed_attempts) for g in store.groups()] == [("ready", 1)]
+    assert "releasing its 1 groups" in caplog.text
+    [batch] = store.batches()
+    assert (batch.state, batch.reason) == ("released", f"its answer could not be sent: {failed['message']}")
+    assert_error(client.post("/v1/batches", json={}, headers=keyed), 409, "idempotency_key_used")
+    assert [g["id"] for g in client.post("/v1/batches", json={}).json()["groups"]] == ["g"]
+
+
+def test_a_release_that_fails_after_an_unsent_lease_is_logged_not_answered(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
+    _unencodable(monkeypatch)
+    store = client.app.state.store
+
+    def release_fails(*_: Any) -> None:
+        raise RuntimeError("store gone")
+
+    monkeypatch.setattr(store, "release", release_fails)
+    unsent = TestClient(client.app, raise_server_exceptions=False)
+    failed = assert_error(unsent.post("/v1/batches", json={}), 500, "internal_error")
+    assert failed["message"].startswith("PydanticSerializationError")  # the cause, not the release's error
+    assert "could not be released: its groups stay leased until it expires" in caplog.text
+    assert "RuntimeError: store gone" in caplog.text
