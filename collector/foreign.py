@@ -133,7 +133,7 @@ def conversation(attributes: Mapping[str, Any], *, span_id: str = "?") -> Conver
         return Conversation(tools=tools, model=model)
     name, (sent, returned, offered) = next(((n, found) for n, found in read if found[0] or found[1]), read[0])
     for other, (other_sent, other_returned, _) in read:
-        if (other_sent or other_returned) and not (
+        if other != name and (other_sent or other_returned) and not (
             same_messages(other_sent, sent) and same_messages(other_returned, returned)
         ):
             warn_once(log, "span %s: its %s messages differ from its %s ones, which are read", span_id, other, name)

@@ -30,11 +30,25 @@ log = logging.getLogger(__name__)
 def _token_ids(span: SpanRecord, key: str) -> list[int] | None:
     """The span's token ids under `key`: None when absent, or (logged) when not a list of whole numbers from 0."""
     value = span.attributes.get(key)
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+    if isinstance(value, list) and _whole_numbers(value):
         return value
     if value is not None:  # a negative id would fail the trainer's embedding lookup for the whole batch
         warn_once(log, "span %s: %s is not a list of token ids (whole numbers from 0); turn dropped", span.span_id, key)
     return None
+
+
+def _whole_numbers(values: list[Any]) -> bool:
+    """Whether every item of `values` is an int (not a bool) from 0."""
+    if list(map(type, values)).count(int) == len(values):  # the usual list, checked in C
+        return not values or min(values) >= 0
+    return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+
+
+def _logprobs(raw: list[Any]) -> list[float | None]:
+    """Each logprob as a float; None for one that is not a number."""
+    if list(map(type, raw)).count(float) == len(raw):  # the usual list: `float(v)` would give each `v` back
+        return list(raw)
+    return [float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None for v in raw]
 
 
 def _turn(span: SpanRecord) -> tuple[list[int], list[int], list[float | None]] | None:
@@ -47,7 +61,7 @@ def _turn(span: SpanRecord) -> tuple[list[int], list[int], list[float | None]] |
     if raw is None:
         logprobs: list[float | None] = [None] * len(completion)
     elif isinstance(raw, list) and len(raw) == len(completion):
-        logprobs = [float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None for v in raw]
+        logprobs = _logprobs(raw)
     else:
         warn_once(
             log,

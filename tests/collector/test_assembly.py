@@ -6,13 +6,16 @@ import itertools
 import json
 import logging
 import math
+import random
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from art_langgraph import semconv as sc
+from collector import foreign
 from collector import spans as span_readers
 from collector.assembly import (
     FactsDigest,
@@ -28,6 +31,7 @@ from collector.assembly import (
 from collector.groups import TrainingReward
 from collector.otlp import SpanRecord
 from collector.sequences import build_sequences
+from collector.spans import whole_number
 from tests.collector.server_helpers import PB, collector_app
 from tests.collector.span_builders import TRACE, llm, rollout, sid, to_request
 
@@ -185,6 +189,141 @@ def test_warnings_logged_once_are_forgotten_oldest_first(monkeypatch: pytest.Mon
     assert [r.getMessage() for r in caplog.records if r.name == logger.name] == [
         "span a: bad", "span b: bad", "span c: bad", "span b: bad"
     ]
+
+
+class _Id(int):
+    """An int subclass other than bool: a whole number, so a token id."""
+
+
+_ODD_IDS = [True, False, 3.0, -1, 2**70, None, "5", _Id(4), 0]
+_ODD_LOGPROBS = [True, 1, _Id(2), None, "x", math.inf, -0.0, 2**70]
+
+
+def _random_turn(rng: random.Random, n: int, tokens: list[Any], said: list[dict[str, Any]]) -> SpanRecord:
+    """A random LLM span of a trajectory whose latest sequence holds `tokens` and whose latest turn said `said`:
+    extending, drifting, unrelated, odd ids or logprobs, without ids, its messages in another convention."""
+    kind = rng.choice(["extend", "extend", "extend", "drift", "fresh", "odd"])
+    prompt = [rng.randrange(6) for _ in range(rng.randrange(3))]
+    if kind in ("extend", "drift", "odd"):
+        prompt = tokens + prompt
+    if kind == "drift" and prompt:
+        prompt[rng.randrange(len(prompt))] = rng.randrange(6)
+    completion = [rng.randrange(6) for _ in range(rng.randrange(4))]
+    if kind == "odd":
+        ids = rng.choice([prompt, completion])
+        ids.insert(rng.randrange(len(ids) + 1), rng.choice(_ODD_IDS))
+    logprobs = [rng.choice([-0.5, -1.25, rng.choice(_ODD_LOGPROBS)]) for _ in completion]
+    more = rng.choice([[], [{"role": "user", "content": "go on"}]])
+    messages = rng.choice([said + more, said + more, said[:1], [{"role": "user", "content": str(n)}]])
+    output = [{"role": "assistant", "content": rng.choice(["a", "b"])}]
+    span = llm(n, start=10 * rng.randrange(6), prompt=prompt, completion=completion, logprobs=logprobs,
+               step=rng.choice([n, 2.0, -1, None]), messages=messages, output=output)
+    attributes = span.attributes
+    if rng.random() < 0.2:  # a foreign call: its messages in OpenLLMetry's flattened convention, maybe no ids
+        for key in (sc.GEN_AI_INPUT_MESSAGES, sc.GEN_AI_OUTPUT_MESSAGES):
+            del attributes[key]
+        for prefix, listed in (("gen_ai.prompt", messages), ("gen_ai.completion", output)):
+            for i, message in enumerate(listed):
+                attributes |= {f"{prefix}.{i}.role": message["role"], f"{prefix}.{i}.content": message["content"]}
+        if rng.random() < 0.5:
+            del attributes[sc.PROMPT_TOKEN_IDS], attributes[sc.COMPLETION_TOKEN_IDS]
+    if rng.random() < 0.1:
+        attributes[rng.choice([sc.PROMPT_TOKEN_IDS, sc.COMPLETION_TOKEN_IDS])] = "1,2"
+    if rng.random() < 0.15:
+        attributes[sc.COMPLETION_LOGPROBS] = rng.choice([None, "x", logprobs + [-0.5], logprobs[1:]])
+        if attributes[sc.COMPLETION_LOGPROBS] is None:
+            del attributes[sc.COMPLETION_LOGPROBS]
+    return span
+
+
+def _token_ids(value: Any) -> list[Any] | None:
+    """A list of whole numbers from 0 (ints, not bools), else None."""
+    if not isinstance(value, list):
+        return None
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            return None
+    return value
+
+
+def _plain_extends(messages: list[dict[str, Any]], said: tuple[list[dict[str, Any]], list[dict[str, Any]]]) -> bool:
+    """Whether `messages` say all the previous turn said (sent, returned), and more than it sent."""
+    before = said[0] + said[1]
+    return bool(before) and len(messages) > len(said[0]) and foreign.same_messages(messages[: len(before)], before) \
+        and len(messages) >= len(before)
+
+
+def _plain_build(spans: list[SpanRecord]) -> tuple[list[tuple[Any, ...]], bool, list[tuple[Any, ...]], set[Any]]:
+    """`build_sequences` as its docstring tells it, token by token: (sequences, token_exact, drift, warned), each
+    sequence (ids, logprobs, mask, step), each drift (span id, turn, position, expected, got), warned the (span id,
+    attribute) of each turn dropped for a bad attribute."""
+    first: dict[str, SpanRecord] = {}
+    for span in spans:
+        first.setdefault(span.span_id, span)
+    sequences: list[tuple[list[Any], list[Any], list[int], Any]] = []
+    exact, drift, warned = True, [], set()
+    said: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
+    for turn, span in enumerate(sorted(first.values(), key=lambda s: (s.start_ns, s.end_ns, s.span_id))):
+        ids = {key: span.attributes.get(key) for key in (sc.PROMPT_TOKEN_IDS, sc.COMPLETION_TOKEN_IDS)}
+        warned |= {(span.span_id, key) for key, value in ids.items() if value is not None and _token_ids(value) is None}
+        prompt, completion = (_token_ids(value) for value in ids.values())
+        raw = span.attributes.get(sc.COMPLETION_LOGPROBS)
+        if prompt is None or completion is None:
+            exact = False
+            continue
+        if raw is not None and not (isinstance(raw, list) and len(raw) == len(completion)):
+            warned.add((span.span_id, sc.COMPLETION_LOGPROBS))
+            exact = False
+            continue
+        logprobs = [None] * len(completion) if raw is None else [
+            float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None for v in raw]
+        step = whole_number(span.attributes.get(sc.POLICY_STEP), 0)
+        talk = foreign.conversation(span.attributes, span_id=span.span_id)
+        last = sequences[-1][0] if sequences else None
+        if last and len(prompt) >= len(last) and all(a == b for a, b in zip(prompt, last)):
+            ids_, lps, mask, _ = sequences.pop()
+        else:
+            if last is not None and _plain_extends(talk.input, said):
+                at = next((i for i, (a, b) in enumerate(zip(prompt, last)) if a != b), min(len(prompt), len(last)))
+                drift.append((span.span_id, turn, at, last[at : at + 8], prompt[at : at + 8]))
+            ids_, lps, mask = [], [], []
+        for token in prompt[len(ids_) :]:
+            ids_, lps, mask = [*ids_, token], [*lps, None], [*mask, 0]
+        for token, logprob in zip(completion, logprobs):
+            ids_, lps, mask = [*ids_, token], [*lps, logprob], [*mask, 1]
+        sequences.append((ids_, lps, mask, step))
+        said = (talk.input, talk.output)
+    return sequences, exact, drift, warned
+
+
+def test_build_sequences_matches_a_plain_reading_of_its_rules(caplog: pytest.LogCaptureFixture) -> None:
+    """Random trajectories (merges, drift, drops, odd ids and logprobs, foreign calls, duplicates, ties in time):
+    `build_sequences` (which checks the usual lists in a faster way) gives what its rules say, warnings included."""
+    rng = random.Random(7)
+    for trajectory in range(400):
+        spans: list[SpanRecord] = []
+        tokens: list[Any] = []
+        said: list[dict[str, Any]] = []
+        for n in range(1, rng.randrange(2, 7)):
+            span = _random_turn(rng, n, tokens, said)
+            spans.append(span)
+            prompt, completion = (span.attributes.get(key) for key in (sc.PROMPT_TOKEN_IDS, sc.COMPLETION_TOKEN_IDS))
+            tokens = prompt + completion if isinstance(prompt, list) and isinstance(completion, list) else tokens
+            talk = foreign.conversation(span.attributes)
+            said = talk.input + talk.output
+        if rng.random() < 0.2:
+            spans.append(replace(rng.choice(spans), start_ns=0))  # a duplicate span id: the first one counts
+        span_readers.forget_warnings()
+        caplog.clear()
+        built = build_sequences(spans)
+        dropped = [r.getMessage().split(" ")[1:3] for r in caplog.records if "turn dropped" in r.getMessage()]
+        got = (
+            [(s.token_ids, s.logprobs, s.assistant_mask, s.policy_step) for s in built.sequences],
+            built.token_exact,
+            [(d.span_id, d.turn, d.position, d.expected, d.got) for d in built.drift],
+            {(span_id.rstrip(":"), key) for span_id, key in dropped},
+        )
+        assert got == _plain_build(spans), f"trajectory {trajectory}"
 
 
 def test_messages_tools_model_metadata_and_rewards() -> None:
