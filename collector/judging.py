@@ -10,8 +10,9 @@ A run claims its group in the `judge_runs` table before it calls the judge, so t
 replicas on one database (or two requests to one collector) never judge a group at once, and an
 automatic run leaves a group that another run took up since it was found due. A run whose claim
 another run took over as stale (`claim_seconds`) stores nothing: its transaction checks the claim. Nor does a run
-whose group changed while the judge answered (`judge_stale`): the same transaction reads the group again first,
-holding the locks an export changing it takes (`ScoringStore.members_held`).
+whose group changed while the judge answered (`judge_stale`): the same transaction compares each member's stamp,
+read before the judge was shown the group, with the one committed, holding the locks an export changing it takes
+(`ScoringStore.member_stamps_held`).
 """
 
 from __future__ import annotations
@@ -33,13 +34,12 @@ from collector.ruler import (
     build_messages,
     dedupe,
     explanation_limit,
-    fingerprint,
     parse_scores,
     response_format,
     scores_only_tokens,
 )
 from collector.scoring_config import JudgeSettings
-from collector.scoring_store import ScoringStore, SeenRun
+from collector.scoring_store import MemberStamp, ScoringStore, SeenRun
 from collector.store_base import Store
 
 __all__ = ["GroupJudge", "claim_seconds", "run_view"]
@@ -75,11 +75,6 @@ class _ClaimLost(Exception):
 class _Changed(Exception):
     """Raised in the transaction of a run's scores when the group is no longer what the judge was shown: nothing is
     stored."""
-
-
-def _contents(trajectories: list[Trajectory]) -> dict[str, str]:
-    """The fingerprint of each trajectory's messages, by id."""
-    return {t.id: fingerprint(t.messages) for t in trajectories}
 
 
 def claim_seconds(settings: JudgeSettings) -> float:
@@ -152,6 +147,7 @@ class GroupJudge:
         Raises:
             NotFound: the group does not exist or has no trajectories, or was deleted while it was judged.
         """
+        stamps = self.scoring.member_stamps(group_id)  # first: a change after it, whenever, is seen (`_record`)
         members = self._members(group_id)
         if not members:
             raise NotFound(f"no group {group_id!r} with trajectories; see GET /v1/groups")
@@ -166,7 +162,7 @@ class GroupJudge:
             log.info("group %s is being judged, or was since it was found due, by another run; left to it", group_id)
             return None
         try:
-            return self._judge(group_id, members, distinct, owner, rubric, started)
+            return self._judge(group_id, members, stamps, distinct, owner, rubric, started)
         except NotFound:  # the group was deleted mid-run, its run with it: nothing to free
             raise
         except Exception as exc:  # e.g. the store failed mid-run: free the group now, not after claim_seconds
@@ -176,10 +172,11 @@ class GroupJudge:
             raise
 
     def _judge(
-        self, group_id: str, members: list[Trajectory], distinct: list[list[dict[str, Any]]], owner: list[int],
-        rubric: str, started: float
+        self, group_id: str, members: list[Trajectory], stamps: dict[str, MemberStamp],
+        distinct: list[list[dict[str, Any]]], owner: list[int], rubric: str, started: float
     ) -> JudgeRun:
-        """The claimed run started at `started`: call the judge, store the scores and the outcome."""
+        """The claimed run started at `started`, of the group's `members` (their `stamps` read before them): call the
+        judge, store the scores and the outcome."""
         s = self.settings
         tries = _tries(s)
         messages = build_messages(rubric, distinct)
@@ -199,7 +196,7 @@ class GroupJudge:
                     time.sleep(min(2.0 ** (attempt - 1), _MAX_BACKOFF))
                 continue
             rows = self._scored(members, owner, scores)
-            return self._record(group_id, started, rows, shown=members, state="ok", attempts=attempt, error=None,
+            return self._record(group_id, started, rows, shown=stamps, state="ok", attempts=attempt, error=None,
                                 next_try_at=None)
         assert error is not None
         if error.code == "judge_rejected" and rubric.strip() != s.rubric.strip():
@@ -305,11 +302,12 @@ class GroupJudge:
         ]
 
     def _record(self, group_id: str, started: float, rows: list[Judgement], *, attempts: int,
-                shown: list[Trajectory] | None = None, **outcome: object) -> JudgeRun:
+                shown: dict[str, MemberStamp] | None = None, **outcome: object) -> JudgeRun:
         """Store the scores `rows` of the run started at `started` with their explanations and `outcome`; the group's
-        run as it stands then. With `shown`, the members the judge scored, the run is `judge_stale` instead (see
-        `_stale`) when the group, read again first in the same transaction, is no longer them
-        (`ScoringStore.members_held`: a change committed before the scores is always seen).
+        run as it stands then. With `shown`, the stamps of the members the judge scored (read before the members
+        were), the run is `judge_stale` instead (see `_stale`) when the group's, read again first in the same
+        transaction, differ (`ScoringStore.member_stamps_held`: a change committed before the scores is always seen;
+        one committed between the two reads of the run start makes an extra `judge_stale`, never a missed one).
 
         All of it is one transaction, the rewards' (`Store.add_rewards`, the rest in its `also`), committed whole or
         not at all. In it the run's outcome is written only while the run still holds its group
@@ -327,7 +325,7 @@ class GroupJudge:
                 raise _ClaimLost
 
         def unchanged(conn: Connection) -> None:
-            if shown is not None and _contents(self.scoring.members_held(conn, group_id, shown)) != _contents(shown):
+            if shown is not None and self.scoring.member_stamps_held(conn, group_id, shown) != shown:
                 raise _Changed
 
         rewards = [RewardIn(rollout_id=row.trajectory_id, name=row.name, value=row.score) for row in rows]

@@ -11,18 +11,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Engine, Table, delete, exists, or_, select, update
+from sqlalchemy import Connection, Engine, Table, delete, exists, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
-from collector import store_reads
 from collector.engine import chunks
-from collector.groups import TrainingReward
-from collector.protocol import Trajectory
-from collector.schema import groups, judge_runs, judgements, langfuse_pulled, langfuse_pushed, trajectories
+from collector.schema import groups, judge_runs, judgements, langfuse_pulled, langfuse_pushed, spans, trajectories
 from collector.transactions import GROUP_LOCKS, TRAJECTORY_LOCKS, Transactions
 
-__all__ = ["PushedScore", "ScoringStore", "SeenRun"]
+__all__ = ["MemberStamp", "PushedScore", "ScoringStore", "SeenRun"]
 
 
 def _insert(conn: Connection, table: Table) -> postgresql.Insert | sqlite.Insert:
@@ -39,6 +36,32 @@ class PushedScore(NamedTuple):
     """When it was first pushed (the score's timestamp)."""
     score_id: str
     """The score's id in Langfuse."""
+
+
+class MemberStamp(NamedTuple):
+    """What changes whenever a group member's messages, which its spans make, may have changed
+    (`ScoringStore.member_stamps`): the judge compares them instead of the messages."""
+
+    trace_id: str
+    """Its trace (an export of the trace locks it)."""
+    spans: int
+    """Its stored spans: they are only ever added while it exists (deleted with it, `placement._forget_trajectory`)."""
+    updated_at: float
+    """When its row last changed (an export of its spans, a member of its group deleted, a reward withdrawn): a
+    member deleted and stored again with as many spans has a later one."""
+
+
+def _stamps(conn: Connection, group_id: str) -> dict[str, MemberStamp]:
+    """The stamp of each trajectory in the group, by id."""
+    rows = conn.execute(
+        select(trajectories.c.id, trajectories.c.trace_id, trajectories.c.updated_at)
+        .where(trajectories.c.group_id == group_id)
+    ).all()
+    counts: dict[str, int] = {}
+    for chunk in chunks(sorted(row.id for row in rows)):
+        query = select(spans.c.trajectory_id, func.count()).where(spans.c.trajectory_id.in_(chunk))
+        counts.update(dict(conn.execute(query.group_by(spans.c.trajectory_id)).all()))
+    return {row.id: MemberStamp(row.trace_id, counts.get(row.id, 0), row.updated_at) for row in rows}
 
 
 class SeenRun(NamedTuple):
@@ -133,19 +156,26 @@ class ScoringStore:
             self._replace_judgements(conn, group_id, *judgements)
         return True
 
-    def members_held(self, conn: Connection, group_id: str, shown: list[Trajectory]) -> list[Trajectory]:
-        """The group's trajectories as committed, read in `conn`'s transaction (a run's scores', see
-        `Store.add_rewards`' `before`) once it holds the advisory locks an export changing them takes
-        (`Transactions.lock`, namespaces in ascending order): those of the `shown` members' ids and traces, then
-        the group's key. An export in flight commits first and is seen here; a later one waits for the commit.
-        Their messages only are meant: each one's `reward` is not the training reward's."""
-        self._tx.lock(conn, TRAJECTORY_LOCKS, [t.id for t in shown] + [t.trace_id for t in shown])
+    def member_stamps(self, group_id: str) -> dict[str, MemberStamp]:
+        """The stamp of each of the group's trajectories, by id, as committed (see `member_stamps_held`), read without
+        the write lock."""
+        return self._tx.read(lambda conn: _stamps(conn, group_id))
+
+    def member_stamps_held(
+        self, conn: Connection, group_id: str, seen: dict[str, MemberStamp]
+    ) -> dict[str, MemberStamp]:
+        """The stamp of each of the group's trajectories, by id, as committed, read in `conn`'s transaction (a run's
+        scores', see `Store.add_rewards`' `before`) once it holds the advisory locks an export changing them takes
+        (`Transactions.lock`, namespaces in ascending order): those of the `seen` members' ids and traces, then the
+        group's key. An export in flight commits first and is seen here; a later one waits for the commit.
+
+        Nothing is assembled, so the transaction (on SQLite, the write lock) is held briefly however large the group:
+        the stamps differ from `seen` when a member came or left, or got spans (its messages come from its spans
+        only), or its row changed otherwise (a harmless extra `judge_stale`)."""
+        self._tx.lock(conn, TRAJECTORY_LOCKS, [*seen, *(stamp.trace_id for stamp in seen.values())])
         key = conn.execute(select(groups.c.key).where(groups.c.id == group_id)).scalar()
         self._tx.lock(conn, GROUP_LOCKS, [key] if key is not None else [])
-        found = store_reads.trajectories_matching(
-            conn, TrainingReward(), group=group_id, task=None, split=None, newest_first=False, limit=None, offset=0
-        )
-        return [t for t in found if t.group_id == group_id]
+        return _stamps(conn, group_id)
 
     def save_judgements(self, name: str, group_id: str, rows: list[dict[str, Any]]) -> None:
         """Replace the group's judgements under reward `name` with `rows` (trajectory_id, score, explanation, ...)."""

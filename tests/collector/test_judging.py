@@ -25,7 +25,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from art_langgraph import semconv as sc
-from collector import placement
+from collector import placement, store_reads
 from collector.config import CollectorSettings
 from collector.errors import Conflict
 from collector.judging import GroupJudge, claim_seconds
@@ -945,3 +945,52 @@ def test_an_export_in_flight_as_the_scores_are_written_is_waited_for_and_seen(
     members = replica_stores[1].trajectories(group=group)
     assert all("ruler" not in t.rewards for t in members)
     assert [t.messages[-1]["content"] for t in members] == (["99", "8"] if group == "g" else ["7", "8", "9"])
+
+
+def test_the_scores_transaction_assembles_no_trajectory(
+    replica_stores: list[SqlStore], clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stale check assembled the whole group in the scores' transaction: on SQLite it held the write lock for
+    seconds with large groups, every export waiting. It compares a stamp per member instead."""
+    judge = GroupJudge(replica_stores[0], ScoringStore(replica_stores[0].engine), JudgeSettings(),
+                       client=HeldJudge(released=True), clock=clock)
+    in_scores, assembled = threading.Event(), []
+    assemble, store_rewards = store_reads.assemble, judge.store.add_rewards
+
+    def recorded(conn: Any, rows: list[Any], training: Any) -> Any:
+        if in_scores.is_set():
+            assembled.extend(row["id"] for row in rows)
+        return assemble(conn, rows, training)
+
+    def scores(*args: Any, **kwargs: Any) -> Any:
+        in_scores.set()
+        try:
+            return store_rewards(*args, **kwargs)
+        finally:
+            in_scores.clear()
+
+    monkeypatch.setattr(store_reads, "assemble", recorded)
+    monkeypatch.setattr(judge.store, "add_rewards", scores)
+    run = judge.judge("g")
+    assert run.state == "ok" and [j.score for j in run.judgements] == [1.0, 0.0]
+    assert assembled == []
+
+
+def test_a_group_that_changes_right_after_the_judge_reads_it_is_judge_stale(
+    replica_stores: list[SqlStore], clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the scores' transaction compares is read before the members the judge is shown: a member's late turn
+    committed right after they were read is seen."""
+    judge = GroupJudge(replica_stores[0], ScoringStore(replica_stores[0].engine), JudgeSettings(),
+                       client=HeldJudge(released=True), clock=clock)
+    members = judge._members
+
+    def changed_after(group_id: str) -> Any:
+        found = members(group_id)
+        replica_stores[1].add_spans(_late_turn([]))
+        return found
+
+    monkeypatch.setattr(judge, "_members", changed_after)
+    run = judge.judge("g")
+    assert (run.state, run.judgements) == ("failed", []) and run.error.startswith("judge_stale")
+    assert all("ruler" not in t.rewards for t in replica_stores[1].trajectories(group="g"))
