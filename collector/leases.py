@@ -277,17 +277,11 @@ def ack(
     return AckResponse(batch_id=batch_id, groups=ids, policy_step=policy_step)
 
 
-def _storable(reason: str) -> str:
-    """A release's `reason` (a trainer's error text) as every backend stores it: PostgreSQL's text holds no NUL
-    character, so each becomes U+FFFD rather than the release being refused."""
-    return reason.replace("\x00", "\ufffd")
-
-
 def release(
     conn: Connection, settings: CollectorSettings, batch_id: str, request: ReleaseRequest, now: float
 ) -> ReleaseResponse:
     """Give a batch's groups back untrained, now (`pool.give_back`); the batch ends `released` with the reason
-    (`_storable`).
+    (`ReleaseRequest.reason`: storable on every backend).
 
     Only the groups the batch still holds go back and count: after its lease expired (which counted them) none
     do, and a group leased again since is not touched. Releasing a released batch changes nothing and answers
@@ -305,9 +299,8 @@ def release(
             code="batch_acked",
         )
     if batch["state"] != "released":
-        reason = _storable(request.reason)
-        pool.give_back(conn, settings, [batch_id], failed=request.failed, error=reason, now=now)
-        conn.execute(batches.update().where(batches.c.id == batch_id).values(state="released", reason=reason))
+        pool.give_back(conn, settings, [batch_id], failed=request.failed, error=request.reason, now=now)
+        conn.execute(batches.update().where(batches.c.id == batch_id).values(state="released", reason=request.reason))
     skipped = sorted(
         conn.execute(
             select(groups.c.id).where(groups.c.id.in_(ids), groups.c.state == "skipped", groups.c.batch_id == batch_id)

@@ -21,7 +21,7 @@ from collector.groups import capacity
 from collector.schema import groups, rewards, spans, trajectories
 from collector.scoring_store import ScoringStore
 
-__all__ = ["place", "write_trajectories"]
+__all__ = ["forget_deferred_foreign", "place", "write_trajectories"]
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,20 @@ def _delete_foreign(conn: Connection, row: Any, now: float) -> bool:
             .values(state="skipped", reason=f"its trajectory was deleted: {FOREIGN_IN_ROLLOUT}", updated_at=now)
         )
     return True
+
+
+def forget_deferred_foreign(conn: Connection, group_ids: list[str], now: float) -> None:
+    """Delete the trajectories of `group_ids` that `_without_foreign_calls_in_rollouts` kept because their group was
+    leased when their trace's rollout came (`_delete_foreign`, as placement deletes them): called when the
+    groups return to the pool (`pool.give_back`), so another instrumentation's calls are not leased again as samples of
+    our policy. A group it leaves empty is skipped, as placement's deletion leaves it."""
+    rows: dict[str, Any] = {}
+    for chunk in chunks(sorted(group_ids)):
+        query = select(trajectories).where(trajectories.c.group_id.in_(chunk), trajectories.c.by_rollout.is_(False))
+        rows.update({row["id"]: row for row in conn.execute(query).mappings()})
+    for key in sorted(_rollout_traces(conn, {}, set(rows))):
+        if rows[key]["digest"] and FactsDigest.from_json(rows[key]["digest"]).foreign_only:
+            _delete_foreign(conn, rows[key], now)
 
 
 def _without_foreign_calls_in_rollouts(

@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, or_, select
 
+from collector import placement
 from collector.config import CollectorSettings
 from collector.engine import chunks
 from collector.groups import Decision, Member, decide, merge_rewards
@@ -119,9 +120,11 @@ def give_back(
 
     With `failed`, each counts a failed attempt, and one that reaches `settings.max_failed_attempts` is skipped
     instead (the reason says how often and `error`); it keeps the batch that gave up on it in `batch_id`, which
-    tells it from a group skipped for its rewards: a new reward does not reopen it.
+    tells it from a group skipped for its rewards: a new reward does not reopen it. The trajectories of another
+    instrumentation's calls kept while the groups were leased are deleted then (`placement.forget_deferred_foreign`).
     """
     held = and_(groups.c.state == "leased", groups.c.batch_id.in_(batch_ids))
+    returned = list(conn.execute(select(groups.c.id).where(held)).scalars())
     limit = settings.max_failed_attempts
     if failed:
         conn.execute(groups.update().where(held).values(failed_attempts=groups.c.failed_attempts + 1))
@@ -136,6 +139,7 @@ def give_back(
             )
             log.warning("group %s skipped, not leased again: %s", group_id, reason)
     conn.execute(groups.update().where(held).values(state="open", batch_id=None, updated_at=now))
+    placement.forget_deferred_foreign(conn, returned, now)
 
 
 def maintain(conn: Connection, settings: CollectorSettings, now: float) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from contextvars import ContextVar
 from typing import Annotated, Any, Literal, Self
 
@@ -39,6 +40,25 @@ MAX_LEASE_SECONDS = 7 * 24 * 3600.0
 REWARD_SPREAD_TOLERANCE = 1e-12
 """Rewards of a group that differ by no more than this, relatively or absolutely, are equal: float rounding
 (`0.1 + 0.2 + 0.3` against `0.3 + 0.2 + 0.1`) is no signal, yet scaled by the group's tiny std it would be one."""
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+"""A UTF-16 surrogate: in text `json.loads` made, one without its pair (it joins a pair into one character)."""
+
+
+def without_surrogates(value: Any) -> Any:
+    """`value` (as `json.loads` makes it) with each lone surrogate in its strings, keys too, as U+FFFD."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [without_surrogates(item) for item in value]
+    if isinstance(value, dict):
+        return {without_surrogates(key): without_surrogates(item) for key, item in value.items()}
+    return value
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+"""A control character (C0, DEL, C1) or a Unicode line or paragraph separator: each can break a log line."""
 
 
 def has_reward_spread(rewards: list[float]) -> bool:
@@ -179,6 +199,16 @@ class BatchRequest(RequestBody):
         "while its lease lasts gets the same batch, not a second lease; one key per lease, e.g. a random UUID.",
     )
 
+    @field_validator("trainer")
+    @classmethod
+    def _loggable(cls, trainer: str | None) -> str | None:
+        """Refuse a name with a control character or line separator: the name is logged as sent (a line break in it
+        would forge log lines) and shown on the batch. `art-trainer` sends its `--name` (letters, digits, `_.-`)."""
+        if trainer is not None and (found := _CONTROL.search(trainer)):
+            raise ValueError(f"holds U+{ord(found.group()):04X}: a trainer's name is logged and shown as sent, so it "
+                             "takes no control character or line separator")
+        return trainer
+
     @model_validator(mode="after")
     def _satisfiable(self) -> BatchRequest:
         if self.min_groups > self.max_groups:
@@ -222,6 +252,14 @@ class ReleaseRequest(RequestBody):
         "`ART_COLLECTOR_MAX_FAILED_ATTEMPTS`). False: the trainer itself failed (disk full, engine down): the "
         "groups go back uncounted.",
     )
+
+    @field_validator("reason", mode="before")
+    @classmethod
+    def _storable(cls, reason: Any) -> Any:
+        """The text as every backend stores it and every answer encodes it: a NUL (PostgreSQL's text holds none) and
+        a lone surrogate (JSON's `"\\ud800"` reads as one, and no UTF-8 holds it) each become U+FFFD. A trainer's
+        error text may hold either; refused, the release would leave the groups leased until the lease expires."""
+        return without_surrogates(reason).replace("\x00", "\ufffd") if isinstance(reason, str) else reason
 
     @field_validator("reason")
     @classmethod

@@ -13,7 +13,7 @@ from typing import Any
 
 from art_langgraph import semconv as sc
 from collector.otlp import SpanRecord
-from collector.protocol import MAX_COUNT
+from collector.protocol import MAX_COUNT, without_surrogates
 
 __all__ = [
     "COUNTS", "WARNINGS_KEPT", "forget_warnings", "read_json", "unique_sorted", "warn_once", "whole_number",
@@ -58,21 +58,6 @@ def read_json(text: str) -> Any:
 
 _ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 """A JSON escape of a UTF-16 surrogate (`\\ud83d`): only text with one can read as a lone surrogate."""
-_SURROGATE = re.compile(r"[\ud800-\udfff]")
-"""A UTF-16 surrogate: in text `json.loads` made, one without its pair (it joins a pair into one character)."""
-
-
-def without_surrogates(value: Any) -> Any:
-    """`value` (as `json.loads` makes it) with each lone surrogate in its strings, keys too, as U+FFFD."""
-    if isinstance(value, str):
-        return _SURROGATE.sub("\ufffd", value)
-    if isinstance(value, list):
-        return [without_surrogates(item) for item in value]
-    if isinstance(value, dict):
-        return {without_surrogates(key): without_surrogates(item) for key, item in value.items()}
-    return value
-
-
 WARNINGS_KEPT = 4096
 """How many distinct warnings `warn_once` remembers (the least recently logged are forgotten first)."""
 

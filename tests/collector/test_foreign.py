@@ -29,7 +29,9 @@ from art_langgraph import semconv as sc
 from collector.errors import Conflict
 from collector.foreign import conversation, describes_art_call, finish_reason, same_messages
 from collector.otlp import SpanRecord
-from collector.protocol import BatchRequest, RewardIn
+from collector.placement import FOREIGN_IN_ROLLOUT
+from collector.protocol import BatchRequest, ReleaseRequest, RewardIn
+from collector.schema import groups as group_rows
 from collector.schema import spans as span_rows
 from collector.scoring_store import ScoringStore
 from tests.collector.server_helpers import collector_app
@@ -702,3 +704,41 @@ def test_a_late_ack_conflicts_when_a_member_was_deleted_since(make_store, clock,
     assert raised.value.code == "lease_expired"
     states = {group.id: group.state for group in store.groups()}
     assert states.get("g") == ("open" if members == 2 else None)  # the member left waits for a second one
+
+
+@pytest.mark.parametrize("end", ["released", "expired"])
+@pytest.mark.parametrize("members", [1, 2])
+def test_foreign_calls_kept_while_leased_are_deleted_when_their_group_returns_to_the_pool(
+    make_store, clock, members: int, end: str
+) -> None:
+    """The rollout's spans came while the group of the foreign calls in its trace was leased, which kept them; the
+    release (or expiry) of the lease put the group back in the pool, and the next lease took those calls again as a
+    sample of our policy. They are deleted when the group returns, as placement deletes them: a group left empty is
+    skipped, one with a member left waits for another."""
+    store = make_store(min_group_size=members, keep_zero_spread=True)
+    for n, trace in enumerate((TRACE_A, TRACE_B)[:members]):
+        call = _openinference_llm(trace, 111 + 10 * n, None, marked=False)
+        store.add_spans([replace(call, attributes=call.attributes | {sc.GROUP: "g"})])
+        store.add_rewards([RewardIn(trace_id=trace, value=0.5)])
+    clock.now += 1000  # idle past `idle_seconds`: the traces' trajectories are complete
+    batch = store.lease(BatchRequest(lease_seconds=10))
+    assert [group.id for group in batch.groups] == ["g"]
+    clock.now += 1
+    store.add_spans(_ours("r1", TRACE_A, 100))
+    assert TRACE_A in {t.id for t in store.trajectories()}  # kept: its group is leased
+
+    if end == "released":
+        store.release(batch.id, ReleaseRequest(reason="vLLM down", failed=False))
+    else:
+        clock.now += 10
+    assert sorted(t.id for t in store.trajectories()) == sorted(["r1", TRACE_B][:members])
+    with store.engine.connect() as conn:  # its spans went with it, not the rollout's
+        assert TRACE_A not in set(conn.execute(select(span_rows.c.trajectory_id)).scalars())
+    with store.engine.connect() as conn:
+        query = select(group_rows.c.state, group_rows.c.reason).where(group_rows.c.id == "g")
+        state, reason = conn.execute(query).one()
+    assert state == ("skipped" if members == 1 else "open")
+    assert (FOREIGN_IN_ROLLOUT in reason) if members == 1 else reason is None
+    leased = store.lease(BatchRequest(max_groups=8)).groups
+    # with 2 members: "g" and "chat" wait for a second member each
+    assert [(group.id, [t.id for t in group.trajectories]) for group in leased] == [("chat", ["r1"])][:2 - members]

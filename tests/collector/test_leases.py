@@ -549,16 +549,17 @@ def test_release_is_idempotent_and_conflicts_with_acks(make_store) -> None:
         store.release("nope", FAILED)
 
 
-def test_a_release_whose_reason_holds_a_nul_character_gives_the_groups_back(make_store) -> None:
-    """PostgreSQL's text holds no NUL: a trainer's error text with one was refused (400) and its groups stayed leased
-    until the lease expired; on SQLite it was stored. Stored with U+FFFD in its place on every backend."""
+def test_a_release_whose_reason_holds_a_nul_character_or_a_lone_surrogate_gives_the_groups_back(make_store) -> None:
+    """PostgreSQL's text holds no NUL, and no UTF-8 text a lone surrogate: a trainer's error text with one was refused
+    (400) and its groups stayed leased until the lease expired; on SQLite a NUL was stored. Stored with U+FFFD in
+    their place on every backend."""
     store = make_store(max_failed_attempts=1)
     _ready_group(store)
     batch = store.lease(BatchRequest())
-    released = store.release(batch.id, ReleaseRequest(reason="UnicodeError: text\x00end"))
+    released = store.release(batch.id, ReleaseRequest(reason="UnicodeError: text\x00end\udcff"))
     assert (released.returned, released.skipped) == ([], ["g"])
-    assert _state(store) == ("skipped", "training failed 1 times; last: UnicodeError: text\ufffdend", 1)
-    assert {b.id: b.reason for b in store.batches()}[batch.id] == "UnicodeError: text\ufffdend"
+    assert _state(store) == ("skipped", "training failed 1 times; last: UnicodeError: text\ufffdend\ufffd", 1)
+    assert {b.id: b.reason for b in store.batches()}[batch.id] == "UnicodeError: text\ufffdend\ufffd"
 
 
 def test_an_empty_lease_is_not_stored(make_store) -> None:

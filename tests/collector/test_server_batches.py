@@ -44,6 +44,10 @@ def test_batches_groups_and_acks(client: TestClient) -> None:
     ({"lease_seconds": 0.5}, "body.lease_seconds: Input should be greater than or equal to 1"),
     ({"lease_seconds": 0}, "body.lease_seconds: Input should be greater than or equal to 1"),
     ({"trainer": "t" * 257}, "trainer"),
+    # a line break would forge a log line (`leased ... to <trainer>`)
+    ({"trainer": "t\nleased 9 groups to u"}, "body.trainer: Value error, holds U+000A"),
+    ({"trainer": "t\x85u"}, "body.trainer: Value error, holds U+0085"),
+    ({"trainer": "t\u2028u"}, "body.trainer: Value error, holds U+2028"),
 ])
 def test_a_lease_request_that_could_never_be_met_or_kept_is_refused(
     client: TestClient, body: dict[str, Any], fragment: str
@@ -101,6 +105,22 @@ def test_release_gives_groups_back_now_and_shows_on_the_batch(tmp_path: Path) ->
     assert_error(client.post("/v1/groups/g/reopen"), 409, "group_not_reopenable")
     third = client.post("/v1/batches", json={}).json()
     assert [g["id"] for g in third["groups"]] == ["g"]
+
+
+def test_a_release_whose_reason_holds_a_lone_surrogate_gives_the_groups_back(client: TestClient) -> None:
+    """JSON's `"\\ud800"` reads as a lone surrogate, which no UTF-8 text holds: the release was refused (400) while its
+    body was read, and the groups stayed leased until the lease expired. The reason is a trainer's error text: stored
+    with U+FFFD in its place. Other fields with one are still refused."""
+    client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
+    batch = client.post("/v1/batches", json={}).json()
+    body = '{"reason": "UnicodeError: \\ud800 \\udfff end", "failed": false}'
+    released = client.post(f"/v1/batches/{batch['id']}/release", content=body, headers=JSON)
+    assert released.status_code == 200 and released.json()["returned"] == ["g"]
+    assert [(g["state"], g["failed_attempts"]) for g in client.get("/v1/groups").json()] == [("ready", 0)]
+    [shown] = client.get("/v1/view/batches").json()
+    assert (shown["state"], shown["reason"]) == ("released", "UnicodeError: \ufffd \ufffd end")
+    refused = client.post("/v1/batches", content='{"trainer": "t\\ud800"}', headers=JSON)
+    assert "body.trainer" in assert_error(refused, 400, "invalid_request")["message"]
 
 
 def test_batch_and_ack_without_body(client: TestClient) -> None:
