@@ -301,13 +301,13 @@ def release(
     if batch["state"] != "released":
         pool.give_back(conn, settings, [batch_id], failed=request.failed, error=request.reason, now=now)
         conn.execute(batches.update().where(batches.c.id == batch_id).values(state="released", reason=request.reason))
-    skipped = sorted(
-        conn.execute(
-            select(groups.c.id).where(groups.c.id.in_(ids), groups.c.state == "skipped", groups.c.batch_id == batch_id)
-        ).scalars()
-    )
+    # skipped with this batch: its failed attempts; skipped without it: emptied as foreign calls (`pool.give_back`)
+    now_skipped = dict(conn.execute(
+        select(groups.c.id, groups.c.batch_id).where(groups.c.id.in_(ids), groups.c.state == "skipped")
+    ).all())
     return ReleaseResponse(
-        batch_id=batch_id, returned=[gid for gid in ids if gid not in skipped], skipped=skipped,
+        batch_id=batch_id, returned=[gid for gid in ids if gid not in now_skipped],
+        skipped=sorted(gid for gid, by in now_skipped.items() if by == batch_id),
         max_failed_attempts=settings.max_failed_attempts,
     )
 

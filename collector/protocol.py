@@ -352,7 +352,8 @@ class ReleaseResponse(BaseModel):
     batch_id: str
     returned: list[str] = Field(
         description="Ids of the batch's groups that went back to the pool when the batch ended (released now, or its "
-        "lease expired before), sorted; they can be leased again at once."
+        "lease expired before), sorted; they can be leased again at once. A group emptied then (its trajectories were "
+        "another instrumentation's calls, deleted as it returned) is in neither list: it is skipped."
     )
     skipped: list[str] = Field(
         description="Ids of the batch's groups that reached `max_failed_attempts` when the batch ended: skipped, "

@@ -728,7 +728,8 @@ def test_foreign_calls_kept_while_leased_are_deleted_when_their_group_returns_to
     assert TRACE_A in {t.id for t in store.trajectories()}  # kept: its group is leased
 
     if end == "released":
-        store.release(batch.id, ReleaseRequest(reason="vLLM down", failed=False))
+        answer = store.release(batch.id, ReleaseRequest(reason="vLLM down", failed=False))
+        assert (answer.returned, answer.skipped) == ([] if members == 1 else ["g"], [])  # emptied: "returned" too
     else:
         clock.now += 10
     assert sorted(t.id for t in store.trajectories()) == sorted(["r1", TRACE_B][:members])
