@@ -27,14 +27,15 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 from langfuse.api import CreateScoreBatchResults, CreateScoreRequest, CreateScoreSource, LangfuseAPI, ScoreDataType
 from langfuse.api.core.api_error import ApiError
 from pydantic import ValidationError
-from sqlalchemy import Connection
+from sqlalchemy import Connection, func, select
 
 from collector.errors import CollectorError
 from collector.protocol import RewardAccepted, RewardIn
@@ -43,6 +44,7 @@ from collector.schema import langfuse_pulled, score_version
 from collector.scoring_config import LangfuseSettings
 from collector.scoring_store import ScoringStore
 from collector.store_base import Store
+from collector.transactions import LANGFUSE_SYNC_LOCK
 
 __all__ = ["LangfuseSync", "LangfuseSyncError", "make_client"]
 
@@ -148,12 +150,13 @@ def _numeric(score: object) -> float | None:
 
 
 def _storable(score_id: str) -> bool:
-    """Whether the store can hold `score_id` (`langfuse_pulled.score_id`): UTF-8, at most as long as the column."""
+    """Whether every backend can hold `score_id` (`langfuse_pulled.score_id`): UTF-8 with no NUL (JSON's `\\u0000`,
+    which PostgreSQL's text cannot hold), at most as long as the column."""
     try:
         score_id.encode()
     except UnicodeEncodeError:  # a lone surrogate, which JSON's escapes can carry
         return False
-    return len(score_id) <= langfuse_pulled.c.score_id.type.length
+    return "\x00" not in score_id and len(score_id) <= langfuse_pulled.c.score_id.type.length
 
 
 def _reward_of(score: object) -> RewardIn | None:
@@ -163,8 +166,8 @@ def _reward_of(score: object) -> RewardIn | None:
     if trace_id is None or value is None:
         return None
     if not _storable(getattr(score, "id")):
-        log.warning("Langfuse score %r cannot be a reward: its id is no UTF-8 text of at most %d characters; ignored",
-                    getattr(score, "id"), langfuse_pulled.c.score_id.type.length)
+        log.warning("Langfuse score %r cannot be a reward: its id is no UTF-8 text of at most %d characters with no "
+                    "NUL; ignored", getattr(score, "id"), langfuse_pulled.c.score_id.type.length)
         return None
     try:
         return RewardIn(trace_id=trace_id, name=getattr(score, "name"), value=value)
@@ -370,8 +373,10 @@ class LangfuseSync:
         if not names:
             return 0, 0
         before, waiting = self.scoring.pushed(), self.scoring.retracting()
+        # read before the trajectories: one deleted and created again of the same id in between is pushed with the
+        # deleted one's time, and `mark_pushed` marks its score to delete, as it does a deleted one's
+        created = self.scoring.created_at()
         trajectories = self.store.trajectories()
-        created = self.scoring.created_at([t.id for t in trajectories])
         explanations = self.scoring.judgements([t.id for t in trajectories])
         now = self.clock()
         requests, marks = [], []
@@ -393,7 +398,8 @@ class LangfuseSync:
                     )
                 )
                 marks.append(
-                    {"trajectory_id": t.id, "name": name, "value": value, "score_id": score_id, "pushed_at": first}
+                    {"trajectory_id": t.id, "name": name, "value": value, "score_id": score_id, "pushed_at": first,
+                     "created_at": created[t.id]}
                 )
         rejected = 0
         for start in range(0, len(requests), PAGE):
@@ -406,15 +412,38 @@ class LangfuseSync:
             self.scoring.mark_pushed(marks[start : start + PAGE], now)
         return len(requests), rejected
 
+    @contextmanager
+    def _one_replica(self) -> Iterator[bool]:
+        """Whether no other replica's sync runs on the database: on PostgreSQL, whether this one got the session-level
+        advisory lock (`LANGFUSE_SYNC_LOCK`), held on a connection of its own until the block ends; on SQLite always
+        True (the replicas of a file share one machine; syncs are one at a time per process, `_lock`)."""
+        engine = self.scoring.engine
+        if engine.dialect.name != "postgresql":
+            yield True
+            return
+        # autocommit: the lock is the session's, and the connection holds no transaction open while the sync runs
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            if not conn.execute(select(func.pg_try_advisory_lock(LANGFUSE_SYNC_LOCK, 0))).scalar_one():
+                yield False
+                return
+            try:
+                yield True
+            finally:  # explicitly: a closed connection's session may hold the lock a while after the close
+                conn.execute(select(func.pg_advisory_unlock(LANGFUSE_SYNC_LOCK, 0)))
+
     def sync(self) -> LangfuseSyncResult:
         """Pull, push, then delete the scores pushed for trajectories deleted since (`_retract`); one sync at a time
-        (the schedule and `POST /v1/langfuse/sync` may overlap).
+        (the schedule and `POST /v1/langfuse/sync` may overlap), and on PostgreSQL one replica at a time: a sync while
+        another replica's runs is skipped (`skipped`), as the two could push one score under two ids.
 
         The deletions come after the push, so that a score pushed for a trajectory deleted meanwhile
         (`ScoringStore.mark_pushed`) is deleted by the same sync. A later trajectory of a deleted one's id pushes its
         scores in the sync after their deletion, under other ids (`_score_id`): Langfuse queues a deletion, and may
         apply it after a later push of the same id."""
-        with self._lock:
+        with self._lock, self._one_replica() as alone:
+            if not alone:
+                log.info("Langfuse sync skipped: another replica is syncing the same database")
+                return LangfuseSyncResult(pulled=0, applied=0, unmatched=0, ignored=0, pushed=0, skipped=True)
             result = self.pull()
             result.pushed, result.push_rejected = self.push()
             result.retracted, result.retract_refused, result.retract_failed = self._retract()

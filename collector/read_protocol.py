@@ -79,7 +79,7 @@ class LangfuseSyncResult(BaseModel):
     applied: int = Field(description="New or changed scores stored as rewards.")
     unmatched: int = Field(description="Applied scores whose trace has no trajectory yet (they apply when it arrives).")
     ignored: int = Field(description="Scores that cannot be rewards (on a session, an experiment, a non-OTel trace; "
-                         "with an id the store cannot hold: not UTF-8, over 256 characters).")
+                         "with an id the store cannot hold: not UTF-8, over 256 characters, with a NUL).")
     withdrawn: int = Field(default=0, description="Pulled scores deleted in Langfuse since: their rewards taken back.")
     pushed: int = Field(description="Rewards sent to Langfuse as scores.")
     push_rejected: int = Field(default=0, description="Scores Langfuse rejected (HTTP 207).")
@@ -90,6 +90,9 @@ class LangfuseSyncResult(BaseModel):
     retract_failed: int = Field(default=0, description="Such scores Langfuse failed to delete for now (a 5xx, 408 or "
                                 "429, no answer; logged): tried again after a growing delay (one minute to an hour), "
                                 "the sync's other deletions left to the next sync.")
+    skipped: bool = Field(default=False, description="True when another replica on the same PostgreSQL database was "
+                          "syncing (logged): this sync did nothing, every count is 0. On SQLite, syncs are one at a "
+                          "time per process only.")
 
 
 class TrajectorySummary(BaseModel):

@@ -282,15 +282,10 @@ class ScoringStore:
                 .where(langfuse_pushed.c.retract_at.is_not(None), live)
             )}
 
-    def created_at(self, trajectory_ids: list[str]) -> dict[str, float]:
-        """When each of the stored trajectories `trajectory_ids` was created (its row first written), by id; a deleted
-        one is left out."""
-        out: dict[str, float] = {}
+    def created_at(self) -> dict[str, float]:
+        """When each stored trajectory was created (its row first written), by id."""
         with self.engine.connect() as conn:
-            for chunk in chunks(trajectory_ids):
-                query = select(trajectories.c.id, trajectories.c.created_at).where(trajectories.c.id.in_(chunk))
-                out.update({tid: created for tid, created in conn.execute(query)})
-        return out
+            return {tid: created for tid, created in conn.execute(select(trajectories.c.id, trajectories.c.created_at))}
 
     @staticmethod
     def retract_pushed(conn: Connection, trajectory_id: str, at: float) -> None:
@@ -333,20 +328,26 @@ class ScoringStore:
             ))
 
     def mark_pushed(self, rows: list[dict[str, Any]], now: float) -> None:
-        """Remember pushed scores (trajectory_id, name, value, score_id, pushed_at: the first push's time), clearing
-        a mark to delete them (`retract_pushed`) that a deletion set after the push read the records: the score sent
-        is the later value of the same one. Except where the trajectory is gone by now: deleted while its score was
-        pushed, it is marked at `now`, as the score sent may be the deleted one's."""
+        """Remember pushed scores (trajectory_id, name, value, score_id, pushed_at: the first push's time; created_at:
+        when the trajectory the push read was created, `created_at`), clearing a mark to delete them (`retract_pushed`)
+        that a deletion set after the push read the records: the score sent is the later value of the same one. Except
+        where that trajectory is gone by now, deleted while its score was pushed (re-created since, of the same id, too:
+        its `created_at` is another): such a record is marked at `now`, as the score sent may be the deleted one's."""
         if not rows:
             return
         with self.engine.begin() as conn:
             for chunk in chunks(rows):
-                insert = _insert(conn, langfuse_pushed).values([{**row, "retract_at": None} for row in chunk])
+                records = [{key: value for key, value in row.items() if key != "created_at"} for row in chunk]
+                insert = _insert(conn, langfuse_pushed).values([{**record, "retract_at": None} for record in records])
                 conn.execute(insert.on_conflict_do_update(
                     index_elements=[langfuse_pushed.c.trajectory_id, langfuse_pushed.c.name],
                     set_={column: insert.excluded[column] for column in ("value", "score_id", "pushed_at",
                                                                          "retract_at")},
                 ))
-                gone = ~exists().where(trajectories.c.id == langfuse_pushed.c.trajectory_id)
-                ids = langfuse_pushed.c.trajectory_id.in_(sorted({row["trajectory_id"] for row in chunk}))
-                conn.execute(update(langfuse_pushed).where(ids, gone).values(retract_at=now))
+                pushed_for = {row["trajectory_id"]: row["created_at"] for row in chunk}
+                live = dict(conn.execute(select(trajectories.c.id, trajectories.c.created_at)
+                                         .where(trajectories.c.id.in_(sorted(pushed_for)))).all())
+                gone = sorted(tid for tid, created in pushed_for.items() if tid not in live or live[tid] != created)
+                if gone:
+                    conn.execute(update(langfuse_pushed).where(langfuse_pushed.c.trajectory_id.in_(gone))
+                                 .values(retract_at=now))

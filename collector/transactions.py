@@ -23,7 +23,7 @@ from sqlalchemy.pool import StaticPool
 
 from collector.engine import READ_ONLY
 
-__all__ = ["GROUP_LOCKS", "IDEMPOTENCY_LOCKS", "TRAJECTORY_LOCKS", "Transactions"]
+__all__ = ["GROUP_LOCKS", "IDEMPOTENCY_LOCKS", "LANGFUSE_SYNC_LOCK", "TRAJECTORY_LOCKS", "Transactions"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,10 @@ TRAJECTORY_LOCKS = 1
 """Advisory-lock namespace of trajectory ids. Namespaces are taken in ascending order."""
 GROUP_LOCKS = 2
 """Advisory-lock namespace of group keys."""
+LANGFUSE_SYNC_LOCK = 3
+"""Advisory-lock namespace of the Langfuse sync's session-level lock (`LangfuseSync.sync`: one replica syncs at a
+time), apart from the transaction-level ones above, which share PostgreSQL's advisory keys with it. It is only ever
+tried (`pg_try_advisory_lock`), never waited for, so it takes no part in the ascending order."""
 
 _RETRIED = {"40001": "serialization failure", "40P01": "deadlock"}
 _ATTEMPTS = 8

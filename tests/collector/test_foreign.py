@@ -592,7 +592,8 @@ def test_foreign_calls_stored_before_their_rollout_came_are_deleted_unless_lease
         assert [group.id for group in store.lease(BatchRequest()).groups] == [TRACE_A]
     scoring = ScoringStore(store.engine)
     scoring.mark_pushed([{"trajectory_id": TRACE_A, "name": "ruler", "value": 0.5, "score_id": "s",
-                          "pushed_at": clock.now}], clock.now)  # its score pushed to Langfuse
+                          "pushed_at": clock.now, "created_at": scoring.created_at()[TRACE_A]}],
+                        clock.now)  # its score pushed to Langfuse
     ours = _ours("r1", TRACE_A, 100)
     clock.now += 1
     store.add_spans(ours[1:])  # the rollout span comes later

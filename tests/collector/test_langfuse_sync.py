@@ -109,7 +109,8 @@ def test_pull_maps_annotation_scores_to_trajectories_by_trace(
         result = client.post("/v1/langfuse/sync").json()
         # 132 usable scores on 131 (trace, name) pairs: g-0's two scores give one reward, the later one
         assert result == {"pulled": 134, "applied": 131, "unmatched": 1, "ignored": 2, "withdrawn": 0, "pushed": 0,
-                          "push_rejected": 0, "retracted": 0, "retract_refused": 0, "retract_failed": 0}
+                          "push_rejected": 0, "retracted": 0, "retract_refused": 0, "retract_failed": 0,
+                          "skipped": False}
         gets = [path for method, path in server.requests if method == "GET"]
         assert (len(gets) == 2 and "cursor=" in gets[1] and "source=ANNOTATION" in gets[0]
                 and "fields=subject" in gets[0] and "dataType=NUMERIC%2CBOOLEAN" in gets[0])
@@ -311,7 +312,7 @@ def test_a_score_two_replicas_pull_at_once_is_applied_once(
         return seen
 
     second.scoring.pulled_versions = the_other_replica_syncs_meanwhile
-    result = second.sync()
+    result = second.pull()  # its pull alone: on PostgreSQL a sync holds off the other's (`test_a_sync_while_...`)
     assert first.store.trajectory("g-0").rewards == {"human": 0.5}
     assert first.store.trajectory("g-1").rewards == {"human": 0.1}
     assert result.applied == 1  # t only: s was applied by the other replica
@@ -343,7 +344,7 @@ def test_a_replica_that_listed_a_score_before_its_edit_does_not_store_the_older_
         return seen
 
     second.scoring.pulled_versions = the_score_is_edited_and_the_other_replica_syncs
-    result = second.sync()
+    result = second.pull()  # its pull alone: on PostgreSQL a sync holds off the other's (`test_a_sync_while_...`)
     assert first.store.trajectory("g-0").rewards == {"human": 0.5}
     assert result.applied == 0
     assert [row["value"] for row in first.scoring.pulled_since(0)] == [0.7]
@@ -368,7 +369,7 @@ def test_a_score_a_replica_is_storing_is_not_applied_again_by_another(
 
     def the_other_replica_syncs_meanwhile(conn: Connection, rows: list[dict]) -> set[str]:
         marked = mark(conn, rows)
-        answers.append(other.submit(second.sync))
+        answers.append(other.submit(second.pull))  # its pull alone: its sync would be skipped (`test_a_sync_...`)
         threading.Event().wait(0.5)  # time for the other sync to store the score too, were it not held back
         return marked
 
@@ -378,6 +379,35 @@ def test_a_score_a_replica_is_storing_is_not_applied_again_by_another(
     other.shutdown()
     assert rewards_of_score(first.store.engine, "s") == 1
     assert first.store.trajectory("g-0").rewards == {"human": 0.9}
+    for sync in (first, second):
+        sync.store.close()
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_sync_while_another_replicas_runs_is_skipped(
+    db_url, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two replicas syncing at once could push one score under two ids: one push read the record of a deleted
+    trajectory's score, and sent a later trajectory's reward under its id, while the other's deletion of that score
+    dropped the record. A sync while another replica's runs is skipped."""
+    url, server = langfuse
+    first, second = replicas(db_url, clock, url)
+    first.store.add_spans(group_spans("g", ["7"]))
+    server.add_score("s", "human", 0.9, trace_id=trace_id("g", 0))
+    get_many, answers = first.client.scores.get_many, []
+
+    def the_other_replica_syncs_meanwhile(**kwargs: object) -> object:
+        answers.append(second.sync())
+        return get_many(**kwargs)
+
+    first.client.scores.get_many = the_other_replica_syncs_meanwhile
+    caplog.set_level("INFO", logger="collector.langfuse_sync")
+    assert first.sync().applied == 1
+    assert [(answer.skipped, answer.pulled) for answer in answers] == [(True, 0)]
+    assert [method for method, _ in server.requests] == ["GET"]  # the first's only
+    assert "Langfuse sync skipped: another replica is syncing the same database" in caplog.text
+    later = second.sync()  # the lock went with the first's sync
+    assert (later.skipped, later.pulled, later.applied) == (False, 1, 0)
     for sync in (first, second):
         sync.store.close()
 
@@ -577,7 +607,7 @@ def test_more_marked_scores_than_a_page_are_all_deleted_by_one_sync(
     sync = sync_for(store, url)
     sync.clock = clock
     rows = [{"trajectory_id": f"gone-{n}", "name": "ruler", "value": 0.5, "score_id": f"score-{n}",
-             "pushed_at": clock.now} for n in range(PAGE + 30)]
+             "pushed_at": clock.now, "created_at": clock.now} for n in range(PAGE + 30)]
     sync.scoring.mark_pushed(rows, clock.now)  # their trajectories are gone: marked
     result = sync.sync()
     assert (result.retracted, result.retract_failed) == (PAGE + 30, 0)
@@ -654,7 +684,7 @@ def test_a_score_pushed_before_its_id_changed_keeps_it(
     store.add_spans(group_spans("g", ["7"]))
     store.add_reward(RewardIn(rollout_id="g-0", name="ruler", value=0.5))
     sync.scoring.mark_pushed([{"trajectory_id": "g-0", "name": "ruler", "value": 0.5, "score_id": "earlier",
-                               "pushed_at": clock.now}], clock.now)
+                               "pushed_at": clock.now, "created_at": sync.scoring.created_at()["g-0"]}], clock.now)
     store.add_reward(RewardIn(rollout_id="g-0", name="ruler", value=0.7))
     assert sync.sync().pushed == 1
     assert list(server.created) == ["earlier"] and server.created["earlier"]["value"] == 0.7
@@ -681,6 +711,37 @@ def test_a_score_pushed_while_its_trajectory_is_deleted_is_deleted(
     result = sync.sync()
     assert (result.pushed, result.retracted) == (1, 1)  # its deletions come after the push
     assert server.created == {} and sync.scoring.pushed() == {} and sync.scoring.to_retract() == []
+
+
+def test_a_score_pushed_while_its_trajectory_is_deleted_and_created_again_is_deleted(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """While the push's request was in flight, the rollout of the foreign calls' trace deleted theirs and a call of
+    ours outside the rollout made a trajectory of the same id: the record of the deleted one's score was taken for
+    the new one's, and that score stayed in Langfuse for good. It is deleted; the new one's own score goes under
+    another id."""
+    url, server = langfuse
+    store = make_store(min_group_size=1)
+    sync = sync_for(store, url, push_names="ruler")
+    store.add_spans([_openinference_chain(TRACE_A, 110, sid(101), "tool"),
+                     _openinference_llm(TRACE_A, 111, sid(110), marked=False)])
+    store.add_rewards([RewardIn(rollout_id=TRACE_A, name="ruler", value=0.3)])
+    create = sync.client.scores.create
+
+    def deleted_and_created_again_meanwhile(**kwargs: object) -> object:
+        store.add_spans(_ours("r1", TRACE_A, 100))
+        clock.now += 60  # a later export
+        store.add_spans([llm(130, rollout=None, trace=TRACE_A, start=30, prompt=[1, 2], completion=[5])])
+        return create(**kwargs)
+
+    sync.client.scores.create = deleted_and_created_again_meanwhile
+    result = sync.sync()
+    assert (result.pushed, result.retracted) == (1, 1)
+    assert server.created == {} and sync.scoring.pushed() == {} and sync.scoring.to_retract() == []
+    sync.client.scores.create = create
+    store.add_reward(RewardIn(rollout_id=TRACE_A, name="ruler", value=0.8))  # the new trajectory's own
+    assert sync.sync().pushed == 1
+    assert [(s["metadata"]["art.rollout.id"], s["value"]) for s in server.created.values()] == [(TRACE_A, 0.8)]
 
 
 @pytest.mark.parametrize(("listed", "applied"), [
@@ -767,13 +828,14 @@ def test_only_numeric_and_boolean_scores_are_read(
         assert client.get("/v1/trajectories/g-1").json()["rewards"] == {"human": 0.0}
 
 
-@pytest.mark.parametrize("odd", ["s" * 257, "score-\ud800"], ids=["too-long", "lone-surrogate"])
+@pytest.mark.parametrize("odd", ["s" * 257, "score-\ud800", "score-\x00"], ids=["too-long", "lone-surrogate", "nul"])
 def test_a_score_whose_id_the_store_cannot_hold_is_ignored(
     make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], caplog: pytest.LogCaptureFixture, odd: str
 ) -> None:
     """Langfuse takes any score id a client sends, and JSON can carry a lone surrogate: the store's error on such a
     score's record (longer than its column, not UTF-8) failed every pull while the score was in the lookback, and
-    applied no other score. It is ignored, as a score on a non-OpenTelemetry trace is."""
+    applied no other score (PostgreSQL: one with a NUL too). It is ignored, as a score on a non-OpenTelemetry trace
+    is."""
     url, server = langfuse
     store = make_store()
     store.add_spans(group_spans("g", ["7", "8"]))
@@ -783,7 +845,7 @@ def test_a_score_whose_id_the_store_cannot_hold_is_ignored(
     result = sync.sync()
     assert (result.pulled, result.applied, result.ignored) == (2, 1, 1)
     assert store.trajectory("g-0").rewards == {} and store.trajectory("g-1").rewards == {"human": 0.25}
-    assert "its id is no UTF-8 text of at most 256 characters; ignored" in caplog.text
+    assert "its id is no UTF-8 text of at most 256 characters with no NUL; ignored" in caplog.text
     assert sync.sync().withdrawn == 0
 
 
