@@ -690,6 +690,13 @@ def test_a_score_pushed_before_its_id_changed_keeps_it(
     assert list(server.created) == ["earlier"] and server.created["earlier"]["value"] == 0.7
 
 
+def _foreign_calls_judged(store: SqlStore) -> None:
+    """Store the trajectory of another instrumentation's calls in TRACE_A, with a judge's `ruler` of 0.3."""
+    store.add_spans([_openinference_chain(TRACE_A, 110, sid(101), "tool"),
+                     _openinference_llm(TRACE_A, 111, sid(110), marked=False)])
+    store.add_rewards([RewardIn(rollout_id=TRACE_A, name="ruler", value=0.3)])
+
+
 def test_a_score_pushed_while_its_trajectory_is_deleted_is_deleted(
     make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
 ) -> None:
@@ -698,9 +705,7 @@ def test_a_score_pushed_while_its_trajectory_is_deleted_is_deleted(
     url, server = langfuse
     store = make_store(min_group_size=1)
     sync = sync_for(store, url, push_names="ruler")
-    store.add_spans([_openinference_chain(TRACE_A, 110, sid(101), "tool"),
-                     _openinference_llm(TRACE_A, 111, sid(110), marked=False)])
-    store.add_rewards([RewardIn(rollout_id=TRACE_A, name="ruler", value=0.3)])
+    _foreign_calls_judged(store)
     create = sync.client.scores.create
 
     def the_rollout_comes_meanwhile(**kwargs: object) -> object:
@@ -723,9 +728,7 @@ def test_a_score_pushed_while_its_trajectory_is_deleted_and_created_again_is_del
     url, server = langfuse
     store = make_store(min_group_size=1)
     sync = sync_for(store, url, push_names="ruler")
-    store.add_spans([_openinference_chain(TRACE_A, 110, sid(101), "tool"),
-                     _openinference_llm(TRACE_A, 111, sid(110), marked=False)])
-    store.add_rewards([RewardIn(rollout_id=TRACE_A, name="ruler", value=0.3)])
+    _foreign_calls_judged(store)
     create = sync.client.scores.create
 
     def deleted_and_created_again_meanwhile(**kwargs: object) -> object:
