@@ -110,6 +110,9 @@ def vllm_dtypes() -> tuple[str, ...] | None:
 LONGEST_INTERVAL_S = 365 * 86400.0
 """Longest `every` and `poll_seconds`, a year: a longer one is a typo, and past ~3e11 s (or at inf) the scheduler
 failed to start the service (its next run would fall after year 9999)."""
+SHORTEST_INTERVAL_S = 0.1
+"""Shortest `every` and `poll_seconds`: each wake-up of APScheduler lists every run missed since the last one, one per
+interval, before coalescing them; at a microsecond that stalled the event loop (proxy, status) longer each time."""
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$")
 _UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -119,8 +122,8 @@ def parse_duration(text: str) -> float:
     """Return the seconds of a duration such as `30s`, `10m`, `1.5h`, `1d`.
 
     Raises:
-        ValueError: the text is not a positive number followed by s, m, h or d, or is longer than
-            `LONGEST_INTERVAL_S`.
+        ValueError: the text is not a positive number followed by s, m, h or d, or is shorter than
+            `SHORTEST_INTERVAL_S` or longer than `LONGEST_INTERVAL_S`.
     """
     match = _DURATION.match(text)
     if not match or float(match.group(1)) <= 0:
@@ -128,6 +131,8 @@ def parse_duration(text: str) -> float:
     seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
     if not seconds <= LONGEST_INTERVAL_S:  # also refuses inf, what a number of 309 digits or more parses to
         raise ValueError(f"every={text!r} is longer than the longest interval, 365d.")
+    if seconds < SHORTEST_INTERVAL_S:
+        raise ValueError(f"every={text!r} is shorter than the shortest interval, {SHORTEST_INTERVAL_S:g}s.")
     return seconds
 
 
@@ -408,7 +413,8 @@ class TrainerSettings(BaseSettings):
         "`@weekly`, ...), server local time (`TZ`, else /etc/localtime)."
     )
     poll_seconds: float = Field(
-        default=15.0, gt=0, le=LONGEST_INTERVAL_S, description="How often `min_groups` asks the collector."
+        default=15.0, ge=SHORTEST_INTERVAL_S, le=LONGEST_INTERVAL_S,
+        description="How often `min_groups` asks the collector."
     )
     # --- checkpoints
     keep_last: int | None = Field(

@@ -35,6 +35,11 @@ exception counts as `failed`)."""
 QueueFn = Callable[[], Awaitable[int]]
 """Returns the number of groups ready at the collector."""
 
+_JOB_DEFAULTS = {"max_instances": 1, "coalesce": True, "misfire_grace_time": None}
+"""Every job: one instance at a time, and a run reached late (a busy loop, a suspended host, the wall clock stepped
+forward) fires once, however many runs fell in the gap. APScheduler's default grace of 1 s dropped such a run: a daily
+`--cron` lost its day."""
+
 
 def describe(settings: TrainerSettings) -> list[str]:
     """Readable list of the configured triggers, e.g. `["min_groups=4 (poll 15s)", "every 10m"]`."""
@@ -67,6 +72,7 @@ class TrainingSchedule:
         self.last_outcome: str | None = None
         self._scheduler: AsyncIOScheduler | None = None
         self._running: asyncio.Task[None] | None = None
+        self._polling: asyncio.Task[None] | None = None
         self._poll_backoff = Backoff(settings.poll_seconds, max(settings.poll_seconds, _LONGEST_POLL_BACKOFF_S))
 
     @property
@@ -78,26 +84,26 @@ class TrainingSchedule:
         """Add the configured jobs and start the scheduler (call inside the running event loop)."""
         if not self.active:
             return
-        scheduler = AsyncIOScheduler()
+        scheduler = AsyncIOScheduler(job_defaults=_JOB_DEFAULTS)
         s = self.settings
         if s.min_groups is not None:
-            scheduler.add_job(self._poll, IntervalTrigger(seconds=s.poll_seconds), id="min_groups",
-                              max_instances=1, coalesce=True, next_run_time=datetime.now(scheduler.timezone))
+            scheduler.add_job(self._start_poll, IntervalTrigger(seconds=s.poll_seconds), id="min_groups",
+                              next_run_time=datetime.now(scheduler.timezone))
         if s.every is not None:
-            scheduler.add_job(self._fire, IntervalTrigger(seconds=parse_duration(s.every)), args=["every"],
-                              id="every", max_instances=1, coalesce=True)
+            scheduler.add_job(self._fire, IntervalTrigger(seconds=parse_duration(s.every)), args=["every"], id="every")
         if s.cron is not None:
-            scheduler.add_job(self._fire, parse_cron(s.cron), args=["cron"], id="cron",
-                              max_instances=1, coalesce=True)
+            scheduler.add_job(self._fire, parse_cron(s.cron), args=["cron"], id="cron")
         scheduler.start()
         self._scheduler = scheduler
 
     def shutdown(self) -> None:
-        """Stop the scheduler: no job fires again. A step already running is left to finish
-        (`TrainerService.aclose` waits for it). Idempotent."""
+        """Stop the scheduler: no job fires again, and a poll waiting for the collector is cancelled. A step already
+        running is left to finish (`TrainerService.aclose` waits for it). Idempotent."""
         scheduler, self._scheduler = self._scheduler, None
         if scheduler is not None:
             scheduler.shutdown(wait=False)
+        if self._polling is not None:
+            self._polling.cancel()
 
     def next_run(self) -> datetime | None:
         """When the next job fires (None without triggers)."""
@@ -106,8 +112,17 @@ class TrainingSchedule:
         times = [job.next_run_time for job in self._scheduler.get_jobs() if job.next_run_time is not None]
         return min(times) if times else None
 
+    async def _start_poll(self) -> None:
+        """The `min_groups` job: poll in its own task, so the job returns at once and a stop cancels a poll waiting
+        for a slow collector quietly (APScheduler logged its cancel as the job's error, and each tick meanwhile as
+        skipped); a tick that finds the last poll still waiting leaves it be."""
+        if self._polling is not None and not self._polling.done():
+            logger.info("scheduled training: the last poll still waits for the collector; no new one")
+            return
+        self._polling = asyncio.create_task(self._poll())
+
     async def _poll(self) -> None:
-        """The `min_groups` job: train when the collector has enough ready groups."""
+        """Train when the collector has enough ready groups."""
         wanted = self.settings.min_groups or 1
         try:
             ready = await self._queue_depth()
@@ -116,6 +131,9 @@ class TrainingSchedule:
             self._defer_poll(delay)
             self._note(exc.body.error.code or "collector_unavailable", f"{exc.body.error.message}; next poll in "
                        f"{delay:g}s")
+            return
+        except Exception as exc:  # runs in its own task: nothing else would see it
+            self._note("failed", f"min_groups poll: {type(exc).__name__}: {exc}", exc)
             return
         self._poll_backoff.reset()
         if ready < wanted:

@@ -98,6 +98,33 @@ async def test_a_step_longer_than_the_period_warns_once_not_every_tick(caplog: p
     await wait_for(lambda: schedule.counts["trained"] == 2)
 
 
+@pytest.mark.parametrize("trigger", [{"every": "1h"}, {"cron": "0 3 * * *"}])
+async def test_a_run_the_loop_reaches_late_fires_once_not_dropped(trigger: dict) -> None:
+    """A run reached more than 1 s after its time (a busy loop, a suspended host, the wall clock stepped forward) was
+    dropped by APScheduler's default grace time, logged as "missed" and counted nowhere: a daily cron lost its day.
+    Now it fires once, late, however many runs fell in the gap."""
+    steps: list[str] = []
+
+    async def train(source: str, min_groups: int) -> None:
+        steps.append(source)
+
+    async def ready() -> int:
+        return 1
+
+    schedule = TrainingSchedule(TrainerSettings(**trigger), train, ready)
+    schedule.start()
+    try:
+        assert schedule._scheduler is not None
+        job = next(iter(trigger))
+        schedule._scheduler.modify_job(job, next_run_time=datetime.now(UTC) - timedelta(days=3, minutes=30))
+        await wait_for(lambda: steps != [], timeout=10)
+        await wait_for(lambda: schedule.counts["trained"] == 1, timeout=10)
+        next_run = schedule.next_run()
+        assert steps == [job] and next_run is not None and next_run > datetime.now(UTC)
+    finally:
+        schedule.shutdown()
+
+
 async def test_any_failure_of_a_scheduled_step_is_counted(tmp_path: Path) -> None:
     async def broken(source: str, min_groups: int) -> None:
         raise RuntimeError("a bug in the step")
@@ -150,6 +177,45 @@ async def test_a_failing_collector_is_polled_less_often_and_next_run_says_when(t
         schedule.shutdown()
 
 
+async def test_stopping_while_a_poll_waits_for_the_collector_logs_no_error(caplog: pytest.LogCaptureFixture) -> None:
+    """A stop while a `min_groups` poll waited for a slow collector logged APScheduler's ERROR "raised an exception"
+    with a `CancelledError` traceback, and each tick while it waited warned "maximum number of running instances
+    reached". Now the poll runs in its own task: the stop cancels it quietly and no step starts after it."""
+    asked: list[int] = []
+    trained: list[str] = []
+
+    async def train(source: str, min_groups: int) -> None:
+        trained.append(source)
+
+    async def slow_collector() -> int:
+        asked.append(1)
+        await asyncio.Event().wait()  # never answers
+        return 1
+
+    schedule = TrainingSchedule(TrainerSettings(min_groups=1, poll_seconds=0.1), train, slow_collector)
+    caplog.set_level(logging.INFO)
+    schedule.start()
+    await wait_for(lambda: len(asked) == 1)
+    await asyncio.sleep(0.3)  # ticks while the poll still waits
+    schedule.shutdown()
+    await asyncio.sleep(0.1)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert asked == [1] and trained == []
+
+
+async def test_an_unexpected_error_of_a_poll_is_counted() -> None:
+    async def train(source: str, min_groups: int) -> None:
+        raise AssertionError("no step without an answer")
+
+    async def broken_collector() -> int:
+        raise RuntimeError("a bug in the poll")
+
+    schedule = TrainingSchedule(TrainerSettings(min_groups=1), train, broken_collector)
+    await schedule._poll()  # in its own task, nothing else would see it
+    assert schedule.counts == {"failed": 1}
+    assert schedule.last_outcome == "failed: min_groups poll: RuntimeError: a bug in the poll"
+
+
 async def test_cron_reports_its_next_run(tmp_path: Path) -> None:
     service = make_service(tmp_path, [], [], cron="*/15 * * * *")
     service.schedule.start()
@@ -167,6 +233,18 @@ def test_an_interval_the_scheduler_cannot_take_is_refused(every: str) -> None:
         TrainerSettings(every=every)
     with pytest.raises(ValueError, match=r"poll_seconds\n  Input should be less than or equal to 31536000"):
         TrainerSettings(poll_seconds=366 * 86400)
+
+
+@pytest.mark.parametrize("interval", ["0.000001", "0.09"])
+def test_an_interval_shorter_than_the_shortest_is_refused(interval: str) -> None:
+    """`--every 0.000001s` and `--poll-seconds 0.000001` were accepted; each wake-up of APScheduler lists every run
+    missed since the last one, one per interval, before coalescing them, so the loop that also serves the proxy and
+    `GET /v1/status` stalled longer at each wake-up (0.6, 0.8, 1.2, 1.7, 2.5 s) and never recovered."""
+    with pytest.raises(ValueError, match=rf"every='{interval}s' is shorter than the shortest interval, 0.1s"):
+        TrainerSettings(every=f"{interval}s")
+    with pytest.raises(ValueError, match=r"poll_seconds\n  Input should be greater than or equal to 0.1"):
+        TrainerSettings(min_groups=1, poll_seconds=float(interval))
+    assert parse_duration("0.1s") == 0.1 and TrainerSettings(min_groups=1, poll_seconds=0.1).poll_seconds == 0.1
 
 
 def test_bad_schedules_are_rejected_with_the_fix() -> None:
