@@ -292,7 +292,8 @@ class LoRATrainer:
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteStepError(
                 f"step {self.step_count + 1}: loss {sums['loss']} and gradient norm {sums['grad_norm']} must be "
-                "finite (look for extreme rewards or engine log-probs in the batch); the optimizer did not step "
+                "finite (look for a learning rate too high, and on a GRPO step for extreme rewards or engine "
+                "log-probs in the batch); the optimizer did not step "
                 "and the adapter is unchanged"
             )
         self.optimizer.step()
