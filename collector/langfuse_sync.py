@@ -36,6 +36,7 @@ from langfuse.api import CreateScoreBatchResults, CreateScoreRequest, CreateScor
 from langfuse.api.core.api_error import ApiError
 from pydantic import ValidationError
 from sqlalchemy import Connection, func, select
+from sqlalchemy.exc import DBAPIError
 
 from collector.errors import CollectorError
 from collector.protocol import RewardAccepted, RewardIn
@@ -118,6 +119,22 @@ def make_client(settings: LangfuseSettings) -> LangfuseAPI:
         x_langfuse_public_key=settings.public_key,
         timeout=settings.timeout_seconds,
     )
+
+
+def _unlock(conn: Connection, idle_timeout: bool) -> None:
+    """Release the sync's one-replica lock on `conn` (`LangfuseSync._one_replica`), and reset the session's idle
+    timeout (`idle_timeout`) before the connection goes back to the pool. A connection lost during the sync (the
+    server restarted, a network cut) took the lock with it: logged, as another replica may have synced meanwhile;
+    the sync's work is stored, so it is not reported as failed."""
+    try:
+        conn.execute(select(func.pg_advisory_unlock(LANGFUSE_SYNC_LOCK, 0)))
+        if idle_timeout:
+            conn.exec_driver_sql("RESET idle_session_timeout")
+    except DBAPIError as exc:
+        if not exc.connection_invalidated:
+            raise
+        log.warning("the database connection holding the Langfuse sync's one-replica lock was lost during the sync "
+                    "(%s): another replica may have synced at the same time", exc.orig)
 
 
 def _score_id(trajectory_id: str, created_at: float, name: str) -> str:
@@ -426,10 +443,15 @@ class LangfuseSync:
             if not conn.execute(select(func.pg_try_advisory_lock(LANGFUSE_SYNC_LOCK, 0))).scalar_one():
                 yield False
                 return
+            # the session idles while the sync runs: a server's `idle_session_timeout` (PostgreSQL 14) would end it,
+            # and the lock with it, mid-sync
+            idle_timeout = engine.dialect.server_version_info >= (14,)
+            if idle_timeout:
+                conn.exec_driver_sql("SET idle_session_timeout = 0")
             try:
                 yield True
             finally:  # explicitly: a closed connection's session may hold the lock a while after the close
-                conn.execute(select(func.pg_advisory_unlock(LANGFUSE_SYNC_LOCK, 0)))
+                _unlock(conn, idle_timeout)
 
     def sync(self) -> LangfuseSyncResult:
         """Pull, push, then delete the scores pushed for trajectories deleted since (`_retract`); one sync at a time

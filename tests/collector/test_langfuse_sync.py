@@ -412,6 +412,34 @@ def test_a_sync_while_another_replicas_runs_is_skipped(
         sync.store.close()
 
 
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_sync_whose_lock_connection_is_lost_keeps_its_work_and_says_so(
+    db_url, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The one-replica lock's connection idles while the sync runs; lost (a server's `idle_session_timeout`, a
+    restart), the unlock raised after the sync had stored its work: a 503 "nothing was stored" for a sync that was."""
+    url, server = langfuse
+    first, _ = replicas(db_url, clock, url)
+    first.store.add_spans(group_spans("g", ["7"]))
+    server.add_score("s", "human", 0.9, trace_id=trace_id("g", 0))
+    get_many = first.client.scores.get_many
+    holder = text("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND classid = 3 "
+                  "AND objid = 0 AND objsubid = 2")
+
+    def the_lock_holder_is_lost_meanwhile(**kwargs: object) -> object:
+        with first.store.engine.connect() as conn:
+            assert conn.execute(holder).scalars().all() == [True]
+        return get_many(**kwargs)
+
+    first.client.scores.get_many = the_lock_holder_is_lost_meanwhile
+    assert first.sync().applied == 1
+    assert first.store.trajectory("g-0").rewards == {"human": 0.9}
+    assert "holding the Langfuse sync's one-replica lock was lost during the sync" in caplog.text
+    first.client.scores.get_many = get_many
+    assert first.sync().skipped is False  # the next sync takes the lock again
+    first.store.close()
+
+
 def test_push_sends_rewards_once_and_updates_changed_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
 ) -> None:
