@@ -116,6 +116,8 @@ class TrainingSchedule:
         """The `min_groups` job: poll in its own task, so the job returns at once and a stop cancels a poll waiting
         for a slow collector quietly (APScheduler logged its cancel as the job's error, and each tick meanwhile as
         skipped); a tick that finds the last poll still waiting leaves it be."""
+        if self._scheduler is None:  # stopped while this job's run was on its way: no poll after `shutdown`
+            return
         if self._polling is not None and not self._polling.done():
             logger.info("scheduled training: the last poll still waits for the collector; no new one")
             return

@@ -203,6 +203,27 @@ async def test_stopping_while_a_poll_waits_for_the_collector_logs_no_error(caplo
     assert asked == [1] and trained == []
 
 
+async def test_a_poll_job_run_that_arrives_after_the_stop_starts_no_poll() -> None:
+    """APScheduler submits a job's run as a task: one submitted just before `shutdown` ran after it and started a
+    poll nothing cancelled (it then met the collector client `aclose` had closed)."""
+    asked: list[int] = []
+
+    async def train(source: str, min_groups: int) -> None:
+        raise AssertionError("no step after the stop")
+
+    async def collector() -> int:
+        asked.append(1)
+        return 1
+
+    schedule = TrainingSchedule(TrainerSettings(min_groups=1, poll_seconds=3600), train, collector)
+    schedule.start()
+    await wait_for(lambda: len(asked) == 1)  # the poll at start
+    schedule.shutdown()
+    await schedule._start_poll()  # the run of a tick that came as it stopped
+    await asyncio.sleep(0.05)
+    assert asked == [1]
+
+
 async def test_an_unexpected_error_of_a_poll_is_counted() -> None:
     async def train(source: str, min_groups: int) -> None:
         raise AssertionError("no step without an answer")
