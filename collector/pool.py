@@ -5,6 +5,7 @@ trajectories, stale groups). Functions over an open transaction; `SqlStore` call
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from sqlalchemy import Connection, and_, or_, select
@@ -14,10 +15,11 @@ from collector.config import CollectorSettings
 from collector.engine import chunks
 from collector.groups import Decision, Member, decide, merge_rewards
 from collector.schema import batches, groups, rewards, trajectories
+from collector.transactions import GROUP_LOCKS, TRAJECTORY_LOCKS
 
 __all__ = [
-    "LEASE_EXPIRED", "decisions", "expected_size", "give_back", "group_members", "groups_of", "maintain", "rewarded",
-    "rewards_of",
+    "LEASE_EXPIRED", "Lock", "decisions", "expected_size", "give_back", "group_members", "groups_of", "maintain",
+    "rewarded", "rewards_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,28 @@ def decisions(conn: Connection, settings: CollectorSettings, open_groups: list[A
     return out
 
 
+Lock = Callable[[Connection, int, Iterable[str]], None]
+"""`Transactions.lock` of the store: advisory locks held until the transaction ends (none needed on SQLite)."""
+
+
+def _lock_returned_members(conn: Connection, lock: Lock, batch_ids: list[str]) -> None:
+    """Take the advisory locks an export changing the trajectories outside any rollout in the groups `batch_ids` hold
+    takes (`Transactions.lock`: their ids and traces, then their groups' keys), first in the transaction of a release
+    or expiry, before any row lock: `give_back` may delete them (`placement.forget_deferred_foreign`), and an export of
+    their trace, or the judge's stale check (`ScoringStore.member_stamps_held`), must wait for that and see it. A
+    leased group's members do not change, so these are the ones `give_back` finds."""
+    found = []
+    for chunk in chunks(sorted(batch_ids)):
+        query = (
+            select(trajectories.c.id, trajectories.c.trace_id, groups.c.key)
+            .join(groups, groups.c.id == trajectories.c.group_id)
+            .where(groups.c.state == "leased", groups.c.batch_id.in_(chunk), trajectories.c.by_rollout.is_(False))
+        )
+        found += conn.execute(query).all()
+    lock(conn, TRAJECTORY_LOCKS, [name for row in found for name in (row.id, row.trace_id)])
+    lock(conn, GROUP_LOCKS, [row.key for row in found])
+
+
 LEASE_EXPIRED = "lease expired"
 """The reason of an expired batch, and the error its groups count."""
 
@@ -121,7 +145,8 @@ def give_back(
     With `failed`, each counts a failed attempt, and one that reaches `settings.max_failed_attempts` is skipped
     instead (the reason says how often and `error`); it keeps the batch that gave up on it in `batch_id`, which
     tells it from a group skipped for its rewards: a new reward does not reopen it. The trajectories of another
-    instrumentation's calls kept while the groups were leased are deleted then (`placement.forget_deferred_foreign`).
+    instrumentation's calls kept while the groups were leased are deleted then (`placement.forget_deferred_foreign`),
+    under the advisory locks the caller took first (`_lock_returned_members`).
     """
     held = and_(groups.c.state == "leased", groups.c.batch_id.in_(batch_ids))
     returned = list(conn.execute(select(groups.c.id).where(held)).scalars())
@@ -142,14 +167,18 @@ def give_back(
     placement.forget_deferred_foreign(conn, returned, now)
 
 
-def maintain(conn: Connection, settings: CollectorSettings, now: float) -> None:
+def maintain(
+    conn: Connection, settings: CollectorSettings, now: float, lock: Lock, *, releasing: Collection[str] = ()
+) -> None:
     """Return expired leases (a failed attempt for each group); complete idle trajectories without rollout span;
-    expire stale groups."""
+    expire stale groups. First, before any row lock, the locks of the members given back are taken
+    (`_lock_returned_members`), with those of `releasing`: the batches the caller gives back next in its transaction."""
     expired = list(
         conn.execute(
             select(batches.c.id).where(batches.c.state == "leased", batches.c.lease_expires_at <= now)
         ).scalars()
     )
+    _lock_returned_members(conn, lock, sorted({*expired, *releasing}))
     for chunk in chunks(expired):
         # only batches still leased: another replica may have acked or released one since the select
         conn.execute(

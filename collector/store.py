@@ -340,7 +340,7 @@ class SqlStore(Store):
     def _read(self, work: Callable[[Connection], Any]) -> Any:
         """`work(conn)` on the store as of now: due maintenance (expired leases, stale groups) first, in a short write
         transaction of its own, then `work` in a read-only one, which on SQLite does not hold up writers."""
-        self._tx.run(lambda conn: pool.maintain(conn, self.settings, self._now(conn)))
+        self._tx.run(lambda conn: pool.maintain(conn, self.settings, self._now(conn), self._tx.lock))
         return self._tx.read(work)
 
     def trajectory(self, trajectory_id: str) -> Trajectory | None:
@@ -386,7 +386,7 @@ class SqlStore(Store):
     def _lease(self, conn: Connection, request: BatchRequest) -> Batch:
         if request.idempotency_key is not None:
             self._tx.lock(conn, IDEMPOTENCY_LOCKS, [request.idempotency_key])
-        batch_id, expires, taken = leases.take(conn, self.settings, request, self._now(conn))
+        batch_id, expires, taken = leases.take(conn, self.settings, request, self._now(conn), self._tx.lock)
         members = pool.group_members(conn, [g["id"] for g in taken])
         out = [
             Group(id=g["id"], task=g["task"], trajectories=store_reads.assemble(conn, members[g["id"]], self.training))
@@ -397,12 +397,16 @@ class SqlStore(Store):
     def ack(self, batch_id: str, policy_step: int | None) -> AckResponse:
         """Mark a batch's groups trained. Raises `NotFound`, or `Conflict` when they were re-leased, changed or
         released."""
-        return self._tx.run(lambda conn: leases.ack(conn, self.settings, batch_id, policy_step, self._now(conn)))
+        return self._tx.run(
+            lambda conn: leases.ack(conn, self.settings, batch_id, policy_step, self._now(conn), self._tx.lock)
+        )
 
     def release(self, batch_id: str, request: ReleaseRequest) -> ReleaseResponse:
         """Give a batch's groups back untrained, counting a failed attempt when `request.failed`; idempotent.
         Raises `NotFound`, or `Conflict` when the batch was acked."""
-        released = self._tx.run(lambda conn: leases.release(conn, self.settings, batch_id, request, self._now(conn)))
+        released = self._tx.run(
+            lambda conn: leases.release(conn, self.settings, batch_id, request, self._now(conn), self._tx.lock)
+        )
         log.info("batch %s released (%s): %d groups back in the pool, %d skipped", batch_id,
                  "failed" if request.failed else "not counted", len(released.returned), len(released.skipped))
         return released

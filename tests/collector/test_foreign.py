@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -23,16 +25,19 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from art_langgraph import semconv as sc
+from collector import placement
 from collector.errors import Conflict
 from collector.foreign import conversation, describes_art_call, finish_reason, same_messages
+from collector.judging import GroupJudge
 from collector.otlp import SpanRecord
 from collector.placement import FOREIGN_IN_ROLLOUT
 from collector.protocol import BatchRequest, ReleaseRequest, RewardIn
 from collector.schema import groups as group_rows
 from collector.schema import spans as span_rows
+from collector.scoring_config import JudgeSettings
 from collector.scoring_store import ScoringStore
 from tests.collector.server_helpers import collector_app
 from tests.collector.span_builders import llm, rollout, sid, to_request
@@ -744,3 +749,116 @@ def test_foreign_calls_kept_while_leased_are_deleted_when_their_group_returns_to
     leased = store.lease(BatchRequest(max_groups=8)).groups
     # with 2 members: "g" and "chat" wait for a second member each
     assert [(group.id, [t.id for t in group.trajectories]) for group in leased] == [("chat", ["r1"])][:2 - members]
+
+
+WAIT = 10.0
+"""Seconds a test waits for another thread before it fails."""
+
+
+def _until_a_lock_is_waited_for(store: Any) -> None:
+    """Return once a transaction on PostgreSQL waits for a lock (or after `WAIT` seconds)."""
+    deadline = time.monotonic() + WAIT
+    with store.engine.connect() as conn:
+        while time.monotonic() < deadline and not conn.execute(
+            text("SELECT count(*) FROM pg_locks WHERE NOT granted")
+        ).scalar():
+            time.sleep(0.01)
+
+
+def _returning_paused(
+    store: Any, clock: Any, monkeypatch: pytest.MonkeyPatch, end: str
+) -> tuple[threading.Event, threading.Thread]:
+    """Foreign calls of group "g" kept while it was leased (their rollout came then), and the release (or expiry) of
+    the lease under way in a thread, paused once it deleted them, before it commits: set the event to go on."""
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has one writer at a time: nothing runs beside the return")
+    call = _openinference_llm(TRACE_A, 111, None, marked=False)
+    store.add_spans([replace(call, attributes=call.attributes | {sc.GROUP: "g"})])
+    store.add_rewards([RewardIn(trace_id=TRACE_A, value=0.5)])
+    clock.now += 1000  # idle past `idle_seconds`: the trace's trajectory is complete
+    batch = store.lease(BatchRequest(lease_seconds=10))
+    clock.now += 1
+    store.add_spans(_ours("r1", TRACE_A, 100))
+    deleted, resume = threading.Event(), threading.Event()
+    forget = placement.forget_deferred_foreign
+
+    def paused(*args: Any, **kwargs: Any) -> None:
+        forget(*args, **kwargs)
+        deleted.set()
+        assert resume.wait(WAIT)
+
+    monkeypatch.setattr(placement, "forget_deferred_foreign", paused)
+    if end == "released":
+        giving_back = threading.Thread(target=store.release, args=(batch.id, ReleaseRequest(reason="x", failed=False)))
+    else:
+        clock.now += 10
+        giving_back = threading.Thread(target=store.groups)  # a read returns the expired lease first
+    giving_back.start()
+    assert deleted.wait(WAIT)
+    return resume, giving_back
+
+
+def _our_call_outside_the_rollout() -> SpanRecord:
+    return llm(120, rollout=None, trace=TRACE_A, start=60, prompt=[1], completion=[2], messages=QUESTION, output=REPLY)
+
+
+@pytest.mark.parametrize("end", ["released", "expired"])
+def test_an_export_of_the_trace_waits_for_the_return_that_deletes_its_foreign_calls(
+    make_store, clock, monkeypatch: pytest.MonkeyPatch, end: str
+) -> None:
+    """A call of ours outside the rollout, in the trace of foreign calls kept while their group was leased, came as the
+    release (or expiry) that deletes them ran: the export read their row, waited for the group's row, then updated the
+    deleted row, and the call made no trajectory. The return holds the locks of the export, which reads after it."""
+    store = make_store(min_group_size=1, keep_zero_spread=True)
+    resume, giving_back = _returning_paused(store, clock, monkeypatch, end)
+    exporting = threading.Thread(target=store.add_spans, args=([_our_call_outside_the_rollout()],))
+    exporting.start()
+    _until_a_lock_is_waited_for(store)
+    resume.set()
+    giving_back.join(WAIT)
+    exporting.join(WAIT)
+
+    assert sorted(t.id for t in store.trajectories()) == sorted(["r1", TRACE_A])
+    mine = store.trajectory(TRACE_A)
+    assert mine is not None and mine.token_exact and mine.messages == QUESTION + REPLY
+
+
+class _OneScore:
+    """A judge client that scores a single block 0.7."""
+
+    def complete(self, messages: list[dict[str, Any]], fmt: dict[str, Any], *, temperature: float,
+                 max_tokens: int) -> str:
+        return json.dumps({"scores": {"1": {"explanation": "fine", "score": 0.7}}})
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def test_a_judges_scores_wait_for_the_release_that_deletes_the_member_they_score(
+    make_store, clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The judge scored the foreign calls kept in a leased group as the release that deletes them ran: its stale check
+    took the export's locks, which the release did not hold, and read the member still there; the scores were stored
+    for the deleted id, and a later trajectory of that id took the judge's reward as its own. (An expiry holds the same
+    locks; here the judge's own reads would return the expired lease and wait for the paused one.)"""
+    store = make_store(min_group_size=1, keep_zero_spread=True)
+    resume, giving_back = _returning_paused(store, clock, monkeypatch, "released")
+    judge = GroupJudge(store, ScoringStore(store.engine), JudgeSettings(), client=_OneScore(), clock=clock)
+    store_rewards = store.add_rewards
+
+    def waited_for(*args: Any, **kwargs: Any) -> Any:
+        def resume_once_waited_for() -> None:
+            _until_a_lock_is_waited_for(store)
+            resume.set()
+
+        threading.Thread(target=resume_once_waited_for, daemon=True).start()
+        return store_rewards(*args, **kwargs)
+
+    monkeypatch.setattr(store, "add_rewards", waited_for)
+    run = judge.judge("g")
+    giving_back.join(WAIT)
+    monkeypatch.undo()
+
+    assert run.state == "failed" and run.error.startswith("judge_stale")
+    store.add_spans([_our_call_outside_the_rollout()])
+    assert "ruler" not in store.trajectory(TRACE_A).rewards
