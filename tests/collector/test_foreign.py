@@ -34,11 +34,13 @@ from collector.foreign import conversation, describes_art_call, finish_reason, s
 from collector.judging import GroupJudge
 from collector.otlp import SpanRecord
 from collector.placement import FOREIGN_IN_ROLLOUT
-from collector.protocol import BatchRequest, ReleaseRequest, RewardIn
+from collector.protocol import Batch, BatchRequest, ReleaseRequest, RewardIn
 from collector.schema import groups as group_rows
 from collector.schema import spans as span_rows
 from collector.scoring_config import JudgeSettings
 from collector.scoring_store import ScoringStore
+from collector.store import SqlStore
+from tests.collector.conftest import Clock
 from tests.collector.server_helpers import collector_app
 from tests.collector.span_builders import llm, rollout, sid, to_request
 
@@ -688,12 +690,9 @@ def test_describes_art_call_reads_each_convention() -> None:
     assert not describes_art_call({"metadata": json.dumps({sc.TRACED_RUN: "yes"})})
 
 
-@pytest.mark.parametrize("members", [1, 2])
-def test_a_late_ack_conflicts_when_a_member_was_deleted_since(make_store, clock, members: int) -> None:
-    """The lease of a group expired; the rollout's spans then came and deleted a member made of foreign calls in its
-    trace. The late ack looked only at the members left, found them as leased and marked the group trained: the
-    trainer's update came from a trajectory the pool no longer has (another model's calls)."""
-    store = make_store(min_group_size=members, keep_zero_spread=True)
+def _lease_foreign_group(store: SqlStore, clock: Clock, members: int) -> Batch:
+    """Store `members` traces (TRACE_A, then TRACE_B) of foreign calls in group `g`, rewarded, complete them and lease
+    `g` for 10 s; returns the batch."""
     for n, trace in enumerate((TRACE_A, TRACE_B)[:members]):
         call = _openinference_llm(trace, 111 + 10 * n, None, marked=False)
         store.add_spans([replace(call, attributes=call.attributes | {sc.GROUP: "g"})])
@@ -701,6 +700,16 @@ def test_a_late_ack_conflicts_when_a_member_was_deleted_since(make_store, clock,
     clock.now += 1000  # idle past `idle_seconds`: the traces' trajectories are complete
     batch = store.lease(BatchRequest(lease_seconds=10))
     assert [group.id for group in batch.groups] == ["g"]
+    return batch
+
+
+@pytest.mark.parametrize("members", [1, 2])
+def test_a_late_ack_conflicts_when_a_member_was_deleted_since(make_store, clock, members: int) -> None:
+    """The lease of a group expired; the rollout's spans then came and deleted a member made of foreign calls in its
+    trace. The late ack looked only at the members left, found them as leased and marked the group trained: the
+    trainer's update came from a trajectory the pool no longer has (another model's calls)."""
+    store = make_store(min_group_size=members, keep_zero_spread=True)
+    batch = _lease_foreign_group(store, clock, members)
     clock.now += 11
     assert [group.state for group in store.groups()] == ["ready"]  # the lease expired: back in the pool
     store.add_spans(_ours("r1", TRACE_A, 100))
@@ -722,13 +731,7 @@ def test_foreign_calls_kept_while_leased_are_deleted_when_their_group_returns_to
     sample of our policy. They are deleted when the group returns, as placement deletes them: a group left empty is
     skipped, one with a member left waits for another."""
     store = make_store(min_group_size=members, keep_zero_spread=True)
-    for n, trace in enumerate((TRACE_A, TRACE_B)[:members]):
-        call = _openinference_llm(trace, 111 + 10 * n, None, marked=False)
-        store.add_spans([replace(call, attributes=call.attributes | {sc.GROUP: "g"})])
-        store.add_rewards([RewardIn(trace_id=trace, value=0.5)])
-    clock.now += 1000  # idle past `idle_seconds`: the traces' trajectories are complete
-    batch = store.lease(BatchRequest(lease_seconds=10))
-    assert [group.id for group in batch.groups] == ["g"]
+    batch = _lease_foreign_group(store, clock, members)
     clock.now += 1
     store.add_spans(_ours("r1", TRACE_A, 100))
     assert TRACE_A in {t.id for t in store.trajectories()}  # kept: its group is leased
