@@ -17,10 +17,11 @@ read before the judge was shown the group, with the one committed, holding the l
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from sqlalchemy import Connection
 
@@ -69,7 +70,8 @@ def _tries(settings: JudgeSettings) -> int:
 
 
 class _ClaimLost(Exception):
-    """Raised in the transaction of a run's scores when the run no longer holds its group: nothing is stored."""
+    """Raised when a run no longer holds its group (another run took it over as stale), in the transaction of its
+    scores too: nothing of the run is stored."""
 
 
 class _Changed(Exception):
@@ -128,9 +130,18 @@ class GroupJudge:
         Raises:
             NotFound: the group does not exist or has no trajectories, or was deleted while it was judged
                 (`group_deleted`).
-            Conflict: `judge_running`, another run of the group has not finished (here or on another replica).
+            Conflict: `judge_running`, another run of the group has not finished (here or on another replica), or
+                took the group over from this run, which outlived its claim (`claim_seconds`) and stored nothing.
         """
-        run = self._try(group_id, rubric or self.settings.rubric)
+        try:
+            run = self._try(group_id, rubric or self.settings.rubric)
+        except _ClaimLost:
+            raise Conflict(
+                f"group {group_id!r} was taken over by another run: this run outlived its claim "
+                f"({claim_seconds(self.settings):.0f} s) and stored nothing; GET /v1/groups/{group_id}/judge shows the "
+                "other run's outcome",
+                code="judge_running",
+            ) from None
         if run is None:
             row = self.scoring.run(group_id) or {}
             raise Conflict(
@@ -141,11 +152,12 @@ class GroupJudge:
         return run
 
     def _try(self, group_id: str, rubric: str, seen: SeenRun | None = None) -> JudgeRun | None:
-        """Judge the group if its claim is won; None, with no judge call, when another run holds it or, with `seen`
-        (the group's last run when it was found due), started since.
+        """Judge the group if its claim is won: this run's outcome; None, with no judge call, when another run holds it
+        or, with `seen` (the group's last run when it was found due), started since.
 
         Raises:
             NotFound: the group does not exist or has no trajectories, or was deleted while it was judged.
+            _ClaimLost: the run outlived its claim and another run took the group over; nothing of it is stored.
         """
         stamps = self.scoring.member_stamps(group_id)  # first: a change after it, whenever, is seen (`_record`)
         members = self._members(group_id)
@@ -162,21 +174,22 @@ class GroupJudge:
             log.info("group %s is being judged, or was since it was found due, by another run; left to it", group_id)
             return None
         try:
-            return self._judge(group_id, members, stamps, distinct, owner, rubric, started)
-        except NotFound:  # the group was deleted mid-run, its run with it: nothing to free
+            return self._judge(group_id, members, stamps, distinct, owner, rubric, claim)
+        except (NotFound, _ClaimLost):  # the group was deleted, or taken over, mid-run: nothing to free
             raise
         except Exception as exc:  # e.g. the store failed mid-run: free the group now, not after claim_seconds
             now = self.clock()
-            self._finish(group_id, started, state="failed", attempts=0, error=f"{type(exc).__name__}: {exc}",
-                         finished_at=now, next_try_at=now + self.settings.retry_seconds)
+            with contextlib.suppress(_ClaimLost):  # taken over meanwhile: logged, nothing to free
+                self._finish(group_id, claim, state="failed", attempts=0, error=f"{type(exc).__name__}: {exc}",
+                             finished_at=now, next_try_at=now + self.settings.retry_seconds)
             raise
 
     def _judge(
         self, group_id: str, members: list[Trajectory], stamps: dict[str, MemberStamp],
-        distinct: list[list[dict[str, Any]]], owner: list[int], rubric: str, started: float
+        distinct: list[list[dict[str, Any]]], owner: list[int], rubric: str, claim: dict[str, Any]
     ) -> JudgeRun:
-        """The claimed run started at `started`, of the group's `members` (their `stamps` read before them): call the
-        judge, store the scores and the outcome."""
+        """The run `claim` (its `judge_runs` row as claimed) of the group's `members` (their `stamps` read before
+        them): call the judge, store the scores and the outcome."""
         s = self.settings
         tries = _tries(s)
         messages = build_messages(rubric, distinct)
@@ -196,16 +209,16 @@ class GroupJudge:
                     time.sleep(min(2.0 ** (attempt - 1), _MAX_BACKOFF))
                 continue
             rows = self._scored(members, owner, scores)
-            return self._record(group_id, started, rows, shown=stamps, state="ok", attempts=attempt, error=None,
+            return self._record(group_id, claim, rows, shown=stamps, state="ok", attempts=attempt, error=None,
                                 next_try_at=None)
         assert error is not None
         if error.code == "judge_rejected" and rubric.strip() != s.rubric.strip():
-            return self._rubric_rejected(group_id, started, attempt, error)
-        return self._failed(group_id, started, members, attempt, error, final=_final(error, limit))
+            return self._rubric_rejected(group_id, claim, attempt, error)
+        return self._failed(group_id, claim, members, attempt, error, final=_final(error, limit))
 
-    def _failed(self, group_id: str, started: float, members: list[Trajectory], attempts: int, error: JudgeError,
-                *, final: bool) -> JudgeRun:
-        """Record the run started at `started`, whose judge failed with `error`, by the configured policy; a `final`
+    def _failed(self, group_id: str, claim: dict[str, Any], members: list[Trajectory], attempts: int,
+                error: JudgeError, *, final: bool) -> JudgeRun:
+        """Record the run `claim`, whose judge failed with `error`, by the configured policy; a `final`
         error (see `_final`) is not retried until the group grows, or for a cut answer `max_tokens` is raised (see
         `due_groups`)."""
         s = self.settings
@@ -213,21 +226,21 @@ class GroupJudge:
         now = self.clock()
         if s.on_failure == "zero":
             rows = self._zeros(members, message)
-            return self._record(group_id, started, rows, state="zeroed", attempts=attempts, error=message,
+            return self._record(group_id, claim, rows, state="zeroed", attempts=attempts, error=message,
                                 next_try_at=None)
         state, next_try = ("failed", now + s.retry_seconds) if s.on_failure == "retry" else ("skipped", None)
         if state == "failed" and final:
             raised = " or the judge's max_tokens is raised" if error.code == "judge_truncated" else ""
             message, next_try = f"{message}; not retried until the group grows{raised}", None
-        return self._finish(group_id, started, state=state, attempts=attempts, error=message, finished_at=now,
+        return self._finish(group_id, claim, state=state, attempts=attempts, error=message, finished_at=now,
                             next_try_at=next_try)
 
-    def _rubric_rejected(self, group_id: str, started: float, attempts: int, error: JudgeError) -> JudgeRun:
-        """Record the run started at `started`, asked for with a rubric of its own that the judge rejected, as `failed`
+    def _rubric_rejected(self, group_id: str, claim: dict[str, Any], attempts: int, error: JudgeError) -> JudgeRun:
+        """Record the run `claim`, asked for with a rubric of its own that the judge rejected, as `failed`
         and due again now, whatever `on_failure` says: the rejection may be the rubric's (too long, say), so it
         must not keep the automatic judge, with the configured rubric, from the group."""
         now = self.clock()
-        return self._finish(group_id, started, state="failed", attempts=attempts, finished_at=now, next_try_at=now,
+        return self._finish(group_id, claim, state="failed", attempts=attempts, finished_at=now, next_try_at=now,
                             error=f"{error.code}: {error}; it judged with the request's rubric: the group is due again "
                                   "for the automatic judge, with the configured rubric")
 
@@ -235,45 +248,39 @@ class GroupJudge:
         """The group's trajectories as the store holds them now."""
         return [t for t in self.store.trajectories(group=group_id) if t.group_id == group_id]
 
-    def _stale(self, group_id: str, started: float, attempts: int) -> JudgeRun:
-        """Record the run started at `started` as `failed`, its answer unstored, due again now: its group changed
+    def _stale(self, group_id: str, claim: dict[str, Any], attempts: int) -> JudgeRun:
+        """Record the run `claim` as `failed`, its answer unstored, due again now: its group changed
         while the judge answered (a member came, left or got more messages), so the scores judged what is gone."""
         now = self.clock()
         log.warning("group %s changed while the judge answered; its scores are not stored", group_id)
-        return self._finish(group_id, started, state="failed", attempts=attempts, finished_at=now, next_try_at=now,
+        return self._finish(group_id, claim, state="failed", attempts=attempts, finished_at=now, next_try_at=now,
                             error="judge_stale: the group's trajectories changed while the judge answered; its scores "
                                   "are not stored and the group is judged again")
 
-    def _finish(self, group_id: str, started: float, **outcome: object) -> JudgeRun:
-        """Record the outcome of the run started at `started`, which stores no scores; a run that outlived its claim
-        only logs it. The group's run as it stands then (see `_current`)."""
-        if not self.scoring.finish_run(group_id, started, **outcome):
-            return self._outlived(group_id, started, str(outcome["state"]))
-        return self._current(group_id)
+    def _finish(self, group_id: str, claim: dict[str, Any], **outcome: object) -> JudgeRun:
+        """Record the outcome of the run `claim`, which stores no scores; the run as recorded (see `_outlived` for a
+        run that outlived its claim)."""
+        if not self.scoring.finish_run(group_id, claim["started_at"], **outcome):
+            self._outlived(group_id, claim["started_at"], str(outcome["state"]))
+        return run_view({**claim, **outcome})
 
-    def _current(self, group_id: str, judgements: list[Judgement] | None = None) -> JudgeRun:
-        """The group's run as the store holds it now, with `judgements`.
+    def _outlived(self, group_id: str, started: float, outcome: str) -> NoReturn:
+        """Log that the run started at `started` lost its group to another run and leaves `outcome` unrecorded.
 
         Raises:
-            NotFound: the run is gone: the group was deleted while it was judged (a trajectory of another
+            NotFound: the group's run is gone: the group was deleted while it was judged (a trajectory of another
                 instrumentation's calls whose rollout came, see README), its run with it.
+            _ClaimLost: otherwise; the group's run is the other run's.
         """
-        row = self.scoring.run(group_id)
-        if row is None:
+        if self.scoring.run(group_id) is None:
             raise NotFound(f"group {group_id!r} was deleted while it was judged; nothing is stored",
                            code="group_deleted")
-        return run_view(row, judgements)
-
-    def _outlived(self, group_id: str, started: float, outcome: str) -> JudgeRun:
-        """Log that the run started at `started` lost its group to another run and leaves `outcome` unrecorded; the
-        group's run, the other run's (see `_current`)."""
-        run = self._current(group_id)
         log.warning(
             "judge run of group %s started at %s outlived its claim (%.0f s) and another run took the group over; "
             "its outcome (%s) and scores are not recorded",
             group_id, started, claim_seconds(self.settings), outcome,
         )
-        return run
+        raise _ClaimLost
 
     def _scored(self, members: list[Trajectory], owner: list[int], scores: list[Score]) -> list[Judgement]:
         """The judgement of each member: the score of its distinct block (`owner`)."""
@@ -301,21 +308,22 @@ class GroupJudge:
             for t in members
         ]
 
-    def _record(self, group_id: str, started: float, rows: list[Judgement], *, attempts: int,
+    def _record(self, group_id: str, claim: dict[str, Any], rows: list[Judgement], *, attempts: int,
                 shown: dict[str, MemberStamp] | None = None, **outcome: object) -> JudgeRun:
-        """Store the scores `rows` of the run started at `started` with their explanations and `outcome`; the group's
-        run as it stands then. With `shown`, the stamps of the members the judge scored (read before the members
-        were), the run is `judge_stale` instead (see `_stale`) when the group's, read again first in the same
-        transaction, differ (`ScoringStore.member_stamps_held`: a change committed before the scores is always seen;
-        one committed between the two reads of the run start makes an extra `judge_stale`, never a missed one).
+        """Store the scores `rows` of the run `claim` with their explanations and `outcome`; the run as recorded, with
+        `rows` (not the group's run as read afterwards: another run may have claimed the group since). With `shown`,
+        the stamps of the members the judge scored (read before the members were), the run is `judge_stale` instead
+        (see `_stale`) when the group's, read again first in the same transaction, differ
+        (`ScoringStore.member_stamps_held`: a change committed before the scores is always seen; one committed between
+        the two reads of the run start makes an extra `judge_stale`, never a missed one).
 
         All of it is one transaction, the rewards' (`Store.add_rewards`, the rest in its `also`), committed whole or
         not at all. In it the run's outcome is written only while the run still holds its group
         (`ScoringStore.finish_run_in`, which makes a concurrent `claim_run` wait for the commit): a run another run
-        took over as stale, at any moment before, stores nothing over the other run's scores and only logs. A store
+        took over as stale, at any moment before, stores nothing over the other run's scores (`_outlived`). A store
         error leaves the group's rewards and explanations as they were and the run `failed` (`_try`), due again.
         """
-        now = self.clock()
+        now, started = self.clock(), claim["started_at"]
         explained = [{**row.model_dump(exclude={"name"}), "created_at": now} for row in rows]
         judgements = (self.settings.reward_name, explained)
 
@@ -332,10 +340,10 @@ class GroupJudge:
         try:
             self.store.add_rewards(rewards, before=unchanged, also=finish)
         except _ClaimLost:
-            return self._outlived(group_id, started, str(outcome["state"]))
+            self._outlived(group_id, started, str(outcome["state"]))
         except _Changed:
-            return self._stale(group_id, started, attempts)
-        run = self._current(group_id, rows)
+            return self._stale(group_id, claim, attempts)
+        run = run_view({**claim, **outcome, "attempts": attempts, "finished_at": now}, rows)
         log.info("judged group %s (%s): %d trajectories, %d distinct", group_id, run.state, run.trajectories,
                  run.distinct)
         return run
@@ -382,7 +390,8 @@ class GroupJudge:
 
     def run_due(self) -> list[JudgeRun]:
         """Judge every due group (see `due_groups`), one after the other; a group another run claimed first, or
-        took up since it was found due (another replica, a request), is left to it. A run that fails unexpectedly
+        took up since it was found due (another replica, a request), is left to it, and so is one that outlived its
+        claim (logged; it stores nothing). A run that fails unexpectedly
         (not a `JudgeError`: a store error, a bug) is logged with its traceback, shows `failed` on its group (see
         `_try`) and is left out of the result; the others still run."""
         runs = []
@@ -391,6 +400,8 @@ class GroupJudge:
                 run = self._try(group_id, self.settings.rubric, seen)
             except NotFound as exc:  # emptied or deleted since it was found due: nothing left to judge
                 log.info("group %s left unjudged: %s", group_id, exc)
+                continue
+            except _ClaimLost:  # taken over by another run, logged (`_outlived`): left to it
                 continue
             except Exception:  # one group's failure must not starve the groups due after it, poll after poll
                 log.exception("judge run of group %s failed unexpectedly; judging the other due groups", group_id)

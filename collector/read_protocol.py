@@ -58,8 +58,9 @@ class JudgeRun(BaseModel):
 
     group_id: str
     state: Literal["running", "ok", "failed", "skipped", "zeroed"] = Field(
-        description="`ok`: scores stored; `failed`: retried later (retry policy), or once the group grows if the judge "
-        "rejected the request (`next_try_at` empty); `skipped`: left unjudged; `zeroed`: all 0."
+        description="`running`: being judged (only read back, never the answer of a judge request); `ok`: scores "
+        "stored; `failed`: retried later (retry policy), or once the group grows if the judge rejected the request "
+        "(`next_try_at` empty); `skipped`: left unjudged; `zeroed`: all 0."
     )
     attempts: int
     error: str | None = None

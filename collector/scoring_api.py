@@ -133,8 +133,10 @@ def install(
 
     @router.post("/v1/groups/{group_id:path}/judge", dependencies=writes)
     def judge_group(group_id: str, body: JudgeRequest | None = None) -> JudgeRun:
-        """Run the RULER judge on one group now (any state); scores become rewards named `ruler`; 409 `judge_running`
-        while another run of the group has not finished."""
+        """Run the RULER judge on one group now (any state); scores become rewards named `ruler`. Answers this
+        request's run as recorded, never `running` (another run may have claimed the group since; GET shows the
+        latest); 409 `judge_running` while another run of the group has not finished, or when another run took the
+        group over from this one, which outlived its claim and stored nothing."""
         return judge.judge(group_id, rubric=body.rubric if body else None)
 
     @router.get("/v1/groups/{group_id:path}/judge")

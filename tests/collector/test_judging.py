@@ -623,7 +623,8 @@ def test_a_run_that_outlives_its_claim_is_taken_over_and_records_nothing(
         assert (taken.state, taken.started_at, fresh.calls) == ("ok", clock.now, 1)
     finally:
         stuck.release.set()
-    assert not isinstance(results.get(timeout=WAIT), Exception)
+    lost = results.get(timeout=WAIT)  # told so, not answered with the other run as its own
+    assert isinstance(lost, Conflict) and lost.code == "judge_running" and "outlived its claim" in lost.message
     threads[0].join(WAIT)
     run = second.scoring.run("g")
     assert (run["state"], run["started_at"]) == ("ok", clock.now)  # the stale run did not overwrite the new one
@@ -689,13 +690,49 @@ def test_a_run_taken_over_as_it_stores_its_scores_stores_none(
         return store_rewards(*args, **kwargs)
 
     monkeypatch.setattr(first.store, "add_rewards", taken_over_first)
-    with caplog.at_level(logging.WARNING, logger="collector.judging"):
-        run = first.judge("g")
+    with caplog.at_level(logging.WARNING, logger="collector.judging"), pytest.raises(Conflict) as lost:
+        first.judge("g")
+    assert lost.value.code == "judge_running" and "stored nothing" in lost.value.message
     assert [replica_stores[1].trajectory(f"g-{i}").rewards["ruler"] for i in range(2)] == [0.0, 1.0]
-    assert (run.state, run.started_at, run.judgements) == ("ok", clock.now, [])  # the second run, none of the first's
     assert "outlived its claim" in caplog.text
     found = second.scoring.judgements(["g-0", "g-1"])
     assert [row["score"] for tid in ("g-0", "g-1") for row in found[tid]] == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("answer", ["scores", "out of range"])
+def test_a_run_answers_its_own_outcome_though_another_run_claims_the_group_as_it_ends(
+    replica_stores: list[SqlStore], clock: Clock, monkeypatch: pytest.MonkeyPatch, answer: str
+) -> None:
+    """A run read the group's run back once it had recorded its own: another run that claimed the group in between
+    (a request, a replica finding the group grown) made it answer `running`, the other run's, with its own
+    judgements."""
+    held = HeldJudge()
+    quick = HeldJudge(released=True, scores=(1.0, 0.0) if answer == "scores" else (2.0, 0.0))
+    first, second = (
+        GroupJudge(store, ScoringStore(store.engine), JudgeSettings(attempts=1), client=client, clock=clock)
+        for store, client in zip(replica_stores, [quick, held], strict=True)
+    )
+    ends, name = (first.store, "add_rewards") if answer == "scores" else (first.scoring, "finish_run")
+    end = getattr(ends, name)
+    other: list[queue.Queue[Any]] = []
+
+    def then_claimed(*args: Any, **kwargs: Any) -> Any:
+        ended = end(*args, **kwargs)
+        clock.now += 1
+        other.append(_race([lambda: second.judge("g")])[0])
+        assert held.waiting.wait(WAIT)  # the second run holds the group
+        return ended
+
+    monkeypatch.setattr(ends, name, then_claimed)
+    started = clock.now
+    try:
+        run = first.judge("g")
+        assert second.scoring.run("g")["state"] == "running"
+    finally:
+        held.release.set()
+    expected = ("ok", [1.0, 0.0]) if answer == "scores" else ("failed", [])
+    assert (run.state, run.started_at, [j.score for j in run.judgements]) == (expected[0], started, expected[1])
+    assert other[0].get(timeout=WAIT).state == "ok"
 
 
 def test_a_store_error_on_the_explanations_leaves_the_former_rewards(
