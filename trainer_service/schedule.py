@@ -73,6 +73,7 @@ class TrainingSchedule:
         self._scheduler: AsyncIOScheduler | None = None
         self._running: asyncio.Task[None] | None = None
         self._polling: asyncio.Task[None] | None = None
+        self._stopped = False
         self._poll_backoff = Backoff(settings.poll_seconds, max(settings.poll_seconds, _LONGEST_POLL_BACKOFF_S))
 
     @property
@@ -99,7 +100,7 @@ class TrainingSchedule:
     def shutdown(self) -> None:
         """Stop the scheduler: no job fires again, and a poll waiting for the collector is cancelled. A step already
         running is left to finish (`TrainerService.aclose` waits for it). Idempotent."""
-        scheduler, self._scheduler = self._scheduler, None
+        scheduler, self._scheduler, self._stopped = self._scheduler, None, True
         if scheduler is not None:
             scheduler.shutdown(wait=False)
         if self._polling is not None:
@@ -116,7 +117,7 @@ class TrainingSchedule:
         """The `min_groups` job: poll in its own task, so the job returns at once and a stop cancels a poll waiting
         for a slow collector quietly (APScheduler logged its cancel as the job's error, and each tick meanwhile as
         skipped); a tick that finds the last poll still waiting leaves it be."""
-        if self._scheduler is None:  # stopped while this job's run was on its way: no poll after `shutdown`
+        if self._stopped:  # a run of the job on its way as the scheduler stopped: no poll after `shutdown`
             return
         if self._polling is not None and not self._polling.done():
             logger.info("scheduled training: the last poll still waits for the collector; no new one")
@@ -150,7 +151,10 @@ class TrainingSchedule:
             self._scheduler.modify_job("min_groups", next_run_time=at)
 
     async def _fire(self, source: str) -> None:
-        """Start a step in its own task, so the job returns at once and the next one can report `busy`."""
+        """Start a step in its own task, so the job returns at once and the next one can report `busy`; none once
+        stopped (a run of the job on its way as the scheduler stopped)."""
+        if self._stopped:
+            return
         if self._running is not None and not self._running.done():
             self._note("busy", f"{source}: a scheduled step is still running")
             return

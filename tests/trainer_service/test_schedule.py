@@ -203,9 +203,9 @@ async def test_stopping_while_a_poll_waits_for_the_collector_logs_no_error(caplo
     assert asked == [1] and trained == []
 
 
-async def test_a_poll_job_run_that_arrives_after_the_stop_starts_no_poll() -> None:
+async def test_a_job_run_that_arrives_after_the_stop_starts_no_poll_and_no_step() -> None:
     """APScheduler submits a job's run as a task: one submitted just before `shutdown` ran after it and started a
-    poll nothing cancelled (it then met the collector client `aclose` had closed)."""
+    poll nothing cancelled (it then met the collector client `aclose` had closed), or a step."""
     asked: list[int] = []
 
     async def train(source: str, min_groups: int) -> None:
@@ -213,15 +213,16 @@ async def test_a_poll_job_run_that_arrives_after_the_stop_starts_no_poll() -> No
 
     async def collector() -> int:
         asked.append(1)
-        return 1
+        return 0
 
-    schedule = TrainingSchedule(TrainerSettings(min_groups=1, poll_seconds=3600), train, collector)
+    schedule = TrainingSchedule(TrainerSettings(min_groups=1, poll_seconds=3600, every="1h"), train, collector)
     schedule.start()
     await wait_for(lambda: len(asked) == 1)  # the poll at start
     schedule.shutdown()
-    await schedule._start_poll()  # the run of a tick that came as it stopped
+    await schedule._start_poll()  # the runs of ticks that came as it stopped
+    await schedule._fire("every")
     await asyncio.sleep(0.05)
-    assert asked == [1]
+    assert asked == [1] and schedule.counts == {"below_min_groups": 1}
 
 
 async def test_an_unexpected_error_of_a_poll_is_counted() -> None:
