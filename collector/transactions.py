@@ -78,10 +78,17 @@ class Transactions:
 
         On a SQLite file it runs beside the writer, not after it: a deferred transaction (`READ_ONLY`) on a
         connection of its own, which in WAL mode sees the last commit and holds no write lock, so a long read
-        (assembling every trajectory for the web page) does not stall exports. Elsewhere as `run`: PostgreSQL
-        reads never block writers anyway, and SQLite in memory has one connection for every thread.
+        (assembling every trajectory for the web page) does not stall exports. On PostgreSQL a read-only REPEATABLE
+        READ transaction: every statement of `work` sees one snapshot (under READ COMMITTED an export that deleted a
+        trajectory between the read of its row and of its spans made the read fail, "has no spans"), and a
+        read-only one is never aborted as a serialization failure. SQLite in memory has one connection for every
+        thread: as `run`.
         """
-        if self.postgres or isinstance(self.engine.pool, StaticPool):
+        if self.postgres:
+            snapshot = {"isolation_level": "REPEATABLE READ", "postgresql_readonly": True}
+            with self.engine.connect().execution_options(**snapshot) as conn, conn.begin():
+                return work(conn)
+        if isinstance(self.engine.pool, StaticPool):
             return self.run(work)
         with self.engine.connect().execution_options(**{READ_ONLY: True}) as conn, conn.begin():
             return work(conn)

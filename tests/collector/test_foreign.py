@@ -28,7 +28,7 @@ from opentelemetry.trace import StatusCode
 from sqlalchemy import select, text
 
 from art_langgraph import semconv as sc
-from collector import placement
+from collector import placement, store_reads
 from collector.errors import Conflict
 from collector.foreign import conversation, describes_art_call, finish_reason, same_messages
 from collector.judging import GroupJudge
@@ -688,6 +688,29 @@ def test_describes_art_call_reads_each_convention() -> None:
     assert describes_art_call(_langfuse_generation(TRACE_A, 1, None).attributes)
     assert not describes_art_call({"metadata": "not json", f"langfuse.observation.metadata.{sc.TRACED_RUN}": "false"})
     assert not describes_art_call({"metadata": json.dumps({sc.TRACED_RUN: "yes"})})
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_read_sees_one_snapshot_while_an_export_deletes_a_trajectory_it_lists(
+    make_store, clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read listed the foreign calls' trajectory, then the rollout of its trace came and deleted it with its spans
+    before the read got to them: every statement saw the last commit, and the read failed ("has no spans", a 500)."""
+    store = make_store(min_group_size=1)
+    store.add_spans([_openinference_llm(TRACE_A, 111, None, marked=False)])
+    real_spans_of, came = store_reads.spans_of, []
+
+    def the_rollout_comes_meanwhile(conn: Any, trajectory_id: str) -> list[SpanRecord]:
+        if not came:
+            came.append(threading.Thread(target=store.add_spans, args=(_ours("r1", TRACE_A, 100),)))
+            came[0].start()
+            came[0].join(timeout=30)
+        return real_spans_of(conn, trajectory_id)
+
+    monkeypatch.setattr(store_reads, "spans_of", the_rollout_comes_meanwhile)
+    assert [t.id for t in store.trajectories()] == [TRACE_A]  # as it was when the read began
+    monkeypatch.undo()
+    assert not came[0].is_alive() and [t.id for t in store.trajectories()] == ["r1"]
 
 
 def _lease_foreign_group(store: SqlStore, clock: Clock, members: int) -> Batch:
