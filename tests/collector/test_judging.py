@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,17 +135,23 @@ def test_a_group_that_grew_after_its_run_is_due_again(tmp_path: Path, monkeypatc
     assert judge.due_groups() == []
 
 
-def _answering(judge: GroupJudge, status: int) -> list[httpx.Request]:
-    """Make `judge`'s client talk to a judge that answers every call with HTTP `status`; the calls it gets."""
-    calls: list[httpx.Request] = []
+def _judged_by(judge: GroupJudge, answer: Callable[[dict[str, Any]], httpx.Response]) -> list[dict[str, Any]]:
+    """Make `judge`'s client talk to a judge that answers each request with `answer(its body)`; the bodies it gets."""
+    bodies: list[dict[str, Any]] = []
 
     def chat(request: httpx.Request) -> httpx.Response:
-        calls.append(request)
-        return httpx.Response(status, json={"object": "error", "message": "maximum context length is 2048 tokens"})
+        bodies.append(json.loads(request.content))
+        return answer(bodies[-1])
 
     assert isinstance(judge.client, JudgeClient)
     judge.client._http = httpx.Client(transport=httpx.MockTransport(chat))
-    return calls
+    return bodies
+
+
+def _answering(judge: GroupJudge, status: int) -> list[dict[str, Any]]:
+    """Make `judge`'s client talk to a judge that answers every call with HTTP `status`; the bodies it gets."""
+    return _judged_by(judge, lambda body: httpx.Response(
+        status, json={"object": "error", "message": "maximum context length is 2048 tokens"}))
 
 
 def test_a_request_the_judge_rejects_is_not_sent_again_until_the_group_grows(
@@ -173,19 +179,13 @@ def test_a_request_the_judge_rejects_is_not_sent_again_until_the_group_grows(
 def _rejecting_the_rubric(judge: GroupJudge, rubric: str) -> list[dict[str, Any]]:
     """Make `judge`'s client talk to a judge that rejects (400) every prompt with `rubric` and scores the others (two
     blocks, 1 and 0); the request bodies it gets."""
-    bodies: list[dict[str, Any]] = []
-
-    def chat(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        bodies.append(body)
+    def answer(body: dict[str, Any]) -> httpx.Response:
         if rubric in body["messages"][0]["content"]:
             return httpx.Response(400, json={"object": "error", "message": "maximum context length is 2048 tokens"})
         content = json.dumps({"scores": {"1": {"explanation": "x", "score": 1}, "2": {"explanation": "y", "score": 0}}})
         return httpx.Response(200, json={"choices": [{"message": {"content": content}, "finish_reason": "stop"}]})
 
-    assert isinstance(judge.client, JudgeClient)
-    judge.client._http = httpx.Client(transport=httpx.MockTransport(chat))
-    return bodies
+    return _judged_by(judge, answer)
 
 
 @pytest.mark.parametrize("policy", ["retry", "skip", "zero"])
@@ -223,16 +223,8 @@ def test_a_request_with_the_configured_rubric_the_judge_rejects_waits_for_the_gr
 
 def _truncating(judge: GroupJudge) -> list[dict[str, Any]]:
     """Make `judge`'s client talk to a judge whose every answer is cut at `max_tokens`; the request bodies it gets."""
-    bodies: list[dict[str, Any]] = []
-
-    def chat(request: httpx.Request) -> httpx.Response:
-        bodies.append(json.loads(request.content))
-        return httpx.Response(200, json={"choices": [{"message": {"content": '{"scores": {"1": {"expl'},
-                                                      "finish_reason": "length"}]})
-
-    assert isinstance(judge.client, JudgeClient)
-    judge.client._http = httpx.Client(transport=httpx.MockTransport(chat))
-    return bodies
+    return _judged_by(judge, lambda body: httpx.Response(200, json={
+        "choices": [{"message": {"content": '{"scores": {"1": {"expl'}, "finish_reason": "length"}]}))
 
 
 def test_a_group_whose_scores_alone_are_cut_at_max_tokens_is_not_judged_again_and_says_what_to_raise(
