@@ -185,12 +185,18 @@ def test_a_vllm_dtype_vllm_refuses_exits_at_once_naming_the_ones_it_takes(capsys
     assert parse("--vllm-dtype", "BFloat16")[0].vllm_dtype == "BFloat16"  # vLLM reads it in any case
 
 
-def test_the_vllm_dtypes_come_from_the_installed_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _vllm_config_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> Path:
+    """Make `vllm` a package in `tmp_path` as far as finding its source goes; the path of its `config/<name>`, to
+    write."""
     spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
     spec.submodule_search_locations = [str(tmp_path)]
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda module: spec)
     (tmp_path / "config").mkdir()
-    source = tmp_path / "config" / "model.py"
+    return tmp_path / "config" / name
+
+
+def test_the_vllm_dtypes_come_from_the_installed_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = _vllm_config_module(tmp_path, monkeypatch, "model.py")
     try:
         source.write_text('from typing import Literal\nModelDType = Literal["auto", "float32"]\n')
         vllm_dtypes.cache_clear()
@@ -218,11 +224,7 @@ def test_a_reserved_core_count_that_is_no_number_exits_naming_it(capsys: pytest.
 
 
 def test_the_lora_ranks_come_from_the_installed_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
-    spec.submodule_search_locations = [str(tmp_path)]
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
-    (tmp_path / "config").mkdir()
-    source = tmp_path / "config" / "lora.py"
+    source = _vllm_config_module(tmp_path, monkeypatch, "lora.py")
     try:
         source.write_text("from typing import Literal\nMaxLoRARanks = Literal[1, 4, 8]\n")
         vllm_lora_ranks.cache_clear()
@@ -252,7 +254,7 @@ def test_a_vllm_flag_the_installed_vllm_lacks_stops_the_start_naming_it(capsys: 
 def test_the_vllm_flags_come_from_the_installed_vllms_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
     spec.submodule_search_locations = [str(tmp_path)]
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda module: spec)
     (tmp_path / "engine").mkdir()
     (tmp_path / "entrypoints" / "launchers").mkdir(parents=True)
     engine = tmp_path / "engine" / "arg_utils.py"
