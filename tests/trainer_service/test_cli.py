@@ -185,12 +185,16 @@ def test_a_vllm_dtype_vllm_refuses_exits_at_once_naming_the_ones_it_takes(capsys
     assert parse("--vllm-dtype", "BFloat16")[0].vllm_dtype == "BFloat16"  # vLLM reads it in any case
 
 
-def _vllm_config_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> Path:
-    """Make `vllm` a package in `tmp_path` as far as finding its source goes; the path of its `config/<name>`, to
-    write."""
+def _fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make `vllm` a package in `tmp_path` as far as finding its source goes."""
     spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
     spec.submodule_search_locations = [str(tmp_path)]
     monkeypatch.setattr(importlib.util, "find_spec", lambda module: spec)
+
+
+def _vllm_config_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> Path:
+    """`_fake_vllm`; the path of its `config/<name>`, to write."""
+    _fake_vllm(tmp_path, monkeypatch)
     (tmp_path / "config").mkdir()
     return tmp_path / "config" / name
 
@@ -252,9 +256,7 @@ def test_a_vllm_flag_the_installed_vllm_lacks_stops_the_start_naming_it(capsys: 
 
 
 def test_the_vllm_flags_come_from_the_installed_vllms_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
-    spec.submodule_search_locations = [str(tmp_path)]
-    monkeypatch.setattr(importlib.util, "find_spec", lambda module: spec)
+    _fake_vllm(tmp_path, monkeypatch)
     (tmp_path / "engine").mkdir()
     (tmp_path / "entrypoints" / "launchers").mkdir(parents=True)
     engine = tmp_path / "engine" / "arg_utils.py"
