@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import SpanContext
 
 __all__ = ["REQUEST_BYTES", "size_bound", "size_bounded"]
 
@@ -24,7 +25,7 @@ _STRING_BYTES = 8
 _ATTRIBUTE_BYTES = 8
 """Bytes of a `KeyValue` beyond its key's text and its value: tags and length prefixes."""
 _SPAN_BYTES = 160
-"""Most bytes of a span without its name and attributes: ids, times, kind, status, tags and lengths."""
+"""Most bytes of a span without its name, attributes and trace state: ids, times, kind, status, tags and lengths."""
 REQUEST_BYTES = 4096
 """Room left in every request for what is not a span: the resource and the instrumentation scope."""
 
@@ -45,11 +46,22 @@ def _attributes_bound(attributes: Mapping[str, object] | None) -> int:
     return sum(_ATTRIBUTE_BYTES + len(key.encode()) + _value_bound(value) for key, value in (attributes or {}).items())
 
 
+def _trace_state_bound(context: SpanContext | None) -> int:
+    """Bytes of the W3C trace state a span or link carries (its `key=value` entries joined by commas): up to 32 entries
+    of up to 256-character values, which an app's incoming `tracestate` header hands to every span under it."""
+    if context is None or not context.trace_state:
+        return 0
+    entries = context.trace_state.items()
+    return _STRING_BYTES + sum(len(key.encode()) + len(value.encode()) + 2 for key, value in entries)
+
+
 def size_bound(span: ReadableSpan) -> int:
     """An upper bound on the bytes `span` takes in an OTLP protobuf export request."""
     total = _SPAN_BYTES + len(span.name.encode()) + _attributes_bound(span.attributes)
+    total += _trace_state_bound(span.context)
     total += sum(_SPAN_BYTES + len(e.name.encode()) + _attributes_bound(e.attributes) for e in span.events)
-    total += sum(_SPAN_BYTES + _attributes_bound(link.attributes) for link in span.links)
+    total += sum(_SPAN_BYTES + _attributes_bound(link.attributes) + _trace_state_bound(link.context)
+                 for link in span.links)
     if span.status.description:
         total += len(span.status.description.encode())
     return total

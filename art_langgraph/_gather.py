@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import numbers
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -16,6 +17,16 @@ __all__ = ["RewardFn", "gather", "gather_sync"]
 
 RewardFn = Callable[[Any, Any], float | Awaitable[float]]
 """`reward(input, output)` → a number, sync or async."""
+
+
+def _check_concurrency(concurrency: int) -> int:
+    """`concurrency` as an int (NumPy's too), at least 1: a float let more runs in than it says (`Semaphore(2.5)` lets 3
+    in at once), and a bool is no count."""
+    if isinstance(concurrency, bool) or not isinstance(concurrency, numbers.Integral):
+        raise TypeError(f"gather's concurrency must be an integer, got {type(concurrency).__name__}")
+    if concurrency < 1:
+        raise ValueError(f"gather needs concurrency >= 1, got {concurrency}")
+    return int(concurrency)
 
 
 async def gather(
@@ -49,15 +60,13 @@ async def gather(
 
     Raises:
         ValueError: `n` out of 1 to 2**31 - 1, `concurrency` below 1.
-        TypeError: `n` is not an integer.
+        TypeError: `n` or `concurrency` is not an integer (a float, a bool).
         Exception: The first error a run or the reward function raised (that rollout's span
             is marked ERROR); the other runs are cancelled and have ended when it is raised.
     """
     _check_group_size(n, "gather's n")  # each run's group_size; checked before len(inputs) * n tasks exist
-    if concurrency < 1:
-        raise ValueError(f"gather needs concurrency >= 1, got {concurrency}")
+    semaphore = asyncio.Semaphore(_check_concurrency(concurrency))
     task_name = task or getattr(graph, "name", None) or "default"
-    semaphore = asyncio.Semaphore(concurrency)
     bar = tqdm(total=len(inputs) * n, desc=f"gather {task_name}", disable=not progress)
 
     async def one(index: int, item: Any, group: str) -> Any:

@@ -39,7 +39,7 @@ from art_langgraph import semconv
 from art_langgraph._rollout import Rollout, _check_group_size, current_rollout
 from art_langgraph._settings import get_settings
 from art_langgraph._span_status import mark_ended_by
-from art_langgraph._tracing import get_tracer
+from art_langgraph._tracing import get_tracer, span_name
 
 __all__ = ["GraphTracer", "Placement", "current_run_id", "placement_of", "rollout_of_current_run"]
 
@@ -184,7 +184,7 @@ class GraphTracer(BaseCallbackHandler):
             if (step := metadata.get("langgraph_step")) is not None:
                 attrs[semconv.NODE_STEP] = int(step)
             span = get_tracer().start_span(
-                f"node {node}", context=trace.set_span_in_context(parent.parent), attributes=attrs
+                span_name("node", str(node)), context=trace.set_span_in_context(parent.parent), attributes=attrs
             )
             _runs[run_id] = Placement(span, parent.rollout, own_span=span)
         else:
@@ -241,7 +241,7 @@ class GraphTracer(BaseCallbackHandler):
         if call_id := kwargs.get("tool_call_id"):
             attrs[semconv.GEN_AI_TOOL_CALL_ID] = str(call_id)
         span = get_tracer().start_span(
-            f"execute_tool {name}", context=trace.set_span_in_context(parent.parent), attributes=attrs
+            span_name("execute_tool", str(name)), context=trace.set_span_in_context(parent.parent), attributes=attrs
         )
         _runs[run_id] = Placement(span, parent.rollout, own_span=span)
 

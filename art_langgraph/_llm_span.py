@@ -26,7 +26,7 @@ from art_langgraph._counts import RECORDING_ERRORS
 from art_langgraph._graph_tracing import placement_of
 from art_langgraph._rollout import current_rollout
 from art_langgraph._token_data import ART_METADATA_KEY, STREAM_PIECE_KEY, ArtTokenData, StreamTokens
-from art_langgraph._tracing import get_tracer
+from art_langgraph._tracing import get_tracer, span_name
 
 __all__ = ["LLMSpan", "llm_span", "recording_errors", "recording_guard"]
 
@@ -138,8 +138,9 @@ def _set_result(span: Span, generation: ChatGeneration, art: ArtTokenData | None
     attrs: dict[str, Any] = {}
     if model := llm_output.get("model_name") or info.get("model_name"):
         attrs[semconv.GEN_AI_RESPONSE_MODEL] = model
-    response_id = llm_output.get("id") or message.id
-    if response_id and not response_id.startswith("lc_"):  # skip LangChain's run ids
+    # a server may answer a number (which failed the whole record: its token data too); LangChain's run ids are skipped
+    response_id = str(llm_output.get("id") or message.id or "")
+    if response_id and not response_id.startswith("lc_"):
         attrs[semconv.GEN_AI_RESPONSE_ID] = response_id
     if finish := info.get("finish_reason"):
         attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = [finish]
@@ -190,7 +191,7 @@ def llm_span(payload: dict[str, Any], parent_run_id: UUID | None = None) -> Iter
         parent = trace.set_span_in_context(placement.parent)
     elif (current := current_rollout()) is not None:
         attrs.update(current.span_attributes())
-    name, start_time = f"chat {model}", time.time_ns()
+    name, start_time = span_name("chat", model), time.time_ns()
     span = get_tracer().start_span(name, context=parent, attributes=attrs, start_time=start_time)
     call = LLMSpan(span, name, parent, start_time, attrs)
     try:

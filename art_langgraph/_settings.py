@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
@@ -35,6 +36,9 @@ TIMEOUT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"
 MAX_EXPORT_TIMEOUT_SECONDS = 7 * 24 * 3600
 """Longest OTLP exporter timeout taken: a week. Past about 9.2e9 s the exporter cannot compute a request's deadline
 (`timestamp out of range for platform time_t`), and every export failed."""
+SCHEDULE_DELAY_ENV = "OTEL_BSP_SCHEDULE_DELAY"
+"""Milliseconds the OpenTelemetry SDK's batch processors, the plugin's too, wait between exports: an integer (the SDK
+logs other text and takes 5000)."""
 MAX_OTLP_REQUEST_BYTES = 64 * 1024 * 1024
 """The OTLP/HTTP exporter's own limit (OpenTelemetry 1.45): it drops a larger request unsent, whatever the receiver
 takes, so `max_export_bytes` may not pass it."""
@@ -78,7 +82,11 @@ class Settings(BaseSettings):
     max_queue_size: int = Field(
         default=2048,
         ge=1,
-        description="Spans held per destination while waiting for export; past it, new spans are dropped and counted.",
+        le=sys.maxsize,
+        description=(
+            "Spans held per destination while waiting for export; past it, new spans are dropped and counted. At most "
+            "`sys.maxsize`, the longest queue Python makes (a larger one failed the first span with `OverflowError`)."
+        ),
     )
     max_export_bytes: int = Field(
         default=8 * 1024 * 1024,
@@ -113,8 +121,10 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _usable_otlp_variables(self) -> Settings:
-        """Refuse the OTLP exporter's endpoint without its scheme (`localhost:4318`: no request could be made) and a
-        timeout that is no positive number (0 or less failed every request at once) or is past a week."""
+        """Refuse the OTLP exporter's endpoint without its scheme (`localhost:4318`: no request could be made), a
+        timeout that is no positive number (0 or less failed every request at once) or is past a week, and a batch
+        delay (`OTEL_BSP_SCHEDULE_DELAY`) of 0 or less (the SDK's `ValueError` failed the app's first span) or past a
+        week (past about 9.2e12 ms its export thread died: spans waited for a flush, and the queue filled)."""
         if self.collector_url is None and (endpoint := _first_set(ENDPOINT_ENV)):
             name, url = endpoint
             if urlsplit(url).scheme not in ("http", "https"):
@@ -125,6 +135,9 @@ class Settings(BaseSettings):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
             if float(value) > MAX_EXPORT_TIMEOUT_SECONDS:
                 raise ValueError(f"{name} must be at most a week ({MAX_EXPORT_TIMEOUT_SECONDS} s), got {value!r}")
+        if (delay := _env_int(SCHEDULE_DELAY_ENV)) is not None and not 0 < delay <= MAX_EXPORT_TIMEOUT_SECONDS * 1000:
+            raise ValueError(f"{SCHEDULE_DELAY_ENV} must be from 1 to a week ({MAX_EXPORT_TIMEOUT_SECONDS * 1000}) "
+                             f"milliseconds, got {os.environ[SCHEDULE_DELAY_ENV]!r}")
         return self
 
     @field_validator("api_key")
@@ -149,6 +162,15 @@ class Settings(BaseSettings):
 def _first_set(names: tuple[str, ...]) -> tuple[str, str] | None:
     """The first of the environment variables `names` set to a non-empty value, with its value."""
     return next(((name, value) for name in names if (value := os.environ.get(name))), None)
+
+
+def _env_int(name: str) -> int | None:
+    """The environment variable `name` read as the SDK reads it, with `int`; None when unset or no integer (which the
+    SDK logs, taking its default)."""
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return None
 
 
 def _positive_number(value: str) -> bool:

@@ -14,6 +14,7 @@ import base64
 import logging
 import os
 import secrets
+import threading
 from collections.abc import Callable
 
 import requests
@@ -37,6 +38,7 @@ __all__ = [
     "get_tracer",
     "get_tracer_provider",
     "shutdown",
+    "span_name",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -290,6 +292,13 @@ def get_tracer() -> Tracer:
     return _current().tracer
 
 
+def span_name(operation: str, name: str) -> str:
+    """The name of a span of `operation` on `name` (a node, a tool, a model), each NUL in it as U+FFFD: the collector
+    rejects a span whose name holds one (its store's text columns cannot hold it), which lost the node's or tool's
+    span; the name's attribute (`art.node.name`, `gen_ai.tool.name`) keeps it as it is."""
+    return f"{operation} {name}".replace("\x00", "\ufffd")
+
+
 def dropped_spans() -> int:
     """Number of spans lost so far (queue full, export failed), by this pipeline and those replaced or shut down."""
     return DROPPED_SPANS.value
@@ -310,7 +319,8 @@ def flush(timeout: float = 5.0) -> bool:
         state = _state
     if state is None:
         return True
-    return run_bounded(lambda: state.force_flush(int(timeout * 1000)), timeout)
+    # at most as long as a thread can wait: `math.inf`, which `int` cannot take, flushed nothing
+    return run_bounded(lambda: state.force_flush(int(min(timeout, threading.TIMEOUT_MAX) * 1000)), timeout)
 
 
 def _take_state() -> _State | None:

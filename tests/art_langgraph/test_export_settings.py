@@ -3,6 +3,8 @@ would fail (spans dropped, one log line per batch) instead of a mistake seen whe
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from pydantic import ValidationError
 
@@ -40,4 +42,28 @@ def test_an_otlp_timeout_out_of_range_is_refused(monkeypatch, name: str, value: 
         Settings()
     for bound in ("2.5", "604800"):
         monkeypatch.setenv(name, bound)
+        assert Settings()
+
+
+def test_a_queue_size_past_what_python_can_make_is_refused(monkeypatch) -> None:
+    """`ART_MAX_QUEUE_SIZE` past `sys.maxsize` was taken, and the export queue then failed the app's first span with
+    `OverflowError` (a deque holds at most `sys.maxsize`); it is refused with the settings' own error."""
+    monkeypatch.setenv("ART_MAX_QUEUE_SIZE", str(sys.maxsize + 1))
+    with pytest.raises(ValidationError, match="max_queue_size\n  Input should be less than or equal to"):
+        Settings()
+    monkeypatch.setenv("ART_MAX_QUEUE_SIZE", str(sys.maxsize))
+    assert Settings().max_queue_size == sys.maxsize
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "604800001", str(10**20)])
+def test_a_batch_delay_out_of_range_is_refused(monkeypatch, value: str) -> None:
+    """`OTEL_BSP_SCHEDULE_DELAY`, which the SDK's batch processor reads: 0 or less failed the app's first span with the
+    SDK's `ValueError` (`schedule_delay_millis must be positive.`, no variable named); past about 9.2e12 ms the export
+    thread died at its first wait, and spans waited for a flush until the queue filled and dropped them."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", value)
+    with pytest.raises(ValidationError, match=f"OTEL_BSP_SCHEDULE_DELAY must be from 1 to a week \\(604800000\\) "
+                                              f"milliseconds, got '{value}'"):
+        Settings()
+    for taken in ("1", "604800000", "soon"):  # text no integer: the SDK logs it and waits its default 5000 ms
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", taken)
         assert Settings()

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import Link, Status, StatusCode
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags, TraceState
 
 from art_langgraph._export_size import REQUEST_BYTES, size_bound, size_bounded
 
@@ -40,6 +41,23 @@ def test_size_bound_is_at_least_the_encoded_size() -> None:
         assert alone <= size_bound(span) + REQUEST_BYTES
         assert size_bound(span) < 3 * alone + 400  # a bound, not a wild guess
     assert encode_spans(spans).ByteSize() <= sum(map(size_bound, spans)) + REQUEST_BYTES
+
+
+def test_size_bound_counts_the_trace_state_of_the_span_and_its_links() -> None:
+    """A span under an app's span with a long W3C `tracestate` (an incoming request's header) inherits it, and OTLP
+    carries it on the span (and on links): uncounted, a request near the bound passed what the collector takes."""
+    state = TraceState([(f"vendor{i}", "v" * 200) for i in range(32)])
+    app_span = SpanContext(0x1234, 0x5678, is_remote=True, trace_flags=TraceFlags(1), trace_state=state)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    context = trace.set_span_in_context(NonRecordingSpan(app_span))
+    with provider.get_tracer("size").start_as_current_span("chat m", context=context, links=[Link(app_span)]):
+        pass
+    (span,) = exporter.get_finished_spans()
+    assert span.context.trace_state == state
+    assert encode_spans([span]).ByteSize() <= size_bound(span) + REQUEST_BYTES
+    assert size_bound(span) >= 2 * len(state.to_header())  # the link's too, which OTLP defines a field for
 
 
 def test_size_bounded_keeps_order_and_every_run_under_the_limit() -> None:

@@ -102,6 +102,23 @@ async def test_gather_checks_n_before_making_its_runs(spans) -> None:
 
 
 @pytest.mark.asyncio(loop_scope="session")
+@pytest.mark.parametrize("concurrency", [2.5, True, "2"])
+async def test_gather_refuses_a_concurrency_that_is_no_integer(spans, concurrency) -> None:
+    """A float was taken as it was (`Semaphore(2.5)` let 3 runs in at once), True as 1, a string failed in a
+    comparison; each is now refused before any run starts."""
+
+    class Echo:
+        async def ainvoke(self, inp: int) -> int:
+            return inp
+
+    with pytest.raises(TypeError, match=f"gather's concurrency must be an integer, got {type(concurrency).__name__}"):
+        await gather(Echo(), [1], n=2, concurrency=concurrency, progress=False)
+    assert spans.get_finished_spans() == ()
+    with pytest.raises(ValueError, match="gather needs concurrency >= 1, got -1"):
+        await gather(Echo(), [1], concurrency=-1, progress=False)
+
+
+@pytest.mark.asyncio(loop_scope="session")
 async def test_gather_failure_cancels_and_ends_every_other_run(spans) -> None:
     """The other members of the failing run's group stop too, and every rollout span has ended when it raises."""
 

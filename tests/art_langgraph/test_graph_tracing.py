@@ -18,16 +18,21 @@ import httpx
 import pytest
 from langchain_core.messages import HumanMessage
 from langchain_core.runnables import RunnableLambda
+from langchain_core.tools import StructuredTool
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.config import get_stream_writer
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command, Send, interrupt
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
+from pydantic import BaseModel
 
 import art_langgraph
 from art_langgraph import ARTChatModel, _tracing, reward, rollout, semconv
+from collector.assembly import span_problem, trajectory_key
+from collector.otlp import decode_request
 
 
 class Fan(TypedDict, total=False):
@@ -186,6 +191,31 @@ def test_interrupt_is_an_event_and_resume_is_a_new_run(chat_model: ARTChatModel,
     assert review_spans[0].status.is_ok
     (llm,) = kinds(spans, semconv.SPAN_KIND_LLM)
     assert llm.attributes[semconv.ROLLOUT_ID] == run.id  # both invocations: one trajectory
+
+
+def test_a_run_resumed_with_its_run_id_is_the_same_trajectory(spans) -> None:
+    """Resumed with the config that named its `run_id`, a graph run outside `rollout(...)` gets a second rollout span
+    (a trace of its own) with the same id: the collector keys trajectories by that id, so both parts are one."""
+
+    def review(state: Steps) -> Steps:
+        return {"done": [f"review {interrupt('ok?')}"]}
+
+    builder = StateGraph(Steps)
+    builder.add_node("review", review)
+    builder.add_node("after", lambda state: {"done": ["after"]})
+    builder.add_edge(START, "review")
+    builder.add_edge("review", "after")
+    graph = builder.compile(checkpointer=InMemorySaver())
+    run_id = uuid.uuid4()
+    config = {"configurable": {"thread_id": run_id.hex}, "run_id": run_id}
+    assert "__interrupt__" in graph.invoke({}, config)
+    assert graph.invoke(Command(resume="yes"), config)["done"] == ["review yes", "after"]
+    first, second = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert first.context.trace_id != second.context.trace_id
+    assert first.status.is_ok and second.status.is_ok
+    decoded = decode_request(encode_spans(spans.get_finished_spans()).SerializeToString(), "application/x-protobuf")
+    assert len(decoded.spans) == 5  # two rollouts; review paused, review again, after
+    assert {trajectory_key(record) for record in decoded.spans} == {(run_id.hex, True)}
 
 
 def test_graph_tracing_can_be_turned_off(monkeypatch, chat_model: ARTChatModel, spans) -> None:
@@ -439,6 +469,32 @@ def test_a_tool_called_on_its_own_in_a_rollout_gets_a_tool_span(add_tool, spans)
     assert tool.attributes[semconv.ROLLOUT_ID] == run.id
     assert tool.attributes[semconv.GEN_AI_TOOL_CALL_ID] == "call_1"
     assert tool.attributes[semconv.GEN_AI_TOOL_CALL_RESULT] == "3"
+
+
+def test_a_node_and_a_tool_named_with_a_nul_keep_their_spans(spans) -> None:
+    """The collector rejects a span whose name holds a NUL, so `node st\\x00ep` lost the node's span (and its tool's);
+    the span names now carry U+FFFD there, and the name attributes keep the name as it is."""
+
+    class Args(BaseModel):
+        a: int
+
+    echo = StructuredTool.from_function(lambda a: a, name="ec\x00ho", description="Echo a.", args_schema=Args)
+
+    def step(state: Steps) -> Steps:
+        echo.invoke({"a": 1})
+        return {"done": ["step"]}
+
+    builder = StateGraph(Steps)
+    builder.add_node("st\x00ep", step)
+    builder.add_edge(START, "st\x00ep")
+    builder.compile().invoke({})
+    (node,), (tool,) = kinds(spans, semconv.SPAN_KIND_NODE), kinds(spans, semconv.SPAN_KIND_TOOL)
+    assert (node.name, tool.name) == ("node st\ufffdep", "execute_tool ec\ufffdho")
+    assert (node.attributes[semconv.NODE_NAME], tool.attributes[semconv.GEN_AI_TOOL_NAME]) == ("st\x00ep", "ec\x00ho")
+    body = encode_spans(spans.get_finished_spans()).SerializeToString()
+    decoded = decode_request(body, "application/x-protobuf")
+    assert len(decoded.spans) == 3 and not decoded.rejected
+    assert [span_problem(record) for record in decoded.spans] == [None] * 3
 
 
 class _Unprintable:

@@ -270,6 +270,30 @@ def test_a_model_name_past_the_largest_step_is_step_zero(spans, stream: bool, su
     assert list(span.attributes[semconv.COMPLETION_TOKEN_IDS]) == completion_ids(0)
 
 
+def test_a_numeric_response_id_keeps_the_token_data(spans) -> None:
+    """A server that answers `"id": 12345` (the OpenAI client does not check it) made recording the result raise: the
+    app got its reply, but the span lost its output messages and token data, so the turn. The id is kept as text."""
+
+    class NumericIds(FakeEngine):
+        def _completion(self, body: dict[str, Any]) -> dict[str, Any]:
+            return {**super()._completion(body), "id": 12345}
+
+    NumericIds().chat_model().invoke("hi")
+    (span,) = llm_spans(spans)
+    assert list(span.attributes[semconv.COMPLETION_TOKEN_IDS]) == completion_ids(0)
+    assert json.loads(span.attributes[semconv.GEN_AI_OUTPUT_MESSAGES])[0]["content"] == reply_text(0)
+    assert span.attributes[semconv.GEN_AI_RESPONSE_ID] == "12345"
+
+
+def test_a_model_name_with_a_nul_keeps_the_calls_span(spans) -> None:
+    """The collector rejects a span whose name holds a NUL: `chat agent\\x00x` lost the call's span, so its turn. The
+    span's name carries U+FFFD there; the requested model's attribute keeps the name as it was sent."""
+    FakeEngine().chat_model().model_copy(update={"model_name": "agent\x00x"}).invoke("hi")
+    (span,) = llm_spans(spans)
+    assert span.name == "chat agent\ufffdx"
+    assert span.attributes[semconv.GEN_AI_REQUEST_MODEL] == "agent\x00x"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_result_that_cannot_be_recorded_does_not_fail_the_call(spans, monkeypatch, caplog, stream: bool) -> None:
     """Engine data the recorder cannot read (a null logprob) is logged and counted; the app gets its reply."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from collections.abc import Iterator
@@ -135,6 +136,17 @@ def test_down_collector_never_raises(memory_tracing, dead_url, chat_model: ARTCh
         assert _tracing.dropped_spans() >= dropped + 2
     finally:
         memory_tracing.install()
+
+
+def test_flush_with_an_infinite_timeout_flushes(receivers) -> None:
+    """`flush(timeout=math.inf)`, to wait as long as it takes, failed at once (an `OverflowError` logged, nothing
+    exported, False); it waits as long as a thread can."""
+    collector, _ = receivers
+    art_langgraph.configure(collector_url=collector.url)
+    with rollout("flushed"):
+        pass
+    assert art_langgraph.flush(timeout=math.inf)
+    assert len(collector.spans()) == 1
 
 
 def test_flush_is_bounded_and_exporter_errors_are_counted(memory_tracing) -> None:
