@@ -206,8 +206,8 @@ def _common_stats(groups: list[Group], counters: _Counters, trained_groups: int,
     }
 
 
-def _reward_stats(rewards: list[float]) -> dict[str, float]:
-    """`reward/mean` and `reward/std` (population) of finite `rewards`, finite however large they are.
+def _mean_std(rewards: list[float]) -> tuple[float, float]:
+    """Mean and std (population) of finite `rewards`, finite however large they are.
 
     The rewards are first multiplied by a power of two (exactly) that brings them below 1 in magnitude, so that
     neither their sum nor their squares overflow near float64's limit (1.8e308), and the results scaled back.
@@ -219,7 +219,13 @@ def _reward_stats(rewards: list[float]) -> dict[str, float]:
     scaled = values * math.ldexp(1.0, -exponent)
     mean = float(scaled.mean().clamp(scaled.min(), scaled.max()))
     std = float(scaled.std(correction=0).clamp(max=scaled.abs().max()))
-    return {"reward/mean": math.ldexp(mean, exponent), "reward/std": math.ldexp(std, exponent)}
+    return math.ldexp(mean, exponent), math.ldexp(std, exponent)
+
+
+def _reward_stats(rewards: list[float]) -> dict[str, float]:
+    """`reward/mean` and `reward/std` of finite `rewards` (`_mean_std`)."""
+    mean, std = _mean_std(rewards)
+    return {"reward/mean": mean, "reward/std": std}
 
 
 def prepare_grpo(groups: list[Group], config: GRPOConfig, device: torch.device,
@@ -281,7 +287,9 @@ def prepare_sft(groups: list[Group], config: GRPOConfig, device: torch.device,
     A group whose best trajectory cannot train (counted under its reason, e.g. `no_assistant_tokens`) is left
     out, not replaced by a worse-rewarded one (`vocab_size` as in `prepare_grpo`). Items carry advantage 1.0 and
     equal per-trajectory weights, so the SFT loss is the mean over trajectories of each one's mean assistant-token
-    negative log-likelihood.
+    negative log-likelihood. `reward/mean` and `reward/std` are, as on a GRPO step, those of the rewards the step
+    chose among (every finite reward of the groups that train), so the two kinds of step plot one curve;
+    `reward/chosen_mean` is the mean reward of the chosen (trained) trajectories.
 
     Raises:
         NothingTrainableError: no group's best-rewarded trajectory has assistant tokens.
@@ -289,6 +297,7 @@ def prepare_sft(groups: list[Group], config: GRPOConfig, device: torch.device,
     counters = _Counters()
     per_traj: list[tuple[float, list[_Seq]]] = []
     rewards_seen: list[float] = []
+    rewards_chosen: list[float] = []
     for group in groups:
         rewarded = _finite_rewarded(group, counters)
         if not rewarded:
@@ -301,10 +310,12 @@ def prepare_sft(groups: list[Group], config: GRPOConfig, device: torch.device,
         if not seqs:
             continue
         per_traj.append((1.0, seqs))
-        rewards_seen.append(float(best.reward))  # type: ignore[arg-type]
+        rewards_seen.extend(float(t.reward) for t in rewarded)  # type: ignore[arg-type]
+        rewards_chosen.append(float(best.reward))  # type: ignore[arg-type]
     if not per_traj:
         raise _nothing(groups, counters, "SFT needs a group whose best-rewarded trajectory has assistant tokens.")
-    stats = {**_common_stats(groups, counters, len(per_traj), per_traj), **_reward_stats(rewards_seen)}
+    stats = {**_common_stats(groups, counters, len(per_traj), per_traj), **_reward_stats(rewards_seen),
+             "reward/chosen_mean": _mean_std(rewards_chosen)[0]}
     return PreparedBatch(_items(per_traj, device), stats)
 
 

@@ -253,7 +253,8 @@ class Evaluator:
         """The reward function's value for one answer of `model` to prompt `index` (`row`).
 
         Raises:
-            EvalError: it raised (logged with its traceback and the row), or returned no finite real number (a
+            EvalError: it raised (logged with its traceback and the row; a `CancelledError` or `GeneratorExit`
+                too: called in a worker thread, it is the function's own), or returned no finite real number (a
                 `bool`, also numpy's, counts as 1 or 0).
         """
         where = f"prompt {index} of the eval set, answered by {model}"
@@ -261,8 +262,10 @@ class Evaluator:
             value = self.reward_fn(row, text)
         # a user function: any failure is reported with its type, logged with its traceback; also a SystemExit (e.g.
         # argparse's) or KeyboardInterrupt, its own here in a worker thread, which was raised again in the event loop
-        # and stopped the service
-        except (Exception, SystemExit, KeyboardInterrupt) as exc:
+        # and stopped the service; and a CancelledError or GeneratorExit, which escaped the gate (as a cancellation
+        # or a RuntimeError). None of them is the step's cancellation: this runs in a worker thread, where no
+        # cancellation of the event loop's tasks arrives (it reaches `_score`'s await and propagates from there)
+        except (Exception, SystemExit, KeyboardInterrupt, asyncio.CancelledError, GeneratorExit) as exc:
             row_text = json.dumps(row, default=str)
             logger.exception("the eval reward function raised on %s; the row: %.300s", where, row_text)
             raise EvalError(f"the eval reward function raised {type(exc).__name__} on {where}: {exc}") from exc

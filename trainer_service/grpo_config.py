@@ -132,8 +132,8 @@ class GRPOConfig:
     )
     kl_coef: float = field(
         default=0.0,
-        metadata={"help": "Weight of a KL penalty to the base model (the adapter disabled is the reference; k3 "
-                  "estimator). 0 skips the reference forward."},
+        metadata={"help": "Weight of a KL penalty to the base model on GRPO steps (the adapter disabled is the "
+                  "reference; k3 estimator; SFT steps have none). 0 skips the reference forward."},
     )
     gradient_checkpointing: bool | None = field(
         default=None, metadata={"help": "Recompute activations in backward; None means on with CUDA, off on a CPU."}

@@ -31,9 +31,9 @@ PLOT_FILE = "metrics.png"
 """Name of the reward/loss plot in the run folder."""
 CHECKPOINT_METRICS = frozenset({
     "step", "grad/norm", "optim/lr", "time/step_s", "time/tokens_per_s", "reward/mean", "reward/std",
-    "advantage/mean", "advantage/std", "advantage/min", "advantage/max", "data/sequences", "data/tokens",
-    "data/assistant_tokens", "data/groups", "data/groups_trained", "data/trajectories", "data/truncated_sequences",
-    "data/missing_logprobs", "data/retokenized_trajectories", "data/retokenize_split_edges",
+    "reward/chosen_mean", "advantage/mean", "advantage/std", "advantage/min", "advantage/max", "data/sequences",
+    "data/tokens", "data/assistant_tokens", "data/groups", "data/groups_trained", "data/trajectories",
+    "data/truncated_sequences", "data/missing_logprobs", "data/retokenized_trajectories", "data/retokenize_split_edges",
     "data/retokenize_non_object_arguments", "loss/policy", "loss/clip_fraction", "loss/ratio_mean", "loss/logprob_gap",
     "loss/kl", "loss/total", "loss/sft", "kind/sft",
 })

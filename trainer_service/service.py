@@ -130,6 +130,8 @@ class TrainerService:
         self.allocator = loaded_allocator() or "system"
         self._lock = asyncio.Lock()
         self._closing = False
+        self._step_running = False
+        """True while `train_once` runs a step: status's `training` (`aclose` holds `_lock` too, to stop)."""
         self.collector = CollectorClient(settings, collector_transport)
         evaluator = evaluator or build_evaluator(settings, self.collector.http, engine.base_url)
         self.gate = PromotionGate(settings, self.store, evaluator, self.model_name, lambda: self.base_name)
@@ -283,6 +285,7 @@ class TrainerService:
         if self._lock.locked():
             raise ServiceError(409, "training_in_progress", "A training step is running; wait for it to finish.")
         async with self._lock:
+            self._step_running = True
             try:
                 result = await self._train_locked(kind, min_groups)
             except ServiceError as exc:
@@ -296,6 +299,8 @@ class TrainerService:
                                      type="server_error")
                 self.last_error = error.body.error.message
                 raise error from exc
+            finally:
+                self._step_running = False
         logger.info("step %s (%s, %s) -> %s; latest: %s", result.step, kind, source, result.model, result.latest_model)
         return result
 
@@ -406,18 +411,27 @@ class TrainerService:
         shown = set(sorted(evals)[-_NAMED_STEPS:]) | ({self.gate.latest or 0} & evals.keys())
         return {step: evals[step] for step in sorted(shown)}
 
-    async def status(self) -> StatusResponse:
-        """Step, models, queue depth, schedule, promotion, last metrics and engine health."""
-        healthy = await asyncio.to_thread(self.engine.healthy)
-        queue_depth: int | None = None
-        queue_error: str | None = None
+    async def _status_queue_depth(self) -> tuple[int | None, str | None]:
+        """The queue depth, or None and why it is unknown: the collector's error, no answer within
+        `_STATUS_QUEUE_WAIT_S`, or a shutdown under way (`aclose` closes the collector's client)."""
+        if self._closing:
+            return None, "The service is shutting down; the collector is not asked for the queue depth."
         try:
-            queue_depth = await asyncio.wait_for(self.queue_depth(), _STATUS_QUEUE_WAIT_S)
+            return await asyncio.wait_for(self.queue_depth(), _STATUS_QUEUE_WAIT_S), None
         except ServiceError as exc:
-            queue_error = exc.body.error.message
+            return None, exc.body.error.message
         except TimeoutError:
-            queue_error = (f"The collector at {self.collector.shown_url} did not answer GET /v1/groups?state=ready "
-                           f"within {_STATUS_QUEUE_WAIT_S:g} s; the queue depth is unknown.")
+            return None, (f"The collector at {self.collector.shown_url} did not answer GET /v1/groups?state=ready "
+                          f"within {_STATUS_QUEUE_WAIT_S:g} s; the queue depth is unknown.")
+
+    async def status(self) -> StatusResponse:
+        """Step, models, queue depth, schedule, promotion, last metrics and engine health.
+
+        `training` is true while a step runs, not while `aclose` stops the service (`_status_queue_depth` says so
+        in `queue_error` once shutdown began).
+        """
+        healthy = await asyncio.to_thread(self.engine.healthy)
+        queue_depth, queue_error = await self._status_queue_depth()
         trainer = self.trainer
         step = self.steps[-1] if self.steps else 0  # the newest served step: a running one counts once it is served
         trained = dict(trainer.last_metrics) if trainer and trainer.step_count == step else {}
@@ -430,7 +444,7 @@ class TrainerService:
             models=[self.base_name, *self._newest_models(), f"{self.settings.name}@latest"],
             checkpoints=self.steps[-_NAMED_STEPS:],
             checkpoint_count=len(self.steps),
-            training=self._lock.locked(),
+            training=self._step_running,
             queue_depth=queue_depth,
             queue_error=queue_error,
             schedule=ScheduleStatus(triggers=describe(self.settings), paused=self.paused,

@@ -4,8 +4,8 @@ The pipeline of `step` follows the algorithm: select groups with a reward spread
 advantages (`batching`) → per-token log-probs (the sequences of a micro-batch packed into
 one row, no padding) → policy loss (+ KL to the adapter-free base) → clip → AdamW.
 `sft_step` runs the same loop with a negative log-likelihood loss on the best trajectory of
-each group. The maths live in `trainer_service.grpo`; this module only orchestrates and keeps
-state.
+each group, and no KL term (`kl_coef` weighs GRPO steps only). The maths live in
+`trainer_service.grpo`; this module only orchestrates and keeps state.
 
 Run under `torch.distributed` (see `trainer_service.distributed`), each rank trains its share of
 the step's trajectories and the gradients are summed over the ranks before clipping, so every
@@ -224,7 +224,9 @@ class LoRATrainer:
         """Run one supervised step on the best trajectory of each group (SFT warm start).
 
         The loss is the mean over trajectories of the mean negative log-likelihood of their
-        assistant tokens; the optimizer, checkpoints and step counter are the GRPO ones.
+        assistant tokens, with no KL term whatever `kl_coef` (a warm start is meant to move the
+        policy off the base toward the chosen answers; it records no `loss/kl`); the optimizer,
+        checkpoints and step counter are the GRPO ones.
 
         Raises:
             NothingTrainableError: no group's best-rewarded trajectory has assistant tokens.

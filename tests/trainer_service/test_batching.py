@@ -219,7 +219,18 @@ def test_sft_takes_the_best_of_each_group() -> None:
     batch = prepare_sft([group(trainer, (0.2, 0.9), "a"), group(trainer, (0.5, 0.5), "b")], trainer.config, CPU)
     # group a: BAD (0.9) wins; group b: a tie keeps the first (GOOD)
     assert [i.token_ids.tolist()[len(PROMPT):] for i in batch.items] == [BAD, GOOD]
-    assert batch.stats["reward/mean"] == pytest.approx(0.7)
+    assert batch.stats["reward/chosen_mean"] == pytest.approx(0.7)
+    assert batch.stats["reward/mean"] == pytest.approx(0.525)  # every reward of the groups: 0.2, 0.9, 0.5, 0.5
+
+
+def test_sft_reward_stats_are_those_of_a_grpo_step_on_the_same_groups() -> None:
+    """They were the chosen trajectories' (0.95 here, against GRPO's 0.525): the reward curve stepped up after a
+    warm start, and `--keep-best-metric reward/mean` favoured SFT steps."""
+    trainer = make_trainer()
+    groups = [group(trainer, (0.2, 0.9), "a"), group(trainer, (0.0, 1.0), "b")]
+    grpo, sft = (prepare(groups, trainer.config, CPU).stats for prepare in (prepare_grpo, prepare_sft))
+    assert sft["reward/mean"] == grpo["reward/mean"] and sft["reward/std"] == grpo["reward/std"]
+    assert sft["reward/chosen_mean"] == pytest.approx(0.95) and "reward/chosen_mean" not in grpo
 
 
 def test_sft_ties_up_to_float_rounding_keep_the_first() -> None:
@@ -230,7 +241,7 @@ def test_sft_ties_up_to_float_rounding_keep_the_first() -> None:
     assert later > first
     batch = prepare_sft([group(trainer, (first, later))], trainer.config, CPU)
     assert [i.token_ids.tolist()[len(PROMPT):] for i in batch.items] == [GOOD]
-    assert batch.stats["reward/mean"] == first
+    assert batch.stats["reward/chosen_mean"] == first
 
 
 def test_sft_leaves_out_a_group_whose_best_cannot_train() -> None:

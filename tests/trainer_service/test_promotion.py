@@ -508,6 +508,50 @@ async def test_a_reward_that_exits_fails_the_eval_not_the_service(tmp_path: Path
     await gate.aclose()
 
 
+@pytest.mark.parametrize("raised", [asyncio.CancelledError, GeneratorExit])
+async def test_a_reward_that_raises_a_cancellation_fails_the_eval_not_the_step(
+        tmp_path: Path, raised: type[BaseException]) -> None:
+    """The function's own CancelledError (a cancellation, as if the step were stopped) or GeneratorExit (a
+    RuntimeError "coroutine ignored GeneratorExit") escaped the gate; nothing cancelled the step."""
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": "1+1?"}]}]
+
+    def cancelling_reward(row: dict[str, Any], completion: str) -> float:
+        raise raised("from the reward")
+
+    evaluator = Evaluator(source, cancelling_reward, "http://engine", transport=httpx.MockTransport(engine))
+    settings = TrainerSettings(output_dir=tmp_path, wandb="off")
+    gate = PromotionGate(settings, CheckpointStore(tmp_path / "checkpoints"), evaluator, lambda step: f"agent@{step}",
+                         lambda: "base-model")
+    decision = await gate.judge(1, [1])
+    assert not decision.promoted and gate.latest is None
+    assert decision.reason == (f"eval failed, not promoted: the eval reward function raised {raised.__name__} on "
+                               "prompt 0 of the eval set, answered by agent@1: from the reward")
+    await gate.aclose()
+
+
+async def test_cancelling_an_eval_while_the_reward_runs_cancels_it() -> None:
+    """A real cancellation (the service stops the step) still propagates, while the reward function runs."""
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": "1+1?"}]}]
+
+    running, done = threading.Event(), threading.Event()
+
+    def slow_reward(row: dict[str, Any], completion: str) -> float:
+        running.set()
+        done.wait(60)
+        return 1.0
+
+    evaluator = Evaluator(source, slow_reward, "http://engine", transport=httpx.MockTransport(engine))
+    task = asyncio.ensure_future(evaluator.evaluate("agent@1"))
+    await asyncio.to_thread(running.wait, 60)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    done.set()
+    await evaluator.aclose()
+
+
 def one_argument_reward(completion: str) -> float:
     """A reward that forgot the row (`tests.trainer_service.test_promotion:one_argument_reward`)."""
     return float(bool(completion))

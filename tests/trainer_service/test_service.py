@@ -483,6 +483,29 @@ async def test_shutdown_lets_a_running_step_finish_and_starts_no_new_one(tmp_pat
     assert info.value.status == 503 and info.value.body.error.code == "shutting_down"
 
 
+async def test_status_while_the_service_stops_shows_no_step_and_asks_no_collector(tmp_path: Path) -> None:
+    """`aclose` holds the step lock while it stops: status said `training: true` then, and raised RuntimeError (a
+    500) once the collector's client was closed."""
+    service = make_service(tmp_path, [], [])
+    stopping, release = asyncio.Event(), threading.Event()
+    loop = asyncio.get_running_loop()
+
+    def slow_stop() -> None:  # vLLM takes seconds to stop; status is asked meanwhile
+        loop.call_soon_threadsafe(stopping.set)
+        release.wait(60)
+
+    service.engine.stop = slow_stop  # type: ignore[method-assign]
+    closing = asyncio.create_task(service.aclose())
+    await stopping.wait()
+    try:
+        status = await service.status()
+    finally:
+        release.set()
+        await closing
+    assert not status.training and status.queue_depth is None
+    assert status.queue_error == "The service is shutting down; the collector is not asked for the queue depth."
+
+
 @pytest.mark.parametrize("warm_up", [True, False])
 def test_start_warms_the_trainer_up_when_asked(tmp_path: Path, warm_up: bool) -> None:
     warmed: list[LoRATrainer] = []
