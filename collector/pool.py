@@ -167,6 +167,27 @@ def give_back(
     placement.forget_deferred_foreign(conn, returned, now)
 
 
+def _complete_idle(conn: Connection, settings: CollectorSettings, now: float) -> None:
+    """Mark complete the trajectories without rollout span that saw no new span for `settings.idle_seconds`.
+
+    Their groups' rows are locked first, then theirs, each in id order: an export, and the deletion of another
+    instrumentation's calls (`placement._delete_foreign`), lock a group's row before they change its members, so
+    neither waits for the other in a cycle (PostgreSQL aborted one as a deadlock)."""
+    idle = and_(
+        trajectories.c.by_rollout.is_(False),
+        trajectories.c.complete.is_(False),
+        trajectories.c.updated_at <= now - settings.idle_seconds,
+    )
+    found = conn.execute(select(trajectories.c.id, trajectories.c.group_id).where(idle)).all()
+    for chunk in chunks(sorted({row.group_id for row in found if row.group_id is not None})):
+        conn.execute(select(groups.c.id).where(groups.c.id.in_(chunk)).order_by(groups.c.id).with_for_update())
+    for chunk in chunks(sorted(row.id for row in found)):
+        ids = trajectories.c.id.in_(chunk)
+        # still idle under the lock: an export that held a group may have added spans since
+        conn.execute(select(trajectories.c.id).where(ids, idle).order_by(trajectories.c.id).with_for_update())
+        conn.execute(trajectories.update().where(ids, idle).values(complete=True))
+
+
 def maintain(
     conn: Connection, settings: CollectorSettings, now: float, lock: Lock, *, releasing: Collection[str] = ()
 ) -> None:
@@ -188,15 +209,7 @@ def maintain(
         )
         give_back(conn, settings, chunk, failed=True, error=LEASE_EXPIRED, now=now)
         log.warning("leases expired, groups back in the pool: batches %s", ", ".join(chunk))
-    conn.execute(
-        trajectories.update()
-        .where(
-            trajectories.c.by_rollout.is_(False),
-            trajectories.c.complete.is_(False),
-            trajectories.c.updated_at <= now - settings.idle_seconds,
-        )
-        .values(complete=True)
-    )
+    _complete_idle(conn, settings, now)
     timeout = settings.group_timeout_seconds
     if timeout > 0:
         stale = list(

@@ -209,15 +209,17 @@ def _lease_answer(batch: Batch) -> Response:
 def _release_unsent(store: Store, batch: Batch, cause: Exception) -> None:
     """Give back the groups of a committed lease whose answer could not be sent (`cause`): no trainer got its id to
     ack or release it, so they would stay leased until it expires. As failed: a group whose stored data fails every
-    answer is skipped after `max_failed_attempts`, not leased and failed again forever. A release that fails is
-    logged; the caller answers `cause`."""
+    answer is skipped after `max_failed_attempts`, not leased and failed again forever. Not after a `MemoryError`:
+    the server's want of memory, or a batch too large to answer (fewer `max_groups`), is no fault of each group's data,
+    and counting it skipped good data. A release that fails is logged; the caller answers `cause`."""
     if not batch.groups:  # nothing leased: no batch stored
         return
     why = f"{type(cause).__name__}: {cause}"
-    log.error("the answer of lease %s could not be sent (%s): releasing its %d groups", batch.id, why,
-              len(batch.groups))
+    failed = not isinstance(cause, MemoryError)
+    log.error("the answer of lease %s could not be sent (%s): releasing its %d groups%s", batch.id, why,
+              len(batch.groups), "" if failed else ", no failed attempt counted")
     try:
-        store.release(batch.id, ReleaseRequest(reason=f"its answer could not be sent: {why}", failed=True))
+        store.release(batch.id, ReleaseRequest(reason=f"its answer could not be sent: {why}", failed=failed))
     except Exception:
         log.exception("lease %s could not be released: its groups stay leased until it expires", batch.id)
 

@@ -888,3 +888,41 @@ def test_a_judges_scores_wait_for_the_release_that_deletes_the_member_they_score
     assert run.state == "failed" and run.error.startswith("judge_stale")
     store.add_spans([_our_call_outside_the_rollout()])
     assert "ruler" not in store.trajectory(TRACE_A).rewards
+
+
+def test_idle_completion_and_a_deletion_of_foreign_calls_lock_a_group_and_its_members_in_one_order(
+    make_store, clock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The rollout's export held the row of the foreign calls' group and was about to delete them and date the members
+    left; upkeep beside it completed the idle members first, then waited for the group's row to expire it as stale.
+    Each waited for the other: PostgreSQL aborted one as a deadlock, retried. Upkeep locks a group before its members,
+    as the export does."""
+    store = make_store(min_group_size=3, group_timeout_seconds=500)
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has one writer at a time: nothing runs beside the export")
+    for n, trace in enumerate((TRACE_A, TRACE_B)):
+        call = _openinference_llm(trace, 111 + 10 * n, None, marked=False)
+        store.add_spans([replace(call, attributes=call.attributes | {sc.GROUP: "g"})])
+    clock.now += 1000  # both members idle, their group stale
+    holding, resume = threading.Event(), threading.Event()
+    forget = placement._forget_trajectory
+
+    def paused(*args: Any, **kwargs: Any) -> None:
+        if not holding.is_set():  # the first try only: a retry goes on
+            holding.set()
+            assert resume.wait(WAIT)
+        forget(*args, **kwargs)
+
+    monkeypatch.setattr(placement, "_forget_trajectory", paused)
+    exporting = threading.Thread(target=store.add_spans, args=(_ours("r1", TRACE_A, 100),))
+    exporting.start()
+    assert holding.wait(WAIT)
+    reading = threading.Thread(target=store.groups)  # its upkeep first
+    reading.start()
+    _until_a_lock_is_waited_for(store)
+    resume.set()
+    exporting.join(WAIT)
+    reading.join(WAIT)
+
+    assert "deadlock" not in caplog.text
+    assert sorted(t.id for t in store.trajectories()) == sorted(["r1", TRACE_B])

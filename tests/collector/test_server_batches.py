@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from collector import store_reads
+from collector.protocol import Batch
 from collector.server import create_app
 from collector.store import SqlStore
 from tests.collector.server_helpers import JSON, PB, assert_error, collector_app
@@ -231,3 +232,23 @@ def test_a_release_that_fails_after_an_unsent_lease_is_logged_not_answered(
     assert failed["message"].startswith("PydanticSerializationError")  # the cause, not the release's error
     assert "could not be released: its groups stay leased until it expires" in caplog.text
     assert "RuntimeError: store gone" in caplog.text
+
+
+def test_a_lease_whose_answer_ran_out_of_memory_is_released_without_a_failed_attempt(
+    make_store: Callable[..., SqlStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Encoding the answer raised MemoryError, the server's want, not the data's fault: counted as a failed attempt on
+    each group, a few such failures skipped good data for good."""
+    store = make_store(max_failed_attempts=1)
+    client = TestClient(create_app(store.settings, store), raise_server_exceptions=False)
+    client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
+
+    def out_of_memory(*_: Any, **__: Any) -> str:
+        raise MemoryError
+
+    monkeypatch.setattr(Batch, "model_dump_json", out_of_memory)
+    assert_error(client.post("/v1/batches", json={}), 500, "internal_error")
+    monkeypatch.undo()
+    assert [(g.state, g.failed_attempts) for g in store.groups()] == [("ready", 0)]
+    assert [batch.state for batch in store.batches()] == ["released"]
+    assert [g["id"] for g in client.post("/v1/batches", json={}).json()["groups"]] == ["g"]
