@@ -56,7 +56,8 @@ def run_view(row: dict, judgements: list[Judgement] | None = None) -> JudgeRun:
     return JudgeRun(
         group_id=row["group_id"], state=row["state"], attempts=row["attempts"], error=row["error"], model=row["model"],
         trajectories=row["trajectories"], distinct=row["distinct_count"], started_at=row["started_at"],
-        finished_at=row["finished_at"], next_try_at=row["next_try_at"], judgements=judgements or [],
+        finished_at=row["finished_at"], next_try_at=row["next_try_at"], max_tokens=row["max_tokens"],
+        judgements=judgements or [],
     )
 
 
@@ -142,11 +143,10 @@ class GroupJudge:
                 "other run's outcome",
                 code="judge_running",
             ) from None
-        if run is None:
-            row = self.scoring.run(group_id) or {}
+        if run is None:  # said as the claim saw it: the other run may have ended since, and its row says so
             raise Conflict(
-                f"group {group_id!r} is being judged: its run is {row.get('state')} since {row.get('started_at')}; "
-                f"GET /v1/groups/{group_id}/judge shows its outcome",
+                f"group {group_id!r} is being judged: its run is running (another run, here or on another replica, "
+                f"held the group when this one claimed it); GET /v1/groups/{group_id}/judge shows its outcome",
                 code="judge_running",
             )
         return run

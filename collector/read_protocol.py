@@ -70,6 +70,10 @@ class JudgeRun(BaseModel):
     started_at: float
     finished_at: float | None = None
     next_try_at: float | None = None
+    max_tokens: int | None = Field(
+        default=None, description="The judge's `max_tokens` in this run (none for a run recorded before schema "
+        "version 10: unknown)."
+    )
     judgements: list[Judgement] = Field(default_factory=list)
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,15 +40,33 @@ __all__ = [
 Messages = list[dict[str, Any]]
 
 _SYSTEM = """\
-You are a careful judge. You see several attempts (trajectories) at the same task by an AI agent.
-Score each trajectory from 0 to 1 against the rubric, relative to the others: the best one should
-score near the top of the range and the worst near the bottom, unless they are truly equal.
+You are a careful judge. {task}
 
 Rubric:
 {rubric}
 
-Answer with JSON only: {{"scores": {{"1": {{"explanation": "<one or two sentences>", "score": <0..1>}}, "2": ...}}}}
+Answer with JSON only: {{"scores": {{{entries}}}}}
 with exactly one entry per trajectory, keyed by its id, in the order given."""
+
+_ENTRY = '"1": {"explanation": "<one or two sentences>", "score": <0..1>}'
+"""The first entry of the answer's `scores` object, as the system prompt shows it."""
+
+_SEVERAL = """\
+You see several attempts (trajectories) at the same task by an AI agent.
+Score each trajectory from 0 to 1 against the rubric, relative to the others: the best one should
+score near the top of the range and the worst near the bottom, unless they are truly equal."""
+
+_ONE = """\
+You see one attempt (a trajectory) at a task by an AI agent.
+Score it from 0 to 1 against the rubric on its own: there is no other attempt to compare it with, so
+what the rubric says about comparing trajectories does not apply; score how good this one is."""
+
+
+def _system(rubric: str, count: int) -> str:
+    """The judge's system prompt for `count` trajectory blocks: one alone is scored on its own, not relative to others
+    (a group of one, or of identical trajectories, see `dedupe`)."""
+    task, entries = (_ONE, _ENTRY) if count == 1 else (_SEVERAL, f'{_ENTRY}, "2": ...')
+    return _SYSTEM.format(task=task, rubric=rubric.strip(), entries=entries)
 
 
 class JudgeError(Exception):
@@ -145,10 +164,12 @@ def build_messages(rubric: str, conversations: Sequence[Messages]) -> Messages:
     count = len(conversations)
     parts.append("There is 1 trajectory:" if count == 1 else f"There are {count} trajectories:")
     for number, messages in enumerate(conversations, start=1):
-        body = "\n".join(render_message(m) for m in messages[n:]) or "(nothing beyond the context)"
+        body = "\n".join(render_message(m) for m in messages[n:]) or (
+            "(nothing beyond the context)" if n else "(no messages)"  # e.g. it ended before calling the model
+        )
         parts.append(f'<trajectory id="{number}">\n{body}\n</trajectory>')
     return [
-        {"role": "system", "content": _SYSTEM.format(rubric=rubric.strip())},
+        {"role": "system", "content": _system(rubric, count)},
         {"role": "user", "content": "\n\n".join(parts)},
     ]
 
@@ -275,20 +296,58 @@ _REJECTED = frozenset({400, 413, 422})
 request never succeeds, so it is not sent again (`judge_rejected`). Other failures may pass (`judge_http_error`)."""
 
 
+class _Deadline(httpx.SyncByteStream):
+    """A response body that fails with `judge_unreachable` when a part of it comes after `deadline` (on `clock`):
+    httpx's timeout bounds each read, so a judge that sent its answer a little at a time held the call unbounded."""
+
+    def __init__(self, body: httpx.SyncByteStream, deadline: float, clock: Callable[[], float], message: str) -> None:
+        self._body, self._deadline, self._clock, self._message = body, deadline, clock, message
+
+    def __iter__(self) -> Iterator[bytes]:
+        for part in self._body:
+            if self._clock() > self._deadline:
+                raise JudgeError(self._message, code="judge_unreachable")
+            yield part
+
+    def close(self) -> None:
+        self._body.close()
+
+
 class JudgeClient:
-    """Calls one OpenAI-compatible chat endpoint (`{base_url}/chat/completions`)."""
+    """Calls one OpenAI-compatible chat endpoint (`{base_url}/chat/completions`); `timeout` seconds bound each call,
+    the answer's body included, on `clock` (`time.monotonic`)."""
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None, timeout: float = 300.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self.timeout = timeout
+        self.clock: Callable[[], float] = time.monotonic
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(headers=headers, timeout=timeout)
+
+    def _post(self, url: str, body: dict[str, Any]) -> httpx.Response:
+        """POST `body` to `url`; the response read whole within `timeout` seconds of the start.
+
+        Raises:
+            JudgeError: `judge_unreachable`, no whole answer in time or none at all.
+        """
+        deadline = self.clock() + self.timeout
+        late = f"judge {url} sent no whole answer within {self.timeout:g} s (ART_COLLECTOR_JUDGE_TIMEOUT_SECONDS)"
+        try:
+            with self._http.stream("POST", url, json=body) as response:
+                assert isinstance(response.stream, httpx.SyncByteStream)  # a sync client's
+                response.stream = _Deadline(response.stream, deadline, self.clock, late)
+                response.read()
+        except httpx.HTTPError as exc:
+            raise JudgeError(f"judge {url} unreachable: {type(exc).__name__}: {exc}", code="judge_unreachable") from exc
+        return response
 
     def complete(self, messages: Messages, fmt: dict[str, Any], *, temperature: float, max_tokens: int) -> str:
         """The judge's answer text.
 
         Raises:
-            JudgeError: `judge_unreachable`, `judge_rejected` (see `_REJECTED`), `judge_http_error`,
+            JudgeError: `judge_unreachable` (no answer, or none whole within `timeout`), `judge_rejected` (see
+                `_REJECTED`), `judge_http_error`,
                 `judge_refused` (OpenAI's `message.refusal`), `judge_bad_json` (tool calls and no content), or
                 `judge_truncated` (hit max_tokens). Every message
                 is one line: a body the judge sent is quoted with its line breaks escaped.
@@ -301,10 +360,7 @@ class JudgeClient:
             "max_tokens": max_tokens,
         }
         url = f"{self.base_url}/chat/completions"
-        try:
-            response = self._http.post(url, json=body)
-        except httpx.HTTPError as exc:
-            raise JudgeError(f"judge {url} unreachable: {type(exc).__name__}: {exc}", code="judge_unreachable") from exc
+        response = self._post(url, body)
         if response.status_code != 200:
             raise JudgeError(
                 f"judge {url} answered {response.status_code}: {response.text[:300]!r}",

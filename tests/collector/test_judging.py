@@ -108,6 +108,16 @@ def test_automatic_judge_runs_once_a_group_is_complete(tmp_path: Path, monkeypat
         assert judge is not None and judge["state"] == "skipped"
 
 
+def test_a_judge_run_shows_the_max_tokens_it_ran_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run records its `max_tokens` (a cut answer is judged again once they are raised): the API shows them."""
+    app = make_app(tmp_path, monkeypatch, env=down_judge("skip", ART_COLLECTOR_JUDGE_MAX_TOKENS="777"))
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    with TestClient(app) as client:
+        assert client.post("/v1/groups/g/judge").json()["max_tokens"] == 777
+        assert client.get("/v1/groups/g/judge").json()["max_tokens"] == 777
+        assert client.get("/v1/view/groups").json()[0]["judge"]["max_tokens"] == 777
+
+
 def test_due_groups_wait_for_the_announced_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     app = make_app(tmp_path, monkeypatch, env=down_judge("skip"))
     spans = group_spans("g", ["7", "8", "9"])
@@ -569,6 +579,35 @@ def test_a_judge_request_racing_another_replica_gets_409_not_a_second_run(
     assert isinstance(lost, Conflict) and lost.code == "judge_running" and lost.status == 409
     assert "its run is running" in lost.message
     assert (won.state, [j.score for j in won.judgements]) == ("ok", [1.0, 0.0])
+
+
+def test_a_409_says_what_the_claim_saw_though_the_other_run_ends_before_the_answer(
+    replica_stores: list[SqlStore], clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal read the other run back after its claim failed: that run, ended in between, made a 409 that said
+    `its run is ok`, refusing as if it were running."""
+    held = HeldJudge()
+    first, second = (GroupJudge(store, ScoringStore(store.engine), JudgeSettings(), client=held, clock=clock)
+                     for store in replica_stores)
+    claim = second.scoring.claim_run
+    try:
+        results, threads = _race([lambda: first.judge("g")])
+        assert held.waiting.wait(WAIT)
+
+        def refused_then_other_ends(*args: Any, **kwargs: Any) -> bool:
+            claimed = claim(*args, **kwargs)
+            held.release.set()
+            assert results.get(timeout=WAIT).state == "ok"  # the other run ends before the answer is written
+            return claimed
+
+        monkeypatch.setattr(second.scoring, "claim_run", refused_then_other_ends)
+        with pytest.raises(Conflict) as refused:
+            second.judge("g")
+    finally:
+        held.release.set()
+    threads[0].join(WAIT)
+    assert refused.value.code == "judge_running" and "its run is running" in refused.value.message
+    assert held.calls == 1
 
 
 def test_the_judge_endpoint_answers_409_while_another_replica_judges(

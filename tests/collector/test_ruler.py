@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -74,10 +75,31 @@ def test_prompt_counts_the_trajectories_in_words_that_agree(count: int, says: st
     assert says in user.splitlines()
 
 
+def test_prompt_for_one_trajectory_scores_it_on_its_own() -> None:
+    """A group of one, or of identical trajectories, shows the judge one block: no "several attempts" to rank, and
+    an example answer with the one id it may write."""
+    alone = build_messages("r", [convo("7")])[0]["content"]
+    assert "several" not in alone and "relative to the others" not in alone
+    assert "one attempt" in alone and "on its own" in alone
+    assert '"2"' not in alone
+    several = build_messages("r", [convo("7"), convo("8")])[0]["content"]
+    assert "several attempts" in several and "relative to the others" in several and '"2": ...' in several
+
+
 def test_prompt_without_shared_prefix_has_no_context() -> None:
     user = build_messages("r", [[USER], [SYSTEM]])[1]["content"]
     assert "<context>" not in user
     assert "[user] What is 3 + 4?" in user and "[system] You add numbers." in user
+
+
+def test_a_trajectory_without_messages_is_not_said_to_stop_at_a_context_not_shown() -> None:
+    """A member that ended before calling the model has no messages: with no shared context it read `nothing beyond
+    the context`, a context the judge was never shown."""
+    user = build_messages("r", [convo("7"), []])[1]["content"]
+    assert "context" not in user
+    assert user.split('<trajectory id="2">\n', 1)[1].split("\n</trajectory>", 1)[0] == "(no messages)"
+    shared = build_messages("r", [[SYSTEM, USER], convo("8")])[1]["content"]
+    assert shared.split('<trajectory id="1">\n', 1)[1].startswith("(nothing beyond the context)\n")
 
 
 def test_prompt_needs_trajectories() -> None:
@@ -215,6 +237,38 @@ def _client_answering(status: int, body: object) -> JudgeClient:
     client = JudgeClient("http://judge/v1", "m")
     client._http = httpx.Client(transport=httpx.MockTransport(chat))
     return client
+
+
+class _Trickle(httpx.SyncByteStream):
+    """A body sent in `parts`, each after the clock `now` (one float in a list) moves on by `step` seconds."""
+
+    def __init__(self, parts: list[bytes], now: list[float], step: float) -> None:
+        self.parts, self.now, self.step = parts, now, step
+
+    def __iter__(self) -> Iterator[bytes]:
+        for part in self.parts:
+            self.now[0] += self.step
+            yield part
+
+
+def test_a_judge_that_sends_its_answer_slowly_is_cut_at_the_timeout() -> None:
+    """httpx's timeout bounds each read, not the call: a judge sending its answer a little at a time held a call
+    (and the run, and a judge request) past `TIMEOUT_SECONDS`, as long as it liked."""
+    now = [0.0]
+    content = json.dumps({"choices": [{"message": {"content": "{}"}, "finish_reason": "stop"}]}).encode()
+    parts = [content[i:i + 8] for i in range(0, len(content), 8)]
+
+    def chat(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"Content-Type": "application/json"}, stream=_Trickle(parts, now, 0.6))
+
+    client = JudgeClient("http://judge/v1", "m", timeout=1.0)
+    client._http, client.clock = httpx.Client(transport=httpx.MockTransport(chat)), lambda: now[0]
+    with pytest.raises(JudgeError, match="no whole answer within 1 s") as caught:
+        client.complete([USER], response_format(1), temperature=0, max_tokens=64)
+    assert caught.value.code == "judge_unreachable"
+    now[0] = 0.0
+    client.timeout = 60.0  # the same answer in time is read whole
+    assert client.complete([USER], response_format(1), temperature=0, max_tokens=64) == "{}"
 
 
 @pytest.mark.parametrize("content", [[{"type": "text", "text": "{}"}], {"scores": {}}, 7])
