@@ -5,18 +5,19 @@ Uses the `langfuse` SDK's REST client (`LangfuseAPI`): scores are read with
 `subject` field group that carries the trace id) and written with `POST /api/public/scores` (a
 list). A score becomes a reward of the same name on the trajectory of its trace (Langfuse's
 trace id is the OpenTelemetry trace id when the agent's spans fan out to Langfuse). Only numeric
-and boolean scores can be rewards, and only they are read (a score of a type this SDK does not
-know would fail the whole page); scores already pulled at the same `updatedAt` are not applied
-again (a reward and the record of its score's pull are stored in one transaction, which claims the score: a replica
-on the same database that pulled that version or a later one first keeps its reward from being stored). Langfuse
+and boolean scores can be rewards, and only they are read; each score of a page is read with the SDK's model on
+its own, so one it rejects (a NUMERIC score whose value is null) is ignored and logged, not the page. Scores already
+pulled at the same `updatedAt` are not applied again (a reward and the record of its score's pull are stored in
+one transaction, which claims the score: a replica on the same database that pulled that version or a later one
+first keeps its reward from being stored). Langfuse
 lists no deletions: a score pulled within the lookback that the listing leaves out is asked for
 by id (the `id` filter of the same endpoint), and one that is gone has its rewards taken back
 (with its record, in one transaction) unless its group is leased or trained. Pushed scores get a stable id per
 (trajectory, reward name), so a changed reward updates the same score in Langfuse; the scores pushed for a
 trajectory the store deleted since (another instrumentation's calls in a rollout's trace) are deleted there
-(`DELETE /api/public/scores/{scoreId}`) by the next sync (a 404: gone already); one Langfuse fails to delete for now
-is tried again after a growing delay, one it refuses (another 4xx) is given up. A later trajectory of the deleted
-one's id pushes its scores under other ids, once the deleted one's are deleted.
+(`DELETE /api/public/scores/{scoreId}`) by the next sync (Langfuse's 404: gone already); one Langfuse fails to delete
+for now is tried again after a growing delay, one it refuses (another 4xx, a proxy's 404 too) is given up. A later
+trajectory of the deleted one's id pushes its scores under other ids, once the deleted one's are deleted.
 """
 
 from __future__ import annotations
@@ -32,8 +33,19 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
-from langfuse.api import CreateScoreBatchResults, CreateScoreRequest, CreateScoreSource, LangfuseAPI, ScoreDataType
+from langfuse.api import (
+    CreateScoreBatchResults,
+    CreateScoreRequest,
+    CreateScoreSource,
+    GetScoresV3Meta,
+    GetScoresV3Response,
+    LangfuseAPI,
+    ScoreDataType,
+    ScoreV3,
+)
 from langfuse.api.core.api_error import ApiError
+from langfuse.api.core.datetime_utils import serialize_datetime
+from langfuse.api.core.pydantic_utilities import parse_obj_as
 from pydantic import ValidationError
 from sqlalchemy import Connection, func, select
 from sqlalchemy.exc import DBAPIError
@@ -57,6 +69,9 @@ PAGE = 100
 REWARD_TYPES = "NUMERIC,BOOLEAN"
 """The score data types that can be rewards (the listing's `dataType` filter)."""
 
+SCORES = "api/public/v3/scores"
+"""The path of the scores listing, from the host."""
+
 _KEYS = "check ART_COLLECTOR_LANGFUSE_PUBLIC_KEY and ART_COLLECTOR_LANGFUSE_SECRET_KEY (or LANGFUSE_*):"
 _HINTS = {
     401: f"{_KEYS} a key pair of a project on this host",
@@ -66,19 +81,61 @@ _HINTS = {
 }
 """What to check when Langfuse answers a status that a configuration mistake gives."""
 
-_DELETE_HINTS = {status: hint for status, hint in _HINTS.items() if status != 404}
-"""`_HINTS` for the deletion of a score, but a 404: there it says the score is gone (an older Langfuse looks the score
-up and answers 404 for one it does not have; a later one queues the deletion of any id, 202), and the sync, which
-pulls first, has found Langfuse's API on the host."""
+_GONE = "Score not found within authorized project"
+"""The message of Langfuse's 404 to the deletion of a score it does not have: a Langfuse before January 2025 looks the
+score up (a later one queues the deletion of any id, 202). A 404 without it is none of Langfuse's (a proxy's)."""
+
+_DELETE_HINTS = {
+    **{status: hint for status, hint in _HINTS.items() if status != 404},
+    404: f"not Langfuse's answer for a score it does not have ({_GONE!r}): does a proxy in front of it pass "
+    "DELETE /api/public/scores/{scoreId} on?",
+}
+"""`_HINTS` for the deletion of a score; its 404 is Langfuse's only with `_GONE` (the score is gone), and the sync,
+which pulls first, has found Langfuse's API on the host."""
+
+INGEST_DELAY = 300.0
+"""Seconds after its push before the score pushed for a trajectory deleted while the push was in flight is deleted:
+Langfuse ingests a push asynchronously (its worker, within a minute normally) and may apply a deletion that comes first
+to nothing, leaving the pushed score in place for good (`ScoringStore.mark_pushed`)."""
 
 RETRY_DELAY = (60.0, 3600.0)
 """The least and the most seconds before a deletion that failed for now (`_transient`) is tried again."""
+
+
+def _page_of(body: Any) -> tuple[list[Any], str | None, list[tuple[Any, ValidationError]]]:
+    """The scores, the next page's cursor (None on the last page) and the scores the SDK's model rejects (each with
+    why) of a `GET /api/public/v3/scores` answer `body`. Each score is read with the SDK's model on its own, so one it
+    rejects (a NUMERIC score whose value is null, as JavaScript's JSON writes a NaN) does not fail the page;
+    raises `ValidationError` for a body that is no page at all."""
+    if not isinstance(body, dict) or not isinstance(body.get("data"), list):
+        parse_obj_as(GetScoresV3Response, body)  # raises, naming what is wrong
+    meta = parse_obj_as(GetScoresV3Meta, body.get("meta"))
+    scores, rejected = [], []
+    for item in body["data"]:
+        try:
+            scores.append(parse_obj_as(ScoreV3, item))
+        except ValidationError as exc:
+            rejected.append((item, exc))
+    return scores, meta.cursor, rejected
+
+
+def _item_id(item: Any) -> str | None:
+    """The id of a score the SDK's model rejected (`_page_of`), if it has one."""
+    score_id = item.get("id") if isinstance(item, dict) else None
+    return score_id if isinstance(score_id, str) else None
 
 
 def _status(exc: LangfuseSyncError) -> int | None:
     """The HTTP status Langfuse answered in `exc` (`LangfuseSync._call`'s error); None when it gave no answer."""
     cause = exc.__cause__
     return cause.status_code if isinstance(cause, ApiError) else None
+
+
+def _gone(exc: LangfuseSyncError) -> bool:
+    """Whether `exc`, the failed deletion of a score, is Langfuse's 404 for a score it does not have (`_GONE`)."""
+    cause = exc.__cause__
+    return (isinstance(cause, ApiError) and cause.status_code == 404 and isinstance(cause.body, dict)
+            and cause.body.get("message") == _GONE)
 
 
 def _transient(exc: LangfuseSyncError) -> bool:
@@ -90,7 +147,9 @@ def _transient(exc: LangfuseSyncError) -> bool:
 
 def _retry_delay(age: float) -> float:
     """Seconds before a failed deletion of a score pushed `age` seconds ago is tried again: as long as its age, within
-    `RETRY_DELAY`, so each failure of the same score (at least) doubles its age and the delay grows."""
+    `RETRY_DELAY`, so each failure of the same score (at least) doubles its age and the delay grows. A score pushed at
+    a time still ahead of the clock (which moved back since) has its age counted from its first failure instead
+    (`LangfuseSync._retract`), so that the delay grows all the same."""
     least, most = RETRY_DELAY
     return min(most, max(least, age))
 
@@ -226,29 +285,51 @@ class LangfuseSync:
         except ApiError as exc:
             hint = f"; {hints[exc.status_code]}" if exc.status_code in hints else ""
             raise LangfuseSyncError(f"Langfuse {what} answered {exc.status_code}: {exc.body!r}{hint}") from exc
-        except ValidationError as exc:  # a 2xx body the SDK cannot read: a proxy's page, a score its model rejects
+        except ValidationError as exc:  # a 2xx body the SDK cannot read: a proxy's page, no page of scores
             raise LangfuseSyncError(f"Langfuse {what} answered something its API does not define: {exc}") from exc
         except httpx.HTTPError as exc:
             raise LangfuseSyncError(
                 f"Langfuse {what} unreachable at {self.settings.host}: {exc}", code="langfuse_unreachable"
             ) from exc
 
+    def _get(self, path: str, params: dict[str, Any]) -> Any:
+        """Langfuse's JSON answer to `GET {path}` with the query `params` (the API's names; None: left out), through
+        the SDK's HTTP client (its auth, headers, timeout and retries) but not its model of the whole answer
+        (`_page_of` reads it); raises the SDK's `ApiError` for a status other than 2xx or a body that is no JSON, as
+        the SDK's own methods do."""
+        response = self.client._client_wrapper.httpx_client.request(path, method="GET", params=params)
+        try:
+            body = response.json()
+        except ValueError as exc:
+            raise ApiError(status_code=response.status_code, headers=dict(response.headers),
+                           body=response.text) from exc
+        if not 200 <= response.status_code < 300:
+            raise ApiError(status_code=response.status_code, headers=dict(response.headers), body=body)
+        return body
+
+    def _scores(self, **params: Any) -> tuple[list[Any], str | None, set[str]]:
+        """One page of `GET /api/public/v3/scores` with the query `params`: its scores, the next page's cursor, and the
+        ids of the scores in it that the SDK's model rejects (`_page_of`), logged and left out."""
+        scores, cursor, rejected = self._call("GET /api/public/v3/scores",
+                                              lambda: _page_of(self._get(SCORES, params)))
+        for item, exc in rejected:
+            log.warning("Langfuse score %s does not fit Langfuse's API definition (%s); ignored", _item_id(item),
+                        "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+        return scores, cursor, {score_id for item, _ in rejected if (score_id := _item_id(item)) is not None}
+
     def pull(self) -> LangfuseSyncResult:
         """Read scores (configured sources and names, within the lookback) and store new or changed ones as rewards."""
         s = self.settings
         start = self.clock() - s.lookback_hours * 3600
         since = dt.datetime.fromtimestamp(start, tz=dt.UTC)
-        found, cursor = [], None
+        found, rejected, cursor = [], set(), None
         while True:
-            page = self._call(
-                "GET /api/public/v3/scores",
-                lambda: self.client.scores.get_many(
-                    limit=PAGE, cursor=cursor, fields="subject", source=",".join(s.sources) or None,
-                    name=",".join(s.score_names) or None, data_type=REWARD_TYPES, from_timestamp=since,
-                ),
+            page, cursor, unread = self._scores(
+                limit=PAGE, cursor=cursor, fields="subject", source=",".join(s.sources) or None,
+                name=",".join(s.score_names) or None, dataType=REWARD_TYPES, fromTimestamp=serialize_datetime(since),
             )
-            found += page.data
-            cursor = page.meta.cursor
+            found += page
+            rejected |= unread
             if not cursor:
                 break
         found.sort(key=lambda score: (score.timestamp, score.updated_at))  # the latest score of a name wins
@@ -267,9 +348,10 @@ class LangfuseSync:
         # override a reward given since (the store's newest API reward of a name wins)
         due = [(score_id, reward) for score_id, reward in latest.values() if score_id in marks]
         applied, unmatched = self._apply(due, marks) if marks else (0, 0)
-        withdrawn = self._withdraw(start, {score.id for score in found}, latest)
-        return LangfuseSyncResult(pulled=len(found), applied=applied, unmatched=unmatched,
-                                  ignored=len(found) - len(usable), withdrawn=withdrawn, pushed=0)
+        # a score the SDK's model rejects is still Langfuse's: not one deleted there
+        withdrawn = self._withdraw(start, {score.id for score in found} | rejected, latest)
+        return LangfuseSyncResult(pulled=len(found) + len(rejected), applied=applied, unmatched=unmatched,
+                                  ignored=len(found) - len(usable) + len(rejected), withdrawn=withdrawn, pushed=0)
 
     def _apply(self, due: list[tuple[str, RewardIn]], marks: dict[str, dict[str, Any]]) -> tuple[int, int]:
         """Store the `due` rewards (score id, reward), `PAGE` at a time, each transaction with the marks (`marks`, by
@@ -328,11 +410,9 @@ class LangfuseSync:
         }
         ids = sorted(missing)
         for first in range(0, len(ids), PAGE):
-            chunk = ",".join(ids[first : first + PAGE])
-            page = self._call("GET /api/public/v3/scores",
-                              lambda chunk=chunk: self.client.scores.get_many(limit=PAGE, id=chunk))
-            for score in page.data:
-                missing.pop(score.id, None)
+            page, _, rejected = self._scores(limit=PAGE, id=",".join(ids[first : first + PAGE]))
+            for score_id in {score.id for score in page} | rejected:
+                missing.pop(score_id, None)
         withdrawn = 0
         for score_id, row in missing.items():
             # the score's record goes in the transaction that takes its rewards back: both, or neither
@@ -349,20 +429,22 @@ class LangfuseSync:
         `ScoringStore.retract_pushed`) whose try is due, `PAGE` records read at a time, then each one's record;
         returns (deleted, refused, failed).
 
-        A 404 says the score is gone already: done. Any other 4xx but 408 and 429 (a server that refuses deletions,
-        a key not allowed to delete) is final: logged, the record dropped, the score left in Langfuse. A transient
-        failure (5xx, 408, 429, no answer) is logged and tried again after a growing delay (`_retry_delay`), and
-        stops this sync's deletions: the others wait for the next sync, not for Langfuse's timeout one by one."""
+        Langfuse's 404 (`_gone`) says the score is gone already: done. Any other 4xx but 408 and 429 (a server that
+        refuses deletions, a key not allowed to delete, a proxy's 404) is final: logged, the record dropped, the score
+        left in Langfuse. A transient failure (5xx, 408, 429, no answer) is logged and tried again after a growing
+        delay (`_retry_delay`), and stops this sync's deletions: the others wait for the next sync, not for Langfuse's
+        timeout one by one."""
         now = self.clock()
         deleted = refused = 0
         while rows := self.scoring.to_retract(now, limit=PAGE):
             for row in rows:
                 failure = self._delete_score(row["score_id"])
                 if failure is not None and _transient(failure):
-                    delay = _retry_delay(now - row["pushed_at"])
+                    since = min(row["pushed_at"], now)  # a push time ahead of the clock (it moved back): now
+                    delay = _retry_delay(now - since)
                     log.warning("Langfuse score %s of deleted trajectory %s not deleted (tried again in %.0f s): %s",
                                 row["score_id"], row["trajectory_id"], delay, failure)
-                    self.scoring.retract_later(row, now + delay)
+                    self.scoring.retract_later(row, now + delay, since)
                     return deleted, refused, 1
                 if failure is not None:
                     log.warning("Langfuse score %s of deleted trajectory %s not deleted, and not tried again: %s",
@@ -374,12 +456,13 @@ class LangfuseSync:
         return deleted, refused, 0
 
     def _delete_score(self, score_id: str) -> LangfuseSyncError | None:
-        """Delete the score `score_id` in Langfuse; None when done (a 404 too: it is gone), else the failure."""
+        """Delete the score `score_id` in Langfuse; None when done (Langfuse's 404 too: it is gone, `_gone`), else the
+        failure (another 404 too: a proxy's, which says nothing of the score)."""
         try:
             self._call(f"DELETE /api/public/scores/{score_id}",
                        lambda: self.client.scores.delete(score_id), _DELETE_HINTS)
         except LangfuseSyncError as exc:
-            return None if _status(exc) == 404 else exc
+            return None if _gone(exc) else exc
         return None
 
     def push(self) -> tuple[int, int]:
@@ -426,7 +509,7 @@ class LangfuseSync:
                 rejected += answer.rejected
                 log.warning("Langfuse rejected %d of %d scores: %s", answer.rejected, len(chunk),
                             [e.message for e in answer.errors])
-            self.scoring.mark_pushed(marks[start : start + PAGE], now)
+            self.scoring.mark_pushed(marks[start : start + PAGE], now + INGEST_DELAY)
         return len(requests), rejected
 
     @contextmanager
@@ -458,10 +541,10 @@ class LangfuseSync:
         (the schedule and `POST /v1/langfuse/sync` may overlap), and on PostgreSQL one replica at a time: a sync while
         another replica's runs is skipped (`skipped`), as the two could push one score under two ids.
 
-        The deletions come after the push, so that a score pushed for a trajectory deleted meanwhile
-        (`ScoringStore.mark_pushed`) is deleted by the same sync. A later trajectory of a deleted one's id pushes its
-        scores in the sync after their deletion, under other ids (`_score_id`): Langfuse queues a deletion, and may
-        apply it after a later push of the same id."""
+        The deletions come after the push; a score pushed for a trajectory deleted meanwhile
+        (`ScoringStore.mark_pushed`) is deleted by the first sync `INGEST_DELAY` after its push. A later trajectory of
+        a deleted one's id pushes its scores in the sync after their deletion, under other ids (`_score_id`):
+        Langfuse queues a deletion, and may apply it after a later push of the same id."""
         with self._lock, self._one_replica() as alone:
             if not alone:
                 log.info("Langfuse sync skipped: another replica is syncing the same database")

@@ -308,14 +308,16 @@ class ScoringStore:
                 .limit(limit)
             ).mappings()]
 
-    def retract_later(self, row: dict[str, Any], at: float) -> None:
+    def retract_later(self, row: dict[str, Any], at: float, since: float) -> None:
         """Try the deletion in Langfuse of the pushed score of the record `row` (a `to_retract` row) again at `at`
-        (`retract_at` is when to try next), unless its record was pushed again or dropped since."""
+        (`retract_at` is when to try next), its age counted from `since` (`pushed_at`, which a record marked to delete
+        serves for nothing else: a push time ahead of a clock that moved back is replaced so), unless its record was
+        pushed again or dropped since."""
         with self.engine.begin() as conn:
             conn.execute(update(langfuse_pushed).where(
                 langfuse_pushed.c.trajectory_id == row["trajectory_id"], langfuse_pushed.c.name == row["name"],
                 langfuse_pushed.c.score_id == row["score_id"], langfuse_pushed.c.retract_at.is_not(None),
-            ).values(retract_at=at))
+            ).values(retract_at=at, pushed_at=since))
 
     def forget_pushed(self, row: dict[str, Any]) -> None:
         """Drop the record `row` (trajectory_id, name) of a pushed score, once deleted in Langfuse (or refused for
@@ -327,12 +329,13 @@ class ScoringStore:
                 langfuse_pushed.c.trajectory_id == row["trajectory_id"], langfuse_pushed.c.name == row["name"]
             ))
 
-    def mark_pushed(self, rows: list[dict[str, Any]], now: float) -> None:
+    def mark_pushed(self, rows: list[dict[str, Any]], retract_at: float) -> None:
         """Remember pushed scores (trajectory_id, name, value, score_id, pushed_at: the first push's time; created_at:
         when the trajectory the push read was created, `created_at`), clearing a mark to delete them (`retract_pushed`)
         that a deletion set after the push read the records: the score sent is the later value of the same one. Except
         where that trajectory is gone by now, deleted while its score was pushed (re-created since, of the same id, too:
-        its `created_at` is another): such a record is marked at `now`, as the score sent may be the deleted one's."""
+        its `created_at` is another): such a record is marked to be deleted at `retract_at`, as the score sent may be
+        the deleted one's."""
         if not rows:
             return
         with self.engine.begin() as conn:
@@ -350,4 +353,4 @@ class ScoringStore:
                 gone = sorted(tid for tid, created in pushed_for.items() if tid not in live or live[tid] != created)
                 if gone:
                     conn.execute(update(langfuse_pushed).where(langfuse_pushed.c.trajectory_id.in_(gone))
-                                 .values(retract_at=now))
+                                 .values(retract_at=retract_at))

@@ -14,7 +14,10 @@ so the Langfuse tests talk to this server instead. It follows Langfuse's publish
   endpoint only when started with `LANGFUSE_ENABLE_SCORES_V3_API=true` (Langfuse Cloud has it
   on); set `v3_enabled = False` for one without it: after auth it answers 404
   `{"message": "Not Found", "error": "LangfuseNotFoundError"}`
-  (`web/src/pages/api/public/v3/scores/index.ts` in github.com/langfuse/langfuse).
+  (`web/src/pages/api/public/v3/scores/index.ts` in github.com/langfuse/langfuse). A score's
+  `value` is the one `add_score` was given: `None` makes a NUMERIC score with a null value (as
+  JavaScript's JSON writes a NaN or an infinity), which the API definition does not allow (it types
+  the value a number) and the SDK's model rejects; not seen from a real Langfuse.
 * `POST /api/public/scores`: Basic auth; a JSON list of scores; 202 `{"message": "Accepted"}`
   when all are valid, else 207 `{"accepted", "rejected", "errors": [{"message"}]}`.
 * `DELETE /api/public/scores/{scoreId}`: Basic auth; 202 `{"message": "Score deletion queued

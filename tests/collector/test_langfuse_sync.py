@@ -25,7 +25,7 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
 from collector.config import CollectorSettings
-from collector.langfuse_sync import PAGE, LangfuseSync
+from collector.langfuse_sync import INGEST_DELAY, PAGE, LangfuseSync
 from collector.protocol import RewardIn
 from collector.scoring_config import LangfuseSettings
 from collector.scoring_store import ScoringStore
@@ -394,13 +394,14 @@ def test_a_sync_while_another_replicas_runs_is_skipped(
     first, second = replicas(db_url, clock, url)
     first.store.add_spans(group_spans("g", ["7"]))
     server.add_score("s", "human", 0.9, trace_id=trace_id("g", 0))
-    get_many, answers = first.client.scores.get_many, []
+    list_scores, answers = server.list_scores, []
 
-    def the_other_replica_syncs_meanwhile(**kwargs: object) -> object:
+    def the_other_replica_syncs_meanwhile(query: dict[str, list[str]]) -> tuple[int, object]:
+        server.list_scores = list_scores  # once: during the first's sync
         answers.append(second.sync())
-        return get_many(**kwargs)
+        return list_scores(query)
 
-    first.client.scores.get_many = the_other_replica_syncs_meanwhile
+    server.list_scores = the_other_replica_syncs_meanwhile
     caplog.set_level("INFO", logger="collector.langfuse_sync")
     assert first.sync().applied == 1
     assert [(answer.skipped, answer.pulled) for answer in answers] == [(True, 0)]
@@ -422,20 +423,20 @@ def test_a_sync_whose_lock_connection_is_lost_keeps_its_work_and_says_so(
     first, _ = replicas(db_url, clock, url)
     first.store.add_spans(group_spans("g", ["7"]))
     server.add_score("s", "human", 0.9, trace_id=trace_id("g", 0))
-    get_many = first.client.scores.get_many
+    list_scores = server.list_scores
     holder = text("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND classid = 3 "
                   "AND objid = 0 AND objsubid = 2")
 
-    def the_lock_holder_is_lost_meanwhile(**kwargs: object) -> object:
+    def the_lock_holder_is_lost_meanwhile(query: dict[str, list[str]]) -> tuple[int, object]:
         with first.store.engine.connect() as conn:
             assert conn.execute(holder).scalars().all() == [True]
-        return get_many(**kwargs)
+        return list_scores(query)
 
-    first.client.scores.get_many = the_lock_holder_is_lost_meanwhile
+    server.list_scores = the_lock_holder_is_lost_meanwhile
     assert first.sync().applied == 1
     assert first.store.trajectory("g-0").rewards == {"human": 0.9}
     assert "holding the Langfuse sync's one-replica lock was lost during the sync" in caplog.text
-    first.client.scores.get_many = get_many
+    server.list_scores = list_scores
     assert first.sync().skipped is False  # the next sync takes the lock again
     first.store.close()
 
@@ -558,6 +559,28 @@ def test_a_deletion_langfuse_fails_for_now_is_tried_again_later_and_blocks_no_pu
     assert set(sync.scoring.pushed()) == {("g-0", "ruler")} and sync.scoring.to_retract() == []
 
 
+def test_the_retry_delay_grows_though_the_score_was_pushed_at_a_time_ahead_of_the_clock(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """The delay is as long as the score's age: a score pushed by a replica whose clock ran a day ahead (or before
+    this machine's clock moved back) had a negative age, and the delay stayed at its least (a minute) however long
+    Langfuse kept failing. The age counts from the first failure then, and the delay grows as for any score."""
+    url, server = langfuse
+    store = make_store(min_group_size=1)
+    sync = sync_for(store, url, push_names="ruler")
+    ahead = [86400.0]
+    sync.clock = lambda: clock.now + ahead[0]  # the sync's clock; the store's (the deletion's mark) is `clock`
+    foreign = _pushed_then_orphaned(store, sync, server)
+    asked = failing_deletions(sync, ApiError(status_code=503, body={"message": "Service Unavailable"}))
+    ahead[0] = 0.0  # the clock moved back a day
+    tries = []
+    for _ in range(9):  # a sync a minute
+        tries.append(sync.sync().retract_failed)
+        clock.now += 60
+    assert tries == [1, 1, 1, 0, 1, 0, 0, 0, 1]  # at once, after 1 minute (the least), 1, 2 then 4
+    assert asked == [foreign] * 5
+
+
 @pytest.mark.parametrize("status", [400, 401, 403, 405])
 def test_a_deletion_langfuse_refuses_is_given_up_once(
     make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], caplog: pytest.LogCaptureFixture,
@@ -595,6 +618,27 @@ def test_a_score_langfuse_no_longer_has_counts_as_deleted(
                                                                      "project"}))
     assert (sync.sync().retracted, sync.sync().retracted) == (1, 0)
     assert asked == [foreign] and sync.scoring.to_retract() == []
+
+
+@pytest.mark.parametrize("body", ["<html><h1>404 Not Found</h1><hr>nginx</html>", {"message": "not found"}],
+                         ids=["html", "json"])
+def test_a_404_that_is_not_langfuses_does_not_count_as_deleted(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], caplog: pytest.LogCaptureFixture,
+    body: object,
+) -> None:
+    """A proxy in front of Langfuse that answers 404 to DELETE (a route for GET only) took every deletion for done:
+    the records dropped without a word, the scores left in Langfuse. Only Langfuse's own 404 (its message) says the
+    score is gone; another is a refusal: logged with what to check, counted, given up."""
+    url, server = langfuse
+    store = make_store(min_group_size=1)
+    sync = sync_for(store, url, push_names="ruler")
+    foreign = _pushed_then_orphaned(store, sync, server)
+    asked = failing_deletions(sync, ApiError(status_code=404, body=body))
+    result = sync.sync()
+    assert (result.retracted, result.retract_refused, result.retract_failed) == (0, 1, 0)
+    assert f"Langfuse score {foreign} of deleted trajectory {TRACE_A} not deleted, and not tried again" in caplog.text
+    assert "does a proxy in front of it pass DELETE /api/public/scores/{scoreId} on?" in caplog.text
+    assert asked == [foreign]
 
 
 def test_a_failure_for_now_leaves_the_other_deletions_to_the_next_sync(
@@ -729,10 +773,12 @@ def test_a_score_pushed_while_its_trajectory_is_deleted_is_deleted(
     make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
 ) -> None:
     """The push read the trajectories, then the rollout of the foreign calls' trace deleted theirs before the push
-    was recorded: the record of the score sent for the deleted trajectory must stay marked to delete it."""
+    was recorded: the record of the score sent for the deleted trajectory must stay marked to delete it (once
+    Langfuse has ingested the push)."""
     url, server = langfuse
     store = make_store(min_group_size=1)
     sync = sync_for(store, url, push_names="ruler")
+    sync.clock = clock
     _foreign_calls_judged(store)
     create = sync.client.scores.create
 
@@ -742,7 +788,38 @@ def test_a_score_pushed_while_its_trajectory_is_deleted_is_deleted(
 
     sync.client.scores.create = the_rollout_comes_meanwhile
     result = sync.sync()
-    assert (result.pushed, result.retracted) == (1, 1)  # its deletions come after the push
+    assert (result.pushed, result.retracted) == (1, 0) and len(server.created) == 1
+    clock.now += INGEST_DELAY
+    assert sync.sync().retracted == 1
+    assert server.created == {} and sync.scoring.pushed() == {} and sync.scoring.to_retract() == []
+
+
+def test_a_score_pushed_while_its_trajectory_is_deleted_is_deleted_once_langfuse_has_it(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """Langfuse ingests a push asynchronously (its worker, within about a minute) and may apply a deletion that comes
+    first to nothing: the score pushed for a trajectory deleted while the push was in flight was deleted by the same
+    sync, milliseconds after its push, and stayed in Langfuse for good. Its deletion waits `INGEST_DELAY`."""
+    url, server = langfuse
+    store = make_store(min_group_size=1)
+    sync = sync_for(store, url, push_names="ruler")
+    sync.clock = clock
+    _foreign_calls_judged(store)
+    create, ingesting = sync.client.scores.create, {}
+
+    def the_rollout_comes_meanwhile(**kwargs: object) -> object:
+        store.add_spans(_ours("r1", TRACE_A, 100))
+        answer = create(**kwargs)
+        ingesting.update(server.created)  # accepted, not ingested yet
+        server.created.clear()
+        return answer
+
+    sync.client.scores.create = the_rollout_comes_meanwhile
+    sync.sync()
+    server.created.update(ingesting)  # Langfuse ingests the push
+    sync.client.scores.create = create
+    clock.now += INGEST_DELAY
+    sync.sync()
     assert server.created == {} and sync.scoring.pushed() == {} and sync.scoring.to_retract() == []
 
 
@@ -756,6 +833,7 @@ def test_a_score_pushed_while_its_trajectory_is_deleted_and_created_again_is_del
     url, server = langfuse
     store = make_store(min_group_size=1)
     sync = sync_for(store, url, push_names="ruler")
+    sync.clock = clock
     _foreign_calls_judged(store)
     create = sync.client.scores.create
 
@@ -767,7 +845,9 @@ def test_a_score_pushed_while_its_trajectory_is_deleted_and_created_again_is_del
 
     sync.client.scores.create = deleted_and_created_again_meanwhile
     result = sync.sync()
-    assert (result.pushed, result.retracted) == (1, 1)
+    assert (result.pushed, result.retracted) == (1, 0)
+    clock.now += INGEST_DELAY
+    assert sync.sync().retracted == 1
     assert server.created == {} and sync.scoring.pushed() == {} and sync.scoring.to_retract() == []
     sync.client.scores.create = create
     store.add_reward(RewardIn(rollout_id=TRACE_A, name="ruler", value=0.8))  # the new trajectory's own
@@ -859,6 +939,30 @@ def test_only_numeric_and_boolean_scores_are_read(
         assert client.get("/v1/trajectories/g-1").json()["rewards"] == {"human": 0.0}
 
 
+@pytest.mark.parametrize("value", [None, "x"], ids=["null", "text"])
+def test_a_score_the_sdks_model_rejects_is_ignored_and_the_rest_of_its_page_pulled(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], caplog: pytest.LogCaptureFixture,
+    value: object,
+) -> None:
+    """Langfuse writes a NUMERIC score's NaN or infinite value as null, which the SDK's model of a score rejects: the
+    whole page failed on every sync (502), and no other score of it was ever pulled. That score is ignored (logged,
+    counted), and never taken for one deleted in Langfuse; the page's others are read with the SDK's model."""
+    url, server = langfuse
+    store = make_store()
+    store.add_spans(group_spans("g", ["7", "8"]))
+    sync = sync_for(store, url)
+    server.add_score("fine", "human", 0.25, trace_id=trace_id("g", 1))
+    assert sync.sync().applied == 1
+    server.add_score("odd", "human", value, trace_id=trace_id("g", 0))
+    server.add_score("later", "human", 0.75, trace_id=trace_id("g", 0))
+    server.touch("fine", value)  # a pulled score turns unreadable: still Langfuse's
+    result = sync.sync()
+    assert (result.pulled, result.applied, result.ignored, result.withdrawn) == (3, 1, 2, 0)
+    assert store.trajectory("g-0").rewards == {"human": 0.75} and store.trajectory("g-1").rewards == {"human": 0.25}
+    assert "Langfuse score odd does not fit Langfuse's API definition (NUMERIC.value: Input should" in caplog.text
+    assert sync.sync().withdrawn == 0
+
+
 @pytest.mark.parametrize("odd", ["s" * 257, "score-\ud800", "score-\x00"], ids=["too-long", "lone-surrogate", "nul"])
 def test_a_score_whose_id_the_store_cannot_hold_is_ignored(
     make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], caplog: pytest.LogCaptureFixture, odd: str
@@ -880,11 +984,12 @@ def test_a_score_whose_id_the_store_cannot_hold_is_ignored(
     assert sync.sync().withdrawn == 0
 
 
+@pytest.mark.parametrize("body", [{"items": []}, {"data": [], "meta": {"cursor": 5}}, ["not", "a", "page"]])
 def test_an_answer_the_sdk_cannot_read_is_502_naming_langfuse(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse], body: object
 ) -> None:
     url, server = langfuse
-    server.add_score("s", "human", "x", trace_id=trace_id("g", 0))  # a numeric score with no number: no valid answer
+    server.list_scores = lambda query: (200, body)  # a proxy's page: no page of scores
     app = app_for(tmp_path, monkeypatch, url)
     with TestClient(app) as client:
         answer = client.post("/v1/langfuse/sync")
