@@ -287,9 +287,9 @@ def prepare_sft(groups: list[Group], config: GRPOConfig, device: torch.device,
     A group whose best trajectory cannot train (counted under its reason, e.g. `no_assistant_tokens`) is left
     out, not replaced by a worse-rewarded one (`vocab_size` as in `prepare_grpo`). Items carry advantage 1.0 and
     equal per-trajectory weights, so the SFT loss is the mean over trajectories of each one's mean assistant-token
-    negative log-likelihood. `reward/mean` and `reward/std` are, as on a GRPO step, those of the rewards the step
-    chose among (every finite reward of the groups that train), so the two kinds of step plot one curve;
-    `reward/chosen_mean` is the mean reward of the chosen (trained) trajectories.
+    negative log-likelihood. `reward/mean` and `reward/std` are those of the rewards the step chose among (every
+    finite reward of the groups that train, members that could not train too), not only the chosen ones', so they
+    stay near a GRPO step's on the same groups; `reward/chosen_mean` is the mean reward of the chosen trajectories.
 
     Raises:
         NothingTrainableError: no group's best-rewarded trajectory has assistant tokens.

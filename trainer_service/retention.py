@@ -13,6 +13,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 from trainer_service.checkpoint_folder import MANIFEST
 from trainer_service.checkpoints import CheckpointStore, select_kept
@@ -24,6 +25,19 @@ from trainer_service.promotion import PromotionGate
 __all__ = ["Retention"]
 
 logger = logging.getLogger(__name__)
+
+
+_SFT_REWARDS_BEFORE = ("reward/mean", "reward/std")
+"""Metrics an SFT step recorded, before it recorded `reward/chosen_mean`, as those of the chosen trajectories only."""
+
+
+def _comparable(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's `metrics` without those that meant something else when it was written: an SFT step's `reward/mean`
+    and `reward/std` before `reward/chosen_mean` existed were the best trajectories' (they made an old warm start
+    the best by `reward/mean` after a resume)."""
+    if metrics.get("kind/sft") and "reward/chosen_mean" not in metrics:
+        return {name: value for name, value in metrics.items() if name not in _SFT_REWARDS_BEFORE}
+    return metrics
 
 
 class Retention:
@@ -66,7 +80,8 @@ class Retention:
         """The steps of `steps` the policy drops (reads the manifests' metrics).
 
         A step whose manifest cannot be read (its folder deleted by hand) has no value of the metric: logged and
-        counted as `retention_errors`, it is kept or dropped as the newest steps are.
+        counted as `retention_errors`, it is kept or dropped as the newest steps are; so has an SFT step's `reward/*`
+        recorded in the meaning it had before `reward/chosen_mean` (`_comparable`).
         """
         s = self.settings
         values: dict[int, float] = {}
@@ -79,7 +94,8 @@ class Retention:
                     logger.exception("the metrics of %s cannot be read; it cannot be the best by %s",
                                      self.model_name(step), s.keep_best_metric)
                     recorded = {}
-                merged = {**recorded, **({"eval/reward": self.gate.evals[step]} if step in self.gate.evals else {})}
+                merged = {**_comparable(recorded),
+                          **({"eval/reward": self.gate.evals[step]} if step in self.gate.evals else {})}
                 if isinstance(merged.get(s.keep_best_metric), int | float):
                     values[step] = float(merged[s.keep_best_metric])
         protect = {step for step in (self.gate.latest, steps[-1] if steps else None) if step is not None}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import json
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 from collector.protocol import Batch
 from tests.trainer_service.builders import FakeEngine, group, lora_params, make_service
 from trainer_service.evaluation import Evaluator
+from trainer_service.retention import Retention
 
 
 async def test_retention_deletes_unloads_and_restart_restores(tmp_path: Path) -> None:
@@ -167,3 +170,26 @@ async def test_a_restart_with_a_smaller_keep_last_drops_the_old_steps_before_loa
     assert restarted.counters["checkpoints_deleted"] == 2
     assert restarted.trainer is not None and restarted.trainer.step_count == 4  # resumed from the newest
     await restarted.aclose()
+
+
+
+async def test_an_sft_step_written_before_reward_chosen_mean_is_not_the_best_by_reward_mean(tmp_path: Path) -> None:
+    """An SFT step's `reward/mean` was its chosen (best) trajectories' before `reward/chosen_mean` was recorded: such a
+    manifest, read after a resume, won `--keep-best-metric reward/mean` over better GRPO steps and was kept for good."""
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])  # every checkpoint kept
+    assert service.trainer is not None
+    for index, top in enumerate((1.0, 3.0, 2.0), 1):  # reward/mean 0.5, 1.5, 1.0
+        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (top, 0.0))], lease_expires_at=0))
+        await service.train_once()
+    settings = service.settings.model_copy(update={"keep_last": 1, "keep_best_metric": "reward/mean"})
+    retention = Retention(settings, service.store, service.engine, service.gate, service.model_name, Counter())
+    manifest_path = tmp_path / "checkpoints" / "step-1" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["metrics"] |= {"kind/sft": 1.0, "reward/mean": 9.0}  # an old warm start: the best trajectories' mean
+    manifest_path.write_text(json.dumps(manifest))
+    assert retention.drops([1, 2, 3]) == [1]  # the best GRPO step (2) and the newest are kept
+    manifest["metrics"]["reward/chosen_mean"] = 9.0  # recorded since: reward/mean means what a GRPO step's does
+    manifest_path.write_text(json.dumps(manifest))
+    assert retention.drops([1, 2, 3]) == [2]
+    await service.aclose()
