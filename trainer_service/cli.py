@@ -317,13 +317,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         logging.getLogger("trainer_service").info("memory allocator: %s", allocator or "system")
     enable_huge_pages()  # before the model loads: PyTorch reads it at its first large allocation
 
-    import uvicorn
-
     from trainer_service.base_model import BaseModelError
     from trainer_service.checkpoint_checks import CheckpointMismatchError
     from trainer_service.engine_errors import EngineError
     from trainer_service.evaluation import EvalError
-    from trainer_service.server import create_app
+    from trainer_service.server import create_app, serve
 
     try:
         lock = _lock_run_dir(settings.run_dir)  # before anything reads or writes the run folder
@@ -342,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.exit(2, f"art-trainer: error: {exc}\n")  # anything else (a bug) keeps its traceback
         finally:
             signal.signal(signal.SIGTERM, previous)
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+        serve(app, host=settings.host, port=settings.port, log_level=args.log_level)
 
 
 if __name__ == "__main__":

@@ -18,16 +18,20 @@ import asyncio
 import contextlib
 import logging
 import re
+import socket
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
 import httpx
+import uvicorn
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException
+from uvicorn.main import STARTUP_FAILURE
 
 from collector.auth import bearer_matches
 from trainer_service.base_model import check_base_model, resolve_base_model, served_base_name
@@ -37,12 +41,13 @@ from trainer_service.distributed import TrainLauncher
 from trainer_service.engine import VLLMEngine
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.protocol import ErrorBody, ErrorResponse, ServiceError, StatusResponse, TrainResponse
+from trainer_service.schedule import TrainingSchedule
 from trainer_service.service import TrainerService
 from trainer_service.training import LoRATrainer
 from trainer_service.vllm_cpu_matmul import matmul_dtype
 from trainer_service.vllm_cpu_threads import EngineThreads
 
-__all__ = ["build_service", "create_app"]
+__all__ = ["build_service", "create_app", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -369,3 +374,31 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
         return {"ok": True, "engine": await asyncio.to_thread(svc.engine.healthy)}
 
     return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which stops the training schedule as soon as its shutdown begins: uvicorn then waits for
+    every open request (a streamed answer, a manual step) before the app's lifespan ends, and no scheduled step may
+    start meanwhile."""
+
+    def __init__(self, config: uvicorn.Config, schedule: TrainingSchedule) -> None:
+        super().__init__(config)
+        self._schedule = schedule
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._schedule.shutdown()
+        await super().shutdown(sockets)
+
+
+def serve(app: FastAPI, *, host: str, port: int, log_level: str) -> None:
+    """Serve `app` (from `create_app`) with uvicorn until SIGINT or SIGTERM, as `uvicorn.run` does, but with its
+    schedule stopped once the shutdown begins (`_Server`).
+
+    Raises:
+        SystemExit: uvicorn's status 3 when the server did not start.
+    """
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level), app.state.service.schedule)
+    with contextlib.suppress(KeyboardInterrupt):  # the Ctrl-C uvicorn raises again once it has shut down
+        server.run()
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)

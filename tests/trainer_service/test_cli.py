@@ -674,9 +674,9 @@ def test_a_template_model_or_target_module_that_does_not_fit_exits_before_vllm(
         given: list[str], config: str | None, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each was read only once vLLM had started: a traceback then, or (`q_proj,qproj`) q_proj trained alone."""
-    import uvicorn
+    from trainer_service import server
 
-    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: pytest.fail("vLLM would start"))
+    monkeypatch.setattr(server, "serve", lambda *args, **kwargs: pytest.fail("vLLM would start"))
     model = tmp_path / "model"
     save_tiny_model(model)
     capsys.readouterr()  # the save's progress bar
@@ -753,10 +753,10 @@ def test_an_unexpected_start_error_or_ctrl_c_is_raised_and_stops_vllm(
 
 def test_sigterm_while_starting_stops_vllm_as_ctrl_c_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """uvicorn's handlers, which stop vLLM on SIGTERM, come only once serving; before, SIGTERM ended the process."""
-    import uvicorn
+    from trainer_service import server
 
     events: list[str] = []
-    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: events.append("serving"))
+    monkeypatch.setattr(server, "serve", lambda *args, **kwargs: events.append("serving"))
     before = signal.signal(signal.SIGTERM, lambda *args: events.append("ended"))  # SIG_DFL would end pytest
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -770,9 +770,10 @@ def test_sigterm_while_starting_stops_vllm_as_ctrl_c_does(tmp_path: Path, monkey
 def test_the_service_starts_once_before_the_port_opens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`serve` starts vLLM and the trainer before serving, so a start error is its own one line; the app's lifespan
     then serves that service without starting it again."""
-    import uvicorn
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
+
+    from trainer_service import server
 
     events: list[str] = []
 
@@ -781,7 +782,7 @@ def test_the_service_starts_once_before_the_port_opens(tmp_path: Path, monkeypat
         with TestClient(app) as client:
             assert client.get("/v1/models").status_code == 200
 
-    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setattr(server, "serve", run)
     _serve(tmp_path, monkeypatch, events)
     assert events == ["started", "serving", "stopped"]
 

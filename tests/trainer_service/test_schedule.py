@@ -6,7 +6,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, tzinfo
 from pathlib import Path
 
 import pytest
@@ -121,6 +121,67 @@ async def test_a_run_the_loop_reaches_late_fires_once_not_dropped(trigger: dict)
         await wait_for(lambda: schedule.counts["trained"] == 1, timeout=10)
         next_run = schedule.next_run()
         assert steps == [job] and next_run is not None and next_run > datetime.now(UTC)
+    finally:
+        schedule.shutdown()
+
+
+@pytest.mark.parametrize("trigger", [{"every": "0.1s"}, {"cron": "* * * * *"}, {"min_groups": 1, "poll_seconds": 0.1}])
+async def test_after_a_missed_run_the_next_is_the_first_after_now_not_the_next_missed(trigger: dict) -> None:
+    """APScheduler lists every missed run, one by one, before it coalesces them: after a 3-day suspend, 2.6 million
+    of a `0.1s` interval, 3.4 s with the event loop held. Now the run after a missed one is the first after now."""
+    async def train(source: str, min_groups: int) -> None:
+        pass
+
+    async def ready() -> int:
+        return 0
+
+    schedule = TrainingSchedule(TrainerSettings(**trigger), train, ready)
+    schedule.start()
+    try:
+        assert schedule._scheduler is not None
+        [job] = schedule._scheduler.get_jobs()
+        now = datetime.now(UTC)
+        next_run = job.trigger.get_next_fire_time(now - timedelta(days=3), now)
+        assert now < next_run <= now + timedelta(minutes=1), (next_run, now)
+    finally:
+        schedule.shutdown()
+
+
+async def test_interval_jobs_follow_the_wall_clock_stepped_back_and_cron_keeps_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """APScheduler keeps next runs in wall-clock time: stepped back an hour (NTP, a user), `every 0.1s` waited an hour.
+    The clock APScheduler and the schedule read is stood in for."""
+    import apscheduler.schedulers.base
+
+    import trainer_service.schedule
+
+    class SteppedClock(datetime):
+        back = timedelta(0)
+
+        @classmethod
+        def now(cls, tz: tzinfo | None = None) -> datetime:  # type: ignore[override]
+            return datetime.now(tz) - cls.back
+
+    monkeypatch.setattr(apscheduler.schedulers.base, "datetime", SteppedClock)
+    monkeypatch.setattr(trainer_service.schedule, "datetime", SteppedClock)
+    steps: list[str] = []
+
+    async def train(source: str, min_groups: int) -> None:
+        steps.append(source)
+
+    async def ready() -> int:
+        return 1
+
+    schedule = TrainingSchedule(TrainerSettings(every="0.1s", cron="0 3 * * *"), train, ready)
+    schedule.start()
+    try:
+        assert schedule._scheduler is not None
+        await wait_for(lambda: len(steps) >= 1, timeout=10)
+        cron = schedule._scheduler.get_job("cron").next_run_time
+        SteppedClock.back = timedelta(hours=1)
+        stepped = len(steps)
+        await wait_for(lambda: len(steps) >= stepped + 3, timeout=10)
+        assert schedule._scheduler.get_job("cron").next_run_time == cron and set(steps) == {"every"}
     finally:
         schedule.shutdown()
 

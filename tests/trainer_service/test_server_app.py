@@ -6,12 +6,19 @@ behind them is `test_service`'s, the real service behind its proxy `test_server`
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from collector.protocol import Batch
+from examples.stack import free_port
 from tests.trainer_service.builders import group, make_service
 
 
@@ -331,3 +338,55 @@ def test_errors_carry_their_headers_and_starlettes_own_use_the_envelope(tmp_path
         service.settings.api_key = "sekret"
         refused = client.get("/v1/models")
         assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+
+
+def test_sigterm_stops_the_schedule_while_uvicorn_waits_for_open_requests(tmp_path: Path) -> None:
+    """uvicorn waits for every open request before the app's lifespan ends, and the schedule stopped only there: an
+    `--every` job kept firing (and could start a step) all the while. `serve` now stops it as the shutdown begins."""
+    from trainer_service.server import create_app, serve
+
+    service = make_service(tmp_path, [], [], every="0.1s")
+    app = create_app(service=service)
+    release = threading.Event()
+
+    @app.get("/slow")
+    async def slow() -> dict[str, bool]:  # an open request: a streamed answer, a manual step
+        await asyncio.to_thread(release.wait)
+        return {"done": True}
+
+    port = free_port()
+    answers: list[int] = []
+    stopped_while_open: list[bool] = []
+
+    def client() -> None:
+        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+        opened = threading.Thread(target=lambda: answers.append(http.get("/slow").status_code))
+        try:
+            with http:
+                until = time.monotonic() + 30
+                while service.schedule.counts["no_batch_ready"] < 1 and time.monotonic() < until:
+                    time.sleep(0.05)  # serving, and the job has fired
+                opened.start()
+                time.sleep(0.2)  # the request is open
+                os.kill(os.getpid(), signal.SIGTERM)
+                until = time.monotonic() + 5
+                while service.schedule.next_run() is not None and time.monotonic() < until:
+                    time.sleep(0.05)
+                fired = sum(service.schedule.counts.values())
+                time.sleep(0.5)  # five periods
+                stopped_while_open.append(service.schedule.next_run() is None and not answers
+                                          and sum(service.schedule.counts.values()) == fired)
+                release.set()
+                opened.join()
+        finally:
+            release.set()
+
+    previous = signal.signal(signal.SIGTERM, lambda *args: None)  # uvicorn raises it again once shut down
+    try:
+        driver = threading.Thread(target=client)
+        driver.start()
+        serve(app, host="127.0.0.1", port=port, log_level="warning")
+        driver.join()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped_while_open == [True] and answers == [200]
