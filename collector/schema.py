@@ -92,6 +92,10 @@ trajectories = Table(
     # version 4: JSON of `assembly.FactsDigest` of the spans stored so far, so that an export
     # updates the trajectory from its own spans without reading back the earlier ones
     Column("digest", Text),
+    # version 11: the policy step of its spans (`curve.step_of`) and how many spans it was computed from (its spans
+    # are only ever added while it exists), so that the reward curve after a start reads them instead of the spans
+    Column("policy_step", Integer),
+    Column("policy_step_spans", Integer),
 )
 
 rewards = Table(
@@ -401,7 +405,13 @@ def _v10(conn: Connection) -> None:
     _add_columns(conn, judge_runs, ("max_tokens",))
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10]
+def _v11(conn: Connection) -> None:
+    """Version 11: `trajectories.policy_step` and `trajectories.policy_step_spans` (stored trajectories have none: the
+    reward curve computes and stores them on its next read)."""
+    _add_columns(conn, trajectories, ("policy_step", "policy_step_spans"))
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -22,7 +22,7 @@ from collector.otlp import SpanRecord
 from collector.protocol import Drift, Sequence
 from collector.spans import COUNTS, unique_sorted, warn_once, whole_number
 
-__all__ = ["Sequences", "build_sequences"]
+__all__ = ["Sequences", "build_sequences", "token_turn"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def _logprobs(raw: list[Any]) -> list[float | None]:
     return [float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None for v in raw]
 
 
-def _turn(span: SpanRecord) -> tuple[list[int], list[int], list[float | None]] | None:
+def token_turn(span: SpanRecord) -> tuple[list[int], list[int], list[float | None]] | None:
     """(prompt ids, completion ids, logprobs) of an LLM span, or None when not token-exact."""
     prompt = _token_ids(span, sc.PROMPT_TOKEN_IDS)
     completion = _token_ids(span, sc.COMPLETION_TOKEN_IDS)
@@ -115,7 +115,7 @@ def build_sequences(llm_spans: Iterable[SpanRecord]) -> Sequences:
     out = Sequences()
     previous = foreign.Conversation()
     for turn_index, span in enumerate(unique_sorted(llm_spans)):
-        turn = _turn(span)
+        turn = token_turn(span)
         if turn is None:
             out.token_exact = False
             continue

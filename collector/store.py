@@ -28,6 +28,7 @@ from typing import Any
 
 from sqlalchemy import Connection, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import OperationalError
 
 from collector import assembly, curve, leases, placement, pool, store_reads
 from collector.config import CollectorSettings
@@ -361,8 +362,16 @@ class SqlStore(Store):
         return self._read(lambda conn: store_reads.count_trajectories(conn, group=group, task=task, split=split))
 
     def curve_facts(self, *, split: str | None = None) -> list[curve.CurveFacts]:
-        """Policy step and rewards of every trajectory (in `split`), without assembling them (`collector.curve`)."""
-        return self._read(lambda conn: store_reads.curve_facts(conn, self._steps, self.training, split=split))
+        """Policy step and rewards of every trajectory (in `split`), without assembling them (`collector.curve`); the
+        steps it computed are stored (`PolicySteps.save`): a store that cannot take them now (a full disk, a lock held
+        too long) is logged, and the read answered, as the next start computes them again."""
+        facts = self._read(lambda conn: store_reads.curve_facts(conn, self._steps, self.training, split=split))
+        if self._steps.unsaved:
+            try:
+                self._tx.run(self._steps.save)
+            except OperationalError:
+                log.warning("the policy steps the reward curve computed could not be stored", exc_info=True)
+        return facts
 
     def groups(self, states: Collection[GroupState] | None = None, *, limit: int | None = None) -> list[GroupStatus]:
         """Every non-empty group with its readiness (`ready` is computed, not stored); with `states`, only the

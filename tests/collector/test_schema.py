@@ -359,3 +359,46 @@ def test_migration_from_version_9_keeps_judge_runs_with_max_tokens_unknown(db_ur
     run = {**scoring.run("g"), "group_id": "h", "max_tokens": 64}
     assert scoring.claim_run(run, stale_before=0.0) and scoring.run("h")["max_tokens"] == 64
     store.close()
+
+
+def test_migration_from_version_10_steps_the_stored_trajectories_on_the_next_curve_read(db_url, clock) -> None:
+    """Version 11 stores each trajectory's policy step in its row (`trajectories.policy_step`, computed from
+    `policy_step_spans` spans); the trajectories stored before it have none, and the next curve read computes and
+    stores theirs."""
+    import json
+
+    from sqlalchemy import select
+
+    from collector.config import CollectorSettings
+    from collector.engine import make_engine
+    from collector.schema import MIGRATIONS, schema_version, spans, trajectories
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database does not outlive its engine")
+    old = make_engine(url)
+    with old.begin() as conn:  # a database as version 10 left it, with a trajectory of two spans
+        schema_version.create(conn)
+        for version in range(10):
+            MIGRATIONS[version](conn)
+            conn.execute(schema_version.insert().values(version=version + 1, applied_at=0.0))
+        for record in trajectory(10, "a", reward=None):
+            conn.execute(spans.insert().values(
+                span_id=record.span_id, trace_id=record.trace_id, trajectory_id="a", name=record.name,
+                start_ns=record.start_ns, end_ns=record.end_ns, record=json.dumps(record.to_dict()), received_at=0.0,
+            ))
+        conn.execute(trajectories.insert().values(
+            id="a", trace_id=record.trace_id, by_rollout=True, group_key="g", group_id="g", task=None, split="train",
+            complete=True, created_at=0.0, updated_at=0.0,
+        ))
+    old.dispose()
+    store = SqlStore(CollectorSettings(db=url), clock=clock)
+    store.setup()
+    stored = select(trajectories.c.policy_step, trajectories.c.policy_step_spans)
+    with store.engine.connect() as conn:
+        assert conn.execute(stored).all() == [(None, None)]
+    assert [facts.policy_step for facts in store.curve_facts()] == [0]
+    with store.engine.connect() as conn:
+        assert conn.execute(stored).all() == [(0, 2)]
+    store.close()
