@@ -15,7 +15,8 @@ by id (the `id` filter of the same endpoint), and one that is gone has its rewar
 (with its record, in one transaction) unless its group is leased or trained. Pushed scores get a stable id per
 (trajectory, reward name), so a changed reward updates the same score in Langfuse; the scores pushed for a
 trajectory the store deleted since (another instrumentation's calls in a rollout's trace) are deleted there
-(`DELETE /api/public/scores/{scoreId}`) by the next sync (Langfuse's 404: gone already); one Langfuse fails to delete
+(`DELETE /api/public/scores/{scoreId}`) by the next sync, `INGEST_DELAY` after their first push at the earliest
+(Langfuse's 404: gone already); one Langfuse fails to delete
 for now is tried again after a growing delay, one it refuses (another 4xx, a proxy's 404 too) is given up. A later
 trajectory of the deleted one's id pushes its scores under other ids, once the deleted one's are deleted.
 """
@@ -55,7 +56,7 @@ from collector.protocol import RewardAccepted, RewardIn
 from collector.read_protocol import LangfuseSyncResult
 from collector.schema import langfuse_pulled, score_version
 from collector.scoring_config import LangfuseSettings
-from collector.scoring_store import ScoringStore
+from collector.scoring_store import INGEST_DELAY, ScoringStore
 from collector.store_base import Store
 from collector.transactions import LANGFUSE_SYNC_LOCK
 
@@ -92,11 +93,6 @@ _DELETE_HINTS = {
 }
 """`_HINTS` for the deletion of a score; its 404 is Langfuse's only with `_GONE` (the score is gone), and the sync,
 which pulls first, has found Langfuse's API on the host."""
-
-INGEST_DELAY = 300.0
-"""Seconds after its push before the score pushed for a trajectory deleted while the push was in flight is deleted:
-Langfuse ingests a push asynchronously (its worker, within a minute normally) and may apply a deletion that comes first
-to nothing, leaving the pushed score in place for good (`ScoringStore.mark_pushed`)."""
 
 RETRY_DELAY = (60.0, 3600.0)
 """The least and the most seconds before a deletion that failed for now (`_transient`) is tried again."""

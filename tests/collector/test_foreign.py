@@ -38,7 +38,7 @@ from collector.protocol import Batch, BatchRequest, ReleaseRequest, RewardIn
 from collector.schema import groups as group_rows
 from collector.schema import spans as span_rows
 from collector.scoring_config import JudgeSettings
-from collector.scoring_store import ScoringStore
+from collector.scoring_store import INGEST_DELAY, ScoringStore
 from collector.store import SqlStore
 from tests.collector.conftest import Clock
 from tests.collector.server_helpers import collector_app
@@ -598,8 +598,9 @@ def test_foreign_calls_stored_before_their_rollout_came_are_deleted_unless_lease
         clock.now += 1000  # idle past `idle_seconds`: the trace's trajectory is complete
         assert [group.id for group in store.lease(BatchRequest()).groups] == [TRACE_A]
     scoring = ScoringStore(store.engine)
+    pushed = clock.now
     scoring.mark_pushed([{"trajectory_id": TRACE_A, "name": "ruler", "value": 0.5, "score_id": "s",
-                          "pushed_at": clock.now, "created_at": scoring.created_at()[TRACE_A]}],
+                          "pushed_at": pushed, "created_at": scoring.created_at()[TRACE_A]}],
                         clock.now)  # its score pushed to Langfuse
     ours = _ours("r1", TRACE_A, 100)
     clock.now += 1
@@ -607,9 +608,10 @@ def test_foreign_calls_stored_before_their_rollout_came_are_deleted_unless_lease
     store.add_spans(ours[:1])
 
     assert sorted(t.id for t in store.trajectories()) == sorted(["r1", TRACE_A] if leased else ["r1"])
-    # the score of a deleted trajectory is marked to delete in Langfuse, when it is deleted (not the leased one's)
+    # the score of a deleted trajectory is marked to delete in Langfuse, when it is deleted (not the leased one's),
+    # due once Langfuse has ingested its push
     assert [(row["score_id"], row["retract_at"]) for row in scoring.to_retract()] == ([] if leased else
-                                                                                       [("s", clock.now)])
+                                                                                       [("s", pushed + INGEST_DELAY)])
     assert store.trajectory("r1").token_exact
     assert {group.id for group in store.groups()} == ({"chat", TRACE_A} if leased else {"chat"})
     assert {group.id for group in store.groups(["open", "ready", "leased"])} == {"chat"} | (

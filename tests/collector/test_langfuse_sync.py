@@ -32,6 +32,7 @@ from collector.scoring_store import ScoringStore
 from collector.store import SqlStore
 from examples.stack import free_port
 from tests.collector import fake_langfuse
+from tests.collector.conftest import Clock
 from tests.collector.seeding import group_spans, make_app, trace_id
 from tests.collector.span_builders import llm, sid
 from tests.collector.test_foreign import TRACE_A, _openinference_chain, _openinference_llm, _ours
@@ -471,6 +472,7 @@ def test_a_score_pushed_for_a_trajectory_deleted_since_is_deleted_in_langfuse(
     url, server = langfuse
     store = make_store(min_group_size=1)
     sync = sync_for(store, url, push_names="ruler")
+    sync.clock = clock
     store.add_spans([_openinference_chain(TRACE_A, 110, sid(101), "tool"),
                      _openinference_llm(TRACE_A, 111, sid(110), marked=False)])
     store.add_spans(group_spans("g", ["7"]))  # a trajectory that stays: its score too
@@ -480,6 +482,7 @@ def test_a_score_pushed_for_a_trajectory_deleted_since_is_deleted_in_langfuse(
     assert (first.pushed, first.retracted) == (2, 0)
     foreign = {s["metadata"]["art.rollout.id"]: score_id for score_id, s in server.created.items()}[TRACE_A]
 
+    clock.now += INGEST_DELAY  # Langfuse has ingested the push
     store.add_spans(_ours("r1", TRACE_A, 100))  # deletes the foreign calls' trajectory
     assert [t.id for t in store.trajectories() if t.trace_id == TRACE_A] == ["r1"]
     second = sync.sync()
@@ -492,9 +495,12 @@ def test_a_score_pushed_for_a_trajectory_deleted_since_is_deleted_in_langfuse(
     assert [method for method, _ in server.requests] == ["GET"]  # deleted once
 
 
-def _pushed_then_orphaned(store: SqlStore, sync: LangfuseSync, server: fake_langfuse.FakeLangfuse) -> str:
+def _pushed_then_orphaned(
+    store: SqlStore, sync: LangfuseSync, server: fake_langfuse.FakeLangfuse, clock: Clock
+) -> str:
     """Push a judge's `ruler` of the foreign calls' trajectory (TRACE_A) and of `g-0`, then delete the former (the
-    rollout of its trace comes); returns the id of its score in Langfuse."""
+    rollout of its trace comes), and let `clock` (the store's) run to when its score's deletion is due
+    (`INGEST_DELAY`); returns the id of its score in Langfuse."""
     store.add_spans([_openinference_chain(TRACE_A, 110, sid(101), "tool"),
                      _openinference_llm(TRACE_A, 111, sid(110), marked=False)])
     store.add_spans(group_spans("g", ["7"]))
@@ -503,6 +509,7 @@ def _pushed_then_orphaned(store: SqlStore, sync: LangfuseSync, server: fake_lang
     assert sync.sync().pushed == 2
     foreign = {s["metadata"]["art.rollout.id"]: score_id for score_id, s in server.created.items()}[TRACE_A]
     store.add_spans(_ours("r1", TRACE_A, 100))
+    clock.now += INGEST_DELAY
     return foreign
 
 
@@ -535,24 +542,25 @@ def test_a_deletion_langfuse_fails_for_now_is_tried_again_later_and_blocks_no_pu
     store = make_store(min_group_size=1)
     sync = sync_for(store, url, push_names="ruler")
     sync.clock = clock
-    foreign = _pushed_then_orphaned(store, sync, server)
+    foreign = _pushed_then_orphaned(store, sync, server, clock)
     delete = sync.client.scores.delete
     asked = failing_deletions(sync, failure)
     store.add_reward(RewardIn(rollout_id="g-0", name="ruler", value=0.9))  # a changed reward to push
     result = sync.sync()
     assert (result.retracted, result.retract_refused, result.retract_failed) == (0, 0, 1)
     assert [s["value"] for s in server.created.values()] == [0.3, 0.9]  # pushed all the same
-    assert f"Langfuse score {foreign} of deleted trajectory {TRACE_A} not deleted (tried again in 60 s)" in caplog.text
+    # first tried `INGEST_DELAY` (5 minutes) after the push: the score's age
+    assert f"Langfuse score {foreign} of deleted trajectory {TRACE_A} not deleted (tried again in 300 s)" in caplog.text
     assert "LANGFUSE_ENABLE_SCORES_V3_API" not in caplog.text
     tries = []
-    for _ in range(8):  # a sync a minute
+    for _ in range(15):  # a sync a minute
         clock.now += 60
         tries.append(sync.sync().retract_failed)
-    assert tries == [1, 1, 0, 1, 0, 0, 0, 1]  # after 1 minute (the least), 1, 2 then 4 (the score's age)
-    assert asked == [foreign] * 5 and [row["score_id"] for row in sync.scoring.to_retract()] == [foreign]
+    assert tries == [0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]  # after 5 then 10 minutes (the score's age)
+    assert asked == [foreign] * 3 and [row["score_id"] for row in sync.scoring.to_retract()] == [foreign]
 
     sync.client.scores.delete = delete  # Langfuse deletes again
-    clock.now += 480
+    clock.now += 1200
     result = sync.sync()
     assert (result.retracted, result.retract_failed) == (1, 0)
     assert [s["metadata"]["art.rollout.id"] for s in server.created.values()] == ["g-0"]
@@ -570,7 +578,7 @@ def test_the_retry_delay_grows_though_the_score_was_pushed_at_a_time_ahead_of_th
     sync = sync_for(store, url, push_names="ruler")
     ahead = [86400.0]
     sync.clock = lambda: clock.now + ahead[0]  # the sync's clock; the store's (the deletion's mark) is `clock`
-    foreign = _pushed_then_orphaned(store, sync, server)
+    foreign = _pushed_then_orphaned(store, sync, server, clock)
     asked = failing_deletions(sync, ApiError(status_code=503, body={"message": "Service Unavailable"}))
     ahead[0] = 0.0  # the clock moved back a day
     tries = []
@@ -592,7 +600,7 @@ def test_a_deletion_langfuse_refuses_is_given_up_once(
     store = make_store(min_group_size=1)
     sync = sync_for(store, url, push_names="ruler")
     sync.clock = clock
-    foreign = _pushed_then_orphaned(store, sync, server)
+    foreign = _pushed_then_orphaned(store, sync, server, clock)
     asked = failing_deletions(sync, ApiError(status_code=status, body={"message": "no"}))
     result = sync.sync()
     assert (result.retracted, result.retract_refused, result.retract_failed) == (0, 1, 0)
@@ -613,7 +621,7 @@ def test_a_score_langfuse_no_longer_has_counts_as_deleted(
     url, server = langfuse
     store = make_store(min_group_size=1)
     sync = sync_for(store, url, push_names="ruler")
-    foreign = _pushed_then_orphaned(store, sync, server)
+    foreign = _pushed_then_orphaned(store, sync, server, clock)
     asked = failing_deletions(sync, ApiError(status_code=404, body={"message": "Score not found within authorized "
                                                                      "project"}))
     assert (sync.sync().retracted, sync.sync().retracted) == (1, 0)
@@ -632,7 +640,7 @@ def test_a_404_that_is_not_langfuses_does_not_count_as_deleted(
     url, server = langfuse
     store = make_store(min_group_size=1)
     sync = sync_for(store, url, push_names="ruler")
-    foreign = _pushed_then_orphaned(store, sync, server)
+    foreign = _pushed_then_orphaned(store, sync, server, clock)
     asked = failing_deletions(sync, ApiError(status_code=404, body=body))
     result = sync.sync()
     assert (result.retracted, result.retract_refused, result.retract_failed) == (0, 1, 0)
@@ -653,6 +661,7 @@ def test_a_failure_for_now_leaves_the_other_deletions_to_the_next_sync(
     store.add_spans(group_spans("g", ["7", "8", "9"]))
     store.add_rewards([RewardIn(rollout_id=f"g-{n}", name="ruler", value=0.5) for n in range(3)])
     assert sync.sync().pushed == 3
+    clock.now += INGEST_DELAY  # Langfuse has ingested the push
     with store.engine.begin() as conn:  # their trajectories deleted, their scores marked at once
         for n in range(3):
             ScoringStore.retract_pushed(conn, f"g-{n}", clock.now)
@@ -666,7 +675,7 @@ def test_a_failure_for_now_leaves_the_other_deletions_to_the_next_sync(
     result = sync.sync()
     assert (result.retracted, result.retract_failed) == (2, 0)  # the failed one waits for its delay
     assert [row["score_id"] for row in sync.scoring.to_retract()] == asked
-    clock.now += 60
+    clock.now += INGEST_DELAY  # the failed one's delay: its age
     assert sync.sync().retracted == 1 and server.created == {}
 
 
@@ -697,7 +706,7 @@ def test_a_deleted_trajectorys_score_is_deleted_though_its_id_is_written_again(
     url, server = langfuse
     store = make_store(min_group_size=1)
     sync = sync_for(store, url, push_names="ruler")
-    foreign = _pushed_then_orphaned(store, sync, server)
+    foreign = _pushed_then_orphaned(store, sync, server, clock)
     clock.now += 60  # a later export
     store.add_spans([llm(130, rollout=None, trace=TRACE_A, start=30, prompt=[1, 2], completion=[5])])
     assert store.trajectory(TRACE_A).rewards == {}
@@ -729,7 +738,7 @@ def test_a_later_trajectory_of_a_deleted_ones_id_pushes_its_score_once_the_delet
     url, server = langfuse
     store = make_store(min_group_size=1)
     sync = sync_for(store, url, push_names="ruler")
-    foreign = _pushed_then_orphaned(store, sync, server)
+    foreign = _pushed_then_orphaned(store, sync, server, clock)
     clock.now += 60
     store.add_spans([llm(130, rollout=None, trace=TRACE_A, start=30, prompt=[1, 2], completion=[5])])
     store.add_reward(RewardIn(rollout_id=TRACE_A, name="ruler", value=value))
@@ -820,6 +829,38 @@ def test_a_score_pushed_while_its_trajectory_is_deleted_is_deleted_once_langfuse
     sync.client.scores.create = create
     clock.now += INGEST_DELAY
     sync.sync()
+    assert server.created == {} and sync.scoring.pushed() == {} and sync.scoring.to_retract() == []
+
+
+def test_a_score_pushed_just_before_its_trajectory_is_deleted_is_deleted_once_langfuse_has_it(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """The trajectory was deleted a second after its score's push was recorded, and a sync (`POST /v1/langfuse/sync`)
+    came a second later: the deletion went out two seconds after the push, Langfuse could apply it before ingesting
+    the push, and the score stayed for good. It waits `INGEST_DELAY` after the push, as for a push in flight."""
+    url, server = langfuse
+    store = make_store(min_group_size=1)
+    sync = sync_for(store, url, push_names="ruler")
+    sync.clock = clock
+    _foreign_calls_judged(store)
+    create, ingesting = sync.client.scores.create, {}
+
+    def accepted_not_ingested(**kwargs: object) -> object:
+        answer = create(**kwargs)
+        ingesting.update(server.created)
+        server.created.clear()
+        return answer
+
+    sync.client.scores.create = accepted_not_ingested
+    assert sync.sync().pushed == 1
+    sync.client.scores.create = create
+    clock.now += 1
+    store.add_spans(_ours("r1", TRACE_A, 100))  # deletes the foreign calls' trajectory
+    clock.now += 1
+    assert sync.sync().retracted == 0  # not yet
+    server.created.update(ingesting)  # Langfuse ingests the push
+    clock.now += INGEST_DELAY
+    assert sync.sync().retracted == 1
     assert server.created == {} and sync.scoring.pushed() == {} and sync.scoring.to_retract() == []
 
 
