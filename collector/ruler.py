@@ -314,8 +314,9 @@ class _Deadline(httpx.SyncByteStream):
 
 
 class JudgeClient:
-    """Calls one OpenAI-compatible chat endpoint (`{base_url}/chat/completions`); `timeout` seconds bound each call,
-    the answer's body included, on `clock` (`time.monotonic`)."""
+    """Calls one OpenAI-compatible chat endpoint (`{base_url}/chat/completions`); `timeout` seconds bound each call up
+    to the end of the answer's body, on `clock` (`time.monotonic`); the status line and headers, read inside httpcore,
+    are bounded per read only (a judge sending its headers a byte at a time is not cut)."""
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None, timeout: float = 300.0) -> None:
         self.base_url = base_url.rstrip("/")
