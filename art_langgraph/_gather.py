@@ -4,29 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import numbers
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from art_langgraph._rollout import _check_group_size, rollout
+from art_langgraph._rollout import _check_count, rollout
 
 __all__ = ["RewardFn", "gather", "gather_sync"]
 
 RewardFn = Callable[[Any, Any], float | Awaitable[float]]
 """`reward(input, output)` → a number, sync or async."""
-
-
-def _check_concurrency(concurrency: int) -> int:
-    """`concurrency` as an int (NumPy's too), at least 1: a float let more runs in than it says (`Semaphore(2.5)` lets 3
-    in at once), and a bool is no count."""
-    if isinstance(concurrency, bool) or not isinstance(concurrency, numbers.Integral):
-        raise TypeError(f"gather's concurrency must be an integer, got {type(concurrency).__name__}")
-    if concurrency < 1:
-        raise ValueError(f"gather needs concurrency >= 1, got {concurrency}")
-    return int(concurrency)
 
 
 async def gather(
@@ -59,13 +48,14 @@ async def gather(
         The outputs, one list of n per input, in input order.
 
     Raises:
-        ValueError: `n` out of 1 to 2**31 - 1, `concurrency` below 1.
+        ValueError: `n` or `concurrency` out of 1 to 2**31 - 1.
         TypeError: `n` or `concurrency` is not an integer (a float, a bool).
         Exception: The first error a run or the reward function raised (that rollout's span
             is marked ERROR); the other runs are cancelled and have ended when it is raised.
     """
-    _check_group_size(n, "gather's n")  # each run's group_size; checked before len(inputs) * n tasks exist
-    semaphore = asyncio.Semaphore(_check_concurrency(concurrency))
+    _check_count(n, "gather's n")  # each run's group_size; checked before len(inputs) * n tasks exist
+    # a float let more runs in than it says (`Semaphore(2.5)` lets 3 in at once), and a bool is no count
+    semaphore = asyncio.Semaphore(_check_count(concurrency, "gather's concurrency"))
     task_name = task or getattr(graph, "name", None) or "default"
     bar = tqdm(total=len(inputs) * n, desc=f"gather {task_name}", disable=not progress)
 

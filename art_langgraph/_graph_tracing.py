@@ -36,7 +36,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from art_langgraph import semconv
-from art_langgraph._rollout import Rollout, _check_group_size, current_rollout
+from art_langgraph._rollout import Rollout, _check_count, current_rollout
 from art_langgraph._settings import get_settings
 from art_langgraph._span_status import mark_ended_by
 from art_langgraph._tracing import get_tracer, span_name
@@ -114,7 +114,7 @@ def _config_group_size(size: Any) -> int | None:
     """The config's `art.group.size`: an integer from 1 to 2**31 - 1, or its decimal string; None when absent."""
     if isinstance(size, str) and size.strip().isdecimal():
         size = int(size)
-    return _check_group_size(size, f"config metadata {semconv.GROUP_SIZE!r}")
+    return _check_count(size, f"config metadata {semconv.GROUP_SIZE!r}")
 
 
 def _implicit_rollout(run_id: UUID, name: str | None, metadata: dict[str, Any]) -> Rollout:

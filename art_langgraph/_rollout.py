@@ -89,8 +89,8 @@ def _metadata_json(metadata: Mapping[str, Any] | None) -> str | None:
         raise type(exc)(f"rollout metadata cannot be exported as JSON: {exc}") from exc
 
 
-def _check_group_size(size: int | None, what: str = "group_size") -> int | None:
-    """`size` as an int (NumPy's too), a whole number from 1 to `semconv.MAX_COUNT`, or None."""
+def _check_count(size: int | None, what: str = "group_size") -> int | None:
+    """`size` as an int (NumPy's too), a whole number from 1 to `semconv.MAX_COUNT`, or None (a bool is no count)."""
     if size is None:
         return None
     if isinstance(size, bool) or not isinstance(size, numbers.Integral):
@@ -143,7 +143,7 @@ class Rollout:
         self.split = split
         self._metadata_json = _metadata_json(metadata)
         self.metadata = dict(metadata or {})
-        self.group_size = _check_group_size(group_size)
+        self.group_size = _check_count(group_size)
         self._span: Span | None = None
         self._ended = False
         self._tokens: tuple[Token[Rollout | None], object] | None = None

@@ -81,7 +81,7 @@ async def test_gather_propagates_errors_and_validates(spans) -> None:
         await gather(Boom(), [1], n=2, progress=False)
     with pytest.raises(ValueError, match="gather's n must be from 1 to 2147483647, got 0"):
         await gather(Boom(), [1], n=0)
-    with pytest.raises(ValueError, match="concurrency >= 1"):
+    with pytest.raises(ValueError, match="gather's concurrency must be from 1 to 2147483647, got 0"):
         await gather(Boom(), [1], concurrency=0)
 
 
@@ -114,7 +114,7 @@ async def test_gather_refuses_a_concurrency_that_is_no_integer(spans, concurrenc
     with pytest.raises(TypeError, match=f"gather's concurrency must be an integer, got {type(concurrency).__name__}"):
         await gather(Echo(), [1], n=2, concurrency=concurrency, progress=False)
     assert spans.get_finished_spans() == ()
-    with pytest.raises(ValueError, match="gather needs concurrency >= 1, got -1"):
+    with pytest.raises(ValueError, match="gather's concurrency must be from 1 to 2147483647, got -1"):
         await gather(Echo(), [1], concurrency=-1, progress=False)
 
 
