@@ -247,7 +247,8 @@ def ack(
             "lease them again with POST /v1/batches",
             code="batch_released",
         )
-    rows = list(conn.execute(select(groups).where(groups.c.id.in_(ids)).with_for_update()).mappings()) if ids else []
+    pool.lock_groups(conn, ids)  # in id order, as an export or a reward locks them
+    rows = list(conn.execute(select(groups).where(groups.c.id.in_(ids))).mappings()) if ids else []
     lost = [g["id"] for g in rows if g["batch_id"] not in (None, batch_id)]  # leased or trained by another batch
     if lost:
         raise Conflict(

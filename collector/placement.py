@@ -30,15 +30,18 @@ FOREIGN_IN_ROLLOUT = "model calls of another instrumentation in the trace of an 
 
 
 def _open_instances(conn: Connection, keys: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """Open group instances per key, oldest first; locked (FOR UPDATE) so a concurrent lease commits first."""
+    """Open group instances per key (`keys` sorted), oldest first; locked (FOR UPDATE) so a concurrent lease commits
+    first, in id order, as every transaction that locks several groups takes them (`pool.lock_groups`)."""
     found: dict[str, list[dict[str, Any]]] = {key: [] for key in keys}
     for chunk in chunks(keys):
         query = (
             select(groups).where(groups.c.key.in_(chunk), groups.c.state == "open")
-            .order_by(groups.c.created_at, groups.c.id).with_for_update()
+            .order_by(groups.c.id).with_for_update()
         )
         for row in conn.execute(query).mappings():
             found[row["key"]].append(dict(row))
+    for instances in found.values():
+        instances.sort(key=lambda group: (group["created_at"], group["id"]))
     return found
 
 
@@ -173,9 +176,9 @@ def _forget_trajectory(conn: Connection, row: Any, now: float) -> None:
     trace are stored under the rollout id, and a rollout whose id is the trace id shares this row, not only its spans.
     More of the trace's foreign calls make no trajectory again: they are left out on arrival, their spans deleted
     (`_without_foreign_calls_in_rollouts`). The records of its scores pushed to Langfuse (`langfuse_pushed`) stay,
-    marked at `now` (`ScoringStore.retract_pushed`): they name the scores that the next Langfuse sync deletes there
-    (`LangfuseSync.sync`), and go once each is deleted or its deletion refused for good (one failing for now is
-    tried again later).
+    marked as of `now` (`ScoringStore.retract_pushed`: due once Langfuse has ingested the push): they name the scores
+    that the first Langfuse sync when due deletes there (`LangfuseSync.sync`), and go once each is deleted or its
+    deletion refused for good (one failing for now is tried again later).
     """
     conn.execute(delete(trajectories).where(trajectories.c.id == row["id"]))
     conn.execute(delete(spans).where(spans.c.trajectory_id == row["id"]))

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-from sqlalchemy import Connection, and_, or_, select
+from sqlalchemy import ColumnElement, Connection, and_, or_, select
 
 from collector import placement
 from collector.config import CollectorSettings
@@ -18,8 +18,8 @@ from collector.schema import batches, groups, rewards, trajectories
 from collector.transactions import GROUP_LOCKS, TRAJECTORY_LOCKS
 
 __all__ = [
-    "LEASE_EXPIRED", "Lock", "decisions", "expected_size", "give_back", "group_members", "groups_of", "maintain",
-    "rewarded", "rewards_of",
+    "LEASE_EXPIRED", "Lock", "decisions", "expected_size", "give_back", "group_members", "groups_of", "lock_groups",
+    "maintain", "rewarded", "rewards_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -146,10 +146,12 @@ def give_back(
     instead (the reason says how often and `error`); it keeps the batch that gave up on it in `batch_id`, which
     tells it from a group skipped for its rewards: a new reward does not reopen it. The trajectories of another
     instrumentation's calls kept while the groups were leased are deleted then (`placement.forget_deferred_foreign`),
-    under the advisory locks the caller took first (`_lock_returned_members`).
+    under the advisory locks the caller took first (`_lock_returned_members`). Their rows are locked in id order
+    first (`lock_groups`).
     """
     held = and_(groups.c.state == "leased", groups.c.batch_id.in_(batch_ids))
     returned = list(conn.execute(select(groups.c.id).where(held)).scalars())
+    lock_groups(conn, returned)  # before the updates below lock them in the table's order
     limit = settings.max_failed_attempts
     if failed:
         conn.execute(groups.update().where(held).values(failed_attempts=groups.c.failed_attempts + 1))
@@ -167,25 +169,66 @@ def give_back(
     placement.forget_deferred_foreign(conn, returned, now)
 
 
-def _complete_idle(conn: Connection, settings: CollectorSettings, now: float) -> None:
-    """Mark complete the trajectories without rollout span that saw no new span for `settings.idle_seconds`.
+def lock_groups(conn: Connection, group_ids: Iterable[str | None]) -> None:
+    """Hold the rows of the groups `group_ids` (a None is no group) until the transaction ends: `FOR UPDATE`, in id
+    order, on PostgreSQL (SQLite has one writer at a time). Every transaction that locks several groups takes them so
+    (an export, a reward, a withdrawn score, upkeep), so none waits for another in a cycle (PostgreSQL aborted one as a
+    deadlock)."""
+    if conn.dialect.name != "postgresql":
+        return
+    for chunk in chunks(sorted({group_id for group_id in group_ids if group_id is not None})):
+        conn.execute(select(groups.c.id).where(groups.c.id.in_(chunk)).order_by(groups.c.id).with_for_update())
 
-    Their groups' rows are locked first, then theirs, each in id order: an export, and the deletion of another
-    instrumentation's calls (`placement._delete_foreign`), lock a group's row before they change its members, so
-    neither waits for the other in a cycle (PostgreSQL aborted one as a deadlock)."""
-    idle = and_(
+
+def _leased_by(conn: Connection, batch_ids: list[str]) -> list[str]:
+    """Ids of the groups that `batch_ids` hold."""
+    found: list[str] = []
+    for chunk in chunks(batch_ids):
+        held = and_(groups.c.state == "leased", groups.c.batch_id.in_(chunk))
+        found += conn.execute(select(groups.c.id).where(held)).scalars()
+    return found
+
+
+def _idle(settings: CollectorSettings, now: float) -> ColumnElement[bool]:
+    """The trajectories without rollout span that saw no new span for `settings.idle_seconds`: complete."""
+    return and_(
         trajectories.c.by_rollout.is_(False),
         trajectories.c.complete.is_(False),
         trajectories.c.updated_at <= now - settings.idle_seconds,
     )
-    found = conn.execute(select(trajectories.c.id, trajectories.c.group_id).where(idle)).all()
-    for chunk in chunks(sorted({row.group_id for row in found if row.group_id is not None})):
-        conn.execute(select(groups.c.id).where(groups.c.id.in_(chunk)).order_by(groups.c.id).with_for_update())
-    for chunk in chunks(sorted(row.id for row in found)):
-        ids = trajectories.c.id.in_(chunk)
+
+
+def _complete_idle(conn: Connection, idle: ColumnElement[bool], ids: list[str]) -> None:
+    """Mark complete those of the trajectories `ids`, found `idle` (`_idle`), still idle under their rows' lock, taken
+    in id order after their groups' (`lock_groups`): an export, and the deletion of another instrumentation's calls
+    (`placement._delete_foreign`), lock a group's row before they change its members."""
+    for chunk in chunks(sorted(ids)):
+        found = trajectories.c.id.in_(chunk)
         # still idle under the lock: an export that held a group may have added spans since
-        conn.execute(select(trajectories.c.id).where(ids, idle).order_by(trajectories.c.id).with_for_update())
-        conn.execute(trajectories.update().where(ids, idle).values(complete=True))
+        conn.execute(select(trajectories.c.id).where(found, idle).order_by(trajectories.c.id).with_for_update())
+        conn.execute(trajectories.update().where(found, idle).values(complete=True))
+
+
+def _expire_stale(conn: Connection, settings: CollectorSettings, now: float) -> None:
+    """Expire the open groups that saw no new span or reward for `settings.group_timeout_seconds` and are not ready.
+
+    Their rows are locked only once decided, and those another transaction holds are skipped (an export or a reward
+    changing one, which keeps it open; another replica's upkeep expiring it): upkeep, holding the groups it locked in
+    id order before, waits for none here, so no cycle of waits runs through it; a group skipped and still stale
+    expires on a later read."""
+    timeout = settings.group_timeout_seconds
+    still = and_(groups.c.state == "open", groups.c.updated_at <= now - timeout)
+    stale = list(conn.execute(select(groups).where(still).order_by(groups.c.id)).mappings())
+    decided = decisions(conn, settings, stale)
+    expiring = {group_id: decision for group_id, decision in decided.items() if decision.state == "open"}
+    for chunk in chunks(sorted(expiring)):
+        # still stale: a span or reward another replica committed since keeps it open
+        query = select(groups.c.id).where(groups.c.id.in_(chunk), still).order_by(groups.c.id)
+        for group_id in conn.execute(query.with_for_update(skip_locked=True)).scalars().all():
+            reason = f"expired: no new span or reward for {timeout:g} s while {expiring[group_id].reason}"
+            expire = groups.update().where(groups.c.id == group_id)
+            conn.execute(expire.values(state="expired", reason=reason, updated_at=now))
+            log.info("group %s %s", group_id, reason)
 
 
 def maintain(
@@ -193,8 +236,11 @@ def maintain(
 ) -> None:
     """Return expired leases (a failed attempt for each group); complete idle trajectories without rollout span;
     expire stale groups. First, before any row lock, the locks of the members given back are taken
-    (`_lock_returned_members`), with those of `releasing`: the batches the caller gives back next in its transaction."""
-    expired = list(
+    (`_lock_returned_members`), with those of `releasing`: the batches the caller gives back next in its transaction;
+    then the expired batches' rows; then, in one pass in id order (`lock_groups`), the rows of the groups given back
+    or holding an idle trajectory. A stale group is expired only when no other transaction holds it
+    (`_expire_stale`)."""
+    expired = sorted(
         conn.execute(
             select(batches.c.id).where(batches.c.state == "leased", batches.c.lease_expires_at <= now)
         ).scalars()
@@ -207,25 +253,12 @@ def maintain(
             .where(batches.c.id.in_(chunk), batches.c.state == "leased")
             .values(state="expired", reason=LEASE_EXPIRED)
         )
+    idle = _idle(settings, now)
+    found = conn.execute(select(trajectories.c.id, trajectories.c.group_id).where(idle)).all()
+    lock_groups(conn, [*_leased_by(conn, expired), *(row.group_id for row in found)])
+    for chunk in chunks(expired):
         give_back(conn, settings, chunk, failed=True, error=LEASE_EXPIRED, now=now)
         log.warning("leases expired, groups back in the pool: batches %s", ", ".join(chunk))
-    _complete_idle(conn, settings, now)
-    timeout = settings.group_timeout_seconds
-    if timeout > 0:
-        stale = list(
-            conn.execute(
-                select(groups)
-                .where(groups.c.state == "open", groups.c.updated_at <= now - timeout)
-                .order_by(groups.c.id)
-            ).mappings()
-        )
-        for group_id, decision in decisions(conn, settings, stale).items():
-            if decision.state == "open":
-                reason = f"expired: no new span or reward for {timeout:g} s while {decision.reason}"
-                stored = conn.execute(  # still stale: a span or reward another replica committed since keeps it open
-                    groups.update()
-                    .where(groups.c.id == group_id, groups.c.state == "open", groups.c.updated_at <= now - timeout)
-                    .values(state="expired", reason=reason, updated_at=now)
-                )
-                if stored.rowcount:
-                    log.info("group %s %s", group_id, reason)
+    _complete_idle(conn, idle, [row.id for row in found])
+    if settings.group_timeout_seconds > 0:
+        _expire_stale(conn, settings, now)

@@ -211,15 +211,13 @@ class SqlStore(Store):
 
     def _changing_groups(self, conn: Connection, group_ids: Collection[str | None]) -> float:
         """The store's time (`_now`) for a transaction about to change the members or rewards of `group_ids`, taken
-        once it holds their rows (PostgreSQL: `FOR UPDATE`, in id order).
+        once it holds their rows (`pool.lock_groups`).
 
         A lease that holds one of them commits first, so the change is dated after the lease took the group and a late
         ack sees it (`leases._changed_since`); a lease that comes while they are held passes them over. Taken before,
         across a wait for a lock, the time can be older than a lease that never saw the change.
         """
-        if self._tx.postgres:
-            for chunk in chunks(sorted({group_id for group_id in group_ids if group_id is not None})):
-                conn.execute(select(groups.c.id).where(groups.c.id.in_(chunk)).order_by(groups.c.id).with_for_update())
+        pool.lock_groups(conn, group_ids)
         return self._now(conn)
 
     def _trajectory_rows(self, conn: Connection, ids: list[str]) -> dict[str, Any]:
@@ -322,7 +320,8 @@ class SqlStore(Store):
     ) -> bool:
         traces = sorted(set(conn.execute(select(rewards.c.trace_id).where(rewards.c.score_id == score_id)).scalars()))
         members = select(trajectories.c.group_id).where(trajectories.c.trace_id.in_(traces))
-        states = conn.execute(select(groups.c.state).where(groups.c.id.in_(members)).with_for_update()).scalars()
+        pool.lock_groups(conn, conn.execute(members).scalars())  # in id order, as a reward locks them
+        states = conn.execute(select(groups.c.state).where(groups.c.id.in_(members))).scalars()
         if any(state in ("leased", "trained") for state in states):
             return False
         conn.execute(delete(rewards).where(rewards.c.score_id == score_id))

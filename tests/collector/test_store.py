@@ -13,12 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from sqlalchemy import event, text
 
-from collector import assembly
+from collector import assembly, pool
 from collector.config import CollectorSettings
 from collector.errors import SpanIdsTaken
 from collector.otlp import SpanRecord
+from collector.protocol import BatchRequest, ReleaseRequest, RewardIn
 from collector.store import SqlStore
-from tests.collector.span_builders import llm, rollout, sid, trajectory
+from tests.collector.span_builders import llm, rollout, rollout_group, sid, trajectory
 
 
 def test_duplicate_spans_are_ignored(make_store) -> None:
@@ -110,15 +111,136 @@ def test_of_two_racing_exports_of_one_span_id_the_later_trace_is_refused(db_url,
         store.close()
 
 
-def _waits_for_a_lock(store: SqlStore) -> bool:
-    """Whether a transaction on the store's PostgreSQL database comes to wait for a lock within 30 s."""
+def _waits_for_a_lock(store: SqlStore, waiting: int = 1) -> bool:
+    """Whether `waiting` transactions on the store's PostgreSQL database come to wait for a lock within 30 s."""
     with store.engine.connect() as conn:
         for _ in range(3000):
-            if conn.execute(text("SELECT count(*) FROM pg_locks WHERE NOT granted")).scalar_one():
+            if conn.execute(text("SELECT count(*) FROM pg_locks WHERE NOT granted")).scalar_one() >= waiting:
                 return True
             conn.rollback()
             time.sleep(0.01)
     return False
+
+
+def _reward_holding_its_group(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch, reward: RewardIn
+) -> tuple[threading.Event, threading.Thread]:
+    """`reward` stored in a thread, paused once it holds its group's row: set the event to go on."""
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has one writer at a time: nothing runs beside a transaction")
+    holding, resume = threading.Event(), threading.Event()
+    rewarded = pool.rewarded
+
+    def paused(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        if not holding.is_set():  # the first caller only: the others go on
+            holding.set()
+            assert resume.wait(30)
+        rewarded(*args, **kwargs)
+
+    monkeypatch.setattr(pool, "rewarded", paused)
+    holder = threading.Thread(target=store.add_reward, args=(reward,))
+    holder.start()
+    assert holding.wait(30)
+    return resume, holder
+
+
+def _in_turn(store: SqlStore, resume: threading.Event, holder: threading.Thread, *work) -> list:  # noqa: ANN002
+    """Start each of `work` (callables) in a thread once those before it wait for a lock, behind the paused `holder`;
+    then let `holder` go on. The results of `work`, in order."""
+    with ThreadPoolExecutor(len(work)) as executor:
+        futures = []
+        for n, job in enumerate(work, start=1):
+            futures.append(executor.submit(job))
+            assert _waits_for_a_lock(store, n), f"{n} transactions never waited for a lock"
+        resume.set()
+        holder.join(30)
+        return [future.result() for future in futures]
+
+
+def test_a_withdrawn_score_locks_its_groups_in_the_order_rewards_do(make_store, monkeypatch, caplog) -> None:
+    """A reward for two groups waited for a, held by another reward; the withdrawal of a score of both took b (first in
+    the table) and waited for a too. Once a was free, the reward took it and waited for b: PostgreSQL aborted one as a
+    deadlock, retried. Both lock groups in id order."""
+    store = make_store()
+    a, b = f"{10:032x}", f"{20:032x}"
+    store.add_spans(trajectory(20, "b1", reward=None, group="b"))
+    store.add_spans(trajectory(10, "a1", reward=None, group="a"))
+    for trace in (b, a):  # a's row is the last in the table
+        store.add_reward(RewardIn(trace_id=trace, value=0.5), score_id="s1")
+    resume, holder = _reward_holding_its_group(store, monkeypatch, RewardIn(trace_id=a, value=0.1))
+    both = [RewardIn(trace_id=a, value=0.2), RewardIn(trace_id=b, value=0.3)]
+    stored, withdrawn = _in_turn(
+        store, resume, holder, lambda: store.add_rewards(both), lambda: store.withdraw_score("s1", None)
+    )
+
+    assert "deadlock" not in caplog.text
+    assert [reward.trajectory_known for reward in stored] == [True, True] and withdrawn
+    assert (store.trajectory("a1").reward, store.trajectory("b1").reward) == (0.2, 0.3)
+
+
+def test_upkeep_locks_the_groups_of_expired_leases_and_idle_trajectories_in_one_order(
+    make_store, clock, monkeypatch, caplog
+) -> None:
+    """A reward for the idle trajectory of group a and for group z, leased by an expired batch, waited for a, held by
+    another reward; a read's upkeep gave z back, holding it, and waited for a to complete its idle member. Once a was
+    free, the reward took it and waited for z: PostgreSQL aborted one as a deadlock, retried. Upkeep locks the groups
+    it changes in id order, as a reward does."""
+    store = make_store(idle_seconds=60)
+    idle = f"{41:032x}"
+    store.add_spans([llm(41, rollout=None, trace=idle, start=10, prompt=[1], completion=[2], task="a")])
+    store.add_spans(rollout_group({"z1": 1.0, "z2": 0.0}, group="z"))
+    assert [group.id for group in store.lease(BatchRequest(lease_seconds=1)).groups] == ["z"]
+    clock.now += 100  # the lease expired, a's trajectory idle
+    resume, holder = _reward_holding_its_group(store, monkeypatch, RewardIn(trace_id=idle, value=0.1))
+    both = [RewardIn(trace_id=idle, value=0.2), RewardIn(rollout_id="z1", value=0.5)]
+    stored, read = _in_turn(store, resume, holder, lambda: store.add_rewards(both), store.groups)
+
+    assert "deadlock" not in caplog.text
+    assert [reward.trajectory_known for reward in stored] == [True, True]
+    assert [(group.id, group.state, group.failed_attempts) for group in read] == [("a", "open", 0), ("z", "ready", 1)]
+    assert store.trajectory(idle).complete and [batch.state for batch in store.batches()] == ["expired"]
+
+
+@pytest.mark.parametrize("end", ["ack", "release"])
+def test_the_end_of_a_lease_locks_its_groups_in_the_order_rewards_do(make_store, clock, monkeypatch, caplog,
+                                                                     end: str) -> None:
+    """A reward for both groups of a batch waited for a, held by another reward; the batch's ack (or release) took b
+    (first in the table) and waited for a too. Once a was free, the reward took it and waited for b: PostgreSQL aborted
+    one as a deadlock, retried. Both lock groups in id order."""
+    store = make_store()
+    store.add_spans(trajectory(10, "b1", reward=1.0, group="b") + trajectory(20, "b2", reward=0.0, group="b"))
+    clock.now += 1
+    store.add_spans(trajectory(30, "a1", reward=1.0, group="a") + trajectory(40, "a2", reward=0.0, group="a"))
+    batch = store.lease(BatchRequest(max_groups=2))  # b, the older, is leased first: a's row is the last in the table
+    resume, holder = _reward_holding_its_group(store, monkeypatch, RewardIn(rollout_id="a1", value=0.1))
+    both = [RewardIn(rollout_id="a1", value=0.2), RewardIn(rollout_id="b1", value=0.3)]
+    ending = {"ack": lambda: store.ack(batch.id, 1), "release": lambda: store.release(batch.id, ReleaseRequest(
+        reason="out of memory", failed=False))}[end]
+    stored, ended = _in_turn(store, resume, holder, lambda: store.add_rewards(both), ending)
+
+    assert "deadlock" not in caplog.text
+    assert [reward.trajectory_known for reward in stored] == [True, True] and ended.batch_id == batch.id
+    state = {"ack": "trained", "release": "ready"}[end]
+    assert sorted((group.id, group.state) for group in store.groups()) == [("a", state), ("b", state)]
+
+
+def test_an_export_locks_the_open_groups_of_its_keys_in_the_order_rewards_do(make_store, clock, monkeypatch,
+                                                                            caplog) -> None:
+    """A reward for groups a and b waited for a, held by another reward; an export of new members of both took b (the
+    older) and waited for a too. Once a was free, the reward took it and waited for b: PostgreSQL aborted one as a
+    deadlock, retried. Both lock groups in id order."""
+    store = make_store()
+    store.add_spans(trajectory(10, "b1", reward=1.0, group="b"))
+    clock.now += 1
+    store.add_spans(trajectory(30, "a1", reward=1.0, group="a"))
+    resume, holder = _reward_holding_its_group(store, monkeypatch, RewardIn(rollout_id="a1", value=0.1))
+    both = [RewardIn(rollout_id="a1", value=0.2), RewardIn(rollout_id="b1", value=0.3)]
+    members = trajectory(20, "b2", reward=0.0, group="b") + trajectory(40, "a2", reward=0.0, group="a")
+    stored, added = _in_turn(store, resume, holder, lambda: store.add_rewards(both), lambda: store.add_spans(members))
+
+    assert "deadlock" not in caplog.text
+    assert [reward.trajectory_known for reward in stored] == [True, True] and added == 4
+    assert sorted((group.id, group.size) for group in store.groups()) == [("a", 2), ("b", 2)]
 
 
 def test_children_before_rollout_span(make_store) -> None:
