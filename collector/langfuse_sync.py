@@ -303,29 +303,31 @@ class LangfuseSync:
             raise ApiError(status_code=response.status_code, headers=dict(response.headers), body=body)
         return body
 
-    def _scores(self, **params: Any) -> tuple[list[Any], str | None, set[str]]:
+    def _scores(self, **params: Any) -> tuple[list[Any], str | None, list[str | None]]:
         """One page of `GET /api/public/v3/scores` with the query `params`: its scores, the next page's cursor, and the
-        ids of the scores in it that the SDK's model rejects (`_page_of`), logged and left out."""
+        ids (None: it has none) of the scores in it that the SDK's model rejects (`_page_of`), logged and left out."""
         scores, cursor, rejected = self._call("GET /api/public/v3/scores",
                                               lambda: _page_of(self._get(SCORES, params)))
         for item, exc in rejected:
-            log.warning("Langfuse score %s does not fit Langfuse's API definition (%s); ignored", _item_id(item),
+            score_id = _item_id(item)
+            log.warning("Langfuse score %s does not fit Langfuse's API definition (%s); ignored",
+                        "without an id" if score_id is None else score_id,
                         "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
-        return scores, cursor, {score_id for item, _ in rejected if (score_id := _item_id(item)) is not None}
+        return scores, cursor, [_item_id(item) for item, _ in rejected]
 
     def pull(self) -> LangfuseSyncResult:
         """Read scores (configured sources and names, within the lookback) and store new or changed ones as rewards."""
         s = self.settings
         start = self.clock() - s.lookback_hours * 3600
         since = dt.datetime.fromtimestamp(start, tz=dt.UTC)
-        found, rejected, cursor = [], set(), None
+        found, rejected, cursor = [], [], None
         while True:
             page, cursor, unread = self._scores(
                 limit=PAGE, cursor=cursor, fields="subject", source=",".join(s.sources) or None,
                 name=",".join(s.score_names) or None, dataType=REWARD_TYPES, fromTimestamp=serialize_datetime(since),
             )
             found += page
-            rejected |= unread
+            rejected += unread
             if not cursor:
                 break
         found.sort(key=lambda score: (score.timestamp, score.updated_at))  # the latest score of a name wins
@@ -345,7 +347,8 @@ class LangfuseSync:
         due = [(score_id, reward) for score_id, reward in latest.values() if score_id in marks]
         applied, unmatched = self._apply(due, marks) if marks else (0, 0)
         # a score the SDK's model rejects is still Langfuse's: not one deleted there
-        withdrawn = self._withdraw(start, {score.id for score in found} | rejected, latest)
+        listed = {score.id for score in found} | {score_id for score_id in rejected if score_id is not None}
+        withdrawn = self._withdraw(start, listed, latest)
         return LangfuseSyncResult(pulled=len(found) + len(rejected), applied=applied, unmatched=unmatched,
                                   ignored=len(found) - len(usable) + len(rejected), withdrawn=withdrawn, pushed=0)
 
@@ -407,7 +410,7 @@ class LangfuseSync:
         ids = sorted(missing)
         for first in range(0, len(ids), PAGE):
             page, _, rejected = self._scores(limit=PAGE, id=",".join(ids[first : first + PAGE]))
-            for score_id in {score.id for score in page} | rejected:
+            for score_id in [score.id for score in page] + rejected:
                 missing.pop(score_id, None)
         withdrawn = 0
         for score_id, row in missing.items():

@@ -985,9 +985,9 @@ def test_a_score_the_sdks_model_rejects_is_ignored_and_the_rest_of_its_page_pull
     make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], caplog: pytest.LogCaptureFixture,
     value: object,
 ) -> None:
-    """Langfuse writes a NUMERIC score's NaN or infinite value as null, which the SDK's model of a score rejects: the
-    whole page failed on every sync (502), and no other score of it was ever pulled. That score is ignored (logged,
-    counted), and never taken for one deleted in Langfuse; the page's others are read with the SDK's model."""
+    """A NUMERIC score whose value is null (as JavaScript's JSON writes a NaN), which the SDK's model of a score
+    rejects: the whole page failed on every sync (502), and no other score of it was ever pulled. That score is ignored
+    (logged, counted), and never taken for one deleted in Langfuse; the page's others are read with the SDK's model."""
     url, server = langfuse
     store = make_store()
     store.add_spans(group_spans("g", ["7", "8"]))
@@ -1002,6 +1002,30 @@ def test_a_score_the_sdks_model_rejects_is_ignored_and_the_rest_of_its_page_pull
     assert store.trajectory("g-0").rewards == {"human": 0.75} and store.trajectory("g-1").rewards == {"human": 0.25}
     assert "Langfuse score odd does not fit Langfuse's API definition (NUMERIC.value: Input should" in caplog.text
     assert sync.sync().withdrawn == 0
+
+
+def test_a_rejected_score_without_an_id_is_counted_and_said_so(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A listed item the SDK's model rejects for want of an id was left out of `pulled` and `ignored` and logged as
+    `Langfuse score None`."""
+    url, server = langfuse
+    store = make_store()
+    store.add_spans(group_spans("g", ["7"]))
+    sync = sync_for(store, url)
+    server.add_score("fine", "human", 0.25, trace_id=trace_id("g", 0))
+    get = sync._get
+
+    def with_an_item_without_id(path: str, params: dict[str, object]) -> object:
+        body = get(path, params)
+        body["data"].append({"dataType": "NUMERIC", "name": "human", "value": 0.5})
+        return body
+
+    monkeypatch.setattr(sync, "_get", with_an_item_without_id)
+    result = sync.sync()
+    assert (result.pulled, result.applied, result.ignored) == (2, 1, 1)
+    assert "Langfuse score without an id does not fit Langfuse's API definition" in caplog.text
 
 
 @pytest.mark.parametrize("odd", ["s" * 257, "score-\ud800", "score-\x00"], ids=["too-long", "lone-surrogate", "nul"])
