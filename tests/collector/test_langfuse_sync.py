@@ -12,9 +12,10 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -803,6 +804,24 @@ def test_a_score_pushed_while_its_trajectory_is_deleted_is_deleted(
     assert server.created == {} and sync.scoring.pushed() == {} and sync.scoring.to_retract() == []
 
 
+def _ingested_later(sync: LangfuseSync, server: fake_langfuse.FakeLangfuse,
+                    meanwhile: Callable[[], object] = lambda: None) -> tuple[Callable[..., object], dict[str, Any]]:
+    """Make `sync`'s pushes accepted but not yet ingested (Langfuse's worker applies them later): the scores sent are
+    held in the dict returned, not in `server.created`; `meanwhile` runs while each push is in flight. Returns the
+    client's own `scores.create` too, to put back."""
+    create, ingesting = sync.client.scores.create, {}
+
+    def accepted_not_ingested(**kwargs: object) -> object:
+        meanwhile()
+        answer = create(**kwargs)
+        ingesting.update(server.created)
+        server.created.clear()
+        return answer
+
+    sync.client.scores.create = accepted_not_ingested
+    return create, ingesting
+
+
 def test_a_score_pushed_while_its_trajectory_is_deleted_is_deleted_once_langfuse_has_it(
     make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
 ) -> None:
@@ -814,17 +833,8 @@ def test_a_score_pushed_while_its_trajectory_is_deleted_is_deleted_once_langfuse
     sync = sync_for(store, url, push_names="ruler")
     sync.clock = clock
     _foreign_calls_judged(store)
-    create, ingesting = sync.client.scores.create, {}
-
-    def the_rollout_comes_meanwhile(**kwargs: object) -> object:
-        store.add_spans(_ours("r1", TRACE_A, 100))
-        answer = create(**kwargs)
-        ingesting.update(server.created)  # accepted, not ingested yet
-        server.created.clear()
-        return answer
-
-    sync.client.scores.create = the_rollout_comes_meanwhile
-    sync.sync()
+    create, ingesting = _ingested_later(sync, server, lambda: store.add_spans(_ours("r1", TRACE_A, 100)))
+    sync.sync()  # the rollout comes while the push is in flight
     server.created.update(ingesting)  # Langfuse ingests the push
     sync.client.scores.create = create
     clock.now += INGEST_DELAY
@@ -843,15 +853,7 @@ def test_a_score_pushed_just_before_its_trajectory_is_deleted_is_deleted_once_la
     sync = sync_for(store, url, push_names="ruler")
     sync.clock = clock
     _foreign_calls_judged(store)
-    create, ingesting = sync.client.scores.create, {}
-
-    def accepted_not_ingested(**kwargs: object) -> object:
-        answer = create(**kwargs)
-        ingesting.update(server.created)
-        server.created.clear()
-        return answer
-
-    sync.client.scores.create = accepted_not_ingested
+    create, ingesting = _ingested_later(sync, server)
     assert sync.sync().pushed == 1
     sync.client.scores.create = create
     clock.now += 1
