@@ -97,7 +97,7 @@ def _current(known: StepOf | None, row: dict[str, Any]) -> bool:
 
 class PolicySteps:
     """The policy step of each trajectory read so far (and, since the last read of every one, still stored), with
-    what it was computed from; and those computed since the last `save`."""
+    what it was computed from; and those computed that no `save` has stored yet."""
 
     def __init__(self) -> None:
         self._known: dict[str, StepOf] = {}
@@ -132,13 +132,14 @@ class PolicySteps:
 
     @property
     def unsaved(self) -> bool:
-        """Whether steps were computed since the last `save`."""
+        """Whether steps were computed that no `save` has stored yet."""
         return bool(self._unsaved)
 
     def save(self, conn: Connection) -> None:
         """Store the steps computed since the last save in their trajectories' rows: in each row that is still the one
-        read (created at the same time) and holds as many spans as the step was computed from."""
-        unsaved, self._unsaved = self._unsaved, {}
+        read (created at the same time) and holds as many spans as the step was computed from. They are let go of once
+        written, not before: a transaction aborted as a deadlock runs the save again (`Transactions.run`)."""
+        unsaved = dict(self._unsaved)  # a copy: a concurrent read may add steps
         count = select(func.count(spans.c.span_id)).where(spans.c.trajectory_id == trajectories.c.id).scalar_subquery()
         update = (
             trajectories.update()
@@ -150,6 +151,9 @@ class PolicySteps:
                 for tid, s in sorted(unsaved.items())]
         for chunk in chunks(rows):
             conn.execute(update, chunk)
+        for tid, step in unsaved.items():
+            if self._unsaved.get(tid) is step:  # not one computed again meanwhile (nor let go of by another save)
+                self._unsaved.pop(tid, None)
 
 
 def curve_facts(

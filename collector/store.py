@@ -363,7 +363,7 @@ class SqlStore(Store):
     def curve_facts(self, *, split: str | None = None) -> list[curve.CurveFacts]:
         """Policy step and rewards of every trajectory (in `split`), without assembling them (`collector.curve`); the
         steps it computed are stored (`PolicySteps.save`): a store that cannot take them now (a full disk, a lock held
-        too long) is logged, and the read answered, as the next start computes them again."""
+        too long) is logged, and the read answered; the next read tries again."""
         facts = self._read(lambda conn: store_reads.curve_facts(conn, self._steps, self.training, split=split))
         if self._steps.unsaved:
             try:

@@ -74,12 +74,14 @@ class _Scheduler(AsyncIOScheduler):
     _CLOCK_STEP_S = 1.0
     """Least gap between the two clocks taken for a step (NTP slews the wall clock by far less between wake-ups)."""
 
-    _last_clocks: tuple[datetime, float] | None = None
+    _last_clocks: tuple[float, float] | None = None
+    """The wall clock (Unix time, not the local time: a change of daylight saving time is no step) and the monotonic
+    clock at the last wake-up."""
 
     def _process_jobs(self) -> float | None:
-        clocks = datetime.now(self.timezone), time.monotonic()
+        clocks = time.time(), time.monotonic()
         if self._last_clocks is not None:
-            back = (clocks[1] - self._last_clocks[1]) - (clocks[0] - self._last_clocks[0]).total_seconds()
+            back = (clocks[1] - self._last_clocks[1]) - (clocks[0] - self._last_clocks[0])
             if back > self._CLOCK_STEP_S:
                 self._move_interval_jobs(timedelta(seconds=back))
         self._last_clocks = clocks

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import event, select, update
 from sqlalchemy.exc import OperationalError
 
 from art_langgraph import semconv as sc
@@ -166,4 +166,30 @@ def test_steps_the_store_cannot_take_now_are_logged_and_the_curve_answered(
     assert [(p.policy_step, p.count) for p in reward_curve(store)] == [(0, 1)]
     assert "the policy steps the reward curve computed could not be stored" in caplog.text
     assert "database or disk is full" in caplog.text
+    store.close()
+
+
+def test_steps_are_stored_by_a_save_tried_again_after_a_deadlock(tmp_path: Path) -> None:
+    """On PostgreSQL the save can be a deadlock's victim (it locks rows in id order, another transaction updating two
+    members of a trace or group in another order), and `Transactions.run` tries it again: that try stored nothing, as
+    the first had already let go of the steps to store."""
+    store = _restarted(tmp_path / "c.db")
+    store.add_spans([*sb.trajectory(10, "a", reward=1.0), *sb.trajectory(20, "b", reward=1.0)])
+
+    class Deadlock(Exception):
+        sqlstate = "40P01"
+
+    aborted: list[str] = []
+
+    @event.listens_for(store.engine, "before_cursor_execute")
+    def deadlock_once(conn: object, cursor: object, statement: str, *args: object) -> None:
+        if statement.startswith("UPDATE trajectories SET policy_step") and not aborted:
+            aborted.append(statement)
+            raise OperationalError(statement, {}, Deadlock("deadlock detected"))
+
+    assert [(p.policy_step, p.count) for p in reward_curve(store)] == [(0, 2)]
+    with store.engine.connect() as conn:
+        stored = conn.execute(select(trajectories.c.id, trajectories.c.policy_step, trajectories.c.policy_step_spans))
+        assert aborted and sorted(stored) == [("a", 0, 2), ("b", 0, 2)]
+    assert not store._steps.unsaved
     store.close()

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, tzinfo
 from pathlib import Path
+from types import SimpleNamespace
+from zoneinfo import ZoneInfo
 
 import pytest
 import tzlocal.unix
@@ -164,6 +167,8 @@ async def test_interval_jobs_follow_the_wall_clock_stepped_back_and_cron_keeps_i
 
     monkeypatch.setattr(apscheduler.schedulers.base, "datetime", SteppedClock)
     monkeypatch.setattr(trainer_service.schedule, "datetime", SteppedClock)
+    wall = SimpleNamespace(time=lambda: time.time() - SteppedClock.back.total_seconds(), monotonic=time.monotonic)
+    monkeypatch.setattr(trainer_service.schedule, "time", wall)
     steps: list[str] = []
 
     async def train(source: str, min_groups: int) -> None:
@@ -182,6 +187,45 @@ async def test_interval_jobs_follow_the_wall_clock_stepped_back_and_cron_keeps_i
         stepped = len(steps)
         await wait_for(lambda: len(steps) >= stepped + 3, timeout=10)
         assert schedule._scheduler.get_job("cron").next_run_time == cron and set(steps) == {"every"}
+    finally:
+        schedule.shutdown()
+
+
+async def test_a_change_of_daylight_saving_time_is_no_clock_step(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The wall clock was read as local time: as daylight saving time ended (01:59:50 EDT, 20 s later 01:00:10 EST)
+    the interval jobs were moved an hour back, though neither clock stepped. The clocks the schedule reads are stood
+    in for, 20 s apart in both."""
+    import trainer_service.schedule
+
+    unix = {"now": datetime(2026, 11, 1, 5, 59, 50, tzinfo=UTC).timestamp()}
+
+    class Clock(datetime):
+        @classmethod
+        def now(cls, tz: tzinfo | None = None) -> datetime:  # type: ignore[override]
+            return datetime.fromtimestamp(unix["now"], tz)
+
+    monkeypatch.setenv("TZ", "America/New_York")
+    monkeypatch.setattr(tzlocal.unix, "_cache_tz", None)  # tzlocal reads TZ once per process
+    monkeypatch.setattr(trainer_service.schedule, "datetime", Clock)
+    monkeypatch.setattr(trainer_service.schedule, "time", SimpleNamespace(time=lambda: unix["now"],
+                                                                          monotonic=lambda: unix["now"]))
+
+    async def train(source: str, min_groups: int) -> None:
+        pass
+
+    async def ready() -> int:
+        return 0
+
+    schedule = TrainingSchedule(TrainerSettings(every="1d"), train, ready)
+    schedule.start()
+    try:
+        assert schedule._scheduler is not None and schedule._scheduler.timezone == ZoneInfo("America/New_York")
+        schedule._scheduler._process_jobs()
+        planned = schedule.next_run()
+        unix["now"] += 20
+        schedule._scheduler._process_jobs()
+        assert schedule.next_run() == planned and "stepped back" not in caplog.text
     finally:
         schedule.shutdown()
 
