@@ -57,6 +57,7 @@ from collector.read_protocol import LangfuseSyncResult
 from collector.schema import langfuse_pulled, score_version
 from collector.scoring_config import LangfuseSettings
 from collector.scoring_store import INGEST_DELAY, ScoringStore
+from collector.spans import warn_once
 from collector.store_base import Store
 from collector.transactions import LANGFUSE_SYNC_LOCK
 
@@ -310,9 +311,10 @@ class LangfuseSync:
                                               lambda: _page_of(self._get(SCORES, params)))
         for item, exc in rejected:
             score_id = _item_id(item)
-            log.warning("Langfuse score %s does not fit Langfuse's API definition (%s); ignored",
-                        "without an id" if score_id is None else score_id,
-                        "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+            # once per process: every sync pulls the whole lookback again, and logged the same score each time
+            warn_once(log, "Langfuse score %s does not fit Langfuse's API definition (%s); ignored",
+                      "without an id" if score_id is None else score_id,
+                      "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
         return scores, cursor, [_item_id(item) for item, _ in rejected]
 
     def pull(self) -> LangfuseSyncResult:

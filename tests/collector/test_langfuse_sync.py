@@ -1003,7 +1003,9 @@ def test_a_score_the_sdks_model_rejects_is_ignored_and_the_rest_of_its_page_pull
     assert (result.pulled, result.applied, result.ignored, result.withdrawn) == (3, 1, 2, 0)
     assert store.trajectory("g-0").rewards == {"human": 0.75} and store.trajectory("g-1").rewards == {"human": 0.25}
     assert "Langfuse score odd does not fit Langfuse's API definition (NUMERIC.value: Input should" in caplog.text
-    assert sync.sync().withdrawn == 0
+    caplog.clear()
+    assert (sync.sync().withdrawn, sync.sync().ignored) == (0, 2)
+    assert "Langfuse score odd" not in caplog.text  # logged once, not on every sync of the lookback
 
 
 def test_a_rejected_score_without_an_id_is_counted_and_said_so(
