@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,8 @@ __all__ = ["READ_ONLY", "chunks", "driver_reason", "make_engine", "use_wal"]
 
 log = logging.getLogger(__name__)
 
+BUSY_TIMEOUT_S = 30.0
+"""Seconds a SQLite connection waits for another's lock (its busy timeout), and `use_wal` for the switch to WAL."""
 CHUNK = 500
 """Most values in one `IN (...)` list."""
 READ_ONLY = "art_read_only"
@@ -30,7 +34,7 @@ def make_engine(url: str) -> Engine:
     if parsed.get_backend_name() != "sqlite":
         return create_engine(parsed, pool_pre_ping=True)
     memory = _in_memory(parsed.database)
-    kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": 30.0}}
+    kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": BUSY_TIMEOUT_S}}
     if memory:
         kwargs["poolclass"] = StaticPool
     else:
@@ -62,13 +66,28 @@ def use_wal(engine: Engine) -> None:
         return
     dbapi_conn = engine.raw_connection()  # outside a transaction: SQLite cannot change into WAL within one
     try:
-        cursor = dbapi_conn.cursor()
-        mode = cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        cursor.close()
+        mode = _switch_to_wal(dbapi_conn)
     finally:
         dbapi_conn.close()
     if mode != "wal":
         log.warning("SQLite kept %s in journal mode %s, not WAL: reads wait for writes", engine.url.database, mode)
+
+
+def _switch_to_wal(dbapi_conn: Any) -> str:
+    """`PRAGMA journal_mode=WAL` on `dbapi_conn`; the journal mode it leaves. SQLite answers `database is locked` at
+    once, without waiting its busy timeout, while another connection writes (a replica started beside this one, still
+    migrating the same new file): tried again until `BUSY_TIMEOUT_S`."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        cursor = dbapi_conn.cursor()
+        try:
+            return str(cursor.execute("PRAGMA journal_mode=WAL").fetchone()[0])
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+        finally:
+            cursor.close()
+        time.sleep(0.05)
 
 
 def _in_memory(database: str | None) -> bool:

@@ -141,6 +141,33 @@ def test_migration_from_version_4_keeps_groups_and_batches(db_url, clock) -> Non
     store.close()
 
 
+def test_the_switch_to_wal_waits_for_another_connections_write(tmp_path) -> None:
+    """SQLite answers `database is locked` to `PRAGMA journal_mode=WAL` at once, without its busy timeout, while another
+    connection writes: a replica started beside another that was still migrating the same new file failed its start
+    (1 of 60 four-replica starts). The switch waits for the write."""
+    import sqlite3
+    import threading
+
+    from collector.engine import make_engine, use_wal
+
+    path = tmp_path / "collector.db"
+    writer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    writer.execute("CREATE TABLE t (x)")
+    writer.execute("BEGIN IMMEDIATE")
+    writer.execute("INSERT INTO t VALUES (1)")
+    commit = threading.Timer(0.5, lambda: writer.execute("COMMIT"))
+    commit.start()
+    engine = make_engine(f"sqlite:///{path}")
+    try:
+        use_wal(engine)
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    finally:
+        commit.join()
+        writer.close()
+        engine.dispose()
+
+
 def test_collectors_starting_at_once_migrate_a_new_database_once(db_url, clock) -> None:
     """Replicas set up at the same moment on one empty database: each migration is applied once, none fails."""
     import threading
