@@ -114,7 +114,7 @@ class PolicySteps:
             step = self._known.get(row["id"])  # a concurrent read may replace entries
             if not _current(step, row) and row["policy_step_spans"] == row["spans"]:
                 step = self._known[row["id"]] = StepOf(row["created_at"], row["spans"], row["policy_step"])
-            if step is not None and _current(step, row):
+            if _current(step, row):
                 known[row["id"]] = step
             else:
                 created[row["id"]] = row["created_at"]
@@ -136,7 +136,7 @@ class PolicySteps:
         return bool(self._unsaved)
 
     def save(self, conn: Connection) -> None:
-        """Store the steps computed since the last save in their trajectories' rows: in each row that is still the one
+        """Store the steps that no save has stored yet in their trajectories' rows: in each row that is still the one
         read (created at the same time) and holds as many spans as the step was computed from. They are let go of once
         written, not before: a transaction aborted as a deadlock runs the save again (`Transactions.run`)."""
         unsaved = dict(self._unsaved)  # a copy: a concurrent read may add steps

@@ -150,7 +150,7 @@ def give_back(
     first (`lock_groups`).
     """
     held = and_(groups.c.state == "leased", groups.c.batch_id.in_(batch_ids))
-    returned = list(conn.execute(select(groups.c.id).where(held)).scalars())
+    returned = _leased_by(conn, batch_ids)
     lock_groups(conn, returned)  # before the updates below lock them in the table's order
     limit = settings.max_failed_attempts
     if failed:
