@@ -224,11 +224,15 @@ def _expire_stale(conn: Connection, settings: CollectorSettings, now: float) -> 
     for chunk in chunks(sorted(expiring)):
         # still stale: a span or reward another replica committed since keeps it open
         query = select(groups.c.id).where(groups.c.id.in_(chunk), still).order_by(groups.c.id)
+        by_reason: dict[str, list[str]] = {}
         for group_id in conn.execute(query.with_for_update(skip_locked=True)).scalars().all():
             reason = f"expired: no new span or reward for {timeout:g} s while {expiring[group_id].reason}"
-            expire = groups.update().where(groups.c.id == group_id)
+            by_reason.setdefault(reason, []).append(group_id)
+        for reason, group_ids in by_reason.items():  # one statement per reason, not per group
+            expire = groups.update().where(groups.c.id.in_(group_ids))
             conn.execute(expire.values(state="expired", reason=reason, updated_at=now))
-            log.info("group %s %s", group_id, reason)
+            for group_id in group_ids:
+                log.info("group %s %s", group_id, reason)
 
 
 def maintain(

@@ -201,27 +201,36 @@ def _unreadable(request: Request, cause: ValueError | RecursionError) -> str:
 
 
 def _lease_answer(batch: Batch) -> Response:
-    """The JSON answer of `POST /v1/batches`, encoded in the route (not by FastAPI once it returned), so that a
-    failure to encode it meets `_release_unsent`."""
-    return Response(batch.model_dump_json(), media_type="application/json")
+    """The JSON answer of `POST /v1/batches`, the bytes of `batch.model_dump_json()`, encoded in the route (not by
+    FastAPI once it returned), so that a failure to encode it meets `_release_unsent`.
+
+    Encoded a group at a time, each taken out of `batch.groups` once encoded: a large batch's assembled objects take
+    several times its JSON's size, and so its bytes replace them instead of being made beside them."""
+    shell = batch.model_copy(update={"groups": []}).model_dump_json().encode()
+    head, _, tail = shell.partition(b'"groups":[]')  # only the id comes before it, with its quotes escaped
+    groups: list[bytes] = []  # each group after a comma
+    while batch.groups:
+        groups += [b",", batch.groups.pop(0).model_dump_json().encode()]
+    return Response(b"".join([head, b'"groups":[', *groups[1:], b"]", tail]), media_type="application/json")
 
 
-def _release_unsent(store: Store, batch: Batch, cause: Exception) -> None:
-    """Give back the groups of a committed lease whose answer could not be sent (`cause`): no trainer got its id to
-    ack or release it, so they would stay leased until it expires. As failed: a group whose stored data fails every
-    answer is skipped after `max_failed_attempts`, not leased and failed again forever. Not after a `MemoryError`:
-    the server's want of memory, or a batch too large to answer (fewer `max_groups`), is no fault of each group's data,
-    and counting it skipped good data. A release that fails is logged; the caller answers `cause`."""
-    if not batch.groups:  # nothing leased: no batch stored
+def _release_unsent(store: Store, batch_id: str, leased: int, cause: Exception) -> None:
+    """Give back the `leased` groups of the committed lease `batch_id` whose answer could not be sent (`cause`): no
+    trainer got its id to ack or release it, so they would stay leased until it expires. As failed: a group whose
+    stored data fails every answer is skipped after `max_failed_attempts`, not leased and failed again forever. Not
+    after a `MemoryError`: the server's want of memory, or a batch too large to answer (fewer `max_groups`), is no
+    fault of each group's data, and counting it skipped good data. A release that fails is logged; the caller answers
+    `cause`."""
+    if not leased:  # nothing leased: no batch stored
         return
     why = f"{type(cause).__name__}: {cause}"
     failed = not isinstance(cause, MemoryError)
-    log.error("the answer of lease %s could not be sent (%s): releasing its %d groups%s", batch.id, why,
-              len(batch.groups), "" if failed else ", no failed attempt counted")
+    log.error("the answer of lease %s could not be sent (%s): releasing its %d groups%s", batch_id, why, leased,
+              "" if failed else ", no failed attempt counted")
     try:
-        store.release(batch.id, ReleaseRequest(reason=f"its answer could not be sent: {why}", failed=failed))
+        store.release(batch_id, ReleaseRequest(reason=f"its answer could not be sent: {why}", failed=failed))
     except Exception:
-        log.exception("lease %s could not be released: its groups stay leased until it expires", batch.id)
+        log.exception("lease %s could not be released: its groups stay leased until it expires", batch_id)
 
 
 STORE_RETRY_AFTER_S = 5
@@ -343,10 +352,11 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
                                 "idempotency_key differ; send one of them")
             request = request.model_copy(update={"idempotency_key": idempotency_key})
         batch = store.lease(request)
+        leased = len(batch.groups)  # `_lease_answer` takes them out as it encodes them
         try:
             return _lease_answer(batch)
         except Exception as exc:
-            _release_unsent(store, batch, exc)
+            _release_unsent(store, batch.id, leased, exc)
             raise
 
     @app.post("/v1/batches/{batch_id}/ack")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,11 +13,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from collector import store_reads
-from collector.protocol import Batch
-from collector.server import create_app
+from collector.protocol import Batch, Group, Sequence, Trajectory
+from collector.server import _lease_answer, create_app
 from collector.store import SqlStore
 from tests.collector.server_helpers import JSON, PB, assert_error, collector_app
-from tests.collector.span_builders import llm, rollout, rollout_group, to_request
+from tests.collector.span_builders import llm, rollout, rollout_group, to_request, trajectory
 
 
 def test_batches_groups_and_acks(client: TestClient) -> None:
@@ -252,3 +254,63 @@ def test_a_lease_whose_answer_ran_out_of_memory_is_released_without_a_failed_att
     assert [(g.state, g.failed_attempts) for g in store.groups()] == [("ready", 0)]
     assert [batch.state for batch in store.batches()] == ["released"]
     assert [g["id"] for g in client.post("/v1/batches", json={}).json()["groups"]] == ["g"]
+
+
+def test_a_lease_answer_is_the_batch_json_byte_for_byte(
+    make_store: Callable[..., SqlStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer, encoded a group at a time, is `Batch.model_dump_json()`: groups, commas, escapes, the lease's end."""
+    store = make_store()
+    client = TestClient(create_app(store.settings, store))
+    for n, group in enumerate(['q"1', "é\u2028\\", "g"]):
+        spans = trajectory(100 * n + 10, f"{group}-a", reward=1.0, group=group)
+        spans += trajectory(100 * n + 20, f"{group}-b", reward=0.25 * n, group=group)
+        client.post("/v1/traces", content=to_request(spans).SerializeToString(), headers=PB)
+    leased: list[Batch] = []
+    lease = store.lease
+
+    def kept(request: Any) -> Batch:
+        leased.append(lease(request))
+        return leased[-1].model_copy(deep=True)  # the route empties the one it answers
+
+    monkeypatch.setattr(store, "lease", kept)
+    answer = client.post("/v1/batches", json={"max_groups": 8})
+    assert sorted(g.id for g in leased[0].groups) == ["g", 'q"1', "é\u2028\\"]
+    assert answer.content == leased[0].model_dump_json().encode()
+    empty = client.post("/v1/batches", json={})
+    assert leased[1].groups == [] and empty.content == leased[1].model_dump_json().encode()
+
+
+def _large_batch(groups: int, members: int, tokens: int) -> Batch:
+    """A batch of `groups` groups of `members` trajectories with one sequence of `tokens` tokens each."""
+    rng = random.Random(0)
+
+    def member(group: int, n: int) -> Trajectory:
+        sequence = Sequence(token_ids=[rng.randrange(150_000) for _ in range(tokens)],
+                            logprobs=[None if i < tokens // 2 else -rng.random() for i in range(tokens)],
+                            assistant_mask=[int(i >= tokens // 2) for i in range(tokens)])
+        return Trajectory(id=f"r{group}-{n}", trace_id=f"{group:016x}{n:016x}", group_id=f"g{group}",
+                          sequences=[sequence], reward=float(n))
+
+    return Batch(id="b1", lease_expires_at=1e9 + 0.25, groups=[
+        Group(id=f"g{g}", task="t", trajectories=[member(g, n) for n in range(members)]) for g in range(groups)
+    ])
+
+
+def test_a_large_lease_answer_is_encoded_in_the_memory_its_objects_leave() -> None:
+    """A lease answer's objects take several times its JSON: encoded whole beside them, a large batch needed about
+    twice its JSON's size more (the JSON text, then its bytes); encoded a group at a time, each group's objects go as
+    its bytes come, and the answer takes little more than the batch held."""
+    expected = _large_batch(groups=8, members=2, tokens=4000).model_dump_json().encode()
+    tracemalloc.start()  # before the batch is made: tracemalloc counts the frees of what it saw allocated only
+    try:
+        batch = _large_batch(groups=8, members=2, tokens=4000)
+        start = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        answer = _lease_answer(batch)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak - start < len(expected) / 2
+    assert answer.body == expected
+    assert batch.groups == []  # each group's objects let go once encoded

@@ -4,6 +4,7 @@ upkeep of the pool (`collector/pool.py`: idle trajectories, stale groups), read 
 from __future__ import annotations
 
 import pytest
+from sqlalchemy import event
 
 from collector.protocol import BatchRequest, RewardIn
 from tests.collector.span_builders import TRACE, llm, rollout, trajectory
@@ -124,6 +125,29 @@ def test_stale_group_expires_with_its_reason(make_store, clock) -> None:
     store.add_spans(trajectory(30, "c", reward=0.5, size=3))
     assert store.trajectory("c").group_id == "g#2"  # the expired instance takes no one
     assert [g.id for g in store.lease(BatchRequest()).groups] == ["h"]
+
+
+def test_a_burst_of_stale_groups_expires_in_one_update_per_reason(make_store, clock) -> None:
+    """Idle calls outside rollouts in groups gone stale together: upkeep completes them and expires the groups, one
+    `UPDATE groups` per distinct reason (a burst of thousands of groups took a statement each)."""
+    store = make_store(idle_seconds=60, group_timeout_seconds=100)
+    calls = [("t0", 1), ("t1", 1), ("t2", 1), ("t3", 2), ("t4", 2)]  # task, calls: waiting, or all unrewarded
+    store.add_spans([llm(10 * i + k + 1, rollout=None, trace=f"{10 * i + k + 1:032x}", task=task, start=1,
+                         prompt=[1], completion=[2]) for i, (task, n) in enumerate(calls) for k in range(n)])
+    updates: list[str] = []
+
+    @event.listens_for(store.engine, "before_cursor_execute")
+    def count(conn: object, cursor: object, statement: str, *args: object) -> None:
+        if statement.startswith("UPDATE groups"):
+            updates.append(statement)
+
+    clock.now += 101
+    states = {g.id: (g.state, g.reason) for g in store.groups()}
+    waiting = ("expired", "expired: no new span or reward for 100 s while waiting for 1 more of 2 trajectories")
+    unrewarded = ("expired", "expired: no new span or reward for 100 s while 2 trajectories without reward 'reward'")
+    assert states == {"t0": waiting, "t1": waiting, "t2": waiting, "t3": unrewarded, "t4": unrewarded}
+    assert all(t.complete for t in store.trajectories())
+    assert len(updates) == 2
 
 
 def _template_run(n: int, rollout_id: str, *, reward: float) -> list:
