@@ -18,6 +18,7 @@ read before the judge was shown the group, with the one committed, holding the l
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import logging
 import time
 from collections.abc import Callable
@@ -120,7 +121,10 @@ class GroupJudge:
     ) -> None:
         self.store, self.scoring, self.settings = store, scoring, settings
         key = settings.api_key.get_secret_value() if settings.api_key else None
-        self.client = client or JudgeClient(settings.url, settings.model, api_key=key, timeout=settings.timeout_seconds)
+        self.client = client or JudgeClient(
+            settings.url, settings.model, api_key=key, timeout=settings.timeout_seconds,
+            max_answer_bytes=settings.max_answer_bytes,
+        )
         self.clock = clock
 
     # --- one run ------------------------------------------------------------------------
@@ -146,10 +150,19 @@ class GroupJudge:
         if run is None:  # said as the claim saw it: the other run may have ended since, and its row says so
             raise Conflict(
                 f"group {group_id!r} is being judged: its run is running (another run, here or on another replica, "
-                f"held the group when this one claimed it); GET /v1/groups/{group_id}/judge shows its outcome",
+                f"held the group when this one claimed it; {self._holder(group_id)}); GET /v1/groups/{group_id}/judge "
+                "shows its outcome",
                 code="judge_running",
             )
         return run
+
+    def _holder(self, group_id: str) -> str:
+        """The group's run as read now, after a refused claim: when the running one started, or that none runs now."""
+        row = self.scoring.run(group_id)
+        if row is None or row["state"] != "running":
+            return "it is no longer running"
+        started = dt.datetime.fromtimestamp(row["started_at"], tz=dt.UTC).isoformat(timespec="seconds")
+        return f"the group's running run started at {started}, {max(0.0, self.clock() - row['started_at']):.0f} s ago"
 
     def _try(self, group_id: str, rubric: str, seen: SeenRun | None = None) -> JudgeRun | None:
         """Judge the group if its claim is won: this run's outcome; None, with no judge call, when another run holds it

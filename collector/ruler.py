@@ -11,18 +11,22 @@ again here: one score in [0, 1] with an explanation for every block, nothing els
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import time
-from collections.abc import Callable, Iterator, Sequence
+import socket
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import httpcore
 import httpx
 
 from collector.spans import without_surrogates
 
 __all__ = [
+    "MAX_ANSWER_BYTES",
     "JudgeClient",
     "JudgeError",
     "Score",
@@ -228,12 +232,29 @@ def response_format(count: int, explanation_max_chars: int | None = None) -> dic
     return {"type": "json_schema", "json_schema": {"name": "ruler_scores", "schema": schema, "strict": True}}
 
 
+_QUOTED_CHARS = 50
+"""Most characters of a value of the judge's answer quoted in an error (the error is stored on the run, logged)."""
+
+
+def _quoted(value: object) -> str:
+    """`value`'s repr for an error message, cut to `_QUOTED_CHARS`."""
+    return repr(value)[:_QUOTED_CHARS]
+
+
+def _listed(keys: Sequence[object], most: int = 5) -> str:
+    """`keys` for an error message: the first `most`, each quoted (`_quoted`), and how many more."""
+    more = [f"+{len(keys) - most} more"] if len(keys) > most else []
+    return "[" + ", ".join([*(_quoted(key) for key in keys[:most]), *more]) + "]"
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object as a dict; a key written twice (e.g. one trajectory scored twice) is an error."""
     data: dict[str, Any] = {}
     for key, value in pairs:
         if key in data:
-            raise JudgeError(f"key {key!r} appears twice in one object of the judge's answer", code="judge_bad_scores")
+            raise JudgeError(
+                f"key {_quoted(key)} appears twice in one object of the judge's answer", code="judge_bad_scores"
+            )
         data[key] = value
     return data
 
@@ -249,9 +270,18 @@ def _bounded(explanation: str, max_chars: int | None) -> str:
     return explanation[: max_chars - 1].rstrip() + _CUT if max_chars else ""
 
 
+def _explanation_text(value: Any) -> str:
+    """An explanation as text: a string as it is, none (null or missing) empty, anything else (a judge that ignores the
+    schema: a number, a list, an object) as JSON text, not Python's repr."""
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
 def parse_scores(text: str, count: int, max_chars: int | None = None) -> list[Score]:
     """Check the judge's answer: JSON with one finite score in [0, 1] for each block `"1"`..`"count"`.
 
+    An explanation that is not a string (the schema says it is) is stored as JSON text (see `_explanation_text`).
     Explanations lose their NUL characters and read a lone surrogate as U+FFFD: JSON lets a judge write either
     (`\\u0000`, `\\ud800`), and no database text can hold it (a surrogate no UTF-8 codec encodes). One longer than
     `max_chars` (the schema's `maxLength`, see `explanation_limit`; None: no bound), which a judge that ignores the
@@ -268,12 +298,14 @@ def parse_scores(text: str, count: int, max_chars: int | None = None) -> list[Sc
     if not isinstance(entries, dict):
         raise JudgeError(f"judge answer has no `scores` object: {text[:200]!r}", code="judge_bad_scores")
     blocks = _block_keys(count)
-    unknown = sorted(set(entries) - set(blocks))
-    if unknown:
-        raise JudgeError(f"scores for unknown trajectories {unknown}; the ids are 1..{count}", code="judge_bad_scores")
+    known = set(blocks)
+    if unknown := [key for key in entries if key not in known]:
+        raise JudgeError(
+            f"scores for unknown trajectories {_listed(unknown)}; the ids are 1..{count}", code="judge_bad_scores"
+        )
     missing = [int(block) for block in blocks if block not in entries]
     if missing:
-        raise JudgeError(f"no score for trajectories {missing}", code="judge_bad_scores")
+        raise JudgeError(f"no score for trajectories {_listed(missing)}", code="judge_bad_scores")
     found = []
     for block in blocks:
         entry = entries[block]
@@ -284,9 +316,9 @@ def parse_scores(text: str, count: int, max_chars: int | None = None) -> list[Sc
             or not 0 <= value <= 1  # NaN fails it too; no float conversion, which a huge integer would overflow
         ):
             raise JudgeError(
-                f"score {repr(value)[:50]} of trajectory {block} is not a number in [0, 1]", code="judge_bad_scores"
+                f"score {_quoted(value)} of trajectory {block} is not a number in [0, 1]", code="judge_bad_scores"
             )
-        explanation = without_surrogates(str(entry.get("explanation") or "").replace("\x00", "").strip())
+        explanation = without_surrogates(_explanation_text(entry.get("explanation")).replace("\x00", "").strip())
         found.append(Score(int(block), float(value), _bounded(explanation, max_chars)))
     return found
 
@@ -296,52 +328,110 @@ _REJECTED = frozenset({400, 413, 422})
 request never succeeds, so it is not sent again (`judge_rejected`). Other failures may pass (`judge_http_error`)."""
 
 
-class _Deadline(httpx.SyncByteStream):
-    """A response body that fails with `judge_unreachable` when a part of it comes after `deadline` (on `clock`):
-    httpx's timeout bounds each read, so a judge that sent its answer a little at a time held the call unbounded."""
+MAX_ANSWER_BYTES = 8 * 1024 * 1024
+"""Default of the most bytes a judge's answer (its body, decoded) may take: far more than any chat completion of a
+judge holds, far less than a memory that a judge sending bytes without end would fill."""
 
-    def __init__(self, body: httpx.SyncByteStream, deadline: float, clock: Callable[[], float], message: str) -> None:
-        self._body, self._deadline, self._clock, self._message = body, deadline, clock, message
 
-    def __iter__(self) -> Iterator[bytes]:
-        for part in self._body:
-            if self._clock() > self._deadline:
-                raise JudgeError(self._message, code="judge_unreachable")
-            yield part
+def _shut(sock: socket.socket) -> None:
+    """Shut `sock` down both ways, which wakes a thread blocked reading it; one closed already (its call ended) is
+    left as it is."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
-    def close(self) -> None:
-        self._body.close()
+
+class _Watchdog:
+    """Shuts the sockets of one judge call down once `seconds` have passed: httpx's timeout bounds each read, so a
+    judge that sent its status line, headers or body a little at a time held the call as long as it liked.
+
+    It learns each socket from httpcore's `trace` extension as the call opens it (a TCP connection, then its TLS
+    layer); `JudgeClient` keeps no connection between calls, so every call opens its own.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.fired = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Watchdog:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+    def trace(self, event: str, info: dict[str, Any]) -> None:
+        """httpcore's `trace` callback: note the socket of each stream the call opens, shut at once when late."""
+        stream = info.get("return_value")
+        sock = stream.get_extra_info("socket") if isinstance(stream, httpcore.NetworkStream) else None
+        if not isinstance(sock, socket.socket):
+            return
+        with self._lock:
+            self._sockets.append(sock)
+            if self.fired:
+                _shut(sock)
+
+    def _fire(self) -> None:
+        with self._lock:
+            self.fired = True
+            for sock in self._sockets:
+                _shut(sock)
 
 
 class JudgeClient:
-    """Calls one OpenAI-compatible chat endpoint (`{base_url}/chat/completions`); `timeout` seconds bound each call up
-    to the end of the answer's body, on `clock` (`time.monotonic`); the status line and headers, read inside httpcore,
-    are bounded per read only (a judge sending its headers a byte at a time is not cut)."""
+    """Calls one OpenAI-compatible chat endpoint (`{base_url}/chat/completions`); `timeout` seconds bound each call
+    whole, from the connection to the end of the answer's body, and `max_answer_bytes` the answer's body."""
 
-    def __init__(self, base_url: str, model: str, *, api_key: str | None = None, timeout: float = 300.0) -> None:
+    def __init__(
+        self, base_url: str, model: str, *, api_key: str | None = None, timeout: float = 300.0,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.timeout = timeout
-        self.clock: Callable[[], float] = time.monotonic
+        self.max_answer_bytes = max_answer_bytes
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(headers=headers, timeout=timeout)
+        # no connection kept between calls: each call's own is the one its `_Watchdog` sees opened
+        self._http = httpx.Client(headers=headers, timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
 
     def _post(self, url: str, body: dict[str, Any]) -> httpx.Response:
         """POST `body` to `url`; the response read whole within `timeout` seconds of the start.
 
         Raises:
-            JudgeError: `judge_unreachable`, no whole answer in time or none at all.
+            JudgeError: `judge_unreachable`, no whole answer in time or none at all; `judge_http_error`, an answer
+                longer than `max_answer_bytes`.
         """
-        deadline = self.clock() + self.timeout
-        late = f"judge {url} sent no whole answer within {self.timeout:g} s (ART_COLLECTOR_JUDGE_TIMEOUT_SECONDS)"
+        watchdog = _Watchdog(self.timeout)
         try:
-            with self._http.stream("POST", url, json=body) as response:
-                assert isinstance(response.stream, httpx.SyncByteStream)  # a sync client's
-                response.stream = _Deadline(response.stream, deadline, self.clock, late)
-                response.read()
+            with watchdog, self._http.stream("POST", url, json=body, extensions={"trace": watchdog.trace}) as answer:
+                return httpx.Response(answer.status_code, content=self._body(url, answer))
         except httpx.HTTPError as exc:
+            if watchdog.fired:
+                raise JudgeError(
+                    f"judge {url} sent no whole answer within {self.timeout:g} s (ART_COLLECTOR_JUDGE_TIMEOUT_SECONDS)",
+                    code="judge_unreachable",
+                ) from exc
             raise JudgeError(f"judge {url} unreachable: {type(exc).__name__}: {exc}", code="judge_unreachable") from exc
-        return response
+
+    def _body(self, url: str, answer: httpx.Response) -> bytes:
+        """The body of `answer`, decoded, read up to `max_answer_bytes`.
+
+        Raises:
+            JudgeError: `judge_http_error`, the body is longer.
+        """
+        parts, size = [], 0
+        for part in answer.iter_bytes():
+            size += len(part)
+            if size > self.max_answer_bytes:
+                raise JudgeError(
+                    f"judge {url} answered {answer.status_code} with a body past {self.max_answer_bytes} bytes, left "
+                    "unread (ART_COLLECTOR_JUDGE_MAX_ANSWER_BYTES)",
+                    code="judge_http_error",
+                )
+            parts.append(part)
+        return b"".join(parts)
 
     def complete(self, messages: Messages, fmt: dict[str, Any], *, temperature: float, max_tokens: int) -> str:
         """The judge's answer text.

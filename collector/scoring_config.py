@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from collector.auth import configured_key
 from collector.config import check_http_url
 from collector.protocol import Name
+from collector.ruler import MAX_ANSWER_BYTES
 
 __all__ = ["DEFAULT_RUBRIC", "MAX_TIMEOUT_SECONDS", "JudgeSettings", "LangfuseSettings"]
 
@@ -111,6 +112,11 @@ class JudgeSettings(BaseSettings):
     )
     timeout_seconds: float = Field(
         default=300.0, gt=0, le=MAX_TIMEOUT_SECONDS, description="HTTP timeout of one judge call (at most a week)."
+    )
+    max_answer_bytes: int = Field(
+        default=MAX_ANSWER_BYTES,
+        ge=1024,
+        description="Most bytes a judge's answer (its HTTP body, decoded) may take; a longer one fails the try unread.",
     )
 
     @field_validator("url")

@@ -8,6 +8,7 @@ when the test releases it; scoring with a real model is in `test_ruler_vllm.py`.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import queue
@@ -162,6 +163,18 @@ def _answering(judge: GroupJudge, status: int) -> list[dict[str, Any]]:
     """Make `judge`'s client talk to a judge that answers every call with HTTP `status`; the bodies it gets."""
     return _judged_by(judge, lambda body: httpx.Response(
         status, json={"object": "error", "message": "maximum context length is 2048 tokens"}))
+
+
+def test_an_answer_past_max_answer_bytes_fails_the_run_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A judge's body was read whole into memory, however large; the cap is `ART_COLLECTOR_JUDGE_MAX_ANSWER_BYTES`."""
+    app = make_app(tmp_path, monkeypatch, env=down_judge("skip", ART_COLLECTOR_JUDGE_MAX_ANSWER_BYTES="2048"))
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    judge = app.state.scoring.judge
+    _judged_by(judge, lambda body: httpx.Response(200, content=b" " * 2049))
+    run = judge.judge("g")
+    assert run.state == "skipped"
+    assert run.error is not None and run.error.startswith("judge_http_error: ")
+    assert "with a body past 2048 bytes, left unread (ART_COLLECTOR_JUDGE_MAX_ANSWER_BYTES)" in run.error
 
 
 def test_a_request_the_judge_rejects_is_not_sent_again_until_the_group_grows(
@@ -607,7 +620,28 @@ def test_a_409_says_what_the_claim_saw_though_the_other_run_ends_before_the_answ
         held.release.set()
     threads[0].join(WAIT)
     assert refused.value.code == "judge_running" and "its run is running" in refused.value.message
+    assert "it is no longer running" in refused.value.message
     assert held.calls == 1
+
+
+def test_a_refused_claim_says_when_the_running_run_started(replica_stores: list[SqlStore], clock: Clock) -> None:
+    """The 409 said another run held the group, not since when: a run stuck for hours looked like one just begun."""
+    held = HeldJudge()
+    first, second = (GroupJudge(store, ScoringStore(store.engine), JudgeSettings(), client=held, clock=clock)
+                     for store in replica_stores)
+    started = clock.now
+    try:
+        results, threads = _race([lambda: first.judge("g")])
+        assert held.waiting.wait(WAIT)
+        clock.now += 42
+        with pytest.raises(Conflict) as refused:
+            second.judge("g")
+    finally:
+        held.release.set()
+    assert results.get(timeout=WAIT).state == "ok"
+    threads[0].join(WAIT)
+    when = dt.datetime.fromtimestamp(started, tz=dt.UTC).isoformat(timespec="seconds")
+    assert f"running run started at {when}, 42 s ago" in refused.value.message
 
 
 def test_the_judge_endpoint_answers_409_while_another_replica_judges(

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -188,6 +192,18 @@ def test_parse_scores_reads_a_lone_surrogate_in_an_explanation_as_a_replacement_
 
 
 @pytest.mark.parametrize(
+    ("explanation", "stored"),
+    [({"why": "right", "steps": [1, 2]}, '{"why": "right", "steps": [1, 2]}'), (["a", "\u00e9"], '["a", "\u00e9"]'),
+     (0, "0"), (False, "false"), (0.5, "0.5"), (None, ""), ({"x": "\x00"}, '{"x": "\\u0000"}')],
+)
+def test_parse_scores_keeps_an_explanation_that_is_not_a_string_as_json_text(explanation: object, stored: str) -> None:
+    """A judge that ignores the schema's string type had its explanation stored as Python's repr (`{'why': ...}`), and
+    a falsy one (`0`, `false`) as nothing at all."""
+    scores = parse_scores(answer((1, explanation, 1), (2, "wrong", 0)), 2)
+    assert [s.explanation for s in scores] == [stored, "wrong"]
+
+
+@pytest.mark.parametrize(
     ("max_chars", "explanations"),
     [(None, ["right, and the shortest path", "wrong"]), (10, ["right, an\u2026", "wrong"]),
      (5, ["righ\u2026", "wrong"]), (1, ["\u2026", "\u2026"]), (0, ["", ""])],
@@ -226,6 +242,27 @@ def test_parse_scores_rejects_bad_answers(text: str, code: str, match: str) -> N
     assert caught.value.code == code
 
 
+_ENTRY = {"explanation": "x", "score": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("text", "count", "match"),
+    [
+        (json.dumps({"scores": {str(i): _ENTRY for i in range(1, 100_003)}}), 2,
+         r"unknown trajectories \['3', '4', '5', '6', '7', \+99995 more\]; the ids are 1..2"),
+        (json.dumps({"scores": {"1": _ENTRY, "2": _ENTRY, "9" * 100_000: _ENTRY}}), 2, "unknown trajectories \\['999"),
+        ('{"scores": {"' + "x" * 100_000 + '": 1, "' + "x" * 100_000 + '": 2}}', 2, "key 'xxx.* appears twice"),
+        (json.dumps({"scores": {"2": _ENTRY}}), 100_002, r"no score for trajectories \[1, 3, 4, 5, 6, \+99996 more\]"),
+    ],
+)
+def test_a_bad_answer_is_quoted_in_short(text: str, count: int, match: str) -> None:
+    """Every unknown or missing id, or a whole key written twice, went into the error, which is logged on each try and
+    stored on the run: a judge writing 100,000 ids, or one id of a megabyte, made an error of a megabyte."""
+    with pytest.raises(JudgeError, match=match) as caught:
+        parse_scores(text, count)
+    assert len(str(caught.value)) < 200
+
+
 def _client_answering(status: int, body: object) -> JudgeClient:
     """A `JudgeClient` whose endpoint answers every call with HTTP `status` and `body` (JSON, or text as it is)."""
 
@@ -239,36 +276,96 @@ def _client_answering(status: int, body: object) -> JudgeClient:
     return client
 
 
-class _Trickle(httpx.SyncByteStream):
-    """A body sent in `parts`, each after the clock `now` (one float in a list) moves on by `step` seconds."""
-
-    def __init__(self, parts: list[bytes], now: list[float], step: float) -> None:
-        self.parts, self.now, self.step = parts, now, step
-
-    def __iter__(self) -> Iterator[bytes]:
-        for part in self.parts:
-            self.now[0] += self.step
-            yield part
+_COMPLETION = json.dumps({"choices": [{"message": {"content": "{}"}, "finish_reason": "stop"}]}).encode()
 
 
-def test_a_judge_that_sends_its_answer_slowly_is_cut_at_the_timeout() -> None:
-    """httpx's timeout bounds each read, not the call: a judge sending its answer a little at a time held a call
-    (and the run, and a judge request) past `TIMEOUT_SECONDS`, as long as it liked."""
-    now = [0.0]
-    content = json.dumps({"choices": [{"message": {"content": "{}"}, "finish_reason": "stop"}]}).encode()
-    parts = [content[i:i + 8] for i in range(0, len(content), 8)]
+def _read_request(conn: socket.socket) -> None:
+    """Read one HTTP request with a `Content-Length` body from `conn`: left unread, a close resets the connection."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(1 << 16)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:"))[15:])
+    while len(body) < length:
+        body += conn.recv(1 << 16)
 
-    def chat(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"Content-Type": "application/json"}, stream=_Trickle(parts, now, 0.6))
 
-    client = JudgeClient("http://judge/v1", "m", timeout=1.0)
-    client._http, client.clock = httpx.Client(transport=httpx.MockTransport(chat)), lambda: now[0]
-    with pytest.raises(JudgeError, match="no whole answer within 1 s") as caught:
+@contextlib.contextmanager
+def _serving(parts: list[bytes], step: float) -> Iterator[tuple[JudgeClient, threading.Event]]:
+    """A client of a real local judge that answers one call with `parts`, one each `step` seconds, and an event set
+    when the client hung up before the judge sent them all."""
+    server = socket.create_server(("127.0.0.1", 0))
+    cut = threading.Event()
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(10)
+            _read_request(conn)
+            for part in parts:
+                time.sleep(step)
+                try:
+                    conn.sendall(part)
+                except OSError:  # the client shut its socket
+                    cut.set()
+                    return
+            while conn.recv(1 << 16):  # closed once the client is done: no reset cuts the answer short
+                pass
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        yield JudgeClient(f"http://127.0.0.1:{server.getsockname()[1]}/v1", "m", timeout=1.0), cut
+    finally:
+        thread.join(timeout=30)
+        server.close()
+
+
+def _head(length: int) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % length
+
+
+def test_a_judge_that_sends_its_headers_slowly_is_cut_at_the_timeout() -> None:
+    """httpx's timeout bounds each read: a judge sending its status line and headers a byte at a time held a call (and
+    the run, and a judge request) as long as it liked, the whole answer read; now it is cut at `timeout`."""
+    head = _head(len(_COMPLETION))
+    slow = b"X-Slow: y\r\n" * 4
+    parts = [head[:-2], *(slow[i:i + 1] for i in range(len(slow))), b"\r\n", _COMPLETION]
+    with _serving(parts, 0.1) as (client, cut), pytest.raises(JudgeError, match="no whole answer within 1 s") as caught:
         client.complete([USER], response_format(1), temperature=0, max_tokens=64)
     assert caught.value.code == "judge_unreachable"
-    now[0] = 0.0
-    client.timeout = 60.0  # the same answer in time is read whole
-    assert client.complete([USER], response_format(1), temperature=0, max_tokens=64) == "{}"
+    assert cut.is_set()
+
+
+def test_a_judge_that_sends_its_body_slowly_is_cut_at_the_timeout() -> None:
+    parts = [_head(len(_COMPLETION)), *(_COMPLETION[i:i + 2] for i in range(0, len(_COMPLETION), 2))]
+    with _serving(parts, 0.1) as (client, cut), pytest.raises(JudgeError, match="no whole answer within 1 s") as caught:
+        client.complete([USER], response_format(1), temperature=0, max_tokens=64)
+    assert caught.value.code == "judge_unreachable"
+    assert cut.is_set()
+
+
+def test_an_answer_in_time_is_read_whole() -> None:
+    with _serving([_head(len(_COMPLETION)), _COMPLETION], 0.0) as (client, cut):
+        assert client.complete([USER], response_format(1), temperature=0, max_tokens=64) == "{}"
+    assert not cut.is_set()
+
+
+def test_an_answer_past_max_answer_bytes_is_left_unread() -> None:
+    """A judge sending a huge body had it read whole into memory (300 MB took 1.5 GB)."""
+    size = 64 * 1024 * 1024
+    with _serving([_head(size), *[b" " * (1 << 20)] * 64], 0.0) as (client, cut):
+        client.max_answer_bytes = 4096
+        with pytest.raises(JudgeError, match="body past 4096 bytes, left unread") as caught:
+            client.complete([USER], response_format(1), temperature=0, max_tokens=64)
+    assert caught.value.code == "judge_http_error"
+    assert cut.is_set()
+
+
+def test_an_answer_of_max_answer_bytes_is_read() -> None:
+    with _serving([_head(len(_COMPLETION)), _COMPLETION], 0.0) as (client, _):
+        client.max_answer_bytes = len(_COMPLETION)
+        assert client.complete([USER], response_format(1), temperature=0, max_tokens=64) == "{}"
 
 
 @pytest.mark.parametrize("content", [[{"type": "text", "text": "{}"}], {"scores": {}}, 7])
