@@ -10,7 +10,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from art_langgraph._rollout import _check_count, rollout
+from art_langgraph._checks import check_count
+from art_langgraph._rollout import rollout
 
 __all__ = ["RewardFn", "gather", "gather_sync"]
 
@@ -53,9 +54,9 @@ async def gather(
         Exception: The first error a run or the reward function raised (that rollout's span
             is marked ERROR); the other runs are cancelled and have ended when it is raised.
     """
-    _check_count(n, "gather's n")  # each run's group_size; checked before len(inputs) * n tasks exist
+    check_count(n, "gather's n")  # each run's group_size; checked before len(inputs) * n tasks exist
     # a float let more runs in than it says (`Semaphore(2.5)` lets 3 in at once), and a bool is no count
-    semaphore = asyncio.Semaphore(_check_count(concurrency, "gather's concurrency"))
+    semaphore = asyncio.Semaphore(check_count(concurrency, "gather's concurrency"))
     task_name = task or getattr(graph, "name", None) or "default"
     bar = tqdm(total=len(inputs) * n, desc=f"gather {task_name}", disable=not progress)
 

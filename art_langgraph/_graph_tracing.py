@@ -36,10 +36,13 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from art_langgraph import semconv
-from art_langgraph._rollout import Rollout, _check_count, current_rollout
+from art_langgraph._checks import check_count
+from art_langgraph._export_queue import _utf8_text
+from art_langgraph._rollout import Rollout, current_rollout
 from art_langgraph._settings import get_settings
 from art_langgraph._span_status import mark_ended_by
 from art_langgraph._tracing import get_tracer, span_name
+from collector.protocol import has_dot_segment
 
 __all__ = ["GraphTracer", "Placement", "current_run_id", "placement_of", "rollout_of_current_run"]
 
@@ -114,7 +117,20 @@ def _config_group_size(size: Any) -> int | None:
     """The config's `art.group.size`: an integer from 1 to 2**31 - 1, or its decimal string; None when absent."""
     if isinstance(size, str) and size.strip().isdecimal():
         size = int(size)
-    return _check_count(size, f"config metadata {semconv.GROUP_SIZE!r}")
+    return check_count(size, f"config metadata {semconv.GROUP_SIZE!r}")
+
+
+_DEFAULT_TASK = "graph"
+"""The task of a top-level run outside `rollout(...)` with neither an `art.task` nor a name usable as one."""
+
+
+def _task_of_name(name: str | None) -> str:
+    """A run's name as its implicit rollout's task, made one `rollout(...)` takes: cut to `semconv.MAX_NAME_LENGTH`
+    characters, each NUL or surrogate as U+FFFD, and `_DEFAULT_TASK` for a name that is empty or has a `.` or `..`
+    segment. Names are LangChain's too (`RunnableParallel<key,...>`, past 256 characters with a few long keys), and a
+    name refused lost the whole run's trajectory."""
+    task = _utf8_text(str(name or "")).replace("\x00", "\ufffd")[: semconv.MAX_NAME_LENGTH]
+    return task if task and not has_dot_segment(task) else _DEFAULT_TASK
 
 
 def _implicit_rollout(run_id: UUID, name: str | None, metadata: dict[str, Any]) -> Rollout:
@@ -122,13 +138,14 @@ def _implicit_rollout(run_id: UUID, name: str | None, metadata: dict[str, Any]) 
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"config metadata {semconv.METADATA!r} must be a dict, got {type(extra).__name__}")
     return Rollout(
-        str(metadata.get(semconv.TASK) or name or "graph"),
+        str(metadata.get(semconv.TASK) or _task_of_name(name)),
         group=str(metadata[semconv.GROUP]) if metadata.get(semconv.GROUP) else None,
         split=str(metadata.get(semconv.SPLIT) or "train"),
         metadata=extra,
         group_size=_config_group_size(metadata.get(semconv.GROUP_SIZE)),
         _id=run_id.hex,
         _source="graph",
+        _trace_id=run_id.int,  # a run resumed with its `run_id` goes on in the same trace
     )
 
 

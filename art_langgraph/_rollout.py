@@ -22,9 +22,10 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from art_langgraph import semconv
+from art_langgraph._checks import check_count
 from art_langgraph._collector_client import apost_reward, post_reward
 from art_langgraph._span_status import mark_ended_by
-from art_langgraph._tracing import get_tracer
+from art_langgraph._tracing import start_root_span
 from collector.protocol import DOT_SEGMENT_PROBLEM, has_dot_segment
 
 __all__ = ["Rollout", "areward", "current_rollout", "reward", "rollout"]
@@ -89,17 +90,6 @@ def _metadata_json(metadata: Mapping[str, Any] | None) -> str | None:
         raise type(exc)(f"rollout metadata cannot be exported as JSON: {exc}") from exc
 
 
-def _check_count(size: int | None, what: str = "group_size") -> int | None:
-    """`size` as an int (NumPy's too), a whole number from 1 to `semconv.MAX_COUNT`, or None (a bool is no count)."""
-    if size is None:
-        return None
-    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
-        raise TypeError(f"{what} must be an integer, got {type(size).__name__}")
-    if not 1 <= size <= semconv.MAX_COUNT:
-        raise ValueError(f"{what} must be from 1 to {semconv.MAX_COUNT}, got {size}")
-    return int(size)
-
-
 class Rollout:
     """One trajectory. Use as `with rollout(...) as r:` or `async with rollout(...) as r:`.
 
@@ -122,6 +112,7 @@ class Rollout:
         group_size: int | None = None,
         _id: str | None = None,
         _source: str = "rollout",
+        _trace_id: int | None = None,
     ) -> None:
         if not task:
             raise ValueError("rollout(task) needs a non-empty task name")
@@ -138,12 +129,13 @@ class Rollout:
             raise ValueError(f"{what} {key[:40]!r} {DOT_SEGMENT_PROBLEM}")
         self.id = _id or uuid.uuid4().hex
         self._source = _source
+        self._trace_id = _trace_id
         self.task = task
         self.group = group
         self.split = split
         self._metadata_json = _metadata_json(metadata)
         self.metadata = dict(metadata or {})
-        self.group_size = _check_count(group_size)
+        self.group_size = check_count(group_size)
         self._span: Span | None = None
         self._ended = False
         self._tokens: tuple[Token[Rollout | None], object] | None = None
@@ -199,7 +191,8 @@ class Rollout:
         return value
 
     def _begin(self) -> Span:
-        """Start the rollout span as a fresh root, without touching any context variable."""
+        """Start the rollout span as a fresh root (in the trace given at creation, if any), without touching any context
+        variable."""
         if self._span is not None:
             raise RuntimeError("a rollout can be entered only once; create a new one")
         attrs = {
@@ -209,8 +202,7 @@ class Rollout:
         }
         if self._metadata_json is not None:
             attrs[semconv.METADATA] = self._metadata_json
-        # A fresh root: each rollout is its own trace, whatever span the app has open.
-        self._span = get_tracer().start_span(f"rollout {self.task}", context=otel_context.Context(), attributes=attrs)
+        self._span = start_root_span(f"rollout {self.task}", attrs, self._trace_id)
         return self._span
 
     def _finish(self, exc: BaseException | None) -> None:
@@ -314,9 +306,21 @@ def current_rollout() -> Rollout | None:
     return _current.get()
 
 
+_UUID_TEXT_LENGTH = 36
+"""Characters of a UUID's text with its dashes (`str(run_id)`); rollout ids are 32 hex digits, never this long."""
+
+
 def _rollout_key(rollout_id: str | uuid.UUID | None) -> str | None:
-    """Rollout ids are hex strings; a `uuid.UUID` (a LangChain `run_id`) becomes its hex."""
-    return rollout_id.hex if isinstance(rollout_id, uuid.UUID) else rollout_id
+    """Rollout ids are hex strings; a `uuid.UUID` (a LangChain `run_id`) becomes its hex, and so does its text with
+    dashes (`str(run_id)`, as an app stores it), which named no trajectory: the reward was kept, never applied."""
+    if isinstance(rollout_id, uuid.UUID):
+        return rollout_id.hex
+    if isinstance(rollout_id, str) and len(rollout_id) == _UUID_TEXT_LENGTH:
+        try:
+            return uuid.UUID(rollout_id).hex
+        except ValueError:  # not a UUID's text: an id of its own
+            return rollout_id
+    return rollout_id
 
 
 def _running_rollout() -> Rollout | None:
@@ -359,7 +363,7 @@ def reward(
         value: A finite number.
         name: Reward name.
         rollout_id: Id of a finished rollout (`Rollout.id`, or the `run_id` UUID of a top-level
-            graph run outside `rollout()`); the reward is POSTed to the collector.
+            graph run outside `rollout()`, or its text `str(run_id)`); the reward is POSTed to the collector.
         trace_id: Trace id (32 hex digits) of a finished rollout, when its id is unknown.
 
     Raises:

@@ -14,19 +14,24 @@ import base64
 import logging
 import os
 import secrets
+import sys
 import threading
 from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any
 
 import requests
+from opentelemetry import context as otel_context
 from opentelemetry.exporter.otlp.proto.http import Compression
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
-from opentelemetry.trace import Tracer
+from opentelemetry.trace import Span, Tracer
 
 from art_langgraph._bounded import run_bounded, spare_thread
+from art_langgraph._checks import check_count, check_timeout
 from art_langgraph._counts import DROPPED_SPANS, ProcessLock, renew_after_fork
 from art_langgraph._export_queue import CountingExporter, Processor, export_processors
 from art_langgraph._settings import TRACES_PATH, Settings, get_settings, update_settings
@@ -39,6 +44,7 @@ __all__ = [
     "get_tracer_provider",
     "shutdown",
     "span_name",
+    "start_root_span",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -130,16 +136,20 @@ _SPAN_LIMITS = SpanLimits(
 messages' JSON (the collector could no longer read it), evict attributes and drop reward events."""
 
 
+_root_trace_id: ContextVar[int | None] = ContextVar("art_langgraph_root_trace_id", default=None)
+"""The trace id `start_root_span` asks of `_UnseededIds` for the root span it is starting; None for a random one."""
+
+
 class _UnseededIds(IdGenerator):
     """Trace and span ids from the operating system's randomness, not Python's `random` (the SDK's default): an app
     that seeds `random` alike for each rollout (to replay a task) gave its rollouts the same ids, and the collector
-    keeps one span per id."""
+    keeps one span per id. A root span `start_root_span` starts in a given trace gets that trace's id."""
 
     def generate_span_id(self) -> int:
         return _nonzero(64)
 
     def generate_trace_id(self) -> int:
-        return _nonzero(128)
+        return _root_trace_id.get() or _nonzero(128)
 
 
 def _nonzero(bits: int) -> int:
@@ -228,9 +238,12 @@ def configure(
             `ART_MAX_QUEUE_SIZE`, 2048); past it, spans are dropped, counted and logged.
 
     Raises:
-        ValueError: `langfuse=True` without Langfuse keys in the environment.
+        ValueError: `langfuse=True` without Langfuse keys in the environment, or `max_queue_size` out of 1 to
+            `sys.maxsize`.
+        TypeError: `max_queue_size` is not an integer (a bool or a float is no queue size).
     """
     global _state
+    check_count(max_queue_size, "configure's max_queue_size", sys.maxsize)
     settings = update_settings(
         collector_url=collector_url,
         trainer_url=trainer_url,
@@ -292,6 +305,16 @@ def get_tracer() -> Tracer:
     return _current().tracer
 
 
+def start_root_span(name: str, attributes: dict[str, Any], trace_id: int | None = None) -> Span:
+    """Start a span with no parent, whatever span the app has open: in the trace `trace_id` when it is given and
+    nonzero (every part of a graph run resumed with its `run_id` is then one trace), else in a new random one."""
+    token = _root_trace_id.set(trace_id)
+    try:
+        return get_tracer().start_span(name, context=otel_context.Context(), attributes=attributes)
+    finally:
+        _root_trace_id.reset(token)
+
+
 def span_name(operation: str, name: str) -> str:
     """The name of a span of `operation` on `name` (a node, a tool, a model), each NUL in it as U+FFFD: the collector
     rejects a span whose name holds one (its store's text columns cannot hold it), which lost the node's or tool's
@@ -310,11 +333,16 @@ def flush(timeout: float = 5.0) -> bool:
     It works from the application's own atexit handlers too (see `run_bounded`).
 
     Args:
-        timeout: Upper bound on the wait, in seconds.
+        timeout: Upper bound on the wait, in seconds: 0 or more, `math.inf` to wait as long as a thread can.
 
     Returns:
-        True if everything was handed to the exporters in time, False otherwise. Never raises.
+        True if everything was handed to the exporters in time, False otherwise; a failed export never raises.
+
+    Raises:
+        ValueError: `timeout` is NaN or negative.
+        TypeError: `timeout` is not a number (a bool is none).
     """
+    timeout = check_timeout(timeout, "flush's timeout")
     with _lock:
         state = _state
     if state is None:
@@ -332,7 +360,13 @@ def _take_state() -> _State | None:
 
 
 def shutdown(timeout: float = 5.0) -> None:
-    """Flush and stop the pipeline (bounded, atexit handlers included); the next span configures a new one."""
+    """Flush and stop the pipeline (bounded, atexit handlers included); the next span configures a new one.
+
+    Raises:
+        ValueError: `timeout` is NaN or negative (the pipeline is kept).
+        TypeError: `timeout` is not a number (a bool is none).
+    """
+    timeout = check_timeout(timeout, "shutdown's timeout")
     if (state := _take_state()) is not None:
         run_bounded(state.shutdown, timeout)
 

@@ -195,7 +195,9 @@ def test_interrupt_is_an_event_and_resume_is_a_new_run(chat_model: ARTChatModel,
 
 def test_a_run_resumed_with_its_run_id_is_the_same_trajectory(spans) -> None:
     """Resumed with the config that named its `run_id`, a graph run outside `rollout(...)` gets a second rollout span
-    (a trace of its own) with the same id: the collector keys trajectories by that id, so both parts are one."""
+    with the same id: the collector keys trajectories by that id, so both parts are one. Both parts are in the trace
+    whose id is the `run_id`: the resumed part had a random trace of its own, and a reward by the trace id seen for it
+    (a Langfuse score on it) named no trajectory, whose trace id is its first rollout span's."""
 
     def review(state: Steps) -> Steps:
         return {"done": [f"review {interrupt('ok?')}"]}
@@ -211,11 +213,31 @@ def test_a_run_resumed_with_its_run_id_is_the_same_trajectory(spans) -> None:
     assert "__interrupt__" in graph.invoke({}, config)
     assert graph.invoke(Command(resume="yes"), config)["done"] == ["review yes", "after"]
     first, second = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
-    assert first.context.trace_id != second.context.trace_id
+    assert first.context.trace_id == second.context.trace_id == run_id.int
     assert first.status.is_ok and second.status.is_ok
     decoded = decode_request(encode_spans(spans.get_finished_spans()).SerializeToString(), "application/x-protobuf")
     assert len(decoded.spans) == 5  # two rollouts; review paused, review again, after
     assert {trajectory_key(record) for record in decoded.spans} == {(run_id.hex, True)}
+    assert {record.trace_id for record in decoded.spans} == {run_id.hex}
+
+
+@pytest.mark.parametrize(("name", "task"), [
+    ("g" * 300, "g" * semconv.MAX_NAME_LENGTH),
+    ("a\x00b\udcff", "a\ufffdb\ufffd"),
+    ("..", "graph"),
+    ("tickets/../b", "graph"),
+])
+def test_a_run_whose_name_no_task_can_have_is_still_one_trajectory(spans, name: str, task: str) -> None:
+    """Outside `rollout(...)`, the task defaults to the top-level run's name, which `rollout(...)`'s checks refused:
+    a graph named so, or LangChain's `RunnableParallel<key,...>` past 256 characters, lost its whole trajectory (no
+    rollout span, no node span, its model calls in traces of their own), with only LangChain's log of a callback
+    error. The name is made a task the collector takes."""
+    steps_graph().with_config(run_name=name).invoke({})
+    (root,) = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert root.attributes[semconv.TASK] == task
+    assert len(kinds(spans, semconv.SPAN_KIND_NODE)) == 2
+    decoded = decode_request(encode_spans(spans.get_finished_spans()).SerializeToString(), "application/x-protobuf")
+    assert [span_problem(record) for record in decoded.spans] == [None] * 3
 
 
 def test_graph_tracing_can_be_turned_off(monkeypatch, chat_model: ARTChatModel, spans) -> None:

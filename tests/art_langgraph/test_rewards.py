@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -186,6 +187,17 @@ def test_reward_after_the_fact_posts_to_collector(reward_server: list) -> None:
         ("/v1/rewards", {"rollout_id": r.id, "name": "judge", "value": 0.75}, "Bearer sekret"),
         ("/v1/rewards", {"rollout_id": r.id, "name": "reward", "value": 1.0}, "Bearer sekret"),
     ]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_run_id_given_as_its_text_names_its_rollout(reward_server: list) -> None:
+    """A graph run's rollout id is its `run_id` in hex; an app that kept `str(run_id)` (with dashes) and rewarded by it
+    posted that text, which named no trajectory: the collector kept the reward and never applied it."""
+    run_id = uuid.uuid4()
+    reward(0.5, rollout_id=str(run_id))
+    await art_langgraph.areward(0.25, rollout_id=str(run_id).upper())
+    reward(1.0, rollout_id="x" * 36)  # no UUID's text: an id of its own, sent as given
+    assert [body["rollout_id"] for _, body, _ in reward_server] == [run_id.hex, run_id.hex, "x" * 36]
 
 
 @pytest.mark.asyncio(loop_scope="session")

@@ -149,6 +149,27 @@ def test_flush_with_an_infinite_timeout_flushes(receivers) -> None:
     assert len(collector.spans()) == 1
 
 
+@pytest.mark.parametrize(("timeout", "error"), [(math.nan, ValueError), (-1, ValueError), (True, TypeError),
+                                                ("5", TypeError)])
+@pytest.mark.parametrize("call", ["flush", "shutdown"])
+def test_a_timeout_that_is_no_wait_is_refused(memory_tracing, call: str, timeout: object, error: type) -> None:
+    """`flush(math.nan)` returned False with a traceback logged from the export thread (`int(nan)`), `flush(-1)` gave
+    up at once, and `shutdown` with either stopped the pipeline without waiting for its export; each is refused at
+    the call, and the pipeline is kept."""
+    state = _tracing._state
+    with pytest.raises(error, match=f"{call}'s timeout must be"):
+        getattr(art_langgraph, call)(timeout)
+    assert _tracing._state is state is not None
+
+
+@pytest.mark.parametrize(("size", "error"), [(True, TypeError), (2.0, TypeError), ("8", TypeError), (0, ValueError)])
+def test_configure_refuses_a_queue_size_that_is_no_count(memory_tracing, size: object, error: type) -> None:
+    """`configure(max_queue_size=True)` was taken as a queue of 1 span (and 2.0 or "8" as whole numbers), as
+    `gather(concurrency=True)` no longer is."""
+    with pytest.raises(error, match="configure's max_queue_size must be"):
+        art_langgraph.configure(collector_url=memory_tracing.collector_url, max_queue_size=size)  # type: ignore[arg-type]
+
+
 def test_flush_is_bounded_and_exporter_errors_are_counted(memory_tracing) -> None:
     class Hanging(SpanExporter):
         def export(self, spans):  # type: ignore[no-untyped-def]

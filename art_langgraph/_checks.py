@@ -1,0 +1,31 @@
+"""Checks of the numbers the public API takes, each refusing a user's mistake with one clear line."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from art_langgraph import semconv
+
+__all__ = ["check_count", "check_timeout"]
+
+
+def check_count(size: int | None, what: str = "group_size", limit: int = semconv.MAX_COUNT) -> int | None:
+    """`size` as an int (NumPy's too), a whole number from 1 to `limit`, or None (a bool is no count)."""
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+        raise TypeError(f"{what} must be an integer, got {type(size).__name__}")
+    if not 1 <= size <= limit:
+        raise ValueError(f"{what} must be from 1 to {limit}, got {size}")
+    return int(size)
+
+
+def check_timeout(timeout: float, what: str) -> float:
+    """`timeout` as a float: a number of seconds (NumPy's too, `math.inf` included), 0 or more, not NaN, not a bool."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds, got {type(timeout).__name__}")
+    seconds = float(timeout)
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"{what} must be 0 or more seconds (math.inf to wait as long as it takes), got {timeout}")
+    return seconds
