@@ -15,7 +15,7 @@ by id (the `id` filter of the same endpoint), and one that is gone has its rewar
 (with its record, in one transaction) unless its group is leased or trained. Pushed scores get a stable id per
 (trajectory, reward name), so a changed reward updates the same score in Langfuse; the scores pushed for a
 trajectory the store deleted since (another instrumentation's calls in a rollout's trace) are deleted there
-(`DELETE /api/public/scores/{scoreId}`) by the next sync, `INGEST_DELAY` after their first push at the earliest
+(`DELETE /api/public/scores/{scoreId}`) by the next sync, `INGEST_DELAY` after the deletion at the earliest
 (Langfuse's 404: gone already); one Langfuse fails to delete
 for now is tried again after a growing delay, one it refuses (another 4xx, a proxy's 404 too) is given up. A later
 trajectory of the deleted one's id pushes its scores under other ids, once the deleted one's are deleted.
@@ -46,6 +46,7 @@ from langfuse.api import (
 )
 from langfuse.api.core.api_error import ApiError
 from langfuse.api.core.datetime_utils import serialize_datetime
+from langfuse.api.core.http_client import HttpClient
 from langfuse.api.core.pydantic_utilities import parse_obj_as
 from pydantic import ValidationError
 from sqlalchemy import Connection, func, select
@@ -158,6 +159,23 @@ class LangfuseSyncError(CollectorError):
     code = "langfuse_error"
 
 
+def _http_client(client: LangfuseAPI) -> HttpClient:
+    """The SDK's HTTP client in `client` (its auth, headers, timeout and retries), through which `LangfuseSync._get`
+    reads a page of scores without the SDK's model of the whole page: the SDK has no public way to (its
+    `with_raw_response` reads the page with that model too), so this is a private attribute of `langfuse>=5.0.4,<6`.
+    Raises `LangfuseSyncError`, naming the installed SDK's version, when that SDK has it no longer."""
+    http = getattr(getattr(client, "_client_wrapper", None), "httpx_client", None)
+    if not isinstance(http, HttpClient):
+        from langfuse import __version__
+
+        raise LangfuseSyncError(
+            f"the installed langfuse SDK {__version__} has no HTTP client where 5.0.4 keeps it "
+            "(`LangfuseAPI._client_wrapper.httpx_client`), which the Langfuse sync reads scores through: "
+            "install langfuse>=5.0.4,<6", code="langfuse_sdk_unsupported",
+        )
+    return http
+
+
 def make_client(settings: LangfuseSettings) -> LangfuseAPI:
     """The SDK's REST client for the configured project (Basic auth with the key pair)."""
     if not settings.enabled:
@@ -234,18 +252,20 @@ def _storable(score_id: str) -> bool:
 
 def _reward_of(score: object) -> RewardIn | None:
     """The reward a score gives its trace, or None: session and experiment scores, and scores on a trace id that is
-    no OpenTelemetry one or with an id the store cannot hold (logged), give none."""
+    no OpenTelemetry one or with an id the store cannot hold (logged once per process: every sync pulls the whole
+    lookback again), give none."""
     trace_id, value = _trace_of(score), _numeric(score)
     if trace_id is None or value is None:
         return None
     if not _storable(getattr(score, "id")):
-        log.warning("Langfuse score %r cannot be a reward: its id is no UTF-8 text of at most %d characters with no "
-                    "NUL; ignored", getattr(score, "id"), langfuse_pulled.c.score_id.type.length)
+        warn_once(log, "Langfuse score %r cannot be a reward: its id is no UTF-8 text of at most %d characters with "
+                  "no NUL; ignored", getattr(score, "id"), langfuse_pulled.c.score_id.type.length)
         return None
     try:
         return RewardIn(trace_id=trace_id, name=getattr(score, "name"), value=value)
     except ValidationError as exc:  # a trace id that is no OpenTelemetry one, an over-long name
-        log.warning("Langfuse score %s cannot be a reward: %s; ignored", getattr(score, "id"), exc.errors()[0]["msg"])
+        warn_once(log, "Langfuse score %s cannot be a reward: %s; ignored", getattr(score, "id"),
+                  exc.errors()[0]["msg"])
         return None
 
 
@@ -271,6 +291,7 @@ class LangfuseSync:
     ) -> None:
         self.store, self.scoring, self.settings = store, scoring, settings
         self.client = client or make_client(settings)
+        self._http = _http_client(self.client)
         self.clock = clock
         self._lock = threading.Lock()
 
@@ -291,10 +312,10 @@ class LangfuseSync:
 
     def _get(self, path: str, params: dict[str, Any]) -> Any:
         """Langfuse's JSON answer to `GET {path}` with the query `params` (the API's names; None: left out), through
-        the SDK's HTTP client (its auth, headers, timeout and retries) but not its model of the whole answer
-        (`_page_of` reads it); raises the SDK's `ApiError` for a status other than 2xx or a body that is no JSON, as
-        the SDK's own methods do."""
-        response = self.client._client_wrapper.httpx_client.request(path, method="GET", params=params)
+        the SDK's HTTP client (`_http_client`: its auth, headers, timeout and retries) but not its model of the whole
+        answer (`_page_of` reads it); raises the SDK's `ApiError` for a status other than 2xx or a body that is no
+        JSON, as the SDK's own methods do."""
+        response = self._http.request(path, method="GET", params=params)
         try:
             body = response.json()
         except ValueError as exc:
@@ -322,7 +343,7 @@ class LangfuseSync:
         s = self.settings
         start = self.clock() - s.lookback_hours * 3600
         since = dt.datetime.fromtimestamp(start, tz=dt.UTC)
-        found, rejected, cursor = [], [], None
+        found, rejected, cursor, cursors = [], [], None, set()
         while True:
             page, cursor, unread = self._scores(
                 limit=PAGE, cursor=cursor, fields="subject", source=",".join(s.sources) or None,
@@ -332,6 +353,10 @@ class LangfuseSync:
             rejected += unread
             if not cursor:
                 break
+            if cursor in cursors:  # the same page again, and again: a proxy that caches by path, a broken server
+                raise LangfuseSyncError(f"Langfuse GET /{SCORES} answered the cursor of an earlier page again "
+                                        f"({cursor!r}): its pages would never end")
+            cursors.add(cursor)
         found.sort(key=lambda score: (score.timestamp, score.updated_at))  # the latest score of a name wins
         usable = [(score, reward) for score in found if (reward := _reward_of(score)) is not None]
         seen = self.scoring.pulled_versions([score.id for score, _ in usable])

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Engine, Table, case, delete, exists, func, or_, select, update
+from sqlalchemy import Connection, Engine, Table, delete, exists, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
@@ -22,9 +22,10 @@ from collector.transactions import GROUP_LOCKS, TRAJECTORY_LOCKS, Transactions
 __all__ = ["INGEST_DELAY", "MemberStamp", "PushedScore", "ScoringStore", "SeenRun"]
 
 INGEST_DELAY = 300.0
-"""Seconds after its push before a score pushed to Langfuse for a trajectory deleted since is deleted there: Langfuse
-ingests a push asynchronously (its worker, within a minute normally) and may apply a deletion that comes first to
-nothing, leaving the pushed score in place for good (`ScoringStore.retract_pushed`, `ScoringStore.mark_pushed`)."""
+"""Seconds after its last push (a changed reward pushes it again) before a score pushed to Langfuse for a trajectory
+deleted since is deleted there: Langfuse ingests a push asynchronously (its worker, within a minute normally) and may
+apply a deletion that comes first to nothing, leaving the pushed score in place for good
+(`ScoringStore.retract_pushed`, `ScoringStore.mark_pushed`)."""
 
 
 def _insert(conn: Connection, table: Table) -> postgresql.Insert | sqlite.Insert:
@@ -295,16 +296,14 @@ class ScoringStore:
     @staticmethod
     def retract_pushed(conn: Connection, trajectory_id: str, at: float) -> None:
         """Mark the records of the scores pushed to Langfuse for a deleted trajectory as to be deleted there, on `conn`:
-        the transaction that deletes the trajectory (`placement._forget_trajectory`). Due at `at`, or `INGEST_DELAY`
-        after a score's first push if later (a deletion right after the push could reach Langfuse first; a push time
-        ahead of `at`, another clock's, counts as `at`). The first sync when they are due deletes them
-        (`LangfuseSync.sync`); a later trajectory of the same id pushes its own scores, under other ids, once they are
-        (`retracting`)."""
-        pushed_at = langfuse_pushed.c.pushed_at
-        due = case((pushed_at >= at, at + INGEST_DELAY), (pushed_at + INGEST_DELAY > at, pushed_at + INGEST_DELAY),
-                   else_=at)
+        the transaction that deletes the trajectory (`placement._forget_trajectory`). Due `INGEST_DELAY` after `at`:
+        a deletion right after a push of the score could reach Langfuse before the push is ingested, and every push
+        recorded so far (the last one too: a changed reward pushes the score again, and Langfuse ingests it anew) came
+        before `at`; a push still in flight marks its record itself (`mark_pushed`). The first sync when they are due
+        deletes them (`LangfuseSync.sync`); a later trajectory of the same id pushes its own scores, under other ids,
+        once they are (`retracting`)."""
         conn.execute(update(langfuse_pushed).where(langfuse_pushed.c.trajectory_id == trajectory_id)
-                     .values(retract_at=due))
+                     .values(retract_at=at + INGEST_DELAY))
 
     def to_retract(self, due_at: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
         """The records of pushed scores marked to be deleted in Langfuse (`retract_pushed`) whose next try

@@ -609,9 +609,9 @@ def test_foreign_calls_stored_before_their_rollout_came_are_deleted_unless_lease
 
     assert sorted(t.id for t in store.trajectories()) == sorted(["r1", TRACE_A] if leased else ["r1"])
     # the score of a deleted trajectory is marked to delete in Langfuse, when it is deleted (not the leased one's),
-    # due once Langfuse has ingested its push
-    assert [(row["score_id"], row["retract_at"]) for row in scoring.to_retract()] == ([] if leased else
-                                                                                       [("s", pushed + INGEST_DELAY)])
+    # due once Langfuse has ingested its push: `INGEST_DELAY` after the deletion
+    due = [] if leased else [("s", clock.now + INGEST_DELAY)]
+    assert [(row["score_id"], row["retract_at"]) for row in scoring.to_retract()] == due
     assert store.trajectory("r1").token_exact
     assert {group.id for group in store.groups()} == ({"chat", TRACE_A} if leased else {"chat"})
     assert {group.id for group in store.groups(["open", "ready", "leased"])} == {"chat"} | (

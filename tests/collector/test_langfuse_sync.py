@@ -21,12 +21,13 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from langfuse import __version__ as langfuse_version
 from langfuse.api.core.api_error import ApiError
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
 from collector.config import CollectorSettings
-from collector.langfuse_sync import INGEST_DELAY, PAGE, LangfuseSync
+from collector.langfuse_sync import INGEST_DELAY, PAGE, LangfuseSync, LangfuseSyncError, make_client
 from collector.protocol import RewardIn
 from collector.scoring_config import LangfuseSettings
 from collector.scoring_store import ScoringStore
@@ -483,9 +484,9 @@ def test_a_score_pushed_for_a_trajectory_deleted_since_is_deleted_in_langfuse(
     assert (first.pushed, first.retracted) == (2, 0)
     foreign = {s["metadata"]["art.rollout.id"]: score_id for score_id, s in server.created.items()}[TRACE_A]
 
-    clock.now += INGEST_DELAY  # Langfuse has ingested the push
     store.add_spans(_ours("r1", TRACE_A, 100))  # deletes the foreign calls' trajectory
     assert [t.id for t in store.trajectories() if t.trace_id == TRACE_A] == ["r1"]
+    clock.now += INGEST_DELAY  # Langfuse has ingested the push: its deletion is due
     second = sync.sync()
     assert (second.pushed, second.retracted) == (0, 1)
     assert ("DELETE", f"/api/public/scores/{foreign}") in server.requests
@@ -662,10 +663,10 @@ def test_a_failure_for_now_leaves_the_other_deletions_to_the_next_sync(
     store.add_spans(group_spans("g", ["7", "8", "9"]))
     store.add_rewards([RewardIn(rollout_id=f"g-{n}", name="ruler", value=0.5) for n in range(3)])
     assert sync.sync().pushed == 3
-    clock.now += INGEST_DELAY  # Langfuse has ingested the push
     with store.engine.begin() as conn:  # their trajectories deleted, their scores marked at once
         for n in range(3):
             ScoringStore.retract_pushed(conn, f"g-{n}", clock.now)
+    clock.now += INGEST_DELAY  # Langfuse has ingested the push: the deletions are due
     sync = sync_for(store, url)  # pushing nothing (the trajectories are still there)
     sync.clock = clock
     delete = sync.client.scores.delete
@@ -866,6 +867,33 @@ def test_a_score_pushed_just_before_its_trajectory_is_deleted_is_deleted_once_la
     assert server.created == {} and sync.scoring.pushed() == {} and sync.scoring.to_retract() == []
 
 
+def test_a_score_pushed_again_just_before_its_trajectory_is_deleted_is_deleted_once_langfuse_has_it_again(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """A changed reward pushes its score again, under the same id, and Langfuse ingests that push anew: the deletion
+    waited `INGEST_DELAY` after the score's first push only, so it went out seconds after the second push, Langfuse
+    could apply it before ingesting that push, and the score came back for good."""
+    url, server = langfuse
+    store = make_store(min_group_size=1)
+    sync = sync_for(store, url, push_names="ruler")
+    sync.clock = clock
+    _foreign_calls_judged(store)
+    assert sync.sync().pushed == 1  # ingested at once
+    clock.now += INGEST_DELAY - 10
+    store.add_rewards([RewardIn(rollout_id=TRACE_A, name="ruler", value=0.9)])  # the judge changes its reward
+    create, ingesting = _ingested_later(sync, server)
+    assert sync.sync().pushed == 1
+    sync.client.scores.create = create
+    clock.now += 1
+    store.add_spans(_ours("r1", TRACE_A, 100))  # deletes the foreign calls' trajectory
+    clock.now += 10  # past `INGEST_DELAY` after the first push, seconds after the second
+    assert sync.sync().retracted == 0  # not yet
+    server.created.update(ingesting)  # Langfuse ingests the second push
+    clock.now += INGEST_DELAY
+    assert sync.sync().retracted == 1
+    assert server.created == {} and sync.scoring.pushed() == {} and sync.scoring.to_retract() == []
+
+
 def test_a_score_pushed_while_its_trajectory_is_deleted_and_created_again_is_deleted(
     make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
 ) -> None:
@@ -1053,6 +1081,24 @@ def test_a_score_whose_id_the_store_cannot_hold_is_ignored(
     assert sync.sync().withdrawn == 0
 
 
+def test_a_score_on_a_trace_id_of_odd_case_or_length_is_applied_or_ignored_and_said_once(
+    make_store, langfuse: tuple[str, fake_langfuse.FakeLangfuse], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Langfuse takes any trace id: one in upper case is the OpenTelemetry trace's; one a digit short is no
+    OpenTelemetry one, ignored, and said once: every sync pulls the whole lookback again, and warned of it each time
+    (a sync a minute, for the week of the lookback)."""
+    url, server = langfuse
+    store = make_store()
+    store.add_spans(group_spans("g", ["7"]))
+    sync = sync_for(store, url)
+    server.add_score("upper", "human", 0.5, trace_id=trace_id("g", 0).upper())
+    server.add_score("short", "human", 0.25, trace_id=trace_id("g", 0)[:-1])
+    results = [sync.sync(), sync.sync()]
+    assert [(r.pulled, r.applied, r.ignored) for r in results] == [(2, 1, 1), (2, 0, 1)]
+    assert store.trajectory("g-0").rewards == {"human": 0.5}
+    assert caplog.text.count("Langfuse score short cannot be a reward") == 1
+
+
 @pytest.mark.parametrize("body", [{"items": []}, {"data": [], "meta": {"cursor": 5}}, ["not", "a", "page"]])
 def test_an_answer_the_sdk_cannot_read_is_502_naming_langfuse(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse], body: object
@@ -1065,6 +1111,48 @@ def test_an_answer_the_sdk_cannot_read_is_502_naming_langfuse(
         assert answer.status_code == 502, answer.text
         assert answer.json()["error"] == "langfuse_error" and "does not define" in answer.json()["message"]
         assert app.state.scoring.last_sync_error.startswith("LangfuseSyncError")
+
+
+def test_a_listing_that_answers_an_earlier_pages_cursor_again_fails_the_pull(
+    make_store, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """A proxy that caches by path answers every page with the first, cursor and all: the pull asked for the same page
+    forever, holding the sync's lock, its scores growing. It fails at the cursor's second coming, naming Langfuse."""
+    url, server = langfuse
+    store = make_store()
+    sync = sync_for(store, url)
+    for n in range(PAGE + 1):
+        server.add_score(f"s{n}", "human", 0.5, trace_id=trace_id("g", n))
+    list_scores, answers = server.list_scores, []
+
+    def cached(query: dict[str, list[str]]) -> tuple[int, Any]:
+        if len(answers) == 10:  # a pull that never notices ends all the same: the last page, no cursor
+            return 200, {"data": [], "meta": {"limit": PAGE}}
+        answers.append(answers[0] if answers else list_scores(query))
+        return answers[-1]
+
+    server.list_scores = cached
+    with pytest.raises(LangfuseSyncError, match="answered the cursor of an earlier page again"):
+        sync.sync()
+    assert len(answers) == 2  # the first page, then the first again: its cursor again
+    server.list_scores = list_scores
+    assert sync.sync().pulled == PAGE + 1
+
+
+def test_an_sdk_without_the_http_client_the_sync_reads_through_is_refused_naming_its_version(
+    make_store, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """The sync reads scores through a private attribute of the SDK's client (no public call gives a page without the
+    SDK's model of it): an SDK that dropped it failed every sync with an `AttributeError` deep in the pull. The sync
+    is refused where it is made, naming the installed SDK's version."""
+    url, _ = langfuse
+    store = make_store()
+    settings = LangfuseSettings(host=url, public_key=fake_langfuse.PUBLIC, secret_key=fake_langfuse.SECRET)
+    client = make_client(settings)
+    del client._client_wrapper
+    with pytest.raises(LangfuseSyncError, match=f"langfuse SDK {langfuse_version} has no HTTP client") as refused:
+        LangfuseSync(store, ScoringStore(store.engine), settings, client=client)
+    assert refused.value.code == "langfuse_sdk_unsupported"
 
 
 def test_the_stand_in_lists_newest_first_with_langfuse_time_format(
