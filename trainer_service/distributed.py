@@ -105,13 +105,10 @@ class TrainLauncher:
     timeout: float | None = None
 
     def __post_init__(self) -> None:
-        """Check the number of workers against the visible GPUs."""
+        """Check the number of workers (`TrainerSettings` checks it against the visible GPUs)."""
         if self.processes < 2:
             raise ValueError(f"train_processes={self.processes}: worker processes are for 2 or more; "
                              "1 trains in the service process.")
-        if torch.cuda.is_available() and self.processes > torch.cuda.device_count():
-            raise ValueError(f"train_processes={self.processes} but {torch.cuda.device_count()} CUDA device(s) are "
-                             "visible: lower --train-processes or widen CUDA_VISIBLE_DEVICES.")
 
     def step(self, trainer: LoRATrainer, batch: Batch, kind: str, dest: Path) -> dict[str, float]:
         """Train one `kind` step (`grpo` or `sft`) on `batch` in the workers; write it to `dest`.

@@ -126,7 +126,9 @@ class StatusResponse(BaseModel):
                                    "first.")
     checkpoint_count: int = Field(description="How many steps are kept on disk and served as `name@N`, all of them.")
     training: bool = Field(description="A step is running now.")
-    queue_depth: int | None = Field(description="Groups ready at the collector (None: the collector did not answer).")
+    queue_depth: int | None = Field(description="Groups ready at the collector; None when unknown (`queue_error` "
+                                    "says why): the collector failed or did not answer within 5 s, or the service is "
+                                    "shutting down and no longer asks.")
     queue_error: str | None = Field(default=None, description="Why queue_depth is unknown.")
     schedule: ScheduleStatus
     promotion: PromotionDecision | None = Field(description="The promotion gate's last decision.")

@@ -14,7 +14,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.base import BaseTrigger
@@ -43,6 +43,18 @@ forward) fires once, however many runs fell in the gap. APScheduler's default gr
 `--cron` lost its day."""
 
 
+def _shifted(at: datetime, by: timedelta) -> datetime:
+    """`at` plus `by` of elapsed time, in `at`'s time zone. `at + by` adds to the local time: across a change of
+    daylight saving time it was an hour off (01:30 EST less an hour gave 00:30 EDT, two hours earlier)."""
+    return (at.astimezone(UTC) + by).astimezone(at.tzinfo)
+
+
+def _earliest(times: list[datetime]) -> datetime:
+    """The earliest of `times` (aware datetimes of one time zone compare by local time, which repeats an hour as
+    daylight saving time ends: 01:30 EST came before 01:45 EDT)."""
+    return min(times, key=datetime.timestamp)
+
+
 class _SkipMissed(BaseTrigger):
     """`trigger`, whose runs missed by more than one period go from the first missed one straight to the first after
     now. APScheduler lists every missed run before it coalesces them: after a 3-day suspend, the 2.6 million runs of a
@@ -54,7 +66,7 @@ class _SkipMissed(BaseTrigger):
     def get_next_fire_time(self, previous_fire_time: datetime | None, now: datetime) -> datetime | None:
         """The trigger's next run after `previous_fire_time`, or, when that one is missed too, its first after `now`."""
         after = self.trigger.get_next_fire_time(previous_fire_time, now)
-        if after is not None and after <= now:
+        if after is not None and after.timestamp() <= now.timestamp():  # as instants, not local times: `_earliest`
             return self.trigger.get_next_fire_time(now, now)
         return after
 
@@ -91,7 +103,7 @@ class _Scheduler(AsyncIOScheduler):
         logger.warning("scheduled training: the wall clock stepped back %s; the interval jobs follow it", back)
         for job in self.get_jobs():
             if job.id in self._INTERVAL_JOBS and job.next_run_time is not None:
-                self.modify_job(job.id, next_run_time=job.next_run_time - back)
+                self.modify_job(job.id, next_run_time=_shifted(job.next_run_time, -back))
 
 
 def describe(settings: TrainerSettings) -> list[str]:
@@ -165,7 +177,7 @@ class TrainingSchedule:
         if self._scheduler is None:
             return None
         times = [job.next_run_time for job in self._scheduler.get_jobs() if job.next_run_time is not None]
-        return min(times) if times else None
+        return _earliest(times) if times else None
 
     async def _start_poll(self) -> None:
         """The `min_groups` job: poll in its own task, so the job returns at once and a stop cancels a poll waiting
@@ -201,7 +213,7 @@ class TrainingSchedule:
     def _defer_poll(self, delay: float) -> None:
         """Move the `min_groups` job's next run to `delay` seconds from now (then every `poll_seconds` again)."""
         if self._scheduler is not None:
-            at = datetime.now(self._scheduler.timezone) + timedelta(seconds=delay)
+            at = _shifted(datetime.now(self._scheduler.timezone), timedelta(seconds=delay))
             self._scheduler.modify_job("min_groups", next_run_time=at)
 
     async def _fire(self, source: str) -> None:

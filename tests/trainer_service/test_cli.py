@@ -436,12 +436,31 @@ def test_bad_schedule_and_eval_settings_exit_with_the_fix(capsys: pytest.Capture
         main(["serve", "--train-threads", "1", "--idle-train-threads", str(cores + 1), *no_model])
     assert f"idle_train_threads={cores + 1}: this process may use {cores} cores. Lower --idle-train-threads " \
            "(ART_TRAINER_IDLE_TRAIN_THREADS) or leave it out" in capsys.readouterr().err
+    for threads in (cores + 1, 2**63):  # accepted: torch refused 2^31 threads or more once vLLM had started
+        with pytest.raises(SystemExit):
+            main(["serve", "--train-threads", str(threads), *no_model])
+        assert f"train_threads={threads}: this process may use {cores} cores. Lower --train-threads " \
+               "(ART_TRAINER_TRAIN_THREADS) or leave it out" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--eval-file", "eval.jsonl"])
     assert "needs both eval prompts" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--base-model", "/no/such/folder"])
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_more_training_processes_than_gpus_exit_with_the_fix(capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found only as the service was built: a ValueError traceback, not a usage line."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # two GPUs: a worker each
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit):
+        main(["serve", "--train-processes", "3", "--base-model", "/no/such/folder"])
+    assert "train_processes=3 but 2 CUDA device(s) are visible: lower --train-processes " \
+           "(ART_TRAINER_TRAIN_PROCESSES) or widen CUDA_VISIBLE_DEVICES." in capsys.readouterr().err
+    assert TrainerSettings(train_processes=2).train_processes == 2
 
 
 @pytest.mark.parametrize(("url", "says"), [("http://[::1", "not a URL (Invalid port"),

@@ -222,7 +222,9 @@ def test_launcher_checks_its_process_count(tmp_path: Path) -> None:
         TrainLauncher(1, "model", tmp_path / "log")
 
 
-async def test_build_service_wires_the_launcher(tmp_path: Path, base_dir: Path) -> None:
+async def test_build_service_wires_the_launcher(tmp_path: Path, base_dir: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})  # train_threads=4 needs 4 cores
     settings = TrainerSettings(base_model=str(base_dir), output_dir=tmp_path, train_processes=2, train_threads=4,
                                wandb="off")
     service = build_service(settings, GRPOConfig())

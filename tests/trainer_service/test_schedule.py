@@ -14,6 +14,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 import tzlocal.unix
+from apscheduler.triggers.interval import IntervalTrigger
 
 from collector.protocol import Batch
 from tests.trainer_service.builders import group, make_service
@@ -226,6 +227,60 @@ async def test_a_change_of_daylight_saving_time_is_no_clock_step(
         unix["now"] += 20
         schedule._scheduler._process_jobs()
         assert schedule.next_run() == planned and "stepped back" not in caplog.text
+    finally:
+        schedule.shutdown()
+
+
+async def test_times_across_a_change_of_daylight_saving_time_count_elapsed_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Aware times of one zone were added and compared by local time, which repeats an hour as daylight saving time
+    ends and skips one as it starts: a clock step of an hour moved a job two hours back or not at all, `next_run`
+    showed the later of two jobs, a deferred poll waited an hour too long, and a late job skipped a run still ahead."""
+    import trainer_service.schedule
+
+    monkeypatch.setenv("TZ", "America/New_York")
+    monkeypatch.setattr(tzlocal.unix, "_cache_tz", None)  # tzlocal reads TZ once per process
+    zone = ZoneInfo("America/New_York")
+
+    def at(hour: int, minute: int, day: int = 1, month: int = 11) -> datetime:
+        return datetime(2026, month, day, hour, minute, tzinfo=UTC).astimezone(zone)
+
+    async def train(source: str, min_groups: int) -> None:
+        pass
+
+    async def ready() -> int:
+        return 0
+
+    schedule = TrainingSchedule(TrainerSettings(min_groups=1, poll_seconds=3600, every="1d", cron="0 3 * * *"),
+                                train, ready)
+    schedule.start()
+    try:
+        scheduler = schedule._scheduler
+        assert scheduler is not None and scheduler.timezone == zone
+        scheduler.pause()  # the times set here are past: none fires
+        for planned in (at(6, 30), at(7, 30, day=8, month=3)):  # 01:30 EST (the repeated hour), 03:30 EDT
+            scheduler.modify_job("every", next_run_time=planned)
+            scheduler._move_interval_jobs(timedelta(hours=1))
+            assert scheduler.get_job("every").next_run_time.timestamp() == planned.timestamp() - 3600
+
+        scheduler.modify_job("every", next_run_time=at(6, 30))  # 01:30 EST
+        scheduler.modify_job("cron", next_run_time=at(5, 45))  # 01:45 EDT, 45 minutes earlier
+        scheduler.modify_job("min_groups", next_run_time=at(7, 0))
+        next_run = schedule.next_run()
+        assert next_run is not None and next_run.timestamp() == at(5, 45).timestamp()  # `==` compares local times
+
+        class Clock(datetime):
+            @classmethod
+            def now(cls, tz: tzinfo | None = None) -> datetime:  # type: ignore[override]
+                return at(5, 55).astimezone(tz)  # 01:55 EDT
+
+        monkeypatch.setattr(trainer_service.schedule, "datetime", Clock)
+        schedule._defer_poll(600)
+        assert scheduler.get_job("min_groups").next_run_time.timestamp() == at(6, 5).timestamp()
+
+        every_two_hours = trainer_service.schedule._SkipMissed(IntervalTrigger(hours=2, start_date=at(4, 10)))
+        after = every_two_hours.get_next_fire_time(at(4, 10), at(5, 50))  # 01:50 EDT; 01:10 EST is still ahead
+        assert after is not None and after.timestamp() == at(6, 10).timestamp()
     finally:
         schedule.shutdown()
 

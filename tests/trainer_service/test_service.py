@@ -22,7 +22,7 @@ from tests.trainer_service.builders import FakeEngine, group, lora_params, make_
 from trainer_service.config import TrainerSettings
 from trainer_service.engine_errors import EngineError
 from trainer_service.grpo_config import GRPOConfig
-from trainer_service.protocol import ServiceError
+from trainer_service.protocol import ServiceError, StatusResponse
 from trainer_service.service import TrainerService
 from trainer_service.training import LoRATrainer, NonFiniteStepError
 
@@ -504,6 +504,7 @@ async def test_status_while_the_service_stops_shows_no_step_and_asks_no_collecto
         await closing
     assert not status.training and status.queue_depth is None
     assert status.queue_error == "The service is shutting down; the collector is not asked for the queue depth."
+    assert "shutting down" in (StatusResponse.model_fields["queue_depth"].description or "")  # the schema says so
 
 
 @pytest.mark.parametrize("warm_up", [True, False])
