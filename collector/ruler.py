@@ -329,8 +329,8 @@ request never succeeds, so it is not sent again (`judge_rejected`). Other failur
 
 
 MAX_ANSWER_BYTES = 8 * 1024 * 1024
-"""Default of the most bytes a judge's answer (its body, decoded) may take: far more than any chat completion of a
-judge holds, far less than a memory that a judge sending bytes without end would fill."""
+"""Default of the most bytes a judge's answer (its body, uncompressed as asked) may take: far more than any chat
+completion of a judge holds, far less than a memory that a judge sending bytes without end would fill."""
 
 
 def _shut(sock: socket.socket) -> None:
@@ -382,7 +382,8 @@ class _Watchdog:
 
 class JudgeClient:
     """Calls one OpenAI-compatible chat endpoint (`{base_url}/chat/completions`); `timeout` seconds bound each call
-    whole, from the connection to the end of the answer's body, and `max_answer_bytes` the answer's body."""
+    whole, from the connection to the end of the answer's body, and `max_answer_bytes` the answer's body, which it asks
+    uncompressed."""
 
     def __init__(
         self, base_url: str, model: str, *, api_key: str | None = None, timeout: float = 300.0,
@@ -401,28 +402,43 @@ class JudgeClient:
 
         Raises:
             JudgeError: `judge_unreachable`, no whole answer in time or none at all; `judge_http_error`, an answer
-                longer than `max_answer_bytes`.
+                longer than `max_answer_bytes` or compressed.
         """
         watchdog = _Watchdog(self.timeout)
+        late = JudgeError(
+            f"judge {url} sent no whole answer within {self.timeout:g} s (ART_COLLECTOR_JUDGE_TIMEOUT_SECONDS)",
+            code="judge_unreachable",
+        )
+        headers = {"Accept-Encoding": "identity"}  # see `_body`
         try:
-            with watchdog, self._http.stream("POST", url, json=body, extensions={"trace": watchdog.trace}) as answer:
-                return httpx.Response(answer.status_code, content=self._body(url, answer))
+            with watchdog, self._http.stream(
+                "POST", url, json=body, headers=headers, extensions={"trace": watchdog.trace}
+            ) as answer:
+                content = self._body(url, answer)
+                if watchdog.fired:  # the shut socket ended a body that runs to the connection's close: cut, no error
+                    raise late
+                return httpx.Response(answer.status_code, content=content)
         except httpx.HTTPError as exc:
             if watchdog.fired:
-                raise JudgeError(
-                    f"judge {url} sent no whole answer within {self.timeout:g} s (ART_COLLECTOR_JUDGE_TIMEOUT_SECONDS)",
-                    code="judge_unreachable",
-                ) from exc
+                raise late from exc
             raise JudgeError(f"judge {url} unreachable: {type(exc).__name__}: {exc}", code="judge_unreachable") from exc
 
     def _body(self, url: str, answer: httpx.Response) -> bytes:
-        """The body of `answer`, decoded, read up to `max_answer_bytes`.
+        """The body of `answer`, read up to `max_answer_bytes`, as it was sent: uncompressed, as asked. A compressed
+        one is refused unread: httpx decodes each piece read whole, and a few hundred bytes of `gzip, gzip` decode to
+        gigabytes before any count of them.
 
         Raises:
-            JudgeError: `judge_http_error`, the body is longer.
+            JudgeError: `judge_http_error`, the body is compressed or longer.
         """
+        if (encoding := answer.headers.get("Content-Encoding", "")).strip().lower() not in ("", "identity"):
+            raise JudgeError(
+                f"judge {url} answered {answer.status_code} with a body compressed as {encoding[:50]!r}, left unread: "
+                "it was asked for none (Accept-Encoding: identity)",
+                code="judge_http_error",
+            )
         parts, size = [], 0
-        for part in answer.iter_bytes():
+        for part in answer.iter_bytes():  # as sent: no decoder but identity gets here
             size += len(part)
             if size > self.max_answer_bytes:
                 raise JudgeError(

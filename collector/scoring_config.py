@@ -116,7 +116,8 @@ class JudgeSettings(BaseSettings):
     max_answer_bytes: int = Field(
         default=MAX_ANSWER_BYTES,
         ge=1024,
-        description="Most bytes a judge's answer (its HTTP body, decoded) may take; a longer one fails the try unread.",
+        description="Most bytes a judge's answer (its HTTP body, uncompressed as asked) may take; a longer or "
+        "compressed one fails the try unread.",
     )
 
     @field_validator("url")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import socket
 import threading
@@ -366,6 +367,34 @@ def test_an_answer_of_max_answer_bytes_is_read() -> None:
     with _serving([_head(len(_COMPLETION)), _COMPLETION], 0.0) as (client, _):
         client.max_answer_bytes = len(_COMPLETION)
         assert client.complete([USER], response_format(1), temperature=0, max_tokens=64) == "{}"
+
+
+def test_a_body_running_to_the_close_still_coming_at_the_timeout_is_cut() -> None:
+    """A body without a length ends at the connection's close: the socket shut at the deadline ended it there, no
+    error, and the cut answer was read as the judge's (`judge_http_error`, "no chat completion")."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+    parts = [head, *(_COMPLETION[i:i + 2] for i in range(0, len(_COMPLETION), 2))]
+    with _serving(parts, 0.1) as (client, cut), pytest.raises(JudgeError, match="no whole answer within 1 s") as caught:
+        client.complete([USER], response_format(1), temperature=0, max_tokens=64)
+    assert caught.value.code == "judge_unreachable"
+    assert cut.is_set()
+
+
+def test_a_compressed_answer_is_left_unread() -> None:
+    """httpx decoded each piece read whole before `max_answer_bytes` counted it: 822 bytes of `gzip, gzip` took 800 MiB.
+    The judge is asked for an uncompressed answer, and one compressed anyway is refused."""
+    asked = []
+
+    def chat(request: httpx.Request) -> httpx.Response:
+        asked.append(request.headers.get("Accept-Encoding"))
+        return httpx.Response(200, content=gzip.compress(_COMPLETION), headers={"Content-Encoding": "gzip"})
+
+    client = JudgeClient("http://judge/v1", "m")
+    client._http = httpx.Client(transport=httpx.MockTransport(chat))
+    with pytest.raises(JudgeError, match="compressed as 'gzip', left unread") as caught:
+        client.complete([USER], response_format(1), temperature=0, max_tokens=64)
+    assert caught.value.code == "judge_http_error"
+    assert asked == ["identity"]
 
 
 @pytest.mark.parametrize("content", [[{"type": "text", "text": "{}"}], {"scores": {}}, 7])
