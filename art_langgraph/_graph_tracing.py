@@ -20,6 +20,7 @@ sync nodes, `Send` fan-out and subgraphs.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from contextvars import ContextVar
@@ -133,6 +134,14 @@ def _task_of_name(name: str | None) -> str:
     return task if task and not has_dot_segment(task) else _DEFAULT_TASK
 
 
+def _trace_of_run(run_id: UUID) -> int:
+    """The trace id of a graph run's implicit rollout: derived from its `run_id`, so that every part of a run resumed
+    with that `run_id` is one trace, yet not the `run_id` itself, which is the rollout's id. The collector keys the
+    calls of another instrumentation by their trace id (LangSmith's OpenTelemetry export makes the root run's id its
+    trace id): a trace id equal to the rollout id gave them the rollout's key, and a resumed run lost its first part."""
+    return int.from_bytes(hashlib.blake2b(run_id.bytes, digest_size=16, person=b"art-graph-trace").digest())
+
+
 def _implicit_rollout(run_id: UUID, name: str | None, metadata: dict[str, Any]) -> Rollout:
     extra = metadata.get(semconv.METADATA)
     if extra is not None and not isinstance(extra, dict):
@@ -145,7 +154,7 @@ def _implicit_rollout(run_id: UUID, name: str | None, metadata: dict[str, Any]) 
         group_size=_config_group_size(metadata.get(semconv.GROUP_SIZE)),
         _id=run_id.hex,
         _source="graph",
-        _trace_id=run_id.int,  # a run resumed with its `run_id` goes on in the same trace
+        _trace_id=_trace_of_run(run_id),  # a run resumed with its `run_id` goes on in the same trace
     )
 
 

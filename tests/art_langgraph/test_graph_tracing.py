@@ -195,9 +195,11 @@ def test_interrupt_is_an_event_and_resume_is_a_new_run(chat_model: ARTChatModel,
 
 def test_a_run_resumed_with_its_run_id_is_the_same_trajectory(spans) -> None:
     """Resumed with the config that named its `run_id`, a graph run outside `rollout(...)` gets a second rollout span
-    with the same id: the collector keys trajectories by that id, so both parts are one. Both parts are in the trace
-    whose id is the `run_id`: the resumed part had a random trace of its own, and a reward by the trace id seen for it
-    (a Langfuse score on it) named no trajectory, whose trace id is its first rollout span's."""
+    with the same id: the collector keys trajectories by that id, so both parts are one. Both parts are in one trace,
+    whose id is derived from the `run_id`: the resumed part had a random trace of its own, and a reward by the trace
+    id seen for it (a Langfuse score on it) named no trajectory, whose trace id is its first rollout span's. Not the
+    `run_id` itself: the collector keys another instrumentation's calls by their trace id, which must not be the
+    rollout's id (LangSmith's export makes the run id a trace id)."""
 
     def review(state: Steps) -> Steps:
         return {"done": [f"review {interrupt('ok?')}"]}
@@ -213,12 +215,13 @@ def test_a_run_resumed_with_its_run_id_is_the_same_trajectory(spans) -> None:
     assert "__interrupt__" in graph.invoke({}, config)
     assert graph.invoke(Command(resume="yes"), config)["done"] == ["review yes", "after"]
     first, second = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
-    assert first.context.trace_id == second.context.trace_id == run_id.int
+    assert first.context.trace_id == second.context.trace_id != run_id.int
+    trace_id = format(first.context.trace_id, "032x")
     assert first.status.is_ok and second.status.is_ok
     decoded = decode_request(encode_spans(spans.get_finished_spans()).SerializeToString(), "application/x-protobuf")
     assert len(decoded.spans) == 5  # two rollouts; review paused, review again, after
     assert {trajectory_key(record) for record in decoded.spans} == {(run_id.hex, True)}
-    assert {record.trace_id for record in decoded.spans} == {run_id.hex}
+    assert {record.trace_id for record in decoded.spans} == {trace_id}
 
 
 @pytest.mark.parametrize(("name", "task"), [
