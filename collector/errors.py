@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CollectorError", "Conflict", "InvalidRequest", "NotFound", "SpanIdsTaken"]
+__all__ = ["CollectorError", "Conflict", "InvalidRequest", "NotFound"]
 
 
 class CollectorError(Exception):
@@ -23,17 +23,6 @@ class InvalidRequest(CollectorError):
 
     status = 400
     code = "invalid_request"
-
-
-class SpanIdsTaken(InvalidRequest):
-    """Spans whose id the store holds, or an export sent earlier, for another trace: OpenTelemetry span ids are unique
-    within a trace only, and the store keys spans by span id alone. Nothing was stored; `problems` says, per such span
-    (span id, trace id), why."""
-
-    def __init__(self, problems: dict[tuple[str, str], str]) -> None:
-        (span_id, _), problem = next(iter(problems.items()))
-        super().__init__(f"{len(problems)} spans refused, the first: span {span_id}: {problem}", code="invalid_span")
-        self.problems = problems
 
 
 class NotFound(CollectorError):

@@ -171,13 +171,14 @@ def give_back(
 
 def lock_groups(conn: Connection, group_ids: Iterable[str | None]) -> None:
     """Hold the rows of the groups `group_ids` (a None is no group) until the transaction ends: `FOR UPDATE`, in id
-    order, on PostgreSQL (SQLite has one writer at a time). Every transaction that locks several groups takes them so
-    (an export, a reward, a withdrawn score, upkeep), so none waits for another in a cycle (PostgreSQL aborted one as a
-    deadlock)."""
+    order (`placement.BYTE_ORDER`: across chunks too), on PostgreSQL (SQLite has one writer at a time). Every
+    transaction that locks several groups takes them so (an export, a reward, a withdrawn score, upkeep), so none waits
+    for another in a cycle (PostgreSQL aborted one as a deadlock)."""
     if conn.dialect.name != "postgresql":
         return
     for chunk in chunks(sorted({group_id for group_id in group_ids if group_id is not None})):
-        conn.execute(select(groups.c.id).where(groups.c.id.in_(chunk)).order_by(groups.c.id).with_for_update())
+        query = select(groups.c.id).where(groups.c.id.in_(chunk)).order_by(groups.c.id.collate(placement.BYTE_ORDER))
+        conn.execute(query.with_for_update())
 
 
 def _leased_by(conn: Connection, batch_ids: list[str]) -> list[str]:
@@ -205,7 +206,7 @@ def _complete_idle(conn: Connection, idle: ColumnElement[bool], ids: list[str]) 
     for chunk in chunks(sorted(ids)):
         found = trajectories.c.id.in_(chunk)
         # still idle under the lock: an export that held a group may have added spans since
-        conn.execute(select(trajectories.c.id).where(found, idle).order_by(trajectories.c.id).with_for_update())
+        placement.lock_trajectories(conn, and_(found, idle))
         conn.execute(trajectories.update().where(found, idle).values(complete=True))
 
 

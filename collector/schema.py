@@ -22,6 +22,7 @@ from sqlalchemy import (
     ForeignKey,
     Integer,
     MetaData,
+    PrimaryKeyConstraint,
     String,
     Table,
     Text,
@@ -66,14 +67,18 @@ schema_version = Table(
 spans = Table(
     "spans",
     metadata,
-    Column("span_id", String(16), primary_key=True),  # idempotent on exporter retries
-    Column("trace_id", String(32), nullable=False, index=True),
+    # version 12: keyed by trace id and span id, as OpenTelemetry identifies a span (its id is unique within its trace
+    # only); idempotent on exporter retries, which send both again. The key leads with the trace id, so version 12
+    # dropped the index of `trace_id` alone
+    Column("span_id", String(16), nullable=False),
+    Column("trace_id", String(32), nullable=False),
     Column("trajectory_id", String(256), nullable=False, index=True),  # rollout id, else trace id
     Column("name", Text, nullable=False),
     Column("start_ns", BigInteger, nullable=False),
     Column("end_ns", BigInteger, nullable=False),
     Column("record", Text, nullable=False),  # JSON of otlp.SpanRecord
     Column("received_at", Float, nullable=False),
+    PrimaryKeyConstraint("trace_id", "span_id"),
 )
 
 trajectories = Table(
@@ -228,7 +233,19 @@ def score_version(updated_at: dt.datetime) -> str:
 
 def _v1(conn: Connection) -> None:
     """Version 1: spans, trajectories, rewards, groups, batches, batch membership."""
-    old = MetaData()  # the tables as version 1 defined them, where later versions add columns
+    old = MetaData()  # the tables as version 1 defined them, where later versions add columns or change keys
+    spans_v1 = Table(  # keyed by span id alone until version 12
+        "spans",
+        old,
+        Column("span_id", String(16), primary_key=True),
+        Column("trace_id", String(32), nullable=False, index=True),
+        Column("trajectory_id", String(256), nullable=False, index=True),
+        Column("name", Text, nullable=False),
+        Column("start_ns", BigInteger, nullable=False),
+        Column("end_ns", BigInteger, nullable=False),
+        Column("record", Text, nullable=False),
+        Column("received_at", Float, nullable=False),
+    )
     rewards_v1 = Table(
         "rewards",
         old,
@@ -281,8 +298,8 @@ def _v1(conn: Connection) -> None:
     )
     # No collector ever made these tables without recording version 1: one that exists belongs to another
     # application, whose database this is not (fail, change nothing, rather than alter its table or serve on it).
-    old.create_all(conn, tables=[rewards_v1, trajectories_v1, groups_v1, batches_v1], checkfirst=False)
-    metadata.create_all(conn, tables=[spans, batch_groups], checkfirst=False)
+    old.create_all(conn, tables=[spans_v1, rewards_v1, trajectories_v1, groups_v1, batches_v1], checkfirst=False)
+    metadata.create_all(conn, tables=[batch_groups], checkfirst=False)
 
 
 _REWARDS_V2 = ("span_id", "time_ns")
@@ -411,7 +428,24 @@ def _v11(conn: Connection) -> None:
     _add_columns(conn, trajectories, ("policy_step", "policy_step_spans"))
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11]
+def _v12(conn: Connection) -> None:
+    """Version 12: `spans` keyed by (trace id, span id) instead of span id alone, so that spans of different traces
+    with the same id are all stored (before it, the later trace's span was refused), and its index of `trace_id`
+    (which the key now serves) dropped. The stored spans keep their rows: PostgreSQL swaps the primary key in place;
+    SQLite, which cannot alter one, copies them into the table rebuilt."""
+    conn.execute(text("DROP INDEX ix_spans_trace_id"))
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("ALTER TABLE spans DROP CONSTRAINT spans_pkey, ADD PRIMARY KEY (trace_id, span_id)"))
+        return
+    conn.execute(text("ALTER TABLE spans RENAME TO spans_v11"))
+    conn.execute(text("DROP INDEX ix_spans_trajectory_id"))  # it moved with the table, under its name
+    spans.create(conn)
+    names = ", ".join(column.name for column in spans.columns)
+    conn.execute(text(f"INSERT INTO spans ({names}) SELECT {names} FROM spans_v11"))
+    conn.execute(text("DROP TABLE spans_v11"))
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -22,7 +22,7 @@ from collector import assembly, otlp
 from collector.auth import bearer_matches
 from collector.config import CollectorSettings, validation_problem
 from collector.engine import driver_reason
-from collector.errors import CollectorError, NotFound, SpanIdsTaken
+from collector.errors import CollectorError, NotFound
 from collector.protocol import (
     IDEMPOTENCY_KEY_HEADER,
     AckRequest,
@@ -161,23 +161,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return body
 
 
-async def _store_spans(store: Store, records: list[otlp.SpanRecord]) -> tuple[list[otlp.SpanRecord], list[str]]:
-    """Store `records` but those whose span id another trace holds: the spans stored or known, and why each of the
-    others was rejected. The store refuses a whole export for such spans (`SpanIdsTaken`): it is sent again without
-    them until one is stored (each try leaves out at least one span)."""
-    rejected: list[str] = []
-    while True:
-        try:
-            await run_in_threadpool(store.add_spans, records)
-        except SpanIdsTaken as taken:
-            problems = taken.problems
-            rejected += [f"span {r.name!r} ({r.span_id}): {problems[r.span_id, r.trace_id]}"
-                         for r in records if (r.span_id, r.trace_id) in problems]
-            records = [r for r in records if (r.span_id, r.trace_id) not in problems]
-        else:
-            return records, rejected
-
-
 def _authorize(request: Request) -> None:
     """Require `Authorization: Bearer <api_key>` when the app has an API key."""
     secret = request.app.state.settings.api_key
@@ -313,8 +296,8 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
     async def export_traces(request: Request, _: Auth) -> Response:
         """OTLP/HTTP trace export (protobuf or JSON, optionally gzip). 200 only after commit.
 
-        Spans that cannot be stored (invalid ids, non-finite rewards, over-long ids, a span id another trace
-        holds) are rejected one by one: the answer is then a `partial_success` that counts and explains them.
+        Spans that cannot be stored (invalid ids, non-finite rewards, over-long ids) are rejected one by one: the
+        answer is then a `partial_success` that counts and explains them.
         """
         body = await _read_body(request, settings.max_body_bytes)
         content_type = request.headers.get("content-type")
@@ -325,8 +308,7 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
                 rejected.append(f"span {record.name!r} ({record.span_id}): {problem}")
             else:
                 accepted.append(record)
-        accepted, taken = await _store_spans(store, accepted)
-        rejected += taken
+        await run_in_threadpool(store.add_spans, accepted)
         if rejected:
             log.warning("export: %d spans stored or known, %d rejected (%s)", len(accepted), len(rejected), rejected[0])
         payload, media_type = otlp.encode_response(content_type, rejected)

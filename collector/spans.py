@@ -25,11 +25,12 @@ COUNTS = {sc.GROUP_SIZE: 1, sc.POLICY_STEP: 0}
 
 
 def unique_sorted(spans: Iterable[SpanRecord]) -> list[SpanRecord]:
-    """Drop duplicate span ids (first wins) and sort by start, end, id."""
-    seen: dict[str, SpanRecord] = {}
+    """Drop duplicate spans, of one trace id and span id (first wins: a span id is unique within its trace only), and
+    sort by start, end, span id, trace id."""
+    seen: dict[tuple[str, str], SpanRecord] = {}
     for span in spans:
-        seen.setdefault(span.span_id, span)
-    return sorted(seen.values(), key=lambda s: (s.start_ns, s.end_ns, s.span_id))
+        seen.setdefault((span.trace_id, span.span_id), span)
+    return sorted(seen.values(), key=lambda s: (s.start_ns, s.end_ns, s.span_id, s.trace_id))
 
 
 def whole_number(value: Any, low: int) -> int | None:

@@ -33,7 +33,7 @@ from sqlalchemy.exc import OperationalError
 from collector import assembly, curve, leases, placement, pool, store_reads
 from collector.config import CollectorSettings
 from collector.engine import chunks, make_engine, use_wal
-from collector.errors import InvalidRequest, SpanIdsTaken
+from collector.errors import InvalidRequest
 from collector.otlp import SpanRecord
 from collector.protocol import (
     AckResponse,
@@ -59,10 +59,9 @@ __all__ = ["SqlStore"]
 log = logging.getLogger(__name__)
 
 
-def _id_taken(span: SpanRecord, other_trace: str, where: str) -> str:
-    """Why `span` is refused: its id is `where` ("stored", "sent earlier in this export") for `other_trace`."""
-    return (f"span id already {where} for trace {other_trace}, this span is of trace {span.trace_id}: the collector "
-            "needs span ids unique across traces (an id generator seeded alike?)")
+def _key(span: SpanRecord) -> tuple[str, str]:
+    """What identifies `span`, as OpenTelemetry does and the store keys it: its trace id and span id."""
+    return span.trace_id, span.span_id
 
 
 class SqlStore(Store):
@@ -103,26 +102,25 @@ class SqlStore(Store):
 
     # --- ingest -------------------------------------------------------------------------
     def add_spans(self, records: list[SpanRecord]) -> int:
-        """Store spans (duplicates ignored: of one span id and trace id the first sent, in this export or an earlier
+        """Store spans (duplicates ignored: of one trace id and span id the first sent, in this export or an earlier
         one) and update their trajectories; returns how many were new.
 
         Raises:
             InvalidRequest: a span has a problem (`assembly.span_problem`); nothing is stored.
-            SpanIdsTaken: a span's id is stored, or sent earlier in `records`, for another trace; nothing is stored.
         """
-        first: dict[str, SpanRecord] = {}
+        first: dict[tuple[str, str], SpanRecord] = {}
         for record in records:
-            first.setdefault(record.span_id, record)
+            first.setdefault(_key(record), record)
         unique = list(first.values())
         for record in unique:
             if problem := assembly.span_problem(record):
                 raise InvalidRequest(f"span {record.span_id}: {problem}", code="invalid_span")
-        return self._tx.run(lambda conn: self._add_spans(conn, unique, records)) if unique else 0
+        return self._tx.run(lambda conn: self._add_spans(conn, unique)) if unique else 0
 
-    def _add_spans(self, conn: Connection, unique: list[SpanRecord], records: list[SpanRecord]) -> int:
+    def _add_spans(self, conn: Connection, unique: list[SpanRecord]) -> int:
         """Insert the spans in one statement, then update each touched trajectory from its new spans only (`unique`:
-        the first of `records` of each span id)."""
-        keys = {r.span_id: assembly.trajectory_key(r) for r in unique}
+        the first of an export's spans of each trace id and span id)."""
+        keys = {_key(r): assembly.trajectory_key(r) for r in unique}
         # the trace ids too: an export of a rollout and one of another instrumentation's calls in its trace lock
         # different keys otherwise, and on PostgreSQL neither sees the other's rows (`placement`'s foreign calls)
         self._tx.lock(conn, TRAJECTORY_LOCKS, [key for key, _ in keys.values()] + [r.trace_id for r in unique])
@@ -131,21 +129,23 @@ class SqlStore(Store):
             {
                 "span_id": r.span_id,
                 "trace_id": r.trace_id,
-                "trajectory_id": keys[r.span_id][0],
+                "trajectory_id": keys[_key(r)][0],
                 "name": r.name,
                 "start_ns": r.start_ns,
                 "end_ns": r.end_ns,
                 "record": json.dumps(r.to_dict(), separators=(",", ":")),
                 "received_at": received,
             }
-            # in span id order: two exports that share ids (another trace's, refused below) wait on each other's rows
-            # in one order on PostgreSQL, never in a cycle (a deadlock, then a retry)
-            for r in sorted(unique, key=lambda record: record.span_id)
+            # in key order: two exports that share spans (an exporter's retry beside its first try) wait on each
+            # other's rows in one order on PostgreSQL, never in a cycle (a deadlock, then a retry)
+            for r in sorted(unique, key=_key)
         ]
-        insert = self._insert(spans).on_conflict_do_nothing(index_elements=["span_id"]).returning(spans.c.span_id)
-        inserted = set(conn.execute(insert, rows).scalars())
-        self._refuse_taken_ids(conn, records, {r.span_id: r.trace_id for r in unique if r.span_id in inserted})
-        new = [r for r in unique if r.span_id in inserted]
+        insert = (
+            self._insert(spans).on_conflict_do_nothing(index_elements=["trace_id", "span_id"])
+            .returning(spans.c.trace_id, spans.c.span_id)
+        )
+        inserted = {(trace_id, span_id) for trace_id, span_id in conn.execute(insert, rows)}
+        new = [r for r in unique if _key(r) in inserted]
         if not new:
             return 0
         reward_rows = [
@@ -154,12 +154,12 @@ class SqlStore(Store):
                 "value": reward.value, "source": "span", "span_id": record.span_id, "time_ns": reward.time_ns,
             }
             for record in new
-            for key, by_rollout in [keys[record.span_id]]
+            for key, by_rollout in [keys[_key(record)]]
             for reward in assembly.span_rewards(record)
         ]
         added: dict[tuple[str, bool], list[SpanRecord]] = {}
         for record in new:
-            added.setdefault(keys[record.span_id], []).append(record)
+            added.setdefault(keys[_key(record)], []).append(record)
         existing = self._trajectory_rows(conn, [key for key, _ in added])
         digests = {}
         for (key, by_rollout), records in sorted(added.items()):
@@ -178,7 +178,7 @@ class SqlStore(Store):
         self._tx.lock(conn, GROUP_LOCKS, [f.group_key for f in found.values()])
         by_trace = [r["trace_id"] for r in reward_rows if not r["rollout_id"]]
         held = {row["group_id"] for row in existing.values()} | pool.groups_of(conn, [], by_trace)
-        now = self._changing_groups(conn, held)
+        now = self._changing_groups(conn, held | placement.groups_changed(conn, found, digests, existing))
         if reward_rows:
             conn.execute(rewards.insert(), [{**row, "created_at": now} for row in reward_rows])
         placement.write_trajectories(
@@ -189,25 +189,6 @@ class SqlStore(Store):
         by_rollout = [r["rollout_id"] for r in reward_rows if r["rollout_id"] in existing]
         pool.rewarded(conn, by_rollout, by_trace, now)
         return len(new)
-
-    @staticmethod
-    def _refuse_taken_ids(conn: Connection, records: list[SpanRecord], inserted: dict[str, str]) -> None:
-        """Raise `SpanIdsTaken` when a span of `records` has its id held by another trace: stored before, or
-        `inserted` (span id: trace id) from an earlier span of `records`. A span of the trace that holds its id is an
-        ignored duplicate (an exporter's retry), wherever it comes in `records`.
-
-        Read after the insert, not before: on PostgreSQL the insert waited for an export that was storing the id and
-        then did nothing, and only a statement after it sees that export's row.
-        """
-        owners = {span_id: (trace_id, "sent earlier in this export") for span_id, trace_id in inserted.items()}
-        for chunk in chunks(sorted({record.span_id for record in records} - inserted.keys())):
-            rows = conn.execute(select(spans.c.span_id, spans.c.trace_id).where(spans.c.span_id.in_(chunk)))
-            owners.update({span_id: (trace_id, "stored") for span_id, trace_id in rows})
-        # an id gone since (the foreign calls of a rollout's trace are deleted) is no other trace's
-        taken = {(r.span_id, r.trace_id): _id_taken(r, *owners[r.span_id])
-                 for r in records if r.span_id in owners and owners[r.span_id][0] != r.trace_id}
-        if taken:
-            raise SpanIdsTaken(taken)
 
     def _changing_groups(self, conn: Connection, group_ids: Collection[str | None]) -> float:
         """The store's time (`_now`) for a transaction about to change the members or rewards of `group_ids`, taken
@@ -328,7 +309,9 @@ class SqlStore(Store):
         now = self._now(conn)
         # a deleted reward leaves no row dated after a lease: mark its trajectories changed instead, lest the late ack
         # of a lease that held it find them as they were (`leases._changed_since`)
-        conn.execute(trajectories.update().where(trajectories.c.trace_id.in_(traces)).values(updated_at=now))
+        scored = trajectories.c.trace_id.in_(traces)
+        placement.lock_trajectories(conn, scored)  # in id order, as the curve's save locks them
+        conn.execute(trajectories.update().where(scored).values(updated_at=now))
         pool.rewarded(conn, [], traces, now)
         if successor and conn.execute(select(rewards.c.id).where(rewards.c.score_id == successor[0])).first() is None:
             self._add_rewards(conn, [(successor[1], successor[0])])

@@ -49,7 +49,7 @@ class Store(ABC):
         """Store spans (duplicates ignored) and update their trajectories; returns how many were new.
 
         Raises:
-            InvalidRequest: a span cannot be stored; `SpanIdsTaken` when its id is another trace's. Nothing is stored.
+            InvalidRequest: a span cannot be stored; nothing is stored.
         """
 
     @abstractmethod

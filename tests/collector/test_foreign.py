@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import random
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
-from sqlalchemy import select, text
+from sqlalchemy import select
 
 from art_langgraph import semconv as sc
 from collector import placement, store_reads
@@ -41,6 +40,7 @@ from collector.scoring_config import JudgeSettings
 from collector.scoring_store import INGEST_DELAY, ScoringStore
 from collector.store import SqlStore
 from tests.collector.conftest import Clock
+from tests.collector.pausing import WAIT, beside_a_save, lock_waited_for, pause_after
 from tests.collector.server_helpers import collector_app
 from tests.collector.span_builders import llm, rollout, sid, to_request
 
@@ -779,20 +779,6 @@ def test_foreign_calls_kept_while_leased_are_deleted_when_their_group_returns_to
     assert [(group.id, [t.id for t in group.trajectories]) for group in leased] == [("chat", ["r1"])][:2 - members]
 
 
-WAIT = 10.0
-"""Seconds a test waits for another thread before it fails."""
-
-
-def _until_a_lock_is_waited_for(store: Any) -> None:
-    """Return once a transaction on PostgreSQL waits for a lock (or after `WAIT` seconds)."""
-    deadline = time.monotonic() + WAIT
-    with store.engine.connect() as conn:
-        while time.monotonic() < deadline and not conn.execute(
-            text("SELECT count(*) FROM pg_locks WHERE NOT granted")
-        ).scalar():
-            time.sleep(0.01)
-
-
 def _returning_paused(
     store: Any, clock: Any, monkeypatch: pytest.MonkeyPatch, end: str
 ) -> tuple[threading.Event, threading.Thread]:
@@ -807,15 +793,7 @@ def _returning_paused(
     batch = store.lease(BatchRequest(lease_seconds=10))
     clock.now += 1
     store.add_spans(_ours("r1", TRACE_A, 100))
-    deleted, resume = threading.Event(), threading.Event()
-    forget = placement.forget_deferred_foreign
-
-    def paused(*args: Any, **kwargs: Any) -> None:
-        forget(*args, **kwargs)
-        deleted.set()
-        assert resume.wait(WAIT)
-
-    monkeypatch.setattr(placement, "forget_deferred_foreign", paused)
+    deleted, resume = pause_after(monkeypatch, placement, "forget_deferred_foreign")
     if end == "released":
         giving_back = threading.Thread(target=store.release, args=(batch.id, ReleaseRequest(reason="x", failed=False)))
     else:
@@ -841,7 +819,7 @@ def test_an_export_of_the_trace_waits_for_the_return_that_deletes_its_foreign_ca
     resume, giving_back = _returning_paused(store, clock, monkeypatch, end)
     exporting = threading.Thread(target=store.add_spans, args=([_our_call_outside_the_rollout()],))
     exporting.start()
-    _until_a_lock_is_waited_for(store)
+    lock_waited_for(store.engine)
     resume.set()
     giving_back.join(WAIT)
     exporting.join(WAIT)
@@ -876,7 +854,7 @@ def test_a_judges_scores_wait_for_the_release_that_deletes_the_member_they_score
 
     def waited_for(*args: Any, **kwargs: Any) -> Any:
         def resume_once_waited_for() -> None:
-            _until_a_lock_is_waited_for(store)
+            lock_waited_for(store.engine)
             resume.set()
 
         threading.Thread(target=resume_once_waited_for, daemon=True).start()
@@ -921,10 +899,29 @@ def test_idle_completion_and_a_deletion_of_foreign_calls_lock_a_group_and_its_me
     assert holding.wait(WAIT)
     reading = threading.Thread(target=store.groups)  # its upkeep first
     reading.start()
-    _until_a_lock_is_waited_for(store)
+    lock_waited_for(store.engine)
     resume.set()
     exporting.join(WAIT)
     reading.join(WAIT)
 
     assert "deadlock" not in caplog.text
     assert sorted(t.id for t in store.trajectories()) == sorted(["r1", TRACE_B])
+
+
+def test_a_deletion_of_foreign_calls_dates_the_members_left_in_the_order_the_curves_steps_are_saved(
+    make_store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The save of the reward curve's policy steps (`PolicySteps.save`, in id order) held the row of member B and was
+    to update C's; the rollout's export deleted the foreign calls of their group and dated the members left in the
+    table's order: it took C (first in the table), then waited for B. Once the save went on to C, each waited for the
+    other: PostgreSQL aborted one as a deadlock. Both lock trajectories in id order."""
+    store = make_store(min_group_size=3)
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has one writer at a time: nothing runs beside the export")
+    for n, trace in enumerate((TRACE_C, TRACE_B, TRACE_A)):  # C's row is the first in the table
+        call = _openinference_llm(trace, 111 + 10 * n, None, marked=False)
+        store.add_spans([replace(call, attributes=call.attributes | {sc.GROUP: "g"})])
+    added = beside_a_save(store.engine, [TRACE_B, TRACE_C], lambda: store.add_spans(_ours("r1", TRACE_A, 100)))
+
+    assert added == 3 and "deadlock" not in caplog.text
+    assert sorted(t.id for t in store.trajectories(group="g")) == [TRACE_B, TRACE_C]

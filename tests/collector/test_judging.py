@@ -22,7 +22,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from art_langgraph import semconv as sc
@@ -38,6 +38,7 @@ from collector.store import SqlStore
 from examples.stack import free_port
 from tests.collector import span_builders as sb
 from tests.collector.conftest import Clock
+from tests.collector.pausing import lock_waited_for, pause_after
 from tests.collector.seeding import group_spans, make_app, trace_id
 from tests.collector.test_foreign import TRACE_A, _openinference_chain, _openinference_llm, _ours
 from tests.collector.test_store_rewards import refuse_reward
@@ -1015,21 +1016,10 @@ def test_an_export_in_flight_as_the_scores_are_written_is_waited_for_and_seen(
     replica_stores[0].add_spans(_unsized("h")[:4])
     judge = GroupJudge(replica_stores[0], ScoringStore(replica_stores[0].engine), JudgeSettings(),
                        client=HeldJudge(released=True), clock=clock)
-    written, resume = threading.Event(), threading.Event()
-    write = placement.write_trajectories
-
-    def paused(*args: Any, **kwargs: Any) -> None:
-        write(*args, **kwargs)
-        written.set()
-        assert resume.wait(WAIT)
+    written, resume = pause_after(monkeypatch, placement, "write_trajectories")
 
     def resume_once_waited_for() -> None:
-        deadline = time.monotonic() + WAIT
-        with replica_stores[1].engine.connect() as conn:
-            while time.monotonic() < deadline and not conn.execute(
-                text("SELECT count(*) FROM pg_locks WHERE NOT granted")
-            ).scalar():
-                time.sleep(0.01)
+        lock_waited_for(replica_stores[1].engine)
         resume.set()
 
     store_rewards = judge.store.add_rewards
@@ -1040,7 +1030,6 @@ def test_an_export_in_flight_as_the_scores_are_written_is_waited_for_and_seen(
         threading.Thread(target=resume_once_waited_for, daemon=True).start()
         return store_rewards(*args, **kwargs)
 
-    monkeypatch.setattr(placement, "write_trajectories", paused)
     monkeypatch.setattr(judge.store, "add_rewards", export_in_flight)
     run = judge.judge(group)
     assert (run.state, run.judgements) == ("failed", []) and run.error.startswith("judge_stale")

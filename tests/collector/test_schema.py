@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from sqlalchemy import text
 
+from art_langgraph import semconv as sc
 from collector.protocol import BatchRequest
 from collector.schema import SCHEMA_VERSION
 from tests.collector.span_builders import trajectory
@@ -428,4 +431,51 @@ def test_migration_from_version_10_steps_the_stored_trajectories_on_the_next_cur
     assert [facts.policy_step for facts in store.curve_facts()] == [0]
     with store.engine.connect() as conn:
         assert conn.execute(stored).all() == [(0, 2)]
+    store.close()
+
+
+def test_migration_from_version_11_keys_spans_by_trace_and_span_id(db_url, clock) -> None:
+    """Version 12 keys spans by (trace id, span id), the index of `trace_id` dropped (the key serves it): the spans
+    stored before it keep their trajectories, an exporter's retry of them is still ignored, and another trace's span of
+    a stored id is stored (before, it was refused)."""
+    import json
+
+    from sqlalchemy import inspect
+
+    from collector.config import CollectorSettings
+    from collector.engine import make_engine
+    from collector.schema import MIGRATIONS, schema_version, spans, trajectories
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database does not outlive its engine")
+    old = make_engine(url)
+    stored = trajectory(10, "a", reward=None)
+    with old.begin() as conn:  # a database as version 11 left it, with a trajectory of two spans
+        schema_version.create(conn)
+        for version in range(11):
+            MIGRATIONS[version](conn)
+            conn.execute(schema_version.insert().values(version=version + 1, applied_at=0.0))
+        for record in stored:
+            conn.execute(spans.insert().values(
+                span_id=record.span_id, trace_id=record.trace_id, trajectory_id="a", name=record.name,
+                start_ns=record.start_ns, end_ns=record.end_ns, record=json.dumps(record.to_dict()), received_at=0.0,
+            ))
+        conn.execute(trajectories.insert().values(
+            id="a", trace_id=record.trace_id, by_rollout=True, group_key="g", group_id="g", task=None, split="train",
+            complete=True, created_at=0.0, updated_at=0.0,
+        ))
+    assert inspect(old).get_pk_constraint("spans")["constrained_columns"] == ["span_id"]
+    old.dispose()
+    store = SqlStore(CollectorSettings(db=url), clock=clock)
+    store.setup()
+    found = inspect(store.engine)
+    assert found.get_pk_constraint("spans")["constrained_columns"] == ["trace_id", "span_id"]
+    assert [index["name"] for index in found.get_indexes("spans")] == ["ix_spans_trajectory_id"]
+    assert store.add_spans(stored) == 0  # a retry of the stored spans
+    copy = [dataclasses.replace(record, trace_id="f" * 32, attributes={**record.attributes, sc.ROLLOUT_ID: "b"})
+            for record in stored]
+    assert store.add_spans(copy) == 2
+    assert [[s.token_ids for s in store.trajectory(t).sequences] for t in ("a", "b")] == [[[1, 2, 10]], [[1, 2, 10]]]
     store.close()

@@ -7,19 +7,18 @@ Rewards, groups, leases and migrations have modules of their own: `test_store_re
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from sqlalchemy import event, text
+from sqlalchemy import event
 
 from collector import assembly, pool
 from collector.config import CollectorSettings
-from collector.errors import SpanIdsTaken
 from collector.otlp import SpanRecord
 from collector.protocol import BatchRequest, ReleaseRequest, RewardIn
 from collector.store import SqlStore
-from tests.collector.span_builders import llm, rollout, rollout_group, sid, trajectory
+from tests.collector.pausing import beside_a_save, lock_waited_for
+from tests.collector.span_builders import TRACE, llm, rollout, rollout_group, sid, trajectory
 
 
 def test_duplicate_spans_are_ignored(make_store) -> None:
@@ -44,46 +43,43 @@ def _reseeded(rollout_id: str, trace: str, *, extra: bool = False) -> list[SpanR
     return spans + more if extra else spans
 
 
-def test_a_span_id_another_trace_holds_is_refused_and_its_export_stores_nothing(make_store) -> None:
-    """OpenTelemetry span ids are unique within a trace only; the store keys spans by id alone, and a second trace's
-    spans with ids already stored were dropped as duplicates while the export succeeded."""
+def test_spans_of_other_traces_with_stored_span_ids_are_stored_too(make_store) -> None:
+    """OpenTelemetry span ids are unique within a trace only (a span is its trace id and span id); the store keyed
+    spans by span id alone and refused a second trace's spans with ids already stored, so an app that reseeds its id
+    generator alike for every rollout lost every rollout's spans but the first's."""
     store = make_store()
     assert store.add_spans(_reseeded("a", _A)) == 2
-    with pytest.raises(SpanIdsTaken) as raised:
-        store.add_spans(_reseeded("b", _B, extra=True))
-    assert set(raised.value.problems) == {(sid(1), _B), (sid(2), _B)}
-    problem = raised.value.problems[sid(1), _B]
-    assert f"already stored for trace {_A}" in problem and _B in problem and "seeded alike" in problem
-    assert store.trajectory("b") is None  # nothing stored, its new span neither
-    assert store.add_spans(_reseeded("a", _A)) == 0  # a retry of the first export: duplicates, ignored
-    assert store.add_spans(_reseeded("b", _B, extra=True)[2:]) == 1
+    assert store.add_spans(_reseeded("b", _B, extra=True)) == 3
+    assert store.add_spans(_reseeded("a", _A) + _reseeded("b", _B, extra=True)) == 0  # retries: duplicates, ignored
+    a, b = store.trajectory("a"), store.trajectory("b")
+    assert a is not None and b is not None and a.complete and b.complete
+    assert [s.token_ids for s in a.sequences] == [[1, 2]] and [s.token_ids for s in b.sequences] == [[1, 2, 4, 5]]
+    assert (a.rewards, b.rewards) == ({"reward": 1.0}, {"reward": 1.0})
 
 
-def test_a_span_id_sent_earlier_in_the_export_for_another_trace_is_refused(make_store) -> None:
+def test_one_export_of_traces_that_share_span_ids_stores_each_trace_s_spans_once(make_store) -> None:
+    """The export's own duplicates were told apart by span id alone: another trace's copy of an id counted as one."""
     store = make_store()
-    with pytest.raises(SpanIdsTaken) as raised:
-        store.add_spans(_reseeded("a", _A) + _reseeded("a", _A) + _reseeded("b", _B))
-    assert set(raised.value.problems) == {(sid(1), _B), (sid(2), _B)}
-    assert f"already sent earlier in this export for trace {_A}" in raised.value.problems[sid(2), _B]
-    assert store.trajectories() == []
+    assert store.add_spans(_reseeded("a", _A) + _reseeded("b", _B) + _reseeded("a", _A) + _reseeded("b", _B)) == 4
+    assert [(t.id, [s.token_ids for s in t.sequences]) for t in store.trajectories()] == [
+        ("a", [[1, 2]]), ("b", [[1, 2]])
+    ]
 
 
-def test_the_stored_trace_keeps_its_span_id_wherever_its_copy_comes_in_an_export(make_store) -> None:
-    """An export that sends a stored span again after another trace's copy of its id: the stored trace's copy was
-    refused as "sent earlier in this export" for the other trace, which the store refused in turn."""
-    store = make_store()
-    assert store.add_spans(_reseeded("a", _A)) == 2
-    with pytest.raises(SpanIdsTaken) as raised:
-        store.add_spans(_reseeded("b", _B) + _reseeded("a", _A))
-    assert set(raised.value.problems) == {(sid(1), _B), (sid(2), _B)}
-    assert f"already stored for trace {_A}" in raised.value.problems[sid(1), _B]
-    assert store.add_spans(_reseeded("a", _A)) == 0  # the stored trace's copies: duplicates
-    assert [t.id for t in store.trajectories()] == ["a"]
+def test_a_copy_of_a_trace_under_another_trace_id_in_the_same_rollout_keeps_both_copies(make_store) -> None:
+    """A trace replayed under a new trace id with its rollout id: both traces' spans are the rollout's, as spans of
+    another trace with other ids would be, whichever arrives first (before, the copy was refused)."""
+    for order in ((_A, _B), (_B, _A)):
+        store = make_store()
+        for trace in order:
+            assert store.add_spans(_reseeded("a", trace)) == 2
+        traj = store.trajectory("a")
+        assert traj is not None and [s.token_ids for s in traj.sequences] == [[1, 2], [1, 2]]
 
 
-def test_of_two_racing_exports_of_one_span_id_the_later_trace_is_refused(db_url, clock) -> None:
-    """On PostgreSQL the second export's insert waits for the first's uncommitted row, then does nothing: the span
-    was dropped unless the store reads back whose the id is."""
+def test_an_export_beside_another_trace_s_uncommitted_spans_of_its_ids_waits_for_nothing(db_url, clock) -> None:
+    """On PostgreSQL the second trace's insert waited for the first export's uncommitted rows of the same span ids,
+    then was refused: now the spans are other rows, and it is stored while the first export is still open."""
     url = db_url()
     if not url.startswith("postgresql"):
         pytest.skip("SQLite has one writer at a time: exports do not race")
@@ -99,27 +95,15 @@ def test_of_two_racing_exports_of_one_span_id_the_later_trace_is_refused(db_url,
 
     with ThreadPoolExecutor(2) as executor:
         stored = executor.submit(first.add_spans, _reseeded("a", _A))
-        assert inserted.wait(30)
-        refused = executor.submit(second.add_spans, _reseeded("b", _B))
-        assert _waits_for_a_lock(first), "the second export never waited for the first one's row"
-        resume.set()
+        try:
+            assert inserted.wait(30)
+            assert executor.submit(second.add_spans, _reseeded("b", _B)).result(timeout=30) == 2
+        finally:
+            resume.set()
         assert stored.result() == 2
-        with pytest.raises(SpanIdsTaken, match=f"already stored for trace {_A}"):
-            refused.result()
-    assert [t.id for t in second.trajectories()] == ["a"]
+    assert [t.id for t in second.trajectories()] == ["a", "b"]
     for store in (first, second):
         store.close()
-
-
-def _waits_for_a_lock(store: SqlStore, waiting: int = 1) -> bool:
-    """Whether `waiting` transactions on the store's PostgreSQL database come to wait for a lock within 30 s."""
-    with store.engine.connect() as conn:
-        for _ in range(3000):
-            if conn.execute(text("SELECT count(*) FROM pg_locks WHERE NOT granted")).scalar_one() >= waiting:
-                return True
-            conn.rollback()
-            time.sleep(0.01)
-    return False
 
 
 def _reward_holding_its_group(
@@ -151,7 +135,7 @@ def _in_turn(store: SqlStore, resume: threading.Event, holder: threading.Thread,
         futures = []
         for n, job in enumerate(work, start=1):
             futures.append(executor.submit(job))
-            assert _waits_for_a_lock(store, n), f"{n} transactions never waited for a lock"
+            assert lock_waited_for(store.engine, n), f"{n} transactions never waited for a lock"
         resume.set()
         holder.join(30)
         return [future.result() for future in futures]
@@ -241,6 +225,45 @@ def test_an_export_locks_the_open_groups_of_its_keys_in_the_order_rewards_do(mak
     assert "deadlock" not in caplog.text
     assert [reward.trajectory_known for reward in stored] == [True, True] and added == 4
     assert sorted((group.id, group.size) for group in store.groups()) == [("a", 2), ("b", 2)]
+
+
+def test_an_export_locks_the_groups_of_its_members_and_of_its_keys_in_one_pass(make_store, clock, monkeypatch,
+                                                                              caplog) -> None:
+    """A reward for groups a and b waited for a, held by another reward; an export of a new turn of b's member and of a
+    new member of a took b (its member's group) first, then waited for a (the open group of the new member's key). Once
+    a was free, the reward took it and waited for b: PostgreSQL aborted one as a deadlock, retried. An export locks
+    every group it changes in one pass, in id order."""
+    store = make_store()
+    store.add_spans(trajectory(10, "b1", reward=1.0, group="b"))
+    clock.now += 1
+    store.add_spans(trajectory(30, "a1", reward=1.0, group="a"))
+    resume, holder = _reward_holding_its_group(store, monkeypatch, RewardIn(rollout_id="a1", value=0.1))
+    both = [RewardIn(rollout_id="a1", value=0.2), RewardIn(rollout_id="b1", value=0.3)]
+    turn = llm(12, rollout="b1", trace=f"{10:032x}", start=30, prompt=[1, 2, 10], completion=[5], logprobs=[-1.0])
+    export = [turn, *trajectory(40, "a2", reward=0.0, group="a")]
+    stored, added = _in_turn(store, resume, holder, lambda: store.add_rewards(both), lambda: store.add_spans(export))
+
+    assert "deadlock" not in caplog.text
+    assert [reward.trajectory_known for reward in stored] == [True, True] and added == 3
+    assert sorted((group.id, group.size) for group in store.groups()) == [("a", 2), ("b", 1)]
+
+
+def test_a_withdrawn_score_locks_its_trajectories_in_the_order_the_curves_steps_are_saved(make_store, caplog) -> None:
+    """The save of the reward curve's policy steps (`PolicySteps.save`, in id order) held r1 and was to update r2; the
+    withdrawal of a score of their trace dated them in the table's order: it took r2 (first in the table), then waited
+    for r1. Once the save went on to r2, each waited for the other: PostgreSQL aborted one as a deadlock. Both lock
+    trajectories in id order."""
+    store = make_store()
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has one writer at a time: nothing runs beside a transaction")
+    for n, rollout_id in ((20, "r2"), (10, "r1")):  # r2's row is the first in the table
+        store.add_spans([llm(n + 1, rollout=rollout_id, start=10, prompt=[1], completion=[2]),
+                         rollout(n, rollout_id, group="g", size=2)])
+    store.add_reward(RewardIn(trace_id=TRACE, value=0.5), score_id="s1")
+    withdrawn = beside_a_save(store.engine, ["r1", "r2"], lambda: store.withdraw_score("s1", None))
+
+    assert withdrawn and "deadlock" not in caplog.text
+    assert (store.trajectory("r1").reward, store.trajectory("r2").reward) == (None, None)
 
 
 def test_children_before_rollout_span(make_store) -> None:
