@@ -143,7 +143,8 @@ _root_trace_id: ContextVar[int | None] = ContextVar("art_langgraph_root_trace_id
 class _UnseededIds(IdGenerator):
     """Trace and span ids from the operating system's randomness, not Python's `random` (the SDK's default): an app
     that seeds `random` alike for each rollout (to replay a task) gave its rollouts the same ids, and the collector
-    keeps one span per id. A root span `start_root_span` starts in a given trace gets that trace's id."""
+    keeps one span per trace id and span id. A root span `start_root_span` starts in a given trace gets that
+    trace's id."""
 
     def generate_span_id(self) -> int:
         return _nonzero(64)
