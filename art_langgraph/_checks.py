@@ -22,10 +22,14 @@ def check_count(size: int | None, what: str = "group_size", limit: int = semconv
 
 
 def check_timeout(timeout: float, what: str) -> float:
-    """`timeout` as a float: a number of seconds (NumPy's too, `math.inf` included), 0 or more, not NaN, not a bool."""
+    """`timeout` as a float: a number of seconds (NumPy's too, `math.inf` included), 0 or more, not NaN, not a bool;
+    an int past a float's range is `math.inf` (or below 0)."""
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"{what} must be a number of seconds, got {type(timeout).__name__}")
-    seconds = float(timeout)
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # `float(10**400)` raises: no wait is that long, so it is one as long as it takes
+        seconds = math.inf if timeout > 0 else -math.inf
     if math.isnan(seconds) or seconds < 0:
         raise ValueError(f"{what} must be 0 or more seconds (math.inf to wait as long as it takes), got {timeout}")
     return seconds

@@ -149,8 +149,20 @@ def test_flush_with_an_infinite_timeout_flushes(receivers) -> None:
     assert len(collector.spans()) == 1
 
 
-@pytest.mark.parametrize(("timeout", "error"), [(math.nan, ValueError), (-1, ValueError), (True, TypeError),
-                                                ("5", TypeError)])
+def test_flush_with_a_timeout_past_a_floats_range_waits_as_with_an_infinite_one(receivers) -> None:
+    """`flush(timeout=10**400)` raised an `OverflowError` (`float()` of an int past a float's range) that its
+    docstring does not name; such a timeout is longer than any wait, as `math.inf` is."""
+    collector, _ = receivers
+    art_langgraph.configure(collector_url=collector.url)
+    with rollout("flushed"):
+        pass
+    assert art_langgraph.flush(timeout=10**400)
+    assert len(collector.spans()) == 1
+
+
+@pytest.mark.parametrize(("timeout", "error"), [(math.nan, ValueError), (-1, ValueError),
+                                                pytest.param(-(10**400), ValueError, id="-10**400"),
+                                                (True, TypeError), ("5", TypeError)])
 @pytest.mark.parametrize("call", ["flush", "shutdown"])
 def test_a_timeout_that_is_no_wait_is_refused(memory_tracing, call: str, timeout: object, error: type) -> None:
     """`flush(math.nan)` returned False with a traceback logged from the export thread (`int(nan)`), `flush(-1)` gave
