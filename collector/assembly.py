@@ -192,25 +192,27 @@ _FACT_KEYS = (sc.GROUP, sc.TASK, sc.GROUP_SIZE, sc.SPLIT)
 
 
 def _order(span: SpanRecord) -> list[Any]:
-    """A span's place in a trajectory: start, end, id (the order of `spans.unique_sorted`)."""
-    return [span.start_ns, span.end_ns, span.span_id]
+    """A span's place in a trajectory: start, end, span id, trace id (the order of `spans.unique_sorted`: spans of
+    two traces in one trajectory may share a span id)."""
+    return [span.start_ns, span.end_ns, span.span_id, span.trace_id]
 
 
 @dataclass
 class FactsDigest:
     """What `TrajectoryFacts` need from a trajectory's spans, kept up to date span by span.
 
-    Each part is a minimum by span order (start, end, id) or an "any", so adding spans in any
+    Each part is a minimum by span order (`_order`) or an "any", so adding spans in any
     order, or the same span twice, gives the same digest; the store keeps it on the trajectory
     row, so an export costs work for its own spans only, not for every span stored before.
     """
 
     rollout: list[Any] | None = None
-    """The first rollout span: its order, trace id, and its non-None grouping attributes."""
+    """The first rollout span: its order (which ends with its trace id), and its non-None grouping attributes."""
     first: list[Any] | None = None
-    """The first span: its order and trace id."""
+    """The first span: its order (which ends with its trace id)."""
     attrs: dict[str, list[Any]] = field(default_factory=dict)
-    """Per grouping attribute, the first span that has it (not None): its order and the value."""
+    """Per grouping attribute, the first span that has it (not None): its order and the value (a digest stored
+    before the order held the trace id has parts of 3 items, first on a tie)."""
     llm: bool = False
     """Some span is a model call."""
     ours: bool = False
@@ -227,27 +229,27 @@ class FactsDigest:
         """Take `spans` into account."""
         for span in spans:
             order = _order(span)
-            if self.first is None or order < self.first[:3]:
-                self.first = [*order, span.trace_id]
+            if self.first is None or order < self.first:
+                self.first = order
             if span.attributes.get(sc.SPAN_KIND) == sc.SPAN_KIND_ROLLOUT and (
-                self.rollout is None or order < self.rollout[:3]
+                self.rollout is None or order < self.rollout[:4]
             ):
                 kept = {key: span.attributes[key] for key in _FACT_KEYS if span.attributes.get(key) is not None}
-                self.rollout = [*order, span.trace_id, kept]
+                self.rollout = [*order, kept]
             for key in _FACT_KEYS:
-                if span.attributes.get(key) is not None and (key not in self.attrs or order < self.attrs[key][:3]):
+                if span.attributes.get(key) is not None and (key not in self.attrs or order < self.attrs[key][:-1]):
                     self.attrs[key] = [*order, span.attributes[key]]
             self.llm = self.llm or is_llm(span)
             self.ours = self.ours or span.attributes.get(sc.SPAN_KIND) == sc.SPAN_KIND_LLM
 
     def merge(self, other: FactsDigest) -> None:
         """Take into account the spans `other` saw (as `add` of them would)."""
-        if other.first is not None and (self.first is None or other.first[:3] < self.first[:3]):
+        if other.first is not None and (self.first is None or other.first < self.first):
             self.first = other.first
-        if other.rollout is not None and (self.rollout is None or other.rollout[:3] < self.rollout[:3]):
+        if other.rollout is not None and (self.rollout is None or other.rollout[:4] < self.rollout[:4]):
             self.rollout = other.rollout
         for key, part in other.attrs.items():
-            if key not in self.attrs or part[:3] < self.attrs[key][:3]:
+            if key not in self.attrs or part[:-1] < self.attrs[key][:-1]:
                 self.attrs[key] = part
         self.llm = self.llm or other.llm
         self.ours = self.ours or other.ours
@@ -273,7 +275,7 @@ class FactsDigest:
         """An attribute from the rollout span, else from the first span that has it."""
         if self.rollout is not None and key in self.rollout[4]:
             return self.rollout[4][key]
-        return self.attrs[key][3] if key in self.attrs else None
+        return self.attrs[key][-1] if key in self.attrs else None
 
     def facts(self, trajectory_id: str) -> TrajectoryFacts:
         """The facts of the trajectory whose spans this digest saw.

@@ -392,6 +392,26 @@ def test_facts_digest_in_any_order_and_pieces_equals_facts_of_all() -> None:
         FactsDigest().facts("r1")
 
 
+def test_facts_digest_orders_spans_of_one_id_in_two_traces_by_trace_id() -> None:
+    """Spans of two traces in one trajectory (a resumed run) may share a span id, start and end, as stored since
+    spans are keyed by (trace id, span id): the digest takes the first by trace id too, as `unique_sorted` orders
+    them, whatever order they come in; a digest stored before it (parts without a trace id) still reads."""
+    rollouts = [rollout(5, "r1", trace=trace * 32, group=f"g{trace}") for trace in "ab"]
+    calls = [llm(6, rollout="r1", trace=trace * 32, start=1, task=f"t{trace}", prompt=[1], completion=[2])
+             for trace in "ab"]
+    for spans in (rollouts, calls):
+        expected = facts("r1", spans)
+        assert expected.trace_id == "a" * 32 and "a" in f"{expected.group_key}{expected.task}"
+        for order in (spans, spans[::-1]):
+            assert FactsDigest.of(order).facts("r1") == expected
+            merged = FactsDigest.of(order[:1])
+            merged.merge(FactsDigest.of(order[1:]))
+            assert merged.facts("r1") == expected
+    stored = FactsDigest.from_json(json.dumps({"rollout": None, "first": [1, 11, sid(6), "b" * 32],
+                                               "attrs": {sc.TASK: [1, 11, sid(6), "tb"]}, "llm": True}))
+    assert stored.facts("r1").task == "tb"
+
+
 def test_facts_digest_tells_calls_of_other_instrumentations_only() -> None:
     """`foreign_only` survives storage and merges; a digest stored before it existed counts its calls as ours, so a
     trajectory stored then is kept as it was."""
