@@ -52,10 +52,12 @@ def _open_instances(conn: Connection, keys: list[str]) -> dict[str, list[dict[st
     first. The export locked them before, with every other group it changes, in one pass in id order
     (`groups_changed`): here only one opened since (given back or reopened) waits to be locked."""
     found: dict[str, list[dict[str, Any]]] = {key: [] for key in keys}
+    # in `BYTE_ORDER`, as every lock of several groups is taken (`pool.lock_groups`); SQLite has no such collation,
+    # and its own (BINARY) compares the bytes
+    order = groups.c.id.collate(BYTE_ORDER) if conn.dialect.name == "postgresql" else groups.c.id
     for chunk in chunks(keys):
         query = (
-            select(groups).where(groups.c.key.in_(chunk), groups.c.state == "open")
-            .order_by(groups.c.id).with_for_update()
+            select(groups).where(groups.c.key.in_(chunk), groups.c.state == "open").order_by(order).with_for_update()
         )
         for row in conn.execute(query).mappings():
             found[row["key"]].append(dict(row))
@@ -212,13 +214,24 @@ def _trace_rows(conn: Connection, trace_ids: list[str]) -> dict[str, Any]:
 
 
 def _rollout_traces(conn: Connection, found: dict[tuple[str, bool], TrajectoryFacts], trace_ids: set[str]) -> set[str]:
-    """Those of `trace_ids` that hold an ART rollout: one of the export (`found`) or one stored before."""
+    """Those of `trace_ids` that hold an ART rollout: one of the export (`found`) or one stored before.
+
+    A trace holds a rollout when it holds any of the rollout's spans (stored under the rollout id; the export's are
+    stored by now), not only when it is the rollout row's `trace_id`: a rollout spread over traces (a graph run
+    resumed in a new trace) names the trace of its first rollout span there, which a later span may change, and a
+    trace may hold only its model calls. Two lookups by key, the spans' (led by the trace id since schema version
+    12), then the trajectories': joined in one query, PostgreSQL scanned every trajectory row."""
     held = {facts.trace_id for (_, by_rollout), facts in found.items() if by_rollout} & trace_ids
     for chunk in chunks(sorted(trace_ids - held)):
-        query = select(trajectories.c.trace_id).where(
-            trajectories.c.by_rollout.is_(True), trajectories.c.trace_id.in_(chunk)
-        )
-        held.update(conn.execute(query.distinct()).scalars())
+        traces_of: dict[str, set[str]] = {}
+        for trajectory_id, trace_id in conn.execute(
+            select(spans.c.trajectory_id, spans.c.trace_id).where(spans.c.trace_id.in_(chunk)).distinct()
+        ):
+            traces_of.setdefault(trajectory_id, set()).add(trace_id)
+        for ids in chunks(sorted(traces_of)):
+            query = select(trajectories.c.id).where(trajectories.c.id.in_(ids), trajectories.c.by_rollout.is_(True))
+            for rollout_id in conn.execute(query).scalars():
+                held |= traces_of[rollout_id]
     return held
 
 
@@ -298,7 +311,7 @@ def _without_foreign_calls_in_rollouts(
     deleted trajectory's are, with the trace's earlier spans outside any rollout (e.g. the tool's span, stored for a
     model call to come): such spans are read only for their trace's own trajectory, which a later call of ours outside
     the rollout may still make (without them, as after a deleted one); a later export of the trace is left out again
-    by its rollout's row (`_rollout_traces`), not by these spans.
+    by its rollout's spans (`_rollout_traces`), not by these.
     """
     rollout_traces = {facts.trace_id for (_, by_rollout), facts in found.items() if by_rollout}
     candidates = {

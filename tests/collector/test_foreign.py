@@ -13,6 +13,7 @@ import json
 import random
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from art_langgraph import semconv as sc
 from collector import placement, store_reads
@@ -684,6 +685,33 @@ def test_foreign_calls_that_come_with_or_after_their_rollout_leave_no_spans(make
     assert store.trajectory("r1").token_exact
 
 
+@pytest.mark.parametrize("spread", ["rollout spans", "model calls"])
+def test_foreign_calls_in_any_trace_of_a_rollout_spread_over_traces_stay_left_out(make_store, clock,
+                                                                                    spread: str) -> None:
+    """A rollout spread over two traces (a graph run resumed in a new trace): its row names one of them, the trace of
+    its first rollout span, which a span of the rollout arriving later may change. A trace held another model's calls
+    only as long as it was the row's: a retry of their export, after the row went back to the first trace, made a
+    trajectory (and a group) of them again. Each trace that holds a span of the rollout holds it, even one of its
+    model calls only."""
+    store = make_store(min_group_size=1, keep_zero_spread=True)
+    theirs = _openinference_llm(TRACE_B, 211, None, marked=False)
+    store.add_spans([rollout(40, "r1", trace=TRACE_A, group="g", size=2),
+                     llm(30, rollout="r1", trace=TRACE_A, start=1, prompt=[1], completion=[2])])
+    if spread == "rollout spans":
+        store.add_spans([theirs])
+        store.add_spans([rollout(20, "r1", trace=TRACE_B, group="g", size=2)])  # deletes their trajectory
+        store.add_spans([rollout(10, "r1", trace=TRACE_A, group="g", size=2)])  # the row's trace: back to TRACE_A
+    else:
+        store.add_spans([llm(50, rollout="r1", trace=TRACE_B, start=60, prompt=[1, 2, 3], completion=[4])])
+    store.add_spans([theirs])  # an exporter's retry, or their first export
+
+    assert store.trajectory("r1").trace_id == TRACE_A
+    assert [t.id for t in store.trajectories()] == ["r1"]
+    assert [group.id for group in store.groups()] == ["g"]
+    with store.engine.connect() as conn:
+        assert conn.execute(select(span_rows.c.span_id).where(span_rows.c.trajectory_id == TRACE_B)).all() == []
+
+
 def test_describes_art_call_reads_each_convention() -> None:
     assert describes_art_call(_openinference_llm(TRACE_A, 1, None, marked=True).attributes)
     assert not describes_art_call(_openinference_llm(TRACE_A, 1, None, marked=False).attributes)
@@ -925,3 +953,28 @@ def test_a_deletion_of_foreign_calls_dates_the_members_left_in_the_order_the_cur
 
     assert added == 3 and "deadlock" not in caplog.text
     assert sorted(t.id for t in store.trajectories(group="g")) == [TRACE_B, TRACE_C]
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_placement_locks_the_open_instances_of_several_keys_in_byte_order_whatever_the_collation(make_store) -> None:
+    """Placement locked the open instances of an export's keys in the database's collation, every other lock of
+    several groups in their bytes' order (`placement.BYTE_ORDER`, Python's sort): where the two differ ("B" < "a" by
+    bytes, not by a linguistic collation), two exports could each wait for a group the other held. Here one holds
+    "a": placement took "B" before it waits for "a"."""
+    store = make_store(min_group_size=1)
+    for n, key in enumerate(("a", "B")):
+        store.add_spans([rollout(10 * n + 1, f"r{n}", trace=f"{n + 1:032x}", group=key),
+                         llm(10 * n + 2, rollout=f"r{n}", trace=f"{n + 1:032x}", start=1, prompt=[1], completion=[2])])
+    with store.engine.begin() as conn:  # a linguistic collation: "a" < "B"
+        for table, column in (("batch_groups", "group_id"), ("groups", "id")):
+            conn.execute(text(f'ALTER TABLE {table} ALTER COLUMN {column} TYPE varchar(300) COLLATE "und-x-icu"'))
+    with store.engine.connect() as holder, store.engine.connect() as placing, ThreadPoolExecutor(1) as executor:
+        holder.execute(select(group_rows.c.id).where(group_rows.c.id == "a").with_for_update())
+        opened = executor.submit(placement._open_instances, placing, ["B", "a"])
+        assert lock_waited_for(store.engine)
+        with store.engine.connect() as probe:
+            locked = probe.execute(text("SELECT id FROM groups WHERE id = 'B' FOR UPDATE SKIP LOCKED")).all() == []
+        holder.rollback()
+        assert [group["id"] for found in opened.result(WAIT).values() for group in found] == ["B", "a"]
+        placing.rollback()
+    assert locked
