@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import shutil
 import sys
 import warnings
@@ -112,15 +113,19 @@ def base_model_key(name: str) -> str:
     return str(path.resolve()) if path.exists() else name
 
 
-def check_base_model(path: str, chat_template: str | None, target_modules: Sequence[str]) -> None:
+def check_base_model(path: str, chat_template: str | None, target_modules: Sequence[str],
+                     max_model_len: int | None = None) -> None:
     """Check, before vLLM starts, what the trainer reads only after: the chat template file compiles (transformers'
     own compile, the one vLLM's rendering runs), the model's config and tokenizer load, and each LoRA target module
     names modules of the model (built on the meta device: no weights) that PEFT can put a LoRA adapter on. A name
     that matched none was dropped silently by PEFT, leaving that projection untrained; with none matching, or one
-    matching a module PEFT refuses (a norm, a whole block), the start failed after vLLM's.
+    matching a module PEFT refuses (a norm, a whole block), the start failed after vLLM's. A `max_model_len` (None:
+    not checked) past the model's length is refused where that length is certain (`_model_len`): vLLM refused it
+    only once started.
 
     Raises:
-        BaseModelError: names the setting (`--chat-template`, `--base-model`, `--target-modules`) and the fix.
+        BaseModelError: names the setting (`--chat-template`, `--base-model`, `--target-modules`, `--max-model-len`)
+            and the fix.
     """
     import jinja2
     import torch
@@ -143,6 +148,7 @@ def check_base_model(path: str, chat_template: str | None, target_modules: Seque
     except (OSError, ValueError) as exc:  # a config.json that is no JSON, has no or an unknown model_type
         raise BaseModelError(f"--base-model (ART_TRAINER_BASE_MODEL) {path} cannot be loaded as a causal language "
                              f"model: {exc}") from exc
+    _check_max_model_len(path, config, max_model_len)
     _check_tokenizer(path)
     flag = "--target-modules (ART_TRAINER_TARGET_MODULES)"
     missing = [target for target in target_modules if not _matches(modules, target)]
@@ -158,6 +164,47 @@ def check_base_model(path: str, chat_template: str | None, target_modules: Seque
                          if isinstance(module, torch.nn.Linear)})
         raise BaseModelError(f"{flag} {', '.join(refused)}: PEFT cannot put a LoRA adapter on these modules of "
                              f"{path} ({', '.join(kinds)}). Name linear layers, such as: {', '.join(linear)}.")
+
+
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_target_positions",
+                "max_sequence_length", "max_seq_length", "seq_len")
+"""The config keys vLLM (0.32, `derive_max_model_len_and_key`) takes the model's longest sequence from, the smallest
+given; its `model_max_length` (Command-R), which overrides them, is left to vLLM."""
+
+
+def _model_len(path: str, config: PretrainedConfig) -> tuple[int, str] | None:
+    """The longest sequence vLLM serves the model at, and the config key it comes from; None where that is not
+    certain without vLLM's own logic, which is then left to vLLM: no length key, a `model_max_length`, scaled RoPE,
+    a nested text config (multimodal), a sentence-transformers config (it sets the length too), a hub name (its
+    files are not read here) or `VLLM_ALLOW_LONG_MAX_MODEL_LEN` set (vLLM then only warns)."""
+    if ("VLLM_ALLOW_LONG_MAX_MODEL_LEN" in os.environ or not Path(path).is_dir()
+            or any(Path(path).glob("sentence_*_config.json")) or config.get_text_config() is not config
+            or getattr(config, "model_max_length", None) is not None
+            or not all(_unscaled_rope(getattr(config, key, None)) for key in ("rope_parameters", "rope_scaling"))):
+        return None
+    values = {key: getattr(config, key, None) for key in _LENGTH_KEYS}
+    given = [(value, key) for key, value in values.items() if type(value) is int]  # a bool is no length
+    return min(given) if given else None
+
+
+def _unscaled_rope(parameters: object) -> bool:
+    """Whether RoPE `parameters` (a config's `rope_parameters` or `rope_scaling`) leave the length as it is: none,
+    or the default RoPE without a scaling `factor` (per-layer parameters are not read here)."""
+    return parameters is None or (isinstance(parameters, dict) and parameters.get("rope_type") == "default"
+                                  and "factor" not in parameters)
+
+
+def _check_max_model_len(path: str, config: PretrainedConfig, max_model_len: int | None) -> None:
+    """Refuse a `max_model_len` longer than the model's certain length (`_model_len`).
+
+    Raises:
+        BaseModelError: names `--max-model-len`, the model's length and its config key, and the fix.
+    """
+    if max_model_len is None or (length := _model_len(path, config)) is None or max_model_len <= length[0]:
+        return
+    raise BaseModelError(f"--max-model-len (ART_TRAINER_MAX_MODEL_LEN) {max_model_len} is longer than {path} takes: "
+                         f"{length[0]} tokens ({length[1]} in its config). Give at most {length[0]}; vLLM refuses "
+                         "a longer one.")
 
 
 def _meta_model(config: PretrainedConfig) -> torch.nn.Module:

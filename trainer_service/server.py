@@ -76,10 +76,13 @@ def build_service(settings: TrainerSettings, grpo: GRPOConfig,
     """Wire a `TrainerService` from settings: the base model, the vLLM engine and the trainer.
 
     Raises:
-        BaseModelError: the base model, its chat template or the LoRA target modules (`check_base_model`).
+        BaseModelError: the base model, its chat template, the LoRA target modules or `--max-model-len`
+            (`check_base_model`).
     """
     model_path = resolve_base_model(settings.base_model)
-    check_base_model(model_path, settings.served_chat_template(), grpo.target_modules)
+    # a --vllm-arg can change the length vLLM reads of the model (--hf-overrides, --config-format): vLLM checks it
+    max_model_len = None if settings.vllm_args else settings.max_model_len
+    check_base_model(model_path, settings.served_chat_template(), grpo.target_modules, max_model_len)
     engine_threads = EngineThreads.from_settings(settings, settings.run_dir / "vllm-threads")
     engine = VLLMEngine(
         model_path,

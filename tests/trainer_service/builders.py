@@ -36,7 +36,7 @@ def tiny_model() -> LlamaForCausalLM:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=2048,  # the default --max-model-len: `check_base_model` refuses one past it
         tie_word_embeddings=True,
     )
     return LlamaForCausalLM(config)

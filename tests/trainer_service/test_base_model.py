@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,11 @@ import pytest
 from tests.trainer_service.builders import save_tiny_model
 from trainer_service import base_model
 from trainer_service.base_model import BaseModelError, check_base_model, find_bundled_gguf, resolve_base_model
-from trainer_service.grpo_config import DEFAULT_TARGET_MODULES
+from trainer_service.cli import main
+from trainer_service.config import TrainerSettings
+from trainer_service.engine import VLLMEngine
+from trainer_service.grpo_config import DEFAULT_TARGET_MODULES, GRPOConfig
+from trainer_service.server import build_service
 
 
 def test_bundled_model_is_prepared_once_and_reused() -> None:
@@ -110,3 +115,76 @@ def test_a_tokenizer_that_cannot_be_loaded_stops_the_start_in_one_line(tmp_path:
                                              r"loaded \(\w+: .*\)\. Restore its tokenizer files") as info:
         check_base_model(str(tmp_path), None, ["q_proj"])
     assert "\n" not in str(info.value)
+
+
+def _model_with(folder: Path, **config: object) -> Path:
+    """`save_tiny_model` in `folder`, its config.json changed by `config` (None drops a key)."""
+    save_tiny_model(folder)
+    saved = json.loads((folder / "config.json").read_text())
+    saved.update(config)
+    (folder / "config.json").write_text(json.dumps({key: value for key, value in saved.items() if value is not None}))
+    return folder
+
+
+@pytest.mark.parametrize(("config", "length", "key"), [
+    ({"max_position_embeddings": 1024}, 1024, "max_position_embeddings"),
+    ({"max_position_embeddings": None, "n_positions": 1024}, 1024, "n_positions"),
+    ({"max_position_embeddings": 4096, "seq_length": 1024}, 1024, "seq_length"),  # vLLM takes the smallest
+])
+def test_a_max_model_len_past_the_models_length_stops_the_start_naming_it(tmp_path: Path, config: dict[str, object],
+                                                                          length: int, key: str) -> None:
+    """vLLM refused it only once started (minutes on a CPU): its ValueError, after the trainer's load."""
+    model = _model_with(tmp_path, **config)
+    check_base_model(str(model), None, ["q_proj"], length)
+    with pytest.raises(BaseModelError, match=rf"^--max-model-len \(ART_TRAINER_MAX_MODEL_LEN\) {length + 1} is longer "
+                                             rf"than .* takes: {length} tokens \({key} in its config\)\. Give at most "
+                                             rf"{length}; vLLM refuses a longer one\.$"):
+        check_base_model(str(model), None, ["q_proj"], length + 1)
+
+
+@pytest.mark.parametrize(("config", "files"), [
+    ({"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}, {}),  # vLLM scales it
+    ({"model_max_length": 8192}, {}),  # vLLM takes it over the other keys
+    ({}, {"sentence_bert_config.json": '{"max_seq_length": 8192}'}),  # vLLM takes its length
+])
+def test_a_max_model_len_whose_limit_is_not_certain_is_left_to_vllm(tmp_path: Path, config: dict[str, object],
+                                                                     files: dict[str, str]) -> None:
+    model = _model_with(tmp_path, **config)
+    for name, text in files.items():
+        (model / name).write_text(text)
+    check_base_model(str(model), None, ["q_proj"], 4096)
+
+
+async def test_vllms_override_of_the_length_check_is_left_to_vllm(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`VLLM_ALLOW_LONG_MAX_MODEL_LEN=1` and a `--vllm-arg` (`--hf-overrides`) change what vLLM accepts."""
+    model = save_tiny_model(tmp_path / "model")
+    settings = TrainerSettings(base_model=str(model), output_dir=tmp_path / "run", wandb="off", max_model_len=4096)
+    with pytest.raises(BaseModelError, match=r"--max-model-len \(ART_TRAINER_MAX_MODEL_LEN\) 4096 is longer"):
+        build_service(settings, GRPOConfig())
+    overrides = ['--hf-overrides={"max_position_embeddings": 4096}']
+    await build_service(settings.model_copy(update={"vllm_args": overrides}), GRPOConfig()).aclose()
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    check_base_model(str(model), None, ["q_proj"], 4096)
+
+
+def test_the_bundled_model_passes_at_the_default_and_up_to_its_length(tmp_path: Path) -> None:
+    settings = TrainerSettings(output_dir=tmp_path / "run", wandb="off")
+    path = resolve_base_model(settings.base_model)
+    check_base_model(path, settings.served_chat_template(), list(DEFAULT_TARGET_MODULES), settings.max_model_len)
+    check_base_model(path, None, ["q_proj"], 8192)  # its max_position_embeddings
+    with pytest.raises(BaseModelError, match=r"8193 is longer than .* takes: 8192 tokens \(max_position_embeddings"):
+        check_base_model(path, None, ["q_proj"], 8193)
+
+
+def test_a_max_model_len_past_the_models_length_exits_2_before_vllm(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(VLLMEngine, "start", lambda self: pytest.fail("vLLM would start"))
+    model = save_tiny_model(tmp_path / "model")
+    capsys.readouterr()  # the save's progress bar
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--base-model", str(model), "--max-model-len", "4096", "--allocator", "system",
+              "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("art-trainer: error: --max-model-len (ART_TRAINER_MAX_MODEL_LEN) 4096 is longer than ")
