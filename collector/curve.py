@@ -1,11 +1,11 @@
 """What the reward curve needs of each trajectory, read without assembling the trajectories.
 
 A trajectory's rewards come from the reward rows alone (`pool.rewards_of`), read on every call. Its policy step
-comes out of its token sequences, so out of its spans: a trajectory's spans are only ever added while it exists (the
-span id is the key, a retried export adds nothing; they are deleted with it), so `PolicySteps` keeps each step with
-the number of spans it was computed from, in memory and in the trajectory's row (`trajectories.policy_step` and
-`policy_step_spans`, so that a start reads them), and computes it again only for a trajectory whose number of spans
-has changed.
+comes out of its token sequences, so out of its spans: a trajectory's spans are only ever added while it exists (a
+span's trace id and span id are its key, a retried export adds nothing; they are deleted with it), so `PolicySteps`
+keeps each step with the number of spans it was computed from, in memory and in the trajectory's row
+(`trajectories.policy_step` and `policy_step_spans`, so that a start reads them), and computes it again only for a
+trajectory whose number of spans has changed.
 """
 
 from __future__ import annotations

@@ -111,7 +111,9 @@ class JudgeSettings(BaseSettings):
         ),
     )
     timeout_seconds: float = Field(
-        default=300.0, gt=0, le=MAX_TIMEOUT_SECONDS, description="HTTP timeout of one judge call (at most a week)."
+        default=300.0, gt=0, le=MAX_TIMEOUT_SECONDS,
+        description="Seconds one judge call may take whole, from its connection to the end of its answer's body (a "
+        "status line, headers or body still coming then fail the try); at most a week.",
     )
     max_answer_bytes: int = Field(
         default=MAX_ANSWER_BYTES,
