@@ -30,6 +30,7 @@ def check_timeout(timeout: float, what: str) -> float:
         seconds = float(timeout)
     except OverflowError:  # `float(10**400)` raises: no wait is that long, so it is one as long as it takes
         seconds = math.inf if timeout > 0 else -math.inf
-    if math.isnan(seconds) or seconds < 0:
-        raise ValueError(f"{what} must be 0 or more seconds (math.inf to wait as long as it takes), got {timeout}")
+    if math.isnan(seconds) or seconds < 0:  # past a float's range, shown as -inf: str() writes at most 4,300 digits
+        shown = seconds if math.isinf(seconds) else timeout
+        raise ValueError(f"{what} must be 0 or more seconds (math.inf to wait as long as it takes), got {shown}")
     return seconds

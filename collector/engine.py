@@ -27,12 +27,19 @@ READ_ONLY = "art_read_only"
 in WAL mode such a reader neither waits for the writer nor holds it up."""
 
 
+_PLAN_CACHE_MODE_SINCE = 120000
+"""The first PostgreSQL version (as `server_version_num`) that has `plan_cache_mode`."""
+
+
 def _plan_for_the_values(dbapi_conn: Any, _record: Any) -> None:
     """Have PostgreSQL plan each statement of a new connection for its values (`plan_cache_mode`), not reuse a plan
     made for any. psycopg prepares a statement at its fifth run, and PostgreSQL may then keep a generic plan, costed
     for the tables as they were: prepared while a new store was small, an export's lookup of 125 keys among 20,000
     groups stayed a sequential scan comparing each row with every key (~25-40 ms, against ~1 ms planned for its
-    values) until an ANALYZE. Statements stay prepared (parsed once): only their plans are made anew."""
+    values) until an ANALYZE. Statements stay prepared (parsed once): only their plans are made anew. A server older
+    than PostgreSQL 12 has no such setting (setting it failed every connection): it keeps its own planning."""
+    if dbapi_conn.info.server_version < _PLAN_CACHE_MODE_SINCE:
+        return
     autocommit = dbapi_conn.autocommit
     dbapi_conn.autocommit = True  # a session setting, not one that the pool's rollback of a transaction would undo
     try:

@@ -670,7 +670,8 @@ class TrainerSettings(BaseSettings):
                              f"(ART_TRAINER_IDLE_VLLM_THREADS) to {cores - own} to never lend, or leave it out (every "
                              "core).")
         reserved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
-        if self.train_threads is None and reserved is not None and own >= cores:
+        # the count vLLM reads (`own` is at least 1: 0 reserves none, and leaves vLLM a one-core machine's core)
+        if self.train_threads is None and reserved is not None and int(reserved) >= cores:
             raise ValueError(f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved!r}: the cores vLLM-cpu reserves for the training "
                              f"step (its threads without --train-threads) must be fewer than the {cores} this process "
                              f"may use, or vLLM reserves none. Lower it below {cores}, unset it, or set "

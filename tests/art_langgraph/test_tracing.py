@@ -162,12 +162,13 @@ def test_flush_with_a_timeout_past_a_floats_range_waits_as_with_an_infinite_one(
 
 @pytest.mark.parametrize(("timeout", "error"), [(math.nan, ValueError), (-1, ValueError),
                                                 pytest.param(-(10**400), ValueError, id="-10**400"),
+                                                pytest.param(-(10**5000), ValueError, id="-10**5000"),
                                                 (True, TypeError), ("5", TypeError)])
 @pytest.mark.parametrize("call", ["flush", "shutdown"])
 def test_a_timeout_that_is_no_wait_is_refused(memory_tracing, call: str, timeout: object, error: type) -> None:
     """`flush(math.nan)` returned False with a traceback logged from the export thread (`int(nan)`), `flush(-1)` gave
     up at once, and `shutdown` with either stopped the pipeline without waiting for its export; each is refused at
-    the call, and the pipeline is kept."""
+    the call, and the pipeline is kept (an int of more digits than `str` writes was refused by `str`, not the check)."""
     state = _tracing._state
     with pytest.raises(error, match=f"{call}'s timeout must be"):
         getattr(art_langgraph, call)(timeout)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import psycopg
 import pytest
 from sqlalchemy import event, text
 
@@ -365,8 +366,8 @@ def test_shuffled_and_duplicated_delivery_gives_the_same_trajectories(make_store
 def test_an_export_plans_its_lookups_for_their_keys(make_store, monkeypatch: pytest.MonkeyPatch) -> None:
     """psycopg prepares a statement at its fifth run, and PostgreSQL then kept a plan made for any keys, costed for the
     tables as they were: prepared while they were small, an export's lookups of its keys went on scanning every row
-    once they had grown (~40 ms for 125 keys among 20,000 groups). The engine has psycopg prepare none, so every export
-    plans them for its keys."""
+    once they had grown (~40 ms for 125 keys among 20,000 groups). The engine's connections force a plan for the values
+    (`plan_cache_mode`), so every export plans them for its keys."""
     store = make_store()
     if store.engine.dialect.name != "postgresql":
         pytest.skip("SQLite prepares no plan for later values")
@@ -390,6 +391,19 @@ def test_an_export_plans_its_lookups_for_their_keys(make_store, monkeypatch: pyt
 
     assert counts == [0] * 8, "generic plans used by the lookups of each export"
     assert [(group.id, group.size) for group in store.groups()] == [(f"g{n}", 1) for n in range(8)]
+
+
+def test_a_server_before_postgresql_12_keeps_its_own_planning(make_store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PostgreSQL 11 and older have no `plan_cache_mode`: setting it on each new connection failed every one, so the
+    collector could not start there. Such a server is left to plan as it does; the store works on it."""
+    monkeypatch.setattr(psycopg.ConnectionInfo, "server_version", property(lambda _info: 110022))
+    store = make_store()
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("plan_cache_mode is PostgreSQL's")
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SHOW plan_cache_mode")).scalar() == "auto"
+    assert store.add_spans(trajectory(10, "r1", reward=1.0, group="g", size=1)) == 2
+    assert [(group.id, group.size) for group in store.groups()] == [("g", 1)]
 
 
 def test_a_long_read_does_not_hold_up_ingest(make_store, db_url, monkeypatch: pytest.MonkeyPatch) -> None:

