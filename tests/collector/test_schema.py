@@ -8,6 +8,7 @@ import pytest
 from sqlalchemy import text
 
 from art_langgraph import semconv as sc
+from collector.otlp import SpanRecord
 from collector.protocol import BatchRequest
 from collector.schema import SCHEMA_VERSION
 from tests.collector.span_builders import trajectory
@@ -391,38 +392,48 @@ def test_migration_from_version_9_keeps_judge_runs_with_max_tokens_unknown(db_ur
     store.close()
 
 
-def test_migration_from_version_10_steps_the_stored_trajectories_on_the_next_curve_read(db_url, clock) -> None:
-    """Version 11 stores each trajectory's policy step in its row (`trajectories.policy_step`, computed from
-    `policy_step_spans` spans); the trajectories stored before it have none, and the next curve read computes and
-    stores theirs."""
+def _database_at(url: str, version: int) -> list[SpanRecord]:
+    """Make the database at `url` as collector schema `version` left it, with trajectory "a" of two spans (returned),
+    through the real migrations up to it."""
     import json
 
-    from sqlalchemy import select
-
-    from collector.config import CollectorSettings
     from collector.engine import make_engine
     from collector.schema import MIGRATIONS, schema_version, spans, trajectories
-    from collector.store import SqlStore
 
-    url = db_url()
-    if url == "sqlite://":
-        pytest.skip("an in-memory SQLite database does not outlive its engine")
+    stored = trajectory(10, "a", reward=None)
     old = make_engine(url)
-    with old.begin() as conn:  # a database as version 10 left it, with a trajectory of two spans
+    with old.begin() as conn:
         schema_version.create(conn)
-        for version in range(10):
-            MIGRATIONS[version](conn)
-            conn.execute(schema_version.insert().values(version=version + 1, applied_at=0.0))
-        for record in trajectory(10, "a", reward=None):
+        for step in range(version):
+            MIGRATIONS[step](conn)
+            conn.execute(schema_version.insert().values(version=step + 1, applied_at=0.0))
+        for record in stored:
             conn.execute(spans.insert().values(
                 span_id=record.span_id, trace_id=record.trace_id, trajectory_id="a", name=record.name,
                 start_ns=record.start_ns, end_ns=record.end_ns, record=json.dumps(record.to_dict()), received_at=0.0,
             ))
         conn.execute(trajectories.insert().values(
-            id="a", trace_id=record.trace_id, by_rollout=True, group_key="g", group_id="g", task=None, split="train",
-            complete=True, created_at=0.0, updated_at=0.0,
+            id="a", trace_id=stored[0].trace_id, by_rollout=True, group_key="g", group_id="g", task=None,
+            split="train", complete=True, created_at=0.0, updated_at=0.0,
         ))
     old.dispose()
+    return stored
+
+
+def test_migration_from_version_10_steps_the_stored_trajectories_on_the_next_curve_read(db_url, clock) -> None:
+    """Version 11 stores each trajectory's policy step in its row (`trajectories.policy_step`, computed from
+    `policy_step_spans` spans); the trajectories stored before it have none, and the next curve read computes and
+    stores theirs."""
+    from sqlalchemy import select
+
+    from collector.config import CollectorSettings
+    from collector.schema import trajectories
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database does not outlive its engine")
+    _database_at(url, 10)
     store = SqlStore(CollectorSettings(db=url), clock=clock)
     store.setup()
     stored = select(trajectories.c.policy_step, trajectories.c.policy_step_spans)
@@ -438,34 +449,17 @@ def test_migration_from_version_11_keys_spans_by_trace_and_span_id(db_url, clock
     """Version 12 keys spans by (trace id, span id), the index of `trace_id` dropped (the key serves it): the spans
     stored before it keep their trajectories, an exporter's retry of them is still ignored, and another trace's span of
     a stored id is stored (before, it was refused)."""
-    import json
-
     from sqlalchemy import inspect
 
     from collector.config import CollectorSettings
     from collector.engine import make_engine
-    from collector.schema import MIGRATIONS, schema_version, spans, trajectories
     from collector.store import SqlStore
 
     url = db_url()
     if url == "sqlite://":
         pytest.skip("an in-memory SQLite database does not outlive its engine")
+    stored = _database_at(url, 11)
     old = make_engine(url)
-    stored = trajectory(10, "a", reward=None)
-    with old.begin() as conn:  # a database as version 11 left it, with a trajectory of two spans
-        schema_version.create(conn)
-        for version in range(11):
-            MIGRATIONS[version](conn)
-            conn.execute(schema_version.insert().values(version=version + 1, applied_at=0.0))
-        for record in stored:
-            conn.execute(spans.insert().values(
-                span_id=record.span_id, trace_id=record.trace_id, trajectory_id="a", name=record.name,
-                start_ns=record.start_ns, end_ns=record.end_ns, record=json.dumps(record.to_dict()), received_at=0.0,
-            ))
-        conn.execute(trajectories.insert().values(
-            id="a", trace_id=record.trace_id, by_rollout=True, group_key="g", group_id="g", task=None, split="train",
-            complete=True, created_at=0.0, updated_at=0.0,
-        ))
     assert inspect(old).get_pk_constraint("spans")["constrained_columns"] == ["span_id"]
     old.dispose()
     store = SqlStore(CollectorSettings(db=url), clock=clock)
