@@ -18,6 +18,7 @@ from collector.config import CollectorSettings
 from collector.otlp import SpanRecord
 from collector.protocol import BatchRequest, ReleaseRequest, RewardIn
 from collector.store import SqlStore
+from tests.collector.conftest import Clock
 from tests.collector.pausing import beside_a_save, lock_waited_for
 from tests.collector.span_builders import TRACE, llm, rollout, rollout_group, sid, trajectory
 
@@ -209,17 +210,25 @@ def test_the_end_of_a_lease_locks_its_groups_in_the_order_rewards_do(make_store,
     assert sorted((group.id, group.state) for group in store.groups()) == [("a", state), ("b", state)]
 
 
+def _a_reward_holding_group_a_of_two(
+    store: SqlStore, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> tuple[threading.Event, threading.Thread, list[RewardIn]]:
+    """Groups b, then a, of one member each (b1, a1), and a reward for a1 holding a's row (`_reward_holding_its_group`):
+    the event that resumes it, its thread, and rewards for both members to send while it holds a."""
+    store.add_spans(trajectory(10, "b1", reward=1.0, group="b"))
+    clock.now += 1
+    store.add_spans(trajectory(30, "a1", reward=1.0, group="a"))
+    resume, holder = _reward_holding_its_group(store, monkeypatch, RewardIn(rollout_id="a1", value=0.1))
+    return resume, holder, [RewardIn(rollout_id="a1", value=0.2), RewardIn(rollout_id="b1", value=0.3)]
+
+
 def test_an_export_locks_the_open_groups_of_its_keys_in_the_order_rewards_do(make_store, clock, monkeypatch,
                                                                             caplog) -> None:
     """A reward for groups a and b waited for a, held by another reward; an export of new members of both took b (the
     older) and waited for a too. Once a was free, the reward took it and waited for b: PostgreSQL aborted one as a
     deadlock, retried. Both lock groups in id order."""
     store = make_store()
-    store.add_spans(trajectory(10, "b1", reward=1.0, group="b"))
-    clock.now += 1
-    store.add_spans(trajectory(30, "a1", reward=1.0, group="a"))
-    resume, holder = _reward_holding_its_group(store, monkeypatch, RewardIn(rollout_id="a1", value=0.1))
-    both = [RewardIn(rollout_id="a1", value=0.2), RewardIn(rollout_id="b1", value=0.3)]
+    resume, holder, both = _a_reward_holding_group_a_of_two(store, clock, monkeypatch)
     members = trajectory(20, "b2", reward=0.0, group="b") + trajectory(40, "a2", reward=0.0, group="a")
     stored, added = _in_turn(store, resume, holder, lambda: store.add_rewards(both), lambda: store.add_spans(members))
 
@@ -235,11 +244,7 @@ def test_an_export_locks_the_groups_of_its_members_and_of_its_keys_in_one_pass(m
     a was free, the reward took it and waited for b: PostgreSQL aborted one as a deadlock, retried. An export locks
     every group it changes in one pass, in id order."""
     store = make_store()
-    store.add_spans(trajectory(10, "b1", reward=1.0, group="b"))
-    clock.now += 1
-    store.add_spans(trajectory(30, "a1", reward=1.0, group="a"))
-    resume, holder = _reward_holding_its_group(store, monkeypatch, RewardIn(rollout_id="a1", value=0.1))
-    both = [RewardIn(rollout_id="a1", value=0.2), RewardIn(rollout_id="b1", value=0.3)]
+    resume, holder, both = _a_reward_holding_group_a_of_two(store, clock, monkeypatch)
     turn = llm(12, rollout="b1", trace=f"{10:032x}", start=30, prompt=[1, 2, 10], completion=[5], logprobs=[-1.0])
     export = [turn, *trajectory(40, "a2", reward=0.0, group="a")]
     stored, added = _in_turn(store, resume, holder, lambda: store.add_rewards(both), lambda: store.add_spans(export))
