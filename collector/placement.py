@@ -71,12 +71,14 @@ def groups_changed(
     found: dict[tuple[str, bool], TrajectoryFacts],
     digests: dict[tuple[str, bool], FactsDigest],
     existing: dict[str, Any],
+    rollout_traces: set[str],
 ) -> set[str]:
     """Ids of the groups that `write_trajectories` may change besides those of `existing`'s rows: the open instances
     of the keys it may place a trajectory under (`_open_instances`), and the groups of the trajectories of another
-    instrumentation's calls stored in the traces of its rollouts (`_delete_foreign`). The caller locks them with the
-    others it changes, in one pass in id order (`pool.lock_groups`), before `write_trajectories` locks any: locked
-    there, after those, they made a cycle of waits with a reward locking them all in id order."""
+    instrumentation's calls stored in the traces of the export's rollout spans (`rollout_traces`, `_delete_foreign`).
+    The caller locks them with the others it changes, in one pass in id order (`pool.lock_groups`), before
+    `write_trajectories` locks any: locked there, after those, they made a cycle of waits with a reward locking them
+    all in id order."""
     found, _ = _one_row_per_id(found, digests)
     keys = sorted({facts.group_key for (key, by_rollout), facts in found.items()
                    if _may_move(existing.get(key), facts, by_rollout)})
@@ -85,8 +87,7 @@ def groups_changed(
         # the state is filtered here: in the query it made this lookup about 4 times slower on PostgreSQL (5,000 groups)
         query = select(groups.c.id, groups.c.state).where(groups.c.key.in_(chunk))
         changed.update(group_id for group_id, state in conn.execute(query) if state == "open")
-    traces = {facts.trace_id for (_, by_rollout), facts in found.items() if by_rollout} - {key for key, _ in found}
-    for chunk in chunks(sorted(traces)):
+    for chunk in chunks(sorted(rollout_traces - {key for key, _ in found})):
         foreign = trajectories.c.id.in_(chunk), trajectories.c.by_rollout.is_(False)
         changed.update(conn.execute(select(trajectories.c.group_id).where(*foreign)).scalars())
     return changed - {None}
@@ -213,15 +214,16 @@ def _trace_rows(conn: Connection, trace_ids: list[str]) -> dict[str, Any]:
     return found
 
 
-def _rollout_traces(conn: Connection, found: dict[tuple[str, bool], TrajectoryFacts], trace_ids: set[str]) -> set[str]:
-    """Those of `trace_ids` that hold an ART rollout: one of the export (`found`) or one stored before.
+def _rollout_traces(conn: Connection, known: set[str], trace_ids: set[str]) -> set[str]:
+    """Those of `trace_ids` that hold an ART rollout: those of `known` (the traces of the export's rollout spans), and
+    those that a stored span of a rollout is in.
 
     A trace holds a rollout when it holds any of the rollout's spans (stored under the rollout id; the export's are
     stored by now), not only when it is the rollout row's `trace_id`: a rollout spread over traces (a graph run
     resumed in a new trace) names the trace of its first rollout span there, which a later span may change, and a
     trace may hold only its model calls. Two lookups by key, the spans' (led by the trace id since schema version
     12), then the trajectories': joined in one query, PostgreSQL scanned every trajectory row."""
-    held = {facts.trace_id for (_, by_rollout), facts in found.items() if by_rollout} & trace_ids
+    held = known & trace_ids
     for chunk in chunks(sorted(trace_ids - held)):
         traces_of: dict[str, set[str]] = {}
         for trajectory_id, trace_id in conn.execute(
@@ -290,7 +292,7 @@ def forget_deferred_foreign(conn: Connection, group_ids: list[str], now: float) 
     for chunk in chunks(sorted(group_ids)):
         query = select(trajectories).where(trajectories.c.group_id.in_(chunk), trajectories.c.by_rollout.is_(False))
         rows.update({row["id"]: row for row in conn.execute(query).mappings()})
-    for key in sorted(_rollout_traces(conn, {}, set(rows))):
+    for key in sorted(_rollout_traces(conn, set(), set(rows))):
         if rows[key]["digest"] and FactsDigest.from_json(rows[key]["digest"]).foreign_only:
             _delete_foreign(conn, rows[key], now)
 
@@ -300,12 +302,15 @@ def _without_foreign_calls_in_rollouts(
     found: dict[tuple[str, bool], TrajectoryFacts],
     digests: dict[tuple[str, bool], FactsDigest],
     existing: dict[str, Any],
+    rollout_traces: set[str],
     now: float,
 ) -> tuple[dict[tuple[str, bool], TrajectoryFacts], dict[tuple[str, bool], FactsDigest]]:
     """`found` and `digests` without the trajectory of a trace that holds an ART rollout when its model calls are all
     another instrumentation's (`FactsDigest.foreign_only`: a tool inside the rollout calling another model through a
     traced client). Another model's text is no sample of our policy, and the trace's rewards (a Langfuse score) are the
-    rollout's. One stored before the rollout's spans came is deleted (`_delete_foreign`), in whichever export they come.
+    rollout's. One stored before the rollout's spans came is deleted (`_delete_foreign`), in whichever export they come:
+    one in any trace of the export's rollout spans (`rollout_traces`), not only the rollout row's (a rollout spread
+    over traces names the trace of its first rollout span).
 
     The spans of calls left out on arrival (with or after the rollout's) are deleted in the export's transaction, as a
     deleted trajectory's are, with the trace's earlier spans outside any rollout (e.g. the tool's span, stored for a
@@ -313,7 +318,6 @@ def _without_foreign_calls_in_rollouts(
     the rollout may still make (without them, as after a deleted one); a later export of the trace is left out again
     by its rollout's spans (`_rollout_traces`), not by these.
     """
-    rollout_traces = {facts.trace_id for (_, by_rollout), facts in found.items() if by_rollout}
     candidates = {
         key: existing.get(key) for key, by_rollout in found if not by_rollout and digests[key, False].foreign_only
     }
@@ -322,7 +326,7 @@ def _without_foreign_calls_in_rollouts(
         {key: row for key, row in stored.items() if row["digest"] and FactsDigest.from_json(row["digest"]).foreign_only}
     )
     left_out = {
-        key for key in _rollout_traces(conn, found, set(candidates))
+        key for key in _rollout_traces(conn, rollout_traces, set(candidates))
         if candidates[key] is None or _delete_foreign(conn, candidates[key], now)
     }
     for key in sorted(left_out):
@@ -341,6 +345,7 @@ def write_trajectories(
     digests: dict[tuple[str, bool], FactsDigest],
     existing: dict[str, Any],
     *,
+    rollout_traces: set[str],
     min_group_size: int,
     now: float,
 ) -> None:
@@ -358,11 +363,12 @@ def write_trajectories(
         found: Facts of each trajectory the export touched, by (id, keyed by rollout id).
         digests: The digests the facts came from, stored with the rows.
         existing: Their rows as they were before the export (absent: new).
+        rollout_traces: The trace ids of the export's spans of rollouts (keyed by rollout id).
         min_group_size: `CollectorSettings.min_group_size`.
         now: The export's time.
     """
     found, digests = _one_row_per_id(found, digests)
-    found, digests = _without_foreign_calls_in_rollouts(conn, found, digests, existing, now)
+    found, digests = _without_foreign_calls_in_rollouts(conn, found, digests, existing, rollout_traces, now)
     wanted = []
     for (key, by_rollout), facts in found.items():
         row = existing.get(key)

@@ -175,14 +175,17 @@ class SqlStore(Store):
                 continue  # spans outside any rollout become a trajectory only with a model call
             digests[key, by_rollout] = digest
         found = {trajectory: digest.facts(trajectory[0]) for trajectory, digest in digests.items()}
+        rollout_traces = {record.trace_id for record in new if keys[_key(record)][1]}
         self._tx.lock(conn, GROUP_LOCKS, [f.group_key for f in found.values()])
         by_trace = [r["trace_id"] for r in reward_rows if not r["rollout_id"]]
         held = {row["group_id"] for row in existing.values()} | pool.groups_of(conn, [], by_trace)
-        now = self._changing_groups(conn, held | placement.groups_changed(conn, found, digests, existing))
+        changed = placement.groups_changed(conn, found, digests, existing, rollout_traces)
+        now = self._changing_groups(conn, held | changed)
         if reward_rows:
             conn.execute(rewards.insert(), [{**row, "created_at": now} for row in reward_rows])
         placement.write_trajectories(
-            conn, found, digests, existing, min_group_size=self.settings.min_group_size, now=now
+            conn, found, digests, existing, rollout_traces=rollout_traces, min_group_size=self.settings.min_group_size,
+            now=now,
         )
         # a trajectory new in this export is in an open group, marked active above: only older ones' groups may need
         # reopening (a reward per export's rollout would cost two statements for nothing)

@@ -712,6 +712,35 @@ def test_foreign_calls_in_any_trace_of_a_rollout_spread_over_traces_stay_left_ou
         assert conn.execute(select(span_rows.c.span_id).where(span_rows.c.trajectory_id == TRACE_B)).all() == []
 
 
+def _spread_rollout(store: SqlStore) -> None:
+    """Rollout r1 (group "g") in TRACE_A, its row's trace: its first rollout span and a model call."""
+    store.add_spans([rollout(1, "r1", trace=TRACE_A, group="g", size=2),
+                     llm(3, rollout="r1", trace=TRACE_A, start=1, prompt=[1], completion=[2])])
+
+
+@pytest.mark.parametrize("span", ["rollout span", "model call"])
+@pytest.mark.parametrize("order", ["foreign first", "rollout's span first"])
+def test_foreign_calls_in_a_later_trace_of_a_rollout_go_in_whichever_order_they_come(make_store, clock, order: str,
+                                                                                      span: str) -> None:
+    """A rollout spread over two traces names the first on its row (its first rollout span's). Another model's calls
+    stored in the second before a span of the rollout came there stayed a trajectory, to judge and lease: the export
+    of the rollout's span looked for them in the row's trace only. They are deleted then, as in the row's trace, or
+    left out when they come after it."""
+    store = make_store(min_group_size=1, keep_zero_spread=True)
+    _spread_rollout(store)
+    theirs = _openinference_llm(TRACE_B, 211, None, marked=False)
+    ours = {"rollout span": rollout(20, "r1", trace=TRACE_B, group="g", size=2),
+            "model call": llm(50, rollout="r1", trace=TRACE_B, start=60, prompt=[1, 2, 3], completion=[4])}[span]
+    for spans in {"foreign first": [[theirs], [ours]], "rollout's span first": [[ours], [theirs]]}[order]:
+        store.add_spans(spans)
+
+    assert store.trajectory("r1").trace_id == TRACE_A
+    assert [t.id for t in store.trajectories()] == ["r1"]
+    assert [group.id for group in store.groups()] == ["g"]
+    with store.engine.connect() as conn:
+        assert conn.execute(select(span_rows.c.span_id).where(span_rows.c.trajectory_id == TRACE_B)).all() == []
+
+
 def test_describes_art_call_reads_each_convention() -> None:
     assert describes_art_call(_openinference_llm(TRACE_A, 1, None, marked=True).attributes)
     assert not describes_art_call(_openinference_llm(TRACE_A, 1, None, marked=False).attributes)
@@ -978,3 +1007,27 @@ def test_placement_locks_the_open_instances_of_several_keys_in_byte_order_whatev
         assert [group["id"] for found in opened.result(WAIT).values() for group in found] == ["B", "a"]
         placing.rollback()
     assert locked
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_an_export_locks_the_group_of_foreign_calls_in_a_later_trace_of_its_rollout_in_its_one_pass(
+    make_store,
+) -> None:
+    """The export of a rollout's span to another trace than its row's deletes the foreign calls stored there: their
+    group is locked in the export's one pass over its groups, in id order (`placement.groups_changed`), not after the
+    others (the rollout's "g"), which a reward locking both in id order waits for in a cycle. Here one holds the
+    foreign calls' group (its id before "g"): the export waits for it before it takes "g"."""
+    store = make_store(min_group_size=1, keep_zero_spread=True)
+    _spread_rollout(store)
+    store.add_spans([_openinference_llm(TRACE_B, 211, None, marked=False)])
+    assert store.trajectory(TRACE_B).group_id == TRACE_B < "g"
+    with store.engine.connect() as holder, ThreadPoolExecutor(1) as executor:
+        holder.execute(select(group_rows.c.id).where(group_rows.c.id == TRACE_B).with_for_update())
+        added = executor.submit(store.add_spans, [rollout(20, "r1", trace=TRACE_B, group="g", size=2)])
+        assert lock_waited_for(store.engine)
+        with store.engine.connect() as probe:
+            free = probe.execute(text("SELECT id FROM groups WHERE id = 'g' FOR UPDATE SKIP LOCKED")).all() != []
+        holder.rollback()
+        assert added.result(WAIT) == 1
+    assert free
+    assert [t.id for t in store.trajectories()] == ["r1"]
