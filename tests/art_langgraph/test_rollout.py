@@ -155,6 +155,8 @@ async def test_concurrent_rollouts_never_mix_ids(chat_model: ARTChatModel, spans
         ({"task": "t", "group_size": True}, TypeError, "group_size must be an integer"),
         ({"task": "t", "group_size": 2**31}, ValueError, "group_size must be from 1"),
         ({"task": "t", "group_size": 0}, ValueError, "group_size must be from 1"),
+        ({"task": "t", "group_size": 10**5000}, ValueError, "group_size must be from 1 .*, got inf"),  # no str()
+        ({"task": "t", "group_size": -(10**5000)}, ValueError, "group_size must be from 1 .*, got -inf"),
         ({"task": 5}, TypeError, "task must be a string, got int"),
         ({"task": "t", "group": 7}, TypeError, "group must be a string, got int"),
         ({"task": "t", "split": None}, TypeError, "split must be a string, got NoneType"),

