@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+from langfuse import __version__
 from langfuse.api import (
     CreateScoreBatchResults,
     CreateScoreRequest,
@@ -166,8 +167,6 @@ def _http_client(client: LangfuseAPI) -> HttpClient:
     Raises `LangfuseSyncError`, naming the installed SDK's version, when that SDK has it no longer."""
     http = getattr(getattr(client, "_client_wrapper", None), "httpx_client", None)
     if not isinstance(http, HttpClient):
-        from langfuse import __version__
-
         raise LangfuseSyncError(
             f"the installed langfuse SDK {__version__} has no HTTP client where 5.0.4 keeps it "
             "(`LangfuseAPI._client_wrapper.httpx_client`), which the Langfuse sync reads scores through: "
@@ -182,8 +181,6 @@ def make_client(settings: LangfuseSettings) -> LangfuseAPI:
         raise LangfuseSyncError(
             "Langfuse is not configured: set ART_COLLECTOR_LANGFUSE_HOST and its keys", code="langfuse_not_configured"
         )
-    from langfuse import __version__
-
     return LangfuseAPI(
         base_url=str(settings.host).rstrip("/"),
         username=settings.public_key,

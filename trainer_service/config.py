@@ -641,9 +641,9 @@ class TrainerSettings(BaseSettings):
         was accepted, and reached `torchrun` only at the first step, after vLLM's start)."""
         if self.train_processes < 2:
             return
-        import torch
+        if _cuda_available():
+            import torch
 
-        if torch.cuda.is_available():
             if self.train_processes > torch.cuda.device_count():
                 raise ValueError(f"train_processes={self.train_processes} but {torch.cuda.device_count()} CUDA "
                                  "device(s) are visible: lower --train-processes (ART_TRAINER_TRAIN_PROCESSES) or "
