@@ -36,6 +36,7 @@ from collector.ruler import (
     build_messages,
     dedupe,
     explanation_limit,
+    parse_cut,
     parse_scores,
     response_format,
     scores_only_tokens,
@@ -211,8 +212,7 @@ class GroupJudge:
         error: JudgeError | None = None
         for attempt in range(1, tries + 1):
             try:
-                text = self.client.complete(messages, fmt, temperature=s.temperature, max_tokens=s.max_tokens)
-                scores = parse_scores(text, len(distinct), limit)
+                scores = self._scores(messages, fmt, len(distinct), limit)
             except JudgeError as exc:
                 error = _explained(exc, len(distinct), limit)
                 log.warning("judge of group %s failed (try %d/%d): %s", group_id, attempt, tries, error)
@@ -228,6 +228,22 @@ class GroupJudge:
         if error.code == "judge_rejected" and rubric.strip() != s.rubric.strip():
             return self._rubric_rejected(group_id, claim, attempt, error)
         return self._failed(group_id, claim, members, attempt, error, final=_final(error, limit))
+
+    def _scores(self, messages: list[dict[str, Any]], fmt: dict[str, Any], count: int, limit: int) -> list[Score]:
+        """One judge call's scores of `count` blocks, explanations cut to `limit`; an answer cut at `max_tokens` that
+        holds every score whole is taken (`parse_cut`): a judge held to the schema may be cut just before its end token.
+
+        Raises:
+            JudgeError: the call failed, or its answer is unusable (`parse_scores`, or `judge_truncated` when cut).
+        """
+        s = self.settings
+        try:
+            text = self.client.complete(messages, fmt, temperature=s.temperature, max_tokens=s.max_tokens)
+        except JudgeError as exc:
+            if exc.code != "judge_truncated":
+                raise
+            return parse_cut(exc, count, limit)
+        return parse_scores(text, count, limit)
 
     def _failed(self, group_id: str, claim: dict[str, Any], members: list[Trajectory], attempts: int,
                 error: JudgeError, *, final: bool) -> JudgeRun:

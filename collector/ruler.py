@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import heapq
+import itertools
 import json
 import socket
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +37,7 @@ __all__ = [
     "dedupe",
     "explanation_limit",
     "fingerprint",
+    "parse_cut",
     "parse_scores",
     "render_message",
     "response_format",
@@ -74,11 +78,13 @@ def _system(rubric: str, count: int) -> str:
 
 
 class JudgeError(Exception):
-    """A judge call that failed or answered something unusable; `code` says which."""
+    """A judge call that failed or answered something unusable; `code` says which, and `answer` is the answer's text
+    when it was cut at `max_tokens` (`judge_truncated`; see `parse_cut`)."""
 
-    def __init__(self, message: str, *, code: str) -> None:
+    def __init__(self, message: str, *, code: str, answer: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.answer = answer
 
 
 @dataclass(frozen=True)
@@ -323,9 +329,29 @@ def parse_scores(text: str, count: int, max_chars: int | None = None) -> list[Sc
     return found
 
 
+def parse_cut(error: JudgeError, count: int, max_chars: int | None = None) -> list[Score]:
+    """The scores of an answer cut at `max_tokens` (`error`, `judge_truncated`) that holds them all whole anyway: the
+    cut fell after its JSON (a judge held to the schema writes nothing after it but its end-of-text token). A cut
+    answer is only taken whole: one that is not JSON, or lacks a score, fails with `error` itself, cut as it was.
+
+    Raises:
+        JudgeError: `error`, when its answer is not one `parse_scores` takes.
+    """
+    try:
+        return parse_scores(error.answer or "", count, max_chars)
+    except JudgeError:
+        raise error from None
+
+
 _REJECTED = frozenset({400, 413, 422})
 """HTTP statuses by which a judge refuses the request itself (a group too long for its context, say): the same
 request never succeeds, so it is not sent again (`judge_rejected`). Other failures may pass (`judge_http_error`)."""
+
+
+def _status_code(status: int) -> str:
+    """The error code of a judge's answer with HTTP `status`, other than 200 (see `_REJECTED`), or with a body left
+    unread (a 200 included): the status decides it, the body only makes the message."""
+    return "judge_rejected" if status in _REJECTED else "judge_http_error"
 
 
 MAX_ANSWER_BYTES = 8 * 1024 * 1024
@@ -340,27 +366,18 @@ def _shut(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
-class _Watchdog:
-    """Shuts the sockets of one judge call down once `seconds` have passed: httpx's timeout bounds each read, so a
-    judge that sent its status line, headers or body a little at a time held the call as long as it liked.
+class _Watch:
+    """The sockets of one judge call, which `_Watchdog` shuts down at the call's deadline: httpx's timeout bounds each
+    read, so a judge that sent its status line, headers or body a little at a time held the call as long as it liked.
 
     It learns each socket from httpcore's `trace` extension as the call opens it (a TCP connection, then its TLS
-    layer); `JudgeClient` keeps no connection between calls, so every call opens its own.
+    layer); `JudgeClient` reuses no connection, so every call opens its own.
     """
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self) -> None:
         self.fired = False
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
-        self._timer = threading.Timer(seconds, self._fire)
-        self._timer.daemon = True
-
-    def __enter__(self) -> _Watchdog:
-        self._timer.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._timer.cancel()
 
     def trace(self, event: str, info: dict[str, Any]) -> None:
         """httpcore's `trace` callback: note the socket of each stream the call opens, shut at once when late."""
@@ -373,11 +390,53 @@ class _Watchdog:
             if self.fired:
                 _shut(sock)
 
-    def _fire(self) -> None:
+    def fire(self) -> None:
+        """Shut down every socket the call opened, and any it opens from now on."""
         with self._lock:
             self.fired = True
             for sock in self._sockets:
                 _shut(sock)
+
+
+class _Watchdog:
+    """One thread, started at the first call, that fires each judge call's `_Watch` at its deadline, for every
+    `JudgeClient` of the process: a heap of deadlines, not a timer thread per call."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, _Watch]] = []  # a heap: (deadline on the monotonic clock, order, watch)
+        self._order = itertools.count()  # ties on the deadline never compare two watches
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def watching(self, seconds: float) -> Iterator[_Watch]:
+        """A `_Watch` fired `seconds` from now unless the block has ended by then."""
+        watch = _Watch()
+        entry = (time.monotonic() + seconds, next(self._order), watch)
+        with self._wake:
+            heapq.heappush(self._due, entry)
+            if self._thread is None or not self._thread.is_alive():  # not alive: a child forked after it started
+                self._thread = threading.Thread(target=self._run, name="judge-watchdog", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        try:
+            yield watch
+        finally:
+            with self._wake:
+                if not watch.fired:  # a fired watch left the heap when it fired
+                    self._due.remove(entry)
+                    heapq.heapify(self._due)
+
+    def _run(self) -> None:
+        with self._wake:
+            while True:
+                now = time.monotonic()
+                while self._due and self._due[0][0] <= now:
+                    heapq.heappop(self._due)[2].fire()
+                self._wake.wait(self._due[0][0] - now if self._due else None)
+
+
+_WATCHDOG = _Watchdog()
 
 
 class JudgeClient:
@@ -394,24 +453,25 @@ class JudgeClient:
         self.timeout = timeout
         self.max_answer_bytes = max_answer_bytes
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # no connection kept between calls: each call's own is the one its `_Watchdog` sees opened
+        # no connection kept between calls, nor reused (`_post`): each call's own is the one its `_Watch` sees opened
         self._http = httpx.Client(headers=headers, timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
 
     def _post(self, url: str, body: dict[str, Any]) -> httpx.Response:
         """POST `body` to `url`; the response read whole within `timeout` seconds of the start.
 
         Raises:
-            JudgeError: `judge_unreachable`, no whole answer in time or none at all; `judge_http_error`, an answer
-                longer than `max_answer_bytes` or compressed.
+            JudgeError: `judge_unreachable`, no whole answer in time or none at all; `judge_http_error` (or
+                `judge_rejected` for a status in `_REJECTED`), an answer longer than `max_answer_bytes` or compressed.
         """
-        watchdog = _Watchdog(self.timeout)
         late = JudgeError(
             f"judge {url} sent no whole answer within {self.timeout:g} s (ART_COLLECTOR_JUDGE_TIMEOUT_SECONDS)",
             code="judge_unreachable",
         )
-        headers = {"Accept-Encoding": "identity"}  # see `_body`
+        # `_body`; and a connection closed after its answer, which no other call can reuse: httpcore's pool hands a
+        # connection that turned idle to a waiting call before it closes it, and that call's `_Watch` saw no socket
+        headers = {"Accept-Encoding": "identity", "Connection": "close"}
         try:
-            with watchdog, self._http.stream(
+            with _WATCHDOG.watching(self.timeout) as watchdog, self._http.stream(
                 "POST", url, json=body, headers=headers, extensions={"trace": watchdog.trace}
             ) as answer:
                 content = self._body(url, answer)
@@ -429,13 +489,14 @@ class JudgeClient:
         gigabytes before any count of them.
 
         Raises:
-            JudgeError: `judge_http_error`, the body is compressed or longer.
+            JudgeError: the body is compressed or longer: `judge_http_error`, or `judge_rejected` for a status in
+                `_REJECTED` (`_status_code`).
         """
         if (encoding := answer.headers.get("Content-Encoding", "")).strip().lower() not in ("", "identity"):
             raise JudgeError(
                 f"judge {url} answered {answer.status_code} with a body compressed as {encoding[:50]!r}, left unread: "
                 "it was asked for none (Accept-Encoding: identity)",
-                code="judge_http_error",
+                code=_status_code(answer.status_code),
             )
         parts, size = [], 0
         for part in answer.iter_bytes():  # as sent: no decoder but identity gets here
@@ -444,7 +505,7 @@ class JudgeClient:
                 raise JudgeError(
                     f"judge {url} answered {answer.status_code} with a body past {self.max_answer_bytes} bytes, left "
                     "unread (ART_COLLECTOR_JUDGE_MAX_ANSWER_BYTES)",
-                    code="judge_http_error",
+                    code=_status_code(answer.status_code),
                 )
             parts.append(part)
         return b"".join(parts)
@@ -454,10 +515,10 @@ class JudgeClient:
 
         Raises:
             JudgeError: `judge_unreachable` (no answer, or none whole within `timeout`), `judge_rejected` (see
-                `_REJECTED`), `judge_http_error`,
-                `judge_refused` (OpenAI's `message.refusal`), `judge_bad_json` (tool calls and no content), or
-                `judge_truncated` (hit max_tokens). Every message
-                is one line: a body the judge sent is quoted with its line breaks escaped.
+                `_REJECTED`), `judge_http_error`, `judge_refused` (OpenAI's `message.refusal`), `judge_bad_json`
+                (tool calls, or reasoning, and no content), or `judge_truncated` (hit max_tokens; the cut answer is
+                the error's `answer`, see `parse_cut`). Every message is one line: a body the judge sent is quoted
+                with its line breaks escaped.
         """
         body = {
             "model": self.model,
@@ -471,11 +532,12 @@ class JudgeClient:
         if response.status_code != 200:
             raise JudgeError(
                 f"judge {url} answered {response.status_code}: {response.text[:300]!r}",
-                code="judge_rejected" if response.status_code in _REJECTED else "judge_http_error",
+                code=_status_code(response.status_code),
             )
         try:
             choice = response.json()["choices"][0]
-            text = choice["message"]["content"] or ""
+            message = choice["message"]
+            text = message["content"] or ""
         except (ValueError, KeyError, IndexError, TypeError, RecursionError) as exc:
             raise JudgeError(
                 f"judge {url} sent no chat completion: {response.text[:300]!r}", code="judge_http_error"
@@ -485,9 +547,9 @@ class JudgeClient:
                 f"judge {url} sent a message content that is not text: {response.text[:300]!r}",
                 code="judge_http_error",
             )
-        if refusal := choice["message"].get("refusal"):  # a dict: its `content` was read above
+        if refusal := message.get("refusal"):  # a dict: its `content` was read above
             raise JudgeError(f"judge {url} refused to score: {str(refusal)[:300]!r}", code="judge_refused")
-        if not text.strip() and (calls := choice["message"].get("tool_calls")):  # white space: no answer either
+        if not text.strip() and (calls := message.get("tool_calls")):  # white space: no answer either
             raise JudgeError(
                 f"judge {url} answered with tool calls, not JSON content: {json.dumps(calls)[:300]!r}; it must answer "
                 "in the message content (structured output, `response_format` json_schema)",
@@ -497,7 +559,14 @@ class JudgeClient:
             raise JudgeError(
                 f"judge answer was cut at max_tokens={max_tokens} (it ended {text[-80:]!r}); "
                 "raise ART_COLLECTOR_JUDGE_MAX_TOKENS",
-                code="judge_truncated",
+                code="judge_truncated", answer=text,
+            )
+        # vLLM's field, and its older name (SGLang's, DeepSeek's); e.g. a reasoning that ran to the end-of-text token
+        if not text.strip() and (reasoning := message.get("reasoning") or message.get("reasoning_content")):
+            raise JudgeError(
+                f"judge {url} answered in its reasoning only, no content (it ended {str(reasoning)[-80:]!r}); a "
+                "reasoning judge must end its reasoning and answer after it, in the message content",
+                code="judge_bad_json",
             )
         return text
 

@@ -9,6 +9,7 @@ when the test releases it; scoring with a real model is in `test_ruler_vllm.py`.
 from __future__ import annotations
 
 import datetime as dt
+import gzip
 import json
 import logging
 import queue
@@ -298,6 +299,46 @@ def test_a_group_cut_at_max_tokens_is_judged_again_once_they_are_raised(
         conn.execute(judge_runs.update().values(max_tokens=None))
     unknown = GroupJudge(judge.store, judge.scoring, judge.settings.model_copy(update={"max_tokens": 128}), clock=clock)
     assert unknown.due_groups() == []
+
+
+def test_an_answer_cut_after_its_whole_json_is_stored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A judge cut at `max_tokens` just after the JSON's last `}` (before its end-of-text) had written every score: the
+    run failed `judge_truncated` and its group was tried again, or zeroed, or skipped, by the policy."""
+    app = make_app(tmp_path, monkeypatch, env=down_judge("zero", ART_COLLECTOR_JUDGE_EXPLANATION_MAX_CHARS="4"))
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    judge = app.state.scoring.judge
+    scores = {"1": {"explanation": "right", "score": 1}, "2": {"explanation": "no", "score": 0}}
+    content = json.dumps({"scores": scores})
+    _judged_by(judge, lambda body: httpx.Response(200, json={
+        "choices": [{"message": {"content": content}, "finish_reason": "length"}]}))
+    run = judge.judge("g")
+    assert (run.state, run.error) == ("ok", None)
+    assert [(j.score, j.explanation) for j in run.judgements] == [(1.0, "rig\u2026"), (0.0, "no")]
+    assert [t.rewards["ruler"] for t in app.state.store.trajectories(group="g")] == [1.0, 0.0]
+
+
+def test_an_answer_cut_short_of_a_score_is_still_truncated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    app = make_app(tmp_path, monkeypatch, env=down_judge("skip"))
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    judge = app.state.scoring.judge
+    content = json.dumps({"scores": {"1": {"explanation": "right", "score": 1}}})
+    _judged_by(judge, lambda body: httpx.Response(200, json={
+        "choices": [{"message": {"content": content}, "finish_reason": "length"}]}))
+    run = judge.judge("g")
+    assert run.state == "skipped" and run.error is not None and run.error.startswith("judge_truncated")
+
+
+def test_a_compressed_rejection_is_not_sent_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A judge's 413 compressed anyway (asked for none) was `judge_http_error`: sent `ATTEMPTS` times, and again every
+    `RETRY_SECONDS`, though the same request never succeeds."""
+    app = make_app(tmp_path, monkeypatch, env=down_judge("retry", ART_COLLECTOR_JUDGE_ATTEMPTS="3"))
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    judge = app.state.scoring.judge
+    body = gzip.compress(b'{"object": "error", "message": "maximum context length is 2048 tokens"}')
+    bodies = _judged_by(judge, lambda _: httpx.Response(413, content=body, headers={"Content-Encoding": "gzip"}))
+    run = judge.judge("g")
+    assert (run.state, run.attempts, run.next_try_at, len(bodies)) == ("failed", 1, None, 1)
+    assert run.error is not None and run.error.startswith("judge_rejected") and "compressed as 'gzip'" in run.error
 
 
 def test_an_answer_cut_with_room_for_explanations_is_tried_again(

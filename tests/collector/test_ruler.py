@@ -19,6 +19,7 @@ from collector.ruler import (
     build_messages,
     dedupe,
     explanation_limit,
+    parse_cut,
     parse_scores,
     render_message,
     response_format,
@@ -280,15 +281,19 @@ def _client_answering(status: int, body: object) -> JudgeClient:
 _COMPLETION = json.dumps({"choices": [{"message": {"content": "{}"}, "finish_reason": "stop"}]}).encode()
 
 
-def _read_request(conn: socket.socket) -> None:
-    """Read one HTTP request with a `Content-Length` body from `conn`: left unread, a close resets the connection."""
+def _read_request(conn: socket.socket) -> bool:
+    """Read one HTTP request with a `Content-Length` body from `conn`: left unread, a close resets the connection.
+    False when the client closed the connection before a request."""
     data = b""
     while b"\r\n\r\n" not in data:
-        data += conn.recv(1 << 16)
+        if not (chunk := conn.recv(1 << 16)):
+            return False
+        data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     length = int(next(line for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:"))[15:])
     while len(body) < length:
         body += conn.recv(1 << 16)
+    return True
 
 
 @contextlib.contextmanager
@@ -380,6 +385,93 @@ def test_a_body_running_to_the_close_still_coming_at_the_timeout_is_cut() -> Non
     assert cut.is_set()
 
 
+def test_a_connection_another_call_opened_is_not_reused() -> None:
+    """A call is bounded by shutting the sockets it opens: httpcore's pool can hand a connection that turned idle to a
+    waiting call before it closes it (1 call in about 600, 50 at once), and that call's slow answer ran unbounded. Here
+    a pool keeping its idle connections stands for that race: every call must still open, and watch, its own."""
+    server = socket.create_server(("127.0.0.1", 0))
+    calls, cut = [], threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(10)
+            while _read_request(conn):
+                calls.append(conn)
+                slow = len(calls) > 1  # the second call's answer comes 2 bytes each 0.1 s, past its 1 s
+                parts = [_head(len(_COMPLETION)), _COMPLETION] if not slow else [
+                    _head(len(_COMPLETION)), *(_COMPLETION[i:i + 2] for i in range(0, len(_COMPLETION), 2))]
+                for part in parts:
+                    time.sleep(0.1 if slow else 0)
+                    try:
+                        conn.sendall(part)
+                    except OSError:  # the client shut its socket
+                        cut.set()
+                        return
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # the listening socket closed: the test is over
+            while True:
+                threading.Thread(target=serve, args=(server.accept()[0],), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    client = JudgeClient(f"http://127.0.0.1:{server.getsockname()[1]}/v1", "m", timeout=1.0)
+    client._http = httpx.Client(timeout=1.0)  # keeps idle connections for reuse
+    try:
+        assert client.complete([USER], response_format(1), temperature=0, max_tokens=64) == "{}"
+        with pytest.raises(JudgeError, match="no whole answer within 1 s") as caught:
+            client.complete([USER], response_format(1), temperature=0, max_tokens=64)
+    finally:
+        client.close()
+        server.close()
+    assert caught.value.code == "judge_unreachable"
+    assert len(calls) == 2 and calls[0] is not calls[1]
+    assert cut.wait(10)  # the second answer was cut at the deadline, not read whole and refused after it
+
+
+def test_concurrent_calls_share_one_watchdog_thread() -> None:
+    """Each call started a timer thread to bound it: 50 calls at once ran 50 more threads (150, 150 more)."""
+    calls = 20
+    counted: list[int] = []
+    in_flight = threading.Barrier(calls, action=lambda: counted.append(threading.active_count()), timeout=10)
+
+    def chat(request: httpx.Request) -> httpx.Response:
+        in_flight.wait()  # every call is under way, each with its deadline set
+        return httpx.Response(200, content=_COMPLETION)
+
+    client = JudgeClient("http://judge/v1", "m")
+    client._http = httpx.Client(transport=httpx.MockTransport(chat))
+    callers = [threading.Thread(target=client.complete, args=([USER], response_format(1)),
+                                kwargs={"temperature": 0, "max_tokens": 64}) for _ in range(calls)]
+    before = threading.active_count()
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(timeout=30)
+    assert len(counted) == 1
+    assert counted[0] - before - calls <= 1  # the one watchdog thread, started by the first call of the process
+
+
+@pytest.mark.parametrize(("status", "code"), [(400, "judge_rejected"), (413, "judge_rejected"), (422, "judge_rejected"),
+                                              (200, "judge_http_error"), (503, "judge_http_error")])
+@pytest.mark.parametrize(("unread", "headers"), [("compressed as 'gzip'", {"Content-Encoding": "gzip"}),
+                                                 ("past 1024 bytes", {})])
+def test_an_answer_left_unread_is_classed_by_its_status(status: int, code: str, unread: str,
+                                                        headers: dict[str, str]) -> None:
+    """A 400, 413 or 422 is `judge_rejected` (final) whatever its body: one compressed, or too long, was
+    `judge_http_error` and sent again, though the same request never succeeds."""
+    body = json.dumps({"object": "error", "message": "maximum context length is 2048 tokens " + "x" * 2048}).encode()
+    content = gzip.compress(body) if headers else body
+
+    def chat(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, content=content, headers=headers)
+
+    client = JudgeClient("http://judge/v1", "m", max_answer_bytes=1024)
+    client._http = httpx.Client(transport=httpx.MockTransport(chat))
+    with pytest.raises(JudgeError, match=f"answered {status} with a body {unread}") as caught:
+        client.complete([USER], response_format(1), temperature=0, max_tokens=64)
+    assert caught.value.code == code
+
+
 def test_a_compressed_answer_is_left_unread() -> None:
     """httpx decoded each piece read whole before `max_answer_bytes` counted it: 822 bytes of `gzip, gzip` took 800 MiB.
     The judge is asked for an uncompressed answer, and one compressed anyway is refused."""
@@ -427,6 +519,49 @@ def test_an_answer_of_tool_calls_without_content_says_so(content: str | None) ->
     with pytest.raises(JudgeError, match='answered with tool calls, not JSON content: .*"name": "scores"') as caught:
         client.complete([USER], response_format(1), temperature=0, max_tokens=64)
     assert caught.value.code == "judge_bad_json"
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+@pytest.mark.parametrize("content", [None, "", "\n "])
+def test_an_answer_in_the_reasoning_only_says_so(field: str, content: str | None) -> None:
+    """A reasoning judge whose output never left its reasoning (vLLM's reasoning parser puts it all in `reasoning`)
+    showed `judge answer is not JSON (...): ''`, as if the judge had said nothing."""
+    message = {"role": "assistant", "content": content, field: 'Trajectory 1 is better. {"scores": {"1": ...'}
+    client = _client_answering(200, {"choices": [{"message": message, "finish_reason": "stop"}]})
+    with pytest.raises(JudgeError, match="in its reasoning only, no content .*Trajectory 1 is better") as caught:
+        client.complete([USER], response_format(1), temperature=0, max_tokens=64)
+    assert caught.value.code == "judge_bad_json"
+
+
+def test_an_answer_with_content_is_read_whatever_its_reasoning() -> None:
+    message = {"role": "assistant", "content": "{}", "reasoning": "Trajectory 1 is better."}
+    client = _client_answering(200, {"choices": [{"message": message, "finish_reason": "stop"}]})
+    assert client.complete([USER], response_format(1), temperature=0, max_tokens=64) == "{}"
+
+
+def _cut(content: str) -> JudgeError:
+    """The error of a judge call whose answer `content` ended at `max_tokens`."""
+    client = _client_answering(200, {"choices": [{"message": {"content": content}, "finish_reason": "length"}]})
+    with pytest.raises(JudgeError) as caught:
+        client.complete([USER], response_format(2), temperature=0, max_tokens=64)
+    assert caught.value.code == "judge_truncated"
+    return caught.value
+
+
+def test_an_answer_cut_after_its_whole_json_keeps_its_scores() -> None:
+    """A judge held to the schema can be cut at `max_tokens` right after its last `}`, before its end-of-text: every
+    score was there, and the run failed `judge_truncated` all the same."""
+    scores = parse_cut(_cut(answer((1, "right", 1), (2, "wrong", 0))), 2, max_chars=3)
+    assert [(s.block, s.score, s.explanation) for s in scores] == [(1, 1.0, "ri\u2026"), (2, 0.0, "wr\u2026")]
+
+
+@pytest.mark.parametrize("content", ['{"scores": {"1": {"explanation": "x", "score": 1}, "2": {"expl', "",
+                                     answer((1, "x", 1)), answer((1, "x", 1), (2, "y", 1.5))])
+def test_an_answer_cut_short_of_its_scores_stays_truncated(content: str) -> None:
+    error = _cut(content)
+    with pytest.raises(JudgeError) as caught:
+        parse_cut(error, 2)
+    assert caught.value is error and caught.value.answer == content
 
 
 def test_a_refusal_is_judge_refused_and_quotes_the_judge() -> None:
