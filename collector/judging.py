@@ -27,10 +27,10 @@ from typing import Any, NoReturn
 from sqlalchemy import Connection
 
 from collector.errors import Conflict, NotFound
+from collector.judge_client import JudgeClient
 from collector.protocol import GroupState, RewardIn, Trajectory
 from collector.read_protocol import Judgement, JudgeRun
 from collector.ruler import (
-    JudgeClient,
     JudgeError,
     Score,
     build_messages,

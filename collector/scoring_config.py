@@ -17,8 +17,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from collector.auth import configured_key
 from collector.config import check_http_url
+from collector.judge_client import MAX_ANSWER_BYTES
 from collector.protocol import Name
-from collector.ruler import MAX_ANSWER_BYTES
 
 __all__ = ["DEFAULT_RUBRIC", "MAX_TIMEOUT_SECONDS", "JudgeSettings", "LangfuseSettings"]
 

@@ -30,8 +30,9 @@ from art_langgraph import semconv as sc
 from collector import placement, store_reads
 from collector.config import CollectorSettings
 from collector.errors import Conflict
+from collector.judge_client import JudgeClient
 from collector.judging import GroupJudge, claim_seconds
-from collector.ruler import JudgeClient, JudgeError, response_format
+from collector.ruler import JudgeError, response_format
 from collector.schema import judge_runs
 from collector.scoring_config import JudgeSettings
 from collector.scoring_store import ScoringStore
