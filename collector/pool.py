@@ -14,29 +14,31 @@ from collector import placement
 from collector.config import CollectorSettings
 from collector.engine import chunks
 from collector.groups import Decision, Member, decide, merge_rewards
-from collector.schema import batches, groups, rewards, trajectories
+from collector.schema import batches, groups, rewards, spans, trajectories
 from collector.transactions import GROUP_LOCKS, TRAJECTORY_LOCKS
 
 __all__ = [
-    "LEASE_EXPIRED", "Lock", "decisions", "expected_size", "give_back", "group_members", "groups_of", "lock_groups",
-    "maintain", "rewarded", "rewards_of",
+    "LEASE_EXPIRED", "Lock", "decisions", "expected_size", "give_back", "group_members", "groups_of", "holders",
+    "lock_groups", "maintain", "rewarded", "rewards_of",
 ]
 
 log = logging.getLogger(__name__)
 
 
 def rewards_of(conn: Connection, rows: list[Any], *, until: float | None = None) -> dict[str, dict[str, float]]:
-    """Named rewards per trajectory row (by rollout id, or by trace id when none was given); with `until`, only
-    those stored by then."""
+    """Named rewards per trajectory row: those by its id (rollout id), and those by trace id alone (no rollout id
+    given) of every trace it holds a span in (a rollout may be spread over traces); with `until`, only those stored
+    by then. Of one name, an API reward wins over a span's, and then the later one (`merge_rewards`), whether it came
+    by rollout id or by which of its traces."""
     by_id: dict[str, list[tuple[tuple[Any, ...], str, str, float]]] = {row["id"]: [] for row in rows}
-    by_trace: dict[str, list[str]] = {}
-    for row in rows:
-        by_trace.setdefault(row["trace_id"], []).append(row["id"])
     for chunk in chunks(rows):
-        ids, traces = [r["id"] for r in chunk], [r["trace_id"] for r in chunk]
-        query = select(rewards).where(
-            or_(rewards.c.rollout_id.in_(ids), and_(rewards.c.rollout_id.is_(None), rewards.c.trace_id.in_(traces)))
-        )
+        ids = [r["id"] for r in chunk]
+        by_trace: dict[str, list[str]] = {}
+        held = select(spans.c.trajectory_id, spans.c.trace_id).where(spans.c.trajectory_id.in_(ids)).distinct()
+        for trajectory_id, trace_id in conn.execute(held):
+            by_trace.setdefault(trace_id, []).append(trajectory_id)
+        by_traces = and_(rewards.c.rollout_id.is_(None), rewards.c.trace_id.in_(list(by_trace)))
+        query = select(rewards).where(or_(rewards.c.rollout_id.in_(ids), by_traces))
         if until is not None:
             query = query.where(rewards.c.created_at <= until)
         for r in conn.execute(query).mappings():
@@ -44,15 +46,15 @@ def rewards_of(conn: Connection, rows: list[Any], *, until: float | None = None)
                 order: tuple[Any, ...] = (r["time_ns"] or 0, r["span_id"] or "", r["name"], r["id"])
             else:
                 order = (r["id"],)
-            owners = [r["rollout_id"]] if r["rollout_id"] else by_trace.get(r["trace_id"], [])
-            for owner in owners:
+            for owner in [r["rollout_id"]] if r["rollout_id"] else by_trace[r["trace_id"]]:
                 if owner in by_id:
                     by_id[owner].append((order, r["source"], r["name"], r["value"]))
     return {tid: merge_rewards(found) for tid, found in by_id.items()}
 
 
 def rewarded(conn: Connection, rollout_ids: list[str], trace_ids: list[str], now: float) -> None:
-    """New rewards arrived for the trajectories of `rollout_ids`, and of `trace_ids` (rewards without a rollout id).
+    """New rewards arrived for the trajectories of `rollout_ids`, and those holding a span in `trace_ids` (rewards
+    without a rollout id).
 
     Activity for their open groups; a group skipped for its rewards goes back to the pool, since a new reward may
     give it its spread back (not one skipped after failed trainings, which keeps the batch that gave up on it).
@@ -65,14 +67,28 @@ def rewarded(conn: Connection, rollout_ids: list[str], trace_ids: list[str], now
         )
 
 
-def groups_of(conn: Connection, rollout_ids: list[str], trace_ids: list[str]) -> set[str]:
-    """Ids of the groups that hold the trajectories of `rollout_ids`, and of `trace_ids`."""
+def groups_of(conn: Connection, trajectory_ids: list[str], trace_ids: list[str]) -> set[str]:
+    """Ids of the groups that hold the trajectories of `trajectory_ids`, and those holding a span in `trace_ids`."""
+    ids = set(trajectory_ids).union(*holders(conn, trace_ids).values())
     group_ids: set[str] = set()
-    for column, values in ((trajectories.c.id, rollout_ids), (trajectories.c.trace_id, trace_ids)):
-        for chunk in chunks(sorted(set(values))):
-            query = select(trajectories.c.group_id).where(column.in_(chunk), trajectories.c.group_id.is_not(None))
-            group_ids.update(conn.execute(query).scalars())
+    for chunk in chunks(sorted(ids)):
+        query = select(trajectories.c.group_id).where(
+            trajectories.c.id.in_(chunk), trajectories.c.group_id.is_not(None)
+        )
+        group_ids.update(conn.execute(query).scalars())
     return group_ids
+
+
+def holders(conn: Connection, trace_ids: Collection[str]) -> dict[str, set[str]]:
+    """Per trace of `trace_ids` that has spans, the ids its spans are stored under (`spans.trajectory_id`: rollout
+    ids, or the trace id outside any rollout): those of its trajectories, which a reward by trace id applies to, where
+    they exist. A lookup by the spans' key (led by the trace id): a trajectory row names one of its traces only."""
+    found: dict[str, set[str]] = {}
+    for chunk in chunks(sorted(set(trace_ids))):
+        query = select(spans.c.trace_id, spans.c.trajectory_id).where(spans.c.trace_id.in_(chunk)).distinct()
+        for trace_id, trajectory_id in conn.execute(query):
+            found.setdefault(trace_id, set()).add(trajectory_id)
+    return found
 
 
 def group_members(conn: Connection, group_ids: list[str]) -> dict[str, list[Any]]:

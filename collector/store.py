@@ -257,8 +257,9 @@ class SqlStore(Store):
         """Insert the rewards (each with its score id) in one statement, their groups held and marked rewarded;
         whether each one's trajectory is known."""
         by_rollout = [reward.rollout_id for reward, _ in items if reward.rollout_id]
-        by_trace = [reward.trace_id or "" for reward, _ in items if not reward.rollout_id]
-        now = self._changing_groups(conn, pool.groups_of(conn, by_rollout, by_trace))
+        holders = pool.holders(conn, [reward.trace_id or "" for reward, _ in items if not reward.rollout_id])
+        held = sorted(set().union(*holders.values()))  # of a trace: each trajectory holding a span in it
+        now = self._changing_groups(conn, pool.groups_of(conn, by_rollout + held, []))
         rows = [
             {
                 "rollout_id": reward.rollout_id or None, "trace_id": reward.trace_id or None, "name": reward.name,
@@ -267,19 +268,19 @@ class SqlStore(Store):
             for reward, score_id in items
         ]
         conn.execute(rewards.insert(), rows)  # in order: of two rewards of one name, the later one wins
-        pool.rewarded(conn, by_rollout, by_trace, now)
-        rollouts = self._existing(conn, trajectories.c.id, by_rollout)
-        traces = self._existing(conn, trajectories.c.trace_id, by_trace)
+        pool.rewarded(conn, by_rollout + held, [], now)
+        known = self._existing(conn, by_rollout + held)
         return [
-            reward.rollout_id in rollouts if reward.rollout_id else reward.trace_id in traces for reward, _ in items
+            reward.rollout_id in known if reward.rollout_id else not known.isdisjoint(holders.get(reward.trace_id, ()))
+            for reward, _ in items
         ]
 
     @staticmethod
-    def _existing(conn: Connection, column: Any, values: list[str]) -> set[str]:
-        """The `values` that some trajectory has in `column`."""
+    def _existing(conn: Connection, ids: list[str]) -> set[str]:
+        """The `ids` that a trajectory has."""
         found: set[str] = set()
-        for chunk in chunks(sorted(set(values))):
-            found.update(conn.execute(select(column).where(column.in_(chunk)).distinct()).scalars())
+        for chunk in chunks(sorted(set(ids))):
+            found.update(conn.execute(select(trajectories.c.id).where(trajectories.c.id.in_(chunk))).scalars())
         return found
 
     def withdraw_score(
@@ -302,8 +303,10 @@ class SqlStore(Store):
         successor: tuple[str, RewardIn] | None,
         also: Callable[[Connection], None] | None,
     ) -> bool:
-        traces = sorted(set(conn.execute(select(rewards.c.trace_id).where(rewards.c.score_id == score_id)).scalars()))
-        members = select(trajectories.c.group_id).where(trajectories.c.trace_id.in_(traces))
+        traces = set(conn.execute(select(rewards.c.trace_id).where(rewards.c.score_id == score_id)).scalars())
+        held = sorted(set().union(*pool.holders(conn, traces).values()))  # each trajectory with a span in them
+        scored = trajectories.c.id.in_(held)
+        members = select(trajectories.c.group_id).where(scored)
         pool.lock_groups(conn, conn.execute(members).scalars())  # in id order, as a reward locks them
         states = conn.execute(select(groups.c.state).where(groups.c.id.in_(members))).scalars()
         if any(state in ("leased", "trained") for state in states):
@@ -312,10 +315,9 @@ class SqlStore(Store):
         now = self._now(conn)
         # a deleted reward leaves no row dated after a lease: mark its trajectories changed instead, lest the late ack
         # of a lease that held it find them as they were (`leases._changed_since`)
-        scored = trajectories.c.trace_id.in_(traces)
         placement.lock_trajectories(conn, scored)  # in id order, as the curve's save locks them
         conn.execute(trajectories.update().where(scored).values(updated_at=now))
-        pool.rewarded(conn, [], traces, now)
+        pool.rewarded(conn, held, [], now)
         if successor and conn.execute(select(rewards.c.id).where(rewards.c.score_id == successor[0])).first() is None:
             self._add_rewards(conn, [(successor[1], successor[0])])
         if also is not None:

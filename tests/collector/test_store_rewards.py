@@ -7,9 +7,9 @@ from sqlalchemy import Connection, Engine, func, select, text
 from sqlalchemy.exc import DBAPIError
 
 from collector.errors import InvalidRequest
-from collector.protocol import BatchRequest, RewardIn
+from collector.protocol import BatchRequest, ReleaseRequest, RewardIn
 from collector.schema import rewards
-from tests.collector.span_builders import sid, trajectory
+from tests.collector.span_builders import llm, rollout, sid, trajectory
 
 
 def test_reward_before_spans_applies_when_they_arrive(make_store) -> None:
@@ -192,3 +192,25 @@ def test_rewards_stored_together_share_their_transaction_with_the_callers_work(m
         store.withdraw_score("s1", None, also=count_then_refuse)
     assert seen == [1, 0]
     assert store.trajectory("a").rewards == {"reward": 0.5}  # the withdrawal was rolled back with it
+
+
+def test_a_reward_by_trace_id_applies_to_each_trajectory_with_a_span_in_that_trace(make_store) -> None:
+    store = make_store()
+    first, resumed, later = f"{10:032x}", f"{30:032x}", f"{40:032x}"
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=1.0))
+    # a's graph run resumed in a new trace: a model call of a there, while a's row names the trace of its rollout span
+    store.add_spans([llm(31, rollout="a", trace=resumed, start=20, prompt=[1, 2], completion=[3])])
+    assert store.lease(BatchRequest()).groups == []  # skipped: no reward spread
+    assert store.add_reward(RewardIn(trace_id=resumed, value=0.0), score_id="s1").trajectory_known
+    assert store.trajectory("a").rewards == {"reward": 0.0}  # and the group is back in the pool
+    store.add_reward(RewardIn(trace_id=first, name="judge", value=0.5))
+    store.add_reward(RewardIn(trace_id=resumed, name="judge", value=0.25))  # of one name, the later, by either trace
+    # a rollout span of a that comes first in a's order makes a's row name a third trace: a's rewards stay
+    store.add_spans([rollout(5, "a", trace=later, group="g", size=2)])
+    assert store.trajectory("a").rewards == {"reward": 0.0, "judge": 0.25}
+    batch = store.lease(BatchRequest())
+    assert [{t.id: t.reward for t in g.trajectories} for g in batch.groups] == [{"a": 0.0, "b": 1.0}]
+    assert not store.withdraw_score("s1", None)  # its trajectory's group is leased
+    store.release(batch.id, ReleaseRequest(reason="vLLM down", failed=False))
+    assert store.withdraw_score("s1", None)
+    assert store.trajectory("a").rewards == {"reward": 1.0, "judge": 0.25}
