@@ -17,13 +17,16 @@ by id (the `id` filter of the same endpoint), and one that is gone has its rewar
 trajectory the store deleted since (another instrumentation's calls in a rollout's trace) are deleted there
 (`DELETE /api/public/scores/{scoreId}`) by the next sync, `INGEST_DELAY` after the deletion at the earliest
 (Langfuse's 404: gone already); one Langfuse fails to delete
-for now is tried again after a growing delay, one it refuses (another 4xx, a proxy's 404 too) is given up. A later
-trajectory of the deleted one's id pushes its scores under other ids, once the deleted one's are deleted.
+for now is tried again after a growing delay (no sooner than its `Retry-After` asks, within an hour), one it refuses
+(another 4xx, a proxy's 404 too) is given up. A later trajectory of the deleted one's id pushes its scores under other
+ids, once the deleted one's are deleted. Each call of Langfuse's API, retries included, ends within `timeout_seconds`
+(`LangfuseSync._call`): the SDK's own retries, which wait up to a minute each, are off.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import email.utils
 import functools
 import logging
 import threading
@@ -31,7 +34,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 from langfuse import __version__
@@ -49,6 +52,7 @@ from langfuse.api.core.api_error import ApiError
 from langfuse.api.core.datetime_utils import serialize_datetime
 from langfuse.api.core.http_client import HttpClient
 from langfuse.api.core.pydantic_utilities import parse_obj_as
+from langfuse.api.core.request_options import RequestOptions
 from pydantic import ValidationError
 from sqlalchemy import Connection, func, select
 from sqlalchemy.exc import DBAPIError
@@ -98,7 +102,15 @@ _DELETE_HINTS = {
 which pulls first, has found Langfuse's API on the host."""
 
 RETRY_DELAY = (60.0, 3600.0)
-"""The least and the most seconds before a deletion that failed for now (`_transient`) is tried again."""
+"""The least and the most seconds before a deletion that failed for now (`_transient`), or a score Langfuse rejected,
+is tried again."""
+
+RETRIES = 2
+"""How many times a call of Langfuse's API that failed for now with an answer (`_transient`) is tried again at most,
+as the SDK's default, within the call's deadline (`LangfuseSync._call`)."""
+
+FIRST_RETRY_WAIT = 1.0
+"""Seconds before a call's first retry when Langfuse sends no `Retry-After`; doubles with each retry."""
 
 
 def _page_of(body: Any) -> tuple[list[Any], str | None, list[tuple[Any, ValidationError]]]:
@@ -142,6 +154,24 @@ def _transient(exc: LangfuseSyncError) -> bool:
     cannot read), a 5xx, 408 or 429; any other 4xx is final."""
     status = _status(exc)
     return status is None or not 400 <= status < 500 or status in (408, 429)
+
+
+def _retry_after(exc: LangfuseSyncError, now: float) -> float | None:
+    """The seconds Langfuse's answer in `exc` asks to wait before a retry (`Retry-After`: delay seconds, or an HTTP
+    date, counted from `now`; at least 0); None without the header, or with one that is neither (then the caller's own
+    delay applies)."""
+    cause = exc.__cause__
+    headers = cause.headers if isinstance(cause, ApiError) and cause.headers else {}
+    value = next((str(v).strip() for k, v in headers.items() if k.lower() == "retry-after"), None)
+    if value is None:
+        return None
+    if value.isascii() and value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, (when if when.tzinfo else when.replace(tzinfo=dt.UTC)).timestamp() - now)
 
 
 def _retry_delay(age: float) -> float:
@@ -266,6 +296,15 @@ def _reward_of(score: object) -> RewardIn | None:
         return None
 
 
+class _Rejection(NamedTuple):
+    """A score Langfuse rejected (`LangfuseSync.push`), remembered by the process: its value, how many times in a row
+    that value was rejected, and when it is sent again at the earliest (unless its value changes)."""
+
+    value: float
+    times: int
+    retry_at: float
+
+
 class _Claimed(Exception):
     """Scores of a page that another sync marked pulled first (`LangfuseSync._claim`); rolls the page back."""
 
@@ -291,10 +330,44 @@ class LangfuseSync:
         self._http = _http_client(self.client)
         self.clock = clock
         self._lock = threading.Lock()
+        self._rejections: dict[tuple[str, str], _Rejection] = {}
+        """The scores Langfuse rejected, by (trajectory id, reward name): `push` holds them back a while."""
 
-    def _call(self, what: str, fn: Callable[[], object], hints: dict[int, str] = _HINTS) -> object:
-        """`fn()`, a call of Langfuse's API; any way Langfuse fails, a malformed answer too, raises
-        `LangfuseSyncError` (502), with the hint of `hints` for its status, if any."""
+    def _call(
+        self, what: str, fn: Callable[[RequestOptions], object], hints: dict[int, str] = _HINTS, retries: int = RETRIES
+    ) -> object:
+        """`fn(options)`, a call of Langfuse's API with the SDK's request options `options`; any way Langfuse fails, a
+        malformed answer too, raises `LangfuseSyncError` (502), with the hint of `hints` for its status, if any.
+
+        The whole call, retries included, ends within `timeout_seconds`: the SDK's own retries are off (each of them
+        waits up to a minute, whatever the timeout), and an answer that failed for now (`_transient`: a 5xx, 408 or
+        429) is asked again at most `retries` times, after its `Retry-After` or else a doubling wait
+        (`FIRST_RETRY_WAIT`), only when that wait ends before the deadline; a try gets what is left of it."""
+        deadline = time.monotonic() + self.settings.timeout_seconds
+        attempt = 0
+        while True:
+            options: RequestOptions = {"max_retries": 0, "timeout_in_seconds": deadline - time.monotonic()}
+            try:
+                return self._once(what, functools.partial(fn, options), hints)
+            except LangfuseSyncError as exc:
+                wait = self._retry_wait(exc, attempt)
+                if attempt == retries or wait is None or time.monotonic() + wait >= deadline:
+                    raise
+            time.sleep(wait)
+            attempt += 1
+
+    @staticmethod
+    def _retry_wait(exc: LangfuseSyncError, attempt: int) -> float | None:
+        """Seconds before the retry of a call whose try `attempt` (0: the first) failed with `exc`: its `Retry-After`,
+        else `FIRST_RETRY_WAIT` doubled per try; None when it is not to be retried within the call (no answer, which
+        took its time already, or a final 4xx)."""
+        if _status(exc) is None or not _transient(exc):
+            return None
+        after = _retry_after(exc, time.time())
+        return FIRST_RETRY_WAIT * 2**attempt if after is None else after
+
+    def _once(self, what: str, fn: Callable[[], object], hints: dict[int, str]) -> object:
+        """`fn()`, one try of a call of Langfuse's API (`_call`), its failures raised as `LangfuseSyncError`."""
         try:
             return fn()
         except ApiError as exc:
@@ -307,12 +380,12 @@ class LangfuseSync:
                 f"Langfuse {what} unreachable at {self.settings.host}: {exc}", code="langfuse_unreachable"
             ) from exc
 
-    def _get(self, path: str, params: dict[str, Any]) -> Any:
+    def _get(self, path: str, params: dict[str, Any], options: RequestOptions) -> Any:
         """Langfuse's JSON answer to `GET {path}` with the query `params` (the API's names; None: left out), through
-        the SDK's HTTP client (`_http_client`: its auth, headers, timeout and retries) but not its model of the whole
-        answer (`_page_of` reads it); raises the SDK's `ApiError` for a status other than 2xx or a body that is no
-        JSON, as the SDK's own methods do."""
-        response = self._http.request(path, method="GET", params=params)
+        the SDK's HTTP client (`_http_client`: its auth and headers; its timeout and retries as the request options
+        `options` set them) but not its model of the whole answer (`_page_of` reads it); raises the SDK's `ApiError`
+        for a status other than 2xx or a body that is no JSON, as the SDK's own methods do."""
+        response = self._http.request(path, method="GET", params=params, request_options=options)
         try:
             body = response.json()
         except ValueError as exc:
@@ -326,7 +399,7 @@ class LangfuseSync:
         """One page of `GET /api/public/v3/scores` with the query `params`: its scores, the next page's cursor, and the
         ids (None: it has none) of the scores in it that the SDK's model rejects (`_page_of`), logged and left out."""
         scores, cursor, rejected = self._call("GET /api/public/v3/scores",
-                                              lambda: _page_of(self._get(SCORES, params)))
+                                              lambda options: _page_of(self._get(SCORES, params, options)))
         for item, exc in rejected:
             score_id = _item_id(item)
             # once per process: every sync pulls the whole lookback again, and logged the same score each time
@@ -455,8 +528,9 @@ class LangfuseSync:
         Langfuse's 404 (`_gone`) says the score is gone already: done. Any other 4xx but 408 and 429 (a server that
         refuses deletions, a key not allowed to delete, a proxy's 404) is final: logged, the record dropped, the score
         left in Langfuse. A transient failure (5xx, 408, 429, no answer) is logged and tried again after a growing
-        delay (`_retry_delay`), and stops this sync's deletions: the others wait for the next sync, not for Langfuse's
-        timeout one by one."""
+        delay (`_retry_delay`), or after Langfuse's `Retry-After` where that is longer (at most `RETRY_DELAY`'s
+        most: Langfuse Cloud limits deletions per day), and stops this sync's deletions: the others wait for the next
+        sync, not for Langfuse's timeout one by one."""
         now = self.clock()
         deleted = refused = 0
         while rows := self.scoring.to_retract(now, limit=PAGE):
@@ -464,7 +538,7 @@ class LangfuseSync:
                 failure = self._delete_score(row["score_id"])
                 if failure is not None and _transient(failure):
                     since = min(row["pushed_at"], now)  # a push time ahead of the clock (it moved back): now
-                    delay = _retry_delay(now - since)
+                    delay = min(RETRY_DELAY[1], max(_retry_delay(now - since), _retry_after(failure, now) or 0.0))
                     log.warning("Langfuse score %s of deleted trajectory %s not deleted (tried again in %.0f s): %s",
                                 row["score_id"], row["trajectory_id"], delay, failure)
                     self.scoring.retract_later(row, now + delay, since)
@@ -480,10 +554,12 @@ class LangfuseSync:
 
     def _delete_score(self, score_id: str) -> LangfuseSyncError | None:
         """Delete the score `score_id` in Langfuse; None when done (Langfuse's 404 too: it is gone, `_gone`), else the
-        failure (another 404 too: a proxy's, which says nothing of the score)."""
+        failure (another 404 too: a proxy's, which says nothing of the score). Not tried again within the call: a
+        failure for now is tried again at a later sync (`_retract`)."""
         try:
             self._call(f"DELETE /api/public/scores/{score_id}",
-                       lambda: self.client.scores.delete(score_id), _DELETE_HINTS)
+                       lambda options: self.client.scores.delete(score_id, request_options=options), _DELETE_HINTS,
+                       retries=0)
         except LangfuseSyncError as exc:
             return None if _gone(exc) else exc
         return None
@@ -491,7 +567,12 @@ class LangfuseSync:
     def push(self) -> tuple[int, int]:
         """Send the configured rewards whose value changed since the last push; returns (sent, rejected). A score
         keeps the id it was first pushed under; a trajectory's whose record is a deleted one's of the same id, still
-        to delete (`ScoringStore.retracting`), waits for the sync after that deletion (`_score_id`)."""
+        to delete (`ScoringStore.retracting`), waits for the sync after that deletion (`_score_id`).
+
+        Only the scores Langfuse accepts are recorded as pushed (`_create`). One it rejects (in a 207) is logged once
+        per value and sent again when its value changes, or else after a delay that doubles with each rejection of
+        the same value, within `RETRY_DELAY` (a minute to an hour); the process remembers the rejections, so a
+        restart sends such a score again at once."""
         names = self.settings.push_names
         if not names:
             return 0, 0
@@ -510,6 +591,8 @@ class LangfuseSync:
                 unchanged = record is not None and record.value == value
                 if value is None or unchanged or (t.id, name) in waiting or t.id not in created:
                     continue
+                if (held := self._rejections.get((t.id, name))) and held.value == value and now < held.retry_at:
+                    continue
                 first = record.pushed_at if record else now
                 score_id = record.score_id if record else _score_id(t.id, created[t.id], name)
                 requests.append(
@@ -524,16 +607,54 @@ class LangfuseSync:
                     {"trajectory_id": t.id, "name": name, "value": value, "score_id": score_id, "pushed_at": first,
                      "created_at": created[t.id]}
                 )
+        live = {t.id for t in trajectories}
+        self._rejections = {key: held for key, held in self._rejections.items() if key[0] in live}
         rejected = 0
         for start in range(0, len(requests), PAGE):
-            chunk = requests[start : start + PAGE]
-            answer = self._call("POST /api/public/scores", lambda chunk=chunk: self.client.scores.create(request=chunk))
-            if isinstance(answer, CreateScoreBatchResults) and answer.rejected:
-                rejected += answer.rejected
-                log.warning("Langfuse rejected %d of %d scores: %s", answer.rejected, len(chunk),
-                            [e.message for e in answer.errors])
-            self.scoring.mark_pushed(marks[start : start + PAGE], now + INGEST_DELAY)
+            accepted, refused = self._create(list(zip(requests[start : start + PAGE], marks[start : start + PAGE],
+                                                      strict=True)))
+            self._note(accepted, refused, now)
+            rejected += len(refused)
+            self.scoring.mark_pushed(accepted, now + INGEST_DELAY)
         return len(requests), rejected
+
+    def _create(
+        self, scores: list[tuple[CreateScoreRequest, dict[str, Any]]]
+    ) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], str]]]:
+        """Send `scores` (request, record) to Langfuse in one request; returns the records of those it accepted, and
+        those of the ones it rejected, each with Langfuse's message. A 207's errors name no score (a message each,
+        `CreateScoreBatchError`), so a batch with rejections is sent again a score at a time, which tells them apart:
+        an accepted score is sent twice, which updates it in place (the same id and value)."""
+        answer = self._call("POST /api/public/scores", lambda options: self.client.scores.create(
+            request=[request for request, _ in scores], request_options=options))
+        if not isinstance(answer, CreateScoreBatchResults) or not answer.rejected:
+            return [record for _, record in scores], []
+        if len(scores) == 1:
+            return [], [(scores[0][1], "; ".join(error.message for error in answer.errors))]
+        accepted: list[dict[str, Any]] = []
+        refused: list[tuple[dict[str, Any], str]] = []
+        for score in scores:
+            one, other = self._create([score])
+            accepted += one
+            refused += other
+        return accepted, refused
+
+    def _note(self, accepted: list[dict[str, Any]], refused: list[tuple[dict[str, Any], str]], now: float) -> None:
+        """Remember the scores Langfuse rejected at `now` (`refused`: record, message) and when to send each again
+        (`push`); forget those it `accepted`. A value's first rejection is logged as a warning, the later ones at
+        debug level."""
+        for record in accepted:
+            self._rejections.pop((record["trajectory_id"], record["name"]), None)
+        for record, why in refused:
+            key = (record["trajectory_id"], record["name"])
+            before = self._rejections.get(key)
+            times = before.times + 1 if before and before.value == record["value"] else 1
+            delay = min(RETRY_DELAY[1], RETRY_DELAY[0] * 2 ** min(times - 1, 16))  # capped: past 2**1023, no float
+            self._rejections[key] = _Rejection(record["value"], times, now + delay)
+            log.log(logging.WARNING if times == 1 else logging.DEBUG,
+                    "Langfuse rejected score %s (reward %r = %s of trajectory %s): %s; sent again when the value "
+                    "changes, or in %.0f s", record["score_id"], record["name"], record["value"],
+                    record["trajectory_id"], why, delay)
 
     @contextmanager
     def _one_replica(self) -> Iterator[bool]:

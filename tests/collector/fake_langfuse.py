@@ -19,7 +19,9 @@ so the Langfuse tests talk to this server instead. It follows Langfuse's publish
   JavaScript's JSON writes a NaN or an infinity), which the API definition does not allow (it types
   the value a number) and the SDK's model rejects; not seen from a real Langfuse.
 * `POST /api/public/scores`: Basic auth; a JSON list of scores; 202 `{"message": "Accepted"}`
-  when all are valid, else 207 `{"accepted", "rejected", "errors": [{"message"}]}`.
+  when all are valid, else 207 `{"accepted", "rejected", "errors": [{"message"}]}` (`CreateScoreBatchResults`:
+  an error names no score). Set `refused_traces` to have it reject the scores of some traces too, as Langfuse
+  rejects a score its validation refuses.
 * `DELETE /api/public/scores/{scoreId}`: Basic auth; 202 `{"message": "Score deletion queued
   successfully"}`, for an unknown id too (Langfuse queues the deletion without looking the score
   up: `web/src/pages/api/public/scores/[scoreId].ts` in github.com/langfuse/langfuse; the SDK's
@@ -76,6 +78,10 @@ class FakeLangfuse:
         self.failures: list[int | None] = []
         """Statuses the next authorized GET requests answer instead, one each (a 429, an outage's 503; None: the
         request is answered as usual)."""
+        self.retry_after: str | None = None
+        """The `Retry-After` header of those answers, if any (Langfuse Cloud's rate limit sends whole seconds)."""
+        self.refused_traces: dict[str, str] = {}
+        """Trace ids whose scores `POST /api/public/scores` rejects, with the error's message."""
 
     def add_score(
         self, score_id: str, name: str, value: Any, *, trace_id: str | None = None, observation_id: str | None = None,
@@ -151,6 +157,8 @@ class FakeLangfuse:
                 problem = "ANNOTATION scores need a configId"
             elif sum(bool(score.get(k)) for k in ("traceId", "sessionId", "datasetRunId")) != 1:
                 problem = "exactly one of traceId, sessionId, datasetRunId is required"
+            elif score.get("traceId") in self.refused_traces:
+                problem = self.refused_traces[score["traceId"]]
             if problem:
                 errors.append({"message": problem})
             else:
@@ -164,9 +172,11 @@ def _handler(state: FakeLangfuse) -> type[BaseHTTPRequestHandler]:
     expected = "Basic " + base64.b64encode(f"{PUBLIC}:{SECRET}".encode()).decode()
 
     class Handler(BaseHTTPRequestHandler):
-        def _answer(self, status: int, body: Any) -> None:
+        def _answer(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
             payload = json.dumps(body).encode()
             self.send_response(status)
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
@@ -191,7 +201,8 @@ def _handler(state: FakeLangfuse) -> type[BaseHTTPRequestHandler]:
                 return
             status = state.failures.pop(0) if state.failures else None
             if status is not None:
-                self._answer(status, {"message": HTTPStatus(status).phrase})
+                retry_after = {"Retry-After": state.retry_after} if state.retry_after is not None else {}
+                self._answer(status, {"message": HTTPStatus(status).phrase}, retry_after)
                 return
             self._answer(*state.list_scores(parse_qs(url.query)))
 

@@ -10,6 +10,8 @@ side is real: the SDK's HTTP client, the store, the sync's paging, mapping and b
 from __future__ import annotations
 
 import datetime as dt
+import email.utils
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -212,18 +214,45 @@ def test_a_failed_page_applies_nothing_and_the_next_sync_applies_everything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
 ) -> None:
     url, server = langfuse
-    monkeypatch.setattr("langfuse.api.core.http_client._retry_timeout", lambda response, retries: 0.0)  # no waits
+    monkeypatch.setattr("collector.langfuse_sync.FIRST_RETRY_WAIT", 0.0)  # no waits
     app = app_for(tmp_path, monkeypatch, url)
     app.state.store.add_spans(group_spans("g", [str(n) for n in range(130)]))
     for n in range(130):
         server.add_score(f"s{n}", "human", n / 200, trace_id=trace_id("g", n))
-    server.failures = [429, None, 503, 503, 503]  # page 1 after one retry; page 2 fails all three tries of the SDK
+    server.failures = [429, None, 503, 503, 503]  # page 1 after one retry; page 2 fails all three tries
     with TestClient(app) as client:
         answer = client.post("/v1/langfuse/sync")
         assert answer.status_code == 502 and "503" in answer.json()["message"]
         assert client.get("/v1/trajectories/g-0").json()["rewards"] == {}  # nothing half-applied, nothing marked
         assert server.failures == [] and client.post("/v1/langfuse/sync").json()["applied"] == 130
         assert client.get("/v1/trajectories/g-129").json()["rewards"] == {"human": 129 / 200}
+
+
+def test_a_langfuse_that_keeps_answering_429_fails_the_sync_within_its_timeout(
+    make_store, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """The SDK retried a 429 twice on its own, each time after its `Retry-After` (up to a minute) whatever
+    `timeout_seconds`: a sync hung up to two minutes past it. A retry whose wait would end past the call's deadline is
+    not made: the sync fails at once, after one request (the next sync asks again)."""
+    url, server = langfuse
+    sync = sync_for(make_store(), url, timeout_seconds=2)
+    server.failures, server.retry_after = [429] * 3, "3"
+    with pytest.raises(LangfuseSyncError, match="answered 429"):
+        sync.sync()
+    assert [method for method, _ in server.requests] == ["GET"]
+
+
+def test_a_429_whose_retry_after_fits_the_timeout_is_asked_again_after_it(
+    make_store, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """Within the call's deadline a 429 or 5xx is asked again (at most twice), after Langfuse's `Retry-After`."""
+    url, server = langfuse
+    store = make_store(min_group_size=1)
+    store.add_spans(group_spans("g", ["7"]))
+    server.add_score("s0", "human", 0.5, trace_id=trace_id("g", 0))
+    server.failures, server.retry_after = [429, 503], "0"
+    assert sync_for(store, url).sync().applied == 1
+    assert [method for method, _ in server.requests] == ["GET"] * 3
 
 
 def test_a_store_error_mid_pull_applies_no_score_twice(
@@ -465,6 +494,39 @@ def test_push_sends_rewards_once_and_updates_changed_ones(
         assert (update["timestamp"], update["value"]) == (first["timestamp"], 0.5)
 
 
+def test_a_score_langfuse_rejects_is_not_recorded_as_pushed_and_sent_again_later(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A score Langfuse rejected in a 207 was recorded as pushed with the chunk's others: never sent again until its
+    value changed. Only the accepted ones are recorded (a 207 names no score: the batch is sent again a score at a
+    time); a rejected one is sent again after a delay that doubles (a minute, two, ...), or at once when its value
+    changes, and each rejected value is logged once."""
+    url, server = langfuse
+    store = make_store(min_group_size=1)
+    sync = sync_for(store, url, push_names="reward")
+    sync.clock = clock
+    store.add_spans(group_spans("g", ["7", "8", "9"], rewards=[1.0, 0.0, 0.5]))
+    server.refused_traces = {trace_id("g", 1): "score rejected by validation"}
+    result = sync.sync()
+    assert (result.pushed, result.push_rejected) == (3, 1)
+    assert set(sync.scoring.pushed()) == {("g-0", "reward"), ("g-2", "reward")}
+    assert sorted(s["metadata"]["art.rollout.id"] for s in server.created.values()) == ["g-0", "g-2"]
+    assert [method for method, _ in server.requests].count("POST") == 4  # the batch, then each score alone
+    tries = []
+    for _ in range(4):  # a sync a minute, Langfuse still rejecting it
+        clock.now += 60
+        tries.append(sync.sync().push_rejected)
+    assert tries == [1, 0, 1, 0]  # after 1 then 2 minutes
+    store.add_reward(RewardIn(rollout_id="g-1", name="reward", value=0.25))  # a changed value is sent at once
+    assert sync.sync().push_rejected == 1
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "validation" in r.getMessage()]
+    assert len(warned) == 2 and "= 0.0 of trajectory g-1" in warned[0] and "= 0.25 of" in warned[1]
+    server.refused_traces = {}  # Langfuse accepts it now
+    clock.now += 60
+    assert (sync.sync().pushed, sync.sync().pushed) == (1, 0)
+    assert sync.scoring.pushed()[("g-1", "reward")].value == 0.25
+
+
 def test_a_score_pushed_for_a_trajectory_deleted_since_is_deleted_in_langfuse(
     make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
 ) -> None:
@@ -589,6 +651,29 @@ def test_the_retry_delay_grows_though_the_score_was_pushed_at_a_time_ahead_of_th
         clock.now += 60
     assert tries == [1, 1, 1, 0, 1, 0, 0, 0, 1]  # at once, after 1 minute (the least), 1, 2 then 4
     assert asked == [foreign] * 5
+
+
+@pytest.mark.parametrize(("retry_after", "delay"), [
+    ("2400", 2400.0),
+    ("date", 2400.0),  # an HTTP date 40 minutes ahead
+    ("86400", 3600.0),  # Langfuse Cloud's daily limit of deletions: an hour at most
+    ("10", 300.0),  # sooner than the growing delay: that holds
+    ("soon", 300.0),  # no delay: the growing one holds
+])
+def test_a_deletion_langfuse_rate_limits_is_tried_again_no_sooner_than_its_retry_after(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], retry_after: str, delay: float
+) -> None:
+    """A 429's (or 503's) `Retry-After` was ignored: the deletion was tried again after the growing delay (here the
+    score's age, 5 minutes), sooner than Langfuse asked. It waits as long as Langfuse asks, within an hour."""
+    url, server = langfuse
+    store = make_store(min_group_size=1)
+    sync = sync_for(store, url, push_names="ruler")
+    sync.clock = clock
+    _pushed_then_orphaned(store, sync, server, clock)
+    header = email.utils.formatdate(clock.now + 2400, usegmt=True) if retry_after == "date" else retry_after
+    failing_deletions(sync, ApiError(status_code=429, headers={"Retry-After": header}, body={"message": "Too Many"}))
+    assert sync.sync().retract_failed == 1
+    assert [row["retract_at"] for row in sync.scoring.to_retract()] == [clock.now + delay]
 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 405])
@@ -1049,8 +1134,8 @@ def test_a_rejected_score_without_an_id_is_counted_and_said_so(
     server.add_score("fine", "human", 0.25, trace_id=trace_id("g", 0))
     get = sync._get
 
-    def with_an_item_without_id(path: str, params: dict[str, object]) -> object:
-        body = get(path, params)
+    def with_an_item_without_id(path: str, params: dict[str, object], options: object) -> object:
+        body = get(path, params, options)
         body["data"].append({"dataType": "NUMERIC", "name": "human", "value": 0.5})
         return body
 
