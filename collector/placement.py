@@ -47,17 +47,21 @@ def lock_trajectories(conn: Connection, condition: ColumnElement[bool]) -> None:
         conn.execute(query.with_for_update())
 
 
+def _group_order(conn: Connection) -> ColumnElement[str]:
+    """Group ids in `BYTE_ORDER`, as every lock of several groups is taken (`pool.lock_groups`); SQLite has no such
+    collation, and its own (BINARY) compares the bytes."""
+    return groups.c.id.collate(BYTE_ORDER) if conn.dialect.name == "postgresql" else groups.c.id
+
+
 def _open_instances(conn: Connection, keys: list[str]) -> dict[str, list[dict[str, Any]]]:
     """Open group instances per key (`keys` sorted), oldest first; locked (FOR UPDATE) so a concurrent lease commits
     first. The export locked them before, with every other group it changes, in one pass in id order
     (`groups_changed`): here only one opened since (given back or reopened) waits to be locked."""
     found: dict[str, list[dict[str, Any]]] = {key: [] for key in keys}
-    # in `BYTE_ORDER`, as every lock of several groups is taken (`pool.lock_groups`); SQLite has no such collation,
-    # and its own (BINARY) compares the bytes
-    order = groups.c.id.collate(BYTE_ORDER) if conn.dialect.name == "postgresql" else groups.c.id
     for chunk in chunks(keys):
         query = (
-            select(groups).where(groups.c.key.in_(chunk), groups.c.state == "open").order_by(order).with_for_update()
+            select(groups).where(groups.c.key.in_(chunk), groups.c.state == "open")
+            .order_by(_group_order(conn)).with_for_update()
         )
         for row in conn.execute(query).mappings():
             found[row["key"]].append(dict(row))
@@ -142,6 +146,7 @@ def place(
     instances = _open_instances(conn, keys)
     members, splits = _members(conn, [g["id"] for found in instances.values() for g in found])
     taken = _counts(conn, groups.c.key, keys)
+    in_use = _ids_in_use(conn, Counter(facts.group_key for _, facts in wanted), taken)
     placed: dict[str, str] = {}
     hints: dict[str, int] = {}
     created: list[dict[str, Any]] = []
@@ -154,7 +159,7 @@ def place(
                     group["size_hint"] = hints[group["id"]] = facts.group_size
                 break
         else:
-            group = _new_instance(conn, facts, taken[facts.group_key] + 1, {g["id"] for g in created}, now)
+            group = _new_instance(conn, facts, taken[facts.group_key] + 1, in_use, now)
             taken[facts.group_key] += 1
             created.append(group)
             instances[facts.group_key] = sorted(
@@ -173,16 +178,38 @@ def place(
     return placed
 
 
-def _new_instance(conn: Connection, facts: TrajectoryFacts, n: int, created: set[str], now: float) -> dict[str, Any]:
-    """A new open instance of the facts' group key: the key itself, else the first free `key#n`."""
+def _ids_in_use(conn: Connection, wanted: Counter[str], taken: Counter[str]) -> dict[str, bool]:
+    """Whether each id that `place` may give a new instance first is a group's: per key of `wanted` (trajectories to
+    place per key), the key and `key#n` for n past the key's instances `taken`, one per trajectory, in one query per
+    chunk; `_new_instance` looks up any other id it comes to (those ids were taken)."""
+    ids = sorted({*wanted, *(f"{key}#{taken[key] + i}" for key, n in wanted.items() for i in range(1, n + 1))})
+    in_use = dict.fromkeys(ids, False)
+    for chunk in chunks(ids):
+        in_use.update(dict.fromkeys(conn.execute(select(groups.c.id).where(groups.c.id.in_(chunk))).scalars(), True))
+    return in_use
+
+
+def _new_instance(
+    conn: Connection, facts: TrajectoryFacts, n: int, in_use: dict[str, bool], now: float
+) -> dict[str, Any]:
+    """A new open instance of the facts' group key: the key itself, else the first free `key#n`. `in_use`: whether an
+    id is taken (a group's, or an instance's made before in the export), as far as known; updated."""
     group_id = facts.group_key
-    while group_id in created or conn.execute(select(groups.c.id).where(groups.c.id == group_id)).first() is not None:
+    while _id_taken(conn, group_id, in_use):
         group_id, n = f"{facts.group_key}#{n}", n + 1
+    in_use[group_id] = True
     return {
         "id": group_id, "key": facts.group_key, "task": facts.task, "explicit": facts.explicit_group,
         "size_hint": facts.group_size, "state": "open", "reason": None, "batch_id": None,
         "created_at": now, "updated_at": now,
     }
+
+
+def _id_taken(conn: Connection, group_id: str, in_use: dict[str, bool]) -> bool:
+    """Whether `group_id` is taken: as `in_use` says, else looked up (and noted there)."""
+    if group_id not in in_use:
+        in_use[group_id] = conn.execute(select(groups.c.id).where(groups.c.id == group_id)).first() is not None
+    return in_use[group_id]
 
 
 def _one_row_per_id(
@@ -237,50 +264,85 @@ def _rollout_traces(conn: Connection, known: set[str], trace_ids: set[str]) -> s
     return held
 
 
-def _forget_trajectory(conn: Connection, row: Any, now: float) -> None:
-    """Delete the trajectory `row`, its spans and what was scored of it: the rewards given to its id (a judge's, the
-    API's), which a later trajectory of the same id would take as its own, the judge's explanations of it, and the
-    judge run of its group (`ScoringStore.forget_trajectory`), so the members left are judged again without it (a run
-    in flight loses its claim and stores nothing).
+def _forget_trajectories(conn: Connection, rows: list[Any], now: float) -> None:
+    """Delete the trajectories `rows`, their spans and what was scored of them: the rewards given to their ids (a
+    judge's, the API's), which a later trajectory of the same id would take as its own, the judge's explanations of
+    them, and the judge runs of their groups (`ScoringStore.forget_trajectories`), so the members left are judged again
+    without them (a run in flight loses its claim and stores nothing).
 
-    Its spans are those stored under its id (`spans.trajectory_id`, the trace id): the rollout's spans of the same
-    trace are stored under the rollout id, and a rollout whose id is the trace id shares this row, not only its spans.
-    More of the trace's foreign calls make no trajectory again: they are left out on arrival, their spans deleted
-    (`_without_foreign_calls_in_rollouts`). The records of its scores pushed to Langfuse (`langfuse_pushed`) stay,
-    marked as of `now` (`ScoringStore.retract_pushed`: due once Langfuse has ingested the push): they name the scores
-    that the first Langfuse sync when due deletes there (`LangfuseSync.sync`), and go once each is deleted or its
-    deletion refused for good (one failing for now is tried again later).
+    A trajectory's spans are those stored under its id (`spans.trajectory_id`, the trace id): the rollout's spans of
+    the same trace are stored under the rollout id, and a rollout whose id is the trace id shares this row, not only
+    its spans. More of the trace's foreign calls make no trajectory again: they are left out on arrival, their spans
+    deleted (`_without_foreign_calls_in_rollouts`). The records of their scores pushed to Langfuse
+    (`langfuse_pushed`) stay, marked as of `now` (`ScoringStore.retract_pushed`: due once Langfuse has ingested the
+    push): they name the scores that the first Langfuse sync when due deletes there (`LangfuseSync.sync`), and go once
+    each is deleted or its deletion refused for good (one failing for now is tried again later).
     """
-    conn.execute(delete(trajectories).where(trajectories.c.id == row["id"]))
-    conn.execute(delete(spans).where(spans.c.trajectory_id == row["id"]))
-    conn.execute(delete(rewards).where(rewards.c.rollout_id == row["id"]))
-    ScoringStore.forget_trajectory(conn, row["id"], row["group_id"])
-    ScoringStore.retract_pushed(conn, row["id"], now)
+    ids = sorted(row["id"] for row in rows)
+    for chunk in chunks(ids):
+        conn.execute(delete(trajectories).where(trajectories.c.id.in_(chunk)))
+        conn.execute(delete(spans).where(spans.c.trajectory_id.in_(chunk)))
+        conn.execute(delete(rewards).where(rewards.c.rollout_id.in_(chunk)))
+    ScoringStore.forget_trajectories(conn, ids, sorted({row["group_id"] for row in rows} - {None}))
+    ScoringStore.retract_pushed(conn, ids, now)
 
 
-def _delete_foreign(conn: Connection, row: Any, now: float) -> bool:
-    """Delete the stored trajectory `row` (`_without_foreign_calls_in_rollouts`, `_forget_trajectory`) unless its group
-    is leased or trained; a group it leaves empty is skipped. The members it leaves are dated `now`, so a late ack of
-    a lease that held the group sees it changed (`leases._changed_since`). Whether it was deleted."""
-    state = None
-    if row["group_id"] is not None:
-        state = conn.execute(select(groups.c.state).where(groups.c.id == row["group_id"]).with_for_update()).scalar()
-    if state in ("leased", "trained"):
-        log.warning("trajectory %s: %s, kept: its group %s is %s", row["id"], FOREIGN_IN_ROLLOUT, row["group_id"],
-                    state)
-        return False
-    _forget_trajectory(conn, row, now)
-    log.info("trajectory %s deleted: %s", row["id"], FOREIGN_IN_ROLLOUT)
-    if row["group_id"] is not None:
-        left = trajectories.c.group_id == row["group_id"]
-        lock_trajectories(conn, left)  # in id order, as the curve's save locks them
-        conn.execute(trajectories.update().where(left).values(updated_at=now))
-    if state == "open" and not _counts(conn, trajectories.c.group_id, [row["group_id"]]):
+def _group_states(conn: Connection, group_ids: list[str]) -> dict[str, str]:
+    """The state of each of the groups `group_ids` (sorted), their rows locked (FOR UPDATE) in id order
+    (`BYTE_ORDER`, as `pool.lock_groups` takes them) before any trajectory's."""
+    states: dict[str, str] = {}
+    for chunk in chunks(group_ids):
+        query = (
+            select(groups.c.id, groups.c.state).where(groups.c.id.in_(chunk))
+            .order_by(_group_order(conn)).with_for_update()
+        )
+        states.update(dict(conn.execute(query).all()))
+    return states
+
+
+def _lock_with_members(conn: Connection, trajectory_ids: list[str], group_ids: list[str]) -> None:
+    """Hold the trajectory rows `trajectory_ids` and those of the groups `group_ids` (`lock_trajectories`), in one
+    pass in id order, across chunks too (Python sorts ids as `BYTE_ORDER` does), on PostgreSQL."""
+    if conn.dialect.name != "postgresql":
+        return
+    ids = set(trajectory_ids)
+    for chunk in chunks(group_ids):
+        ids.update(conn.execute(select(trajectories.c.id).where(trajectories.c.group_id.in_(chunk))).scalars())
+    for chunk in chunks(sorted(ids)):
+        lock_trajectories(conn, trajectories.c.id.in_(chunk))
+
+
+def _delete_foreign(conn: Connection, rows: list[Any], now: float) -> set[str]:
+    """Delete the stored trajectories `rows` (`_without_foreign_calls_in_rollouts`, `_forget_trajectories`) but those
+    whose group is leased or trained; a group they leave empty is skipped. The members they leave are dated `now`, so
+    a late ack of a lease that held a group sees it changed (`leases._changed_since`). The ids of those deleted.
+
+    The groups' rows are locked first, in id order, then the trajectories' (those deleted and the members left), in
+    id order too."""
+    states = _group_states(conn, sorted({row["group_id"] for row in rows} - {None}))
+    deleted = []
+    for row in sorted(rows, key=lambda row: row["id"]):
+        state = states.get(row["group_id"])
+        if state in ("leased", "trained"):
+            log.warning("trajectory %s: %s, kept: its group %s is %s", row["id"], FOREIGN_IN_ROLLOUT, row["group_id"],
+                        state)
+        else:
+            deleted.append(row)
+    left = sorted({row["group_id"] for row in deleted} - {None})
+    _lock_with_members(conn, [row["id"] for row in deleted], left)
+    _forget_trajectories(conn, deleted, now)
+    for row in deleted:
+        log.info("trajectory %s deleted: %s", row["id"], FOREIGN_IN_ROLLOUT)
+    for chunk in chunks(left):
+        conn.execute(trajectories.update().where(trajectories.c.group_id.in_(chunk)).values(updated_at=now))
+    opened = [group_id for group_id in left if states.get(group_id) == "open"]
+    members = _counts(conn, trajectories.c.group_id, opened)
+    for chunk in chunks([group_id for group_id in opened if not members[group_id]]):
         conn.execute(
-            groups.update().where(groups.c.id == row["group_id"])
+            groups.update().where(groups.c.id.in_(chunk))
             .values(state="skipped", reason=f"its trajectory was deleted: {FOREIGN_IN_ROLLOUT}", updated_at=now)
         )
-    return True
+    return {row["id"] for row in deleted}
 
 
 def forget_deferred_foreign(conn: Connection, group_ids: list[str], now: float) -> None:
@@ -292,9 +354,9 @@ def forget_deferred_foreign(conn: Connection, group_ids: list[str], now: float) 
     for chunk in chunks(sorted(group_ids)):
         query = select(trajectories).where(trajectories.c.group_id.in_(chunk), trajectories.c.by_rollout.is_(False))
         rows.update({row["id"]: row for row in conn.execute(query).mappings()})
-    for key in sorted(_rollout_traces(conn, set(), set(rows))):
-        if rows[key]["digest"] and FactsDigest.from_json(rows[key]["digest"]).foreign_only:
-            _delete_foreign(conn, rows[key], now)
+    held = _rollout_traces(conn, set(), set(rows))
+    _delete_foreign(conn, [rows[key] for key in sorted(held)
+                           if rows[key]["digest"] and FactsDigest.from_json(rows[key]["digest"]).foreign_only], now)
 
 
 def _without_foreign_calls_in_rollouts(
@@ -325,10 +387,9 @@ def _without_foreign_calls_in_rollouts(
     candidates.update(
         {key: row for key, row in stored.items() if row["digest"] and FactsDigest.from_json(row["digest"]).foreign_only}
     )
-    left_out = {
-        key for key in _rollout_traces(conn, rollout_traces, set(candidates))
-        if candidates[key] is None or _delete_foreign(conn, candidates[key], now)
-    }
+    held = _rollout_traces(conn, rollout_traces, set(candidates))
+    stored = [candidates[key] for key in sorted(held) if candidates[key] is not None]
+    left_out = {key for key in held if candidates[key] is None} | _delete_foreign(conn, stored, now)
     for key in sorted(left_out):
         if candidates[key] is None:
             conn.execute(delete(spans).where(spans.c.trajectory_id == key))

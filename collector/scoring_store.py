@@ -51,7 +51,7 @@ class MemberStamp(NamedTuple):
     trace_id: str
     """Its trace (an export of the trace locks it)."""
     spans: int
-    """Its stored spans: they are only ever added while it exists (deleted with it, `placement._forget_trajectory`)."""
+    """Its stored spans: only ever added while it exists (deleted with it, `placement._forget_trajectories`)."""
     updated_at: float
     """When its row last changed (an export of its spans, a member of its group deleted, a reward withdrawn): a
     member deleted and stored again with as many spans has a later one."""
@@ -195,13 +195,14 @@ class ScoringStore:
             conn.execute(judgements.insert(), [{"name": name, "group_id": group_id, **row} for row in rows])
 
     @staticmethod
-    def forget_trajectory(conn: Connection, trajectory_id: str, group_id: str | None) -> None:
-        """Drop the judgements of a deleted trajectory and the judge run of its group `group_id` (if any), on `conn`:
-        the transaction that deletes the trajectory (`placement._forget_trajectory`), so the members left are judged
-        again without it (a run in flight loses its claim and stores nothing)."""
-        conn.execute(delete(judgements).where(judgements.c.trajectory_id == trajectory_id))
-        if group_id is not None:
-            conn.execute(delete(judge_runs).where(judge_runs.c.group_id == group_id))
+    def forget_trajectories(conn: Connection, trajectory_ids: list[str], group_ids: list[str]) -> None:
+        """Drop the judgements of deleted trajectories and the judge runs of their groups `group_ids`, on `conn`: the
+        transaction that deletes the trajectories (`placement._forget_trajectories`), so the members left are judged
+        again without them (a run in flight loses its claim and stores nothing)."""
+        for chunk in chunks(sorted(trajectory_ids)):
+            conn.execute(delete(judgements).where(judgements.c.trajectory_id.in_(chunk)))
+        for chunk in chunks(sorted(group_ids)):
+            conn.execute(delete(judge_runs).where(judge_runs.c.group_id.in_(chunk)))
 
     def judgements(self, trajectory_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
         """Judgements by trajectory id."""
@@ -294,16 +295,17 @@ class ScoringStore:
             return {tid: created for tid, created in conn.execute(select(trajectories.c.id, trajectories.c.created_at))}
 
     @staticmethod
-    def retract_pushed(conn: Connection, trajectory_id: str, at: float) -> None:
-        """Mark the records of the scores pushed to Langfuse for a deleted trajectory as to be deleted there, on `conn`:
-        the transaction that deletes the trajectory (`placement._forget_trajectory`). Due `INGEST_DELAY` after `at`:
+    def retract_pushed(conn: Connection, trajectory_ids: list[str], at: float) -> None:
+        """Mark the records of the scores pushed to Langfuse for deleted trajectories as to be deleted there, on `conn`:
+        the transaction that deletes the trajectories (`placement._forget_trajectories`). Due `INGEST_DELAY` after `at`:
         a deletion right after a push of the score could reach Langfuse before the push is ingested, and every push
         recorded so far (the last one too: a changed reward pushes the score again, and Langfuse ingests it anew) came
         before `at`; a push still in flight marks its record itself (`mark_pushed`). The first sync when they are due
         deletes them (`LangfuseSync.sync`); a later trajectory of the same id pushes its own scores, under other ids,
         once they are (`retracting`)."""
-        conn.execute(update(langfuse_pushed).where(langfuse_pushed.c.trajectory_id == trajectory_id)
-                     .values(retract_at=at + INGEST_DELAY))
+        for chunk in chunks(sorted(trajectory_ids)):
+            conn.execute(update(langfuse_pushed).where(langfuse_pushed.c.trajectory_id.in_(chunk))
+                         .values(retract_at=at + INGEST_DELAY))
 
     def to_retract(self, due_at: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
         """The records of pushed scores marked to be deleted in Langfuse (`retract_pushed`) whose next try

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from typing import TypeVar
 
-from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy import Connection, Engine, Integer, cast, func, select
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import StaticPool
 
@@ -97,9 +98,15 @@ class Transactions:
         """Hold advisory locks on `names` until the transaction ends (PostgreSQL; SQLite needs none).
 
         Locks are taken in ascending key order, and callers take namespaces in ascending order,
-        so two transactions never wait on each other in a cycle.
+        so two transactions never wait on each other in a cycle. One statement takes them all.
         """
         if not self.postgres:
             return
-        for key in sorted({_key32(name) for name in names}):
-            conn.execute(select(func.pg_advisory_xact_lock(namespace, key)))
+        keys = sorted({_key32(name) for name in names})
+        if not keys:
+            return
+        key = func.unnest(cast(keys, ARRAY(Integer))).column_valued("key")
+        # in ascending order: since 9.6 PostgreSQL computes a SELECT's output expressions after its sort when ORDER BY
+        # does not reference them (the SELECT reference page, https://www.postgresql.org/docs/current/sql-select.html,
+        # section "SELECT List"); the plan is a Result calling the function over a Sort of the keys
+        conn.execute(select(func.pg_advisory_xact_lock(namespace, key)).order_by(key))

@@ -942,7 +942,7 @@ def test_idle_completion_and_a_deletion_of_foreign_calls_lock_a_group_and_its_me
         store.add_spans([replace(call, attributes=call.attributes | {sc.GROUP: "g"})])
     clock.now += 1000  # both members idle, their group stale
     holding, resume = threading.Event(), threading.Event()
-    forget = placement._forget_trajectory
+    forget = placement._forget_trajectories
 
     def paused(*args: Any, **kwargs: Any) -> None:
         if not holding.is_set():  # the first try only: a retry goes on
@@ -950,7 +950,7 @@ def test_idle_completion_and_a_deletion_of_foreign_calls_lock_a_group_and_its_me
             assert resume.wait(WAIT)
         forget(*args, **kwargs)
 
-    monkeypatch.setattr(placement, "_forget_trajectory", paused)
+    monkeypatch.setattr(placement, "_forget_trajectories", paused)
     exporting = threading.Thread(target=store.add_spans, args=(_ours("r1", TRACE_A, 100),))
     exporting.start()
     assert holding.wait(WAIT)

@@ -750,7 +750,7 @@ def test_a_failure_for_now_leaves_the_other_deletions_to_the_next_sync(
     assert sync.sync().pushed == 3
     with store.engine.begin() as conn:  # their trajectories deleted, their scores marked at once
         for n in range(3):
-            ScoringStore.retract_pushed(conn, f"g-{n}", clock.now)
+            ScoringStore.retract_pushed(conn, [f"g-{n}"], clock.now)
     clock.now += INGEST_DELAY  # Langfuse has ingested the push: the deletions are due
     sync = sync_for(store, url)  # pushing nothing (the trajectories are still there)
     sync.clock = clock

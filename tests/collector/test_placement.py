@@ -1,0 +1,118 @@
+"""Placement of an export's trajectories in group instances (`collector/placement.py`): the ids of new instances, and
+lookups that do not grow with the export's new groups; the deletion of another instrumentation's calls in the traces
+of rollouts, several at once."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from sqlalchemy import event, select
+
+from art_langgraph import semconv as sc
+from collector.placement import FOREIGN_IN_ROLLOUT
+from collector.protocol import BatchRequest, RewardIn
+from collector.schema import groups as group_rows
+from collector.schema import trajectories as trajectory_rows
+from collector.store import SqlStore
+from tests.collector.pausing import beside_a_save
+from tests.collector.span_builders import trajectory
+from tests.collector.test_foreign import _openinference_llm, _ours
+
+
+@pytest.mark.parametrize(("size", "others", "instances"), [
+    # the j-th new instance of an export tries the key, then `key#n` from n = instances of the key so far + 1
+    (2, ["g#2", "g#4"], [("g", 2), ("g#3", 2), ("g#5", 2), ("g#6", 1)]),
+    # past the ids one per trajectory: looked up one at a time
+    (1, ["g#2", "g#3", "g#4"], [("g", 1), ("g#5", 1), ("g#6", 1)]),
+])
+def test_new_instances_skip_the_ids_of_other_keys_groups_and_of_those_made_before(
+    make_store, size: int, others: list[str], instances: list[tuple[str, int]]
+) -> None:
+    store = make_store()
+    for n, key in enumerate(others):  # groups of keys that look like instances of `g`
+        store.add_spans(trajectory(10 * (n + 1), f"other-{n}", group=key, size=1, reward=1.0))
+    members = sum(count for _, count in instances)
+    store.add_spans([span for n in range(members) for span in
+                     trajectory(1000 + 10 * n, f"t{n}", group="g", size=size, reward=float(n))])
+    assert sorted((g.id, g.size) for g in store.groups()) == sorted([*((key, 1) for key in others), *instances])
+
+
+def _statements(make_store, groups: int) -> int:
+    """Statements an export of `groups` rollouts, each in a new group of its own, sends."""
+    store = make_store()
+    sent: list[str] = []
+    event.listen(store.engine, "before_cursor_execute", lambda conn, cursor, statement, *_: sent.append(statement))
+    store.add_spans([span for n in range(groups) for span in
+                     trajectory(10 * (n + 1), f"r{n}", group=f"g{n}", size=2, reward=1.0)])
+    return len(sent)
+
+
+def test_an_export_of_more_new_groups_sends_no_more_statements(make_store) -> None:
+    """The ids of new instances are looked up together, and the advisory locks of the export's trajectories and
+    group keys taken in one statement per namespace (`Transactions.lock`)."""
+    assert _statements(make_store, 30) == _statements(make_store, 3)
+
+
+def _foreign_calls(store: SqlStore, trace: str, group: str, size: int) -> None:
+    """A trajectory of another instrumentation's call in `trace`, in the group `group` of `size` members."""
+    call = _openinference_llm(trace, 111, None, marked=False)
+    store.add_spans([replace(call, attributes=call.attributes | {sc.GROUP: group, sc.GROUP_SIZE: size})])
+
+
+def test_one_export_deletes_the_foreign_calls_of_several_traces_each_as_on_its_own(make_store, clock, caplog) -> None:
+    """The rollouts of four traces come in one export: the foreign calls of two traces in group g, of one in h beside
+    a member of a trace without rollout, and of one in the leased group l. g, emptied, is skipped; h's member left is
+    dated; l's member is kept."""
+    store = make_store(min_group_size=1, keep_zero_spread=True)
+    a, b, c, d, e = (f"{n:032x}" for n in range(0xC1, 0xC6))
+    for trace, group, size in ((a, "g", 5), (b, "g", 5), (c, "h", 5), (d, "h", 5), (e, "l", 1)):
+        _foreign_calls(store, trace, group, size)
+    store.add_rewards([RewardIn(trace_id=e, value=0.5)])
+    clock.now += 1000  # idle past `idle_seconds`: complete
+    assert [group.id for group in store.lease(BatchRequest(lease_seconds=100)).groups] == ["l"]
+    clock.now += 1
+    store.add_spans([span for n, trace in enumerate((a, b, c, e)) for span in _ours(f"r{n}", trace, 100)])
+
+    assert sorted(t.id for t in store.trajectories()) == sorted(["r0", "r1", "r2", "r3", d, e])
+    with store.engine.connect() as conn:
+        states = dict(conn.execute(select(group_rows.c.id, group_rows.c.state)).all())
+        dated = conn.execute(select(trajectory_rows.c.updated_at).where(trajectory_rows.c.id == d)).scalar_one()
+    assert {key: states[key] for key in "ghl"} == {"g": "skipped", "h": "open", "l": "leased"}
+    assert dated == clock.now
+    assert f"trajectory {e}: {FOREIGN_IN_ROLLOUT}, kept: its group l is leased" in caplog.text
+
+
+def _deletion_statements(make_store, traces: int) -> int:
+    """Statements of an export of the rollouts of `traces` traces that delete the foreign calls stored in each."""
+    store = make_store(min_group_size=1, keep_zero_spread=True)
+    ids = [f"{0xD000 + n:032x}" for n in range(traces)]
+    for trace in ids:
+        _foreign_calls(store, trace, "g", 100)
+    sent: list[str] = []
+    event.listen(store.engine, "before_cursor_execute", lambda conn, cursor, statement, *_: sent.append(statement))
+    store.add_spans([span for n, trace in enumerate(ids) for span in _ours(f"r{n}", trace, 100)])
+    statements = len(sent)
+    assert [t.id for t in store.trajectories()] == sorted(f"r{n}" for n in range(traces))
+    return statements
+
+
+def test_an_export_deleting_more_foreign_calls_sends_no_more_statements(make_store) -> None:
+    assert _deletion_statements(make_store, 20) == _deletion_statements(make_store, 2)
+
+
+def test_a_deletion_of_several_foreign_calls_locks_them_and_the_members_left_in_id_order(make_store, caplog) -> None:
+    """The save of the reward curve's policy steps (`PolicySteps.save`, in id order) held member B and was to update
+    C; one export deleted the foreign calls of traces A and C of B's group. Had it taken C (deleting it) before waiting
+    for B (dating the members left), each waited for the other: PostgreSQL aborted one as a deadlock."""
+    store = make_store(min_group_size=3)
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has one writer at a time: nothing runs beside the export")
+    a, b, c = (f"{n:032x}" for n in range(0xE1, 0xE4))
+    for trace in (c, b, a):  # C's row is the first in the table
+        _foreign_calls(store, trace, "g", 3)
+    ours = [span for n, trace in enumerate((a, c)) for span in _ours(f"r{n}", trace, 100)]
+    added = beside_a_save(store.engine, [b, c], lambda: store.add_spans(ours))
+
+    assert added == len(ours) and "deadlock" not in caplog.text
+    assert [t.id for t in store.trajectories(group="g")] == [b]
