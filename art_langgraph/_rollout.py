@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import numbers
+import re
 import uuid
 from collections.abc import Mapping
 from contextvars import ContextVar, Token
@@ -323,6 +324,32 @@ def _rollout_key(rollout_id: str | uuid.UUID | None) -> str | None:
     return rollout_id
 
 
+_TRACE_ID = re.compile(r"[0-9a-f]{32}")
+"""A trace id as `Rollout.trace_id` writes it: 32 lower-case hex digits."""
+
+
+def _checked_ids(rollout_id: str | uuid.UUID | None, trace_id: str | None) -> tuple[str | None, str | None]:
+    """`reward`'s `rollout_id` as a rollout key (`_rollout_key`) and its `trace_id` as `Rollout.trace_id` writes it
+    (the collector reads either case), each refused when the collector would refuse it (the POST failed only after
+    the run, with its 422) or no rollout can have it (a trace id of zeros, a rollout id with a `.` segment)."""
+    key = _rollout_key(rollout_id)
+    if key is not None:
+        _check_name(key, "reward's rollout_id")
+        if not key:
+            raise ValueError("reward's rollout_id must be a non-empty string (Rollout.id) or a run_id UUID")
+        if has_dot_segment(key):  # the collector refuses such an id in a span: the reward would wait for it forever
+            raise ValueError(f"reward's rollout_id {key[:40]!r} {DOT_SEGMENT_PROBLEM}, so no rollout has it")
+    if trace_id is None:
+        return key, None
+    if not isinstance(trace_id, str):
+        raise TypeError(f"reward's trace_id must be a string, got {type(trace_id).__name__}")
+    trace = trace_id.strip().lower()
+    if not _TRACE_ID.fullmatch(trace) or not int(trace, 16):
+        raise ValueError(f"reward's trace_id must be 32 hex digits, not all zeros (Rollout.trace_id); got "
+                         f"{trace_id[:40]!r}")
+    return key, trace
+
+
 def _running_rollout() -> Rollout | None:
     """The rollout the caller runs inside: `rollout(...)`'s, or else that of the LangChain run it runs in (a node of
     a graph run outside `rollout(...)`, which is a rollout of its own)."""
@@ -367,12 +394,14 @@ def reward(
         trace_id: Trace id (32 hex digits) of a finished rollout, when its id is unknown.
 
     Raises:
-        ValueError: `value` is NaN or infinite, or `name` is refused as `rollout(...)`'s names are.
+        ValueError: `value` is NaN or infinite, `name` or `rollout_id` is refused as `rollout(...)`'s names are (empty
+            too), or `trace_id` is not 32 hex digits (or all zeros).
+        TypeError: `value` is not a real number, or `name`, `rollout_id` or `trace_id` is not a string (nor a UUID).
         RuntimeError: No `rollout_id`/`trace_id` and no current rollout.
         httpx.HTTPError: The collector could not take the reward.
     """
     value = _check_reward(value, name)
-    key = _rollout_key(rollout_id)
+    key, trace_id = _checked_ids(rollout_id, trace_id)
     target = _target(key, trace_id)
     if target is not None:
         target.reward(value, name)
@@ -389,7 +418,7 @@ async def areward(
 ) -> None:
     """Async `reward`: attach a reward to the current rollout, or to a finished one by id."""
     value = _check_reward(value, name)
-    key = _rollout_key(rollout_id)
+    key, trace_id = _checked_ids(rollout_id, trace_id)
     target = _target(key, trace_id)
     if target is not None:
         await target.areward(value, name)

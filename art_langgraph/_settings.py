@@ -114,9 +114,10 @@ class Settings(BaseSettings):
     @field_validator("collector_url", "trainer_url")
     @classmethod
     def _http_url(cls, url: str | None) -> str | None:
-        """Refuse a URL that is not http(s), such as `localhost:4318` without its scheme: every request would fail."""
-        if url and urlsplit(url).scheme not in ("http", "https"):
-            raise ValueError(f"must be an http:// or https:// URL, got {url!r}")
+        """Refuse a URL that is not http(s), such as `localhost:4318` without its scheme, or names no host (`http://`):
+        every request would fail (each span was dropped)."""
+        if url and (problem := _url_problem(url)):
+            raise ValueError(problem)
         return url
 
     @model_validator(mode="after")
@@ -127,8 +128,8 @@ class Settings(BaseSettings):
         week (past about 9.2e12 ms its export thread died: spans waited for a flush, and the queue filled)."""
         if self.collector_url is None and (endpoint := _first_set(ENDPOINT_ENV)):
             name, url = endpoint
-            if urlsplit(url).scheme not in ("http", "https"):
-                raise ValueError(f"{name} must be an http:// or https:// URL, got {url!r}")
+            if problem := _url_problem(url):
+                raise ValueError(f"{name} {problem}")
         if timeout := _first_set(TIMEOUT_ENV):
             name, value = timeout
             if not _positive_number(value):
@@ -157,6 +158,19 @@ class Settings(BaseSettings):
         traces = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").rstrip("/").removesuffix(TRACES_PATH)
         url = self.collector_url or traces or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or DEFAULT_COLLECTOR_URL
         return url.rstrip("/")
+
+
+def _url_problem(url: str) -> str | None:
+    """Why no request could go to `url`: it is not http(s) (`localhost:4318`) or names no host (`http://`,
+    `http://:4318`); None when it is usable.
+
+    Raises:
+        ValueError: `url` cannot be split (`http://[::1`: an unclosed IPv6 address).
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return f"must be an http:// or https:// URL, got {url!r}"
+    return None if parts.hostname else f"must be an http:// or https:// URL with a host, got {url!r}"
 
 
 def _first_set(names: tuple[str, ...]) -> tuple[str, str] | None:

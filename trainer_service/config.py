@@ -90,12 +90,12 @@ def cgroup_memory_limit(root: Path) -> int | None:
 
 
 def _vllm_arg_value(args: list[str], flag: str) -> str | None:
-    """The value `args` give vLLM's `flag` last, as `--flag=V` or `--flag V` (`_` for `-` too, as vLLM reads it);
-    None where they do not set it."""
+    """The value `args` give vLLM's `flag` last, as `--flag=V` or `--flag V`, by a prefix of it too and `_` for `-`,
+    as vLLM reads it (`--max-cpu=2` set `--max-cpu-loras`); None where they do not set it."""
     value = None
     for index, arg in enumerate(args):
         name, equals, given = arg.partition("=")
-        if name.replace("_", "-") == flag:
+        if len(name) > 2 and flag.startswith(name.replace("_", "-")):
             value = given if equals else (args[index + 1] if index + 1 < len(args) else None)
     return value
 
@@ -220,7 +220,7 @@ def _check_schedule_timezone() -> None:
     """
     try:
         IntervalTrigger(weeks=1)  # resolves the local zone as the scheduler does
-    except ZoneInfoNotFoundError as exc:
+    except (ZoneInfoNotFoundError, ValueError) as exc:  # ValueError: a path zoneinfo refuses (`/x`, `a/../UTC`)
         zone = os.environ.get("TZ")
         where = f"TZ={zone!r}" if zone is not None else "/etc/localtime"
         raise ValueError(f"{where} is no time zone the schedule can use (--min-groups, --every and --cron run on "
@@ -679,6 +679,11 @@ class TrainerSettings(BaseSettings):
                              "function (--eval-reward module:function); set both or neither.")
         if self.eval_reward is not None and ":" not in self.eval_reward:
             raise ValueError(f"eval_reward={self.eval_reward!r} must look like `module:function`.")
+        if self.eval_reward is not None and self.eval_max_tokens > self.max_model_len:  # vLLM refused each eval answer
+            raise ValueError(f"eval_max_tokens={self.eval_max_tokens} is more than max_model_len="
+                             f"{self.max_model_len}: vLLM refuses a request for more tokens than that, so every "
+                             "evaluation would fail and no step be promoted. Lower --eval-max-tokens "
+                             "(ART_TRAINER_EVAL_MAX_TOKENS) or raise --max-model-len (ART_TRAINER_MAX_MODEL_LEN).")
         return self
 
     def _check_train_processes(self, cores: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import uuid
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pytest
 
 import art_langgraph
 from art_langgraph import reward, rollout, semconv
+from art_langgraph._collector_client import apost_reward, post_reward
 from tests.art_langgraph.span_reading import spans_of
 from tests.collector.seeding import make_app
 from tests.served import served
@@ -59,6 +61,36 @@ def test_a_reward_name_the_collector_would_reject_is_refused(name: str, spans) -
         r.reward(1.0, name="n" * 256)
     (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
     assert [e.attributes[semconv.REWARD_NAME] for e in root.events] == ["n" * 256]
+
+
+@pytest.mark.parametrize(("ids", "error", "match"), [
+    ({"rollout_id": 123}, TypeError, "reward's rollout_id must be a string, got int"),
+    ({"rollout_id": b"ab"}, TypeError, "reward's rollout_id must be a string, got bytes"),
+    ({"rollout_id": ""}, ValueError, "reward's rollout_id must be a non-empty string"),
+    ({"rollout_id": "x" * 257}, ValueError, "reward's rollout_id must be at most 256 characters"),
+    ({"rollout_id": "a\x00"}, ValueError, "reward's rollout_id must be at most 256 characters, without NUL"),
+    ({"rollout_id": "a/../b"}, ValueError, "reward's rollout_id 'a/../b' has a path segment"),
+    ({"trace_id": 123}, TypeError, "reward's trace_id must be a string, got int"),
+    ({"trace_id": ""}, ValueError, "reward's trace_id must be 32 hex digits, not all zeros"),
+    ({"trace_id": "zz"}, ValueError, "reward's trace_id must be 32 hex digits"),
+    ({"trace_id": "0" * 32}, ValueError, "reward's trace_id must be 32 hex digits, not all zeros"),
+    ({"trace_id": "a" * 33}, ValueError, "reward's trace_id must be 32 hex digits"),
+])
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_rollout_or_trace_id_the_collector_would_refuse_is_refused_at_once(
+        ids: dict, error: type[Exception], match: str, spans) -> None:
+    """Such an id went to the collector, whose 422 (or a JSON encoding error, for bytes) came only once the run was
+    over; an all-zero trace id was taken and named no trace, so the reward waited for its spans forever. The current
+    rollout's trace id in upper case is the current rollout's (it was posted instead)."""
+    with pytest.raises(error, match=re.escape(match)):
+        reward(1.0, **ids)
+    with pytest.raises(error, match=re.escape(match)):
+        await art_langgraph.areward(1.0, **ids)
+    with rollout("r") as r:
+        reward(1.0, trace_id=f" {r.trace_id.upper()} ")  # the collector's form: either case, whitespace dropped
+        reward(2.0, rollout_id=uuid.UUID(r.id))
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert [e.attributes[semconv.REWARD_VALUE] for e in root.events] == [1.0, 2.0]
 
 
 def test_numpy_rewards_are_numbers(spans) -> None:
@@ -230,14 +262,15 @@ async def test_a_reward_name_with_a_surrogate_is_refused_on_either_path(reward_s
 
 @pytest.mark.asyncio(loop_scope="session")
 async def test_a_reward_the_collector_refuses_raises_with_its_reason(memory_tracing, tmp_path, monkeypatch) -> None:
-    """The error said only "400 Bad Request": not which field the real collector refused, nor why."""
+    """The error said only "400 Bad Request": not which field the real collector refused, nor why. (`reward` refuses
+    these ids itself now; its client is what shows a refusal of the collector's.)"""
     app = make_app(tmp_path, monkeypatch)
     try:
         with served(app) as url:
             art_langgraph.configure(collector_url=url)
             with pytest.raises(httpx.HTTPStatusError, match=r"400 Bad Request .*body\.trace_id: String should match"):
-                reward(1.0, trace_id="not-a-trace-id")
+                post_reward(None, "reward", 1.0, trace_id="not-a-trace-id")
             with pytest.raises(httpx.HTTPStatusError, match=r"400 Bad Request .*body\.rollout_id: String should have"):
-                await art_langgraph.areward(1.0, rollout_id="r" * 300)
+                await apost_reward("r" * 300, "reward", 1.0)
     finally:
         memory_tracing.install()

@@ -232,3 +232,21 @@ def test_a_url_that_is_not_http_is_refused(monkeypatch, variable: str, value: st
         update_settings()
     monkeypatch.setenv(variable, "HTTPS://collector.example:4318")
     assert Settings()
+
+
+@pytest.mark.parametrize("value", ["http://", "https://:4318", "http:///v1"])
+def test_a_url_without_a_host_is_refused(monkeypatch, value: str) -> None:
+    """`configure(collector_url="http://")` was taken: every export failed ("No host supplied"), each span dropped,
+    and every late reward raised."""
+    for variable in ("ART_COLLECTOR_URL", "OTEL_EXPORTER_OTLP_ENDPOINT", "ART_TRAINER_URL"):
+        monkeypatch.delenv(variable, raising=False)
+    with pytest.raises(ValidationError, match=f"collector_url\n  Value error, must be an http:// or https:// URL "
+                                              f"with a host, got '{value}'"):
+        art_langgraph.configure(collector_url=value)
+    with pytest.raises(ValidationError, match=f"trainer_url\n  Value error, must be an http:// or https:// URL with "
+                                              f"a host, got '{value}'"):
+        art_langgraph.configure(trainer_url=value)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", value)
+    with pytest.raises(ValidationError, match=f"OTEL_EXPORTER_OTLP_ENDPOINT must be an http:// or https:// URL with "
+                                              f"a host, got '{value}'"):
+        Settings()

@@ -357,10 +357,11 @@ def test_a_kv_cache_above_the_cgroups_memory_limit_is_refused(tmp_path: Path, mo
     assert parse("--kv-cache-gib", "2")[0].kv_cache_gib == 2
 
 
-@pytest.mark.parametrize("vllm_args", [["--max-cpu-loras=3"], ["--max_cpu_loras", "3"]])
+@pytest.mark.parametrize("vllm_args", [["--max-cpu-loras=3"], ["--max_cpu_loras", "3"], ["--max-cpu=3"],
+                                       ["--max-cpu-lora", "3"]])
 def test_vllms_cpu_loras_below_max_loras_are_refused(vllm_args: list[str]) -> None:
     """vLLM refuses `--max-cpu-loras` below `--max-loras` (its `LoRAConfig` check), but only at the end of its start;
-    a `--vllm-arg` setting it so was accepted here."""
+    a `--vllm-arg` setting it so was accepted here, and so was one naming it by a prefix, which vLLM reads as it."""
     with pytest.raises(ValueError, match=r"vllm_args sets --max-cpu-loras=3, fewer than max_loras=4, which vLLM "
                                          r"refuses .* Raise that --vllm-arg \(ART_TRAINER_VLLM_ARGS\) to at least 4, "
                                          r"lower --max-loras \(ART_TRAINER_MAX_LORAS\) to at most 3"):
@@ -716,6 +717,19 @@ def test_settings_nothing_would_read_exit_naming_them(capsys: pytest.CaptureFixt
     settings, _ = parse("--eval-file", __file__, "--eval-reward", "m:f", "--eval-samples", "2", "--min-groups", "1",
                         "--poll-seconds", "5", "--keep-best-metric", "eval/reward", "--keep-last", "2")
     assert (settings.eval_samples, settings.poll_seconds, settings.keep_best_mode) == (2, 5.0, "min")
+
+
+def test_eval_answers_longer_than_max_model_len_are_refused_with_an_eval_set_only() -> None:
+    """vLLM refuses a request whose max_tokens exceeds --max-model-len (400), so each eval answer failed and no step
+    was ever promoted; the start took it."""
+    gate = ["--eval-file", __file__, "--eval-reward", "m:f"]
+    with pytest.raises(ValueError, match=re.escape(
+            "eval_max_tokens=64 is more than max_model_len=32: vLLM refuses a request for more tokens than that, so "
+            "every evaluation would fail and no step be promoted. Lower --eval-max-tokens "
+            "(ART_TRAINER_EVAL_MAX_TOKENS) or raise --max-model-len (ART_TRAINER_MAX_MODEL_LEN).")):
+        parse(*gate, "--max-model-len", "32")  # the default 64 answer tokens
+    assert parse(*gate, "--max-model-len", "64")[0].eval_max_tokens == 64  # vLLM fits it to the prompt
+    assert parse("--max-model-len", "32")[0].max_model_len == 32  # no eval set: its answer length is read by none
 
 
 @pytest.mark.parametrize(("argv", "mode"), [
