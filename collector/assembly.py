@@ -9,7 +9,7 @@ No model call counts twice when the app also sends another instrumentation's spa
 span of an `ARTChatModel` call (`foreign.describes_art_call`) is no model call at all, and a
 trajectory that holds an `llm` span takes its turns from `llm` spans only (`model_calls`). Nor do another
 instrumentation's calls in the trace of a rollout (a tool calling another model) make a trajectory of that trace
-(`FactsDigest.foreign_only`; the store leaves them out in `collector.placement`).
+(`FactsDigest.foreign_only`; the store leaves them out in `collector.foreign_deletion`).
 
 Rewards come from `art.reward` events on the rollout span and from reward spans
 (`art.span.kind = reward`, with `art.reward.name` / `art.reward.value` attributes, and events).

@@ -206,9 +206,10 @@ def _locked_batch(conn: Connection, batch_id: str) -> tuple[Any, list[str]]:
 
 def _changed_since(conn: Connection, group_ids: list[str], batch: Any) -> list[str]:
     """Groups of `group_ids`, sorted, that differ from what the lease `batch` held when taken: a trajectory joined,
-    changed or was deleted after it (`placement._delete_foreign` dates the members it leaves; a group it empties has
-    none, and a leased group had some), left it for another group (its members are not those the batch recorded; a
-    batch leased before schema version 8 recorded none), or a reward stored after it changed a member's rewards."""
+    changed or was deleted after it (`foreign_deletion._delete_foreign` dates the members it leaves; a group it
+    empties has none, and a leased group had some), left it for another group (its members are not those the batch
+    recorded; a batch leased before schema version 8 recorded none), or a reward stored after it changed a member's
+    rewards."""
     since = batch["created_at"]
     recorded = json.loads(batch["members"]) if batch["members"] is not None else None
     members = pool.group_members(conn, group_ids)

@@ -51,7 +51,7 @@ class MemberStamp(NamedTuple):
     trace_id: str
     """Its trace (an export of the trace locks it)."""
     spans: int
-    """Its stored spans: only ever added while it exists (deleted with it, `placement._forget_trajectories`)."""
+    """Its stored spans: only ever added while it exists (deleted with it, `foreign_deletion._forget_trajectories`)."""
     updated_at: float
     """When its row last changed (an export of its spans, a member of its group deleted, a reward withdrawn): a
     member deleted and stored again with as many spans has a later one."""
@@ -197,8 +197,8 @@ class ScoringStore:
     @staticmethod
     def forget_trajectories(conn: Connection, trajectory_ids: list[str], group_ids: list[str]) -> None:
         """Drop the judgements of deleted trajectories and the judge runs of their groups `group_ids`, on `conn`: the
-        transaction that deletes the trajectories (`placement._forget_trajectories`), so the members left are judged
-        again without them (a run in flight loses its claim and stores nothing)."""
+        transaction that deletes the trajectories (`foreign_deletion._forget_trajectories`), so the members left are
+        judged again without them (a run in flight loses its claim and stores nothing)."""
         for chunk in chunks(sorted(trajectory_ids)):
             conn.execute(delete(judgements).where(judgements.c.trajectory_id.in_(chunk)))
         for chunk in chunks(sorted(group_ids)):
@@ -297,12 +297,12 @@ class ScoringStore:
     @staticmethod
     def retract_pushed(conn: Connection, trajectory_ids: list[str], at: float) -> None:
         """Mark the records of the scores pushed to Langfuse for deleted trajectories as to be deleted there, on `conn`:
-        the transaction that deletes the trajectories (`placement._forget_trajectories`). Due `INGEST_DELAY` after `at`:
-        a deletion right after a push of the score could reach Langfuse before the push is ingested, and every push
-        recorded so far (the last one too: a changed reward pushes the score again, and Langfuse ingests it anew) came
-        before `at`; a push still in flight marks its record itself (`mark_pushed`). The first sync when they are due
-        deletes them (`LangfuseSync.sync`); a later trajectory of the same id pushes its own scores, under other ids,
-        once they are (`retracting`)."""
+        the transaction that deletes the trajectories (`foreign_deletion._forget_trajectories`). Due `INGEST_DELAY`
+        after `at`: a deletion right after a push of the score could reach Langfuse before the push is ingested, and
+        every push recorded so far (the last one too: a changed reward pushes the score again, and Langfuse ingests it
+        anew) came before `at`; a push still in flight marks its record itself (`mark_pushed`). The first sync when
+        they are due deletes them (`LangfuseSync.sync`); a later trajectory of the same id pushes its own scores, under
+        other ids, once they are (`retracting`)."""
         for chunk in chunks(sorted(trajectory_ids)):
             conn.execute(update(langfuse_pushed).where(langfuse_pushed.c.trajectory_id.in_(chunk))
                          .values(retract_at=at + INGEST_DELAY))

@@ -122,7 +122,7 @@ class SqlStore(Store):
         the first of an export's spans of each trace id and span id)."""
         keys = {_key(r): assembly.trajectory_key(r) for r in unique}
         # the trace ids too: an export of a rollout and one of another instrumentation's calls in its trace lock
-        # different keys otherwise, and on PostgreSQL neither sees the other's rows (`placement`'s foreign calls)
+        # different keys otherwise, and on PostgreSQL neither sees the other's rows (`foreign_deletion`)
         self._tx.lock(conn, TRAJECTORY_LOCKS, [key for key, _ in keys.values()] + [r.trace_id for r in unique])
         received = self._now(conn)
         rows = [

@@ -28,12 +28,12 @@ from opentelemetry.trace import StatusCode
 from sqlalchemy import select, text
 
 from art_langgraph import semconv as sc
-from collector import placement, store_reads
+from collector import foreign_deletion, placement, store_reads
 from collector.errors import Conflict
 from collector.foreign import conversation, describes_art_call, finish_reason, same_messages
+from collector.foreign_deletion import FOREIGN_IN_ROLLOUT
 from collector.judging import GroupJudge
 from collector.otlp import SpanRecord
-from collector.placement import FOREIGN_IN_ROLLOUT
 from collector.protocol import Batch, BatchRequest, ReleaseRequest, RewardIn
 from collector.schema import groups as group_rows
 from collector.schema import spans as span_rows
@@ -942,7 +942,7 @@ def test_idle_completion_and_a_deletion_of_foreign_calls_lock_a_group_and_its_me
         store.add_spans([replace(call, attributes=call.attributes | {sc.GROUP: "g"})])
     clock.now += 1000  # both members idle, their group stale
     holding, resume = threading.Event(), threading.Event()
-    forget = placement._forget_trajectories
+    forget = foreign_deletion._forget_trajectories
 
     def paused(*args: Any, **kwargs: Any) -> None:
         if not holding.is_set():  # the first try only: a retry goes on
@@ -950,7 +950,7 @@ def test_idle_completion_and_a_deletion_of_foreign_calls_lock_a_group_and_its_me
             assert resume.wait(WAIT)
         forget(*args, **kwargs)
 
-    monkeypatch.setattr(placement, "_forget_trajectories", paused)
+    monkeypatch.setattr(foreign_deletion, "_forget_trajectories", paused)
     exporting = threading.Thread(target=store.add_spans, args=(_ours("r1", TRACE_A, 100),))
     exporting.start()
     assert holding.wait(WAIT)
@@ -987,7 +987,7 @@ def test_a_deletion_of_foreign_calls_dates_the_members_left_in_the_order_the_cur
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 def test_placement_locks_the_open_instances_of_several_keys_in_byte_order_whatever_the_collation(make_store) -> None:
     """Placement locked the open instances of an export's keys in the database's collation, every other lock of
-    several groups in their bytes' order (`placement.BYTE_ORDER`, Python's sort): where the two differ ("B" < "a" by
+    several groups in their bytes' order (`rows.BYTE_ORDER`, Python's sort): where the two differ ("B" < "a" by
     bytes, not by a linguistic collation), two exports could each wait for a group the other held. Here one holds
     "a": placement took "B" before it waits for "a"."""
     store = make_store(min_group_size=1)

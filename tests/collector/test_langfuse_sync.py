@@ -29,10 +29,11 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
 from collector.config import CollectorSettings
-from collector.langfuse_sync import INGEST_DELAY, PAGE, LangfuseSync, LangfuseSyncError, make_client
+from collector.langfuse_api import PAGE
+from collector.langfuse_sync import LangfuseSync, LangfuseSyncError, make_client
 from collector.protocol import RewardIn
 from collector.scoring_config import LangfuseSettings
-from collector.scoring_store import ScoringStore
+from collector.scoring_store import INGEST_DELAY, ScoringStore
 from collector.store import SqlStore
 from examples.stack import free_port
 from tests.collector import fake_langfuse
@@ -214,7 +215,7 @@ def test_a_failed_page_applies_nothing_and_the_next_sync_applies_everything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
 ) -> None:
     url, server = langfuse
-    monkeypatch.setattr("collector.langfuse_sync.FIRST_RETRY_WAIT", 0.0)  # no waits
+    monkeypatch.setattr("collector.langfuse_api.FIRST_RETRY_WAIT", 0.0)  # no waits
     app = app_for(tmp_path, monkeypatch, url)
     app.state.store.add_spans(group_spans("g", [str(n) for n in range(130)]))
     for n in range(130):
@@ -1132,14 +1133,14 @@ def test_a_rejected_score_without_an_id_is_counted_and_said_so(
     store.add_spans(group_spans("g", ["7"]))
     sync = sync_for(store, url)
     server.add_score("fine", "human", 0.25, trace_id=trace_id("g", 0))
-    get = sync._get
+    get = sync.api._get
 
     def with_an_item_without_id(path: str, params: dict[str, object], options: object) -> object:
         body = get(path, params, options)
         body["data"].append({"dataType": "NUMERIC", "name": "human", "value": 0.5})
         return body
 
-    monkeypatch.setattr(sync, "_get", with_an_item_without_id)
+    monkeypatch.setattr(sync.api, "_get", with_an_item_without_id)
     result = sync.sync()
     assert (result.pulled, result.applied, result.ignored) == (2, 1, 1)
     assert "Langfuse score without an id does not fit Langfuse's API definition" in caplog.text

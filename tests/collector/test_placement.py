@@ -1,6 +1,6 @@
 """Placement of an export's trajectories in group instances (`collector/placement.py`): the ids of new instances, and
 lookups that do not grow with the export's new groups; the deletion of another instrumentation's calls in the traces
-of rollouts, several at once."""
+of rollouts, several at once (`collector/foreign_deletion.py`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import event, select
 
 from art_langgraph import semconv as sc
-from collector.placement import FOREIGN_IN_ROLLOUT
+from collector.foreign_deletion import FOREIGN_IN_ROLLOUT
 from collector.protocol import BatchRequest, RewardIn
 from collector.schema import groups as group_rows
 from collector.schema import trajectories as trajectory_rows

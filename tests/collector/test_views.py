@@ -254,7 +254,7 @@ def test_the_reward_curve_forgets_the_steps_of_deleted_trajectories_once_it_read
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`PolicySteps` kept the step of every trajectory it ever read, also of those deleted since (a foreign
-    trajectory `placement` deletes), so without bound."""
+    trajectory `foreign_deletion` deletes), so without bound."""
     store = make_app(tmp_path, monkeypatch).state.store
     store.add_spans(group_spans("a", ["7", "8"], rewards=[1.0, 0.0], steps=[0, 0]))
     store.add_spans(group_spans("b", ["7", "7"], rewards=[1.0, 0.5], steps=[1, 1], first_span=100))
