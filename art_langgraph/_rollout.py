@@ -79,16 +79,35 @@ def _metadata_json(metadata: Mapping[str, Any] | None) -> str | None:
 
     Raises:
         TypeError: `metadata` is not a mapping, or JSON cannot take it (a key that is no string or number).
-        ValueError: JSON cannot take it (a circular reference).
+        ValueError: JSON cannot take it (a circular reference, a NaN or infinity: `NaN` is no JSON, which the
+            collector read as null).
     """
     if metadata is None:
         return None
     if not isinstance(metadata, Mapping):
         raise TypeError(f"rollout metadata must be a dict, got {type(metadata).__name__}")
     try:
-        return json.dumps(metadata, default=str, ensure_ascii=False) if metadata else None
+        return json.dumps(metadata, default=str, ensure_ascii=False, allow_nan=False) if metadata else None
     except (TypeError, ValueError) as exc:
+        if (where := _non_finite(metadata)) is not None:
+            raise ValueError(f"rollout metadata{where}: JSON has no NaN or infinity (the collector would read it as "
+                             "null); give a finite number, None or a string") from None
         raise type(exc)(f"rollout metadata cannot be exported as JSON: {exc}") from exc
+
+
+def _non_finite(value: Any, where: str = "", inside: frozenset[int] = frozenset()) -> str | None:
+    """Where the first NaN or infinity in `value` is, in the order JSON encoding meets them, with the number
+    (`['a'][0] is nan`); None without one. A container met again inside itself (a circular reference) is not entered
+    twice."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{where} is {value}"
+    if id(value) in inside:
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
+    for key, item in items:
+        if (found := _non_finite(item, f"{where}[{key!r}]", inside | {id(value)})) is not None:
+            return found
+    return None
 
 
 class Rollout:
@@ -293,9 +312,10 @@ def rollout(
     Raises:
         ValueError: What the collector would reject with every span of the rollout: an empty task, a task or group
             over 256 characters, a split over 64, a NUL in any, a `group_size` out of 1 to 2**31 - 1; `metadata` that
-            JSON cannot take (a circular reference); a task, group or split holding a surrogate, which export would
-            send as U+FFFD, making names that differ only there one; an empty group or split, which the collector
-            would read as no group, resp. as `train`.
+            JSON cannot take (a circular reference, a NaN or infinity, which the collector read as null: the error
+            names where it is); a task, group or split holding a surrogate, which export would send as U+FFFD, making
+            names that differ only there one; an empty group or split, which the collector would read as no group,
+            resp. as `train`.
         TypeError: A task, group or split that is not a string, a `group_size` that is not an integer, `metadata`
             that is not a dict or has a key JSON cannot take.
     """

@@ -21,7 +21,9 @@ def configured_key(value: object) -> object:
     from the `Authorization` header that carries the key, and a blank key counts as unset.
 
     Raises:
-        ValueError: a key that is not ASCII, which no HTTP client sends in a header (every request would be 401).
+        ValueError: a key that is not ASCII, which no HTTP client sends in a header (every request would be 401), or
+            that holds a control character (a line break, DEL), which requests refuses to send in a header and
+            uvicorn to read (every export, or every request, would fail).
     """
     if not isinstance(value, str):
         return value
@@ -29,6 +31,9 @@ def configured_key(value: object) -> object:
     if key is not None and not key.isascii():
         raise ValueError("ART_API_KEY must be ASCII: HTTP clients send header values as ASCII, so no request could "
                          "carry this key and every one would be refused")
+    if key is not None and (control := next((char for char in key if not char.isprintable()), None)):
+        raise ValueError(f"ART_API_KEY holds the control character {control!r}, which no HTTP header may carry: "
+                         "every request with this key would fail. Remove it from the key")
     return key
 
 

@@ -36,6 +36,14 @@ def _status_code(status: int) -> str:
     return "judge_rejected" if status in _REJECTED else "judge_http_error"
 
 
+def _embedded_status(payload: object) -> int | None:
+    """The status of an error object answered with 200 (`{"error": {"code": 400, ...}}`, as some OpenAI-compatible
+    proxies answer), for `_status_code`; None for another body, or an error whose code is no whole number."""
+    error = payload.get("error") if isinstance(payload, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
 MAX_ANSWER_BYTES = 8 * 1024 * 1024
 """Default of the most bytes a judge's answer (its body, uncompressed as asked) may take: far more than any chat
 completion of a judge holds, far less than a memory that a judge sending bytes without end would fill."""
@@ -197,10 +205,11 @@ class JudgeClient:
 
         Raises:
             JudgeError: `judge_unreachable` (no answer, or none whole within `timeout`), `judge_rejected` (see
-                `_REJECTED`), `judge_http_error`, `judge_refused` (OpenAI's `message.refusal`), `judge_bad_json`
-                (tool calls, or reasoning, and no content), or `judge_truncated` (hit max_tokens; the cut answer is
-                the error's `answer`, see `parse_cut`). Every message is one line: a body the judge sent is quoted
-                with its line breaks escaped.
+                `_REJECTED`; the code of an error object answered with 200 counts as the status), `judge_http_error`,
+                `judge_refused` (OpenAI's `message.refusal`, or no content and `finish_reason` `content_filter`),
+                `judge_bad_json` (tool calls, or reasoning, and no content), or `judge_truncated` (hit max_tokens;
+                the cut answer is the error's `answer`, see `parse_cut`). Every message is one line: a body the judge
+                sent is quoted with its line breaks escaped.
         """
         body = {
             "model": self.model,
@@ -217,7 +226,11 @@ class JudgeClient:
                 code=_status_code(response.status_code),
             )
         try:
-            choice = response.json()["choices"][0]
+            payload = response.json()
+            if (status := _embedded_status(payload)) is not None:  # a JudgeError, which the except lets through
+                raise JudgeError(f"judge {url} answered 200 with error {status}: {response.text[:300]!r}",
+                                 code=_status_code(status))
+            choice = payload["choices"][0]
             message = choice["message"]
             text = message["content"] or ""
         except (ValueError, KeyError, IndexError, TypeError, RecursionError) as exc:
@@ -231,6 +244,9 @@ class JudgeClient:
             )
         if refusal := message.get("refusal"):  # a dict: its `content` was read above
             raise JudgeError(f"judge {url} refused to score: {str(refusal)[:300]!r}", code="judge_refused")
+        if not text.strip() and choice.get("finish_reason") == "content_filter":  # Azure OpenAI's filter, say
+            raise JudgeError(f"judge {url} filtered its answer out (finish_reason content_filter, no content): its "
+                             "provider's content filter blocked the prompt or the answer", code="judge_refused")
         if not text.strip() and (calls := message.get("tool_calls")):  # white space: no answer either
             raise JudgeError(
                 f"judge {url} answered with tool calls, not JSON content: {json.dumps(calls)[:300]!r}; it must answer "

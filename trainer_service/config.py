@@ -34,7 +34,7 @@ multiples of 32, and a smaller block lets the prefix cache reuse a shorter promp
 
 __all__ = [
     "LEASE_MARGIN_S", "LONGEST_INTERVAL_S", "TrainerSettings", "parse_cron", "parse_duration", "vllm_dtypes",
-    "vllm_lora_ranks",
+    "vllm_lora_ranks", "vllm_tool_parsers",
 ]
 
 _MOST_LEASED_GROUPS: int = BatchRequest.model_json_schema()["properties"]["max_groups"]["maximum"]
@@ -66,6 +66,8 @@ _VLLM_LORA_RANKS = ("config", "lora.py"), "MaxLoRARanks"
 """Where vLLM (0.32) lists the `--max-lora-rank` values it accepts: a `Literal` of its LoRA config module."""
 _VLLM_DTYPES = ("config", "model.py"), "ModelDType"
 """Where vLLM (0.32) lists the `--dtype` values it accepts (in any case): a `Literal` of its model config module."""
+_VLLM_TOOL_PARSERS = ("tool_parsers", "__init__.py"), "_TOOL_PARSERS_TO_REGISTER"
+"""Where vLLM (0.32) lists the `--tool-call-parser` names it registers: the keys of a dict in its tool parsers."""
 
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -118,18 +120,30 @@ def vllm_source(*parts: str) -> Path | None:
     return None
 
 
-def _vllm_literal(parts: tuple[str, ...], name: str, kind: type) -> tuple[Any, ...] | None:
-    """The values of the `Literal` that the installed vLLM's source file `parts` assigns to `name`, read without
-    importing vLLM; None where vLLM is not installed or lists them otherwise (not all of type `kind`)."""
+def _vllm_assigned(parts: tuple[str, ...], name: str) -> ast.expr | None:
+    """The expression the installed vLLM's source file `parts` assigns to `name` at its top level, parsed without
+    importing vLLM; None where vLLM is not installed or the file assigns no such name."""
     source = vllm_source(*parts)
     if source is not None:
         for node in ast.parse(source.read_text()).body:
-            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript)
-                    and [getattr(target, "id", None) for target in node.targets] == [name]):
-                values = node.value.slice.elts if isinstance(node.value.slice, ast.Tuple) else [node.value.slice]
-                if all(isinstance(value, ast.Constant) and type(value.value) is kind for value in values):
-                    return tuple(value.value for value in values)
+            if isinstance(node, ast.Assign) and [getattr(target, "id", None) for target in node.targets] == [name]:
+                return node.value
     return None
+
+
+def _constants(nodes: list[ast.expr | None], kind: type) -> tuple[Any, ...] | None:
+    """The values of `nodes` when each is a constant of type `kind`; None otherwise."""
+    values = [node.value for node in nodes if isinstance(node, ast.Constant) and type(node.value) is kind]
+    return tuple(values) if len(values) == len(nodes) else None
+
+
+def _vllm_literal(parts: tuple[str, ...], name: str, kind: type) -> tuple[Any, ...] | None:
+    """The values of the `Literal` that the installed vLLM's source file `parts` assigns to `name`, read without
+    importing vLLM; None where vLLM is not installed or lists them otherwise (not all of type `kind`)."""
+    value = _vllm_assigned(parts, name)
+    if not isinstance(value, ast.Subscript):
+        return None
+    return _constants(value.slice.elts if isinstance(value.slice, ast.Tuple) else [value.slice], kind)
 
 
 @cache
@@ -144,6 +158,14 @@ def vllm_dtypes() -> tuple[str, ...] | None:
     """The `--dtype` values the installed vLLM accepts, read from its source as `vllm_lora_ranks` reads the ranks;
     None where vLLM is not installed or lists them otherwise (vLLM checks at start)."""
     return _vllm_literal(*_VLLM_DTYPES, str)
+
+
+@cache
+def vllm_tool_parsers() -> tuple[str, ...] | None:
+    """The `--tool-call-parser` names the installed vLLM registers, read from its source as `vllm_lora_ranks` reads
+    the ranks; None where vLLM is not installed or lists them otherwise (vLLM checks at start)."""
+    value = _vllm_assigned(*_VLLM_TOOL_PARSERS)
+    return _constants(value.keys, str) if isinstance(value, ast.Dict) else None
 
 
 LONGEST_INTERVAL_S = 365 * 86400.0
@@ -563,6 +585,20 @@ class TrainerSettings(BaseSettings):
             raise ValueError(f"vLLM takes only {', '.join(dtypes)} as --vllm-dtype (ART_TRAINER_VLLM_DTYPE); "
                              "float32 is the default")
         return value
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _check_tool_call_parser(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """vLLM's launcher refused a parser it has not registered (`vllm_tool_parsers`) only once started; a
+        `--tool-parser-plugin` among `vllm_args` may register any name, so with one every name is taken."""
+        parsers = vllm_tool_parsers()
+        if value in (None, "none") or parsers is None or value in parsers:
+            return value
+        if _vllm_arg_value(info.data.get("vllm_args", []), "--tool-parser-plugin") is not None:
+            return value
+        raise ValueError(f"vLLM has no tool-call parser {value!r}; give one of {', '.join(parsers)}, none (no tool "
+                         "parsing) as --tool-call-parser (ART_TRAINER_TOOL_CALL_PARSER), or register it with "
+                         "--vllm-arg=--tool-parser-plugin=<file>")
 
     @field_validator("kv_cache_gib")
     @classmethod

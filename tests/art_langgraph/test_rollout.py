@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import TypedDict
@@ -214,6 +215,17 @@ def test_rollout_metadata_is_checked_when_the_rollout_is_made(spans) -> None:
         pass
     (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
     assert json.loads(root.attributes[semconv.METADATA]) == {"tags": "{'a'}", "n": 1}
+
+
+@pytest.mark.parametrize(
+    ("metadata", "where"),
+    [({"a": float("nan")}, "['a'] is nan"), ({"b": {"c": [1.0, float("-inf")]}}, "['b']['c'][1] is -inf"),
+     ({"t": (np.float64("inf"),)}, "['t'][0] is inf")],
+)
+def test_rollout_refuses_metadata_holding_a_number_json_cannot_carry(metadata: dict, where: str, spans) -> None:
+    """NaN and infinities were exported as `NaN`/`Infinity`, which is no JSON: the collector read them as null."""
+    with pytest.raises(ValueError, match=re.escape(f"rollout metadata{where}: JSON has no NaN or infinity")):
+        rollout("t", metadata=metadata)
 
 
 def test_rollout_takes_the_largest_names_the_collector_stores(spans) -> None:

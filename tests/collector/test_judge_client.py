@@ -312,6 +312,35 @@ def test_a_refusal_is_judge_refused_and_quotes_the_judge() -> None:
     assert caught.value.code == "judge_refused"
 
 
+@pytest.mark.parametrize(("embedded", "code"), [(400, "judge_rejected"), (413, "judge_rejected"),
+                                               (429, "judge_http_error"), (503, "judge_http_error")])
+def test_an_error_object_answered_with_200_is_classed_by_its_embedded_code(embedded: int, code: str) -> None:
+    """Some OpenAI-compatible proxies answer an error with 200 and `{"error": {"code": ...}}`: it was
+    `judge_http_error` whatever its code, so a request the judge can never take (400, too long) was sent again."""
+    error = {"error": {"code": embedded, "message": "maximum context length is 2048 tokens", "type": "invalid"}}
+    with pytest.raises(JudgeError, match=f"answered 200 with error {embedded}: .*maximum context length") as caught:
+        _client_answering(200, error).complete([USER], response_format(1), temperature=0, max_tokens=64)
+    assert caught.value.code == code
+
+
+@pytest.mark.parametrize("error", [{"error": {"code": "400", "message": "m"}}, {"error": {"code": True}},
+                                   {"error": "busy"}])
+def test_an_error_object_without_a_whole_number_code_may_pass_another_time(error: dict) -> None:
+    with pytest.raises(JudgeError, match="sent no chat completion") as caught:
+        _client_answering(200, error).complete([USER], response_format(1), temperature=0, max_tokens=64)
+    assert caught.value.code == "judge_http_error"
+
+
+@pytest.mark.parametrize("content", [None, "", " "])
+def test_an_answer_the_content_filter_emptied_says_it_was_filtered(content: str | None) -> None:
+    """Azure OpenAI's filter ends the choice with `content_filter` and no content: it showed as `not JSON: ''`."""
+    choice = {"message": {"role": "assistant", "content": content}, "finish_reason": "content_filter"}
+    with pytest.raises(JudgeError, match="judge .* filtered its answer .*finish_reason content_filter") as caught:
+        _client_answering(200, {"choices": [choice]}).complete([USER], response_format(1), temperature=0,
+                                                                max_tokens=64)
+    assert caught.value.code == "judge_refused"
+
+
 @pytest.mark.parametrize(
     ("status", "body"),
     [(500, "<html>\n<body>Internal\nError</body>\n</html>"), (429, "rate\r\nlimited"),

@@ -24,7 +24,7 @@ from examples.stack import free_port
 from tests.trainer_service.builders import save_tiny_model
 from trainer_service.checkpoint_checks import CheckpointMismatchError
 from trainer_service.cli import build_parser, main, settings_from_args, vllm_serve_flags
-from trainer_service.config import TrainerSettings, vllm_dtypes, vllm_lora_ranks
+from trainer_service.config import TrainerSettings, vllm_dtypes, vllm_lora_ranks, vllm_tool_parsers
 from trainer_service.engine_errors import EngineError
 
 
@@ -408,6 +408,44 @@ def test_the_lora_ranks_come_from_the_installed_vllm(tmp_path: Path, monkeypatch
         assert vllm_lora_ranks() is None and parse("--max-lora-rank", "5", "--lora-r", "5")[0].max_lora_rank == 5
     finally:
         vllm_lora_ranks.cache_clear()
+
+
+def test_a_tool_call_parser_vllm_lacks_exits_at_once_naming_the_ones_it_has(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--tool-call-parser bogus` passed the service's checks: vLLM's launcher refused it once started (a KeyError)."""
+    parsers = vllm_tool_parsers()
+    if parsers is None:
+        pytest.skip("vLLM is not installed")
+    assert {"hermes", "llama3_json", "mistral"} <= set(parsers) and "bogus" not in parsers
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--tool-call-parser", "bogus", "--base-model", "/no/such/folder"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert (f"error: tool_call_parser='bogus': vLLM has no tool-call parser 'bogus'; give one of {', '.join(parsers)}"
+            in err)
+    assert parse("--tool-call-parser", "mistral")[0].tool_call_parser == "mistral"
+    assert parse("--tool-call-parser", "none")[0].tool_call_parser == "none"
+
+
+@pytest.mark.parametrize("plugin", ["--tool-parser-plugin=my_parser.py", "--tool_parser_plugin=my_parser.py"])
+def test_a_tool_parser_plugin_may_register_any_tool_call_parser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                plugin: str) -> None:
+    """The plugin file registers its own names, which vLLM's source does not list."""
+    _fake_vllm(tmp_path, monkeypatch)
+    (tmp_path / "tool_parsers").mkdir()
+    source = tmp_path / "tool_parsers" / "__init__.py"
+    try:
+        source.write_text('_TOOL_PARSERS_TO_REGISTER = {"hermes": ("hermes_tool_parser", "Hermes2ProToolParser")}\n')
+        vllm_tool_parsers.cache_clear()
+        assert vllm_tool_parsers() == ("hermes",)
+        with pytest.raises(ValueError, match="no tool-call parser 'mine'; give one of hermes, none .*--tool-parser-"):
+            parse("--tool-call-parser", "mine")
+        settings = TrainerSettings(tool_call_parser="mine", vllm_args=[plugin])
+        assert settings.tool_calling_args()[-2:] == ["--tool-call-parser", "mine"]
+        source.write_text("_TOOL_PARSERS_TO_REGISTER = dict(PARSERS)\n")  # listed otherwise: vLLM checks at its start
+        vllm_tool_parsers.cache_clear()
+        assert vllm_tool_parsers() is None and parse("--tool-call-parser", "mine")[0].tool_call_parser == "mine"
+    finally:
+        vllm_tool_parsers.cache_clear()
 
 
 def test_a_vllm_flag_the_installed_vllm_lacks_stops_the_start_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
