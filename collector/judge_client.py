@@ -51,9 +51,10 @@ completion of a judge holds, far less than a memory that a judge sending bytes w
 
 def _shut(sock: socket.socket) -> None:
     """Shut `sock` down both ways, which wakes a thread blocked reading it; one closed already (its call ended) is
-    left as it is."""
+    left as it is. A TLS socket is shut as a plain one: `SSLSocket.shutdown` drops its SSL object first, and a read
+    between its two checks of that object raised `ValueError` (no `OSError`, which httpx reports), escaping the call."""
     with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 class _Watch:

@@ -3,7 +3,7 @@
 Modules, by part (each module's docstring says more):
 
 * settings: `config` (the service's `TrainerSettings`), `grpo_config` (`GRPOConfig`), `base_model`
-  (model resolution and the served name);
+  (model resolution and the served name), `cgroup_memory` (the memory limit a KV cache must fit);
 * training: `collector_client` (leases and acks), `batching` (groups to training items), `retokenize`
   (chat-template masks for foreign trajectories), `grpo` (pure GRPO maths), `training` (`LoRATrainer`:
   GRPO and SFT steps), `packed_pass` (a pass's log-probs and losses), `lora_forward`,

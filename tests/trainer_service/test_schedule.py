@@ -497,10 +497,11 @@ def test_a_time_zone_the_schedule_cannot_use_is_refused_at_parse(trigger: dict,
     assert TrainerSettings().every is None  # without a schedule the time zone is not read
 
 
-@pytest.mark.parametrize("zone", ["/nowhere", "Europe/../UTC"])
+@pytest.mark.parametrize("zone", ["/nowhere", "Europe/../UTC", "/etc"])
 def test_a_time_zone_path_zoneinfo_refuses_is_refused_naming_tz(zone: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """zoneinfo refuses an absolute or unnormalized path with a ValueError, which passed the check as its own message
-    (`ZoneInfo keys may not be absolute paths, got: /nowhere`), naming neither TZ nor the fix."""
+    (`ZoneInfo keys may not be absolute paths, got: /nowhere`), naming neither TZ nor the fix; a folder (`/etc`) ended
+    the start with a traceback (IsADirectoryError)."""
     monkeypatch.setenv("TZ", zone)
     monkeypatch.setattr(tzlocal.unix, "_cache_tz", None)  # tzlocal reads TZ once per process
     with pytest.raises(ValueError, match=rf"TZ='{re.escape(zone)}' is no time zone .* such as UTC or Europe/Berlin"):
