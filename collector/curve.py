@@ -10,7 +10,6 @@ trajectory whose number of spans has changed.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -24,6 +23,7 @@ from collector.engine import chunks
 from collector.groups import TrainingReward
 from collector.otlp import SpanRecord
 from collector.protocol import Sequence
+from collector.rows import spans_by_trajectory
 from collector.schema import spans, trajectories
 from collector.sequences import token_turn
 from collector.spans import COUNTS, unique_sorted, whole_number
@@ -119,11 +119,8 @@ class PolicySteps:
             else:
                 created[row["id"]] = row["created_at"]
         for chunk in chunks(list(created)):  # a chunk's spans at a time: all of them at once took 0.9 GB at 50,000
-            found: dict[str, list[SpanRecord]] = {tid: [] for tid in chunk}
-            query = select(spans.c.trajectory_id, spans.c.record).where(spans.c.trajectory_id.in_(chunk))
-            for trajectory_id, record in conn.execute(query):
-                found[trajectory_id].append(SpanRecord.from_dict(json.loads(record)))
-            for tid, records in found.items():  # the spans read, not `rows`: a span stored in between counts too
+            # the spans read, not `rows`: a span stored in between counts too
+            for tid, records in spans_by_trajectory(conn, chunk).items():
                 computed = StepOf(created[tid], len(records), step_of(records))
                 known[tid] = self._known[tid] = self._unsaved[tid] = computed
         if every:

@@ -5,7 +5,8 @@ trajectories, stale groups). Functions over an open transaction; `SqlStore` call
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from sqlalchemy import ColumnElement, Connection, and_, or_, select
@@ -25,17 +26,25 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def rewards_of(conn: Connection, rows: list[Any], *, until: float | None = None) -> dict[str, dict[str, float]]:
+def rewards_of(
+    conn: Connection, rows: list[Any], *, until: float | None = None,
+    traces: Mapping[str, AbstractSet[str]] | None = None,
+) -> dict[str, dict[str, float]]:
     """Named rewards per trajectory row: those by its id (rollout id), and those by trace id alone (no rollout id
     given) of every trace it holds a span in (a rollout may be spread over traces); with `until`, only those stored
-    by then. Of one name, an API reward wins over a span's, and then the later one (`merge_rewards`), whether it came
-    by rollout id or by which of its traces."""
+    by then; with `traces`, those traces per row id, as the caller read them with the spans (not read again). Of one
+    name, an API reward wins over a span's, and then the later one (`merge_rewards`), whether it came by rollout id or
+    by which of its traces."""
     by_id: dict[str, list[tuple[tuple[Any, ...], str, str, float]]] = {row["id"]: [] for row in rows}
     for chunk in chunks(rows):
         ids = [r["id"] for r in chunk]
+        if traces is None:
+            query = select(spans.c.trajectory_id, spans.c.trace_id).where(spans.c.trajectory_id.in_(ids)).distinct()
+            held = [(trajectory_id, trace_id) for trajectory_id, trace_id in conn.execute(query)]
+        else:
+            held = [(trajectory_id, trace_id) for trajectory_id in ids for trace_id in traces[trajectory_id]]
         by_trace: dict[str, list[str]] = {}
-        held = select(spans.c.trajectory_id, spans.c.trace_id).where(spans.c.trajectory_id.in_(ids)).distinct()
-        for trajectory_id, trace_id in conn.execute(held):
+        for trajectory_id, trace_id in held:
             by_trace.setdefault(trace_id, []).append(trajectory_id)
         by_traces = and_(rewards.c.rollout_id.is_(None), rewards.c.trace_id.in_(list(by_trace)))
         query = select(rewards).where(or_(rewards.c.rollout_id.in_(ids), by_traces))

@@ -1,20 +1,23 @@
 """Lock order and counts of the trajectory and group rows, shared by the export's placement of trajectories in groups
-(`placement`) and the deletion of another instrumentation's calls in rollouts' traces (`foreign_deletion`).
+(`placement`) and the deletion of another instrumentation's calls in rollouts' traces (`foreign_deletion`); and the
+read of the stored spans of trajectories, shared by the store's reads (`store_reads`) and the reward curve (`curve`).
 
 Functions over an open transaction.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any
 
 from sqlalchemy import ColumnElement, Connection, func, select
 
 from collector.engine import chunks
-from collector.schema import groups, trajectories
+from collector.otlp import SpanRecord
+from collector.schema import groups, spans, trajectories
 
-__all__ = ["BYTE_ORDER", "counts", "group_order", "lock_trajectories"]
+__all__ = ["BYTE_ORDER", "counts", "group_order", "lock_trajectories", "spans_by_trajectory"]
 
 BYTE_ORDER = "C"
 """The collation that row locks are taken in on PostgreSQL: ids by their bytes, as Python sorts them (UTF-8 keeps code
@@ -45,3 +48,13 @@ def counts(conn: Connection, column: Any, values: list[str]) -> Counter[str]:
         found.update(dict(conn.execute(select(column, func.count()).where(column.in_(chunk)).group_by(column)).all()))
     return found
 
+
+def spans_by_trajectory(conn: Connection, trajectory_ids: list[str]) -> dict[str, list[SpanRecord]]:
+    """Every stored span of each trajectory of `trajectory_ids`, in no particular order: one read per chunk of ids
+    (the caller keeps `trajectory_ids` to a chunk where memory matters)."""
+    found: dict[str, list[SpanRecord]] = {trajectory_id: [] for trajectory_id in trajectory_ids}
+    for chunk in chunks(list(found)):
+        query = select(spans.c.trajectory_id, spans.c.record).where(spans.c.trajectory_id.in_(chunk))
+        for trajectory_id, record in conn.execute(query):
+            found[trajectory_id].append(SpanRecord.from_dict(json.loads(record)))
+    return found

@@ -40,7 +40,6 @@ from collector.protocol import (
     Batch,
     BatchRequest,
     BatchStatus,
-    Group,
     GroupState,
     GroupStatus,
     ReleaseRequest,
@@ -383,11 +382,7 @@ class SqlStore(Store):
         if request.idempotency_key is not None:
             self._tx.lock(conn, IDEMPOTENCY_LOCKS, [request.idempotency_key])
         batch_id, expires, taken = leases.take(conn, self.settings, request, self._now(conn), self._tx.lock)
-        members = pool.group_members(conn, [g["id"] for g in taken])
-        out = [
-            Group(id=g["id"], task=g["task"], trajectories=store_reads.assemble(conn, members[g["id"]], self.training))
-            for g in taken
-        ]
+        out = store_reads.leased_groups(conn, taken, self.training)
         return Batch(id=batch_id, groups=out, lease_expires_at=expires)
 
     def ack(self, batch_id: str, policy_step: int | None) -> AckResponse:

@@ -1,13 +1,12 @@
 """The collector store's reads: trajectories, groups, batches and curve facts out of the tables.
 
 Functions over an open connection; `SqlStore`'s read methods run each in `SqlStore._read` (due maintenance first,
-then a read-only transaction), and its lease assembles the trajectories it hands out with `assemble`. Sequences are
+then a read-only transaction), and its lease assembles the groups it hands out with `leased_groups`. Sequences are
 assembled here, on reading, from the stored spans (`collector.assembly`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection
 from typing import Any
 
@@ -18,12 +17,13 @@ from collector.config import CollectorSettings
 from collector.engine import chunks
 from collector.groups import Decision, TrainingReward
 from collector.otlp import SpanRecord
-from collector.protocol import BatchStatus, GroupState, GroupStatus, Trajectory
-from collector.schema import batch_groups, batches, groups, spans, trajectories
+from collector.protocol import BatchStatus, Group, GroupState, GroupStatus, Trajectory
+from collector.rows import spans_by_trajectory
+from collector.schema import batch_groups, batches, groups, trajectories
 
 __all__ = [
-    "assemble", "batch_statuses", "count_trajectories", "curve_facts", "group_statuses", "spans_of", "trajectory",
-    "trajectories_matching",
+    "assemble", "batch_statuses", "count_trajectories", "curve_facts", "group_statuses", "leased_groups", "spans_of",
+    "trajectory", "trajectories_matching",
 ]
 
 _STORED_AS: dict[GroupState, frozenset[str]] = {
@@ -36,19 +36,33 @@ groups (`pool.decisions`), the others are stored as they are shown."""
 
 def spans_of(conn: Connection, trajectory_id: str) -> list[SpanRecord]:
     """Every stored span of a trajectory, in no particular order."""
-    rows = conn.execute(select(spans.c.record).where(spans.c.trajectory_id == trajectory_id)).scalars()
-    return [SpanRecord.from_dict(json.loads(row)) for row in rows]
+    return spans_by_trajectory(conn, [trajectory_id])[trajectory_id]
 
 
 def assemble(conn: Connection, rows: list[Any], training: TrainingReward) -> list[Trajectory]:
-    """The trajectories of trajectory `rows`, assembled from their spans and named rewards."""
-    named = pool.rewards_of(conn, rows)
+    """The trajectories of trajectory `rows`, assembled from their spans and named rewards, a chunk of rows at a time:
+    its spans in one read (`assembly.assemble` takes them in any order), its rewards by the traces of those spans."""
+    out: list[Trajectory] = []
+    for chunk in chunks(rows):
+        held = spans_by_trajectory(conn, [row["id"] for row in chunk])
+        traces = {trajectory_id: {span.trace_id for span in found} for trajectory_id, found in held.items()}
+        named = pool.rewards_of(conn, chunk, traces=traces)
+        out += [
+            assembly.assemble(
+                row["id"], held[row["id"]], group_id=row["group_id"] or "",
+                complete=bool(row["complete"]), rewards=named[row["id"]], training=training,
+            )
+            for row in chunk
+        ]
+    return out
+
+
+def leased_groups(conn: Connection, taken: list[Any], training: TrainingReward) -> list[Group]:
+    """The groups of group rows `taken`, each with its trajectories (oldest first), assembled together (`assemble`)."""
+    members = pool.group_members(conn, [g["id"] for g in taken])
+    assembled = iter(assemble(conn, [row for g in taken for row in members[g["id"]]], training))
     return [
-        assembly.assemble(
-            row["id"], spans_of(conn, row["id"]), group_id=row["group_id"] or "",
-            complete=bool(row["complete"]), rewards=named[row["id"]], training=training,
-        )
-        for row in rows
+        Group(id=g["id"], task=g["task"], trajectories=[next(assembled) for _ in members[g["id"]]]) for g in taken
     ]
 
 

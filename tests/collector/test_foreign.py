@@ -757,16 +757,16 @@ def test_a_read_sees_one_snapshot_while_an_export_deletes_a_trajectory_it_lists(
     before the read got to them: every statement saw the last commit, and the read failed ("has no spans", a 500)."""
     store = make_store(min_group_size=1)
     store.add_spans([_openinference_llm(TRACE_A, 111, None, marked=False)])
-    real_spans_of, came = store_reads.spans_of, []
+    real_spans, came = store_reads.spans_by_trajectory, []
 
-    def the_rollout_comes_meanwhile(conn: Any, trajectory_id: str) -> list[SpanRecord]:
+    def the_rollout_comes_meanwhile(conn: Any, trajectory_ids: list[str]) -> dict[str, list[SpanRecord]]:
         if not came:
             came.append(threading.Thread(target=store.add_spans, args=(_ours("r1", TRACE_A, 100),)))
             came[0].start()
             came[0].join(timeout=30)
-        return real_spans_of(conn, trajectory_id)
+        return real_spans(conn, trajectory_ids)
 
-    monkeypatch.setattr(store_reads, "spans_of", the_rollout_comes_meanwhile)
+    monkeypatch.setattr(store_reads, "spans_by_trajectory", the_rollout_comes_meanwhile)
     assert [t.id for t in store.trajectories()] == [TRACE_A]  # as it was when the read began
     monkeypatch.undo()
     assert not came[0].is_alive() and [t.id for t in store.trajectories()] == ["r1"]

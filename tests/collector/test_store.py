@@ -455,3 +455,26 @@ def test_trajectories_page_newest_first_and_count(make_store, clock) -> None:
     assert [t.id for t in store.trajectories(offset=3)] == ["r4"]
     assert (store.count_trajectories(), store.count_trajectories(group="g"),
             store.count_trajectories(task="none")) == (4, 2, 0)
+
+
+def _read_statements(make_store, members: int) -> tuple[int, int]:
+    """Statements of a lease of two groups of `members` rollouts each, and of a read of their trajectories."""
+    store = make_store()
+    store.add_spans([
+        span
+        for g in (0, 1)
+        for k in range(members)
+        for span in trajectory(10 * (members * g + k + 1), f"r{g}-{k}", reward=float(k), group=f"g{g}", size=members)
+    ])
+    sent: list[str] = []
+    event.listen(store.engine, "before_cursor_execute", lambda conn, cursor, statement, *_: sent.append(statement))
+    batch = store.lease(BatchRequest(max_groups=2))
+    leased = len(sent)
+    read = store.trajectories()
+    assert [len(group.trajectories) for group in batch.groups] == [members] * 2 and len(read) == 2 * members
+    return leased, len(sent) - leased
+
+
+def test_a_lease_or_a_read_of_more_trajectories_sends_no_more_statements(make_store) -> None:
+    """Their spans are read for all trajectories at once (per chunk), not one query per trajectory."""
+    assert _read_statements(make_store, 12) == _read_statements(make_store, 2)

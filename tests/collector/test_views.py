@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import delete
 
 from art_langgraph import semconv as sc
-from collector import assembly, curve, engine
+from collector import assembly, curve, engine, rows
 from collector.otlp import SpanRecord
 from collector.protocol import RewardIn
 from collector.read_protocol import CurvePoint
@@ -278,7 +278,7 @@ def test_the_reward_curve_holds_the_spans_of_one_chunk_of_trajectories_at_a_time
     store.add_spans(group_spans("b", ["7", "7"], rewards=[1.0, 0.5], steps=[1, 1], first_span=100))
     monkeypatch.setattr(engine, "CHUNK", 2)
     held, most = [0], [0]
-    parse, step_of = curve.SpanRecord.from_dict, curve.step_of
+    parse, step_of = rows.SpanRecord.from_dict, curve.step_of
 
     class Counted(SpanRecord):
         @classmethod
@@ -291,7 +291,7 @@ def test_the_reward_curve_holds_the_spans_of_one_chunk_of_trajectories_at_a_time
         held[0] -= len(records)
         return step_of(records)
 
-    monkeypatch.setattr(curve, "SpanRecord", Counted)
+    monkeypatch.setattr(rows, "SpanRecord", Counted)  # the spans are read there (`rows.spans_by_trajectory`)
     monkeypatch.setattr(curve, "step_of", counted)
     assert [(p.policy_step, p.count) for p in reward_curve(store)] == [(0, 2), (1, 2)]
     assert held[0] == 0 and most[0] == 4  # two trajectories of two spans each
