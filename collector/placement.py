@@ -130,7 +130,7 @@ def place(
                     group["size_hint"] = hints[group["id"]] = facts.group_size
                 break
         else:
-            group = _new_instance(conn, facts, taken[facts.group_key] + 1, in_use, now)
+            group = _new_instance(conn, facts, _first_suffix(taken[facts.group_key]), in_use, now)
             taken[facts.group_key] += 1
             created.append(group)
             instances[facts.group_key] = sorted(
@@ -149,11 +149,17 @@ def place(
     return placed
 
 
+def _first_suffix(instances: int) -> int:
+    """The first `n` of `key#n` a new instance of a key with `instances` so far tries: the next, from 2 on (the first
+    instance is the key itself, taken by another key's instance when a new key's is `#2`, say)."""
+    return max(2, instances + 1)
+
+
 def _ids_in_use(conn: Connection, wanted: Counter[str], taken: Counter[str]) -> dict[str, bool]:
     """Whether each id that `place` may give a new instance first is a group's: per key of `wanted` (trajectories to
     place per key), the key and `key#n` for n past the key's instances `taken`, one per trajectory, in one query per
     chunk; `_new_instance` looks up any other id it comes to (those ids were taken)."""
-    ids = sorted({*wanted, *(f"{key}#{taken[key] + i}" for key, n in wanted.items() for i in range(1, n + 1))})
+    ids = sorted({*wanted, *(f"{key}#{_first_suffix(taken[key]) + i}" for key, n in wanted.items() for i in range(n))})
     in_use = dict.fromkeys(ids, False)
     for chunk in chunks(ids):
         in_use.update(dict.fromkeys(conn.execute(select(groups.c.id).where(groups.c.id.in_(chunk))).scalars(), True))

@@ -302,9 +302,9 @@ class SqlStore(Store):
         successor: tuple[str, RewardIn] | None,
         also: Callable[[Connection], None] | None,
     ) -> bool:
-        traces = set(conn.execute(select(rewards.c.trace_id).where(rewards.c.score_id == score_id)).scalars())
-        held = sorted(set().union(*pool.holders(conn, traces).values()))  # each trajectory with a span in them
-        scored = trajectories.c.id.in_(held)
+        traces = sorted(set(conn.execute(select(rewards.c.trace_id).where(rewards.c.score_id == score_id)).scalars()))
+        # each trajectory with a span in them, as a subquery: a list of their ids grew with the trace's rollouts
+        scored = trajectories.c.id.in_(select(spans.c.trajectory_id).where(spans.c.trace_id.in_(traces)))
         members = select(trajectories.c.group_id).where(scored)
         pool.lock_groups(conn, conn.execute(members).scalars())  # in id order, as a reward locks them
         states = conn.execute(select(groups.c.state).where(groups.c.id.in_(members))).scalars()
@@ -316,7 +316,7 @@ class SqlStore(Store):
         # of a lease that held it find them as they were (`leases._changed_since`)
         placement.lock_trajectories(conn, scored)  # in id order, as the curve's save locks them
         conn.execute(trajectories.update().where(scored).values(updated_at=now))
-        pool.rewarded(conn, held, [], now)
+        pool.rewarded(conn, [], traces, now)
         if successor and conn.execute(select(rewards.c.id).where(rewards.c.score_id == successor[0])).first() is None:
             self._add_rewards(conn, [(successor[1], successor[0])])
         if also is not None:

@@ -38,6 +38,15 @@ def test_new_instances_skip_the_ids_of_other_keys_groups_and_of_those_made_befor
     assert sorted((g.id, g.size) for g in store.groups()) == sorted([*((key, 1) for key in others), *instances])
 
 
+def test_a_key_whose_id_another_keys_instance_holds_numbers_its_instances_from_2(make_store) -> None:
+    """Key `k#2` came after `k`'s second instance took the id `k#2`: its first instance was `k#2#1`, off the
+    `key`, `key#2`, `key#3` ... scheme every other key follows."""
+    store = make_store()
+    for n, key in enumerate(["k", "k", "k#2", "k#2"]):
+        store.add_spans(trajectory(10 * (n + 1), f"r{n}", group=key, size=1, reward=1.0))
+    assert sorted(g.id for g in store.groups()) == ["k", "k#2", "k#2#2", "k#2#3"]
+
+
 def _statements(make_store, groups: int) -> int:
     """Statements an export of `groups` rollouts, each in a new group of its own, sends."""
     store = make_store()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import Connection, Engine, func, select, text
+from sqlalchemy import Connection, Engine, event, func, select, text
 from sqlalchemy.exc import DBAPIError
 
 from collector.errors import InvalidRequest
@@ -214,3 +214,17 @@ def test_a_reward_by_trace_id_applies_to_each_trajectory_with_a_span_in_that_tra
     store.release(batch.id, ReleaseRequest(reason="vLLM down", failed=False))
     assert store.withdraw_score("s1", None)
     assert store.trajectory("a").rewards == {"reward": 1.0, "judge": 0.25}
+
+
+def test_withdrawing_a_score_on_a_trace_of_many_rollouts_binds_no_list_of_them(make_store) -> None:
+    """The withdrawal of a Langfuse score by trace id listed the ids of every trajectory with a span in the trace in
+    each of its statements: 70,000 rollouts in one trace passed PostgreSQL's 65,535 parameters and failed it."""
+    store = make_store(min_group_size=1)
+    trace = f"{0x51:032x}"
+    store.add_spans([rollout(n + 1, f"r{n}", trace=trace, group=f"g{n}", size=1) for n in range(600)])
+    assert store.add_reward(RewardIn(trace_id=trace, name="judge", value=0.5), score_id="s1").trajectory_known
+    bound: list[int] = []
+    event.listen(store.engine, "before_cursor_execute",
+                 lambda conn, cursor, statement, parameters, *_: bound.append(len(parameters or ())))
+    assert store.withdraw_score("s1", None)
+    assert max(bound) < 600 and "judge" not in store.trajectory("r599").rewards
