@@ -59,6 +59,9 @@ as the SDK's default, within the call's deadline (`LangfuseCalls.call`)."""
 FIRST_RETRY_WAIT = 1.0
 """Seconds before a call's first retry when Langfuse sends no `Retry-After`; doubles with each retry."""
 
+LEAST_TRY_SECONDS = 0.1
+"""The least time a retry must have left before the call's deadline (`LangfuseCalls.call`)."""
+
 
 class LangfuseSyncError(CollectorError):
     """Langfuse could not be reached or refused a request (502)."""
@@ -167,10 +170,12 @@ class LangfuseCalls:
         """`fn(options)`, a call of Langfuse's API with the SDK's request options `options`; any way Langfuse fails, a
         malformed answer too, raises `LangfuseSyncError` (502), with the hint of `hints` for its status, if any.
 
-        The whole call, retries included, ends within `timeout_seconds`: the SDK's own retries are off (each of them
-        waits up to a minute, whatever the timeout), and an answer that failed for now (`transient`: a 5xx, 408 or
-        429) is asked again at most `retries` times, after its `Retry-After` or else a doubling wait
-        (`FIRST_RETRY_WAIT`), only when that wait ends before the deadline; a try gets what is left of it."""
+        The call, retries included, waits for Langfuse within `timeout_seconds` of its start: the SDK's own retries
+        are off (each of them waits up to a minute, whatever the timeout), and an answer that failed for now
+        (`transient`: a 5xx, 408 or 429) is asked again at most `retries` times, after its `Retry-After` or else a
+        doubling wait (`FIRST_RETRY_WAIT`), only when that wait leaves the try `LEAST_TRY_SECONDS` before the
+        deadline. A try gets what is left, which bounds its connection and each read (httpx's timeouts are per
+        operation: an answer trickling in a byte at a time may take longer)."""
         deadline = time.monotonic() + self.settings.timeout_seconds
         attempt = 0
         while True:
@@ -179,9 +184,12 @@ class LangfuseCalls:
                 return self._once(what, functools.partial(fn, options), hints)
             except LangfuseSyncError as exc:
                 wait = self._retry_wait(exc, attempt)
-                if attempt == retries or wait is None or time.monotonic() + wait >= deadline:
+                if attempt == retries or wait is None or time.monotonic() + wait + LEAST_TRY_SECONDS >= deadline:
                     raise
+                failure = exc
             time.sleep(wait)
+            if deadline - time.monotonic() < LEAST_TRY_SECONDS:  # the sleep ran late: no time left to try (httpx
+                raise failure  # refused a timeout below 0 with a ValueError, which escaped the sync)
             attempt += 1
 
     @staticmethod

@@ -14,8 +14,8 @@ lists no deletions: a score pulled within the lookback that the listing leaves o
 by id (the `id` filter of the same endpoint), and one that is gone has its rewards taken back
 (with its record, in one transaction) unless its group is leased or trained. The push of rewards as scores, and the
 deletion of the scores pushed for trajectories the store deleted since, are `langfuse_push`'s. Each call of
-Langfuse's API, retries included, ends within `timeout_seconds` (`LangfuseCalls.call`): the SDK's own retries, which
-wait up to a minute each, are off.
+Langfuse's API, retries included, waits for Langfuse within `timeout_seconds` (`LangfuseCalls.call`): the SDK's own
+retries, which wait up to a minute each, are off.
 """
 
 from __future__ import annotations

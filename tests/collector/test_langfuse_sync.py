@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -28,6 +29,7 @@ from langfuse.api.core.api_error import ApiError
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
+from collector import langfuse_api
 from collector.config import CollectorSettings
 from collector.langfuse_api import PAGE
 from collector.langfuse_sync import LangfuseSync, LangfuseSyncError, make_client
@@ -239,6 +241,21 @@ def test_a_langfuse_that_keeps_answering_429_fails_the_sync_within_its_timeout(
     sync = sync_for(make_store(), url, timeout_seconds=2)
     server.failures, server.retry_after = [429] * 3, "3"
     with pytest.raises(LangfuseSyncError, match="answered 429"):
+        sync.sync()
+    assert [method for method, _ in server.requests] == ["GET"]
+
+
+def test_a_retry_whose_wait_ran_past_the_deadline_is_not_made(
+    make_store, langfuse: tuple[str, fake_langfuse.FakeLangfuse], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wait that ran late (a busy process) left the retry a timeout below 0, which httpx refused with a ValueError
+    that escaped the sync (a 500, no Langfuse status); the call now fails with Langfuse's last answer."""
+    url, server = langfuse
+    sync = sync_for(make_store(), url, timeout_seconds=2)
+    server.failures, server.retry_after = [503] * 3, "1"
+    late = SimpleNamespace(monotonic=time.monotonic, time=time.time, sleep=lambda seconds: time.sleep(seconds + 1.5))
+    monkeypatch.setattr(langfuse_api, "time", late)
+    with pytest.raises(LangfuseSyncError, match="answered 503"):
         sync.sync()
     assert [method for method, _ in server.requests] == ["GET"]
 
