@@ -185,18 +185,16 @@ def take(
             members=json.dumps(members, sort_keys=True),
         )
     )
-    for group in taken:
-        conn.execute(
-            groups.update()
-            .where(groups.c.id == group["id"])
-            .values(state="leased", batch_id=batch_id, reason=None, updated_at=now)
-        )
-        conn.execute(batch_groups.insert().values(batch_id=batch_id, group_id=group["id"]))
+    for chunk in chunks(sorted(g["id"] for g in taken)):  # one statement of each per chunk, not per group (locked)
+        leased = groups.update().where(groups.c.id.in_(chunk))
+        conn.execute(leased.values(state="leased", batch_id=batch_id, reason=None, updated_at=now))
+        conn.execute(batch_groups.insert().values([{"batch_id": batch_id, "group_id": group_id} for group_id in chunk]))
     return batch_id, expires, taken
 
 
 def _locked_batch(conn: Connection, batch_id: str) -> tuple[Any, list[str]]:
-    """The batch row, locked until the transaction ends, and its group ids, sorted. Raises `NotFound`."""
+    """The batch row, locked until the transaction ends (held already where `pool.maintain` locked it with the
+    expired ones, in id order), and its group ids, sorted. Raises `NotFound`."""
     batch = conn.execute(select(batches).where(batches.c.id == batch_id).with_for_update()).mappings().first()
     if batch is None:
         raise NotFound(f"no batch {batch_id!r}; lease one with POST /v1/batches")
@@ -235,7 +233,7 @@ def ack(
         Conflict: `lease_expired`, its lease expired and groups were leased again, or changed in the pool since;
             `batch_released`, the trainer released it.
     """
-    pool.maintain(conn, settings, now, lock)
+    pool.maintain(conn, settings, now, lock, acking=[batch_id])
     batch, ids = _locked_batch(conn, batch_id)
     if batch["state"] == "acked":
         if policy_step != batch["policy_step"]:

@@ -199,10 +199,25 @@ def lock_groups(conn: Connection, group_ids: Iterable[str | None]) -> None:
     order (`placement.BYTE_ORDER`: across chunks too), on PostgreSQL (SQLite has one writer at a time). Every
     transaction that locks several groups takes them so (an export, a reward, a withdrawn score, upkeep), so none waits
     for another in a cycle (PostgreSQL aborted one as a deadlock)."""
+    _lock_in_order(conn, groups.c.id, {group_id for group_id in group_ids if group_id is not None})
+
+
+def _lock_batches(conn: Connection, batch_ids: Iterable[str]) -> None:
+    """Hold the rows of the batches `batch_ids` until the transaction ends, as `lock_groups` holds groups: in one pass
+    in id order, before any update of batches. An update of several (`UPDATE ... WHERE id IN`) locks them in the
+    table's order, so a release or an ack that expired another batch before it locked its own waited for an upkeep
+    that had locked its own first (PostgreSQL aborted one as a deadlock): every transaction takes them here, upkeep
+    (`maintain`) with those the caller ends next."""
+    _lock_in_order(conn, batches.c.id, set(batch_ids))
+
+
+def _lock_in_order(conn: Connection, column: Any, ids: AbstractSet[str]) -> None:
+    """`FOR UPDATE` the rows whose key `column` is one of `ids`, in id order (`placement.BYTE_ORDER`: across chunks
+    too), on PostgreSQL (SQLite has one writer at a time)."""
     if conn.dialect.name != "postgresql":
         return
-    for chunk in chunks(sorted({group_id for group_id in group_ids if group_id is not None})):
-        query = select(groups.c.id).where(groups.c.id.in_(chunk)).order_by(groups.c.id.collate(placement.BYTE_ORDER))
+    for chunk in chunks(sorted(ids)):
+        query = select(column).where(column.in_(chunk)).order_by(column.collate(placement.BYTE_ORDER))
         conn.execute(query.with_for_update())
 
 
@@ -262,12 +277,14 @@ def _expire_stale(conn: Connection, settings: CollectorSettings, now: float) -> 
 
 
 def maintain(
-    conn: Connection, settings: CollectorSettings, now: float, lock: Lock, *, releasing: Collection[str] = ()
+    conn: Connection, settings: CollectorSettings, now: float, lock: Lock, *, releasing: Collection[str] = (),
+    acking: Collection[str] = (),
 ) -> None:
     """Return expired leases (a failed attempt for each group); complete idle trajectories without rollout span;
     expire stale groups. First, before any row lock, the locks of the members given back are taken
     (`_lock_returned_members`), with those of `releasing`: the batches the caller gives back next in its transaction;
-    then the expired batches' rows; then, in one pass in id order (`lock_groups`), the rows of the groups given back
+    then, in one pass in id order (`_lock_batches`), the rows of the expired batches, of `releasing` and of `acking`
+    (the batch the caller acks next); then, in one pass in id order (`lock_groups`), the rows of the groups given back
     or holding an idle trajectory. A stale group is expired only when no other transaction holds it
     (`_expire_stale`)."""
     expired = sorted(
@@ -276,6 +293,7 @@ def maintain(
         ).scalars()
     )
     _lock_returned_members(conn, lock, sorted({*expired, *releasing}))
+    _lock_batches(conn, [*expired, *releasing, *acking])
     for chunk in chunks(expired):
         # only batches still leased: another replica may have acked or released one since the select
         conn.execute(

@@ -7,6 +7,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from sqlalchemy import event
 
 from collector import engine
 from collector.config import CollectorSettings
@@ -737,3 +738,54 @@ def test_a_group_skipped_for_its_rewards_by_earlier_settings_can_be_reopened(mak
     assert _state(store)[:2] == ("skipped", "no reward spread")  # the lease reads open groups only
     assert store.reopen("g").previous_reason == "no reward spread"
     assert [g.id for g in store.lease(BatchRequest()).groups] == ["g"]
+
+
+@pytest.mark.parametrize("end", ["release", "ack"])
+def test_a_batch_ended_while_upkeep_expires_it_and_another_waits_for_neither(
+    db_url, clock, monkeypatch, caplog, end: str
+) -> None:
+    """A release (or ack) of batch X expires an older lease Y first (`pool.maintain`), then locks X; upkeep on a
+    replica, which finds both expired, waits for them meanwhile. Both take the batches' rows in id order before they
+    update any, so the upkeep waits and no transaction is aborted as a deadlock (it updated X, then waited for Y)."""
+    from collector import pool
+    from tests.collector.pausing import lock_waited_for, pause_after
+    url = db_url()
+    if not url.startswith("postgresql"):
+        pytest.skip("SQLite has one writer at a time: no upkeep runs inside a release")
+    store, replica = (SqlStore(CollectorSettings(db=url), clock=clock) for _ in range(2))
+    store.setup()
+    _ready_group(store, "g1", first=10)
+    _ready_group(store, "g2", first=100)
+    x = store.lease(BatchRequest(max_groups=1, lease_seconds=100)).id
+    y = store.lease(BatchRequest(max_groups=1, lease_seconds=10)).id
+    clock.now += 50
+    maintained, resume = pause_after(monkeypatch, pool, "maintain")
+    with ThreadPoolExecutor(2) as executor:
+        ending = executor.submit(store.release, x, FAILED) if end == "release" else executor.submit(store.ack, x, 1)
+        assert maintained.wait(30)  # Y expired, X not yet locked by the ending itself
+        clock.now += 150
+        upkeep = executor.submit(replica.batches)
+        assert lock_waited_for(store.engine), "the upkeep did not wait for the ending's batches"
+        resume.set()
+        ending.result(30)
+        shown = {b.id: b.state for b in upkeep.result(30)}
+    assert shown == {x: "released" if end == "release" else "acked", y: "expired"}
+    assert "deadlock" not in caplog.text
+    for each in (store, replica):
+        each.close()
+
+
+def _lease_statements(make_store, count: int) -> int:
+    """Statements sent by a lease of `count` ready groups."""
+    store = make_store()
+    for i in range(count):
+        _ready_group(store, f"g{i}", first=100 * i + 10)
+    sent: list[str] = []
+    event.listen(store.engine, "before_cursor_execute", lambda conn, cursor, statement, *_: sent.append(statement))
+    assert len(store.lease(BatchRequest(max_groups=count)).groups) == count
+    return len(sent)
+
+
+def test_a_lease_of_more_groups_sends_no_more_statements(make_store) -> None:
+    """The groups leased are updated and joined to their batch per chunk, not one statement each."""
+    assert _lease_statements(make_store, 6) == _lease_statements(make_store, 2)
