@@ -5,8 +5,7 @@ keys locked. Placement reads the open instances of every key involved, their mem
 and the instances taken so far in a few queries, places each trajectory in memory, then
 writes new instances and trajectory rows in one statement each: the cost grows with the
 export, not with one round trip per trajectory. Another instrumentation's calls in rollouts' traces make no
-trajectory (`foreign_deletion`), and the order row locks are taken in is `rows`'s: the pool and the store call
-`forget_deferred_foreign`, `BYTE_ORDER` and `lock_trajectories` here.
+trajectory (`foreign_deletion`), and the order row locks are taken in is `rows`'s.
 """
 
 from __future__ import annotations
@@ -19,14 +18,12 @@ from sqlalchemy import Connection, bindparam, func, select
 
 from collector.assembly import FactsDigest, TrajectoryFacts
 from collector.engine import chunks
-from collector.foreign_deletion import forget_deferred_foreign, without_foreign_calls_in_rollouts
+from collector.foreign_deletion import without_foreign_calls_in_rollouts
 from collector.groups import capacity
-from collector.rows import BYTE_ORDER, counts, group_order, lock_trajectories
+from collector.rows import counts, group_order
 from collector.schema import groups, trajectories
 
-__all__ = [
-    "BYTE_ORDER", "forget_deferred_foreign", "groups_changed", "lock_trajectories", "place", "write_trajectories",
-]
+__all__ = ["groups_changed", "place", "write_trajectories"]
 
 log = logging.getLogger(__name__)
 

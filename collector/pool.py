@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, Connection, and_, or_, select
 
-from collector import placement
+from collector import foreign_deletion, rows
 from collector.config import CollectorSettings
 from collector.engine import chunks
 from collector.groups import Decision, Member, decide, merge_rewards
@@ -143,9 +143,9 @@ Lock = Callable[[Connection, int, Iterable[str]], None]
 def _lock_returned_members(conn: Connection, lock: Lock, batch_ids: list[str]) -> None:
     """Take the advisory locks an export changing the trajectories outside any rollout in the groups `batch_ids` hold
     takes (`Transactions.lock`: their ids and traces, then their groups' keys), first in the transaction of a release
-    or expiry, before any row lock: `give_back` may delete them (`placement.forget_deferred_foreign`), and an export of
-    their trace, or the judge's stale check (`ScoringStore.member_stamps_held`), must wait for that and see it. A
-    leased group's members do not change, so these are the ones `give_back` finds."""
+    or expiry, before any row lock: `give_back` may delete them (`foreign_deletion.forget_deferred_foreign`), and an
+    export of their trace, or the judge's stale check (`ScoringStore.member_stamps_held`), must wait for that and see
+    it. A leased group's members do not change, so these are the ones `give_back` finds."""
     found = []
     for chunk in chunks(sorted(batch_ids)):
         query = (
@@ -170,9 +170,9 @@ def give_back(
     With `failed`, each counts a failed attempt, and one that reaches `settings.max_failed_attempts` is skipped
     instead (the reason says how often and `error`); it keeps the batch that gave up on it in `batch_id`, which
     tells it from a group skipped for its rewards: a new reward does not reopen it. The trajectories of another
-    instrumentation's calls kept while the groups were leased are deleted then (`placement.forget_deferred_foreign`),
-    under the advisory locks the caller took first (`_lock_returned_members`). Their rows are locked in id order
-    first (`lock_groups`).
+    instrumentation's calls kept while the groups were leased are deleted then
+    (`foreign_deletion.forget_deferred_foreign`), under the advisory locks the caller took first
+    (`_lock_returned_members`). Their rows are locked in id order first (`lock_groups`).
     """
     held = and_(groups.c.state == "leased", groups.c.batch_id.in_(batch_ids))
     returned = _leased_by(conn, batch_ids)
@@ -191,12 +191,12 @@ def give_back(
             )
             log.warning("group %s skipped, not leased again: %s", group_id, reason)
     conn.execute(groups.update().where(held).values(state="open", batch_id=None, updated_at=now))
-    placement.forget_deferred_foreign(conn, returned, now)
+    foreign_deletion.forget_deferred_foreign(conn, returned, now)
 
 
 def lock_groups(conn: Connection, group_ids: Iterable[str | None]) -> None:
     """Hold the rows of the groups `group_ids` (a None is no group) until the transaction ends: `FOR UPDATE`, in id
-    order (`placement.BYTE_ORDER`: across chunks too), on PostgreSQL (SQLite has one writer at a time). Every
+    order (`rows.BYTE_ORDER`: across chunks too), on PostgreSQL (SQLite has one writer at a time). Every
     transaction that locks several groups takes them so (an export, a reward, a withdrawn score, upkeep), so none waits
     for another in a cycle (PostgreSQL aborted one as a deadlock)."""
     _lock_in_order(conn, groups.c.id, {group_id for group_id in group_ids if group_id is not None})
@@ -212,12 +212,12 @@ def _lock_batches(conn: Connection, batch_ids: Iterable[str]) -> None:
 
 
 def _lock_in_order(conn: Connection, column: Any, ids: AbstractSet[str]) -> None:
-    """`FOR UPDATE` the rows whose key `column` is one of `ids`, in id order (`placement.BYTE_ORDER`: across chunks
+    """`FOR UPDATE` the rows whose key `column` is one of `ids`, in id order (`rows.BYTE_ORDER`: across chunks
     too), on PostgreSQL (SQLite has one writer at a time)."""
     if conn.dialect.name != "postgresql":
         return
     for chunk in chunks(sorted(ids)):
-        query = select(column).where(column.in_(chunk)).order_by(column.collate(placement.BYTE_ORDER))
+        query = select(column).where(column.in_(chunk)).order_by(column.collate(rows.BYTE_ORDER))
         conn.execute(query.with_for_update())
 
 
@@ -242,11 +242,11 @@ def _idle(settings: CollectorSettings, now: float) -> ColumnElement[bool]:
 def _complete_idle(conn: Connection, idle: ColumnElement[bool], ids: list[str]) -> None:
     """Mark complete those of the trajectories `ids`, found `idle` (`_idle`), still idle under their rows' lock, taken
     in id order after their groups' (`lock_groups`): an export, and the deletion of another instrumentation's calls
-    (`placement._delete_foreign`), lock a group's row before they change its members."""
+    (`foreign_deletion._delete_foreign`), lock a group's row before they change its members."""
     for chunk in chunks(sorted(ids)):
         found = trajectories.c.id.in_(chunk)
         # still idle under the lock: an export that held a group may have added spans since
-        placement.lock_trajectories(conn, and_(found, idle))
+        rows.lock_trajectories(conn, and_(found, idle))
         conn.execute(trajectories.update().where(found, idle).values(complete=True))
 
 

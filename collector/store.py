@@ -30,7 +30,7 @@ from sqlalchemy import Connection, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import OperationalError
 
-from collector import assembly, curve, leases, placement, pool, store_reads
+from collector import assembly, curve, leases, placement, pool, rows, store_reads
 from collector.config import CollectorSettings
 from collector.engine import chunks, make_engine, use_wal
 from collector.errors import InvalidRequest
@@ -314,7 +314,7 @@ class SqlStore(Store):
         now = self._now(conn)
         # a deleted reward leaves no row dated after a lease: mark its trajectories changed instead, lest the late ack
         # of a lease that held it find them as they were (`leases._changed_since`)
-        placement.lock_trajectories(conn, scored)  # in id order, as the curve's save locks them
+        rows.lock_trajectories(conn, scored)  # in id order, as the curve's save locks them
         conn.execute(trajectories.update().where(scored).values(updated_at=now))
         pool.rewarded(conn, [], traces, now)
         if successor and conn.execute(select(rewards.c.id).where(rewards.c.score_id == successor[0])).first() is None:

@@ -850,7 +850,7 @@ def _returning_paused(
     batch = store.lease(BatchRequest(lease_seconds=10))
     clock.now += 1
     store.add_spans(_ours("r1", TRACE_A, 100))
-    deleted, resume = pause_after(monkeypatch, placement, "forget_deferred_foreign")
+    deleted, resume = pause_after(monkeypatch, foreign_deletion, "forget_deferred_foreign")
     if end == "released":
         giving_back = threading.Thread(target=store.release, args=(batch.id, ReleaseRequest(reason="x", failed=False)))
     else:
