@@ -168,7 +168,11 @@ class LangfuseSync:
                                         f"({cursor!r}): its pages would never end")
             cursors.add(cursor)
         found.sort(key=lambda score: (score.timestamp, score.updated_at))  # the latest score of a name wins
-        usable = [(score, reward) for score in found if (reward := _reward_of(score)) is not None]
+        readable = [(score, reward) for score in found if (reward := _reward_of(score)) is not None]
+        # not the scores this store pushed: with the API among the sources, each came back as a reward of its trace,
+        # given then to every trajectory with a span there, not only the one it scored
+        own = self.scoring.own_scores([score.id for score, _ in readable])
+        usable = [(score, reward) for score, reward in readable if score.id not in own]
         seen = self.scoring.pulled_versions([score.id for score, _ in usable])
         latest: dict[tuple[str | None, str], tuple[str, RewardIn]] = {}
         marks: dict[str, dict[str, Any]] = {}  # the new or changed scores, by id

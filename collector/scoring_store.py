@@ -262,6 +262,15 @@ class ScoringStore:
             marked.update(conn.execute(claim.returning(langfuse_pulled.c.score_id)).scalars())
         return marked
 
+    def own_scores(self, score_ids: list[str]) -> set[str]:
+        """Those of `score_ids` that are scores this store pushed to Langfuse (`mark_pushed`), deleted there or not."""
+        found: set[str] = set()
+        with self.engine.connect() as conn:
+            for chunk in chunks(score_ids):
+                query = select(langfuse_pushed.c.score_id).where(langfuse_pushed.c.score_id.in_(chunk))
+                found.update(conn.execute(query).scalars())
+        return found
+
     def pushed(self) -> dict[tuple[str, str], PushedScore]:
         """What was pushed to Langfuse, by (trajectory id, reward name); not the scores marked to delete there
         (`retract_pushed`): they are a deleted trajectory's, and a later one of the same id pushes its own under

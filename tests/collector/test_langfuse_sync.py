@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from langfuse import __version__ as langfuse_version
 from langfuse.api.core.api_error import ApiError
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine, select, text
 from sqlalchemy.exc import DBAPIError
 
 from collector import langfuse_api
@@ -34,6 +34,7 @@ from collector.config import CollectorSettings
 from collector.langfuse_api import PAGE
 from collector.langfuse_sync import LangfuseSync, LangfuseSyncError, make_client
 from collector.protocol import RewardIn
+from collector.schema import rewards
 from collector.scoring_config import LangfuseSettings
 from collector.scoring_store import INGEST_DELAY, ScoringStore
 from collector.store import SqlStore
@@ -543,6 +544,26 @@ def test_a_score_langfuse_rejects_is_not_recorded_as_pushed_and_sent_again_later
     clock.now += 60
     assert (sync.sync().pushed, sync.sync().pushed) == (1, 0)
     assert sync.scoring.pushed()[("g-1", "reward")].value == 0.25
+
+
+def test_a_score_this_store_pushed_is_not_pulled_back_as_a_reward(
+    make_store, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """With the API among the pulled sources, the scores the sync pushed (source API) came back in the next pull as
+    rewards by trace id: a trajectory's reward given again to every trajectory with a span in its trace."""
+    url, server = langfuse
+    store = make_store(min_group_size=1)
+    sync = sync_for(store, url, push_names="reward", sources="API,ANNOTATION")
+    store.add_spans(group_spans("g", ["7"], rewards=[1.0]))
+    assert sync.sync().pushed == 1
+    (score_id, score), = server.created.items()  # Langfuse lists a pushed score as any other of source API
+    server.add_score(score_id, "reward", score["value"], trace_id=score["traceId"], source="API")
+    server.add_score("human", "reward", 0.5, trace_id=score["traceId"], source="API")  # another client's
+    result = sync.sync()
+    assert (result.pulled, result.applied, result.ignored) == (2, 1, 1)
+    with store.engine.connect() as conn:
+        by_trace = select(rewards.c.value).where(rewards.c.trace_id == score["traceId"], rewards.c.rollout_id.is_(None))
+        assert conn.execute(by_trace).scalars().all() == [0.5]
 
 
 def test_a_score_pushed_for_a_trajectory_deleted_since_is_deleted_in_langfuse(
