@@ -89,7 +89,7 @@ def _metadata_json(metadata: Mapping[str, Any] | None) -> str | None:
     try:
         return json.dumps(metadata, default=str, ensure_ascii=False, allow_nan=False) if metadata else None
     except (TypeError, ValueError) as exc:
-        if (where := _non_finite(metadata)) is not None:
+        if isinstance(exc, ValueError) and (where := _non_finite(metadata)) is not None:
             raise ValueError(f"rollout metadata{where}: JSON has no NaN or infinity (the collector would read it as "
                              "null); give a finite number, None or a string") from None
         raise type(exc)(f"rollout metadata cannot be exported as JSON: {exc}") from exc

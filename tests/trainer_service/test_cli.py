@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 from collector.config import settings_error
 from examples.stack import free_port
 from tests.trainer_service.builders import save_tiny_model
+from trainer_service import config
 from trainer_service.checkpoint_checks import CheckpointMismatchError
 from trainer_service.cli import build_parser, main, settings_from_args, vllm_serve_flags
 from trainer_service.config import TrainerSettings, vllm_dtypes, vllm_lora_ranks, vllm_tool_parsers
@@ -426,6 +428,11 @@ def test_a_tool_parser_plugin_may_register_any_tool_call_parser(tmp_path: Path, 
             parse("--tool-call-parser", "mine")
         settings = TrainerSettings(tool_call_parser="mine", vllm_args=[plugin])
         assert settings.tool_calling_args()[-2:] == ["--tool-call-parser", "mine"]
+        # a vLLM general plugin of another package, which vLLM loads before its check, may register it too
+        plugins = [SimpleNamespace(name="tools", dist=SimpleNamespace(name="acme-vllm-tools"))]
+        with monkeypatch.context() as patched:
+            patched.setattr(config, "entry_points", lambda group: plugins if group == "vllm.general_plugins" else [])
+            assert parse("--tool-call-parser", "mine")[0].tool_call_parser == "mine"
         source.write_text("_TOOL_PARSERS_TO_REGISTER = dict(PARSERS)\n")  # listed otherwise: vLLM checks at its start
         vllm_tool_parsers.cache_clear()
         assert vllm_tool_parsers() is None and parse("--tool-call-parser", "mine")[0].tool_call_parser == "mine"
