@@ -303,20 +303,25 @@ class SqlStore(Store):
         also: Callable[[Connection], None] | None,
     ) -> bool:
         traces = sorted(set(conn.execute(select(rewards.c.trace_id).where(rewards.c.score_id == score_id)).scalars()))
-        # each trajectory with a span in them, as a subquery: a list of their ids grew with the trace's rollouts
-        scored = trajectories.c.id.in_(select(spans.c.trajectory_id).where(spans.c.trace_id.in_(traces)))
-        members = select(trajectories.c.group_id).where(scored)
-        pool.lock_groups(conn, conn.execute(members).scalars())  # in id order, as a reward locks them
-        states = conn.execute(select(groups.c.state).where(groups.c.id.in_(members))).scalars()
+        # each trajectory with a span in them, read once (a subquery in each statement saw a rollout an export
+        # committed in between, and locked its group last), then a chunk of them per statement: a list of them all
+        # grew with the trace's rollouts, past PostgreSQL's 65,535 parameters
+        held = sorted(set().union(*pool.holders(conn, traces).values()))
+        member_groups = sorted(pool.groups_of(conn, held, []))
+        pool.lock_groups(conn, member_groups)  # in id order, as a reward locks them
+        states = [state for chunk in chunks(member_groups)
+                  for state in conn.execute(select(groups.c.state).where(groups.c.id.in_(chunk))).scalars()]
         if any(state in ("leased", "trained") for state in states):
             return False
         conn.execute(delete(rewards).where(rewards.c.score_id == score_id))
         now = self._now(conn)
         # a deleted reward leaves no row dated after a lease: mark its trajectories changed instead, lest the late ack
         # of a lease that held it find them as they were (`leases._changed_since`)
-        rows.lock_trajectories(conn, scored)  # in id order, as the curve's save locks them
-        conn.execute(trajectories.update().where(scored).values(updated_at=now))
-        pool.rewarded(conn, [], traces, now)
+        for chunk in chunks(held):  # in id order across chunks too, as the curve's save locks them
+            scored = trajectories.c.id.in_(chunk)
+            rows.lock_trajectories(conn, scored)
+            conn.execute(trajectories.update().where(scored).values(updated_at=now))
+        pool.rewarded(conn, held, [], now)
         if successor and conn.execute(select(rewards.c.id).where(rewards.c.score_id == successor[0])).first() is None:
             self._add_rewards(conn, [(successor[1], successor[0])])
         if also is not None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import pytest
 from sqlalchemy import Connection, Engine, event, func, select, text
 from sqlalchemy.exc import DBAPIError
 
+from collector import pool
 from collector.errors import InvalidRequest
 from collector.protocol import BatchRequest, ReleaseRequest, RewardIn
 from collector.schema import rewards
@@ -228,3 +232,35 @@ def test_withdrawing_a_score_on_a_trace_of_many_rollouts_binds_no_list_of_them(m
                  lambda conn, cursor, statement, parameters, *_: bound.append(len(parameters or ())))
     assert store.withdraw_score("s1", None)
     assert max(bound) < 600 and "judge" not in store.trajectory("r599").rewards
+
+
+def test_a_rollout_stored_in_the_trace_while_a_score_is_withdrawn_is_left_alone(
+    make_store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The withdrawal found the trace's trajectories by a subquery in each statement: a rollout another replica's
+    export committed in between was locked and dated, and its group updated without being locked first (out of the
+    groups' id order: a deadlock with an export of that rollout, retried)."""
+    store = make_store(min_group_size=1)
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has one writer at a time: no export commits inside the withdrawal")
+    trace = f"{0x52:032x}"
+    store.add_spans([rollout(n + 1, f"r{n}", trace=trace, group=f"g{n}", size=1) for n in range(2)])
+    store.add_reward(RewardIn(trace_id=trace, name="judge", value=0.5), score_id="s1")
+    lock_groups, rewarded, touched = pool.lock_groups, pool.rewarded, {}
+
+    def an_export_commits_meanwhile(conn: Connection, group_ids: Any) -> None:
+        lock_groups(conn, group_ids)
+        if not touched:
+            touched["locked"] = sorted(group_ids)
+            late = threading.Thread(target=store.add_spans, args=([rollout(50, "late", trace=trace, group="g-late")],))
+            late.start()
+            late.join(timeout=30)
+
+    def noted(conn: Connection, ids: list[str], traces: list[str], now: float) -> None:
+        touched["rewarded"] = sorted(pool.groups_of(conn, ids, traces))
+        rewarded(conn, ids, traces, now)
+
+    monkeypatch.setattr(pool, "lock_groups", an_export_commits_meanwhile)
+    monkeypatch.setattr(pool, "rewarded", noted)
+    assert store.withdraw_score("s1", None)
+    assert touched == {"locked": ["g0", "g1"], "rewarded": ["g0", "g1"]}
