@@ -61,16 +61,17 @@ def rewards_of(
     return {tid: merge_rewards(found) for tid, found in by_id.items()}
 
 
-def rewarded(conn: Connection, rollout_ids: list[str], trace_ids: list[str], now: float) -> None:
-    """New rewards arrived for the trajectories of `rollout_ids`, and those holding a span in `trace_ids` (rewards
-    without a rollout id).
+def rewarded(conn: Connection, group_ids: Collection[str], now: float) -> None:
+    """New rewards arrived for members of the groups `group_ids`: those the caller found and locked for them (read
+    again here, a group a trajectory joined since, by an export that committed in between, was updated unlocked, out
+    of the groups' id order: a deadlock, retried; that export marked it active itself).
 
     Activity for their open groups; a group skipped for its rewards goes back to the pool, since a new reward may
     give it its spread back (not one skipped after failed trainings, which keeps the batch that gave up on it).
     Called for rewards by API and from spans alike.
     """
     reopened = or_(groups.c.state == "open", and_(groups.c.state == "skipped", groups.c.batch_id.is_(None)))
-    for chunk in chunks(sorted(groups_of(conn, rollout_ids, trace_ids))):
+    for chunk in chunks(sorted(group_ids)):
         conn.execute(
             groups.update().where(groups.c.id.in_(chunk), reopened).values(state="open", reason=None, updated_at=now)
         )

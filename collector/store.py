@@ -189,7 +189,7 @@ class SqlStore(Store):
         # a trajectory new in this export is in an open group, marked active above: only older ones' groups may need
         # reopening (a reward per export's rollout would cost two statements for nothing)
         by_rollout = [r["rollout_id"] for r in reward_rows if r["rollout_id"] in existing]
-        pool.rewarded(conn, by_rollout, by_trace, now)
+        pool.rewarded(conn, pool.groups_of(conn, by_rollout, by_trace), now)  # placed under this export's locks
         return len(new)
 
     def _changing_groups(self, conn: Connection, group_ids: Collection[str | None]) -> float:
@@ -258,7 +258,8 @@ class SqlStore(Store):
         by_rollout = [reward.rollout_id for reward, _ in items if reward.rollout_id]
         holders = pool.holders(conn, [reward.trace_id or "" for reward, _ in items if not reward.rollout_id])
         held = sorted(set().union(*holders.values()))  # of a trace: each trajectory holding a span in it
-        now = self._changing_groups(conn, pool.groups_of(conn, by_rollout + held, []))
+        member_groups = pool.groups_of(conn, by_rollout + held, [])
+        now = self._changing_groups(conn, member_groups)
         rows = [
             {
                 "rollout_id": reward.rollout_id or None, "trace_id": reward.trace_id or None, "name": reward.name,
@@ -267,7 +268,7 @@ class SqlStore(Store):
             for reward, score_id in items
         ]
         conn.execute(rewards.insert(), rows)  # in order: of two rewards of one name, the later one wins
-        pool.rewarded(conn, by_rollout + held, [], now)
+        pool.rewarded(conn, member_groups, now)
         known = self._existing(conn, by_rollout + held)
         return [
             reward.rollout_id in known if reward.rollout_id else not known.isdisjoint(holders.get(reward.trace_id, ()))
@@ -321,7 +322,7 @@ class SqlStore(Store):
             scored = trajectories.c.id.in_(chunk)
             rows.lock_trajectories(conn, scored)
             conn.execute(trajectories.update().where(scored).values(updated_at=now))
-        pool.rewarded(conn, held, [], now)
+        pool.rewarded(conn, member_groups, now)
         if successor and conn.execute(select(rewards.c.id).where(rewards.c.score_id == successor[0])).first() is None:
             self._add_rewards(conn, [(successor[1], successor[0])])
         if also is not None:

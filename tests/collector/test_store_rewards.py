@@ -256,11 +256,45 @@ def test_a_rollout_stored_in_the_trace_while_a_score_is_withdrawn_is_left_alone(
             late.start()
             late.join(timeout=30)
 
-    def noted(conn: Connection, ids: list[str], traces: list[str], now: float) -> None:
-        touched["rewarded"] = sorted(pool.groups_of(conn, ids, traces))
-        rewarded(conn, ids, traces, now)
+    def noted(conn: Connection, group_ids: Any, now: float) -> None:
+        touched["rewarded"] = sorted(group_ids)
+        rewarded(conn, group_ids, now)
 
     monkeypatch.setattr(pool, "lock_groups", an_export_commits_meanwhile)
     monkeypatch.setattr(pool, "rewarded", noted)
     assert store.withdraw_score("s1", None)
     assert touched == {"locked": ["g0", "g1"], "rewarded": ["g0", "g1"]}
+
+
+def test_a_reward_updates_only_the_groups_it_locked_while_an_export_places_its_trajectory(
+    make_store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reward by trace id locked the groups of the trace's trajectories, then read their groups again to mark them
+    rewarded: one an export placed a trajectory in between (its rollout span committed meanwhile) was updated without
+    being locked, out of the groups' id order (a deadlock with an export holding it, retried)."""
+    store = make_store(min_group_size=2)
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has one writer at a time: no export commits inside the reward")
+    trace = f"{0x53:032x}"
+    store.add_spans([llm(11, rollout="r", trace=trace, start=1, prompt=[1], completion=[2])])  # no rollout span yet
+    assert store.trajectory("r").group_id == ""
+    lock_groups, rewarded, touched = pool.lock_groups, pool.rewarded, {}
+
+    def an_export_commits_meanwhile(conn: Connection, group_ids: Any) -> None:
+        group_ids = sorted(set(group_ids) - {None})
+        lock_groups(conn, group_ids)
+        if not touched:
+            touched["locked"] = group_ids
+            placing = threading.Thread(target=store.add_spans, args=([rollout(12, "r", trace=trace, group="ga")],))
+            placing.start()
+            placing.join(timeout=30)
+
+    def noted(conn: Connection, group_ids: Any, now: float) -> None:
+        touched["rewarded"] = sorted(group_ids)
+        rewarded(conn, group_ids, now)
+
+    monkeypatch.setattr(pool, "lock_groups", an_export_commits_meanwhile)
+    monkeypatch.setattr(pool, "rewarded", noted)
+    assert store.add_reward(RewardIn(trace_id=trace, value=0.5)).trajectory_known
+    assert touched == {"locked": [], "rewarded": []}
+    assert store.trajectory("r").group_id == "ga" and store.trajectory("r").rewards == {"reward": 0.5}
