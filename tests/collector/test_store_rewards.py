@@ -234,6 +234,30 @@ def test_withdrawing_a_score_on_a_trace_of_many_rollouts_binds_no_list_of_them(m
     assert max(bound) < 600 and "judge" not in store.trajectory("r599").rewards
 
 
+def _export_commits_inside(monkeypatch: pytest.MonkeyPatch, store: Any, spans: list[Any]) -> dict[str, list[str]]:
+    """Make the next transaction that locks groups wait, once it holds them, for an export of `spans` to commit (as
+    another replica's would, under READ COMMITTED); returns what that transaction locked first (`locked`) and the
+    groups it marked rewarded (`rewarded`), once it has run."""
+    lock_groups, rewarded, touched = pool.lock_groups, pool.rewarded, {}
+
+    def an_export_commits_meanwhile(conn: Connection, group_ids: Any) -> None:
+        group_ids = sorted(set(group_ids) - {None})
+        lock_groups(conn, group_ids)
+        if not touched:
+            touched["locked"] = group_ids
+            exporting = threading.Thread(target=store.add_spans, args=(spans,))
+            exporting.start()
+            exporting.join(timeout=30)
+
+    def noted(conn: Connection, group_ids: Any, now: float) -> None:
+        touched["rewarded"] = sorted(group_ids)
+        rewarded(conn, group_ids, now)
+
+    monkeypatch.setattr(pool, "lock_groups", an_export_commits_meanwhile)
+    monkeypatch.setattr(pool, "rewarded", noted)
+    return touched
+
+
 def test_a_rollout_stored_in_the_trace_while_a_score_is_withdrawn_is_left_alone(
     make_store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -246,22 +270,7 @@ def test_a_rollout_stored_in_the_trace_while_a_score_is_withdrawn_is_left_alone(
     trace = f"{0x52:032x}"
     store.add_spans([rollout(n + 1, f"r{n}", trace=trace, group=f"g{n}", size=1) for n in range(2)])
     store.add_reward(RewardIn(trace_id=trace, name="judge", value=0.5), score_id="s1")
-    lock_groups, rewarded, touched = pool.lock_groups, pool.rewarded, {}
-
-    def an_export_commits_meanwhile(conn: Connection, group_ids: Any) -> None:
-        lock_groups(conn, group_ids)
-        if not touched:
-            touched["locked"] = sorted(group_ids)
-            late = threading.Thread(target=store.add_spans, args=([rollout(50, "late", trace=trace, group="g-late")],))
-            late.start()
-            late.join(timeout=30)
-
-    def noted(conn: Connection, group_ids: Any, now: float) -> None:
-        touched["rewarded"] = sorted(group_ids)
-        rewarded(conn, group_ids, now)
-
-    monkeypatch.setattr(pool, "lock_groups", an_export_commits_meanwhile)
-    monkeypatch.setattr(pool, "rewarded", noted)
+    touched = _export_commits_inside(monkeypatch, store, [rollout(50, "late", trace=trace, group="g-late")])
     assert store.withdraw_score("s1", None)
     assert touched == {"locked": ["g0", "g1"], "rewarded": ["g0", "g1"]}
 
@@ -278,23 +287,7 @@ def test_a_reward_updates_only_the_groups_it_locked_while_an_export_places_its_t
     trace = f"{0x53:032x}"
     store.add_spans([llm(11, rollout="r", trace=trace, start=1, prompt=[1], completion=[2])])  # no rollout span yet
     assert store.trajectory("r").group_id == ""
-    lock_groups, rewarded, touched = pool.lock_groups, pool.rewarded, {}
-
-    def an_export_commits_meanwhile(conn: Connection, group_ids: Any) -> None:
-        group_ids = sorted(set(group_ids) - {None})
-        lock_groups(conn, group_ids)
-        if not touched:
-            touched["locked"] = group_ids
-            placing = threading.Thread(target=store.add_spans, args=([rollout(12, "r", trace=trace, group="ga")],))
-            placing.start()
-            placing.join(timeout=30)
-
-    def noted(conn: Connection, group_ids: Any, now: float) -> None:
-        touched["rewarded"] = sorted(group_ids)
-        rewarded(conn, group_ids, now)
-
-    monkeypatch.setattr(pool, "lock_groups", an_export_commits_meanwhile)
-    monkeypatch.setattr(pool, "rewarded", noted)
+    touched = _export_commits_inside(monkeypatch, store, [rollout(12, "r", trace=trace, group="ga")])
     assert store.add_reward(RewardIn(trace_id=trace, value=0.5)).trajectory_known
     assert touched == {"locked": [], "rewarded": []}
     assert store.trajectory("r").group_id == "ga" and store.trajectory("r").rewards == {"reward": 0.5}
