@@ -65,9 +65,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     from pydantic import ValidationError
     from sqlalchemy.exc import DatabaseError
 
-    from collector.config import CollectorSettings, check_listen_address, hide_password, settings_error
+    from collector.config import CollectorSettings, hide_password, settings_error
     from collector.engine import driver_reason
     from collector.env_names import exit_on_unknown_env
+    from collector.listen import bind_address, serve_on
     from collector.schema import SchemaTooNew
     from collector.server import create_app
     from collector.store import SqlStore
@@ -77,28 +78,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = CollectorSettings(**overrides)
-        check_listen_address(settings.host, settings.port, "free that port, or give another --port "
-                             "(ART_COLLECTOR_PORT) or --host (ART_COLLECTOR_HOST)")
-        store = SqlStore(settings)  # makes the folder of a SQLite file
+        sock = bind_address(settings.host, settings.port, "free that port, or give another --port "
+                            "(ART_COLLECTOR_PORT) or --host (ART_COLLECTOR_HOST)")
     except ValidationError as exc:
         parser.error(settings_error(exc))
     except ValueError as exc:  # the address cannot be listened on
         parser.error(str(exc))
-    except OSError as exc:  # that folder cannot be made (a file is in the way, no permission)
-        parser.error(_store_refused(settings.db, str(exc)))
-    try:
-        app = create_app(settings, store)  # migrates the store, then reads the judge's and Langfuse's settings
-    except ValidationError as exc:  # ART_COLLECTOR_JUDGE_*, ART_COLLECTOR_LANGFUSE_*
-        refusal = f"{exc.title}: {settings_error(exc)}"
-    except DatabaseError as exc:  # from the migration, the only database work here: down, refused, wrong login,
-        refusal = _store_refused(settings.db, driver_reason(exc))  # not an SQLite file, another app's table
-    except SchemaTooNew as exc:
-        refusal = f"db={hide_password(settings.db)!r}: {exc}"
-    else:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
-        return
-    store.close()  # no connection left open on a file it refused (nor, on a WAL file, the -wal and -shm beside it)
-    parser.error(refusal)
+    with sock:  # closed on every refusal below; `serve_on` closes it once the server stops
+        try:
+            store = SqlStore(settings)  # makes the folder of a SQLite file
+        except OSError as exc:  # that folder cannot be made (a file is in the way, no permission)
+            parser.error(_store_refused(settings.db, str(exc)))
+        try:
+            app = create_app(settings, store)  # migrates the store, then reads the judge's and Langfuse's settings
+        except ValidationError as exc:  # ART_COLLECTOR_JUDGE_*, ART_COLLECTOR_LANGFUSE_*
+            refusal = f"{exc.title}: {settings_error(exc)}"
+        except DatabaseError as exc:  # from the migration, the only database work here: down, refused, wrong login,
+            refusal = _store_refused(settings.db, driver_reason(exc))  # not an SQLite file, another app's table
+        except SchemaTooNew as exc:
+            refusal = f"db={hide_password(settings.db)!r}: {exc}"
+        else:
+            config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level)
+            serve_on(uvicorn.Server(config), sock)
+            return
+        store.close()  # no connection left open on a file it refused (nor, on a WAL file, the -wal and -shm beside it)
+        parser.error(refusal)
 
 
 if __name__ == "__main__":

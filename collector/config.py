@@ -9,7 +9,6 @@ belongs to the plugin (the collector's address as seen by the agent).
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from collector.auth import configured_key, refuse_key_name
 from collector.groups import TrainingReward
 
 __all__ = [
-    "CollectorSettings", "art_home", "check_http_url", "check_listen_address", "default_db_url", "hide_password",
+    "CollectorSettings", "art_home", "check_http_url", "default_db_url", "hide_password",
     "settings_error", "validation_problem",
 ]
 
@@ -53,23 +52,6 @@ def check_http_url(value: str, example: str) -> str:
     if url.scheme not in ("http", "https") or not url.host:
         raise ValueError(f"needs http:// or https:// and a host, e.g. {example}")
     return value
-
-
-def check_listen_address(host: str, port: int, fix: str) -> None:
-    """Bind `host:port` for a moment, as uvicorn will (`SO_REUSEADDR`), so that a port another process holds or a
-    host that names no interface of this machine stops the start at once, not once the service has started (uvicorn
-    then logged the error without the flag, after the trainer's vLLM had loaded its model).
-
-    Raises:
-        ValueError: names the address, the reason and `fix` (the flags and variables to change).
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        with socket.socket(family) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host, port))
-    except OSError as exc:  # in use, no permission, an unknown host name (socket.gaierror)
-        raise ValueError(f"host={host!r} port={port}: cannot listen there ({exc.strerror or exc}); {fix}") from exc
 
 
 def validation_problem(error: Mapping[str, Any]) -> str:

@@ -22,8 +22,9 @@ from typing import IO, Any
 
 from pydantic import ValidationError
 
-from collector.config import check_listen_address, settings_error
+from collector.config import settings_error
 from collector.env_names import exit_on_unknown_env
+from collector.listen import bind_address
 from trainer_service.allocator import preload_allocator
 from trainer_service.config import TrainerSettings, vllm_source
 from trainer_service.grpo_config import OPTIONAL_FIELDS, GRPOConfig, split_modules
@@ -302,8 +303,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     exit_on_unknown_env(parser)  # a misspelled ART_* variable, which the settings would ignore
     try:
         settings, grpo = settings_from_args(args)
-        check_listen_address(settings.host, settings.port, "free that port, or give another --port (ART_TRAINER_PORT) "
-                             "or --host (ART_TRAINER_HOST).")  # before vLLM's minutes of start, not after them
+        sock = bind_address(settings.host, settings.port, "free that port, or give another --port (ART_TRAINER_PORT) "
+                            "or --host (ART_TRAINER_HOST).")  # before vLLM's minutes of start, and held through them
     except ValidationError as exc:
         parser.error(settings_error(exc))
     except ValueError as exc:
@@ -326,8 +327,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         lock = _lock_run_dir(settings.run_dir)  # before anything reads or writes the run folder
     except OSError as exc:
+        sock.close()
         parser.exit(2, f"art-trainer: error: {exc}\n")
-    with lock:  # released when `serve` returns (in-process callers), else when the process ends
+    with sock, lock:  # released when `serve` returns (in-process callers), else when the process ends
         try:
             app = create_app(settings, grpo)
         except (BaseModelError, CheckpointMismatchError, EvalError) as exc:
@@ -340,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.exit(2, f"art-trainer: error: {exc}\n")  # anything else (a bug) keeps its traceback
         finally:
             signal.signal(signal.SIGTERM, previous)
-        serve(app, host=settings.host, port=settings.port, log_level=args.log_level)
+        serve(app, sock, log_level=args.log_level)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import contextlib
 import logging
 import re
 import socket
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -31,9 +30,9 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException
-from uvicorn.main import STARTUP_FAILURE
 
 from collector.auth import bearer_matches
+from collector.listen import serve_on
 from trainer_service.base_model import check_base_model, resolve_base_model, served_base_name
 from trainer_service.config import TrainerSettings
 from trainer_service.core_lending import CoreLender, EngineRequest
@@ -393,15 +392,13 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve(app: FastAPI, *, host: str, port: int, log_level: str) -> None:
-    """Serve `app` (from `create_app`) with uvicorn until SIGINT or SIGTERM, as `uvicorn.run` does, but with its
-    schedule stopped once the shutdown begins (`_Server`).
+def serve(app: FastAPI, sock: socket.socket, *, log_level: str) -> None:
+    """Serve `app` (from `create_app`) with uvicorn on `sock` (bound by `collector.listen.bind_address`) until SIGINT
+    or SIGTERM, as `uvicorn.run` does, but with its schedule stopped once the shutdown begins (`_Server`).
 
     Raises:
         SystemExit: uvicorn's status 3 when the server did not start.
     """
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level), app.state.service.schedule)
-    with contextlib.suppress(KeyboardInterrupt):  # the Ctrl-C uvicorn raises again once it has shut down
-        server.run()
-    if not server.started:
-        sys.exit(STARTUP_FAILURE)
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
+    serve_on(_Server(config, app.state.service.schedule), sock)

@@ -1029,7 +1029,7 @@ def test_the_service_starts_once_before_the_port_opens(tmp_path: Path, monkeypat
 
     events: list[str] = []
 
-    def run(app: FastAPI, **kwargs: Any) -> None:
+    def run(app: FastAPI, sock: socket.socket, **kwargs: Any) -> None:
         events.append("serving")
         with TestClient(app) as client:
             assert client.get("/v1/models").status_code == 200
@@ -1037,6 +1037,24 @@ def test_the_service_starts_once_before_the_port_opens(tmp_path: Path, monkeypat
     monkeypatch.setattr(server, "serve", run)
     _serve(tmp_path, monkeypatch, events)
     assert events == ["started", "serving", "stopped"]
+
+
+def test_the_api_port_stays_the_trainers_while_vllm_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start only tried the port: during vLLM's start a connection's local end took it once (the trainer asks
+    vLLM many times whether it is up), and uvicorn's bind then failed with "address already in use" (a CI run)."""
+    from trainer_service import server
+
+    port = int(os.environ["ART_TRAINER_PORT"])
+    served: list[tuple[str, int]] = []
+
+    def take_the_port() -> None:
+        with socket.socket() as other, pytest.raises(OSError) as info:
+            other.bind(("127.0.0.1", port))
+        assert info.value.errno == errno.EADDRINUSE
+
+    monkeypatch.setattr(server, "serve", lambda app, sock, **kwargs: served.append(sock.getsockname()))
+    _serve(tmp_path, monkeypatch, [], on_start=take_the_port)
+    assert served == [("127.0.0.1", port)]
 
 
 def test_train_processes_from_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
