@@ -25,6 +25,11 @@ def _port_nothing_listens_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ART_COLLECTOR_PORT", str(free_port()))
 
 
+def _never_serve(monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    """Fail the test, saying `why`, when `serve` would start serving."""
+    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail(why))
+
+
 def test_serve_flags_override_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     calls: dict[str, Any] = {}
     port = free_port()
@@ -68,7 +73,7 @@ def test_the_collectors_prefixed_key_name_is_refused_in_any_case(monkeypatch: py
 
 def test_bad_settings_exit_with_one_line_each(monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail("served with bad settings"))
+    _never_serve(monkeypatch, "served with bad settings")
     monkeypatch.setenv("ART_COLLECTOR_PORT", "abc")
     with pytest.raises(SystemExit) as info:
         cli.main(["serve"])
@@ -79,7 +84,7 @@ def test_bad_settings_exit_with_one_line_each(monkeypatch: pytest.MonkeyPatch,
 
 def test_bad_judge_settings_exit_naming_them(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail("served with bad settings"))
+    _never_serve(monkeypatch, "served with bad settings")
     monkeypatch.setenv("ART_COLLECTOR_JUDGE_ON_FAILURE", "bogus")
     with pytest.raises(SystemExit) as info:
         cli.main(["serve", "--db", f"sqlite:///{tmp_path / 'x.db'}"])
@@ -96,7 +101,7 @@ def test_an_address_that_cannot_be_listened_on_exits_naming_it(host: str, says: 
                                                                 monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """Was uvicorn's "address already in use" (no flag named, status 3) once the store was migrated and the app up."""
-    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail("served on an address it cannot listen on"))
+    _never_serve(monkeypatch, "served on an address it cannot listen on")
     with socket.create_server(("127.0.0.1", 0)) as held, pytest.raises(SystemExit) as info:
         port = held.getsockname()[1]
         cli.main(["serve", "--host", host, "--port", str(port), "--db", f"sqlite:///{tmp_path / 'x.db'}"])
@@ -116,7 +121,7 @@ def test_serve_needs_a_command(capsys: pytest.CaptureFixture[str]) -> None:
 def test_reward_weights_that_are_not_json_exit_naming_the_form(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """Said only "Input should be a valid dictionary" for `correct=1`, not that the variable takes JSON."""
-    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail("served with bad settings"))
+    _never_serve(monkeypatch, "served with bad settings")
     monkeypatch.setenv("ART_COLLECTOR_REWARD_WEIGHTS", "correct=1")
     with pytest.raises(SystemExit) as info:
         cli.main(["serve", "--db", f"sqlite:///{tmp_path / 'x.db'}"])
@@ -160,7 +165,7 @@ def test_non_finite_settings_exit_naming_them(monkeypatch: pytest.MonkeyPatch, t
                                               capsys: pytest.CaptureFixture[str],
                                               variable: str, value: str, says: str) -> None:
     """inf passed every `gt=0` bound: an idle time of inf never completed a trajectory, a judge timeout of inf hung."""
-    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail("served with bad settings"))
+    _never_serve(monkeypatch, "served with bad settings")
     monkeypatch.setenv(variable, value)
     with pytest.raises(SystemExit) as info:
         cli.main(["serve", "--db", f"sqlite:///{tmp_path / 'x.db'}"])
@@ -185,7 +190,7 @@ def test_a_service_address_that_is_no_http_url_exits_naming_it(
     says: str
 ) -> None:
     """They were accepted, and then every judge run or Langfuse sync failed, long after the start."""
-    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail("served with bad settings"))
+    _never_serve(monkeypatch, "served with bad settings")
     for variable, value in variables.items():
         monkeypatch.setenv(variable, value)
     with pytest.raises(SystemExit) as info:
@@ -205,7 +210,7 @@ def test_a_db_url_that_cannot_be_opened_exits_naming_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], url: str, says: str
 ) -> None:
     """A URL SQLAlchemy cannot open left `serve` with a traceback from `create_engine`."""
-    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail("served with bad settings"))
+    _never_serve(monkeypatch, "served with bad settings")
     with pytest.raises(SystemExit) as info:
         cli.main(["serve", "--db", url])
     err = capsys.readouterr().err
@@ -243,7 +248,7 @@ def test_a_database_that_refuses_the_connection_exits_naming_it_without_its_pass
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A server that is down ended `serve` with an OperationalError traceback from `store.setup()`."""
-    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail("served without a store"))
+    _never_serve(monkeypatch, "served without a store")
     port = free_port()
     line = _serve_refused(capsys, f"postgresql+psycopg://u:secret@127.0.0.1:{port}/x")
     said = f"db='postgresql+psycopg://u:***@127.0.0.1:{port}/x': cannot open the store (connection failed: "
@@ -254,7 +259,7 @@ def test_a_database_that_refuses_the_connection_exits_naming_it_without_its_pass
 def test_a_missing_database_exits_naming_it_without_its_password(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], postgres: PostgresServer
 ) -> None:
-    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail("served without a store"))
+    _never_serve(monkeypatch, "served without a store")
     url = postgres.url("nosuch").replace("postgres@", "postgres:secret@")  # the test server trusts any password
     line = _serve_refused(capsys, url)
     assert line == (f"art-collector: error: db='{url.replace(':secret@', ':***@')}': cannot open the store "
@@ -274,7 +279,7 @@ def test_a_sqlite_file_that_cannot_be_made_exits_naming_it(
     in_the_way: str, path: str, reason: str,
 ) -> None:
     """`make_engine`'s mkdir raised NotADirectoryError, sqlite3 an OperationalError: both a traceback."""
-    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail("served without a store"))
+    _never_serve(monkeypatch, "served without a store")
     blocker = tmp_path / "blocker"
     blocker.mkdir() if in_the_way == "folder" else blocker.write_text("not a folder")
     db = f"sqlite:///{tmp_path / path}"
@@ -288,7 +293,7 @@ def test_a_file_that_is_not_a_database_exits_naming_it_and_is_left_as_it_was(
 ) -> None:
     """sqlite3's DatabaseError (not an OperationalError) from `PRAGMA journal_mode=WAL` ended `serve` with a
     traceback."""
-    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail("served without a store"))
+    _never_serve(monkeypatch, "served without a store")
     notes = tmp_path / "notes.txt"
     notes.write_bytes(b"my notes, not a database\n" * 200)
     db = f"sqlite:///{notes}"
@@ -310,7 +315,7 @@ def test_a_database_of_a_newer_collector_exits_naming_it(
     from collector.schema import SCHEMA_VERSION, schema_version
     from collector.store import SqlStore
 
-    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail("served on a schema it does not know"))
+    _never_serve(monkeypatch, "served on a schema it does not know")
     db = f"sqlite:///{tmp_path / 'collector.db'}"
     store = SqlStore(CollectorSettings(db=db))
     store.setup()
@@ -328,7 +333,7 @@ def test_a_database_with_another_applications_table_exits_naming_it(
     """The collector altered the other application's `rewards` table and served on it (503 to every reward)."""
     import sqlite3
 
-    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail("served on another application's table"))
+    _never_serve(monkeypatch, "served on another application's table")
     path = tmp_path / "app.db"
     with sqlite3.connect(path) as conn:
         conn.execute("CREATE TABLE rewards (who TEXT, amount INTEGER)")
@@ -344,7 +349,7 @@ def test_a_refused_sqlite_file_keeps_its_bytes_and_journal_mode(
 ) -> None:
     """The engine ran `PRAGMA journal_mode=WAL` on connect, before `migrate` refused the file: a lasting change to a
     file that is not the collector's, though its tables and rows were left as they were."""
-    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail("served on a database it refused"))
+    _never_serve(monkeypatch, "served on a database it refused")
     path = tmp_path / "app.db"
     with closing(sqlite3.connect(path)) as conn, conn:
         conn.execute(f"PRAGMA journal_mode={journal}")
@@ -364,7 +369,7 @@ def test_a_bad_db_setting_is_reported_without_its_password(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`settings_error` printed `db='nosuch://u:secret@h/x'` on stderr."""
-    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail("served with bad settings"))
+    _never_serve(monkeypatch, "served with bad settings")
     line = _serve_refused(capsys, "nosuch://u:secret@h/x")
     assert line.startswith("art-collector: error: db='nosuch://u:***@h/x': not a database URL SQLAlchemy can open")
     assert "secret" not in line
@@ -406,7 +411,7 @@ def test_a_variable_no_setting_reads_stops_serve_naming_the_closest(monkeypatch:
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """pydantic-settings ignores a variable under a settings prefix that names no field: the judge kept its 3 tries
     and the store its default file, silently. Another component's variables, the test suite's too, are no error."""
-    monkeypatch.setattr("collector.listen.serve_on", lambda server, sock: pytest.fail("served with a misspelled variable"))
+    _never_serve(monkeypatch, "served with a misspelled variable")
     monkeypatch.setattr("collector.store.SqlStore", lambda settings: pytest.fail("opened the store"))
     monkeypatch.setenv("ART_COLLECTOR_JUDGE_ATTEMPT", "5")
     monkeypatch.setenv("ART_COLLECTOR_DB_URL", "sqlite:///elsewhere.db")
