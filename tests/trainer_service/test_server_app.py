@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from collector.listen import bind_address
 from collector.protocol import Batch
 from examples.stack import free_port
 from tests.trainer_service.builders import group, make_service
@@ -385,7 +386,7 @@ def test_sigterm_stops_the_schedule_while_uvicorn_waits_for_open_requests(tmp_pa
     try:
         driver = threading.Thread(target=client)
         driver.start()
-        serve(app, host="127.0.0.1", port=port, log_level="warning")
+        serve(app, bind_address("127.0.0.1", port, "a free port"), log_level="warning")
         driver.join()
     finally:
         signal.signal(signal.SIGTERM, previous)
