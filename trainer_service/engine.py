@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from collector.listen import bind_address
 from trainer_service.backoff import Backoff
 from trainer_service.engine_errors import EngineError
 from trainer_service.parent_death import launch_command
@@ -136,6 +137,7 @@ class VLLMEngine:
         self._restart_retry = Backoff(_RETRY_FIRST, _RETRY_MAX)
         self._adapter_retry = Backoff(_RETRY_FIRST, _RETRY_MAX)
         self._proc: subprocess.Popen[bytes] | None = None
+        self._port_hold: socket.socket | None = None  # `_hold_port`
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         """Set by `stop` before it waits for the lock: a start or restart under way gives up."""
@@ -250,7 +252,7 @@ class VLLMEngine:
                 be opened, no memory or file handle was left); the `OSError` is its cause.
         """
         self._failed_health_checks = 0
-        self._check_port_free()
+        self._hold_port()
         logger.info("starting vLLM: %s (log: %s)", " ".join(self.command()), self.log_path)
         try:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -268,19 +270,29 @@ class VLLMEngine:
         if self.log_path.is_file() and self.log_path.stat().st_size > _LOG_ROTATE_BYTES:
             self.log_path.replace(self.log_path.with_name(f"{self.log_path.name}.1"))
 
-    def _check_port_free(self) -> None:
-        """Bind vLLM's port for a moment, as vLLM's server will (`SO_REUSEADDR`): another server there would answer
-        our `/health` checks while vLLM loads the model, and vLLM would then fail to bind it.
+    def _hold_port(self) -> None:
+        """Bind vLLM's port as vLLM's server binds it (`SO_REUSEADDR`), without listening, and keep it bound until
+        `stop`: Linux lets vLLM bind it too (neither socket listened yet), while no connection's local end (our
+        `/health` checks, many while vLLM loads) nor another program takes the port during vLLM's start or between
+        its restarts; bound only for a moment, it could be gone by the time vLLM bound it. Each launch binds anew, so
+        a server that took the port meanwhile (it would answer our `/health` checks while vLLM loaded) is refused.
 
         Raises:
             EngineError: naming the port another process holds.
         """
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        fix = "stop it, or give vLLM another --vllm-port"
         try:
-            socket.create_server((self.host, self.port), family=family).close()
-        except OSError as exc:
+            hold = bind_address(self.host, self.port, fix)
+        except ValueError as exc:  # its cause is the OSError, whose reason the message keeps
+            reason = exc.__cause__.strerror if isinstance(exc.__cause__, OSError) else None
             raise EngineError(f"vLLM's port {self.port} on {self.host} is in use by another process "
-                              f"({os.strerror(exc.errno or 0)}); stop it, or give vLLM another --vllm-port") from exc
+                              f"({reason or exc}); {fix}") from exc
+        if sys.platform != "linux":  # where two unlistened sockets may not share a port, vLLM's bind would fail
+            hold.close()
+            return
+        previous, self._port_hold = self._port_hold, hold
+        if previous is not None:
+            previous.close()
 
     def _wait_healthy(self, *, with_log: bool = True) -> None:
         """Wait until the started vLLM answers `/health`.
@@ -323,6 +335,9 @@ class VLLMEngine:
         with self._lock:
             self._supervised = False
             self._stop_group(timeout)
+            if self._port_hold is not None:
+                self._port_hold.close()
+                self._port_hold = None
 
     def _stop_group(self, timeout: float = 30.0) -> None:
         """Stop every process of the child's group (`stop_group`), also when the child itself is gone."""

@@ -4,6 +4,7 @@ whole process group, also when the service itself is killed."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -467,3 +468,43 @@ def test_engine_stops_when_the_service_is_killed(tmp_path: Path) -> None:
         parent.kill()
         if engine_pid and running(engine_pid):
             os.kill(engine_pid, signal.SIGKILL)
+
+
+class SlowVLLM(FakeVLLM):
+    """`_FAKE_VLLM`, binding its port only a second after it started (vLLM imports and reads its flags first)."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", "import sys, time; time.sleep(1); exec(sys.argv.pop(1))", _FAKE_VLLM,
+                str(self.port), *self.fake_args]
+
+
+def test_vllms_port_stays_the_engines_while_vllm_starts(tmp_path: Path) -> None:
+    """vLLM's port was bound for a moment before vLLM started: meanwhile a connection's local end (our `/health`
+    checks) or another program could take it, and vLLM then failed to bind it."""
+    port = _free_port()
+    engine = SlowVLLM("model", "base", port, log_path=tmp_path / "vllm.log", startup_timeout=30)
+    tries: list[int] = []
+
+    def take_the_port() -> None:
+        with socket.socket() as other:
+            tries.append(_bind_errno(other, port))
+
+    taker = threading.Timer(0.3, take_the_port)  # before the fake binds it, after the engine started it
+    taker.start()
+    engine.start()
+    try:
+        taker.join()
+        assert tries == [errno.EADDRINUSE] and engine.healthy()
+    finally:
+        engine.stop()
+    assert engine._port_hold is None  # let go at stop (a plain bind may still fail: the fake's closed connections)
+
+
+def _bind_errno(sock: socket.socket, port: int) -> int:
+    """0 when `sock` could bind 127.0.0.1:`port` (without `SO_REUSEADDR`, as a connection's local end), else the
+    errno."""
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError as exc:
+        return exc.errno or -1
+    return 0
