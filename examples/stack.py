@@ -7,6 +7,7 @@ wrapped so a script can bring both up, wait until they answer, and stop them at 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -22,20 +23,43 @@ import httpx
 
 from trainer_service.parent_death import launch_command
 
+# The kernel hands a connection's local end, or a bind to port 0 (vLLM's internal ports), a port of this range; a port
+# chosen below it stays free until the service started with it binds it, seconds later.
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10_000  # ports below are where other programs' servers usually listen
+_RANDOM = random.SystemRandom()  # not the `random` a seeded run replays: two such runs would pick the same ports
+
 
 def free_port() -> int:
-    """Return a TCP port on localhost that nothing listens on right now."""
+    """Return a TCP port on localhost that nothing listens on right now (see `free_ports`)."""
     return free_ports(1)[0]
 
 
 def free_ports(count: int) -> list[int]:
-    """Return `count` different TCP ports on localhost that nothing listens on right now (each held until all are
-    chosen: ports asked for one at a time may repeat, and the trainer refuses an API port equal to vLLM's)."""
+    """Return `count` different TCP ports on localhost that nothing is bound to right now, chosen at random below the
+    kernel's range of ephemeral ports where there is room (Linux), else by the kernel (a bind to port 0): a port the
+    kernel chose, once let go, could be given to a connection's local end before the service bound it, which then
+    failed to start. Each is held until all are chosen: ports asked for one at a time may repeat, and the trainer
+    refuses an API port equal to vLLM's."""
+    try:
+        lowest_ephemeral = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux
+        lowest_ephemeral = _LOWEST_PORT
+    below = range(_LOWEST_PORT, lowest_ephemeral)
+    candidates = iter(_RANDOM.sample(below, min(len(below), 100 * count)))
     with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
+        ports: list[int] = []
+        while len(ports) < count:
+            candidate = next(candidates, 0)  # past the sample, the kernel chooses
+            sock = stack.enter_context(socket.socket())
+            try:
+                sock.bind(("127.0.0.1", candidate))
+            except OSError:
+                if candidate == 0:  # no port left at all
+                    raise
+                continue  # taken
+            ports.append(sock.getsockname()[1])
+        return ports
 
 
 @dataclass

@@ -10,7 +10,6 @@ its async HTTP client, which a fresh loop per test would find bound to a closed 
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 
 # Keep exports to the (deliberately closed) collector short; set before the exporter exists.
@@ -21,14 +20,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from art_langgraph import ARTChatModel, _tracing
+from examples.stack import free_port
 from tests.art_langgraph.otlp_receiver import Receiver
-
-
-def closed_port() -> int:
-    """A local TCP port nothing listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class MemoryTracing:
@@ -36,7 +29,7 @@ class MemoryTracing:
 
     def __init__(self) -> None:
         self.exporter = InMemorySpanExporter()
-        self.collector_url = f"http://127.0.0.1:{closed_port()}"
+        self.collector_url = f"http://127.0.0.1:{free_port()}"
 
     def install(self) -> None:
         """(Re)configure the plugin and attach a fresh in-memory exporter to its provider.
@@ -108,7 +101,7 @@ def receivers(memory_tracing) -> Iterator[tuple[Receiver, Receiver]]:
 @pytest.fixture
 def dead_url() -> str:
     """`http://127.0.0.1:<port>` with nothing listening on the port."""
-    return f"http://127.0.0.1:{closed_port()}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 @pytest.fixture

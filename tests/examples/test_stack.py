@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from examples import stack
-from examples.stack import free_ports
+from examples.stack import free_port, free_ports
 
 
 def test_free_ports_are_different_and_free() -> None:
@@ -26,6 +26,23 @@ def test_free_ports_are_different_and_free() -> None:
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+def test_free_ports_are_chosen_below_the_kernels_ephemeral_range(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ports the kernel chose (a bind to port 0) could, once let go, be given to a connection's local end before the
+    service bound them: the trainer's API port was, once, during its start (a CI run)."""
+    held = free_port()
+    ephemeral = tmp_path / "ip_local_port_range"
+    ephemeral.write_text(f"{held + 2}\t60999\n")
+    monkeypatch.setattr(stack, "_EPHEMERAL_RANGE", ephemeral)
+    monkeypatch.setattr(stack, "_LOWEST_PORT", held)
+    with socket.create_server(("127.0.0.1", held)):
+        assert free_ports(1) == [held + 1]  # the only one below the range that nothing holds
+        ports = free_ports(3)  # the range has room for one: the kernel chooses the others
+    assert held + 1 in ports and len(set(ports)) == 3
+    ephemeral.unlink()  # not Linux: the kernel chooses
+    assert len(set(free_ports(4))) == 4
 
 
 def test_a_service_interrupted_while_starting_is_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from examples.stack import free_port
 from tests.trainer_service.builders import save_tiny_model
 from tests.trainer_service.test_process_group import running
 from trainer_service.config import TrainerSettings
@@ -127,14 +128,8 @@ class FakeVLLM(VLLMEngine):
         return [sys.executable, "-c", _FAKE_VLLM, str(self.port), *self.fake_args]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_engine_restarts_and_reloads_adapters(tmp_path: Path) -> None:
-    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine = FakeVLLM("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
     engine.start()
     try:
         engine.load_adapter("agent@1", tmp_path)
@@ -155,7 +150,7 @@ def test_engine_reloads_every_adapter_and_retries_the_refused(tmp_path: Path) ->
     first, second = tmp_path / "a1", tmp_path / "a2"
     first.mkdir()
     second.mkdir()
-    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine = FakeVLLM("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
     engine.start()
     try:
         engine.load_adapter("agent@1", first)
@@ -195,7 +190,7 @@ def test_engine_backs_off_failing_restarts_and_adapter_retries(tmp_path: Path) -
 
     folder = tmp_path / "a1"
     folder.mkdir()
-    engine = Crashing("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine = Crashing("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
     engine.start()
     try:
         engine.load_adapter("agent@1", folder)
@@ -238,7 +233,7 @@ def test_engine_takes_an_adapter_vllm_has_already_as_loaded(tmp_path: Path) -> N
     first, second = tmp_path / "a1", tmp_path / "a2"
     first.mkdir()
     second.mkdir()
-    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine = FakeVLLM("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
     engine.start()
 
     def load_behind_our_back(name: str, folder: Path) -> None:
@@ -275,7 +270,7 @@ def test_engine_takes_an_adapter_vllm_has_already_as_loaded(tmp_path: Path) -> N
 
 
 def test_engine_retries_a_restart_that_timed_out(tmp_path: Path) -> None:
-    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=2)
+    engine = FakeVLLM("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=2)
     engine.start()
     try:
         os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
@@ -296,7 +291,7 @@ def test_engine_retries_a_restart_that_timed_out(tmp_path: Path) -> None:
 def test_engine_backs_off_a_restart_whose_process_cannot_start(tmp_path: Path) -> None:
     """An `OSError` of the launch (its log cannot be opened; no memory or file handle left) is a failed restart
     like any other: an `EngineError`, backed off, not a restart at every call."""
-    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine = FakeVLLM("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
     engine.start()
     log_path = engine.log_path
     try:
@@ -317,7 +312,7 @@ def test_engine_backs_off_a_restart_whose_process_cannot_start(tmp_path: Path) -
 def test_engine_refuses_a_port_another_process_holds(tmp_path: Path) -> None:
     """Another server on vLLM's port answered our `/health` checks while vLLM loaded (a start that "succeeded"
     before vLLM failed to bind); the start, and a restart (backed off), now name the port instead."""
-    port = _free_port()
+    port = free_port()
     engine = FakeVLLM("model", "base", port, log_path=tmp_path / "vllm.log", startup_timeout=30)
     with socket.create_server(("127.0.0.1", port)):
         with pytest.raises(EngineError, match=f"^vLLM's port {port} on 127.0.0.1 is in use by another process"):
@@ -340,7 +335,7 @@ def test_engine_refuses_a_port_another_process_holds(tmp_path: Path) -> None:
 def test_engine_log_is_rotated_at_a_restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each (re)start appended to `vllm.log` for good: a crash loop over days grew it without end."""
     monkeypatch.setattr("trainer_service.engine._LOG_ROTATE_BYTES", 100)
-    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine = FakeVLLM("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
     engine.start()
     try:
         for restart in (1, 2):
@@ -356,7 +351,7 @@ def test_engine_log_is_rotated_at_a_restart(tmp_path: Path, monkeypatch: pytest.
 
 
 def test_engine_stop_interrupts_a_restart(tmp_path: Path) -> None:
-    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=60)
+    engine = FakeVLLM("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=60)
     engine.start()
     os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
     engine._proc.wait()  # type: ignore[union-attr]
@@ -382,7 +377,7 @@ def test_engine_stop_interrupts_a_restart(tmp_path: Path) -> None:
 
 
 def test_engine_restarts_a_hung_engine(tmp_path: Path) -> None:
-    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine = FakeVLLM("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
     engine.start()
     try:
         engine.load_adapter("agent@1", tmp_path)
@@ -401,7 +396,7 @@ def test_engine_restarts_a_hung_engine(tmp_path: Path) -> None:
 
 def test_engine_restart_stops_the_old_process_group(tmp_path: Path) -> None:
     # vLLM's API server can die while its engine core child lives on, holding the port and the memory.
-    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine = FakeVLLM("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
     engine.fake_args = ["--with-child"]
     engine.start()
     child = int(engine.log_tail().split("CHILD ")[1].split()[0])
@@ -423,7 +418,7 @@ def test_engine_stops_beside_a_process_whose_name_is_not_utf8(tmp_path: Path) ->
     named = ("import ctypes, time; ctypes.CDLL(None).prctl(15, 'abcdefghijklmné'.encode(), 0, 0, 0); "
              "print(flush=True); time.sleep(60)")
     other = subprocess.Popen([sys.executable, "-c", named], stdout=subprocess.PIPE)
-    engine = FakeVLLM("model", "base", _free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine = FakeVLLM("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
     try:
         assert other.stdout is not None and other.stdout.readline()
         assert Path(f"/proc/{other.pid}/stat").read_bytes().startswith(b"%d (abcdefghijklmn\xc3)" % other.pid)
@@ -481,7 +476,7 @@ class SlowVLLM(FakeVLLM):
 def test_vllms_port_stays_the_engines_while_vllm_starts(tmp_path: Path) -> None:
     """vLLM's port was bound for a moment before vLLM started: meanwhile a connection's local end (our `/health`
     checks) or another program could take it, and vLLM then failed to bind it."""
-    port = _free_port()
+    port = free_port()
     engine = SlowVLLM("model", "base", port, log_path=tmp_path / "vllm.log", startup_timeout=30)
     tries: list[int] = []
 

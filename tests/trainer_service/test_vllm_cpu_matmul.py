@@ -4,7 +4,6 @@ linear layers and its own CPU GEMM dispatch (`dispatch_cpu_unquantized_gemm`), w
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from importlib.metadata import entry_points
 
@@ -15,6 +14,7 @@ from vllm.distributed import parallel_state
 from vllm.model_executor.layers import utils
 from vllm.model_executor.layers.linear import ReplicatedLinear
 
+from examples.stack import free_port
 from trainer_service import vllm_cpu_matmul
 from trainer_service.engine import VLLMEngine
 
@@ -26,9 +26,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def vllm_context() -> Iterator[None]:
     """vLLM's layers read its config and tensor-parallel group: one process, gloo, torn down after."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with set_current_vllm_config(VllmConfig()):
         parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
