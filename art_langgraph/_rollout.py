@@ -15,6 +15,7 @@ import re
 import uuid
 from collections.abc import Mapping
 from contextvars import ContextVar, Token
+from decimal import Decimal
 from types import TracebackType
 from typing import Any
 
@@ -79,32 +80,51 @@ def _metadata_json(metadata: Mapping[str, Any] | None) -> str | None:
 
     Raises:
         TypeError: `metadata` is not a mapping, or JSON cannot take it (a key that is no string or number).
-        ValueError: JSON cannot take it (a circular reference, a NaN or infinity: `NaN` is no JSON, which the
-            collector read as null).
+        ValueError: JSON cannot take it (a circular reference, a NaN or infinity as a value or a key, a float's,
+            NumPy's or a `Decimal`'s: `NaN` is no JSON, which the collector read as null).
     """
     if metadata is None:
         return None
     if not isinstance(metadata, Mapping):
         raise TypeError(f"rollout metadata must be a dict, got {type(metadata).__name__}")
     try:
-        return json.dumps(metadata, default=str, ensure_ascii=False, allow_nan=False) if metadata else None
+        return json.dumps(metadata, default=_json_default, ensure_ascii=False, allow_nan=False) if metadata else None
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ValueError) and (where := _non_finite(metadata)) is not None:
-            raise ValueError(f"rollout metadata{where}: JSON has no NaN or infinity (the collector would read it as "
-                             "null); give a finite number, None or a string") from None
+            raise ValueError(f"rollout metadata{where}") from None
         raise type(exc)(f"rollout metadata cannot be exported as JSON: {exc}") from exc
 
 
+def _json_default(value: Any) -> str:
+    """A value JSON has no type for as its `str`; refused if it is a NaN or infinity (a NumPy scalar, a `Decimal`),
+    whose `str` (`'nan'`) would pass for text where a float's NaN is refused."""
+    if not _finite(value):
+        raise ValueError(f"JSON has no NaN or infinity, got {value}")
+    return str(value)
+
+
+def _finite(value: Any) -> bool:
+    """False for a NaN or an infinity: a float, a NumPy floating scalar (any real number that is not rational) or a
+    `Decimal` (a signalling NaN too); True for any other value. Compared, not converted to float: a NumPy `longdouble`
+    beyond float's range is finite."""
+    if isinstance(value, Decimal):
+        return value.is_finite()
+    return not isinstance(value, numbers.Real) or isinstance(value, numbers.Rational) or -math.inf < value < math.inf
+
+
 def _non_finite(value: Any, where: str = "", inside: frozenset[int] = frozenset()) -> str | None:
-    """Where the first NaN or infinity in `value` is, in the order JSON encoding meets them, with the number
-    (`['a'][0] is nan`); None without one. A container met again inside itself (a circular reference) is not entered
-    twice."""
-    if isinstance(value, float):
-        return None if math.isfinite(value) else f"{where} is {value}"
+    """Where the first NaN or infinity in `value` is, in the order JSON encoding meets them (a key before its value),
+    with the number and what to give instead (`['a'][0] is nan: ...`, `['a'] has the key nan: ...`); None without
+    one. A container met again inside itself (a circular reference) is not entered twice."""
+    if not _finite(value):
+        return (f"{where} is {value}: JSON has no NaN or infinity (the collector would read it as null); give a finite "
+                "number, None or a string")
     if id(value) in inside:
         return None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
     for key, item in items:
+        if isinstance(value, dict) and not _finite(key):
+            return f"{where} has the key {key}: JSON has no NaN or infinity; give a string or a finite number as key"
         if (found := _non_finite(item, f"{where}[{key!r}]", inside | {id(value)})) is not None:
             return found
     return None
@@ -312,10 +332,10 @@ def rollout(
     Raises:
         ValueError: What the collector would reject with every span of the rollout: an empty task, a task or group
             over 256 characters, a split over 64, a NUL in any, a `group_size` out of 1 to 2**31 - 1; `metadata` that
-            JSON cannot take (a circular reference, a NaN or infinity, which the collector read as null: the error
-            names where it is); a task, group or split holding a surrogate, which export would send as U+FFFD, making
-            names that differ only there one; an empty group or split, which the collector would read as no group,
-            resp. as `train`.
+            JSON cannot take (a circular reference, a NaN or infinity, NumPy's and a `Decimal`'s too, which the
+            collector read as null: the error names where it is, as a value or a key); a task, group or split holding
+            a surrogate, which export would send as U+FFFD, making names that differ only there one; an empty group or
+            split, which the collector would read as no group, resp. as `train`.
         TypeError: A task, group or split that is not a string, a `group_size` that is not an integer, `metadata`
             that is not a dict or has a key JSON cannot take.
     """
@@ -331,21 +351,25 @@ _UUID_TEXT_LENGTH = 36
 """Characters of a UUID's text with its dashes (`str(run_id)`); rollout ids are 32 hex digits, never this long."""
 
 
+_HEX_32 = re.compile(r"[0-9a-fA-F]{32}")
+"""32 hex digits, either case: a trace id, or a rollout id as the plugin mints it (a uuid4's hex, a `run_id`'s hex)."""
+
+
 def _rollout_key(rollout_id: str | uuid.UUID | None) -> str | None:
     """Rollout ids are hex strings; a `uuid.UUID` (a LangChain `run_id`) becomes its hex, and so does its text with
-    dashes (`str(run_id)`, as an app stores it), which named no trajectory: the reward was kept, never applied."""
+    dashes (`str(run_id)`, as an app stores it), which named no trajectory: the reward was kept, never applied. So
+    do 32 hex digits in upper (or mixed) case, lower-cased: the plugin mints its ids, and the collector its trace-id
+    keys, in lower case, and the collector keys a trajectory by its exact id."""
     if isinstance(rollout_id, uuid.UUID):
         return rollout_id.hex
+    if isinstance(rollout_id, str) and _HEX_32.fullmatch(rollout_id):
+        return rollout_id.lower()
     if isinstance(rollout_id, str) and len(rollout_id) == _UUID_TEXT_LENGTH:
         try:
             return uuid.UUID(rollout_id).hex
         except ValueError:  # not a UUID's text: an id of its own
             return rollout_id
     return rollout_id
-
-
-_TRACE_ID = re.compile(r"[0-9a-f]{32}")
-"""A trace id as `Rollout.trace_id` writes it: 32 lower-case hex digits."""
 
 
 def _checked_ids(rollout_id: str | uuid.UUID | None, trace_id: str | None) -> tuple[str | None, str | None]:
@@ -364,7 +388,7 @@ def _checked_ids(rollout_id: str | uuid.UUID | None, trace_id: str | None) -> tu
     if not isinstance(trace_id, str):
         raise TypeError(f"reward's trace_id must be a string, got {type(trace_id).__name__}")
     trace = trace_id.strip().lower()
-    if not _TRACE_ID.fullmatch(trace) or not int(trace, 16):
+    if not _HEX_32.fullmatch(trace) or not int(trace, 16):
         raise ValueError(f"reward's trace_id must be 32 hex digits, not all zeros (Rollout.trace_id); got "
                          f"{trace_id[:40]!r}")
     return key, trace
@@ -410,7 +434,8 @@ def reward(
         value: A finite number.
         name: Reward name.
         rollout_id: Id of a finished rollout (`Rollout.id`, or the `run_id` UUID of a top-level
-            graph run outside `rollout()`, or its text `str(run_id)`); the reward is POSTed to the collector.
+            graph run outside `rollout()`, or its text `str(run_id)`; 32 hex digits in either case are sent in lower
+            case, as rollout ids are minted); the reward is POSTed to the collector.
         trace_id: Trace id (32 hex digits) of a finished rollout, when its id is unknown.
 
     Raises:

@@ -9,6 +9,7 @@ import logging
 import re
 import threading
 from collections.abc import AsyncIterator, Iterator
+from decimal import Decimal
 from typing import TypedDict
 
 import numpy as np
@@ -211,19 +212,25 @@ def test_rollout_metadata_is_checked_when_the_rollout_is_made(spans) -> None:
     circular["self"] = circular
     with pytest.raises(ValueError, match="rollout metadata cannot be exported as JSON: Circular reference"):
         rollout("t", metadata=circular)
-    with rollout("t", metadata={"tags": {"a"}, "n": 1}):
+    with rollout("t", metadata={"tags": {"a"}, "n": 1, "x": np.float32(0.5), "d": Decimal("1.5"), 2.5: "k"}):
         pass
     (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
-    assert json.loads(root.attributes[semconv.METADATA]) == {"tags": "{'a'}", "n": 1}
+    exported = {"tags": "{'a'}", "n": 1, "x": "0.5", "d": "1.5", "2.5": "k"}
+    assert json.loads(root.attributes[semconv.METADATA]) == exported
 
 
 @pytest.mark.parametrize(
     ("metadata", "where"),
     [({"a": float("nan")}, "['a'] is nan"), ({"b": {"c": [1.0, float("-inf")]}}, "['b']['c'][1] is -inf"),
-     ({"t": (np.float64("inf"),)}, "['t'][0] is inf")],
+     ({"t": (np.float64("inf"),)}, "['t'][0] is inf"), ({"f": [np.float32("nan")]}, "['f'][0] is nan"),
+     ({"h": {"i": np.float16("-inf")}}, "['h']['i'] is -inf"), ({"d": Decimal("NaN")}, "['d'] is NaN"),
+     ({"d": [1, Decimal("-Infinity")]}, "['d'][1] is -Infinity"), ({"d": Decimal("sNaN")}, "['d'] is sNaN"),
+     ({"k": {float("nan"): 1}}, "['k'] has the key nan"), ({float("-inf"): 1, "b": float("nan")}, " has the key -inf")],
 )
 def test_rollout_refuses_metadata_holding_a_number_json_cannot_carry(metadata: dict, where: str, spans) -> None:
-    """NaN and infinities were exported as `NaN`/`Infinity`, which is no JSON: the collector read them as null."""
+    """NaN and infinities were exported as `NaN`/`Infinity`, which is no JSON: the collector read them as null. Those of
+    NumPy's other float types and `Decimal`'s went out as the text `nan`/`NaN` (their `str`), while a float's were
+    refused; a NaN key was refused with json's bare "Out of range float values are not JSON compliant"."""
     with pytest.raises(ValueError, match=re.escape(f"rollout metadata{where}: JSON has no NaN or infinity")):
         rollout("t", metadata=metadata)
 
