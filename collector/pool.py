@@ -32,7 +32,8 @@ def rewards_of(
 ) -> dict[str, dict[str, float]]:
     """Named rewards per trajectory row: those by its id (rollout id), and those by trace id alone (no rollout id
     given) of every trace it holds a span in (a rollout may be spread over traces); with `until`, only those stored
-    by then; with `traces`, those traces per row id, as the caller read them with the spans (not read again). Of one
+    by then; with `traces`, those traces per row id, as the caller read them with the spans (not read again; else read
+    from the index of `spans (trajectory_id, trace_id)` alone, which covers the lookup: schema version 13). Of one
     name, an API reward wins over a span's, and then the later one (`merge_rewards`), whether it came by rollout id or
     by which of its traces."""
     by_id: dict[str, list[tuple[tuple[Any, ...], str, str, float]]] = {row["id"]: [] for row in rows}

@@ -20,6 +20,7 @@ from sqlalchemy import (
     Engine,
     Float,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     PrimaryKeyConstraint,
@@ -72,13 +73,16 @@ spans = Table(
     # dropped the index of `trace_id` alone
     Column("span_id", String(16), nullable=False),
     Column("trace_id", String(32), nullable=False),
-    Column("trajectory_id", String(256), nullable=False, index=True),  # rollout id, else trace id
+    Column("trajectory_id", String(256), nullable=False),  # rollout id, else trace id
     Column("name", Text, nullable=False),
     Column("start_ns", BigInteger, nullable=False),
     Column("end_ns", BigInteger, nullable=False),
     Column("record", Text, nullable=False),  # JSON of otlp.SpanRecord
     Column("received_at", Float, nullable=False),
     PrimaryKeyConstraint("trace_id", "span_id"),
+    # version 13: the traces each trajectory holds are read from this index alone (`pool.rewards_of`), not from every
+    # span row; it replaced the index of `trajectory_id` alone, whose lookups it serves
+    Index("ix_spans_trajectory_id_trace_id", "trajectory_id", "trace_id"),
 )
 
 trajectories = Table(
@@ -437,15 +441,38 @@ def _v12(conn: Connection) -> None:
     if conn.dialect.name == "postgresql":
         conn.execute(text("ALTER TABLE spans DROP CONSTRAINT spans_pkey, ADD PRIMARY KEY (trace_id, span_id)"))
         return
+    spans_v12 = Table(  # as version 12 defined it, before version 13 replaced the index of `trajectory_id`
+        "spans",
+        MetaData(),
+        Column("span_id", String(16), nullable=False),
+        Column("trace_id", String(32), nullable=False),
+        Column("trajectory_id", String(256), nullable=False, index=True),
+        Column("name", Text, nullable=False),
+        Column("start_ns", BigInteger, nullable=False),
+        Column("end_ns", BigInteger, nullable=False),
+        Column("record", Text, nullable=False),
+        Column("received_at", Float, nullable=False),
+        PrimaryKeyConstraint("trace_id", "span_id"),
+    )
     conn.execute(text("ALTER TABLE spans RENAME TO spans_v11"))
     conn.execute(text("DROP INDEX ix_spans_trajectory_id"))  # it moved with the table, under its name
-    spans.create(conn)
-    names = ", ".join(column.name for column in spans.columns)
+    spans_v12.create(conn)
+    names = ", ".join(column.name for column in spans_v12.columns)
     conn.execute(text(f"INSERT INTO spans ({names}) SELECT {names} FROM spans_v11"))
     conn.execute(text("DROP TABLE spans_v11"))
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12]
+def _v13(conn: Connection) -> None:
+    """Version 13: the index of `spans (trajectory_id, trace_id)`, which covers the read of the traces a trajectory
+    holds (`pool.rewards_of` in upkeep and in a late ack: from the index alone, not every span row), in place of the
+    index of `trajectory_id` alone (it leads with that column, so it serves every lookup by trajectory)."""
+    conn.execute(text("CREATE INDEX ix_spans_trajectory_id_trace_id ON spans (trajectory_id, trace_id)"))
+    conn.execute(text("DROP INDEX ix_spans_trajectory_id"))
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [
+    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13,
+]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -466,10 +466,73 @@ def test_migration_from_version_11_keys_spans_by_trace_and_span_id(db_url, clock
     store.setup()
     found = inspect(store.engine)
     assert found.get_pk_constraint("spans")["constrained_columns"] == ["trace_id", "span_id"]
-    assert [index["name"] for index in found.get_indexes("spans")] == ["ix_spans_trajectory_id"]
+    # no index of `trace_id` alone (version 13 replaced the one of `trajectory_id`)
+    assert [index["name"] for index in found.get_indexes("spans")] == ["ix_spans_trajectory_id_trace_id"]
     assert store.add_spans(stored) == 0  # a retry of the stored spans
     copy = [dataclasses.replace(record, trace_id="f" * 32, attributes={**record.attributes, sc.ROLLOUT_ID: "b"})
             for record in stored]
     assert store.add_spans(copy) == 2
     assert [[s.token_ids for s in store.trajectory(t).sequences] for t in ("a", "b")] == [[[1, 2, 10]], [[1, 2, 10]]]
     store.close()
+
+
+def _span_indexes(url: str) -> list[tuple[str, list[str]]]:
+    """Name and columns of each index of `spans` (its key aside) in the database at `url`."""
+    from sqlalchemy import inspect
+
+    from collector.engine import make_engine
+
+    engine = make_engine(url)
+    try:
+        return sorted((index["name"], index["column_names"]) for index in inspect(engine).get_indexes("spans"))
+    finally:
+        engine.dispose()
+
+
+def test_migration_from_version_12_indexes_the_traces_of_each_trajectory(db_url, clock) -> None:
+    """Version 13 replaces the index of `spans.trajectory_id` by one of (trajectory_id, trace_id), which covers the
+    read of the traces a trajectory holds (`pool.rewards_of` in upkeep: every span row was read): the stored spans keep
+    their trajectory, a reward by trace id still reaches it, a second start changes nothing, and a new database gets
+    the same indexes."""
+    from sqlalchemy import select
+
+    from collector import pool
+    from collector.config import CollectorSettings
+    from collector.protocol import RewardIn
+    from collector.schema import migrate, trajectories
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database does not outlive its engine")
+    stored = _database_at(url, 12)
+    assert _span_indexes(url) == [("ix_spans_trajectory_id", ["trajectory_id"])]
+    store = SqlStore(CollectorSettings(db=url), clock=clock)
+    store.setup()
+    migrated = [("ix_spans_trajectory_id_trace_id", ["trajectory_id", "trace_id"])]
+    assert _span_indexes(url) == migrated
+    with store.engine.connect() as conn:
+        if conn.dialect.name == "sqlite":  # the lookup reads the index alone
+            plan = conn.execute(text("EXPLAIN QUERY PLAN SELECT DISTINCT trajectory_id, trace_id FROM spans "
+                                     "WHERE trajectory_id IN ('a', 'b')")).all()
+            assert [row[-1] for row in plan] == [
+                "SEARCH spans USING COVERING INDEX ix_spans_trajectory_id_trace_id (trajectory_id=?)"
+            ]
+        versions = conn.execute(text("SELECT version, applied_at FROM schema_version ORDER BY version")).all()
+    assert [version for version, _ in versions] == list(range(1, SCHEMA_VERSION + 1))
+    store.add_rewards([RewardIn(trace_id=stored[0].trace_id, name="judge", value=0.5)])
+    with store.engine.connect() as conn:
+        rows = list(conn.execute(select(trajectories)).mappings())
+        assert pool.rewards_of(conn, rows) == {"a": {"judge": 0.5}}
+    assert store.trajectory("a").rewards == {"judge": 0.5}
+    store.close()
+    again = SqlStore(CollectorSettings(db=url), clock=clock)
+    assert migrate(again.engine) == SCHEMA_VERSION  # a second start: nothing to apply
+    with again.engine.connect() as conn:
+        assert conn.execute(text("SELECT version, applied_at FROM schema_version ORDER BY version")).all() == versions
+    again.close()
+    assert _span_indexes(url) == migrated
+    fresh = SqlStore(CollectorSettings(db=db_url()), clock=clock)
+    fresh.setup()
+    assert _span_indexes(fresh.engine.url.render_as_string(hide_password=False)) == migrated
+    fresh.close()
