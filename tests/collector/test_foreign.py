@@ -28,7 +28,7 @@ from opentelemetry.trace import StatusCode
 from sqlalchemy import select, text
 
 from art_langgraph import semconv as sc
-from collector import foreign_deletion, placement, store_reads
+from collector import foreign_deletion, store_reads
 from collector.errors import Conflict
 from collector.foreign import conversation, describes_art_call, finish_reason, same_messages
 from collector.foreign_deletion import FOREIGN_IN_ROLLOUT
@@ -985,28 +985,33 @@ def test_a_deletion_of_foreign_calls_dates_the_members_left_in_the_order_the_cur
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
-def test_placement_locks_the_open_instances_of_several_keys_in_byte_order_whatever_the_collation(make_store) -> None:
-    """Placement locked the open instances of an export's keys in the database's collation, every other lock of
-    several groups in their bytes' order (`rows.BYTE_ORDER`, Python's sort): where the two differ ("B" < "a" by
-    bytes, not by a linguistic collation), two exports could each wait for a group the other held. Here one holds
-    "a": placement took "B" before it waits for "a"."""
+def test_an_export_locks_the_open_instances_of_several_keys_in_byte_order_whatever_the_collation(make_store) -> None:
+    """An export locks the open instances of its keys in its one pass over its groups (`pool.lock_groups`), in their
+    bytes' order (`rows.BYTE_ORDER`, Python's sort) as every other lock of several groups, not in the database's
+    collation: where the two differ ("B" < "a" by bytes, not by a linguistic collation), two exports could each wait
+    for a group the other held. Here one holds "a": the export took "B" before it waits for "a"."""
     store = make_store(min_group_size=1)
-    for n, key in enumerate(("a", "B")):
-        store.add_spans([rollout(10 * n + 1, f"r{n}", trace=f"{n + 1:032x}", group=key),
-                         llm(10 * n + 2, rollout=f"r{n}", trace=f"{n + 1:032x}", start=1, prompt=[1], completion=[2])])
+
+    def call(n: int, key: str) -> list[SpanRecord]:
+        trace = f"{n:032x}"
+        return [rollout(10 * n + 1, f"r{n}", trace=trace, group=key),
+                llm(10 * n + 2, rollout=f"r{n}", trace=trace, start=1, prompt=[1], completion=[2])]
+
+    for n, key in enumerate(("a", "B"), start=1):
+        store.add_spans(call(n, key))
     with store.engine.begin() as conn:  # a linguistic collation: "a" < "B"
         for table, column in (("batch_groups", "group_id"), ("groups", "id")):
             conn.execute(text(f'ALTER TABLE {table} ALTER COLUMN {column} TYPE varchar(300) COLLATE "und-x-icu"'))
-    with store.engine.connect() as holder, store.engine.connect() as placing, ThreadPoolExecutor(1) as executor:
+    with store.engine.connect() as holder, ThreadPoolExecutor(1) as executor:
         holder.execute(select(group_rows.c.id).where(group_rows.c.id == "a").with_for_update())
-        opened = executor.submit(placement._open_instances, placing, ["B", "a"])
+        added = executor.submit(store.add_spans, call(3, "a") + call(4, "B"))
         assert lock_waited_for(store.engine)
         with store.engine.connect() as probe:
             locked = probe.execute(text("SELECT id FROM groups WHERE id = 'B' FOR UPDATE SKIP LOCKED")).all() == []
         holder.rollback()
-        assert [group["id"] for found in opened.result(WAIT).values() for group in found] == ["B", "a"]
-        placing.rollback()
+        assert added.result(WAIT) == 4
     assert locked
+    assert [(t.id, t.group_id) for t in store.trajectories()] == [("r1", "a"), ("r2", "B"), ("r3", "a"), ("r4", "B")]
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)

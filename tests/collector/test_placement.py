@@ -1,21 +1,23 @@
-"""Placement of an export's trajectories in group instances (`collector/placement.py`): the ids of new instances, and
-lookups that do not grow with the export's new groups; the deletion of another instrumentation's calls in the traces
-of rollouts, several at once (`collector/foreign_deletion.py`)."""
+"""Placement of an export's trajectories in group instances (`collector/placement.py`): the ids of new instances,
+lookups that do not grow with the export's new groups, and only in the groups the export locked; the deletion of another
+instrumentation's calls in the traces of rollouts, several at once (`collector/foreign_deletion.py`)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
 from sqlalchemy import event, select
 
 from art_langgraph import semconv as sc
+from collector.config import CollectorSettings
 from collector.foreign_deletion import FOREIGN_IN_ROLLOUT
-from collector.protocol import BatchRequest, RewardIn
+from collector.protocol import BatchRequest, ReleaseRequest, RewardIn
 from collector.schema import groups as group_rows
 from collector.schema import trajectories as trajectory_rows
 from collector.store import SqlStore
-from tests.collector.pausing import beside_a_save
+from tests.collector.pausing import WAIT, beside_a_save, lock_waited_for, pause_after
 from tests.collector.span_builders import trajectory
 from tests.collector.test_foreign import _openinference_llm, _ours
 
@@ -125,3 +127,37 @@ def test_a_deletion_of_several_foreign_calls_locks_them_and_the_members_left_in_
 
     assert added == len(ours) and "deadlock" not in caplog.text
     assert [t.id for t in store.trajectories(group="g")] == [b]
+
+
+def test_an_export_places_nothing_in_a_group_reopened_after_it_locked_its_groups(
+    db_url, clock, monkeypatch, caplog
+) -> None:
+    """An export of d in g locked g#2, the open instance of g it found (g was leased); a replica then gave g back, and
+    a reward for members of g and g#2 locked g and waited for g#2. Had the export's placement locked g, reopened since,
+    out of id order, each waited for the other: PostgreSQL aborted one as a deadlock. It places in the groups it locked
+    only."""
+    url = db_url()
+    if not url.startswith("postgresql"):
+        pytest.skip("SQLite has one writer at a time: nothing runs beside the export")
+    store, replica = (SqlStore(CollectorSettings(db=url), clock=clock) for _ in range(2))
+    store.setup()
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0))
+    batch = store.lease(BatchRequest()).id
+    store.add_spans(trajectory(30, "c", reward=0.5))  # g is leased: in g#2
+    locked, resume = pause_after(monkeypatch, store, "_changing_groups")
+    with ThreadPoolExecutor(2) as executor:
+        export = executor.submit(store.add_spans, trajectory(40, "d", reward=0.25))
+        assert locked.wait(WAIT)
+        replica.release(batch, ReleaseRequest(reason="trainer down", failed=False))
+        rewards = [RewardIn(rollout_id="a", value=0.1), RewardIn(rollout_id="c", value=0.2)]
+        reward = executor.submit(replica.add_rewards, rewards)
+        assert lock_waited_for(store.engine), "the reward did not wait for the export's group"
+        resume.set()
+        export.result(WAIT)
+        reward.result(WAIT)
+
+    assert "deadlock" not in caplog.text
+    assert [(t.id, t.group_id, t.reward) for t in store.trajectories()] == [
+        ("a", "g", 0.1), ("b", "g", 0.0), ("c", "g#2", 0.2), ("d", "g#2", 0.25)]
+    for each in (store, replica):
+        each.close()
