@@ -3,7 +3,8 @@
 Modules, by part (each module's docstring says more):
 
 * settings: `config` (the service's `TrainerSettings`), `grpo_config` (`GRPOConfig`), `base_model`
-  (model resolution and the served name), `cgroup_memory` (the memory limit a KV cache must fit);
+  (model resolution and the served name), `cgroup_memory` (the memory limit a KV cache must fit), `vllm_source`
+  (what the installed vLLM accepts, read from its source);
 * training: `collector_client` (leases and acks), `batching` (groups to training items), `retokenize`
   (chat-template masks for foreign trajectories), `grpo` (pure GRPO maths), `training` (`LoRATrainer`:
   GRPO and SFT steps), `packed_pass` (a pass's log-probs and losses), `lora_forward`,
@@ -15,7 +16,7 @@ Modules, by part (each module's docstring says more):
   (stopping it), the vLLM plugins `vllm_cpu_lora`, `vllm_cpu_matmul`, `vllm_cpu_norm`, `vllm_cpu_seeds`,
   `vllm_cpu_threads`, and the CPU's `core_lending`, `allocator`, `huge_pages`;
 * the service: `evaluation`, `promotion` and `promotion_state` (the promotion gate), `retention` (which checkpoints
-  stay), `schedule` (min-groups / interval / cron triggers), `service` (train/serve logic),
-  `failed_steps` (what becomes of a failed step's batch), `server` (HTTP layer), `protocol` (wire
-  models), `cli` (`art-trainer`).
+  stay), `schedule` (min-groups / interval / cron triggers), `schedule_text` (reading `--every` and `--cron`),
+  `service` (train/serve logic), `failed_steps` (what becomes of a failed step's batch), `server` (HTTP layer),
+  `protocol` (wire models), `cli` (`art-trainer`).
 """

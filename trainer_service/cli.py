@@ -26,9 +26,10 @@ from collector.config import settings_error
 from collector.env_names import exit_on_unknown_env
 from collector.listen import bind_address
 from trainer_service.allocator import preload_allocator
-from trainer_service.config import TrainerSettings, vllm_source
+from trainer_service.config import TrainerSettings
 from trainer_service.grpo_config import OPTIONAL_FIELDS, GRPOConfig, split_modules
 from trainer_service.huge_pages import enable_huge_pages
+from trainer_service.vllm_source import vllm_source
 
 __all__ = ["build_parser", "check_vllm_args", "main", "settings_from_args", "vllm_serve_flags"]
 

