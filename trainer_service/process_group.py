@@ -47,16 +47,17 @@ def _group_runs(pgid: int) -> bool:
         except ProcessLookupError:
             return False
         return True
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:  # the raw process name (any bytes, cut at 15) sits in parentheses before the fields
-            state, _ppid, group = Path(entry.path, "stat").read_bytes().rsplit(b")", 1)[1].split()[:3]
-            in_group = int(group) == pgid
-        except (OSError, ValueError, IndexError):  # it ended while we looked, is hidden from us, or reads oddly
-            continue
-        if in_group and state != b"Z":
-            return True
+    with os.scandir("/proc") as entries:  # closed also when a process of the group is found at once
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:  # the raw process name (any bytes, cut at 15) sits in parentheses before the fields
+                state, _ppid, group = Path(entry.path, "stat").read_bytes().rsplit(b")", 1)[1].split()[:3]
+                in_group = int(group) == pgid
+            except (OSError, ValueError, IndexError):  # it ended while we looked, is hidden from us, or reads oddly
+                continue
+            if in_group and state != b"Z":
+                return True
     return False
 
 
