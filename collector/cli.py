@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from collector.config import CollectorSettings, hide_password, settings_error
     from collector.engine import driver_reason
     from collector.env_names import exit_on_unknown_env
-    from collector.listen import bind_address, serve_on
+    from collector.listen import AnnouncedServer, bind_address, serve_on, start_listening
     from collector.schema import SchemaTooNew
     from collector.server import create_app
     from collector.store import SqlStore
@@ -76,10 +76,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     exit_on_unknown_env(parser)  # a misspelled ART_* variable, which the settings would ignore
     overrides = {name: getattr(args, name) for name in ("host", "port", "db") if getattr(args, name) is not None}
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fix = "free that port, or give another --port (ART_COLLECTOR_PORT) or --host (ART_COLLECTOR_HOST)"
     try:
         settings = CollectorSettings(**overrides)
-        sock = bind_address(settings.host, settings.port, "free that port, or give another --port "
-                            "(ART_COLLECTOR_PORT) or --host (ART_COLLECTOR_HOST)")
+        sock = bind_address(settings.host, settings.port, fix)
     except ValidationError as exc:
         parser.error(settings_error(exc))
     except ValueError as exc:  # the address cannot be listened on
@@ -98,9 +98,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         except SchemaTooNew as exc:
             refusal = f"db={hide_password(settings.db)!r}: {exc}"
         else:
-            config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level)
-            serve_on(uvicorn.Server(config), sock)
-            return
+            try:
+                start_listening(sock, fix)
+            except ValueError as exc:
+                refusal = str(exc)
+            else:
+                config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level)
+                serve_on(AnnouncedServer(config), sock)
+                return
         store.close()  # no connection left open on a file it refused (nor, on a WAL file, the -wal and -shm beside it)
         parser.error(refusal)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import asyncio
 import contextlib
 import difflib
 import fcntl
@@ -24,7 +25,7 @@ from pydantic import ValidationError
 
 from collector.config import settings_error
 from collector.env_names import exit_on_unknown_env
-from collector.listen import bind_address
+from collector.listen import bind_address, start_listening
 from trainer_service.allocator import preload_allocator
 from trainer_service.config import TrainerSettings
 from trainer_service.grpo_config import OPTIONAL_FIELDS, GRPOConfig, split_modules
@@ -304,8 +305,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     exit_on_unknown_env(parser)  # a misspelled ART_* variable, which the settings would ignore
     try:
         settings, grpo = settings_from_args(args)
-        sock = bind_address(settings.host, settings.port, "free that port, or give another --port (ART_TRAINER_PORT) "
-                            "or --host (ART_TRAINER_HOST).")  # before vLLM's minutes of start, and held through them
     except ValidationError as exc:
         parser.error(settings_error(exc))
     except ValueError as exc:
@@ -325,6 +324,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     from trainer_service.evaluation import EvalError
     from trainer_service.server import create_app, serve
 
+    fix = "free that port, or give another --port (ART_TRAINER_PORT) or --host (ART_TRAINER_HOST)."
+    try:
+        sock = bind_address(settings.host, settings.port, fix)  # before vLLM's minutes of start, held through them
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         lock = _lock_run_dir(settings.run_dir)  # before anything reads or writes the run folder
     except OSError as exc:
@@ -343,6 +347,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.exit(2, f"art-trainer: error: {exc}\n")  # anything else (a bug) keeps its traceback
         finally:
             signal.signal(signal.SIGTERM, previous)
+        try:
+            start_listening(sock, fix)
+        except ValueError as exc:
+            asyncio.run(service.aclose())  # vLLM and the trainer's clients, as the app's shutdown stops them
+            parser.exit(2, f"art-trainer: error: {exc}\n")
         serve(app, sock, log_level=args.log_level)
 
 

@@ -268,9 +268,10 @@ class VLLMEngine:
     def _hold_port(self) -> None:
         """Bind vLLM's port as vLLM's server binds it (`SO_REUSEADDR`), without listening, and keep it bound until
         `stop`: Linux lets vLLM bind it too (neither socket listened yet), while no connection's local end (our
-        `/health` checks, many while vLLM loads) nor another program takes the port during vLLM's start or between
-        its restarts; bound only for a moment, it could be gone by the time vLLM bound it. Each launch binds anew, so
-        a server that took the port meanwhile (it would answer our `/health` checks while vLLM loaded) is refused.
+        `/health` checks, many while vLLM loads) nor a program binding without `SO_REUSEADDR` takes the port during
+        vLLM's start or between its restarts; bound only for a moment, it could be gone by the time vLLM bound it.
+        Each launch binds anew, so a server that took the port meanwhile (one binding with `SO_REUSEADDR` can; it
+        would answer our `/health` checks while vLLM loaded) is refused.
 
         Raises:
             EngineError: naming the port another process holds.
@@ -329,10 +330,12 @@ class VLLMEngine:
         self._stopping.set()
         with self._lock:
             self._supervised = False
-            self._stop_group(timeout)
-            if self._port_hold is not None:
-                self._port_hold.close()
-                self._port_hold = None
+            try:
+                self._stop_group(timeout)
+            finally:  # also when a process outlived SIGKILL: the port is its, or no one's, once the engine stops
+                if self._port_hold is not None:
+                    self._port_hold.close()
+                    self._port_hold = None
 
     def _stop_group(self, timeout: float = 30.0) -> None:
         """Stop every process of the child's group (`stop_group`), also when the child itself is gone."""

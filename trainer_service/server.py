@@ -32,7 +32,7 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException
 
 from collector.auth import bearer_matches
-from collector.listen import serve_on
+from collector.listen import AnnouncedServer, serve_on
 from trainer_service.base_model import check_base_model, resolve_base_model, served_base_name
 from trainer_service.config import TrainerSettings
 from trainer_service.core_lending import CoreLender, EngineRequest
@@ -380,7 +380,7 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
     return app
 
 
-class _Server(uvicorn.Server):
+class _Server(AnnouncedServer):
     """uvicorn's server, which stops the training schedule as soon as its shutdown begins: uvicorn then waits for
     every open request (a streamed answer, a manual step) before the app's lifespan ends, and no scheduled step may
     start meanwhile."""
@@ -395,8 +395,8 @@ class _Server(uvicorn.Server):
 
 
 def serve(app: FastAPI, sock: socket.socket, *, log_level: str) -> None:
-    """Serve `app` (from `create_app`) with uvicorn on `sock` (bound by `collector.listen.bind_address`) until SIGINT
-    or SIGTERM, as `uvicorn.run` does, but with its schedule stopped once the shutdown begins (`_Server`).
+    """Serve `app` (from `create_app`) with uvicorn on `sock` (listening: `collector.listen.start_listening`) until
+    SIGINT or SIGTERM, as `uvicorn.run` does, but with its schedule stopped once the shutdown begins (`_Server`).
 
     Raises:
         SystemExit: uvicorn's status 3 when the server did not start.

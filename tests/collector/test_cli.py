@@ -111,6 +111,34 @@ def test_an_address_that_cannot_be_listened_on_exits_naming_it(host: str, says: 
     assert "--port (ART_COLLECTOR_PORT) or --host (ART_COLLECTOR_HOST)" in err
 
 
+def test_a_server_that_takes_the_port_while_the_store_opens_stops_the_start(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A server binding with `SO_REUSEADDR` may bind beside the collector's port before it listens: the collector
+    then seemed up while the other took its connections."""
+    from collector import server
+
+    _never_serve(monkeypatch, "served on a port another server took")
+    port = free_port()
+    taken: list[socket.socket] = []
+    real_create_app = server.create_app
+
+    def create_app(*args: Any) -> Any:
+        taken.append(socket.create_server(("127.0.0.1", port)))  # while the store migrates
+        return real_create_app(*args)
+
+    monkeypatch.setattr(server, "create_app", create_app)
+    try:
+        with pytest.raises(SystemExit) as info:
+            cli.main(["serve", "--port", str(port), "--db", f"sqlite:///{tmp_path / 'x.db'}"])
+    finally:
+        for sock in taken:
+            sock.close()
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert f"host='127.0.0.1' port={port}: another program took the port while the service started" in err
+
+
 def test_serve_needs_a_command(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         cli.main([])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 import threading
 
@@ -11,7 +12,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from collector.listen import bind_address, serve_on
+from collector.listen import AnnouncedServer, bind_address, serve_on, start_listening
 
 
 def test_a_bound_address_is_no_other_sockets_until_served() -> None:
@@ -43,6 +44,7 @@ def test_serve_on_serves_on_the_bound_socket_and_closes_it() -> None:
     app.get("/ping")(lambda: {"ok": True})
     sock = bind_address("127.0.0.1", 0, "fix it")
     port = sock.getsockname()[1]
+    start_listening(sock, "fix it")
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=serve_on, args=(server, sock))  # uvicorn sets no signal handlers off the main one
     thread.start()
@@ -69,3 +71,49 @@ def test_a_server_that_does_not_start_exits_with_uvicorns_status() -> None:
     with pytest.raises(SystemExit) as info:
         serve_on(server, sock)
     assert info.value.code == 3 and sock.fileno() == -1
+
+
+def test_a_server_that_took_the_port_while_the_service_started_is_named() -> None:
+    """A server binding with `SO_REUSEADDR` (uvicorn's, a second service on the port) may bind beside a socket that
+    does not listen yet: the service then seemed up while the other one took its connections (or, on asyncio's loop,
+    ended in a traceback)."""
+    sock = bind_address("127.0.0.1", 0, "fix it")
+    port = sock.getsockname()[1]
+    with sock, socket.create_server(("127.0.0.1", port)), pytest.raises(ValueError) as info:
+        start_listening(sock, "give another --port")
+    assert str(info.value) == f"host='127.0.0.1' port={port}: another program took the port while the service " \
+                              "started (Address already in use); give another --port"
+
+
+def test_an_announced_server_says_where_it_serves(caplog: pytest.LogCaptureFixture) -> None:
+    """uvicorn says "Uvicorn running on ..." only for a socket it binds itself: the line had gone."""
+    app = FastAPI()
+    sock = bind_address("127.0.0.1", 0, "fix it")
+    port = sock.getsockname()[1]
+    start_listening(sock, "fix it")
+    server = AnnouncedServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="info"))
+    thread = threading.Thread(target=serve_on, args=(server, sock))
+    uvicorns = logging.getLogger("uvicorn.error")  # its logging config does not pass it on to the root logger
+    uvicorns.addHandler(caplog.handler)
+    try:
+        thread.start()
+        for _ in range(500):
+            if server.started:
+                break
+            threading.Event().wait(0.01)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        uvicorns.removeHandler(caplog.handler)
+    assert f"Uvicorn running on http://127.0.0.1:{port} (Press CTRL+C to quit)" in caplog.messages
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 here")
+def test_an_ipv6_address_serves_ipv6_alone() -> None:
+    """asyncio binds `::` with IPV6_V6ONLY; the socket bound for it served IPv4 too."""
+    try:
+        sock = bind_address("::", 0, "fix it")
+    except ValueError:
+        pytest.skip("no IPv6 interface here")
+    with sock, socket.socket() as ipv4:
+        ipv4.bind(("0.0.0.0", sock.getsockname()[1]))  # the same port on IPv4 is another address

@@ -1143,6 +1143,30 @@ def test_the_api_port_stays_the_trainers_while_vllm_starts(tmp_path: Path, monke
     assert served == [("127.0.0.1", port)]
 
 
+def test_a_server_that_takes_the_api_port_while_vllm_starts_stops_the_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A server binding with `SO_REUSEADDR` (a second trainer on the port) may bind beside the port the trainer holds
+    unlistened: the trainer then seemed up while the other took its connections (or uvicorn ended in a traceback,
+    leaving vLLM running)."""
+    from trainer_service import server
+
+    port = int(os.environ["ART_TRAINER_PORT"])
+    taken: list[socket.socket] = []
+    events: list[str] = []
+    monkeypatch.setattr(server, "serve", lambda *args, **kwargs: pytest.fail("served on a port another server took"))
+    try:
+        with pytest.raises(SystemExit) as info:
+            _serve(tmp_path, monkeypatch, events, on_start=lambda: taken.append(socket.create_server(("127.0.0.1",
+                                                                                                      port))))
+    finally:
+        for sock in taken:
+            sock.close()
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert f"host='127.0.0.1' port={port}: another program took the port while the service started" in err
+    assert events == ["started", "stopped"]  # vLLM stopped, as the app's shutdown stops it
+
+
 def test_train_processes_from_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse()[0].train_processes == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})  # 4 workers need 4 cores on a CPU
