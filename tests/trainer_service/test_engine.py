@@ -499,3 +499,19 @@ def _bind_errno(sock: socket.socket, port: int) -> int:
     except OSError as exc:
         return exc.errno or -1
     return 0
+
+
+def test_a_stop_that_fails_still_lets_vllms_port_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that outlived SIGKILL failed `stop`, and the engine kept vLLM's port bound until a second `stop`."""
+    engine = FakeVLLM("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.start()
+    real_stop_group = engine._stop_group
+
+    def stuck(timeout: float = 30.0) -> None:
+        real_stop_group(timeout)
+        raise EngineError("vLLM's process group still runs")
+
+    monkeypatch.setattr(engine, "_stop_group", stuck)
+    with pytest.raises(EngineError):
+        engine.stop()
+    assert engine._port_hold is None
