@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import sqlite3
-from contextlib import closing
+from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any
 
@@ -120,20 +120,14 @@ def test_a_server_that_takes_the_port_while_the_store_opens_stops_the_start(tmp_
 
     _never_serve(monkeypatch, "served on a port another server took")
     port = free_port()
-    taken: list[socket.socket] = []
     real_create_app = server.create_app
+    with ExitStack() as taken, pytest.raises(SystemExit) as info:
+        def create_app(*args: Any) -> Any:
+            taken.enter_context(socket.create_server(("127.0.0.1", port)))  # while the store migrates
+            return real_create_app(*args)
 
-    def create_app(*args: Any) -> Any:
-        taken.append(socket.create_server(("127.0.0.1", port)))  # while the store migrates
-        return real_create_app(*args)
-
-    monkeypatch.setattr(server, "create_app", create_app)
-    try:
-        with pytest.raises(SystemExit) as info:
-            cli.main(["serve", "--port", str(port), "--db", f"sqlite:///{tmp_path / 'x.db'}"])
-    finally:
-        for sock in taken:
-            sock.close()
+        monkeypatch.setattr(server, "create_app", create_app)
+        cli.main(["serve", "--port", str(port), "--db", f"sqlite:///{tmp_path / 'x.db'}"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err
     assert f"host='127.0.0.1' port={port}: another program took the port while the service started" in err

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -1151,16 +1152,11 @@ def test_a_server_that_takes_the_api_port_while_vllm_starts_stops_the_start(
     from trainer_service import server
 
     port = int(os.environ["ART_TRAINER_PORT"])
-    taken: list[socket.socket] = []
     events: list[str] = []
     monkeypatch.setattr(server, "serve", lambda *args, **kwargs: pytest.fail("served on a port another server took"))
-    try:
-        with pytest.raises(SystemExit) as info:
-            _serve(tmp_path, monkeypatch, events, on_start=lambda: taken.append(socket.create_server(("127.0.0.1",
-                                                                                                      port))))
-    finally:
-        for sock in taken:
-            sock.close()
+    with ExitStack() as taken, pytest.raises(SystemExit) as info:
+        _serve(tmp_path, monkeypatch, events,
+               on_start=lambda: taken.enter_context(socket.create_server(("127.0.0.1", port))))
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err
     assert f"host='127.0.0.1' port={port}: another program took the port while the service started" in err
