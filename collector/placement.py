@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Set as AbstractSet
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, func, select
@@ -29,20 +28,17 @@ __all__ = ["groups_changed", "place", "write_trajectories"]
 log = logging.getLogger(__name__)
 
 
-def _open_instances(
-    conn: Connection, keys: list[str], locked: AbstractSet[str | None]
-) -> dict[str, list[dict[str, Any]]]:
-    """Open group instances per key of `keys`, oldest first, among the groups `locked` (a None is no group): those the
-    export locked, with every other group it changes, in one pass in id order (`groups_changed`), so a concurrent lease
-    committed first. One opened since (given back, or reopened by a reward) is left to later exports: locked here, out
-    of id order, it made a cycle of waits with a reward or upkeep locking it and one the export held (a deadlock,
-    retried)."""
+def _open_instances(conn: Connection, keys: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Open group instances per key of `keys`, oldest first. The export locked them, with every other group it
+    changes, in one pass in id order (`groups_changed`), so a concurrent lease committed first. One opened since (given
+    back, or reopened by a reward) is locked here only when no other transaction holds it (`SKIP LOCKED` never waits):
+    waiting for it, out of id order, made a cycle of waits with a reward locking it and one the export held (a
+    deadlock, retried); left out when free, a trajectory went to a new instance beside a reopened one with room."""
     found: dict[str, list[dict[str, Any]]] = {key: [] for key in keys}
-    for chunk in chunks(sorted(group_id for group_id in locked if group_id is not None)):
-        query = select(groups).where(groups.c.id.in_(chunk), groups.c.state == "open")
-        for row in conn.execute(query).mappings():
-            if row["key"] in found:
-                found[row["key"]].append(dict(row))
+    for chunk in chunks(keys):
+        query = select(groups).where(groups.c.key.in_(chunk), groups.c.state == "open")
+        for row in conn.execute(query.with_for_update(skip_locked=True)).mappings():
+            found[row["key"]].append(dict(row))
     for instances in found.values():
         instances.sort(key=lambda group: (group["created_at"], group["id"]))
     return found
@@ -59,9 +55,9 @@ def groups_changed(
     of the keys it may place a trajectory under (`_open_instances`), and the groups of the trajectories of another
     instrumentation's calls stored in the traces of the export's rollout spans (`rollout_traces`,
     `foreign_deletion._delete_foreign`).
-    The caller locks them with the others it changes, in one pass in id order (`pool.lock_groups`), and passes them to
-    `write_trajectories`, which locks no other: locked there, after those, they made a cycle of waits with a reward
-    locking them all in id order."""
+    The caller locks them with the others it changes, in one pass in id order (`pool.lock_groups`), before
+    `write_trajectories` locks any: locked there, after those, they made a cycle of waits with a reward locking them
+    all in id order."""
     found, _ = _one_row_per_id(found, digests)
     keys = sorted({facts.group_key for (key, by_rollout), facts in found.items()
                    if _may_move(existing.get(key), facts, by_rollout)})
@@ -103,18 +99,18 @@ def _members(conn: Connection, group_ids: list[str]) -> tuple[Counter[str], dict
 
 
 def place(
-    conn: Connection, wanted: list[tuple[str, TrajectoryFacts]], *, locked: AbstractSet[str | None],
-    min_group_size: int, now: float,
+    conn: Connection, wanted: list[tuple[str, TrajectoryFacts]], *, min_group_size: int, now: float
 ) -> dict[str, str]:
     """The group instance of each trajectory in `wanted` (id, facts), by trajectory id.
 
-    Each goes to the oldest open instance of its group key among the groups `locked` (`_open_instances`) with room
-    left (see `groups.capacity`), else to a new instance: the key, then `key#2`, `key#3` ... An instance the collector
-    formed (by task or trace, not `art.group`) holds trajectories of one split, so evaluation runs of a task never hold
-    up its training. A trajectory here is in no instance of its key yet (it has no group, or one of another key).
+    Each goes to the oldest open instance of its group key with room left (see
+    `groups.capacity`), else to a new instance: the key, then `key#2`, `key#3` ... An instance
+    the collector formed (by task or trace, not `art.group`) holds trajectories of one split, so
+    evaluation runs of a task never hold up its training. A trajectory here is in no instance of
+    its key yet (it has no group, or one of another key).
     """
     keys = sorted({facts.group_key for _, facts in wanted})
-    instances = _open_instances(conn, keys, locked)
+    instances = _open_instances(conn, keys)
     members, splits = _members(conn, [g["id"] for found in instances.values() for g in found])
     taken = counts(conn, groups.c.key, keys)
     in_use = _ids_in_use(conn, Counter(facts.group_key for _, facts in wanted), taken)
@@ -216,7 +212,6 @@ def write_trajectories(
     existing: dict[str, Any],
     *,
     rollout_traces: set[str],
-    locked: AbstractSet[str | None],
     min_group_size: int,
     now: float,
 ) -> None:
@@ -235,8 +230,6 @@ def write_trajectories(
         digests: The digests the facts came from, stored with the rows.
         existing: Their rows as they were before the export (absent: new).
         rollout_traces: The trace ids of the export's spans of rollouts (keyed by rollout id).
-        locked: The groups the export holds (`groups_changed`'s among them; a None is no group): a trajectory is
-            placed in one of them or in a new instance.
         min_group_size: `CollectorSettings.min_group_size`.
         now: The export's time.
     """
@@ -253,7 +246,7 @@ def write_trajectories(
             )
             if current in (None, "open"):  # a leased or trained group keeps its members
                 wanted.append((key, facts))
-    placed = place(conn, wanted, locked=locked, min_group_size=min_group_size, now=now)
+    placed = place(conn, wanted, min_group_size=min_group_size, now=now)
     inserts, updates = [], []
     for (key, by_rollout), facts in found.items():
         row = existing.get(key)

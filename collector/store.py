@@ -183,8 +183,8 @@ class SqlStore(Store):
         if reward_rows:
             conn.execute(rewards.insert(), [{**row, "created_at": now} for row in reward_rows])
         placement.write_trajectories(
-            conn, found, digests, existing, rollout_traces=rollout_traces, locked=held | changed,
-            min_group_size=self.settings.min_group_size, now=now,
+            conn, found, digests, existing, rollout_traces=rollout_traces, min_group_size=self.settings.min_group_size,
+            now=now,
         )
         # a trajectory new in this export is in an open group, marked active above: only older ones' groups may need
         # reopening (a reward per export's rollout would cost two statements for nothing)

@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import event, select
 
 from art_langgraph import semconv as sc
+from collector import placement
 from collector.config import CollectorSettings
 from collector.foreign_deletion import FOREIGN_IN_ROLLOUT
 from collector.protocol import BatchRequest, ReleaseRequest, RewardIn
@@ -129,13 +130,13 @@ def test_a_deletion_of_several_foreign_calls_locks_them_and_the_members_left_in_
     assert [t.id for t in store.trajectories(group="g")] == [b]
 
 
-def test_an_export_places_nothing_in_a_group_reopened_after_it_locked_its_groups(
+def test_an_export_waits_for_no_group_reopened_after_it_locked_its_groups(
     db_url, clock, monkeypatch, caplog
 ) -> None:
     """An export of d in g locked g#2, the open instance of g it found (g was leased); a replica then gave g back, and
     a reward for members of g and g#2 locked g and waited for g#2. Had the export's placement locked g, reopened since,
-    out of id order, each waited for the other: PostgreSQL aborted one as a deadlock. It places in the groups it locked
-    only."""
+    out of id order, each waited for the other: PostgreSQL aborted one as a deadlock. It skips a reopened group another
+    transaction holds."""
     url = db_url()
     if not url.startswith("postgresql"):
         pytest.skip("SQLite has one writer at a time: nothing runs beside the export")
@@ -159,5 +160,30 @@ def test_an_export_places_nothing_in_a_group_reopened_after_it_locked_its_groups
     assert "deadlock" not in caplog.text
     assert [(t.id, t.group_id, t.reward) for t in store.trajectories()] == [
         ("a", "g", 0.1), ("b", "g", 0.0), ("c", "g#2", 0.2), ("d", "g#2", 0.25)]
+    for each in (store, replica):
+        each.close()
+
+
+def test_an_export_places_in_a_group_given_back_after_it_listed_its_groups(db_url, clock, monkeypatch) -> None:
+    """g (an explicit group without a size: no cap) was leased when an export of d listed the groups it would change;
+    a replica gave g back before the export locked them. d went to a new instance g#2 beside g, open with room and
+    held by no one, and later trajectories went to g: d was left alone in g#2, to expire."""
+    url = db_url()
+    if not url.startswith("postgresql"):
+        pytest.skip("SQLite has one writer at a time: nothing runs beside the export")
+    store, replica = (SqlStore(CollectorSettings(db=url, min_group_size=2), clock=clock) for _ in range(2))
+    store.setup()
+    store.add_spans(trajectory(10, "a", reward=1.0, size=None) + trajectory(20, "b", reward=0.0, size=None))
+    batch = store.lease(BatchRequest()).id
+    listed, resume = pause_after(monkeypatch, placement, "groups_changed")
+    with ThreadPoolExecutor(1) as executor:
+        export = executor.submit(store.add_spans, trajectory(30, "d", reward=0.25, size=None))
+        assert listed.wait(WAIT)
+        replica.release(batch, ReleaseRequest(reason="trainer down", failed=False))
+        resume.set()
+        export.result(WAIT)
+
+    store.add_spans(trajectory(40, "e", reward=0.75, size=None))
+    assert [(t.id, t.group_id) for t in store.trajectories()] == [("a", "g"), ("b", "g"), ("d", "g"), ("e", "g")]
     for each in (store, replica):
         each.close()
