@@ -351,25 +351,23 @@ _UUID_TEXT_LENGTH = 36
 """Characters of a UUID's text with its dashes (`str(run_id)`); rollout ids are 32 hex digits, never this long."""
 
 
-_HEX_32 = re.compile(r"[0-9a-fA-F]{32}")
-"""32 hex digits, either case: a trace id, or a rollout id as the plugin mints it (a uuid4's hex, a `run_id`'s hex)."""
-
-
 def _rollout_key(rollout_id: str | uuid.UUID | None) -> str | None:
     """Rollout ids are hex strings; a `uuid.UUID` (a LangChain `run_id`) becomes its hex, and so does its text with
-    dashes (`str(run_id)`, as an app stores it), which named no trajectory: the reward was kept, never applied. So
-    do 32 hex digits in upper (or mixed) case, lower-cased: the plugin mints its ids, and the collector its trace-id
-    keys, in lower case, and the collector keys a trajectory by its exact id."""
+    dashes (`str(run_id)`, as an app stores it), which named no trajectory: the reward was kept, never applied. Any
+    other id is sent as given: the collector keys a trajectory by the exact `art.rollout.id` its spans carry, which
+    another tracer may write in upper case."""
     if isinstance(rollout_id, uuid.UUID):
         return rollout_id.hex
-    if isinstance(rollout_id, str) and _HEX_32.fullmatch(rollout_id):
-        return rollout_id.lower()
     if isinstance(rollout_id, str) and len(rollout_id) == _UUID_TEXT_LENGTH:
         try:
             return uuid.UUID(rollout_id).hex
         except ValueError:  # not a UUID's text: an id of its own
             return rollout_id
     return rollout_id
+
+
+_TRACE_ID = re.compile(r"[0-9a-f]{32}")
+"""A trace id as `Rollout.trace_id` writes it: 32 lower-case hex digits."""
 
 
 def _checked_ids(rollout_id: str | uuid.UUID | None, trace_id: str | None) -> tuple[str | None, str | None]:
@@ -388,7 +386,7 @@ def _checked_ids(rollout_id: str | uuid.UUID | None, trace_id: str | None) -> tu
     if not isinstance(trace_id, str):
         raise TypeError(f"reward's trace_id must be a string, got {type(trace_id).__name__}")
     trace = trace_id.strip().lower()
-    if not _HEX_32.fullmatch(trace) or not int(trace, 16):
+    if not _TRACE_ID.fullmatch(trace) or not int(trace, 16):
         raise ValueError(f"reward's trace_id must be 32 hex digits, not all zeros (Rollout.trace_id); got "
                          f"{trace_id[:40]!r}")
     return key, trace
@@ -434,8 +432,7 @@ def reward(
         value: A finite number.
         name: Reward name.
         rollout_id: Id of a finished rollout (`Rollout.id`, or the `run_id` UUID of a top-level
-            graph run outside `rollout()`, or its text `str(run_id)`; 32 hex digits in either case are sent in lower
-            case, as rollout ids are minted); the reward is POSTed to the collector.
+            graph run outside `rollout()`, or its text `str(run_id)`); the reward is POSTed to the collector.
         trace_id: Trace id (32 hex digits) of a finished rollout, when its id is unknown.
 
     Raises:
