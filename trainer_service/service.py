@@ -189,10 +189,12 @@ class TrainerService:
         if self._lock.locked():
             logger.info("shutting down: waiting for the running training step to finish")
         async with self._lock:
-            await self.gate.aclose()
-            await self.collector.aclose()
-            await asyncio.to_thread(self.metrics.close)
-            await asyncio.to_thread(self.engine.stop)
+            try:
+                await self.gate.aclose()
+                await self.collector.aclose()
+                await asyncio.to_thread(self.metrics.close)
+            finally:  # a client or sink that fails to close leaves no vLLM running (its memory, its port)
+                await asyncio.to_thread(self.engine.stop)
 
     # --- model names --------------------------------------------------------------------
 

@@ -477,8 +477,10 @@ def hermes_only_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
     (tmp_path / "tool_parsers" / "__init__.py").write_text(
         '_TOOL_PARSERS_TO_REGISTER = {"hermes": ("hermes_tool_parser", "Hermes2ProToolParser")}\n')
     vllm_tool_parsers.cache_clear()
+    vllm_serve_flags.cache_clear()  # a --vllm-arg is checked against the flags of the vLLM there (none here)
     yield
     vllm_tool_parsers.cache_clear()
+    vllm_serve_flags.cache_clear()  # else later tests found no vLLM installed, and skipped
 
 
 def test_vllm_imports_a_tool_parser_plugin_only_when_longer_than_3_characters() -> None:
@@ -790,6 +792,8 @@ def test_the_apis_port_taken_by_vllm_exits_before_vllm_starts(capsys: pytest.Cap
     assert info.value.code == 2 and "port=8001 is also vllm_port" in capsys.readouterr().err
     settings, _ = parse("--host", "10.1.2.3", "--port", "8001")  # another interface: both can listen
     assert settings.port == settings.vllm_port == 8001
+    with pytest.raises(ValueError, match="host='::' serves IPv6 alone: clients of 127.0.0.1 would reach vLLM"):
+        parse("--host", "::", "--port", "8001")  # both can listen, but not where a client of localhost expects
 
 
 @pytest.mark.parametrize(("host", "says"), [

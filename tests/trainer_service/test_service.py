@@ -541,3 +541,19 @@ def test_a_start_that_fails_after_vllm_started_stops_it(tmp_path: Path) -> None:
     with pytest.raises(MemoryError, match="does not fit"):
         service.start()
     assert not engine.running  # was left running, with its memory and port, behind a service that never started
+
+
+async def test_a_client_that_fails_to_close_still_stops_the_engine(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine stopped last, after the clients and the metrics sink: one that raised left vLLM running."""
+    service = make_service(tmp_path, [], [])
+    stopped: list[bool] = []
+    monkeypatch.setattr(service.engine, "stop", lambda timeout=30.0: stopped.append(True))
+
+    async def refuse() -> None:
+        raise RuntimeError("Event loop is closed")
+
+    monkeypatch.setattr(service.collector, "aclose", refuse)
+    with pytest.raises(RuntimeError, match="Event loop is closed"):
+        await service.aclose()
+    assert stopped == [True]
