@@ -515,9 +515,7 @@ def test_migration_from_version_12_indexes_the_traces_of_each_trajectory(db_url,
         if conn.dialect.name == "sqlite":  # the lookup reads the index alone
             plan = conn.execute(text("EXPLAIN QUERY PLAN SELECT DISTINCT trajectory_id, trace_id FROM spans "
                                      "WHERE trajectory_id IN ('a', 'b')")).all()
-            assert [row[-1] for row in plan] == [
-                "SEARCH spans USING COVERING INDEX ix_spans_trajectory_id_trace_id (trajectory_id=?)"
-            ]
+            assert "USING COVERING INDEX ix_spans_trajectory_id_trace_id" in " ".join(row[-1] for row in plan)
         versions = conn.execute(text("SELECT version, applied_at FROM schema_version ORDER BY version")).all()
     assert [version for version, _ in versions] == list(range(1, SCHEMA_VERSION + 1))
     store.add_rewards([RewardIn(trace_id=stored[0].trace_id, name="judge", value=0.5)])
