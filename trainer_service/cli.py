@@ -7,7 +7,6 @@ API. Flags override `ART_TRAINER_*` environment variables, which override the de
 from __future__ import annotations
 
 import argparse
-import ast
 import asyncio
 import contextlib
 import difflib
@@ -17,7 +16,6 @@ import os
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import fields
-from functools import cache
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,9 +28,9 @@ from trainer_service.allocator import preload_allocator
 from trainer_service.config import TrainerSettings
 from trainer_service.grpo_config import OPTIONAL_FIELDS, GRPOConfig, split_modules
 from trainer_service.huge_pages import enable_huge_pages
-from trainer_service.vllm_source import vllm_source
+from trainer_service.vllm_source import flags_read_as, vllm_serve_flags
 
-__all__ = ["build_parser", "check_vllm_args", "main", "settings_from_args", "vllm_serve_flags"]
+__all__ = ["build_parser", "check_vllm_args", "main", "settings_from_args"]
 
 # flag → TrainerSettings field (help text comes from the field's description)
 _SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
@@ -112,18 +110,6 @@ _GRPO_FLAGS: dict[str, tuple[str, type]] = {
 }
 
 
-_VLLM_SERVE_ARGS = (("engine", "arg_utils.py"), ("entrypoints", "launchers", "cli_args.py"))
-"""vLLM (0.32) source files that make its OpenAI server's flags: literal `add_argument` names, and `--<field>` for each
-field of the `FrontendArgs` classes."""
-_VLLM_SERVE_ARGS_RELEASE = "0.32."
-"""The vLLM release whose sources `_VLLM_SERVE_ARGS` was checked against (every flag of its parser read, none more):
-another release may make a flag otherwise, and a flag it has must never be refused, so it is left to vLLM."""
-_VLLM_FLAGS_WE_PASS = ("--model", "--host", "--max-lora-rank", "--chat-template", "--tool-call-parser",
-                       "--structured-outputs-config")
-"""Flags the service passes vLLM (`VLLMEngine.command`, `TrainerSettings.tool_calling_args`, `structured_output_args`),
-literal names and `FrontendArgs` fields both: reading the sources without finding them all means vLLM makes its flags
-otherwise."""
-
 _LOCK_FILE = "trainer.lock"
 """The run folder's lock (`_lock_run_dir`), holding the process id of the trainer that runs there."""
 
@@ -165,43 +151,26 @@ def _lock_run_dir(run_dir: Path) -> IO[str]:
     return handle
 
 
-@cache
-def vllm_serve_flags() -> frozenset[str] | None:
-    """The long flags of vLLM's OpenAI server, read from its source (`_VLLM_SERVE_ARGS`) without importing it (vLLM
-    built its parser after a ~10 s import), each with its `--no-` form. None where vLLM is not installed, is another
-    release than `_VLLM_SERVE_ARGS_RELEASE` or makes them otherwise (it checks them at its start)."""
-    version = vllm_source("_version.py")
-    if version is None or f"version = '{_VLLM_SERVE_ARGS_RELEASE}" not in version.read_text():
-        return None
-    flags = {"--help"}
-    for parts in _VLLM_SERVE_ARGS:
-        source = vllm_source(*parts)
-        if source is None:
-            return None
-        for node in ast.walk(ast.parse(source.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
-                flags.update(arg.value for arg in node.args
-                             if isinstance(arg, ast.Constant) and str(arg.value).startswith("--"))
-            elif isinstance(node, ast.ClassDef) and node.name.endswith("FrontendArgs"):
-                flags.update(f"--{item.target.id.replace('_', '-')}" for item in node.body
-                             if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name))
-    if not flags.issuperset(_VLLM_FLAGS_WE_PASS):
-        return None
-    return frozenset(flags | {f"--no-{flag[2:]}" for flag in flags})
-
-
 def check_vllm_args(args: Sequence[str]) -> None:
     """Refuse a `--vllm-arg` flag the installed vLLM does not have (`vllm_serve_flags`), as vLLM's parser reads it:
-    `_` as `-`, a `--flag.key` of a JSON flag by its `--flag`, and a unique prefix of a flag. Values and short flags
-    (`-tp`) are left to vLLM. Such a flag stopped vLLM ~10 s into its start, in a traceback ending its usage text.
+    `_` as `-`, a `--flag.key` of a JSON flag by its `--flag`, and a unique prefix of a flag (`flags_read_as`); so is
+    a prefix of several, which vLLM refuses as ambiguous. Values and short flags (`-tp`) are left to vLLM. Such a flag
+    stopped vLLM ~10 s into its start, in a traceback ending its usage text.
 
     Raises:
-        ValueError: names the flag and the closest flags vLLM has.
+        ValueError: names the flag and the closest flags vLLM has, or the flags an ambiguous prefix begins.
     """
     known = vllm_serve_flags() if any(arg.startswith("--") for arg in args) else None
     for arg in args if known else []:
         flag = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
-        if flag.startswith("--") and flag != "--" and not any(own.startswith(flag) for own in known):
+        if not flag.startswith("--") or flag == "--":
+            continue
+        read_as = flags_read_as(flag, known)
+        if len(read_as) > 1:
+            shown = ", ".join(read_as[:4]) + (", ..." if len(read_as) > 4 else "")
+            raise ValueError(f"--vllm-arg {arg}: {flag} begins {len(read_as)} flags of the installed vLLM ({shown}), "
+                             "and vLLM refuses such an ambiguous prefix; write the whole flag.")
+        if not read_as:
             negated = flag.startswith("--no-")  # a `--no-` form is suggested for one only
             near = difflib.get_close_matches(flag, sorted(own for own in known if own.startswith("--no-") == negated))
             hint = f"Did you mean {' or '.join(near)}? " if near else ""

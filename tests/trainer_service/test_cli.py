@@ -26,10 +26,10 @@ from examples.stack import free_port
 from tests.trainer_service.builders import save_tiny_model
 from trainer_service import config
 from trainer_service.checkpoint_checks import CheckpointMismatchError
-from trainer_service.cli import build_parser, main, settings_from_args, vllm_serve_flags
+from trainer_service.cli import build_parser, main, settings_from_args
 from trainer_service.config import TrainerSettings
 from trainer_service.engine_errors import EngineError
-from trainer_service.vllm_source import vllm_dtypes, vllm_lora_ranks, vllm_source, vllm_tool_parsers
+from trainer_service.vllm_source import vllm_dtypes, vllm_lora_ranks, vllm_serve_flags, vllm_source, vllm_tool_parsers
 
 
 def parse(*argv: str) -> tuple[TrainerSettings, object]:
@@ -544,6 +544,23 @@ def test_a_vllm_flag_the_installed_vllm_lacks_stops_the_start_naming_it(capsys: 
     assert parse(*(f"--vllm-arg={arg}" for arg in spellings))[0].vllm_args == spellings  # as vLLM's parser reads them
 
 
+def test_a_prefix_of_several_vllm_flags_stops_the_start_naming_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's parser refuses an ambiguous prefix; `--tool=x` passed our check and was even refused as setting
+    --tool-call-parser, one of the flags it begins."""
+    if vllm_serve_flags() is None:
+        pytest.skip("vLLM is not installed")
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--vllm-arg=--tool=x", "--base-model", "/no/such/folder"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err and "which the service sets itself" not in err
+    assert "--vllm-arg --tool=x: --tool begins 4 flags of the installed vLLM (--tool-call-parser, " in err
+    assert "vLLM refuses such an ambiguous prefix; write the whole flag" in err
+    with pytest.raises(ValueError, match="vllm_args sets --tool-call-parser, which the service sets itself"):
+        parse("--vllm-arg=--tool-call=x")  # a unique prefix is the flag
+    with pytest.raises(ValueError, match="vllm_args sets --chat-template, which the service sets itself .*--chat-t"):
+        parse("--vllm-arg=--chat-template=/tmp/x.jinja")  # the trainer would render with another template than vLLM
+
+
 def test_the_vllm_flags_come_from_the_installed_vllms_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_vllm(tmp_path, monkeypatch)
     (tmp_path / "engine").mkdir()
@@ -552,12 +569,13 @@ def test_the_vllm_flags_come_from_the_installed_vllms_source(tmp_path: Path, mon
     engine.write_text("def add_cli_args(group):\n" + "".join(
         f"    group.add_argument({flag!r})\n" for flag in ("--model", "--max-lora-rank", "--structured-outputs-config",
                                                          "--seed")))
-    frontend = "class FrontendArgs:\n    host: str = None\n    chat_template: str = None\n    tool_call_parser: str\n"
+    frontend = ("class FrontendArgs:\n    host: str = None\n    chat_template: str = None\n    tool_call_parser: str\n"
+                "    response_role: str = None\n")
     (tmp_path / "entrypoints" / "launchers" / "cli_args.py").write_text(frontend)
     (tmp_path / "_version.py").write_text("__version__ = version = '0.32.0'\n")
     try:
         vllm_serve_flags.cache_clear()
-        assert parse("--vllm-arg=--seed=1", "--vllm-arg=--no-seed", "--vllm-arg=--chat_template=t")[0].vllm_args
+        assert parse("--vllm-arg=--seed=1", "--vllm-arg=--no-seed", "--vllm-arg=--response_role=r")[0].vllm_args
         with pytest.raises(ValueError, match=r"--vllm-arg --sed=1: the installed vLLM has no flag --sed\. Did you "
                                              r"mean --seed\?"):
             parse("--vllm-arg=--sed=1")
