@@ -15,7 +15,7 @@ from collector import foreign_deletion, rows
 from collector.config import CollectorSettings
 from collector.engine import chunks
 from collector.groups import Decision, Member, decide, merge_rewards
-from collector.schema import batches, groups, rewards, spans, trajectories
+from collector.schema import batch_groups, batches, groups, rewards, spans, trajectories
 from collector.transactions import GROUP_LOCKS, TRAJECTORY_LOCKS
 
 __all__ = [
@@ -232,6 +232,14 @@ def _leased_by(conn: Connection, batch_ids: list[str]) -> list[str]:
     return found
 
 
+def _batch_groups(conn: Connection, batch_ids: list[str]) -> list[str]:
+    """Ids of the groups `batch_ids` were leased with, whatever they hold now."""
+    found: list[str] = []
+    for chunk in chunks(batch_ids):
+        found += conn.execute(select(batch_groups.c.group_id).where(batch_groups.c.batch_id.in_(chunk))).scalars()
+    return found
+
+
 def _idle(settings: CollectorSettings, now: float) -> ColumnElement[bool]:
     """The trajectories without rollout span that saw no new span for `settings.idle_seconds`: complete."""
     return and_(
@@ -287,8 +295,8 @@ def maintain(
     (`_lock_returned_members`), with those of `releasing`: the batches the caller gives back next in its transaction;
     then, in one pass in id order (`_lock_batches`), the rows of the expired batches, of `releasing` and of `acking`
     (the batch the caller acks next); then, in one pass in id order (`lock_groups`), the rows of the groups given back
-    or holding an idle trajectory. A stale group is expired only when no other transaction holds it
-    (`_expire_stale`)."""
+    or holding an idle trajectory, with those of `releasing` and `acking` when there are any. A stale group is
+    expired only when no other transaction holds it (`_expire_stale`)."""
     expired = sorted(
         conn.execute(
             select(batches.c.id).where(batches.c.state == "leased", batches.c.lease_expires_at <= now)
@@ -305,7 +313,10 @@ def maintain(
         )
     idle = _idle(settings, now)
     found = conn.execute(select(trajectories.c.id, trajectories.c.group_id).where(idle)).all()
-    lock_groups(conn, [*_leased_by(conn, expired), *(row.group_id for row in found)])
+    changing = [*_leased_by(conn, expired), *(row.group_id for row in found)]
+    if changing:  # the caller's groups too: locked after these, out of id order, they made a cycle of waits with an
+        changing += _batch_groups(conn, [*releasing, *acking])  # export or reward locking both (a deadlock, retried)
+    lock_groups(conn, changing)
     for chunk in chunks(expired):
         give_back(conn, settings, chunk, failed=True, error=LEASE_EXPIRED, now=now)
         log.warning("leases expired, groups back in the pool: batches %s", ", ".join(chunk))

@@ -789,3 +789,49 @@ def _lease_statements(make_store, count: int) -> int:
 def test_a_lease_of_more_groups_sends_no_more_statements(make_store) -> None:
     """The groups leased are updated and joined to their batch per chunk, not one statement each."""
     assert _lease_statements(make_store, 6) == _lease_statements(make_store, 2)
+
+
+def test_an_ack_that_gives_back_an_expired_lease_locks_its_own_groups_in_the_same_pass(db_url, clock) -> None:
+    """The ack's upkeep gave back an expired batch's group gb and held it; the ack then locked its own group ga (< gb)
+    in a second statement. A transaction locking [ga, gb] in id order in between held ga and waited for gb, while the
+    ack waited for ga: PostgreSQL aborted one as a deadlock (found by the fuzz)."""
+    from collector import pool
+    from tests.collector.pausing import lock_waited_for
+
+    url = db_url()
+    if not url.startswith("postgresql"):
+        pytest.skip("SQLite has one writer at a time: nothing locks beside the ack")
+    settings = CollectorSettings(db=url, min_group_size=2)
+    store = SqlStore(settings, clock=clock)
+    store.setup()
+    for n, group in ((100, "ga"), (300, "gb")):
+        store.add_spans(trajectory(n, f"{group}1", reward=0.0, group=group, size=2)
+                        + trajectory(n + 50, f"{group}2", reward=1.0, group=group, size=2))
+    for _ in range(2):
+        store.lease(BatchRequest(max_groups=1, lease_seconds=100))
+    batches = {group: batch.id for batch in store.batches() for group in batch.groups}
+    assert sorted(batches) == ["ga", "gb"]
+    with store.engine.begin() as conn:  # gb's lease ran out
+        conn.exec_driver_sql("UPDATE batches SET lease_expires_at = 0 WHERE id = %(b)s", {"b": batches["gb"]})
+    failures: list[BaseException] = []
+    with store.engine.connect() as ack, store.engine.connect() as other:
+        with ack.begin():
+            pool.maintain(ack, settings, clock(), store._tx.lock, acking=[batches["ga"]])  # gives gb back, holds it
+
+            def lock_both() -> None:
+                try:
+                    with other.begin():
+                        pool.lock_groups(other, ["ga", "gb"])  # an export or a reward: one pass in id order
+                except Exception as exc:  # the deadlock, had the ack locked ga after gb
+                    failures.append(exc)
+
+            thread = threading.Thread(target=lock_both)
+            thread.start()
+            assert lock_waited_for(store.engine)
+            try:
+                pool.lock_groups(ack, ["ga"])  # leases.ack: its own batch's groups
+            except Exception as exc:
+                failures.append(exc)
+        thread.join(10)
+    assert failures == []
+    store.close()
