@@ -22,6 +22,7 @@ from collector.foreign_deletion import without_foreign_calls_in_rollouts
 from collector.groups import capacity
 from collector.rows import counts
 from collector.schema import groups, trajectories
+from collector.transactions import RetryTransaction, last_try
 
 __all__ = ["groups_changed", "place", "write_trajectories"]
 
@@ -33,11 +34,18 @@ def _open_instances(conn: Connection, keys: list[str]) -> dict[str, list[dict[st
     changes, in one pass in id order (`groups_changed`), so a concurrent lease committed first. One opened since (given
     back, or reopened by a reward) is locked here only when no other transaction holds it (`SKIP LOCKED` never waits):
     waiting for it, out of id order, made a cycle of waits with a reward locking it and one the export held (a
-    deadlock, retried); left out when free, a trajectory went to a new instance beside a reopened one with room."""
+    deadlock, retried); left out when free, a trajectory went to a new instance beside a reopened one with room. One
+    another transaction holds has the export tried again (`RetryTransaction`), whose lock pass waits for it in id
+    order; on the last try it is left out."""
     found: dict[str, list[dict[str, Any]]] = {key: [] for key in keys}
     for chunk in chunks(keys):
         query = select(groups).where(groups.c.key.in_(chunk), groups.c.state == "open")
-        for row in conn.execute(query.with_for_update(skip_locked=True)).mappings():
+        taken = list(conn.execute(query.with_for_update(skip_locked=True)).mappings())
+        if conn.dialect.name == "postgresql" and not last_try():  # SQLite: one writer, nothing is held by another
+            held = set(conn.execute(select(groups.c.id).where(query.whereclause)).scalars()) - {g["id"] for g in taken}
+            if held:  # reopened since, and held a moment by a reward: the next try's lock pass waits for it in order
+                raise RetryTransaction(f"open group {sorted(held)[0]!r} reopened while the export placed")
+        for row in taken:
             found[row["key"]].append(dict(row))
     for instances in found.values():
         instances.sort(key=lambda group: (group["created_at"], group["id"]))

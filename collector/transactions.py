@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
+from contextvars import ContextVar
 from typing import TypeVar
 
 from sqlalchemy import Connection, Engine, Integer, cast, func, select
@@ -24,7 +25,10 @@ from sqlalchemy.pool import StaticPool
 
 from collector.engine import READ_ONLY
 
-__all__ = ["GROUP_LOCKS", "IDEMPOTENCY_LOCKS", "LANGFUSE_SYNC_LOCK", "TRAJECTORY_LOCKS", "Transactions"]
+__all__ = [
+    "GROUP_LOCKS", "IDEMPOTENCY_LOCKS", "LANGFUSE_SYNC_LOCK", "TRAJECTORY_LOCKS", "RetryTransaction", "Transactions",
+    "last_try",
+]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,21 @@ _RETRIED = {"40001": "serialization failure", "40P01": "deadlock"}
 _ATTEMPTS = 8
 
 
+class RetryTransaction(Exception):
+    """Raised by a transaction's work that found its view of the rows outdated in a way a new try resolves (as
+    PostgreSQL's serialization failures are): `Transactions.run` rolls back and runs it again, up to its tries; on
+    the last (`last_try`) the work is to go on as it can instead."""
+
+
+_LAST_TRY: ContextVar[bool] = ContextVar("last_try", default=True)
+
+
+def last_try() -> bool:
+    """Whether the transaction `Transactions.run` runs now is its last try (True outside one): no
+    `RetryTransaction` then."""
+    return _LAST_TRY.get()
+
+
 def _key32(name: str) -> int:
     """A stable signed 32-bit number for a name (PostgreSQL's two-int advisory lock key)."""
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "big", signed=True)
@@ -61,16 +80,22 @@ class Transactions:
         self._lock = None if self.postgres else threading.RLock()
 
     def run(self, work: Callable[[Connection], T]) -> T:
-        """`work(conn)` in one transaction, committed before this returns; retried on PostgreSQL deadlocks."""
+        """`work(conn)` in one transaction, committed before this returns; retried on PostgreSQL deadlocks and
+        serialization failures, and on `RetryTransaction`."""
         for attempt in range(1, _ATTEMPTS + 1):
             try:
-                with self._lock or nullcontext(), self.engine.begin() as conn:
-                    return work(conn)
-            except DBAPIError as exc:
-                state = getattr(exc.orig, "sqlstate", None)
-                if state not in _RETRIED or attempt == _ATTEMPTS:
+                token = _LAST_TRY.set(attempt == _ATTEMPTS)
+                try:
+                    with self._lock or nullcontext(), self.engine.begin() as conn:
+                        return work(conn)
+                finally:
+                    _LAST_TRY.reset(token)
+            except (DBAPIError, RetryTransaction) as exc:
+                state = getattr(getattr(exc, "orig", None), "sqlstate", None)
+                reason = str(exc) if isinstance(exc, RetryTransaction) else _RETRIED.get(state)
+                if reason is None or attempt == _ATTEMPTS:
                     raise
-                log.warning("transaction aborted (%s), retry %d of %d", _RETRIED[state], attempt, _ATTEMPTS - 1)
+                log.warning("transaction aborted (%s), retry %d of %d", reason, attempt, _ATTEMPTS - 1)
                 time.sleep(0.005 * 2**attempt)
         raise AssertionError("unreachable")
 

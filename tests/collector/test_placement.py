@@ -4,6 +4,7 @@ instrumentation's calls in the traces of rollouts, several at once (`collector/f
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -185,5 +186,42 @@ def test_an_export_places_in_a_group_given_back_after_it_listed_its_groups(db_ur
 
     store.add_spans(trajectory(40, "e", reward=0.75, size=None))
     assert [(t.id, t.group_id) for t in store.trajectories()] == [("a", "g"), ("b", "g"), ("d", "g"), ("e", "g")]
+    for each in (store, replica):
+        each.close()
+
+
+def test_an_export_tries_again_when_a_reopened_group_is_held_a_moment(db_url, clock, monkeypatch, caplog) -> None:
+    """g (explicit, no size) was given back after an export of d listed its groups, and a reward of a held g when the
+    export placed: SKIP LOCKED passed it over, and d went alone to a new g#2 (later trajectories went to g). The
+    export now tries again; its lock pass then waits for g in id order."""
+    url = db_url()
+    if not url.startswith("postgresql"):
+        pytest.skip("SQLite has one writer at a time: nothing runs beside the export")
+    store, replica = (SqlStore(CollectorSettings(db=url, min_group_size=2), clock=clock) for _ in range(2))
+    store.setup()
+    store.add_spans(trajectory(10, "a", reward=1.0, size=None) + trajectory(20, "b", reward=0.0, size=None))
+    batch = store.lease(BatchRequest()).id
+    listed, resume = pause_after(monkeypatch, placement, "groups_changed")
+    holding, let_go = threading.Event(), threading.Event()
+
+    def hold(conn) -> None:  # in the reward's transaction, once it locked g
+        holding.set()
+        assert let_go.wait(WAIT)
+
+    with ThreadPoolExecutor(2) as executor:
+        export = executor.submit(store.add_spans, trajectory(30, "d", reward=0.25, size=None))
+        assert listed.wait(WAIT)
+        replica.release(batch, ReleaseRequest(reason="trainer down", failed=False))
+        reward = executor.submit(replica.add_rewards, [RewardIn(rollout_id="a", value=0.5)], also=hold)
+        assert holding.wait(WAIT)
+        resume.set()
+        assert lock_waited_for(store.engine), "the export's second try did not wait for g"
+        let_go.set()
+        export.result(WAIT)
+        reward.result(WAIT)
+
+    store.add_spans(trajectory(40, "e", reward=0.75, size=None))
+    assert [(t.id, t.group_id) for t in store.trajectories()] == [("a", "g"), ("b", "g"), ("d", "g"), ("e", "g")]
+    assert "reopened while the export placed), retry 1 of 7" in caplog.text and "deadlock" not in caplog.text
     for each in (store, replica):
         each.close()

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from sqlalchemy import Engine, create_engine, event, text
 
-from collector.transactions import TRAJECTORY_LOCKS, Transactions, _key32
+from collector.transactions import TRAJECTORY_LOCKS, RetryTransaction, Transactions, _key32, last_try
 from tests.collector.pausing import WAIT, lock_waited_for
 from tests.collector.services import PostgresServer
 
@@ -54,3 +54,20 @@ def test_overlapping_locks_asked_for_in_other_orders_never_deadlock(engine: Engi
             tx.lock(first, TRAJECTORY_LOCKS, [middle, high, low])
             assert first.execute(HELD, {"ns": TRAJECTORY_LOCKS}).scalar_one() == 3
         assert waiting.result(WAIT) == 3
+
+
+def test_work_that_asks_for_another_try_gets_it_and_the_last_try_is_told(engine: Engine, monkeypatch) -> None:
+    """`RetryTransaction` rolls the work back and runs it again; on the last try `last_try()` says so, and the work
+    goes on as it can (a RetryTransaction there would fail the caller)."""
+    monkeypatch.setattr("collector.transactions.time.sleep", lambda seconds: None)
+    tries: list[bool] = []
+
+    def work(conn) -> int:
+        conn.execute(text("CREATE TEMP TABLE IF NOT EXISTS t (n int) ON COMMIT DROP"))
+        tries.append(last_try())
+        if not last_try():
+            raise RetryTransaction("not yet")
+        return len(tries)
+
+    assert Transactions(engine).run(work) == 8 and tries == [False] * 7 + [True]
+    assert last_try()  # outside a transaction of `run`
