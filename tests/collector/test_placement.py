@@ -165,17 +165,21 @@ def test_an_export_waits_for_no_group_reopened_after_it_locked_its_groups(
         each.close()
 
 
-def test_an_export_places_in_a_group_given_back_after_it_listed_its_groups(db_url, clock, monkeypatch) -> None:
-    """g (an explicit group without a size: no cap) was leased when an export of d listed the groups it would change;
-    a replica gave g back before the export locked them. d went to a new instance g#2 beside g, open with room and
-    held by no one, and later trajectories went to g: d was left alone in g#2, to expire."""
-    url = db_url()
+def _uncapped_g_leased(url: str, clock) -> tuple[SqlStore, SqlStore, str]:
+    """Two stores on PostgreSQL database `url`, and the batch that leased g (a and b; explicit, no size: no cap)."""
     if not url.startswith("postgresql"):
         pytest.skip("SQLite has one writer at a time: nothing runs beside the export")
     store, replica = (SqlStore(CollectorSettings(db=url, min_group_size=2), clock=clock) for _ in range(2))
     store.setup()
     store.add_spans(trajectory(10, "a", reward=1.0, size=None) + trajectory(20, "b", reward=0.0, size=None))
-    batch = store.lease(BatchRequest()).id
+    return store, replica, store.lease(BatchRequest()).id
+
+
+def test_an_export_places_in_a_group_given_back_after_it_listed_its_groups(db_url, clock, monkeypatch) -> None:
+    """g (an explicit group without a size: no cap) was leased when an export of d listed the groups it would change;
+    a replica gave g back before the export locked them. d went to a new instance g#2 beside g, open with room and
+    held by no one, and later trajectories went to g: d was left alone in g#2, to expire."""
+    store, replica, batch = _uncapped_g_leased(db_url(), clock)
     listed, resume = pause_after(monkeypatch, placement, "groups_changed")
     with ThreadPoolExecutor(1) as executor:
         export = executor.submit(store.add_spans, trajectory(30, "d", reward=0.25, size=None))
@@ -194,13 +198,7 @@ def test_an_export_tries_again_when_a_reopened_group_is_held_a_moment(db_url, cl
     """g (explicit, no size) was given back after an export of d listed its groups, and a reward of a held g when the
     export placed: SKIP LOCKED passed it over, and d went alone to a new g#2 (later trajectories went to g). The
     export now tries again; its lock pass then waits for g in id order."""
-    url = db_url()
-    if not url.startswith("postgresql"):
-        pytest.skip("SQLite has one writer at a time: nothing runs beside the export")
-    store, replica = (SqlStore(CollectorSettings(db=url, min_group_size=2), clock=clock) for _ in range(2))
-    store.setup()
-    store.add_spans(trajectory(10, "a", reward=1.0, size=None) + trajectory(20, "b", reward=0.0, size=None))
-    batch = store.lease(BatchRequest()).id
+    store, replica, batch = _uncapped_g_leased(db_url(), clock)
     listed, resume = pause_after(monkeypatch, placement, "groups_changed")
     holding, let_go = threading.Event(), threading.Event()
 
