@@ -46,13 +46,16 @@ def _check_name(value: str, what: str, limit: int = semconv.MAX_NAME_LENGTH) -> 
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a string, got {type(value).__name__}")
     if len(value) > limit or "\x00" in value:
-        raise ValueError(f"{what} must be at most {limit} characters, without NUL; got {value[:40]!r} "
-                         f"({len(value)} characters)")
+        raise ValueError(
+            f"{what} must be at most {limit} characters, without NUL; got {value[:40]!r} ({len(value)} characters)"
+        )
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"{what} must be text UTF-8 can encode: {value[:40]!r} holds the surrogate "
-                         f"{value[exc.start]!r} (sent as U+FFFD, names that differ only there would be one)") from None
+        raise ValueError(
+            f"{what} must be text UTF-8 can encode: {value[:40]!r} holds the surrogate "
+            f"{value[exc.start]!r} (sent as U+FFFD, names that differ only there would be one)"
+        ) from None
 
 
 def _check_reward(value: float, name: str) -> float:
@@ -79,19 +82,21 @@ def _metadata_json(metadata: Mapping[str, Any] | None) -> str | None:
     as a lone surrogate again once parsed, where no answer holding the trajectory could be encoded.
 
     Raises:
-        TypeError: `metadata` is not a mapping, or JSON cannot take it (a key that is no string or number).
+        TypeError: `metadata` is not a mapping, or has a key JSON cannot take (a NumPy number other than a `float64`, a
+            `Decimal`, a tuple: no `str`, `int`, `float`, bool or None), named with where it is.
         ValueError: JSON cannot take it (a circular reference, a NaN or infinity as a value or a key, a float's,
-            NumPy's or a `Decimal`'s: `NaN` is no JSON, which the collector read as null).
+            NumPy's or a `Decimal`'s: `NaN` is no JSON, which the collector read as null), named with where it is.
     """
     if metadata is None:
         return None
     if not isinstance(metadata, Mapping):
         raise TypeError(f"rollout metadata must be a dict, got {type(metadata).__name__}")
+    metadata = dict(metadata)  # json writes a mapping that is no dict as its `str`, which the collector ignored
     try:
         return json.dumps(metadata, default=_json_default, ensure_ascii=False, allow_nan=False) if metadata else None
     except (TypeError, ValueError) as exc:
-        if isinstance(exc, ValueError) and (where := _non_finite(metadata)) is not None:
-            raise ValueError(f"rollout metadata{where}") from None
+        if (problem := _unencodable(metadata, "rollout metadata")) is not None:
+            raise problem from None
         raise type(exc)(f"rollout metadata cannot be exported as JSON: {exc}") from exc
 
 
@@ -112,20 +117,31 @@ def _finite(value: Any) -> bool:
     return not isinstance(value, numbers.Real) or isinstance(value, numbers.Rational) or -math.inf < value < math.inf
 
 
-def _non_finite(value: Any, where: str = "", inside: frozenset[int] = frozenset()) -> str | None:
-    """Where the first NaN or infinity in `value` is, in the order JSON encoding meets them (a key before its value),
-    with the number and what to give instead (`['a'][0] is nan: ...`, `['a'] has the key nan: ...`); None without
-    one. A container met again inside itself (a circular reference) is not entered twice."""
+def _unencodable(value: Any, where: str, inside: frozenset[int] = frozenset()) -> TypeError | ValueError | None:
+    """The error for the first thing in `value` that JSON cannot take, in the order encoding meets them (a key before
+    its value), naming where it is and what to give instead: a key of a type JSON has no key for (`TypeError`,
+    `['a'] has the key Decimal('1.5') (Decimal), ...`), a NaN or infinity (`ValueError`, `['a'][0] is nan: ...`,
+    `['a'] has the key nan: ...`); None without one. A container met again inside itself (a circular reference) is not
+    entered twice."""
     if not _finite(value):
-        return (f"{where} is {value}: JSON has no NaN or infinity (the collector would read it as null); give a finite "
-                "number, None or a string")
+        return ValueError(
+            f"{where} is {value}: JSON has no NaN or infinity (the collector would read it as null); give "
+            "a finite number, None or a string"
+        )
     if id(value) in inside:
         return None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
     for key, item in items:
+        if isinstance(value, dict) and not (key is None or isinstance(key, str | int | float)):  # json's key types
+            return TypeError(
+                f"{where} has the key {key!r:.60} ({type(key).__name__}), which JSON cannot take as a key: "
+                "give a str (str(key)), an int, a float, a bool or None"
+            )
         if isinstance(value, dict) and not _finite(key):
-            return f"{where} has the key {key}: JSON has no NaN or infinity; give a string or a finite number as key"
-        if (found := _non_finite(item, f"{where}[{key!r}]", inside | {id(value)})) is not None:
+            return ValueError(
+                f"{where} has the key {key}: JSON has no NaN or infinity; give a string or a finite number as key"
+            )
+        if (found := _unencodable(item, f"{where}[{key!r}]", inside | {id(value)})) is not None:
             return found
     return None
 
@@ -337,7 +353,8 @@ def rollout(
             a surrogate, which export would send as U+FFFD, making names that differ only there one; an empty group or
             split, which the collector would read as no group, resp. as `train`.
         TypeError: A task, group or split that is not a string, a `group_size` that is not an integer, `metadata`
-            that is not a dict or has a key JSON cannot take.
+            that is not a mapping or has a key JSON cannot take (a NumPy `float32`, a `Decimal`: the error names where
+            it is).
     """
     return Rollout(task, group=group, split=split, metadata=metadata, group_size=group_size)
 
@@ -387,8 +404,9 @@ def _checked_ids(rollout_id: str | uuid.UUID | None, trace_id: str | None) -> tu
         raise TypeError(f"reward's trace_id must be a string, got {type(trace_id).__name__}")
     trace = trace_id.strip().lower()
     if not _TRACE_ID.fullmatch(trace) or not int(trace, 16):
-        raise ValueError(f"reward's trace_id must be 32 hex digits, not all zeros (Rollout.trace_id); got "
-                         f"{trace_id[:40]!r}")
+        raise ValueError(
+            f"reward's trace_id must be 32 hex digits, not all zeros (Rollout.trace_id); got {trace_id[:40]!r}"
+        )
     return key, trace
 
 

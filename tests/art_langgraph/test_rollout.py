@@ -10,6 +10,7 @@ import re
 import threading
 from collections.abc import AsyncIterator, Iterator
 from decimal import Decimal
+from types import MappingProxyType
 from typing import TypedDict
 
 import numpy as np
@@ -30,9 +31,7 @@ class State(TypedDict, total=False):
     second: str
 
 
-def two_step_graph(
-    model: ARTChatModel, *, parallel: bool = False, sync: bool = False, threads: set[int] | None = None
-):
+def two_step_graph(model: ARTChatModel, *, parallel: bool = False, sync: bool = False, threads: set[int] | None = None):
     """A real StateGraph with two LLM-calling nodes (sequential, or fanned out in parallel).
 
     Sync nodes add their thread's id to `threads` when given.
@@ -40,6 +39,7 @@ def two_step_graph(
     seen = threads if threads is not None else set()
 
     if sync:
+
         def first(state: State) -> State:
             seen.add(threading.get_ident())
             return {"first": model.invoke(state["question"]).content}
@@ -48,6 +48,7 @@ def two_step_graph(
             seen.add(threading.get_ident())
             return {"second": model.invoke(f"Rephrase: {state['question']}").content}
     else:
+
         async def first(state: State) -> State:  # type: ignore[misc]
             return {"first": (await model.ainvoke(state["question"])).content}
 
@@ -163,7 +164,7 @@ async def test_concurrent_rollouts_never_mix_ids(chat_model: ARTChatModel, spans
         ({"task": "t", "group": 7}, TypeError, "group must be a string, got int"),
         ({"task": "t", "split": None}, TypeError, "split must be a string, got NoneType"),
         ({"task": "t", "metadata": "user=u1"}, TypeError, "rollout metadata must be a dict, got str"),
-        ({"task": "t", "metadata": {(1, 2): "pair"}}, TypeError, "metadata cannot be exported as JSON: keys must be"),
+        ({"task": "t", "metadata": {(1, 2): "pair"}}, TypeError, r"metadata has the key \(1, 2\) \(tuple\), which"),
     ],
 )
 def test_rollout_refuses_what_the_collector_would_reject(kwargs: dict, error: type, match: str, spans) -> None:
@@ -212,20 +213,30 @@ def test_rollout_metadata_is_checked_when_the_rollout_is_made(spans) -> None:
     circular["self"] = circular
     with pytest.raises(ValueError, match="rollout metadata cannot be exported as JSON: Circular reference"):
         rollout("t", metadata=circular)
-    with rollout("t", metadata={"tags": {"a"}, "n": 1, "x": np.float32(0.5), "d": Decimal("1.5"), 2.5: "k"}):
+    with rollout(
+        "t",
+        metadata={"tags": {"a"}, "n": 1, "x": np.float32(0.5), "d": Decimal("1.5"), 2.5: "k", np.float64(0.25): "f"},
+    ):
         pass
     (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
-    exported = {"tags": "{'a'}", "n": 1, "x": "0.5", "d": "1.5", "2.5": "k"}
+    exported = {"tags": "{'a'}", "n": 1, "x": "0.5", "d": "1.5", "2.5": "k", "0.25": "f"}  # a float64 is a float
     assert json.loads(root.attributes[semconv.METADATA]) == exported
 
 
 @pytest.mark.parametrize(
     ("metadata", "where"),
-    [({"a": float("nan")}, "['a'] is nan"), ({"b": {"c": [1.0, float("-inf")]}}, "['b']['c'][1] is -inf"),
-     ({"t": (np.float64("inf"),)}, "['t'][0] is inf"), ({"f": [np.float32("nan")]}, "['f'][0] is nan"),
-     ({"h": {"i": np.float16("-inf")}}, "['h']['i'] is -inf"), ({"d": Decimal("NaN")}, "['d'] is NaN"),
-     ({"d": [1, Decimal("-Infinity")]}, "['d'][1] is -Infinity"), ({"d": Decimal("sNaN")}, "['d'] is sNaN"),
-     ({"k": {float("nan"): 1}}, "['k'] has the key nan"), ({float("-inf"): 1, "b": float("nan")}, " has the key -inf")],
+    [
+        ({"a": float("nan")}, "['a'] is nan"),
+        ({"b": {"c": [1.0, float("-inf")]}}, "['b']['c'][1] is -inf"),
+        ({"t": (np.float64("inf"),)}, "['t'][0] is inf"),
+        ({"f": [np.float32("nan")]}, "['f'][0] is nan"),
+        ({"h": {"i": np.float16("-inf")}}, "['h']['i'] is -inf"),
+        ({"d": Decimal("NaN")}, "['d'] is NaN"),
+        ({"d": [1, Decimal("-Infinity")]}, "['d'][1] is -Infinity"),
+        ({"d": Decimal("sNaN")}, "['d'] is sNaN"),
+        ({"k": {float("nan"): 1}}, "['k'] has the key nan"),
+        ({float("-inf"): 1, "b": float("nan")}, " has the key -inf"),
+    ],
 )
 def test_rollout_refuses_metadata_holding_a_number_json_cannot_carry(metadata: dict, where: str, spans) -> None:
     """NaN and infinities were exported as `NaN`/`Infinity`, which is no JSON: the collector read them as null. Those of
@@ -237,8 +248,33 @@ def test_rollout_refuses_metadata_holding_a_number_json_cannot_carry(metadata: d
 
 def test_rollout_says_a_metadata_key_json_cannot_take_is_one_even_beside_a_nan(spans) -> None:
     """A key that is no string came out as "rollout metadata['b'] is nan", a NaN met after it."""
-    with pytest.raises(TypeError, match="rollout metadata cannot be exported as JSON: keys must be"):
+    with pytest.raises(TypeError, match=re.escape("rollout metadata has the key ('k',) (tuple), which JSON cannot")):
         rollout("t", metadata={("k",): 1, "b": float("nan")})
+
+
+@pytest.mark.parametrize(
+    ("metadata", "where"),
+    [
+        ({np.float32(1.5): 1}, " has the key np.float32(1.5) (float32)"),
+        ({"k": {Decimal("NaN"): 1}}, "['k'] has the key Decimal('NaN') (Decimal)"),
+        ({"x": [{"y": 1}, {Decimal("1.5"): 2}]}, "['x'][1] has the key Decimal('1.5') (Decimal)"),
+        ({"n": {np.int64(3): "c"}, "b": float("nan")}, "['n'] has the key np.int64(3) (int64)"),
+    ],
+)
+def test_rollout_names_where_a_metadata_key_json_cannot_take_is(metadata: dict, where: str, spans) -> None:
+    """A NumPy or `Decimal` key got json's bare "keys must be str, int, float, bool or None, not decimal.Decimal",
+    naming neither the key nor where it is, while a value of those types (a NaN) was refused naming where."""
+    with pytest.raises(TypeError, match=re.escape(f"rollout metadata{where}, which JSON cannot take as a key: give")):
+        rollout("t", metadata=metadata)
+
+
+def test_rollout_exports_metadata_given_as_a_mapping_as_an_object(spans) -> None:
+    """A mapping that is no dict (a `MappingProxyType`) went out as the JSON text of its `str`, `"{'a': 1}"`: the
+    collector ignored it, as metadata that is no object."""
+    with rollout("t", metadata=MappingProxyType({"a": 1, "b": [2]})):
+        pass
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert json.loads(root.attributes[semconv.METADATA]) == {"a": 1, "b": [2]}
 
 
 def test_rollout_takes_the_largest_names_the_collector_stores(spans) -> None:
@@ -249,11 +285,11 @@ def test_rollout_takes_the_largest_names_the_collector_stores(spans) -> None:
     assert r.group_size == 2**31 - 1
 
 
-
 def test_the_plugins_limits_are_the_collectors() -> None:
     """The plugin refuses what the collector would reject. `collector.protocol` keeps its own copy of the limits: the
     trainer imports it, and importing the plugin would add LangChain's 2.5 s to the trainer's start."""
     assert (semconv.MAX_NAME_LENGTH, semconv.MAX_COUNT) == (protocol.MAX_ID_LENGTH, protocol.MAX_COUNT)
+
 
 def test_rollout_error_marks_span_and_propagates(spans) -> None:
     with pytest.raises(KeyError):
