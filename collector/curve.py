@@ -31,8 +31,11 @@ from collector.spans import COUNTS, unique_sorted, whole_number
 __all__ = ["ROWS", "CurveFacts", "PolicySteps", "StepOf", "curve_facts", "highest_step", "step_of"]
 
 _STORED = (trajectories.c.created_at, trajectories.c.policy_step, trajectories.c.policy_step_spans)
+# the spans are counted from the index of `(trajectory_id, trace_id)` alone, not from their rows (a count of `span_id`,
+# not in it, read every row: 2-4x slower at 2,000 trajectories of 100 spans); `trace_id`, not `*`, which the outer join
+# counts as 1 for a trajectory without spans
 ROWS: Select[Any] = (
-    select(trajectories.c.id, trajectories.c.trace_id, *_STORED, func.count(spans.c.span_id).label("spans"))
+    select(trajectories.c.id, trajectories.c.trace_id, *_STORED, func.count(spans.c.trace_id).label("spans"))
     .select_from(trajectories.outerjoin(spans, spans.c.trajectory_id == trajectories.c.id))
     .group_by(trajectories.c.id, trajectories.c.trace_id, *_STORED)
 )
@@ -137,15 +140,17 @@ class PolicySteps:
         read (created at the same time) and holds as many spans as the step was computed from. They are let go of once
         written, not before: a transaction aborted as a deadlock runs the save again (`Transactions.run`)."""
         unsaved = dict(self._unsaved)  # a copy: a concurrent read may add steps
-        count = select(func.count(spans.c.span_id)).where(spans.c.trajectory_id == trajectories.c.id).scalar_subquery()
+        count = select(func.count()).where(spans.c.trajectory_id == trajectories.c.id).scalar_subquery()  # as `ROWS`
         update = (
             trajectories.update()
             .where(trajectories.c.id == bindparam("tid"), trajectories.c.created_at == bindparam("created"))
             .where(count == bindparam("count"))
             .values(policy_step=bindparam("step"), policy_step_spans=bindparam("count"))
         )
-        rows = [{"tid": tid, "created": s.created_at, "count": s.spans, "step": s.step}  # in id order, as exports lock
-                for tid, s in sorted(unsaved.items())]
+        rows = [
+            {"tid": tid, "created": s.created_at, "count": s.spans, "step": s.step}  # in id order, as exports lock
+            for tid, s in sorted(unsaved.items())
+        ]
         for chunk in chunks(rows):
             conn.execute(update, chunk)
         for tid, step in unsaved.items():

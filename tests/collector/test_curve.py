@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import event, select, update
+from sqlalchemy import delete, event, select, update
 from sqlalchemy.exc import OperationalError
 
 from art_langgraph import semconv as sc
@@ -17,7 +17,7 @@ from collector import curve, foreign
 from collector.assembly import model_calls
 from collector.config import CollectorSettings
 from collector.otlp import SpanRecord
-from collector.schema import trajectories
+from collector.schema import spans, trajectories
 from collector.sequences import build_sequences
 from collector.spans import unique_sorted
 from collector.store import SqlStore
@@ -192,4 +192,29 @@ def test_steps_are_stored_by_a_save_tried_again_after_a_deadlock(tmp_path: Path)
         stored = conn.execute(select(trajectories.c.id, trajectories.c.policy_step, trajectories.c.policy_step_spans))
         assert aborted and sorted(stored) == [("a", 0, 2), ("b", 0, 2)]
     assert not store._steps.unsaved
+    store.close()
+
+
+def test_the_curve_counts_spans_from_the_index_alone(tmp_path: Path) -> None:
+    """The curve's span counts (`ROWS`, and `PolicySteps.save`'s check) read the index of the spans' trajectory ids
+    alone, not every span's row (a count of `span_id`, not in it, read them: 2-4x slower at 2,000 trajectories of 100
+    spans); a trajectory without spans counts none."""
+    store = _restarted(tmp_path / "c.db")
+    store.add_spans([*sb.trajectory(10, "a", reward=1.0), *sb.trajectory(20, "b", reward=1.0)])
+    with store.engine.begin() as conn:
+        conn.execute(delete(spans).where(spans.c.trajectory_id == "b"))
+        assert sorted((row.id, row.spans) for row in conn.execute(curve.ROWS)) == [("a", 2), ("b", 0)]
+    saves: list[tuple[str, tuple[object, ...]]] = []
+
+    @event.listens_for(store.engine, "before_cursor_execute")
+    def keep(conn: object, cursor: object, statement: str, parameters: list[tuple[object, ...]], *args: object) -> None:
+        if statement.startswith("UPDATE trajectories SET policy_step"):
+            saves.append((statement, parameters[0]))
+
+    assert [(p.policy_step, p.count) for p in reward_curve(store)] == [(0, 1)]
+    assert len(saves) == 1  # the save of a's step, with `executemany`
+    with store.engine.connect() as conn:
+        for statement, parameters in [(str(curve.ROWS.compile(conn)), ()), *saves]:
+            plan = " ".join(row[-1] for row in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters))
+            assert "SEARCH spans USING COVERING INDEX ix_spans_trajectory_id_trace_id" in plan, (statement, plan)
     store.close()
