@@ -136,6 +136,8 @@ class TrainingSchedule:
         """Outcome of each fired job: `trained`, `no_batch_ready`, `busy`, `paused`, `below_min_groups`, `failed`, or
         the error code of a step or of a poll the collector failed (`collector_unavailable`, ...)."""
         self.last_outcome: str | None = None
+        self._busy_warned = False
+        """A `busy` warned since the last outcome of a step: the rest of that row are logged at INFO."""
         self._scheduler: AsyncIOScheduler | None = None
         self._running: asyncio.Task[None] | None = None
         self._polling: asyncio.Task[None] | None = None
@@ -200,14 +202,14 @@ class TrainingSchedule:
             delay = self._poll_backoff.failed()
             self._defer_poll(delay)
             self._note(exc.body.error.code or "collector_unavailable", f"{exc.body.error.message}; next poll in "
-                       f"{delay:g}s")
+                       f"{delay:g}s", poll=True)
             return
         except Exception as exc:  # runs in its own task: nothing else would see it
-            self._note("failed", f"min_groups poll: {type(exc).__name__}: {exc}", exc)
+            self._note("failed", f"min_groups poll: {type(exc).__name__}: {exc}", exc, poll=True)
             return
         self._poll_backoff.reset()
         if ready < wanted:
-            self._note("below_min_groups", f"{ready} of {wanted} groups ready")
+            self._note("below_min_groups", f"{ready} of {wanted} groups ready", poll=True)
             return
         await self._fire("min_groups")
 
@@ -240,9 +242,13 @@ class TrainingSchedule:
             return
         self._note("trained", source)
 
-    def _note(self, outcome: str, detail: str, exc: BaseException | None = None) -> None:
-        """Count and log an outcome; a `busy` right after another warns only once (one step outlasting the period)."""
-        again = outcome == "busy" and (self.last_outcome or "").startswith("busy:")
+    def _note(self, outcome: str, detail: str, exc: BaseException | None = None, *, poll: bool = False) -> None:
+        """Count and log an outcome. A `busy` right after another warns only once (one step outlasting the period):
+        the row ends with the outcome of a step, not with a poll's (`poll`: `below_min_groups`, a failed poll), which
+        with `min_groups` and `every` or `cron` both set comes between the ticks."""
+        again = outcome == "busy" and self._busy_warned
+        if not poll:  # a step's outcome: `busy` starts or goes on with a row, any other ends it
+            self._busy_warned = outcome == "busy"
         self.counts[outcome] += 1
         self.last_outcome = f"{outcome}: {detail}"
         quiet = ("trained", "below_min_groups", "no_batch_ready", "paused")

@@ -182,8 +182,9 @@ async def _takes_no_parameters(request: Request) -> None:
     body = await _body_head(request)
     if request.url.query or len(body) > _NO_PARAMETERS_READ or not _NO_PARAMETERS.fullmatch(body):
         raise ServiceError(400, "unexpected_body", f"{request.method} {request.url.path} takes no parameters: send no "
-                           "query string, and no body or `{}`. Training settings (`--min-groups`, `--batch-groups`, "
-                           "the GRPO flags, ...) are `art-trainer serve` flags; see `art-trainer serve --help`.")
+                           "query string, and no body or `{}`. Training settings (`--batch-groups`, the GRPO flags, "
+                           "...) are `art-trainer serve` flags, and so are its triggers (`--min-groups`, `--every`, "
+                           "`--cron`); a manual step trains on what is ready now. See `art-trainer serve --help`.")
 
 
 def _streams(body: dict[str, Any]) -> bool:

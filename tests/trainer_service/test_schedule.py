@@ -103,6 +103,37 @@ async def test_a_step_longer_than_the_period_warns_once_not_every_tick(caplog: p
     await wait_for(lambda: schedule.counts["trained"] == 2)
 
 
+async def test_polls_between_the_ticks_a_long_step_skips_do_not_make_each_warn(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """With `--min-groups` and `--every` both set, a poll's outcome between two ticks that found the step running
+    (`below_min_groups`, a collector that failed) ended the row of `busy`: every tick warned again, 20 warnings for a
+    10-minute step at `every 30s`. Only an outcome of a step ends the row now."""
+    release = asyncio.Event()
+    answers: list[int | ServiceError] = [1, ServiceError(502, "collector_unavailable", "refused"), 1]
+
+    async def slow(source: str, min_groups: int) -> None:
+        await release.wait()
+
+    async def ready() -> int:
+        answer = answers.pop(0)
+        if isinstance(answer, ServiceError):
+            raise answer
+        return answer
+
+    schedule = TrainingSchedule(TrainerSettings(min_groups=4, every="1h"), slow, ready)  # the test fires the jobs
+    caplog.set_level(logging.INFO, logger="trainer_service.schedule")
+    await schedule._fire("every")
+    await asyncio.sleep(0)
+    for _ in range(3):  # three periods of the step, a poll before each tick
+        await schedule._poll()
+        await schedule._fire("every")
+    busy = [r.levelno for r in caplog.records if "scheduled training: busy" in r.getMessage()]
+    assert busy == [logging.WARNING, logging.INFO, logging.INFO] and schedule.counts["busy"] == 3
+    assert schedule.counts["collector_unavailable"] == 1  # the poll's own failure still counts and warns
+    release.set()
+    await wait_for(lambda: schedule.counts["trained"] == 1)
+
+
 @pytest.mark.parametrize("trigger", [{"every": "1h"}, {"cron": "0 3 * * *"}])
 async def test_a_run_the_loop_reaches_late_fires_once_not_dropped(trigger: dict) -> None:
     """A run reached more than 1 s after its time (a busy loop, a suspended host, the wall clock stepped forward) was
