@@ -30,7 +30,7 @@ from trainer_service.grpo_config import OPTIONAL_FIELDS, GRPOConfig, split_modul
 from trainer_service.huge_pages import enable_huge_pages
 from trainer_service.vllm_source import flags_read_as, vllm_serve_flags
 
-__all__ = ["build_parser", "check_vllm_args", "main", "settings_from_args"]
+__all__ = ["build_parser", "check_vllm_args", "configure_logging", "main", "settings_from_args"]
 
 # flag → TrainerSettings field (help text comes from the field's description)
 _SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
@@ -262,6 +262,15 @@ def settings_from_args(args: argparse.Namespace) -> tuple[TrainerSettings, GRPOC
     return settings, grpo
 
 
+def configure_logging(level: str) -> None:
+    """Log at `level` (`--log-level`). Below DEBUG, APScheduler's two lines per job run ("Running job", "executed
+    successfully": 12 a minute at the default `--poll-seconds`, while nothing is ready) are left out: the schedule logs
+    each run's outcome itself."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level.upper() != "DEBUG":
+        logging.getLogger("apscheduler.executors").setLevel(logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `art-trainer` console script.
 
@@ -278,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(settings_error(exc))
     except ValueError as exc:
         parser.error(str(exc))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     if argv is None:  # the console script: its own command line can run again; a caller's in-process argv cannot
         try:
             allocator = preload_allocator(settings.allocator)  # may exec this process again, before anything loads

@@ -26,7 +26,7 @@ from examples.stack import free_port
 from tests.trainer_service.builders import save_tiny_model
 from trainer_service import config
 from trainer_service.checkpoint_checks import CheckpointMismatchError
-from trainer_service.cli import build_parser, main, settings_from_args
+from trainer_service.cli import build_parser, configure_logging, main, settings_from_args
 from trainer_service.config import TrainerSettings
 from trainer_service.engine_errors import EngineError
 from trainer_service.vllm_source import vllm_dtypes, vllm_lora_ranks, vllm_serve_flags, vllm_source, vllm_tool_parsers
@@ -1294,3 +1294,32 @@ def test_a_variable_no_setting_reads_stops_serve_in_lower_case_too(monkeypatch: 
         "art-trainer: error: art_trainer_lora_r (did you mean ART_TRAINER_LORA_R or ART_TRAINER_LORA_DROPOUT?), "
         "art_trainer_lora_rank (did you mean ART_TRAINER_LORA_R or ART_TRAINER_MAX_LORA_RANK?) are set, but no setting "
         "reads them: rename or unset them (the README lists every ART_* variable)")
+
+
+@pytest.mark.parametrize(("level", "job_lines"), [("info", 0), ("debug", 2)])
+def test_scheduler_job_runs_are_logged_only_at_debug(level: str, job_lines: int, caplog) -> None:
+    """APScheduler logs two lines per job run ("Running job", "executed successfully"), 12 a minute for the default
+    `--min-groups` poll; the schedule logs each outcome itself, so they show at `--log-level debug` only."""
+    import asyncio
+    import logging
+
+    from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+    async def run_one_job() -> None:
+        scheduler = AsyncIOScheduler()
+        ran = asyncio.Event()
+        scheduler.add_job(ran.set, id="poll")  # no trigger: runs once, now
+        scheduler.start()
+        await asyncio.wait_for(ran.wait(), 10)
+        await asyncio.sleep(0.05)  # the executor logs "executed successfully" once the job returned
+        scheduler.shutdown(wait=False)
+
+    quieted = logging.getLogger("apscheduler.executors")
+    caplog.set_level(logging.DEBUG)
+    try:
+        configure_logging(level)
+        asyncio.run(run_one_job())
+    finally:
+        quieted.setLevel(logging.NOTSET)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("apscheduler.executors")]
+    assert len(lines) == job_lines, lines
