@@ -50,7 +50,7 @@ def check_compatible(existing: Sequence[tuple[int, Path]], base_model: str, lora
     for step, path in existing:
         try:
             recorded = _recorded(json.loads((path / MANIFEST).read_text()), step)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep to decode
             raise _unreadable(path / MANIFEST, exc) from exc
         differ = [key for key in _FLAGS if recorded[key] != wanted[key]]
         if differ:
@@ -81,7 +81,7 @@ def _check_files(path: Path) -> None:
         file = path / OPTIMIZER
         if file.exists():  # none: the resume starts AdamW afresh
             zipfile.ZipFile(file).close()  # `torch.save`'s format: one cut short has no central directory
-    except (OSError, ValueError, SafetensorError, zipfile.BadZipFile) as exc:
+    except (OSError, ValueError, RecursionError, SafetensorError, zipfile.BadZipFile) as exc:
         raise _unreadable(file, exc) from exc
 
 

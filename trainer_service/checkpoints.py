@@ -123,12 +123,17 @@ class CheckpointStore:
 
         Raises:
             OSError: the manifest cannot be read (its folder was deleted).
-            ValueError: it is not JSON, or not an object whose `metrics` is an object.
+            ValueError: it is not JSON (or JSON nested too deep to decode), or not an object whose `metrics` is an
+                object.
         """
-        manifest = json.loads((self.path(step) / MANIFEST).read_text())
+        path = self.path(step) / MANIFEST
+        try:
+            manifest = json.loads(path.read_text())
+        except RecursionError as exc:  # was a traceback in every step's retention
+            raise ValueError(f"{path} is JSON nested too deep to decode") from exc
         metrics = manifest.get("metrics") if isinstance(manifest, dict) else []
         if not isinstance(metrics, dict | None):
-            raise ValueError(f"{self.path(step) / MANIFEST} is not a JSON object whose `metrics` is an object")
+            raise ValueError(f"{path} is not a JSON object whose `metrics` is an object")
         return dict(metrics or {})
 
     def delete(self, step: int) -> None:

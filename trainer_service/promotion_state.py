@@ -27,7 +27,8 @@ _STEP_KEY = re.compile(r"0|[1-9][0-9]*")
 
 def read_promotion(root: Path) -> dict[str, Any]:
     """The promotion state saved in `root` (`output_dir/checkpoints`): `{"latest": step or None, "evals": {step:
-    reward}, "prompt_set": key of the prompts those rewards were measured on, "decision": PromotionDecision or None}`.
+    reward}, "prompt_set": key of the prompts those rewards were measured on, "decision": PromotionDecision or None}`
+    (`latest`, `evals` or `decision` left out: None, none, None).
 
     Raises:
         CheckpointMismatchError: `promotion.json` cannot be read, or is not such a state; names it and the fix.
@@ -42,6 +43,7 @@ def read_promotion(root: Path) -> dict[str, Any]:
         latest = state.get("latest")
         if latest is not None and (isinstance(latest, bool) or not isinstance(latest, int)):
             raise ValueError(f"its `latest` is {latest!r}, not a step number or null")
+        state["latest"] = latest  # left out (`{}`): the base model, as null (was a KeyError in the gate's restore)
         state["evals"] = _eval_rewards(state.get("evals") or {})
         decision = state.get("decision")
         state["decision"] = PromotionDecision.model_validate(decision) if decision else None

@@ -80,8 +80,9 @@ class Retention:
         """The steps of `steps` the policy drops (reads the manifests' metrics).
 
         A step whose manifest cannot be read (its folder deleted by hand) has no value of the metric: logged and
-        counted as `retention_errors`, it is kept or dropped as the newest steps are; so has an SFT step's `reward/*`
-        recorded in the meaning it had before `reward/chosen_mean` (`_comparable`).
+        counted as `retention_errors`, it is kept or dropped as the newest steps are; so has one whose manifest records
+        the metric as an integer too large for a float, and an SFT step's `reward/*` recorded in the meaning it had
+        before `reward/chosen_mean` (`_comparable`).
         """
         s = self.settings
         values: dict[int, float] = {}
@@ -97,7 +98,12 @@ class Retention:
                 merged = {**_comparable(recorded),
                           **({"eval/reward": self.gate.evals[step]} if step in self.gate.evals else {})}
                 if isinstance(merged.get(s.keep_best_metric), int | float):
-                    values[step] = float(merged[s.keep_best_metric])
+                    try:
+                        values[step] = float(merged[s.keep_best_metric])
+                    except OverflowError:  # an integer past a float's range: was a traceback in every retention
+                        self.counters["retention_errors"] += 1
+                        logger.error("%s records %s as an integer too large for a float; it cannot be the best",
+                                     self.model_name(step), s.keep_best_metric)
         protect = {step for step in (self.gate.latest, steps[-1] if steps else None) if step is not None}
         kept = select_kept(steps, values, keep_last=s.keep_last, best_mode=s.keep_best_mode, protect=protect)
         return [step for step in steps if step not in kept]

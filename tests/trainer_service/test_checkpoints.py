@@ -286,7 +286,8 @@ def test_an_unreadable_manifest_names_the_folder_and_the_fix(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("manifest", ["[]", '{"step": 2, "config": [8]}', '{"config": {"target_modules": 7}}',
-                                      '{"step": 2, "config": {"target_modules": [7]}}', '{"step": 2, "metrics": [1]}'])
+                                      '{"step": 2, "config": {"target_modules": [7]}}', '{"step": 2, "metrics": [1]}',
+                                      "[" * 100_000])  # nested too deep to decode: was a RecursionError traceback
 def test_a_manifest_that_is_json_of_another_shape_is_unreadable_not_a_traceback(tmp_path: Path,
                                                                                  manifest: str) -> None:
     (tmp_path / "step-2").mkdir()
@@ -316,6 +317,7 @@ def test_a_manifest_that_is_not_a_file_stops_the_start_and_its_checkpoint_is_kep
     ("adapter_model.safetensors", lambda path: path.write_bytes(b"")),
     ("adapter_model.safetensors", lambda path: path.unlink()),
     ("adapter_config.json", lambda path: path.write_text("garbage")),
+    ("adapter_config.json", lambda path: path.write_text("[" * 100_000)),  # was a RecursionError traceback
     ("optimizer.pt", lambda path: path.write_bytes(path.read_bytes()[:1000])),
     ("optimizer.pt", lambda path: path.write_bytes(b"")),
 ])

@@ -400,6 +400,25 @@ def test_a_damaged_promotion_state_stops_the_start_naming_the_file(tmp_path: Pat
         PromotionGate(settings, store, None, lambda step: f"agent@{step}", lambda: "base-model")
 
 
+@pytest.mark.parametrize(("saved", "evals"), [("{}", {}), ('{"evals": {"0": 0.5}}', {0: 0.5})])
+def test_a_promotion_state_without_latest_serves_the_base_model(tmp_path: Path, saved: str,
+                                                               evals: dict[int, float]) -> None:
+    """`latest` left out, as `evals` may be (e.g. `{}` written to start the gate afresh): was a KeyError at start,
+    with an eval set, once vLLM ran."""
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.root.mkdir()
+    (store.root / "promotion.json").write_text(saved)
+
+    async def no_rows() -> list[dict[str, Any]]:
+        raise AssertionError("restore evaluated a step")
+
+    evaluator = Evaluator(no_rows, reward, "http://engine")
+    gate = PromotionGate(TrainerSettings(output_dir=tmp_path, wandb="off"), store, evaluator,
+                         lambda step: f"agent@{step}", lambda: "base-model")
+    gate.restore([1, 2])
+    assert gate.latest is None and gate.evals == evals
+
+
 @pytest.mark.parametrize(("evals", "problem"), [
     # were read as rewards 1.0 and 0.5: only a JSON number is a reward
     ('{"0": true}', "its `evals` reward of step 0 is True, not a number"),

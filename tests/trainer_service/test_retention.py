@@ -85,6 +85,32 @@ async def test_a_checkpoint_folder_deleted_by_hand_is_not_the_best_and_fails_no_
     await service.aclose()
 
 
+@pytest.mark.parametrize("damage", ["nested too deep", "metric too large for a float"])
+async def test_a_manifest_damaged_while_the_service_runs_fails_no_step_and_retention_goes_on(
+        tmp_path: Path, damage: str) -> None:
+    """Each was a traceback in every later step's retention (RecursionError, OverflowError): the steps answered 500
+    though served, and no checkpoint was deleted any more."""
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [], keep_last=1, keep_best_metric="reward/mean")
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    await service.train_once()
+    manifest = tmp_path / "checkpoints" / "step-1" / "manifest.json"
+    if damage == "nested too deep":
+        manifest.write_text("[" * 100_000)
+    else:
+        recorded = json.loads(manifest.read_text())
+        recorded["metrics"]["reward/mean"] = 10**400
+        manifest.write_text(json.dumps(recorded))
+    for index in (2, 3):  # equal rewards: the newest is the best
+        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+        assert (await service.train_once()).step == index
+    assert service.steps == [3] and sorted(service.engine.adapters) == ["agent@3"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()) == ["step-3"]
+    assert service.counters["retention_errors"] == 1  # step 1's metric, read once: it could not be the best
+    await service.aclose()
+
+
 async def test_a_delete_that_fails_halfway_says_what_is_left_and_the_next_start_removes_the_rest(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     batches: list[Batch] = []
