@@ -3,7 +3,8 @@
 From Python 3.12 no thread can start once the interpreter is exiting (atexit handlers
 included, the application's as well as the plugin's), yet a flush there must still be bounded.
 Such calls run on a spare thread started beforehand: when the plugin is imported
-(`spare_thread.arm()`), and again in a forked child (`spare_thread.after_fork()`).
+(`spare_thread.arm()`), and again in a forked child (`spare_thread.after_fork()`). A call that many waits ask for
+(a flush) runs on one thread at a time (`Coalesced`), however long a run is stuck.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-__all__ = ["run_bounded", "spare_thread"]
+__all__ = ["Coalesced", "run_bounded", "spare_thread"]
 
 _logger = logging.getLogger(__name__)
 
@@ -96,9 +97,64 @@ def run_bounded(fn: Callable[[], object], timeout: float) -> bool:
         True if `fn()` finished in time and neither raised nor returned False.
     """
     job = _Job(fn)
+    return _start(job) and job.wait(timeout)
+
+
+def _start(job: _Job) -> bool:
+    """Run `job` on a new daemon thread or, while the interpreter is exiting, the spare thread; False if on neither."""
     try:
         threading.Thread(target=job.run, name="art-langgraph-flush", daemon=True).start()
     except RuntimeError:  # "can't create new thread at interpreter shutdown" (Python 3.12+)
-        if not spare_thread.submit(job):
-            return False
-    return job.wait(timeout)
+        return spare_thread.submit(job)
+    return True
+
+
+class Coalesced:
+    """A call that any number of threads ask for and wait on, bounded (a flush), run on one thread at a time.
+
+    A request is served by the first run that starts after it; the requests made while a run is under way are served
+    together by the next one. A run stuck for good (an export a stalled collector never answers) so holds one thread,
+    where a thread per request (`run_bounded`) piled up behind it for as long as it was stuck.
+    """
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self._fn = fn
+        self._changed = threading.Condition()
+        self._asked = 0
+        """Requests so far."""
+        self._served = 0
+        """Requests served by a run that has ended: the first `_served` of them."""
+        self._ok = False
+        """Whether the last run that ended succeeded (see `_run_logged`)."""
+        self._running = False
+        """Whether a thread is serving requests (`_serve`)."""
+
+    def run_bounded(self, timeout: float) -> bool:
+        """Ask for a run and wait at most `timeout` seconds (or `threading.TIMEOUT_MAX`) for one that started after
+        this call to end. Errors the call raises are logged with their traceback, never raised.
+
+        Returns:
+            True if such a run ended in time and neither raised nor returned False.
+        """
+        with self._changed:
+            self._asked += 1
+            request = self._asked
+            if not self._running:
+                self._running = _start(_Job(self._serve))
+                if not self._running:
+                    return False
+            served = self._changed.wait_for(lambda: self._served >= request, min(timeout, threading.TIMEOUT_MAX))
+            return served and self._ok
+
+    def _serve(self) -> None:
+        """Run the call until every request made so far is served, then end (a later request starts a new thread)."""
+        while True:
+            with self._changed:
+                if self._served == self._asked:
+                    self._running = False
+                    return
+                asked = self._asked
+            ok = _run_logged(self._fn)
+            with self._changed:
+                self._served, self._ok = asked, ok
+                self._changed.notify_all()

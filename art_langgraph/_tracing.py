@@ -16,6 +16,7 @@ import os
 import secrets
 import sys
 import threading
+import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
@@ -30,7 +31,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Span, Tracer
 
-from art_langgraph._bounded import run_bounded, spare_thread
+from art_langgraph._bounded import Coalesced, run_bounded, spare_thread
 from art_langgraph._checks import check_count, check_timeout
 from art_langgraph._counts import DROPPED_SPANS, ProcessLock, renew_after_fork
 from art_langgraph._export_queue import CountingExporter, Processor, export_processors
@@ -180,6 +181,10 @@ class _ToCurrentPipeline(SpanProcessor):
 _TO_CURRENT = _ToCurrentPipeline()
 
 
+_FLUSH_MILLIS = int(threading.TIMEOUT_MAX * 1000)
+"""The timeout a flush gives the processors: as long as a thread can wait (each `flush` call bounds its own wait)."""
+
+
 class _State:
     """The configured pipeline: the provider spans start on, and the processors that export them."""
 
@@ -187,17 +192,25 @@ class _State:
         self.provider = provider
         self.processors = processors
         self.tracer = provider.get_tracer(_INSTRUMENTATION_NAME)
+        self.flushing = Coalesced(self.force_flush)
+        """`force_flush` for `flush`, on one thread however many flushes wait behind an export a collector is slow to
+        answer."""
+        self.stopped = threading.Event()
+        """Set once `shutdown` has ended (or raised)."""
 
-    def force_flush(self, timeout_millis: int) -> bool:
+    def force_flush(self) -> bool:
         """Export every ended span: through the provider's own processors (tests add some), then ours."""
-        flushed = self.provider.force_flush(timeout_millis)
-        return all([flushed, *(p.force_flush(timeout_millis) for p in self.processors)])
+        flushed = self.provider.force_flush(_FLUSH_MILLIS)
+        return all([flushed, *(p.force_flush(_FLUSH_MILLIS) for p in self.processors)])
 
     def shutdown(self) -> None:
         """Shut the provider down, then export what our processors hold and stop them."""
-        self.provider.shutdown()
-        for processor in self.processors:
-            processor.shutdown()
+        try:
+            self.provider.shutdown()
+            for processor in self.processors:
+                processor.shutdown()
+        finally:
+            self.stopped.set()
 
     def give_up(self) -> int:
         """Count the spans our exporters have not sent yet (queued, or in a request not answered) as dropped, now;
@@ -208,6 +221,10 @@ class _State:
 _lock = ProcessLock(reentrant=True)
 """Guards `_state`; reentrant, as `_current` configures a pipeline under it."""
 _state: _State | None = None
+_stopping: list[_State] = []
+"""Pipelines `configure` or `shutdown` replaced, while their shutdown may still be exporting (their callers' waits are
+bounded; the SDK waits 30 s for a stalled collector): `flush` waits for them too, and the exit hook gives up on them
+as on the current one."""
 _exit_hook_ran = False
 
 
@@ -269,7 +286,7 @@ def configure(
     with _lock:
         old, _state = _state, state
     if old is not None:
-        run_bounded(old.shutdown, timeout=5.0)
+        _stop(old, timeout=5.0)
 
 
 def _current() -> _State:
@@ -331,7 +348,9 @@ def dropped_spans() -> int:
 def flush(timeout: float = 5.0) -> bool:
     """Export every finished span now, waiting at most `timeout` seconds.
 
-    It works from the application's own atexit handlers too (see `run_bounded`).
+    That includes the spans of a pipeline `configure` or `shutdown` stopped whose export is still under way (a slow
+    collector). Calls made while a flush waits on the collector are served together, by one thread. It works from the
+    application's own atexit handlers too (see `run_bounded`).
 
     Args:
         timeout: Upper bound on the wait, in seconds: 0 or more, `math.inf` to wait as long as a thread can.
@@ -344,12 +363,11 @@ def flush(timeout: float = 5.0) -> bool:
         TypeError: `timeout` is not a number (a bool is none).
     """
     timeout = check_timeout(timeout, "flush's timeout")
+    started = time.monotonic()
     with _lock:
-        state = _state
-    if state is None:
-        return True
-    # at most as long as a thread can wait: `math.inf`, which `int` cannot take, flushed nothing
-    return run_bounded(lambda: state.force_flush(int(min(timeout, threading.TIMEOUT_MAX) * 1000)), timeout)
+        state, stopping = _state, list(_stopping)
+    flushed = state is None or state.flushing.run_bounded(timeout)
+    return flushed and _wait_stopped(stopping, timeout - (time.monotonic() - started))
 
 
 def _take_state() -> _State | None:
@@ -358,6 +376,21 @@ def _take_state() -> _State | None:
     with _lock:
         state, _state = _state, None
     return state
+
+
+def _stop(state: _State, timeout: float) -> bool:
+    """Shut down `state`, a detached pipeline, waiting at most `timeout` seconds; until its shutdown ends, it is one of
+    the `_stopping` pipelines. Whether it ended in time."""
+    global _stopping
+    with _lock:
+        _stopping = [*(old for old in _stopping if not old.stopped.is_set()), state]
+    return run_bounded(state.shutdown, timeout)
+
+
+def _wait_stopped(states: list[_State], timeout: float) -> bool:
+    """Wait at most `timeout` seconds in all for the shutdown of each of `states` to end; whether every one did."""
+    end = time.monotonic() + min(max(timeout, 0.0), threading.TIMEOUT_MAX)
+    return all(state.stopped.wait(max(end - time.monotonic(), 0.0)) for state in states)
 
 
 def shutdown(timeout: float = 5.0) -> None:
@@ -369,25 +402,34 @@ def shutdown(timeout: float = 5.0) -> None:
     """
     timeout = check_timeout(timeout, "shutdown's timeout")
     if (state := _take_state()) is not None:
-        run_bounded(state.shutdown, timeout)
+        _stop(state, timeout)
 
 
 def _flush_at_exit() -> None:
-    """The exit hook: exports what is left, waiting at most `ART_EXIT_FLUSH_TIMEOUT` seconds, and counts as dropped
-    and logs the spans still unsent when it gave up (a failed shutdown is logged by `run_bounded`).
+    """The exit hook: exports what is left, the current pipeline's and the stopping ones' (`_stopping`), waiting at
+    most `ART_EXIT_FLUSH_TIMEOUT` seconds in all, and counts as dropped and logs the spans still unsent when it gave up
+    (a failed shutdown is logged by `run_bounded`).
 
-    The shutdown it gave up on may still end while the process exits; it counts none of those spans again, and one
-    it delivers then stays counted.
+    The shutdowns it gave up on may still end while the process exits; they count none of those spans again, and one
+    they deliver then stays counted.
     """
-    global _exit_hook_ran
+    global _exit_hook_ran, _stopping
     _exit_hook_ran = True
-    if (state := _take_state()) is None:
+    if (state := _take_state()) is None and not _stopping:
         return
+    started = time.monotonic()
     timeout = get_settings().exit_flush_timeout
-    if not run_bounded(state.shutdown, timeout) and (lost := state.give_up()):
+    if state is not None:
+        _stop(state, timeout)
+    with _lock:
+        stopping, _stopping = _stopping, []
+    left = timeout - (time.monotonic() - started)
+    if not _wait_stopped(stopping, left) and (lost := sum(old.give_up() for old in stopping)):
         _logger.warning(
             "art_langgraph: %d spans were still unsent when ART_EXIT_FLUSH_TIMEOUT (%g s) ran out at exit; they are "
-            "lost: raise ART_EXIT_FLUSH_TIMEOUT if the collector is slow to answer", lost, timeout,
+            "lost: raise ART_EXIT_FLUSH_TIMEOUT if the collector is slow to answer",
+            lost,
+            timeout,
         )
 
 
@@ -400,8 +442,9 @@ def _after_fork_in_child() -> None:
     warnings'): a thread of the parent may have held one (configuring at a first span, counting a loss, reading the
     settings), and in the child no thread would ever release it.
     """
-    global _state
+    global _state, _stopping
     _state = None
+    _stopping = []
     renew_after_fork()
     spare_thread.after_fork()
 

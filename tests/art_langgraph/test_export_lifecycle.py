@@ -280,13 +280,53 @@ def test_exit_that_runs_out_of_time_logs_how_many_spans_were_left_unsent(dead_ur
                 pass
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "ART_EXIT_FLUSH_TIMEOUT": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "ART_EXIT_FLUSH_TIMEOUT": "1"},
+    )
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     assert [line for line in out.stderr.splitlines() if line.startswith("art_langgraph:")] == [
         "art_langgraph: 4 spans were still unsent when ART_EXIT_FLUSH_TIMEOUT (1 s) ran out at exit; they are lost: "
-        "raise ART_EXIT_FLUSH_TIMEOUT if the collector is slow to answer"]
+        "raise ART_EXIT_FLUSH_TIMEOUT if the collector is slow to answer"
+    ]
     assert out.stdout.split() == ["4"]
+
+
+@pytest.mark.parametrize("stop", ["shutdown(timeout=0.5)", "configure()"])
+def test_spans_a_pipeline_stopped_before_exit_left_unsent_are_counted_and_logged(dead_url, stop: str) -> None:
+    """`shutdown(timeout)` and `configure()` wait a bounded time for the pipeline they stop, which a collector that
+    does not answer outlasts; the exit hook, which saw no pipeline of its own, let its spans be lost with no count and
+    no line."""
+    script = textwrap.dedent(
+        f"""
+        import atexit, threading
+        atexit.register(lambda: print(art_langgraph.dropped_spans()))  # registered first: runs after the exit hook
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        import art_langgraph
+        OTLPSpanExporter.export = lambda self, spans: threading.Event().wait()  # blocks for good
+        art_langgraph.configure(collector_url={dead_url!r})
+        for i in range(2):
+            with art_langgraph.rollout(f"stopped-{{i}}"):
+                pass
+        art_langgraph.{stop}  # gives up on the stuck export, which goes on
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "ART_EXIT_FLUSH_TIMEOUT": "1"},
+    )
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert [line for line in out.stderr.splitlines() if line.startswith("art_langgraph:")] == [
+        "art_langgraph: 2 spans were still unsent when ART_EXIT_FLUSH_TIMEOUT (1 s) ran out at exit; they are lost: "
+        "raise ART_EXIT_FLUSH_TIMEOUT if the collector is slow to answer"
+    ]
+    assert out.stdout.split() == ["2"]
 
 
 def test_a_wait_longer_than_a_thread_can_wait_still_flushes(receivers) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import math
 import random
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
@@ -107,8 +109,9 @@ def test_rollouts_of_an_app_that_seeds_random_alike_get_their_own_ids(memory_tra
 
 def test_the_apps_span_limits_cut_nothing(memory_tracing, app_environment) -> None:
     """Limits the app sets for its spans would truncate the messages' JSON, evict attributes and drop rewards."""
-    app_environment(OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT="8", OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT="2",
-                    OTEL_SPAN_EVENT_COUNT_LIMIT="1")
+    app_environment(
+        OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT="8", OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT="2", OTEL_SPAN_EVENT_COUNT_LIMIT="1"
+    )
     with rollout("limited") as run:
         FakeEngine().chat_model().invoke("a question longer than eight characters")
         run.reward(1.0, name="correct")
@@ -160,10 +163,63 @@ def test_flush_with_a_timeout_past_a_floats_range_waits_as_with_an_infinite_one(
     assert len(collector.spans()) == 1
 
 
-@pytest.mark.parametrize(("timeout", "error"), [(math.nan, ValueError), (-1, ValueError),
-                                                pytest.param(-(10**400), ValueError, id="-10**400"),
-                                                pytest.param(-(10**5000), ValueError, id="-10**5000"),
-                                                (True, TypeError), ("5", TypeError)])
+def _held_until(answer: threading.Event, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every OTLP export waits for `answer` before it is sent: a collector that has not answered yet."""
+    send = OTLPSpanExporter.export
+    monkeypatch.setattr(OTLPSpanExporter, "export", lambda self, spans: answer.wait() and send(self, spans))
+
+
+@pytest.mark.parametrize("stop", ["shutdown", "configure"])
+def test_flush_waits_for_the_spans_of_a_pipeline_shutdown_or_configure_stopped(receivers, monkeypatch, stop) -> None:
+    """`shutdown(timeout)` and `configure()` wait a bounded time for the pipeline they stop, whose export goes on when
+    the collector is slow; `flush()` then flushed only the new pipeline and returned True with those spans unsent."""
+    collector, _ = receivers
+    answer = threading.Event()
+    _held_until(answer, monkeypatch)
+    art_langgraph.configure(collector_url=collector.url)
+    with rollout("stopped"):
+        pass
+    if stop == "shutdown":
+        art_langgraph.shutdown(timeout=0.1)
+    else:
+        art_langgraph.configure(collector_url=collector.url)
+    assert not art_langgraph.flush(timeout=0.1)
+    answer.set()
+    assert art_langgraph.flush(timeout=10)
+    assert [s.name for s in collector.spans()] == ["rollout stopped"]
+
+
+def test_flushes_while_an_export_is_stuck_cost_one_thread(receivers, monkeypatch) -> None:
+    """Each `flush(timeout)` ran the flush on a thread of its own, which waited behind the export a collector had not
+    answered: an app that flushes after every request piled up a thread per request while the collector was down. The
+    flushes asked for meanwhile are served together, by one run after the stuck one."""
+    collector, _ = receivers
+    answer = threading.Event()
+    _held_until(answer, monkeypatch)
+    art_langgraph.configure(collector_url=collector.url)
+    before = set(threading.enumerate())
+    for i in range(10):
+        with rollout(f"request-{i}"):
+            pass
+        assert not art_langgraph.flush(timeout=0)
+    flushing = [t for t in set(threading.enumerate()) - before if t.name == "art-langgraph-flush"]
+    answer.set()
+    assert len(flushing) == 1
+    assert art_langgraph.flush(timeout=10)
+    assert len(collector.spans()) == 10
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error"),
+    [
+        (math.nan, ValueError),
+        (-1, ValueError),
+        pytest.param(-(10**400), ValueError, id="-10**400"),
+        pytest.param(-(10**5000), ValueError, id="-10**5000"),
+        (True, TypeError),
+        ("5", TypeError),
+    ],
+)
 @pytest.mark.parametrize("call", ["flush", "shutdown"])
 def test_a_timeout_that_is_no_wait_is_refused(memory_tracing, call: str, timeout: object, error: type) -> None:
     """`flush(math.nan)` returned False with a traceback logged from the export thread (`int(nan)`), `flush(-1)` gave
@@ -223,7 +279,9 @@ def test_max_export_bytes_past_the_otlp_exporters_own_limit_is_refused(monkeypat
     assert Settings().max_export_bytes == MAX_OTLP_REQUEST_BYTES
 
 
-@pytest.mark.parametrize(("variable", "value"), [("ART_COLLECTOR_URL", "localhost:4318"), ("ART_TRAINER_URL", "ftp://x")])
+@pytest.mark.parametrize(
+    ("variable", "value"), [("ART_COLLECTOR_URL", "localhost:4318"), ("ART_TRAINER_URL", "ftp://x")]
+)
 def test_a_url_that_is_not_http_is_refused(monkeypatch, variable: str, value: str) -> None:
     """`ART_COLLECTOR_URL=localhost:4318` (no scheme) was taken: every export failed ("No connection adapters"), each
     span dropped, and every late reward raised."""
@@ -240,13 +298,19 @@ def test_a_url_without_a_host_is_refused(monkeypatch, value: str) -> None:
     and every late reward raised."""
     for variable in ("ART_COLLECTOR_URL", "OTEL_EXPORTER_OTLP_ENDPOINT", "ART_TRAINER_URL"):
         monkeypatch.delenv(variable, raising=False)
-    with pytest.raises(ValidationError, match=f"collector_url\n  Value error, must be an http:// or https:// URL "
-                                              f"with a host, got '{value}'"):
+    with pytest.raises(
+        ValidationError,
+        match=f"collector_url\n  Value error, must be an http:// or https:// URL with a host, got '{value}'",
+    ):
         art_langgraph.configure(collector_url=value)
-    with pytest.raises(ValidationError, match=f"trainer_url\n  Value error, must be an http:// or https:// URL with "
-                                              f"a host, got '{value}'"):
+    with pytest.raises(
+        ValidationError,
+        match=f"trainer_url\n  Value error, must be an http:// or https:// URL with a host, got '{value}'",
+    ):
         art_langgraph.configure(trainer_url=value)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", value)
-    with pytest.raises(ValidationError, match=f"OTEL_EXPORTER_OTLP_ENDPOINT must be an http:// or https:// URL with "
-                                              f"a host, got '{value}'"):
+    with pytest.raises(
+        ValidationError,
+        match=f"OTEL_EXPORTER_OTLP_ENDPOINT must be an http:// or https:// URL with a host, got '{value}'",
+    ):
         Settings()
