@@ -193,7 +193,8 @@ def encode_response(content_type: str | None, rejected: list[str] | None = None)
 def _parse_json(body: bytes) -> tuple[ExportTraceServiceRequest, list[str]]:
     """Parse OTLP/JSON (UTF-8), converting its hex ids to the base64 that `json_format` expects.
 
-    Returns the request without the spans whose ids are not hex strings, and why each was left out.
+    Returns the request without the spans whose ids are not hex strings, and why each was left out. Like
+    `json_format` (and the OpenTelemetry Collector), it reads a field under its proto name (`trace_id`) too.
     """
     try:
         text = body.decode("utf-8-sig")  # strict: `json.loads` of bytes would let encoded surrogates through
@@ -282,11 +283,37 @@ def _require_objects(value: Any, descriptor: Descriptor, path: str) -> None:
                     _require_objects(item, message, f"{path}.{key}[{i}]" if path else f"{key}[{i}]")
 
 
+_PROTO_NAMES = {
+    "resourceSpans": "resource_spans",
+    "scopeSpans": "scope_spans",
+    "traceId": "trace_id",
+    "spanId": "span_id",
+    "parentSpanId": "parent_span_id",
+}
+"""The proto names of the OTLP/JSON fields `_parse_json` reads itself, where they differ from the JSON names."""
+
+
+def _key(obj: dict[str, Any], json_name: str, path: str) -> str:
+    """The key under which `obj` holds a field: its JSON name, or its proto name when `obj` has that one.
+
+    Raises:
+        OtlpError: `malformed_body` when `obj` has both (`json_format` reads the last, so the other's ids would be
+            read as base64).
+    """
+    name = _PROTO_NAMES.get(json_name, json_name)
+    if name not in obj:
+        return json_name
+    if name != json_name and json_name in obj:
+        raise OtlpError("malformed_body", f"{path or 'body'} holds both {json_name} and {name}; send one")
+    return name
+
+
 def _list(parent: Any, key: str, path: str) -> list[Any]:
-    """`parent[key]` as a list (missing or null → empty, as protobuf's JSON mapping reads null); anything else
-    is malformed."""
+    """`parent[key]` (or under the key's proto name) as a list (missing or null → empty, as protobuf's JSON mapping
+    reads null); anything else is malformed."""
     if not isinstance(parent, dict):
         raise OtlpError("malformed_body", f"{path or 'body'} must be an object")
+    key = _key(parent, key, path)
     value = parent.get(key)
     if value is None:
         return []
@@ -296,14 +323,16 @@ def _list(parent: Any, key: str, path: str) -> list[Any]:
 
 
 def _hex_ids_to_base64(obj: dict[str, Any], path: str, keys: tuple[str, ...]) -> str | None:
-    """Replace hex id strings in `obj` by base64, in place; say why not when one is no hex string.
+    """Replace hex id strings in `obj` (under the JSON names `keys`, or their proto names) by base64, in place; say
+    why not when one is no hex string.
 
     Raises:
-        OtlpError: `malformed_body` when `obj` is not an object.
+        OtlpError: `malformed_body` when `obj` is not an object, or holds an id under both its names.
     """
     if not isinstance(obj, dict):
         raise OtlpError("malformed_body", f"{path} must be an object")
-    for key in keys:
+    for json_name in keys:
+        key = _key(obj, json_name, path)
         value = obj.get(key)
         if value is None or value == "":
             continue

@@ -92,6 +92,22 @@ def _span_json(**fields: object) -> bytes:
     return json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [span]}]}]}).encode()
 
 
+def test_json_ids_under_proto_field_names_read_as_hex() -> None:
+    """Protobuf's JSON mapping, and the OpenTelemetry Collector, read a field's proto name (`trace_id`) as well as its
+    JSON name: ids under it were read as base64, the span rejected for ids never sent, or stored under them."""
+    spans = [{"trace_id": TRACE, "span_id": sid(1), "parent_span_id": sid(9), "name": "ok",
+              "links": [{"trace_id": TRACE, "span_id": sid(3)}]},
+             {"trace_id": "a" * 22, "span_id": sid(2), "name": "short"},  # 11 bytes as hex, 16 as base64
+             {"traceId": TRACE, "span_id": "zz", "name": "zz"}]
+    body = json.dumps({"resource_spans": [{"scope_spans": [{"spans": spans}]}]}).encode()
+    decoded = decode_request(body, JSON)
+    assert [(s.trace_id, s.span_id, s.parent_span_id) for s in decoded.spans] == [(TRACE, sid(1), sid(9))]
+    assert decoded.rejected == [
+        "resourceSpans[0].scopeSpans[0].spans[2].span_id is not a hex string: 'zz'",
+        f"span 'short' has an invalid trace_id (11 bytes, {'a' * 22!r}); expected 16 bytes, not all zero",
+    ]
+
+
 def test_json_surrogate_pairs_and_bom_decode() -> None:
     (span,) = decode_request(b"\xef\xbb\xbf" + _span_json(name="\U0001f600"), JSON).spans
     assert span.name == "\U0001f600"
@@ -115,6 +131,9 @@ def test_json_surrogate_pairs_and_bom_decode() -> None:
          "not a valid OTLP/JSON ExportTraceServiceRequest: a number out of range"),
         (_span_json(kind="N").replace(b'"N"', b"1e400"), JSON,
          "not a valid OTLP/JSON ExportTraceServiceRequest: a number out of range"),
+        # a field under both its names: protobuf reads the last, the hex of the other was read as base64
+        (_span_json(trace_id=TRACE), JSON, "resourceSpans[0].scopeSpans[0].spans[0] holds both traceId and trace_id"),
+        (b'{"resourceSpans": [], "resource_spans": []}', JSON, "body holds both resourceSpans and resource_spans"),
         (b'{"resourceSpans": [{"scopeSpans": [{"spans": [1]}]}]}', JSON,
          "resourceSpans[0].scopeSpans[0].spans[0] must be an object"),
         (json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": TRACE, "spanId": sid(1),
