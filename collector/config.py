@@ -55,7 +55,11 @@ def check_http_url(value: str, example: str) -> str:
 
 
 def validation_problem(error: Mapping[str, Any]) -> str:
-    """One pydantic error as `where: message` (`body.max_groups: ...`), or the message alone for the object itself."""
+    """One pydantic error as `where: message` (`body.max_groups: ...`), or the message alone for the object itself; a
+    request body that is no JSON as the decoder's reason and where (FastAPI's `("body", offset)`: `body.29: JSON decode
+    error` said neither)."""
+    if error["type"] == "json_invalid" and len(error["loc"]) == 2 and error.get("ctx"):
+        return f"the body is not valid JSON: {error['ctx']['error']} at character {error['loc'][1]}"
     where = ".".join(str(part) for part in error["loc"])
     return f"{where}: {error['msg']}" if where else error["msg"]
 

@@ -255,6 +255,17 @@ def test_rewards_endpoint(client: TestClient) -> None:
     assert_error(client.post("/v1/rewards", json={"rollout_id": "a"}), 400, "invalid_request")
 
 
+@pytest.mark.parametrize(("body", "reason"), [
+    (b'{"rollout_id": "a", "value": }', "Expecting value at character 29"),
+    (b'{"rollout_id": "a" "value": 1}', "Expecting ',' delimiter at character 19"),
+    (b'{"rollout_id": "a", "value": 1}}', "Extra data at character 31"),
+])
+def test_a_body_that_is_no_json_is_refused_naming_why_and_where(client: TestClient, body: bytes, reason: str) -> None:
+    """FastAPI's error for it read `body.29: JSON decode error`: neither what is wrong nor that it is the JSON."""
+    answer = client.post("/v1/rewards", content=body, headers=JSON)
+    assert assert_error(answer, 400, "invalid_request")["message"] == f"the body is not valid JSON: {reason}"
+
+
 @pytest.mark.parametrize(("body", "fragment"), [
     ({"rollout_id": "x" * 257, "value": 1.0}, "rollout_id"),
     ({"rollout_id": "a\x00b", "value": 1.0}, "rollout_id"),
