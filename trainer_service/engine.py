@@ -411,12 +411,15 @@ class VLLMEngine:
 
     def _load_pending(self) -> None:
         """Load every pending adapter, in load order; those vLLM refuses stay pending (retried after `_adapter_retry`).
+        Once `stop` was called, the rest stay pending.
 
         Raises:
             EngineError: naming each adapter that failed and why.
         """
         failures: list[str] = []
         for name in self.pending_adapters:
+            if self._stopping.is_set():  # `stop` waits for the lock: each load may take minutes of a hung vLLM
+                return
             try:  # vLLM may have it already (False): a load that timed out on our side can still have completed
                 load_lora(self.base_url, name, self._registered[name])
             except EngineError as exc:

@@ -23,6 +23,7 @@ import pytest
 from examples.stack import free_port
 from tests.trainer_service.builders import save_tiny_model
 from tests.trainer_service.test_process_group import running
+from trainer_service import engine as engine_module
 from trainer_service.config import TrainerSettings
 from trainer_service.engine import HEALTH_FAILURES_BEFORE_RESTART, VLLMEngine
 from trainer_service.engine_errors import EngineError
@@ -370,6 +371,31 @@ def test_engine_stop_interrupts_a_restart(tmp_path: Path) -> None:
     restart.join()
     assert not engine.is_alive() and len(errors) == 1 and "stopped while starting" in str(errors[0])
     assert engine.ensure_running() is False and engine.restarts == 1
+
+
+def test_stop_during_the_re_load_of_adapters_loads_no_more(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restart re-loads every adapter under the lock `stop` waits for, each load allowed 120 s: against a vLLM that
+    no longer answers, a shutdown waited that long for each adapter."""
+    engine = FakeVLLM("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.start()
+    try:
+        for name in ("agent@1", "agent@2", "agent@3"):
+            engine.load_adapter(name, tmp_path)
+        os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        engine._proc.wait()  # type: ignore[union-attr]
+        loaded: list[str] = []
+        real_load = engine_module.load_lora
+
+        def load_then_stop_arrives(base_url: str, name: str, path: str) -> bool:
+            loaded.append(name)
+            engine._stopping.set()  # what `stop` does first, before it waits for the lock
+            return real_load(base_url, name, path)
+
+        monkeypatch.setattr(engine_module, "load_lora", load_then_stop_arrives)
+        assert engine.ensure_running() is True
+        assert loaded == ["agent@1"] and engine.pending_adapters == ["agent@2", "agent@3"]
+    finally:
+        engine.stop()
 
 
 def test_engine_restarts_a_hung_engine(tmp_path: Path) -> None:
