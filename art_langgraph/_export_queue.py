@@ -127,7 +127,7 @@ class CountingExporter(SpanExporter):
         """Read the answers the inner exporter gets on `session`, which it leaves unread: the spans a 200 reports
         rejected (an OTLP partial success, not to be retried) or a 3xx leaves undelivered (it follows no redirect,
         yet takes one for a delivery) are counted as dropped and logged (by `_export_request`), and a 413 is logged
-        with the setting that avoids it."""
+        with the setting that avoids it, a 401 or 403 with the keys to check."""
         session.hooks["response"].append(self._read_answer)
 
     def _read_answer(self, response: requests.Response, *args: object, **kwargs: object) -> None:
@@ -137,6 +137,12 @@ class CountingExporter(SpanExporter):
             _logger.warning(
                 "art_langgraph: %s refused a request as too large (413); lower ART_MAX_EXPORT_BYTES (now %d) under "
                 "its body limit (the collector's: ART_COLLECTOR_MAX_BODY_BYTES)", self._name, self._max_request_bytes,
+            )
+        elif response.status_code in (401, 403):
+            _logger.warning(
+                "art_langgraph: %s refused the spans as unauthorized (%d); check the key sent: ART_API_KEY (or "
+                "configure(api_key=...)) for the collector, LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY for Langfuse",
+                self._name, response.status_code,
             )
         elif response.status_code == 200 and "protobuf" in response.headers.get("Content-Type", ""):
             self._answer.rejected = self._partial_success(response.content)

@@ -135,6 +135,9 @@ def test_spans_a_partial_success_rejects_are_counted_and_logged(receivers, monke
     # an ingress sending http:// on to https://: the exporter follows no redirect yet took it for a delivery, so every
     # span was lost, uncounted and unlogged
     (308, "collector answered 308, a redirect, which is not followed; dropped 1 spans"),
+    # a key that differs from the collector's: the log said only "Failed to export span batch code: 401"
+    (401, "collector refused the spans as unauthorized (401); check the key sent: ART_API_KEY"),
+    (403, "collector refused the spans as unauthorized (403); check the key sent: ART_API_KEY"),
 ])
 def test_spans_refused_as_too_large_or_redirected_are_counted_and_logged_with_the_fix(
         receivers, caplog, status: int, logged: str) -> None:
