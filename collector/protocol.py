@@ -286,6 +286,13 @@ class RewardIn(RequestBody):
             raise ValueError("reward value must be a finite number (got NaN or infinity)")
         return value
 
+    @field_validator("trace_id")
+    @classmethod
+    def _valid_trace(cls, value: str | None) -> str | None:
+        if value is not None and not int(value, 16):  # OpenTelemetry's invalid trace id: no span carries it
+            raise ValueError("trace_id must not be all zeros (OpenTelemetry's invalid trace id, which no span has)")
+        return value
+
 
 GroupState = Literal["open", "ready", "leased", "trained", "skipped", "expired"]
 """A group's state as the read API shows it (`open`, `ready` and the pool's `skipped` are computed for open groups)."""

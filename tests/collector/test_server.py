@@ -273,6 +273,7 @@ def test_a_body_that_is_no_json_is_refused_naming_why_and_where(client: TestClie
     ({"rollout_id": "a", "name": "", "value": 1.0}, "name"),
     ({"trace_id": "0af7651916cd43dd8448eb211c80319g", "value": 1.0}, "trace_id"),  # 32 characters, the last not hex
     ({"trace_id": "ab" * 17, "value": 1.0}, "trace_id"),
+    ({"trace_id": "0" * 32, "value": 1.0}, "trace_id must not be all zeros"),  # stored, matched by no span
 ])
 def test_a_reward_the_store_could_not_keep_or_match_is_refused(
     client: TestClient, body: dict[str, Any], fragment: str
