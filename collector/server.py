@@ -152,7 +152,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     """The request body (`_BodyLimit` bounds it as sent), refused with 413 past `limit` bytes after gunzip."""
     body = await request.body()
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding == "gzip":
+    if encoding in ("gzip", "x-gzip"):  # x-gzip: RFC 9110 asks a recipient to read it as gzip
         return otlp.gunzip(body, limit)
     if encoding not in ("", "identity"):
         raise _Rejected(

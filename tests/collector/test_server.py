@@ -46,9 +46,10 @@ def test_protobuf_export_answers_protobuf(client: TestClient) -> None:
     assert sorted((t["id"], t["reward"], t["complete"]) for t in rows) == [("a", 1.0, True), ("b", 0.0, True)]
 
 
-def test_gzip_json_export_answers_json(client: TestClient) -> None:
+@pytest.mark.parametrize("encoding", ["gzip", "x-gzip"])  # x-gzip was 415; RFC 9110 reads it as gzip
+def test_gzip_json_export_answers_json(client: TestClient, encoding: str) -> None:
     body = gzip.compress(to_otlp_json(rollout_group({"a": 1.0})))
-    response = client.post("/v1/traces", content=body, headers={**JSON, "content-encoding": "gzip"})
+    response = client.post("/v1/traces", content=body, headers={**JSON, "content-encoding": encoding})
     assert response.status_code == 200 and response.json() == {}
     assert response.headers["content-type"] == "application/json"
     traj = client.get("/v1/trajectories/a").json()
