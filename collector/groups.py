@@ -56,16 +56,22 @@ class Decision:
     reason: str | None = None
 
 
-def capacity(explicit: bool, size_hint: int | None, min_group_size: int) -> int | None:
+def capacity(explicit: bool, size_hint: int | None, min_group_size: int, *, followed: bool = False) -> int | None:
     """Most trajectories one group instance takes before a new instance opens.
 
     A known size (`art.group.size`) caps the group; an implicit group (by task or trace) is
     cut at `min_group_size`, so steady production traffic forms a stream of small groups; an
-    explicit group without a size takes every trajectory that names it (None: no cap).
+    explicit group without a size takes every trajectory that names it (None: no cap) until a
+    newer instance of its key opens (`followed`: one opens when a trajectory names the key while
+    the group is leased, skipped or expired). From then on it is full as it is (0), even once back
+    in the pool (given back, reopened): the key's later trajectories go to the newer instance,
+    which would otherwise wait behind it alone.
     """
     if size_hint is not None:
         return size_hint
-    return None if explicit else min_group_size
+    if not explicit:
+        return min_group_size
+    return 0 if followed else None
 
 
 def decide(members: list[Member], expected: int, *, reward_label: str, keep_zero_spread: bool) -> Decision:

@@ -112,7 +112,8 @@ def place(
     """The group instance of each trajectory in `wanted` (id, facts), by trajectory id.
 
     Each goes to the oldest open instance of its group key with room left (see
-    `groups.capacity`), else to a new instance: the key, then `key#2`, `key#3` ... An instance
+    `groups.capacity`: an explicit group without a size has none once a newer instance of its key
+    opened), else to a new instance: the key, then `key#2`, `key#3` ... An instance
     the collector formed (by task or trace, not `art.group`) holds trajectories of one split, so
     evaluation runs of a task never hold up its training. A trajectory here is in no instance of
     its key yet (it has no group, or one of another key).
@@ -121,13 +122,15 @@ def place(
     instances = _open_instances(conn, keys)
     members, splits = _members(conn, [g["id"] for found in instances.values() for g in found])
     taken = counts(conn, groups.c.key, keys)
+    newest = _newest(conn, instances)
     in_use = _ids_in_use(conn, Counter(facts.group_key for _, facts in wanted), taken)
     placed: dict[str, str] = {}
     hints: dict[str, int] = {}
     created: list[dict[str, Any]] = []
     for trajectory_id, facts in wanted:
         for group in instances[facts.group_key]:
-            cap = capacity(group["explicit"], group["size_hint"] or facts.group_size, min_group_size)
+            followed = group["created_at"] < newest.get(facts.group_key, group["created_at"])
+            cap = capacity(group["explicit"], group["size_hint"] or facts.group_size, min_group_size, followed=followed)
             other_split = not group["explicit"] and splits.get(group["id"], {facts.split}) != {facts.split}
             if (cap is None or members[group["id"]] < cap) and not other_split:
                 if group["size_hint"] is None and facts.group_size is not None:
@@ -151,6 +154,20 @@ def place(
             groups.update().where(groups.c.id == bindparam("group")).values(size_hint=bindparam("hint")), hinted
         )
     return placed
+
+
+def _newest(conn: Connection, instances: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """When the newest instance of each key (in any state) was created, for the keys with an open explicit instance
+    without a size in `instances` (`_open_instances`): an instance created after that one opened while it was out of
+    the pool (`groups.capacity`'s `followed`). By creation time, as `_open_instances` orders instances: one created at
+    the same time counts as no newer. Only these keys are read: the read visits every instance of a key, and an
+    implicit key (a task's) has one per few trajectories."""
+    keys = [key for key, found in instances.items() if any(g["explicit"] and g["size_hint"] is None for g in found)]
+    newest: dict[str, float] = {}
+    for chunk in chunks(sorted(keys)):
+        query = select(groups.c.key, func.max(groups.c.created_at)).where(groups.c.key.in_(chunk))
+        newest.update(dict(conn.execute(query.group_by(groups.c.key)).all()))
+    return newest
 
 
 def _first_suffix(instances: int) -> int:

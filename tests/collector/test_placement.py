@@ -223,3 +223,37 @@ def test_an_export_tries_again_when_a_reopened_group_is_held_a_moment(db_url, cl
     assert "reopened while the export placed), retry 1 of 7" in caplog.text and "deadlock" not in caplog.text
     for each in (store, replica):
         each.close()
+
+
+@pytest.mark.parametrize("back", ["release", "expired lease", "reward", "reopen"])
+def test_an_uncapped_group_back_in_the_pool_after_a_newer_instance_opened_takes_no_more(
+    make_store, clock, back: str
+) -> None:
+    """g (explicit, no size: no cap) was out of the pool (leased, or skipped for no reward spread) when c named its
+    key: c opened g#2. g came back (given back, reopened by a reward, reopened by hand); d went to g, the oldest open
+    instance with room, and c was left alone in g#2, to expire. g's membership ended when g#2 opened: d joins c."""
+    store = make_store(min_group_size=2, max_failed_attempts=1 if back == "reopen" else 3)
+    spread = 1.0 if back == "reward" else 0.0  # no spread: the lease stores g skipped
+    store.add_spans(trajectory(10, "a", reward=1.0, size=None) + trajectory(20, "b", reward=spread, size=None))
+    batch = store.lease(BatchRequest(lease_seconds=60))
+    assert [g.id for g in batch.groups] == ([] if back == "reward" else ["g"])
+    clock.now += 1
+    store.add_spans(trajectory(30, "c", reward=0.5, size=None))
+    clock.now += 1
+    if back == "release":
+        store.release(batch.id, ReleaseRequest(reason="trainer down", failed=False))
+    elif back == "expired lease":
+        clock.now += 60
+    elif back == "reward":  # a new reward puts a group skipped for its rewards back
+        store.add_rewards([RewardIn(rollout_id="a", value=1.0)])
+    else:  # failed at the limit (skipped), reopened by the operator
+        store.release(batch.id, ReleaseRequest(reason="out of memory", failed=True))
+        store.reopen("g")
+    assert {g.id: g.state for g in store.groups()}["g"] != "leased"  # back in the pool (upkeep: the expired lease)
+    clock.now += 1
+    store.add_spans(trajectory(40, "d", reward=0.25, size=None))
+    store.add_spans(trajectory(50, "e", reward=0.75, size=None))
+
+    assert [(t.id, t.group_id) for t in store.trajectories()] == [
+        ("a", "g"), ("b", "g"), ("c", "g#2"), ("d", "g#2"), ("e", "g#2")]
+    assert {g.id: (g.size, g.expected) for g in store.groups()} == {"g": (2, 2), "g#2": (3, 2)}
