@@ -14,7 +14,7 @@ import logging
 from collections import Counter
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, func, select
+from sqlalchemy import Connection, bindparam, func, or_, select
 
 from collector.assembly import FactsDigest, TrajectoryFacts
 from collector.engine import chunks
@@ -161,11 +161,16 @@ def _newest(conn: Connection, instances: dict[str, list[dict[str, Any]]]) -> dic
     without a size in `instances` (`_open_instances`): an instance created after that one opened while it was out of
     the pool (`groups.capacity`'s `followed`). By creation time, as `_open_instances` orders instances: one created at
     the same time counts as no newer. Only these keys are read: the read visits every instance of a key, and an
-    implicit key (a task's) has one per few trajectories."""
+    implicit key (a task's) has one per few trajectories. An open instance `_open_instances` left out (held by another
+    transaction on the export's last try) counts as none: it would leave every instance of its key in `instances`
+    followed, and the export opened yet another beside it, the newest from then on."""
     keys = [key for key, found in instances.items() if any(g["explicit"] and g["size_hint"] is None for g in found)]
     newest: dict[str, float] = {}
     for chunk in chunks(sorted(keys)):
-        query = select(groups.c.key, func.max(groups.c.created_at)).where(groups.c.key.in_(chunk))
+        taken = [g["id"] for key in chunk for g in instances[key]]
+        query = select(groups.c.key, func.max(groups.c.created_at)).where(
+            groups.c.key.in_(chunk), or_(groups.c.state != "open", groups.c.id.in_(taken))
+        )
         newest.update(dict(conn.execute(query.group_by(groups.c.key)).all()))
     return newest
 

@@ -257,3 +257,41 @@ def test_an_uncapped_group_back_in_the_pool_after_a_newer_instance_opened_takes_
     assert [(t.id, t.group_id) for t in store.trajectories()] == [
         ("a", "g"), ("b", "g"), ("c", "g#2"), ("d", "g#2"), ("e", "g#2")]
     assert {g.id: (g.size, g.expected) for g in store.groups()} == {"g": (2, 2), "g#2": (3, 2)}
+
+
+def test_on_its_last_try_an_export_opens_no_third_instance_beside_a_held_newest_one(db_url, clock, monkeypatch) -> None:
+    """g (explicit, no size) was followed by g#2; g#2 was given back after an export of d listed its groups, and held
+    by a reward when the export placed, on its last try: SKIP LOCKED left g#2 out, yet it still made g followed, so d
+    opened g#3, and every later trajectory of the key went there instead of to g#2. d goes to g, as before the rule."""
+    store, replica, first = _uncapped_g_leased(db_url(), clock)
+    clock.now += 1
+    store.add_spans(trajectory(30, "c", reward=0.5, size=None) + trajectory(40, "e", reward=0.25, size=None))
+    second = store.lease(BatchRequest()).id  # g#2
+    store.release(first, ReleaseRequest(reason="trainer down", failed=False))  # g back, followed by g#2
+    clock.now += 1
+    monkeypatch.setattr(placement, "last_try", lambda: True)
+    listed, resume = pause_after(monkeypatch, placement, "groups_changed")
+    holding, let_go = threading.Event(), threading.Event()
+
+    def hold(conn) -> None:  # in the reward's transaction, once it locked g#2
+        holding.set()
+        assert let_go.wait(WAIT)
+
+    with ThreadPoolExecutor(2) as executor:
+        export = executor.submit(store.add_spans, trajectory(50, "d", reward=0.75, size=None))
+        assert listed.wait(WAIT)
+        replica.release(second, ReleaseRequest(reason="trainer down", failed=False))
+        reward = executor.submit(replica.add_rewards, [RewardIn(rollout_id="c", value=0.5)], also=hold)
+        assert holding.wait(WAIT)
+        resume.set()
+        export.result(WAIT)
+        let_go.set()
+        reward.result(WAIT)
+
+    monkeypatch.undo()
+    clock.now += 1
+    store.add_spans(trajectory(60, "f", reward=0.1, size=None))
+    assert [(t.id, t.group_id) for t in store.trajectories()] == [
+        ("a", "g"), ("b", "g"), ("c", "g#2"), ("e", "g#2"), ("d", "g"), ("f", "g#2")]
+    for each in (store, replica):
+        each.close()
