@@ -100,9 +100,12 @@ def _metadata_json(metadata: Mapping[str, Any] | None) -> str | None:
         raise type(exc)(f"rollout metadata cannot be exported as JSON: {exc}") from exc
 
 
-def _json_default(value: Any) -> str:
-    """A value JSON has no type for as its `str`; refused if it is a NaN or infinity (a NumPy scalar, a `Decimal`),
-    whose `str` (`'nan'`) would pass for text where a float's NaN is refused."""
+def _json_default(value: Any) -> Any:
+    """A value JSON has no type for: a mapping that is no dict as an object (its `str` said nothing of its items, or
+    was `<M object at 0x...>`), anything else as its `str`; refused if it is a NaN or infinity (a NumPy scalar, a
+    `Decimal`), whose `str` (`'nan'`) would pass for text where a float's NaN is refused."""
+    if isinstance(value, Mapping):
+        return dict(value)
     if not _finite(value):
         raise ValueError(f"JSON has no NaN or infinity, got {value}")
     return str(value)
@@ -130,14 +133,14 @@ def _unencodable(value: Any, where: str, inside: frozenset[int] = frozenset()) -
         )
     if id(value) in inside:
         return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
+    items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(value, list | tuple) else ()
     for key, item in items:
-        if isinstance(value, dict) and not (key is None or isinstance(key, str | int | float)):  # json's key types
+        if isinstance(value, Mapping) and not (key is None or isinstance(key, str | int | float)):  # json's key types
             return TypeError(
                 f"{where} has the key {key!r:.60} ({type(key).__name__}), which JSON cannot take as a key: "
                 "give a str (str(key)), an int, a float, a bool or None"
             )
-        if isinstance(value, dict) and not _finite(key):
+        if isinstance(value, Mapping) and not _finite(key):
             return ValueError(
                 f"{where} has the key {key}: JSON has no NaN or infinity; give a string or a finite number as key"
             )

@@ -277,6 +277,16 @@ def test_rollout_exports_metadata_given_as_a_mapping_as_an_object(spans) -> None
     assert json.loads(root.attributes[semconv.METADATA]) == {"a": 1, "b": [2]}
 
 
+def test_rollout_exports_a_mapping_inside_its_metadata_as_an_object(spans) -> None:
+    """Only the metadata itself was made a dict: a mapping inside it that is no dict went out as its `str`, a string
+    (`"{'user': 'u1'}"`, or `"<M object at 0x...>"` for a class of the app's), not as the object it holds."""
+    with rollout("t", metadata={"ctx": MappingProxyType({"user": "u1", "n": [1]})}):
+        pass
+    (root,) = spans_of(spans, semconv.SPAN_KIND_ROLLOUT)
+    assert json.loads(root.attributes[semconv.METADATA]) == {"ctx": {"user": "u1", "n": [1]}}
+    with pytest.raises(ValueError, match=r"rollout metadata\['ctx'\]\['x'\] is nan"):
+        rollout("t", metadata={"ctx": MappingProxyType({"x": float("nan")})})
+
 def test_rollout_takes_the_largest_names_the_collector_stores(spans) -> None:
     with rollout("t" * 256, group="g" * 256, split="s" * 64, group_size=np.int64(2**31 - 1)) as r:
         pass
