@@ -124,8 +124,9 @@ class Coalesced:
         """Requests so far."""
         self._served = 0
         """Requests served by a run that has ended: the first `_served` of them."""
-        self._ok = False
-        """Whether the last run that ended succeeded (see `_run_logged`)."""
+        self._succeeded = 0
+        """Requests served by a run that succeeded (see `_run_logged`): the first `_succeeded` of them. A waiter reads
+        it, not the last run's result: a later run (for later requests) may have ended, and failed, before it woke."""
         self._running = False
         """Whether a thread is serving requests (`_serve`)."""
 
@@ -144,7 +145,7 @@ class Coalesced:
                 if not self._running:
                     return False
             served = self._changed.wait_for(lambda: self._served >= request, min(timeout, threading.TIMEOUT_MAX))
-            return served and self._ok
+            return served and self._succeeded >= request
 
     def _serve(self) -> None:
         """Run the call until every request made so far is served, then end (a later request starts a new thread)."""
@@ -154,7 +155,14 @@ class Coalesced:
                     self._running = False
                     return
                 asked = self._asked
-            ok = _run_logged(self._fn)
+            try:
+                ok = _run_logged(self._fn)
+            except BaseException:  # SystemExit, a green thread's exit: this thread ends, a later request starts one
+                with self._changed:
+                    self._running = False
+                raise
             with self._changed:
-                self._served, self._ok = asked, ok
+                self._served = asked
+                if ok:
+                    self._succeeded = asked
                 self._changed.notify_all()

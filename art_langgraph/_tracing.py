@@ -212,6 +212,11 @@ class _State:
         finally:
             self.stopped.set()
 
+    def unsent(self) -> int:
+        """The spans our exporters have not sent yet: queued, or in a request not answered (one the SDK's shutdown,
+        which waits 30 s for it, left behind)."""
+        return sum(processor.counting.pending + processor.counting.sending for processor in self.processors)
+
     def give_up(self) -> int:
         """Count the spans our exporters have not sent yet (queued, or in a request not answered) as dropped, now;
         how many."""
@@ -223,8 +228,8 @@ _lock = ProcessLock(reentrant=True)
 _state: _State | None = None
 _stopping: list[_State] = []
 """Pipelines `configure` or `shutdown` replaced, while their shutdown may still be exporting (their callers' waits are
-bounded; the SDK waits 30 s for a stalled collector): `flush` waits for them too, and the exit hook gives up on them
-as on the current one."""
+bounded; the SDK waits 30 s for a stalled collector) or their exporters still hold spans (a request that shutdown left
+unanswered): `flush` waits for their shutdown too, and the exit hook gives up on them as on the current one."""
 _exit_hook_ran = False
 
 
@@ -283,10 +288,8 @@ def configure(
     )
     provider.add_span_processor(_TO_CURRENT)
     state = _State(provider, export_processors(exporters, settings.max_queue_size))
-    with _lock:
-        old, _state = _state, state
-    if old is not None:
-        _stop(old, timeout=5.0)
+    if (old := _replace(state)) is not None:
+        run_bounded(old.shutdown, timeout=5.0)
 
 
 def _current() -> _State:
@@ -370,21 +373,16 @@ def flush(timeout: float = 5.0) -> bool:
     return flushed and _wait_stopped(stopping, timeout - (time.monotonic() - started))
 
 
-def _take_state() -> _State | None:
-    """Detach the current pipeline (the next span configures a new one) and return it."""
-    global _state
+def _replace(state: _State | None) -> _State | None:
+    """Make `state` the current pipeline (None: none, the next span configures one) and return the one it replaces,
+    which joins the `_stopping` pipelines under the same lock (its shutdown is the caller's): a `flush` in between
+    saw it in neither place and returned True with its spans still queued."""
+    global _state, _stopping
     with _lock:
-        state, _state = _state, None
-    return state
-
-
-def _stop(state: _State, timeout: float) -> bool:
-    """Shut down `state`, a detached pipeline, waiting at most `timeout` seconds; until its shutdown ends, it is one of
-    the `_stopping` pipelines. Whether it ended in time."""
-    global _stopping
-    with _lock:
-        _stopping = [*(old for old in _stopping if not old.stopped.is_set()), state]
-    return run_bounded(state.shutdown, timeout)
+        old, _state = _state, state
+        if old is not None:
+            _stopping = [*(s for s in _stopping if not s.stopped.is_set() or s.unsent()), old]
+    return old
 
 
 def _wait_stopped(states: list[_State], timeout: float) -> bool:
@@ -401,8 +399,8 @@ def shutdown(timeout: float = 5.0) -> None:
         TypeError: `timeout` is not a number (a bool is none).
     """
     timeout = check_timeout(timeout, "shutdown's timeout")
-    if (state := _take_state()) is not None:
-        _stop(state, timeout)
+    if (state := _replace(None)) is not None:
+        run_bounded(state.shutdown, timeout)
 
 
 def _flush_at_exit() -> None:
@@ -415,16 +413,17 @@ def _flush_at_exit() -> None:
     """
     global _exit_hook_ran, _stopping
     _exit_hook_ran = True
-    if (state := _take_state()) is None and not _stopping:
+    if (state := _replace(None)) is None and not _stopping:
         return
     started = time.monotonic()
     timeout = get_settings().exit_flush_timeout
     if state is not None:
-        _stop(state, timeout)
+        run_bounded(state.shutdown, timeout)
     with _lock:
         stopping, _stopping = _stopping, []
-    left = timeout - (time.monotonic() - started)
-    if not _wait_stopped(stopping, left) and (lost := sum(old.give_up() for old in stopping)):
+    _wait_stopped(stopping, timeout - (time.monotonic() - started))
+    # every pipeline's, those whose shutdown ended too: the SDK's ends after 30 s with a request still unanswered
+    if lost := sum(old.give_up() for old in stopping):
         _logger.warning(
             "art_langgraph: %d spans were still unsent when ART_EXIT_FLUSH_TIMEOUT (%g s) ran out at exit; they are "
             "lost: raise ART_EXIT_FLUSH_TIMEOUT if the collector is slow to answer",

@@ -329,6 +329,45 @@ def test_spans_a_pipeline_stopped_before_exit_left_unsent_are_counted_and_logged
     assert out.stdout.split() == ["2"]
 
 
+@pytest.mark.parametrize("then", ["pass", "art_langgraph.configure()"])
+def test_spans_a_stopped_pipeline_still_had_in_a_request_at_exit_are_counted_and_logged(dead_url, then: str) -> None:
+    """The SDK's shutdown of a batch processor waits 30 s (0.2 s here) for the export under way, then ends with its
+    request unanswered; the exit hook gave up only on pipelines whose shutdown had not ended (and a `configure()` since
+    forgot those that had), so an app that exited later lost that request's spans with no count and no line (with
+    OTEL_EXPORTER_OTLP_TIMEOUT past 30 s, say)."""
+    script = textwrap.dedent(
+        f"""
+        import atexit, threading
+        atexit.register(lambda: print(art_langgraph.dropped_spans()))  # registered first: runs after the exit hook
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk._shared_internal import BatchProcessor
+        import art_langgraph
+        OTLPSpanExporter.export = lambda self, spans: threading.Event().wait()  # never answered
+        join = BatchProcessor.shutdown
+        BatchProcessor.shutdown = lambda self, timeout_millis=30000: join(self, 200)
+        art_langgraph.configure(collector_url={dead_url!r})
+        with art_langgraph.rollout("unanswered"):
+            pass
+        art_langgraph.shutdown(timeout=0.1)
+        assert art_langgraph.flush(timeout=10)  # its shutdown ended, the request still unanswered
+        {then}
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "ART_EXIT_FLUSH_TIMEOUT": "1"},
+    )
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert [line for line in out.stderr.splitlines() if line.startswith("art_langgraph:")] == [
+        "art_langgraph: 1 spans were still unsent when ART_EXIT_FLUSH_TIMEOUT (1 s) ran out at exit; they are lost: "
+        "raise ART_EXIT_FLUSH_TIMEOUT if the collector is slow to answer"
+    ]
+    assert out.stdout.split() == ["1"]
+
+
 def test_a_wait_longer_than_a_thread_can_wait_still_flushes(receivers) -> None:
     """`flush(timeout=1e10)` and `ART_EXIT_FLUSH_TIMEOUT=1e10` are past `threading.TIMEOUT_MAX`: both raised
     `OverflowError` (the exit hook with a traceback, its spans unexported) instead of waiting as long as they may."""

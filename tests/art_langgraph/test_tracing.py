@@ -314,3 +314,43 @@ def test_a_url_without_a_host_is_refused(monkeypatch, value: str) -> None:
         match=f"OTEL_EXPORTER_OTLP_ENDPOINT must be an http:// or https:// URL with a host, got '{value}'",
     ):
         Settings()
+
+
+@pytest.mark.parametrize("stop", ["shutdown", "configure"])
+def test_a_flush_at_any_step_of_a_stop_waits_for_the_stopped_pipelines_spans(receivers, monkeypatch, stop) -> None:
+    """`configure()` and `shutdown()` detached the pipeline under the lock, then, once they had let it go, took it
+    again to list the pipeline among those stopping: a flush in between saw it in neither place and returned True with
+    its spans unsent. Here a flush runs each time the stopping thread lets the lock go."""
+    collector, _ = receivers
+    answer = threading.Event()
+    _held_until(answer, monkeypatch)
+    art_langgraph.configure(collector_url=collector.url)
+    with rollout("stopped"):
+        pass
+    lock, flushed, inside = _tracing._lock, [], threading.local()
+
+    class FlushingLock:
+        """`_tracing._lock`, flushing (bounded) each time the stopping thread lets it go."""
+
+        def __enter__(self) -> None:
+            lock.__enter__()
+            inside.depth = getattr(inside, "depth", 0) + 1
+
+        def __exit__(self, *exc_info: object) -> None:
+            inside.depth -= 1
+            lock.__exit__(*exc_info)
+            if inside.depth == 0 and not getattr(inside, "flushing", False):
+                inside.flushing = True
+                flushed.append(art_langgraph.flush(timeout=0.1))
+                inside.flushing = False
+
+    monkeypatch.setattr(_tracing, "_lock", FlushingLock())
+    if stop == "shutdown":
+        art_langgraph.shutdown(timeout=0.1)
+    else:
+        art_langgraph.configure(collector_url=collector.url)
+    monkeypatch.setattr(_tracing, "_lock", lock)
+    assert flushed and True not in flushed
+    answer.set()
+    assert art_langgraph.flush(timeout=10)
+    assert [s.name for s in collector.spans()] == ["rollout stopped"]
