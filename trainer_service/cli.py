@@ -263,9 +263,9 @@ def settings_from_args(args: argparse.Namespace) -> tuple[TrainerSettings, GRPOC
 
 
 def configure_logging(level: str) -> None:
-    """Log at `level` (`--log-level`). Below DEBUG, APScheduler's two lines per job run ("Running job", "executed
-    successfully": 12 a minute at the default `--poll-seconds`, while nothing is ready) are left out: the schedule logs
-    each run's outcome itself."""
+    """Log at `level` (`--log-level`). At any level but debug, APScheduler's two lines per job run ("Running job",
+    "executed successfully": 12 a minute at the default `--poll-seconds`, while nothing is ready) are left out: the
+    schedule logs each run's outcome itself."""
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if level.upper() != "DEBUG":
         logging.getLogger("apscheduler.executors").setLevel(logging.WARNING)
