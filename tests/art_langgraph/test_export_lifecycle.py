@@ -259,6 +259,24 @@ def test_exit_with_collector_down_is_bounded(dead_url) -> None:
     assert exit_seconds < 5  # at most ~1 s of flushing, plus interpreter teardown
 
 
+def _assert_lost_at_exit(script: str, lost: int) -> None:
+    """Run `script` with `ART_EXIT_FLUSH_TIMEOUT=1`: the exit hook logs `lost` spans unsent, in one line with the
+    setting to raise, and an atexit handler the script registered first prints `dropped_spans()` after it: `lost`."""
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "ART_EXIT_FLUSH_TIMEOUT": "1"},
+    )
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert [line for line in out.stderr.splitlines() if line.startswith("art_langgraph:")] == [
+        f"art_langgraph: {lost} spans were still unsent when ART_EXIT_FLUSH_TIMEOUT (1 s) ran out at exit; they are "
+        "lost: raise ART_EXIT_FLUSH_TIMEOUT if the collector is slow to answer"
+    ]
+    assert out.stdout.split() == [str(lost)]
+
+
 def test_exit_that_runs_out_of_time_logs_how_many_spans_were_left_unsent(dead_url) -> None:
     """A collector that never answers: the exit hook gave up after ART_EXIT_FLUSH_TIMEOUT with a line that named no
     number. The 2 spans the stuck export holds and the 2 queued behind it are counted, with the setting to raise, and
@@ -280,19 +298,7 @@ def test_exit_that_runs_out_of_time_logs_how_many_spans_were_left_unsent(dead_ur
                 pass
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "ART_EXIT_FLUSH_TIMEOUT": "1"},
-    )
-    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
-    assert [line for line in out.stderr.splitlines() if line.startswith("art_langgraph:")] == [
-        "art_langgraph: 4 spans were still unsent when ART_EXIT_FLUSH_TIMEOUT (1 s) ran out at exit; they are lost: "
-        "raise ART_EXIT_FLUSH_TIMEOUT if the collector is slow to answer"
-    ]
-    assert out.stdout.split() == ["4"]
+    _assert_lost_at_exit(script, 4)
 
 
 @pytest.mark.parametrize("stop", ["shutdown(timeout=0.5)", "configure()"])
@@ -314,19 +320,7 @@ def test_spans_a_pipeline_stopped_before_exit_left_unsent_are_counted_and_logged
         art_langgraph.{stop}  # gives up on the stuck export, which goes on
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "ART_EXIT_FLUSH_TIMEOUT": "1"},
-    )
-    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
-    assert [line for line in out.stderr.splitlines() if line.startswith("art_langgraph:")] == [
-        "art_langgraph: 2 spans were still unsent when ART_EXIT_FLUSH_TIMEOUT (1 s) ran out at exit; they are lost: "
-        "raise ART_EXIT_FLUSH_TIMEOUT if the collector is slow to answer"
-    ]
-    assert out.stdout.split() == ["2"]
+    _assert_lost_at_exit(script, 2)
 
 
 @pytest.mark.parametrize("then", ["pass", "art_langgraph.configure()"])
@@ -353,19 +347,7 @@ def test_spans_a_stopped_pipeline_still_had_in_a_request_at_exit_are_counted_and
         {then}
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "ART_EXIT_FLUSH_TIMEOUT": "1"},
-    )
-    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
-    assert [line for line in out.stderr.splitlines() if line.startswith("art_langgraph:")] == [
-        "art_langgraph: 1 spans were still unsent when ART_EXIT_FLUSH_TIMEOUT (1 s) ran out at exit; they are lost: "
-        "raise ART_EXIT_FLUSH_TIMEOUT if the collector is slow to answer"
-    ]
-    assert out.stdout.split() == ["1"]
+    _assert_lost_at_exit(script, 1)
 
 
 def test_a_wait_longer_than_a_thread_can_wait_still_flushes(receivers) -> None:

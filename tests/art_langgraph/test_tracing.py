@@ -22,6 +22,7 @@ from art_langgraph import ARTChatModel, _tracing, rollout, semconv
 from art_langgraph._export_queue import CountingExporter
 from art_langgraph._settings import MAX_OTLP_REQUEST_BYTES, Settings, update_settings
 from tests.art_langgraph.fake_engine import FakeEngine, completion_ids
+from tests.art_langgraph.otlp_receiver import Receiver
 
 
 def test_spans_reach_collector_as_gzip_protobuf(receivers) -> None:
@@ -169,20 +170,34 @@ def _held_until(answer: threading.Event, monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(OTLPSpanExporter, "export", lambda self, spans: answer.wait() and send(self, spans))
 
 
-@pytest.mark.parametrize("stop", ["shutdown", "configure"])
-def test_flush_waits_for_the_spans_of_a_pipeline_shutdown_or_configure_stopped(receivers, monkeypatch, stop) -> None:
-    """`shutdown(timeout)` and `configure()` wait a bounded time for the pipeline they stop, whose export goes on when
-    the collector is slow; `flush()` then flushed only the new pipeline and returned True with those spans unsent."""
+def _one_rollout_held(
+    receivers: tuple[Receiver, Receiver], monkeypatch: pytest.MonkeyPatch
+) -> tuple[Receiver, threading.Event]:
+    """A pipeline to `receivers`' collector holding one ended rollout, `rollout stopped`, whose export waits for the
+    event returned (`_held_until`); and that collector."""
     collector, _ = receivers
     answer = threading.Event()
     _held_until(answer, monkeypatch)
     art_langgraph.configure(collector_url=collector.url)
     with rollout("stopped"):
         pass
+    return collector, answer
+
+
+def _stop_pipeline(stop: str, collector_url: str) -> None:
+    """Stop the pipeline as `stop` says: `shutdown` (waiting 0.1 s) or `configure` (a new one)."""
     if stop == "shutdown":
         art_langgraph.shutdown(timeout=0.1)
     else:
-        art_langgraph.configure(collector_url=collector.url)
+        art_langgraph.configure(collector_url=collector_url)
+
+
+@pytest.mark.parametrize("stop", ["shutdown", "configure"])
+def test_flush_waits_for_the_spans_of_a_pipeline_shutdown_or_configure_stopped(receivers, monkeypatch, stop) -> None:
+    """`shutdown(timeout)` and `configure()` wait a bounded time for the pipeline they stop, whose export goes on when
+    the collector is slow; `flush()` then flushed only the new pipeline and returned True with those spans unsent."""
+    collector, answer = _one_rollout_held(receivers, monkeypatch)
+    _stop_pipeline(stop, collector.url)
     assert not art_langgraph.flush(timeout=0.1)
     answer.set()
     assert art_langgraph.flush(timeout=10)
@@ -321,12 +336,7 @@ def test_a_flush_at_any_step_of_a_stop_waits_for_the_stopped_pipelines_spans(rec
     """`configure()` and `shutdown()` detached the pipeline under the lock, then, once they had let it go, took it
     again to list the pipeline among those stopping: a flush in between saw it in neither place and returned True with
     its spans unsent. Here a flush runs each time the stopping thread lets the lock go."""
-    collector, _ = receivers
-    answer = threading.Event()
-    _held_until(answer, monkeypatch)
-    art_langgraph.configure(collector_url=collector.url)
-    with rollout("stopped"):
-        pass
+    collector, answer = _one_rollout_held(receivers, monkeypatch)
     lock, flushed, inside = _tracing._lock, [], threading.local()
 
     class FlushingLock:
@@ -345,10 +355,7 @@ def test_a_flush_at_any_step_of_a_stop_waits_for_the_stopped_pipelines_spans(rec
                 inside.flushing = False
 
     monkeypatch.setattr(_tracing, "_lock", FlushingLock())
-    if stop == "shutdown":
-        art_langgraph.shutdown(timeout=0.1)
-    else:
-        art_langgraph.configure(collector_url=collector.url)
+    _stop_pipeline(stop, collector.url)
     monkeypatch.setattr(_tracing, "_lock", lock)
     assert flushed and True not in flushed
     answer.set()

@@ -360,19 +360,26 @@ def test_restore_promotes_no_unevaluated_step_and_without_eval_serves_the_newest
     assert restored(never, [1, 2]) == 1  # with an eval set the saved decision holds
 
 
-def test_a_promoted_step_no_longer_kept_serves_the_base_model_with_a_warning(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """E.g. moved out of the run folder as a damaged checkpoint's error says: latest went back to the base model
-    silently."""
-    store = CheckpointStore(tmp_path / "checkpoints")
-    store.write_promotion({"latest": 3, "evals": {}, "decision": None})
+def _restored_with_an_eval_set(tmp_path: Path, store: CheckpointStore, steps: list[int]) -> PromotionGate:
+    """A gate with an eval set, restored for the kept `steps` from what `store` saved; restoring evaluates nothing."""
+
     async def no_rows() -> list[dict[str, Any]]:
         raise AssertionError("restore evaluated a step")
 
     evaluator = Evaluator(no_rows, reward, "http://engine")
     gate = PromotionGate(TrainerSettings(output_dir=tmp_path, wandb="off"), store, evaluator,
                          lambda step: f"agent@{step}", lambda: "base-model")
-    gate.restore([1, 2])
+    gate.restore(steps)
+    return gate
+
+
+def test_a_promoted_step_no_longer_kept_serves_the_base_model_with_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """E.g. moved out of the run folder as a damaged checkpoint's error says: latest went back to the base model
+    silently."""
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.write_promotion({"latest": 3, "evals": {}, "decision": None})
+    gate = _restored_with_an_eval_set(tmp_path, store, [1, 2])
     assert gate.latest is None
     assert f"the promoted step 3 ({store.root / 'promotion.json'}) is no longer kept: `latest` serves base-model " \
            "until a step is promoted" in caplog.text
@@ -408,14 +415,7 @@ def test_a_promotion_state_without_latest_serves_the_base_model(tmp_path: Path, 
     store = CheckpointStore(tmp_path / "checkpoints")
     store.root.mkdir()
     (store.root / "promotion.json").write_text(saved)
-
-    async def no_rows() -> list[dict[str, Any]]:
-        raise AssertionError("restore evaluated a step")
-
-    evaluator = Evaluator(no_rows, reward, "http://engine")
-    gate = PromotionGate(TrainerSettings(output_dir=tmp_path, wandb="off"), store, evaluator,
-                         lambda step: f"agent@{step}", lambda: "base-model")
-    gate.restore([1, 2])
+    gate = _restored_with_an_eval_set(tmp_path, store, [1, 2])
     assert gate.latest is None and gate.evals == evals
 
 
