@@ -259,9 +259,22 @@ def test_exit_with_collector_down_is_bounded(dead_url) -> None:
     assert exit_seconds < 5  # at most ~1 s of flushing, plus interpreter teardown
 
 
-def _assert_lost_at_exit(script: str, lost: int) -> None:
-    """Run `script` with `ART_EXIT_FLUSH_TIMEOUT=1`: the exit hook logs `lost` spans unsent, in one line with the
-    setting to raise, and an atexit handler the script registered first prints `dropped_spans()` after it: `lost`."""
+_EXIT_LOSS_PROLOGUE = """
+import atexit, threading
+atexit.register(lambda: print(art_langgraph.dropped_spans()))  # registered first: runs after the exit hook
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+import art_langgraph
+OTLPSpanExporter.export = lambda self, spans: threading.Event().wait()  # never answered
+art_langgraph.configure(collector_url={url!r})
+"""
+"""What each exit-loss script runs first: a pipeline to `url` whose exports never get an answer, and an atexit
+handler that prints `dropped_spans()` after the exit hook."""
+
+
+def _assert_lost_at_exit(dead_url: str, body: str, lost: int) -> None:
+    """Run `body` after `_EXIT_LOSS_PROLOGUE`, with `ART_EXIT_FLUSH_TIMEOUT=1`: the exit hook logs `lost` spans
+    unsent, in one line with the setting to raise, and `dropped_spans()` read after it is `lost`."""
+    script = _EXIT_LOSS_PROLOGUE.format(url=dead_url) + textwrap.dedent(body)
     out = subprocess.run(
         [sys.executable, "-c", script],
         capture_output=True,
@@ -281,24 +294,16 @@ def test_exit_that_runs_out_of_time_logs_how_many_spans_were_left_unsent(dead_ur
     """A collector that never answers: the exit hook gave up after ART_EXIT_FLUSH_TIMEOUT with a line that named no
     number. The 2 spans the stuck export holds and the 2 queued behind it are counted, with the setting to raise, and
     are in `dropped_spans()` for an atexit handler that runs after the hook (they were only logged)."""
-    script = textwrap.dedent(
-        f"""
-        import atexit, threading
-        atexit.register(lambda: print(art_langgraph.dropped_spans()))  # registered first: runs after the exit hook
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        import art_langgraph
-        OTLPSpanExporter.export = lambda self, spans: threading.Event().wait()  # blocks for good
-        art_langgraph.configure(collector_url={dead_url!r})
+    body = """
         for i in range(2):
-            with art_langgraph.rollout(f"sending-{{i}}"):
+            with art_langgraph.rollout(f"sending-{i}"):
                 pass
         assert not art_langgraph.flush(timeout=0.5)  # the export of these 2 is now stuck
         for i in range(2):
-            with art_langgraph.rollout(f"queued-{{i}}"):
+            with art_langgraph.rollout(f"queued-{i}"):
                 pass
         """
-    )
-    _assert_lost_at_exit(script, 4)
+    _assert_lost_at_exit(dead_url, body, 4)
 
 
 @pytest.mark.parametrize("stop", ["shutdown(timeout=0.5)", "configure()"])
@@ -306,21 +311,13 @@ def test_spans_a_pipeline_stopped_before_exit_left_unsent_are_counted_and_logged
     """`shutdown(timeout)` and `configure()` wait a bounded time for the pipeline they stop, which a collector that
     does not answer outlasts; the exit hook, which saw no pipeline of its own, let its spans be lost with no count and
     no line."""
-    script = textwrap.dedent(
-        f"""
-        import atexit, threading
-        atexit.register(lambda: print(art_langgraph.dropped_spans()))  # registered first: runs after the exit hook
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        import art_langgraph
-        OTLPSpanExporter.export = lambda self, spans: threading.Event().wait()  # blocks for good
-        art_langgraph.configure(collector_url={dead_url!r})
+    body = f"""
         for i in range(2):
             with art_langgraph.rollout(f"stopped-{{i}}"):
                 pass
         art_langgraph.{stop}  # gives up on the stuck export, which goes on
         """
-    )
-    _assert_lost_at_exit(script, 2)
+    _assert_lost_at_exit(dead_url, body, 2)
 
 
 @pytest.mark.parametrize("then", ["pass", "art_langgraph.configure()"])
@@ -329,25 +326,17 @@ def test_spans_a_stopped_pipeline_still_had_in_a_request_at_exit_are_counted_and
     request unanswered; the exit hook gave up only on pipelines whose shutdown had not ended (and a `configure()` since
     forgot those that had), so an app that exited later lost that request's spans with no count and no line (with
     OTEL_EXPORTER_OTLP_TIMEOUT past 30 s, say)."""
-    script = textwrap.dedent(
-        f"""
-        import atexit, threading
-        atexit.register(lambda: print(art_langgraph.dropped_spans()))  # registered first: runs after the exit hook
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    body = f"""
         from opentelemetry.sdk._shared_internal import BatchProcessor
-        import art_langgraph
-        OTLPSpanExporter.export = lambda self, spans: threading.Event().wait()  # never answered
         join = BatchProcessor.shutdown
         BatchProcessor.shutdown = lambda self, timeout_millis=30000: join(self, 200)
-        art_langgraph.configure(collector_url={dead_url!r})
         with art_langgraph.rollout("unanswered"):
             pass
         art_langgraph.shutdown(timeout=0.1)
         assert art_langgraph.flush(timeout=10)  # its shutdown ended, the request still unanswered
         {then}
         """
-    )
-    _assert_lost_at_exit(script, 1)
+    _assert_lost_at_exit(dead_url, body, 1)
 
 
 def test_a_wait_longer_than_a_thread_can_wait_still_flushes(receivers) -> None:
