@@ -322,7 +322,8 @@ class VLLMEngine:
     def stop(self, timeout: float = 30.0) -> None:
         """Stop supervising and stop the child's process group (SIGTERM, SIGKILL after `timeout`). Idempotent.
 
-        A start or restart under way gives up within about a second (stopping what it started).
+        A start or restart under way gives up within about a second (stopping what it started); so does an adapter
+        load or unload waiting for vLLM's answer (the adapter is then not loaded, or not unloaded).
 
         Raises:
             EngineError: a process of the group outlived SIGKILL.
@@ -411,7 +412,7 @@ class VLLMEngine:
 
     def _load_pending(self) -> None:
         """Load every pending adapter, in load order; those vLLM refuses stay pending (retried after `_adapter_retry`).
-        Once `stop` was called, the rest stay pending.
+        Once `stop` was called, the rest stay pending: a load under way is given up, and logged.
 
         Raises:
             EngineError: naming each adapter that failed and why.
@@ -421,8 +422,13 @@ class VLLMEngine:
             if self._stopping.is_set():  # `stop` waits for the lock: each load may take minutes of a hung vLLM
                 return
             try:  # vLLM may have it already (False): a load that timed out on our side can still have completed
-                load_lora(self.base_url, name, self._registered[name])
+                load_lora(self.base_url, name, self._registered[name], self._stopping)
             except EngineError as exc:
+                if self._stopping.is_set():  # given up for `stop`, or vLLM stopped under it: no retry follows
+                    logger.warning(
+                        "adapter %s was not re-loaded: %s; %d adapter(s) stay pending", name, exc, len(self._pending)
+                    )
+                    return
                 failures.append(f"{name}: {exc}")
                 continue
             self._pending.discard(name)
@@ -442,9 +448,9 @@ class VLLMEngine:
         """
         path = str(Path(path).resolve())
         with self._lock:
-            if not load_lora(self.base_url, name, path):
-                unload_lora(self.base_url, name)
-                if not load_lora(self.base_url, name, path):
+            if not load_lora(self.base_url, name, path, self._stopping):
+                unload_lora(self.base_url, name, self._stopping)
+                if not load_lora(self.base_url, name, path, self._stopping):
                     raise EngineError(f"vLLM still serves adapter {name!r} after unloading it; not re-loaded")
             self._registered[name] = path
             self._pending.discard(name)
@@ -452,6 +458,6 @@ class VLLMEngine:
     def unload_adapter(self, name: str) -> None:
         """Unload adapter `name` from vLLM; vLLM not having it (a pending adapter may or may not be loaded) is fine."""
         with self._lock:
-            unload_lora(self.base_url, name)
+            unload_lora(self.base_url, name, self._stopping)
             self._pending.discard(name)
             self._registered.pop(name, None)

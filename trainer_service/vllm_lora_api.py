@@ -2,10 +2,15 @@
 
 vLLM answers loading a name it serves, and unloading one it does not, with an error; both are
 expected when a request timed out on our side but completed in vLLM, so each call says which it
-got instead of raising. Any other refusal raises `EngineError` with vLLM's answer.
+got instead of raising. Any other refusal raises `EngineError` with vLLM's answer. A request in
+flight is given up once the caller's `stopping` event is set (`VLLMEngine.stop`), instead of
+holding the engine's lock up to `_TIMEOUT` for a vLLM that no longer answers.
 """
 
 from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, wait
 
 import httpx
 
@@ -19,30 +24,48 @@ _ALREADY_LOADED = (400, "The lora adapter '{}' has already been loaded")
 _NOT_FOUND = (404, "The lora adapter '{}' cannot be found")
 """vLLM's answer to unloading a name it does not serve (`_check_unload_lora_adapter_request`, same module)."""
 
+_TIMEOUT = 120.0
+"""Seconds one request may wait for vLLM's answer (a load reads the adapter's weights)."""
 
-def load_lora(base_url: str, name: str, path: str) -> bool:
+_STOP_CHECK = 0.1
+"""Seconds between two looks at `stopping` while a request waits for vLLM's answer."""
+
+
+def load_lora(base_url: str, name: str, path: str, stopping: threading.Event) -> bool:
     """Load the adapter folder `path` as model `name`; False when vLLM serves that name already.
 
     Raises:
-        EngineError: vLLM did not answer, or refused the adapter (its message is included).
+        EngineError: vLLM did not answer, refused the adapter (its message is included), or `stopping` was set
+            before it answered.
     """
-    return _post(base_url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, _ALREADY_LOADED)
+    body = {"lora_name": name, "lora_path": path}
+    return _post(base_url, "/v1/load_lora_adapter", body, _ALREADY_LOADED, stopping)
 
 
-def unload_lora(base_url: str, name: str) -> bool:
+def unload_lora(base_url: str, name: str, stopping: threading.Event) -> bool:
     """Unload adapter `name`; False when vLLM does not serve it.
 
     Raises:
-        EngineError: vLLM did not answer, or refused with another answer.
+        EngineError: vLLM did not answer, refused with another answer, or `stopping` was set before it answered.
     """
-    return _post(base_url, "/v1/unload_lora_adapter", {"lora_name": name}, _NOT_FOUND)
+    return _post(base_url, "/v1/unload_lora_adapter", {"lora_name": name}, _NOT_FOUND, stopping)
 
 
-def _post(base_url: str, route: str, body: dict[str, str], accept: tuple[int, str]) -> bool:
+def _post(base_url: str, route: str, body: dict[str, str], accept: tuple[int, str], stopping: threading.Event) -> bool:
     """POST `body` to vLLM's `route`: True when vLLM did it, False on the `accept`ed answer (HTTP status,
-    message with `{}` for the adapter's name)."""
+    message with `{}` for the adapter's name). The request runs in a daemon thread, waited for in `_STOP_CHECK`
+    slices; once `stopping` is set it is left to end on its own (vLLM, being stopped, drops its connection)."""
+    answer: Future[httpx.Response] = Future()
+    url = f"{base_url}{route}"
+    threading.Thread(target=_send, args=(answer, url, body), name=f"POST {route}", daemon=True).start()
+    while not answer.done():
+        if stopping.is_set():
+            raise EngineError(
+                f"gave up waiting for vLLM's answer to {route} for {body['lora_name']!r}: the engine is stopping"
+            )
+        wait([answer], timeout=_STOP_CHECK)
     try:
-        response = httpx.post(f"{base_url}{route}", json=body, timeout=120.0)
+        response = answer.result()
     except httpx.HTTPError as exc:
         raise EngineError(f"vLLM at {base_url} did not answer {route}: {exc}") from exc
     if response.status_code == 200:
@@ -51,3 +74,11 @@ def _post(base_url: str, route: str, body: dict[str, str], accept: tuple[int, st
     if response.status_code == status and message.format(body["lora_name"]) in response.text:
         return False
     raise EngineError(f"vLLM refused {route} for {body}: HTTP {response.status_code}: {response.text[:500]}")
+
+
+def _send(answer: Future[httpx.Response], url: str, body: dict[str, str]) -> None:
+    """POST `body` to `url` (in its own thread); vLLM's response, or the error, goes to `answer`."""
+    try:
+        answer.set_result(httpx.post(url, json=body, timeout=_TIMEOUT))
+    except Exception as exc:  # handed over: `_post` raises it in the caller's thread
+        answer.set_exception(exc)

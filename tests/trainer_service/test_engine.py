@@ -108,6 +108,9 @@ class H(http.server.BaseHTTPRequestHandler):
         elif "lora_path" in body:
             if not os.path.exists(body["lora_path"]):
                 return self._send(400, "no such folder")
+            delay = os.path.join(body["lora_path"], "answer-after")
+            if os.path.exists(delay):  # a slow load, or a hung vLLM (this server answers one request at a time)
+                time.sleep(float(open(delay).read()))
             loaded.add(name)
         self._send(200)
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
@@ -116,8 +119,9 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 class FakeVLLM(VLLMEngine):
     """The engine's real supervision around `_FAKE_VLLM`: refuses an adapter whose folder is missing, and
-    (as vLLM) loading a name it has or unloading one it has not; `/health` fails after `POST /hang`;
-    `fake_args` picks `--silent` or `--with-child`."""
+    (as vLLM) loading a name it has or unloading one it has not; answers a load only after the seconds in the
+    folder's `answer-after` file; `/health` fails after `POST /hang`; `fake_args` picks `--silent` or
+    `--with-child`."""
 
     fake_args: list[str] = []
 
@@ -386,14 +390,92 @@ def test_stop_during_the_re_load_of_adapters_loads_no_more(tmp_path: Path, monke
         loaded: list[str] = []
         real_load = engine_module.load_lora
 
-        def load_then_stop_arrives(base_url: str, name: str, path: str) -> bool:
+        def load_then_stop_arrives(base_url: str, name: str, path: str, stopping: threading.Event) -> bool:
             loaded.append(name)
+            answer = real_load(base_url, name, path, stopping)
             engine._stopping.set()  # what `stop` does first, before it waits for the lock
-            return real_load(base_url, name, path)
+            return answer
 
         monkeypatch.setattr(engine_module, "load_lora", load_then_stop_arrives)
         assert engine.ensure_running() is True
         assert loaded == ["agent@1"] and engine.pending_adapters == ["agent@2", "agent@3"]
+    finally:
+        engine.stop()
+
+
+def _adapter_folder(tmp_path: Path, name: str, answer_after: float | None = None) -> Path:
+    """An adapter folder for `FakeVLLM`, whose loads it answers after `answer_after` seconds (None: at once)."""
+    folder = tmp_path / name
+    folder.mkdir()
+    if answer_after is not None:
+        (folder / "answer-after").write_text(str(answer_after))
+    return folder
+
+
+def _stop_while_loading(engine: FakeVLLM, folder: Path, stops: int = 1) -> float:
+    """Once vLLM got a load of `folder`, call `engine.stop` from `stops` threads at once; seconds until all returned."""
+    while f'"lora_path":"{folder}"' not in engine.log_tail(5):
+        time.sleep(0.05)
+    threads = [threading.Thread(target=engine.stop) for _ in range(stops)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.monotonic() - started
+
+
+def test_stop_gives_up_an_adapter_load_vllm_does_not_answer(tmp_path: Path) -> None:
+    """A load under way held the lock `stop` waits for: against a vLLM that never answered it, `stop` (once, or twice
+    at once) took the load's 120 s timeout. A slow load that no one stops is still waited for."""
+    engine = FakeVLLM("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    slow, hung = _adapter_folder(tmp_path, "slow", answer_after=1.0), _adapter_folder(tmp_path, "hung", 600)
+    engine.start()
+    try:
+        engine.load_adapter("agent@1", slow)
+        assert engine.adapters == {"agent@1": str(slow)}
+        errors: list[EngineError] = []
+
+        def load_hung() -> None:
+            with pytest.raises(EngineError) as given_up:
+                engine.load_adapter("agent@2", hung)
+            errors.append(given_up.value)
+
+        load = threading.Thread(target=load_hung)
+        load.start()
+        assert _stop_while_loading(engine, hung, stops=2) < 10, "stop() waited for the load's timeout"
+        load.join()
+        assert len(errors) == 1 and "the engine is stopping" in str(errors[0]) and "'agent@2'" in str(errors[0])
+        assert engine.adapters == {"agent@1": str(slow)} and not engine.is_alive()
+    finally:
+        engine.stop()
+
+
+def test_stop_gives_up_a_restarts_re_load_vllm_does_not_answer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The watchdog's restart re-loads adapters under the lock `stop` waits for: a re-load vLLM never answered made a
+    shutdown wait its 120 s. It is given up, logged once, and its adapter stays pending with the rest."""
+    engine = FakeVLLM("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    first, second = _adapter_folder(tmp_path, "a1"), _adapter_folder(tmp_path, "a2")
+    engine.start()
+    try:
+        engine.load_adapter("agent@1", first)
+        engine.load_adapter("agent@2", second)
+        (first / "answer-after").write_text("600")  # the restarted vLLM hangs on agent@1's re-load
+        os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        engine._proc.wait()  # type: ignore[union-attr]
+        restarted: list[bool] = []
+        watchdog = threading.Thread(target=lambda: restarted.append(engine.ensure_running()))
+        with caplog.at_level(logging.WARNING, logger="trainer_service.engine"):
+            watchdog.start()
+            while engine.log_tail(200).count('"lora_name":"agent@1"') < 2:  # loaded, then its re-load sent
+                time.sleep(0.05)
+            assert _stop_while_loading(engine, first) < 10, "stop() waited for the re-load's timeout"
+            watchdog.join()
+        assert restarted == [True] and engine.pending_adapters == ["agent@1", "agent@2"] and not engine.is_alive()
+        given_up = [record.getMessage() for record in caplog.records if "not re-loaded" in record.getMessage()]
+        assert len(given_up) == 1 and "adapter agent@1" in given_up[0] and "the engine is stopping" in given_up[0]
     finally:
         engine.stop()
 
