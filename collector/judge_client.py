@@ -20,6 +20,7 @@ from typing import Any
 import httpcore
 import httpx
 
+from collector.config import hide_password
 from collector.ruler import JudgeError, Messages
 
 __all__ = ["MAX_ANSWER_BYTES", "JudgeClient"]
@@ -148,14 +149,16 @@ class JudgeClient:
         self._http = httpx.Client(headers=headers, timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
 
     def _post(self, url: str, body: dict[str, Any]) -> httpx.Response:
-        """POST `body` to `url`; the response read whole within `timeout` seconds of the start.
+        """POST `body` to `url`; the response read whole within `timeout` seconds of the start. Errors name `url` with
+        its password hidden (`hide_password`): they are stored on the group's run, which reads show to anyone.
 
         Raises:
             JudgeError: `judge_unreachable`, no whole answer in time or none at all; `judge_http_error` (or
                 `judge_rejected` for a status in `_REJECTED`), an answer longer than `max_answer_bytes` or compressed.
         """
+        shown = hide_password(url)
         late = JudgeError(
-            f"judge {url} sent no whole answer within {self.timeout:g} s (ART_COLLECTOR_JUDGE_TIMEOUT_SECONDS)",
+            f"judge {shown} sent no whole answer within {self.timeout:g} s (ART_COLLECTOR_JUDGE_TIMEOUT_SECONDS)",
             code="judge_unreachable",
         )
         # `_body`; and a connection closed after its answer, which no other call can reuse: httpcore's pool hands a
@@ -165,19 +168,21 @@ class JudgeClient:
             with _WATCHDOG.watching(self.timeout) as watchdog, self._http.stream(
                 "POST", url, json=body, headers=headers, extensions={"trace": watchdog.trace}
             ) as answer:
-                content = self._body(url, answer)
+                content = self._body(shown, answer)
                 if watchdog.fired:  # the shut socket ended a body that runs to the connection's close: cut, no error
                     raise late
                 return httpx.Response(answer.status_code, content=content)
         except httpx.HTTPError as exc:
             if watchdog.fired:
                 raise late from exc
-            raise JudgeError(f"judge {url} unreachable: {type(exc).__name__}: {exc}", code="judge_unreachable") from exc
+            raise JudgeError(
+                f"judge {shown} unreachable: {type(exc).__name__}: {exc}", code="judge_unreachable"
+            ) from exc
 
-    def _body(self, url: str, answer: httpx.Response) -> bytes:
+    def _body(self, shown: str, answer: httpx.Response) -> bytes:
         """The body of `answer`, read up to `max_answer_bytes`, as it was sent: uncompressed, as asked. A compressed
         one is refused unread: httpx decodes each piece read whole, and a few hundred bytes of `gzip, gzip` decode to
-        gigabytes before any count of them.
+        gigabytes before any count of them. Errors name the judge's URL as `shown` (its password hidden, see `_post`).
 
         Raises:
             JudgeError: the body is compressed or longer: `judge_http_error`, or `judge_rejected` for a status in
@@ -185,8 +190,8 @@ class JudgeClient:
         """
         if (encoding := answer.headers.get("Content-Encoding", "")).strip().lower() not in ("", "identity"):
             raise JudgeError(
-                f"judge {url} answered {answer.status_code} with a body compressed as {encoding[:50]!r}, left unread: "
-                "it was asked for none (Accept-Encoding: identity)",
+                f"judge {shown} answered {answer.status_code} with a body compressed as {encoding[:50]!r}, left "
+                "unread: it was asked for none (Accept-Encoding: identity)",
                 code=_status_code(answer.status_code),
             )
         parts, size = [], 0
@@ -194,7 +199,7 @@ class JudgeClient:
             size += len(part)
             if size > self.max_answer_bytes:
                 raise JudgeError(
-                    f"judge {url} answered {answer.status_code} with a body past {self.max_answer_bytes} bytes, left "
+                    f"judge {shown} answered {answer.status_code} with a body past {self.max_answer_bytes} bytes, left "
                     "unread (ART_COLLECTOR_JUDGE_MAX_ANSWER_BYTES)",
                     code=_status_code(answer.status_code),
                 )
@@ -221,37 +226,38 @@ class JudgeClient:
         }
         url = f"{self.base_url}/chat/completions"
         response = self._post(url, body)
+        shown = hide_password(url)  # as errors name it (see `_post`)
         if response.status_code != 200:
             raise JudgeError(
-                f"judge {url} answered {response.status_code}: {response.text[:300]!r}",
+                f"judge {shown} answered {response.status_code}: {response.text[:300]!r}",
                 code=_status_code(response.status_code),
             )
         try:
             payload = response.json()
             if (status := _embedded_status(payload)) is not None:  # a JudgeError, which the except lets through
-                raise JudgeError(f"judge {url} answered 200 with error {status}: {response.text[:300]!r}",
+                raise JudgeError(f"judge {shown} answered 200 with error {status}: {response.text[:300]!r}",
                                  code=_status_code(status))
             choice = payload["choices"][0]
             message = choice["message"]
             text = message["content"] or ""
         except (ValueError, KeyError, IndexError, TypeError, RecursionError) as exc:
             raise JudgeError(
-                f"judge {url} sent no chat completion: {response.text[:300]!r}", code="judge_http_error"
+                f"judge {shown} sent no chat completion: {response.text[:300]!r}", code="judge_http_error"
             ) from exc
         if not isinstance(text, str):
             raise JudgeError(
-                f"judge {url} sent a message content that is not text: {response.text[:300]!r}",
+                f"judge {shown} sent a message content that is not text: {response.text[:300]!r}",
                 code="judge_http_error",
             )
         if refusal := message.get("refusal"):  # a dict: its `content` was read above
-            raise JudgeError(f"judge {url} refused to score: {str(refusal)[:300]!r}", code="judge_refused")
+            raise JudgeError(f"judge {shown} refused to score: {str(refusal)[:300]!r}", code="judge_refused")
         if not text.strip() and choice.get("finish_reason") == "content_filter":  # Azure OpenAI's filter, say
-            raise JudgeError(f"judge {url} filtered its answer out (finish_reason content_filter, no content): its "
+            raise JudgeError(f"judge {shown} filtered its answer out (finish_reason content_filter, no content): its "
                              "provider's content filter blocked the prompt or the answer", code="judge_refused")
         if not text.strip() and (calls := message.get("tool_calls")):  # white space: no answer either
             raise JudgeError(
-                f"judge {url} answered with tool calls, not JSON content: {json.dumps(calls)[:300]!r}; it must answer "
-                "in the message content (structured output, `response_format` json_schema)",
+                f"judge {shown} answered with tool calls, not JSON content: {json.dumps(calls)[:300]!r}; it must "
+                "answer in the message content (structured output, `response_format` json_schema)",
                 code="judge_bad_json",
             )
         if choice.get("finish_reason") == "length":
@@ -263,7 +269,7 @@ class JudgeClient:
         # vLLM's field, and its older name (SGLang's, DeepSeek's); e.g. a reasoning that ran to the end-of-text token
         if not text.strip() and (reasoning := message.get("reasoning") or message.get("reasoning_content")):
             raise JudgeError(
-                f"judge {url} answered in its reasoning only, no content (it ended {str(reasoning)[-80:]!r}); a "
+                f"judge {shown} answered in its reasoning only, no content (it ended {str(reasoning)[-80:]!r}); a "
                 "reasoning judge must end its reasoning and answer after it, in the message content",
                 code="judge_bad_json",
             )

@@ -27,6 +27,7 @@ from langfuse.api.core.pydantic_utilities import parse_obj_as
 from langfuse.api.core.request_options import RequestOptions
 from pydantic import ValidationError
 
+from collector.config import hide_password
 from collector.errors import CollectorError
 from collector.scoring_config import LangfuseSettings
 from collector.spans import warn_once
@@ -213,7 +214,8 @@ class LangfuseCalls:
             raise LangfuseSyncError(f"Langfuse {what} answered something its API does not define: {exc}") from exc
         except httpx.HTTPError as exc:
             raise LangfuseSyncError(
-                f"Langfuse {what} unreachable at {self.settings.host}: {exc}", code="langfuse_unreachable"
+                f"Langfuse {what} unreachable at {hide_password(str(self.settings.host))}: {exc}",
+                code="langfuse_unreachable",
             ) from exc
 
     def _get(self, path: str, params: dict[str, Any], options: RequestOptions) -> Any:

@@ -49,8 +49,8 @@ def _split_names(value: object) -> object:
 
 
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
-"""Longest HTTP timeout of one judge call: a week. Past about 9.2e9 s httpx cannot compute the call's deadline, and
-every call raised `OverflowError`."""
+"""Longest HTTP timeout of one judge or Langfuse call: a week. Past about 9.2e9 s httpx cannot compute the call's
+deadline, and every call raised `OverflowError`."""
 
 
 class JudgeSettings(BaseSettings):
@@ -190,7 +190,10 @@ class LangfuseSettings(BaseSettings):
         le=_MAX_LOOKBACK_HOURS,
         description="Pull scores whose timestamp is at most this old (at most 100 years: further back is no date).",
     )
-    timeout_seconds: float = Field(default=30.0, gt=0, description="HTTP timeout of one Langfuse call.")
+    timeout_seconds: float = Field(
+        default=30.0, gt=0, le=MAX_TIMEOUT_SECONDS,
+        description="How long one call of Langfuse's API waits for Langfuse, its retries included; at most a week.",
+    )
 
     @field_validator("host")
     @classmethod

@@ -358,6 +358,18 @@ def test_a_judge_error_is_one_line_whatever_the_body(status: int, body: str) -> 
     assert repr(body) in message  # the body is still all there, escaped
 
 
+@pytest.mark.parametrize(("status", "body"), [(503, "overloaded"), (200, "<html>proxy</html>")])
+def test_a_judge_error_hides_the_password_of_the_judges_url(status: int, body: str) -> None:
+    """A judge behind a proxy's Basic auth (`http://user:password@host/v1`): every error named the URL whole, and
+    an error is stored on the group's run, which `GET /v1/groups/{id}/judge` and the page show to anyone."""
+    client = _client_answering(status, body)
+    client.base_url = "http://judge:hunter2@judge/v1"
+    with pytest.raises(JudgeError) as caught:
+        client.complete([USER], response_format(1), temperature=0, max_tokens=64)
+    assert "judge http://judge:***@judge/v1/chat/completions" in str(caught.value)
+    assert "hunter2" not in str(caught.value)
+
+
 def test_a_tls_socket_shut_at_the_deadline_keeps_its_ssl_object() -> None:
     """`SSLSocket.shutdown` set its SSL object to None, and a read of the call's thread between `recv`'s check of it
     and `read`'s raised `ValueError("Read on closed or unwrapped SSL socket")`, which escaped the judge call; shut as

@@ -446,6 +446,21 @@ def test_the_judge_key_is_read_as_the_services_read_art_api_key(
     assert client._http.headers.get("authorization") == sent
 
 
+def test_a_run_of_an_unreachable_judge_hides_the_password_of_its_url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The judge's URL with a password (a proxy's Basic auth): the run's error, which reads show without a key, and
+    the log named it whole."""
+    env = down_judge("skip", ART_COLLECTOR_JUDGE_URL=f"http://judge:hunter2@127.0.0.1:{free_port()}/v1")
+    app = make_app(tmp_path, monkeypatch, env=env)
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    with caplog.at_level(logging.WARNING), TestClient(app) as client:
+        assert client.post("/v1/groups/g/judge").json()["state"] == "skipped"
+        error = client.get("/v1/groups/g/judge").json()["error"]
+    assert error.startswith("judge_unreachable: judge http://judge:***@127.0.0.1:")
+    assert "hunter2" not in error and "hunter2" not in caplog.text
+
+
 def test_a_judge_key_that_is_not_ascii_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No HTTP client sends it: the app failed to build with a bare `UnicodeEncodeError` from inside httpx."""
     with pytest.raises(ValidationError, match="ART_COLLECTOR_JUDGE_API_KEY.*must be ASCII"):

@@ -1105,6 +1105,33 @@ def test_wrong_keys_answer_502_naming_langfuse_and_the_key_settings(
         assert len(server.requests) == 1  # a refused key is not asked again within the sync
 
 
+def test_an_unreachable_langfuse_is_named_without_the_password_of_its_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A host with a password (the key pair as `https://pk:sk@host`, which httpx sends as Basic auth): the error of
+    a sync that cannot reach it, answered and logged, named it whole."""
+    app = app_for(tmp_path, monkeypatch, f"http://pk-lf-test:hunter2@127.0.0.1:{free_port()}")
+    with caplog.at_level(logging.WARNING), TestClient(app, raise_server_exceptions=False) as client:
+        answer = client.post("/v1/langfuse/sync")
+    assert answer.status_code == 502 and answer.json()["error"] == "langfuse_unreachable"
+    assert "unreachable at http://pk-lf-test:***@127.0.0.1:" in answer.json()["message"]
+    assert "hunter2" not in answer.text and "hunter2" not in caplog.text
+
+
+def test_a_langfuse_timeout_past_a_week_is_refused_and_a_week_works() -> None:
+    """A timeout of 1e10 s (for "none") made every call an `OverflowError` inside httpx, no `LangfuseSyncError`: every
+    sync failed with a 500, as the judge's calls did before its timeout was bounded."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="less than or equal to 604800"):
+        LangfuseSettings(timeout_seconds=1e10)
+    week = LangfuseSettings(host=f"http://127.0.0.1:{free_port()}", public_key=fake_langfuse.PUBLIC,
+                            secret_key=fake_langfuse.SECRET, timeout_seconds=7 * 24 * 3600)
+    with pytest.raises(LangfuseSyncError) as caught:
+        langfuse_api.LangfuseCalls(make_client(week), week).scores(limit=1)
+    assert caught.value.code == "langfuse_unreachable"
+
+
 def test_a_self_hosted_langfuse_without_the_v3_scores_api_is_named_in_the_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
 ) -> None:
