@@ -2,7 +2,7 @@
 
 A module-level lock (a count's, the settings', a once-only warning's, the pipeline's) may be held by a thread of the
 parent when the process forks, and in the child no thread would ever release it: the child would hang at its first
-use. Each is a `ProcessLock`, which the plugin's one after-fork hook (`_tracing`) renews through `renew_after_fork`.
+use. Each is a `ProcessLock`, which the plugin's one after-fork hook (`_pipelines`) renews through `renew_after_fork`.
 """
 
 from __future__ import annotations

@@ -100,6 +100,9 @@ class CountingExporter(SpanExporter):
         self._answer = threading.local()
         """What the calling thread's last request got (`watch`) that the inner exporter does not read: `redirect`, a
         3xx (which it takes for a delivery); `rejected`, an OTLP partial success."""
+        self._credentials = ""
+        """The settings that set the `Authorization` header the inner exporter sends, named when a receiver refuses it
+        (given by `watch`, which alone reads the answers)."""
 
     def _drop(self, n: int, answered: int = 0) -> int:
         """Count `n` spans as dropped and `answered` spans as no longer sending, at once (so `give_up`, which counts
@@ -123,11 +126,12 @@ class CountingExporter(SpanExporter):
         DROPPED_SPANS.add(lost)
         return lost
 
-    def watch(self, session: requests.Session) -> None:
+    def watch(self, session: requests.Session, credentials: str) -> None:
         """Read the answers the inner exporter gets on `session`, which it leaves unread: the spans a 200 reports
         rejected (an OTLP partial success, not to be retried) or a 3xx leaves undelivered (it follows no redirect,
         yet takes one for a delivery) are counted as dropped and logged (by `_export_request`), and a 413 is logged
-        with the setting that avoids it, a 401 or 403 with the keys to check."""
+        with the setting that avoids it, a 401 or 403 with `credentials`, the settings that set the key it sent."""
+        self._credentials = credentials
         session.hooks["response"].append(self._read_answer)
 
     def _read_answer(self, response: requests.Response, *args: object, **kwargs: object) -> None:
@@ -140,9 +144,8 @@ class CountingExporter(SpanExporter):
             )
         elif response.status_code in (401, 403):
             _logger.warning(
-                "art_langgraph: %s refused the spans as unauthorized (%d); check the key sent: ART_API_KEY (or "
-                "configure(api_key=...)) for the collector, LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY for Langfuse",
-                self._name, response.status_code,
+                "art_langgraph: %s refused the spans as unauthorized (%d); check the key sent: %s",
+                self._name, response.status_code, self._credentials,
             )
         elif response.status_code == 200 and "protobuf" in response.headers.get("Content-Type", ""):
             self._answer.rejected = self._partial_success(response.content)

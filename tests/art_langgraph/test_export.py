@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
 import threading
 import time
 
@@ -25,7 +26,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import Tracer
 
 import art_langgraph
-from art_langgraph import _tracing, rollout, semconv
+from art_langgraph import _pipelines, _tracing, rollout, semconv
 from art_langgraph._export_queue import BoundedProcessor, CountingExporter, HeldProcessor
 from tests.collector.seeding import make_app
 from tests.served import served
@@ -155,6 +156,48 @@ def test_spans_refused_as_too_large_or_redirected_are_counted_and_logged_with_th
     assert logged in caplog.text
 
 
+_GENERIC, _TRACES = "Authorization=Bearer generic", "Authorization=Bearer traces"
+
+
+@pytest.mark.parametrize(("headers", "api_key", "sent"), [
+    ({"OTEL_EXPORTER_OTLP_HEADERS": _GENERIC}, None, "Bearer generic"),
+    ({"OTEL_EXPORTER_OTLP_HEADERS": _GENERIC, "OTEL_EXPORTER_OTLP_TRACES_HEADERS": _TRACES}, None, "Bearer traces"),
+    ({"OTEL_EXPORTER_OTLP_TRACES_HEADERS": _TRACES}, "ours", "Bearer ours"),
+])
+def test_an_unauthorized_answer_names_what_sets_the_key_sent(
+        receivers, monkeypatch, caplog, headers: dict[str, str], api_key: str | None, sent: str) -> None:
+    """With no `ART_API_KEY`, the collector's exporter sends the `Authorization` header of
+    `OTEL_EXPORTER_OTLP_[TRACES_]HEADERS`, where a user of OpenTelemetry puts it; its 401/403 hint named only
+    `ART_API_KEY`. Langfuse's hint named the collector's key too, though its header comes from the Langfuse keys
+    alone. Each exporter's hint now names exactly what sets the header it sent."""
+    collector, langfuse = receivers
+    monkeypatch.delenv("ART_API_KEY", raising=False)
+    langfuse_env = {"LANGFUSE_PUBLIC_KEY": "pk", "LANGFUSE_SECRET_KEY": "sk", "LANGFUSE_BASE_URL": langfuse.url}
+    for name, value in {**headers, **langfuse_env}.items():
+        monkeypatch.setenv(name, value)
+    collector.fail_next = langfuse.fail_next = 1
+    collector.fail_status = langfuse.fail_status = 401
+    art_langgraph.configure(collector_url=collector.url, api_key=api_key, langfuse=True)
+    with caplog.at_level(logging.WARNING, logger="art_langgraph"):
+        for task in ("refused", "accepted"):
+            with rollout(task):
+                pass
+            assert art_langgraph.flush(timeout=10)
+    assert [h["authorization"] for _, h, _ in collector.requests] == [sent]
+    assert [h["authorization"] for _, h, _ in langfuse.requests] == [f"Basic {base64.b64encode(b'pk:sk').decode()}"]
+    named = {
+        message.partition(" refused")[0].removeprefix("art_langgraph: "): set(re.findall(
+            r"[A-Z][A-Z0-9_]{3,}|configure\(api_key=\.\.\.\)", message.partition("check the key sent: ")[2]))
+        for message in caplog.messages if "unauthorized (401)" in message
+    }
+    assert named == {
+        "collector": {
+            "ART_API_KEY", "configure(api_key=...)", "OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS"
+        },
+        "langfuse": {"LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY"},
+    }
+
+
 def test_text_that_utf8_cannot_encode_costs_no_span(receivers, caplog) -> None:
     """A lone surrogate (bytes decoded with `surrogateescape`, e.g. a file a tool read) in any span's text made
     protobuf refuse the whole batch: every span in it, the other rollouts' too, was lost, uncounted, and the exporter
@@ -227,7 +270,7 @@ def test_a_span_ending_while_configure_replaces_the_pipeline_is_exported(receive
             handing.set()
             release.wait(10)
 
-    old, pause = _tracing._state, Pause()
+    old, pause = _pipelines._state, Pause()
     old.processors.insert(0, pause)  # type: ignore[union-attr]
     span = _tracing.get_tracer().start_span("racing")
     ending = threading.Thread(target=span.end)
@@ -239,7 +282,7 @@ def test_a_span_ending_while_configure_replaces_the_pipeline_is_exported(receive
     release.set()
     ending.join()
     replacing.join()
-    old.processors.remove(pause)  # type: ignore[union-attr]  # no exporter: `_tracing` counts what ours left unsent
+    old.processors.remove(pause)  # type: ignore[union-attr]  # no exporter: `_pipelines` counts what ours left unsent
     assert art_langgraph.flush(timeout=10)
     assert [s.name for s in first.spans() + second.spans()] == ["racing"]
     assert art_langgraph.dropped_spans() == dropped

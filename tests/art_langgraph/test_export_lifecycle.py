@@ -208,11 +208,11 @@ def test_a_child_forked_while_another_thread_holds_the_pipeline_lock_still_expor
         f"""
         import os, threading, time
         import art_langgraph
-        from art_langgraph import _tracing
+        from art_langgraph import _pipelines
         os.environ["ART_COLLECTOR_URL"] = {collector.url!r}
         held, release = threading.Event(), threading.Event()
         def configuring():
-            with _tracing._lock:
+            with _pipelines._lock:
                 held.set()
                 release.wait()
         threading.Thread(target=configuring).start()

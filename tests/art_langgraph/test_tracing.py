@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from pydantic import ValidationError
 
 import art_langgraph
-from art_langgraph import ARTChatModel, _tracing, rollout, semconv
+from art_langgraph import ARTChatModel, _pipelines, _tracing, rollout, semconv
 from art_langgraph._export_queue import CountingExporter
 from art_langgraph._settings import MAX_OTLP_REQUEST_BYTES, Settings, update_settings
 from tests.art_langgraph.fake_engine import FakeEngine, completion_ids
@@ -240,10 +240,10 @@ def test_a_timeout_that_is_no_wait_is_refused(memory_tracing, call: str, timeout
     """`flush(math.nan)` returned False with a traceback logged from the export thread (`int(nan)`), `flush(-1)` gave
     up at once, and `shutdown` with either stopped the pipeline without waiting for its export; each is refused at
     the call, and the pipeline is kept (an int of more digits than `str` writes was refused by `str`, not the check)."""
-    state = _tracing._state
+    state = _pipelines._state
     with pytest.raises(error, match=f"{call}'s timeout must be"):
         getattr(art_langgraph, call)(timeout)
-    assert _tracing._state is state is not None
+    assert _pipelines._state is state is not None
 
 
 @pytest.mark.parametrize(("size", "error"), [(True, TypeError), (2.0, TypeError), ("8", TypeError), (0, ValueError)])
@@ -337,10 +337,10 @@ def test_a_flush_at_any_step_of_a_stop_waits_for_the_stopped_pipelines_spans(rec
     again to list the pipeline among those stopping: a flush in between saw it in neither place and returned True with
     its spans unsent. Here a flush runs each time the stopping thread lets the lock go."""
     collector, answer = _one_rollout_held(receivers, monkeypatch)
-    lock, flushed, inside = _tracing._lock, [], threading.local()
+    lock, flushed, inside = _pipelines._lock, [], threading.local()
 
     class FlushingLock:
-        """`_tracing._lock`, flushing (bounded) each time the stopping thread lets it go."""
+        """`_pipelines._lock`, flushing (bounded) each time the stopping thread lets it go."""
 
         def __enter__(self) -> None:
             lock.__enter__()
@@ -354,9 +354,9 @@ def test_a_flush_at_any_step_of_a_stop_waits_for_the_stopped_pipelines_spans(rec
                 flushed.append(art_langgraph.flush(timeout=0.1))
                 inside.flushing = False
 
-    monkeypatch.setattr(_tracing, "_lock", FlushingLock())
+    monkeypatch.setattr(_pipelines, "_lock", FlushingLock())
     _stop_pipeline(stop, collector.url)
-    monkeypatch.setattr(_tracing, "_lock", lock)
+    monkeypatch.setattr(_pipelines, "_lock", lock)
     assert flushed and True not in flushed
     answer.set()
     assert art_langgraph.flush(timeout=10)
