@@ -12,9 +12,9 @@ Modules, by part (each module's docstring says more):
   torchrun), `checkpoints`, `checkpoint_folder`, `checkpoint_checks` and `durable` (checkpoint folders: the
   run's, one written and read, whether the kept ones fit), `metrics` (every metrics sink);
 * serving: `engine` (vLLM supervisor), `engine_errors`, `backoff` (its retry waits, and the
-  acks' and releases' to the collector), `vllm_lora_api` (vLLM's adapter endpoints), `process_group` and `parent_death`
-  (stopping it), the vLLM plugins `vllm_cpu_lora`, `vllm_cpu_matmul`, `vllm_cpu_norm`, `vllm_cpu_seeds`,
-  `vllm_cpu_threads`, and the CPU's `core_lending`, `allocator`, `huge_pages`;
+  acks' and releases' to the collector), `vllm_lora_api` (vLLM's adapter endpoints), `stoppable` (waits that stopping
+  gives up), `process_group` and `parent_death` (stopping it), the vLLM plugins `vllm_cpu_lora`, `vllm_cpu_matmul`,
+  `vllm_cpu_norm`, `vllm_cpu_seeds`, `vllm_cpu_threads`, and the CPU's `core_lending`, `allocator`, `huge_pages`;
 * the service: `evaluation`, `promotion` and `promotion_state` (the promotion gate), `retention` (which checkpoints
   stay), `schedule` (min-groups / interval / cron triggers), `schedule_text` (reading `--every` and `--cron`),
   `service` (train/serve logic), `failed_steps` (what becomes of a failed step's batch), `server` (HTTP layer),

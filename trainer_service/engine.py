@@ -27,6 +27,7 @@ from trainer_service.backoff import Backoff
 from trainer_service.engine_errors import EngineError
 from trainer_service.parent_death import launch_command
 from trainer_service.process_group import stop_group
+from trainer_service.stoppable import wait_unless_stopping
 from trainer_service.vllm_cpu_matmul import MATMUL_DTYPE_ENV
 from trainer_service.vllm_cpu_threads import EngineThreads
 from trainer_service.vllm_lora_api import load_lora, unload_lora
@@ -45,7 +46,8 @@ drops every request in flight, so it takes three: at the service's watchdog inte
 up to about 60 s when each check waits out `_HEALTH_CHECK_TIMEOUT` (a vLLM that accepts but never answers)."""
 
 _HEALTH_CHECK_TIMEOUT = 10.0
-"""Seconds `ensure_running` waits for one `/health` answer (longer than `healthy`'s default, for a busy engine)."""
+"""Seconds `ensure_running` waits for one `/health` answer (longer than `healthy`'s default, for a busy engine); `stop`
+gives the wait up (it holds the lock: no load, start or stop runs between the check and the restart it decides)."""
 
 _LOG_ROTATE_BYTES = 64 * 2**20
 """A vLLM log larger than this at a (re)start is moved to `<log>.1` (replacing it): a crash loop, or restarts
@@ -135,7 +137,7 @@ class VLLMEngine:
         self._port_hold: socket.socket | None = None  # `_hold_port`
         self._lock = threading.RLock()
         self._stopping = threading.Event()
-        """Set by `stop` before it waits for the lock: a start or restart under way gives up."""
+        """Set by `stop` before it waits for the lock: a start or restart under way gives up. Cleared by `start`."""
 
     # The two views below take no lock (a restart holds it for minutes, and the proxy resolves names
     # on its event loop); copying a dict or a set is atomic, so each sees one consistent state.
@@ -223,6 +225,11 @@ class VLLMEngine:
 
     def start(self) -> None:
         """Start vLLM, block until it is healthy, and supervise it (`ensure_running`) until `stop`.
+
+        Call it while no `stop` runs: it clears what `stop` set (a stop that came before it is over), so a `stop` from
+        another thread that set it before `start` held the lock would be lost and wait for the whole start. No caller
+        overlaps them: the service stops the engine once `start` returned or raised (`TrainerService.start` in the
+        same thread, then `aclose`), and its watchdog, started after, only calls `ensure_running`.
 
         Raises:
             EngineError: the process exited or did not answer `/health` within the timeout (its
@@ -323,7 +330,8 @@ class VLLMEngine:
         """Stop supervising and stop the child's process group (SIGTERM, SIGKILL after `timeout`). Idempotent.
 
         A start or restart under way gives up within about a second (stopping what it started); so does an adapter
-        load or unload waiting for vLLM's answer (the adapter is then not loaded, or not unloaded).
+        load or unload waiting for vLLM's answer (the adapter is then not loaded, or not unloaded), and the
+        watchdog's health check (then no failed check, no restart).
 
         Raises:
             EngineError: a process of the group outlived SIGKILL.
@@ -394,13 +402,17 @@ class VLLMEngine:
             return True
 
     def _restart_reason(self) -> str | None:
-        """Why vLLM needs a restart now, or None; counts failed health checks of a running vLLM."""
+        """Why vLLM needs a restart now, or None (also once `stop` was called); counts failed health checks of a
+        running vLLM."""
         if self._proc is None:
             return "its last start failed"
         code = self._proc.poll()
         if code is not None:
             return f"it exited with code {code}"
-        if self.healthy(timeout=_HEALTH_CHECK_TIMEOUT):
+        check = wait_unless_stopping(lambda: self.healthy(_HEALTH_CHECK_TIMEOUT), self._stopping, "GET /health")
+        if not check.done():  # given up for `stop`, which stops this vLLM: neither a failure nor healthy
+            return None
+        if check.result():
             self._failed_health_checks = 0
             return None
         self._failed_health_checks += 1

@@ -4,17 +4,18 @@ vLLM answers loading a name it serves, and unloading one it does not, with an er
 expected when a request timed out on our side but completed in vLLM, so each call says which it
 got instead of raising. Any other refusal raises `EngineError` with vLLM's answer. A request in
 flight is given up once the caller's `stopping` event is set (`VLLMEngine.stop`), instead of
-holding the engine's lock up to `_TIMEOUT` for a vLLM that no longer answers.
+holding the engine's lock up to `_TIMEOUT` for a vLLM that no longer answers; the engine's
+health check waits the same way (`wait_unless_stopping`).
 """
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, wait
 
 import httpx
 
 from trainer_service.engine_errors import EngineError
+from trainer_service.stoppable import wait_unless_stopping
 
 __all__ = ["load_lora", "unload_lora"]
 
@@ -26,9 +27,6 @@ _NOT_FOUND = (404, "The lora adapter '{}' cannot be found")
 
 _TIMEOUT = 120.0
 """Seconds one request may wait for vLLM's answer (a load reads the adapter's weights)."""
-
-_STOP_CHECK = 0.1
-"""Seconds between two looks at `stopping` while a request waits for vLLM's answer."""
 
 
 def load_lora(base_url: str, name: str, path: str, stopping: threading.Event) -> bool:
@@ -53,17 +51,13 @@ def unload_lora(base_url: str, name: str, stopping: threading.Event) -> bool:
 
 def _post(base_url: str, route: str, body: dict[str, str], accept: tuple[int, str], stopping: threading.Event) -> bool:
     """POST `body` to vLLM's `route`: True when vLLM did it, False on the `accept`ed answer (HTTP status,
-    message with `{}` for the adapter's name). The request runs in a daemon thread, waited for in `_STOP_CHECK`
-    slices; once `stopping` is set it is left to end on its own (vLLM, being stopped, drops its connection)."""
-    answer: Future[httpx.Response] = Future()
+    message with `{}` for the adapter's name); given up once `stopping` is set (`wait_unless_stopping`)."""
     url = f"{base_url}{route}"
-    threading.Thread(target=_send, args=(answer, url, body), name=f"POST {route}", daemon=True).start()
-    while not answer.done():
-        if stopping.is_set():
-            raise EngineError(
-                f"gave up waiting for vLLM's answer to {route} for {body['lora_name']!r}: the engine is stopping"
-            )
-        wait([answer], timeout=_STOP_CHECK)
+    answer = wait_unless_stopping(lambda: httpx.post(url, json=body, timeout=_TIMEOUT), stopping, f"POST {route}")
+    if not answer.done():
+        raise EngineError(
+            f"gave up waiting for vLLM's answer to {route} for {body['lora_name']!r}: the engine is stopping"
+        )
     try:
         response = answer.result()
     except httpx.HTTPError as exc:
@@ -74,11 +68,3 @@ def _post(base_url: str, route: str, body: dict[str, str], accept: tuple[int, st
     if response.status_code == status and message.format(body["lora_name"]) in response.text:
         return False
     raise EngineError(f"vLLM refused {route} for {body}: HTTP {response.status_code}: {response.text[:500]}")
-
-
-def _send(answer: Future[httpx.Response], url: str, body: dict[str, str]) -> None:
-    """POST `body` to `url` (in its own thread); vLLM's response, or the error, goes to `answer`."""
-    try:
-        answer.set_result(httpx.post(url, json=body, timeout=_TIMEOUT))
-    except Exception as exc:  # handed over: `_post` raises it in the caller's thread
-        answer.set_exception(exc)

@@ -85,19 +85,24 @@ if "--silent" in sys.argv:  # never answers: a start that times out
 if "--with-child" in sys.argv:  # a second process in the group, as vLLM's engine core is
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     print("CHILD", child.pid, flush=True)
-hung, loaded = False, set()
+hung, mute, loaded = False, False, set()
 class H(http.server.BaseHTTPRequestHandler):
     def _send(self, code, message=""):
         self.send_response(code); self.end_headers()
         self.wfile.write(json.dumps({"error": {"message": message}}).encode())
-    def do_GET(self): self._send(503 if hung else 200)
+    def do_GET(self):
+        if mute:  # accepts, never answers (nor anything after: one request at a time)
+            print("GET", self.path, "unanswered", flush=True)
+            time.sleep(600)
+        self._send(503 if hung else 200)
     def do_POST(self):
-        global hung
+        global hung, mute
         raw = self.rfile.read(int(self.headers["Content-Length"]))
         print("POST", self.path, raw.decode(), flush=True)
         body = json.loads(raw)
         name = body.get("lora_name")
         hung = hung or self.path == "/hang"  # from now on /health fails while the process runs
+        mute = mute or self.path == "/mute"  # from now on /health is never answered
         if self.path == "/v1/unload_lora_adapter":  # vLLM's answers, word for word
             if name not in loaded:
                 return self._send(404, f"The lora adapter '{name}' cannot be found.")
@@ -120,8 +125,8 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 class FakeVLLM(VLLMEngine):
     """The engine's real supervision around `_FAKE_VLLM`: refuses an adapter whose folder is missing, and
     (as vLLM) loading a name it has or unloading one it has not; answers a load only after the seconds in the
-    folder's `answer-after` file; `/health` fails after `POST /hang`; `fake_args` picks `--silent` or
-    `--with-child`."""
+    folder's `answer-after` file; `/health` fails after `POST /hang`, and is never answered after `POST /mute`;
+    `fake_args` picks `--silent` or `--with-child`."""
 
     fake_args: list[str] = []
 
@@ -476,6 +481,29 @@ def test_stop_gives_up_a_restarts_re_load_vllm_does_not_answer(
         assert restarted == [True] and engine.pending_adapters == ["agent@1", "agent@2"] and not engine.is_alive()
         given_up = [record.getMessage() for record in caplog.records if "not re-loaded" in record.getMessage()]
         assert len(given_up) == 1 and "adapter agent@1" in given_up[0] and "the engine is stopping" in given_up[0]
+    finally:
+        engine.stop()
+
+
+def test_stop_gives_up_the_watchdogs_health_check_vllm_does_not_answer(tmp_path: Path) -> None:
+    """The watchdog's health check waits up to 10 s for `/health` under the lock `stop` waits for: against a vLLM that
+    accepts but never answers, a shutdown waited those 10 s (9.2 s measured). It is given up, counted as no failed
+    check, and no restart follows."""
+    engine = FakeVLLM("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
+    engine.start()
+    try:
+        httpx.post(f"{engine.base_url}/mute", json={})
+        restarted: list[bool] = []
+        watchdog = threading.Thread(target=lambda: restarted.append(engine.ensure_running()))
+        watchdog.start()
+        while "GET /health unanswered" not in engine.log_tail(5):
+            time.sleep(0.05)
+        started = time.monotonic()
+        engine.stop()
+        assert time.monotonic() - started < 3, "stop() waited for the health check's timeout"
+        watchdog.join()
+        assert restarted == [False] and engine.restarts == 0 and engine._failed_health_checks == 0
+        assert not engine.is_alive()
     finally:
         engine.stop()
 
