@@ -6,8 +6,9 @@ promotion) on the same prompts: measured once and cached while the prompts, the 
 the sampling stay the same, again when they change (a collector split grows, a restart with another
 `--eval-reward` or `--eval-samples`, `--eval-max-tokens`, `--eval-temperature`). Promoted when
 `new >= current - margin`, equal up to float rounding included, else kept and served as `name@N`
-but not as `name@latest`, with the reason recorded. A failed evaluation promotes nothing. The state survives
-restarts in `checkpoints/promotion.json`; without an eval set, a restart serves the newest kept
+but not as `name@latest`, with the reason recorded. A failed evaluation promotes nothing, also one whose evaluator
+fails unexpectedly (logged with its traceback). The eval reward of a step retention drops goes with it (`keep_evals`).
+The state survives restarts in `checkpoints/promotion.json`; without an eval set, a restart serves the newest kept
 step as latest.
 """
 
@@ -66,7 +67,8 @@ class PromotionGate:
         warning when a saved latest is no longer kept): a step is never promoted unevaluated.
         """
         saved = self._saved
-        self.evals = {s: r for s, r in saved["evals"].items() if s == 0 or s in steps}
+        self.evals = saved["evals"]
+        self.keep_evals(steps)
         self.prompt_set = saved.get("prompt_set")
         if self.evaluator is None:
             self.latest = steps[-1] if steps else None
@@ -77,10 +79,17 @@ class PromotionGate:
                                "promoted", saved["latest"], self.store.root / "promotion.json", self._base_name())
         self.decision = saved["decision"]
 
+    def keep_evals(self, steps: list[int]) -> None:
+        """Forget the eval rewards of the steps not in `steps` (the kept checkpoints); the base model's (0) stays.
+
+        Called by retention as it drops steps (at start too), so `GET /v1/status` and the next saved state show no
+        reward of a checkpoint that is gone."""
+        self.evals = {s: r for s, r in self.evals.items() if s == 0 or s in steps}
+
     def _name(self, step: int) -> str:
         return self._base_name() if step == 0 else self._model_name(step)
 
-    async def judge(self, step: int, steps: list[int]) -> PromotionDecision:
+    async def judge(self, step: int) -> PromotionDecision:
         """Evaluate the new checkpoint `step` (served already) and promote it or keep the current one.
 
         The decision is saved first; `latest` and `decision` change only once it is on disk.
@@ -94,7 +103,6 @@ class PromotionGate:
         else:
             decision = await self._gate(step, self.evaluator)
         latest = step if decision.promoted else self.latest
-        self.evals = {s: r for s, r in self.evals.items() if s == 0 or s in steps}
         try:
             self.store.write_promotion({"latest": latest, "evals": self.evals, "prompt_set": self.prompt_set,
                                         "decision": decision.model_dump()})
@@ -122,8 +130,12 @@ class PromotionGate:
                 self.evals[current] = await evaluator.evaluate(self._name(current), rows)
         except EvalError as exc:
             logger.warning("eval of step %s failed; not promoted: %s", step, exc)
-            return PromotionDecision(step=step, promoted=False, reason=f"eval failed, not promoted: {exc}",
-                                     eval_reward=self.evals.get(step))
+            return self._eval_failed(step, str(exc))
+        # anything else is the evaluator's bug: the step is served all the same, so it fails the eval, not the step
+        # (was a 500 whose retention and metrics never ran); a cancellation is no Exception and stops the gate
+        except Exception as exc:
+            logger.exception("eval of step %s failed unexpectedly; not promoted", step)
+            return self._eval_failed(step, f"{type(exc).__name__}: {exc}")
         baseline = self.evals[current]
         label = self._name(current)
         bar = baseline - self.margin
@@ -134,6 +146,11 @@ class PromotionGate:
                   f"kept as {self._model_name(step)}, not promoted")
         logger.warning("step %s not promoted: %s", step, reason)
         return PromotionDecision(step=step, promoted=False, reason=reason, eval_reward=new, baseline_reward=baseline)
+
+    def _eval_failed(self, step: int, problem: str) -> PromotionDecision:
+        """The decision on `step` whose evaluation failed with `problem`: not promoted."""
+        return PromotionDecision(step=step, promoted=False, reason=f"eval failed, not promoted: {problem}",
+                                 eval_reward=self.evals.get(step))
 
     async def aclose(self) -> None:
         """Close the evaluator's client."""

@@ -132,10 +132,12 @@ class StatusResponse(BaseModel):
     queue_error: str | None = Field(default=None, description="Why queue_depth is unknown.")
     schedule: ScheduleStatus
     promotion: PromotionDecision | None = Field(description="The promotion gate's last decision.")
-    eval_rewards: dict[int, float] = Field(description="Mean eval reward of the newest few evaluated steps and of "
-                                           "the promoted one, the gate's baseline (0: the base model).")
-    eval_reward_count: int = Field(description="How many steps have a mean eval reward, all of them.")
-    last_metrics: dict[str, float]
+    eval_rewards: dict[int, float] = Field(description="Mean eval reward of the newest few evaluated steps still "
+                                           "kept and of the promoted one, the gate's baseline (0: the base model).")
+    eval_reward_count: int = Field(description="How many kept steps have a mean eval reward, all of them.")
+    last_metrics: dict[str, float] = Field(description="Metrics of `step`: while its promotion gate runs (or after a "
+                                           "restart that came before they were recorded) the trainer's own, "
+                                           "without `eval/reward` and `promotion/promoted`.")
     counters: dict[str, int] = Field(description="Service counters: `retention_errors`, `metrics_sink_errors`, ...")
     last_error: str | None = Field(description="Message of the last failed training step, if any; cleared by a "
                                    "step that succeeds, kept when the collector has no batch ready.")

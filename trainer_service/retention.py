@@ -3,7 +3,7 @@
 The policy (`TrainerSettings.keep_last`, `keep_best_metric`, `keep_best_mode`; `select_kept`) keeps
 the newest steps, the best by a named metric (a manifest metric, or the promotion gate's eval
 reward), the promoted step and the newest. A dropped step stops being served before its folder
-goes: it leaves the served list, is unloaded from vLLM, then deleted.
+goes: it leaves the served list, is unloaded from vLLM, then deleted; the gate forgets its eval reward.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class Retention:
         A dropped step leaves `steps` first, so `/v1/models` never lists a name being removed; then
         it is unloaded from vLLM and its folder deleted. A step vLLM cannot unload is served again
         and kept for the next step's retention; a folder that cannot be deleted is logged and counted.
+        The gate forgets the eval rewards of the steps no longer served (`PromotionGate.keep_evals`).
         Run under the service's step lock.
         """
         dropped = await asyncio.to_thread(self.drops, list(steps))
@@ -75,6 +76,7 @@ class Retention:
         still_loaded = await asyncio.to_thread(self._remove, dropped)
         steps.extend(still_loaded)
         steps.sort()
+        self.gate.keep_evals(steps)
 
     def drops(self, steps: list[int]) -> list[int]:
         """The steps of `steps` the policy drops (reads the manifests' metrics).
@@ -111,11 +113,14 @@ class Retention:
     def prune(self, steps: list[int]) -> list[int]:
         """At start, before any checkpoint is loaded into vLLM: delete the folders of the steps of `steps` (the kept
         checkpoints, oldest first) the policy drops; return the steps it keeps. Run after the promotion gate's
-        `restore`, so the promoted step is kept."""
+        `restore`, so the promoted step is kept; the gate forgets the eval rewards of the dropped ones (a restart
+        showed them in `GET /v1/status` until the next step)."""
         dropped = self.drops(steps)
         for step in dropped:
             self._delete(step)
-        return [step for step in steps if step not in dropped]
+        kept = [step for step in steps if step not in dropped]
+        self.gate.keep_evals(kept)
+        return kept
 
     def _remove(self, steps: list[int]) -> list[int]:
         """Unload each step from vLLM, then delete its folder; return the steps vLLM could not unload."""

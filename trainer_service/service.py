@@ -348,7 +348,7 @@ class TrainerService:
         metrics["collector/ack_failed"] = float(bool(deferred))
         decision: PromotionDecision | None = None
         try:
-            decision = await self.gate.judge(step, self.steps)
+            decision = await self.gate.judge(step)
         except ServiceError as exc:
             deferred.append(exc)
             self.counters["promotion_write_errors"] += 1
@@ -430,13 +430,16 @@ class TrainerService:
         """Step, models, queue depth, schedule, promotion, last metrics and engine health.
 
         `training` is true while a step runs, not while `aclose` stops the service (`_status_queue_depth` says so
-        in `queue_error` once shutdown began).
+        in `queue_error` once shutdown began). `last_metrics` are those of `step`: the trainer's own while its gate
+        runs (or after a restart that came before they were recorded), without `eval/reward` and `promotion/promoted`.
         """
         healthy = await asyncio.to_thread(self.engine.healthy)
         queue_depth, queue_error = await self._status_queue_depth()
         trainer = self.trainer
         step = self.steps[-1] if self.steps else 0  # the newest served step: a running one counts once it is served
-        trained = dict(trainer.last_metrics) if trainer and trainer.step_count == step else {}
+        last_metrics = self.metrics.last  # recorded once a step ended
+        if last_metrics.get("step") != step:  # an older step's (the gate runs, or a restart came before the record)
+            last_metrics = dict(trainer.last_metrics) if trainer and trainer.step_count == step else {}
         next_run = self.schedule.next_run()
         return StatusResponse(
             name=self.settings.name,
@@ -455,7 +458,7 @@ class TrainerService:
             promotion=self.gate.decision,
             eval_rewards=self._newest_evals(),
             eval_reward_count=len(self.gate.evals),
-            last_metrics=self.metrics.last or trained,
+            last_metrics=last_metrics,
             counters={**self.counters, **self.lender.counters, "metrics_sink_errors": self.metrics.sink_errors},
             last_error=self.last_error,
             allocator=self.allocator,

@@ -113,7 +113,7 @@ async def test_a_reward_exactly_the_margin_below_is_promoted_whatever_the_float_
     gate = PromotionGate(settings, CheckpointStore(tmp_path / "checkpoints"), evaluator, lambda step: f"agent@{step}",
                          lambda: "base-model")
     gate.restore([])
-    decision = await gate.judge(1, [1])  # 0.8 - 0.1 is 0.7000000000000001; 0.1 + 0.2 + 0.3 is not 0.3 + 0.2 + 0.1
+    decision = await gate.judge(1)  # 0.8 - 0.1 is 0.7000000000000001; 0.1 + 0.2 + 0.3 is not 0.3 + 0.2 + 0.1
     assert decision.promoted and gate.latest == 1, decision.reason  # was "0.7000 is below 0.8000 by more than 0.1"
     await gate.aclose()
 
@@ -147,6 +147,84 @@ async def test_a_grown_eval_split_measures_the_baseline_again_on_the_same_prompt
     # agent@1's cached reward was for one prompt: it is measured again, on both, beside agent@2
     assert sorted(asked) == [("agent@1", "0+1?"), ("agent@1", "1+1?"), ("agent@2", "0+1?"), ("agent@2", "1+1?")]
     assert set((await service.status()).eval_rewards) == {1, 2}  # the base's one-prompt reward is dropped
+    await service.aclose()
+
+
+async def test_a_step_dropped_by_retention_leaves_the_eval_rewards(tmp_path: Path) -> None:
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": "1+1?"}]}]
+
+    SCORES.clear()
+    SCORES.update({"base-model": 0.5, "agent@1": 0.6, "agent@2": 0.7})
+    evaluator = Evaluator(source, load_reward_fn("tests.trainer_service.test_promotion:reward"), "http://engine",
+                          samples=1, transport=httpx.MockTransport(engine))
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [], evaluator=evaluator, keep_last=1)
+    assert service.trainer is not None
+    for index in (1, 2):
+        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+        await service.train_once()
+    assert service.steps == [2] and service.resolve("agent@latest") == "agent@2"
+    status = await service.status()
+    # step 1's reward was shown until the next step, its checkpoint deleted
+    assert status.eval_rewards == pytest.approx({0: 0.5, 2: 0.7}) and status.eval_reward_count == 2
+    await service.aclose()
+
+
+async def test_status_while_the_gate_runs_shows_the_metrics_of_the_step_it_gates(tmp_path: Path) -> None:
+    evaluating, decide = asyncio.Event(), asyncio.Event()
+    asked: list[int] = []
+
+    async def source() -> list[dict[str, Any]]:  # step 2's gate waits until the test has asked for the status
+        asked.append(len(asked) + 1)
+        if len(asked) == 2:
+            evaluating.set()
+            await decide.wait()
+        return [{"messages": [{"role": "user", "content": "1+1?"}]}]
+
+    SCORES.clear()
+    SCORES.update({"base-model": 0.5, "agent@1": 0.6, "agent@2": 0.7})
+    evaluator = Evaluator(source, load_reward_fn("tests.trainer_service.test_promotion:reward"), "http://engine",
+                          samples=1, transport=httpx.MockTransport(engine))
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [], evaluator=evaluator)
+    assert service.trainer is not None
+    for index in (1, 2):
+        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    await service.train_once()
+    running = asyncio.create_task(service.train_once())
+    await evaluating.wait()
+    status = await service.status()
+    decide.set()
+    result = await running
+    assert status.training and status.step == 2 and status.latest_model == "agent@1"
+    # was step 1's metrics beside step 2
+    assert status.last_metrics["step"] == 2 and status.last_metrics["loss/policy"] == result.metrics["loss/policy"]
+    assert "eval/reward" not in status.last_metrics  # the gate has not measured it yet
+    assert (await service.status()).last_metrics["eval/reward"] == pytest.approx(0.7)
+    await service.aclose()
+
+
+async def test_an_evaluator_that_fails_unexpectedly_promotes_nothing_and_the_step_is_recorded(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async def source() -> list[dict[str, Any]]:
+        raise RuntimeError("a bug in the eval source")
+
+    evaluator = Evaluator(source, lambda row, text: 1.0, "http://engine", transport=httpx.MockTransport(engine))
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [], evaluator=evaluator, keep_last=1)
+    assert service.trainer is not None
+    for index in (1, 2):
+        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+        # was a 500 `training_failed` for a served step: no retention, no metrics line
+        result = await service.train_once()
+        assert not result.promotion.promoted and result.latest_model == "base-model"
+        assert result.promotion.reason == "eval failed, not promoted: RuntimeError: a bug in the eval source"
+    assert service.steps == [2] and service.resolve("agent@2") == "agent@2"
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert "RuntimeError: a bug in the eval source" in caplog.text and "Traceback" in caplog.text
+    status = await service.status()
+    assert status.promotion is not None and status.promotion.step == 2 and status.last_error is None
     await service.aclose()
 
 
@@ -235,7 +313,7 @@ async def test_an_eval_row_json_cannot_carry_fails_the_eval_not_the_step(tmp_pat
     settings = TrainerSettings(output_dir=tmp_path, wandb="off")
     gate = PromotionGate(settings, CheckpointStore(tmp_path / "checkpoints"), evaluator, lambda step: f"agent@{step}",
                          lambda: "base-model")
-    decision = await gate.judge(1, [1])  # raised ValueError, UnicodeEncodeError or RecursionError
+    decision = await gate.judge(1)  # raised ValueError, UnicodeEncodeError or RecursionError
     assert not decision.promoted and gate.latest is None
     assert re.match(r"eval failed, not promoted: (prompt 0|a prompt) of the eval set cannot be (sent to the engine|"
                     r"encoded) as JSON: ", decision.reason)
@@ -520,7 +598,7 @@ async def test_a_reward_that_exits_fails_the_eval_not_the_service(tmp_path: Path
     settings = TrainerSettings(output_dir=tmp_path, wandb="off")
     gate = PromotionGate(settings, CheckpointStore(tmp_path / "checkpoints"), evaluator, lambda step: f"agent@{step}",
                          lambda: "base-model")
-    decision = await gate.judge(1, [1])  # the SystemExit was raised again in the event loop: the service stopped
+    decision = await gate.judge(1)  # the SystemExit was raised again in the event loop: the service stopped
     assert not decision.promoted and gate.latest is None
     assert decision.reason == ("eval failed, not promoted: the eval reward function raised SystemExit on prompt 0 of "
                                "the eval set, answered by agent@1: 2")
@@ -542,7 +620,7 @@ async def test_a_reward_that_raises_a_cancellation_fails_the_eval_not_the_step(
     settings = TrainerSettings(output_dir=tmp_path, wandb="off")
     gate = PromotionGate(settings, CheckpointStore(tmp_path / "checkpoints"), evaluator, lambda step: f"agent@{step}",
                          lambda: "base-model")
-    decision = await gate.judge(1, [1])
+    decision = await gate.judge(1)
     assert not decision.promoted and gate.latest is None
     assert decision.reason == (f"eval failed, not promoted: the eval reward function raised {raised.__name__} on "
                                "prompt 0 of the eval set, answered by agent@1: from the reward")
@@ -632,11 +710,11 @@ async def test_a_restart_with_other_scoring_measures_the_promoted_step_again(tmp
         return restored
 
     first = gate(reward_v1, 1, [])
-    assert (await first.judge(1, [1])).promoted
+    assert (await first.judge(1)).promoted
     await first.aclose()
     scale.update({"agent@1": 0.06, "agent@2": 0.07})  # measured otherwise, the same checkpoints score otherwise
     second = gate(reward_v2, 1, [1]) if change == "reward" else gate(reward_v1, 2, [1])
-    decision = await second.judge(2, [1, 2])
+    decision = await second.judge(2)
     # was compared with agent@1's 0.6 measured the other way: "0.0700 is below agent@1's 0.6000"
     assert decision.promoted and decision.baseline_reward == pytest.approx(0.06), decision.reason
     await second.aclose()

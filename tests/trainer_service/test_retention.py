@@ -195,6 +195,9 @@ async def test_a_restart_with_a_smaller_keep_last_drops_the_old_steps_before_loa
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()) == ["step-2", "step-4"]
     assert restarted.counters["checkpoints_deleted"] == 2
     assert restarted.trainer is not None and restarted.trainer.step_count == 4  # resumed from the newest
+    status = await restarted.status()
+    # step 3's reward was shown (and counted) until the next step, its checkpoint deleted at start
+    assert status.eval_rewards == {2: 0.9} and status.eval_reward_count == 1
     await restarted.aclose()
 
 

@@ -156,6 +156,26 @@ async def test_failed_ack_still_gates_retains_and_records_the_step(tmp_path: Pat
     await service.aclose()
 
 
+async def test_a_restart_after_a_step_whose_metrics_line_was_never_written_shows_its_metrics(tmp_path: Path) -> None:
+    """Killed between a step's checkpoint and its metrics line (e.g. while its promotion gate ran): status showed step
+    2 beside step 1's metrics."""
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [])
+    assert service.trainer is not None
+    for index in (1, 2):
+        batches.append(Batch(id=f"b{index}", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+        await service.train_once()
+    await service.aclose()
+    jsonl = tmp_path / "metrics.jsonl"
+    jsonl.write_text(jsonl.read_text().splitlines(keepends=True)[0])  # step 2's line was never written
+    restarted = make_service(tmp_path, [], [])
+    status = await restarted.status()
+    manifest = json.loads((tmp_path / "checkpoints" / "step-2" / "manifest.json").read_text())
+    assert status.step == 2 and status.last_metrics["step"] == 2
+    assert status.last_metrics["loss/policy"] == manifest["metrics"]["loss/policy"]
+    await restarted.aclose()
+
+
 def _nan_step(groups: Any, kind: str) -> dict[str, float]:
     raise NonFiniteStepError("loss is nan")
 
