@@ -63,15 +63,16 @@ def capacity(explicit: bool, size_hint: int | None, min_group_size: int, *, foll
     cut at `min_group_size`, so steady production traffic forms a stream of small groups; an
     explicit group without a size takes every trajectory that names it (None: no cap) until a
     newer instance of its key opens (`followed`: one opens when a trajectory names the key while
-    the group is leased, skipped or expired). From then on it is full as it is (0), even once back
-    in the pool (given back, reopened): the key's later trajectories go to the newer instance,
-    which would otherwise wait behind it alone.
+    the group is leased, skipped or expired). From then on it is cut at `min_group_size` too, even
+    once back in the pool (given back, reopened): the key's later trajectories go to the newer
+    instance, which would otherwise wait behind it alone, once it holds what it needs to train (a
+    group reopened by hand after it expired waiting for members still gets them).
     """
     if size_hint is not None:
         return size_hint
-    if not explicit:
+    if not explicit or followed:
         return min_group_size
-    return 0 if followed else None
+    return None
 
 
 def decide(members: list[Member], expected: int, *, reward_label: str, keep_zero_spread: bool) -> Decision:

@@ -112,8 +112,8 @@ def place(
     """The group instance of each trajectory in `wanted` (id, facts), by trajectory id.
 
     Each goes to the oldest open instance of its group key with room left (see
-    `groups.capacity`: an explicit group without a size has none once a newer instance of its key
-    opened), else to a new instance: the key, then `key#2`, `key#3` ... An instance
+    `groups.capacity`: an explicit group without a size has none past `min_group_size` once a newer
+    instance of its key opened), else to a new instance: the key, then `key#2`, `key#3` ... An instance
     the collector formed (by task or trace, not `art.group`) holds trajectories of one split, so
     evaluation runs of a task never hold up its training. A trajectory here is in no instance of
     its key yet (it has no group, or one of another key).

@@ -15,6 +15,7 @@ def test_capacity() -> None:
     assert capacity(explicit=True, size_hint=4, min_group_size=2) == 4
     assert capacity(explicit=False, size_hint=None, min_group_size=2) == 2
     assert capacity(explicit=True, size_hint=None, min_group_size=2) is None
+    assert capacity(explicit=True, size_hint=None, min_group_size=2, followed=True) == 2  # what it needs to train
 
 
 def test_decide() -> None:

@@ -231,7 +231,8 @@ def test_an_uncapped_group_back_in_the_pool_after_a_newer_instance_opened_takes_
 ) -> None:
     """g (explicit, no size: no cap) was out of the pool (leased, or skipped for no reward spread) when c named its
     key: c opened g#2. g came back (given back, reopened by a reward, reopened by hand); d went to g, the oldest open
-    instance with room, and c was left alone in g#2, to expire. g's membership ended when g#2 opened: d joins c."""
+    instance with room, and c was left alone in g#2, to expire. g, holding the min_group_size it needs, took its last
+    member when g#2 opened: d joins c."""
     store = make_store(min_group_size=2, max_failed_attempts=1 if back == "reopen" else 3)
     spread = 1.0 if back == "reward" else 0.0  # no spread: the lease stores g skipped
     store.add_spans(trajectory(10, "a", reward=1.0, size=None) + trajectory(20, "b", reward=spread, size=None))
@@ -295,3 +296,29 @@ def test_on_its_last_try_an_export_opens_no_third_instance_beside_a_held_newest_
         ("a", "g"), ("b", "g"), ("c", "g#2"), ("e", "g#2"), ("d", "g"), ("f", "g#2")]
     for each in (store, replica):
         each.close()
+
+
+@pytest.mark.parametrize("size", [2, None])
+def test_a_group_reopened_by_hand_after_it_expired_waiting_for_members_fills_before_its_newer_instance(
+    make_store, clock, size: int | None
+) -> None:
+    """g expired waiting for its second member; c, naming its key meanwhile, opened g#2; the operator reopened g.
+    Instances fill oldest first: d completes g, which trains, and e joins c in g#2. Without a size, g took nothing once
+    g#2 opened (`groups.capacity`'s `followed`): d went to g#2, and g waited alone for a member that could never join,
+    to expire again."""
+    store = make_store(min_group_size=2, group_timeout_seconds=60)
+    store.add_spans(trajectory(10, "a", reward=1.0, size=size))
+    clock.now += 61
+    assert store.lease(BatchRequest()).groups == []  # its upkeep expires g
+    clock.now += 1
+    store.add_spans(trajectory(20, "c", reward=0.5, size=size))
+    assert store.reopen("g").previous_state == "expired"
+    clock.now += 1
+    store.add_spans(trajectory(30, "d", reward=0.0, size=size))
+    assert [g.id for g in store.lease(BatchRequest()).groups] == ["g"]
+    store.add_spans(trajectory(40, "e", reward=0.25, size=size))
+    clock.now += 61
+    assert [g.id for g in store.lease(BatchRequest()).groups] == ["g#2"]
+
+    assert [(t.id, t.group_id) for t in store.trajectories()] == [("a", "g"), ("c", "g#2"), ("d", "g"), ("e", "g#2")]
+    assert {g.id: (g.state, g.size) for g in store.groups()} == {"g": ("leased", 2), "g#2": ("leased", 2)}
