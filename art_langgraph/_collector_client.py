@@ -13,12 +13,14 @@ import asyncio
 import logging
 import math
 import time
+from typing import TypeVar
 
 import httpx
+import requests
 
 from art_langgraph._settings import get_settings
 
-__all__ = ["apost_reward", "post_reward"]
+__all__ = ["SendAuthorization", "apost_reward", "post_reward"]
 
 _logger = logging.getLogger(__name__)
 
@@ -37,17 +39,35 @@ _RETRIED_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProto
 """No answer, after which a reward is sent again: refused, timed out, reset or cut off (it may have been stored)."""
 
 
+_Request = TypeVar("_Request", requests.PreparedRequest, httpx.Request)
+
+
+class SendAuthorization:
+    """A client's auth, for requests (a session's `auth`) and httpx (`auth=`) alike, that sends `Authorization:
+    authorization`. A client given one sends it as given: requests looks up no netrc entry (its `trust_env`; proxies
+    from the environment still apply), and neither takes the user and password of the URL, either of which put Basic
+    auth in place of the configured key."""
+
+    def __init__(self, authorization: str) -> None:
+        self.authorization = authorization
+
+    def __call__(self, request: _Request) -> _Request:
+        request.headers["Authorization"] = self.authorization
+        return request
+
+
 def _request(
     rollout_id: str | None, name: str, value: float, trace_id: str | None
-) -> tuple[str, dict[str, str], dict[str, object]]:
+) -> tuple[str, SendAuthorization | None, dict[str, object]]:
+    """The URL, auth and body of one reward's POST: the auth the span exporter sends the collector too (`_tracing`)."""
     settings = get_settings()
-    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    auth = SendAuthorization(authorization) if (authorization := settings.collector_authorization) else None
     body: dict[str, object] = {"name": name, "value": value}
     if rollout_id is not None:
         body["rollout_id"] = rollout_id
     if trace_id is not None:
         body["trace_id"] = trace_id
-    return f"{settings.collector_base_url}/v1/rewards", headers, body
+    return f"{settings.collector_base_url}/v1/rewards", auth, body
 
 
 def _retry_after(response: httpx.Response) -> float:
@@ -60,12 +80,19 @@ def _retry_after(response: httpx.Response) -> float:
     return max(asked, 0.0) if math.isfinite(asked) else 0.0
 
 
+def _shown(url: str) -> str:
+    """`url` with its password, if any (`http://user:password@host`), shown as `***`."""
+    parsed = httpx.URL(url)
+    return str(parsed.copy_with(username=parsed.username, password="***")) if parsed.password else url
+
+
 class _Tries:
     """The tries of one reward's POST to `url`, the policy `post_reward` and `apost_reward` share: whether and when
     to send it again after each outcome (`wait_after`), and what to raise once it ends (`settle`)."""
 
     def __init__(self, url: str, body: dict[str, object]) -> None:
-        self.url = url
+        self.url = _shown(url)
+        """`url` as logs and errors name it: a password in it as `***`."""
         self.what = f"reward {body['name']!r} of " + (
             f"rollout {body['rollout_id']}" if "rollout_id" in body else f"trace {body['trace_id']}"
         )
@@ -123,7 +150,7 @@ class _Tries:
             ) from outcome
         if not outcome.is_success:  # with the collector's answer: its error envelope names what it refused
             raise httpx.HTTPStatusError(
-                f"the collector answered {outcome.status_code} {outcome.reason_phrase} to POST {outcome.url}: "
+                f"the collector answered {outcome.status_code} {outcome.reason_phrase} to POST {self.url}: "
                 f"{outcome.text[:1000]}{said}",
                 request=outcome.request,
                 response=outcome,
@@ -137,13 +164,13 @@ def post_reward(rollout_id: str | None, name: str, value: float, trace_id: str |
     Raises:
         httpx.HTTPError: The collector is unreachable or answered with an error status.
     """
-    url, headers, body = _request(rollout_id, name, value, trace_id)
+    url, auth, body = _request(rollout_id, name, value, trace_id)
     tries = _Tries(url, body)
     outcome: httpx.Response | httpx.TransportError
     with httpx.Client(timeout=_TIMEOUT) as client:
         while True:
             try:
-                outcome = client.post(url, json=body, headers=headers)
+                outcome = client.post(url, json=body, auth=auth)
             except httpx.TransportError as exc:
                 outcome = exc
             if (wait := tries.wait_after(outcome)) is None:
@@ -158,13 +185,13 @@ async def apost_reward(rollout_id: str | None, name: str, value: float, trace_id
     Raises:
         httpx.HTTPError: The collector is unreachable or answered with an error status.
     """
-    url, headers, body = _request(rollout_id, name, value, trace_id)
+    url, auth, body = _request(rollout_id, name, value, trace_id)
     tries = _Tries(url, body)
     outcome: httpx.Response | httpx.TransportError
     async with httpx.AsyncClient(timeout=_TIMEOUT) as client:
         while True:
             try:
-                outcome = await client.post(url, json=body, headers=headers)
+                outcome = await client.post(url, json=body, auth=auth)
             except httpx.TransportError as exc:
                 outcome = exc
             if (wait := tries.wait_after(outcome)) is None:

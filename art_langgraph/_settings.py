@@ -2,7 +2,8 @@
 
 The standard `OTEL_EXPORTER_OTLP_*` variables are read by the OTLP exporter itself; this module
 only uses `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` and `OTEL_EXPORTER_OTLP_ENDPOINT` as fallbacks for
-the collector's base URL (where late rewards go), and refuses an endpoint or timeout among them
+the collector's base URL (where late rewards go), the `Authorization` of their headers variables as a fallback for
+the key (`collector_authorization`, which late rewards send too), and refuses an endpoint or timeout among them
 with which every export would fail. A set `ART_*` variable that no component reads (a misspelling) is logged once
 with the closest names (`collector.env_names`): the app's environment is not the plugin's to refuse.
 """
@@ -15,6 +16,7 @@ import os
 import sys
 from urllib.parse import urlsplit
 
+from opentelemetry.util.re import parse_env_headers
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -31,6 +33,9 @@ TRACES_PATH = "/v1/traces"
 """Path of the OTLP/HTTP traces endpoint under the collector's base URL."""
 ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 """Where the OTLP exporter sends spans when `ART_COLLECTOR_URL` is unset: the first of these that is set."""
+HEADERS_ENV = ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS")
+"""The OTLP exporter's extra headers (`name=value` pairs, URL-encoded, comma-separated): the first of these that is
+set."""
 TIMEOUT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
 """The OTLP exporter's budget for a request and its retries, in seconds: the first of these that is set."""
 MAX_EXPORT_TIMEOUT_SECONDS = 7 * 24 * 3600
@@ -158,6 +163,16 @@ class Settings(BaseSettings):
         traces = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").rstrip("/").removesuffix(TRACES_PATH)
         url = self.collector_url or traces or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or DEFAULT_COLLECTOR_URL
         return url.rstrip("/")
+
+    @property
+    def collector_authorization(self) -> str | None:
+        """The `Authorization` header the collector gets, with spans and late rewards alike: `Bearer <api_key>`, else
+        the `Authorization` of the first of `HEADERS_ENV` set, read with the OTLP exporter's own parser (which sends it
+        where we give none); None when neither sets one."""
+        if self.api_key:
+            return f"Bearer {self.api_key}"
+        _, headers = _first_set(HEADERS_ENV) or ("", "")
+        return parse_env_headers(headers, liberal=True).get("authorization") or None
 
 
 def _url_problem(url: str) -> str | None:

@@ -32,6 +32,7 @@ from opentelemetry.trace import Span, Tracer
 from art_langgraph import _pipelines
 from art_langgraph._bounded import run_bounded, spare_thread
 from art_langgraph._checks import check_count
+from art_langgraph._collector_client import SendAuthorization
 from art_langgraph._counts import DROPPED_SPANS
 from art_langgraph._export_queue import CountingExporter, export_processors
 from art_langgraph._pipelines import flush, shutdown
@@ -75,13 +76,22 @@ _COLLECTOR_CREDENTIALS = (
     "ART_API_KEY (or configure(api_key=...)); with neither, the Authorization header of "
     "OTEL_EXPORTER_OTLP_TRACES_HEADERS, or else OTEL_EXPORTER_OTLP_HEADERS"
 )
-"""What sets the `Authorization` header `_otlp_exporter` sends: our key, in place of the one the OTLP exporter reads
-from its headers variables (the first of them set), which it sends where we give none."""
+"""What sets the `Authorization` header `_otlp_exporter` sends, and late rewards too (`collector_authorization`)."""
+
+
+def _sending(authorization: str, session: requests.Session | None) -> dict[str, str]:
+    """The exporter's headers that send `authorization`, which `session` (where the exporter is given ours) then sends
+    as given (`SendAuthorization`): a netrc entry for the receiver's host, or a user and password in its URL, put
+    Basic auth in its place."""
+    if session is not None:
+        session.auth = SendAuthorization(authorization)
+    return {"Authorization": authorization}
 
 
 def _otlp_exporter(settings: Settings, session: requests.Session | None) -> OTLPSpanExporter:
     endpoint = f"{settings.collector_url.rstrip('/')}{TRACES_PATH}" if settings.collector_url else None
-    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else None
+    authorization = settings.collector_authorization
+    headers = _sending(authorization, session) if authorization else None
     compression = None if any(os.environ.get(v) for v in _COMPRESSION_ENV) else Compression.Gzip
     # endpoint=None lets OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT decide (default localhost:4318).
     return OTLPSpanExporter(endpoint=endpoint, headers=headers, compression=compression, session=session)
@@ -105,7 +115,7 @@ def _langfuse_exporter(session: requests.Session | None) -> OTLPSpanExporter:
     token = base64.b64encode(f"{public}:{secret}".encode()).decode()
     return OTLPSpanExporter(
         endpoint=f"{base.rstrip('/')}{LANGFUSE_OTLP_PATH}",
-        headers={"Authorization": f"Basic {token}"},
+        headers=_sending(f"Basic {token}", session),
         compression=Compression.Gzip,
         session=session,
     )

@@ -10,7 +10,8 @@ its async HTTP client, which a fresh loop per test would find bound to a closed 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 # Keep exports to the (deliberately closed) collector short; set before the exporter exists.
 os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
@@ -19,6 +20,7 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+import art_langgraph
 from art_langgraph import ARTChatModel, _tracing
 from examples.stack import free_port
 from tests.art_langgraph.otlp_receiver import Receiver
@@ -115,3 +117,20 @@ def add_tool():
         return a + b
 
     return add
+
+
+Send = Callable[..., Awaitable[None]]
+"""`art_langgraph.reward` or `areward`, awaitable either way."""
+
+
+@pytest.fixture(params=["sync", "async"])
+def send(request: pytest.FixtureRequest) -> Send:
+    """`reward` or `areward`, each awaitable: both post a late reward the same way (one retry policy, one
+    `Authorization`)."""
+    if request.param == "async":
+        return art_langgraph.areward
+
+    async def sync(*args: Any, **kwargs: Any) -> None:
+        art_langgraph.reward(*args, **kwargs)
+
+    return sync

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -20,22 +20,9 @@ import art_langgraph
 from art_langgraph import _collector_client
 from collector import server
 from collector.errors import InvalidRequest
+from tests.art_langgraph.conftest import Send
 from tests.collector.seeding import group_spans, make_app, trace_id
 from tests.served import served
-
-Send = Callable[..., Awaitable[None]]
-
-
-@pytest.fixture(params=["sync", "async"])
-def send(request: pytest.FixtureRequest) -> Send:
-    """`reward` or `areward`, each awaitable: both go through the same retry policy."""
-    if request.param == "async":
-        return art_langgraph.areward
-
-    async def sync(*args: Any, **kwargs: Any) -> None:
-        art_langgraph.reward(*args, **kwargs)
-
-    return sync
 
 
 @pytest.fixture
@@ -256,3 +243,24 @@ async def test_a_collector_down_is_tried_three_times_and_named(
         memory_tracing.install()
     logged = _tries_logged(caplog)
     assert len(logged) == 2 and all("ConnectError" in m for m in logged), logged
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_password_in_the_collectors_url_is_hidden_in_errors_and_logs(
+    memory_tracing, dead_url: str, send: Send, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A user and password in `ART_COLLECTOR_URL` (a proxy's Basic auth) show as `***` where a late reward's retries
+    and error name the URL: an application's error report or log is no place for them."""
+    monkeypatch.setattr(_collector_client, "_FIRST_WAIT_S", 0.01)
+    secret_url = dead_url.replace("http://", "http://proxy-user:hunter2@")
+    art_langgraph.configure(collector_url=secret_url)
+    try:
+        with caplog.at_level(logging.WARNING, logger=_collector_client.__name__):
+            with pytest.raises(httpx.ConnectError) as raised:
+                await send(1.0, rollout_id="r1")
+    finally:
+        memory_tracing.install()
+    shown = dead_url.replace("http://", "http://proxy-user:***@")
+    assert f"at {shown}/v1/rewards" in str(raised.value)
+    assert len(_tries_logged(caplog)) == 2 and all(shown in m for m in _tries_logged(caplog))
+    assert "hunter2" not in str(raised.value) + caplog.text
