@@ -18,7 +18,22 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 
-class Receiver:
+class LocalServer:
+    """An HTTP server on a free localhost port, serving on a daemon thread; `url` is its base URL."""
+
+    def _serve(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self._server.server_port}"
+
+    def close(self) -> None:
+        """Stop serving."""
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class Receiver(LocalServer):
     """Records every request; `fail_next` answers `fail_status` (503) that many times; `delay` stalls each answer;
     `reject` makes each 200 a partial success that reports that many spans rejected."""
 
@@ -59,16 +74,9 @@ class Receiver:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self._server.server_port}"
+        self._serve(Handler)
 
     def spans(self) -> list:
         """Every span received so far."""
         return [s for _, _, r in self.requests for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans]
 
-    def close(self) -> None:
-        """Stop serving."""
-        self._server.shutdown()
-        self._server.server_close()

@@ -7,9 +7,8 @@ Against the real collector app with `ART_API_KEY` set, over real HTTP."""
 from __future__ import annotations
 
 import base64
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import pytest
 import art_langgraph
 from art_langgraph import rollout
 from tests.art_langgraph.conftest import Send
+from tests.art_langgraph.otlp_receiver import LocalServer
 from tests.collector.seeding import group_spans, make_app
 from tests.served import served
 
@@ -143,7 +143,7 @@ async def test_a_netrc_entry_or_the_urls_password_never_replaces_the_configured_
     assert {h["authorization"] for _, h, _ in langfuse.requests} == {f"Basic {base64.b64encode(b'pk:sk').decode()}"}
 
 
-class _Proxy:
+class _Proxy(LocalServer):
     """A stand-in HTTP proxy: records each POST's target (an absolute URL, as a client sends a proxy) and
     `Authorization`, and answers 200 with an empty JSON object."""
 
@@ -164,14 +164,7 @@ class _Proxy:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self._server.server_port}"
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._serve(Handler)
 
 
 @pytest.mark.asyncio(loop_scope="session")

@@ -16,6 +16,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,16 @@ def engine(request: httpx.Request) -> httpx.Response:
                 "finish_reason": "stop"} for i in range(body["n"])]
     return httpx.Response(200, json={"id": "x", "object": "chat.completion", "model": body["model"],
                                      "choices": choices})
+
+
+def scored_evaluator(source: Callable[[], Awaitable[list[dict[str, Any]]]], scores: dict[str, float],
+                     samples: int = 1) -> Evaluator:
+    """An evaluator of `source`'s rows whose reward for each model is `scores`' (through `reward`), answered by
+    `engine`."""
+    SCORES.clear()
+    SCORES.update(scores)
+    return Evaluator(source, load_reward_fn("tests.trainer_service.test_promotion:reward"), "http://engine",
+                     samples=samples, transport=httpx.MockTransport(engine))
 
 
 async def test_gate_promotes_within_margin_and_says_why_not(tmp_path: Path) -> None:
@@ -154,10 +165,7 @@ async def test_a_step_dropped_by_retention_leaves_the_eval_rewards(tmp_path: Pat
     async def source() -> list[dict[str, Any]]:
         return [{"messages": [{"role": "user", "content": "1+1?"}]}]
 
-    SCORES.clear()
-    SCORES.update({"base-model": 0.5, "agent@1": 0.6, "agent@2": 0.7})
-    evaluator = Evaluator(source, load_reward_fn("tests.trainer_service.test_promotion:reward"), "http://engine",
-                          samples=1, transport=httpx.MockTransport(engine))
+    evaluator = scored_evaluator(source, {"base-model": 0.5, "agent@1": 0.6, "agent@2": 0.7})
     batches: list[Batch] = []
     service = make_service(tmp_path, batches, [], evaluator=evaluator, keep_last=1)
     assert service.trainer is not None
@@ -182,10 +190,7 @@ async def test_status_while_the_gate_runs_shows_the_metrics_of_the_step_it_gates
             await decide.wait()
         return [{"messages": [{"role": "user", "content": "1+1?"}]}]
 
-    SCORES.clear()
-    SCORES.update({"base-model": 0.5, "agent@1": 0.6, "agent@2": 0.7})
-    evaluator = Evaluator(source, load_reward_fn("tests.trainer_service.test_promotion:reward"), "http://engine",
-                          samples=1, transport=httpx.MockTransport(engine))
+    evaluator = scored_evaluator(source, {"base-model": 0.5, "agent@1": 0.6, "agent@2": 0.7})
     batches: list[Batch] = []
     service = make_service(tmp_path, batches, [], evaluator=evaluator)
     assert service.trainer is not None
