@@ -1,12 +1,16 @@
 """The push of rewards to Langfuse as scores, and the deletion there of the scores of deleted trajectories.
 
 Scores are written with `POST /api/public/scores` (a list). Pushed scores get a stable id per (trajectory, reward
-name), so a changed reward updates the same score in Langfuse; the scores pushed for a trajectory the store deleted
-since (another instrumentation's calls in a rollout's trace) are deleted there (`DELETE /api/public/scores/{scoreId}`)
-by the next sync, `INGEST_DELAY` after the deletion at the earliest (Langfuse's 404: gone already); one Langfuse fails
-to delete for now is tried again after a growing delay (no sooner than its `Retry-After` asks, within an hour), one it
-refuses (another 4xx, a proxy's 404 too) is given up. A later trajectory of the deleted one's id pushes its scores
-under other ids, once the deleted one's are deleted. `LangfuseSync.sync` runs both, after its pull.
+name) and a stable timestamp, their trajectory's creation, so that a changed reward, or a push sent again after its
+answer was lost, updates the same score in Langfuse, which keeps a score by its id, name and the date of its
+timestamp: sent again with a timestamp on another date, it is a second score
+(https://langfuse.com/faq/all/tracing-data-updates, "Updating scores"). The scores pushed for a trajectory the store
+deleted since (another instrumentation's calls in a rollout's trace) are deleted there
+(`DELETE /api/public/scores/{scoreId}`) by the next sync, `INGEST_DELAY` after the deletion at the earliest
+(Langfuse's 404: gone already); one Langfuse fails to delete for now is tried again after a growing delay (no sooner
+than its `Retry-After` asks, within an hour), one it refuses (another 4xx, a proxy's 404 too) is given up. A later
+trajectory of the deleted one's id pushes its scores under other ids, once the deleted one's are deleted.
+`LangfuseSync.sync` runs both, after its pull.
 """
 
 from __future__ import annotations
@@ -54,10 +58,10 @@ def _gone(exc: LangfuseSyncError) -> bool:
 
 
 def _retry_delay(age: float) -> float:
-    """Seconds before a failed deletion of a score pushed `age` seconds ago is tried again: as long as its age, within
-    `RETRY_DELAY`, so each failure of the same score (at least) doubles its age and the delay grows. A score pushed at
-    a time still ahead of the clock (which moved back since) has its age counted from its first failure instead
-    (`ScorePush.retract`), so that the delay grows all the same."""
+    """Seconds before a failed deletion of a score whose timestamp (`ScorePush.push`) is `age` seconds old is tried
+    again: as long as its age, within `RETRY_DELAY`, so each failure of the same score (at least) doubles its age and
+    the delay grows. A score whose timestamp is still ahead of the clock (which moved back since) has its age counted
+    from its first failure instead (`ScorePush.retract`), so that the delay grows all the same."""
     least, most = RETRY_DELAY
     return min(most, max(least, age))
 
@@ -91,8 +95,10 @@ class ScorePush:
 
     def push(self, clock: Callable[[], float]) -> tuple[int, int]:
         """Send the configured rewards whose value changed since the last push; returns (sent, rejected). A score
-        keeps the id it was first pushed under; a trajectory's whose record is a deleted one's of the same id, still
-        to delete (`ScoringStore.retracting`), waits for the sync after that deletion (`_score_id`).
+        keeps the id and the timestamp it was first pushed with (recorded as `pushed_at`): the timestamp is its
+        trajectory's creation, the same on a push sent again after its answer was lost (unrecorded), whatever the
+        day; a score pushed before keeps the time of its first push. A trajectory's whose record is a deleted one's of
+        the same id, still to delete (`ScoringStore.retracting`), waits for the sync after that deletion (`_score_id`).
 
         Only the scores Langfuse accepts are recorded as pushed (`_create`). One it rejects (in a 207) is logged once
         per value and sent again when its value changes, or else after a delay that doubles with each rejection of
@@ -118,18 +124,18 @@ class ScorePush:
                     continue
                 if (held := self._rejections.get((t.id, name))) and held.value == value and now < held.retry_at:
                     continue
-                first = record.pushed_at if record else now
+                at = record.pushed_at if record else created[t.id]
                 score_id = record.score_id if record else _score_id(t.id, created[t.id], name)
                 requests.append(
                     CreateScoreRequest(
                         id=score_id, trace_id=t.trace_id, name=name, value=value, data_type=ScoreDataType.NUMERIC,
                         source=CreateScoreSource.API, comment=notes.get(name),
                         metadata={"art.rollout.id": t.id, "art.group": t.group_id},
-                        timestamp=dt.datetime.fromtimestamp(first, tz=dt.UTC),
+                        timestamp=dt.datetime.fromtimestamp(at, tz=dt.UTC),
                     )
                 )
                 marks.append(
-                    {"trajectory_id": t.id, "name": name, "value": value, "score_id": score_id, "pushed_at": first,
+                    {"trajectory_id": t.id, "name": name, "value": value, "score_id": score_id, "pushed_at": at,
                      "created_at": created[t.id]}
                 )
         live = {t.id for t in trajectories}
@@ -198,7 +204,7 @@ class ScorePush:
             for row in rows:
                 failure = self._delete_score(row["score_id"])
                 if failure is not None and transient(failure):
-                    since = min(row["pushed_at"], now)  # a push time ahead of the clock (it moved back): now
+                    since = min(row["pushed_at"], now)  # a timestamp ahead of the clock (it moved back): now
                     delay = min(RETRY_DELAY[1], max(_retry_delay(now - since), retry_after(failure, now) or 0.0))
                     log.warning("Langfuse score %s of deleted trajectory %s not deleted (tried again in %.0f s): %s",
                                 row["score_id"], row["trajectory_id"], delay, failure)

@@ -39,7 +39,7 @@ class PushedScore(NamedTuple):
     value: float
     """The value last pushed."""
     pushed_at: float
-    """When it was first pushed (the score's timestamp)."""
+    """The score's timestamp: its trajectory's creation (its first push's time for a score pushed before that rule)."""
     score_id: str
     """The score's id in Langfuse."""
 
@@ -330,7 +330,7 @@ class ScoringStore:
     def retract_later(self, row: dict[str, Any], at: float, since: float) -> None:
         """Try the deletion in Langfuse of the pushed score of the record `row` (a `to_retract` row) again at `at`
         (`retract_at` is when to try next), its age counted from `since` (`pushed_at`, which a record marked to delete
-        serves for nothing else: a push time ahead of a clock that moved back is replaced so), unless its record was
+        serves for nothing else: a timestamp ahead of a clock that moved back is replaced so), unless its record was
         pushed again or dropped since."""
         with self.engine.begin() as conn:
             conn.execute(update(langfuse_pushed).where(
@@ -349,7 +349,7 @@ class ScoringStore:
             ))
 
     def mark_pushed(self, rows: list[dict[str, Any]], retract_at: float) -> None:
-        """Remember pushed scores (trajectory_id, name, value, score_id, pushed_at: the first push's time; created_at:
+        """Remember pushed scores (trajectory_id, name, value, score_id, pushed_at: the score's timestamp; created_at:
         when the trajectory the push read was created, `created_at`), clearing a mark to delete them (`retract_pushed`)
         that a deletion set after the push read the records: the score sent is the later value of the same one. Except
         where that trajectory is gone by now, deleted while its score was pushed (re-created since, of the same id, too:

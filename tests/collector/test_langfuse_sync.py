@@ -9,8 +9,10 @@ side is real: the SDK's HTTP client, the store, the sync's paging, mapping and b
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import email.utils
+import json
 import logging
 import threading
 import time
@@ -509,8 +511,50 @@ def test_push_sends_rewards_once_and_updates_changed_ones(
         client.post("/v1/rewards", json={"rollout_id": "g-0", "name": "reward", "value": 0.5})
         assert client.post("/v1/langfuse/sync").json()["pushed"] == 1
         assert len(server.created) == 2  # the same score, updated in place
-        update = server.created[first["id"]]
+        update, = server.of_id(first["id"])
         assert (update["timestamp"], update["value"]) == (first["timestamp"], 0.5)
+
+
+def _answers_lost(sync: LangfuseSync) -> Callable[..., object]:
+    """Make Langfuse take `sync`'s pushes while their answers never come back (a timeout, a connection cut); returns
+    the client's own `scores.create`, to put back."""
+    create = sync.client.scores.create
+
+    def taken_answer_lost(**kwargs: object) -> object:
+        create(**kwargs)
+        raise httpx.ReadTimeout("timed out")
+
+    sync.client.scores.create = taken_answer_lost
+    return create
+
+
+@pytest.mark.parametrize("value", [1.0, 0.5], ids=["unchanged", "edited"])
+def test_a_score_whose_push_lost_its_answer_stays_one_score_when_pushed_again_days_later(
+    make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse], value: float
+) -> None:
+    """Langfuse keeps a score by its id, name and the date of its timestamp (`fake_langfuse`). A push whose answer was
+    lost is not recorded as pushed, and the next push, a day later, sent the score again with that day's timestamp:
+    Langfuse held two (the edited reward's new value beside the old one). Every push of a score has its trajectory's
+    creation as timestamp, so it updates the one score, a day or forty later."""
+    url, server = langfuse
+    store = make_store(min_group_size=1)
+    sync = sync_for(store, url, push_names="reward")
+    sync.clock = clock
+    store.add_spans(group_spans("g", ["7"], rewards=[1.0]))
+    create = _answers_lost(sync)
+    with pytest.raises(LangfuseSyncError, match="unreachable"):
+        sync.sync()
+    assert sync.scoring.pushed() == {} and [s["value"] for s in server.created.values()] == [1.0]
+    sync.client.scores.create = create
+    clock.now += 86400
+    store.add_reward(RewardIn(rollout_id="g-0", name="reward", value=value))
+    assert sync.sync().pushed == 1
+    assert [s["value"] for s in server.created.values()] == [value]
+    score_id = next(iter(server.created.values()))["id"]
+    clock.now += 40 * 86400
+    store.add_reward(RewardIn(rollout_id="g-0", name="reward", value=0.25))
+    assert sync.sync().pushed == 1
+    assert [(s["id"], s["value"]) for s in server.created.values()] == [(score_id, 0.25)]
 
 
 def test_a_score_langfuse_rejects_is_not_recorded_as_pushed_and_sent_again_later(
@@ -556,8 +600,8 @@ def test_a_score_this_store_pushed_is_not_pulled_back_as_a_reward(
     sync = sync_for(store, url, push_names="reward", sources="API,ANNOTATION")
     store.add_spans(group_spans("g", ["7"], rewards=[1.0]))
     assert sync.sync().pushed == 1
-    (score_id, score), = server.created.items()  # Langfuse lists a pushed score as any other of source API
-    server.add_score(score_id, "reward", score["value"], trace_id=score["traceId"], source="API")
+    score, = server.created.values()  # Langfuse lists a pushed score as any other of source API
+    server.add_score(score["id"], "reward", score["value"], trace_id=score["traceId"], source="API")
     server.add_score("human", "reward", 0.5, trace_id=score["traceId"], source="API")  # another client's
     result = sync.sync()
     assert (result.pulled, result.applied, result.ignored) == (2, 1, 1)
@@ -583,7 +627,7 @@ def test_a_score_pushed_for_a_trajectory_deleted_since_is_deleted_in_langfuse(
                        RewardIn(rollout_id="g-0", name="ruler", value=0.6)])
     first = sync.sync()
     assert (first.pushed, first.retracted) == (2, 0)
-    foreign = {s["metadata"]["art.rollout.id"]: score_id for score_id, s in server.created.items()}[TRACE_A]
+    foreign = {s["metadata"]["art.rollout.id"]: s["id"] for s in server.created.values()}[TRACE_A]
 
     store.add_spans(_ours("r1", TRACE_A, 100))  # deletes the foreign calls' trajectory
     assert [t.id for t in store.trajectories() if t.trace_id == TRACE_A] == ["r1"]
@@ -599,18 +643,21 @@ def test_a_score_pushed_for_a_trajectory_deleted_since_is_deleted_in_langfuse(
 
 
 def _pushed_then_orphaned(
-    store: SqlStore, sync: LangfuseSync, server: fake_langfuse.FakeLangfuse, clock: Clock
+    store: SqlStore, sync: LangfuseSync, server: fake_langfuse.FakeLangfuse, clock: Clock, ahead: float = 0.0
 ) -> str:
     """Push a judge's `ruler` of the foreign calls' trajectory (TRACE_A) and of `g-0`, then delete the former (the
     rollout of its trace comes), and let `clock` (the store's) run to when its score's deletion is due
-    (`INGEST_DELAY`); returns the id of its score in Langfuse."""
+    (`INGEST_DELAY`); returns the id of its score in Langfuse. The trajectories are stored, and their scores pushed,
+    with `clock` `ahead` seconds ahead of the deletion's."""
+    clock.now += ahead
     store.add_spans([_openinference_chain(TRACE_A, 110, sid(101), "tool"),
                      _openinference_llm(TRACE_A, 111, sid(110), marked=False)])
     store.add_spans(group_spans("g", ["7"]))
     store.add_rewards([RewardIn(rollout_id=TRACE_A, name="ruler", value=0.3),
                        RewardIn(rollout_id="g-0", name="ruler", value=0.6)])
     assert sync.sync().pushed == 2
-    foreign = {s["metadata"]["art.rollout.id"]: score_id for score_id, s in server.created.items()}[TRACE_A]
+    foreign = {s["metadata"]["art.rollout.id"]: s["id"] for s in server.created.values()}[TRACE_A]
+    clock.now -= ahead
     store.add_spans(_ours("r1", TRACE_A, 100))
     clock.now += INGEST_DELAY
     return foreign
@@ -673,17 +720,16 @@ def test_a_deletion_langfuse_fails_for_now_is_tried_again_later_and_blocks_no_pu
 def test_the_retry_delay_grows_though_the_score_was_pushed_at_a_time_ahead_of_the_clock(
     make_store, clock, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
 ) -> None:
-    """The delay is as long as the score's age: a score pushed by a replica whose clock ran a day ahead (or before
-    this machine's clock moved back) had a negative age, and the delay stayed at its least (a minute) however long
-    Langfuse kept failing. The age counts from the first failure then, and the delay grows as for any score."""
+    """The delay is as long as the age of the score's timestamp: a score whose trajectory a replica with a clock a day
+    ahead stored and pushed (or this machine, before its clock moved back) had a negative age, and the delay stayed
+    at its least (a minute) however long Langfuse kept failing. The age counts from the first failure then, and the
+    delay grows as for any score."""
     url, server = langfuse
     store = make_store(min_group_size=1)
     sync = sync_for(store, url, push_names="ruler")
-    ahead = [86400.0]
-    sync.clock = lambda: clock.now + ahead[0]  # the sync's clock; the store's (the deletion's mark) is `clock`
-    foreign = _pushed_then_orphaned(store, sync, server, clock)
+    sync.clock = clock
+    foreign = _pushed_then_orphaned(store, sync, server, clock, ahead=86400.0)  # then the clock moved back a day
     asked = failing_deletions(sync, ApiError(status_code=503, body={"message": "Service Unavailable"}))
-    ahead[0] = 0.0  # the clock moved back a day
     tries = []
     for _ in range(9):  # a sync a minute
         tries.append(sync.sync().retract_failed)
@@ -847,7 +893,7 @@ def test_a_deleted_trajectorys_score_is_deleted_though_its_id_is_written_again(
     assert (result.retracted, result.pushed) == (0, 1)
     assert [method for method, _ in server.requests] == ["GET", "POST"]
     for score_id in queued:  # Langfuse applies the queued deletion after the push
-        server.created.pop(score_id, None)
+        server.delete(score_id)
     assert [(s["metadata"]["art.rollout.id"], s["value"]) for s in server.created.values()] == [
         ("g-0", 0.6), (TRACE_A, 0.8)
     ]
@@ -871,10 +917,10 @@ def test_a_later_trajectory_of_a_deleted_ones_id_pushes_its_score_once_the_delet
     server.requests.clear()
     result = sync.sync()
     assert (result.pushed, result.retracted) == (0, 1)
-    assert [method for method, _ in server.requests] == ["GET", "DELETE"] and foreign not in server.created
+    assert [method for method, _ in server.requests] == ["GET", "DELETE"] and server.of_id(foreign) == []
     result = sync.sync()
     assert (result.pushed, result.retracted) == (1, 0)
-    ours = {key: s["value"] for key, s in server.created.items() if s["metadata"]["art.rollout.id"] == TRACE_A}
+    ours = {s["id"]: s["value"] for s in server.created.values() if s["metadata"]["art.rollout.id"] == TRACE_A}
     assert list(ours.values()) == [value] and foreign not in ours
     record = sync.scoring.pushed()[(TRACE_A, "ruler")]
     assert sync.scoring.to_retract() == [] and (record.value, record.score_id) == (value, next(iter(ours)))
@@ -894,7 +940,7 @@ def test_a_score_pushed_before_its_id_changed_keeps_it(
                                "pushed_at": clock.now, "created_at": sync.scoring.created_at()["g-0"]}], clock.now)
     store.add_reward(RewardIn(rollout_id="g-0", name="ruler", value=0.7))
     assert sync.sync().pushed == 1
-    assert list(server.created) == ["earlier"] and server.created["earlier"]["value"] == 0.7
+    assert [(s["id"], s["value"]) for s in server.created.values()] == [("earlier", 0.7)]
 
 
 def _foreign_calls_judged(store: SqlStore) -> None:
@@ -1316,6 +1362,91 @@ def test_the_stand_in_lists_newest_first_with_langfuse_time_format(
     status, body = server.list_scores({})
     assert status == 200 and [s["id"] for s in body["data"]] == ["later", "whole"]
     assert [s["timestamp"] for s in body["data"]] == ["2026-01-02T03:04:05.678Z", "2026-01-02T03:04:05.000Z"]
+
+
+def _score(timestamp: str | None, name: str = "reward", value: float = 1.0) -> dict[str, Any]:
+    """A score as the collector pushes it, of id `s`."""
+    score = {"id": "s", "traceId": "a" * 32, "name": name, "value": value, "dataType": "NUMERIC", "source": "API"}
+    return score if timestamp is None else {**score, "timestamp": timestamp}
+
+
+def test_the_stand_in_keeps_a_score_sent_again_on_another_date_or_name_beside_the_first(
+    langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """It kept one score per id: one sent again under the same id on another date replaced the first, where Langfuse
+    keeps both, so a test of the push could not see a duplicate."""
+    _, server = langfuse
+    assert server.create_scores([_score("2026-01-02T03:04:05.000Z")])[0] == 202
+    server.create_scores([_score("2026-01-02T23:59:59.999+00:00", value=0.5)])  # the same day in UTC: replaced
+    assert [(s["timestamp"], s["value"]) for s in server.of_id("s")] == [("2026-01-02T23:59:59.999+00:00", 0.5)]
+    server.create_scores([_score("2026-01-03T00:30:00+01:00", value=0.25)])  # 23:30 UTC on the 2nd: replaced
+    server.create_scores([_score("2026-01-03T00:00:00Z", value=0.75)])  # the next day: another score
+    server.create_scores([_score("2026-01-02T03:04:05Z", name="other")])  # another name: another score
+    assert sorted((s["name"], s["value"]) for s in server.of_id("s")) == [("other", 1.0), ("reward", 0.25),
+                                                                          ("reward", 0.75)]
+    server.create_scores([_score(None, value=0.1)])  # no timestamp: the time of the request
+    today = [s for s in server.of_id("s") if s["value"] == 0.1]
+    assert len(today) == 1 and fake_langfuse.score_key(today[0])[2] == dt.datetime.now(dt.UTC).date()
+    status, body = server.create_scores([_score("yesterday")])
+    assert (status, body["rejected"]) == (207, 1)
+    server.delete("s")
+    assert server.created == {}
+
+
+def test_the_stand_in_pages_by_timestamp_and_id_as_langfuse_does(
+    langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """Its cursor was an offset: a score added between two pages shifted the next page, which listed a score of the
+    first again. Langfuse's cursor holds the page's last (timestamp, id), and the next page starts below it."""
+    _, server = langfuse
+    start = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
+    for score_id, seconds in (("a", 2), ("c", 1), ("b", 1), ("d", 0)):  # b and c tie: the greater id first
+        server.add_score(score_id, "human", 1.0, trace_id="a" * 32, timestamp=start + dt.timedelta(seconds=seconds))
+    status, first = server.list_scores({"limit": ["2"]})
+    assert status == 200 and [s["id"] for s in first["data"]] == ["a", "c"]
+    cursor = first["meta"]["cursor"]
+    assert json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))) == {
+        "v": 1, "lastTimestamp": "2026-01-02T03:04:06.000Z", "lastId": "c"}
+    server.add_score("new", "human", 1.0, trace_id="a" * 32, timestamp=start + dt.timedelta(seconds=3))
+    _, second = server.list_scores({"limit": ["2"], "cursor": [cursor]})
+    assert [s["id"] for s in second["data"]] == ["b", "d"] and "cursor" not in second["meta"]
+
+
+@pytest.mark.parametrize(("query", "message"), [
+    ({"limit": ["abc"]}, "Invalid request data"),
+    ({"limit": ["0"]}, "Invalid request data"),
+    ({"limit": ["101"]}, "Invalid request data"),
+    ({"limit": ["1.5"]}, "Invalid request data"),
+    ({"limit": [""]}, "Invalid request data"),
+    ({"cursor": ["!not base64 json"]}, "Invalid cursor format"),
+    ({"cursor": [base64.urlsafe_b64encode(b'{"offset": 2}').decode()]}, "Invalid request data"),
+    ({"cursor": [base64.urlsafe_b64encode(b'{"v": 1, "lastTimestamp": "soon", "lastId": "a"}').decode()]},
+     "Invalid request data"),
+])
+def test_the_stand_in_answers_400_to_a_limit_or_cursor_langfuse_refuses(
+    langfuse: tuple[str, fake_langfuse.FakeLangfuse], query: dict[str, list[str]], message: str
+) -> None:
+    """It raised on a limit that is no integer and on a cursor it did not make (the request got no answer), and took a
+    cursor of another shape as its own; Langfuse answers 400."""
+    _, server = langfuse
+    server.add_score("a", "human", 1.0, trace_id="a" * 32)
+    status, body = server.list_scores(query)
+    assert (status, body["message"]) == (400, message)
+
+
+def test_a_page_shorter_than_its_limit_with_a_cursor_is_not_the_last(
+    make_store, langfuse: tuple[str, fake_langfuse.FakeLangfuse]
+) -> None:
+    """Langfuse drops from a page the scores it cannot convert, after paging: such a page comes shorter than its limit,
+    with a cursor, and the pull goes on to the next."""
+    url, server = langfuse
+    store = make_store()
+    sync = sync_for(store, url)
+    for n in range(PAGE + 50):
+        server.add_score(f"s{n:03}", "human", 0.5, trace_id=trace_id("g", n))
+    server.dropped = {f"s{n:03}" for n in range(PAGE + 50 - 30, PAGE + 50)}  # 30 of the first page (the newest)
+    assert sync.sync().pulled == PAGE + 20
+    assert [method for method, _ in server.requests] == ["GET", "GET"]
 
 
 def test_sync_without_langfuse_configured_is_404(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
