@@ -58,16 +58,23 @@ class SendAuthorization:
 
 def _request(
     rollout_id: str | None, name: str, value: float, trace_id: str | None
-) -> tuple[str, SendAuthorization | None, dict[str, object]]:
-    """The URL, auth and body of one reward's POST: the auth the span exporter sends the collector too (`_tracing`)."""
+) -> tuple[str, SendAuthorization | httpx.BasicAuth | None, dict[str, object]]:
+    """The URL, auth and body of one reward's POST: the auth the span exporter sends the collector too (`_tracing`),
+    else the user and password of the collector's URL as Basic auth. The URL goes without them, so that no error or
+    log line (httpx's own `HTTP Request: POST ...` at INFO included) names a password."""
     settings = get_settings()
-    auth = SendAuthorization(authorization) if (authorization := settings.collector_authorization) else None
+    url = httpx.URL(f"{settings.collector_base_url}/v1/rewards")
+    auth: SendAuthorization | httpx.BasicAuth | None = None
+    if authorization := settings.collector_authorization:
+        auth = SendAuthorization(authorization)
+    elif url.username or url.password:
+        auth = httpx.BasicAuth(url.username, url.password)
     body: dict[str, object] = {"name": name, "value": value}
     if rollout_id is not None:
         body["rollout_id"] = rollout_id
     if trace_id is not None:
         body["trace_id"] = trace_id
-    return f"{settings.collector_base_url}/v1/rewards", auth, body
+    return str(url.copy_with(username=None, password=None)), auth, body
 
 
 def _retry_after(response: httpx.Response) -> float:
@@ -80,19 +87,12 @@ def _retry_after(response: httpx.Response) -> float:
     return max(asked, 0.0) if math.isfinite(asked) else 0.0
 
 
-def _shown(url: str) -> str:
-    """`url` with its password, if any (`http://user:password@host`), shown as `***`."""
-    parsed = httpx.URL(url)
-    return str(parsed.copy_with(username=parsed.username, password="***")) if parsed.password else url
-
-
 class _Tries:
     """The tries of one reward's POST to `url`, the policy `post_reward` and `apost_reward` share: whether and when
     to send it again after each outcome (`wait_after`), and what to raise once it ends (`settle`)."""
 
     def __init__(self, url: str, body: dict[str, object]) -> None:
-        self.url = _shown(url)
-        """`url` as logs and errors name it: a password in it as `***`."""
+        self.url = url
         self.what = f"reward {body['name']!r} of " + (
             f"rollout {body['rollout_id']}" if "rollout_id" in body else f"trace {body['trace_id']}"
         )
@@ -119,10 +119,12 @@ class _Tries:
             return None
         wait = max(_FIRST_WAIT_S * 2 ** (self.made - 1), asked)
         if self.waited + wait > _WAIT_BUDGET_S:
-            self.given_up = (
-                f"; not tried again: the collector asked to wait {wait:g} s (Retry-After), past the "
-                f"{_WAIT_BUDGET_S:g} s a late reward waits in all"
+            why = (  # the backoff's own wait passes it only after earlier Retry-After waits took the budget
+                f"the collector asked to wait {wait:g} s (Retry-After), past"
+                if wait == asked
+                else f"waiting {wait:g} s more after {self.waited:g} s would pass"
             )
+            self.given_up = f"; not tried again: {why} the {_WAIT_BUDGET_S:g} s a late reward waits in all"
             return None
         self.waited += wait
         _logger.warning(

@@ -7,6 +7,7 @@ Against the real collector app with `ART_API_KEY` set, over real HTTP."""
 from __future__ import annotations
 
 import base64
+import logging
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -141,6 +142,23 @@ async def test_a_netrc_entry_or_the_urls_password_never_replaces_the_configured_
     await _span_and_late_reward(url, send)
     assert recording.posts == _BOTH_WITH_KEY
     assert {h["authorization"] for _, h, _ in langfuse.requests} == {f"Basic {base64.b64encode(b'pk:sk').decode()}"}
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_without_a_key_a_late_reward_sends_the_urls_user_and_password_and_names_neither(
+    keyed: tuple[str, _Recording], send: Send, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With no key configured, a user and password in `ART_COLLECTOR_URL` (a proxy's Basic auth) are what a late
+    reward sends, as Basic auth; the URL its retries, its error and httpx's own `HTTP Request` line name goes without
+    them (that INFO line showed the password whole)."""
+    url, recording = keyed
+    art_langgraph.configure(collector_url=url.replace("http://", "http://url-user:url-password@"))
+    with caplog.at_level(logging.INFO, logger="httpx"), pytest.raises(httpx.HTTPStatusError, match="401") as raised:
+        await send(0.5, rollout_id="sums-0", name="judge")
+    basic = f"Basic {base64.b64encode(b'url-user:url-password').decode()}"
+    assert recording.posts == [("/v1/rewards", basic, 401)]
+    assert f"to POST {url}/v1/rewards" in str(raised.value)
+    assert "HTTP Request: POST" in caplog.text and "url-password" not in caplog.text + str(raised.value)
 
 
 class _Proxy(LocalServer):
