@@ -181,14 +181,17 @@ class Group(BaseModel):
 class BatchRequest(RequestBody):
     """Body of `POST /v1/batches`."""
 
-    max_groups: int = Field(default=8, ge=1, le=1024, description="Most groups to lease.")
+    # strict: a bool or a string is refused, not read as a number (`true` as a lease of 1 s)
+    max_groups: int = Field(default=8, ge=1, le=1024, strict=True, description="Most groups to lease.")
     min_groups: int = Field(
-        default=1, ge=1, le=1024, description="Lease nothing unless this many are ready; at most `max_groups`."
+        default=1, ge=1, le=1024, strict=True,
+        description="Lease nothing unless this many are ready; at most `max_groups`.",
     )
     lease_seconds: float = Field(
         default=900.0,
         ge=MIN_LEASE_SECONDS,
         le=MAX_LEASE_SECONDS,
+        strict=True,
         description="Lease length, from 1 s to a week; expired leases return groups to the pool.",
     )
     trainer: Name | None = Field(default=None, description="Name of the trainer taking the lease (shown in the UI).")
@@ -230,7 +233,8 @@ class AckRequest(RequestBody):
     """Body of `POST /v1/batches/{id}/ack`."""
 
     policy_step: int | None = Field(
-        default=None, ge=0, le=MAX_COUNT, description="Checkpoint step trained from this batch."
+        default=None, ge=0, le=MAX_COUNT, strict=True,
+        description="Checkpoint step trained from this batch; a bool or a string is refused, not read as a number.",
     )
 
 

@@ -183,6 +183,14 @@ def _unreadable(request: Request, cause: ValueError | RecursionError) -> str:
     return message
 
 
+def _holding_nul(request: Request) -> list[str]:
+    """The path and query parameters of `request` that hold a NUL, named as `validation_problem` names a field
+    (`path.batch_id`, `query.split`)."""
+    path = [f"path.{name}" for name, value in request.path_params.items() if "\x00" in str(value)]
+    query = [f"query.{name}" for name, value in request.query_params.multi_items() if "\x00" in value]
+    return list(dict.fromkeys(path + query))
+
+
 def _lease_answer(batch: Batch) -> Response:
     """The JSON answer of `POST /v1/batches`, the bytes of `batch.model_dump_json()`, encoded in the route (not by
     FastAPI once it returned), so that a failure to encode it meets `_release_unsent`.
@@ -280,7 +288,8 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
         # a value of the request the database cannot hold (PostgreSQL: a NUL character in an id of the path or
         # the query); the transaction rolled back
         log.warning("store refused a value on %s %s: %s", request.method, request.url.path, driver_reason(exc))
-        return _error(400, "invalid_request", f"the store cannot hold a value of this request ({driver_reason(exc)})")
+        where = ", ".join(_holding_nul(request)) or "a value of this request"
+        return _error(400, "invalid_request", f"{where}: the store cannot hold it ({driver_reason(exc)})")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -411,4 +411,6 @@ class SqlStore(Store):
     def reopen(self, group_id: str) -> ReopenResponse:
         """Put a skipped or expired group back in the pool, its failed attempts reset. Raises `NotFound`, or
         `Conflict` when the group is open, ready, leased or trained, or skipped for its rewards while in the pool."""
-        return self._tx.run(lambda conn: leases.reopen(conn, self.settings, group_id, self._now(conn)))
+        return self._tx.run(
+            lambda conn: leases.reopen(conn, self.settings, group_id, self._now(conn), self._tx.lock)
+        )

@@ -607,6 +607,19 @@ def test_reopen_puts_a_group_given_up_on_back_with_its_attempts_reset(make_store
         store.reopen("nope")
 
 
+def test_reopen_ends_the_leases_that_expired_first(make_store, clock) -> None:
+    """A lease that expired with no request since (its trainer is down) still held its group for reopen, which refused
+    it as `leased`, while `GET /v1/groups`, which ends expired leases first, showed it skipped."""
+    store = make_store(max_failed_attempts=1)
+    _ready_group(store)
+    store.lease(BatchRequest(lease_seconds=60))
+    clock.now += 61
+    assert store.reopen("g") == ReopenResponse(
+        group_id="g", previous_state="skipped", previous_reason="training failed 1 times; last: lease expired",
+        failed_attempts=1)
+    assert _state(store) == ("ready", None, 0)
+
+
 def test_reopen_of_a_group_skipped_for_its_rewards_says_so_and_a_new_reward_puts_it_back(make_store) -> None:
     store = make_store()
     store.add_spans(trajectory(10, "g-a", reward=1.0) + trajectory(20, "g-b", reward=1.0))

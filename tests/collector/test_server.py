@@ -462,16 +462,23 @@ def test_a_full_disk_answers_503_stores_nothing_and_the_retry_succeeds(tmp_path:
 
 
 def test_a_nul_in_an_id_of_the_url_is_a_bad_request_on_postgres(postgres: PostgresServer) -> None:
-    """PostgreSQL text holds no NUL: the driver's DataError was a 500 `internal_error` that showed the SQL."""
+    """PostgreSQL text holds no NUL: the driver's DataError was a 500 `internal_error` that showed the SQL; then a
+    400 that did not say which parameter holds the NUL."""
     client = TestClient(create_app(CollectorSettings(db=postgres.create_database())))
     client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
-    for method, url, body in [
-        ("GET", "/v1/trajectories?task=%00", None), ("GET", "/v1/trajectories/a%00", None),
-        ("GET", "/v1/view/trajectories/a%00", None), ("GET", "/v1/groups/g%00/judge", None),
-        ("POST", "/v1/batches/b%00/ack", {}), ("POST", "/v1/groups/g%00/reopen", None),
+    for method, url, body, where in [
+        ("GET", "/v1/trajectories?task=%00", None, "query.task"),
+        ("GET", "/v1/trajectories/a%00", None, "path.trajectory_id"),
+        ("GET", "/v1/view/trajectories/a%00", None, "path.trajectory_id"),
+        ("GET", "/v1/view/trajectory?id=a%00", None, "query.id"),
+        ("GET", "/v1/view/reward-curve?split=t%00", None, "query.split"),
+        ("GET", "/v1/groups/g%00/judge", None, "path.group_id"),
+        ("POST", "/v1/batches/b%00/ack", {}, "path.batch_id"),
+        ("POST", "/v1/groups/g%00/reopen", None, "path.group_id"),
     ]:  # a release's reason with a NUL is stored, not refused (tests/collector/test_leases.py)
         message = assert_error(client.request(method, url, json=body), 400, "invalid_request")["message"]
-        assert "cannot contain NUL" in message and "SELECT" not in message, (url, message)
+        assert message.startswith(f"{where}: ") and "cannot contain NUL" in message and "SELECT" not in message, (
+            url, message)
 
 
 # --- the real OpenTelemetry SDK against the app served by uvicorn ---------------------------

@@ -61,6 +61,31 @@ def test_a_lease_request_that_could_never_be_met_or_kept_is_refused(
     assert_error(client.post("/v1/batches/b/ack", json={"policy_step": 2**31}), 400, "invalid_request")
 
 
+@pytest.mark.parametrize("body", [
+    {"max_groups": True}, {"min_groups": True}, {"lease_seconds": True}, {"max_groups": "2"}, {"lease_seconds": "60"},
+])
+def test_a_lease_bound_that_is_no_json_number_is_refused_not_read_as_one(
+    client: TestClient, body: dict[str, Any]
+) -> None:
+    """`true` was read as 1 and `"60"` as 60: `{"lease_seconds": true}` leased for one second, after which each group
+    counted a failed attempt."""
+    client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
+    message = assert_error(client.post("/v1/batches", json=body), 400, "invalid_request")["message"]
+    assert message.startswith(f"body.{next(iter(body))}: "), message
+    assert [g["state"] for g in client.get("/v1/groups").json()] == ["ready"]
+
+
+def test_an_ack_step_that_is_no_json_integer_is_refused_not_read_as_one(client: TestClient) -> None:
+    """`{"policy_step": true}` acked the batch at step 1 (and `"3"` at step 3), which the reward curve then showed."""
+    client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
+    batch = client.post("/v1/batches", json={}).json()
+    for step in (True, "3"):
+        answer = client.post(f"/v1/batches/{batch['id']}/ack", json={"policy_step": step})
+        assert assert_error(answer, 400, "invalid_request")["message"].startswith("body.policy_step: ")
+    assert [g["state"] for g in client.get("/v1/groups").json()] == ["leased"]
+    assert client.post(f"/v1/batches/{batch['id']}/ack", json={"policy_step": 3}).json()["policy_step"] == 3
+
+
 def test_a_lease_that_takes_nothing_leaves_no_batch(client: TestClient) -> None:
     """Trainers poll; a poll that finds too few ready groups must not leave a batch that later 'expires'."""
     assert client.post("/v1/batches", json={}).json()["groups"] == []  # nothing stored yet
