@@ -30,7 +30,14 @@ __all__ = [
 
 def hide_password(value: str) -> str:
     """`value` with its password shown as `***` when it parses as a URL that has one (`--db
-    postgresql+psycopg://u:***@h/db`); any other string as it is."""
+    postgresql+psycopg://u:***@h/db`); any other string as it is. An http(s) URL is read as httpx, which sends it,
+    reads it: a raw `@` in its password belongs to the password (SQLAlchemy ends it there, and showed the rest)."""
+    if value.lower().startswith(("http://", "https://")):
+        try:
+            http = httpx.URL(value)
+        except httpx.InvalidURL:  # no request can go to it either: nothing sent, nothing to hide
+            return value
+        return str(http.copy_with(username=http.username, password="***")) if http.password else value
     try:
         url = make_url(value)
     except (ArgumentError, ValueError):  # not a URL (a path, a number): nothing to hide

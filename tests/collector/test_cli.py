@@ -402,6 +402,8 @@ def test_a_bad_db_setting_is_reported_without_its_password(
     [
         ("postgresql+psycopg://u:p%40ss@db:5432/x?sslmode=require", "postgresql+psycopg://u:***@db:5432/x?sslmode=require"),
         ("http://:key@collector:4318", "http://:***@collector:4318"),
+        ("http://judge:hun@ter2@judge.local:9/v1", "http://judge:***@judge.local:9/v1"),  # all httpx sends as password
+        ("https://u@judge.local/v1", "https://u@judge.local/v1"),
         ("postgresql+psycopg://u@db/x", "postgresql+psycopg://u@db/x"),  # no password: as it is
         ("sqlite:////srv/collector.db", "sqlite:////srv/collector.db"),
         ("/srv/collector.db", "/srv/collector.db"),  # not a URL
