@@ -183,12 +183,21 @@ def _unreadable(request: Request, cause: ValueError | RecursionError) -> str:
     return message
 
 
-def _holding_nul(request: Request) -> list[str]:
-    """The path and query parameters of `request` that hold a NUL, named as `validation_problem` names a field
-    (`path.batch_id`, `query.split`)."""
-    path = [f"path.{name}" for name, value in request.path_params.items() if "\x00" in str(value)]
-    query = [f"query.{name}" for name, value in request.query_params.multi_items() if "\x00" in value]
-    return list(dict.fromkeys(path + query))
+NUL_REFUSED = "holds a NUL character, which is in no id or name the collector stores"
+"""Why a path parameter or query value with a NUL is refused (`_refuse_nul`)."""
+
+
+def _refuse_nul(request: Request) -> None:
+    """A dependency of every route: a path parameter or query value holding a NUL is a 400 `invalid_request` naming
+    each (`path.batch_id: ...`, as `validation_problem` names a field), before the route reads the store. Ingest and
+    the request bodies refuse a NUL in every id and name, so such a value matches nothing; PostgreSQL could not even
+    look it up (its text holds no NUL), while SQLite answered 404 or `[]`."""
+    places = [("path", name) for name, value in request.path_params.items() if "\x00" in str(value)]
+    places += [("query", name) for name, value in request.query_params.multi_items() if "\x00" in value]
+    if places:
+        raise RequestValidationError(
+            [{"type": "value_error", "loc": place, "msg": NUL_REFUSED} for place in dict.fromkeys(places)]
+        )
 
 
 def _lease_answer(batch: Batch) -> Response:
@@ -234,7 +243,9 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
     if store is None:
         store = SqlStore(settings)
     store.setup()
-    app = FastAPI(title="art-langgraph collector", version="0.1.0", responses=_ERRORS)
+    app = FastAPI(
+        title="art-langgraph collector", version="0.1.0", responses=_ERRORS, dependencies=[Depends(_refuse_nul)]
+    )
     app.state.settings, app.state.store = settings, store
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(_RequestRoute)
@@ -285,11 +296,10 @@ def create_app(settings: CollectorSettings | None = None, store: Store | None = 
 
     @app.exception_handler(DataError)
     async def _value_refused(request: Request, exc: DataError) -> JSONResponse:
-        # a value of the request the database cannot hold (PostgreSQL: a NUL character in an id of the path or
-        # the query); the transaction rolled back
+        # a value of the request the database cannot hold that no check before it refused (a NUL in the URL is
+        # refused by `_refuse_nul`); the transaction rolled back
         log.warning("store refused a value on %s %s: %s", request.method, request.url.path, driver_reason(exc))
-        where = ", ".join(_holding_nul(request)) or "a value of this request"
-        return _error(400, "invalid_request", f"{where}: the store cannot hold it ({driver_reason(exc)})")
+        return _error(400, "invalid_request", f"the store cannot hold a value of this request ({driver_reason(exc)})")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

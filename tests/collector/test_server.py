@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from pydantic import ValidationError
 from sqlalchemy import event
+from sqlalchemy.exc import DataError
 
 from art_langgraph import semconv as sc
 from collector.config import CollectorSettings
@@ -31,7 +32,6 @@ from collector.otlp import SpanRecord
 from collector.server import create_app
 from collector.store import SqlStore
 from tests.collector.server_helpers import JSON, PB, assert_error, collector_app
-from tests.collector.services import PostgresServer
 from tests.collector.span_builders import llm, rollout, rollout_group, to_otlp_json, to_request
 from tests.served import served as served_app
 
@@ -461,24 +461,62 @@ def test_a_full_disk_answers_503_stores_nothing_and_the_retry_succeeds(tmp_path:
     assert len(client.get("/v1/trajectories").json()) == 29
 
 
-def test_a_nul_in_an_id_of_the_url_is_a_bad_request_on_postgres(postgres: PostgresServer) -> None:
-    """PostgreSQL text holds no NUL: the driver's DataError was a 500 `internal_error` that showed the SQL; then a
-    400 that did not say which parameter holds the NUL."""
-    client = TestClient(create_app(CollectorSettings(db=postgres.create_database())))
-    client.post("/v1/traces", content=to_request(rollout_group({"a": 1.0, "b": 0.0})).SerializeToString(), headers=PB)
-    for method, url, body, where in [
-        ("GET", "/v1/trajectories?task=%00", None, "query.task"),
-        ("GET", "/v1/trajectories/a%00", None, "path.trajectory_id"),
-        ("GET", "/v1/view/trajectories/a%00", None, "path.trajectory_id"),
-        ("GET", "/v1/view/trajectory?id=a%00", None, "query.id"),
-        ("GET", "/v1/view/reward-curve?split=t%00", None, "query.split"),
-        ("GET", "/v1/groups/g%00/judge", None, "path.group_id"),
-        ("POST", "/v1/batches/b%00/ack", {}, "path.batch_id"),
-        ("POST", "/v1/groups/g%00/reopen", None, "path.group_id"),
-    ]:  # a release's reason with a NUL is stored, not refused (tests/collector/test_leases.py)
-        message = assert_error(client.request(method, url, json=body), 400, "invalid_request")["message"]
-        assert message.startswith(f"{where}: ") and "cannot contain NUL" in message and "SELECT" not in message, (
-            url, message)
+_NUL_IN_A_PATH = [  # every route with a path parameter: a NUL in it, and where the answer says it is
+    ("GET", "/v1/trajectories/{trajectory_id}", "/v1/trajectories/a%00b", "path.trajectory_id"),
+    ("GET", "/v1/view/trajectories/{trajectory_id}", "/v1/view/trajectories/a%00", "path.trajectory_id"),
+    ("GET", "/v1/groups/{group_id}/judge", "/v1/groups/g%00/judge", "path.group_id"),
+    ("POST", "/v1/groups/{group_id}/judge", "/v1/groups/g/%00/judge", "path.group_id"),
+    ("POST", "/v1/groups/{group_id}/reopen", "/v1/groups/%00/reopen", "path.group_id"),
+    ("POST", "/v1/batches/{batch_id}/ack", "/v1/batches/b%00/ack", "path.batch_id"),
+    ("POST", "/v1/batches/{batch_id}/release", "/v1/batches/b%00/release", "path.batch_id"),
+]
+_NUL_IN_A_QUERY = [
+    ("GET", "/v1/trajectories?task=%00", "query.task"),
+    ("GET", "/v1/trajectories?group=g%00&split=train", "query.group"),
+    ("GET", "/v1/view/trajectories?split=%00&limit=5", "query.split"),
+    ("GET", "/v1/view/trajectory?id=a%00", "query.id"),
+    ("GET", "/v1/view/reward-curve?split=t%00", "query.split"),
+    ("GET", "/v1/view/reward-curve?name=%00", "query.name"),  # was [] on PostgreSQL too: no query compares it
+    ("GET", "/v1/groups?state=open&state=%00", "query.state"),
+    ("GET", "/v1/trajectories?task=%00&split=%00", "query.task query.split"),
+]
+
+
+def test_a_nul_in_a_path_parameter_or_query_value_is_a_bad_request_on_every_backend(db_url: Callable[[], str]) -> None:
+    """No id or name the collector stores holds a NUL (span attributes, rewards and names refuse it): PostgreSQL's
+    driver refused such a value of the URL (400 from its DataError, 500 before), SQLite looked it up and answered 404
+    or `[]`, and `?name=` of the reward curve, compared by no query, answered `[]` on both. Refused before the
+    store is read, naming the parameter as a validation error does; a write without the key is still 401 first."""
+    app = create_app(CollectorSettings(db=db_url(), api_key="k"))
+    statements: list[str] = []
+    event.listen(app.state.store.engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    routes = {
+        (method, route.path.replace(":path", ""))
+        for route in app.routes
+        if isinstance(route, APIRoute) and route.param_convertors
+        for method in route.methods
+    }
+    assert routes == {(method, route) for method, route, _, _ in _NUL_IN_A_PATH}  # a new route: add it above
+    client = TestClient(app, headers={"Authorization": "Bearer k"})
+    bodies = {"/release": {"reason": "r"}, "/ack": {"policy_step": 1}}
+    cases = [(method, url, where) for method, _, url, where in _NUL_IN_A_PATH] + _NUL_IN_A_QUERY
+    for method, url, where in cases:
+        body = next((b for end, b in bodies.items() if url.endswith(end)), None)
+        problems = assert_error(client.request(method, url, json=body), 400, "invalid_request")["message"].split("; ")
+        assert [p.partition(": ")[0] for p in problems] == where.split(), (url, problems)
+        assert all("NUL" in p for p in problems), (url, problems)
+    assert_error(client.post("/v1/batches/b%00/ack", headers={"Authorization": ""}), 401, "unauthorized")
+    assert statements == []
+
+
+def test_a_value_the_store_cannot_hold_is_a_bad_request_without_the_sql(client: TestClient) -> None:
+    """A value no check refused that the database cannot hold (the driver's DataError): 400 with the driver's reason,
+    not the statement. Its message no longer looks for a parameter holding a NUL: `_refuse_nul` keeps those from the
+    store."""
+    refused = DataError("SELECT trajectories.id FROM trajectories", {}, ValueError("value out of range"))
+    with patch.object(SqlStore, "trajectories", side_effect=refused):
+        message = assert_error(client.get("/v1/trajectories?task=t"), 400, "invalid_request")["message"]
+    assert message == "the store cannot hold a value of this request (value out of range)"
 
 
 # --- the real OpenTelemetry SDK against the app served by uvicorn ---------------------------
