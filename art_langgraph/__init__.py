@@ -8,7 +8,8 @@ from art_langgraph import _graph_tracing  # noqa: F401  (installs the graph node
 from art_langgraph._chat_node import chat_node
 from art_langgraph._gather import gather, gather_sync
 from art_langgraph._init_chat_model import ConfigurableARTChatModel, init_chat_model
-from art_langgraph._rollout import Rollout, areward, current_rollout, reward, rollout
+from art_langgraph._rewards import areward, reward
+from art_langgraph._rollout import Rollout, current_rollout, rollout
 from art_langgraph._tracing import configure, dropped_spans, flush, shutdown
 from art_langgraph.chat_model import ARTChatModel
 from art_langgraph.errors import ARTError, UnsupportedOption
