@@ -9,6 +9,7 @@ belongs to the plugin (the collector's address as seen by the agent).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,20 +29,26 @@ __all__ = [
 ]
 
 
+_UNREAD_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://[^:/?#@]*:).*@", re.DOTALL)
+"""The password of a URL no parser reads (a bad port, say): from the first `:` of its user info to its last `@`."""
+
+
 def hide_password(value: str) -> str:
     """`value` with its password shown as `***` when it parses as a URL that has one (`--db
     postgresql+psycopg://u:***@h/db`); any other string as it is. An http(s) URL is read as httpx, which sends it,
-    reads it: a raw `@` in its password belongs to the password (SQLAlchemy ends it there, and showed the rest)."""
+    reads it: a raw `@` in its password belongs to the password (SQLAlchemy ends it there, and showed the rest). A URL
+    neither reads (`https://u:p@h:80a/v1`) is refused where it is given, in a line that names it: its password goes
+    as far as its last `@` (`_UNREAD_PASSWORD`)."""
     if value.lower().startswith(("http://", "https://")):
         try:
             http = httpx.URL(value)
-        except httpx.InvalidURL:  # no request can go to it either: nothing sent, nothing to hide
-            return value
+        except httpx.InvalidURL:
+            return _UNREAD_PASSWORD.sub(r"\1***@", value, count=1)
         return str(http.copy_with(username=http.username, password="***")) if http.password else value
     try:
         url = make_url(value)
-    except (ArgumentError, ValueError):  # not a URL (a path, a number): nothing to hide
-        return value
+    except (ArgumentError, ValueError):  # not a URL (a path, a number), or one it cannot read
+        return _UNREAD_PASSWORD.sub(r"\1***@", value, count=1)
     return url.render_as_string(hide_password=True) if url.password else value
 
 

@@ -339,18 +339,16 @@ def _not_reopenable(conn: Connection, settings: CollectorSettings, row: Any) -> 
     return f"group {group_id} is {shown}; only a group in {' or '.join(REOPENABLE)} can be reopened"
 
 
-def reopen(conn: Connection, settings: CollectorSettings, group_id: str, now: float, lock: pool.Lock) -> ReopenResponse:
+def reopen(conn: Connection, settings: CollectorSettings, group_id: str, now: float) -> ReopenResponse:
     """Put a skipped or expired group back in the pool with its failed attempts reset, e.g. once the trainer's
-    bug that failed it is fixed; it is leased when it is ready, or skipped again if it still cannot train. Expired
-    leases end first, as `GET /v1/groups` shows them ended: the group of one is no longer `leased`. `lock`: as
-    `take`'s.
+    bug that failed it is fixed; it is leased when it is ready, or skipped again if it still cannot train. The caller
+    ends expired leases first, in a transaction of its own (`SqlStore.reopen`): this one locks the group's row alone.
 
     Raises:
         NotFound: no such group.
         Conflict: `group_not_reopenable`, the group is open, ready, leased or trained, or skipped for its rewards
             while still in the pool (a new reward puts it back).
     """
-    pool.maintain(conn, settings, now, lock)
     row = conn.execute(select(groups).where(groups.c.id == group_id).with_for_update()).mappings().first()
     if row is None:
         raise NotFound(f"no group {group_id!r}; GET /v1/groups lists them")

@@ -187,11 +187,12 @@ NUL_REFUSED = "holds a NUL character, which is in no id or name the collector st
 """Why a path parameter or query value with a NUL is refused (`_refuse_nul`)."""
 
 
-def _refuse_nul(request: Request) -> None:
+async def _refuse_nul(request: Request) -> None:
     """A dependency of every route: a path parameter or query value holding a NUL is a 400 `invalid_request` naming
     each (`path.batch_id: ...`, as `validation_problem` names a field), before the route reads the store. Ingest and
     the request bodies refuse a NUL in every id and name, so such a value matches nothing; PostgreSQL could not even
-    look it up (its text holds no NUL), while SQLite answered 404 or `[]`."""
+    look it up (its text holds no NUL), while SQLite answered 404 or `[]`. A coroutine, though it awaits nothing:
+    FastAPI runs a plain function in its thread pool, some 80 us per request for a check of about 1 us."""
     places = [("path", name) for name, value in request.path_params.items() if "\x00" in str(value)]
     places += [("query", name) for name, value in request.query_params.multi_items() if "\x00" in value]
     if places:

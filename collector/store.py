@@ -330,10 +330,15 @@ class SqlStore(Store):
         return True
 
     # --- reading (`collector.store_reads`) -------------------------------------------------
-    def _read(self, work: Callable[[Connection], Any]) -> Any:
-        """`work(conn)` on the store as of now: due maintenance (expired leases, stale groups) first, in a short write
-        transaction of its own, then `work` in a read-only one, which on SQLite does not hold up writers."""
+    def _upkeep(self) -> None:
+        """Due maintenance (expired leases, idle trajectories, stale groups, `pool.maintain`) in a short write
+        transaction of its own, whose group locks end with it."""
         self._tx.run(lambda conn: pool.maintain(conn, self.settings, self._now(conn), self._tx.lock))
+
+    def _read(self, work: Callable[[Connection], Any]) -> Any:
+        """`work(conn)` on the store as of now: due maintenance first (`_upkeep`), then `work` in a read-only
+        transaction, which on SQLite does not hold up writers."""
+        self._upkeep()
         return self._tx.read(work)
 
     def trajectory(self, trajectory_id: str) -> Trajectory | None:
@@ -410,7 +415,10 @@ class SqlStore(Store):
 
     def reopen(self, group_id: str) -> ReopenResponse:
         """Put a skipped or expired group back in the pool, its failed attempts reset. Raises `NotFound`, or
-        `Conflict` when the group is open, ready, leased or trained, or skipped for its rewards while in the pool."""
-        return self._tx.run(
-            lambda conn: leases.reopen(conn, self.settings, group_id, self._now(conn), self._tx.lock)
-        )
+        `Conflict` when the group is open, ready, leased or trained, or skipped for its rewards while in the pool.
+
+        Expired leases end first, as `GET /v1/groups` shows them ended (`_upkeep`): in a transaction of their own, so
+        that the reopen's holds no other group's row while it waits for its own (held in that order, against an
+        export or a reward locking both in id order, PostgreSQL aborted one as a deadlock)."""
+        self._upkeep()
+        return self._tx.run(lambda conn: leases.reopen(conn, self.settings, group_id, self._now(conn)))

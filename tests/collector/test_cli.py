@@ -404,6 +404,10 @@ def test_a_bad_db_setting_is_reported_without_its_password(
         ("http://:key@collector:4318", "http://:***@collector:4318"),
         ("http://judge:hun@ter2@judge.local:9/v1", "http://judge:***@judge.local:9/v1"),  # all httpx sends as password
         ("https://u@judge.local/v1", "https://u@judge.local/v1"),
+        # no parser reads them (a bad port): refused at start, in a line that names the value
+        ("https://judge:s3cret@judge.example:80a/v1", "https://judge:***@judge.example:80a/v1"),
+        ("postgresql+psycopg://u:s3cr@t@db:5432x/x", "postgresql+psycopg://u:***@db:5432x/x"),
+        ("http://judge.example:80a/v1", "http://judge.example:80a/v1"),  # no password: as it is
         ("postgresql+psycopg://u@db/x", "postgresql+psycopg://u@db/x"),  # no password: as it is
         ("sqlite:////srv/collector.db", "sqlite:////srv/collector.db"),
         ("/srv/collector.db", "/srv/collector.db"),  # not a URL

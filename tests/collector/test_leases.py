@@ -14,6 +14,7 @@ from collector.config import CollectorSettings
 from collector.errors import Conflict, NotFound
 from collector.protocol import BatchRequest, ReleaseRequest, ReleaseResponse, ReopenResponse, RewardIn
 from collector.store import SqlStore
+from tests.collector.pausing import WAIT, lock_waited_for, pause_after
 from tests.collector.span_builders import llm, rollout, trajectory
 
 FAILED = ReleaseRequest(reason="NonFiniteStepError: loss is nan")
@@ -618,6 +619,38 @@ def test_reopen_ends_the_leases_that_expired_first(make_store, clock) -> None:
         group_id="g", previous_state="skipped", previous_reason="training failed 1 times; last: lease expired",
         failed_attempts=1)
     assert _state(store) == ("ready", None, 0)
+
+
+def test_reopen_holds_no_other_group_while_it_waits_for_its_own(db_url, clock, monkeypatch, caplog) -> None:
+    """Reopen of g1 ended h's expired lease in the reopen's transaction, holding h's row, then waited for g1's, which
+    a reward for members of g1 and h held (locked in id order) while it waited for h: each waited for the other, and
+    PostgreSQL aborted one as a deadlock. Expired leases end in a transaction of their own, as a read's do."""
+    from collector import pool
+    url = db_url()
+    if not url.startswith("postgresql"):
+        pytest.skip("SQLite has one writer at a time: nothing runs beside the reopen")
+    store, replica = (SqlStore(CollectorSettings(db=url, max_failed_attempts=1), clock=clock) for _ in range(2))
+    store.setup()
+    _ready_group(store, "g1")
+    store.release(store.lease(BatchRequest()).id, FAILED)  # g1: skipped, reopenable
+    _ready_group(store, "h", first=100)
+    store.lease(BatchRequest(lease_seconds=60))  # h: leased, its trainer then down
+    clock.now += 61
+    ended, resume = pause_after(monkeypatch, pool, "maintain")
+    with ThreadPoolExecutor(2) as executor:
+        reopened = executor.submit(store.reopen, "g1")
+        assert ended.wait(WAIT)
+        rewards = [RewardIn(rollout_id="g1-a", value=0.5), RewardIn(rollout_id="h-a", value=0.5)]
+        reward = executor.submit(replica.add_rewards, rewards)
+        assert lock_waited_for(store.engine), "the reward did not wait for h, which the upkeep holds"
+        resume.set()
+        assert reopened.result(WAIT).previous_state == "skipped"
+        reward.result(WAIT)
+
+    assert "deadlock" not in caplog.text
+    assert {g.id: g.state for g in store.groups()} == {"g1": "ready", "h": "skipped"}  # h: its one failed attempt
+    for each in (store, replica):
+        each.close()
 
 
 def test_reopen_of_a_group_skipped_for_its_rewards_says_so_and_a_new_reward_puts_it_back(make_store) -> None:

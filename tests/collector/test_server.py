@@ -15,6 +15,7 @@ from unittest.mock import patch
 import httpx
 import pytest
 from fastapi import FastAPI
+from fastapi.dependencies import utils as fastapi_dependencies
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from opentelemetry.exporter.otlp.proto.http import Compression
@@ -29,7 +30,7 @@ from sqlalchemy.exc import DataError
 from art_langgraph import semconv as sc
 from collector.config import CollectorSettings
 from collector.otlp import SpanRecord
-from collector.server import create_app
+from collector.server import _refuse_nul, create_app
 from collector.store import SqlStore
 from tests.collector.server_helpers import JSON, PB, assert_error, collector_app
 from tests.collector.span_builders import llm, rollout, rollout_group, to_otlp_json, to_request
@@ -507,6 +508,23 @@ def test_a_nul_in_a_path_parameter_or_query_value_is_a_bad_request_on_every_back
         assert all("NUL" in p for p in problems), (url, problems)
     assert_error(client.post("/v1/batches/b%00/ack", headers={"Authorization": ""}), 401, "unauthorized")
     assert statements == []
+
+
+def test_the_nul_check_takes_no_worker_thread(client: TestClient) -> None:
+    """The check of every request for a NUL (about 1 us) was a plain function, which FastAPI sends to its thread pool:
+    some 80 us more on every request, OTLP exports included, each waiting for a free thread while the pool is busy."""
+    sent: list[Callable[..., Any]] = []
+    hop = fastapi_dependencies.run_in_threadpool
+
+    async def recorded(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        sent.append(func)
+        return await hop(func, *args, **kwargs)
+
+    with patch.object(fastapi_dependencies, "run_in_threadpool", recorded):
+        body = to_request(rollout_group({"a": 1.0, "b": 0.0})).SerializeToString()
+        assert client.post("/v1/traces", content=body, headers=PB).status_code == 200
+        assert_error(client.get("/v1/trajectories?task=%00"), 400, "invalid_request")
+    assert sent and _refuse_nul not in sent, sent  # the pool ran other dependencies (the key check), not this one
 
 
 def test_a_value_the_store_cannot_hold_is_a_bad_request_without_the_sql(client: TestClient) -> None:
