@@ -39,8 +39,8 @@ and, where the collector's correctness depends on it, Langfuse's server code
   table is a ReplacingMergeTree ordered by `(project_id, toDate(timestamp), name, id)`,
   `packages/shared/clickhouse/migrations/canonical/0003_scores.up.sql`). `created` is keyed so (`score_key`). For
   a limited time (its docs have said 30 and 60 days) Langfuse may also merge a score sent again with the same id
-  into the stored one, keeping its timestamp; that is deprecated, its docs say not to rely on it, and this server does not do it, so that a push
-  that would rely on it fails here.
+  into the stored one, keeping its timestamp; that is deprecated, its docs say not to rely on it, and this server
+  does not do it, so that a push that would rely on it fails here.
 * `DELETE /api/public/scores/{scoreId}`: Basic auth; 202 `{"message": "Score deletion queued
   successfully"}`, for an unknown id too (Langfuse queues the deletion without looking the score
   up: `web/src/pages/api/public/scores/[scoreId].ts`; the SDK's
