@@ -5,7 +5,9 @@ instrumentation's calls in the traces of rollouts, several at once (`collector/f
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -194,29 +196,43 @@ def test_an_export_places_in_a_group_given_back_after_it_listed_its_groups(db_ur
         each.close()
 
 
+@contextmanager
+def _export_while_a_reward_holds(
+    monkeypatch, store: SqlStore, replica: SqlStore, batch: str, spans: list, rollout_id: str
+) -> Iterator[Future]:
+    """Export `spans` through `store`, paused once it listed its groups; meanwhile `replica` gives `batch` back and a
+    reward of `rollout_id` locks its group and holds it. Yields the export, resumed and placing while the reward
+    holds; the reward lets go on exit, and both must then end."""
+    listed, resume = pause_after(monkeypatch, placement, "groups_changed")
+    holding, let_go = threading.Event(), threading.Event()
+
+    def hold(conn) -> None:  # in the reward's transaction, once it locked the group
+        holding.set()
+        assert let_go.wait(WAIT)
+
+    with ThreadPoolExecutor(2) as executor:
+        export = executor.submit(store.add_spans, spans)
+        assert listed.wait(WAIT)
+        replica.release(batch, ReleaseRequest(reason="trainer down", failed=False))
+        reward = executor.submit(replica.add_rewards, [RewardIn(rollout_id=rollout_id, value=0.5)], also=hold)
+        assert holding.wait(WAIT)
+        resume.set()
+        try:
+            yield export
+        finally:
+            let_go.set()
+        export.result(WAIT)
+        reward.result(WAIT)
+
+
 def test_an_export_tries_again_when_a_reopened_group_is_held_a_moment(db_url, clock, monkeypatch, caplog) -> None:
     """g (explicit, no size) was given back after an export of d listed its groups, and a reward of a held g when the
     export placed: SKIP LOCKED passed it over, and d went alone to a new g#2 (later trajectories went to g). The
     export now tries again; its lock pass then waits for g in id order."""
     store, replica, batch = _uncapped_g_leased(db_url(), clock)
-    listed, resume = pause_after(monkeypatch, placement, "groups_changed")
-    holding, let_go = threading.Event(), threading.Event()
-
-    def hold(conn) -> None:  # in the reward's transaction, once it locked g
-        holding.set()
-        assert let_go.wait(WAIT)
-
-    with ThreadPoolExecutor(2) as executor:
-        export = executor.submit(store.add_spans, trajectory(30, "d", reward=0.25, size=None))
-        assert listed.wait(WAIT)
-        replica.release(batch, ReleaseRequest(reason="trainer down", failed=False))
-        reward = executor.submit(replica.add_rewards, [RewardIn(rollout_id="a", value=0.5)], also=hold)
-        assert holding.wait(WAIT)
-        resume.set()
+    d = trajectory(30, "d", reward=0.25, size=None)
+    with _export_while_a_reward_holds(monkeypatch, store, replica, batch, d, rollout_id="a"):  # the reward holds g
         assert lock_waited_for(store.engine), "the export's second try did not wait for g"
-        let_go.set()
-        export.result(WAIT)
-        reward.result(WAIT)
 
     store.add_spans(trajectory(40, "e", reward=0.75, size=None))
     assert [(t.id, t.group_id) for t in store.trajectories()] == [("a", "g"), ("b", "g"), ("d", "g"), ("e", "g")]
@@ -271,23 +287,9 @@ def test_on_its_last_try_an_export_opens_no_third_instance_beside_a_held_newest_
     store.release(first, ReleaseRequest(reason="trainer down", failed=False))  # g back, followed by g#2
     clock.now += 1
     monkeypatch.setattr(placement, "last_try", lambda: True)
-    listed, resume = pause_after(monkeypatch, placement, "groups_changed")
-    holding, let_go = threading.Event(), threading.Event()
-
-    def hold(conn) -> None:  # in the reward's transaction, once it locked g#2
-        holding.set()
-        assert let_go.wait(WAIT)
-
-    with ThreadPoolExecutor(2) as executor:
-        export = executor.submit(store.add_spans, trajectory(50, "d", reward=0.75, size=None))
-        assert listed.wait(WAIT)
-        replica.release(second, ReleaseRequest(reason="trainer down", failed=False))
-        reward = executor.submit(replica.add_rewards, [RewardIn(rollout_id="c", value=0.5)], also=hold)
-        assert holding.wait(WAIT)
-        resume.set()
-        export.result(WAIT)
-        let_go.set()
-        reward.result(WAIT)
+    d = trajectory(50, "d", reward=0.75, size=None)
+    with _export_while_a_reward_holds(monkeypatch, store, replica, second, d, rollout_id="c") as export:
+        export.result(WAIT)  # while the reward holds g#2
 
     monkeypatch.undo()
     clock.now += 1
