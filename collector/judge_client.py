@@ -21,6 +21,7 @@ import httpcore
 import httpx
 
 from collector.config import hide_password
+from collector.retry_after import seconds_asked
 from collector.ruler import JudgeError, Messages
 
 __all__ = ["MAX_ANSWER_BYTES", "JudgeClient"]
@@ -149,8 +150,9 @@ class JudgeClient:
         self._http = httpx.Client(headers=headers, timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
 
     def _post(self, url: str, body: dict[str, Any]) -> httpx.Response:
-        """POST `body` to `url`; the response read whole within `timeout` seconds of the start. Errors name `url` with
-        its password hidden (`hide_password`): they are stored on the group's run, which reads show to anyone.
+        """POST `body` to `url`; the response read whole within `timeout` seconds of the start, of its headers only
+        `Retry-After`. Errors name `url` with its password hidden (`hide_password`): they are stored on the group's
+        run, which reads show to anyone.
 
         Raises:
             JudgeError: `judge_unreachable`, no whole answer in time or none at all; `judge_http_error` (or
@@ -171,7 +173,8 @@ class JudgeClient:
                 content = self._body(shown, answer)
                 if watchdog.fired:  # the shut socket ended a body that runs to the connection's close: cut, no error
                     raise late
-                return httpx.Response(answer.status_code, content=content)
+                kept = {"Retry-After": answer.headers["Retry-After"]} if "Retry-After" in answer.headers else {}
+                return httpx.Response(answer.status_code, headers=kept, content=content)
         except httpx.HTTPError as exc:
             if watchdog.fired:
                 raise late from exc
@@ -215,7 +218,8 @@ class JudgeClient:
                 `judge_refused` (OpenAI's `message.refusal`, or no content and `finish_reason` `content_filter`),
                 `judge_bad_json` (tool calls, or reasoning, and no content), or `judge_truncated` (hit max_tokens;
                 the cut answer is the error's `answer`, see `parse_cut`). Every message is one line: a body the judge
-                sent is quoted with its line breaks escaped.
+                sent is quoted with its line breaks escaped. An answer with a status other than 200 quotes its
+                `Retry-After`, and the seconds it asks (`seconds_asked`) are the error's `retry_after`.
         """
         body = {
             "model": self.model,
@@ -228,9 +232,11 @@ class JudgeClient:
         response = self._post(url, body)
         shown = hide_password(url)  # as errors name it (see `_post`)
         if response.status_code != 200:
+            header = response.headers.get("Retry-After")
+            asked = "" if header is None else f" with Retry-After {header[:50]!r}"
             raise JudgeError(
-                f"judge {shown} answered {response.status_code}: {response.text[:300]!r}",
-                code=_status_code(response.status_code),
+                f"judge {shown} answered {response.status_code}{asked}: {response.text[:300]!r}",
+                code=_status_code(response.status_code), retry_after=seconds_asked(header, time.time()),
             )
         try:
             payload = response.json()

@@ -64,7 +64,13 @@ def run_view(row: dict, judgements: list[Judgement] | None = None) -> JudgeRun:
 
 
 _MAX_BACKOFF = 10.0
-"""Longest wait between two tries of one run, in seconds."""
+"""Longest wait between two tries of one run, in seconds: of the doubling back-off, and of a judge's `Retry-After`
+(`_wait`; a run asked to wait longer ends at once). `claim_seconds` allows it after every try: no wait makes a run
+outlive its claim."""
+
+
+_MOST_ASKED = 86_400.0
+"""Longest a judge's `Retry-After` puts off a failed run's next try (`next_try_at`), in seconds: a day."""
 
 
 def _tries(settings: JudgeSettings) -> int:
@@ -82,9 +88,25 @@ class _Changed(Exception):
     stored."""
 
 
+def _wait(error: JudgeError, attempt: int) -> float:
+    """Seconds to wait after try `attempt` (from 1) failed with `error`: the back-off (1 s, doubling up to
+    `_MAX_BACKOFF`), or the judge's `Retry-After` (`JudgeError.retry_after`) where that is longer, however long."""
+    return max(min(2.0 ** (attempt - 1), _MAX_BACKOFF), error.retry_after or 0.0)
+
+
+def _asked_too_long(error: JudgeError, wait: float) -> JudgeError:
+    """`error`, whose judge asked to wait `wait` seconds, past `_MAX_BACKOFF`, saying that the run ends on it."""
+    return JudgeError(
+        f"{error}; not tried again in this run: the judge asked to wait {wait:g} s, more than the {_MAX_BACKOFF:g} s a "
+        "run waits between two tries; the group is due again after ART_COLLECTOR_JUDGE_RETRY_SECONDS or the wait "
+        f"asked, whichever is longer (at most {_MOST_ASKED:g} s)",
+        code=error.code, retry_after=error.retry_after,
+    )
+
+
 def claim_seconds(settings: JudgeSettings) -> float:
     """How long a `running` run holds its group before another judge may take it over as stale: every try
-    timing out after the longest back-off, plus a minute for reading and writing the store."""
+    timing out after the longest wait (`_MAX_BACKOFF`), plus a minute for reading and writing the store."""
     return _tries(settings) * (settings.timeout_seconds + _MAX_BACKOFF) + 60.0
 
 
@@ -119,6 +141,7 @@ class GroupJudge:
         *,
         client: JudgeClient | None = None,
         clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.store, self.scoring, self.settings = store, scoring, settings
         key = settings.api_key.get_secret_value() if settings.api_key else None
@@ -126,7 +149,7 @@ class GroupJudge:
             settings.url, settings.model, api_key=key, timeout=settings.timeout_seconds,
             max_answer_bytes=settings.max_answer_bytes,
         )
-        self.clock = clock
+        self.clock, self.sleep = clock, sleep  # `sleep` waits between two tries of a run
 
     # --- one run ------------------------------------------------------------------------
     def judge(self, group_id: str, *, rubric: str | None = None) -> JudgeRun:
@@ -219,7 +242,10 @@ class GroupJudge:
                 if _final(error, limit):  # the same request never succeeds
                     break
                 if attempt < tries:
-                    time.sleep(min(2.0 ** (attempt - 1), _MAX_BACKOFF))
+                    if (wait := _wait(error, attempt)) > _MAX_BACKOFF:  # past the claim's allowance: a later run asks
+                        error = _asked_too_long(error, wait)
+                        break
+                    self.sleep(wait)
                 continue
             rows = self._scored(members, owner, scores)
             return self._record(group_id, claim, rows, shown=stamps, state="ok", attempts=attempt, error=None,
@@ -247,7 +273,8 @@ class GroupJudge:
 
     def _failed(self, group_id: str, claim: dict[str, Any], members: list[Trajectory], attempts: int,
                 error: JudgeError, *, final: bool) -> JudgeRun:
-        """Record the run `claim`, whose judge failed with `error`, by the configured policy; a `final`
+        """Record the run `claim`, whose judge failed with `error`, by the configured policy, due again after
+        `retry_seconds` or the judge's `Retry-After` (up to `_MOST_ASKED`), whichever is longer; a `final`
         error (see `_final`) is not retried until the group grows, or for a cut answer `max_tokens` is raised (see
         `due_groups`)."""
         s = self.settings
@@ -257,7 +284,8 @@ class GroupJudge:
             rows = self._zeros(members, message)
             return self._record(group_id, claim, rows, state="zeroed", attempts=attempts, error=message,
                                 next_try_at=None)
-        state, next_try = ("failed", now + s.retry_seconds) if s.on_failure == "retry" else ("skipped", None)
+        wait = max(s.retry_seconds, min(error.retry_after or 0.0, _MOST_ASKED))  # a judge's `Retry-After` counts too
+        state, next_try = ("failed", now + wait) if s.on_failure == "retry" else ("skipped", None)
         if state == "failed" and final:
             raised = " or the judge's max_tokens is raised" if error.code == "judge_truncated" else ""
             message, next_try = f"{message}; not retried until the group grows{raised}", None

@@ -10,8 +10,6 @@ SDK's model, so that one it rejects (a NUMERIC score whose value is null) is ign
 
 from __future__ import annotations
 
-import datetime as dt
-import email.utils
 import functools
 import logging
 import time
@@ -29,6 +27,7 @@ from pydantic import ValidationError
 
 from collector.config import hide_password
 from collector.errors import CollectorError
+from collector.retry_after import seconds_asked
 from collector.scoring_config import LangfuseSettings
 from collector.spans import warn_once
 
@@ -113,16 +112,8 @@ def retry_after(exc: LangfuseSyncError, now: float) -> float | None:
     delay applies)."""
     cause = exc.__cause__
     headers = cause.headers if isinstance(cause, ApiError) and cause.headers else {}
-    value = next((str(v).strip() for k, v in headers.items() if k.lower() == "retry-after"), None)
-    if value is None:
-        return None
-    if value.isascii() and value.isdigit():
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, (when if when.tzinfo else when.replace(tzinfo=dt.UTC)).timestamp() - now)
+    value = next((str(v) for k, v in headers.items() if k.lower() == "retry-after"), None)
+    return seconds_asked(value, now)
 
 
 def _http_client(client: LangfuseAPI) -> HttpClient:

@@ -2,11 +2,12 @@
 
 The judge sees a group's trajectories side by side. Messages every trajectory starts with
 (the shared prefix: system prompt, task) are sent once as context; each trajectory's own
-messages follow as a numbered block. Identical trajectories are shown once and share the
-score. The answer is constrained by a JSON schema (`response_format={"type": "json_schema"}`,
-which vLLM enforces with guided decoding): an object keyed by block number with every block
-required, so a judge held to the schema cannot skip a block or score one twice. It is checked
-again here: one score in [0, 1] with an explanation for every block, nothing else.
+messages follow as a numbered block, their text escaped as in XML so that none forges a block's
+tags. Identical trajectories are shown once and share the score. The answer is constrained by a
+JSON schema (`response_format={"type": "json_schema"}`, which vLLM enforces with guided
+decoding): an object keyed by block number with every block required, so a judge held to the
+schema cannot skip a block or score one twice. It is checked again here: one score in [0, 1]
+with an explanation for every block, nothing else.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from xml.sax.saxutils import escape
 
 from collector.spans import without_surrogates
 
@@ -67,13 +69,17 @@ def _system(rubric: str, count: int) -> str:
 
 
 class JudgeError(Exception):
-    """A judge call that failed or answered something unusable; `code` says which, and `answer` is the answer's text
-    when it was cut at `max_tokens` (`judge_truncated`; see `parse_cut`)."""
+    """A judge call that failed or answered something unusable; `code` says which, `answer` is the answer's text
+    when it was cut at `max_tokens` (`judge_truncated`; see `parse_cut`), and `retry_after` the seconds the judge
+    asked to wait before another try (its answer's `Retry-After`; None when it asked for none)."""
 
-    def __init__(self, message: str, *, code: str, answer: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, code: str, answer: str | None = None, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.answer = answer
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -146,8 +152,15 @@ def render_message(message: dict[str, Any]) -> str:
     return "\n".join(lines) or f"[{role}]"
 
 
+_ESCAPED = "The text inside the tags below is escaped as in XML: &lt; stands for <, &gt; for > and &amp; for &."
+"""Opens the judge's user message: a trajectory's text is escaped (`<`, `>`, `&`), so that no text of an agent, a
+`</trajectory>` or `<trajectory id="2">` in its answer say, closes its block or opens another the judge reads as
+another trajectory's."""
+
+
 def build_messages(rubric: str, conversations: Sequence[Messages]) -> Messages:
-    """The judge's chat: rubric as system prompt; shared context once, then one numbered block each.
+    """The judge's chat: rubric as system prompt; shared context once, then one numbered block each, their text
+    escaped as in XML (see `_ESCAPED`).
 
     Args:
         rubric: What makes a trajectory good.
@@ -156,14 +169,14 @@ def build_messages(rubric: str, conversations: Sequence[Messages]) -> Messages:
     if not conversations:
         raise ValueError("nothing to judge: the group has no trajectories")
     n = shared_prefix(conversations)
-    parts = []
+    parts = [_ESCAPED]
     if n:
-        context = "\n".join(render_message(m) for m in conversations[0][:n])
+        context = escape("\n".join(render_message(m) for m in conversations[0][:n]))
         parts.append(f"Every trajectory starts with this context:\n<context>\n{context}\n</context>")
     count = len(conversations)
     parts.append("There is 1 trajectory:" if count == 1 else f"There are {count} trajectories:")
     for number, messages in enumerate(conversations, start=1):
-        body = "\n".join(render_message(m) for m in messages[n:]) or (
+        body = escape("\n".join(render_message(m) for m in messages[n:])) or (
             "(nothing beyond the context)" if n else "(no messages)"  # e.g. it ended before calling the model
         )
         parts.append(f'<trajectory id="{number}">\n{body}\n</trajectory>')

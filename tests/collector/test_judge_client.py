@@ -4,13 +4,14 @@ status classes, answers that are not usable scores."""
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import gzip
 import json
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -263,6 +264,46 @@ def test_a_request_the_judge_refuses_is_judge_rejected_other_errors_may_pass(sta
     with pytest.raises(JudgeError, match=f"answered {status}: .*maximum context length") as caught:
         client.complete([USER], response_format(1), temperature=0, max_tokens=64)
     assert caught.value.code == code
+
+
+_RATE_LIMITED = b'{"error": {"message": "rate limited"}}'
+
+
+def _asking_to_wait(status: int, retry_after: str | None) -> JudgeError:
+    """The error of a call to a real local judge that answers HTTP `status` with `retry_after` as its `Retry-After`
+    header (none for None)."""
+    field = b"" if retry_after is None else b"Retry-After: %s\r\n" % retry_after.encode()
+    head = b"HTTP/1.1 %d Busy\r\n%sContent-Length: %d\r\n\r\n" % (status, field, len(_RATE_LIMITED))
+    with _serving([head, _RATE_LIMITED], 0.0) as (client, _), pytest.raises(JudgeError) as caught:
+        client.complete([USER], response_format(1), temperature=0, max_tokens=64)
+    assert caught.value.code == "judge_http_error"
+    return caught.value
+
+
+@pytest.mark.parametrize(
+    ("status", "retry_after", "asked"),
+    [(429, "7", 7.0), (503, "120", 120.0), (429, "0", 0.0), (503, "Sun, 06 Nov 1994 08:49:37 GMT", 0.0),
+     (429, None, None), (503, "soon", None), (429, "-3", None), (429, "1.5", None), (503, "1e3", None)],
+)
+def test_a_judge_answer_says_how_long_its_retry_after_asks_to_wait(
+    status: int, retry_after: str | None, asked: float | None
+) -> None:
+    """A 429's or 503's `Retry-After` was dropped with the answer's other headers, and the run waited its own
+    back-off. Now the error says how many seconds it asks (delay-seconds, a whole number; a date past is 0), and
+    quotes it; a value of neither form of RFC 9110 asks for nothing."""
+    error = _asking_to_wait(status, retry_after)
+    assert error.retry_after == asked
+    assert (f"answered {status} with Retry-After {retry_after!r}: " in str(error)) == (retry_after is not None)
+
+
+@pytest.mark.parametrize("form", [
+    lambda when: email.utils.formatdate(when, usegmt=True),  # IMF-fixdate, the one HTTP sends
+    lambda when: time.strftime("%A, %d-%b-%y %H:%M:%S GMT", time.gmtime(when)),  # RFC 850, obsolete
+    lambda when: time.asctime(time.gmtime(when)),  # asctime, obsolete
+], ids=["imf-fixdate", "rfc850", "asctime"])
+def test_a_retry_after_date_is_read_in_every_form_http_recipients_accept(form: Callable[[float], str]) -> None:
+    asked = _asking_to_wait(503, form(time.time() + 3600)).retry_after
+    assert asked is not None and 3590 < asked <= 3600
 
 
 @pytest.mark.parametrize("content", [None, "", "\n "])

@@ -9,10 +9,12 @@ when the test releases it; scoring with a real model is in `test_ruler_vllm.py`.
 from __future__ import annotations
 
 import datetime as dt
+import email.utils
 import gzip
 import json
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -372,6 +374,84 @@ def test_a_judge_error_that_may_pass_is_tried_again_after_retry_seconds(
     assert judge.due_groups() == []
     clock.now += judge.settings.retry_seconds
     assert [again.state for again in judge.run_due()] == ["failed"] and len(calls) == 2
+
+
+def _waiting(judge: GroupJudge, clock: Clock) -> list[float]:
+    """Make `judge` wait between tries on `clock`, each wait moving it on, instead of sleeping; the waits, in order."""
+    waits: list[float] = []
+
+    def wait(seconds: float) -> None:
+        waits.append(seconds)
+        clock.now += seconds
+
+    judge.sleep = wait
+    return waits
+
+
+def _busy_then_scoring(judge: GroupJudge, retry_after: list[str]) -> list[dict[str, Any]]:
+    """Make `judge`'s client talk to a judge that answers 429 with each `Retry-After` of `retry_after` in turn, then
+    scores two blocks (1 and 0); the request bodies it gets."""
+    busy = iter(retry_after)
+
+    def answer(body: dict[str, Any]) -> httpx.Response:
+        if (header := next(busy, None)) is not None:
+            return httpx.Response(429, headers={"Retry-After": header}, json={"error": {"message": "rate limited"}})
+        content = json.dumps({"scores": {"1": {"explanation": "x", "score": 1}, "2": {"explanation": "y", "score": 0}}})
+        return httpx.Response(200, json={"choices": [{"message": {"content": content}, "finish_reason": "stop"}]})
+
+    return _judged_by(judge, answer)
+
+
+@pytest.mark.parametrize(("first", "waited"), [
+    (lambda: "7", 7.0),
+    (lambda: "10", 10.0),  # the longest wait between two tries
+    (lambda: email.utils.formatdate(time.time() + 9, usegmt=True), pytest.approx(8.5, abs=1.0)),
+], ids=["seconds", "longest", "date"])
+def test_a_judge_asking_to_retry_after_a_while_is_tried_again_no_sooner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: Clock, first: Callable[[], str], waited: float
+) -> None:
+    """A 429's (or 503's) `Retry-After` was ignored: the next try came after the run's own back-off (1 s, then 2 s),
+    asked for another 429. Now it comes no sooner than the judge asked, or than the back-off where that is longer
+    (a `Retry-After` of 0 before the second retry); the run still ends within its claim."""
+    app = make_app(tmp_path, monkeypatch, env=down_judge("retry", ART_COLLECTOR_JUDGE_ATTEMPTS="3"))
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    judge = app.state.scoring.judge
+    judge.clock = clock
+    bodies = _busy_then_scoring(judge, [first(), "0"])
+    waits = _waiting(judge, clock)
+    run = judge.judge("g")
+    assert (run.state, run.attempts, len(bodies), waits) == ("ok", 3, 3, [waited, 2.0])
+    assert run.finished_at - run.started_at < claim_seconds(judge.settings) - 60
+
+
+@pytest.mark.parametrize(("asks", "due_in"), [
+    (lambda: "11", 60.0),  # RETRY_SECONDS, the longer
+    (lambda: "3600", 3600.0),
+    (lambda: email.utils.formatdate(time.time() + 3600, usegmt=True), pytest.approx(3600, abs=5)),
+    (lambda: "9" * 30, 86_400.0),  # at most a day
+], ids=["seconds", "an hour", "a date in an hour", "past a day"])
+def test_a_judge_asking_to_wait_longer_than_a_run_waits_fails_the_run_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: Clock, asks: Callable[[], str], due_in: float
+) -> None:
+    """A `Retry-After` past the longest wait between two tries (10 s, which `claim_seconds` allows after each try) is
+    not waited for, nor ignored by trying again sooner: the run fails at once saying what the judge asked, and its
+    group is due again after `RETRY_SECONDS` or the wait asked, whichever is longer, at most a day (it was due again
+    after `RETRY_SECONDS` alone: the automatic judge kept asking a judge that had said to wait an hour)."""
+    app = make_app(tmp_path, monkeypatch, env=down_judge("retry", ART_COLLECTOR_JUDGE_ATTEMPTS="3"))
+    app.state.store.add_spans(group_spans("g", ["7", "8"]))
+    judge = app.state.scoring.judge
+    judge.clock = clock
+    retry_after = asks()
+    bodies = _busy_then_scoring(judge, [retry_after] * 3)
+    waits = _waiting(judge, clock)
+    [run] = judge.run_due()
+    assert (run.state, run.attempts, len(bodies), waits) == ("failed", 1, 1, [])
+    assert judge.settings.retry_seconds == 60 and run.next_try_at - clock.now == due_in
+    assert run.error.startswith("judge_http_error: judge http://127.0.0.1:")
+    assert f"answered 429 with Retry-After {retry_after!r}: " in run.error
+    assert re.search(r"; not tried again in this run: the judge asked to wait (11|3\d{3}(\.\d+)?|1e\+30) s, more "
+                     r"than the 10 s a run waits between two tries; the group is due again after ART_COLLECTOR_JUDGE_"
+                     r"RETRY_SECONDS or the wait asked, whichever is longer \(at most 86400 s\)$", run.error)
 
 
 def test_judge_unknown_group_is_404(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
