@@ -13,7 +13,6 @@ import asyncio
 import logging
 import math
 import time
-from typing import TypeVar
 
 import httpx
 import requests
@@ -39,42 +38,40 @@ _RETRIED_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProto
 """No answer, after which a reward is sent again: refused, timed out, reset or cut off (it may have been stored)."""
 
 
-_Request = TypeVar("_Request", requests.PreparedRequest, httpx.Request)
-
-
 class SendAuthorization:
-    """A client's auth, for requests (a session's `auth`) and httpx (`auth=`) alike, that sends `Authorization:
-    authorization`. A client given one sends it as given: requests looks up no netrc entry (its `trust_env`; proxies
-    from the environment still apply), and neither takes the user and password of the URL, either of which put Basic
-    auth in place of the configured key."""
+    """A requests session's `auth` (the span exporter's) that sends `Authorization: authorization` as given: requests
+    then looks up no netrc entry (its `trust_env`; proxies from the environment still apply) nor takes the user and
+    password of the URL, either of which put Basic auth in place of the configured key. Late rewards need none: httpx
+    reads no netrc, and `_request` gives it the URL without its user and password."""
 
     def __init__(self, authorization: str) -> None:
         self.authorization = authorization
 
-    def __call__(self, request: _Request) -> _Request:
+    def __call__(self, request: requests.PreparedRequest) -> requests.PreparedRequest:
         request.headers["Authorization"] = self.authorization
         return request
 
 
 def _request(
     rollout_id: str | None, name: str, value: float, trace_id: str | None
-) -> tuple[str, SendAuthorization | httpx.BasicAuth | None, dict[str, object]]:
-    """The URL, auth and body of one reward's POST: the auth the span exporter sends the collector too (`_tracing`),
-    else the user and password of the collector's URL as Basic auth. The URL goes without them, so that no error or
-    log line (httpx's own `HTTP Request: POST ...` at INFO included) names a password."""
+) -> tuple[str, dict[str, bytes], httpx.BasicAuth | None, dict[str, object]]:
+    """The URL, headers, auth and body of one reward's POST: the headers the span exporter sends the collector too
+    (`Settings.collector_headers`: a gateway's own, the configured key's `Authorization`), each value encoded as
+    requests encodes it there (Latin-1), and with no `Authorization` among them the user and password of the
+    collector's URL as Basic auth. The URL goes without them, so that no error or log line (httpx's own `HTTP Request:
+    POST ...` at INFO included) names a password."""
     settings = get_settings()
     url = httpx.URL(f"{settings.collector_base_url}/v1/rewards")
-    auth: SendAuthorization | httpx.BasicAuth | None = None
-    if authorization := settings.collector_authorization:
-        auth = SendAuthorization(authorization)
-    elif url.username or url.password:
+    headers = {header: text.encode("latin-1") for header, text in settings.collector_headers.items()}
+    auth = None
+    if not settings.collector_authorization and (url.username or url.password):
         auth = httpx.BasicAuth(url.username, url.password)
     body: dict[str, object] = {"name": name, "value": value}
     if rollout_id is not None:
         body["rollout_id"] = rollout_id
     if trace_id is not None:
         body["trace_id"] = trace_id
-    return str(url.copy_with(username=None, password=None)), auth, body
+    return str(url.copy_with(username=None, password=None)), headers, auth, body
 
 
 def _retry_after(response: httpx.Response) -> float:
@@ -166,13 +163,13 @@ def post_reward(rollout_id: str | None, name: str, value: float, trace_id: str |
     Raises:
         httpx.HTTPError: The collector is unreachable or answered with an error status.
     """
-    url, auth, body = _request(rollout_id, name, value, trace_id)
+    url, headers, auth, body = _request(rollout_id, name, value, trace_id)
     tries = _Tries(url, body)
     outcome: httpx.Response | httpx.TransportError
     with httpx.Client(timeout=_TIMEOUT) as client:
         while True:
             try:
-                outcome = client.post(url, json=body, auth=auth)
+                outcome = client.post(url, json=body, headers=headers, auth=auth)
             except httpx.TransportError as exc:
                 outcome = exc
             if (wait := tries.wait_after(outcome)) is None:
@@ -187,13 +184,13 @@ async def apost_reward(rollout_id: str | None, name: str, value: float, trace_id
     Raises:
         httpx.HTTPError: The collector is unreachable or answered with an error status.
     """
-    url, auth, body = _request(rollout_id, name, value, trace_id)
+    url, headers, auth, body = _request(rollout_id, name, value, trace_id)
     tries = _Tries(url, body)
     outcome: httpx.Response | httpx.TransportError
     async with httpx.AsyncClient(timeout=_TIMEOUT) as client:
         while True:
             try:
-                outcome = await client.post(url, json=body, auth=auth)
+                outcome = await client.post(url, json=body, headers=headers, auth=auth)
             except httpx.TransportError as exc:
                 outcome = exc
             if (wait := tries.wait_after(outcome)) is None:

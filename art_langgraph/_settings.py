@@ -2,10 +2,11 @@
 
 The standard `OTEL_EXPORTER_OTLP_*` variables are read by the OTLP exporter itself; this module
 only uses `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` and `OTEL_EXPORTER_OTLP_ENDPOINT` as fallbacks for
-the collector's base URL (where late rewards go), the `Authorization` of their headers variables as a fallback for
-the key (`collector_authorization`, which late rewards send too), and refuses an endpoint or timeout among them
-with which every export would fail. A set `ART_*` variable that no component reads (a misspelling) is logged once
-with the closest names (`collector.env_names`): the app's environment is not the plugin's to refuse.
+the collector's base URL (where late rewards go), reads their headers variables once per settings object
+(`collector_headers`, which late rewards send too; their `Authorization` is a fallback for the key), and refuses an
+endpoint, timeout or header value among them with which every export would fail. A set `ART_*` variable that no
+component reads (a misspelling) is logged once with the closest names (`collector.env_names`): the app's environment
+is not the plugin's to refuse.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import sys
 from urllib.parse import urlsplit
 
 from opentelemetry.util.re import parse_env_headers
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from art_langgraph._counts import ProcessLock
@@ -36,6 +38,9 @@ ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOI
 HEADERS_ENV = ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS")
 """The OTLP exporter's extra headers (`name=value` pairs, URL-encoded, comma-separated): the first of these that is
 set."""
+_HEADER_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
+"""A header value HTTP can carry, as the span exporter's requests sends it (Latin-1) and late rewards do too: no
+control character but a tab, no character past U+00FF."""
 TIMEOUT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
 """The OTLP exporter's budget for a request and its retries, in seconds: the first of these that is set."""
 MAX_EXPORT_TIMEOUT_SECONDS = 7 * 24 * 3600
@@ -56,6 +61,8 @@ class Settings(BaseSettings):
     """
 
     model_config = SettingsConfigDict(env_prefix="ART_", extra="ignore", allow_inf_nan=False)
+    _collector_headers: dict[str, str] = PrivateAttr(default_factory=dict)
+    """`collector_headers`, read when the settings are made."""
 
     collector_url: str | None = Field(
         default=None,
@@ -130,7 +137,8 @@ class Settings(BaseSettings):
         """Refuse the OTLP exporter's endpoint without its scheme (`localhost:4318`: no request could be made), a
         timeout that is no positive number (0 or less failed every request at once) or is past a week, and a batch
         delay (`OTEL_BSP_SCHEDULE_DELAY`) of 0 or less (the SDK's `ValueError` failed the app's first span) or past a
-        week (past about 9.2e12 ms its export thread died: spans waited for a flush, and the queue filled)."""
+        week (past about 9.2e12 ms its export thread died: spans waited for a flush, and the queue filled), and a header
+        value no request can carry (`_collector_headers`); the headers are read here, once."""
         if self.collector_url is None and (endpoint := _first_set(ENDPOINT_ENV)):
             name, url = endpoint
             if problem := _url_problem(url):
@@ -144,6 +152,7 @@ class Settings(BaseSettings):
         if (delay := _env_int(SCHEDULE_DELAY_ENV)) is not None and not 0 < delay <= MAX_EXPORT_TIMEOUT_SECONDS * 1000:
             raise ValueError(f"{SCHEDULE_DELAY_ENV} must be from 1 to a week ({MAX_EXPORT_TIMEOUT_SECONDS * 1000}) "
                              f"milliseconds, got {os.environ[SCHEDULE_DELAY_ENV]!r}")
+        self._collector_headers = _collector_headers(self.api_key)
         return self
 
     @field_validator("api_key")
@@ -165,14 +174,18 @@ class Settings(BaseSettings):
         return url.rstrip("/")
 
     @property
+    def collector_headers(self) -> dict[str, str]:
+        """The headers the collector gets, with spans and late rewards alike (names in lower case): those of the first
+        of `HEADERS_ENV` set, as the OTLP exporter reads them, with `authorization` `Bearer <api_key>` when the key is
+        set. Read once, when these settings were made: the exporter's parser logs a malformed pair (which it leaves
+        out) each time it reads one."""
+        return dict(self._collector_headers)
+
+    @property
     def collector_authorization(self) -> str | None:
         """The `Authorization` header the collector gets, with spans and late rewards alike: `Bearer <api_key>`, else
-        the `Authorization` of the first of `HEADERS_ENV` set, read with the OTLP exporter's own parser (which sends it
-        where we give none); None when neither sets one."""
-        if self.api_key:
-            return f"Bearer {self.api_key}"
-        _, headers = _first_set(HEADERS_ENV) or ("", "")
-        return parse_env_headers(headers, liberal=True).get("authorization") or None
+        the `Authorization` of the first of `HEADERS_ENV` set (`collector_headers`); None when neither sets one."""
+        return self._collector_headers.get("authorization") or None
 
 
 def _url_problem(url: str) -> str | None:
@@ -186,6 +199,27 @@ def _url_problem(url: str) -> str | None:
     if parts.scheme not in ("http", "https"):
         return f"must be an http:// or https:// URL, got {url!r}"
     return None if parts.hostname else f"must be an http:// or https:// URL with a host, got {url!r}"
+
+
+def _collector_headers(api_key: str | None) -> dict[str, str]:
+    """The headers of the first of `HEADERS_ENV` set, read with the OTLP exporter's own parser (URL-encoded or not; it
+    logs and leaves out a malformed pair), with `authorization` `Bearer <api_key>` when `api_key` is set, as the
+    exporter sends our header in place of theirs.
+
+    Raises:
+        ValueError: A value (not shown: it may be a secret) with a control character but a tab, or a character past
+            U+00FF: the span exporter could send no request with it, and late rewards none either.
+    """
+    name, text = _first_set(HEADERS_ENV) or ("", "")
+    headers = dict(parse_env_headers(text, liberal=True))
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    if bad := next((header for header, value in headers.items() if not _HEADER_VALUE.fullmatch(value)), None):
+        raise ValueError(
+            f"{name} gives the header {bad!r} a value no HTTP request can carry (a control character other than a "
+            "tab, or a character past U+00FF): every export would fail"
+        )
+    return headers
 
 
 def _first_set(names: tuple[str, ...]) -> tuple[str, str] | None:

@@ -1,6 +1,7 @@
 """The `Authorization` the collector gets: spans and late rewards send the same one (`Settings.collector_authorization`:
 `ART_API_KEY`, else the one of `OTEL_EXPORTER_OTLP_[TRACES_]HEADERS`), and nothing else replaces it, neither a netrc
-entry for the collector's host nor a user and password in its URL; proxies from the environment still carry both.
+entry for the collector's host nor a user and password in its URL; proxies from the environment still carry both. The
+other headers of those variables (a gateway's) go with both too (`Settings.collector_headers`).
 
 Against the real collector app with `ART_API_KEY` set, over real HTTP."""
 
@@ -28,15 +29,18 @@ _AUTH_ENV = ("ART_API_KEY", "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TR
 
 
 class _Recording:
-    """An ASGI app in front of `app` that records each POST's path, `Authorization` and the status it was answered."""
+    """An ASGI app in front of `app` that records each POST's path, `Authorization` and the status it was answered,
+    and its headers as received (`headers`)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
         self.posts: list[tuple[str, str, int]] = []
+        self.headers: list[dict[bytes, bytes]] = []
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
+        self.headers.append(dict(scope["headers"]))
         authorization = dict(scope["headers"]).get(b"authorization", b"").decode()
 
         async def recording(message: dict) -> None:
@@ -100,6 +104,63 @@ async def test_a_key_in_the_otlp_headers_variables_authorizes_late_rewards_as_it
     art_langgraph.configure(collector_url=url)
     await _span_and_late_reward(url, send)
     assert recording.posts == _BOTH_WITH_KEY
+
+
+@pytest.mark.parametrize(
+    ("variables", "tenant"),
+    [
+        ({"OTEL_EXPORTER_OTLP_HEADERS": f"X-Tenant=acme,Authorization=Bearer%20{KEY}"}, b"acme"),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_HEADERS": "x-tenant=other",
+                "OTEL_EXPORTER_OTLP_TRACES_HEADERS": f"x-tenant=acme,authorization=Bearer {KEY}",
+            },
+            b"acme",
+        ),
+        ({"ART_API_KEY": KEY, "OTEL_EXPORTER_OTLP_HEADERS": "x-tenant=acme,Authorization=Bearer%20other"}, b"acme"),
+        ({"OTEL_EXPORTER_OTLP_HEADERS": f"x-tenant=caf%C3%A9,Authorization=Bearer%20{KEY}"}, "café".encode("latin-1")),
+    ],
+    ids=["otlp-headers", "traces-headers-first", "api-key-first", "latin-1"],
+)
+@pytest.mark.asyncio(loop_scope="session")
+async def test_late_rewards_send_the_other_headers_of_the_otlp_headers_variables_as_spans_do(
+    keyed: tuple[str, _Recording],
+    send: Send,
+    monkeypatch: pytest.MonkeyPatch,
+    variables: dict[str, str],
+    tenant: bytes,
+) -> None:
+    """A gateway in front of the collector that needs a header of its own (a tenant), set where OpenTelemetry takes
+    it (`OTEL_EXPORTER_OTLP_TRACES_HEADERS`, else `OTEL_EXPORTER_OTLP_HEADERS`): spans carried it and passed, late
+    rewards sent only the `Authorization` and were refused. Late rewards now send every header of the variable in use,
+    as the span exporter does (a Latin-1 value as the same bytes), with `ART_API_KEY`'s `Authorization` in place of
+    the variable's."""
+    url, recording = keyed
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    art_langgraph.configure(collector_url=url)
+    await _span_and_late_reward(url, send)
+    assert recording.posts == _BOTH_WITH_KEY
+    assert [headers.get(b"x-tenant") for headers in recording.headers] == [tenant, tenant]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_malformed_pair_in_the_otlp_headers_is_not_logged_again_at_each_late_reward(
+    keyed: tuple[str, _Recording], send: Send, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each late reward read `OTEL_EXPORTER_OTLP_HEADERS` again, and OpenTelemetry's parser logged its `Header format
+    invalid!` warning for a malformed pair each time. The settings read it once (`configure`); late rewards log
+    nothing of it, and send the pairs around it."""
+    url, recording = keyed
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", f"x-tenant=acme,not a pair,Authorization=Bearer%20{KEY}")
+    art_langgraph.configure(collector_url=url)  # where the settings and the span exporter each log it
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="opentelemetry.util.re"):
+        for _ in range(3):
+            await send(0.5, rollout_id="sums-0", name="judge")
+    assert caplog.records == []
+    assert recording.posts == [("/v1/rewards", f"Bearer {KEY}", 200)] * 3
+    assert [headers.get(b"x-tenant") for headers in recording.headers] == [b"acme"] * 3
 
 
 def _netrc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host: str) -> None:
