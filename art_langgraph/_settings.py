@@ -60,7 +60,7 @@ class Settings(BaseSettings):
     Each field is read from the environment variable `ART_<FIELD>` (e.g. `ART_COLLECTOR_URL`).
     """
 
-    model_config = SettingsConfigDict(env_prefix="ART_", extra="ignore", allow_inf_nan=False)
+    model_config = SettingsConfigDict(env_prefix="ART_", extra="ignore", allow_inf_nan=False, hide_input_in_errors=True)
     _collector_headers: dict[str, str] = PrivateAttr(default_factory=dict)
     """`collector_headers`, read when the settings are made."""
 

@@ -107,7 +107,8 @@ class CollectorSettings(BaseSettings):
     """Where the collector listens, where it stores, and how it forms training groups."""
 
     model_config = SettingsConfigDict(
-        env_prefix="ART_COLLECTOR_", extra="forbid", populate_by_name=True, allow_inf_nan=False
+        env_prefix="ART_COLLECTOR_", extra="forbid", populate_by_name=True, allow_inf_nan=False,
+        hide_input_in_errors=True,
     )
 
     host: str = Field(default="127.0.0.1", description="Interface the HTTP API listens on.")

@@ -57,7 +57,8 @@ class JudgeSettings(BaseSettings):
     """The RULER judge: which endpoint and model, which rubric, when it runs, what failures do."""
 
     model_config = SettingsConfigDict(
-        env_prefix="ART_COLLECTOR_JUDGE_", extra="forbid", populate_by_name=True, allow_inf_nan=False
+        env_prefix="ART_COLLECTOR_JUDGE_", extra="forbid", populate_by_name=True, allow_inf_nan=False,
+        hide_input_in_errors=True,
     )
 
     url: str = Field(
@@ -159,7 +160,8 @@ class LangfuseSettings(BaseSettings):
     """The Langfuse sync: pull human scores as rewards, push computed rewards as scores."""
 
     model_config = SettingsConfigDict(
-        env_prefix="ART_COLLECTOR_LANGFUSE_", extra="forbid", populate_by_name=True, allow_inf_nan=False
+        env_prefix="ART_COLLECTOR_LANGFUSE_", extra="forbid", populate_by_name=True, allow_inf_nan=False,
+        hide_input_in_errors=True,
     )
 
     host: str | None = Field(

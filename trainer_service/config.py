@@ -117,7 +117,7 @@ class TrainerSettings(BaseSettings):
     # allow_inf_nan=False: every float setting must be finite (`inf` passes `gt=0`, and NaN fails it with a
     # misleading "greater than 0"); pydantic names the field and says "a finite number".
     model_config = SettingsConfigDict(env_prefix="ART_TRAINER_", extra="forbid", populate_by_name=True,
-                                      allow_inf_nan=False)
+                                      allow_inf_nan=False, hide_input_in_errors=True)
 
     host: str = Field(default="127.0.0.1", description="Interface the OpenAI-compatible API listens on.")
     port: int = Field(default=8000, ge=1, le=65535, description="Port of the OpenAI-compatible API.")
