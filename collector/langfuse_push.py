@@ -23,11 +23,12 @@ from typing import Any, NamedTuple
 
 from langfuse.api import CreateScoreBatchResults, CreateScoreRequest, CreateScoreSource, ScoreDataType
 from langfuse.api.core.api_error import ApiError
+from sqlalchemy import Connection
 
+from collector import pool
 from collector.langfuse_api import HINTS, PAGE, LangfuseCalls, LangfuseSyncError, retry_after, transient
 from collector.scoring_config import LangfuseSettings
-from collector.scoring_store import INGEST_DELAY, ScoringStore
-from collector.store_base import Store
+from collector.scoring_store import INGEST_DELAY, PushedScore, ScoringStore
 
 __all__ = ["ScorePush"]
 
@@ -83,13 +84,44 @@ class _Rejection(NamedTuple):
     retry_at: float
 
 
+class _Scored(NamedTuple):
+    """A stored trajectory as the push reads it (`_read`): its row's facts and its named rewards, not assembled."""
+
+    id: str
+    trace_id: str
+    group_id: str
+    created_at: float
+    rewards: dict[str, float]
+
+
+class _Snapshot(NamedTuple):
+    """What a push reads, all of it in one snapshot of the database (`ScoringStore.read`)."""
+
+    trajectories: list[_Scored]
+    pushed: dict[tuple[str, str], PushedScore]
+    """`ScoringStore.pushed_in`."""
+    retracting: set[tuple[str, str]]
+    """`ScoringStore.retracting_in`."""
+
+
+def _read(conn: Connection) -> _Snapshot:
+    """Every stored trajectory with its named rewards, as its assembled `Trajectory` has them (`pool.rewards_of`, from
+    the reward rows and the traces its spans hold, without reading the spans' records), and the records of the scores
+    pushed, on `conn`."""
+    rows = ScoringStore.trajectory_rows(conn)
+    named = pool.rewards_of(conn, rows)
+    scored = [_Scored(row["id"], row["trace_id"], row["group_id"] or "", row["created_at"], named[row["id"]])
+              for row in rows]
+    return _Snapshot(scored, ScoringStore.pushed_in(conn), ScoringStore.retracting_in(conn))
+
+
 class ScorePush:
-    """Pushes the configured rewards of the trajectories of `store` to Langfuse as scores (`push`) and deletes there
+    """Pushes the configured rewards of the stored trajectories to Langfuse as scores (`push`) and deletes there
     those of deleted trajectories (`retract`), through `api`; each reads the time from the `clock` it is given (the
     sync's, `LangfuseSync.clock`)."""
 
-    def __init__(self, store: Store, scoring: ScoringStore, settings: LangfuseSettings, api: LangfuseCalls) -> None:
-        self.store, self.scoring, self.settings, self.api = store, scoring, settings, api
+    def __init__(self, scoring: ScoringStore, settings: LangfuseSettings, api: LangfuseCalls) -> None:
+        self.scoring, self.settings, self.api = scoring, settings, api
         self._rejections: dict[tuple[str, str], _Rejection] = {}
         """The scores Langfuse rejected, by (trajectory id, reward name): `push` holds them back a while."""
 
@@ -98,7 +130,13 @@ class ScorePush:
         keeps the id and the timestamp it was first pushed with (recorded as `pushed_at`): the timestamp is its
         trajectory's creation, the same on a push sent again after its answer was lost (unrecorded), whatever the
         day; a score pushed before keeps the time of its first push. A trajectory's whose record is a deleted one's of
-        the same id, still to delete (`ScoringStore.retracting`), waits for the sync after that deletion (`_score_id`).
+        the same id, still to delete (`ScoringStore.retracting_in`), waits for the sync after that deletion
+        (`_score_id`).
+
+        What changed is what differs from the records of the scores pushed (`ScoringStore.pushed_in`), read with the
+        trajectories' rewards in one snapshot (`_read`): no trajectory is assembled, and only the judges' explanations
+        of the scores sent are read. A trajectory deleted and created again of the same id since the snapshot is pushed
+        with the deleted one's time, and `mark_pushed` marks its score to delete, as it does a deleted one's.
 
         Only the scores Langfuse accepts are recorded as pushed (`_create`). One it rejects (in a 207) is logged once
         per value and sent again when its value changes, or else after a delay that doubles with each rejection of
@@ -107,38 +145,37 @@ class ScorePush:
         names = self.settings.push_names
         if not names:
             return 0, 0
-        before, waiting = self.scoring.pushed(), self.scoring.retracting()
-        # read before the trajectories: one deleted and created again of the same id in between is pushed with the
-        # deleted one's time, and `mark_pushed` marks its score to delete, as it does a deleted one's
-        created = self.scoring.created_at()
-        trajectories = self.store.trajectories()
-        explanations = self.scoring.judgements([t.id for t in trajectories])
+        snapshot = self.scoring.read(_read)
         now = clock()
-        requests, marks = [], []
-        for t in trajectories:
-            notes = {row["name"]: row["explanation"] for row in explanations[t.id]}
+        due: list[tuple[_Scored, str, float, PushedScore | None]] = []
+        for t in snapshot.trajectories:
             for name in names:
-                value, record = t.rewards.get(name), before.get((t.id, name))
+                value, record = t.rewards.get(name), snapshot.pushed.get((t.id, name))
                 unchanged = record is not None and record.value == value
-                if value is None or unchanged or (t.id, name) in waiting or t.id not in created:
+                if value is None or unchanged or (t.id, name) in snapshot.retracting:
                     continue
                 if (held := self._rejections.get((t.id, name))) and held.value == value and now < held.retry_at:
                     continue
-                at = record.pushed_at if record else created[t.id]
-                score_id = record.score_id if record else _score_id(t.id, created[t.id], name)
-                requests.append(
-                    CreateScoreRequest(
-                        id=score_id, trace_id=t.trace_id, name=name, value=value, data_type=ScoreDataType.NUMERIC,
-                        source=CreateScoreSource.API, comment=notes.get(name),
-                        metadata={"art.rollout.id": t.id, "art.group": t.group_id},
-                        timestamp=dt.datetime.fromtimestamp(at, tz=dt.UTC),
-                    )
+                due.append((t, name, value, record))
+        explanations = self.scoring.judgements(sorted({t.id for t, _, _, _ in due}))
+        requests, marks = [], []
+        for t, name, value, record in due:
+            at = record.pushed_at if record else t.created_at
+            score_id = record.score_id if record else _score_id(t.id, t.created_at, name)
+            comment = next((row["explanation"] for row in explanations[t.id] if row["name"] == name), None)
+            requests.append(
+                CreateScoreRequest(
+                    id=score_id, trace_id=t.trace_id, name=name, value=value, data_type=ScoreDataType.NUMERIC,
+                    source=CreateScoreSource.API, comment=comment,
+                    metadata={"art.rollout.id": t.id, "art.group": t.group_id},
+                    timestamp=dt.datetime.fromtimestamp(at, tz=dt.UTC),
                 )
-                marks.append(
-                    {"trajectory_id": t.id, "name": name, "value": value, "score_id": score_id, "pushed_at": at,
-                     "created_at": created[t.id]}
-                )
-        live = {t.id for t in trajectories}
+            )
+            marks.append(
+                {"trajectory_id": t.id, "name": name, "value": value, "score_id": score_id, "pushed_at": at,
+                 "created_at": t.created_at}
+            )
+        live = {t.id for t in snapshot.trajectories}
         self._rejections = {key: held for key, held in self._rejections.items() if key[0] in live}
         rejected = 0
         for start in range(0, len(requests), PAGE):

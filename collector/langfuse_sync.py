@@ -146,7 +146,7 @@ class LangfuseSync:
         self.client = self.api.client
         self.clock = clock
         self._lock = threading.Lock()
-        self._push = ScorePush(store, scoring, settings, self.api)
+        self._push = ScorePush(scoring, settings, self.api)
 
     def pull(self) -> LangfuseSyncResult:
         """Read scores (configured sources and names, within the lookback) and store new or changed ones as rewards."""

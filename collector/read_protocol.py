@@ -15,6 +15,7 @@ __all__ = [
     "JudgeRun",
     "Judgement",
     "LangfuseSyncResult",
+    "LangfuseSyncStatus",
     "SequenceView",
     "TrajectoryDetail",
     "TrajectoryPage",
@@ -98,6 +99,21 @@ class LangfuseSyncResult(BaseModel):
     skipped: bool = Field(default=False, description="True when another replica on the same PostgreSQL database was "
                           "syncing (logged): this sync did nothing, every count is 0. On SQLite, syncs are one at a "
                           "time per process only.")
+
+
+class LangfuseSyncStatus(BaseModel):
+    """This collector's Langfuse syncs since it started, the schedule's and `POST /v1/langfuse/sync`'s alike
+    (`GET /v1/langfuse/sync`)."""
+
+    last_sync: LangfuseSyncResult | None = Field(
+        default=None, description="What the last sync that succeeded did; null until one has."
+    )
+    last_sync_at: float | None = Field(default=None, description="When it ended (Unix seconds).")
+    last_error: str | None = Field(
+        default=None, description="Why the latest sync failed, when it did (a failure of the schedule's is otherwise "
+        "only logged): the error's type and message; null once a sync succeeds."
+    )
+    last_error_at: float | None = Field(default=None, description="When it failed (Unix seconds).")
 
 
 class TrajectorySummary(BaseModel):

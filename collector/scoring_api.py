@@ -1,9 +1,9 @@
 """HTTP layer of the judges and the web page: an `APIRouter`, the static page, background jobs.
 
 `install(app, store, auth)` is called by `create_app`. It adds the RULER routes
-(`POST/GET /v1/groups/{id}/judge`), the Langfuse sync route, the read API under `/v1/view/` (never
-stored by a browser), the web page under `/ui/` (revalidated on each load), and — in the app's
-lifespan — the automatic judge (`ART_COLLECTOR_JUDGE_AUTO`) and the scheduled Langfuse sync
+(`POST/GET /v1/groups/{id}/judge`), the Langfuse sync routes (`POST /v1/langfuse/sync` runs one, `GET` shows the
+last), the read API under `/v1/view/` (never stored by a browser), the web page under `/ui/` (revalidated on each
+load), and — in the app's lifespan — the automatic judge (`ART_COLLECTOR_JUDGE_AUTO`) and the scheduled Langfuse sync
 (`ART_COLLECTOR_LANGFUSE_HOST`).
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from collector.read_protocol import (
     JudgeRequest,
     JudgeRun,
     LangfuseSyncResult,
+    LangfuseSyncStatus,
     TrajectoryDetail,
     TrajectoryPage,
 )
@@ -71,8 +73,8 @@ class Scoring:
     judge: GroupJudge
     langfuse: LangfuseSync | None
     scoring: ScoringStore
-    last_sync: LangfuseSyncResult | None = None
-    last_sync_error: str | None = None
+    langfuse_status: LangfuseSyncStatus = field(default_factory=LangfuseSyncStatus)
+    """Replaced whole after each sync (`GET /v1/langfuse/sync`)."""
     job_errors: dict[str, int] = field(default_factory=dict)
 
 
@@ -113,19 +115,29 @@ def install(
     state = Scoring(judge=judge, langfuse=sync, scoring=scoring_store)
     app.state.scoring = state
 
-    def run_sync() -> LangfuseSyncResult:
+    syncing = threading.Lock()  # one sync at a time (as `LangfuseSync.sync`), so the statuses come in its order
+
+    def configured() -> LangfuseSync:
         if sync is None:
             raise NotFound(
                 "Langfuse is not configured: set ART_COLLECTOR_LANGFUSE_HOST and its keys",
                 code="langfuse_not_configured",
             )
-        try:
-            state.last_sync = sync.sync()
-            state.last_sync_error = None
-        except Exception as exc:
-            state.last_sync_error = f"{type(exc).__name__}: {exc}"
-            raise
-        return state.last_sync
+        return sync
+
+    def run_sync() -> LangfuseSyncResult:
+        """One sync, its outcome kept in `state.langfuse_status`; its error raised on."""
+        langfuse = configured()
+        with syncing:
+            try:
+                result = langfuse.sync()
+            except Exception as exc:  # any failure is shown (`GET /v1/langfuse/sync`), and raised on
+                state.langfuse_status = state.langfuse_status.model_copy(
+                    update={"last_error": f"{type(exc).__name__}: {exc}", "last_error_at": langfuse.clock()}
+                )
+                raise
+            state.langfuse_status = LangfuseSyncStatus(last_sync=result, last_sync_at=langfuse.clock())
+        return result
 
     router = APIRouter()
     writes = [Depends(auth)]
@@ -155,6 +167,12 @@ def install(
     def langfuse_sync() -> LangfuseSyncResult:
         """Pull Langfuse scores and push rewards now (502 when Langfuse fails, 404 when not configured)."""
         return run_sync()
+
+    @router.get("/v1/langfuse/sync", dependencies=reads)
+    def langfuse_sync_status() -> LangfuseSyncStatus:
+        """The last Langfuse sync that succeeded, and the latest one's failure (404 when not configured)."""
+        configured()
+        return state.langfuse_status
 
     @router.get("/v1/view/trajectories", dependencies=reads)
     def view_trajectories(

@@ -8,8 +8,8 @@ run's outcome, and which Langfuse scores were already pulled or pushed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import Connection, Engine, Table, delete, exists, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
@@ -20,6 +20,8 @@ from collector.schema import groups, judge_runs, judgements, langfuse_pulled, la
 from collector.transactions import GROUP_LOCKS, TRAJECTORY_LOCKS, Transactions
 
 __all__ = ["INGEST_DELAY", "MemberStamp", "PushedScore", "ScoringStore", "SeenRun"]
+
+T = TypeVar("T")
 
 INGEST_DELAY = 300.0
 """Seconds after its last push (a changed reward pushes it again) before a score pushed to Langfuse for a trajectory
@@ -272,31 +274,49 @@ class ScoringStore:
         return found
 
     def pushed(self) -> dict[tuple[str, str], PushedScore]:
-        """What was pushed to Langfuse, by (trajectory id, reward name); not the scores marked to delete there
-        (`retract_pushed`): they are a deleted trajectory's, and a later one of the same id pushes its own under
-        another score id once that one is deleted there (`retracting`)."""
+        """What was pushed to Langfuse, by (trajectory id, reward name) (`pushed_in`)."""
         with self.engine.connect() as conn:
-            rows = conn.execute(
-                select(
-                    langfuse_pushed.c.trajectory_id,
-                    langfuse_pushed.c.name,
-                    langfuse_pushed.c.value,
-                    langfuse_pushed.c.pushed_at,
-                    langfuse_pushed.c.score_id,
-                ).where(langfuse_pushed.c.retract_at.is_(None))
-            )
-            return {(tid, name): PushedScore(value, at, score_id) for tid, name, value, at, score_id in rows}
+            return self.pushed_in(conn)
 
-    def retracting(self) -> set[tuple[str, str]]:
+    @staticmethod
+    def pushed_in(conn: Connection) -> dict[tuple[str, str], PushedScore]:
+        """What was pushed to Langfuse, by (trajectory id, reward name), read on `conn`; not the scores marked to
+        delete there (`retract_pushed`): they are a deleted trajectory's, and a later one of the same id pushes its own
+        under another score id once that one is deleted there (`retracting_in`)."""
+        rows = conn.execute(
+            select(
+                langfuse_pushed.c.trajectory_id,
+                langfuse_pushed.c.name,
+                langfuse_pushed.c.value,
+                langfuse_pushed.c.pushed_at,
+                langfuse_pushed.c.score_id,
+            ).where(langfuse_pushed.c.retract_at.is_(None))
+        )
+        return {(tid, name): PushedScore(value, at, score_id) for tid, name, value, at, score_id in rows}
+
+    @staticmethod
+    def retracting_in(conn: Connection) -> set[tuple[str, str]]:
         """(trajectory id, reward name) of the stored trajectories whose record of a pushed score is one marked to be
-        deleted in Langfuse (`retract_pushed`): a deleted trajectory's, of the same id. Until that score is deleted (or
-        the deletion given up) the record holds its id, and a push of the same name would overwrite it."""
+        deleted in Langfuse (`retract_pushed`), read on `conn`: a deleted trajectory's, of the same id. Until that
+        score is deleted (or the deletion given up) the record holds its id, and a push of the same name would
+        overwrite it."""
         live = exists().where(trajectories.c.id == langfuse_pushed.c.trajectory_id)
-        with self.engine.connect() as conn:
-            return {(tid, name) for tid, name in conn.execute(
-                select(langfuse_pushed.c.trajectory_id, langfuse_pushed.c.name)
-                .where(langfuse_pushed.c.retract_at.is_not(None), live)
-            )}
+        return {(tid, name) for tid, name in conn.execute(
+            select(langfuse_pushed.c.trajectory_id, langfuse_pushed.c.name)
+            .where(langfuse_pushed.c.retract_at.is_not(None), live)
+        )}
+
+    @staticmethod
+    def trajectory_rows(conn: Connection) -> list[dict[str, Any]]:
+        """Each stored trajectory's `id`, `trace_id`, `group_id` and `created_at`, read on `conn` from its row alone
+        (neither its spans nor its digest)."""
+        columns = (trajectories.c.id, trajectories.c.trace_id, trajectories.c.group_id, trajectories.c.created_at)
+        return [dict(row) for row in conn.execute(select(*columns)).mappings()]
+
+    def read(self, work: Callable[[Connection], T]) -> T:
+        """`work(conn)` in a transaction that only reads, every statement of it on one snapshot of the database
+        (`Transactions.read`)."""
+        return self._tx.read(work)
 
     def created_at(self) -> dict[str, float]:
         """When each stored trajectory was created (its row first written), by id."""
@@ -311,7 +331,7 @@ class ScoringStore:
         every push recorded so far (the last one too: a changed reward pushes the score again, and Langfuse ingests it
         anew) came before `at`; a push still in flight marks its record itself (`mark_pushed`). The first sync when
         they are due deletes them (`LangfuseSync.sync`); a later trajectory of the same id pushes its own scores, under
-        other ids, once they are (`retracting`)."""
+        other ids, once they are (`retracting_in`)."""
         for chunk in chunks(sorted(trajectory_ids)):
             conn.execute(update(langfuse_pushed).where(langfuse_pushed.c.trajectory_id.in_(chunk))
                          .values(retract_at=at + INGEST_DELAY))
