@@ -7,9 +7,9 @@ the sampling stay the same, again when they change (a collector split grows, a r
 `--eval-reward` or `--eval-samples`, `--eval-max-tokens`, `--eval-temperature`). Promoted when
 `new >= current - margin`, equal up to float rounding included, else kept and served as `name@N`
 but not as `name@latest`, with the reason recorded. A failed evaluation promotes nothing, also one whose evaluator
-fails unexpectedly (logged with its traceback). The eval reward of a step retention drops goes with it (`keep_evals`).
-The state survives restarts in `checkpoints/promotion.json`; without an eval set, a restart serves the newest kept
-step as latest.
+fails unexpectedly (logged with its traceback); both are counted (`eval_failures`). The eval reward of a step
+retention drops goes with it, from `promotion.json` too (`keep_evals`). The state survives restarts in
+`checkpoints/promotion.json`; without an eval set, a restart serves the newest kept step as latest.
 """
 
 from __future__ import annotations
@@ -57,7 +57,11 @@ class PromotionGate:
         self.prompt_set: str | None = None
         """`Evaluator.key` of the prompts (and reward function and sampling) `evals` were measured with."""
         self.decision: PromotionDecision | None = None
+        self.eval_failures = 0
+        """Evaluations that failed since start, whatever failed (`EvalError` or the evaluator's own bug)."""
         self._saved = store.read_promotion()
+        self._saved_steps = set(self._saved["evals"])
+        """Steps whose eval reward `promotion.json` holds (as read at start, then as last written)."""
 
     def restore(self, steps: list[int]) -> None:
         """Reload the saved state for the kept `steps` (after a restart).
@@ -67,8 +71,7 @@ class PromotionGate:
         warning when a saved latest is no longer kept): a step is never promoted unevaluated.
         """
         saved = self._saved
-        self.evals = saved["evals"]
-        self.keep_evals(steps)
+        self.evals = self._kept(saved["evals"], steps)  # `promotion.json` loses them in the start's `keep_evals`
         self.prompt_set = saved.get("prompt_set")
         if self.evaluator is None:
             self.latest = steps[-1] if steps else None
@@ -82,9 +85,32 @@ class PromotionGate:
     def keep_evals(self, steps: list[int]) -> None:
         """Forget the eval rewards of the steps not in `steps` (the kept checkpoints); the base model's (0) stays.
 
-        Called by retention as it drops steps (at start too), so `GET /v1/status` and the next saved state show no
-        reward of a checkpoint that is gone."""
-        self.evals = {s: r for s, r in self.evals.items() if s == 0 or s in steps}
+        Called by retention as it drops steps (at start too), so neither `GET /v1/status` nor `promotion.json` shows a
+        reward of a checkpoint that is gone: the state is saved again when the file holds one (`latest` and the
+        decision as they are).
+
+        Raises:
+            OSError: the state could not be saved (the rewards are forgotten all the same; a start ignores the rewards
+                of steps that are gone).
+        """
+        self.evals = self._kept(self.evals, steps)
+        if any(step not in self.evals for step in self._saved_steps):
+            self._save(self.latest, self.decision)
+
+    @staticmethod
+    def _kept(evals: dict[int, float], steps: list[int]) -> dict[int, float]:
+        """The rewards of `evals` of the base model (0) and of `steps`."""
+        return {s: r for s, r in evals.items() if s == 0 or s in steps}
+
+    def _save(self, latest: int | None, decision: PromotionDecision | None) -> None:
+        """Write the state, with `latest` and `decision`, to `promotion.json` (atomically).
+
+        Raises:
+            OSError: it could not be written.
+        """
+        self.store.write_promotion({"latest": latest, "evals": self.evals, "prompt_set": self.prompt_set,
+                                    "decision": decision.model_dump() if decision else None})
+        self._saved_steps = set(self.evals)
 
     def _name(self, step: int) -> str:
         return self._base_name() if step == 0 else self._model_name(step)
@@ -104,8 +130,7 @@ class PromotionGate:
             decision = await self._gate(step, self.evaluator)
         latest = step if decision.promoted else self.latest
         try:
-            self.store.write_promotion({"latest": latest, "evals": self.evals, "prompt_set": self.prompt_set,
-                                        "decision": decision.model_dump()})
+            self._save(latest, decision)
         except OSError as exc:
             logger.exception("the promotion state of step %s could not be saved", step)
             current = self._name(self.latest or 0)
@@ -148,7 +173,8 @@ class PromotionGate:
         return PromotionDecision(step=step, promoted=False, reason=reason, eval_reward=new, baseline_reward=baseline)
 
     def _eval_failed(self, step: int, problem: str) -> PromotionDecision:
-        """The decision on `step` whose evaluation failed with `problem`: not promoted."""
+        """The decision on `step` whose evaluation failed with `problem`: not promoted; counted (`eval_failures`)."""
+        self.eval_failures += 1
         return PromotionDecision(step=step, promoted=False, reason=f"eval failed, not promoted: {problem}",
                                  eval_reward=self.evals.get(step))
 

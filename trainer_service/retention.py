@@ -3,7 +3,8 @@
 The policy (`TrainerSettings.keep_last`, `keep_best_metric`, `keep_best_mode`; `select_kept`) keeps
 the newest steps, the best by a named metric (a manifest metric, or the promotion gate's eval
 reward), the promoted step and the newest. A dropped step stops being served before its folder
-goes: it leaves the served list, is unloaded from vLLM, then deleted; the gate forgets its eval reward.
+goes: it leaves the served list, is unloaded from vLLM, then deleted; the gate forgets its eval reward (in
+`promotion.json` too).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Retention:
         engine: the vLLM engine the dropped steps are unloaded from.
         gate: the promotion gate (its promoted step is kept; its eval rewards can be the metric).
         model_name: step → `name@step`.
-        counters: the service's counters (`retention_errors`, `checkpoints_deleted`).
+        counters: the service's counters (`retention_errors`, `checkpoints_deleted`, `promotion_write_errors`).
     """
 
     def __init__(self, settings: TrainerSettings, store: CheckpointStore, engine: VLLMEngine, gate: PromotionGate,
@@ -67,7 +68,7 @@ class Retention:
         A dropped step leaves `steps` first, so `/v1/models` never lists a name being removed; then
         it is unloaded from vLLM and its folder deleted. A step vLLM cannot unload is served again
         and kept for the next step's retention; a folder that cannot be deleted is logged and counted.
-        The gate forgets the eval rewards of the steps no longer served (`PromotionGate.keep_evals`).
+        The gate forgets the eval rewards of the steps no longer served (`_keep_evals`).
         Run under the service's step lock.
         """
         dropped = await asyncio.to_thread(self.drops, list(steps))
@@ -76,7 +77,7 @@ class Retention:
         still_loaded = await asyncio.to_thread(self._remove, dropped)
         steps.extend(still_loaded)
         steps.sort()
-        self.gate.keep_evals(steps)
+        self._keep_evals(steps)
 
     def drops(self, steps: list[int]) -> list[int]:
         """The steps of `steps` the policy drops (reads the manifests' metrics).
@@ -119,8 +120,19 @@ class Retention:
         for step in dropped:
             self._delete(step)
         kept = [step for step in steps if step not in dropped]
-        self.gate.keep_evals(kept)
+        self._keep_evals(kept)
         return kept
+
+    def _keep_evals(self, steps: list[int]) -> None:
+        """Let the gate forget the eval rewards of the steps not in `steps` (`PromotionGate.keep_evals`); a
+        `promotion.json` that cannot be saved without them is logged and counted as `promotion_write_errors`."""
+        try:
+            self.gate.keep_evals(steps)
+        except OSError:
+            self.counters["promotion_write_errors"] += 1
+            logger.exception("the promotion state could not be saved without the eval rewards of the dropped "
+                             "checkpoints; %s names them until it is saved again (a start ignores them)",
+                             self.store.root / "promotion.json")
 
     def _remove(self, steps: list[int]) -> list[int]:
         """Unload each step from vLLM, then delete its folder; return the steps vLLM could not unload."""

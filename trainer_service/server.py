@@ -40,7 +40,6 @@ from trainer_service.distributed import TrainLauncher
 from trainer_service.engine import VLLMEngine
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.protocol import ErrorBody, ErrorResponse, ServiceError, StatusResponse, TrainResponse
-from trainer_service.schedule import TrainingSchedule
 from trainer_service.service import TrainerService
 from trainer_service.training import LoRATrainer
 from trainer_service.vllm_cpu_matmul import matmul_dtype
@@ -382,26 +381,27 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
 
 
 class _Server(AnnouncedServer):
-    """uvicorn's server, which stops the training schedule as soon as its shutdown begins: uvicorn then waits for
-    every open request (a streamed answer, a manual step) before the app's lifespan ends, and no scheduled step may
-    start meanwhile."""
+    """uvicorn's server, which begins the service's shutdown (`TrainerService.begin_shutdown`) as soon as its own
+    begins: uvicorn then waits for every open request (a streamed answer, a manual step) before the app's lifespan
+    ends; no scheduled step may start meanwhile, and a manual step's hot-load vLLM does not answer is given up."""
 
-    def __init__(self, config: uvicorn.Config, schedule: TrainingSchedule) -> None:
+    def __init__(self, config: uvicorn.Config, service: TrainerService) -> None:
         super().__init__(config)
-        self._schedule = schedule
+        self._service = service
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self._schedule.shutdown()
+        self._service.begin_shutdown()
         await super().shutdown(sockets)
 
 
 def serve(app: FastAPI, sock: socket.socket, *, log_level: str) -> None:
     """Serve `app` (from `create_app`) with uvicorn on `sock` (listening: `collector.listen.start_listening`) until
-    SIGINT or SIGTERM, as `uvicorn.run` does, but with its schedule stopped once the shutdown begins (`_Server`).
+    SIGINT or SIGTERM, as `uvicorn.run` does, but with its service's shutdown begun as the server's begins
+    (`_Server`).
 
     Raises:
         SystemExit: uvicorn's status 3 when the server did not start.
     """
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
-    serve_on(_Server(config, app.state.service.schedule), sock)
+    serve_on(_Server(config, app.state.service), sock)

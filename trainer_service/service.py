@@ -5,7 +5,7 @@ names models (`base`, `name@N`, `name@latest`) and runs one step at a time:
 lease a batch → train (GRPO or SFT; in `torchrun` workers with a `TrainLauncher`) → save
 `checkpoints/step-N` → hot-load `name@N` → ack → promotion gate (eval) → retention (`Retention`) → metrics.
 A step that fails, or whose checkpoint cannot be written or loaded, is rolled back in memory
-and never served.
+and never served. One whose hot-load a shutdown gave up keeps its checkpoint for the next start.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from trainer_service.protocol import (
 )
 from trainer_service.retention import Retention
 from trainer_service.schedule import TrainingSchedule, describe
+from trainer_service.stoppable import wait_unless_stopping
 from trainer_service.training import LoRATrainer, NothingTrainableError
 
 __all__ = ["TrainerService"]
@@ -59,6 +61,21 @@ _NAMED_STEPS = 5
 keeping thousands of checkpoints would make their bodies huge; `GET /v1/models` lists them all."""
 
 _NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+
+_HOT_LOAD_GRACE_S = 3.0
+"""Seconds a running step's hot-load is still waited for once shutdown began: a vLLM that answers loads an adapter
+well within it (the step then ends as usual); one that accepts and never answers held the shutdown for the load's
+whole timeout (120 s), and `VLLMEngine.stop` only gives a load up once the step is over."""
+
+
+class _LoadGivenUp(Exception):
+    """A step's hot-load given up for a shutdown (`_HOT_LOAD_GRACE_S`): its checkpoint `path` is whole on disk, its
+    `metrics` not recorded yet."""
+
+    def __init__(self, metrics: dict[str, float], path: Path) -> None:
+        super().__init__(f"the hot-load of {path} was given up for a shutdown")
+        self.metrics = metrics
+        self.path = path
 
 
 def _write_fix(exc: OSError, path: Path) -> str:
@@ -129,7 +146,8 @@ class TrainerService:
         self.counters: Counter[str] = Counter()
         self.allocator = loaded_allocator() or "system"
         self._lock = asyncio.Lock()
-        self._closing = False
+        self._closing = threading.Event()
+        """Set once shutdown began (`begin_shutdown`): no step starts, a running step's hot-load gives up."""
         self._step_running = False
         """True while `train_once` runs a step: status's `training` (`aclose` holds `_lock` too, to stop)."""
         self.collector = CollectorClient(settings, collector_transport)
@@ -178,14 +196,22 @@ class TrainerService:
             self.engine.stop()
             raise
 
+    def begin_shutdown(self) -> None:
+        """Stop the schedule and refuse new steps; a running step finishes, but a hot-load vLLM has not answered
+        `_HOT_LOAD_GRACE_S` after this is given up (`_unserved`). Called as the server's shutdown begins (before it
+        waits for open requests, a manual step among them), and by `aclose`."""
+        self.schedule.shutdown()
+        self._closing.set()
+
     async def aclose(self) -> None:
         """Stop the schedule, let a running step finish, then stop the engine and close the clients and sinks.
 
         A step that runs (scheduled or manual) ends as usual: checkpoint, hot-load, ack, gate, metrics.
-        Stopping under it would leave its batch leased and its metrics unwritten; no new step starts.
+        Stopping under it would leave its batch leased and its metrics unwritten; no new step starts. Only a
+        hot-load vLLM does not answer within `_HOT_LOAD_GRACE_S` is given up (`begin_shutdown`): it held the
+        shutdown for its whole timeout, and the step's checkpoint stays for the next start to serve.
         """
-        self.schedule.shutdown()
-        self._closing = True
+        self.begin_shutdown()
         if self._lock.locked():
             logger.info("shutting down: waiting for the running training step to finish")
         async with self._lock:
@@ -279,7 +305,7 @@ class TrainerService:
                 whatever the error, is released to the collector (counted as a failed attempt of its
                 groups unless `blames_the_data` says the disk, vLLM or the worker processes failed).
         """
-        if self._closing:
+        if self._closing.is_set():
             raise ServiceError(503, "shutting_down", "The service is shutting down; no new step starts.",
                                type="server_error")
         if self.paused:
@@ -329,6 +355,8 @@ class TrainerService:
                                f"be written to {self.checkpoint_dir}: {exc}. Nothing was served and the trainer was "
                                f"rolled back{_write_fix(exc, self.store.path(step))}. {fate}",
                                type="server_error") from exc
+        except _LoadGivenUp as given_up:
+            raise await self._unserved(batch, step, kind, given_up) from given_up
         except Exception as exc:
             logger.exception("training step %s failed", step)
             fate = await release_failed(self.collector, batch, exc, failed=blames_the_data(exc),
@@ -339,12 +367,9 @@ class TrainerService:
         # The step is served from here on: gate, retention and metrics run whatever the ack and the
         # gate's save do; their failures are reported once the step's bookkeeping is done.
         deferred: list[ServiceError] = []
-        try:
-            await self.collector.ack(batch.id, step)
-        except ServiceError as exc:
-            deferred.append(exc)
-            self.counters["ack_failures"] += 1
-            logger.error("step %s is served but its batch was not acked: %s", step, exc)
+        ack_error = await self._ack(batch, step)
+        if ack_error is not None:
+            deferred.append(ack_error)
         metrics["collector/ack_failed"] = float(bool(deferred))
         decision: PromotionDecision | None = None
         try:
@@ -356,12 +381,7 @@ class TrainerService:
             metrics["eval/reward"] = self.gate.evals[step]
         metrics["promotion/promoted"] = float(self.gate.latest == step)
         await self.retention.apply(self.steps)
-        try:
-            await asyncio.to_thread(self.metrics.emit, step, metrics, batch_id=batch.id, model=self.model_name(step),
-                                    kind=kind)
-        except OSError:
-            self.counters["metrics_write_errors"] += 1
-            logger.exception("metrics of step %s could not be written", step)
+        await self._record(step, metrics, batch, kind)
         if decision is None or deferred:  # no decision only when the gate could not save it (deferred)
             raise deferred[0]
         self.last_error = None
@@ -386,14 +406,54 @@ class TrainerService:
         except Exception:
             trainer.restore(snapshot)
             raise
+        name = self.model_name(step)
+        loading = wait_unless_stopping(lambda: self.engine.load_adapter(name, path), self._closing, f"hot-load {name}",
+                                       grace=_HOT_LOAD_GRACE_S)
+        if not loading.done():  # left to end on its own: `VLLMEngine.stop` gives it up in turn
+            raise _LoadGivenUp(metrics, path)
         try:
-            self.engine.load_adapter(self.model_name(step), path)
+            loading.result()
         except EngineError:
             trainer.restore(snapshot)
             self._discard(step)
             raise
         metrics["time/publish_s"] = time.perf_counter() - started
         return metrics, path
+
+    async def _ack(self, batch: Batch, step: int) -> ServiceError | None:
+        """Ack `batch` as trained into `step`; a refusal is logged, counted (`ack_failures`) and returned."""
+        try:
+            await self.collector.ack(batch.id, step)
+        except ServiceError as exc:
+            self.counters["ack_failures"] += 1
+            logger.error("step %s is saved but its batch was not acked: %s", step, exc)
+            return exc
+        return None
+
+    async def _record(self, step: int, metrics: dict[str, float], batch: Batch, kind: str) -> None:
+        """Write the `metrics` of `step`; a failure is logged and counted (`metrics_write_errors`)."""
+        try:
+            await asyncio.to_thread(self.metrics.emit, step, metrics, batch_id=batch.id, model=self.model_name(step),
+                                    kind=kind)
+        except OSError:
+            self.counters["metrics_write_errors"] += 1
+            logger.exception("metrics of step %s could not be written", step)
+
+    async def _unserved(self, batch: Batch, step: int, kind: str, given_up: _LoadGivenUp) -> ServiceError:
+        """The answer of `step`, saved but not served: a shutdown gave its hot-load up. The trainer keeps the step and
+        the batch is acked, as the next start serves and resumes from the checkpoint (training the batch again would
+        train it twice); its metrics are recorded. Neither the gate nor retention runs (the next start's does)."""
+        logger.warning("step %s is saved in %s but not served: shutting down, vLLM did not answer its hot-load "
+                       "within %g s; the next start serves it", step, given_up.path, _HOT_LOAD_GRACE_S)
+        ack_error = await self._ack(batch, step)
+        metrics = {**given_up.metrics, "collector/ack_failed": float(ack_error is not None)}
+        await self._record(step, metrics, batch, kind)
+        acked = (f"its batch {batch.id} was acked" if ack_error is None else
+                 f"its batch {batch.id} was not acked ({ack_error.body.error.message})")
+        return ServiceError(503, "shutting_down", f"Step {step} is saved in {given_up.path} and {acked}, but it is "
+                            f"not served: the service is shutting down and vLLM did not answer its hot-load within "
+                            f"{_HOT_LOAD_GRACE_S:g} s. The next start serves it as {self.model_name(step)}.",
+                            type="server_error")
 
     def _discard(self, step: int) -> None:
         """Delete the checkpoint of `step`, which vLLM could not load; a failure is logged with its path, so the
@@ -416,7 +476,7 @@ class TrainerService:
     async def _status_queue_depth(self) -> tuple[int | None, str | None]:
         """The queue depth, or None and why it is unknown: the collector's error, no answer within
         `_STATUS_QUEUE_WAIT_S`, or a shutdown under way (`aclose` closes the collector's client)."""
-        if self._closing:
+        if self._closing.is_set():
             return None, "The service is shutting down; the collector is not asked for the queue depth."
         try:
             return await asyncio.wait_for(self.queue_depth(), _STATUS_QUEUE_WAIT_S), None
@@ -459,7 +519,8 @@ class TrainerService:
             eval_rewards=self._newest_evals(),
             eval_reward_count=len(self.gate.evals),
             last_metrics=last_metrics,
-            counters={**self.counters, **self.lender.counters, "metrics_sink_errors": self.metrics.sink_errors},
+            counters={**self.counters, **self.lender.counters, "metrics_sink_errors": self.metrics.sink_errors,
+                      "eval_failures": self.gate.eval_failures},
             last_error=self.last_error,
             allocator=self.allocator,
             engine=EngineStatus(healthy=healthy, pid=self.engine.pid, restarts=self.engine.restarts,

@@ -102,6 +102,7 @@ async def test_gate_promotes_within_margin_and_says_why_not(tmp_path: Path) -> N
     fourth = await restarted.train_once()
     assert not fourth.promotion.promoted and fourth.latest_model == "agent@3"
     assert "eval failed" in fourth.promotion.reason and "finite" in fourth.promotion.reason
+    assert (await restarted.status()).counters["eval_failures"] == 1  # was counted nowhere
     await restarted.aclose()
 
 
@@ -176,7 +177,40 @@ async def test_a_step_dropped_by_retention_leaves_the_eval_rewards(tmp_path: Pat
     status = await service.status()
     # step 1's reward was shown until the next step, its checkpoint deleted
     assert status.eval_rewards == pytest.approx({0: 0.5, 2: 0.7}) and status.eval_reward_count == 2
+    saved = json.loads((tmp_path / "checkpoints" / "promotion.json").read_text())
+    assert saved["evals"] == pytest.approx({"0": 0.5, "2": 0.7}) and saved["latest"] == 2  # held step 1's till the next
     await service.aclose()
+
+
+async def test_a_promotion_state_not_saved_without_a_dropped_step_is_counted_and_fails_no_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": "1+1?"}]}]
+
+    scores = {"base-model": 0.5, "agent@1": 0.6, "agent@2": 0.7}
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, [], evaluator=scored_evaluator(source, scores), keep_last=1)
+    assert service.trainer is not None
+    batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    await service.train_once()
+    write = service.store.write_promotion
+
+    def full_after_the_gate(state: dict[str, Any]) -> None:  # step 2's gate saves; retention's save is refused
+        if 1 not in state["evals"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(state)
+
+    monkeypatch.setattr(service.store, "write_promotion", full_after_the_gate)
+    batches.append(Batch(id="b2", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+    result = await service.train_once()
+    monkeypatch.undo()
+    assert result.latest_model == "agent@2" and service.steps == [2]
+    assert service.counters["promotion_write_errors"] == 1 and "names them until it is saved again" in caplog.text
+    assert (await service.status()).eval_rewards == pytest.approx({0: 0.5, 2: 0.7})
+    await service.aclose()
+    restarted = make_service(tmp_path, [], [], evaluator=scored_evaluator(source, scores), keep_last=1)
+    assert set(json.loads((tmp_path / "checkpoints" / "promotion.json").read_text())["evals"]) == {"0", "2"}
+    await restarted.aclose()
 
 
 async def test_status_while_the_gate_runs_shows_the_metrics_of_the_step_it_gates(tmp_path: Path) -> None:
@@ -230,6 +264,7 @@ async def test_an_evaluator_that_fails_unexpectedly_promotes_nothing_and_the_ste
     assert "RuntimeError: a bug in the eval source" in caplog.text and "Traceback" in caplog.text
     status = await service.status()
     assert status.promotion is not None and status.promotion.step == 2 and status.last_error is None
+    assert status.counters["eval_failures"] == 2  # was counted nowhere, as an `EvalError`
     await service.aclose()
 
 

@@ -198,6 +198,8 @@ async def test_a_restart_with_a_smaller_keep_last_drops_the_old_steps_before_loa
     status = await restarted.status()
     # step 3's reward was shown (and counted) until the next step, its checkpoint deleted at start
     assert status.eval_rewards == {2: 0.9} and status.eval_reward_count == 1
+    saved = json.loads((tmp_path / "checkpoints" / "promotion.json").read_text())
+    assert saved["evals"] == {"2": 0.9} and saved["latest"] == 2  # held step 3's until the next step's gate
     await restarted.aclose()
 
 

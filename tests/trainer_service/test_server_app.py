@@ -343,21 +343,26 @@ def test_errors_carry_their_headers_and_starlettes_own_use_the_envelope(tmp_path
 
 def test_sigterm_stops_the_schedule_while_uvicorn_waits_for_open_requests(tmp_path: Path) -> None:
     """uvicorn waits for every open request before the app's lifespan ends, and the schedule stopped only there: an
-    `--every` job kept firing (and could start a step) all the while. `serve` now stops it as the shutdown begins."""
+    `--every` job kept firing (and could start a step) all the while. `serve` now begins the service's shutdown as its
+    own begins: the schedule stops, no step starts (and a running one's hot-load vLLM does not answer is given up)."""
+    from trainer_service.protocol import ServiceError
     from trainer_service.server import create_app, serve
 
     service = make_service(tmp_path, [], [], every="0.1s")
     app = create_app(service=service)
     release = threading.Event()
+    loops: list[asyncio.AbstractEventLoop] = []
 
     @app.get("/slow")
     async def slow() -> dict[str, bool]:  # an open request: a streamed answer, a manual step
+        loops.append(asyncio.get_running_loop())
         await asyncio.to_thread(release.wait)
         return {"done": True}
 
     port = free_port()
     answers: list[int] = []
     stopped_while_open: list[bool] = []
+    refused_while_open: list[BaseException | None] = []
 
     def client() -> None:
         http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
@@ -377,6 +382,9 @@ def test_sigterm_stops_the_schedule_while_uvicorn_waits_for_open_requests(tmp_pa
                 time.sleep(0.5)  # five periods
                 stopped_while_open.append(service.schedule.next_run() is None and not answers
                                           and sum(service.schedule.counts.values()) == fired)
+                # was 409 `no_batch_ready`: the collector was asked for a batch until the lifespan ended
+                manual = asyncio.run_coroutine_threadsafe(service.train_once(), loops[0])
+                refused_while_open.append(manual.exception(10))
                 release.set()
                 opened.join()
         finally:
@@ -391,3 +399,5 @@ def test_sigterm_stops_the_schedule_while_uvicorn_waits_for_open_requests(tmp_pa
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert stopped_while_open == [True] and answers == [200]
+    [refused] = refused_while_open
+    assert isinstance(refused, ServiceError) and refused.body.error.code == "shutting_down"

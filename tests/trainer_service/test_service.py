@@ -7,6 +7,7 @@ import errno
 import json
 import math
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from collector.protocol import Batch
 from tests.collector.seeding import group_spans, make_app
 from tests.trainer_service.builders import FakeEngine, group, lora_params, make_service, make_trainer
 from trainer_service.config import TrainerSettings
+from trainer_service.engine import VLLMEngine
 from trainer_service.engine_errors import EngineError
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.protocol import ServiceError, StatusResponse
@@ -501,6 +503,61 @@ async def test_shutdown_lets_a_running_step_finish_and_starts_no_new_one(tmp_pat
     with pytest.raises(ServiceError) as info:
         await service.train_once()
     assert info.value.status == 503 and info.value.body.error.code == "shutting_down"
+
+
+class _HungVLLM(VLLMEngine):
+    """The real engine (its lock, its `stop`), with a `start` that runs no process: its port is `_hang`'s."""
+
+    def start(self) -> None:
+        pass
+
+
+def _hang(listener: socket.socket, asked: threading.Event) -> None:
+    """A vLLM that takes a request and never answers: accept one connection of `listener`, set `asked` once an adapter
+    load arrived on it, then read until the client leaves."""
+    connection, _ = listener.accept()
+    received = b""
+    with connection:
+        while chunk := connection.recv(4096):
+            received += chunk
+            if b"/v1/load_lora_adapter" in received:
+                asked.set()
+
+
+async def test_shutdown_gives_up_a_hot_load_vllm_never_answers_and_keeps_the_checkpoint(tmp_path: Path) -> None:
+    """A step at its hot-load against a vLLM that accepts and never answers held `aclose` for the load's 120 s
+    timeout (the engine's `stop` gives a load up, but only runs once the step is over); the step was then rolled back,
+    its checkpoint deleted. Now the shutdown gives the load up: the checkpoint stays, unserved, acked, and the next
+    start serves it."""
+    acks: list[tuple[str, dict]] = []
+    releases: list[tuple[str, dict]] = []
+    batches: list[Batch] = []
+    service = make_service(tmp_path, batches, acks, releases=releases)
+    assert service.trainer is not None
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        engine = _HungVLLM("tiny-llama", "base-model", listener.getsockname()[1], log_path=tmp_path / "vllm.log")
+        service.engine = service.retention.engine = engine
+        asked = threading.Event()
+        threading.Thread(target=_hang, args=(listener, asked), daemon=True).start()
+        batches.append(Batch(id="b1", groups=[group(service.trainer, (1.0, 0.0))], lease_expires_at=0))
+        step = asyncio.create_task(service.train_once())
+        assert await asyncio.to_thread(asked.wait, 60), "the step never asked vLLM to load its checkpoint"
+        started = time.monotonic()
+        await service.aclose()
+        assert time.monotonic() - started < 10, "aclose waited for the hot-load's timeout"
+    with pytest.raises(ServiceError) as info:
+        await step
+    message = info.value.body.error.message
+    assert info.value.status == 503 and info.value.body.error.code == "shutting_down"
+    assert message.startswith(f"Step 1 is saved in {tmp_path / 'checkpoints' / 'step-1'} and its batch b1 was acked, "
+                              "but it is not served") and message.endswith("The next start serves it as agent@1.")
+    assert service.steps == [] and engine.adapters == {} and service.resolve("agent@latest") == "base-model"
+    assert acks == [("b1", {"policy_step": 1})] and releases == []  # trained into step 1: not to be trained again
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+    restarted = make_service(tmp_path, [], [])
+    assert restarted.served_models() == ["base-model", "agent@1", "agent@latest"]
+    assert restarted.trainer is not None and restarted.trainer.step_count == 1
+    await restarted.aclose()
 
 
 async def test_status_while_the_service_stops_shows_no_step_and_asks_no_collector(tmp_path: Path) -> None:
