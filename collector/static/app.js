@@ -19,7 +19,8 @@ async function api(path) {
   const response = await fetch(path);
   if (!response.ok) {
     const body = await response.json().catch(() => ({}));
-    throw new Error(`${response.status} ${body.error || ""}: ${body.message || response.statusText}`);
+    const error = new Error(`${response.status} ${body.error || ""}: ${body.message || response.statusText}`);
+    throw Object.assign(error, { code: body.error });
   }
   return response.json();
 }
@@ -177,10 +178,36 @@ async function batchesView() {
     <th>step</th><th>groups</th><th>reason</th></tr></thead><tbody>${rows}</tbody></table>`;
 }
 
+function at(seconds) {
+  return `<time datetime="${new Date(seconds * 1000).toISOString()}">${when(seconds)}</time>`;
+}
+
+// The box atop every view: this collector's last Langfuse sync (GET /v1/langfuse/sync), when it ended and its counts,
+// and the latest sync's failure as a warning (its text is Langfuse's answer); nothing when Langfuse is not configured.
+async function langfuseBox() {
+  let status;
+  try {
+    status = await api("/v1/langfuse/sync");
+  } catch (error) {
+    if (error.code === "langfuse_not_configured") return "";
+    return `<aside id="langfuse" class="langfuse"><strong>Langfuse</strong> <span class="error">${esc(error.message)}</span></aside>`;
+  }
+  const last = status.last_sync;
+  let done = '<span class="muted">no successful sync yet</span>';
+  if (last?.skipped) done = `last sync ${at(status.last_sync_at)} <span class="muted">skipped: another replica was syncing</span>`;
+  else if (last) {
+    const counts = Object.entries(last).filter(([name]) => name !== "skipped");
+    done = `last sync ${at(status.last_sync_at)} ${counts.map(([name, n]) => `<span class="badge">${esc(name)} ${esc(n)}</span>`).join(" ")}`;
+  }
+  const failed = status.last_error ? `<div class="warning">latest sync failed ${at(status.last_error_at)}: ${esc(status.last_error)}</div>` : "";
+  return `<aside id="langfuse" class="langfuse"><strong>Langfuse</strong> ${done}${failed}</aside>`;
+}
+
 let routed = 0; // how many routes have started: a view whose reads finish after a later route's start is not drawn
 
 async function route() {
   const ticket = ++routed;
+  const langfuse = langfuseBox(); // read beside the view
   const hash = location.hash || "#/";
   const [path, search] = hash.slice(1).split("?");
   let html;
@@ -192,6 +219,7 @@ async function route() {
   } catch (error) {
     html = `<p class="error">${esc(error.message)}</p>`;
   }
+  html = (await langfuse) + html;
   if (ticket === routed) app.innerHTML = html;
 }
 

@@ -8,6 +8,7 @@ and, on a trajectory's page, show its messages and judge explanation.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import html
 import json
 import re
@@ -23,9 +24,14 @@ from fastapi.responses import HTMLResponse
 
 from art_langgraph import semconv as sc
 from collector import assembly
+from collector.langfuse_api import LangfuseSyncError
 from collector.otlp import SpanEvent
+from collector.read_protocol import LangfuseSyncResult
+from examples.stack import free_port
+from tests.collector import fake_langfuse
 from tests.collector import span_builders as sb
-from tests.collector.seeding import group_spans, make_app
+from tests.collector.seeding import group_spans, make_app, trace_id
+from tests.collector.test_langfuse_sync import app_for
 from tests.collector.test_views import ODD_IDS
 from tests.served import served as served_app
 
@@ -61,6 +67,7 @@ def test_page_lists_trajectories_and_shows_messages(served: str, tmp_path: Path)
     assert 'data-id="sums-0"' in listing and 'data-id="sums-1"' in listing
     assert 'id="reward-curve"' in listing
     assert "[assistant] The answer is 8" in listing
+    assert 'id="langfuse"' not in listing and 'class="error"' not in listing  # Langfuse is not configured
 
     detail = html.unescape(chromium(f"{served}/ui/#/t/sums-0", tmp_path / "profile", "--dump-dom"))
     assert 'id="messages"' in detail
@@ -331,3 +338,46 @@ def test_the_page_runs_only_its_own_script(tmp_path: Path, monkeypatch: pytest.M
     match = re.search(r'<pre id="shown">(\w+)</pre>', dom)
     assert match is not None, dom
     assert match.group(1) == "blocked"
+
+
+def langfuse_box(dom: str) -> str:
+    """The Langfuse box of a page's DOM, still escaped."""
+    match = re.search(r'<aside id="langfuse"[^>]*>(.*?)</aside>', dom, re.S)
+    assert match is not None, dom
+    return match.group(1)
+
+
+def test_every_view_shows_the_last_langfuse_sync_and_its_latest_failure(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page showed nothing of the Langfuse syncs: a schedule that kept failing showed only in the log."""
+    with fake_langfuse.running(free_port()) as (langfuse_url, langfuse):
+        app = app_for(tmp_path, monkeypatch, langfuse_url, ART_COLLECTOR_LANGFUSE_SCORE_NAMES="human")
+        app.state.store.add_spans(group_spans("g", ["7", "8"]))
+        langfuse.add_score("s0", "human", 0.5, trace_id=trace_id("g", 0))
+        langfuse.add_score("late", "human", 0.25, trace_id="f" * 32)  # its trace has not arrived yet: unmatched
+
+        def refused() -> LangfuseSyncResult:  # the error's text is Langfuse's answer, markup and all
+            raise LangfuseSyncError(f"Langfuse GET /api/public/v3/scores answered 500: {MARKUP!r}")
+
+        with served_app(app) as url:
+            fresh = html.unescape(langfuse_box(chromium(f"{url}/ui/#/", tmp_path / "profile", "--dump-dom")))
+            assert "no successful sync yet" in fresh and "warning" not in fresh
+
+            counts = httpx.post(f"{url}/v1/langfuse/sync").json()
+            assert (counts["pulled"], counts["applied"], counts["unmatched"]) == (2, 2, 1)
+            synced = html.unescape(langfuse_box(chromium(f"{url}/ui/#/", tmp_path / "profile", "--dump-dom")))
+            assert all(f"{name} {value}" in synced for name, value in counts.items() if name != "skipped")
+            assert "warning" not in synced
+            shown_at = re.search(r'<time datetime="([^"]+)"', synced)
+            assert shown_at is not None, synced
+            last_sync_at = httpx.get(f"{url}/v1/langfuse/sync").json()["last_sync_at"]
+            assert abs(dt.datetime.fromisoformat(shown_at.group(1)).timestamp() - last_sync_at) < 1
+
+            monkeypatch.setattr(app.state.scoring.langfuse, "sync", refused)
+            assert httpx.post(f"{url}/v1/langfuse/sync").status_code == 502
+            dom = chromium(f"{url}/ui/#/groups", tmp_path / "profile", "--dump-dom")
+    assert 'id="groups"' in dom
+    failed = langfuse_box(dom)
+    assert '<b class="injected">' not in failed and 'class="warning"' in failed
+    assert f"answered 500: {MARKUP!r}" in html.unescape(failed)
+    assert "pulled 2" in html.unescape(failed)  # the last sync that succeeded is still shown
