@@ -27,7 +27,7 @@ from collector.protocol import (
     ReleaseResponse,
 )
 from trainer_service.backoff import Backoff
-from trainer_service.config import TrainerSettings
+from trainer_service.config import LEASE_MARGIN_S, TrainerSettings
 from trainer_service.protocol import ServiceError
 
 __all__ = ["CollectorClient"]
@@ -123,8 +123,11 @@ class CollectorClient:
             raise ServiceError(502, "collector_error", f"The collector answered a batch lease with something that "
                                f"is not a batch: {_problems(exc)}{fate}", type="server_error") from exc
         if not batch.groups:
-            raise ServiceError(409, "no_batch_ready", "The collector has no rewarded group ready for training yet; "
-                               "record more rollouts with rewards and try again.")
+            ready = ("no rewarded group ready for training yet" if min_groups <= 1 else
+                     f"fewer than {min_groups} rewarded groups ready for training (--min-groups {min_groups}), so it "
+                     "leased none")
+            raise ServiceError(409, "no_batch_ready", f"The collector has {ready}; record more rollouts with rewards "
+                               "and try again.")
         return batch
 
     async def ack(self, batch_id: str, step: int | None) -> None:
@@ -167,10 +170,7 @@ class CollectorClient:
         """Give back a lease whose answer names its batch but is not one (a collector of another version): left
         leased, its groups would wait for the lease to expire and count a failed attempt. Returns what the
         lease's error message adds: the release, or why there was none."""
-        try:
-            answer = json.loads(response.content)
-        except ValueError:
-            return ""
+        answer = _json(response)
         batch_id, groups = (answer.get("id"), answer.get("groups")) if isinstance(answer, dict) else (None, None)
         if not isinstance(batch_id, str) or not isinstance(groups, list) or not groups:
             return ""  # no batch to release: a lease of no group stores none
@@ -253,6 +253,10 @@ class CollectorClient:
         about `ART_API_KEY`."""
         body = response.text[:300]
         shown = f"HTTP {response.status_code}: {body}" if body else f"HTTP {response.status_code}"
+        if response.status_code == 409 and _error_code(response) == "lease_expired":  # an ack after the lease
+            lease = self.settings.lease_seconds()
+            return (f"{shown} (the step outlasted its lease, --train-step-timeout plus {LEASE_MARGIN_S:g} s = "
+                    f"{lease:g} s: raise --train-step-timeout (ART_TRAINER_TRAIN_STEP_TIMEOUT) above the longest step)")
         if response.status_code != 401:
             return shown
         if self.http.base_url.userinfo:  # httpx sends them as Basic auth, in place of the Bearer key
@@ -261,6 +265,22 @@ class CollectorClient:
         key = ("ART_API_KEY is not the collector's key" if self.settings.api_key
                else "ART_API_KEY is not set and the collector requires one")
         return f"{shown} ({key}: set ART_API_KEY to the collector's ART_API_KEY and restart the trainer)"
+
+
+def _json(response: httpx.Response) -> Any:
+    """The JSON `response` holds, or None where it holds none Python reads (not JSON, not UTF-8, nested past the
+    recursion limit, which pydantic's parser refuses as an error but `json.loads` raises as `RecursionError`)."""
+    try:
+        return json.loads(response.content)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    """The `error` code of the collector's error envelope in `response`, or None."""
+    body = _json(response)
+    code = body.get("error") if isinstance(body, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def _unanswered(error: httpx.HTTPError) -> str:

@@ -3,8 +3,8 @@
 APScheduler's `AsyncIOScheduler` fires the jobs; each job calls `TrainerService.train_once`,
 which runs one step at a time: a job starts the step in its own task and returns, and a job that
 finds a step running is skipped and counted (`busy`), never queued behind it. Pausing stops every
-automatic and manual step until resumed. A poll that finds the collector failing waits twice as long after
-each further failure in a row (`Backoff`), at most 10 minutes.
+automatic and manual step until resumed, and the `min_groups` polls with them. A poll that finds the collector
+failing waits twice as long after each further failure in a row (`Backoff`), at most 10 minutes.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ TrainFn = Callable[[str, int], Awaitable[object]]
 exception counts as `failed`)."""
 QueueFn = Callable[[], Awaitable[int]]
 """Returns the number of groups ready at the collector."""
+PausedFn = Callable[[], bool]
+"""True while steps are paused (`POST /v1/pause`)."""
 
 _JOB_DEFAULTS = {"max_instances": 1, "coalesce": True, "misfire_grace_time": None}
 """Every job: one instance at a time, and a run reached late (a busy loop, a suspended host, the wall clock stepped
@@ -126,12 +128,16 @@ class TrainingSchedule:
         settings: `min_groups`, `every`, `cron`, `poll_seconds`.
         train: runs one step.
         queue_depth: counts ready groups at the collector.
+        paused: whether steps are paused; while they are, a `min_groups` poll asks the collector nothing and counts
+            `paused`, as a fired `every` or `cron` job does (None: never paused).
     """
 
-    def __init__(self, settings: TrainerSettings, train: TrainFn, queue_depth: QueueFn) -> None:
+    def __init__(self, settings: TrainerSettings, train: TrainFn, queue_depth: QueueFn,
+                 paused: PausedFn | None = None) -> None:
         self.settings = settings
         self._train = train
         self._queue_depth = queue_depth
+        self._paused = paused
         self.counts: Counter[str] = Counter()
         """Outcome of each fired job: `trained`, `no_batch_ready`, `busy`, `paused`, `below_min_groups`, `failed`, or
         the error code of a step or of a poll the collector failed (`collector_unavailable`, ...)."""
@@ -195,6 +201,9 @@ class TrainingSchedule:
 
     async def _poll(self) -> None:
         """Train when the collector has enough ready groups."""
+        if self._paused is not None and self._paused():  # its step would be refused: nothing to ask the collector
+            self._note("paused", "min_groups: training is paused; POST /v1/resume to train again", poll=True)
+            return
         wanted = self.settings.min_groups or 1
         try:
             ready = await self._queue_depth()

@@ -334,3 +334,55 @@ async def test_a_lease_answered_with_something_that_is_not_a_batch_is_released(t
     assert (batch.state, batch.reason) == ("released", "the trainer could not read the lease: lease_expires_at: "
                                            "Field required")
     assert [(g.id, g.state, g.failed_attempts) for g in store.groups()] == [("sums", "ready", 0)]
+
+
+async def test_a_lease_answered_with_json_nested_too_deep_to_read_is_a_collector_error() -> None:
+    # reading it again to find a batch to release raised RecursionError: the step failed as `training_failed`
+    nested = b'{"id": "b1", "groups": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    collector = client(httpx.MockTransport(lambda request: httpx.Response(200, content=nested)))
+    with pytest.raises(ServiceError) as info:
+        await collector.lease(1)
+    assert info.value.body.error.code == "collector_error"
+    assert "is not a batch: Invalid JSON: recursion limit exceeded" in info.value.body.error.message
+    await collector.aclose()
+
+
+async def test_a_lease_short_of_min_groups_says_how_many_it_waits_for(tmp_path: Path) -> None:
+    # "no rewarded group ready" while GET /v1/status showed one ready: the step waits for --min-groups of them
+    app = collector_app(tmp_path)
+    app.state.store.add_spans(group_spans("sums", ["7", "8"], rewards=[1.0, 0.0]))
+    with served(app, lifespan="off") as url:
+        collector = client(None, collector=url)
+        with pytest.raises(ServiceError) as short:
+            await collector.lease(2)
+        await collector.lease(1)  # takes the one ready group
+        with pytest.raises(ServiceError) as none:
+            await collector.lease(1)
+        await collector.aclose()
+    assert short.value.body.error.code == none.value.body.error.code == "no_batch_ready"
+    assert short.value.body.error.message.startswith("The collector has fewer than 2 rewarded groups ready for "
+                                                     "training (--min-groups 2), so it leased none;")
+    assert none.value.body.error.message.startswith("The collector has no rewarded group ready for training yet;")
+
+
+async def test_an_ack_refused_as_its_lease_expired_names_the_flag_that_lengthens_the_lease(tmp_path: Path) -> None:
+    # the collector's own advice, "lease with a longer lease_seconds", names no setting of the trainer
+    app = collector_app(tmp_path)
+    store = app.state.store
+    now = [1_000_000.0]
+    store.clock = lambda: now[0]
+    store.add_spans(group_spans("sums", ["7", "8"], rewards=[1.0, 0.0]))
+    with served(app, lifespan="off") as url:
+        slow, other = client(None, collector=url, train_step_timeout=60), client(None, collector=url)
+        batch = await slow.lease(1)
+        now[0] = batch.lease_expires_at + 1  # the step took longer than --train-step-timeout and the margin
+        await other.ack((await other.lease(1)).id, 1)
+        with pytest.raises(ServiceError) as info:
+            await slow.ack(batch.id, 1)
+        await slow.aclose()
+        await other.aclose()
+    message = info.value.body.error.message
+    assert info.value.body.error.code == "ack_failed" and '"error":"lease_expired"' in message
+    assert message.endswith(f"(the step outlasted its lease, --train-step-timeout plus {LEASE_MARGIN_S:g} s = "
+                            f"{60 + LEASE_MARGIN_S:g} s: raise --train-step-timeout (ART_TRAINER_TRAIN_STEP_TIMEOUT) "
+                            "above the longest step)")

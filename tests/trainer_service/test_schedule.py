@@ -430,6 +430,31 @@ async def test_an_unexpected_error_of_a_poll_is_counted() -> None:
     assert schedule.last_outcome == "failed: min_groups poll: RuntimeError: a bug in the poll"
 
 
+async def test_a_paused_min_groups_job_asks_the_collector_nothing_and_counts_paused() -> None:
+    """Paused, the poll still asked the collector every `--poll-seconds` and counted its answers (`below_min_groups`,
+    or a warning each time for a collector stopped while the trainer was paused), never `paused`."""
+    asked: list[int] = []
+    steps: list[str] = []
+    paused = [True]
+
+    async def train(source: str, min_groups: int) -> None:
+        steps.append(source)
+
+    async def collector() -> int:
+        asked.append(1)
+        return 3
+
+    schedule = TrainingSchedule(TrainerSettings(min_groups=2), train, collector, paused=lambda: paused[0])
+    await schedule._poll()
+    await schedule._poll()
+    assert asked == [] and steps == [] and schedule.counts == {"paused": 2}
+    assert schedule.last_outcome == "paused: min_groups: training is paused; POST /v1/resume to train again"
+    paused[0] = False  # resumed: the next poll asks and trains
+    await schedule._poll()
+    await wait_for(lambda: schedule.counts["trained"] == 1)
+    assert asked == [1] and steps == ["min_groups"]
+
+
 async def test_cron_reports_its_next_run(tmp_path: Path) -> None:
     service = make_service(tmp_path, [], [], cron="*/15 * * * *")
     service.schedule.start()
