@@ -29,7 +29,7 @@ from typing import Any
 from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler, BaseCallbackManager
-from langchain_core.messages import ToolMessage
+from langchain_core.messages import BaseMessage, ToolMessage
 from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tracers.context import register_configure_hook
 from langgraph.errors import GraphBubbleUp, ParentCommand
@@ -45,7 +45,7 @@ from art_langgraph._span_status import mark_ended_by
 from art_langgraph._tracing import get_tracer, span_name
 from collector.protocol import has_dot_segment
 
-__all__ = ["GraphTracer", "Placement", "current_run_id", "placement_of", "rollout_of_current_run"]
+__all__ = ["GraphTracer", "Placement", "current_run_id", "model_caller", "placement_of", "rollout_of_current_run"]
 
 _logger = logging.getLogger(__name__)
 
@@ -95,6 +95,22 @@ def current_run_id() -> UUID | None:
     current for it; None outside any run."""
     callbacks = (var_child_runnable_config.get() or {}).get("callbacks")
     return callbacks.parent_run_id if isinstance(callbacks, BaseCallbackManager) else None
+
+
+_model_caller: ContextVar[UUID | None] = ContextVar("art_langgraph_model_caller", default=None)
+"""The run that called the `ARTChatModel` run LangChain started last in this context
+(`GraphTracer.on_chat_model_start`); None before the first, or when that call had no caller."""
+
+
+def model_caller() -> UUID | None:
+    """The run that called the `ARTChatModel` run LangChain has just started in the caller's context, for a model's
+    `_stream`, which LangChain calls without its run manager; else `current_run_id()`.
+
+    LangChain starts the model's run, in the caller's context, right before it calls `_stream`, under the run the
+    call's `config` names: not the run whose config is current where a node hands the call, with its `config`, to a
+    thread or task of its own.
+    """
+    return _model_caller.get() or current_run_id()
 
 
 def rollout_of_current_run() -> Rollout | None:
@@ -236,6 +252,22 @@ class GraphTracer(BaseCallbackHandler):
     def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         """End the run's span with ERROR status (an interrupt is an event, not an error)."""
         self._end(run_id, error)
+
+    # --- chat models ------------------------------------------------------------------------
+
+    def on_chat_model_start(
+        self,
+        serialized: dict[str, Any] | None,
+        messages: list[list[BaseMessage]],
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        metadata: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Note the run that called an `ARTChatModel` (`model_caller`); its calls are recorded by the model itself."""
+        if (metadata or {}).get(semconv.TRACED_RUN):
+            _model_caller.set(parent_run_id)
 
     # --- tools ------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 from uuid import UUID
 
+from langchain_core.caches import BaseCache
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.base import LangSmithParams
@@ -20,10 +21,10 @@ from langchain_core.messages.tool import InvalidToolCall, invalid_tool_call
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_openai import ChatOpenAI
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from art_langgraph import semconv
-from art_langgraph._graph_tracing import current_run_id
+from art_langgraph._graph_tracing import model_caller
 from art_langgraph._llm_span import llm_span, recording_guard
 from art_langgraph._settings import get_settings
 from art_langgraph._token_data import (
@@ -50,8 +51,14 @@ def check_options(values: dict[str, Any]) -> None:
     """Refuse `ChatOpenAI` arguments this model cannot honour.
 
     Raises:
-        UnsupportedOption: `use_responses_api=True` or `logprobs=False`.
+        UnsupportedOption: `use_responses_api=True`, `logprobs=False`, or a `cache`.
     """
+    if values.get("cache") not in (None, False):
+        raise UnsupportedOption(
+            "cache",
+            "a cached reply samples nothing: its call would record no turn, and every rollout of a group would get "
+            "the same reply; drop cache (ARTChatModel never reads LangChain's global cache either)",
+        )
     if values.get("use_responses_api"):
         raise UnsupportedOption(
             "use_responses_api=True",
@@ -65,11 +72,11 @@ def _parent(run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRu
     """The LangChain run that called the model (where its span hangs), if known.
 
     LangChain gives `_generate` its run manager but calls `_stream` without one; the caller is
-    then the run whose config LangChain keeps current (a graph node, a sequence).
+    then the one the graph tracer saw the model's run start under (`model_caller`).
     """
     if run_manager is not None:
         return run_manager.parent_run_id
-    return current_run_id()
+    return model_caller()
 
 
 class ARTChatModel(ChatOpenAI):
@@ -84,6 +91,8 @@ class ARTChatModel(ChatOpenAI):
     logprobs: bool | None = True
     stream_usage: bool | None = True
     use_responses_api: bool | None = False
+    cache: BaseCache | bool | None = Field(default=False, exclude=True)
+    """False: every call asks the engine, even with LangChain's global cache set (`set_llm_cache`) for other models."""
 
     @model_validator(mode="before")
     @classmethod
@@ -98,6 +107,7 @@ class ARTChatModel(ChatOpenAI):
         }
         values = dict(values)
         check_options(values)
+        values["cache"] = False  # an explicit None would read the global cache
         for key, names in _ALIASES.items():
             if not any(values.get(n) is not None for n in names):
                 values[key] = defaults[key]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from langchain_core.caches import InMemoryCache
+from langchain_core.globals import set_llm_cache
 from langchain_core.messages import AIMessageChunk, HumanMessage
 from langchain_core.outputs import ChatResult
 from langchain_core.tools import tool
@@ -14,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from art_langgraph import ARTChatModel, semconv
 from art_langgraph._token_data import policy_step
+from tests.art_langgraph.fake_engine import FakeEngine
 
 
 def llm_spans(spans: InMemorySpanExporter) -> list:
@@ -257,3 +260,28 @@ def test_tool_call_arguments_that_are_no_string_fail_as_in_chat_openai() -> None
     """Arguments sent as an object, not a JSON string: `ChatOpenAI`'s `ValidationError`, not a `TypeError` of ours."""
     with pytest.raises(ValidationError, match="invalid_tool_calls"):
         _one_tool_call_result({"a": 1})
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_global_llm_cache_does_not_answer_for_the_model(spans) -> None:
+    """An app that sets LangChain's global cache (for its other models) made every repeated prompt a cache hit: the
+    engine sampled nothing, the call recorded no span (its rollout had no turn), and every rollout of a group got the
+    same reply."""
+    engine = FakeEngine()
+    model = engine.chat_model()
+    set_llm_cache(InMemoryCache())
+    try:
+        model.invoke("hi")
+        model.invoke("hi")
+        await model.ainvoke("hi")
+    finally:
+        set_llm_cache(None)
+    assert len(engine.requests) == 3
+    assert len(llm_spans(spans)) == 3
+
+
+@pytest.mark.parametrize("cache", [True, InMemoryCache()])
+def test_a_cache_is_refused(cache: object) -> None:
+    """A cached reply samples nothing: refused, not a call that silently records no turn."""
+    with pytest.raises(ValidationError, match=r"\[unsupported_option\] cache"):
+        ARTChatModel(model="agent@latest", base_url="http://127.0.0.1:9/v1", api_key="EMPTY", cache=cache)

@@ -7,6 +7,7 @@ and in the real collector where a test says so.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import operator
 import time
@@ -17,7 +18,7 @@ from typing import Annotated, TypedDict
 import httpx
 import pytest
 from langchain_core.messages import HumanMessage
-from langchain_core.runnables import RunnableLambda
+from langchain_core.runnables import RunnableConfig, RunnableLambda
 from langchain_core.tools import StructuredTool
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.config import get_stream_writer
@@ -572,30 +573,66 @@ class Asked(TypedDict, total=False):
 
 
 @pytest.mark.parametrize("way", ["config", "context_pool"])
-def test_a_model_call_on_a_nodes_own_thread_pool_stays_in_its_run_the_documented_ways(spans, way: str) -> None:
+@pytest.mark.parametrize(("call", "stream_mode"), [("invoke", "values"), ("stream", "values"), ("invoke", "messages")])
+def test_a_model_call_on_a_nodes_own_thread_pool_stays_in_its_run_the_documented_ways(
+    spans, way: str, call: str, stream_mode: str
+) -> None:
     """A plain `ThreadPoolExecutor` carries neither the node's run nor its context (the README says so); passing the
-    node's `config`, or submitting through LangChain's `ContextThreadPoolExecutor`, keeps the call under the node."""
+    node's `config`, or submitting through LangChain's `ContextThreadPoolExecutor`, keeps the call under the node.
+    A streamed call too (`stream`, or `invoke` while the graph streams messages), which LangChain makes without
+    telling the model its run: given only the config, it lost its rollout."""
     from langchain_core.runnables.config import ContextThreadPoolExecutor
 
     from tests.art_langgraph.fake_engine import FakeEngine
 
     model = FakeEngine().chat_model()
 
+    def ask_model(question: str, *config: RunnableConfig) -> None:
+        if call == "stream":
+            list(model.stream(question, *config))
+        else:
+            model.invoke(question, *config)
+
     def ask(state: Asked, config) -> Asked:  # type: ignore[no-untyped-def]
         if way == "config":
             with ThreadPoolExecutor(1) as pool:
-                pool.submit(model.invoke, state["question"], config).result()
+                pool.submit(ask_model, state["question"], config).result()
         else:
             with ContextThreadPoolExecutor(1) as pool:
-                pool.submit(model.invoke, state["question"]).result()
+                pool.submit(ask_model, state["question"]).result()
         return {}
 
     builder = StateGraph(Asked)
     builder.add_node("ask", ask)
     builder.add_edge(START, "ask")
-    builder.compile().invoke({"question": "1+2?"})
+    list(builder.compile().stream({"question": "1+2?"}, stream_mode=stream_mode))
     (llm,) = kinds(spans, semconv.SPAN_KIND_LLM)
     (node,) = kinds(spans, semconv.SPAN_KIND_NODE)
     (root,) = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
     assert llm.parent.span_id == node.context.span_id
     assert llm.attributes[semconv.ROLLOUT_ID] == root.attributes[semconv.ROLLOUT_ID]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_streamed_model_call_in_a_task_of_another_context_stays_in_its_run_given_the_config(spans) -> None:
+    """An async node hands its streamed call, with its `config`, to a task that does not share its context (a worker
+    started outside the run, say): the call stays under the node, as it does given to `ainvoke`."""
+    from tests.art_langgraph.fake_engine import FakeEngine
+
+    model = FakeEngine().chat_model()
+
+    async def ask(state: Asked, config: RunnableConfig) -> Asked:
+        async def stream() -> None:
+            [chunk async for chunk in model.astream(state["question"], config)]
+
+        await asyncio.create_task(stream(), context=contextvars.Context())
+        return {}
+
+    builder = StateGraph(Asked)
+    builder.add_node("ask", ask)
+    builder.add_edge(START, "ask")
+    await builder.compile().ainvoke({"question": "1+2?"})
+    (llm,) = kinds(spans, semconv.SPAN_KIND_LLM)
+    (node,) = kinds(spans, semconv.SPAN_KIND_NODE)
+    assert llm.parent.span_id == node.context.span_id
+    assert llm.attributes[semconv.ROLLOUT_ID] == node.attributes[semconv.ROLLOUT_ID]

@@ -40,6 +40,7 @@ def test_defaults_come_from_settings(monkeypatch) -> None:
         (("anthropic:claude",), {}, "model_provider='anthropic'"),
         (("x",), {"use_responses_api": True}, "use_responses_api"),
         (("x",), {"logprobs": False}, "logprobs=False"),
+        (("x",), {"cache": True}, "cache"),
         (("x",), {"configurable_fields": ["model"], "model_provider": "google_genai"}, "google_genai"),
     ],
 )
