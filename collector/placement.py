@@ -16,7 +16,9 @@ from typing import Any
 
 from sqlalchemy import Connection, bindparam, func, or_, select
 
+from collector import pool
 from collector.assembly import FactsDigest, TrajectoryFacts
+from collector.config import CollectorSettings
 from collector.engine import chunks
 from collector.foreign_deletion import without_foreign_calls_in_rollouts
 from collector.groups import capacity
@@ -106,8 +108,21 @@ def _members(conn: Connection, group_ids: list[str]) -> tuple[Counter[str], dict
     return counts, splits
 
 
+def _still_open(conn: Connection, settings: CollectorSettings, group: dict[str, Any], now: float) -> bool:
+    """Whether the open instance `group` (a row of `_open_instances`), about to take a trajectory, is open still once
+    the upkeep due on it is done (`pool.maintain_groups`), as a read would have done it: one that got no span or
+    reward for `settings.group_timeout_seconds` and is not ready expires first, and takes none. Decided once: one open
+    still takes the trajectory, activity dated `now` (`write_trajectories`), as `group` then says."""
+    timeout = settings.group_timeout_seconds
+    if group["state"] == "open" and timeout > 0 and group["updated_at"] <= now - timeout:
+        pool.maintain_groups(conn, settings, [group["id"]], now)
+        group["state"] = conn.execute(select(groups.c.state).where(groups.c.id == group["id"])).scalar_one()
+        group["updated_at"] = now
+    return group["state"] == "open"
+
+
 def place(
-    conn: Connection, wanted: list[tuple[str, TrajectoryFacts]], *, min_group_size: int, now: float
+    conn: Connection, wanted: list[tuple[str, TrajectoryFacts]], *, settings: CollectorSettings, now: float
 ) -> dict[str, str]:
     """The group instance of each trajectory in `wanted` (id, facts), by trajectory id.
 
@@ -116,8 +131,10 @@ def place(
     instance of its key opened), else to a new instance: the key, then `key#2`, `key#3` ... An instance
     the collector formed (by task or trace, not `art.group`) holds trajectories of one split, so
     evaluation runs of a task never hold up its training. A trajectory here is in no instance of
-    its key yet (it has no group, or one of another key).
+    its key yet (it has no group, or one of another key). An instance overdue for expiry expires first
+    (`_still_open`), as a read would have expired it.
     """
+    min_group_size = settings.min_group_size
     keys = sorted({facts.group_key for _, facts in wanted})
     instances = _open_instances(conn, keys)
     members, splits = _members(conn, [g["id"] for found in instances.values() for g in found])
@@ -132,7 +149,8 @@ def place(
             followed = group["created_at"] < newest.get(facts.group_key, group["created_at"])
             cap = capacity(group["explicit"], group["size_hint"] or facts.group_size, min_group_size, followed=followed)
             other_split = not group["explicit"] and splits.get(group["id"], {facts.split}) != {facts.split}
-            if (cap is None or members[group["id"]] < cap) and not other_split:
+            room = (cap is None or members[group["id"]] < cap) and not other_split
+            if room and _still_open(conn, settings, group, now):  # the upkeep due on it, only once it has room
                 if group["size_hint"] is None and facts.group_size is not None:
                     group["size_hint"] = hints[group["id"]] = facts.group_size
                 break
@@ -242,7 +260,7 @@ def write_trajectories(
     existing: dict[str, Any],
     *,
     rollout_traces: set[str],
-    min_group_size: int,
+    settings: CollectorSettings,
     now: float,
 ) -> None:
     """Write the rows of an export's trajectories and place each in a group once its group key is known.
@@ -260,7 +278,7 @@ def write_trajectories(
         digests: The digests the facts came from, stored with the rows.
         existing: Their rows as they were before the export (absent: new).
         rollout_traces: The trace ids of the export's spans of rollouts (keyed by rollout id).
-        min_group_size: `CollectorSettings.min_group_size`.
+        settings: The collector's settings (group sizes, timeouts: `place`).
         now: The export's time.
     """
     found, digests = _one_row_per_id(found, digests)
@@ -276,7 +294,7 @@ def write_trajectories(
             )
             if current in (None, "open"):  # a leased or trained group keeps its members
                 wanted.append((key, facts))
-    placed = place(conn, wanted, min_group_size=min_group_size, now=now)
+    placed = place(conn, wanted, settings=settings, now=now)
     inserts, updates = [], []
     for (key, by_rollout), facts in found.items():
         row = existing.get(key)

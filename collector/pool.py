@@ -20,7 +20,7 @@ from collector.transactions import GROUP_LOCKS, TRAJECTORY_LOCKS
 
 __all__ = [
     "LEASE_EXPIRED", "Lock", "decisions", "expected_size", "give_back", "group_members", "groups_of", "holders",
-    "lock_groups", "maintain", "rewarded", "rewards_of",
+    "lock_groups", "maintain", "maintain_groups", "rewarded", "rewards_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -260,6 +260,32 @@ def _complete_idle(conn: Connection, idle: ColumnElement[bool], ids: list[str]) 
         conn.execute(trajectories.update().where(found, idle).values(complete=True))
 
 
+def _stale(settings: CollectorSettings, now: float) -> ColumnElement[bool]:
+    """The open groups that saw no new span or reward for `settings.group_timeout_seconds`."""
+    return and_(groups.c.state == "open", groups.c.updated_at <= now - settings.group_timeout_seconds)
+
+
+def _not_ready(conn: Connection, settings: CollectorSettings, stale: list[Any]) -> dict[str, Decision]:
+    """The decision of each group of the rows `stale` that is not ready (still `open`), by group id."""
+    return {group_id: decision for group_id, decision in decisions(conn, settings, stale).items()
+            if decision.state == "open"}
+
+
+def _expire(conn: Connection, settings: CollectorSettings, expiring: Mapping[str, Decision], now: float) -> None:
+    """Expire the groups `expiring` (at most a chunk of them), each with what it was waiting for: one statement per
+    reason, not per group."""
+    timeout = settings.group_timeout_seconds
+    by_reason: dict[str, list[str]] = {}
+    for group_id in sorted(expiring):
+        reason = f"expired: no new span or reward for {timeout:g} s while {expiring[group_id].reason}"
+        by_reason.setdefault(reason, []).append(group_id)
+    for reason, group_ids in by_reason.items():
+        expire = groups.update().where(groups.c.id.in_(group_ids))
+        conn.execute(expire.values(state="expired", reason=reason, updated_at=now))
+        for group_id in group_ids:
+            log.info("group %s %s", group_id, reason)
+
+
 def _expire_stale(conn: Connection, settings: CollectorSettings, now: float) -> None:
     """Expire the open groups that saw no new span or reward for `settings.group_timeout_seconds` and are not ready.
 
@@ -267,23 +293,38 @@ def _expire_stale(conn: Connection, settings: CollectorSettings, now: float) -> 
     changing one, which keeps it open; another replica's upkeep expiring it): upkeep, holding the groups it locked in
     id order before, waits for none here, so no cycle of waits runs through it; a group skipped and still stale
     expires on a later read."""
-    timeout = settings.group_timeout_seconds
-    still = and_(groups.c.state == "open", groups.c.updated_at <= now - timeout)
+    still = _stale(settings, now)
     stale = list(conn.execute(select(groups).where(still).order_by(groups.c.id)).mappings())
-    decided = decisions(conn, settings, stale)
-    expiring = {group_id: decision for group_id, decision in decided.items() if decision.state == "open"}
+    expiring = _not_ready(conn, settings, stale)
     for chunk in chunks(sorted(expiring)):
         # still stale: a span or reward another replica committed since keeps it open
         query = select(groups.c.id).where(groups.c.id.in_(chunk), still).order_by(groups.c.id)
-        by_reason: dict[str, list[str]] = {}
-        for group_id in conn.execute(query.with_for_update(skip_locked=True)).scalars().all():
-            reason = f"expired: no new span or reward for {timeout:g} s while {expiring[group_id].reason}"
-            by_reason.setdefault(reason, []).append(group_id)
-        for reason, group_ids in by_reason.items():  # one statement per reason, not per group
-            expire = groups.update().where(groups.c.id.in_(group_ids))
-            conn.execute(expire.values(state="expired", reason=reason, updated_at=now))
-            for group_id in group_ids:
-                log.info("group %s %s", group_id, reason)
+        locked = conn.execute(query.with_for_update(skip_locked=True)).scalars().all()
+        _expire(conn, settings, {group_id: expiring[group_id] for group_id in locked}, now)
+
+
+def maintain_groups(
+    conn: Connection, settings: CollectorSettings, group_ids: Collection[str | None], now: float
+) -> set[str]:
+    """The upkeep due on the groups `group_ids` (a None is no group), which the caller holds (`lock_groups`) and is
+    about to mark active (a trajectory, span or reward for them): done as `maintain` would have done it, had a read come
+    when it fell due (upkeep runs before reads, not writes). Their idle members complete (`_idle`), then those of them
+    that are stale and not ready expire, before the write counts as their activity: a reward or a span after the
+    timeout kept a group open, to take its key's next trajectories, unless a read had expired it first. Only the groups
+    a write marks active: one it does not keeps its time and expires on the next read, as it would have. Expired
+    leases are left to `maintain`. Returns the ids of the trajectories completed."""
+    ids = sorted({group_id for group_id in group_ids if group_id is not None})
+    idle = _idle(settings, now)
+    found: list[str] = []
+    for chunk in chunks(ids):
+        found += conn.execute(select(trajectories.c.id).where(trajectories.c.group_id.in_(chunk), idle)).scalars()
+    _complete_idle(conn, idle, found)
+    if settings.group_timeout_seconds > 0:
+        stale = _stale(settings, now)
+        for chunk in chunks(ids):  # rows the caller holds: none to skip, none changed by another since
+            overdue = list(conn.execute(select(groups).where(groups.c.id.in_(chunk), stale)).mappings())
+            _expire(conn, settings, _not_ready(conn, settings, overdue), now)
+    return set(found)
 
 
 def maintain(

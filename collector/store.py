@@ -180,11 +180,14 @@ class SqlStore(Store):
         held = {row["group_id"] for row in existing.values()} | pool.groups_of(conn, [], by_trace)
         changed = placement.groups_changed(conn, found, digests, existing, rollout_traces)
         now = self._changing_groups(conn, held | changed)
+        # the upkeep due on the groups it marks active, first, as a read would have done it (placement does that of the
+        # instances it places in): a member it completed is complete in `existing` too
+        for trajectory_id in pool.maintain_groups(conn, self.settings, held, now) & existing.keys():
+            existing[trajectory_id] = {**existing[trajectory_id], "complete": True}
         if reward_rows:
             conn.execute(rewards.insert(), [{**row, "created_at": now} for row in reward_rows])
         placement.write_trajectories(
-            conn, found, digests, existing, rollout_traces=rollout_traces, min_group_size=self.settings.min_group_size,
-            now=now,
+            conn, found, digests, existing, rollout_traces=rollout_traces, settings=self.settings, now=now,
         )
         # a trajectory new in this export is in an open group, marked active above: only older ones' groups may need
         # reopening (a reward per export's rollout would cost two statements for nothing)
@@ -260,6 +263,7 @@ class SqlStore(Store):
         held = sorted(set().union(*holders.values()))  # of a trace: each trajectory holding a span in it
         member_groups = pool.groups_of(conn, by_rollout + held, [])
         now = self._changing_groups(conn, member_groups)
+        pool.maintain_groups(conn, self.settings, member_groups, now)  # their due upkeep first, as a read would do it
         rows = [
             {
                 "rollout_id": reward.rollout_id or None, "trace_id": reward.trace_id or None, "name": reward.name,
@@ -314,8 +318,9 @@ class SqlStore(Store):
                   for state in conn.execute(select(groups.c.state).where(groups.c.id.in_(chunk))).scalars()]
         if any(state in ("leased", "trained") for state in states):
             return False
-        conn.execute(delete(rewards).where(rewards.c.score_id == score_id))
         now = self._now(conn)
+        pool.maintain_groups(conn, self.settings, member_groups, now)  # their due upkeep first, as a read would do it
+        conn.execute(delete(rewards).where(rewards.c.score_id == score_id))
         # a deleted reward leaves no row dated after a lease: mark its trajectories changed instead, lest the late ack
         # of a lease that held it find them as they were (`leases._changed_since`)
         for chunk in chunks(held):  # in id order across chunks too, as the curve's save locks them
@@ -332,7 +337,9 @@ class SqlStore(Store):
     # --- reading (`collector.store_reads`) -------------------------------------------------
     def _upkeep(self) -> None:
         """Due maintenance (expired leases, idle trajectories, stale groups, `pool.maintain`) in a short write
-        transaction of its own, whose group locks end with it."""
+        transaction of its own, whose group locks end with it. A write does only the upkeep due on the groups it marks
+        active, in its own transaction once it holds them (`pool.maintain_groups`): this one's cost grows with the
+        store."""
         self._tx.run(lambda conn: pool.maintain(conn, self.settings, self._now(conn), self._tx.lock))
 
     def _read(self, work: Callable[[Connection], Any]) -> Any:

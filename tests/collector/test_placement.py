@@ -324,3 +324,20 @@ def test_a_group_reopened_by_hand_after_it_expired_waiting_for_members_fills_bef
 
     assert [(t.id, t.group_id) for t in store.trajectories()] == [("a", "g"), ("c", "g#2"), ("d", "g"), ("e", "g#2")]
     assert {g.id: (g.state, g.size) for g in store.groups()} == {"g": ("leased", 2), "g#2": ("leased", 2)}
+
+
+def test_a_new_member_after_the_timeout_finds_a_stale_instance_expired_as_a_read_would_have(make_store, clock) -> None:
+    """Upkeep runs before reads: with no read since g went stale waiting for its third member, the export of c expires
+    g before placing c (`placement._still_open`), and c opens g#2, as after a read; g, taking c instead, filled up and
+    was leased with a member that came after its timeout. q, named without a size, is ready at 2 and stale: it waits
+    for a trainer and takes the key's next trajectory."""
+    store = make_store(min_group_size=2, group_timeout_seconds=100)
+    store.add_spans(trajectory(10, "a", reward=1.0, size=3) + trajectory(20, "b", reward=0.0, size=3))
+    store.add_spans(trajectory(40, "x", reward=1.0, group="q", size=None)
+                    + trajectory(50, "y", reward=0.0, group="q", size=None))
+    clock.now += 101  # no read since: nothing expired yet
+    store.add_spans(trajectory(30, "c", reward=0.5, size=3) + trajectory(60, "z", reward=0.5, group="q", size=None))
+    assert [(t.id, t.group_id) for t in store.trajectories()] == [
+        ("a", "g"), ("b", "g"), ("x", "q"), ("y", "q"), ("c", "g#2"), ("z", "q")]
+    assert {g.id: g.state for g in store.groups()} == {"g": "expired", "q": "ready", "g#2": "open"}
+    assert [[t.id for t in g.trajectories] for g in store.lease(BatchRequest()).groups] == [["x", "y", "z"]]

@@ -127,6 +127,30 @@ def test_stale_group_expires_with_its_reason(make_store, clock) -> None:
     assert [g.id for g in store.lease(BatchRequest()).groups] == ["h"]
 
 
+def test_a_span_after_the_timeout_finds_its_group_as_a_read_would_have(make_store, clock) -> None:
+    """Upkeep runs before reads: an export to groups overdue for it, with no read since, does their upkeep first. g,
+    waiting for its third member, expires before a's late turn can count as activity, so c opens g#2 instead of
+    completing g; t's calls outside rollouts, idle, complete (the late one's too), and t, ready then, waits for a
+    trainer."""
+    store = make_store(idle_seconds=60, group_timeout_seconds=100)
+    store.add_spans(trajectory(10, "a", reward=1.0, size=3) + trajectory(20, "b", reward=0.0, size=3))
+    store.add_spans([llm(n, rollout=None, trace=f"{n:032x}", task="t", start=1, prompt=[1], completion=[n])
+                     for n in (30, 40)])
+    for n, value in ((30, 1.0), (40, 0.0)):
+        store.add_reward(RewardIn(trace_id=f"{n:032x}", value=value))
+    clock.now += 101  # no read since: nothing expired or completed yet
+    store.add_spans([llm(12, rollout="a", trace=f"{10:032x}", start=20, prompt=[9], completion=[8]),
+                     llm(31, rollout=None, trace=f"{30:032x}", task="t", start=5, prompt=[1, 30, 2], completion=[3])])
+    assert {g.id: (g.state, g.reason) for g in store.groups()} == {
+        "g": ("expired", "expired: no new span or reward for 100 s while waiting for 1 more of 3 trajectories"),
+        "t": ("ready", None),
+    }
+    assert store.trajectory(f"{30:032x}").complete
+    store.add_spans(trajectory(50, "c", reward=0.5, size=3))
+    assert store.trajectory("c").group_id == "g#2"
+    assert [g.id for g in store.lease(BatchRequest()).groups] == ["t"]
+
+
 def test_a_burst_of_stale_groups_expires_in_one_update_per_reason(make_store, clock) -> None:
     """Idle calls outside rollouts in groups gone stale together: upkeep completes them and expires the groups, one
     `UPDATE groups` per distinct reason (a burst of thousands of groups took a statement each)."""
@@ -204,8 +228,8 @@ def test_a_span_from_another_replica_before_the_upkeep_stores_an_expiry_keeps_th
     db_url, clock, monkeypatch
 ) -> None:
     """The member a stale group waited for is committed by another replica after the upkeep decided the group
-    expired but before it stored that: the group got a span, so it does not expire, and
-    the lease takes it."""
+    expired but before it stored that, in a transaction that took its time before the deadline (one after it expires
+    the group itself, `pool.maintain_groups`): the group got a span, so it does not expire, and the lease takes it."""
     from collector import pool
     from collector.config import CollectorSettings
     from collector.store import SqlStore
@@ -214,7 +238,7 @@ def test_a_span_from_another_replica_before_the_upkeep_stores_an_expiry_keeps_th
     if not url.startswith("postgresql"):
         pytest.skip("SQLite has one writer at a time: no other store commits inside the upkeep")
     settings = CollectorSettings(db=url, group_timeout_seconds=60)
-    store, replica = (SqlStore(settings, clock=clock) for _ in range(2))
+    store, replica = SqlStore(settings, clock=clock), SqlStore(settings, clock=lambda: clock.now - 2)
     store.setup()
     store.add_spans(trajectory(10, "a", reward=1.0))  # waits for its second member
     clock.now += 61

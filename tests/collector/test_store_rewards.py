@@ -158,6 +158,29 @@ def test_a_reward_span_reopens_a_group_skipped_for_its_rewards_and_is_activity(m
     assert [(g.state, g.rewarded) for g in store.groups()] == [("open", 2)]
 
 
+def test_a_reward_after_the_timeout_finds_its_group_as_a_read_would_have(make_store, clock) -> None:
+    """Upkeep runs before reads: a reward, or a withdrawn score, to a group overdue for it, with no read since,
+    expires the group first unless it is ready, as that read would have; b's reward does not keep g open for c to
+    complete it. The ready h takes y's new reward and waits for a trainer."""
+    expired = ("expired", "expired: no new span or reward for 100 s while waiting for 1 more of 3 trajectories")
+    store = make_store(group_timeout_seconds=100)
+    store.add_spans(trajectory(10, "a", reward=1.0, size=3) + trajectory(20, "b", reward=None, size=3))
+    store.add_spans(trajectory(40, "x", reward=1.0, group="h") + trajectory(50, "y", reward=0.0, group="h"))
+    clock.now += 101  # no read since: nothing expired yet
+    store.add_rewards([RewardIn(rollout_id="b", value=0.0), RewardIn(rollout_id="y", value=0.5)])
+    assert {g.id: (g.state, g.reason) for g in store.groups()} == {"g": expired, "h": ("ready", None)}
+    store.add_spans(trajectory(30, "c", reward=0.5, size=3))
+    assert store.trajectory("c").group_id == "g#2"
+    assert [[t.reward for t in g.trajectories] for g in store.lease(BatchRequest()).groups] == [[1.0, 0.5]]
+
+    scored = make_store(group_timeout_seconds=100)
+    scored.add_spans(trajectory(10, "a", reward=None, size=3) + trajectory(20, "b", reward=0.0, size=3))
+    scored.add_rewards([RewardIn(trace_id=f"{10:032x}", value=1.0)], score_ids=["s1"])
+    clock.now += 101
+    assert scored.withdraw_score("s1", None)  # its Langfuse score deleted
+    assert [(g.state, g.reason) for g in scored.groups()] == [expired]
+
+
 def test_a_withdrawn_score_takes_back_its_rewards_only_while_its_group_is_in_the_pool(make_store) -> None:
     store = make_store()
     store.add_spans(trajectory(10, "a", reward=None) + trajectory(20, "b", reward=None))
