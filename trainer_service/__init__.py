@@ -11,12 +11,14 @@ Modules, by part (each module's docstring says more):
   `packed_attention`, `logprobs` (the step's fused ops), `distributed` (data-parallel steps under
   torchrun), `checkpoints`, `checkpoint_folder`, `checkpoint_checks` and `durable` (checkpoint folders: the
   run's, one written and read, whether the kept ones fit), `metrics` (every metrics sink);
-* serving: `engine` (vLLM supervisor), `engine_errors`, `backoff` (its retry waits, and the
-  acks' and releases' to the collector), `vllm_lora_api` (vLLM's adapter endpoints), `stoppable` (waits that stopping
+* serving: `engine` (vLLM supervisor), `engine_adapters` (the adapters it serves and re-loads), `vllm_launch` (vLLM's
+  port held between starts, its log), `engine_errors`, `backoff` (its retry waits, and the acks' and releases' to the
+  collector), `vllm_lora_api` (vLLM's adapter endpoints), `stoppable` (waits that stopping
   gives up), `process_group` and `parent_death` (stopping it), the vLLM plugins `vllm_cpu_lora`, `vllm_cpu_matmul`,
   `vllm_cpu_norm`, `vllm_cpu_seeds`, `vllm_cpu_threads`, and the CPU's `core_lending`, `allocator`, `huge_pages`;
 * the service: `evaluation`, `promotion` and `promotion_state` (the promotion gate), `retention` (which checkpoints
   stay), `schedule` (min-groups / interval / cron triggers), `schedule_text` (reading `--every` and `--cron`),
-  `service` (train/serve logic), `failed_steps` (what becomes of a failed step's batch), `server` (HTTP layer),
-  `protocol` (wire models), `cli` (`art-trainer`).
+  `service` (train/serve logic), `step_bookkeeping` (a step's ack, metrics record and unserved answer),
+  `service_status` (`GET /v1/status`), `failed_steps` (what becomes of a failed step's batch, and the fix a 507
+  names), `server` (HTTP layer), `protocol` (wire models), `cli` (`art-trainer`).
 """

@@ -6,31 +6,30 @@ died, its last start failed, or it stopped answering `/health`, it stops the old
 and starts vLLM again, re-loading the adapters in the order they were first loaded; an adapter
 vLLM refuses then stays pending and is retried by the next call. vLLM runs in its own process
 group (stopped as a whole) and gets SIGTERM if the service dies, even by SIGKILL (`parent_death`).
+The adapters are kept by an `AdapterRegistry` (`engine_adapters`), vLLM's port and log by `vllm_launch`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 import httpx
 
-from collector.listen import bind_address
 from trainer_service.backoff import Backoff
+from trainer_service.engine_adapters import AdapterRegistry
 from trainer_service.engine_errors import EngineError
 from trainer_service.parent_death import launch_command
 from trainer_service.process_group import stop_group
 from trainer_service.stoppable import wait_unless_stopping
 from trainer_service.vllm_cpu_matmul import MATMUL_DTYPE_ENV
 from trainer_service.vllm_cpu_threads import EngineThreads
-from trainer_service.vllm_lora_api import load_lora, unload_lora
+from trainer_service.vllm_launch import PortHold, read_log_tail, rotate_log
 
 __all__ = ["HEALTH_FAILURES_BEFORE_RESTART", "VLLMEngine"]
 
@@ -48,10 +47,6 @@ up to about 60 s when each check waits out `_HEALTH_CHECK_TIMEOUT` (a vLLM that 
 _HEALTH_CHECK_TIMEOUT = 10.0
 """Seconds `ensure_running` waits for one `/health` answer (longer than `healthy`'s default, for a busy engine); `stop`
 gives the wait up (it holds the lock: no load, start or stop runs between the check and the restart it decides)."""
-
-_LOG_ROTATE_BYTES = 64 * 2**20
-"""A vLLM log larger than this at a (re)start is moved to `<log>.1` (replacing it): a crash loop, or restarts
-over a long run, keep at most about twice this on disk (one vLLM's own output is not cut while it runs)."""
 
 _KILL_WAIT = 10.0
 """Seconds to wait for vLLM's process group to end after SIGKILL."""
@@ -127,32 +122,26 @@ class VLLMEngine:
         """Restarts `ensure_running` attempted."""
         self.last_restart_reason: str | None = None
         """Why `ensure_running` last restarted vLLM."""
-        self._registered: dict[str, str] = {}
-        self._pending: set[str] = set()
         self._supervised = False
         self._failed_health_checks = 0
         self._restart_retry = Backoff(_RETRY_FIRST, _RETRY_MAX)
         self._adapter_retry = Backoff(_RETRY_FIRST, _RETRY_MAX)
         self._proc: subprocess.Popen[bytes] | None = None
-        self._port_hold: socket.socket | None = None  # `_hold_port`
+        self._port = PortHold(host, port)
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         """Set by `stop` before it waits for the lock: a start or restart under way gives up. Cleared by `start`."""
-
-    # The two views below take no lock (a restart holds it for minutes, and the proxy resolves names
-    # on its event loop); copying a dict or a set is atomic, so each sees one consistent state.
+        self._adapters = AdapterRegistry(self.base_url, self._lock, self._stopping, self._adapter_retry)
 
     @property
     def adapters(self) -> dict[str, str]:
-        """Adapters vLLM serves, name → folder, in load order (pending ones left out)."""
-        registered, pending = dict(self._registered), set(self._pending)
-        return {name: path for name, path in registered.items() if name not in pending}
+        """Adapters vLLM serves, name → folder, in load order (`AdapterRegistry.adapters`; takes no lock)."""
+        return self._adapters.adapters
 
     @property
     def pending_adapters(self) -> list[str]:
-        """Adapters loaded once that vLLM does not serve since a restart; `ensure_running` retries them."""
-        registered, pending = dict(self._registered), set(self._pending)
-        return [name for name in registered if name in pending]
+        """Adapters a restart left pending (`AdapterRegistry.pending_adapters`); `ensure_running` retries them."""
+        return self._adapters.pending_adapters
 
     @property
     def next_restart_in(self) -> float | None:
@@ -218,10 +207,7 @@ class VLLMEngine:
 
     def log_tail(self, lines: int = 40) -> str:
         """Return the last `lines` lines of the vLLM log."""
-        if not self.log_path.is_file():
-            return "(no log written)"
-        with self.log_path.open("r", errors="replace") as handle:
-            return "".join(deque(handle, maxlen=lines))
+        return read_log_tail(self.log_path, lines)
 
     def start(self) -> None:
         """Start vLLM, block until it is healthy, and supervise it (`ensure_running`) until `stop`.
@@ -247,18 +233,18 @@ class VLLMEngine:
 
     def _launch(self) -> None:
         """Start vLLM's process, in its own session and process group, appending its output to the log (rotated
-        first when it is over `_LOG_ROTATE_BYTES`).
+        first, `rotate_log`).
 
         Raises:
             EngineError: another process holds vLLM's port, or the process could not be started (the log could not
                 be opened, no memory or file handle was left); the `OSError` is its cause.
         """
         self._failed_health_checks = 0
-        self._hold_port()
+        self._port.hold()
         logger.info("starting vLLM: %s (log: %s)", " ".join(self.command()), self.log_path)
         try:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._rotate_log()
+            rotate_log(self.log_path)
             with self.log_path.open("ab") as log:
                 self._proc = subprocess.Popen(
                     launch_command(self.command()),
@@ -266,36 +252,6 @@ class VLLMEngine:
                 )
         except OSError as exc:
             raise EngineError(f"vLLM could not be started: {exc!r} (log: {self.log_path})") from exc
-
-    def _rotate_log(self) -> None:
-        """Move the log to `<log>.1` (replacing it) when it is over `_LOG_ROTATE_BYTES`, before a start appends."""
-        if self.log_path.is_file() and self.log_path.stat().st_size > _LOG_ROTATE_BYTES:
-            self.log_path.replace(self.log_path.with_name(f"{self.log_path.name}.1"))
-
-    def _hold_port(self) -> None:
-        """Bind vLLM's port as vLLM's server binds it (`SO_REUSEADDR`), without listening, and keep it bound until
-        `stop`: Linux lets vLLM bind it too (neither socket listened yet), while no connection's local end (our
-        `/health` checks, many while vLLM loads) nor a program binding without `SO_REUSEADDR` takes the port during
-        vLLM's start or between its restarts; bound only for a moment, it could be gone by the time vLLM bound it.
-        Each launch binds anew, so a server that took the port meanwhile (one binding with `SO_REUSEADDR` can; it
-        would answer our `/health` checks while vLLM loaded) is refused.
-
-        Raises:
-            EngineError: naming the port another process holds.
-        """
-        fix = "stop it, or give vLLM another --vllm-port"
-        try:
-            hold = bind_address(self.host, self.port, fix)
-        except ValueError as exc:  # its cause is the OSError, whose reason the message keeps
-            reason = exc.__cause__.strerror if isinstance(exc.__cause__, OSError) else None
-            raise EngineError(f"vLLM's port {self.port} on {self.host} is in use by another process "
-                              f"({reason or exc}); {fix}") from exc
-        if sys.platform != "linux":  # where two unlistened sockets may not share a port, vLLM's bind would fail
-            hold.close()
-            return
-        previous, self._port_hold = self._port_hold, hold
-        if previous is not None:
-            previous.close()
 
     def _wait_healthy(self, *, with_log: bool = True) -> None:
         """Wait until the started vLLM answers `/health`.
@@ -342,9 +298,7 @@ class VLLMEngine:
             try:
                 self._stop_group(timeout)
             finally:  # also when a process outlived SIGKILL: the port is its, or no one's, once the engine stops
-                if self._port_hold is not None:
-                    self._port_hold.close()
-                    self._port_hold = None
+                self._port.release()
 
     def _stop_group(self, timeout: float = 30.0) -> None:
         """Stop every process of the child's group (`stop_group`), also when the child itself is gone."""
@@ -377,8 +331,8 @@ class VLLMEngine:
                 return False
             reason = self._restart_reason()
             if reason is None:
-                if self._pending and self._failed_health_checks == 0 and self._adapter_retry.due():
-                    self._load_pending()
+                if self._adapters.pending_adapters and self._failed_health_checks == 0 and self._adapter_retry.due():
+                    self._adapters.load_pending()
                 return False
             if not self._restart_retry.due():
                 return False
@@ -388,7 +342,7 @@ class VLLMEngine:
             first = failed == 0
             more = f"Log tail:\n{self.log_tail(20)}" if first else f"{failed} restarts failed in a row"
             logger.error("restarting vLLM (restart %d): %s. %s", self.restarts, reason, more)
-            self._pending = set(self._registered)
+            self._adapters.mark_pending()
             try:
                 self._stop_group()
                 self._launch()
@@ -398,7 +352,7 @@ class VLLMEngine:
                     raise
                 raise EngineError(f"{exc}\nNext restart in {self._restart_retry.failed():.0f} s.") from None
             self._restart_retry.reset()
-            self._load_pending()
+            self._adapters.load_pending()
             return True
 
     def _restart_reason(self) -> str | None:
@@ -422,54 +376,14 @@ class VLLMEngine:
             return None
         return f"it runs (pid {self.pid}) but failed {self._failed_health_checks} health checks in a row"
 
-    def _load_pending(self) -> None:
-        """Load every pending adapter, in load order; those vLLM refuses stay pending (retried after `_adapter_retry`).
-        Once `stop` was called, the rest stay pending: a load under way is given up, and logged.
-
-        Raises:
-            EngineError: naming each adapter that failed and why.
-        """
-        failures: list[str] = []
-        for name in self.pending_adapters:
-            if self._stopping.is_set():  # `stop` waits for the lock: each load may take minutes of a hung vLLM
-                return
-            try:  # vLLM may have it already (False): a load that timed out on our side can still have completed
-                load_lora(self.base_url, name, self._registered[name], self._stopping)
-            except EngineError as exc:
-                if self._stopping.is_set():  # given up for `stop`, or vLLM stopped under it: no retry follows
-                    logger.warning(
-                        "adapter %s was not re-loaded: %s; %d adapter(s) stay pending", name, exc, len(self._pending)
-                    )
-                    return
-                failures.append(f"{name}: {exc}")
-                continue
-            self._pending.discard(name)
-        if failures:
-            raise EngineError(f"vLLM did not re-load {len(failures)} adapter(s); they are not served and are "
-                              f"retried in {self._adapter_retry.failed():.0f} s:\n" + "\n".join(failures))
-        self._adapter_retry.reset()
-
     def load_adapter(self, name: str, path: str | Path) -> None:
-        """Hot-load the PEFT adapter folder `path` as model `name`.
-
-        When vLLM has the name already (an earlier load whose answer we did not get, maybe of other
-        weights in that folder), it is unloaded and loaded again, so vLLM serves what `path` holds now.
+        """Hot-load the PEFT adapter folder `path` as model `name` (`AdapterRegistry.load_adapter`).
 
         Raises:
             EngineError: vLLM refused the adapter (its message is included).
         """
-        path = str(Path(path).resolve())
-        with self._lock:
-            if not load_lora(self.base_url, name, path, self._stopping):
-                unload_lora(self.base_url, name, self._stopping)
-                if not load_lora(self.base_url, name, path, self._stopping):
-                    raise EngineError(f"vLLM still serves adapter {name!r} after unloading it; not re-loaded")
-            self._registered[name] = path
-            self._pending.discard(name)
+        self._adapters.load_adapter(name, path)
 
     def unload_adapter(self, name: str) -> None:
-        """Unload adapter `name` from vLLM; vLLM not having it (a pending adapter may or may not be loaded) is fine."""
-        with self._lock:
-            unload_lora(self.base_url, name, self._stopping)
-            self._pending.discard(name)
-            self._registered.pop(name, None)
+        """Unload adapter `name` from vLLM (`AdapterRegistry.unload_adapter`)."""
+        self._adapters.unload_adapter(name)

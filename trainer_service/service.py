@@ -6,12 +6,13 @@ lease a batch → train (GRPO or SFT; in `torchrun` workers with a `TrainLaunche
 `checkpoints/step-N` → hot-load `name@N` → ack → promotion gate (eval) → retention (`Retention`) → metrics.
 A step that fails, or whose checkpoint cannot be written or loaded, is rolled back in memory
 and never served. One whose hot-load a shutdown gave up keeps its checkpoint for the next start.
+A step's ack, metrics record and unserved answer are `StepBookkeeping`'s (`step_bookkeeping`); `GET /v1/status` is
+assembled by `service_status`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import threading
 import time
@@ -31,71 +32,21 @@ from trainer_service.distributed import TrainLauncher
 from trainer_service.engine import VLLMEngine
 from trainer_service.engine_errors import EngineError
 from trainer_service.evaluation import Evaluator, build_evaluator
-from trainer_service.failed_steps import blames_the_data, release_failed
+from trainer_service.failed_steps import blames_the_data, release_failed, write_fix
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.metrics import MetricsSink
 from trainer_service.promotion import PromotionGate
-from trainer_service.protocol import (
-    EngineStatus,
-    PromotionDecision,
-    ScheduleStatus,
-    ServiceError,
-    StatusResponse,
-    TrainResponse,
-)
+from trainer_service.protocol import PromotionDecision, ServiceError, StatusResponse, TrainResponse
 from trainer_service.retention import Retention
-from trainer_service.schedule import TrainingSchedule, describe
+from trainer_service.schedule import TrainingSchedule
+from trainer_service.service_status import NAMED_STEPS, assemble_status
+from trainer_service.step_bookkeeping import HOT_LOAD_GRACE_S, LoadGivenUp, StepBookkeeping
 from trainer_service.stoppable import wait_unless_stopping
 from trainer_service.training import LoRATrainer, NothingTrainableError
 
 __all__ = ["TrainerService"]
 
 logger = logging.getLogger(__name__)
-
-_STATUS_QUEUE_WAIT_S = 5.0
-"""Longest `status` waits for the collector's queue depth: a collector that takes connections but does not answer
-would hold `GET /v1/status` for the collector's whole timeout (60 s)."""
-
-_NAMED_STEPS = 5
-"""How many of the newest `name@N` a 404 `model_not_found` and `GET /v1/status` (`models`, `checkpoints`) name: a run
-keeping thousands of checkpoints would make their bodies huge; `GET /v1/models` lists them all."""
-
-_NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
-
-_HOT_LOAD_GRACE_S = 3.0
-"""Seconds a running step's hot-load is still waited for once shutdown began: a vLLM that answers loads an adapter
-well within it (the step then ends as usual); one that accepts and never answers held the shutdown for the load's
-whole timeout (120 s), and `VLLMEngine.stop` only gives a load up once the step is over."""
-
-
-class _LoadGivenUp(Exception):
-    """A step's hot-load given up for a shutdown (`_HOT_LOAD_GRACE_S`): its checkpoint `path` is whole on disk, its
-    `metrics` not recorded yet."""
-
-    def __init__(self, metrics: dict[str, float], path: Path) -> None:
-        super().__init__(f"the hot-load of {path} was given up for a shutdown")
-        self.metrics = metrics
-        self.path = path
-
-
-def _write_fix(exc: OSError, path: Path) -> str:
-    """The fix a 507 names for checkpoint folder `path` that could not be written, from the errno of `exc` (a
-    `CheckpointWriteError` carries its writer's, safetensors' and a `--train-processes` rank's too) or of the `OSError`
-    it chains: "; free disk space" only for a full disk (also `torch.save` failing on a nearly full file system,
-    see `checkpoint_folder._save_optimizer`), with "or raise the disk quota" for a quota; "" for an error without a
-    known errno (the writer's message, kept in the 507, names the cause)."""
-    error = exc
-    while error.errno is None and isinstance(error.__cause__, OSError):
-        error = error.__cause__
-    if isinstance(error, FileExistsError):  # a half-written `step-N` start-up could not remove (the log says why)
-        return f"; remove {path} by hand"
-    if error.errno == errno.EDQUOT:
-        return "; free disk space or raise the disk quota of the service's user"
-    if error.errno == errno.ENOSPC:
-        return "; free disk space"
-    if error.errno in _NOT_WRITABLE:
-        return f"; let the service's user write to {path.parent}"
-    return ""
 
 
 class TrainerService:
@@ -146,9 +97,9 @@ class TrainerService:
         self.counters: Counter[str] = Counter()
         self.allocator = loaded_allocator() or "system"
         self._lock = asyncio.Lock()
-        self._closing = threading.Event()
+        self.closing = threading.Event()
         """Set once shutdown began (`begin_shutdown`): no step starts, a running step's hot-load gives up."""
-        self._step_running = False
+        self.step_running = False
         """True while `train_once` runs a step: status's `training` (`aclose` holds `_lock` too, to stop)."""
         self.collector = CollectorClient(settings, collector_transport)
         evaluator = evaluator or build_evaluator(settings, self.collector.http, engine.base_url)
@@ -157,7 +108,8 @@ class TrainerService:
         self.metrics = MetricsSink(settings.run_dir, wandb=settings.wandb, project=settings.wandb_project,
                                    run_name=settings.name, config={"settings": settings.model_dump(mode="json"),
                                                                    "grpo": grpo.to_dict()})
-        self.schedule = TrainingSchedule(settings, self._scheduled_step, self.queue_depth)
+        self._bookkeeping = StepBookkeeping(self.collector, self.metrics, self.store, self.model_name, self.counters)
+        self.schedule = TrainingSchedule(settings, self._scheduled_step, self.queue_depth, paused=lambda: self.paused)
 
     # --- life cycle ---------------------------------------------------------------------
 
@@ -198,17 +150,17 @@ class TrainerService:
 
     def begin_shutdown(self) -> None:
         """Stop the schedule and refuse new steps; a running step finishes, but a hot-load vLLM has not answered
-        `_HOT_LOAD_GRACE_S` after this is given up (`_unserved`). Called as the server's shutdown begins (before it
-        waits for open requests, a manual step among them), and by `aclose`."""
+        `HOT_LOAD_GRACE_S` after this is given up (`StepBookkeeping.unserved`). Called as the server's shutdown begins
+        (before it waits for open requests, a manual step among them), and by `aclose`."""
         self.schedule.shutdown()
-        self._closing.set()
+        self.closing.set()
 
     async def aclose(self) -> None:
         """Stop the schedule, let a running step finish, then stop the engine and close the clients and sinks.
 
         A step that runs (scheduled or manual) ends as usual: checkpoint, hot-load, ack, gate, metrics.
         Stopping under it would leave its batch leased and its metrics unwritten; no new step starts. Only a
-        hot-load vLLM does not answer within `_HOT_LOAD_GRACE_S` is given up (`begin_shutdown`): it held the
+        hot-load vLLM does not answer within `HOT_LOAD_GRACE_S` is given up (`begin_shutdown`): it held the
         shutdown for its whole timeout, and the step's checkpoint stays for the next start to serve.
         """
         self.begin_shutdown()
@@ -238,13 +190,13 @@ class TrainerService:
         """Every model name clients may request, base first and `name@latest` last."""
         return [self.base_name, *(self.model_name(s) for s in self.steps), f"{self.settings.name}@latest"]
 
-    def _newest_models(self) -> list[str]:
-        """`name@N` of the newest `_NAMED_STEPS` steps, oldest first."""
-        return [self.model_name(step) for step in self.steps[-_NAMED_STEPS:]]
+    def newest_models(self) -> list[str]:
+        """`name@N` of the newest `NAMED_STEPS` steps, oldest first."""
+        return [self.model_name(step) for step in self.steps[-NAMED_STEPS:]]
 
     def _some_served_models(self) -> str:
-        """The base, `name@latest` and the newest `_NAMED_STEPS` steps, then how many more `GET /v1/models` lists."""
-        newest = self._newest_models()
+        """The base, `name@latest` and the newest `NAMED_STEPS` steps, then how many more `GET /v1/models` lists."""
+        newest = self.newest_models()
         named = ", ".join([self.base_name, f"{self.settings.name}@latest", *newest])
         more = len(self.steps) - len(newest)
         return f"{named}, ... ({more} more; GET /v1/models lists them)" if more else named
@@ -305,7 +257,7 @@ class TrainerService:
                 whatever the error, is released to the collector (counted as a failed attempt of its
                 groups unless `blames_the_data` says the disk, vLLM or the worker processes failed).
         """
-        if self._closing.is_set():
+        if self.closing.is_set():
             raise ServiceError(503, "shutting_down", "The service is shutting down; no new step starts.",
                                type="server_error")
         if self.paused:
@@ -313,7 +265,7 @@ class TrainerService:
         if self._lock.locked():
             raise ServiceError(409, "training_in_progress", "A training step is running; wait for it to finish.")
         async with self._lock:
-            self._step_running = True
+            self.step_running = True
             try:
                 result = await self._train_locked(kind, min_groups)
             except ServiceError as exc:
@@ -328,7 +280,7 @@ class TrainerService:
                 self.last_error = error.body.error.message
                 raise error from exc
             finally:
-                self._step_running = False
+                self.step_running = False
         logger.info("step %s (%s, %s) -> %s; latest: %s", result.step, kind, source, result.model, result.latest_model)
         return result
 
@@ -353,10 +305,10 @@ class TrainerService:
             fate = await release_failed(self.collector, batch, exc, failed=False, counters=self.counters)
             raise ServiceError(507, "checkpoint_write_failed", f"Step {step} trained but its checkpoint could not "
                                f"be written to {self.checkpoint_dir}: {exc}. Nothing was served and the trainer was "
-                               f"rolled back{_write_fix(exc, self.store.path(step))}. {fate}",
+                               f"rolled back{write_fix(exc, self.store.path(step))}. {fate}",
                                type="server_error") from exc
-        except _LoadGivenUp as given_up:
-            raise await self._unserved(batch, step, kind, given_up) from given_up
+        except LoadGivenUp as given_up:
+            raise await self._bookkeeping.unserved(batch, step, kind, given_up) from given_up
         except Exception as exc:
             logger.exception("training step %s failed", step)
             fate = await release_failed(self.collector, batch, exc, failed=blames_the_data(exc),
@@ -367,7 +319,7 @@ class TrainerService:
         # The step is served from here on: gate, retention and metrics run whatever the ack and the
         # gate's save do; their failures are reported once the step's bookkeeping is done.
         deferred: list[ServiceError] = []
-        ack_error = await self._ack(batch, step)
+        ack_error = await self._bookkeeping.ack(batch, step)
         if ack_error is not None:
             deferred.append(ack_error)
         metrics["collector/ack_failed"] = float(bool(deferred))
@@ -381,7 +333,7 @@ class TrainerService:
             metrics["eval/reward"] = self.gate.evals[step]
         metrics["promotion/promoted"] = float(self.gate.latest == step)
         await self.retention.apply(self.steps)
-        await self._record(step, metrics, batch, kind)
+        await self._bookkeeping.record(step, metrics, batch, kind)
         if decision is None or deferred:  # no decision only when the gate could not save it (deferred)
             raise deferred[0]
         self.last_error = None
@@ -407,131 +359,24 @@ class TrainerService:
             trainer.restore(snapshot)
             raise
         name = self.model_name(step)
-        loading = wait_unless_stopping(lambda: self.engine.load_adapter(name, path), self._closing, f"hot-load {name}",
-                                       grace=_HOT_LOAD_GRACE_S)
+        loading = wait_unless_stopping(lambda: self.engine.load_adapter(name, path), self.closing, f"hot-load {name}",
+                                       grace=HOT_LOAD_GRACE_S)
         if not loading.done():  # left to end on its own: `VLLMEngine.stop` gives it up in turn
-            raise _LoadGivenUp(metrics, path)
+            raise LoadGivenUp(metrics, path)
         try:
             loading.result()
         except EngineError:
             trainer.restore(snapshot)
-            self._discard(step)
+            self._bookkeeping.discard(step)
             raise
         metrics["time/publish_s"] = time.perf_counter() - started
         return metrics, path
 
-    async def _ack(self, batch: Batch, step: int) -> ServiceError | None:
-        """Ack `batch` as trained into `step`; a refusal is logged, counted (`ack_failures`) and returned."""
-        try:
-            await self.collector.ack(batch.id, step)
-        except ServiceError as exc:
-            self.counters["ack_failures"] += 1
-            logger.error("step %s is saved but its batch was not acked: %s", step, exc)
-            return exc
-        return None
-
-    async def _record(self, step: int, metrics: dict[str, float], batch: Batch, kind: str) -> None:
-        """Write the `metrics` of `step`; a failure is logged and counted (`metrics_write_errors`)."""
-        try:
-            await asyncio.to_thread(self.metrics.emit, step, metrics, batch_id=batch.id, model=self.model_name(step),
-                                    kind=kind)
-        except OSError:
-            self.counters["metrics_write_errors"] += 1
-            logger.exception("metrics of step %s could not be written", step)
-
-    async def _unserved(self, batch: Batch, step: int, kind: str, given_up: _LoadGivenUp) -> ServiceError:
-        """The answer of `step`, saved but not served: a shutdown gave its hot-load up. The trainer keeps the step and
-        the batch is acked, as the next start serves and resumes from the checkpoint (training the batch again would
-        train it twice); its metrics are recorded. Neither the gate nor retention runs (the next start's does)."""
-        logger.warning("step %s is saved in %s but not served: shutting down, vLLM did not answer its hot-load "
-                       "within %g s; the next start serves it", step, given_up.path, _HOT_LOAD_GRACE_S)
-        ack_error = await self._ack(batch, step)
-        metrics = {**given_up.metrics, "collector/ack_failed": float(ack_error is not None)}
-        await self._record(step, metrics, batch, kind)
-        acked = (f"its batch {batch.id} was acked" if ack_error is None else
-                 f"its batch {batch.id} was not acked ({ack_error.body.error.message})")
-        return ServiceError(503, "shutting_down", f"Step {step} is saved in {given_up.path} and {acked}, but it is "
-                            f"not served: the service is shutting down and vLLM did not answer its hot-load within "
-                            f"{_HOT_LOAD_GRACE_S:g} s. The next start serves it as {self.model_name(step)}.",
-                            type="server_error")
-
-    def _discard(self, step: int) -> None:
-        """Delete the checkpoint of `step`, which vLLM could not load; a failure is logged with its path, so the
-        engine's error stays the step's answer (a left `step-N` stops the next step's save, which names it)."""
-        try:
-            self.store.delete(step)
-        except OSError:
-            logger.exception("step %s: vLLM could not load it and its checkpoint %s could not be deleted; remove it "
-                             "by hand", step, self.store.path(step))
-
     # --- status -------------------------------------------------------------------------
 
-    def _newest_evals(self) -> dict[int, float]:
-        """Mean eval reward of the newest `_NAMED_STEPS` evaluated steps and of the promoted one (the gate's
-        baseline; 0: the base model), by step."""
-        evals = self.gate.evals
-        shown = set(sorted(evals)[-_NAMED_STEPS:]) | ({self.gate.latest or 0} & evals.keys())
-        return {step: evals[step] for step in sorted(shown)}
-
-    async def _status_queue_depth(self) -> tuple[int | None, str | None]:
-        """The queue depth, or None and why it is unknown: the collector's error, no answer within
-        `_STATUS_QUEUE_WAIT_S`, or a shutdown under way (`aclose` closes the collector's client)."""
-        if self._closing.is_set():
-            return None, "The service is shutting down; the collector is not asked for the queue depth."
-        try:
-            return await asyncio.wait_for(self.queue_depth(), _STATUS_QUEUE_WAIT_S), None
-        except ServiceError as exc:
-            return None, exc.body.error.message
-        except TimeoutError:
-            return None, (f"The collector at {self.collector.shown_url} did not answer GET /v1/groups?state=ready "
-                          f"within {_STATUS_QUEUE_WAIT_S:g} s; the queue depth is unknown.")
-
     async def status(self) -> StatusResponse:
-        """Step, models, queue depth, schedule, promotion, last metrics and engine health.
-
-        `training` is true while a step runs, not while `aclose` stops the service (`_status_queue_depth` says so
-        in `queue_error` once shutdown began). `last_metrics` are those of `step`: the trainer's own while its gate
-        runs (or after a restart that came before they were recorded), without `eval/reward` and `promotion/promoted`.
-        """
-        healthy = await asyncio.to_thread(self.engine.healthy)
-        queue_depth, queue_error = await self._status_queue_depth()
-        trainer = self.trainer
-        step = self.steps[-1] if self.steps else 0  # the newest served step: a running one counts once it is served
-        last_metrics = self.metrics.last  # recorded once a step ended
-        if last_metrics.get("step") != step:  # an older step's (the gate runs, or a restart came before the record)
-            last_metrics = dict(trainer.last_metrics) if trainer and trainer.step_count == step else {}
-        next_run = self.schedule.next_run()
-        return StatusResponse(
-            name=self.settings.name,
-            base_model=self.base_name,
-            step=step,
-            latest_model=self.latest_model,
-            models=[self.base_name, *self._newest_models(), f"{self.settings.name}@latest"],
-            checkpoints=self.steps[-_NAMED_STEPS:],
-            checkpoint_count=len(self.steps),
-            training=self._step_running,
-            queue_depth=queue_depth,
-            queue_error=queue_error,
-            schedule=ScheduleStatus(triggers=describe(self.settings), paused=self.paused,
-                                    next_run=next_run.isoformat() if next_run else None,
-                                    counts=dict(self.schedule.counts), last_outcome=self.schedule.last_outcome),
-            promotion=self.gate.decision,
-            eval_rewards=self._newest_evals(),
-            eval_reward_count=len(self.gate.evals),
-            last_metrics=last_metrics,
-            counters={**self.counters, **self.lender.counters, "metrics_sink_errors": self.metrics.sink_errors,
-                      "eval_failures": self.gate.eval_failures},
-            last_error=self.last_error,
-            allocator=self.allocator,
-            engine=EngineStatus(healthy=healthy, pid=self.engine.pid, restarts=self.engine.restarts,
-                                last_restart_reason=self.engine.last_restart_reason,
-                                next_restart_in_s=self.engine.next_restart_in,
-                                pending_adapters=self.engine.pending_adapters,
-                                url=self.engine.base_url, requests_in_flight=self.lender.in_flight,
-                                training_threads=self.lender.threads, dtype=self.engine.dtype,
-                                cpu_matmul_dtype=self.engine.cpu_matmul_dtype,
-                                threads=self.engine.threads.threads if self.engine.threads else None),
-        )
+        """Step, models, queue depth, schedule, promotion, last metrics and engine health (`assemble_status`)."""
+        return await assemble_status(self)
 
     async def watch_engine(self, interval: float = 10.0) -> None:
         """Forever, every `interval` seconds: `engine.ensure_running` (restart vLLM when it died or stopped

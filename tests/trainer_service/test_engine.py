@@ -23,7 +23,7 @@ import pytest
 from examples.stack import free_port
 from tests.trainer_service.builders import save_tiny_model
 from tests.trainer_service.test_process_group import running
-from trainer_service import engine as engine_module
+from trainer_service import engine_adapters
 from trainer_service.config import TrainerSettings
 from trainer_service.engine import HEALTH_FAILURES_BEFORE_RESTART, VLLMEngine
 from trainer_service.engine_errors import EngineError
@@ -267,7 +267,7 @@ def test_engine_takes_an_adapter_vllm_has_already_as_loaded(tmp_path: Path) -> N
         engine.unload_adapter("agent@2")
         engine.unload_adapter("agent@2")  # vLLM does not have it (any more): nothing to do
         assert engine.adapters == {"agent@1": str(first)}
-        engine._pending.add("agent@1")  # pending, yet vLLM has it (its re-load answered too late)
+        engine._adapters._pending.add("agent@1")  # pending, yet vLLM has it (its re-load answered too late)
         engine.unload_adapter("agent@1")
         assert engine.adapters == {} and engine.pending_adapters == []
         load_behind_our_back("agent@1", first)  # vLLM no longer has it: no "already loaded"
@@ -340,7 +340,7 @@ def test_engine_refuses_a_port_another_process_holds(tmp_path: Path) -> None:
 
 def test_engine_log_is_rotated_at_a_restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each (re)start appended to `vllm.log` for good: a crash loop over days grew it without end."""
-    monkeypatch.setattr("trainer_service.engine._LOG_ROTATE_BYTES", 100)
+    monkeypatch.setattr("trainer_service.vllm_launch._LOG_ROTATE_BYTES", 100)
     engine = FakeVLLM("model", "base", free_port(), log_path=tmp_path / "vllm.log", startup_timeout=30)
     engine.start()
     try:
@@ -393,7 +393,7 @@ def test_stop_during_the_re_load_of_adapters_loads_no_more(tmp_path: Path, monke
         os.kill(engine.pid, signal.SIGKILL)  # type: ignore[arg-type]
         engine._proc.wait()  # type: ignore[union-attr]
         loaded: list[str] = []
-        real_load = engine_module.load_lora
+        real_load = engine_adapters.load_lora
 
         def load_then_stop_arrives(base_url: str, name: str, path: str, stopping: threading.Event) -> bool:
             loaded.append(name)
@@ -401,7 +401,7 @@ def test_stop_during_the_re_load_of_adapters_loads_no_more(tmp_path: Path, monke
             engine._stopping.set()  # what `stop` does first, before it waits for the lock
             return answer
 
-        monkeypatch.setattr(engine_module, "load_lora", load_then_stop_arrives)
+        monkeypatch.setattr(engine_adapters, "load_lora", load_then_stop_arrives)
         assert engine.ensure_running() is True
         assert loaded == ["agent@1"] and engine.pending_adapters == ["agent@2", "agent@3"]
     finally:
@@ -472,7 +472,7 @@ def test_stop_gives_up_a_restarts_re_load_vllm_does_not_answer(
         engine._proc.wait()  # type: ignore[union-attr]
         restarted: list[bool] = []
         watchdog = threading.Thread(target=lambda: restarted.append(engine.ensure_running()))
-        with caplog.at_level(logging.WARNING, logger="trainer_service.engine"):
+        with caplog.at_level(logging.WARNING, logger="trainer_service.engine_adapters"):
             watchdog.start()
             while engine.log_tail(200).count('"lora_name":"agent@1"') < 2:  # loaded, then its re-load sent
                 time.sleep(0.05)
@@ -624,7 +624,7 @@ def test_vllms_port_stays_the_engines_while_vllm_starts(tmp_path: Path) -> None:
         assert tries == [errno.EADDRINUSE] and engine.healthy()
     finally:
         engine.stop()
-    assert engine._port_hold is None  # let go at stop (a plain bind may still fail: the fake's closed connections)
+    assert engine._port._port_hold is None  # let go at stop (a plain bind may still fail: the fake's closed sockets)
 
 
 def _bind_errno(sock: socket.socket, port: int) -> int:
@@ -650,4 +650,4 @@ def test_a_stop_that_fails_still_lets_vllms_port_go(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(engine, "_stop_group", stuck)
     with pytest.raises(EngineError):
         engine.stop()
-    assert engine._port_hold is None
+    assert engine._port._port_hold is None

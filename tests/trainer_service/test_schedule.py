@@ -53,6 +53,8 @@ async def test_min_groups_trains_when_enough_are_ready_and_pause_holds(tmp_path:
                                                group(service.trainer, (0.0, 1.0), "d")], lease_expires_at=0))
         await wait_for(lambda: service.schedule.counts["paused"] >= 2)
         assert len(acks) == 1 and (await service.status()).schedule.paused
+        # the service's pause reaches the poll itself, which asks the collector nothing (not the step, which refused)
+        assert service.schedule.last_outcome.startswith("paused: min_groups: training is paused")
         assert (await service.status()).queue_depth == 2
         service.resume()
         await wait_for(lambda: service.schedule.counts["trained"] == 2)

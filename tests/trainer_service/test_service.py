@@ -462,13 +462,13 @@ async def test_status_does_not_wait_for_a_collector_that_is_slow_to_answer(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A collector that took connections but did not answer held `GET /v1/status` for the collector's whole timeout
     (60 s); status now gives up on the queue depth and says why, as when the collector is down."""
-    import trainer_service.service as service_module
+    import trainer_service.service_status as status_module
 
     async def slow(request: httpx.Request) -> httpx.Response:
         await asyncio.sleep(1.0)
         return httpx.Response(200, json=[])
 
-    monkeypatch.setattr(service_module, "_STATUS_QUEUE_WAIT_S", 0.05, raising=False)
+    monkeypatch.setattr(status_module, "_STATUS_QUEUE_WAIT_S", 0.05, raising=False)
     service = make_service(tmp_path, [], [])
     service.collector.http = httpx.AsyncClient(base_url="http://collector", transport=httpx.MockTransport(slow))
     status = await service.status()
