@@ -41,6 +41,8 @@ set."""
 _HEADER_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
 """A header value HTTP can carry, as the span exporter's requests sends it (Latin-1) and late rewards do too: no
 control character but a tab, no character past U+00FF."""
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+"""A header name HTTP can carry (RFC 9110's token): the parser URL-decodes names too (`caf%C3%A9`, `x%20y`)."""
 TIMEOUT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
 """The OTLP exporter's budget for a request and its retries, in seconds: the first of these that is set."""
 MAX_EXPORT_TIMEOUT_SECONDS = 7 * 24 * 3600
@@ -207,13 +209,17 @@ def _collector_headers(api_key: str | None) -> dict[str, str]:
     exporter sends our header in place of theirs.
 
     Raises:
-        ValueError: A value (not shown: it may be a secret) with a control character but a tab, or a character past
-            U+00FF: the span exporter could send no request with it, and late rewards none either.
+        ValueError: A name that is no HTTP token (not ASCII, a space or a colon in it), or a value (not shown: it may
+            be a secret) with a control character but a tab, or a character past U+00FF: the span exporter could send
+            no request with it, and late rewards none either.
     """
     name, text = _first_set(HEADERS_ENV) or ("", "")
     headers = dict(parse_env_headers(text, liberal=True))
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
+    if bad := next((header for header in headers if not _HEADER_NAME.fullmatch(header)), None):
+        raise ValueError(f"{name} names a header {bad!r} that no HTTP request can carry (a header name is ASCII "
+                         "letters, digits and !#$%&'*+-.^_`|~ only): every export would fail")
     if bad := next((header for header, value in headers.items() if not _HEADER_VALUE.fullmatch(value)), None):
         raise ValueError(
             f"{name} gives the header {bad!r} a value no HTTP request can carry (a control character other than a "

@@ -80,7 +80,8 @@ def validation_problem(error: Mapping[str, Any]) -> str:
 
 def settings_error(exc: ValidationError) -> str:
     """A settings validation error as a command line reports it: each problem on one line, the setting and its value
-    first (`port='abc': ...`; a URL's password hidden), without pydantic's type codes and links."""
+    first (`port='abc': ...`; a URL's password hidden, a key's value left out: `ART_API_KEY: ...`), without pydantic's
+    type codes and links."""
     problems = []
     for error in exc.errors():
         where = ".".join(str(part) for part in error["loc"])
@@ -88,7 +89,10 @@ def settings_error(exc: ValidationError) -> str:
         if error["type"] == "dict_type" and isinstance(error["input"], str):  # text a JSON decode did not take
             message += ": the text is not JSON; give a JSON object, e.g. '{\"name\": 1}'"
         value = hide_password(error["input"]) if isinstance(error["input"], str) else error["input"]
-        problems.append(f"{where}={value!r}: {message}" if where else message)
+        if where.lower().endswith("_key"):  # api_key, ART_COLLECTOR_JUDGE_API_KEY, secret_key: `errors()` keeps it
+            problems.append(f"{where}: {message}")
+        else:
+            problems.append(f"{where}={value!r}: {message}" if where else message)
     return "\n".join(problems)
 
 

@@ -90,6 +90,20 @@ def test_an_otlp_header_value_no_request_can_carry_is_refused_without_showing_it
     assert Settings().collector_headers == {"x-tenant": "acme", "authorization": "Bearer key"}
 
 
+@pytest.mark.parametrize("name", ["caf%C3%A9", "x%20tenant", "x%3Atenant"], ids=["not-ascii", "space", "colon"])
+def test_an_otlp_header_name_no_request_can_carry_is_refused_naming_it(
+    no_collector_key: None, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """A name the parser URL-decodes into no HTTP token passed: one not ASCII failed every span export and raised
+    `UnicodeEncodeError` out of each late reward (documented to raise `httpx.HTTPError`), one with a space or colon
+    was sent for the collector to refuse. Refused at once, as a value no request can carry is, naming it."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", f"x-ok=1,{name}=secret-value")
+    with pytest.raises(ValidationError) as raised:
+        Settings()
+    message = str(raised.value)
+    assert "OTEL_EXPORTER_OTLP_HEADERS names a header" in message and "secret-value" not in message
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_child_forked_while_another_thread_reads_the_settings_can_read_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """A thread of the parent held the lock the settings are read under (`get_settings`, `configure`) when the process

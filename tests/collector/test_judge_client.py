@@ -296,6 +296,17 @@ def test_a_judge_answer_says_how_long_its_retry_after_asks_to_wait(
     assert (f"answered {status} with Retry-After {retry_after!r}: " in str(error)) == (retry_after is not None)
 
 
+@pytest.mark.parametrize("retry_after", [
+    "Mon, 01 Jan 2024 99999999999999999999:00:00 GMT", "Mon, 99999999999999999999 Jan 2024 00:00:00 GMT",
+    "Mon, 01 Jan 99999999999999999999 00:00:00 GMT",
+])
+def test_a_retry_after_date_with_a_field_past_any_clock_asks_for_nothing(retry_after: str) -> None:
+    """A date whose hour, day or year is too large for a C long raised `OverflowError` out of the judge call, so the
+    run failed as an unexpected error (a 500 for `POST /v1/groups/{id}/judge`) instead of a `judge_http_error`. Now
+    it is a value of neither form of RFC 9110, asking for nothing."""
+    assert _asking_to_wait(429, retry_after).retry_after is None
+
+
 @pytest.mark.parametrize("form", [
     lambda when: email.utils.formatdate(when, usegmt=True),  # IMF-fixdate, the one HTTP sends
     lambda when: time.strftime("%A, %d-%b-%y %H:%M:%S GMT", time.gmtime(when)),  # RFC 850, obsolete
