@@ -30,7 +30,7 @@ from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler, BaseCallbackManager
 from langchain_core.messages import BaseMessage, ToolMessage
-from langchain_core.runnables.config import var_child_runnable_config
+from langchain_core.runnables.config import RunnableConfig, ensure_config
 from langchain_core.tracers.context import register_configure_hook
 from langgraph.errors import GraphBubbleUp, ParentCommand
 from opentelemetry import trace
@@ -90,10 +90,11 @@ def placement_of(run_id: UUID | None) -> Placement | None:
     return placement if nested is None or nested.rollout is placement.rollout else nested
 
 
-def current_run_id() -> UUID | None:
+def current_run_id(config: RunnableConfig | None = None) -> UUID | None:
     """The LangChain run the caller's code runs in (a graph node, a sequence), from the config LangChain keeps
-    current for it; None outside any run."""
-    callbacks = (var_child_runnable_config.get() or {}).get("callbacks")
+    current for it, or from `config` (a node's, handed with its work to a thread or task of its own), read as
+    LangChain reads a call's config; None outside any run."""
+    callbacks = ensure_config(config).get("callbacks")
     return callbacks.parent_run_id if isinstance(callbacks, BaseCallbackManager) else None
 
 
@@ -113,9 +114,10 @@ def model_caller() -> UUID | None:
     return _model_caller.get() or current_run_id()
 
 
-def rollout_of_current_run() -> Rollout | None:
-    """The rollout of the LangChain run the caller runs in, e.g. the implicit one of a graph run outside `rollout()`."""
-    placement = placement_of(current_run_id())
+def rollout_of_current_run(config: RunnableConfig | None = None) -> Rollout | None:
+    """The rollout of the LangChain run the caller runs in (or `config` names: `current_run_id`), e.g. the implicit
+    one of a graph run outside `rollout()`."""
+    placement = placement_of(current_run_id(config))
     return placement.rollout if placement is not None else None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 from uuid import UUID
@@ -74,10 +74,16 @@ class LLMSpan:
         """Stream chunks of no choice (the usage chunk, a structured stream's final completion)."""
         self._siblings: list[Span] = []
         """The spans of the choices beyond the first, ended with the call's span (`llm_span`)."""
+        self._finished: list[Span] = []
+        """The spans of the choices recorded with a finish reason: the engine sampled them to their end."""
 
     def spans(self) -> list[Span]:
         """Every span of the call: the first choice's, then one per further choice recorded so far."""
         return [self.span, *self._siblings]
+
+    def unfinished(self) -> list[Span]:
+        """The call's spans whose choice was not recorded with a finish reason (a stream left before its end)."""
+        return [span for span in self.spans() if span not in self._finished]
 
     def record_result(self, result: ChatResult) -> None:
         """Record a `ChatResult`: one span per choice, with the token data on its message."""
@@ -117,7 +123,10 @@ class LLMSpan:
     def _record_choices(self, choices: Sequence[tuple[ChatGeneration, ArtTokenData | None]],
                         llm_output: dict[str, Any]) -> None:
         for i, (generation, art) in enumerate(choices):
-            _set_result(self.span if i == 0 else self._sibling(), generation, art, llm_output)
+            span = self.span if i == 0 else self._sibling()
+            _set_result(span, generation, art, llm_output)
+            if _finish_reason(generation):
+                self._finished.append(span)
 
     def _sibling(self) -> Span:
         """A span for another choice of the same call: same parent, name, request and start time."""
@@ -131,10 +140,20 @@ class LLMSpan:
         return span
 
 
+def _info(generation: ChatGeneration) -> dict[str, Any]:
+    """What LangChain and the engine said of one choice: its generation info and its message's response metadata."""
+    return {**(generation.generation_info or {}), **generation.message.response_metadata}
+
+
+def _finish_reason(generation: ChatGeneration) -> Any:
+    """Why the engine stopped sampling the choice (`stop`, `length`, ...); None while it has not."""
+    return _info(generation).get("finish_reason")
+
+
 def _set_result(span: Span, generation: ChatGeneration, art: ArtTokenData | None, llm_output: dict[str, Any]) -> None:
     """Set one choice's response attributes; token attributes only when the engine sent ids."""
     message = generation.message
-    info = {**(generation.generation_info or {}), **message.response_metadata}
+    info = _info(generation)
     attrs: dict[str, Any] = {}
     if model := llm_output.get("model_name") or info.get("model_name"):
         attrs[semconv.GEN_AI_RESPONSE_MODEL] = model
@@ -142,7 +161,7 @@ def _set_result(span: Span, generation: ChatGeneration, art: ArtTokenData | None
     response_id = str(llm_output.get("id") or message.id or "")
     if response_id and not response_id.startswith("lc_"):
         attrs[semconv.GEN_AI_RESPONSE_ID] = response_id
-    if finish := info.get("finish_reason"):
+    if finish := _finish_reason(generation):
         attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = [finish]
     if isinstance(message, AIMessage):
         if usage := message.usage_metadata:
@@ -169,7 +188,9 @@ def llm_span(payload: dict[str, Any], parent_run_id: UUID | None = None) -> Iter
     when the graph tracer knows that run; otherwise under the current OpenTelemetry context,
     with the rollout of the current `rollout(...)`, if any. A failed call's spans (every choice's, a
     stream's partial choices included) also get `error.type` (`semconv.ERROR_TYPE`), the exception's
-    class name: it sampled nothing to train on.
+    class name: it sampled nothing to train on. So does each choice of a stream its caller stopped reading
+    before the choice's finish reason came (a `break`, a closed generator, a task cancelled between chunks, whose
+    generator is then closed): `GeneratorExit`, as its recorded tokens are a prefix, not a turn.
 
     Args:
         payload: The OpenAI request payload the chat model is about to send.
@@ -196,14 +217,22 @@ def llm_span(payload: dict[str, Any], parent_run_id: UUID | None = None) -> Iter
     call = LLMSpan(span, name, parent, start_time, attrs)
     try:
         yield call
-    except GeneratorExit:  # a consumer stopped reading a stream: not an error
+    except GeneratorExit as exc:  # the caller stopped reading a stream: a choice it left unfinished is a prefix
+        _mark_failed(
+            call.unfinished(), exc, "GeneratorExit: the caller stopped reading the stream before this choice finished"
+        )
         raise
-    except BaseException as exc:
-        for choice_span in call.spans():  # a failed stream recorded each choice's part: none is a turn
-            choice_span.record_exception(exc)
-            choice_span.set_attribute(semconv.ERROR_TYPE, type(exc).__name__)
-            choice_span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+    except BaseException as exc:  # a failed stream recorded each choice's part: none is a turn
+        _mark_failed(call.spans(), exc, f"{type(exc).__name__}: {exc}")
         raise
     finally:
         for choice_span in call.spans():
             choice_span.end()
+
+
+def _mark_failed(spans: Iterable[Span], exc: BaseException, description: str) -> None:
+    """Mark each span a call that sampled no turn: the exception, `error.type` (its class name) and ERROR status."""
+    for span in spans:
+        span.record_exception(exc)
+        span.set_attribute(semconv.ERROR_TYPE, type(exc).__name__)
+        span.set_status(Status(StatusCode.ERROR, description))

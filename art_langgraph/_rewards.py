@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import uuid
 
+from langchain_core.runnables import RunnableConfig
+
 from art_langgraph._collector_client import apost_reward, post_reward
 from art_langgraph._graph_tracing import rollout_of_current_run
 from art_langgraph._recorded_values import _check_name, _check_reward
@@ -60,19 +62,20 @@ def _checked_ids(rollout_id: str | uuid.UUID | None, trace_id: str | None) -> tu
     return key, trace
 
 
-def _running_rollout() -> Rollout | None:
-    """The rollout the caller runs inside: `rollout(...)`'s, or else that of the LangChain run it runs in (a node of
-    a graph run outside `rollout(...)`, which is a rollout of its own)."""
-    return _current.get() or rollout_of_current_run()
+def _running_rollout(config: RunnableConfig | None) -> Rollout | None:
+    """The rollout the caller runs inside: `rollout(...)`'s, or else that of the LangChain run it runs in or `config`
+    names (a node of a graph run outside `rollout(...)`, which is a rollout of its own)."""
+    return _current.get() or rollout_of_current_run(config)
 
 
-def _target(rollout_id: str | None, trace_id: str | None) -> Rollout | None:
-    current = _running_rollout()
+def _target(rollout_id: str | None, trace_id: str | None, config: RunnableConfig | None) -> Rollout | None:
+    current = _running_rollout(config)
     if rollout_id is None and trace_id is None:
         if current is None:
             raise RuntimeError(
                 "reward() outside a rollout needs rollout_id= or trace_id= (a graph run's rollout id is "
-                "its LangChain run id: pass config={'run_id': uuid} and reward(..., rollout_id=uuid))"
+                "its LangChain run id: pass config={'run_id': uuid} and reward(..., rollout_id=uuid)); "
+                "on a thread or task of a node's own, pass the node's config: reward(..., config=config)"
             )
         return current
     if current is None or current._span is None:
@@ -88,6 +91,7 @@ def reward(
     name: str = "reward",
     rollout_id: str | uuid.UUID | None = None,
     trace_id: str | None = None,
+    config: RunnableConfig | None = None,
 ) -> None:
     """Attach a reward to the current rollout, or to a finished one by rollout id or trace id.
 
@@ -100,6 +104,9 @@ def reward(
         rollout_id: Id of a finished rollout (`Rollout.id`, or the `run_id` UUID of a top-level
             graph run outside `rollout()`, or its text `str(run_id)`); the reward is POSTed to the collector.
         trace_id: Trace id (32 hex digits) of a finished rollout, when its id is unknown.
+        config: The `config` of the graph node the reward is for, as a LangChain call takes it, where the node
+            hands the work that calls `reward` to a thread or task of its own (a `ThreadPoolExecutor`,
+            `loop.run_in_executor`), which carries neither its run nor its context.
 
     Raises:
         ValueError: `value` is NaN or infinite, `name` or `rollout_id` is refused as `rollout(...)`'s names are (empty
@@ -110,7 +117,7 @@ def reward(
     """
     value = _check_reward(value, name)
     key, trace_id = _checked_ids(rollout_id, trace_id)
-    target = _target(key, trace_id)
+    target = _target(key, trace_id, config)
     if target is not None:
         target.reward(value, name)
     else:
@@ -123,11 +130,12 @@ async def areward(
     name: str = "reward",
     rollout_id: str | uuid.UUID | None = None,
     trace_id: str | None = None,
+    config: RunnableConfig | None = None,
 ) -> None:
     """Async `reward`: attach a reward to the current rollout, or to a finished one by id."""
     value = _check_reward(value, name)
     key, trace_id = _checked_ids(rollout_id, trace_id)
-    target = _target(key, trace_id)
+    target = _target(key, trace_id, config)
     if target is not None:
         await target.areward(value, name)
     else:

@@ -13,6 +13,7 @@ import operator
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Annotated, TypedDict
 
 import httpx
@@ -324,6 +325,41 @@ async def test_reward_in_a_node_of_a_graph_run_outside_rollout_goes_to_that_run(
     )
     assert rewards == sorted((("reward", score), ("style", score / 2)) for score in scores)
     with pytest.raises(RuntimeError, match="run_id"):  # outside the runs again
+        reward(1.0)
+
+
+def _reward_on_own_pool(state: Scored, config: RunnableConfig) -> Scored:
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(reward, state["score"], config=config).result()
+    return {}
+
+
+async def _reward_in_executor(state: Scored, config: RunnableConfig) -> Scored:
+    # `run_in_executor` copies no context (`asyncio.to_thread` does)
+    await asyncio.get_running_loop().run_in_executor(None, partial(reward, state["score"], config=config))
+    return {}
+
+
+async def _reward_in_task_of_another_context(state: Scored, config: RunnableConfig) -> Scored:
+    await asyncio.create_task(art_langgraph.areward(state["score"], config=config), context=contextvars.Context())
+    return {}
+
+
+@pytest.mark.parametrize("node", [_reward_on_own_pool, _reward_in_executor, _reward_in_task_of_another_context])
+async def test_a_reward_given_off_the_nodes_thread_or_task_goes_to_its_run_given_the_config(spans, node) -> None:
+    """A node that hands its scoring to a thread or task of its own, which carries neither its run nor its context:
+    `reward()` there found no current run and raised, and took no config to name it. Given the node's `config`, as a
+    model call takes it, the reward goes to that node's run."""
+    builder = StateGraph(Scored)
+    builder.add_node("judge", node)
+    builder.add_edge(START, "judge")
+    graph = builder.compile()
+    scores = [0.25, 0.5, 1.0]
+    await asyncio.gather(*(graph.ainvoke({"score": score}) for score in scores))
+    roots = kinds(spans, semconv.SPAN_KIND_ROLLOUT)
+    rewards = sorted(tuple(e.attributes[semconv.REWARD_VALUE] for e in root.events) for root in roots)
+    assert rewards == [(score,) for score in scores]
+    with pytest.raises(RuntimeError, match=r"pass the node's config: reward\(\.\.\., config=config\)"):
         reward(1.0)
 
 

@@ -7,6 +7,7 @@ not, failed attempts, an engine that sends no token ids, and a result that canno
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import operator
@@ -188,6 +189,99 @@ async def test_a_stream_with_n_that_fails_midway_marks_every_choice(spans) -> No
         assert span.attributes[semconv.ERROR_TYPE] == "OpenAIConnectionError"  # LangChain's class
         assert span.status.status_code is StatusCode.ERROR
     assert sorted(len(s.attributes[semconv.COMPLETION_TOKEN_IDS]) for s in got) == [2, 2, 2, 2]
+
+
+def assert_left_unfinished(span, read: int) -> None:
+    """The span is of a choice its caller stopped reading after `read` tokens: those tokens, marked no turn."""
+    assert list(span.attributes[semconv.COMPLETION_TOKEN_IDS]) == completion_ids(0)[:read]
+    assert semconv.GEN_AI_RESPONSE_FINISH_REASONS not in span.attributes
+    assert span.attributes[semconv.ERROR_TYPE] == "GeneratorExit"
+    assert span.status.status_code is StatusCode.ERROR
+
+
+def assert_whole_turn(span, choice: int) -> None:
+    assert_choice(span, choice)
+    assert span.attributes[semconv.GEN_AI_RESPONSE_FINISH_REASONS] == ("stop",)
+    assert semconv.ERROR_TYPE not in span.attributes
+    assert span.status.status_code is StatusCode.UNSET
+
+
+async def closed_llm_spans(spans: InMemorySpanExporter, count: int) -> list:
+    """The `llm` spans once `count` have ended: the event loop closes an abandoned async stream in a task of its own."""
+    for _ in range(100):
+        if len(got := llm_spans(spans)) >= count:
+            return got
+        await asyncio.sleep(0)
+    raise AssertionError(f"{len(llm_spans(spans))} llm spans ended, not {count}")
+
+
+def test_a_stream_the_caller_stops_reading_is_no_turn(spans) -> None:
+    """A caller that breaks out of `stream()`, or closes it, left a span of the prefix it read (no end token, no
+    finish reason) and no `error.type`: the collector took it for a whole turn. A stream read to its end is one."""
+    model = FakeEngine().chat_model()
+    for i, _ in enumerate(model.stream("hi")):
+        if i == 1:  # the role chunk and the first token
+            break
+    stream = model.stream("hi")
+    for _ in range(3):
+        next(stream)
+    stream.close()
+    list(model.stream("hi"))
+    broken, closed, whole = llm_spans(spans)
+    assert_left_unfinished(broken, 1)
+    assert_left_unfinished(closed, 2)
+    assert_whole_turn(whole, 0)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_an_async_stream_closed_early_is_no_turn(spans) -> None:
+    model = FakeEngine().chat_model()
+    stream = model.astream("hi")
+    for _ in range(3):
+        await anext(stream)
+    await stream.aclose()
+    [chunk async for chunk in model.astream("hi")]
+    closed, whole = await closed_llm_spans(spans, 2)
+    assert_left_unfinished(closed, 2)
+    assert_whole_turn(whole, 0)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_stream_whose_task_is_cancelled_midway_is_no_turn(spans) -> None:
+    """The app's task is cancelled while it works on a chunk (a timeout, the app leaving): the event loop closes the
+    abandoned stream later, and its span held the prefix as a whole turn."""
+    model = FakeEngine().chat_model()
+    read = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in model.astream("hi"):
+            read.set()
+            await asyncio.sleep(60)
+
+    task = asyncio.create_task(consume())
+    await read.wait()
+    task.cancel()
+    await asyncio.wait([task])
+    assert task.cancelled()
+    (span,) = await closed_llm_spans(spans, 1)
+    assert span.attributes[semconv.ERROR_TYPE] == "GeneratorExit"
+    assert span.status.status_code is StatusCode.ERROR
+
+
+def test_a_stream_left_after_a_choice_finished_keeps_that_choice(spans) -> None:
+    """Each choice a stream left before its finish reason is no turn; one the engine finished is a whole turn (the
+    caller needs no more chunks of it), as is a stream left only before its usage chunk."""
+    for chunk in FakeEngine().chat_model().stream("hi"):  # the usage chunk comes last
+        if chunk.response_metadata.get("finish_reason"):
+            break
+    for i, _ in enumerate(FakeEngine().chat_model(n=2).stream("hi")):
+        if i == 6:  # two role chunks, then each choice's tokens in turn: choice 0 has finished, choice 1 has not
+            break
+    before_usage, finished, unfinished = llm_spans(spans)
+    assert_whole_turn(before_usage, 0)
+    assert_whole_turn(finished, 0)
+    assert list(unfinished.attributes[semconv.COMPLETION_TOKEN_IDS]) == completion_ids(1)[:2]
+    assert unfinished.attributes[semconv.ERROR_TYPE] == "GeneratorExit"
 
 
 BROKEN_CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "a=1, b=2"}}
