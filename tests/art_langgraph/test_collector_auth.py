@@ -77,6 +77,16 @@ async def _span_and_late_reward(url: str, send: Send) -> None:
     assert rewards == {"reward": 1.0, "judge": 0.5}
 
 
+async def _span_and_late_reward_under(
+    variables: dict[str, str], url: str, send: Send, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`_span_and_late_reward` with the environment `variables` set and the plugin configured for `url`."""
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    art_langgraph.configure(collector_url=url)
+    await _span_and_late_reward(url, send)
+
+
 _BOTH_WITH_KEY = [("/v1/traces", f"Bearer {KEY}", 200), ("/v1/rewards", f"Bearer {KEY}", 200)]
 
 
@@ -99,10 +109,7 @@ async def test_a_key_in_the_otlp_headers_variables_authorizes_late_rewards_as_it
     `OTEL_EXPORTER_OTLP_HEADERS` (URL-encoded or not, as OpenTelemetry reads them); late rewards sent none, and the
     collector that took the spans refused them (401). Both now send the same one."""
     url, recording = keyed
-    for name, value in variables.items():
-        monkeypatch.setenv(name, value)
-    art_langgraph.configure(collector_url=url)
-    await _span_and_late_reward(url, send)
+    await _span_and_late_reward_under(variables, url, send, monkeypatch)
     assert recording.posts == _BOTH_WITH_KEY
 
 
@@ -136,10 +143,7 @@ async def test_late_rewards_send_the_other_headers_of_the_otlp_headers_variables
     as the span exporter does (a Latin-1 value as the same bytes), with `ART_API_KEY`'s `Authorization` in place of
     the variable's."""
     url, recording = keyed
-    for name, value in variables.items():
-        monkeypatch.setenv(name, value)
-    art_langgraph.configure(collector_url=url)
-    await _span_and_late_reward(url, send)
+    await _span_and_late_reward_under(variables, url, send, monkeypatch)
     assert recording.posts == _BOTH_WITH_KEY
     assert [headers.get(b"x-tenant") for headers in recording.headers] == [tenant, tenant]
 
