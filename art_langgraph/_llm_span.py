@@ -6,6 +6,7 @@ error while recording is logged with its traceback and counted (`recording_error
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -190,7 +191,8 @@ def llm_span(payload: dict[str, Any], parent_run_id: UUID | None = None) -> Iter
     stream's partial choices included) also get `error.type` (`semconv.ERROR_TYPE`), the exception's
     class name: it sampled nothing to train on. So does each choice of a stream its caller stopped reading
     before the choice's finish reason came (a `break`, a closed generator, a task cancelled between chunks, whose
-    generator is then closed): `GeneratorExit`, as its recorded tokens are a prefix, not a turn.
+    generator is then closed): `GeneratorExit`, as its recorded tokens are a prefix, not a turn; a task cancelled
+    while the stream awaits the engine marks so, with `CancelledError`, only the choices not finished either.
 
     Args:
         payload: The OpenAI request payload the chat model is about to send.
@@ -217,9 +219,9 @@ def llm_span(payload: dict[str, Any], parent_run_id: UUID | None = None) -> Iter
     call = LLMSpan(span, name, parent, start_time, attrs)
     try:
         yield call
-    except GeneratorExit as exc:  # the caller stopped reading a stream: a choice it left unfinished is a prefix
+    except (GeneratorExit, asyncio.CancelledError) as exc:  # the caller left: a choice it left unfinished is a prefix
         _mark_failed(
-            call.unfinished(), exc, "GeneratorExit: the caller stopped reading the stream before this choice finished"
+            call.unfinished(), exc, f"{type(exc).__name__}: the caller left the call before this choice finished"
         )
         raise
     except BaseException as exc:  # a failed stream recorded each choice's part: none is a turn

@@ -13,9 +13,11 @@ import logging
 import operator
 import os
 import uuid
+from collections.abc import AsyncIterator
 from functools import reduce
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from langgraph.graph import START, MessagesState, StateGraph
@@ -24,7 +26,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from pydantic import BaseModel
 
-from art_langgraph import _llm_span, semconv
+from art_langgraph import ARTChatModel, _llm_span, semconv
 from tests.art_langgraph import fake_engine
 from tests.art_langgraph.fake_engine import PROMPT_IDS, FakeEngine, completion_ids, logprobs, reply_text
 from tests.art_langgraph.forking import run_child_of_held_lock
@@ -282,6 +284,48 @@ def test_a_stream_left_after_a_choice_finished_keeps_that_choice(spans) -> None:
     assert_whole_turn(finished, 0)
     assert list(unfinished.attributes[semconv.COMPLETION_TOKEN_IDS]) == completion_ids(1)[:2]
     assert unfinished.attributes[semconv.ERROR_TYPE] == "GeneratorExit"
+
+
+class _HeldStream(httpx.AsyncByteStream):
+    """The first `sent` events of a stream, then a wait: an engine still sampling the rest."""
+
+    def __init__(self, events: list[str], sent: int, held: asyncio.Event) -> None:
+        self._events, self._sent, self._held = events, sent, held
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for event in self._events[: self._sent]:
+            yield event.encode()
+        self._held.set()
+        await asyncio.sleep(60)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_task_cancelled_while_its_stream_waits_keeps_the_finished_choice(spans) -> None:
+    """A task cancelled while its stream awaited the engine's next chunk marked every choice `CancelledError`, one the
+    engine had finished too, which a stream closed at that point keeps as a whole turn. Only the unfinished one is no
+    turn now."""
+    engine, held = FakeEngine(), asyncio.Event()
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        events = engine._stream(json.loads(request.content))
+        return httpx.Response(200, stream=_HeldStream(events, 7, held), headers={"content-type": "text/event-stream"})
+
+    model = ARTChatModel(model="agent@latest", base_url="http://fake-engine/v1", api_key="test", n=2,
+                         http_async_client=httpx.AsyncClient(transport=httpx.MockTransport(handle)))
+
+    async def consume() -> None:
+        async for _ in model.astream("hi"):
+            pass
+
+    task = asyncio.create_task(consume())
+    await held.wait()  # two role chunks, then each choice's tokens in turn: choice 0 has finished, choice 1 has not
+    task.cancel()
+    await asyncio.wait([task])
+    finished, unfinished = sorted(llm_spans(spans), key=lambda s: s.attributes[semconv.COMPLETION_TOKEN_IDS][0])
+    assert_whole_turn(finished, 0)
+    assert list(unfinished.attributes[semconv.COMPLETION_TOKEN_IDS]) == completion_ids(1)[:2]
+    assert unfinished.attributes[semconv.ERROR_TYPE] == "CancelledError"
+    assert unfinished.status.status_code is StatusCode.ERROR
 
 
 BROKEN_CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "a=1, b=2"}}

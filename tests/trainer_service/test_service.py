@@ -468,7 +468,7 @@ async def test_status_does_not_wait_for_a_collector_that_is_slow_to_answer(
         await asyncio.sleep(1.0)
         return httpx.Response(200, json=[])
 
-    monkeypatch.setattr(status_module, "_STATUS_QUEUE_WAIT_S", 0.05, raising=False)
+    monkeypatch.setattr(status_module, "_STATUS_QUEUE_WAIT_S", 0.05)
     service = make_service(tmp_path, [], [])
     service.collector.http = httpx.AsyncClient(base_url="http://collector", transport=httpx.MockTransport(slow))
     status = await service.status()
