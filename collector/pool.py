@@ -9,7 +9,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, and_, or_, select
+from sqlalchemy import ColumnElement, Connection, and_, func, or_, select
 
 from collector import foreign_deletion, rows
 from collector.config import CollectorSettings
@@ -19,7 +19,7 @@ from collector.schema import batch_groups, batches, groups, rewards, spans, traj
 from collector.transactions import GROUP_LOCKS, TRAJECTORY_LOCKS
 
 __all__ = [
-    "LEASE_EXPIRED", "Lock", "decisions", "expected_size", "give_back", "group_members", "groups_of", "holders",
+    "LEASE_EXPIRED", "Kept", "Lock", "decisions", "expected_size", "give_back", "group_members", "groups_of", "holders",
     "lock_groups", "maintain", "maintain_groups", "rewarded", "rewards_of",
 ]
 
@@ -241,7 +241,8 @@ def _batch_groups(conn: Connection, batch_ids: list[str]) -> list[str]:
 
 
 def _idle(settings: CollectorSettings, now: float) -> ColumnElement[bool]:
-    """The trajectories without rollout span that saw no new span for `settings.idle_seconds`: complete."""
+    """The trajectories without rollout span that saw no new span for `settings.idle_seconds`: complete. Read from the
+    index of `trajectories (complete, by_rollout, updated_at)` (schema version 14), not every trajectory row."""
     return and_(
         trajectories.c.by_rollout.is_(False),
         trajectories.c.complete.is_(False),
@@ -286,21 +287,48 @@ def _expire(conn: Connection, settings: CollectorSettings, expiring: Mapping[str
             log.info("group %s %s", group_id, reason)
 
 
-def _expire_stale(conn: Connection, settings: CollectorSettings, now: float) -> None:
-    """Expire the open groups that saw no new span or reward for `settings.group_timeout_seconds` and are not ready.
+Kept = dict[str, tuple[float, int]]
+"""The stale open groups that upkeep decided to keep (ready, or to be skipped by the next lease), by id, each with its
+`updated_at` and its number of members then (`_expire_stale`)."""
+
+
+def _stamps(conn: Connection, still: ColumnElement[bool]) -> Kept:
+    """`updated_at` and number of members of each group that matches `still`: one read of their rows, their members
+    counted in the index of `trajectories.group_id`."""
+    members = select(func.count()).where(trajectories.c.group_id == groups.c.id).scalar_subquery()
+    query = select(groups.c.id, groups.c.updated_at, members).where(still)
+    return {group_id: (updated_at, count) for group_id, updated_at, count in conn.execute(query)}
+
+
+def _expire_stale(conn: Connection, settings: CollectorSettings, now: float, kept: Kept) -> Kept:
+    """Expire the open groups that saw no new span or reward for `settings.group_timeout_seconds` and are not ready;
+    returns those kept (`Kept`).
+
+    A group of `kept` (kept by an earlier upkeep under the same `settings`) whose `updated_at` and number of members
+    are still those it was kept with is kept again undecided. Its decision reads its members (complete, split), their
+    rewards and its size: every write that changes them marks it active (a new `updated_at`) but one that takes a
+    member away (placed under another key, or deleted as another instrumentation's calls), which leaves it fewer;
+    and completing idle members cannot make a kept group (its members all complete) not ready. So upkeep decides the
+    groups gone stale or changed since, not every ready group waiting for a trainer.
 
     Their rows are locked only once decided, and those another transaction holds are skipped (an export or a reward
     changing one, which keeps it open; another replica's upkeep expiring it): upkeep, holding the groups it locked in
     id order before, waits for none here, so no cycle of waits runs through it; a group skipped and still stale
     expires on a later read."""
     still = _stale(settings, now)
-    stale = list(conn.execute(select(groups).where(still).order_by(groups.c.id)).mappings())
-    expiring = _not_ready(conn, settings, stale)
+    stamps = _stamps(conn, still)
+    changed = sorted(group_id for group_id, stamp in stamps.items() if kept.get(group_id) != stamp)
+    stale = [row for chunk in chunks(changed)
+             for row in conn.execute(select(groups).where(groups.c.id.in_(chunk), still)).mappings()]
+    decided = decisions(conn, settings, stale)
+    expiring = {group_id: decision for group_id, decision in decided.items() if decision.state == "open"}
     for chunk in chunks(sorted(expiring)):
         # still stale: a span or reward another replica committed since keeps it open
         query = select(groups.c.id).where(groups.c.id.in_(chunk), still).order_by(groups.c.id)
         locked = conn.execute(query.with_for_update(skip_locked=True)).scalars().all()
         _expire(conn, settings, {group_id: expiring[group_id] for group_id in locked}, now)
+    again = set(stamps).difference(changed).union(group_id for group_id in decided if group_id not in expiring)
+    return {group_id: stamps[group_id] for group_id in again}
 
 
 def maintain_groups(
@@ -329,15 +357,17 @@ def maintain_groups(
 
 def maintain(
     conn: Connection, settings: CollectorSettings, now: float, lock: Lock, *, releasing: Collection[str] = (),
-    acking: Collection[str] = (),
-) -> None:
+    acking: Collection[str] = (), kept: Kept | None = None,
+) -> Kept:
     """Return expired leases (a failed attempt for each group); complete idle trajectories without rollout span;
-    expire stale groups. First, before any row lock, the locks of the members given back are taken
-    (`_lock_returned_members`), with those of `releasing`: the batches the caller gives back next in its transaction;
-    then, in one pass in id order (`_lock_batches`), the rows of the expired batches, of `releasing` and of `acking`
-    (the batch the caller acks next); then, in one pass in id order (`lock_groups`), the rows of the groups given back
-    or holding an idle trajectory, with those of `releasing` and `acking` when there are any. A stale group is
-    expired only when no other transaction holds it (`_expire_stale`)."""
+    expire stale groups, deciding again only those not `kept` unchanged by an earlier upkeep under `settings`
+    (`_expire_stale`); returns the stale groups kept now (`Kept`), for the next upkeep once this transaction commits.
+    First, before any row lock, the locks of the members given back are taken (`_lock_returned_members`), with those
+    of `releasing`: the batches the caller gives back next in its transaction; then, in one pass in id order
+    (`_lock_batches`), the rows of the expired batches, of `releasing` and of `acking` (the batch the caller acks
+    next); then, in one pass in id order (`lock_groups`), the rows of the groups given back or holding an idle
+    trajectory, with those of `releasing` and `acking` when there are any. A stale group is expired only when no other
+    transaction holds it (`_expire_stale`)."""
     expired = sorted(
         conn.execute(
             select(batches.c.id).where(batches.c.state == "leased", batches.c.lease_expires_at <= now)
@@ -363,4 +393,5 @@ def maintain(
         log.warning("leases expired, groups back in the pool: batches %s", ", ".join(chunk))
     _complete_idle(conn, idle, [row.id for row in found])
     if settings.group_timeout_seconds > 0:
-        _expire_stale(conn, settings, now)
+        return _expire_stale(conn, settings, now, kept or {})
+    return {}

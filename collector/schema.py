@@ -105,6 +105,10 @@ trajectories = Table(
     # are only ever added while it exists), so that the reward curve after a start reads them instead of the spans
     Column("policy_step", Integer),
     Column("policy_step_spans", Integer),
+    # version 14: upkeep finds the idle trajectories outside rollouts (`pool._idle`) in this index, not in every row;
+    # led by `complete`, which no other read filters by (led by `by_rollout`, SQLite chose it over the key for the
+    # export's lookups by id and `by_rollout`, and read the row of every rollout)
+    Index("ix_trajectories_complete_by_rollout_updated_at", "complete", "by_rollout", "updated_at"),
 )
 
 rewards = Table(
@@ -470,8 +474,17 @@ def _v13(conn: Connection) -> None:
     conn.execute(text("DROP INDEX ix_spans_trajectory_id"))
 
 
+def _v14(conn: Connection) -> None:
+    """Version 14: the index of `trajectories (complete, by_rollout, updated_at)`, from which upkeep reads the idle
+    trajectories outside rollouts (`pool._idle`, before every read): it scanned every trajectory row. Led by
+    `complete`, which only that read filters by, so no lookup by id and `by_rollout` takes it for the key's."""
+    conn.execute(text(
+        "CREATE INDEX ix_trajectories_complete_by_rollout_updated_at ON trajectories (complete, by_rollout, updated_at)"
+    ))
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [
-    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13,
+    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13, _v14,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

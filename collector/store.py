@@ -75,6 +75,8 @@ class SqlStore(Store):
         self.training = settings.training_reward
         self._tx = Transactions(self.engine)
         self._steps = curve.PolicySteps()
+        # the stale groups the last upkeep kept, with the settings it decided them under (`_upkeep`)
+        self._kept: tuple[CollectorSettings, pool.Kept] = (settings, {})
 
     # --- plumbing -----------------------------------------------------------------------
     def _now(self, conn: Connection) -> float:
@@ -338,9 +340,17 @@ class SqlStore(Store):
     def _upkeep(self) -> None:
         """Due maintenance (expired leases, idle trajectories, stale groups, `pool.maintain`) in a short write
         transaction of its own, whose group locks end with it. A write does only the upkeep due on the groups it marks
-        active, in its own transaction once it holds them (`pool.maintain_groups`): this one's cost grows with the
-        store."""
-        self._tx.run(lambda conn: pool.maintain(conn, self.settings, self._now(conn), self._tx.lock))
+        active, in its own transaction once it holds them (`pool.maintain_groups`). This one's cost grows with what is
+        due: the idle trajectories are read from an index (schema version 14), and a stale group the last upkeep kept
+        (ready, waiting for a trainer) is not decided again while it is unchanged (`pool.Kept`, remembered once the
+        transaction committed, for the settings it was decided under: other settings decide every stale group again);
+        of each it reads only its `updated_at` and its number of members."""
+        settings = self.settings
+        decided_under, kept = self._kept
+        if decided_under is not settings:
+            kept = {}
+        found = self._tx.run(lambda conn: pool.maintain(conn, settings, self._now(conn), self._tx.lock, kept=kept))
+        self._kept = (settings, found)
 
     def _read(self, work: Callable[[Connection], Any]) -> Any:
         """`work(conn)` on the store as of now: due maintenance first (`_upkeep`), then `work` in a read-only
