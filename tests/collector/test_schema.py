@@ -489,6 +489,25 @@ def _indexes(url: str, table: str) -> list[tuple[str, list[str]]]:
         engine.dispose()
 
 
+def _started_again_and_fresh(url: str, fresh_url: str, clock, versions: list, table: str, indexes: list) -> None:
+    """A second start on the migrated database at `url` applies nothing (its `schema_version` rows stay `versions`)
+    and leaves the `indexes` of `table`; a new database at `fresh_url` gets the same indexes."""
+    from collector.config import CollectorSettings
+    from collector.schema import migrate
+    from collector.store import SqlStore
+
+    again = SqlStore(CollectorSettings(db=url), clock=clock)
+    assert migrate(again.engine) == SCHEMA_VERSION  # a second start: nothing to apply
+    with again.engine.connect() as conn:
+        assert conn.execute(text("SELECT version, applied_at FROM schema_version ORDER BY version")).all() == versions
+    again.close()
+    assert _indexes(url, table) == indexes
+    fresh = SqlStore(CollectorSettings(db=fresh_url), clock=clock)
+    fresh.setup()
+    assert _indexes(fresh.engine.url.render_as_string(hide_password=False), table) == indexes
+    fresh.close()
+
+
 def test_migration_from_version_12_indexes_the_traces_of_each_trajectory(db_url, clock) -> None:
     """Version 13 replaces the index of `spans.trajectory_id` by one of (trajectory_id, trace_id), which covers the
     read of the traces a trajectory holds (`pool.rewards_of` in upkeep: every span row was read): the stored spans keep
@@ -499,7 +518,7 @@ def test_migration_from_version_12_indexes_the_traces_of_each_trajectory(db_url,
     from collector import pool
     from collector.config import CollectorSettings
     from collector.protocol import RewardIn
-    from collector.schema import migrate, trajectories
+    from collector.schema import trajectories
     from collector.store import SqlStore
 
     url = db_url()
@@ -524,16 +543,7 @@ def test_migration_from_version_12_indexes_the_traces_of_each_trajectory(db_url,
         assert pool.rewards_of(conn, rows) == {"a": {"judge": 0.5}}
     assert store.trajectory("a").rewards == {"judge": 0.5}
     store.close()
-    again = SqlStore(CollectorSettings(db=url), clock=clock)
-    assert migrate(again.engine) == SCHEMA_VERSION  # a second start: nothing to apply
-    with again.engine.connect() as conn:
-        assert conn.execute(text("SELECT version, applied_at FROM schema_version ORDER BY version")).all() == versions
-    again.close()
-    assert _indexes(url, "spans") == migrated
-    fresh = SqlStore(CollectorSettings(db=db_url()), clock=clock)
-    fresh.setup()
-    assert _indexes(fresh.engine.url.render_as_string(hide_password=False), "spans") == migrated
-    fresh.close()
+    _started_again_and_fresh(url, db_url(), clock, versions, "spans", migrated)
 
 
 def test_migration_from_version_13_indexes_the_idle_trajectories(db_url, clock) -> None:
@@ -545,7 +555,7 @@ def test_migration_from_version_13_indexes_the_idle_trajectories(db_url, clock) 
 
     from collector import pool
     from collector.config import CollectorSettings
-    from collector.schema import migrate, trajectories
+    from collector.schema import trajectories
     from collector.store import SqlStore
 
     url = db_url()
@@ -583,13 +593,4 @@ def test_migration_from_version_13_indexes_the_idle_trajectories(db_url, clock) 
     clock.now += 61
     assert [(t.id, t.complete) for t in store.trajectories(task="t")] == [(f"{30:032x}", True), (f"{40:032x}", True)]
     store.close()
-    again = SqlStore(CollectorSettings(db=url), clock=clock)
-    assert migrate(again.engine) == SCHEMA_VERSION  # a second start: nothing to apply
-    with again.engine.connect() as conn:
-        assert conn.execute(text("SELECT version, applied_at FROM schema_version ORDER BY version")).all() == versions
-    again.close()
-    assert _indexes(url, "trajectories") == migrated
-    fresh = SqlStore(CollectorSettings(db=db_url()), clock=clock)
-    fresh.setup()
-    assert _indexes(fresh.engine.url.render_as_string(hide_password=False), "trajectories") == migrated
-    fresh.close()
+    _started_again_and_fresh(url, db_url(), clock, versions, "trajectories", migrated)
