@@ -16,7 +16,7 @@ from typing import Any, Literal
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.runnables import Runnable, RunnableConfig, ensure_config
 
-from art_langgraph.chat_model import ARTChatModel, check_options
+from art_langgraph.chat_model import ARTChatModel
 from art_langgraph.errors import UnsupportedOption
 
 __all__ = ["ConfigurableARTChatModel", "init_chat_model"]
@@ -56,7 +56,6 @@ def _build(model: str | None, model_provider: str | None, kwargs: dict[str, Any]
             "ARTChatModel talks to the ART trainer's OpenAI-compatible API, which serves the model being "
             "trained; use model_provider='openai' (or none) and a served name such as 'agent@latest'",
         )
-    check_options(kwargs)
     if model is not None:
         kwargs = {**kwargs, "model": model}
     return ARTChatModel(**kwargs)
@@ -89,8 +88,8 @@ def init_chat_model(
             `timeout`, `max_retries`, `base_url`, `api_key`, ...).
 
     Raises:
-        UnsupportedOption: A provider other than `openai`/`art`, `use_responses_api=True`, or
-            `logprobs=False` (each needs what this model cannot do; the message says why).
+        UnsupportedOption: A provider other than `openai`/`art`, `use_responses_api=True`,
+            `logprobs=False`, or a `cache` (each needs what this model cannot do; the message says why).
         TypeError: `model` is not a string (a model object is used directly, not passed here).
     """
     if model is not None and not isinstance(model, str):

@@ -93,14 +93,15 @@ class LLMSpan:
             self._record_choices(choices, result.llm_output or {})
 
     def add_chunk(self, chunk: ChatGenerationChunk) -> ChatGenerationChunk:
-        """Take in one stream chunk (kept per choice) and return it with its part of the token data.
+        """Take in one stream chunk (kept per choice) and return it, with the call's token data if it finishes choice 0
+        (`StreamTokens.add`).
 
         The chunk's `StreamPiece` (set by `ARTChatModel`'s chunk converter) is removed from it.
         """
         piece = chunk.message.response_metadata.pop(STREAM_PIECE_KEY, None)
         with recording_guard("a stream chunk"):
-            if piece is not None and (part := self._tokens.add(piece)):
-                chunk.message.response_metadata[ART_METADATA_KEY] = part
+            if piece is not None and (art := self._tokens.add(piece)) is not None:
+                chunk.message.response_metadata[ART_METADATA_KEY] = art
             if piece is None or piece["index"] is None:
                 self._shared = _add(self._shared, chunk)
             else:

@@ -2,8 +2,9 @@
 
 The standard `OTEL_EXPORTER_OTLP_*` variables are read by the OTLP exporter itself; this module
 only uses `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` and `OTEL_EXPORTER_OTLP_ENDPOINT` as fallbacks for
-the collector's base URL (where late rewards go), reads their headers variables once per settings object
-(`collector_headers`, which late rewards send too; their `Authorization` is a fallback for the key), and refuses an
+the collector's base URL (where late rewards go: `collector_base_url`), reads them and their headers variables once per
+settings object (`collector_headers`, which late rewards send too; their `Authorization` is a fallback for the key),
+as the span exporter configured from that object reads them once, and refuses an
 endpoint, timeout or header value among them with which every export would fail. A set `ART_*` variable that no
 component reads (a misspelling) is logged once with the closest names (`collector.env_names`): the app's environment
 is not the plugin's to refuse.
@@ -65,6 +66,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ART_", extra="ignore", allow_inf_nan=False, hide_input_in_errors=True)
     _collector_headers: dict[str, str] = PrivateAttr(default_factory=dict)
     """`collector_headers`, read when the settings are made."""
+    _collector_base_url: str = PrivateAttr(default=DEFAULT_COLLECTOR_URL)
+    """`collector_base_url`, read when the settings are made."""
 
     collector_url: str | None = Field(
         default=None,
@@ -140,7 +143,8 @@ class Settings(BaseSettings):
         timeout that is no positive number (0 or less failed every request at once) or is past a week, and a batch
         delay (`OTEL_BSP_SCHEDULE_DELAY`) of 0 or less (the SDK's `ValueError` failed the app's first span) or past a
         week (past about 9.2e12 ms its export thread died: spans waited for a flush, and the queue filled), and a header
-        value no request can carry (`_collector_headers`); the headers are read here, once."""
+        value no request can carry (`_collector_headers`); the headers and the collector's base URL are read here,
+        once."""
         if self.collector_url is None and (endpoint := _first_set(ENDPOINT_ENV)):
             name, url = endpoint
             if problem := _url_problem(url):
@@ -155,6 +159,7 @@ class Settings(BaseSettings):
             raise ValueError(f"{SCHEDULE_DELAY_ENV} must be from 1 to a week ({MAX_EXPORT_TIMEOUT_SECONDS * 1000}) "
                              f"milliseconds, got {os.environ[SCHEDULE_DELAY_ENV]!r}")
         self._collector_headers = _collector_headers(self.api_key)
+        self._collector_base_url = _collector_base_url(self.collector_url)
         return self
 
     @field_validator("api_key")
@@ -166,14 +171,16 @@ class Settings(BaseSettings):
 
     @property
     def collector_base_url(self) -> str:
-        """The collector's base URL, without a trailing slash and without `/v1/traces`.
+        """The collector's base URL, without a trailing slash and without `/v1/traces`: where late rewards go.
 
         The first of `ART_COLLECTOR_URL`, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (the traces URL
         itself, so `/v1/traces` is taken off), `OTEL_EXPORTER_OTLP_ENDPOINT`: where the spans go.
+        Read once, when these settings were made, as `collector_headers` is and as the span exporter
+        (built from them by `configure`) reads its endpoint: a variable changed later counts from the
+        next `configure`, for spans and rewards alike. Read at each reward, it sent rewards to another
+        collector than the spans, with the headers (a key) read for the first.
         """
-        traces = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").rstrip("/").removesuffix(TRACES_PATH)
-        url = self.collector_url or traces or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or DEFAULT_COLLECTOR_URL
-        return url.rstrip("/")
+        return self._collector_base_url
 
     @property
     def collector_headers(self) -> dict[str, str]:
@@ -201,6 +208,13 @@ def _url_problem(url: str) -> str | None:
     if parts.scheme not in ("http", "https"):
         return f"must be an http:// or https:// URL, got {url!r}"
     return None if parts.hostname else f"must be an http:// or https:// URL with a host, got {url!r}"
+
+
+def _collector_base_url(collector_url: str | None) -> str:
+    """`Settings.collector_base_url` for `collector_url` (`ART_COLLECTOR_URL`), from the environment as it is now."""
+    traces = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").rstrip("/").removesuffix(TRACES_PATH)
+    url = collector_url or traces or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or DEFAULT_COLLECTOR_URL
+    return url.rstrip("/")
 
 
 def _collector_headers(api_key: str | None) -> dict[str, str]:

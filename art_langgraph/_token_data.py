@@ -64,6 +64,8 @@ class StreamPiece(TypedDict):
     """The ids sampled in this chunk; None when the chunk has no `token_ids`."""
     logprobs: list[float]
     """The sampled logprobs of this chunk's tokens."""
+    finished: bool
+    """Whether the chunk carries its choice's finish reason: the engine sends no token of that choice after it."""
     readable: bool
     """False for a chunk whose token data could not be read (`unreadable_piece`): its call then records none."""
 
@@ -71,7 +73,7 @@ class StreamPiece(TypedDict):
 def unreadable_piece(index: int | None) -> StreamPiece:
     """The piece of a chunk of choice `index` whose token data could not be read (logged): its call records none."""
     return StreamPiece(index=index, model=None, prompt_token_ids=None, completion_token_ids=None, logprobs=[],
-                       readable=False)
+                       finished=False, readable=False)
 
 
 def policy_step(model_name: str | None) -> int:
@@ -120,7 +122,7 @@ def _build_token_data(
     return ArtTokenData(
         prompt_token_ids=list(prompt),
         completion_token_ids=list(completion),
-        logprobs=logprobs,
+        logprobs=list(logprobs),
         policy_step=policy_step(model),
     )
 
@@ -173,6 +175,7 @@ def stream_piece(event: dict[str, Any]) -> StreamPiece | None:
         prompt_token_ids=list(prompt) if prompt is not None else None,
         completion_token_ids=list(completion) if completion is not None else None,
         logprobs=_logprobs(choice),
+        finished=choice.get("finish_reason") is not None,
         readable=True,
     )
 
@@ -185,31 +188,27 @@ class StreamTokens:
         self._prompt: list[int] | None = None
         self._completion: dict[int, list[int]] = {}
         self._logprobs: dict[int, list[float]] = {}
-        self._step_given = False
         self._unreadable = False
 
-    def add(self, piece: StreamPiece) -> dict[str, Any]:
-        """Take in one chunk's piece; return what goes on that chunk's `response_metadata["art"]`.
+    def add(self, piece: StreamPiece) -> ArtTokenData | None:
+        """Take in one chunk's piece; return what goes on that chunk's `response_metadata["art"]`, if anything.
 
-        LangChain concatenates lists and adds up integers when it adds chunks, so the prompt ids
-        (sent again with each choice) and the policy step go on one chunk only: the aggregated
-        message then holds each once, and its completion ids and logprobs in stream order.
+        Choice 0's token data, whole, goes on the chunk that finishes choice 0, and on no other chunk: the message
+        LangChain assembles from the chunks then holds what `invoke`'s holds, whether it adds them up (`+`, which
+        concatenates lists: `stream()`, `astream_events` v2, `stream_mode="messages"`) or keeps each key's last value
+        (`stream_events(version="v3")`, and a node's `invoke` under it). A stream left before choice 0 finished
+        carries none: its ids are a prefix, no turn.
         """
         if not piece["readable"]:
             self._unreadable = True
-            return {}
+            return None
         self._model = self._model or piece["model"]
-        part: dict[str, Any] = {}
         if piece["prompt_token_ids"] is not None and self._prompt is None:
-            self._prompt = part["prompt_token_ids"] = piece["prompt_token_ids"]
+            self._prompt = piece["prompt_token_ids"]
         if piece["completion_token_ids"] is not None and piece["index"] is not None:
             self._completion.setdefault(piece["index"], []).extend(piece["completion_token_ids"])
             self._logprobs.setdefault(piece["index"], []).extend(piece["logprobs"])
-            part["completion_token_ids"], part["logprobs"] = piece["completion_token_ids"], piece["logprobs"]
-        if part and not self._step_given:
-            part["policy_step"] = policy_step(self._model)
-            self._step_given = True
-        return part
+        return self.token_data(0) if piece["finished"] and piece["index"] == 0 else None
 
     def token_data(self, index: int) -> ArtTokenData | None:
         """Choice `index`'s token data; None when the engine sent no ids for it, or a chunk's could not be read."""

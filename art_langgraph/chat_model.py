@@ -38,7 +38,7 @@ from art_langgraph._token_data import (
 )
 from art_langgraph.errors import UnsupportedOption
 
-__all__ = ["ARTChatModel", "check_options"]
+__all__ = ["ARTChatModel"]
 
 _ALIASES = {
     "model": ("model", "model_name"),
@@ -47,7 +47,7 @@ _ALIASES = {
 }
 
 
-def check_options(values: dict[str, Any]) -> None:
+def _check_options(values: dict[str, Any]) -> None:
     """Refuse `ChatOpenAI` arguments this model cannot honour.
 
     Raises:
@@ -85,7 +85,8 @@ class ARTChatModel(ChatOpenAI):
     Defaults come from `configure(...)` / `ART_TRAINER_URL`, `ART_MODEL`, `ART_API_KEY`
     (api key `"EMPTY"` when none). The returned `AIMessage.response_metadata["art"]` holds
     `prompt_token_ids`, `completion_token_ids`, `logprobs` and `policy_step` (no `"art"` when the
-    engine ignores `return_token_ids`).
+    engine ignores `return_token_ids`). A stream carries it, whole, on the chunk that finishes choice 0
+    (`StreamTokens.add`), so a message assembled from the chunks holds what `invoke`'s does.
     """
 
     logprobs: bool | None = True
@@ -93,6 +94,17 @@ class ARTChatModel(ChatOpenAI):
     use_responses_api: bool | None = False
     cache: BaseCache | bool | None = Field(default=False, exclude=True)
     """False: every call asks the engine, even with LangChain's global cache set (`set_llm_cache`) for other models."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        """A `ChatOpenAI` built from `kwargs`, its arguments, for the trainer (defaults: `configure`, `ART_*`).
+
+        Raises:
+            UnsupportedOption: An argument this model cannot honour (`_check_options`). Refused here, before pydantic
+                validates: a `ValueError` raised by a validator reaches the caller inside pydantic's
+                `ValidationError`, which `except UnsupportedOption` misses (`model_validate` still refuses it so).
+        """
+        _check_options(kwargs)
+        super().__init__(**kwargs)
 
     @model_validator(mode="before")
     @classmethod
@@ -106,7 +118,7 @@ class ARTChatModel(ChatOpenAI):
             "api_key": settings.api_key or "EMPTY",
         }
         values = dict(values)
-        check_options(values)
+        _check_options(values)
         values["cache"] = False  # an explicit None would read the global cache
         for key, names in _ALIASES.items():
             if not any(values.get(n) is not None for n in names):

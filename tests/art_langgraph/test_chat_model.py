@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from pydantic import BaseModel, ValidationError
 
-from art_langgraph import ARTChatModel, semconv
+from art_langgraph import ARTChatModel, UnsupportedOption, semconv
 from art_langgraph._token_data import policy_step
 from tests.art_langgraph.fake_engine import FakeEngine
 
@@ -280,8 +280,21 @@ async def test_a_global_llm_cache_does_not_answer_for_the_model(spans) -> None:
     assert len(llm_spans(spans)) == 3
 
 
-@pytest.mark.parametrize("cache", [True, InMemoryCache()])
-def test_a_cache_is_refused(cache: object) -> None:
-    """A cached reply samples nothing: refused, not a call that silently records no turn."""
-    with pytest.raises(ValidationError, match=r"\[unsupported_option\] cache"):
-        ARTChatModel(model="agent@latest", base_url="http://127.0.0.1:9/v1", api_key="EMPTY", cache=cache)
+@pytest.mark.parametrize(
+    ("option", "needle"),
+    [
+        ({"cache": True}, "cache"),  # a cached reply samples nothing: a call that silently records no turn
+        ({"cache": InMemoryCache()}, "cache"),
+        ({"use_responses_api": True}, "use_responses_api=True"),
+        ({"logprobs": False}, "logprobs=False"),
+    ],
+)
+def test_a_refused_option_raises_unsupported_option_from_the_constructor(option: dict, needle: str) -> None:
+    """`ARTChatModel(cache=True)` raised pydantic's `ValidationError`, the refusal inside it, which the
+    `except UnsupportedOption` the README documents did not catch (`init_chat_model` raised `UnsupportedOption`
+    itself). A model built from a dict (`model_validate`) is refused the pydantic way, with the same message."""
+    with pytest.raises(UnsupportedOption, match=rf"^\[unsupported_option\] {needle}\. Hint: ") as raised:
+        ARTChatModel(model="agent@latest", base_url="http://127.0.0.1:9/v1", api_key="EMPTY", **option)
+    assert raised.value.code == "unsupported_option"
+    with pytest.raises(ValidationError, match=rf"\[unsupported_option\] {needle}\. Hint: "):
+        ARTChatModel.model_validate({"model": "agent@latest", **option})

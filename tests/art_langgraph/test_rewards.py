@@ -197,6 +197,33 @@ def test_late_reward_follows_the_otlp_traces_endpoint(memory_tracing, monkeypatc
     ]
 
 
+def test_late_reward_goes_where_the_spans_go_after_the_environment_changes(
+    memory_tracing, monkeypatch, dead_url: str
+) -> None:
+    """The span exporter reads `OTEL_EXPORTER_OTLP_ENDPOINT` once, at `configure`, as the settings read the headers
+    variables; late rewards read the endpoint again at each reward: a variable changed later sent them to another
+    collector than the spans, with the `Authorization` read for the first. Both follow it from the next `configure`."""
+    for name in (
+        "ART_COLLECTOR_URL",
+        "ART_API_KEY",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    with _serving_rewards() as (url, received):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", url)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer%20key-of-this-collector")
+        art_langgraph.configure()
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", dead_url)
+        try:
+            reward(0.5, rollout_id="finished")
+        finally:
+            memory_tracing.install()
+    assert received == [
+        ("/v1/rewards", {"rollout_id": "finished", "name": "reward", "value": 0.5}, "Bearer key-of-this-collector")
+    ]
+
+
 def test_reward_after_the_fact_posts_to_collector(reward_server: list) -> None:
     with rollout("late") as r:
         pass
