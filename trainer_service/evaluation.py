@@ -6,7 +6,8 @@ to the last assistant message). The reward is a user function `module:function(r
 completion) -> float`, called in a worker thread, one call at a time, so a slow one does not hold up the
 service's event loop (its proxy and status). Answers are sampled from vLLM with a fixed seed per prompt, so two
 checkpoints are compared on the same prompts with the same sampling noise; rewards compare only
-when measured on the same prompts with the same reward function and sampling (`Evaluator.key`).
+when measured on the same prompts with the same reward function and sampling (`Evaluator.key`). A shutdown gives an
+evaluation up after a grace (`Evaluator.stop`): a vLLM that accepts and never answers held it for the client's timeout.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[dict[str, Any], str], float]
 """`(row, completion_text) -> reward`: `row` is the eval line (with `messages`)."""
+
+_ENGINE_TIMEOUT_S = 600.0
+"""Seconds one eval request may wait for the engine's answer (all of a prompt's samples)."""
+_STOP_CHECK_S = 0.1
+"""Seconds between two looks at `Evaluator.stop`'s end while an evaluation waits for the engine."""
 
 
 class EvalError(RuntimeError):
@@ -161,9 +167,18 @@ class Evaluator:
         self.max_prompts = max_prompts
         self.max_tokens = max_tokens
         self.temperature = temperature
-        self._client = httpx.AsyncClient(base_url=engine_url, timeout=600.0, transport=transport)
+        self._client = httpx.AsyncClient(base_url=engine_url, timeout=_ENGINE_TIMEOUT_S, transport=transport)
         self._reward_lock = asyncio.Lock()
         """Held while the reward function runs in its worker thread: a user function need not be thread-safe."""
+        self._stops_at: float | None = None
+        """When evaluations are given up (`time.monotonic`), once `stop` was called."""
+
+    def stop(self, grace: float) -> None:
+        """Give evaluations up `grace` seconds from now (a shutdown: `TrainerService.begin_shutdown`): one not done
+        then raises `EvalError`, its requests cancelled, and a later one raises it at once, asking the engine nothing.
+        A second call keeps the earlier end."""
+        ends = time.monotonic() + grace
+        self._stops_at = ends if self._stops_at is None else min(self._stops_at, ends)
 
     async def prompts(self) -> list[dict[str, Any]]:
         """The eval prompts as of now, at most `max_prompts` (a collector split grows between calls).
@@ -182,15 +197,17 @@ class Evaluator:
         Raises:
             EvalError: no prompts, a prompt JSON cannot carry (NaN, a lone surrogate), the engine failed or
                 answered something other than a chat completion, or the reward function raised or returned no
-                finite number (prompt and model named); the other prompts' requests are cancelled.
+                finite number (prompt and model named), or `stop`'s grace ended first; the other prompts' requests
+                are cancelled.
         """
         rows = await self.prompts() if rows is None else rows
+        self._check_not_stopped(model)
         started = time.perf_counter()
         logger.info("eval of %s: %d prompts x %d samples", model, len(rows), self.samples)
         progress = _Progress(model, len(rows), started)
         tasks = [asyncio.ensure_future(self._score(model, index, row, progress)) for index, row in enumerate(rows)]
         try:
-            rewards = await asyncio.gather(*tasks)
+            rewards = await self._all_scored(model, tasks)
         except BaseException:  # one prompt failed: the others stop, not left running past the gate's decision
             for task in tasks:
                 task.cancel()
@@ -200,6 +217,28 @@ class Evaluator:
         logger.info("eval of %s: mean reward %.4f on %d prompts x %d samples in %.1f s", model, mean, len(rows),
                     self.samples, time.perf_counter() - started)
         return mean
+
+    async def _all_scored(self, model: str, tasks: list[asyncio.Future[list[float]]]) -> list[list[float]]:
+        """The rewards of each prompt's task, in order, once every one is done (waited for in `_STOP_CHECK_S` slices).
+
+        Raises:
+            EvalError: `stop`'s grace ended first. Any error of a task, the first seen.
+        """
+        pending: set[asyncio.Future[list[float]]] = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=_STOP_CHECK_S, return_when=asyncio.FIRST_EXCEPTION)
+            failure = next((task.exception() for task in done if task.exception() is not None), None)
+            if failure is not None:
+                raise failure
+            if pending:
+                self._check_not_stopped(model)
+        return [task.result() for task in tasks]
+
+    def _check_not_stopped(self, model: str) -> None:
+        """Raise `EvalError` once `stop`'s grace ended."""
+        if self._stops_at is not None and time.monotonic() >= self._stops_at:
+            raise EvalError(f"the eval of {model} was given up: the service is shutting down, and the engine had not "
+                            "answered every eval prompt within the shutdown's grace")
 
     def key(self, rows: list[dict[str, Any]]) -> str:
         """A short fingerprint of `rows` and of how they are scored (reward function, samples, max_tokens,
@@ -225,7 +264,8 @@ class Evaluator:
         try:
             response = await self._client.post("/v1/chat/completions", json=body)
         except httpx.HTTPError as exc:
-            raise EvalError(f"the engine did not answer an eval prompt for {model}: {exc}") from exc
+            # httpx's timeouts carry no message: the reason ended in ": " (`_no_answer`)
+            raise EvalError(f"the engine did not answer an eval prompt for {model}: {_no_answer(exc)}") from exc
         # a collector row with a NaN or a lone surrogate, which httpx cannot encode (a 500), or one nested too deep
         # to encode from here (RecursionError; `load_eval_file` checks its rows with a shallower stack)
         except (ValueError, RecursionError) as exc:
@@ -286,6 +326,13 @@ class Evaluator:
     async def aclose(self) -> None:
         """Close the engine client."""
         await self._client.aclose()
+
+
+def _no_answer(error: httpx.HTTPError) -> str:
+    """Why an eval request got no answer, as `ReadTimeout: no answer within 600 s`."""
+    if isinstance(error, httpx.TimeoutException):
+        return f"{type(error).__name__}: no answer within {_ENGINE_TIMEOUT_S:g} s"
+    return f"{type(error).__name__}: {error}"
 
 
 def _mean(rewards: list[float]) -> float:

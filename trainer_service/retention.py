@@ -4,14 +4,17 @@ The policy (`TrainerSettings.keep_last`, `keep_best_metric`, `keep_best_mode`; `
 the newest steps, the best by a named metric (a manifest metric, or the promotion gate's eval
 reward), the promoted step and the newest. A dropped step stops being served before its folder
 goes: it leaves the served list, is unloaded from vLLM, then deleted; the gate forgets its eval reward (in
-`promotion.json` too).
+`promotion.json` too). An unload a shutdown's grace gives up (`ShutdownGrace`) leaves the step served and its folder
+kept: the next start drops it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
+import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +25,7 @@ from trainer_service.config import TrainerSettings
 from trainer_service.engine import VLLMEngine
 from trainer_service.engine_errors import EngineError
 from trainer_service.promotion import PromotionGate
+from trainer_service.step_bookkeeping import ShutdownGrace
 
 __all__ = ["Retention"]
 
@@ -51,23 +55,27 @@ class Retention:
         gate: the promotion gate (its promoted step is kept; its eval rewards can be the metric).
         model_name: step → `name@step`.
         counters: the service's counters (`retention_errors`, `checkpoints_deleted`, `promotion_write_errors`).
+        grace: the service's shutdown grace, which bounds the wait for each unload (default: one never begun).
     """
 
     def __init__(self, settings: TrainerSettings, store: CheckpointStore, engine: VLLMEngine, gate: PromotionGate,
-                 model_name: Callable[[int], str], counters: Counter[str]) -> None:
+                 model_name: Callable[[int], str], counters: Counter[str], *,
+                 grace: ShutdownGrace | None = None) -> None:
         self.settings = settings
         self.store = store
         self.engine = engine
         self.gate = gate
         self.model_name = model_name
         self.counters = counters
+        self.grace = grace or ShutdownGrace(threading.Event())
 
     async def apply(self, steps: list[int]) -> None:
         """Drop from `steps` (the served steps, changed in place) the checkpoints the policy no longer keeps.
 
         A dropped step leaves `steps` first, so `/v1/models` never lists a name being removed; then
         it is unloaded from vLLM and its folder deleted. A step vLLM cannot unload is served again
-        and kept for the next step's retention; a folder that cannot be deleted is logged and counted.
+        and kept for the next step's retention; so is one whose unload a shutdown gave up (`ShutdownGrace`), which
+        the next start drops; a folder that cannot be deleted is logged and counted.
         The gate forgets the eval rewards of the steps no longer served (`_keep_evals`).
         Run under the service's step lock.
         """
@@ -135,14 +143,22 @@ class Retention:
                              self.store.root / "promotion.json")
 
     def _remove(self, steps: list[int]) -> list[int]:
-        """Unload each step from vLLM, then delete its folder; return the steps vLLM could not unload."""
+        """Unload each step from vLLM, then delete its folder; return the steps vLLM could not unload, or did not
+        within a shutdown's grace."""
         still_loaded = []
         for step in steps:
+            name = self.model_name(step)
+            unloading = self.grace.call(functools.partial(self.engine.unload_adapter, name), f"unload {name}")
+            if not unloading.done():  # left to end on its own, or never started: `VLLMEngine.stop` gives it up
+                logger.warning("%s was not unloaded: the service is shutting down and vLLM did not answer within "
+                               "the shutdown's grace; its checkpoint stays, and the next start drops it", name)
+                still_loaded.append(step)
+                continue
             try:
-                self.engine.unload_adapter(self.model_name(step))
+                unloading.result()
             except EngineError:
                 self.counters["retention_errors"] += 1
-                logger.exception("could not unload %s; keeping it served for now", self.model_name(step))
+                logger.exception("could not unload %s; keeping it served for now", name)
                 still_loaded.append(step)
                 continue
             self._delete(step)

@@ -11,7 +11,8 @@ from zoneinfo import ZoneInfoNotFoundError
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
-__all__ = ["LONGEST_INTERVAL_S", "SHORTEST_INTERVAL_S", "check_schedule_timezone", "parse_cron", "parse_duration"]
+__all__ = ["DURATION_FORM", "LONGEST_INTERVAL_S", "SHORTEST_INTERVAL_S", "check_schedule_timezone", "duration_text",
+           "parse_cron", "parse_duration"]
 
 LONGEST_INTERVAL_S = 365 * 86400.0
 """Longest `every` and `poll_seconds`, a year: a longer one is a typo, and past ~3e11 s (or at inf) the scheduler
@@ -20,8 +21,22 @@ SHORTEST_INTERVAL_S = 0.1
 """Shortest `every` and `poll_seconds`: each wake-up of APScheduler lists every run missed since the last one, one per
 interval, before coalescing them; at a microsecond that stalled the event loop (proxy, status) longer each time."""
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$")
-_UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_UNITS = {"s": (1.0, "seconds"), "m": (60.0, "minutes"), "h": (3600.0, "hours"), "d": (86400.0, "days")}
+"""The units of a duration: seconds and name of each."""
+_DURATION = re.compile(rf"^\s*(\d+(?:\.\d+)?)\s*({'|'.join(_UNITS)})\s*$")
+
+
+def duration_text(seconds: float) -> str:
+    """`seconds` as a duration `parse_duration` reads, in the largest unit holding it whole: `0.1s`, `10m`, `365d`."""
+    unit = next((unit for unit in reversed(_UNITS) if seconds % _UNITS[unit][0] == 0), "s")
+    return f"{seconds / _UNITS[unit][0]:g}{unit}"
+
+
+_NAMED_UNITS = [f"{unit} ({name})" for unit, (_, name) in _UNITS.items()]
+DURATION_FORM = (f"a positive number and a unit, {', '.join(_NAMED_UNITS[:-1])} or {_NAMED_UNITS[-1]}, e.g. 30s, "
+                 f"10m, 1.5h, 1d; at least {duration_text(SHORTEST_INTERVAL_S)}, at most "
+                 f"{duration_text(LONGEST_INTERVAL_S)}")
+"""What `parse_duration` reads, its units and bounds, as help and messages say it."""
 
 
 def parse_duration(text: str) -> float:
@@ -33,12 +48,12 @@ def parse_duration(text: str) -> float:
     """
     match = _DURATION.match(text)
     if not match or float(match.group(1)) <= 0:
-        raise ValueError(f"every={text!r} is not a duration; write a positive number and a unit: 30s, 10m, 2h, 1d.")
-    seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+        raise ValueError(f"every={text!r} is not a duration; write {DURATION_FORM}.")
+    seconds = float(match.group(1)) * _UNITS[match.group(2)][0]
     if not seconds <= LONGEST_INTERVAL_S:  # also refuses inf, what a number of 309 digits or more parses to
-        raise ValueError(f"every={text!r} is longer than the longest interval, 365d.")
+        raise ValueError(f"every={text!r} is longer than the longest interval, {duration_text(LONGEST_INTERVAL_S)}.")
     if seconds < SHORTEST_INTERVAL_S:
-        raise ValueError(f"every={text!r} is shorter than the shortest interval, {SHORTEST_INTERVAL_S:g}s.")
+        raise ValueError(f"every={text!r} is shorter than the shortest interval, {duration_text(SHORTEST_INTERVAL_S)}.")
     return seconds
 
 

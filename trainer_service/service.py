@@ -5,7 +5,8 @@ names models (`base`, `name@N`, `name@latest`) and runs one step at a time:
 lease a batch → train (GRPO or SFT; in `torchrun` workers with a `TrainLauncher`) → save
 `checkpoints/step-N` → hot-load `name@N` → ack → promotion gate (eval) → retention (`Retention`) → metrics.
 A step that fails, or whose checkpoint cannot be written or loaded, is rolled back in memory
-and never served. One whose hot-load a shutdown gave up keeps its checkpoint for the next start.
+and never served. One whose hot-load a shutdown gave up keeps its checkpoint for the next start; a shutdown waits for
+the engine calls of a running step (hot-load, eval, unloads) only `SHUTDOWN_GRACE_S` (`ShutdownGrace`).
 A step's ack, metrics record and unserved answer are `StepBookkeeping`'s (`step_bookkeeping`); `GET /v1/status` is
 assembled by `service_status`.
 """
@@ -40,8 +41,7 @@ from trainer_service.protocol import PromotionDecision, ServiceError, StatusResp
 from trainer_service.retention import Retention
 from trainer_service.schedule import TrainingSchedule
 from trainer_service.service_status import NAMED_STEPS, assemble_status
-from trainer_service.step_bookkeeping import HOT_LOAD_GRACE_S, LoadGivenUp, StepBookkeeping
-from trainer_service.stoppable import wait_unless_stopping
+from trainer_service.step_bookkeeping import LoadGivenUp, ShutdownGrace, StepBookkeeping
 from trainer_service.training import LoRATrainer, NothingTrainableError
 
 __all__ = ["TrainerService"]
@@ -98,13 +98,16 @@ class TrainerService:
         self.allocator = loaded_allocator() or "system"
         self._lock = asyncio.Lock()
         self.closing = threading.Event()
-        """Set once shutdown began (`begin_shutdown`): no step starts, a running step's hot-load gives up."""
+        """Set once shutdown began (`begin_shutdown`): no step starts, a running step's engine calls give up."""
+        self.grace = ShutdownGrace(self.closing)
+        """What a shutdown leaves a running step's engine calls (hot-load, eval, unloads)."""
         self.step_running = False
         """True while `train_once` runs a step: status's `training` (`aclose` holds `_lock` too, to stop)."""
         self.collector = CollectorClient(settings, collector_transport)
         evaluator = evaluator or build_evaluator(settings, self.collector.http, engine.base_url)
         self.gate = PromotionGate(settings, self.store, evaluator, self.model_name, lambda: self.base_name)
-        self.retention = Retention(settings, self.store, engine, self.gate, self.model_name, self.counters)
+        self.retention = Retention(settings, self.store, engine, self.gate, self.model_name, self.counters,
+                                   grace=self.grace)
         self.metrics = MetricsSink(settings.run_dir, wandb=settings.wandb, project=settings.wandb_project,
                                    run_name=settings.name, config={"settings": settings.model_dump(mode="json"),
                                                                    "grpo": grpo.to_dict()})
@@ -149,19 +152,24 @@ class TrainerService:
             raise
 
     def begin_shutdown(self) -> None:
-        """Stop the schedule and refuse new steps; a running step finishes, but a hot-load vLLM has not answered
-        `HOT_LOAD_GRACE_S` after this is given up (`StepBookkeeping.unserved`). Called as the server's shutdown begins
-        (before it waits for open requests, a manual step among them), and by `aclose`."""
+        """Stop the schedule and refuse new steps; a running step finishes, but an engine call vLLM has not answered
+        `SHUTDOWN_GRACE_S` after the first call of this is given up (`ShutdownGrace`): a hot-load (the step is then
+        `StepBookkeeping.unserved`), the gate's eval (the step is then not promoted, `Evaluator.stop`), retention's
+        unloads (the next start drops those checkpoints). Called as the server's shutdown begins (before it waits for
+        open requests, a manual step among them), and by `aclose`."""
         self.schedule.shutdown()
-        self.closing.set()
+        self.grace.begin()
+        if self.gate.evaluator is not None:
+            self.gate.evaluator.stop(self.grace.left())
 
     async def aclose(self) -> None:
         """Stop the schedule, let a running step finish, then stop the engine and close the clients and sinks.
 
         A step that runs (scheduled or manual) ends as usual: checkpoint, hot-load, ack, gate, metrics.
-        Stopping under it would leave its batch leased and its metrics unwritten; no new step starts. Only a
-        hot-load vLLM does not answer within `HOT_LOAD_GRACE_S` is given up (`begin_shutdown`): it held the
-        shutdown for its whole timeout, and the step's checkpoint stays for the next start to serve.
+        Stopping under it would leave its batch leased and its metrics unwritten; no new step starts. Only its engine
+        calls vLLM does not answer within `SHUTDOWN_GRACE_S` of the shutdown's start are given up (`begin_shutdown`):
+        each held the shutdown for its whole timeout. The step's checkpoint stays for the next start to serve, and
+        `promotion.json` holds a whole decision (a given-up eval promotes nothing).
         """
         self.begin_shutdown()
         if self._lock.locked():
@@ -359,9 +367,8 @@ class TrainerService:
             trainer.restore(snapshot)
             raise
         name = self.model_name(step)
-        loading = wait_unless_stopping(lambda: self.engine.load_adapter(name, path), self.closing, f"hot-load {name}",
-                                       grace=HOT_LOAD_GRACE_S)
-        if not loading.done():  # left to end on its own: `VLLMEngine.stop` gives it up in turn
+        loading = self.grace.call(lambda: self.engine.load_adapter(name, path), f"hot-load {name}")
+        if not loading.done():  # left to end on its own, or never started: `VLLMEngine.stop` gives it up in turn
             raise LoadGivenUp(metrics, path)
         try:
             loading.result()

@@ -1,33 +1,74 @@
 """The bookkeeping of a `TrainerService` step besides training and its checkpoint: `StepBookkeeping` acks the step's
-batch, writes its metrics, answers a step whose hot-load a shutdown gave up (`LoadGivenUp`, after
-`HOT_LOAD_GRACE_S`) and deletes the checkpoint of a step vLLM could not load."""
+batch, writes its metrics, answers a step whose hot-load a shutdown gave up (`LoadGivenUp`, after the
+`ShutdownGrace`) and deletes the checkpoint of a step vLLM could not load."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import TypeVar
 
 from collector.protocol import Batch
 from trainer_service.checkpoints import CheckpointStore
 from trainer_service.collector_client import CollectorClient
 from trainer_service.metrics import MetricsSink
 from trainer_service.protocol import ServiceError
+from trainer_service.stoppable import wait_unless_stopping
 
-__all__ = ["HOT_LOAD_GRACE_S", "LoadGivenUp", "StepBookkeeping"]
+__all__ = ["SHUTDOWN_GRACE_S", "LoadGivenUp", "ShutdownGrace", "StepBookkeeping"]
 
 logger = logging.getLogger(__name__)
 
-HOT_LOAD_GRACE_S = 3.0
-"""Seconds a running step's hot-load is still waited for once shutdown began: a vLLM that answers loads an adapter
-well within it (the step then ends as usual); one that accepts and never answers held the shutdown for the load's
-whole timeout (120 s), and `VLLMEngine.stop` only gives a load up once the step is over."""
+SHUTDOWN_GRACE_S = 3.0
+"""Seconds after shutdown began that a running step's engine calls (its hot-load, the gate's eval, retention's unloads)
+are still waited for: a vLLM that answers loads or unloads an adapter well within it (the step then ends as usual);
+one that accepts and never answers held the shutdown for each call's whole timeout (120 s a load or an unload, 600 s
+an eval), and `VLLMEngine.stop` only gives a call up once the step is over."""
+
+_Result = TypeVar("_Result")
+
+
+class ShutdownGrace:
+    """The time a shutdown leaves a running step's engine calls: until `SHUTDOWN_GRACE_S` after it began, for all of
+    them together; a call vLLM has not answered by then is given up, and none starts after.
+
+    Args:
+        began: set once shutdown began (by `begin`; the service's `closing`).
+    """
+
+    def __init__(self, began: threading.Event) -> None:
+        self.began = began
+        self._ends: float | None = None
+
+    def begin(self) -> None:
+        """Start the grace and set `began`; a second call changes nothing."""
+        if self._ends is None:
+            self._ends = time.monotonic() + SHUTDOWN_GRACE_S
+        self.began.set()
+
+    def left(self) -> float:
+        """Seconds an engine call may still be waited for: all of `SHUTDOWN_GRACE_S` before shutdown began, what is
+        left of it since (0 once it is over)."""
+        ends = self._ends
+        return SHUTDOWN_GRACE_S if ends is None else max(0.0, ends - time.monotonic())
+
+    def call(self, call: Callable[[], _Result], name: str) -> Future[_Result]:
+        """Run the engine call `call` in a thread named `name`; return its future once it is done, or not done once
+        the grace is over: the call is then left to end on its own (`VLLMEngine.stop` gives it up), and is not started
+        at all when the grace was over already."""
+        if self.began.is_set() and self.left() == 0:
+            return Future()  # never run, never done
+        return wait_unless_stopping(call, self.began, name, grace=self.left())
 
 
 class LoadGivenUp(Exception):
-    """A step's hot-load given up for a shutdown (`HOT_LOAD_GRACE_S`): its checkpoint `path` is whole on disk, its
+    """A step's hot-load given up for a shutdown (`ShutdownGrace`): its checkpoint `path` is whole on disk, its
     `metrics` not recorded yet."""
 
     def __init__(self, metrics: dict[str, float], path: Path) -> None:
@@ -79,7 +120,8 @@ class StepBookkeeping:
         the batch is acked, as the next start serves and resumes from the checkpoint (training the batch again would
         train it twice); its metrics are recorded. Neither the gate nor retention runs (the next start's does)."""
         logger.warning("step %s is saved in %s but not served: shutting down, vLLM did not answer its hot-load "
-                       "within %g s; the next start serves it", step, given_up.path, HOT_LOAD_GRACE_S)
+                       "within %g s of the shutdown's start; the next start serves it", step, given_up.path,
+                       SHUTDOWN_GRACE_S)
         ack_error = await self.ack(batch, step)
         metrics = {**given_up.metrics, "collector/ack_failed": float(ack_error is not None)}
         await self.record(step, metrics, batch, kind)
@@ -87,7 +129,8 @@ class StepBookkeeping:
                  f"its batch {batch.id} was not acked ({ack_error.body.error.message})")
         return ServiceError(503, "shutting_down", f"Step {step} is saved in {given_up.path} and {acked}, but it is "
                             f"not served: the service is shutting down and vLLM did not answer its hot-load within "
-                            f"{HOT_LOAD_GRACE_S:g} s. The next start serves it as {self.model_name(step)}.",
+                            f"{SHUTDOWN_GRACE_S:g} s of the shutdown's start. The next start serves it as "
+                            f"{self.model_name(step)}.",
                             type="server_error")
 
     def discard(self, step: int) -> None:

@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from collector.protocol import AckResponse, Batch, Group, ReleaseResponse, Sequence, Trajectory
 from trainer_service.config import TrainerSettings
 from trainer_service.distributed import TrainLauncher
+from trainer_service.engine import VLLMEngine
 from trainer_service.evaluation import Evaluator
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.service import TrainerService
@@ -152,6 +153,14 @@ class FakeEngine:
 
     def unload_adapter(self, name: str) -> None:
         self.adapters.pop(name)
+
+
+class NoProcessVLLM(VLLMEngine):
+    """The real engine (its lock, its adapter calls, its `stop`), with a `start` that runs no process: a test serves
+    its port."""
+
+    def start(self) -> None:
+        pass
 
 
 def make_service(tmp_path: Path, batches: list[Batch], acks: list[tuple[str, dict]], *,

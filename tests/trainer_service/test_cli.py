@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import socket
+import string
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -26,9 +27,10 @@ from examples.stack import free_port
 from tests.trainer_service.builders import save_tiny_model
 from trainer_service import config
 from trainer_service.checkpoint_checks import CheckpointMismatchError
-from trainer_service.cli import build_parser, configure_logging, main, settings_from_args
+from trainer_service.cli import _SETTINGS_FLAGS, build_parser, configure_logging, main, settings_from_args
 from trainer_service.config import TrainerSettings
 from trainer_service.engine_errors import EngineError
+from trainer_service.schedule_text import LONGEST_INTERVAL_S, SHORTEST_INTERVAL_S, parse_duration
 from trainer_service.vllm_source import vllm_dtypes, vllm_lora_ranks, vllm_serve_flags, vllm_source, vllm_tool_parsers
 
 
@@ -654,16 +656,59 @@ def test_help_lists_env_and_defaults(capsys: pytest.CaptureFixture[str]) -> None
     assert unnamed == ["--help", "--log-level"]  # --vllm-arg's variable was missing
 
 
-def test_help_states_each_default_once_and_no_none_a_flag_cannot_take() -> None:
+def _serve_helps() -> dict[str, str]:
+    """Each `art-trainer serve` flag's help, as `--help` prints it."""
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
-    helps = {action.option_strings[-1]: serve._get_formatter()._expand_help(action)
-             for action in serve._actions if action.option_strings}
+    return {action.option_strings[-1]: serve._get_formatter()._expand_help(action)
+            for action in serve._actions if action.option_strings}
+
+
+def test_help_states_each_default_once_and_no_none_a_flag_cannot_take() -> None:
+    helps = _serve_helps()
     twice = [flag for flag, text in helps.items() if len(re.findall(r"(?i)\bdefault(?:: | `)", text)) > 1]
     assert twice == []  # `Default: 32 without CUDA, ...` then `default: None`
     untakeable = [flag for flag, text in helps.items() if "default: None" in text and "none for None" not in text]
     assert untakeable == []
     assert "default: None; none for None" in helps["--epsilon-high"]  # `--epsilon-high none` gives it
     assert "[default: info]" in helps["--log-level"]
+
+
+def _parses_as_duration(text: str) -> bool:
+    try:
+        parse_duration(text)
+    except ValueError:
+        return False
+    return True
+
+
+def test_the_every_help_names_each_unit_and_the_bounds_the_parser_takes() -> None:
+    # it showed `30s`, `10m`, `2h`: neither `d` (days) nor the shortest and longest interval the parser takes
+    text = _serve_helps()["--every"]
+    accepted = {unit for unit in string.ascii_lowercase if _parses_as_duration(f"1{unit}")}
+    assert {unit for unit, _ in re.findall(r"\b([a-z]) \((\w+)\)", text)} == accepted == {"s", "m", "h", "d"}
+    bounds = re.search(r"at least (\S+), at most (\S+?)\.? \[", text)
+    assert bounds is not None, text
+    assert [parse_duration(bound) for bound in bounds.groups()] == [SHORTEST_INTERVAL_S, LONGEST_INTERVAL_S]
+
+
+def _said(value: float, text: str) -> bool:
+    """Whether `text` names the number `value` (as `0.1`, `65535`, `31536000`), not as part of another number."""
+    return any(re.search(rf"(?<![\d.]){re.escape(shown)}(?!\d)", text) for shown in {f"{value:g}", f"{value:.0f}"})
+
+
+def test_the_help_of_each_setting_names_the_bounds_its_value_is_checked_against() -> None:
+    # a port past 65535, a --max-model-len under 16, a --poll-seconds outside 0.1 s to 365 days and a
+    # --train-step-timeout past 604500 s were refused at start, with help that named none of these bounds
+    helps = _serve_helps()
+    unsaid = []
+    for flag, (name, kind) in _SETTINGS_FLAGS.items():
+        for constraint in TrainerSettings.model_fields[name].metadata:
+            for bound in ("ge", "gt", "le", "lt"):
+                value = getattr(constraint, bound, None)
+                obvious = value == 0 or (value == 1 and kind is int)  # a positive count or time
+                if value is not None and not obvious and not _said(value, helps[flag]):
+                    unsaid.append(f"{flag} {bound} {value}")
+    assert unsaid == []
 
 
 def test_the_vllm_dtype_help_quotes_the_measured_bf16_speed_up() -> None:

@@ -816,3 +816,47 @@ async def test_an_eval_logs_its_progress(caplog: pytest.LogCaptureFixture) -> No
         "eval of agent@1: 4 of 8 prompts scored", "eval of agent@1: 6 of 8 prompts scored",
         "eval of agent@1: mean reward 0.5000 on 8 prompts x 2 samples"]
     await evaluator.aclose()
+
+
+async def test_a_stopped_eval_gives_up_an_engine_that_never_answers_and_asks_it_nothing_after() -> None:
+    # a shutdown waited for the eval client's 600 s timeout on a vLLM that took the request and never answered
+    asked: list[str] = []
+    never = asyncio.Event()
+
+    async def hung(request: httpx.Request) -> httpx.Response:
+        asked.append(json.loads(request.content)["model"])
+        await never.wait()
+        raise AssertionError("the engine never answers")
+
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": "3 + 4?"}]}]
+
+    evaluator = Evaluator(source, lambda row, text: 1.0, "http://engine", transport=httpx.MockTransport(hung))
+    evaluation = asyncio.ensure_future(evaluator.evaluate("agent@1"))
+    while not asked:
+        await asyncio.sleep(0.01)
+    started = time.monotonic()
+    evaluator.stop(0.2)
+    with pytest.raises(EvalError, match="given up: the service is shutting down"):
+        await evaluation
+    assert 0.2 <= time.monotonic() - started < 2
+    with pytest.raises(EvalError, match="given up: the service is shutting down"):
+        await evaluator.evaluate("base-model")
+    assert asked == ["agent@1"]  # the later eval asked the engine nothing
+    await evaluator.aclose()
+
+
+async def test_an_eval_request_that_timed_out_says_so() -> None:
+    # httpx's timeouts carry no message: the decision's reason ended in "for agent@1: " and said nothing more
+    def timed_out(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("", request=request)
+
+    async def source() -> list[dict[str, Any]]:
+        return [{"messages": [{"role": "user", "content": "3 + 4?"}]}]
+
+    evaluator = Evaluator(source, lambda row, text: 1.0, "http://engine", transport=httpx.MockTransport(timed_out))
+    with pytest.raises(EvalError) as info:
+        await evaluator.evaluate("agent@1")
+    said = "the engine did not answer an eval prompt for agent@1: ReadTimeout: no answer within 600 s"
+    assert str(info.value) == said
+    await evaluator.aclose()

@@ -19,9 +19,8 @@ import torch
 
 from collector.protocol import Batch
 from tests.collector.seeding import group_spans, make_app
-from tests.trainer_service.builders import FakeEngine, group, lora_params, make_service, make_trainer
+from tests.trainer_service.builders import FakeEngine, NoProcessVLLM, group, lora_params, make_service, make_trainer
 from trainer_service.config import TrainerSettings
-from trainer_service.engine import VLLMEngine
 from trainer_service.engine_errors import EngineError
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.protocol import ServiceError, StatusResponse
@@ -505,13 +504,6 @@ async def test_shutdown_lets_a_running_step_finish_and_starts_no_new_one(tmp_pat
     assert info.value.status == 503 and info.value.body.error.code == "shutting_down"
 
 
-class _HungVLLM(VLLMEngine):
-    """The real engine (its lock, its `stop`), with a `start` that runs no process: its port is `_hang`'s."""
-
-    def start(self) -> None:
-        pass
-
-
 def _hang(listener: socket.socket, asked: threading.Event) -> None:
     """A vLLM that takes a request and never answers: accept one connection of `listener`, set `asked` once an adapter
     load arrived on it, then read until the client leaves."""
@@ -535,7 +527,7 @@ async def test_shutdown_gives_up_a_hot_load_vllm_never_answers_and_keeps_the_che
     service = make_service(tmp_path, batches, acks, releases=releases)
     assert service.trainer is not None
     with socket.create_server(("127.0.0.1", 0)) as listener:
-        engine = _HungVLLM("tiny-llama", "base-model", listener.getsockname()[1], log_path=tmp_path / "vllm.log")
+        engine = NoProcessVLLM("tiny-llama", "base-model", listener.getsockname()[1], log_path=tmp_path / "vllm.log")
         service.engine = service.retention.engine = engine
         asked = threading.Event()
         threading.Thread(target=_hang, args=(listener, asked), daemon=True).start()
