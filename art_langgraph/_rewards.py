@@ -23,8 +23,8 @@ _UUID_TEXT_LENGTH = 36
 def _rollout_key(rollout_id: str | uuid.UUID | None) -> str | None:
     """Rollout ids are hex strings; a `uuid.UUID` (a LangChain `run_id`) becomes its hex, and so does its text with
     dashes (`str(run_id)`, as an app stores it), which named no trajectory: the reward was kept, never applied. Any
-    other id is sent as given: the collector keys a trajectory by the exact `art.rollout.id` its spans carry, which
-    another tracer may write in upper case."""
+    other id is sent as given: the collector keys a UUID's text in any form by its 32 lower-case hex digits, and any
+    other id exactly as the spans' `art.rollout.id` carries it."""
     if isinstance(rollout_id, uuid.UUID):
         return rollout_id.hex
     if isinstance(rollout_id, str) and len(rollout_id) == _UUID_TEXT_LENGTH:

@@ -1,8 +1,8 @@
 """Spans → trajectory: pure functions, no I/O.
 
-A trajectory is identified by `art.rollout.id` (every span inside a rollout carries it) or,
-for model calls outside any rollout, by its trace id. Its LLM spans, in start-time order,
-become token sequences (`collector.sequences`). Model calls of other instrumentations (see
+A trajectory is identified by `art.rollout.id` (every span inside a rollout carries it; a UUID's text in any form
+as its 32 hex digits, `spans.rollout_key`) or, for model calls outside any rollout, by its trace id. Its LLM spans,
+in start-time order, become token sequences (`collector.sequences`). Model calls of other instrumentations (see
 `collector.foreign`) carry no token ids: their trajectories are not token-exact.
 
 No model call counts twice when the app also sends another instrumentation's spans: a foreign
@@ -30,7 +30,7 @@ from collector.groups import TrainingReward
 from collector.otlp import SpanRecord
 from collector.protocol import DOT_SEGMENT_PROBLEM, MAX_COUNT, MAX_ID_LENGTH, Trajectory, has_dot_segment
 from collector.sequences import build_sequences
-from collector.spans import COUNTS, read_json, unique_sorted, warn_once, whole_number
+from collector.spans import COUNTS, read_json, rollout_key, unique_sorted, warn_once, whole_number
 
 __all__ = [
     "FactsDigest",
@@ -70,10 +70,11 @@ class TrajectoryFacts:
 
 
 def trajectory_key(span: SpanRecord) -> tuple[str, bool]:
-    """The trajectory a span belongs to: (`art.rollout.id`, True) or (trace id, False)."""
+    """The trajectory a span belongs to: (`art.rollout.id` as the store keys it, `rollout_key`, True) or (trace id,
+    False)."""
     rollout_id = span.attributes.get(sc.ROLLOUT_ID)
     if isinstance(rollout_id, str) and rollout_id:
-        return rollout_id, True
+        return rollout_key(rollout_id), True
     return span.trace_id, False
 
 

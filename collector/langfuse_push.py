@@ -71,7 +71,7 @@ def _score_id(trajectory_id: str, created_at: float, name: str) -> str:
     """The id of the score pushed for the reward `name` of the trajectory `trajectory_id` that the store created at
     `created_at`: the same on every push and replica, and another for a later trajectory of the same id (a deleted
     one's), so that a deletion of the earlier one's score that Langfuse applies late cannot delete it. Scores pushed
-    before this derivation keep their recorded ids (`ScoringStore.pushed`)."""
+    before this derivation keep their recorded ids (`ScoringStore.pushed_in`)."""
     return str(uuid.uuid5(uuid.NAMESPACE_URL, f"art-langgraph:{trajectory_id}:{name}:{created_at!r}"))
 
 

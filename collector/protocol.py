@@ -274,7 +274,11 @@ class ReleaseRequest(RequestBody):
 class RewardIn(RequestBody):
     """Body of `POST /v1/rewards`: one named reward for one trajectory."""
 
-    rollout_id: Name | None = Field(default=None, description="Trajectory id; or give trace_id.")
+    rollout_id: Name | None = Field(
+        default=None,
+        description="Trajectory id (a UUID's text in any form, dashed, braced, `urn:uuid:` or upper case, names the "
+        "trajectory of its 32 lower-case hex digits, as in a span's `art.rollout.id`); or give trace_id.",
+    )
     trace_id: TraceId | None = Field(
         default=None, description="Trace id (32 hex digits, either case), when the rollout id is unknown."
     )
@@ -342,7 +346,7 @@ class BatchStatus(BaseModel):
 class RewardAccepted(BaseModel):
     """Answer of `POST /v1/rewards`: the stored reward, and whether its trajectory is known yet."""
 
-    rollout_id: str | None
+    rollout_id: str | None = Field(description="The trajectory id as stored: a UUID's as its 32 lower-case hex digits.")
     trace_id: str | None
     name: str
     value: float

@@ -11,6 +11,7 @@ import datetime as dt
 import json
 import time
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -37,6 +38,7 @@ from sqlalchemy import (
 from collector.assembly import FactsDigest
 from collector.engine import chunks
 from collector.otlp import SpanRecord
+from collector.spans import rollout_key
 
 __all__ = [
     "MIGRATIONS",
@@ -73,7 +75,8 @@ spans = Table(
     # dropped the index of `trace_id` alone
     Column("span_id", String(16), nullable=False),
     Column("trace_id", String(32), nullable=False),
-    Column("trajectory_id", String(256), nullable=False),  # rollout id, else trace id
+    # rollout id (version 15: a UUID's text in any form as its 32 hex digits, `spans.rollout_key`), else trace id
+    Column("trajectory_id", String(256), nullable=False),
     Column("name", Text, nullable=False),
     Column("start_ns", BigInteger, nullable=False),
     Column("end_ns", BigInteger, nullable=False),
@@ -483,8 +486,203 @@ def _v14(conn: Connection) -> None:
     ))
 
 
+def _rename(conn: Connection, renames: dict[str, list[str | None]], column: Column[str], *also: Column[Any]) -> None:
+    """In each row whose `column` holds a key of `renames`, set `column` and then each of `also` to that key's values,
+    in order: one statement for the table, which reads the renames from a temporary table, not one per renamed value
+    (PostgreSQL plans each execution anew, `collector.engine`)."""
+    if not renames:
+        return
+    names = [f"new_{i}" for i in range(1 + len(also))]
+    columns = [Column("old", Text, primary_key=True), *(Column(name, Text) for name in names)]
+    given = Table("v15_renames", MetaData(), *columns, prefixes=["TEMPORARY"])
+    given.create(conn)
+    for chunk in chunks(sorted(renames.items())):
+        conn.execute(given.insert(), [{"old": old, **dict(zip(names, new, strict=True))} for old, new in chunk])
+    conn.execute(column.table.update().where(column.in_(select(given.c.old))).values({
+        target.name: select(given.c[name]).where(given.c.old == column).scalar_subquery()
+        for target, name in zip((column, *also), names, strict=True)
+    }))
+    given.drop(conn)
+
+
+def _rewrite(conn: Connection, column: Column[str], rename: Callable[[str], str]) -> None:
+    """Set `column` to `rename(value)` in the rows of each stored value that `rename` changes."""
+    values = conn.execute(select(column).where(column.is_not(None)).distinct()).scalars()
+    _rename(conn, {value: [new] for value in values if (new := rename(value)) != value}, column)
+
+
+def _rekey_groups(conn: Connection) -> dict[str, str]:
+    """Version 15's groups: an instance whose key is the id of its one trajectory (no `art.group`, no task) and a UUID's
+    text that `rollout_key` rewrites takes that key, and the id its instance would have had under it (the key, or
+    `key#n` after it) unless another group has it (trajectories merged): then the first `key#n` free. The rows that
+    name it follow (batch memberships, trajectories, judge runs and judgements); returns the new ids by old id."""
+    fallback = conn.execute(
+        select(groups.c.id, groups.c.key).where(groups.c.explicit.is_(False), groups.c.task.is_(None))
+        .order_by(groups.c.created_at, groups.c.id)
+    )
+    moving = [(group_id, key) for group_id, key in fallback if rollout_key(key) != key]
+    wanted = {old: rollout_key(key) + old[len(key):] for old, key in moving}
+    in_use: dict[str, bool] = {}  # whether a group id is taken, as far as known
+    for chunk in chunks(sorted(set(wanted.values()))):
+        found = set(conn.execute(select(groups.c.id).where(groups.c.id.in_(chunk))).scalars())
+        in_use.update({group_id: group_id in found for group_id in chunk})
+
+    def taken(group_id: str) -> bool:
+        if group_id not in in_use:
+            in_use[group_id] = conn.execute(select(groups.c.id).where(groups.c.id == group_id)).first() is not None
+        return in_use[group_id]
+
+    new_ids: dict[str, str] = {}
+    for old, key in moving:
+        group_id, n = wanted[old], 2
+        while taken(group_id):
+            group_id, n = f"{rollout_key(key)}#{n}", n + 1
+        in_use[group_id] = True
+        new_ids[old] = group_id
+    # a batch's membership references its group: taken out while the group's key changes, then put back
+    held = []
+    for chunk in chunks(sorted(new_ids)):
+        membership = batch_groups.c.group_id.in_(chunk)
+        held += [{"batch_id": batch_id, "group_id": new_ids[old]} for batch_id, old in
+                 conn.execute(select(batch_groups.c.batch_id, batch_groups.c.group_id).where(membership))]
+        conn.execute(batch_groups.delete().where(membership))
+    _rename(conn, {old: [new_ids[old], rollout_key(key)] for old, key in moving}, groups.c.id, groups.c.key)
+    for chunk in chunks(held):
+        conn.execute(batch_groups.insert(), chunk)
+    for column in (trajectories.c.group_id, judge_runs.c.group_id, judgements.c.group_id):
+        _rewrite(conn, column, lambda group_id: new_ids.get(group_id, group_id))
+    return new_ids
+
+
+def _rekey_trajectories(conn: Connection, new_ids: dict[str, str], now: float) -> set[str]:
+    """Version 15's trajectory rows: those of the ids `new_ids` rewrites, with the row of each new id where one is
+    stored (a trajectory of its hex digits, or a trace of that id), become one row per new id; returns the ids of the
+    rows merged (of the new ids that had several).
+
+    One row is renamed only, its group key too where that was its id (`FactsDigest.facts` under the new id). Several
+    merge as an export of all their spans under the new id would have made them: the row of the first placed in a
+    group (created first; the others' groups lose them) is kept, with the digest of them all, created when the first
+    was, changed now (a late ack of a lease that held one finds it changed), its policy step computed again on the
+    next curve read; the others are deleted."""
+    columns = (trajectories.c.id, trajectories.c.group_id, trajectories.c.group_key, trajectories.c.by_rollout,
+               trajectories.c.complete, trajectories.c.created_at, trajectories.c.digest)
+    found: dict[str, list[dict[str, Any]]] = {}
+    for ids in (sorted(new_ids), sorted(set(new_ids.values()))):
+        for chunk in chunks(ids):
+            for row in conn.execute(select(*columns).where(trajectories.c.id.in_(chunk))).mappings():
+                found.setdefault(new_ids.get(row["id"], row["id"]), []).append(dict(row))
+    gone: list[str] = []
+    renamed: dict[str, list[str | None]] = {}
+    merged: list[dict[str, Any]] = []
+    for key, rows in sorted(found.items()):
+        rows.sort(key=lambda row: (row["created_at"], row["id"]))
+        kept = next((row for row in rows if row["group_id"] is not None), rows[0])
+        group_key = FactsDigest.from_json(kept["digest"]).facts(key).group_key if kept["group_key"] else None
+        if len(rows) == 1:
+            renamed[kept["id"]] = [key, group_key]
+            continue
+        gone += [row["id"] for row in rows if row is not kept]
+        digest = FactsDigest()
+        for row in rows:
+            digest.merge(FactsDigest.from_json(row["digest"]))
+        merged.append({
+            "old": kept["id"], "new": key, "new_group_key": group_key,
+            "new_by_rollout": any(row["by_rollout"] for row in rows),
+            "new_complete": any(row["complete"] for row in rows), "new_created_at": rows[0]["created_at"],
+            "new_digest": digest.to_json(),
+        })
+    _rename(conn, renamed, trajectories.c.id, trajectories.c.group_key)
+    for chunk in chunks(sorted(gone)):  # first: the row of the new id itself may be one
+        conn.execute(trajectories.delete().where(trajectories.c.id.in_(chunk)))
+    statement = trajectories.update().where(trajectories.c.id == bindparam("old")).values(
+        id=bindparam("new"), group_key=bindparam("new_group_key"), by_rollout=bindparam("new_by_rollout"),
+        complete=bindparam("new_complete"), created_at=bindparam("new_created_at"), updated_at=now,
+        digest=bindparam("new_digest"), policy_step=None, policy_step_spans=None,
+    )
+    for chunk in chunks(merged):
+        conn.execute(statement, chunk)
+    return {row["id"] for rows in found.values() if len(rows) > 1 for row in rows}
+
+
+def _rekey_judgements(conn: Connection, new_ids: dict[str, str], merged: set[str]) -> None:
+    """Version 15's judgements: those of merged trajectories are dropped with their groups' judge runs, so the judge
+    scores the merged one afresh (as it does the members a deleted trajectory leaves); the others follow their
+    trajectory's new id (`trajectory_id`, `duplicate_of`)."""
+    for chunk in chunks(sorted(merged)):
+        judged = judgements.c.trajectory_id.in_(chunk)
+        runs = sorted(set(conn.execute(select(judgements.c.group_id).where(judged)).scalars()))
+        conn.execute(judgements.delete().where(judged))
+        for runs_chunk in chunks(runs):
+            conn.execute(judge_runs.delete().where(judge_runs.c.group_id.in_(runs_chunk)))
+    for column in (judgements.c.trajectory_id, judgements.c.duplicate_of):
+        _rewrite(conn, column, lambda trajectory_id: new_ids.get(trajectory_id, trajectory_id))
+
+
+def _rekey_pushed(conn: Connection, new_ids: dict[str, str], now: float) -> None:
+    """Version 15's records of scores pushed to Langfuse: each follows its trajectory's new id and keeps its score
+    (pushed again with the new id once its value changes); where that id has a record of the same name already
+    (trajectories merged), it keeps the old id, which no trajectory has any more, marked to delete now. A record marked
+    to delete already (a deleted trajectory's) keeps the old id too."""
+    taken: set[tuple[str, str]] = set()
+    for chunk in chunks(sorted(set(new_ids.values()))):
+        query = select(langfuse_pushed.c.trajectory_id, langfuse_pushed.c.name)
+        taken.update((tid, name) for tid, name in conn.execute(query.where(langfuse_pushed.c.trajectory_id.in_(chunk))))
+    moved, retracted = [], []
+    for chunk in chunks(sorted(new_ids)):
+        query = select(langfuse_pushed.c.trajectory_id, langfuse_pushed.c.name).where(
+            langfuse_pushed.c.trajectory_id.in_(chunk), langfuse_pushed.c.retract_at.is_(None)
+        ).order_by(langfuse_pushed.c.trajectory_id, langfuse_pushed.c.name)
+        for old, name in conn.execute(query):
+            record = {"old": old, "old_name": name, "new": new_ids[old]}
+            (retracted if (new_ids[old], name) in taken else moved).append(record)
+            taken.add((new_ids[old], name))
+    record = langfuse_pushed.c.trajectory_id == bindparam("old"), langfuse_pushed.c.name == bindparam("old_name")
+    for rows, statement in ((moved, langfuse_pushed.update().where(*record).values(trajectory_id=bindparam("new"))),
+                            (retracted, langfuse_pushed.update().where(*record).values(retract_at=now))):
+        for chunk in chunks(rows):
+            conn.execute(statement, chunk)
+
+
+def _rewrite_members(conn: Connection, group_ids: dict[str, str], trajectory_ids: dict[str, str]) -> None:
+    """Version 15's leases: the members each batch recorded (`batches.members`, `{group id: [trajectory ids]}`) under
+    the groups' and trajectories' new ids (trajectories merged into one are listed once)."""
+    if not group_ids and not trajectory_ids:
+        return
+    changed = []
+    recorded = select(batches.c.id, batches.c.members).where(batches.c.members.is_not(None))
+    for batch_id, members in conn.execute(recorded):
+        before = json.loads(members)
+        after = {group_ids.get(group, group): sorted({trajectory_ids.get(t, t) for t in ids})
+                 for group, ids in before.items()}
+        if after != before:
+            changed.append({"batch": batch_id, "new": json.dumps(after, sort_keys=True)})
+    statement = batches.update().where(batches.c.id == bindparam("batch")).values(members=bindparam("new"))
+    for chunk in chunks(changed):
+        conn.execute(statement, chunk)
+
+
+def _v15(conn: Connection) -> None:
+    """Version 15: every rollout id stored as a UUID's text in another form than its 32 lower-case hex digits (with
+    dashes, in braces, after `urn:uuid:`, in upper case) rewritten as those digits, as `spans.rollout_key` keys spans
+    and rewards from this version on: before it, a reward by the hex id (which `art_langgraph.reward` sends for a
+    UUID) never reached a trajectory whose spans wrote the id with dashes. Any other id is left as written. Rewritten:
+    the groups keyed by such an id (`_rekey_groups`), the trajectories (rows of one UUID in several forms merge,
+    `_rekey_trajectories`), their spans and rewards, judgements, records of scores pushed to Langfuse and the members
+    each lease recorded."""
+    now = time.time()
+    group_ids = _rekey_groups(conn)
+    rollouts = conn.execute(select(trajectories.c.id).where(trajectories.c.by_rollout.is_(True))).scalars()
+    new_ids = {old: new for old in rollouts if (new := rollout_key(old)) != old}
+    merged = _rekey_trajectories(conn, new_ids, now)
+    for column in (spans.c.trajectory_id, rewards.c.rollout_id):
+        _rewrite(conn, column, rollout_key)
+    _rekey_judgements(conn, new_ids, merged)
+    _rekey_pushed(conn, new_ids, now)
+    _rewrite_members(conn, group_ids, new_ids)
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [
-    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13, _v14,
+    _v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

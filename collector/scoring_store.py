@@ -36,7 +36,7 @@ def _insert(conn: Connection, table: Table) -> postgresql.Insert | sqlite.Insert
 
 
 class PushedScore(NamedTuple):
-    """The record of a reward pushed to Langfuse as a score (`ScoringStore.pushed`)."""
+    """The record of a reward pushed to Langfuse as a score (`ScoringStore.pushed_in`)."""
 
     value: float
     """The value last pushed."""
@@ -273,11 +273,6 @@ class ScoringStore:
                 found.update(conn.execute(query).scalars())
         return found
 
-    def pushed(self) -> dict[tuple[str, str], PushedScore]:
-        """What was pushed to Langfuse, by (trajectory id, reward name) (`pushed_in`)."""
-        with self.engine.connect() as conn:
-            return self.pushed_in(conn)
-
     @staticmethod
     def pushed_in(conn: Connection) -> dict[tuple[str, str], PushedScore]:
         """What was pushed to Langfuse, by (trajectory id, reward name), read on `conn`; not the scores marked to
@@ -317,11 +312,6 @@ class ScoringStore:
         """`work(conn)` in a transaction that only reads, every statement of it on one snapshot of the database
         (`Transactions.read`)."""
         return self._tx.read(work)
-
-    def created_at(self) -> dict[str, float]:
-        """When each stored trajectory was created (its row first written), by id."""
-        with self.engine.connect() as conn:
-            return {tid: created for tid, created in conn.execute(select(trajectories.c.id, trajectories.c.created_at))}
 
     @staticmethod
     def retract_pushed(conn: Connection, trajectory_ids: list[str], at: float) -> None:
@@ -370,11 +360,11 @@ class ScoringStore:
 
     def mark_pushed(self, rows: list[dict[str, Any]], retract_at: float) -> None:
         """Remember pushed scores (trajectory_id, name, value, score_id, pushed_at: the score's timestamp; created_at:
-        when the trajectory the push read was created, `created_at`), clearing a mark to delete them (`retract_pushed`)
-        that a deletion set after the push read the records: the score sent is the later value of the same one. Except
-        where that trajectory is gone by now, deleted while its score was pushed (re-created since, of the same id, too:
-        its `created_at` is another): such a record is marked to be deleted at `retract_at`, as the score sent may be
-        the deleted one's."""
+        when the trajectory the push read was created, `trajectory_rows`), clearing a mark to delete them
+        (`retract_pushed`) that a deletion set after the push read the records: the score sent is the later value of
+        the same one. Except where that trajectory is gone by now, deleted while its score was pushed (re-created since,
+        of the same id, too: its `created_at` is another): such a record is marked to be deleted at `retract_at`, as
+        the score sent may be the deleted one's."""
         if not rows:
             return
         with self.engine.begin() as conn:

@@ -1,5 +1,5 @@
-"""Readers of span records that assembly and sequence building share: trajectory order, whole numbers, and the
-warnings about a span's values, logged once."""
+"""Readers of span records that assembly and sequence building share: trajectory order, whole numbers, the rollout
+key, and the warnings about a span's values, logged once."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from collector.otlp import SpanRecord
 from collector.protocol import MAX_COUNT, without_surrogates
 
 __all__ = [
-    "COUNTS", "WARNINGS_KEPT", "forget_warnings", "read_json", "unique_sorted", "warn_once", "whole_number",
-    "without_surrogates",
+    "COUNTS", "WARNINGS_KEPT", "forget_warnings", "read_json", "rollout_key", "unique_sorted", "warn_once",
+    "whole_number", "without_surrogates",
 ]
 
 COUNTS = {sc.GROUP_SIZE: 1, sc.POLICY_STEP: 0}
@@ -40,6 +40,21 @@ def whole_number(value: Any, low: int) -> int | None:
     if isinstance(value, float) and not value.is_integer():  # also NaN and the infinities
         return None
     return int(value) if low <= value <= MAX_COUNT else None
+
+
+_UUID = "[0-9a-f]{32}|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+_UUID_TEXT = re.compile(rf"(?:urn:uuid:)?(?P<bare>{_UUID})|\{{(?P<braced>{_UUID})\}}", re.IGNORECASE | re.ASCII)
+"""A UUID's text in any of its usual forms: 32 hex digits or 8-4-4-4-12 with dashes, bare, after `urn:uuid:` or in
+braces, in either case (ASCII letters only)."""
+
+
+def rollout_key(rollout_id: str) -> str:
+    """The key the store gives a rollout id (`art.rollout.id`, a reward's `rollout_id`): a UUID's text in any of its
+    forms (`_UUID_TEXT`: `123E4567-E89B-...`, `{...}`, `urn:uuid:...`) becomes its 32 lower-case hex digits, as the
+    plugin writes its own ids (`uuid4().hex`) and sends a `uuid.UUID` (`reward(rollout_id=run_id)`), so that every form
+    of one UUID names one trajectory; any other id is kept exactly as written."""
+    found = _UUID_TEXT.fullmatch(rollout_id)
+    return (found["bare"] or found["braced"]).replace("-", "").lower() if found else rollout_id
 
 
 def read_json(text: str) -> Any:

@@ -50,6 +50,7 @@ from collector.protocol import (
     Trajectory,
 )
 from collector.schema import groups, migrate, rewards, spans, trajectories
+from collector.spans import rollout_key
 from collector.store_base import Store
 from collector.transactions import GROUP_LOCKS, IDEMPOTENCY_LOCKS, TRAJECTORY_LOCKS, Transactions
 
@@ -241,6 +242,10 @@ class SqlStore(Store):
             raise ValueError(f"{len(score_ids)} score ids for {len(rewards)} rewards: give one per reward")
         if any(not reward.rollout_id and not reward.trace_id for reward in rewards):
             raise InvalidRequest("a reward needs `rollout_id` or `trace_id`")
+        rewards = [  # keyed as spans key their trajectory, and answered so (`spans.rollout_key`)
+            reward.model_copy(update={"rollout_id": rollout_key(reward.rollout_id)}) if reward.rollout_id else reward
+            for reward in rewards
+        ]
         items = list(zip(rewards, score_ids or [None] * len(rewards), strict=True))
 
         def work(conn: Connection) -> list[bool]:
@@ -359,8 +364,8 @@ class SqlStore(Store):
         return self._tx.read(work)
 
     def trajectory(self, trajectory_id: str) -> Trajectory | None:
-        """One assembled trajectory, or None."""
-        return self._read(lambda conn: store_reads.trajectory(conn, trajectory_id, self.training))
+        """One assembled trajectory, or None; a rollout id in any of a UUID's forms finds it (`spans.rollout_key`)."""
+        return self._read(lambda conn: store_reads.trajectory(conn, rollout_key(trajectory_id), self.training))
 
     def trajectories(self, *, group: str | None = None, task: str | None = None, split: str | None = None,
                      newest_first: bool = False, limit: int | None = None, offset: int = 0) -> list[Trajectory]:

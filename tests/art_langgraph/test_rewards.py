@@ -243,7 +243,7 @@ async def test_a_run_id_given_as_its_text_names_its_rollout(reward_server: list)
     reward(0.5, rollout_id=str(run_id))
     await art_langgraph.areward(0.25, rollout_id=str(run_id).upper())
     reward(1.0, rollout_id="x" * 36)  # no UUID's text: an id of its own, sent as given
-    reward(1.0, rollout_id="A" * 32)  # another tracer's id in upper case: sent as given, the collector keys it so
+    reward(1.0, rollout_id="A" * 32)  # another tracer's id in upper case: sent as given (the collector lowers it)
     assert [body["rollout_id"] for _, body, _ in reward_server] == [run_id.hex, run_id.hex, "x" * 36, "A" * 32]
 
 

@@ -433,6 +433,25 @@ def test_trajectory_key() -> None:
     assert trajectory_key(llm(1, rollout=None, start=1, prompt=[1], completion=[2])) == (TRACE, False)
 
 
+_UUID = "123e4567-e89b-12d3-a456-426614174000"
+
+
+def test_a_rollout_id_that_is_a_uuid_keys_its_trajectory_by_its_hex_digits() -> None:
+    """Every usual text form of one UUID names one trajectory, of the 32 lower-case hex digits the plugin writes and
+    sends (before, a reward by them never reached a trajectory another tracer wrote with dashes). Text that
+    `uuid.UUID` would read too but is no such form (misplaced dashes, an underscore, white space, a non-ASCII letter
+    that folds to hex, `urn:uuid:` with braces) is an id of its own, kept as written, as any other id."""
+    hex_digits = _UUID.replace("-", "")
+    uuids = [_UUID, _UUID.upper(), "{" + _UUID + "}", "{" + _UUID.upper() + "}", "urn:uuid:" + _UUID,
+             "URN:UUID:" + _UUID, hex_digits, hex_digits.upper(), "urn:uuid:" + hex_digits]
+    others = ["r1", "{" + _UUID, _UUID + "}", " " + _UUID, _UUID + "\n", "urn:uuid:{" + _UUID + "}", "uuid:" + _UUID,
+              _UUID.replace("-", "", 1), _UUID[:-1] + "g", _UUID[:-1] + "\u212a", "1_" + hex_digits[2:],
+              hex_digits[:-1], hex_digits + "0"]
+    keys = {written: trajectory_key(llm(1, rollout=written, start=1, prompt=[1], completion=[2])) for written in
+            uuids + others}
+    assert keys == {**{written: (hex_digits, True) for written in uuids}, **{other: (other, True) for other in others}}
+
+
 @pytest.mark.parametrize("value", [math.nan, math.inf, "1.0", None])
 def test_non_finite_reward_event_is_rejected(value: object) -> None:
     span = rollout(1, rewards={"reward": 0.0})

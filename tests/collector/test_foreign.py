@@ -58,6 +58,12 @@ EXPECTED = [
 ]
 
 
+def created_at(scoring: ScoringStore, trajectory_id: str) -> float:
+    """When the stored trajectory `trajectory_id` was created, as the Langfuse push reads it (a record of a score pushed
+    for it carries that time, `ScoringStore.mark_pushed`)."""
+    return next(row["created_at"] for row in scoring.read(ScoringStore.trajectory_rows) if row["id"] == trajectory_id)
+
+
 @pytest.fixture
 def export(tmp_path: Path) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
     """Record one span with the SDK, post it as OTLP protobuf, return the trajectory of its trace."""
@@ -601,7 +607,7 @@ def test_foreign_calls_stored_before_their_rollout_came_are_deleted_unless_lease
     scoring = ScoringStore(store.engine)
     pushed = clock.now
     scoring.mark_pushed([{"trajectory_id": TRACE_A, "name": "ruler", "value": 0.5, "score_id": "s",
-                          "pushed_at": pushed, "created_at": scoring.created_at()[TRACE_A]}],
+                          "pushed_at": pushed, "created_at": created_at(scoring, TRACE_A)}],
                         clock.now)  # its score pushed to Langfuse
     ours = _ours("r1", TRACE_A, 100)
     clock.now += 1

@@ -45,7 +45,7 @@ from tests.collector import fake_langfuse
 from tests.collector.conftest import Clock
 from tests.collector.seeding import group_spans, make_app, trace_id
 from tests.collector.span_builders import llm, sid
-from tests.collector.test_foreign import TRACE_A, _openinference_chain, _openinference_llm, _ours
+from tests.collector.test_foreign import TRACE_A, _openinference_chain, _openinference_llm, _ours, created_at
 from tests.collector.test_store_rewards import refuse_reward
 
 
@@ -567,7 +567,7 @@ def test_a_push_assembles_no_trajectory_and_sends_only_what_changed(
     _answers_lost(sync)
     with pytest.raises(LangfuseSyncError, match="unreachable"):
         sync.sync()
-    assert sent()["g-1"][1] == 0.4 and sync.scoring.pushed()[("g-1", "reward")].value == 0.7
+    assert sent()["g-1"][1] == 0.4 and sync.scoring.read(ScoringStore.pushed_in)[("g-1", "reward")].value == 0.7
     clock.now += 86400
     restarted = sync_for(store, url, **settings)  # a collector started since, on the same database
     restarted.clock = clock
@@ -606,7 +606,7 @@ def test_a_score_whose_push_lost_its_answer_stays_one_score_when_pushed_again_da
     create = _answers_lost(sync)
     with pytest.raises(LangfuseSyncError, match="unreachable"):
         sync.sync()
-    assert sync.scoring.pushed() == {} and [s["value"] for s in server.created.values()] == [1.0]
+    assert sync.scoring.read(ScoringStore.pushed_in) == {} and [s["value"] for s in server.created.values()] == [1.0]
     sync.client.scores.create = create
     clock.now += 86400
     store.add_reward(RewardIn(rollout_id="g-0", name="reward", value=value))
@@ -634,7 +634,7 @@ def test_a_score_langfuse_rejects_is_not_recorded_as_pushed_and_sent_again_later
     server.refused_traces = {trace_id("g", 1): "score rejected by validation"}
     result = sync.sync()
     assert (result.pushed, result.push_rejected) == (3, 1)
-    assert set(sync.scoring.pushed()) == {("g-0", "reward"), ("g-2", "reward")}
+    assert set(sync.scoring.read(ScoringStore.pushed_in)) == {("g-0", "reward"), ("g-2", "reward")}
     assert sorted(s["metadata"]["art.rollout.id"] for s in server.created.values()) == ["g-0", "g-2"]
     assert [method for method, _ in server.requests].count("POST") == 4  # the batch, then each score alone
     tries = []
@@ -649,7 +649,7 @@ def test_a_score_langfuse_rejects_is_not_recorded_as_pushed_and_sent_again_later
     server.refused_traces = {}  # Langfuse accepts it now
     clock.now += 60
     assert (sync.sync().pushed, sync.sync().pushed) == (1, 0)
-    assert sync.scoring.pushed()[("g-1", "reward")].value == 0.25
+    assert sync.scoring.read(ScoringStore.pushed_in)[("g-1", "reward")].value == 0.25
 
 
 def test_a_score_this_store_pushed_is_not_pulled_back_as_a_reward(
@@ -698,7 +698,7 @@ def test_a_score_pushed_for_a_trajectory_deleted_since_is_deleted_in_langfuse(
     assert (second.pushed, second.retracted) == (0, 1)
     assert ("DELETE", f"/api/public/scores/{foreign}") in server.requests
     assert [s["metadata"]["art.rollout.id"] for s in server.created.values()] == ["g-0"]
-    assert set(sync.scoring.pushed()) == {("g-0", "ruler")}
+    assert set(sync.scoring.read(ScoringStore.pushed_in)) == {("g-0", "ruler")}
     server.requests.clear()
     assert sync.sync().retracted == 0
     assert [method for method, _ in server.requests] == ["GET"]  # deleted once
@@ -776,7 +776,7 @@ def test_a_deletion_langfuse_fails_for_now_is_tried_again_later_and_blocks_no_pu
     result = sync.sync()
     assert (result.retracted, result.retract_failed) == (1, 0)
     assert [s["metadata"]["art.rollout.id"] for s in server.created.values()] == ["g-0"]
-    assert set(sync.scoring.pushed()) == {("g-0", "ruler")} and sync.scoring.to_retract() == []
+    assert set(sync.scoring.read(ScoringStore.pushed_in)) == {("g-0", "ruler")} and sync.scoring.to_retract() == []
 
 
 def test_the_retry_delay_grows_though_the_score_was_pushed_at_a_time_ahead_of_the_clock(
@@ -844,7 +844,7 @@ def test_a_deletion_langfuse_refuses_is_given_up_once(
         result = sync.sync()
         assert (result.retracted, result.retract_refused, result.retract_failed) == (0, 0, 0)
     assert asked == [foreign] and sync.scoring.to_retract() == []
-    assert set(sync.scoring.pushed()) == {("g-0", "ruler")}
+    assert set(sync.scoring.read(ScoringStore.pushed_in)) == {("g-0", "ruler")}
 
 
 def test_a_score_langfuse_no_longer_has_counts_as_deleted(
@@ -984,7 +984,7 @@ def test_a_later_trajectory_of_a_deleted_ones_id_pushes_its_score_once_the_delet
     assert (result.pushed, result.retracted) == (1, 0)
     ours = {s["id"]: s["value"] for s in server.created.values() if s["metadata"]["art.rollout.id"] == TRACE_A}
     assert list(ours.values()) == [value] and foreign not in ours
-    record = sync.scoring.pushed()[(TRACE_A, "ruler")]
+    record = sync.scoring.read(ScoringStore.pushed_in)[(TRACE_A, "ruler")]
     assert sync.scoring.to_retract() == [] and (record.value, record.score_id) == (value, next(iter(ours)))
 
 
@@ -999,7 +999,7 @@ def test_a_score_pushed_before_its_id_changed_keeps_it(
     store.add_spans(group_spans("g", ["7"]))
     store.add_reward(RewardIn(rollout_id="g-0", name="ruler", value=0.5))
     sync.scoring.mark_pushed([{"trajectory_id": "g-0", "name": "ruler", "value": 0.5, "score_id": "earlier",
-                               "pushed_at": clock.now, "created_at": sync.scoring.created_at()["g-0"]}], clock.now)
+                               "pushed_at": clock.now, "created_at": created_at(sync.scoring, "g-0")}], clock.now)
     store.add_reward(RewardIn(rollout_id="g-0", name="ruler", value=0.7))
     assert sync.sync().pushed == 1
     assert [(s["id"], s["value"]) for s in server.created.values()] == [("earlier", 0.7)]
@@ -1034,7 +1034,7 @@ def test_a_score_pushed_while_its_trajectory_is_deleted_is_deleted(
     assert (result.pushed, result.retracted) == (1, 0) and len(server.created) == 1
     clock.now += INGEST_DELAY
     assert sync.sync().retracted == 1
-    assert server.created == {} and sync.scoring.pushed() == {} and sync.scoring.to_retract() == []
+    assert server.created == {} and sync.scoring.read(ScoringStore.pushed_in) == {} and sync.scoring.to_retract() == []
 
 
 def _ingested_later(sync: LangfuseSync, server: fake_langfuse.FakeLangfuse,
@@ -1072,7 +1072,7 @@ def test_a_score_pushed_while_its_trajectory_is_deleted_is_deleted_once_langfuse
     sync.client.scores.create = create
     clock.now += INGEST_DELAY
     sync.sync()
-    assert server.created == {} and sync.scoring.pushed() == {} and sync.scoring.to_retract() == []
+    assert server.created == {} and sync.scoring.read(ScoringStore.pushed_in) == {} and sync.scoring.to_retract() == []
 
 
 def test_a_score_pushed_just_before_its_trajectory_is_deleted_is_deleted_once_langfuse_has_it(
@@ -1096,7 +1096,7 @@ def test_a_score_pushed_just_before_its_trajectory_is_deleted_is_deleted_once_la
     server.created.update(ingesting)  # Langfuse ingests the push
     clock.now += INGEST_DELAY
     assert sync.sync().retracted == 1
-    assert server.created == {} and sync.scoring.pushed() == {} and sync.scoring.to_retract() == []
+    assert server.created == {} and sync.scoring.read(ScoringStore.pushed_in) == {} and sync.scoring.to_retract() == []
 
 
 def test_a_score_pushed_again_just_before_its_trajectory_is_deleted_is_deleted_once_langfuse_has_it_again(
@@ -1123,7 +1123,7 @@ def test_a_score_pushed_again_just_before_its_trajectory_is_deleted_is_deleted_o
     server.created.update(ingesting)  # Langfuse ingests the second push
     clock.now += INGEST_DELAY
     assert sync.sync().retracted == 1
-    assert server.created == {} and sync.scoring.pushed() == {} and sync.scoring.to_retract() == []
+    assert server.created == {} and sync.scoring.read(ScoringStore.pushed_in) == {} and sync.scoring.to_retract() == []
 
 
 def test_a_score_pushed_while_its_trajectory_is_deleted_and_created_again_is_deleted(
@@ -1151,7 +1151,7 @@ def test_a_score_pushed_while_its_trajectory_is_deleted_and_created_again_is_del
     assert (result.pushed, result.retracted) == (1, 0)
     clock.now += INGEST_DELAY
     assert sync.sync().retracted == 1
-    assert server.created == {} and sync.scoring.pushed() == {} and sync.scoring.to_retract() == []
+    assert server.created == {} and sync.scoring.read(ScoringStore.pushed_in) == {} and sync.scoring.to_retract() == []
     sync.client.scores.create = create
     store.add_reward(RewardIn(rollout_id=TRACE_A, name="ruler", value=0.8))  # the new trajectory's own
     assert sync.sync().pushed == 1

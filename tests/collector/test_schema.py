@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import uuid
 
 import pytest
 from sqlalchemy import text
@@ -594,3 +595,95 @@ def test_migration_from_version_13_indexes_the_idle_trajectories(db_url, clock) 
     assert [(t.id, t.complete) for t in store.trajectories(task="t")] == [(f"{30:032x}", True), (f"{40:032x}", True)]
     store.close()
     _started_again_and_fresh(url, db_url(), clock, versions, "trajectories", migrated)
+
+
+def test_migration_from_version_14_keys_uuid_rollout_ids_by_their_hex_digits(db_url, clock) -> None:
+    """Version 15 rewrites each rollout id stored as a UUID's text in another form (dashes, braces, `urn:uuid:`, upper
+    case) as its 32 lower-case hex digits, as spans and rewards are keyed from then on: before, a reward by the hex
+    digits (which `art_langgraph.reward` sends) never reached a trajectory whose spans wrote dashes. A collector of
+    version 14 stored this database (ids as written). Its spans, rewards (a reward waiting for its spans too), the
+    group keyed by such an id, a lease, judgements and pushed scores follow the new ids; two trajectories of one UUID
+    in two forms merge (spans, digest, the first one's group; their judgements dropped to judge afresh, the second
+    pushed score marked to delete); other ids stay as written; a second start changes nothing."""
+    from collector import assembly, schema
+    from collector import store as store_module
+    from collector.config import CollectorSettings
+    from collector.protocol import RewardIn
+    from collector.scoring_store import ScoringStore
+    from collector.store import SqlStore
+
+    url = db_url()
+    if url == "sqlite://":
+        pytest.skip("an in-memory SQLite database does not outlive its engine")
+    a, b = "123e4567-e89b-12d3-a456-426614174000", "A0B1C2D3-E4F5-4607-8819-2A3B4C5D6E7F"
+    m, early = "9f8e7d6c-5b4a-4392-8170-fedcba987654", "0c1d2e3f-4a5b-4c6d-8e7f-0a1b2c3d4e5f"
+    a_key, b_key, m_key, early_key = (uuid.UUID(value).hex for value in (a, b, m, early))
+    braced = "{" + m + "}"
+    settings = CollectorSettings(db=url, min_group_size=1, keep_zero_spread=True)
+    ungrouped = {"group": None, "size": None}
+    with pytest.MonkeyPatch.context() as version_14:  # the collector before version 15 kept every id as written
+        version_14.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:14])
+        version_14.setattr(schema, "SCHEMA_VERSION", 14)
+        for module in (assembly, store_module):
+            version_14.setattr(module, "rollout_key", lambda rollout_id: rollout_id, raising=False)
+        store = SqlStore(settings, clock=clock)
+        store.setup()
+        store.add_spans(trajectory(10, a, reward=1.0, group="t") + trajectory(20, "r1", reward=0.0, group="t"))
+        store.add_spans(trajectory(30, b, reward=0.5, **ungrouped))  # in the group keyed by its id
+        store.add_rewards([RewardIn(rollout_id=a, name="api", value=0.3),  # the exact id, as README said to send
+                           RewardIn(rollout_id="urn:uuid:" + early, name="early", value=0.4)])  # before its spans
+        batch = store.lease(BatchRequest(max_groups=4))
+        assert sorted(group.id for group in batch.groups) == sorted(["t", b])
+        clock.now += 1
+        store.add_spans(trajectory(40, braced, reward=0.2, **ungrouped))  # one UUID in two forms
+        clock.now += 1
+        store.add_spans(trajectory(50, m_key, reward=None, **ungrouped))
+        scoring = ScoringStore(store.engine)
+        judged = {"score": 0.5, "explanation": "fine", "block": 1, "created_at": 1.0}
+        scoring.save_judgements("ruler", "t", [{**judged, "trajectory_id": a, "duplicate_of": None},
+                                               {**judged, "trajectory_id": "r1", "duplicate_of": a}])
+        scoring.save_judgements("ruler", braced, [{**judged, "trajectory_id": braced, "duplicate_of": None}])
+        for group_id in ("t", braced):
+            assert scoring.claim_run({"group_id": group_id, "state": "ok", "attempts": 1, "error": None, "model": "j",
+                                      "trajectories": 1, "distinct_count": 1, "started_at": 1.0, "finished_at": 2.0,
+                                      "next_try_at": None, "max_tokens": None}, stale_before=0.0)
+        created = {row["id"]: row["created_at"] for row in scoring.read(ScoringStore.trajectory_rows)}
+        scoring.mark_pushed([{"trajectory_id": tid, "name": "reward", "value": 0.5, "score_id": f"s-{tid}",
+                              "pushed_at": 1.0, "created_at": created[tid]} for tid in (a, braced, m_key)], 0.0)
+        assert sorted(t.id for t in store.trajectories()) == sorted([a, b, braced, m_key, "r1"])
+        store.close()
+    store = SqlStore(settings, clock=clock)
+    store.setup()
+    with store.engine.connect() as conn:
+        versions = conn.execute(text("SELECT version, applied_at FROM schema_version ORDER BY version")).all()
+        assert [version for version, _ in versions] == list(range(1, SCHEMA_VERSION + 1))
+        assert sorted(conn.execute(text("SELECT DISTINCT trajectory_id FROM spans")).scalars()) == sorted(
+            [a_key, b_key, m_key, "r1"])
+        assert sorted(set(conn.execute(text("SELECT rollout_id FROM rewards")).scalars())) == sorted(
+            [a_key, b_key, m_key, early_key, "r1"])
+        assert sorted(conn.execute(text("SELECT id, key FROM groups")).all()) == sorted(
+            [("t", "t"), (b_key, b_key), (m_key, m_key), (f"{m_key}#2", m_key)])  # the first of m's took its id
+    assert sorted((t.id, t.group_id) for t in store.trajectories()) == sorted(
+        [(a_key, "t"), ("r1", "t"), (b_key, b_key), (m_key, f"{m_key}#2")])
+    merged = store.trajectory(m_key)
+    assert sorted(s.token_ids for s in merged.sequences) == [[1, 2, 40], [1, 2, 50]]
+    assert merged.rewards == {"reward": 0.2}
+    rows = {row["id"]: row for row in scoring.read(ScoringStore.trajectory_rows)}
+    assert rows[m_key]["created_at"] == created[braced] and rows[a_key]["created_at"] == created[a]
+    assert store.ack(batch.id, 1).groups == sorted(["t", b_key])  # the lease taken before holds them as they were
+    assert store.trajectory(a).rewards == {"reward": 1.0, "api": 0.3}
+    assert store.add_reward(RewardIn(rollout_id=a_key, name="plugin", value=0.9)).trajectory_known
+    assert store.trajectory(b).id == b_key
+    assert {(row["trajectory_id"], row["duplicate_of"]) for row in scoring.judgements([a_key, "r1", m_key])[a_key]
+            + scoring.judgements(["r1"])["r1"]} == {(a_key, None), ("r1", a_key)}
+    assert scoring.judgements([m_key]) == {m_key: []} and set(scoring.runs()) == {"t"}
+    pushed = scoring.read(ScoringStore.pushed_in)
+    assert {key: record.score_id for key, record in pushed.items()} == {
+        (a_key, "reward"): f"s-{a}", (m_key, "reward"): f"s-{m_key}"}
+    assert [(row["trajectory_id"], row["score_id"]) for row in scoring.to_retract()] == [(braced, f"s-{braced}")]
+    store.add_spans([llm(61, rollout=b, trace=f"{30:032x}", start=20, prompt=[1, 2, 30], completion=[7])])
+    assert store.trajectory(b_key).group_id == b_key  # its group key is its id still: a later span leaves it there
+    store.add_spans(trajectory(70, early, reward=None, group="u"))
+    assert store.trajectory(early_key).rewards == {"early": 0.4}
+    store.close()
+    _started_again_and_fresh(url, db_url(), clock, versions, "rewards", _indexes(url, "rewards"))

@@ -7,6 +7,7 @@ import gzip
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -301,6 +302,25 @@ def test_a_reward_by_trace_id_in_upper_case_finds_its_trajectory(client: TestCli
     assert (answer.status_code == 200 and answer.json()["trace_id"] == trace
             and answer.json()["trajectory_known"] is True)
     assert client.get("/v1/trajectories/a").json()["rewards"] == {"reward": 1.0, "judge": 0.5}
+
+
+def test_a_span_of_a_dashed_uuid_rollout_id_is_rewarded_by_its_hex(client: TestClient) -> None:
+    """Another tracer writes `art.rollout.id` as a UUID's dashed text; `art_langgraph.reward(rollout_id=...)` sends a
+    UUID as its 32 hex digits. The reward reached no trajectory (kept, never applied): the trajectory was keyed as
+    written, and a reward by the dashed text was the only one that matched. Now every form names it, by its hex."""
+    dashed = "123e4567-e89b-12d3-a456-426614174000"
+    key = uuid.UUID(dashed).hex
+    spans = [llm(1, rollout=dashed, start=5, prompt=[1], completion=[2]), rollout(2, dashed, task="t")]
+    assert client.post("/v1/traces", content=to_request(spans).SerializeToString(), headers=PB).status_code == 200
+    for rollout_id, name in ((key, "plugin"), (dashed, "dashed"), (dashed.upper(), "upper")):
+        answer = client.post("/v1/rewards", json={"rollout_id": rollout_id, "name": name, "value": 0.5})
+        assert answer.status_code == 200 and answer.json()["rollout_id"] == key, answer.text
+        assert answer.json()["trajectory_known"] is True
+    assert [t["id"] for t in client.get("/v1/trajectories").json()] == [key]
+    for path in (f"/v1/trajectories/{dashed}", f"/v1/view/trajectories/{dashed}", f"/v1/view/trajectory?id={dashed}"):
+        found = client.get(path)
+        assert found.status_code == 200 and found.json()["id"] == key, path
+    assert client.get(f"/v1/trajectories/{key}").json()["rewards"] == {"plugin": 0.5, "dashed": 0.5, "upper": 0.5}
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -26,6 +26,26 @@ def test_reward_before_spans_applies_when_they_arrive(make_store) -> None:
     assert store.trajectory("r1").reward == 0.0  # API overrides the span event
 
 
+def test_a_uuid_rollout_id_in_any_form_rewards_one_trajectory(make_store) -> None:
+    """A trajectory whose spans wrote a UUID rollout id with dashes (another tracer) is rewarded by its hex digits (as
+    `art_langgraph.reward` sends a UUID) and by any other form, before and after its spans; every answer and read
+    names it by its hex digits. Before, each form named a trajectory of its own, and only the spans' form reached it."""
+    dashed = "123e4567-e89b-12d3-a456-426614174000"
+    key = dashed.replace("-", "")
+    store = make_store()
+    early = store.add_reward(RewardIn(rollout_id="{" + dashed.upper() + "}", name="early", value=0.1))
+    assert (early.rollout_id, early.trajectory_known) == (key, False)
+    store.add_spans(trajectory(10, dashed, reward=1.0))
+    late = store.add_rewards([RewardIn(rollout_id=key, name="hex", value=0.2),
+                              RewardIn(rollout_id="urn:uuid:" + dashed, name="urn", value=0.3)])
+    assert [(r.rollout_id, r.trajectory_known) for r in late] == [(key, True), (key, True)]
+    assert [t.id for t in store.trajectories()] == [key]
+    assert store.trajectory(dashed).rewards == {"reward": 1.0, "early": 0.1, "hex": 0.2, "urn": 0.3}
+    assert store.trajectory(dashed.upper()).id == key
+    not_uuid = dashed[:-1] + "g"  # any other id is as written
+    assert store.add_reward(RewardIn(rollout_id=not_uuid, value=0.5)).rollout_id == not_uuid
+
+
 def refuse_reward(engine: Engine, value: float) -> None:
     """Make the database refuse to store a reward of `value` ("disk full"), as a full disk or a lost connection
     fails a write."""
