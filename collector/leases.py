@@ -141,21 +141,21 @@ def _member_ids(conn: Connection, group_ids: list[str]) -> dict[str, list[str]]:
 
 
 def take(
-    conn: Connection, settings: CollectorSettings, request: BatchRequest, now: float, lock: pool.Lock
+    conn: Connection, settings: CollectorSettings, request: BatchRequest, now: float, upkeep: pool.Upkeep
 ) -> tuple[str, float, list[Any]]:
     """Lease up to `request.max_groups` ready groups, oldest first: the batch id, when its lease expires, and the
     group rows taken (none, and no batch stored, when fewer than `request.min_groups` are ready). Open groups
     decided skipped on the way are stored so. Rows another transaction holds are passed over, so replicas on one
     PostgreSQL never lease a group twice. A request whose `idempotency_key` leased a batch before gets that batch
-    again while its lease lasts (`_leased_before`; the caller holds the key's lock, `IDEMPOTENCY_LOCKS`). `lock`: the
-    store's `Transactions.lock`, for the expired leases given back first (`pool.maintain`).
+    again while its lease lasts (`_leased_before`; the caller holds the key's lock, `IDEMPOTENCY_LOCKS`). `upkeep`: the
+    store's due maintenance, run first (`pool.Upkeep`: expired leases given back, stale groups expired).
 
     Raises:
         Conflict: `idempotency_key_used`, the lease of the batch that key leased ended; `idempotency_key_mismatch`,
             that batch was leased for a request with other parameters.
     """
     key = request.idempotency_key
-    pool.maintain(conn, settings, now, lock)
+    upkeep(conn, now)
     if key is not None and (before := _leased_before(conn, request)) is not None:
         return before
     open_groups = list(conn.execute(select(groups).where(groups.c.state == "open")).mappings())
@@ -222,18 +222,19 @@ def _changed_since(conn: Connection, group_ids: list[str], batch: Any) -> list[s
 
 
 def ack(
-    conn: Connection, settings: CollectorSettings, batch_id: str, policy_step: int | None, now: float, lock: pool.Lock
+    conn: Connection, settings: CollectorSettings, batch_id: str, policy_step: int | None, now: float,
+    upkeep: pool.Upkeep,
 ) -> AckResponse:
     """Mark a batch's groups trained, recording `policy_step` as sent: steps need not grow from batch to batch (a
     trainer resumed from an older checkpoint, a new run, several trainers). Idempotent: the first ack stands, and an
-    ack again answers it; one that claims another step is logged. `lock`: as `take`'s.
+    ack again answers it; one that claims another step is logged. `upkeep`: as `take`'s.
 
     Raises:
         NotFound: no such batch.
         Conflict: `lease_expired`, its lease expired and groups were leased again, or changed in the pool since;
             `batch_released`, the trainer released it.
     """
-    pool.maintain(conn, settings, now, lock, acking=[batch_id])
+    upkeep(conn, now, acking=[batch_id])
     batch, ids = _locked_batch(conn, batch_id)
     if batch["state"] == "acked":
         if policy_step != batch["policy_step"]:
@@ -279,11 +280,12 @@ def ack(
 
 
 def release(
-    conn: Connection, settings: CollectorSettings, batch_id: str, request: ReleaseRequest, now: float, lock: pool.Lock
+    conn: Connection, settings: CollectorSettings, batch_id: str, request: ReleaseRequest, now: float,
+    upkeep: pool.Upkeep,
 ) -> ReleaseResponse:
     """Give a batch's groups back untrained, now (`pool.give_back`); the batch ends `released` with the reason
-    (`ReleaseRequest.reason`: storable on every backend). `lock`: the store's `Transactions.lock`, for the members
-    given back, taken before any row lock (`pool.maintain`'s `releasing`).
+    (`ReleaseRequest.reason`: storable on every backend). `upkeep`: as `take`'s, told of the batch given back next,
+    whose members' locks it takes before any row lock (`pool.maintain`'s `releasing`).
 
     Only the groups the batch still holds go back and count: after its lease expired (which counted them) none
     do, and a group leased again since is not touched. Releasing a released batch changes nothing and answers
@@ -293,7 +295,7 @@ def release(
         NotFound: no such batch.
         Conflict: `batch_acked`, the batch was acked (its groups are trained).
     """
-    pool.maintain(conn, settings, now, lock, releasing=[batch_id])
+    upkeep(conn, now, releasing=[batch_id])
     batch, ids = _locked_batch(conn, batch_id)
     if batch["state"] == "acked":
         raise Conflict(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import ColumnElement, Connection, and_, func, or_, select
 
@@ -19,8 +19,8 @@ from collector.schema import batch_groups, batches, groups, rewards, spans, traj
 from collector.transactions import GROUP_LOCKS, TRAJECTORY_LOCKS
 
 __all__ = [
-    "LEASE_EXPIRED", "Kept", "Lock", "decisions", "expected_size", "give_back", "group_members", "groups_of", "holders",
-    "lock_groups", "maintain", "maintain_groups", "rewarded", "rewards_of",
+    "LEASE_EXPIRED", "Kept", "Lock", "Upkeep", "decision", "decisions", "expected_size", "give_back", "group_members",
+    "groups_of", "holders", "lock_groups", "maintain", "maintain_groups", "rewarded", "rewards_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -121,21 +121,21 @@ def expected_size(group: Any, settings: CollectorSettings) -> int:
     return group["size_hint"] or settings.min_group_size
 
 
+def decision(
+    settings: CollectorSettings, group: Any, rows: list[Any], named: Mapping[str, Mapping[str, float]]
+) -> Decision:
+    """Readiness of the open group row `group` from its members' rows `rows` and their named rewards (`rewards_of`)."""
+    training = settings.training_reward
+    ms = [Member(bool(r["complete"]), r["split"], training.of(named[r["id"]])) for r in rows]
+    return decide(ms, expected_size(group, settings), reward_label=training.label,
+                  keep_zero_spread=settings.keep_zero_spread)
+
+
 def decisions(conn: Connection, settings: CollectorSettings, open_groups: list[Any]) -> dict[str, Decision]:
     """Readiness of each open group."""
     members = group_members(conn, [g["id"] for g in open_groups])
     named = rewards_of(conn, [row for rows in members.values() for row in rows])
-    out = {}
-    for group in open_groups:
-        rows = members[group["id"]]
-        ms = [Member(bool(r["complete"]), r["split"], settings.training_reward.of(named[r["id"]])) for r in rows]
-        out[group["id"]] = decide(
-            ms,
-            expected_size(group, settings),
-            reward_label=settings.training_reward.label,
-            keep_zero_spread=settings.keep_zero_spread,
-        )
-    return out
+    return {group["id"]: decision(settings, group, members[group["id"]], named) for group in open_groups}
 
 
 Lock = Callable[[Connection, int, Iterable[str]], None]
@@ -395,3 +395,15 @@ def maintain(
     if settings.group_timeout_seconds > 0:
         return _expire_stale(conn, settings, now, kept or {})
     return {}
+
+
+class Upkeep(Protocol):
+    """`maintain` bound by the store to its settings, its locks and the stale groups its last upkeep kept (`Kept`),
+    which it remembers once the transaction committed: what a lease, an ack or a release runs first
+    (`leases.take`)."""
+
+    def __call__(
+        self, conn: Connection, now: float, *, releasing: Collection[str] = (), acking: Collection[str] = ()
+    ) -> None:
+        """Run `maintain` in `conn` at `now`, with the batches the caller gives back (`releasing`) or acks (`acking`)
+        next."""

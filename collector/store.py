@@ -24,7 +24,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -34,6 +34,7 @@ from collector import assembly, curve, leases, placement, pool, rows, store_read
 from collector.config import CollectorSettings
 from collector.engine import chunks, make_engine, use_wal
 from collector.errors import InvalidRequest
+from collector.groups import TrainingReward
 from collector.otlp import SpanRecord
 from collector.protocol import (
     AckResponse,
@@ -58,6 +59,8 @@ __all__ = ["SqlStore"]
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 def _key(span: SpanRecord) -> tuple[str, str]:
     """What identifies `span`, as OpenTelemetry does and the store keys it: its trace id and span id."""
@@ -76,8 +79,11 @@ class SqlStore(Store):
         self.training = settings.training_reward
         self._tx = Transactions(self.engine)
         self._steps = curve.PolicySteps()
-        # the stale groups the last upkeep kept, with the settings it decided them under (`_upkeep`)
+        # the stale groups the last upkeep kept, with the settings it decided them under (`_maintained`)
         self._kept: tuple[CollectorSettings, pool.Kept] = (settings, {})
+        # the open groups the last listing of them all decided, with the settings and training reward it decided them
+        # under (`groups`)
+        self._listed: tuple[CollectorSettings, TrainingReward, store_reads.Listed] = (settings, self.training, {})
 
     # --- plumbing -----------------------------------------------------------------------
     def _now(self, conn: Connection) -> float:
@@ -342,20 +348,38 @@ class SqlStore(Store):
         return True
 
     # --- reading (`collector.store_reads`) -------------------------------------------------
-    def _upkeep(self) -> None:
-        """Due maintenance (expired leases, idle trajectories, stale groups, `pool.maintain`) in a short write
-        transaction of its own, whose group locks end with it. A write does only the upkeep due on the groups it marks
-        active, in its own transaction once it holds them (`pool.maintain_groups`). This one's cost grows with what is
-        due: the idle trajectories are read from an index (schema version 14), and a stale group the last upkeep kept
-        (ready, waiting for a trainer) is not decided again while it is unchanged (`pool.Kept`, remembered once the
-        transaction committed, for the settings it was decided under: other settings decide every stale group again);
-        of each it reads only its `updated_at` and its number of members."""
-        settings = self.settings
+    def _maintained(self, settings: CollectorSettings, work: Callable[[Connection, pool.Upkeep], T]) -> T:
+        """`work(conn, upkeep)` in a write transaction, where `upkeep` (`pool.Upkeep`), which `work` runs first, is the
+        due maintenance under `settings` (`pool.maintain`: expired leases, idle trajectories, stale groups). Its cost
+        grows with what is due: the idle trajectories are read from an index (schema version 14), and a stale group
+        the last upkeep kept (ready, waiting for a trainer) is not decided again while it is unchanged (`pool.Kept`:
+        of each it reads only its `updated_at` and its number of members). The groups kept are remembered once the
+        transaction committed (those of its last try: one that raised, rolled back, is forgotten), for the settings
+        they were decided under: other settings decide every stale group again."""
         decided_under, kept = self._kept
         if decided_under is not settings:
             kept = {}
-        found = self._tx.run(lambda conn: pool.maintain(conn, settings, self._now(conn), self._tx.lock, kept=kept))
-        self._kept = (settings, found)
+        found: list[pool.Kept] = []
+
+        def upkeep(conn: Connection, now: float, *, releasing: Collection[str] = (),
+                   acking: Collection[str] = ()) -> None:
+            found.append(pool.maintain(conn, settings, now, self._tx.lock, releasing=releasing, acking=acking,
+                                       kept=kept))
+
+        def attempt(conn: Connection) -> T:
+            found.clear()  # a try retried rolled back: what its upkeep kept is not stored
+            return work(conn, upkeep)
+
+        out = self._tx.run(attempt)
+        if found:
+            self._kept = (settings, found[-1])
+        return out
+
+    def _upkeep(self) -> None:
+        """Due maintenance (`_maintained`) in a short write transaction of its own, whose group locks end with it. A
+        write does only the upkeep due on the groups it marks active, in its own transaction once it holds them
+        (`pool.maintain_groups`); a lease, an ack and a release run it first in theirs."""
+        self._maintained(self.settings, lambda conn, upkeep: upkeep(conn, self._now(conn)))
 
     def _read(self, work: Callable[[Connection], Any]) -> Any:
         """`work(conn)` on the store as of now: due maintenance first (`_upkeep`), then `work` in a read-only
@@ -395,8 +419,22 @@ class SqlStore(Store):
     def groups(self, states: Collection[GroupState] | None = None, *, limit: int | None = None) -> list[GroupStatus]:
         """Every non-empty group with its readiness (`ready` is computed, not stored); with `states`, only the
         groups in one of them, read from the rows stored in a state they can show (not the whole history); with
-        `limit`, only the newest `limit` non-empty groups (of those rows), newest first."""
-        return self._read(lambda conn: store_reads.group_statuses(conn, self.settings, self.training, states, limit))
+        `limit`, only the newest `limit` non-empty groups (of those rows), newest first.
+
+        An open group the last listing of every open group decided is not decided again while unchanged
+        (`store_reads.Listed`, remembered once the read ended, for the settings and training reward it was decided
+        under: others decide every group again). A trainer's poll for ready groups costs what changed since the last,
+        beside one read of the open groups' rows."""
+        settings, training = self.settings, self.training
+        under, under_training, listed = self._listed
+        if under is not settings or under_training is not training:
+            listed = {}
+        statuses, decided = self._read(lambda conn: store_reads.group_statuses(
+            conn, settings, training, states, limit, listed, self._now(conn)
+        ))
+        if decided is not None:
+            self._listed = (settings, training, decided)
+        return statuses
 
     def batches(self, *, limit: int = 100) -> list[BatchStatus]:
         """The latest `limit` batches (leases), newest first, with their group ids."""
@@ -406,30 +444,35 @@ class SqlStore(Store):
     def lease(self, request: BatchRequest) -> Batch:
         """Lease ready groups to one trainer, atomically; an empty batch, not stored, when fewer than `min_groups`
         are ready."""
-        batch = self._tx.run(lambda conn: self._lease(conn, request))
+        settings = self.settings
+        batch = self._maintained(settings, lambda conn, upkeep: self._lease(conn, settings, request, upkeep))
         if batch.groups:
             log.info("leased %d groups to %s as batch %s", len(batch.groups), request.trainer or "a trainer", batch.id)
         return batch
 
-    def _lease(self, conn: Connection, request: BatchRequest) -> Batch:
+    def _lease(
+        self, conn: Connection, settings: CollectorSettings, request: BatchRequest, upkeep: pool.Upkeep
+    ) -> Batch:
         if request.idempotency_key is not None:
             self._tx.lock(conn, IDEMPOTENCY_LOCKS, [request.idempotency_key])
-        batch_id, expires, taken = leases.take(conn, self.settings, request, self._now(conn), self._tx.lock)
+        batch_id, expires, taken = leases.take(conn, settings, request, self._now(conn), upkeep)
         out = store_reads.leased_groups(conn, taken, self.training)
         return Batch(id=batch_id, groups=out, lease_expires_at=expires)
 
     def ack(self, batch_id: str, policy_step: int | None) -> AckResponse:
         """Mark a batch's groups trained. Raises `NotFound`, or `Conflict` when they were re-leased, changed or
         released."""
-        return self._tx.run(
-            lambda conn: leases.ack(conn, self.settings, batch_id, policy_step, self._now(conn), self._tx.lock)
+        settings = self.settings
+        return self._maintained(
+            settings, lambda conn, upkeep: leases.ack(conn, settings, batch_id, policy_step, self._now(conn), upkeep)
         )
 
     def release(self, batch_id: str, request: ReleaseRequest) -> ReleaseResponse:
         """Give a batch's groups back untrained, counting a failed attempt when `request.failed`; idempotent.
         Raises `NotFound`, or `Conflict` when the batch was acked."""
-        released = self._tx.run(
-            lambda conn: leases.release(conn, self.settings, batch_id, request, self._now(conn), self._tx.lock)
+        settings = self.settings
+        released = self._maintained(
+            settings, lambda conn, upkeep: leases.release(conn, settings, batch_id, request, self._now(conn), upkeep)
         )
         log.info("batch %s released (%s): %d groups back in the pool, %d skipped", batch_id,
                  "failed" if request.failed else "not counted", len(released.returned), len(released.skipped))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from sqlalchemy import Connection, Select, func, or_, select
+from sqlalchemy import Connection, Select, case, func, or_, select
 
 from collector import assembly, curve, pool
 from collector.config import CollectorSettings
@@ -22,8 +22,8 @@ from collector.rows import spans_by_trajectory
 from collector.schema import batch_groups, batches, groups, trajectories
 
 __all__ = [
-    "assemble", "batch_statuses", "count_trajectories", "curve_facts", "group_statuses", "leased_groups", "spans_of",
-    "trajectory", "trajectories_matching",
+    "Listed", "Stamp", "assemble", "batch_statuses", "count_trajectories", "curve_facts", "group_statuses",
+    "leased_groups", "spans_of", "trajectory", "trajectories_matching",
 ]
 
 _STORED_AS: dict[GroupState, frozenset[str]] = {
@@ -107,42 +107,84 @@ def curve_facts(
     return curve.curve_facts(conn, _filtered(curve.ROWS, None, None, split), steps, training, every=split is None)
 
 
+Stamp = tuple[float, int | None, int, int]
+"""What an open group's readiness is decided from, as its row and an index tell it: its `updated_at`, its `size_hint`,
+its number of members and of complete ones (`group_statuses`)."""
+
+Listed = dict[str, tuple[Stamp, Decision, int]]
+"""The open groups a listing decided, by id: each with its `Stamp` then, its decision and its number of members with
+the training reward (`group_statuses`)."""
+
+_MEMBERS = select(func.count()).where(trajectories.c.group_id == groups.c.id).scalar_subquery().label("members")
+_COMPLETE = (
+    select(func.sum(case((trajectories.c.complete.is_(True), 1), else_=0)))
+    .where(trajectories.c.group_id == groups.c.id).scalar_subquery().label("completed")
+)
+"""Each group's members, and its complete ones (a sum, not a count of `complete` ones: SQLite's planner took the index
+of `complete` for that and read every complete trajectory per group), looked up in the index of
+`trajectories.group_id` beside its row."""
+
+
+def _stamp(group: Any) -> Stamp:
+    """The `Stamp` of a group row read with `_MEMBERS` and `_COMPLETE`."""
+    return group["updated_at"], group["size_hint"], group["members"], group["completed"]
+
+
 def group_statuses(
     conn: Connection, settings: CollectorSettings, training: TrainingReward, states: Collection[GroupState] | None,
-    limit: int | None,
-) -> list[GroupStatus]:
+    limit: int | None, listed: Listed, now: float,
+) -> tuple[list[GroupStatus], Listed | None]:
     """`Store.groups`: every non-empty group with its readiness (`ready` is computed, not stored); with `states`,
     only the groups in one of them, read from the rows stored in a state they can show (not the whole history);
-    with `limit`, only the newest `limit` non-empty groups (of those rows), newest first."""
-    query = select(groups).order_by(groups.c.created_at, groups.c.id)
+    with `limit`, only the newest `limit` non-empty groups (of those rows), newest first.
+
+    Also returns the open groups decided (`Listed`), for the next listing under the same `settings` and `training`
+    (None when this one did not read every open group: a `limit`, or no state an open group shows). An open group of
+    `listed` whose `Stamp` is unchanged is not decided again, nor its members and rewards read: every write that
+    changes its members (complete, split) or their rewards marks it active (a new `updated_at`), but one that takes a
+    member away (its count) or completes an idle one (upkeep: the count of complete ones). A group is remembered only
+    once its `updated_at` is older than `now` (the store's time, before this read): a write dates its change after
+    the group's last one, so the stamp of a group written again at a time the store's clock did not leave (a test's)
+    is never the one remembered."""
+    columns = (groups, _MEMBERS, _COMPLETE)
+    query = select(*columns).order_by(groups.c.created_at, groups.c.id)
     if limit is not None:
         has_members = select(trajectories.c.id).where(trajectories.c.group_id == groups.c.id).exists()
-        query = select(groups).where(has_members).order_by(groups.c.created_at.desc(), groups.c.id.desc()).limit(limit)
-    if states is not None:
-        query = query.where(groups.c.state.in_({stored for state in states for stored in _STORED_AS[state]}))
-    every = list(conn.execute(query).mappings())
-    members = pool.group_members(conn, [g["id"] for g in every])
+        newest = (groups.c.created_at.desc(), groups.c.id.desc())
+        query = select(*columns).where(has_members).order_by(*newest).limit(limit)
+    stored = {stored for state in states for stored in _STORED_AS[state]} if states is not None else None
+    if stored is not None:
+        query = query.where(groups.c.state.in_(stored))
+    every = [group for group in conn.execute(query).mappings() if group["members"]]
+    stamps = {group["id"]: _stamp(group) for group in every if group["state"] == "open"}
+    known = {
+        group_id: listed[group_id][1:]
+        for group_id, stamp in stamps.items()
+        if listed.get(group_id, (None,))[0] == stamp
+    }
+    unknown = [group for group in every if group["id"] not in known]
+    members = pool.group_members(conn, [group["id"] for group in unknown])
     named = pool.rewards_of(conn, [row for rows in members.values() for row in rows])
-    decisions = pool.decisions(conn, settings, [g for g in every if g["state"] == "open"])
-    out = [
-        _status(group, members[group["id"]], named, decisions.get(group["id"]), settings, training)
-        for group in every
-        if members[group["id"]]
-    ]
-    return out if states is None else [status for status in out if status.state in states]
+    for group in unknown:
+        rows = members[group["id"]]
+        decision = pool.decision(settings, group, rows, named) if group["state"] == "open" else None
+        known[group["id"]] = decision, sum(training.of(named[row["id"]]) is not None for row in rows)
+    out = [_status(group, *known[group["id"]], settings) for group in every]
+    every_open = limit is None and (stored is None or "open" in stored)
+    decided: Listed = {group_id: (stamp, *known[group_id]) for group_id, stamp in stamps.items() if stamp[0] < now}
+    return (out if states is None else [status for status in out if status.state in states]), (
+        decided if every_open else None
+    )
 
 
-def _status(
-    group: Any, rows: list[Any], named: dict[str, dict[str, float]], decision: Decision | None,
-    settings: CollectorSettings, training: TrainingReward,
-) -> GroupStatus:
-    """A group's status from its row, its members' rows and their named rewards; `decision`: an open one's."""
+def _status(group: Any, decision: Decision | None, rewarded: int, settings: CollectorSettings) -> GroupStatus:
+    """A group's status from its row (read with `_MEMBERS` and `_COMPLETE`) and its members with the training reward;
+    `decision`: an open one's."""
     state, reason = (decision.state, decision.reason) if decision is not None else (group["state"], group["reason"])
     return GroupStatus(
-        id=group["id"], task=group["task"], size=len(rows), expected=pool.expected_size(group, settings),
-        complete=sum(bool(r["complete"]) for r in rows),
-        rewarded=sum(training.of(named[r["id"]]) is not None for r in rows),
-        state=state, reason=reason, failed_attempts=group["failed_attempts"],
+        id=group["id"], task=group["task"], size=group["members"], expected=pool.expected_size(group, settings),
+        complete=group["completed"], rewarded=rewarded, state=state, reason=reason,
+        failed_attempts=group["failed_attempts"],
     )
 
 

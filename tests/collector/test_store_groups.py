@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import event
 
-from collector.protocol import BatchRequest, RewardIn
+from collector.protocol import BatchRequest, ReleaseRequest, RewardIn
 from tests.collector.span_builders import TRACE, llm, rollout, trajectory
 
 OTHER_TRACE = "1" * 32
@@ -310,3 +310,164 @@ def test_a_stale_group_kept_under_other_settings_is_decided_again(make_store, cl
     assert [(g.id, g.state, g.reason) for g in store.groups()] == [
         ("g", "expired", "expired: no new span or reward for 100 s while waiting for 1 more of 3 trajectories")
     ]
+
+
+def _listed(store) -> dict[str, tuple[str, str | None, int, int, int]]:
+    """Each group's state, reason, size, complete and rewarded members, as `Store.groups` lists them."""
+    return {g.id: (g.state, g.reason, g.size, g.complete, g.rewarded) for g in store.groups()}
+
+
+def _calls(n: int, *, task: str) -> list:
+    """Calls outside rollouts in a trace of their own each (traces n, n + 1, ...), grouped by `task`."""
+    return [llm(n + k, rollout=None, trace=f"{n + k:032x}", task=task, start=5, prompt=[1], completion=[n + k])
+            for k in range(2)]
+
+
+def test_a_listing_decides_again_only_the_open_groups_changed_since_the_last(make_store, clock, monkeypatch) -> None:
+    """Every listing read every open group's members and rewards, and decided each (a trainer's poll of 2,000 ready
+    groups: 0.5 s on SQLite, 1 s on PostgreSQL here). The next one reads those of the groups changed since only."""
+    from collector import pool
+
+    store = make_store()
+    for n, group in enumerate(("g", "h")):
+        store.add_spans(trajectory(100 * n + 10, f"{group}a", reward=1.0, group=group)
+                        + trajectory(100 * n + 20, f"{group}b", reward=0.0, group=group))
+    read = pool.group_members
+    members_read: list[list[str]] = []
+
+    def recorded(conn, group_ids):
+        members_read.append(sorted(group_ids))
+        return read(conn, group_ids)
+
+    monkeypatch.setattr(pool, "group_members", recorded)
+    clock.now += 1
+    assert [g.id for g in store.groups(states={"ready"})] == ["g", "h"]
+    members_read.clear()
+    assert [g.id for g in store.groups(states={"ready"})] == ["g", "h"]
+    assert not any(members_read)
+    store.add_reward(RewardIn(rollout_id="hb", value=1.0))
+    members_read.clear()
+    assert [g.id for g in store.groups(states={"ready"})] == ["g"]
+    assert [ids for ids in members_read if ids] == [["h"]]
+
+
+def test_a_reward_after_a_listing_shows_in_the_next(make_store, clock) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=None))
+    clock.now += 1
+    assert _listed(store) == {"g": ("open", "1 trajectories without reward 'reward'", 2, 2, 1)}
+    clock.now += 1
+    store.add_reward(RewardIn(rollout_id="b", value=0.0))
+    assert _listed(store) == {"g": ("ready", None, 2, 2, 2)}
+
+
+def test_a_reward_at_the_time_of_the_listing_shows_in_the_next(make_store) -> None:
+    """The store's clock (here a test's) has not moved between the listing and the reward: the group's `updated_at`
+    is the same after the reward, and only its being as new as the listing keeps the listing's decision from being
+    taken for the next one's."""
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0))
+    assert _listed(store) == {"g": ("ready", None, 2, 2, 2)}
+    store.add_reward(RewardIn(rollout_id="b", value=1.0))
+    assert _listed(store) == {"g": ("skipped", "no reward spread", 2, 2, 2)}
+
+
+def test_members_completed_by_upkeep_after_a_listing_show_in_the_next(make_store, clock) -> None:
+    """Upkeep completes idle calls outside rollouts without marking their group active: the next listing shows them
+    complete, and the group ready."""
+    store = make_store(idle_seconds=60)
+    store.add_spans(_calls(10, task="t"))
+    for n, value in ((10, 1.0), (11, 0.0)):
+        store.add_reward(RewardIn(trace_id=f"{n:032x}", value=value))
+    clock.now += 1
+    assert _listed(store) == {"t": ("open", "2 trajectories not complete", 2, 0, 2)}
+    clock.now += 60
+    assert _listed(store) == {"t": ("ready", None, 2, 2, 2)}
+
+
+def test_a_member_taken_away_after_a_listing_shows_in_the_next(make_store, clock) -> None:
+    """A late span gives a call's trace another task: the call leaves its group for another, which changes neither
+    the group's `updated_at` nor its number of complete members (none); the next listing shows it one member short."""
+    store = make_store()
+    store.add_spans(_calls(10, task="t"))
+    clock.now += 1
+    assert _listed(store) == {"t": ("open", "2 trajectories not complete", 2, 0, 0)}
+    clock.now += 1
+    store.add_spans([llm(20, rollout=None, trace=f"{10:032x}", task="u", start=1, prompt=[1], completion=[9])])
+    assert _listed(store) == {
+        "t": ("open", "waiting for 1 more of 2 trajectories", 1, 0, 0),
+        "u": ("open", "waiting for 1 more of 2 trajectories", 1, 0, 0),
+    }
+
+
+def test_a_group_expired_after_a_listing_shows_expired_in_the_next(make_store, clock) -> None:
+    store = make_store(group_timeout_seconds=100)
+    store.add_spans(trajectory(10, "a", reward=1.0))
+    clock.now += 1
+    assert _listed(store) == {"g": ("open", "waiting for 1 more of 2 trajectories", 1, 1, 1)}
+    clock.now += 100
+    assert _listed(store) == {
+        "g": ("expired", "expired: no new span or reward for 100 s while waiting for 1 more of 2 trajectories", 1, 1, 1)
+    }
+
+
+def test_a_reward_while_leased_shows_once_the_group_is_given_back(make_store, clock) -> None:
+    """A reward for a leased group's member leaves the group's row as it is (`pool.rewarded`); given back, the group
+    is listed as its rewards are now, not as the listing before its lease saw it."""
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=0.0))
+    clock.now += 1
+    assert _listed(store) == {"g": ("ready", None, 2, 2, 2)}
+    clock.now += 1
+    batch = store.lease(BatchRequest())
+    store.add_reward(RewardIn(rollout_id="b", value=1.0))
+    clock.now += 1
+    store.release(batch.id, ReleaseRequest(reason="engine down", failed=False))
+    assert _listed(store) == {"g": ("skipped", "no reward spread", 2, 2, 2)}
+
+
+def test_settings_changed_after_a_listing_decide_the_next(make_store, clock) -> None:
+    store = make_store()
+    store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=1.0))
+    clock.now += 1
+    assert _listed(store) == {"g": ("skipped", "no reward spread", 2, 2, 2)}
+    store.settings = store.settings.model_copy(update={"keep_zero_spread": True})  # restarted with it
+    assert _listed(store) == {"g": ("ready", None, 2, 2, 2)}
+
+
+@pytest.mark.parametrize("end", ["ack", "release"])
+def test_a_lease_and_its_end_decide_again_no_stale_group_kept_unchanged(make_store, clock, monkeypatch, end) -> None:
+    """A lease, an ack and a release run upkeep first: each decided every stale ready group again (2,000 of them:
+    0.2 s an ack or a release on SQLite, 0.4 to 0.6 s on PostgreSQL here), as reads' upkeep did before it kept them.
+    Now they keep those the last upkeep kept, unchanged, and the lease decides each open group once (its own pass)."""
+    from collector import pool
+
+    store = make_store(group_timeout_seconds=100)
+    for n, group in enumerate(("g1", "g2", "g3")):
+        store.add_spans(trajectory(100 * n + 10, f"{group}a", reward=1.0, group=group)
+                        + trajectory(100 * n + 20, f"{group}b", reward=0.0, group=group))
+    clock.now += 101
+    store.count_trajectories()  # its upkeep keeps the three, stale and ready
+    decide = pool.decisions
+    decided: list[list[str]] = []
+
+    def recorded(conn, settings, open_groups):
+        if open_groups:
+            decided.append(sorted(group["id"] for group in open_groups))
+        return decide(conn, settings, open_groups)
+
+    monkeypatch.setattr(pool, "decisions", recorded)
+    batch = store.lease(BatchRequest(max_groups=1))
+    assert decided == [["g1", "g2", "g3"], ["g1"]]  # the lease's own pass, then under the lock
+    decided.clear()
+    if end == "ack":
+        store.ack(batch.id, policy_step=1)
+    else:
+        store.release(batch.id, ReleaseRequest(reason="engine down", failed=False))
+    assert decided == []  # g1 is given back after the upkeep, dated now: not stale
+    decided.clear()
+    store.count_trajectories()
+    assert decided == []
+    monkeypatch.setattr(pool, "decisions", decide)
+    shown = {"g1": "trained" if end == "ack" else "ready", "g2": "ready", "g3": "ready"}
+    assert {g.id: g.state for g in store.groups()} == shown
