@@ -227,8 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Extra argument passed to vLLM as is; repeat for several (e.g. --vllm-arg=--enforce-eager). "
         "[env ART_TRAINER_VLLM_ARGS, a JSON list]",
     )
-    grpo = serve.add_argument_group("GRPO (env ART_TRAINER_<FIELD>)")
     defaults = {f.name: f.default for f in fields(GRPOConfig)}
+    checkpointing = _flag_help(f"{GRPOConfig.help('gradient_checkpointing')} Set it to true or false.",
+                               "gradient_checkpointing", defaults["gradient_checkpointing"], takes_none=True)
+    grpo = serve.add_argument_group(
+        "GRPO (env ART_TRAINER_<FIELD>)", description=f"No flag sets gradient checkpointing, only its variable: "
+        f"{checkpointing}")
     for flag, (name, kind) in _GRPO_FLAGS.items():
         optional = name in OPTIONAL_FIELDS
         grpo.add_argument(flag, dest=name, type=_or_none(kind) if optional else kind, default=argparse.SUPPRESS,

@@ -34,6 +34,25 @@ DEFAULT_TARGET_MODULES: tuple[str, ...] = (
 """All attention and MLP projections of a Llama-style decoder."""
 
 
+@dataclass(frozen=True)
+class _Range:
+    """The values the check of a numeric field takes (`GRPOConfig._check_ranges`), as its help states them: above
+    `low`, or from it when `low_included`, and below `high` when one is set."""
+
+    low: float
+    low_included: bool = False
+    high: float | None = None
+
+    def takes(self, value: float) -> bool:
+        """Whether `value` lies in the range."""
+        above = value >= self.low if self.low_included else value > self.low
+        return above and (self.high is None or value < self.high)
+
+    def __str__(self) -> str:
+        low = f"{'at least' if self.low_included else 'above'} {self.low:g}"
+        return low if self.high is None else f"{low} and below {self.high:g}"
+
+
 @dataclass
 class GRPOConfig:
     """Hyper-parameters of one GRPO step with a LoRA adapter.
@@ -45,7 +64,8 @@ class GRPOConfig:
         default=1e-4,
         metadata={
             "help": "AdamW learning rate. ART uses 5e-6..1e-5 on large models; a 135M model with LoRA on "
-            "this CPU learned nothing below 5e-5 in 20 steps and learned at 1e-4..2e-4."
+            "this CPU learned nothing below 5e-5 in 20 steps and learned at 1e-4..2e-4.",
+            "range": _Range(0),
         },
     )
     loss: Literal["ppo", "cispo"] = field(
@@ -56,44 +76,54 @@ class GRPOConfig:
         default=0.2,
         metadata={
             "help": "Lower clip range of `ppo`: the ratio is clipped below at 1 - epsilon. `cispo` has no lower "
-            "bound and uses epsilon only as the upper range when epsilon_high is None."
+            "bound and uses epsilon only as the upper range when epsilon_high is None.",
+            "range": _Range(0, high=1),
         },
     )
     epsilon_high: float | None = field(
         default=None,
         metadata={
             "help": "Upper clip range: `ppo` clips the ratio above at 1 + epsilon_high, `cispo` caps its weight "
-            "at 1 + epsilon_high. None means epsilon (a cap of 1 + epsilon for both)."
+            "at 1 + epsilon_high. None means epsilon (a cap of 1 + epsilon for both).",
+            "range": _Range(0),
         },
     )
     delta: float | None = field(
         default=None,
         metadata={
-            "help": "`ppo` only: two-sided clipping. The unclipped ratio is capped at delta, so a token with a "
-            "negative advantage whose ratio ran far above 1 + epsilon_high costs at most delta * |A| (TRL's `delta`, "
-            "INTELLECT-2; they suggest a value above 1 + epsilon_high, e.g. 3 or 4). None: no cap, PPO as published."
+            "help": "`ppo` only (refused with `cispo`, whose weight is capped already): two-sided clipping. The "
+            "unclipped ratio is capped at delta, so a token with a negative advantage whose ratio ran far above "
+            "1 + epsilon_high costs at most delta * |A| (TRL's `delta`, INTELLECT-2: e.g. 3 or 4). Must be above "
+            "1 + epsilon_high (1 + epsilon when that is None), or it would cap ratios the clip keeps. None: no cap, "
+            "PPO as published."
         },
     )
     scale_rewards: bool = field(
         default=True, metadata={"help": "Divide advantages by the group's reward standard deviation."}
     )
     max_grad_norm: float | None = field(
-        default=1.0, metadata={"help": "Clip the gradient's global norm to this value; None disables clipping."}
+        default=1.0, metadata={"help": "Clip the gradient's global norm to this value; None disables clipping.",
+                               "range": _Range(0)}
     )
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on the LoRA weights."})
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank (vLLM's --max-lora-rank must be at least this)."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (scale is alpha / r)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on the LoRA weights.",
+                                                       "range": _Range(0, low_included=True)})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank (vLLM's --max-lora-rank must be at least this).",
+                                             "range": _Range(1, low_included=True)})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (scale is alpha / r).", "range": _Range(0)})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input.",
+                                                       "range": _Range(0, low_included=True, high=1)})
     target_modules: list[str] = field(
         default_factory=lambda: list(DEFAULT_TARGET_MODULES),
-        metadata={"help": "Module names that get LoRA adapters (default: all attention and MLP projections)."},
+        metadata={"help": "Module names that get LoRA adapters, at least one (default: all attention and MLP "
+                  "projections)."},
     )
     micro_batch_size: int = field(
         default=64,
         metadata={
             "help": "Most sequences trained in one forward and backward pass, packed end to end into one row "
             "(attention stays within each sequence; no padding). On an H200, 32 sequences took 12.5 s one per pass "
-            "and 0.44 s in one; on this CPU, 8 per pass made a bf16 step 1.3x faster than one per pass (measured)."
+            "and 0.44 s in one; on this CPU, 8 per pass made a bf16 step 1.3x faster than one per pass (measured).",
+            "range": _Range(1, low_included=True),
         },
     )
     micro_batch_tokens: int | None = field(
@@ -102,7 +132,8 @@ class GRPOConfig:
             "help": "Most tokens packed into one pass (a longer sequence gets a pass of its own): bounds a pass's "
             "memory (about 1 MB per token for the bundled model in bf16 on a CPU: a step's peak 2.1 GB at 1024, "
             "3.7 GB at 4096). None means 8192 with CUDA and 4096 on a CPU (the bench's step on 2 threads: median "
-            "5.9 s at 1024, 5.1 s at 2048 and at 4096, measured)."
+            "5.9 s at 1024, 5.1 s at 2048 and at 4096, measured).",
+            "range": _Range(2, low_included=True),
         },
     )
     train_dtype: Literal["auto", "float32", "bfloat16"] = field(
@@ -116,7 +147,8 @@ class GRPOConfig:
     )
     max_seq_len: int = field(
         default=2048,
-        metadata={"help": "Longest sequence trained on; `max_seq_len_policy` says what happens to longer ones."},
+        metadata={"help": "Longest sequence trained on, in tokens; `max_seq_len_policy` says what happens to longer "
+                  "ones.", "range": _Range(2, low_included=True)},
     )
     max_seq_len_policy: Literal["truncate", "skip"] = field(
         default="truncate",
@@ -133,7 +165,8 @@ class GRPOConfig:
     kl_coef: float = field(
         default=0.0,
         metadata={"help": "Weight of a KL penalty to the base model on GRPO steps (the adapter disabled is the "
-                  "reference; k3 estimator; SFT steps have none). 0 skips the reference forward."},
+                  "reference; k3 estimator; SFT steps have none). 0 skips the reference forward.",
+                  "range": _Range(0, low_included=True)},
     )
     gradient_checkpointing: bool | None = field(
         default=None, metadata={"help": "Recompute activations in backward; None means on with CUDA, off on a CPU."}
@@ -146,41 +179,17 @@ class GRPOConfig:
         self._check_finite()
         if self.loss not in POLICY_LOSSES:
             raise ValueError(f"loss={self.loss!r} is not a known policy loss; choose one of {sorted(POLICY_LOSSES)}.")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate={self.learning_rate} must be positive (try 1e-4 for a small model).")
-        if not 0 < self.epsilon < 1:
-            raise ValueError(f"epsilon={self.epsilon} must lie in (0, 1); 0.2 is the usual value.")
-        if self.epsilon_high is not None and self.epsilon_high <= 0:
-            raise ValueError(f"epsilon_high={self.epsilon_high} must be positive, or None to reuse epsilon.")
+        self._check_ranges()
         if self.delta is not None and self.loss != "ppo":
             raise ValueError(f"delta={self.delta} is PPO's two-sided clip; loss={self.loss!r} caps its weight at "
                              "1 + epsilon_high already: leave delta unset.")
         if self.delta is not None and not self.delta > 1 + self.upper_epsilon:
             raise ValueError(f"delta={self.delta} must exceed 1 + epsilon_high ({1 + self.upper_epsilon:g}), or it "
                              "would cap ratios the clip keeps; 3 or 4 is usual.")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm={self.max_grad_norm} must be positive, or None to disable clipping.")
-        if self.lora_r < 1:
-            raise ValueError(f"lora_r={self.lora_r} must be at least 1.")
-        if self.lora_alpha <= 0:
-            raise ValueError(f"lora_alpha={self.lora_alpha} must be positive (2 * lora_r is a common choice).")
-        if not 0 <= self.lora_dropout < 1:
-            raise ValueError(f"lora_dropout={self.lora_dropout} must lie in [0, 1).")
         if not self.target_modules:
             raise ValueError("target_modules is empty: name at least one module, e.g. 'q_proj'.")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size={self.micro_batch_size} must be at least 1.")
-        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 2:
-            raise ValueError(
-                f"micro_batch_tokens={self.micro_batch_tokens} must be at least 2, or None for the device's default.")
         if self.train_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"train_dtype={self.train_dtype!r}: choose `auto`, `float32` or `bfloat16`.")
-        if self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len={self.max_seq_len} must be at least 2 tokens.")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay={self.weight_decay} must not be negative.")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef={self.kl_coef} must not be negative (0 disables the KL penalty).")
         if self.importance_sampling not in ("token", "sequence"):
             raise ValueError(f"importance_sampling={self.importance_sampling!r}: choose `token` or `sequence`.")
         if self.max_seq_len_policy not in ("truncate", "skip"):
@@ -198,6 +207,20 @@ class GRPOConfig:
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{f.name}={value} must be a finite number (flag --{f.name.replace('_', '-')}, "
                                  f"env ART_TRAINER_{f.name.upper()}).")
+
+    def _check_ranges(self) -> None:
+        """Reject a numeric field outside the range its help states (its metadata's `range`); None passes, where a
+        field takes it.
+
+        Raises:
+            ValueError: names the first such field, its range, its flag and its environment variable.
+        """
+        for f in fields(self):
+            value, allowed = getattr(self, f.name), f.metadata.get("range")
+            if allowed is not None and value is not None and not allowed.takes(value):
+                none = ", or none" if f.name in OPTIONAL_FIELDS else ""
+                raise ValueError(f"{f.name}={value} must be {allowed}{none} (flag --{f.name.replace('_', '-')}, "
+                                 f"env ART_TRAINER_{f.name.upper()}; default {f.default}).")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> GRPOConfig:
@@ -270,10 +293,11 @@ class GRPOConfig:
 
     @staticmethod
     def help(name: str) -> str:
-        """Return the help string of field `name`."""
+        """Return the help string of field `name`, which ends in the range its check takes, if any."""
         for f in fields(GRPOConfig):
             if f.name == name:
-                return str(f.metadata.get("help", ""))
+                allowed = f.metadata.get("range")
+                return str(f.metadata.get("help", "")) + (f" Must be {allowed}." if allowed else "")
         raise KeyError(name)
 
 

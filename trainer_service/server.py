@@ -1,7 +1,7 @@
 """HTTP layer of the trainer service: thin FastAPI handlers over `TrainerService`.
 
 * `POST /v1/chat/completions`, `POST /v1/completions`: proxied to vLLM (streaming passthrough),
-  with `name@latest` / `name` rewritten to the newest checkpoint.
+  with `name@latest` / `name` rewritten to the newest checkpoint; a shutdown waits for vLLM's answers only its grace.
 * `GET /v1/models`: the base model, every `name@N` and `name@latest`.
 * `POST /v1/train`: one GRPO step now; `POST /v1/sft`: one supervised warm-start step.
 * `POST /v1/pause`, `POST /v1/resume`: stop and restart training (scheduled and manual).
@@ -20,7 +20,7 @@ import logging
 import re
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -41,6 +41,7 @@ from trainer_service.engine import VLLMEngine
 from trainer_service.grpo_config import GRPOConfig
 from trainer_service.protocol import ErrorBody, ErrorResponse, ServiceError, StatusResponse, TrainResponse
 from trainer_service.service import TrainerService
+from trainer_service.step_bookkeeping import SHUTDOWN_GRACE_S
 from trainer_service.training import LoRATrainer
 from trainer_service.vllm_cpu_matmul import matmul_dtype
 from trainer_service.vllm_cpu_threads import EngineThreads
@@ -121,22 +122,73 @@ def build_service(settings: TrainerSettings, grpo: GRPOConfig,
                           launcher=launcher, lender=lender)
 
 
-async def _relay(response: httpx.Response, request_ticket: EngineRequest) -> AsyncIterator[bytes]:
+class _EngineWaits:
+    """The proxy's waits on vLLM (for an answer, its headers, a stream's next chunk), which a shutdown cuts off once
+    its grace is over (`cut_off`, `_Server`): uvicorn waits for every open request before it stops, and a vLLM that
+    took a request and never answered it held the shutdown for the engine client's timeout (1800 s)."""
+
+    def __init__(self) -> None:
+        self.cut = False
+        """Set by `cut_off`: every wait since is cancelled as it begins."""
+        self._scopes: set[anyio.CancelScope] = set()
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[anyio.CancelScope]:
+        """A cancel scope around one wait on vLLM, cancelled by `cut_off` (at once after it)."""
+        with anyio.CancelScope() as scope:
+            if self.cut:
+                scope.cancel()
+            self._scopes.add(scope)
+            try:
+                yield scope
+            finally:
+                self._scopes.discard(scope)
+
+    def cut_off(self) -> None:
+        """Cancel every wait on vLLM, now and from now on; log how many were open."""
+        self.cut = True
+        if self._scopes:
+            logger.warning("shutting down: gave up %d proxied request(s) vLLM had not answered %g s after the shutdown "
+                           "began", len(self._scopes), SHUTDOWN_GRACE_S)
+        for scope in list(self._scopes):
+            scope.cancel()
+
+
+_GIVEN_UP = (f"{SHUTDOWN_GRACE_S:g} s after the shutdown began, so the service gave it up. Send the request again "
+             "once the service is back.")
+"""The end of the message of a request a shutdown cut off (`_EngineWaits`)."""
+
+
+def _stream_error(message: str, code: str) -> bytes:
+    """The end of a stream that failed: an error event in OpenAI's envelope and `[DONE]`, as vLLM ends its own failed
+    streams, so the client raises instead of taking a cut answer for a whole one."""
+    error = ErrorResponse(error=ErrorBody(message=message, type="server_error", code=code))
+    return f"data: {error.model_dump_json()}\n\ndata: [DONE]\n\n".encode()
+
+
+async def _relay(response: httpx.Response, request_ticket: EngineRequest, waits: _EngineWaits) -> AsyncIterator[bytes]:
     """A streamed answer from vLLM, chunk by chunk; the request stops counting when it ends or the client leaves.
 
     The chunks are decoded (`aiter_bytes`), as the dropped `content-encoding` header says. When vLLM stops
-    answering mid-stream (it died or was restarted), the stream ends with an error event in OpenAI's envelope, as
-    vLLM ends its own failed streams, so the client raises instead of taking a cut answer for a whole one.
+    answering mid-stream (it died or was restarted), or a shutdown cuts the stream off (`waits`), it ends with an
+    error event (`_stream_error`).
     """
+    chunks = response.aiter_bytes()
     try:
-        async for chunk in response.aiter_bytes():
+        while True:
+            with waits.scope() as scope:  # around the wait only: a cancel scope must not span a generator's `yield`
+                chunk = await anext(chunks, None)
+            if scope.cancelled_caught:
+                yield _stream_error(f"The service is shutting down: vLLM had not finished this stream {_GIVEN_UP}",
+                                    "shutting_down")
+                return
+            if chunk is None:
+                return
             yield chunk
     except httpx.HTTPError as exc:
         logger.warning("vLLM stopped answering a streamed request mid-answer: %s", exc)
-        error = ErrorResponse(error=ErrorBody(
-            message=f"The vLLM engine stopped answering mid-stream: {exc}. See GET /v1/status and the vLLM log.",
-            type="server_error", code="engine_unavailable"))
-        yield f"data: {error.model_dump_json()}\n\ndata: [DONE]\n\n".encode()
+        yield _stream_error(f"The vLLM engine stopped answering mid-stream: {exc}. See GET /v1/status and the vLLM "
+                            "log.", "engine_unavailable")
     finally:
         await response.aclose()
         request_ticket.close()
@@ -149,19 +201,25 @@ async def _cancel_when_client_leaves(request: Request, scope: anyio.CancelScope)
 
 
 async def _send_unless_client_leaves(request: Request, client: httpx.AsyncClient, upstream: httpx.Request, *,
-                                    stream: bool) -> httpx.Response | None:
+                                    stream: bool, waits: _EngineWaits) -> httpx.Response | None:
     """vLLM's answer to `upstream` (its headers when `stream`), or None when the client disconnects first.
 
     The send is then cancelled, which closes the connection to vLLM, and vLLM aborts the request. Call it once the
     request body has been read.
+
+    Raises:
+        ServiceError: 503 `shutting_down` when a shutdown cut the send off (`waits`).
     """
     response: httpx.Response | None = None
-    with anyio.CancelScope() as scope:
+    with waits.scope() as scope:
         watcher = asyncio.create_task(_cancel_when_client_leaves(request, scope))
         try:
             response = await client.send(upstream, stream=stream)
         finally:
             watcher.cancel()
+    if response is None and waits.cut:
+        raise ServiceError(503, "shutting_down", f"The service is shutting down: vLLM had not answered this request "
+                           f"{_GIVEN_UP}", type="server_error")
     return response
 
 
@@ -215,6 +273,7 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
     settings = settings or (service.settings if service else TrainerSettings())
     svc = service or build_service(settings, grpo or GRPOConfig())
     engine_client: httpx.AsyncClient | None = None
+    waits = _EngineWaits()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -241,6 +300,7 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
 
     app = FastAPI(title="art-langgraph trainer service", lifespan=lifespan)
     app.state.service = svc
+    app.state.engine_waits = waits
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -295,13 +355,13 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
         request_ticket = await svc.lender.engine_request()  # counted until vLLM's answer is through
         streaming = False
         try:
-            response = await _send_unless_client_leaves(request, engine_client, upstream, stream=stream)
+            response = await _send_unless_client_leaves(request, engine_client, upstream, stream=stream, waits=waits)
             if response is None:  # nobody reads this answer (nginx's "client closed request")
                 return Response(status_code=_CLIENT_CLOSED_REQUEST)
             headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROPPED_HEADERS}
             if stream:
                 streaming = True
-                return StreamingResponse(_relay(response, request_ticket), status_code=response.status_code,
+                return StreamingResponse(_relay(response, request_ticket, waits), status_code=response.status_code,
                                          headers=headers)
             return Response(response.content, status_code=response.status_code, headers=headers)
         except httpx.HTTPError as exc:
@@ -383,15 +443,22 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
 class _Server(AnnouncedServer):
     """uvicorn's server, which begins the service's shutdown (`TrainerService.begin_shutdown`) as soon as its own
     begins: uvicorn then waits for every open request (a streamed answer, a manual step) before the app's lifespan
-    ends; no scheduled step may start meanwhile, and a manual step's hot-load vLLM does not answer is given up."""
+    ends; no scheduled step may start meanwhile, and a manual step's hot-load vLLM does not answer is given up. So
+    is a proxied request vLLM has not answered (or a stream it has not finished) once the service's grace is over
+    (`_EngineWaits`); uvicorn's own `timeout_graceful_shutdown` is not used, as it would cancel a manual step too."""
 
-    def __init__(self, config: uvicorn.Config, service: TrainerService) -> None:
+    def __init__(self, config: uvicorn.Config, service: TrainerService, waits: _EngineWaits) -> None:
         super().__init__(config)
         self._service = service
+        self._waits = waits
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._service.begin_shutdown()
-        await super().shutdown(sockets)
+        cut = asyncio.get_running_loop().call_later(self._service.grace.left(), self._waits.cut_off)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
 
 
 def serve(app: FastAPI, sock: socket.socket, *, log_level: str) -> None:
@@ -404,4 +471,4 @@ def serve(app: FastAPI, sock: socket.socket, *, log_level: str) -> None:
     """
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
-    serve_on(_Server(config, app.state.service), sock)
+    serve_on(_Server(config, app.state.service, app.state.engine_waits), sock)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import importlib.machinery
 import importlib.util
 import json
+import math
 import os
 import re
 import signal
@@ -27,9 +29,10 @@ from examples.stack import free_port
 from tests.trainer_service.builders import save_tiny_model
 from trainer_service import config
 from trainer_service.checkpoint_checks import CheckpointMismatchError
-from trainer_service.cli import _SETTINGS_FLAGS, build_parser, configure_logging, main, settings_from_args
+from trainer_service.cli import _GRPO_FLAGS, _SETTINGS_FLAGS, build_parser, configure_logging, main, settings_from_args
 from trainer_service.config import TrainerSettings
 from trainer_service.engine_errors import EngineError
+from trainer_service.grpo_config import GRPOConfig
 from trainer_service.schedule_text import LONGEST_INTERVAL_S, SHORTEST_INTERVAL_S, parse_duration
 from trainer_service.vllm_source import vllm_dtypes, vllm_lora_ranks, vllm_serve_flags, vllm_source, vllm_tool_parsers
 
@@ -155,7 +158,8 @@ def test_bad_values_exit_with_the_fix(capsys: pytest.CaptureFixture[str]) -> Non
     assert "Raise --max-lora-rank to 16" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--learning-rate", "-1"])
-    assert "learning_rate=-1.0 must be positive" in capsys.readouterr().err
+    assert ("learning_rate=-1.0 must be above 0 (flag --learning-rate, env ART_TRAINER_LEARNING_RATE; default 0.0001)"
+            in capsys.readouterr().err)
 
 
 def test_a_max_lora_rank_vllm_refuses_exits_at_once_naming_the_ones_it_takes(capsys: pytest.CaptureFixture[str],
@@ -709,6 +713,77 @@ def test_the_help_of_each_setting_names_the_bounds_its_value_is_checked_against(
                 if value is not None and not obvious and not _said(value, helps[flag]):
                     unsaid.append(f"{flag} {bound} {value}")
     assert unsaid == []
+
+
+_STATED_RANGE = re.compile(r"Must be (above|at least) (\S+?)(?: and below (\S+?))?\.")
+"""How a GRPO flag's help states the values its check takes: `Must be above 0.`, `Must be at least 0 and below 1.`"""
+
+
+def _grpo_takes(flag: str, value: float) -> bool:
+    """Whether `art-trainer serve FLAG VALUE` passes the GRPO config's checks (the settings' own are not asked: a
+    `--lora-r` past `--max-lora-rank` is theirs)."""
+    name, _ = _GRPO_FLAGS[flag]
+    args = build_parser().parse_args(["serve", f"{flag}={value}"])
+    try:
+        GRPOConfig.from_env({}, **{name: getattr(args, name)})
+    except ValueError:
+        return False
+    return True
+
+
+def test_the_help_of_each_numeric_grpo_flag_states_the_values_its_check_takes() -> None:
+    # the help of --learning-rate, --epsilon, --lora-dropout, --micro-batch-tokens, ... named no bound, while
+    # `GRPOConfig.__post_init__` refused 0, 1, -0.1 or 1 at start
+    helps = _serve_helps()
+    wrong = []
+    for flag, (name, kind) in _GRPO_FLAGS.items():
+        if kind is str or name == "delta":  # choices; delta's bound is another flag's (below)
+            continue
+        stated = _STATED_RANGE.search(helps[flag])
+        low, included, high = (-math.inf, True, math.inf) if stated is None else (
+            float(stated[2]), stated[1] == "at least", float(stated[3] or "inf"))
+        step = 1 if kind is int else 1e-6
+        probes = {-10**6, -1, 0, 1, 10**6} | {bound + shift for bound in (low, high) if math.isfinite(bound)
+                                             for shift in (-step, 0, step)}
+        for value in sorted(kind(probe) for probe in probes):
+            said = (value >= low if included else value > low) and value < high
+            if said != _grpo_takes(flag, value):
+                wrong.append(f"{flag} {value}: help {'takes' if said else 'refuses'} it, the check does not")
+    assert wrong == []
+
+
+def test_the_delta_help_states_its_bound_and_the_loss_it_is_refused_with() -> None:
+    # it said "they suggest a value above 1 + epsilon_high", a bound the check requires, and not that `cispo` refuses it
+    text = _serve_helps()["--delta"]
+    assert "Must be above 1 + epsilon_high (1 + epsilon when that is None)" in text
+    assert "refused with `cispo`" in text and "suggest" not in text
+    for epsilons, bound in (([], 1.2), (["--epsilon", "0.3"], 1.3), (["--epsilon-high", "0.5"], 1.5)):
+        assert parse(*epsilons, "--delta", str(bound + 1e-6))[1].delta == bound + 1e-6  # type: ignore[attr-defined]
+        with pytest.raises(ValueError, match=rf"delta={bound} must exceed 1 \+ epsilon_high"):
+            parse(*epsilons, "--delta", str(bound))
+    with pytest.raises(ValueError, match="leave delta unset"):
+        parse("--loss", "cispo", "--delta", "3")
+
+
+def test_the_target_modules_help_says_one_is_needed() -> None:
+    assert "at least one" in _serve_helps()["--target-modules"]
+    with pytest.raises(ValueError, match="target_modules is empty"):
+        parse("--target-modules", " , ")
+
+
+def test_the_help_names_every_variable_the_grpo_config_reads() -> None:
+    # ART_TRAINER_GRADIENT_CHECKPOINTING is read (`GRPOConfig.from_env`) and has no flag: `--help` never named it
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    text = serve.format_help()
+    unnamed = [f"ART_TRAINER_{f.name.upper()}" for f in dataclasses.fields(GRPOConfig)
+               if f"ART_TRAINER_{f.name.upper()}" not in text]
+    assert unnamed == []
+    said = " ".join(text.split())
+    assert ("No flag sets gradient checkpointing, only its variable: Recompute activations in backward; None means on "
+            "with CUDA, off on a CPU. Set it to true or false. [env ART_TRAINER_GRADIENT_CHECKPOINTING, default: None; "
+            "none for None]") in said
+    for value, read in (("true", True), ("false", False), ("none", None)):
+        assert GRPOConfig.from_env({"ART_TRAINER_GRADIENT_CHECKPOINTING": value}).gradient_checkpointing is read
 
 
 def test_the_vllm_dtype_help_quotes_the_measured_bf16_speed_up() -> None:
