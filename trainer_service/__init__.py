@@ -20,5 +20,6 @@ Modules, by part (each module's docstring says more):
   stay), `schedule` (min-groups / interval / cron triggers), `schedule_text` (reading `--every` and `--cron`),
   `service` (train/serve logic), `step_bookkeeping` (a step's ack, metrics record and unserved answer),
   `service_status` (`GET /v1/status`), `failed_steps` (what becomes of a failed step's batch, and the fix a 507
-  names), `server` (HTTP layer), `protocol` (wire models), `cli` (`art-trainer`).
+  names), `server` (HTTP layer), `proxy` (its relay of chat requests to vLLM), `protocol` (wire models), `cli`
+  (`art-trainer`).
 """

@@ -20,28 +20,33 @@ import logging
 import re
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import anyio
 import httpx
 import uvicorn
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException
 
 from collector.auth import bearer_matches
 from collector.listen import AnnouncedServer, serve_on
 from trainer_service.base_model import check_base_model, resolve_base_model, served_base_name
 from trainer_service.config import TrainerSettings
-from trainer_service.core_lending import CoreLender, EngineRequest
+from trainer_service.core_lending import CoreLender
 from trainer_service.distributed import TrainLauncher
 from trainer_service.engine import VLLMEngine
 from trainer_service.grpo_config import GRPOConfig
-from trainer_service.protocol import ErrorBody, ErrorResponse, ServiceError, StatusResponse, TrainResponse
+from trainer_service.protocol import ServiceError, StatusResponse, TrainResponse
+from trainer_service.proxy import (
+    CLIENT_CLOSED_REQUEST,
+    DROPPED_HEADERS,
+    EngineWaits,
+    relay,
+    send_unless_client_leaves,
+    streams,
+)
 from trainer_service.service import TrainerService
-from trainer_service.step_bookkeeping import SHUTDOWN_GRACE_S
 from trainer_service.training import LoRATrainer
 from trainer_service.vllm_cpu_matmul import matmul_dtype
 from trainer_service.vllm_cpu_threads import EngineThreads
@@ -52,12 +57,6 @@ logger = logging.getLogger(__name__)
 
 _ENGINE_CONNECTIONS = 128
 """Most concurrent requests the proxy sends to vLLM; the rest wait in the proxy's pool (queued, not failed)."""
-_CLIENT_CLOSED_REQUEST = 499
-"""Status logged for a request whose client disconnected before vLLM answered (nginx's convention)."""
-_DROPPED_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive", "date",
-                    "server"}
-"""vLLM's answer headers the proxy does not pass on: those of vLLM's connection, and `date` and `server`, which the
-proxy's own server sets on every answer (passed on, each came twice)."""
 _RETRY_AFTER_S = 10
 """`Retry-After` of every 503: the engine's watchdog looks every 10 s, so a restart or an adapter re-load is under
 way by then (OpenAI clients wait what it says, up to 60 s, before they retry)."""
@@ -66,8 +65,6 @@ _NO_PARAMETERS = re.compile(rb"[ \t\r\n]*(\{[ \t\r\n]*\})?[ \t\r\n]*")
 _NO_PARAMETERS_READ = 4096
 """Bytes of a control route's body read at most: any it takes fits (`{}` amid whitespace); a longer one is refused
 without reading the rest."""
-_STREAM = TypeAdapter(bool | None)
-"""The type of `stream` in vLLM's request models (pydantic's lax mode: `"false"`, `"no"`, `"0"` and `0` are false)."""
 
 
 def build_service(settings: TrainerSettings, grpo: GRPOConfig,
@@ -122,107 +119,6 @@ def build_service(settings: TrainerSettings, grpo: GRPOConfig,
                           launcher=launcher, lender=lender)
 
 
-class _EngineWaits:
-    """The proxy's waits on vLLM (for an answer, its headers, a stream's next chunk), which a shutdown cuts off once
-    its grace is over (`cut_off`, `_Server`): uvicorn waits for every open request before it stops, and a vLLM that
-    took a request and never answered it held the shutdown for the engine client's timeout (1800 s)."""
-
-    def __init__(self) -> None:
-        self.cut = False
-        """Set by `cut_off`: every wait since is cancelled as it begins."""
-        self._scopes: set[anyio.CancelScope] = set()
-
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[anyio.CancelScope]:
-        """A cancel scope around one wait on vLLM, cancelled by `cut_off` (at once after it)."""
-        with anyio.CancelScope() as scope:
-            if self.cut:
-                scope.cancel()
-            self._scopes.add(scope)
-            try:
-                yield scope
-            finally:
-                self._scopes.discard(scope)
-
-    def cut_off(self) -> None:
-        """Cancel every wait on vLLM, now and from now on; log how many were open."""
-        self.cut = True
-        if self._scopes:
-            logger.warning("shutting down: gave up %d proxied request(s) vLLM had not answered %g s after the shutdown "
-                           "began", len(self._scopes), SHUTDOWN_GRACE_S)
-        for scope in list(self._scopes):
-            scope.cancel()
-
-
-_GIVEN_UP = (f"{SHUTDOWN_GRACE_S:g} s after the shutdown began, so the service gave it up. Send the request again "
-             "once the service is back.")
-"""The end of the message of a request a shutdown cut off (`_EngineWaits`)."""
-
-
-def _stream_error(message: str, code: str) -> bytes:
-    """The end of a stream that failed: an error event in OpenAI's envelope and `[DONE]`, as vLLM ends its own failed
-    streams, so the client raises instead of taking a cut answer for a whole one."""
-    error = ErrorResponse(error=ErrorBody(message=message, type="server_error", code=code))
-    return f"data: {error.model_dump_json()}\n\ndata: [DONE]\n\n".encode()
-
-
-async def _relay(response: httpx.Response, request_ticket: EngineRequest, waits: _EngineWaits) -> AsyncIterator[bytes]:
-    """A streamed answer from vLLM, chunk by chunk; the request stops counting when it ends or the client leaves.
-
-    The chunks are decoded (`aiter_bytes`), as the dropped `content-encoding` header says. When vLLM stops
-    answering mid-stream (it died or was restarted), or a shutdown cuts the stream off (`waits`), it ends with an
-    error event (`_stream_error`).
-    """
-    chunks = response.aiter_bytes()
-    try:
-        while True:
-            with waits.scope() as scope:  # around the wait only: a cancel scope must not span a generator's `yield`
-                chunk = await anext(chunks, None)
-            if scope.cancelled_caught:
-                yield _stream_error(f"The service is shutting down: vLLM had not finished this stream {_GIVEN_UP}",
-                                    "shutting_down")
-                return
-            if chunk is None:
-                return
-            yield chunk
-    except httpx.HTTPError as exc:
-        logger.warning("vLLM stopped answering a streamed request mid-answer: %s", exc)
-        yield _stream_error(f"The vLLM engine stopped answering mid-stream: {exc}. See GET /v1/status and the vLLM "
-                            "log.", "engine_unavailable")
-    finally:
-        await response.aclose()
-        request_ticket.close()
-
-
-async def _cancel_when_client_leaves(request: Request, scope: anyio.CancelScope) -> None:
-    """Cancel `scope` when the client disconnects (once the body has been read, its only ASGI message left)."""
-    await request.receive()
-    scope.cancel()
-
-
-async def _send_unless_client_leaves(request: Request, client: httpx.AsyncClient, upstream: httpx.Request, *,
-                                    stream: bool, waits: _EngineWaits) -> httpx.Response | None:
-    """vLLM's answer to `upstream` (its headers when `stream`), or None when the client disconnects first.
-
-    The send is then cancelled, which closes the connection to vLLM, and vLLM aborts the request. Call it once the
-    request body has been read.
-
-    Raises:
-        ServiceError: 503 `shutting_down` when a shutdown cut the send off (`waits`).
-    """
-    response: httpx.Response | None = None
-    with waits.scope() as scope:
-        watcher = asyncio.create_task(_cancel_when_client_leaves(request, scope))
-        try:
-            response = await client.send(upstream, stream=stream)
-        finally:
-            watcher.cancel()
-    if response is None and waits.cut:
-        raise ServiceError(503, "shutting_down", f"The service is shutting down: vLLM had not answered this request "
-                           f"{_GIVEN_UP}", type="server_error")
-    return response
-
-
 async def _body_head(request: Request) -> bytes:
     """The request's body, or its first chunks once they pass `_NO_PARAMETERS_READ` bytes (the rest left unread)."""
     head = b""
@@ -244,17 +140,6 @@ async def _takes_no_parameters(request: Request) -> None:
                            "`--cron`); a manual step trains on what is ready now. See `art-trainer serve --help`.")
 
 
-def _streams(body: dict[str, Any]) -> bool:
-    """Whether vLLM answers `body` with a stream: its `stream` as vLLM's request models read it.
-
-    A value they refuse (`2`, `"maybe"`, `[]`) is no stream: vLLM answers it with its own 400, in one piece.
-    """
-    try:
-        return bool(_STREAM.validate_python(body.get("stream")))
-    except ValidationError:
-        return False
-
-
 def _error(exc: ServiceError) -> JSONResponse:
     """`exc` as an answer: its envelope, with `Retry-After` on a 503 and `WWW-Authenticate` on a 401."""
     headers = {503: {"Retry-After": str(_RETRY_AFTER_S)}, 401: {"WWW-Authenticate": "Bearer"}}.get(exc.status)
@@ -273,7 +158,7 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
     settings = settings or (service.settings if service else TrainerSettings())
     svc = service or build_service(settings, grpo or GRPOConfig())
     engine_client: httpx.AsyncClient | None = None
-    waits = _EngineWaits()
+    waits = EngineWaits()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -346,7 +231,7 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
             raise ServiceError(400, "invalid_json", f"The `model` string is not valid Unicode: {exc}.",
                                param="model") from exc
         body["model"] = svc.resolve(body["model"])
-        stream = _streams(body)
+        stream = streams(body)
         try:
             upstream = engine_client.build_request("POST", route, json=body)
         except ValueError as exc:  # NaN, Infinity, 1e400, "\ud800": Python's `json` reads them, JSON text has none
@@ -355,13 +240,13 @@ def create_app(settings: TrainerSettings | None = None, grpo: GRPOConfig | None 
         request_ticket = await svc.lender.engine_request()  # counted until vLLM's answer is through
         streaming = False
         try:
-            response = await _send_unless_client_leaves(request, engine_client, upstream, stream=stream, waits=waits)
+            response = await send_unless_client_leaves(request, engine_client, upstream, stream=stream, waits=waits)
             if response is None:  # nobody reads this answer (nginx's "client closed request")
-                return Response(status_code=_CLIENT_CLOSED_REQUEST)
-            headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROPPED_HEADERS}
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            headers = {k: v for k, v in response.headers.items() if k.lower() not in DROPPED_HEADERS}
             if stream:
                 streaming = True
-                return StreamingResponse(_relay(response, request_ticket, waits), status_code=response.status_code,
+                return StreamingResponse(relay(response, request_ticket, waits), status_code=response.status_code,
                                          headers=headers)
             return Response(response.content, status_code=response.status_code, headers=headers)
         except httpx.HTTPError as exc:
@@ -445,9 +330,9 @@ class _Server(AnnouncedServer):
     begins: uvicorn then waits for every open request (a streamed answer, a manual step) before the app's lifespan
     ends; no scheduled step may start meanwhile, and a manual step's hot-load vLLM does not answer is given up. So
     is a proxied request vLLM has not answered (or a stream it has not finished) once the service's grace is over
-    (`_EngineWaits`); uvicorn's own `timeout_graceful_shutdown` is not used, as it would cancel a manual step too."""
+    (`EngineWaits`); uvicorn's own `timeout_graceful_shutdown` is not used, as it would cancel a manual step too."""
 
-    def __init__(self, config: uvicorn.Config, service: TrainerService, waits: _EngineWaits) -> None:
+    def __init__(self, config: uvicorn.Config, service: TrainerService, waits: EngineWaits) -> None:
         super().__init__(config)
         self._service = service
         self._waits = waits
