@@ -272,7 +272,12 @@ class SqlStore(Store):
         """Insert the rewards (each with its score id) in one statement, their groups held and marked rewarded;
         whether each one's trajectory is known."""
         by_rollout = [reward.rollout_id for reward, _ in items if reward.rollout_id]
-        holders = pool.holders(conn, [reward.trace_id or "" for reward, _ in items if not reward.rollout_id])
+        traces = [reward.trace_id or "" for reward, _ in items if not reward.rollout_id]
+        # the locks an export of these trajectories takes (their ids, their traces): it commits before this transaction
+        # reads their groups, or after it, so a reward never misses the group an export is placing its trajectory in
+        # (the group would keep its `updated_at`, and a listing its decision from before the reward, `store_reads`)
+        self._tx.lock(conn, TRAJECTORY_LOCKS, by_rollout + traces)
+        holders = pool.holders(conn, traces)
         held = sorted(set().union(*holders.values()))  # of a trace: each trajectory holding a span in it
         member_groups = pool.groups_of(conn, by_rollout + held, [])
         now = self._changing_groups(conn, member_groups)
@@ -321,6 +326,10 @@ class SqlStore(Store):
         also: Callable[[Connection], None] | None,
     ) -> bool:
         traces = sorted(set(conn.execute(select(rewards.c.trace_id).where(rewards.c.score_id == score_id)).scalars()))
+        # as a reward takes them (`_add_rewards`): an export in the traces commits before the withdrawal reads them, or
+        # after it; the successor's, first too (namespaces in ascending order)
+        successor_ids = [successor[1].rollout_id or successor[1].trace_id or ""] if successor else []
+        self._tx.lock(conn, TRAJECTORY_LOCKS, [trace for trace in traces if trace] + successor_ids)
         # each trajectory with a span in them, read once (a subquery in each statement saw a rollout an export
         # committed in between, and locked its group last), then a chunk of them per statement: a list of them all
         # grew with the trace's rollouts, past PostgreSQL's 65,535 parameters

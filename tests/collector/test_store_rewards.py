@@ -277,60 +277,99 @@ def test_withdrawing_a_score_on_a_trace_of_many_rollouts_binds_no_list_of_them(m
     assert max(bound) < 600 and "judge" not in store.trajectory("r599").rewards
 
 
-def _export_commits_inside(monkeypatch: pytest.MonkeyPatch, store: Any, spans: list[Any]) -> dict[str, list[str]]:
-    """Make the next transaction that locks groups wait, once it holds them, for an export of `spans` to commit (as
-    another replica's would, under READ COMMITTED); returns what that transaction locked first (`locked`) and the
-    groups it marked rewarded (`rewarded`), once it has run."""
+def _export_during(monkeypatch: pytest.MonkeyPatch, store: Any, spans: list[Any]) -> dict[str, Any]:
+    """Make the next transaction that locks groups start an export of `spans` from another thread once it holds them
+    (as another replica's, under READ COMMITTED), and give it 2 s to commit meanwhile; returns what that transaction
+    locked first (`locked`), the groups it marked rewarded (`rewarded`), whether the export committed meanwhile
+    (`inside`) and its thread (`export`), to join."""
     lock_groups, rewarded, touched = pool.lock_groups, pool.rewarded, {}
 
-    def an_export_commits_meanwhile(conn: Connection, group_ids: Any) -> None:
+    def an_export_meanwhile(conn: Connection, group_ids: Any) -> None:
         group_ids = sorted(set(group_ids) - {None})
         lock_groups(conn, group_ids)
         if not touched:
             touched["locked"] = group_ids
-            exporting = threading.Thread(target=store.add_spans, args=(spans,))
-            exporting.start()
-            exporting.join(timeout=30)
+            touched["export"] = threading.Thread(target=store.add_spans, args=(spans,))
+            touched["export"].start()
+            touched["export"].join(timeout=2)
+            touched["inside"] = not touched["export"].is_alive()
 
     def noted(conn: Connection, group_ids: Any, now: float) -> None:
-        touched["rewarded"] = sorted(group_ids)
+        touched.setdefault("rewarded", sorted(group_ids))  # the first transaction's, not the export's after it
         rewarded(conn, group_ids, now)
 
-    monkeypatch.setattr(pool, "lock_groups", an_export_commits_meanwhile)
+    monkeypatch.setattr(pool, "lock_groups", an_export_meanwhile)
     monkeypatch.setattr(pool, "rewarded", noted)
     return touched
 
 
-def test_a_rollout_stored_in_the_trace_while_a_score_is_withdrawn_is_left_alone(
+def test_a_rollout_exported_in_the_trace_while_a_score_is_withdrawn_waits_for_the_withdrawal(
     make_store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The withdrawal found the trace's trajectories by a subquery in each statement: a rollout another replica's
-    export committed in between was locked and dated, and its group updated without being locked first (out of the
-    groups' id order: a deadlock with an export of that rollout, retried)."""
+    """The withdrawal holds the locks an export in its trace takes: a rollout another replica exports meanwhile commits
+    after it, so the withdrawal neither misses it nor touches its group out of the groups' id order."""
     store = make_store(min_group_size=1)
     if store.engine.dialect.name != "postgresql":
-        pytest.skip("SQLite has one writer at a time: no export commits inside the withdrawal")
+        pytest.skip("SQLite has one writer at a time: no export runs inside the withdrawal")
     trace = f"{0x52:032x}"
     store.add_spans([rollout(n + 1, f"r{n}", trace=trace, group=f"g{n}", size=1) for n in range(2)])
     store.add_reward(RewardIn(trace_id=trace, name="judge", value=0.5), score_id="s1")
-    touched = _export_commits_inside(monkeypatch, store, [rollout(50, "late", trace=trace, group="g-late")])
+    touched = _export_during(monkeypatch, store, [rollout(50, "late", trace=trace, group="g-late")])
     assert store.withdraw_score("s1", None)
-    assert touched == {"locked": ["g0", "g1"], "rewarded": ["g0", "g1"]}
+    touched["export"].join(timeout=30)
+    assert touched["locked"] == ["g0", "g1"] and touched["rewarded"] == ["g0", "g1"] and not touched["inside"]
+    assert "judge" not in store.trajectory("late").rewards and store.trajectory("late").group_id == "g-late"
 
 
-def test_a_reward_updates_only_the_groups_it_locked_while_an_export_places_its_trajectory(
+def test_an_export_placing_a_rewarded_trajectory_waits_for_the_reward(
     make_store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A reward by trace id locked the groups of the trace's trajectories, then read their groups again to mark them
-    rewarded: one an export placed a trajectory in between (its rollout span committed meanwhile) was updated without
-    being locked, out of the groups' id order (a deadlock with an export holding it, retried)."""
+    """A reward by trace id holds the locks an export of the trace takes: an export placing one of its trajectories in
+    a group (its rollout span arriving) commits after the reward, and marks that group changed itself."""
     store = make_store(min_group_size=2)
     if store.engine.dialect.name != "postgresql":
-        pytest.skip("SQLite has one writer at a time: no export commits inside the reward")
+        pytest.skip("SQLite has one writer at a time: no export runs inside the reward")
     trace = f"{0x53:032x}"
     store.add_spans([llm(11, rollout="r", trace=trace, start=1, prompt=[1], completion=[2])])  # no rollout span yet
     assert store.trajectory("r").group_id == ""
-    touched = _export_commits_inside(monkeypatch, store, [rollout(12, "r", trace=trace, group="ga")])
+    touched = _export_during(monkeypatch, store, [rollout(12, "r", trace=trace, group="ga")])
     assert store.add_reward(RewardIn(trace_id=trace, value=0.5)).trajectory_known
-    assert touched == {"locked": [], "rewarded": []}
+    touched["export"].join(timeout=30)
+    assert touched["locked"] == [] and touched["rewarded"] == [] and not touched["inside"]
     assert store.trajectory("r").group_id == "ga" and store.trajectory("r").rewards == {"reward": 0.5}
+
+
+def test_a_reward_racing_its_rollouts_export_shows_in_the_next_listing(
+    make_store, clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reward by rollout id read the rollout's groups before an export placing it committed: it applied, but marked
+    no group changed, so the decision a listing remembered in between (before the reward) stood in every later one."""
+    store = make_store()
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has one writer at a time: no export commits inside the reward")
+    store.add_spans(trajectory(10, "a", reward=1.0))
+    read, go = threading.Event(), threading.Event()
+    groups_of = pool.groups_of
+
+    def paused(conn: Connection, trajectory_ids: list[str], trace_ids: list[str]) -> set[str]:
+        found = groups_of(conn, trajectory_ids, trace_ids)
+        if threading.current_thread().name == "reward":
+            read.set()
+            assert go.wait(30)
+        return found
+
+    monkeypatch.setattr(pool, "groups_of", paused)
+    rewarding = threading.Thread(target=store.add_reward, args=(RewardIn(rollout_id="b", value=0.0),), name="reward")
+    rewarding.start()
+    assert read.wait(30)
+    exporting = threading.Thread(target=store.add_spans, args=(trajectory(20, "b", reward=None),))
+    exporting.start()
+    exporting.join(timeout=2)
+    clock.now += 1
+    store.groups()  # remembers each open group's decision
+    go.set()
+    rewarding.join(timeout=30)
+    exporting.join(timeout=30)
+    clock.now += 1
+    (group,) = store.groups()
+    assert (group.id, group.state, group.size, group.rewarded) == ("g", "ready", 2, 2)
