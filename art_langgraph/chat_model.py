@@ -51,8 +51,12 @@ def _check_options(values: dict[str, Any]) -> None:
     """Refuse `ChatOpenAI` arguments this model cannot honour.
 
     Raises:
-        UnsupportedOption: `use_responses_api=True`, `logprobs=False`, or a `cache`.
+        UnsupportedOption: `use_responses_api=True`, `logprobs=False`, or a `cache`, also inside `model_kwargs` (which
+            `ChatOpenAI` moves to its fields, with a warning).
     """
+    extra = values.get("model_kwargs")
+    if isinstance(extra, dict) and extra:
+        _check_options({key: extra[key] for key in ("cache", "use_responses_api", "logprobs") if key in extra})
     if values.get("cache") not in (None, False):
         raise UnsupportedOption(
             "cache",

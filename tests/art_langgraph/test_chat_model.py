@@ -287,6 +287,9 @@ async def test_a_global_llm_cache_does_not_answer_for_the_model(spans) -> None:
         ({"cache": InMemoryCache()}, "cache"),
         ({"use_responses_api": True}, "use_responses_api=True"),
         ({"logprobs": False}, "logprobs=False"),
+        ({"model_kwargs": {"logprobs": False}}, "logprobs=False"),  # ChatOpenAI moves it to the field, and warns
+        ({"model_kwargs": {"use_responses_api": True}}, "use_responses_api=True"),
+        ({"model_kwargs": {"cache": True}}, "cache"),
     ],
 )
 def test_a_refused_option_raises_unsupported_option_from_the_constructor(option: dict, needle: str) -> None:
