@@ -15,10 +15,11 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
-from collector import pool
+from collector import pool, store_reads
 from collector.config import CollectorSettings
 from collector.engine import chunks
 from collector.errors import Conflict, NotFound
+from collector.groups import TrainingReward
 from collector.protocol import (
     IDEMPOTENCY_KEY_HEADER,
     AckResponse,
@@ -141,14 +142,20 @@ def _member_ids(conn: Connection, group_ids: list[str]) -> dict[str, list[str]]:
 
 
 def take(
-    conn: Connection, settings: CollectorSettings, request: BatchRequest, now: float, upkeep: pool.Upkeep
-) -> tuple[str, float, list[Any]]:
-    """Lease up to `request.max_groups` ready groups, oldest first: the batch id, when its lease expires, and the
-    group rows taken (none, and no batch stored, when fewer than `request.min_groups` are ready). Open groups
-    decided skipped on the way are stored so. Rows another transaction holds are passed over, so replicas on one
-    PostgreSQL never lease a group twice. A request whose `idempotency_key` leased a batch before gets that batch
-    again while its lease lasts (`_leased_before`; the caller holds the key's lock, `IDEMPOTENCY_LOCKS`). `upkeep`: the
-    store's due maintenance, run first (`pool.Upkeep`: expired leases given back, stale groups expired).
+    conn: Connection, settings: CollectorSettings, request: BatchRequest, now: float, upkeep: pool.Upkeep,
+    training: TrainingReward, listed: store_reads.Listed,
+) -> tuple[str, float, list[Any], store_reads.Listed | None]:
+    """Lease up to `request.max_groups` ready groups, oldest first: the batch id, when its lease expires, the group
+    rows taken (none, and no batch stored, when fewer than `request.min_groups` are ready), and the open groups
+    decided (`store_reads.Listed`, for the next listing or lease; None when none were). Open groups decided skipped
+    on the way are stored so. Rows another transaction holds are passed over, so replicas on one PostgreSQL never
+    lease a group twice. A request whose `idempotency_key` leased a batch before gets that batch again while its
+    lease lasts (`_leased_before`; the caller holds the key's lock, `IDEMPOTENCY_LOCKS`). `upkeep`: the store's due
+    maintenance, run first (`pool.Upkeep`: expired leases given back, stale groups expired).
+
+    Every open group is decided first, unlocked, as a listing decides it (`store_reads.open_decisions`: one of
+    `listed`, what the last listing or lease decided under `settings` and `training`, is not decided again while its
+    `Stamp` is unchanged); those that look ready or skipped are decided again under their row locks.
 
     Raises:
         Conflict: `idempotency_key_used`, the lease of the batch that key leased ended; `idempotency_key_mismatch`,
@@ -157,9 +164,8 @@ def take(
     key = request.idempotency_key
     upkeep(conn, now)
     if key is not None and (before := _leased_before(conn, request)) is not None:
-        return before
-    open_groups = list(conn.execute(select(groups).where(groups.c.state == "open")).mappings())
-    decided = pool.decisions(conn, settings, open_groups)
+        return *before, None
+    open_groups, decided, remembered = store_reads.open_decisions(conn, settings, training, listed, now)
     for chunk in chunks(sorted(group_id for group_id, decision in decided.items() if decision.state == "skipped")):
         # decided before their rows were locked, as the ready ones below: decide again under the lock, lest a
         # reward another replica committed since (one that gives the group its spread) be overwritten
@@ -176,7 +182,7 @@ def take(
     taken = _still_ready(conn, settings, ready, request.max_groups)
     batch_id, expires = uuid.uuid4().hex, now + request.lease_seconds
     if len(taken) < request.min_groups:  # nothing leased: no batch to store, none to expire later
-        return batch_id, expires, []
+        return batch_id, expires, [], remembered
     members = _member_ids(conn, [g["id"] for g in taken])
     conn.execute(
         batches.insert().values(
@@ -189,7 +195,7 @@ def take(
         leased = groups.update().where(groups.c.id.in_(chunk))
         conn.execute(leased.values(state="leased", batch_id=batch_id, reason=None, updated_at=now))
         conn.execute(batch_groups.insert().values([{"batch_id": batch_id, "group_id": group_id} for group_id in chunk]))
-    return batch_id, expires, taken
+    return batch_id, expires, taken, remembered
 
 
 def _locked_batch(conn: Connection, batch_id: str) -> tuple[Any, list[str]]:

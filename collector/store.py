@@ -24,7 +24,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import Connection, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -53,13 +53,12 @@ from collector.protocol import (
 from collector.schema import groups, migrate, rewards, spans, trajectories
 from collector.spans import rollout_key
 from collector.store_base import Store
+from collector.store_memory import Memory
 from collector.transactions import GROUP_LOCKS, IDEMPOTENCY_LOCKS, TRAJECTORY_LOCKS, Transactions
 
 __all__ = ["SqlStore"]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 def _key(span: SpanRecord) -> tuple[str, str]:
@@ -79,11 +78,7 @@ class SqlStore(Store):
         self.training = settings.training_reward
         self._tx = Transactions(self.engine)
         self._steps = curve.PolicySteps()
-        # the stale groups the last upkeep kept, with the settings it decided them under (`_maintained`)
-        self._kept: tuple[CollectorSettings, pool.Kept] = (settings, {})
-        # the open groups the last listing of them all decided, with the settings and training reward it decided them
-        # under (`groups`)
-        self._listed: tuple[CollectorSettings, TrainingReward, store_reads.Listed] = (settings, self.training, {})
+        self._memory = Memory(self._tx, settings, self.training)
 
     # --- plumbing -----------------------------------------------------------------------
     def _now(self, conn: Connection) -> float:
@@ -357,38 +352,11 @@ class SqlStore(Store):
         return True
 
     # --- reading (`collector.store_reads`) -------------------------------------------------
-    def _maintained(self, settings: CollectorSettings, work: Callable[[Connection, pool.Upkeep], T]) -> T:
-        """`work(conn, upkeep)` in a write transaction, where `upkeep` (`pool.Upkeep`), which `work` runs first, is the
-        due maintenance under `settings` (`pool.maintain`: expired leases, idle trajectories, stale groups). Its cost
-        grows with what is due: the idle trajectories are read from an index (schema version 14), and a stale group
-        the last upkeep kept (ready, waiting for a trainer) is not decided again while it is unchanged (`pool.Kept`:
-        of each it reads only its `updated_at` and its number of members). The groups kept are remembered once the
-        transaction committed (those of its last try: one that raised, rolled back, is forgotten), for the settings
-        they were decided under: other settings decide every stale group again."""
-        decided_under, kept = self._kept
-        if decided_under is not settings:
-            kept = {}
-        found: list[pool.Kept] = []
-
-        def upkeep(conn: Connection, now: float, *, releasing: Collection[str] = (),
-                   acking: Collection[str] = ()) -> None:
-            found.append(pool.maintain(conn, settings, now, self._tx.lock, releasing=releasing, acking=acking,
-                                       kept=kept))
-
-        def attempt(conn: Connection) -> T:
-            found.clear()  # a try retried rolled back: what its upkeep kept is not stored
-            return work(conn, upkeep)
-
-        out = self._tx.run(attempt)
-        if found:
-            self._kept = (settings, found[-1])
-        return out
-
     def _upkeep(self) -> None:
-        """Due maintenance (`_maintained`) in a short write transaction of its own, whose group locks end with it. A
-        write does only the upkeep due on the groups it marks active, in its own transaction once it holds them
+        """Due maintenance (`Memory.maintained`) in a short write transaction of its own, whose group locks end with
+        it. A write does only the upkeep due on the groups it marks active, in its own transaction once it holds them
         (`pool.maintain_groups`); a lease, an ack and a release run it first in theirs."""
-        self._maintained(self.settings, lambda conn, upkeep: upkeep(conn, self._now(conn)))
+        self._memory.maintained(self.settings, lambda conn, upkeep: upkeep(conn, self._now(conn)))
 
     def _read(self, work: Callable[[Connection], Any]) -> Any:
         """`work(conn)` on the store as of now: due maintenance first (`_upkeep`), then `work` in a read-only
@@ -435,15 +403,9 @@ class SqlStore(Store):
         under: others decide every group again). A trainer's poll for ready groups costs what changed since the last,
         beside one read of the open groups' rows."""
         settings, training = self.settings, self.training
-        under, under_training, listed = self._listed
-        if under is not settings or under_training is not training:
-            listed = {}
-        statuses, decided = self._read(lambda conn: store_reads.group_statuses(
-            conn, settings, training, states, limit, listed, self._now(conn)
+        return self._memory.listing(settings, training, lambda listed: self._read(
+            lambda conn: store_reads.group_statuses(conn, settings, training, states, limit, listed, self._now(conn))
         ))
-        if decided is not None:
-            self._listed = (settings, training, decided)
-        return statuses
 
     def batches(self, *, limit: int = 100) -> list[BatchStatus]:
         """The latest `limit` batches (leases), newest first, with their group ids."""
@@ -452,27 +414,36 @@ class SqlStore(Store):
     # --- leases -------------------------------------------------------------------------
     def lease(self, request: BatchRequest) -> Batch:
         """Lease ready groups to one trainer, atomically; an empty batch, not stored, when fewer than `min_groups`
-        are ready."""
-        settings = self.settings
-        batch = self._maintained(settings, lambda conn, upkeep: self._lease(conn, settings, request, upkeep))
+        are ready.
+
+        Its first pass over the open groups decides only those changed since the last listing or lease decided them
+        all (`Memory.listing`, remembered once the lease committed): a lease among many ready groups costs what
+        changed, beside one read of the open groups' rows, and the groups it takes are decided again under their
+        locks."""
+        settings, training = self.settings, self.training
+        batch = self._memory.listing(settings, training, lambda listed: self._memory.maintained(
+            settings, lambda conn, upkeep: self._lease(conn, settings, training, request, upkeep, listed)
+        ))
         if batch.groups:
             log.info("leased %d groups to %s as batch %s", len(batch.groups), request.trainer or "a trainer", batch.id)
         return batch
 
     def _lease(
-        self, conn: Connection, settings: CollectorSettings, request: BatchRequest, upkeep: pool.Upkeep
-    ) -> Batch:
+        self, conn: Connection, settings: CollectorSettings, training: TrainingReward, request: BatchRequest,
+        upkeep: pool.Upkeep, listed: store_reads.Listed,
+    ) -> tuple[Batch, store_reads.Listed | None]:
         if request.idempotency_key is not None:
             self._tx.lock(conn, IDEMPOTENCY_LOCKS, [request.idempotency_key])
-        batch_id, expires, taken = leases.take(conn, settings, request, self._now(conn), upkeep)
-        out = store_reads.leased_groups(conn, taken, self.training)
-        return Batch(id=batch_id, groups=out, lease_expires_at=expires)
+        batch_id, expires, taken, decided = leases.take(conn, settings, request, self._now(conn), upkeep, training,
+                                                        listed)
+        out = store_reads.leased_groups(conn, taken, training)
+        return Batch(id=batch_id, groups=out, lease_expires_at=expires), decided
 
     def ack(self, batch_id: str, policy_step: int | None) -> AckResponse:
         """Mark a batch's groups trained. Raises `NotFound`, or `Conflict` when they were re-leased, changed or
         released."""
         settings = self.settings
-        return self._maintained(
+        return self._memory.maintained(
             settings, lambda conn, upkeep: leases.ack(conn, settings, batch_id, policy_step, self._now(conn), upkeep)
         )
 
@@ -480,7 +451,7 @@ class SqlStore(Store):
         """Give a batch's groups back untrained, counting a failed attempt when `request.failed`; idempotent.
         Raises `NotFound`, or `Conflict` when the batch was acked."""
         settings = self.settings
-        released = self._maintained(
+        released = self._memory.maintained(
             settings, lambda conn, upkeep: leases.release(conn, settings, batch_id, request, self._now(conn), upkeep)
         )
         log.info("batch %s released (%s): %d groups back in the pool, %d skipped", batch_id,

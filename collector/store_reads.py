@@ -23,7 +23,7 @@ from collector.schema import batch_groups, batches, groups, trajectories
 
 __all__ = [
     "Listed", "Stamp", "assemble", "batch_statuses", "count_trajectories", "curve_facts", "group_statuses",
-    "leased_groups", "spans_of", "trajectory", "trajectories_matching",
+    "leased_groups", "open_decisions", "spans_of", "trajectory", "trajectories_matching",
 ]
 
 _STORED_AS: dict[GroupState, frozenset[str]] = {
@@ -112,8 +112,8 @@ Stamp = tuple[float, int | None, int, int]
 its number of members and of complete ones (`group_statuses`)."""
 
 Listed = dict[str, tuple[Stamp, Decision, int]]
-"""The open groups a listing decided, by id: each with its `Stamp` then, its decision and its number of members with
-the training reward (`group_statuses`)."""
+"""The open groups a listing or a lease decided, by id: each with its `Stamp` then, its decision and its number of
+members with the training reward (`group_statuses`, `open_decisions`)."""
 
 _MEMBERS = select(func.count()).where(trajectories.c.group_id == groups.c.id).scalar_subquery().label("members")
 _COMPLETE = (
@@ -156,25 +156,55 @@ def group_statuses(
     if stored is not None:
         query = query.where(groups.c.state.in_(stored))
     every = [group for group in conn.execute(query).mappings() if group["members"]]
-    stamps = {group["id"]: _stamp(group) for group in every if group["state"] == "open"}
-    known = {
-        group_id: listed[group_id][1:]
-        for group_id, stamp in stamps.items()
-        if listed.get(group_id, (None,))[0] == stamp
-    }
-    unknown = [group for group in every if group["id"] not in known]
-    members = pool.group_members(conn, [group["id"] for group in unknown])
-    named = pool.rewards_of(conn, [row for rows in members.values() for row in rows])
-    for group in unknown:
-        rows = members[group["id"]]
-        decision = pool.decision(settings, group, rows, named) if group["state"] == "open" else None
-        known[group["id"]] = decision, sum(training.of(named[row["id"]]) is not None for row in rows)
+    known = _decided(conn, settings, training, every, listed)
     out = [_status(group, *known[group["id"]], settings) for group in every]
     every_open = limit is None and (stored is None or "open" in stored)
-    decided: Listed = {group_id: (stamp, *known[group_id]) for group_id, stamp in stamps.items() if stamp[0] < now}
     return (out if states is None else [status for status in out if status.state in states]), (
-        decided if every_open else None
+        _remembered(every, known, now) if every_open else None
     )
+
+
+def open_decisions(
+    conn: Connection, settings: CollectorSettings, training: TrainingReward, listed: Listed, now: float
+) -> tuple[list[Any], dict[str, Decision], Listed]:
+    """Every open group's row (read with `_MEMBERS` and `_COMPLETE`, in no particular order) and decision, and the
+    open groups decided (`Listed`), for the next listing or lease under the same `settings` and `training`. An open
+    group of `listed` whose `Stamp` is unchanged is not decided again, nor its members and rewards read; one is
+    remembered only once its `updated_at` is older than `now` (as `group_statuses` does)."""
+    rows = list(conn.execute(select(groups, _MEMBERS, _COMPLETE).where(groups.c.state == "open")).mappings())
+    known = _decided(conn, settings, training, rows, listed)
+    return rows, {group["id"]: known[group["id"]][0] for group in rows}, _remembered(rows, known, now)
+
+
+def _decided(
+    conn: Connection, settings: CollectorSettings, training: TrainingReward, rows: list[Any], listed: Listed
+) -> dict[str, tuple[Decision | None, int]]:
+    """Of each group row of `rows` (read with `_MEMBERS` and `_COMPLETE`), by id: its decision (an open one's; None
+    for others) and its number of members with the training reward. An open group of `listed` whose `Stamp` is
+    unchanged has those it was listed with; the members and rewards of the others are read, and they decided."""
+    known = {
+        group["id"]: listed[group["id"]][1:]
+        for group in rows
+        if group["state"] == "open" and listed.get(group["id"], (None,))[0] == _stamp(group)
+    }
+    unknown = [group for group in rows if group["id"] not in known]
+    members = pool.group_members(conn, [group["id"] for group in unknown])
+    named = pool.rewards_of(conn, [row for found in members.values() for row in found])
+    for group in unknown:
+        found = members[group["id"]]
+        decision = pool.decision(settings, group, found, named) if group["state"] == "open" else None
+        known[group["id"]] = decision, sum(training.of(named[row["id"]]) is not None for row in found)
+    return known
+
+
+def _remembered(rows: list[Any], known: dict[str, tuple[Decision | None, int]], now: float) -> Listed:
+    """The open groups of `rows` (read with `_MEMBERS` and `_COMPLETE`) to remember with what `_decided` found of
+    them (`Listed`): those whose `updated_at` is older than `now` (see `group_statuses`)."""
+    return {
+        group["id"]: (_stamp(group), *known[group["id"]])
+        for group in rows
+        if group["state"] == "open" and group["updated_at"] < now
+    }
 
 
 def _status(group: Any, decision: Decision | None, rewarded: int, settings: CollectorSettings) -> GroupStatus:

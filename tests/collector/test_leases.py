@@ -307,23 +307,22 @@ def test_an_idempotency_key_whose_request_leased_nothing_leases_when_sent_again(
 def test_a_lease_retried_while_its_first_request_still_runs_gets_its_batch(db_url, clock, monkeypatch) -> None:
     """The retry of a lease whose answer timed out can reach another replica while the first request still runs:
     it waits for it (the key's lock) and answers its batch, instead of leasing the groups itself."""
-    from collector import pool
+    from collector import store_reads
     url = db_url()
     if not url.startswith("postgresql"):
         pytest.skip("SQLite has one writer at a time: a retry runs after the first request")
     store, replica = (SqlStore(CollectorSettings(db=url), clock=clock) for _ in range(2))
     store.setup()
     _ready_group(store)
-    decided, retried, answers = pool.decisions, ThreadPoolExecutor(1), []
+    decided, retried, answers = store_reads.open_decisions, ThreadPoolExecutor(1), []
 
-    def decisions_while_a_retry_arrives(conn, settings, open_groups):
-        if open_groups:
-            monkeypatch.setattr(pool, "decisions", decided)
-            answers.append(retried.submit(replica.lease, BatchRequest(idempotency_key="k1")))
-            threading.Event().wait(0.5)  # time for the retry to lease the group itself, were it not held back
-        return decided(conn, settings, open_groups)
+    def decisions_while_a_retry_arrives(*args):
+        monkeypatch.setattr(store_reads, "open_decisions", decided)
+        answers.append(retried.submit(replica.lease, BatchRequest(idempotency_key="k1")))
+        threading.Event().wait(0.5)  # time for the retry to lease the group itself, were it not held back
+        return decided(*args)
 
-    monkeypatch.setattr(pool, "decisions", decisions_while_a_retry_arrives)
+    monkeypatch.setattr(store_reads, "open_decisions", decisions_while_a_retry_arrives)
     first = store.lease(BatchRequest(idempotency_key="k1"))
     again = answers[0].result(timeout=30)
     retried.shutdown()
@@ -388,23 +387,22 @@ def test_a_group_changed_by_another_replica_before_the_lease_locks_it_is_not_lea
 ) -> None:
     """A trajectory without reward joins a ready group after the lease decided it ready but before it locked its
     row: the lease decides again under the lock and leaves the group in the pool."""
-    from collector import pool
+    from collector import store_reads
     url = db_url()
     if not url.startswith("postgresql"):
         pytest.skip("SQLite has one writer at a time: no other store commits inside a lease")
     store, replica = (SqlStore(CollectorSettings(db=url), clock=clock) for _ in range(2))
     store.setup()
     store.add_spans(trajectory(10, "a", reward=1.0, size=None) + trajectory(20, "b", reward=0.0, size=None))
-    decided = pool.decisions
+    decided = store_reads.open_decisions
 
-    def decisions_then_a_commit_elsewhere(conn, settings, open_groups):
-        out = decided(conn, settings, open_groups)
-        if open_groups:
-            monkeypatch.setattr(pool, "decisions", decided)
-            replica.add_spans(trajectory(30, "c", reward=None, size=None))
+    def decisions_then_a_commit_elsewhere(*args):
+        out = decided(*args)
+        monkeypatch.setattr(store_reads, "open_decisions", decided)
+        replica.add_spans(trajectory(30, "c", reward=None, size=None))
         return out
 
-    monkeypatch.setattr(pool, "decisions", decisions_then_a_commit_elsewhere)
+    monkeypatch.setattr(store_reads, "open_decisions", decisions_then_a_commit_elsewhere)
     assert store.lease(BatchRequest()).groups == []
     assert _state(store)[:2] == ("open", "1 trajectories without reward 'reward'")
     store.add_reward(RewardIn(rollout_id="c", value=0.5))
@@ -420,7 +418,7 @@ def test_a_group_the_check_under_the_lock_drops_leaves_the_lease_to_the_next_rea
     """Groups are ready for `min_groups = max_groups = 2`; the oldest gains a trajectory without reward before the
     lease locks it. Deciding again under the lock drops it, and the lease takes the next ready group instead: with
     none left, too few for `min_groups`, it takes none and stores no batch."""
-    from collector import pool
+    from collector import store_reads
     url = db_url()
     if not url.startswith("postgresql"):
         pytest.skip("SQLite has one writer at a time: no other store commits inside a lease")
@@ -429,16 +427,15 @@ def test_a_group_the_check_under_the_lock_drops_leaves_the_lease_to_the_next_rea
     for i, group in enumerate(ready):
         store.add_spans(trajectory(100 * i + 10, f"{group}a", reward=1.0, group=group, size=None)
                         + trajectory(100 * i + 20, f"{group}b", reward=0.0, group=group, size=None))
-    decided = pool.decisions
+    decided = store_reads.open_decisions
 
-    def decisions_then_a_commit_elsewhere(conn, settings, open_groups):
-        out = decided(conn, settings, open_groups)
-        if open_groups:
-            monkeypatch.setattr(pool, "decisions", decided)
-            replica.add_spans(trajectory(900, "g1c", reward=None, group="g1", size=None))
+    def decisions_then_a_commit_elsewhere(*args):
+        out = decided(*args)
+        monkeypatch.setattr(store_reads, "open_decisions", decided)
+        replica.add_spans(trajectory(900, "g1c", reward=None, group="g1", size=None))
         return out
 
-    monkeypatch.setattr(pool, "decisions", decisions_then_a_commit_elsewhere)
+    monkeypatch.setattr(store_reads, "open_decisions", decisions_then_a_commit_elsewhere)
     assert [g.id for g in store.lease(BatchRequest(min_groups=2, max_groups=2)).groups] == leased
     assert len(store.batches()) == (1 if leased else 0)
     assert [_state(store, group)[0] for group in ready] == ["open", *("leased" if leased else "ready"
@@ -682,23 +679,22 @@ def test_a_reward_from_another_replica_before_the_lease_stores_a_skip_keeps_the_
     """A reward that gives a group its spread is committed by another replica after the lease decided the group
     skipped for no spread but before it stored that: the lease decides again under the row lock and leaves it in
     the pool, to be leased next."""
-    from collector import pool
+    from collector import store_reads
     url = db_url()
     if not url.startswith("postgresql"):
         pytest.skip("SQLite has one writer at a time: no other store commits inside a lease")
     store, replica = (SqlStore(CollectorSettings(db=url), clock=clock) for _ in range(2))
     store.setup()
     store.add_spans(trajectory(10, "a", reward=1.0) + trajectory(20, "b", reward=1.0))
-    decided = pool.decisions
+    decided = store_reads.open_decisions
 
-    def decisions_then_a_reward_elsewhere(conn, settings, open_groups):
-        out = decided(conn, settings, open_groups)
-        if open_groups:
-            monkeypatch.setattr(pool, "decisions", decided)
-            replica.add_reward(RewardIn(rollout_id="b", value=0.0))
+    def decisions_then_a_reward_elsewhere(*args):
+        out = decided(*args)
+        monkeypatch.setattr(store_reads, "open_decisions", decided)
+        replica.add_reward(RewardIn(rollout_id="b", value=0.0))
         return out
 
-    monkeypatch.setattr(pool, "decisions", decisions_then_a_reward_elsewhere)
+    monkeypatch.setattr(store_reads, "open_decisions", decisions_then_a_reward_elsewhere)
     assert store.lease(BatchRequest()).groups == []
     assert _state(store) == ("ready", None, 0)
     assert [g.id for g in store.lease(BatchRequest()).groups] == ["g"]
